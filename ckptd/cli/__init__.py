@@ -1,0 +1,1 @@
+"""The ``ckptd`` command line."""

@@ -1,0 +1,207 @@
+"""``ckptd`` command line: serve, ls, show, verify.
+
+Exit codes: 0 success; 1 the thing checked is wrong (corrupt, invalid, not
+found); 2 usage or connection error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Callable
+
+from ckptd_schemas import CkptdError, IntegrityError, NotFound, Unavailable, parse_ref
+
+from .backends import open_backend
+
+__all__ = ["main"]
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--root", help="storage root (directory or fsspec URL); default $CKPTD_ROOT or ./ckptd-data")
+    g.add_argument("--server", help="URL of a running ckptd service (default $CKPTD_URL when set)")
+
+
+def _backend(args: argparse.Namespace):
+    server = args.server or (None if args.root else os.environ.get("CKPTD_URL"))
+    return open_backend(args.root or os.environ.get("CKPTD_ROOT"), server)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from ..service.server import serve
+        from ..service.settings import Settings
+    except ImportError as e:
+        print(f"ckptd serve needs the server extra: pip install 'ckptd[server]' ({e})", file=sys.stderr)
+        return 2
+    overrides = {k: v for k, v in (("root", args.root), ("host", args.host), ("port", args.port),
+                                   ("log_level", args.log_level)) if v is not None}
+    serve(Settings(**overrides))
+    return 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    b = _backend(args)
+    if args.run:
+        rows = b.list_checkpoints(args.run)
+        if args.json:
+            print(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
+            return 0
+        for r in rows:
+            derived = f"  derived from {r.derived_from}" if r.derived_from else ""
+            print(f"{r.run}/{r.name}\tstep={r.step}\t{r.committed_at:%Y-%m-%d %H:%M:%S}{derived}")
+        return 0
+    runs = b.list_runs()
+    if args.json:
+        print(json.dumps([r.model_dump(mode="json") for r in runs], indent=2))
+        return 0
+    for r in runs:
+        print(f"{r.run}\t{r.checkpoints} checkpoints\tlatest={r.latest}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    ref = parse_ref(args.ref)
+    m = _backend(args).manifest(ref.run, ref.name)
+    if args.json:
+        print(m.model_dump_json(indent=2))
+        return 0
+    topo = m.topology
+    print(f"checkpoint {m.ref}  step={m.step}  created={m.created_at:%Y-%m-%d %H:%M:%S}  session={m.session}")
+    if m.derived_from:
+        print(f"derived from {m.derived_from}")
+    print(f"topology   world_size={topo.world_size} mesh={topo.mesh or '-'} layouts={topo.layouts or '-'}")
+    print(f"files      {len(m.files)} ({_human(m.total_bytes)})")
+    groups: dict[str, list[int]] = {}
+    for t in m.tensors:
+        g = groups.setdefault(t.group, [0, 0])
+        g[0] += 1
+        g[1] += sum(c.location.raw_length for c in t.chunks)
+    for g, (n, nbytes) in sorted(groups.items()):
+        print(f"group      {g}: {n} tensors, {_human(nbytes)}")
+    per_rank: dict[int, int] = {}
+    for t in m.tensors:
+        for c in t.chunks:
+            per_rank[c.rank] = per_rank.get(c.rank, 0) + c.location.length
+    if per_rank:
+        mean = sum(per_rank.values()) / topo.world_size
+        peak = max(per_rank.values())
+        print(f"per rank   max {_human(peak)}, mean {_human(mean)}, imbalance {peak / mean - 1 if mean else 0:.1%}")
+    for pg in m.param_groups:
+        hp = ", ".join(f"{k}={v}" for k, v in pg.hyperparams.items() if k in ("lr", "weight_decay", "betas", "eps"))
+        print(f"optimizer  {pg.optimizer or '-'} group {pg.index}: {len(pg.params)} params, {hp}")
+    if args.tensors:
+        for t in m.tensors:
+            print(f"  {t.name}  {t.dtype}{t.shape}  {len(t.chunks)} chunks  {t.placement or ''}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ..store.verify import verify_manifest
+
+    ref = parse_ref(args.ref)
+    b = _backend(args)
+    try:
+        m = b.manifest(ref.run, ref.name)
+    except IntegrityError as e:
+        print(f"FAIL {args.ref}: {e.message}")
+        return 1
+    progress, finish = _progress(m.total_bytes, f"verify {m.ref}", args.json)
+    report = verify_manifest(m, _Source(b, m), progress=progress)
+    finish()
+    if args.json:
+        print(json.dumps({"ref": report.ref, "ok": report.ok, "files": report.files, "tensors": report.tensors,
+                          "chunks": report.chunks, "bytes_read": report.bytes_read, "problems": report.problems}))
+    elif report.ok:
+        print(f"OK {report.ref}: {report.files} files, {report.tensors} tensors, {report.chunks} chunks, "
+              f"{_human(report.bytes_read)} re-read and re-hashed")
+    else:
+        print(f"FAIL {report.ref}: {len(report.problems)} problems")
+        for p in report.problems[:50]:
+            print(f"  - {p}")
+    return 0 if report.ok else 1
+
+
+class _Source:
+    def __init__(self, backend, manifest) -> None:
+        self.backend, self.manifest = backend, manifest
+
+    def read(self, file: str, start: int, end: int) -> bytes:
+        return self.backend.read(self.manifest, file, start, end)
+
+
+def _progress(total: int, label: str, quiet: bool) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
+    if quiet or not sys.stderr.isatty():
+        return None, lambda: None
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                   TransferSpeedColumn(), transient=True)
+    bar.start()
+    task = bar.add_task(label, total=total)
+    return (lambda n: bar.advance(task, n)), bar.stop
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckptd", description="Distributed checkpoint and reshard service.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the HTTP service")
+    s.add_argument("--root", help="storage root (default ./ckptd-data or $CKPTD_ROOT)")
+    s.add_argument("--host", help="address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="port (default 8470)")
+    s.add_argument("--log-level", help="debug, info, warning")
+    s.set_defaults(func=cmd_serve)
+
+    s = sub.add_parser("ls", help="list runs, or the committed checkpoints of RUN")
+    s.add_argument("run", nargs="?")
+    s.add_argument("--json", action="store_true")
+    _add_target(s)
+    s.set_defaults(func=cmd_ls)
+
+    s = sub.add_parser("show", help="describe a checkpoint (RUN/NAME or RUN/latest)")
+    s.add_argument("ref")
+    s.add_argument("--json", action="store_true", help="print the manifest")
+    s.add_argument("--tensors", action="store_true", help="list every tensor")
+    _add_target(s)
+    s.set_defaults(func=cmd_show)
+
+    s = sub.add_parser("verify", help="re-read and check every byte of a checkpoint (exit 1 if bad)")
+    s.add_argument("ref")
+    s.add_argument("--json", action="store_true")
+    _add_target(s)
+    s.set_defaults(func=cmd_verify)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0) if e.code in (0, None) else 2
+    try:
+        return int(args.func(args) or 0)
+    except (NotFound, IntegrityError) as e:
+        print(f"ckptd: {e.message}", file=sys.stderr)
+        return 1
+    except (Unavailable, CkptdError) as e:
+        print(f"ckptd: {e.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

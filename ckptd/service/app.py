@@ -1,0 +1,232 @@
+"""The FastAPI application: thin handlers over the store core (``ckptd.store``).
+
+Routes (all under ``/v1`` except probes)::
+
+    POST   /v1/checkpoints/{run}/{name}/sessions                  open or join an upload session
+    PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}  stream a data file (X-Ckptd-Xxh3)
+    PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/ranks/{r}  a rank's index; the last one commits
+    GET    /v1/checkpoints/{run}/{name}/sessions/{sid}?wait=S     session status (long poll)
+    DELETE /v1/checkpoints/{run}/{name}/sessions/{sid}            abort
+    GET    /v1/runs                                               runs
+    GET    /v1/runs/{run}/checkpoints                             committed checkpoints of a run
+    GET    /v1/checkpoints/{run}/{name}                           manifest ({name} may be "latest")
+    POST   /v1/checkpoints/{run}/{name}/read-plan                 byte ranges that fill given regions
+    GET    /v1/checkpoints/{run}/{name}/files/{file}              file bytes (Range supported)
+    GET    /healthz, /readyz
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Header, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
+
+from ckptd_schemas import (
+    CheckpointSummary, InvalidRequest, Manifest, OpenSession, PayloadTooLarge, RankIndex, ReadPlan,
+    ReadRequest, RunSummary, SessionInfo, SessionStatus, UploadResult, check_file, plan_reads,
+)
+
+from .. import __version__
+from ..storage import Storage, open_storage
+from ..store import CheckpointReader, SessionStore
+from ..store.faults import crash_point
+from .errors import install_error_handlers
+from .settings import Settings
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("ckptd.service")
+STREAM_PIECE = 8 << 20
+
+
+class ReadPlanBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    requests: list[ReadRequest]
+
+
+def _parse_range(header: str | None, size: int) -> tuple[int, int]:
+    if not header:
+        return 0, size
+    try:
+        unit, spec = header.split("=", 1)
+        first, last = spec.split("-", 1)
+        if unit.strip() != "bytes" or "," in spec:
+            raise ValueError
+        if first == "":
+            n = int(last)
+            start, end = max(size - n, 0), size
+        else:
+            start = int(first)
+            end = min(int(last) + 1, size) if last else size
+    except ValueError:
+        raise InvalidRequest(f"unsupported Range header {header!r}: expected bytes=START-END") from None
+    if start < 0 or start > end or start >= size and size > 0:
+        raise InvalidRequest(f"Range {header!r} outside a file of {size} bytes", size=size)
+    return start, end
+
+
+async def _read_body_limited(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and int(declared) > limit:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit}", limit=limit)
+    buf = bytearray()
+    async for piece in request.stream():
+        buf += piece
+        if len(buf) > limit:
+            raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes", limit=limit)
+    return bytes(buf)
+
+
+def create_app(settings: Settings | None = None, storage: Storage | None = None) -> FastAPI:
+    settings = settings or Settings()
+    storage = storage or open_storage(settings.root)
+    sessions = SessionStore(storage)
+    reader = CheckpointReader(storage)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async def reclaim_loop() -> None:
+            while True:
+                try:
+                    await run_in_threadpool(sessions.reclaim_stale, settings.stale_session_ttl)
+                except Exception:  # noqa: BLE001 - a failed sweep must not stop the service
+                    log.exception("stale-session sweep failed")
+                await asyncio.sleep(settings.reclaim_interval)
+
+        task = asyncio.create_task(reclaim_loop())
+        log.info("ckptd %s serving storage %s", __version__, storage.url)
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(title="ckptd", version=__version__, lifespan=lifespan,
+                  description="Distributed checkpoint and reshard service for sharded PyTorch training.")
+    app.state.settings, app.state.storage = settings, storage
+    install_error_handlers(app)
+
+    @app.get("/healthz", tags=["probes"])
+    async def healthz() -> dict:
+        return {"status": "ok", "version": __version__}
+
+    @app.get("/readyz", tags=["probes"])
+    async def readyz() -> dict:
+        await run_in_threadpool(storage.list, "runs")
+        return {"status": "ready", "storage": storage.url}
+
+    # -- uploads ---------------------------------------------------------------
+    @app.post("/v1/checkpoints/{run}/{name}/sessions", response_model=SessionInfo, tags=["upload"])
+    async def open_session(run: str, name: str, body: OpenSession) -> SessionInfo:
+        return await run_in_threadpool(sessions.open, run, name, body)
+
+    @app.put("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}", response_model=UploadResult,
+             tags=["upload"])
+    async def upload_file(request: Request, run: str, name: str, sid: str, file: str,
+                          x_ckptd_xxh3: str = Header(..., pattern=r"^[0-9a-fA-F]{16}$")) -> UploadResult:
+        sink = await run_in_threadpool(sessions.begin_file, run, name, sid, file)
+        batch_limit = settings.write_batch_bytes
+        pending: asyncio.Future | None = None
+        buf = bytearray()
+        try:
+            async for piece in request.stream():
+                buf += piece
+                if len(buf) >= batch_limit:
+                    if pending is not None:
+                        await pending
+                    data, buf = bytes(buf), bytearray()
+                    pending = asyncio.ensure_future(run_in_threadpool(sink.write, data))
+                    crash_point("upload-mid-stream")
+            if pending is not None:
+                await pending
+            if buf:
+                await run_in_threadpool(sink.write, bytes(buf))
+            declared = request.headers.get("content-length")
+            if declared is not None and int(declared) != sink.size:
+                raise InvalidRequest(f"file {file!r}: received {sink.size} of {declared} bytes", file=file)
+            return await run_in_threadpool(sink.finish, x_ckptd_xxh3)
+        except BaseException:
+            if pending is not None and not pending.done():
+                with contextlib.suppress(BaseException):
+                    await pending
+            await run_in_threadpool(sink.abort)
+            raise
+
+    @app.put("/v1/checkpoints/{run}/{name}/sessions/{sid}/ranks/{rank}", response_model=SessionStatus,
+             tags=["upload"])
+    async def put_index(request: Request, run: str, name: str, sid: str, rank: int) -> SessionStatus:
+        raw = await _read_body_limited(request, settings.max_index_bytes)
+        index = RankIndex.model_validate_json(raw)
+        if index.rank != rank:
+            raise InvalidRequest(f"index body is for rank {index.rank}, URL says rank {rank}", rank=rank)
+        return await run_in_threadpool(sessions.put_index, run, name, sid, index)
+
+    @app.get("/v1/checkpoints/{run}/{name}/sessions/{sid}", response_model=SessionStatus, tags=["upload"])
+    async def session_status(run: str, name: str, sid: str,
+                             wait: float = Query(0.0, ge=0.0, le=60.0)) -> SessionStatus:
+        deadline = time.monotonic() + wait
+        while True:
+            st = await run_in_threadpool(sessions.status, run, name, sid)
+            if st.state != "open" or time.monotonic() >= deadline:
+                return st
+            await asyncio.sleep(0.1)
+
+    @app.delete("/v1/checkpoints/{run}/{name}/sessions/{sid}", status_code=204, tags=["upload"])
+    async def abort_session(run: str, name: str, sid: str) -> Response:
+        await run_in_threadpool(sessions.abort, run, name, sid)
+        return Response(status_code=204)
+
+    # -- reads -----------------------------------------------------------------
+    @app.get("/v1/runs", response_model=list[RunSummary], tags=["read"])
+    async def list_runs() -> list[RunSummary]:
+        return await run_in_threadpool(reader.list_runs)
+
+    @app.get("/v1/runs/{run}/checkpoints", response_model=list[CheckpointSummary], tags=["read"])
+    async def list_checkpoints(run: str) -> list[CheckpointSummary]:
+        return await run_in_threadpool(reader.list_checkpoints, run)
+
+    @app.get("/v1/checkpoints/{run}/{name}", response_model=Manifest, tags=["read"])
+    async def get_manifest(run: str, name: str) -> Response:
+        manifest = await run_in_threadpool(reader.manifest, run, name)
+        raw = await run_in_threadpool(reader.manifest_bytes, run, manifest.name)
+        return Response(raw, media_type="application/json", headers={"X-Ckptd-Name": manifest.name})
+
+    @app.post("/v1/checkpoints/{run}/{name}/read-plan", response_model=ReadPlan, tags=["read"])
+    async def read_plan(request: Request, run: str, name: str) -> ReadPlan:
+        raw = await _read_body_limited(request, settings.max_index_bytes)
+        body = ReadPlanBody.model_validate_json(raw)
+        manifest = await run_in_threadpool(reader.manifest, run, name)
+        return await run_in_threadpool(plan_reads, manifest, body.requests)
+
+    @app.get("/v1/checkpoints/{run}/{name}/files/{file}", tags=["read"],
+             responses={206: {"description": "partial content"}})
+    async def get_file(run: str, name: str, file: str, range: str | None = Header(None)) -> Response:
+        check_file(file)
+        key, size = await run_in_threadpool(reader.file_key, run, name, file)
+        start, end = _parse_range(range, size)
+        headers = {"Accept-Ranges": "bytes", "Content-Length": str(end - start)}
+        status = 200
+        if range:
+            status = 206
+            headers["Content-Range"] = f"bytes {start}-{max(end - 1, start)}/{size}"
+        if end - start <= STREAM_PIECE:
+            data = await run_in_threadpool(storage.read, key, start, end)
+            return Response(data, status_code=status, headers=headers, media_type="application/octet-stream")
+
+        async def pieces() -> AsyncIterator[bytes]:
+            pos = start
+            while pos < end:
+                nxt = min(pos + STREAM_PIECE, end)
+                yield await run_in_threadpool(storage.read, key, pos, nxt)
+                pos = nxt
+
+        return StreamingResponse(pieces(), status_code=status, headers=headers,
+                                 media_type="application/octet-stream")
+
+    return app

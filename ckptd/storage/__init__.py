@@ -1,0 +1,17 @@
+"""Storage backends behind one interface (:class:`Storage`)."""
+
+from __future__ import annotations
+
+from .base import Storage, Writer, check_key
+from .local import LocalStorage
+
+__all__ = ["LocalStorage", "Storage", "Writer", "check_key", "open_storage"]
+
+
+def open_storage(root: str, **options: object) -> Storage:
+    """A plain path opens :class:`LocalStorage`; any ``scheme://`` URL opens fsspec."""
+    if "://" in root:
+        from .fsspec import FsspecStorage
+
+        return FsspecStorage(root, **options)
+    return LocalStorage(root, **options)  # type: ignore[arg-type]

@@ -1,0 +1,129 @@
+"""The storage interface: a few primitives, everything else derived.
+
+Keys are ``/``-separated paths relative to the storage root. Primitives:
+
+* :meth:`Storage.open_write` -> a :class:`Writer` whose bytes become visible at
+  the key, whole and durable, only on :meth:`Writer.commit` (temp file +
+  rename + fsync locally; single PUT or multipart completion on object
+  stores); :meth:`Writer.abort` leaves nothing behind.
+* :meth:`Storage.read` a byte range; :meth:`Storage.size` (None if absent).
+* :meth:`Storage.list` the immediate children of a prefix.
+* :meth:`Storage.create_if_absent` writes a small object exactly once (first
+  writer wins): the commit marker's primitive.
+* :meth:`Storage.delete` and :meth:`Storage.delete_tree`.
+
+Errors from the backend surface as :class:`ckptd_schemas.StorageError`
+naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from typing import Any, Iterable
+
+from ckptd_schemas import InvalidName, StorageError
+
+__all__ = ["Storage", "Writer", "check_key"]
+
+
+def check_key(key: str) -> str:
+    """Refuse keys that could leave the root (defence in depth under name validation)."""
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\x00" in key or "\\" in key:
+        raise InvalidName(f"unsafe storage key {key!r}", field="key", value=key[:200])
+    return key
+
+
+class Writer(ABC):
+    """A pending object: bytes appear at the key only on ``commit``."""
+
+    @abstractmethod
+    def write(self, data: bytes | memoryview) -> None: ...
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make the object durable and visible (replacing any previous one)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop what was written; never raises for an already-closed writer."""
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class Storage(ABC):
+    """Minimal storage interface; see the module docstring for the contract."""
+
+    url: str
+
+    # -- primitives ---------------------------------------------------------
+    @abstractmethod
+    def open_write(self, key: str) -> Writer: ...
+
+    @abstractmethod
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes: ...
+
+    @abstractmethod
+    def size(self, key: str) -> int | None: ...
+
+    @abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Sorted names of the immediate children (files and folders) of ``prefix``; [] if none."""
+
+    @abstractmethod
+    def create_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` with ``data`` unless it exists; True when this call created it."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete one object; absent is fine."""
+
+    @abstractmethod
+    def delete_tree(self, prefix: str) -> None:
+        """Delete everything under ``prefix``; absent is fine."""
+
+    # -- derived ------------------------------------------------------------
+    def put(self, key: str, data: bytes) -> None:
+        w = self.open_write(key)
+        try:
+            w.write(data)
+        except BaseException:
+            w.abort()
+            raise
+        w.commit()
+
+    def put_stream(self, key: str, chunks: Iterable[bytes]) -> int:
+        n = 0
+        w = self.open_write(key)
+        try:
+            for c in chunks:
+                w.write(c)
+                n += len(c)
+        except BaseException:
+            w.abort()
+            raise
+        w.commit()
+        return n
+
+    def exists(self, key: str) -> bool:
+        return self.size(key) is not None
+
+    def read_json(self, key: str) -> Any:
+        try:
+            return json.loads(self.read(key))
+        except json.JSONDecodeError as e:
+            raise StorageError(f"{self.url}/{key} is not valid JSON: {e}", key=key) from e
+
+    def read_json_or_none(self, key: str) -> Any:
+        return self.read_json(key) if self.exists(key) else None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

@@ -1,0 +1,152 @@
+"""Storage on any fsspec filesystem (``file://``, ``memory://``; ``s3://`` via s3fs).
+
+Object stores (no rename) write the object in place: it becomes visible only
+when the upload completes (single PUT or multipart completion), which is the
+writer's commit. Filesystems with rename use a temporary key and ``mv``.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from ckptd_schemas import StorageError
+
+from .base import Storage, Writer, check_key
+from .local import LocalStorage
+
+__all__ = ["FsspecStorage"]
+
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "memory"}
+
+
+def _wrap(op: str, key: str, e: Exception) -> StorageError:
+    return StorageError(f"storage {op} of {key!r} failed: {type(e).__name__}: {e}", key=key)
+
+
+class _FsspecWriter(Writer):
+    def __init__(self, fs: Any, final: str, key: str, in_place: bool) -> None:
+        self._fs, self._final, self._key = fs, final, key
+        self._path = final if in_place else f"{final}.tmp-{uuid.uuid4().hex[:12]}"
+        self._in_place = in_place
+        self._closed = False
+        try:
+            parent = final.rsplit("/", 1)[0]
+            if not in_place:
+                fs.makedirs(parent, exist_ok=True)
+            self._f = fs.open(self._path, "wb")
+        except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
+            raise _wrap("open", key, e) from e
+
+    def write(self, data: bytes | memoryview) -> None:
+        try:
+            self._f.write(data)
+        except Exception as e:  # noqa: BLE001
+            self.abort()
+            raise _wrap("write", self._key, e) from e
+
+    def commit(self) -> None:
+        try:
+            self._f.close()
+            self._closed = True
+            if not self._in_place:
+                self._fs.mv(self._path, self._final)
+        except Exception as e:  # noqa: BLE001
+            self.abort()
+            raise _wrap("commit", self._key, e) from e
+
+    def abort(self) -> None:
+        if not self._closed:
+            self._closed = True
+            discard = getattr(self._f, "discard", None)
+            try:
+                discard() if discard is not None and self._in_place else self._f.close()
+            except Exception:  # noqa: BLE001
+                pass
+        if not self._in_place:
+            try:
+                self._fs.rm(self._path)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class FsspecStorage(Storage):
+    """Storage rooted at an fsspec URL such as ``memory://ckpt`` or ``s3://bucket/prefix``."""
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        self.url = url.rstrip("/")
+        self.fs, root = fsspec.url_to_fs(self.url, **storage_options)
+        self.root = root.rstrip("/")
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        self._in_place = protocol in _OBJECT_STORES
+        self._local = LocalStorage(self.root) if isinstance(self.fs, LocalFileSystem) else None
+        self._create_lock = threading.Lock()
+        if not self._in_place:
+            self.fs.makedirs(self.root, exist_ok=True)
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{check_key(key)}" if key else self.root
+
+    def open_write(self, key: str) -> Writer:
+        return _FsspecWriter(self.fs, self._path(key), key, self._in_place)
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        try:
+            return self.fs.cat_file(self._path(key), start=start, end=end)
+        except FileNotFoundError as e:
+            raise StorageError(f"storage object {key!r} does not exist", key=key) from e
+        except Exception as e:  # noqa: BLE001
+            raise _wrap("read", key, e) from e
+
+    def size(self, key: str) -> int | None:
+        try:
+            info = self.fs.info(self._path(key))
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001
+            raise _wrap("stat", key, e) from e
+        return int(info.get("size") or 0) if info.get("type") != "directory" else 0
+
+    def list(self, prefix: str) -> list[str]:
+        path = self._path(prefix)
+        try:
+            entries = self.fs.ls(path, detail=False, refresh=True) if self.fs.exists(path) else []
+        except FileNotFoundError:
+            return []
+        except Exception as e:  # noqa: BLE001
+            raise _wrap("list", prefix, e) from e
+        names = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
+        return sorted(n for n in names if n and not n.startswith(".") and ".tmp-" not in n)
+
+    def create_if_absent(self, key: str, data: bytes) -> bool:
+        if self._local is not None:
+            return self._local.create_if_absent(key, data)
+        # Backends without a native conditional create: exactly-once within this
+        # process only. (S3 uses a conditional PUT: see the s3 storage issue.)
+        with self._create_lock:
+            if self.size(key) is not None:
+                return False
+            self.put(key, data)
+            return True
+
+    def delete(self, key: str) -> None:
+        try:
+            self.fs.rm_file(self._path(key))
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            raise _wrap("delete", key, e) from e
+
+    def delete_tree(self, prefix: str) -> None:
+        path = self._path(prefix)
+        try:
+            if self.fs.exists(path):
+                self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            raise _wrap("delete", prefix, e) from e

@@ -1,0 +1,173 @@
+"""Local-filesystem storage: temp file + fsync + rename, fsync of directories."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from ckptd_schemas import StorageError
+
+from .base import Storage, Writer, check_key
+
+__all__ = ["LocalStorage"]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _storage_error(op: str, key: str, e: OSError) -> StorageError:
+    reason = "disk full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    return StorageError(f"storage {op} of {key!r} failed: {reason}", key=key, errno=e.errno)
+
+
+class _LocalWriter(Writer):
+    def __init__(self, final: Path, key: str, durable: bool) -> None:
+        self._final = final
+        self._key = key
+        self._durable = durable
+        self._tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self._tmp, "wb", buffering=0)
+        except OSError as e:
+            raise _storage_error("open", key, e) from e
+
+    def write(self, data: bytes | memoryview) -> None:
+        try:
+            view = memoryview(data)
+            while view:
+                n = self._f.write(view)
+                view = view[n:]
+        except OSError as e:
+            self.abort()
+            raise _storage_error("write", self._key, e) from e
+
+    def commit(self) -> None:
+        try:
+            if self._durable:
+                os.fsync(self._f.fileno())
+            self._f.close()
+            os.replace(self._tmp, self._final)
+            if self._durable:
+                _fsync_dir(self._final.parent)
+        except OSError as e:
+            self.abort()
+            raise _storage_error("commit", self._key, e) from e
+
+    def abort(self) -> None:
+        try:
+            self._f.close()
+        except OSError:
+            pass
+        try:
+            self._tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+class LocalStorage(Storage):
+    """A directory on a local (POSIX) filesystem.
+
+    ``durable=False`` skips fsync; only for tests and benchmarks that say so.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
+        self.root = Path(root).resolve()
+        self.url = str(self.root)
+        self.durable = durable
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*check_key(key).split("/"))
+
+    def open_write(self, key: str) -> Writer:
+        return _LocalWriter(self._path(key), key, self.durable)
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                if start:
+                    f.seek(start)
+                if end is None:
+                    return f.read()
+                want = end - start
+                buf = bytearray(want)
+                view = memoryview(buf)
+                got = 0
+                while got < want:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+                return bytes(buf) if got == want else bytes(buf[:got])
+        except FileNotFoundError as e:
+            raise StorageError(f"storage object {key!r} does not exist", key=key, errno=errno.ENOENT) from e
+        except OSError as e:
+            raise _storage_error("read", key, e) from e
+
+    def size(self, key: str) -> int | None:
+        try:
+            st = self._path(key).stat()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise _storage_error("stat", key, e) from e
+        return st.st_size if not os.path.isdir(self._path(key)) else 0
+
+    def list(self, prefix: str) -> list[str]:
+        path = self._path(prefix) if prefix else self.root
+        try:
+            return sorted(n for n in os.listdir(path) if not n.startswith("."))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as e:
+            raise _storage_error("list", prefix, e) from e
+
+    def create_if_absent(self, key: str, data: bytes) -> bool:
+        final = self._path(key)
+        tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                if self.durable:
+                    os.fsync(f.fileno())
+            try:
+                os.link(tmp, final)  # atomic, fails if the key exists: first writer wins
+                created = True
+            except FileExistsError:
+                created = False
+            if created and self.durable:
+                _fsync_dir(final.parent)
+            return created
+        except OSError as e:
+            raise _storage_error("create", key, e) from e
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as e:
+            raise _storage_error("delete", key, e) from e
+
+    def delete_tree(self, prefix: str) -> None:
+        path = self._path(prefix)
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            pass
+        except NotADirectoryError:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            raise _storage_error("delete", prefix, e) from e

@@ -1,0 +1,105 @@
+"""Where things live under the storage root, and the commit marker.
+
+::
+
+    runs/<run>/<name>/COMMITTED                         marker: names session + manifest digest
+    runs/<run>/<name>/sessions/<sid>/SESSION.json       upload session (open-or-join, create-if-absent)
+    runs/<run>/<name>/sessions/<sid>/files/<file>       data streamed by ranks (staging)
+    runs/<run>/<name>/sessions/<sid>/digests/<file>     size, XXH3 and block digests of a verified file
+    runs/<run>/<name>/sessions/<sid>/ranks/<rank>.json  a rank's index: its chunks; written last
+    runs/<run>/<name>/sessions/<sid>/manifest-<xxh3>.json
+    runs/<run>/<name>/sessions/<sid>/FAILED.json        why the commit was refused
+
+A session directory is the staging area of one save attempt: nothing outside
+it changes until the marker is created. The marker is created exactly once
+(first writer wins) and names the manifest by digest, so a checkpoint is
+visible iff its marker exists and matches its manifest (DESIGN §2); the same
+rule holds on local disks and on object stores, with no rename. Session
+directories that no marker names are reclaimed after a TTL.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["Marker", "SessionMeta", "Paths"]
+
+RUNS = "runs"
+
+
+class Marker(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    session: str
+    manifest: str
+    manifest_xxh3: str
+    step: int | None
+    derived_from: str | None
+    committed_at: datetime
+
+
+class SessionMeta(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    session: str
+    world_size: int
+    step: int | None
+    created_at: datetime
+
+
+class Paths:
+    """Key builders; arguments must already be validated names."""
+
+    @staticmethod
+    def runs() -> str:
+        return RUNS
+
+    @staticmethod
+    def run(run: str) -> str:
+        return f"{RUNS}/{run}"
+
+    @staticmethod
+    def ckpt(run: str, name: str) -> str:
+        return f"{RUNS}/{run}/{name}"
+
+    @staticmethod
+    def marker(run: str, name: str) -> str:
+        return f"{RUNS}/{run}/{name}/COMMITTED"
+
+    @staticmethod
+    def sessions(run: str, name: str) -> str:
+        return f"{RUNS}/{run}/{name}/sessions"
+
+    @staticmethod
+    def session(run: str, name: str, sid: str) -> str:
+        return f"{RUNS}/{run}/{name}/sessions/{sid}"
+
+    @classmethod
+    def session_meta(cls, run: str, name: str, sid: str) -> str:
+        return f"{cls.session(run, name, sid)}/SESSION.json"
+
+    @classmethod
+    def file(cls, run: str, name: str, sid: str, file: str) -> str:
+        return f"{cls.session(run, name, sid)}/files/{file}"
+
+    @classmethod
+    def digest(cls, run: str, name: str, sid: str, file: str) -> str:
+        return f"{cls.session(run, name, sid)}/digests/{file}"
+
+    @classmethod
+    def ranks(cls, run: str, name: str, sid: str) -> str:
+        return f"{cls.session(run, name, sid)}/ranks"
+
+    @classmethod
+    def rank_index(cls, run: str, name: str, sid: str, rank: int) -> str:
+        return f"{cls.ranks(run, name, sid)}/{rank:07d}.json"
+
+    @classmethod
+    def manifest(cls, run: str, name: str, sid: str, digest: str) -> str:
+        return f"{cls.session(run, name, sid)}/manifest-{digest}.json"
+
+    @classmethod
+    def failed(cls, run: str, name: str, sid: str) -> str:
+        return f"{cls.session(run, name, sid)}/FAILED.json"

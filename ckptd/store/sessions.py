@@ -1,0 +1,288 @@
+"""Write side of the store: upload sessions and the commit (DESIGN §2).
+
+Call order for one save attempt (each step idempotent, any replica may serve it):
+
+1. :meth:`SessionStore.open` - every rank, same session id: open-or-join.
+2. :meth:`SessionStore.begin_file` -> :class:`FileSink` - per data file: bytes are
+   hashed while they stream; ``finish(declared)`` refuses a digest mismatch
+   and drops the partial file.
+3. :meth:`SessionStore.put_index` - per rank, after its files: stores the
+   rank's chunk index; the call that completes the set commits.
+4. :meth:`SessionStore.commit` - merge + validate -> manifest (durable) ->
+   ``COMMITTED`` created once. Re-entrant: a crash anywhere before the marker
+   leaves the session invisible, and any later ``put_index`` or ``status``
+   call finishes the job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from datetime import datetime, timezone
+
+from pydantic import ValidationError
+
+from ckptd_schemas import (
+    AlreadyCommitted, ChecksumMismatch, CkptdError, CommitFailed, Conflict, FileEntry, InvalidIndex,
+    OpenSession, RankIndex, SessionConflict, SessionInfo, SessionNotFound, SessionStatus, UploadResult,
+    check_file, check_name, check_run, check_session,
+)
+
+from ..storage import Storage, Writer
+from .faults import crash_point
+from .hashing import BLOCK_SIZE, StreamDigest, xxh3_hex
+from .layout import Marker, Paths, SessionMeta
+from .merge import merge_indexes
+
+__all__ = ["FileSink", "SessionStore"]
+
+log = logging.getLogger("ckptd.store")
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class FileSink:
+    """One data file being received: hash while writing, commit only if the digest matches."""
+
+    def __init__(self, storage: Storage, key: str, digest_key: str, file: str, block_size: int) -> None:
+        self._storage = storage
+        self._digest_key = digest_key
+        self.file = file
+        self._digest = StreamDigest(block_size)
+        self._writer: Writer = storage.open_write(key)
+        self._done = False
+
+    @property
+    def size(self) -> int:
+        return self._digest.size
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._digest.update(data)
+        self._writer.write(data)
+
+    def finish(self, declared_xxh3: str | None) -> UploadResult:
+        digest, blocks = self._digest.finish()
+        if declared_xxh3 is not None and declared_xxh3.lower() != digest:
+            self.abort()
+            raise ChecksumMismatch(
+                f"file {self.file!r}: received {self._digest.size} bytes with XXH3 {digest}, "
+                f"client declared {declared_xxh3}; the partial file was dropped",
+                file=self.file, declared=declared_xxh3, actual=digest, size=self._digest.size)
+        self._writer.commit()
+        self._done = True
+        crash_point("upload-before-digest")
+        entry = FileEntry(size=self._digest.size, xxh3=digest, block_size=self._digest.block_size, blocks=blocks)
+        self._storage.put(self._digest_key, entry.model_dump_json().encode())
+        return UploadResult(file=self.file, size=entry.size, xxh3=digest)
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._writer.abort()
+
+
+class SessionStore:
+    """Upload sessions and commits over one :class:`Storage`."""
+
+    def __init__(self, storage: Storage, *, block_size: int = BLOCK_SIZE) -> None:
+        self.storage = storage
+        self.block_size = block_size
+
+    # -- helpers ---------------------------------------------------------------
+    def _marker(self, run: str, name: str) -> Marker | None:
+        data = self.storage.read_json_or_none(Paths.marker(run, name))
+        return Marker.model_validate(data) if data is not None else None
+
+    def _meta(self, run: str, name: str, sid: str) -> SessionMeta:
+        data = self.storage.read_json_or_none(Paths.session_meta(run, name, sid))
+        if data is None:
+            raise SessionNotFound(f"no upload session {sid!r} for {run}/{name} (aborted, reclaimed or never opened)",
+                                  ref=f"{run}/{name}", session=sid)
+        return SessionMeta.model_validate(data)
+
+    def _check_writable(self, run: str, name: str, sid: str) -> SessionMeta:
+        meta = self._meta(run, name, sid)
+        m = self._marker(run, name)
+        if m is not None:
+            raise AlreadyCommitted(
+                f"checkpoint {run}/{name} is already committed (session {m.session}); committed checkpoints "
+                f"are immutable", ref=f"{run}/{name}", session=m.session)
+        failed = self.storage.read_json_or_none(Paths.failed(run, name, sid))
+        if failed is not None:
+            raise SessionConflict(
+                f"session {sid} of {run}/{name} was refused at commit ({failed['error']['message']}); "
+                f"save again with a new session", ref=f"{run}/{name}", session=sid)
+        return meta
+
+    # -- 1. open ---------------------------------------------------------------
+    def open(self, run: str, name: str, req: OpenSession) -> SessionInfo:
+        check_run(run), check_name(name), check_session(req.session)
+        m = self._marker(run, name)
+        if m is not None:
+            raise AlreadyCommitted(
+                f"checkpoint {run}/{name} is already committed; committed checkpoints are immutable "
+                f"(save under a new name)", ref=f"{run}/{name}", session=m.session)
+        meta = SessionMeta(session=req.session, world_size=req.world_size, step=req.step, created_at=_now())
+        key = Paths.session_meta(run, name, req.session)
+        if not self.storage.create_if_absent(key, meta.model_dump_json().encode()):
+            meta = self._meta(run, name, req.session)
+            if meta.world_size != req.world_size or meta.step != req.step:
+                raise SessionConflict(
+                    f"session {req.session} of {run}/{name} was opened with world size {meta.world_size} "
+                    f"and step {meta.step}; this request says world size {req.world_size} and step {req.step}",
+                    ref=f"{run}/{name}", session=req.session)
+        return SessionInfo(run=run, name=name, session=meta.session, world_size=meta.world_size,
+                           step=meta.step, created_at=meta.created_at)
+
+    # -- 2. data files ---------------------------------------------------------------
+    def begin_file(self, run: str, name: str, sid: str, file: str) -> FileSink:
+        check_run(run), check_name(name), check_session(sid), check_file(file)
+        self._check_writable(run, name, sid)
+        return FileSink(self.storage, Paths.file(run, name, sid, file), Paths.digest(run, name, sid, file),
+                        file, self.block_size)
+
+    def _file_entry(self, run: str, name: str, sid: str, file: str) -> FileEntry | None:
+        data = self.storage.read_json_or_none(Paths.digest(run, name, sid, file))
+        return FileEntry.model_validate(data) if data is not None else None
+
+    # -- 3. rank index -----------------------------------------------------------------
+    def put_index(self, run: str, name: str, sid: str, index: RankIndex) -> SessionStatus:
+        check_run(run), check_name(name), check_session(sid)
+        meta = self._check_writable(run, name, sid)
+        if index.world_size != meta.world_size or index.rank >= meta.world_size:
+            raise InvalidIndex(
+                f"rank {index.rank}: index says world size {index.world_size}, session {sid} has "
+                f"{meta.world_size}", rank=index.rank)
+        sizes: dict[str, int] = {}
+        for f in index.files:
+            check_file(f)
+            entry = self._file_entry(run, name, sid, f)
+            if entry is None:
+                raise InvalidIndex(f"rank {index.rank}: file {f!r} was not uploaded (or its upload failed)",
+                                   rank=index.rank, file=f)
+            sizes[f] = entry.size
+        locs = [(f"tensor {t.name!r}", c.location) for t in index.tensors for c in t.chunks]
+        locs += [(f"object {o.name!r}", o.location) for o in index.objects if o.location is not None]
+        for what, loc in locs:
+            if loc.file not in sizes:
+                raise InvalidIndex(f"rank {index.rank}: {what} points at file {loc.file!r}, not among its files",
+                                   rank=index.rank, file=loc.file)
+            if loc.offset + loc.length > sizes[loc.file]:
+                raise InvalidIndex(
+                    f"rank {index.rank}: {what} bytes [{loc.offset}, {loc.offset + loc.length}) exceed file "
+                    f"{loc.file!r} of {sizes[loc.file]} bytes", rank=index.rank, file=loc.file)
+        self.storage.put(Paths.rank_index(run, name, sid, index.rank), index.model_dump_json().encode())
+        crash_point("index-written")
+        return self.status(run, name, sid, raise_on_failure=True)
+
+    # -- status / commit ---------------------------------------------------------------
+    def ranks_done(self, run: str, name: str, sid: str) -> list[int]:
+        return sorted(int(n.split(".")[0]) for n in self.storage.list(Paths.ranks(run, name, sid))
+                      if n.endswith(".json") and n.split(".")[0].isdigit())
+
+    def status(self, run: str, name: str, sid: str, *, raise_on_failure: bool = False) -> SessionStatus:
+        """Where the session stands; commits it when complete (so retries after a crash finish it)."""
+        check_run(run), check_name(name), check_session(sid)
+        m = self._marker(run, name)
+        if m is not None and m.session == sid:
+            meta = self._meta_or_none(run, name, sid)
+            return SessionStatus(run=run, name=name, session=sid, state="committed",
+                                 world_size=meta.world_size if meta else 0, ranks_done=[],
+                                 manifest_xxh3=m.manifest_xxh3)
+        meta = self._meta(run, name, sid)
+        done = self.ranks_done(run, name, sid)
+        base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=done)
+        if m is not None:
+            err = Conflict(f"{run}/{name} was committed by another session ({m.session})", session=m.session)
+            if raise_on_failure:
+                raise err
+            return SessionStatus(state="failed", error=err.to_body()["error"], **base)
+        failed = self.storage.read_json_or_none(Paths.failed(run, name, sid))
+        if failed is None and len(done) >= meta.world_size:
+            try:
+                digest = self.commit(run, name, sid, meta)
+                return SessionStatus(state="committed", manifest_xxh3=digest, **base)
+            except CkptdError as e:
+                if raise_on_failure:
+                    raise
+                failed = e.to_body()
+        if failed is not None:
+            if raise_on_failure:
+                raise CommitFailed(failed["error"]["message"], **failed["error"].get("details", {}))
+            return SessionStatus(state="failed", error=failed["error"], **base)
+        return SessionStatus(state="open", **base)
+
+    def _meta_or_none(self, run: str, name: str, sid: str) -> SessionMeta | None:
+        try:
+            return self._meta(run, name, sid)
+        except SessionNotFound:
+            return None
+
+    def commit(self, run: str, name: str, sid: str, meta: SessionMeta | None = None) -> str:
+        """Merge, validate, write the manifest, create the marker; return the manifest digest."""
+        meta = meta or self._meta(run, name, sid)
+        try:
+            indexes = [RankIndex.model_validate(self.storage.read_json(Paths.rank_index(run, name, sid, r)))
+                       for r in range(meta.world_size)]
+            files: dict[str, FileEntry] = {}
+            for ix in indexes:
+                for f in ix.files:
+                    entry = self._file_entry(run, name, sid, f)
+                    if entry is None:
+                        raise InvalidIndex(f"rank {ix.rank}: file {f!r} has no verified upload", file=f)
+                    files[f] = entry
+            manifest = merge_indexes(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
+                                     world_size=meta.world_size, indexes=indexes, files=files)
+        except (CkptdError, ValidationError) as e:
+            err = e if isinstance(e, CkptdError) else InvalidIndex(f"{run}/{name}: {e}")
+            log.warning("commit of %s/%s session %s refused: %s", run, name, sid, err.message)
+            self.storage.put(Paths.failed(run, name, sid), json.dumps(err.to_body()).encode())
+            raise err
+        crash_point("commit-before-manifest")
+        raw = manifest.model_dump_json().encode()
+        digest = xxh3_hex(raw)
+        mkey = Paths.manifest(run, name, sid, digest)
+        if self.storage.size(mkey) != len(raw):
+            self.storage.put(mkey, raw)
+        crash_point("commit-before-marker")
+        marker = Marker(session=sid, manifest=mkey.rsplit("/", 1)[1], manifest_xxh3=digest, step=meta.step,
+                        derived_from=manifest.derived_from, committed_at=_now())
+        if not self.storage.create_if_absent(Paths.marker(run, name), marker.model_dump_json().encode()):
+            existing = self._marker(run, name)
+            if existing is None or existing.session != sid:
+                raise Conflict(f"{run}/{name} was committed by another session", ref=f"{run}/{name}")
+            return existing.manifest_xxh3
+        crash_point("commit-after-marker")
+        log.info("committed %s/%s session %s (%d files, %d bytes)", run, name, sid, len(manifest.files),
+                 manifest.total_bytes)
+        return digest
+
+    # -- abort / reclaim -----------------------------------------------------------------
+    def abort(self, run: str, name: str, sid: str) -> None:
+        check_run(run), check_name(name), check_session(sid)
+        m = self._marker(run, name)
+        if m is not None and m.session == sid:
+            raise AlreadyCommitted(f"{run}/{name} is committed; delete it with gc, not abort", ref=f"{run}/{name}")
+        self.storage.delete_tree(Paths.session(run, name, sid))
+
+    def reclaim_stale(self, ttl_seconds: float, *, now: float | None = None) -> list[str]:
+        """Delete session directories that no marker names and that are older than the TTL."""
+        now = time.time() if now is None else now
+        removed = []
+        for run in self.storage.list(Paths.runs()):
+            for name in self.storage.list(Paths.run(run)):
+                m = self._marker(run, name)
+                for sid in self.storage.list(Paths.sessions(run, name)):
+                    if m is not None and m.session == sid:
+                        continue
+                    meta = self._meta_or_none(run, name, sid)
+                    if meta is not None and now - meta.created_at.timestamp() < ttl_seconds:
+                        continue
+                    self.storage.delete_tree(Paths.session(run, name, sid))
+                    removed.append(f"{run}/{name}/{sid}")
+        if removed:
+            log.info("reclaimed %d stale sessions", len(removed))
+        return removed

@@ -1,0 +1,111 @@
+"""Where this rank's tensors sit in the global tensors: boxes, flat ranges, writers.
+
+Pure functions of (state-dict leaf, rank, world); no I/O. Shared by save
+(which chunks this rank writes) and load (which regions it needs).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from ckptd_schemas import Box, InvalidRequest
+
+from .flat import FlatShard
+
+__all__ = ["LocalPiece", "assign_replicated", "dtype_name", "local_piece", "mesh_of", "torch_dtype"]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise InvalidRequest(f"unknown dtype {name!r}")
+    return dt
+
+
+@dataclass
+class LocalPiece:
+    """The part of a global tensor that one rank holds, and whether it writes it."""
+
+    shape: tuple[int, ...]         # global shape
+    dtype: torch.dtype
+    local: torch.Tensor            # the rank's data (box: shaped like the box; flat: 1-D)
+    box: Box | None = None
+    flat: tuple[int, int] | None = None
+    replicated: bool = False       # plain tensor: every rank holds all of it
+    writes: bool = True            # this rank writes the chunk (replicas are written once)
+    placement: str | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.local.numel()
+
+
+def _stable_hash(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def local_piece(fqn: str, value: object) -> LocalPiece:
+    """Describe a tensor leaf: DTensor (box from its placements), FlatShard, or plain (replicated)."""
+    if isinstance(value, FlatShard):
+        return LocalPiece(tuple(value.global_shape), value.local.dtype, value.local,
+                          flat=(value.flat_offset, value.local.numel()), placement="flat")
+    if isinstance(value, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        mesh, placements = value.device_mesh, value.placements
+        if any(isinstance(p, Partial) for p in placements):
+            raise InvalidRequest(f"tensor {fqn!r} is a Partial DTensor; reduce it before saving", tensor=fqn)
+        shape = tuple(value.shape)
+        local_shape, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+        with torch.no_grad():
+            local = value.to_local()
+        if tuple(local.shape) != tuple(local_shape):
+            raise InvalidRequest(f"tensor {fqn!r}: local shard shape {tuple(local.shape)} does not match "
+                                 f"placements {placements} (expected {tuple(local_shape)})", tensor=fqn)
+        coord = mesh.get_coordinate()
+        writes = coord is not None
+        h = _stable_hash(fqn)
+        for dim, p in enumerate(placements):
+            if isinstance(p, Replicate) and coord is not None:
+                writes = writes and coord[dim] == h % mesh.size(dim)
+        return LocalPiece(shape, value.dtype, local, box=Box(tuple(offsets), tuple(local_shape)),
+                          writes=writes, placement=str(tuple(placements)))
+    if isinstance(value, torch.Tensor):
+        return LocalPiece(tuple(value.shape), value.dtype, value.detach(), box=Box.full(value.shape),
+                          replicated=True, placement="replicate")
+    raise TypeError(f"{fqn!r} is not a tensor")
+
+
+def assign_replicated(sizes: Sequence[tuple[str, int]], world: int) -> dict[str, int]:
+    """Balance replicated tensors over ranks (largest first onto the least loaded rank).
+
+    Deterministic from the names and sizes alone, so every rank computes the
+    same answer without communicating.
+    """
+    load = [0] * world
+    owner: dict[str, int] = {}
+    for name, nbytes in sorted(sizes, key=lambda x: (-x[1], x[0])):
+        r = min(range(world), key=lambda i: (load[i], i))
+        owner[name] = r
+        load[r] += nbytes
+    return owner
+
+
+def mesh_of(values: Sequence[object], world: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Named mesh dims and this rank's coordinates from the first full-world DTensor mesh."""
+    for v in values:
+        if isinstance(v, DTensor) and v.device_mesh.size() == world:
+            mesh = v.device_mesh
+            names = mesh.mesh_dim_names or (("dp",) if mesh.ndim == 1 else tuple(f"dim{i}" for i in range(mesh.ndim)))
+            coord = mesh.get_coordinate() or []
+            return ({n: mesh.size(i) for i, n in enumerate(names)}, {n: int(c) for n, c in zip(names, coord)})
+    return ({}, {})

@@ -1,0 +1,215 @@
+"""Load: fill a state dict in place from a checkpoint saved at any world size.
+
+Call order inside :meth:`CheckpointClient.load`:
+
+1. fetch the manifest; match it against the flattened state dict (strict by
+   default: a key missing on either side, a shape or a dtype mismatch raises,
+   naming the key);
+2. describe the regions this rank's tensors cover (DTensor boxes from their
+   placements, FlatShard ranges, whole plain tensors) and ask the service for
+   a read plan: coalesced, block-aligned byte ranges;
+3. fetch the ranges in parallel, verify every block digest, decode, and copy
+   each overlap with one strided view per side straight into the destination.
+"""
+
+from __future__ import annotations
+
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import torch
+import xxhash
+import zstandard
+
+from ckptd_schemas import (
+    ChecksumMismatch, Manifest, ObjectEntry, ReadPlan, ReadRequest, StateDictMismatch, row_major_strides,
+)
+
+from ._flatten import Leaf, flatten_state_dict
+from ._http import Transport
+from ._layout import LocalPiece, dtype_name, local_piece, torch_dtype
+
+__all__ = ["LoadReport", "load_into"]
+
+
+@dataclass
+class LoadReport:
+    """What ``load`` restored."""
+
+    ref: str
+    tensors: list[str] = field(default_factory=list)
+    objects: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)      # in the state dict, not in the checkpoint
+    unexpected: list[str] = field(default_factory=list)   # in the checkpoint, not in the state dict
+    bytes_read: int = 0
+
+
+def _check(leaf: Leaf, piece: LocalPiece, manifest: Manifest) -> None:
+    t = manifest.tensor(leaf.fqn)
+    assert t is not None
+    if list(piece.shape) != t.shape:
+        raise StateDictMismatch(f"tensor {leaf.fqn!r}: checkpoint {manifest.ref} has shape {t.shape}, "
+                                f"state_dict has {list(piece.shape)}", tensor=leaf.fqn)
+    if dtype_name(piece.dtype) != t.dtype:
+        raise StateDictMismatch(f"tensor {leaf.fqn!r}: checkpoint {manifest.ref} has dtype {t.dtype}, "
+                                f"state_dict has {dtype_name(piece.dtype)}", tensor=leaf.fqn)
+
+
+def _request(fqn: str, piece: LocalPiece) -> ReadRequest:
+    if piece.flat is not None:
+        return ReadRequest(name=fqn, flat_start=piece.flat[0], flat_length=piece.flat[1])
+    assert piece.box is not None
+    return ReadRequest(name=fqn, offsets=list(piece.box.offsets), sizes=list(piece.box.sizes))
+
+
+def _dest_view(piece: LocalPiece, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+    dst = piece.local
+    if piece.flat is not None:
+        gstrides = row_major_strides(piece.shape)
+        s = dst.stride(0)
+        pos = sum(o * g for o, g in zip(offsets, gstrides)) - piece.flat[0]
+        return dst.as_strided(sizes, [g * s for g in gstrides], dst.storage_offset() + pos * s)
+    assert piece.box is not None
+    rel = [o - b for o, b in zip(offsets, piece.box.offsets)]
+    return dst.as_strided(sizes, dst.stride(), dst.storage_offset() + sum(r * s for r, s in zip(rel, dst.stride())))
+
+
+def _fetch(transport: Transport, base: str, f: Any) -> bytearray:
+    size = f.end - f.start
+    buf = bytearray(size)
+
+    def sink(resp: httpx.Response) -> bytearray:
+        view = memoryview(buf)
+        got = 0
+        for piece in resp.iter_bytes():
+            n = len(piece)
+            if got + n > size:
+                raise ChecksumMismatch(f"file {f.file!r}: server sent more than the {size} bytes asked", file=f.file)
+            view[got:got + n] = piece
+            got += n
+        if got != size:
+            raise ChecksumMismatch(f"file {f.file!r}: got {got} of {size} bytes at offset {f.start}", file=f.file)
+        return buf
+
+    transport.request("GET", f"{base}/files/{f.file}", headers={"Range": f"bytes={f.start}-{f.end - 1}"},
+                      sink=sink)
+    mv = memoryview(buf)
+    for i, want in enumerate(f.blocks):
+        lo = i * f.block_size
+        got = xxhash.xxh3_64_hexdigest(mv[lo:lo + f.block_size])
+        if got != want:
+            start = f.start + lo
+            raise ChecksumMismatch(
+                f"file {f.file!r}: bytes [{start}, {start + min(f.block_size, size - lo)}) hash to {got}, "
+                f"manifest says {want}: the checkpoint is corrupt", file=f.file, offset=start)
+    return buf
+
+
+def _load_object(transport: Transport, base: str, o: ObjectEntry) -> Any:
+    if o.encoding == "json":
+        return o.value
+    loc = o.location
+    assert loc is not None
+    data = transport.request("GET", f"{base}/files/{loc.file}",
+                             headers={"Range": f"bytes={loc.offset}-{loc.offset + loc.length - 1}"},
+                             sink=lambda r: r.read())
+    if xxhash.xxh3_64_hexdigest(data) != loc.xxh3:
+        raise ChecksumMismatch(f"object {o.name!r} in file {loc.file!r} fails its checksum", file=loc.file)
+    return pickle.loads(data)
+
+
+def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, rank: int, strict: bool,
+              streams: int) -> LoadReport:
+    raw = transport.request("GET", f"/v1/checkpoints/{run}/{name}", sink=lambda r: r.read())
+    manifest = Manifest.model_validate_json(raw)
+    base = f"/v1/checkpoints/{run}/{manifest.name}"
+    report = LoadReport(ref=manifest.ref)
+    leaves = flatten_state_dict(state_dict)
+    tensor_leaves = [leaf for leaf in leaves if leaf.kind == "tensor"]
+    objects_by_name: dict[str, list[ObjectEntry]] = {}
+    for o in manifest.objects:
+        objects_by_name.setdefault(o.name, []).append(o)
+
+    present = {leaf.fqn for leaf in leaves}
+    report.missing = sorted(leaf.fqn for leaf in tensor_leaves if manifest.tensor(leaf.fqn) is None)
+    report.missing += sorted(leaf.fqn for leaf in leaves if leaf.kind != "tensor" and leaf.fqn not in objects_by_name)
+    report.unexpected = sorted({t.name for t in manifest.tensors} - present)
+    report.unexpected += sorted(set(objects_by_name) - present)
+    if strict and (report.missing or report.unexpected):
+        raise StateDictMismatch(
+            f"state_dict and checkpoint {manifest.ref} differ: missing from the checkpoint "
+            f"{report.missing[:8]}, missing from the state_dict {report.unexpected[:8]} "
+            f"(load(..., strict=False) restores the common keys)",
+            missing=report.missing[:64], unexpected=report.unexpected[:64])
+
+    pieces: list[tuple[Leaf, LocalPiece]] = []
+    for leaf in tensor_leaves:
+        if manifest.tensor(leaf.fqn) is None:
+            continue
+        piece = local_piece(leaf.fqn, leaf.value)
+        _check(leaf, piece, manifest)
+        if piece.numel:
+            pieces.append((leaf, piece))
+        report.tensors.append(leaf.fqn)
+
+    if pieces:
+        body = {"requests": [_request(leaf.fqn, p).model_dump(exclude_none=True) for leaf, p in pieces]}
+        plan = ReadPlan.model_validate(transport.request("POST", f"{base}/read-plan", json=body))
+        _execute(transport, base, plan, pieces, streams)
+        report.bytes_read = plan.bytes_to_read
+
+    for leaf in leaves:
+        if leaf.kind == "tensor" or leaf.fqn not in objects_by_name:
+            continue
+        entries = objects_by_name[leaf.fqn]
+        entry = next((o for o in entries if o.rank is None), None) or next(
+            (o for o in entries if o.rank == rank), None)
+        if entry is None:
+            if strict:
+                raise StateDictMismatch(f"object {leaf.fqn!r} was saved per rank for ranks "
+                                        f"{[o.rank for o in entries][:8]}, not for rank {rank}", key=leaf.fqn)
+            report.missing.append(leaf.fqn)
+            continue
+        value = _load_object(transport, base, entry)
+        if leaf.kind == "param_groups" and isinstance(leaf.value, list) and len(leaf.value) == len(value):
+            for dst, src in zip(leaf.value, value):
+                dst.clear()
+                dst.update(src)
+        else:
+            leaf.container[leaf.key] = value
+        report.objects.append(leaf.fqn)
+    return report
+
+
+def _execute(transport: Transport, base: str, plan: ReadPlan, pieces: list[tuple[Leaf, LocalPiece]],
+             streams: int) -> None:
+    by_fetch: dict[int, list] = {}
+    for c in plan.copies:
+        by_fetch.setdefault(c.fetch, []).append(c)
+    dctx = zstandard.ZstdDecompressor()
+
+    def run(i: int) -> None:
+        buf = _fetch(transport, base, plan.fetches[i])
+        for c in by_fetch.get(i, []):
+            leaf, piece = pieces[c.request]
+            dtype = torch_dtype(c.dtype)
+            if c.codec == "zstd":
+                frame = bytes(memoryview(buf)[c.byte_start:c.byte_start + c.byte_length])
+                src = torch.frombuffer(bytearray(dctx.decompress(frame)), dtype=dtype)
+            else:
+                src = torch.frombuffer(buf, dtype=dtype, offset=c.byte_start, count=c.npos)
+            with torch.no_grad():
+                for offsets, sizes in c.regions:
+                    rel = sum(o * s for o, s in zip(offsets, c.strides)) - c.base - c.pos0
+                    view = src.as_strided(sizes, c.strides, src.storage_offset() + rel)
+                    _dest_view(piece, offsets, sizes).copy_(view)
+
+    if streams > 1 and len(plan.fetches) > 1:
+        with ThreadPoolExecutor(min(streams, len(plan.fetches)), thread_name_prefix="ckptd-load") as pool:
+            list(pool.map(run, range(len(plan.fetches))))
+    else:
+        for i in range(len(plan.fetches)):
+            run(i)

@@ -1,0 +1,302 @@
+"""Save: snapshot in the caller's thread, hash and upload in the background.
+
+Call order inside :meth:`CheckpointClient.save`:
+
+1. ``build_snapshot`` (caller's thread; this is the training stall): flatten
+   the state dict, decide which chunks this rank writes (replicas once),
+   copy them to host memory, encode objects.
+2. ``upload_snapshot`` (background thread): open-or-join the session, pack
+   chunks into files (64-byte aligned), hash each chunk and file with XXH3,
+   stream files with retries, then send the rank's index. The service commits
+   when the last rank's index arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import xxhash
+import zstandard
+
+from ckptd_schemas import (
+    BoxChunk, FlatChunk, Location, ObjectEntry, ParamGroup, RankIndex,
+    SessionStatus, TensorEntry, Unavailable, error_from_body,
+)
+
+from ._flatten import flatten_state_dict
+from ._http import Transport
+from ._layout import assign_replicated, dtype_name, local_piece, mesh_of
+
+__all__ = ["SaveHandle", "Snapshot", "build_snapshot", "upload_snapshot"]
+
+ALIGN = 64
+PIECE = 4 << 20
+_PAD = bytes(ALIGN)
+
+
+@dataclass
+class _Chunk:
+    fqn: str
+    data: torch.Tensor            # contiguous CPU snapshot
+    box: tuple[list[int], list[int]] | None
+    flat: tuple[int, int] | None
+    payload: bytes | None = None  # compressed bytes (zstd)
+
+
+@dataclass
+class _Object:
+    fqn: str
+    encoding: str
+    value: Any = None
+    payload: bytes | None = None
+
+
+@dataclass
+class Snapshot:
+    rank: int
+    world: int
+    tensors: list[TensorEntry] = field(default_factory=list)   # chunks filled at upload
+    chunks: dict[str, list[_Chunk]] = field(default_factory=dict)
+    objects: list[_Object] = field(default_factory=list)
+    param_groups: list[ParamGroup] = field(default_factory=list)
+    mesh: dict[str, int] = field(default_factory=dict)
+    coords: dict[str, int] = field(default_factory=dict)
+    layouts: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.data.numel() * c.data.element_size() for cs in self.chunks.values() for c in cs)
+
+
+def _json_clean(value: Any) -> bool:
+    """True when JSON round-trips the value exactly (no tuples, NaN, non-str keys, ...)."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False)) == value and _no_tuples(value)
+    except (TypeError, ValueError):
+        return False
+
+
+def _no_tuples(v: Any) -> bool:
+    if isinstance(v, tuple):
+        return False
+    if isinstance(v, list):
+        return all(_no_tuples(x) for x in v)
+    if isinstance(v, dict):
+        return all(_no_tuples(x) for x in v.values())
+    return not isinstance(v, float) or math.isfinite(v)
+
+
+def _describe(v: Any) -> Any:
+    """A JSON description of a hyper-parameter for the manifest (exact value is pickled)."""
+    if isinstance(v, (list, tuple)):
+        return [_describe(x) for x in v]
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else str(v)
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return v.item()
+    return repr(v)
+
+
+def _encode_object(fqn: str, value: Any) -> _Object:
+    if _json_clean(value):
+        return _Object(fqn, "json", value=value)
+    return _Object(fqn, "pickle", payload=pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def build_snapshot(state_dict: dict, rank: int, world: int) -> Snapshot:
+    """Copy what this rank writes to host memory; afterwards training may mutate its tensors."""
+    leaves = flatten_state_dict(state_dict)
+    snap = Snapshot(rank, world)
+    pieces = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in leaves if leaf.kind == "tensor"}
+    owners = assign_replicated(
+        [(n, p.numel * p.local.element_size()) for n, p in pieces.items() if p.replicated], world)
+    snap.mesh, snap.coords = mesh_of([leaf.value for leaf in leaves], world)
+    group_kinds: dict[str, set[str]] = {}
+    for leaf in leaves:
+        if leaf.kind == "tensor":
+            p = pieces[leaf.fqn]
+            group_kinds.setdefault(leaf.group, set()).add(p.placement or "")
+            snap.tensors.append(TensorEntry(name=leaf.fqn, shape=list(p.shape), dtype=dtype_name(p.dtype),
+                                            group=leaf.group, chunks=[], placement=p.placement))
+            writes = owners.get(leaf.fqn) == rank if p.replicated else p.writes
+            if not writes or p.numel == 0:
+                continue
+            data = torch.empty(p.local.shape, dtype=p.dtype, device="cpu")
+            data.copy_(p.local.detach())
+            box = (list(p.box.offsets), list(p.box.sizes)) if p.box is not None else None
+            snap.chunks.setdefault(leaf.fqn, []).append(_Chunk(leaf.fqn, data, box, p.flat))
+        elif leaf.kind == "param_groups":
+            groups = leaf.value
+            owner = leaf.fqn.rsplit(".", 1)[0] if "." in leaf.fqn else ""
+            for i, g in enumerate(groups):
+                params = [p if isinstance(p, (int, str)) else repr(p) for p in g.get("params", [])]
+                snap.param_groups.append(ParamGroup(
+                    optimizer=owner, index=i, params=params,
+                    hyperparams={k: _describe(v) for k, v in sorted(g.items()) if k != "params"}))
+            snap.objects.append(_encode_object(leaf.fqn, groups))
+        else:
+            snap.objects.append(_encode_object(leaf.fqn, leaf.value))
+    for g, kinds in group_kinds.items():
+        snap.layouts[g] = _layout_name(kinds, snap.mesh, world)
+    return snap
+
+
+def _layout_name(kinds: set[str], mesh: dict[str, int], world: int) -> str:
+    if kinds == {"replicate"}:
+        return "replicate"
+    if kinds <= {"flat", "replicate"}:
+        return f"flat:dp={world}"
+    if kinds <= {"(Shard(dim=0),)", "replicate"} and len(mesh) == 1:
+        return f"fsdp2:dp={world}"
+    return "dtensor:" + ",".join(f"{k}={v}" for k, v in mesh.items()) if mesh else "mixed"
+
+
+# -- upload ----------------------------------------------------------------------------------------
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass
+class _File:
+    name: str
+    parts: list[tuple[memoryview | bytes, int]] = field(default_factory=list)  # (bytes, padding)
+    size: int = 0
+    xxh3: str = ""
+
+
+def _pack(snap: Snapshot, compression: str | None, file_bytes: int) -> tuple[list[_File], RankIndex]:
+    files: list[_File] = []
+
+    def current(n: int) -> _File:
+        if not files or (files[-1].size and files[-1].size + n > file_bytes):
+            files.append(_File(f"r{snap.rank:06d}-{len(files):04d}.bin"))
+        return files[-1]
+
+    def place(data: memoryview | bytes) -> tuple[str, int]:
+        f = current(len(data))
+        offset = f.size
+        pad = (-len(data)) % ALIGN
+        f.parts.append((data, pad))
+        f.size += len(data) + pad
+        return f.name, offset
+
+    cctx = zstandard.ZstdCompressor(level=1) if compression == "zstd" else None
+    entries = []
+    for t in snap.tensors:
+        chunks = []
+        for c in snap.chunks.get(t.name, []):
+            raw = _bytes_of(c.data)
+            stored: memoryview | bytes = cctx.compress(raw) if cctx is not None else raw
+            fname, off = place(stored)
+            loc = Location(file=fname, offset=off, length=len(stored), codec="zstd" if cctx else "raw",
+                           raw_length=len(raw), xxh3=xxhash.xxh3_64_hexdigest(stored))
+            if c.box is not None:
+                chunks.append(BoxChunk(rank=snap.rank, offsets=c.box[0], sizes=c.box[1], location=loc))
+            else:
+                assert c.flat is not None
+                chunks.append(FlatChunk(rank=snap.rank, start=c.flat[0], length=c.flat[1], location=loc))
+        entries.append(t.model_copy(update={"chunks": chunks}))
+    objects = []
+    for o in snap.objects:
+        if o.encoding == "json":
+            objects.append(ObjectEntry(name=o.fqn, rank=snap.rank, encoding="json", value=o.value))
+        else:
+            assert o.payload is not None
+            fname, off = place(o.payload)
+            loc = Location(file=fname, offset=off, length=len(o.payload), raw_length=len(o.payload),
+                           xxh3=xxhash.xxh3_64_hexdigest(o.payload))
+            objects.append(ObjectEntry(name=o.fqn, rank=snap.rank, encoding="pickle", location=loc))
+    for f in files:
+        h = xxhash.xxh3_64()
+        for data, pad in f.parts:
+            h.update(data)
+            h.update(_PAD[:pad])
+        f.xxh3 = h.hexdigest()
+    index = RankIndex(rank=snap.rank, world_size=snap.world, coords=snap.coords, mesh=snap.mesh,
+                      layouts=snap.layouts, tensors=entries, objects=objects, param_groups=snap.param_groups,
+                      files=[f.name for f in files])
+    return files, index
+
+
+def _stream(f: _File) -> Iterator[bytes | memoryview]:
+    for data, pad in f.parts:
+        view = memoryview(data)
+        for i in range(0, len(view), PIECE):
+            yield view[i:i + PIECE]
+        if pad:
+            yield _PAD[:pad]
+
+
+def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None, *,
+                    compression: str | None, file_bytes: int, streams: int) -> SessionStatus:
+    """Open-or-join, upload files, send the index; return the session status after it."""
+    transport.request("POST", f"{base}/sessions", json={"session": session, "world_size": snap.world,
+                                                        "step": step})
+    files, index = _pack(snap, compression, file_bytes)
+
+    def put(f: _File) -> None:
+        transport.request("PUT", f"{base}/sessions/{session}/files/{f.name}", content=lambda: _stream(f),
+                          headers={"X-Ckptd-Xxh3": f.xxh3, "Content-Length": str(f.size),
+                                   "Content-Type": "application/octet-stream"})
+
+    if len(files) > 1 and streams > 1:
+        with ThreadPoolExecutor(min(streams, len(files)), thread_name_prefix="ckptd-upload") as pool:
+            list(pool.map(put, files))
+    else:
+        for f in files:
+            put(f)
+    body = index.model_dump_json().encode()
+    st = transport.request("PUT", f"{base}/sessions/{session}/ranks/{snap.rank}", content=lambda: body,
+                           headers={"Content-Type": "application/json"})
+    return SessionStatus.model_validate(st)
+
+
+class SaveHandle:
+    """A save in flight. ``wait()`` returns once the checkpoint is committed, or raises why not."""
+
+    def __init__(self, ref: str, session: str, future: Future, transport: Transport, base: str) -> None:
+        self.ref, self.session = ref, session
+        self._future, self._transport, self._base = future, transport, base
+        self._status: SessionStatus | None = None
+        self._observed = False
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._status is not None and self._status.state != "open" or (
+            self._future.done() and self._future.exception() is not None)
+
+    @property
+    def failed_unobserved(self) -> bool:
+        return not self._observed and self._future.done() and self._future.exception() is not None
+
+    def wait(self, timeout: float | None = 1800.0) -> SessionStatus:
+        """Block until the checkpoint is committed (every rank done); raise the typed error otherwise."""
+        import time
+
+        with self._lock:
+            self._observed = True
+            deadline = None if timeout is None else time.monotonic() + timeout
+            status: SessionStatus = self._future.result(timeout=timeout)
+            while status.state == "open":
+                left = 10.0 if deadline is None else min(10.0, deadline - time.monotonic())
+                if left <= 0:
+                    raise Unavailable(
+                        f"{self.ref}: not committed within {timeout}s; ranks done: {status.ranks_done} of "
+                        f"{status.world_size}", ref=self.ref, session=self.session)
+                status = SessionStatus.model_validate(self._transport.request(
+                    "GET", f"{self._base}/sessions/{self.session}", params={"wait": round(left, 1)}))
+            self._status = status
+            if status.state == "failed":
+                err = error_from_body({"error": status.error}, 422)
+                raise err
+            return status

@@ -1,0 +1,125 @@
+"""CheckpointClient: the trainer-side entry point."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from ckptd_schemas import (
+    CheckpointSummary, InvalidName, Manifest, RunSummary, parse_ref,
+)
+
+from ._dist import broadcast_str, rank_and_world
+from ._http import Transport
+from ._load import LoadReport, load_into
+from ._save import SaveHandle, build_snapshot, upload_snapshot
+
+__all__ = ["CheckpointClient"]
+
+DEFAULT_URL = "http://127.0.0.1:8470"
+
+
+class CheckpointClient:
+    """Save and load sharded state through a ckptd service.
+
+    ``save`` and ``load`` are collective when torch.distributed is initialised:
+    every rank calls them with its own shards, in the same order.
+
+    Args:
+        url: service URL (default ``$CKPTD_URL`` or ``http://127.0.0.1:8470``).
+        token: bearer token (default ``$CKPTD_TOKEN``).
+        compression: ``None`` (store raw) or ``"zstd"`` (per chunk, independently decodable).
+        streams: concurrent HTTP streams per rank for uploads and ranged reads.
+        file_bytes: target size of each uploaded data file.
+        retry_seconds: how long transient failures (connection errors, 5xx) are retried.
+    """
+
+    def __init__(self, url: str | None = None, *, token: str | None = None, compression: str | None = None,
+                 streams: int = 4, file_bytes: int = 256 << 20, retry_seconds: float = 120.0,
+                 timeout: float = 300.0) -> None:
+        if compression not in (None, "zstd"):
+            raise ValueError(f"compression must be None or 'zstd', not {compression!r}")
+        self.url = url or os.environ.get("CKPTD_URL", DEFAULT_URL)
+        self.compression = compression
+        self.streams = streams
+        self.file_bytes = file_bytes
+        self._transport = Transport(self.url, token=token or os.environ.get("CKPTD_TOKEN"),
+                                    retry_seconds=retry_seconds, timeout=timeout)
+        self._uploader = ThreadPoolExecutor(1, thread_name_prefix="ckptd-save")
+        self._last: SaveHandle | None = None
+        self._lock = threading.Lock()
+
+    # -- save ------------------------------------------------------------------
+    def save(self, state_dict: dict, ref: str, *, step: int | None = None) -> SaveHandle:
+        """Snapshot this rank's shards and return; the upload continues in the background.
+
+        ``ref`` is ``RUN/NAME``; trainer saves use the step number as NAME, which
+        is also the default ``step``. Raises the previous save's error if it
+        failed and nobody waited on it.
+        """
+        r = parse_ref(ref)
+        if r.is_latest:
+            raise InvalidName("cannot save to RUN/latest: name the checkpoint (e.g. its step)", ref=ref)
+        if step is None and r.name.isdigit():
+            step = int(r.name)
+        with self._lock:
+            if self._last is not None and self._last.failed_unobserved:
+                prev, self._last = self._last, None
+                prev.wait()  # raises the stored failure
+        rank, world = rank_and_world()
+        session = broadcast_str(uuid.uuid4().hex if rank == 0 else None)
+        snap = build_snapshot(state_dict, rank, world)
+        base = f"/v1/checkpoints/{r.run}/{r.name}"
+        future = self._uploader.submit(upload_snapshot, self._transport, base, session, snap, step,
+                                       compression=self.compression, file_bytes=self.file_bytes,
+                                       streams=self.streams)
+        handle = SaveHandle(str(r), session, future, self._transport, base)
+        with self._lock:
+            self._last = handle
+        return handle
+
+    # -- load ------------------------------------------------------------------
+    def load(self, state_dict: dict, ref: str, *, strict: bool = True) -> LoadReport:
+        """Fill ``state_dict`` in place from ``ref`` (``RUN/latest`` allowed), at any world size."""
+        r = parse_ref(ref)
+        rank, _ = rank_and_world()
+        return load_into(self._transport, r.run, r.name, state_dict, rank=rank, strict=strict,
+                         streams=self.streams)
+
+    # -- queries -----------------------------------------------------------------
+    def manifest(self, ref: str) -> Manifest:
+        r = parse_ref(ref)
+        raw = self._transport.request("GET", f"/v1/checkpoints/{r.run}/{r.name}", sink=lambda x: x.read())
+        return Manifest.model_validate_json(raw)
+
+    def list_runs(self) -> list[RunSummary]:
+        return [RunSummary.model_validate(x) for x in self._transport.request("GET", "/v1/runs")]
+
+    def list_checkpoints(self, run: str) -> list[CheckpointSummary]:
+        return [CheckpointSummary.model_validate(x) for x in self._transport.request("GET", f"/v1/runs/{run}/checkpoints")]
+
+    def read_range(self, ref: str, file: str, start: int, end: int) -> bytes:
+        r = parse_ref(ref)
+        return self._transport.request("GET", f"/v1/checkpoints/{r.run}/{r.name}/files/{file}",
+                                       headers={"Range": f"bytes={start}-{end - 1}"}, sink=lambda x: x.read())
+
+    # -- lifecycle -----------------------------------------------------------------
+    def close(self, *, wait: bool = True) -> None:
+        """Wait for the pending save (raising its error) and release connections."""
+        try:
+            if wait and self._last is not None:
+                last, self._last = self._last, None
+                last.wait()
+        finally:
+            self._uploader.shutdown(wait=wait)
+            self._transport.close()
+
+    def __enter__(self) -> "CheckpointClient":
+        return self
+
+    def __exit__(self, exc_type, *_: object) -> None:
+        self.close(wait=exc_type is None)
+
+

@@ -1,0 +1,25 @@
+"""ckptd_schemas: the manifest, API bodies, errors and pure geometry shared by
+the ckptd service and the ``ckptd_client`` trainer client. No I/O here."""
+
+from .api import CheckpointSummary, OpenSession, RankIndex, RunSummary, SessionInfo, SessionStatus, UploadResult
+from .dtypes import ITEMSIZE, DType, itemsize
+from .errors import *  # noqa: F403
+from .errors import __all__ as _errors_all
+from .geometry import Box, Region, check_tiling, flat_range_to_boxes, intersect_regions, row_major_strides
+from .manifest import (
+    FORMAT_VERSION, BoxChunk, Chunk, FileEntry, FlatChunk, Location, Manifest, ObjectEntry, ParamGroup,
+    RankInfo, TensorEntry, Topology,
+)
+from .names import LATEST, CheckpointRef, check_file, check_name, check_run, check_session, parse_ref
+from .readplan import Copy, Fetch, ReadPlan, ReadRequest, plan_reads
+
+__all__ = [
+    *_errors_all,
+    "FORMAT_VERSION", "ITEMSIZE", "LATEST",
+    "Box", "BoxChunk", "CheckpointRef", "CheckpointSummary", "Chunk", "Copy", "DType", "Fetch", "FileEntry",
+    "FlatChunk", "Location", "Manifest", "ObjectEntry", "OpenSession", "ParamGroup", "RankIndex", "RankInfo",
+    "ReadPlan", "ReadRequest", "Region", "RunSummary", "SessionInfo", "SessionStatus", "TensorEntry",
+    "Topology", "UploadResult",
+    "check_file", "check_name", "check_run", "check_session", "check_tiling", "flat_range_to_boxes",
+    "intersect_regions", "itemsize", "parse_ref", "plan_reads", "row_major_strides",
+]

@@ -1,0 +1,176 @@
+"""One typed exception hierarchy, shared by the service, the CLI and the client.
+
+The service maps every exception to an HTTP status in one handler
+(``ckptd.service.errors``); the client maps the JSON error body back to the
+same class with :func:`error_from_body`, so ``except ChecksumMismatch`` works
+identically on either side of the wire.
+
+::
+
+    CkptdError                        500 internal
+    ├── InvalidRequest                400 invalid_request
+    │   ├── InvalidName               400 invalid_name        run, name, file or ref unsafe or malformed
+    │   ├── InvalidIndex              422 invalid_index       a rank's index is inconsistent
+    │   └── StateDictMismatch         422 state_dict_mismatch load: keys, shapes or dtypes differ
+    ├── NotFound                      404 not_found
+    │   ├── CheckpointNotFound        404 checkpoint_not_found
+    │   └── SessionNotFound           404 session_not_found
+    ├── Conflict                      409 conflict
+    │   ├── AlreadyCommitted          409 already_committed   committed refs are immutable
+    │   └── SessionConflict           409 session_conflict    e.g. world size disagrees
+    ├── IntegrityError                422 integrity
+    │   ├── ChecksumMismatch          422 checksum_mismatch   bytes differ from their digest
+    │   └── TilingError               422 tiling              chunks do not cover a tensor exactly once
+    ├── CommitFailed                  422 commit_failed       the session was refused at commit
+    ├── PayloadTooLarge               413 payload_too_large
+    ├── Unavailable                   503 unavailable         server unreachable after retries
+    └── StorageError                  503 storage             the storage backend failed
+
+Every error carries ``message`` (a sentence naming the tensor, rank, file or
+field at fault) and ``details`` (machine-readable context).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "AlreadyCommitted",
+    "CheckpointNotFound",
+    "ChecksumMismatch",
+    "CkptdError",
+    "CommitFailed",
+    "Conflict",
+    "IntegrityError",
+    "InvalidIndex",
+    "InvalidName",
+    "InvalidRequest",
+    "NotFound",
+    "PayloadTooLarge",
+    "SessionConflict",
+    "SessionNotFound",
+    "StateDictMismatch",
+    "StorageError",
+    "TilingError",
+    "Unavailable",
+    "error_from_body",
+]
+
+
+class CkptdError(Exception):
+    """Base of every ckptd error; ``code`` and ``status`` are stable API."""
+
+    code: ClassVar[str] = "internal"
+    status: ClassVar[int] = 500
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_body(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message, "details": self.details}}
+
+
+class InvalidRequest(CkptdError):
+    code = "invalid_request"
+    status = 400
+
+
+class InvalidName(InvalidRequest):
+    code = "invalid_name"
+    status = 400
+
+
+class InvalidIndex(InvalidRequest):
+    code = "invalid_index"
+    status = 422
+
+
+class StateDictMismatch(InvalidRequest):
+    code = "state_dict_mismatch"
+    status = 422
+
+
+class NotFound(CkptdError):
+    code = "not_found"
+    status = 404
+
+
+class CheckpointNotFound(NotFound):
+    code = "checkpoint_not_found"
+
+
+class SessionNotFound(NotFound):
+    code = "session_not_found"
+
+
+class Conflict(CkptdError):
+    code = "conflict"
+    status = 409
+
+
+class AlreadyCommitted(Conflict):
+    code = "already_committed"
+
+
+class SessionConflict(Conflict):
+    code = "session_conflict"
+
+
+class IntegrityError(CkptdError):
+    code = "integrity"
+    status = 422
+
+
+class ChecksumMismatch(IntegrityError):
+    code = "checksum_mismatch"
+
+
+class TilingError(IntegrityError):
+    code = "tiling"
+
+
+class CommitFailed(CkptdError):
+    code = "commit_failed"
+    status = 422
+
+
+class PayloadTooLarge(CkptdError):
+    code = "payload_too_large"
+    status = 413
+
+
+class Unavailable(CkptdError):
+    code = "unavailable"
+    status = 503
+
+
+class StorageError(CkptdError):
+    code = "storage"
+    status = 503
+
+
+def _all_subclasses(cls: type[CkptdError]) -> list[type[CkptdError]]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+_BY_CODE: dict[str, type[CkptdError]] = {c.code: c for c in _all_subclasses(CkptdError)}
+
+
+def error_from_body(body: Any, status: int) -> CkptdError:
+    """Rebuild the typed error from a service response body (client side)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("code"), str):
+        cls = _BY_CODE.get(err["code"], CkptdError)
+        details = err.get("details") if isinstance(err.get("details"), dict) else {}
+        return cls(str(err.get("message", "")), **details)
+    # FastAPI's own 422 (request validation) and anything unexpected.
+    if status == 422 or status == 400:
+        return InvalidRequest(f"request refused ({status}): {body}")
+    if status == 404:
+        return NotFound(f"not found: {body}")
+    return CkptdError(f"server answered {status}: {body}")

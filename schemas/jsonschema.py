@@ -1,0 +1,29 @@
+"""JSON Schema export of the manifest: ``python -m ckptd_schemas.jsonschema [OUT]``.
+
+The exported file (``schemas/manifest.schema.json``) is committed and kept in
+sync by ``tests/test_schemas.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .manifest import Manifest
+
+SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
+
+
+def manifest_schema() -> dict:
+    return Manifest.model_json_schema()
+
+
+def render() -> str:
+    return json.dumps(manifest_schema(), indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else SCHEMA_PATH
+    out.write_text(render())
+    print(f"wrote {out}")

@@ -1,0 +1,256 @@
+"""The manifest: one global, self-validating description of a checkpoint.
+
+A manifest is built by the service when every rank's index has arrived
+(``ckptd.store.merge``), written once, and named by digest in the
+``COMMITTED`` marker. Models validate at construction: a chunk outside its
+tensor's shape, a location outside its file or a malformed name is refused
+with the tensor, rank and file named. Whole-tensor tiling (every element
+exactly once) needs all chunks at once and lives in
+:func:`ckptd_schemas.geometry.check_tiling`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from math import prod
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, PrivateAttr, field_validator, model_validator
+
+from .dtypes import DType, itemsize
+from .geometry import Box, Region
+from .names import FILE_RE
+
+__all__ = [
+    "FORMAT_VERSION",
+    "BoxChunk",
+    "Chunk",
+    "FileEntry",
+    "FlatChunk",
+    "Location",
+    "Manifest",
+    "ObjectEntry",
+    "ParamGroup",
+    "RankInfo",
+    "TensorEntry",
+    "Topology",
+]
+
+FORMAT_VERSION = 1
+HEX64 = r"^[0-9a-f]{16}$"
+NonNeg = Annotated[int, Field(ge=0, le=2**62)]
+Fqn = Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^[^\x00]+$")]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Location(_Model):
+    """Where a chunk's bytes are: a byte range of one data file of the checkpoint."""
+
+    file: Annotated[str, Field(pattern=FILE_RE.pattern.join("^$"))]
+    offset: NonNeg
+    length: NonNeg = Field(description="stored (possibly compressed) byte length")
+    codec: Literal["raw", "zstd"] = "raw"
+    raw_length: NonNeg = Field(description="decoded byte length: numel * itemsize")
+    xxh3: Annotated[str, Field(pattern=HEX64)] = Field(description="XXH3-64 of the stored bytes")
+
+    @model_validator(mode="after")
+    def _raw_matches(self) -> "Location":
+        if self.codec == "raw" and self.length != self.raw_length:
+            raise ValueError(f"raw chunk in file {self.file!r}: length {self.length} != raw_length {self.raw_length}")
+        return self
+
+
+class BoxChunk(_Model):
+    """A piece of a tensor given by per-dimension offsets and sizes (DTensor shards, TP slices)."""
+
+    kind: Literal["box"] = "box"
+    rank: NonNeg = Field(description="rank that wrote the chunk")
+    offsets: list[NonNeg]
+    sizes: list[NonNeg]
+    location: Location
+
+    @property
+    def region(self) -> Region:
+        return Region(box=Box(tuple(self.offsets), tuple(self.sizes)))
+
+    @property
+    def numel(self) -> int:
+        return prod(self.sizes)
+
+
+class FlatChunk(_Model):
+    """Elements ``[start, start + length)`` of the tensor's row-major flattening (ZeRO, FSDP1)."""
+
+    kind: Literal["flat"] = "flat"
+    rank: NonNeg
+    start: NonNeg
+    length: NonNeg
+    location: Location
+
+    @property
+    def region(self) -> Region:
+        return Region(flat=(self.start, self.length))
+
+    @property
+    def numel(self) -> int:
+        return self.length
+
+
+Chunk = Annotated[Union[BoxChunk, FlatChunk], Field(discriminator="kind")]
+
+
+class TensorEntry(_Model):
+    """A tensor's global description and the chunks that hold it."""
+
+    name: Fqn
+    shape: list[NonNeg]
+    dtype: DType
+    group: str = Field(description="state group, the first component of the name (model, optim, ...)")
+    chunks: list[Chunk]
+    digest: Annotated[str, Field(pattern=HEX64)] | None = Field(
+        default=None, description="layout-independent XXH3-64 of the full tensor's row-major bytes"
+    )
+    placement: str | None = Field(default=None, description="source layout hint, e.g. DTensor placements")
+
+    @model_validator(mode="after")
+    def _chunks_inside(self) -> "TensorEntry":
+        full = Box.full(self.shape)
+        numel = prod(self.shape)
+        size = itemsize(self.dtype)
+        for c in self.chunks:
+            where = f"tensor {self.name!r}: chunk from rank {c.rank}"
+            if isinstance(c, BoxChunk):
+                if len(c.offsets) != len(self.shape) or len(c.sizes) != len(self.shape):
+                    raise ValueError(f"{where} has {len(c.offsets)}-d offsets for a {len(self.shape)}-d shape {self.shape}")
+                if not full.contains(c.region.box):  # type: ignore[arg-type]
+                    raise ValueError(
+                        f"{where} at offsets {c.offsets} sizes {c.sizes} lies outside global shape {self.shape}"
+                    )
+            elif c.start + c.length > numel:
+                raise ValueError(f"{where} flat range [{c.start}, {c.start + c.length}) exceeds {numel} elements")
+            if c.location.raw_length != c.numel * size:
+                raise ValueError(
+                    f"{where}: raw_length {c.location.raw_length} != {c.numel} elements x {size} bytes ({self.dtype})"
+                )
+        return self
+
+
+class ObjectEntry(_Model):
+    """Non-tensor state: JSON inline, or pickled bytes in a data file."""
+
+    name: Fqn
+    rank: NonNeg | None = Field(default=None, description="None when every rank saved the same value")
+    encoding: Literal["json", "pickle"]
+    value: JsonValue = None
+    location: Location | None = None
+
+    @model_validator(mode="after")
+    def _one_home(self) -> "ObjectEntry":
+        if (self.encoding == "pickle") != (self.location is not None):
+            raise ValueError(f"object {self.name!r}: pickle objects need a location, json objects an inline value")
+        return self
+
+
+class ParamGroup(_Model):
+    """One optimizer param group: its parameters and hyper-parameters."""
+
+    optimizer: str = Field(description="state-dict key of the optimizer state (e.g. 'optim')")
+    index: NonNeg
+    params: list[Union[str, int]]
+    hyperparams: dict[str, JsonValue]
+
+
+class RankInfo(_Model):
+    rank: NonNeg
+    coords: dict[str, NonNeg] = Field(default_factory=dict)
+
+
+class Topology(_Model):
+    """World size, named mesh dimensions, each rank's coordinates, per-group layouts."""
+
+    world_size: Annotated[int, Field(ge=1, le=1 << 20)]
+    mesh: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+    ranks: list[RankInfo] = Field(default_factory=list)
+    layouts: dict[str, str] = Field(default_factory=dict, description="state group -> layout spec")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Topology":
+        if self.mesh and prod(self.mesh.values()) != self.world_size:
+            raise ValueError(f"mesh {self.mesh} has {prod(self.mesh.values())} ranks, world size is {self.world_size}")
+        seen = [r.rank for r in self.ranks]
+        if len(set(seen)) != len(seen) or any(r >= self.world_size for r in seen):
+            raise ValueError(f"rank list {seen} is not a set of distinct ranks below {self.world_size}")
+        return self
+
+
+class FileEntry(_Model):
+    """A data file: size, whole-file digest, and per-block digests for ranged reads."""
+
+    size: NonNeg
+    xxh3: Annotated[str, Field(pattern=HEX64)]
+    block_size: Annotated[int, Field(ge=4096)]
+    blocks: list[Annotated[str, Field(pattern=HEX64)]]
+
+    @model_validator(mode="after")
+    def _block_count(self) -> "FileEntry":
+        want = -(-self.size // self.block_size)
+        if len(self.blocks) != want:
+            raise ValueError(f"{len(self.blocks)} block digests for {self.size} bytes in blocks of {self.block_size}")
+        return self
+
+
+class Manifest(_Model):
+    """The global description of one committed checkpoint (DESIGN §1)."""
+
+    format_version: Literal[1] = FORMAT_VERSION
+    run: str
+    name: str
+    step: NonNeg | None = None
+    session: str
+    created_at: datetime
+    derived_from: str | None = None
+    topology: Topology
+    tensors: list[TensorEntry]
+    objects: list[ObjectEntry] = Field(default_factory=list)
+    param_groups: list[ParamGroup] = Field(default_factory=list)
+    files: dict[str, FileEntry]
+    _by_name: dict[str, TensorEntry] | None = PrivateAttr(default=None)
+
+    @field_validator("tensors")
+    @classmethod
+    def _unique_tensors(cls, v: list[TensorEntry]) -> list[TensorEntry]:
+        names = [t.name for t in v]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"tensor names appear more than once: {dup[:5]}")
+        return v
+
+    @model_validator(mode="after")
+    def _locations_inside_files(self) -> "Manifest":
+        locs = [(f"tensor {t.name!r}", c.location) for t in self.tensors for c in t.chunks]
+        locs += [(f"object {o.name!r}", o.location) for o in self.objects if o.location is not None]
+        for what, loc in locs:
+            f = self.files.get(loc.file)
+            if f is None:
+                raise ValueError(f"{what} refers to file {loc.file!r}, which is not in the manifest")
+            if loc.offset + loc.length > f.size:
+                raise ValueError(
+                    f"{what}: bytes [{loc.offset}, {loc.offset + loc.length}) exceed file {loc.file!r} of {f.size} bytes"
+                )
+        return self
+
+    @property
+    def ref(self) -> str:
+        return f"{self.run}/{self.name}"
+
+    def tensor(self, name: str) -> TensorEntry | None:
+        if self._by_name is None:
+            self._by_name = {t.name: t for t in self.tensors}
+        return self._by_name.get(name)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())

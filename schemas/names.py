@@ -1,0 +1,62 @@
+"""Names that end up in storage paths: runs, checkpoint names, files, sessions.
+
+Every name is validated before it touches a path, so no request can reach
+outside the storage root (``..``, ``/``, NUL, absolute paths, hidden files).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from .errors import InvalidName
+
+__all__ = ["CheckpointRef", "LATEST", "check_file", "check_name", "check_run", "check_session", "parse_ref"]
+
+RUN_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+LATEST = "latest"
+
+
+def _check(kind: str, value: str, pattern: re.Pattern[str], grammar: str) -> str:
+    if not isinstance(value, str) or not pattern.fullmatch(value) or ".." in value:
+        raise InvalidName(f"invalid {kind} {value!r}: must match {grammar}", field=kind, value=str(value)[:200])
+    return value
+
+
+def check_run(run: str) -> str:
+    return _check("run", run, RUN_RE, "[a-z0-9][a-z0-9._-]{0,127}")
+
+
+def check_name(name: str) -> str:
+    return _check("name", name, NAME_RE, "[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_file(name: str) -> str:
+    return _check("file", name, FILE_RE, "[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_session(sid: str) -> str:
+    return _check("session", sid, SESSION_RE, "[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
+class CheckpointRef(NamedTuple):
+    run: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.run}/{self.name}"
+
+    @property
+    def is_latest(self) -> bool:
+        return self.name == LATEST
+
+
+def parse_ref(ref: str) -> CheckpointRef:
+    """``RUN/NAME`` -> CheckpointRef; ``RUN/latest`` is kept symbolic."""
+    if not isinstance(ref, str) or ref.count("/") != 1:
+        raise InvalidName(f"invalid checkpoint ref {ref!r}: expected RUN/NAME (e.g. gpt/1000)", field="ref", value=str(ref)[:200])
+    run, name = ref.split("/")
+    return CheckpointRef(check_run(run), check_name(name))

@@ -1,0 +1,196 @@
+"""Read plans: which byte ranges of which files fill which requested regions.
+
+Pure (no I/O). The service answers ``POST .../read-plan`` with
+:func:`plan_reads`; offline readers call it directly. A plan has two lists:
+
+* ``fetches``: coalesced, block-aligned byte ranges of data files, each with
+  the block digests that verify it, so a partial read is still checksummed;
+* ``copies``: for each (request, chunk) overlap, where in which fetch the
+  chunk's elements start and which global boxes to copy.
+
+A copy addresses the chunk's elements by an affine map: element at global
+index ``g`` is at chunk position ``dot(g, strides) - base`` (box chunks use
+the chunk's own row-major strides, flat chunks the tensor's). The reader maps
+``[pos0, pos0 + npos)`` of the chunk onto the fetched bytes and copies each
+box of ``regions`` with one strided view on each side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .dtypes import itemsize
+from .errors import StateDictMismatch
+from .geometry import Box, Region, box_flat_span, intersect_regions, row_major_strides
+from .manifest import BoxChunk, FileEntry, Manifest, TensorEntry
+
+__all__ = ["Copy", "Fetch", "ReadPlan", "ReadRequest", "plan_reads"]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ReadRequest(_Body):
+    """A region of one tensor that a reader needs: a box, a flat range, or (neither) all of it."""
+
+    name: str
+    offsets: list[int] | None = None
+    sizes: list[int] | None = None
+    flat_start: int | None = None
+    flat_length: int | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "ReadRequest":
+        box = self.offsets is not None or self.sizes is not None
+        flat = self.flat_start is not None or self.flat_length is not None
+        if box and flat:
+            raise ValueError(f"read request for {self.name!r}: give a box or a flat range, not both")
+        if box and (self.offsets is None or self.sizes is None or len(self.offsets) != len(self.sizes)):
+            raise ValueError(f"read request for {self.name!r}: offsets and sizes must both be given, same length")
+        if flat and (self.flat_start is None or self.flat_length is None):
+            raise ValueError(f"read request for {self.name!r}: flat_start and flat_length must both be given")
+        return self
+
+    def region(self, shape: Sequence[int]) -> Region:
+        if self.offsets is not None and self.sizes is not None:
+            return Region(box=Box(tuple(self.offsets), tuple(self.sizes)))
+        if self.flat_start is not None and self.flat_length is not None:
+            return Region(flat=(self.flat_start, self.flat_length))
+        return Region(box=Box.full(shape))
+
+
+class Fetch(_Body):
+    file: str
+    start: int
+    end: int
+    block_size: int
+    first_block: int
+    blocks: list[str] = Field(description="XXH3-64 of each block in [start, end)")
+
+
+class Copy(_Body):
+    request: int
+    tensor: str
+    dtype: str
+    fetch: int
+    codec: str
+    byte_start: int = Field(description="offset in the fetch where chunk position pos0 (raw) or the frame (zstd) starts")
+    byte_length: int = Field(description="bytes from byte_start: npos*itemsize (raw) or the frame length (zstd)")
+    pos0: int
+    npos: int
+    strides: list[int]
+    base: int
+    chunk_xxh3: str
+    regions: list[list[list[int]]] = Field(description="boxes as [offsets, sizes] in global coordinates")
+
+
+class ReadPlan(_Body):
+    fetches: list[Fetch]
+    copies: list[Copy]
+
+    @property
+    def bytes_to_read(self) -> int:
+        return sum(f.end - f.start for f in self.fetches)
+
+
+@dataclass
+class _Span:
+    file: str
+    start: int
+    end: int
+    copies: list[dict] = field(default_factory=list)
+
+
+def _check_request(t: TensorEntry, req: ReadRequest, region: Region) -> None:
+    full = Box.full(t.shape)
+    if region.box is not None:
+        if len(region.box.offsets) != len(t.shape) or not full.contains(region.box):
+            raise StateDictMismatch(
+                f"tensor {t.name!r}: requested offsets {req.offsets} sizes {req.sizes} "
+                f"do not fit global shape {t.shape}", tensor=t.name)
+    elif region.flat is not None:
+        s, n = region.flat
+        total = full.numel
+        if s < 0 or n < 0 or s + n > total:
+            raise StateDictMismatch(
+                f"tensor {t.name!r}: requested flat range [{s}, {s + n}) exceeds {total} elements", tensor=t.name)
+
+
+def plan_reads(manifest: Manifest, requests: Sequence[ReadRequest], *, coalesce_gap: int = 1 << 20) -> ReadPlan:
+    """Plan the reads that fill ``requests`` from ``manifest`` (pure).
+
+    Replicated chunks (identical regions on several ranks) are read once.
+    Byte ranges of one file closer than ``coalesce_gap`` are merged, then
+    widened to the file's verification blocks.
+    """
+    spans: list[_Span] = []
+    for ri, req in enumerate(requests):
+        t = manifest.tensor(req.name)
+        if t is None:
+            raise StateDictMismatch(f"tensor {req.name!r} is not in checkpoint {manifest.ref}", tensor=req.name)
+        want = req.region(t.shape)
+        _check_request(t, req, want)
+        size = itemsize(t.dtype)
+        gstrides = row_major_strides(t.shape)
+        seen: set[tuple] = set()
+        for c in t.chunks:
+            key = (tuple(c.offsets), tuple(c.sizes)) if isinstance(c, BoxChunk) else (c.start, c.length)
+            if key in seen:
+                continue  # a replica of a region already planned
+            seen.add(key)
+            boxes = intersect_regions(t.shape, c.region, want)
+            if not boxes:
+                continue
+            if isinstance(c, BoxChunk):
+                strides, base = row_major_strides(c.sizes), sum(o * s for o, s in zip(c.offsets, row_major_strides(c.sizes)))
+            else:
+                strides, base = gstrides, c.start
+            spans_pos = [box_flat_span(b, strides, base) for b in boxes]
+            pos0 = min(s for s, _ in spans_pos)
+            pos1 = max(e for _, e in spans_pos)
+            loc = c.location
+            if loc.codec == "raw":
+                start, end = loc.offset + pos0 * size, loc.offset + pos1 * size
+            else:
+                start, end = loc.offset, loc.offset + loc.length
+                pos0, pos1 = 0, c.numel
+            spans.append(_Span(loc.file, start, end, [dict(
+                request=ri, tensor=t.name, dtype=t.dtype, codec=loc.codec, byte_start=start,
+                byte_length=(pos1 - pos0) * size if loc.codec == "raw" else loc.length,
+                pos0=pos0, npos=pos1 - pos0, strides=list(strides), base=base, chunk_xxh3=loc.xxh3,
+                regions=[[list(b.offsets), list(b.sizes)] for b in boxes],
+            )]))
+    return _coalesce(manifest.files, spans, coalesce_gap)
+
+
+def _coalesce(files: dict[str, FileEntry], spans: list[_Span], gap: int) -> ReadPlan:
+    merged: list[_Span] = []
+    for s in sorted(spans, key=lambda s: (s.file, s.start)):
+        fe = files[s.file]
+        bs = fe.block_size
+        s.start = (s.start // bs) * bs
+        s.end = min(-(-s.end // bs) * bs, fe.size)
+        last = merged[-1] if merged else None
+        if last is not None and last.file == s.file and s.start <= last.end + gap:
+            last.end = max(last.end, s.end)
+            last.copies.extend(s.copies)
+        else:
+            merged.append(_Span(s.file, s.start, s.end, list(s.copies)))
+    fetches: list[Fetch] = []
+    copies: list[Copy] = []
+    for i, s in enumerate(merged):
+        fe = files[s.file]
+        bs = fe.block_size
+        first = s.start // bs
+        last_block = -(-s.end // bs)
+        fetches.append(Fetch(file=s.file, start=s.start, end=s.end, block_size=bs, first_block=first,
+                             blocks=fe.blocks[first:last_block]))
+        for c in s.copies:
+            c = dict(c, fetch=i, byte_start=c["byte_start"] - s.start)
+            copies.append(Copy(**c))
+    copies.sort(key=lambda c: (c.request, c.fetch))
+    return ReadPlan(fetches=fetches, copies=copies)
