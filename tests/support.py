@@ -1,0 +1,140 @@
+"""Test support: a real ``ckptd serve`` process on loopback, and real gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["ServerProcess", "free_port", "run_ranks"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``ckptd serve`` in its own process, killable and restartable on the same root and port."""
+
+    def __init__(self, root: str | Path, port: int | None = None, env: dict[str, str] | None = None,
+                 log: Path | None = None) -> None:
+        self.root = str(root)
+        self.port = port or free_port()
+        self.env = dict(env or {})
+        self.log = Path(log) if log else Path(self.root).with_name(f"server-{self.port}.log")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, env: dict[str, str] | None = None, wait: bool = True) -> "ServerProcess":
+        full_env = {**os.environ, **self.env, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptd.cli.main", "serve", "--root", self.root, "--port", str(self.port),
+             "--log-level", "warning"],
+            env=full_env, stdout=self._logf, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"ckptd serve exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"ckptd serve on port {self.port} not ready:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        rc = self.proc.wait(timeout)
+        self.proc = None
+        return rc
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def restart(self, env: dict[str, str] | None = None) -> "ServerProcess":
+        self.kill()
+        return self.start(env=env)
+
+
+def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save({"ok": True, "result": result}, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException as e:  # noqa: BLE001 - reported to the parent test
+        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc(),
+                    "type": type(e).__name__}, Path(out_dir) / f"rank{rank}.pt")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, tmp: Path, check: bool = True,
+              timeout: float = 240.0) -> list[dict]:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo ranks; return each rank's record."""
+    out_dir = Path(tmp) / f"ranks-{time.monotonic_ns()}"
+    out_dir.mkdir(parents=True)
+    ctx = mp.start_processes(_rank_main, args=(world, free_port(), fn, args, str(out_dir)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} ranks of {fn.__name__} did not finish in {timeout}s")
+    except mp.ProcessRaisedException:
+        if check:
+            records = [_record(out_dir, r) for r in range(world)]
+            errs = [rec.get("tb") or rec.get("error") for rec in records if not rec.get("ok")]
+            raise AssertionError("rank failed:\n" + "\n".join(str(e) for e in errs)) from None
+    except mp.ProcessExitedException:
+        if check:
+            raise
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [_record(out_dir, r) for r in range(world)]
+
+
+def _record(out_dir: Path, rank: int) -> dict:
+    path = out_dir / f"rank{rank}.pt"
+    return torch.load(path, weights_only=False) if path.exists() else {"ok": False, "error": "no result"}
