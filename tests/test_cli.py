@@ -1,0 +1,53 @@
+"""The ``ckptd`` command line: output and exit codes (0 good, 1 wrong, 2 usage/connection)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckptd_client import CheckpointClient
+
+
+def ckptd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptd.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture
+def saved(server):
+    c = CheckpointClient(server.url)
+    c.save({"model": {"w": torch.randn(5, 3)}, "optim": {"param_groups": [{"lr": 0.5, "params": ["model.w"]}]}},
+           "cli/7").wait()
+    c.close()
+    return server
+
+
+def test_ls_show_verify_against_root_and_server(saved):
+    root = saved.root
+    for target in (["--root", root], ["--server", saved.url]):
+        out = ckptd("ls", *target)
+        assert out.returncode == 0 and "cli\t1 checkpoints\tlatest=7" in out.stdout, out
+        out = ckptd("ls", "cli", "--json", *target)
+        assert json.loads(out.stdout)[0]["step"] == 7
+        out = ckptd("show", "cli/latest", *target)
+        assert out.returncode == 0 and "world_size=1" in out.stdout and "lr=0.5" in out.stdout, out
+        out = ckptd("show", "cli/7", "--json", *target)
+        assert json.loads(out.stdout)["tensors"][0]["name"] == "model.w"
+        out = ckptd("verify", "cli/7", *target)
+        assert out.returncode == 0 and out.stdout.startswith("OK cli/7"), out
+
+
+def test_exit_codes(saved, tmp_path):
+    assert ckptd("verify", "cli/8", "--root", saved.root).returncode == 1         # not there
+    assert ckptd("show").returncode == 2                                           # usage
+    assert ckptd("show", "no-slash", "--root", saved.root).returncode == 2        # bad ref
+    assert ckptd("frobnicate").returncode == 2
+    assert ckptd("ls", "--server", "http://127.0.0.1:9").returncode == 2          # nothing listens there
+    help_text = ckptd("--help").stdout
+    for cmd in ("serve", "ls", "show", "verify"):
+        assert cmd in help_text
+    assert "{serve,ls,show,verify}" in help_text  # later commands appear only when they work
