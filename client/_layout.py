@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ckptd_schemas import Box, InvalidRequest
+from ckptd_schemas.balance import lpt_assign
 
 from .flat import FlatShard
 
@@ -86,18 +87,9 @@ def local_piece(fqn: str, value: object) -> LocalPiece:
 
 
 def assign_replicated(sizes: Sequence[tuple[str, int]], world: int) -> dict[str, int]:
-    """Balance replicated tensors over ranks (largest first onto the least loaded rank).
-
-    Deterministic from the names and sizes alone, so every rank computes the
-    same answer without communicating.
-    """
-    load = [0] * world
-    owner: dict[str, int] = {}
-    for name, nbytes in sorted(sizes, key=lambda x: (-x[1], x[0])):
-        r = min(range(world), key=lambda i: (load[i], i))
-        owner[name] = r
-        load[r] += nbytes
-    return owner
+    """Which rank writes each replicated tensor: balanced by bytes, computed identically on
+    every rank from names and sizes alone (no communication)."""
+    return lpt_assign(sizes, world)
 
 
 def mesh_of(values: Sequence[object], world: int) -> tuple[dict[str, int], dict[str, int]]:

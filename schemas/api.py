@@ -39,6 +39,7 @@ class OpenSession(_Body):
     session: SessionId
     world_size: Annotated[int, Field(ge=1, le=1 << 20)]
     step: Annotated[int, Field(ge=0)] | None = None
+    derived_from: str | None = Field(None, max_length=300, description="source ref of a derived checkpoint")
 
 
 class SessionInfo(_Body):

@@ -190,8 +190,17 @@ def check_tiling(
     full = Box.full(shape)
     unique: dict[Box, tuple[int, str]] = {}
     ranks_seen: set[int] = set()
+    total = prod(shape)
     for region, rank, digest in pieces:
         ranks_seen.add(rank)
+        if region.flat is not None and (
+            region.flat[0] < 0 or region.flat[1] < 0 or region.flat[0] + region.flat[1] > total
+        ):
+            raise TilingError(
+                f"tensor {tensor!r}: flat chunk from rank {rank} [{region.flat[0]}, {region.flat[0] + region.flat[1]}) "
+                f"lies outside the {total} elements of global shape {list(shape)}",
+                tensor=tensor, ranks=[rank],
+            )
         for box in region.boxes(shape):
             if len(box.offsets) != len(shape) or not full.contains(box):
                 raise TilingError(
@@ -225,7 +234,6 @@ def check_tiling(
                     )
             active.append(box)
     covered = sum(b.numel for b in boxes)
-    total = prod(shape)
     if covered != total:
         where = _first_gap(shape, boxes)
         raise TilingError(

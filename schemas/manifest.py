@@ -15,9 +15,11 @@ from datetime import datetime
 from math import prod
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, JsonValue, PrivateAttr, ValidationInfo, field_validator, model_validator,
+)
 
-from .dtypes import DType, itemsize
+from .dtypes import ITEMSIZE, DType, itemsize
 from .geometry import Box, Region
 from .names import FILE_RE
 
@@ -40,6 +42,7 @@ FORMAT_VERSION = 1
 HEX64 = r"^[0-9a-f]{16}$"
 NonNeg = Annotated[int, Field(ge=0, le=2**62)]
 Fqn = Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^[^\x00]+$")]
+FileName = Annotated[str, Field(pattern=FILE_RE.pattern.join("^$"))]
 
 
 class _Model(BaseModel):
@@ -49,7 +52,7 @@ class _Model(BaseModel):
 class Location(_Model):
     """Where a chunk's bytes are: a byte range of one data file of the checkpoint."""
 
-    file: Annotated[str, Field(pattern=FILE_RE.pattern.join("^$"))]
+    file: FileName
     offset: NonNeg
     length: NonNeg = Field(description="stored (possibly compressed) byte length")
     codec: Literal["raw", "zstd"] = "raw"
@@ -114,6 +117,13 @@ class TensorEntry(_Model):
         default=None, description="layout-independent XXH3-64 of the full tensor's row-major bytes"
     )
     placement: str | None = Field(default=None, description="source layout hint, e.g. DTensor placements")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _known_dtype(cls, v: object, info: ValidationInfo) -> object:
+        if isinstance(v, str) and v not in ITEMSIZE:  # name the tensor; other types fail the Literal check
+            raise ValueError(f"tensor {info.data.get('name')!r}: unknown dtype {v!r} (known: {', '.join(ITEMSIZE)})")
+        return v
 
     @model_validator(mode="after")
     def _chunks_inside(self) -> "TensorEntry":
@@ -216,7 +226,7 @@ class Manifest(_Model):
     tensors: list[TensorEntry]
     objects: list[ObjectEntry] = Field(default_factory=list)
     param_groups: list[ParamGroup] = Field(default_factory=list)
-    files: dict[str, FileEntry]
+    files: dict[FileName, FileEntry]
     _by_name: dict[str, TensorEntry] | None = PrivateAttr(default=None)
 
     @field_validator("tensors")

@@ -1,4 +1,4 @@
-"""``ckptd`` command line: serve, ls, show, verify.
+"""``ckptd`` command line: serve, ls, show, verify, reshard, reshard-worker.
 
 Exit codes: 0 success; 1 the thing checked is wrong (corrupt, invalid, not
 found); 2 usage or connection error.
@@ -10,11 +10,11 @@ import argparse
 import json
 import os
 import sys
-from typing import Callable
-
 from ckptd_schemas import CkptdError, IntegrityError, NotFound, Unavailable, parse_ref
 
 from .backends import open_backend
+from .output import human, progress_bar
+from .reshard import add_parsers as add_reshard_parsers
 
 __all__ = ["main"]
 
@@ -41,14 +41,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                    ("log_level", args.log_level)) if v is not None}
     serve(Settings(**overrides))
     return 0
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -82,14 +74,14 @@ def cmd_show(args: argparse.Namespace) -> int:
     if m.derived_from:
         print(f"derived from {m.derived_from}")
     print(f"topology   world_size={topo.world_size} mesh={topo.mesh or '-'} layouts={topo.layouts or '-'}")
-    print(f"files      {len(m.files)} ({_human(m.total_bytes)})")
+    print(f"files      {len(m.files)} ({human(m.total_bytes)})")
     groups: dict[str, list[int]] = {}
     for t in m.tensors:
         g = groups.setdefault(t.group, [0, 0])
         g[0] += 1
         g[1] += sum(c.location.raw_length for c in t.chunks)
     for g, (n, nbytes) in sorted(groups.items()):
-        print(f"group      {g}: {n} tensors, {_human(nbytes)}")
+        print(f"group      {g}: {n} tensors, {human(nbytes)}")
     per_rank: dict[int, int] = {}
     for t in m.tensors:
         for c in t.chunks:
@@ -97,7 +89,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if per_rank:
         mean = sum(per_rank.values()) / topo.world_size
         peak = max(per_rank.values())
-        print(f"per rank   max {_human(peak)}, mean {_human(mean)}, imbalance {peak / mean - 1 if mean else 0:.1%}")
+        print(f"per rank   max {human(peak)}, mean {human(mean)}, imbalance {peak / mean - 1 if mean else 0:.1%}")
     for pg in m.param_groups:
         hp = ", ".join(f"{k}={v}" for k, v in pg.hyperparams.items() if k in ("lr", "weight_decay", "betas", "eps"))
         print(f"optimizer  {pg.optimizer or '-'} group {pg.index}: {len(pg.params)} params, {hp}")
@@ -117,7 +109,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except IntegrityError as e:
         print(f"FAIL {args.ref}: {e.message}")
         return 1
-    progress, finish = _progress(m.total_bytes, f"verify {m.ref}", args.json)
+    progress, finish = progress_bar(m.total_bytes, f"verify {m.ref}", args.json)
     report = verify_manifest(m, _Source(b, m), progress=progress)
     finish()
     if args.json:
@@ -125,7 +117,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                           "chunks": report.chunks, "bytes_read": report.bytes_read, "problems": report.problems}))
     elif report.ok:
         print(f"OK {report.ref}: {report.files} files, {report.tensors} tensors, {report.chunks} chunks, "
-              f"{_human(report.bytes_read)} re-read and re-hashed")
+              f"{human(report.bytes_read)} re-read and re-hashed")
     else:
         print(f"FAIL {report.ref}: {len(report.problems)} problems")
         for p in report.problems[:50]:
@@ -139,18 +131,6 @@ class _Source:
 
     def read(self, file: str, start: int, end: int) -> bytes:
         return self.backend.read(self.manifest, file, start, end)
-
-
-def _progress(total: int, label: str, quiet: bool) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
-    if quiet or not sys.stderr.isatty():
-        return None, lambda: None
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-    bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                   TransferSpeedColumn(), transient=True)
-    bar.start()
-    task = bar.add_task(label, total=total)
-    return (lambda n: bar.advance(task, n)), bar.stop
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     _add_target(s)
     s.set_defaults(func=cmd_verify)
+
+    add_reshard_parsers(sub, _add_target)
     return p
 
 

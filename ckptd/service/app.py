@@ -25,11 +25,11 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
-    CheckpointSummary, InvalidRequest, Manifest, OpenSession, PayloadTooLarge, RankIndex, ReadPlan,
+    CheckpointSummary, InvalidIndex, InvalidRequest, Manifest, OpenSession, PayloadTooLarge, RankIndex, ReadPlan,
     ReadRequest, RunSummary, SessionInfo, SessionStatus, UploadResult, check_file, plan_reads,
 )
 
@@ -38,6 +38,7 @@ from ..storage import Storage, open_storage
 from ..store import CheckpointReader, SessionStore
 from ..store.faults import crash_point
 from .errors import install_error_handlers
+from .reshard_routes import reshard_router
 from .settings import Settings
 
 __all__ = ["create_app"]
@@ -70,6 +71,20 @@ def _parse_range(header: str | None, size: int) -> tuple[int, int]:
     if start < 0 or start > end or start >= size and size > 0:
         raise InvalidRequest(f"Range {header!r} outside a file of {size} bytes", size=size)
     return start, end
+
+
+def _parse_body(model: type[BaseModel], raw: bytes, what: str, err: type[InvalidRequest] = InvalidRequest,
+                **details: object) -> BaseModel:
+    """Validate a JSON body read by hand: a bad body is the client's fault (4xx), never a 500."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        raise err(f"{what} is invalid at {where}: {first.get('msg', 'invalid')}",
+                  errors=[{"loc": [str(p) for p in x.get("loc", ())], "msg": x.get("msg")} for x in errors[:20]],
+                  **details) from None
 
 
 async def _read_body_limited(request: Request, limit: int) -> bytes:
@@ -162,7 +177,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
              tags=["upload"])
     async def put_index(request: Request, run: str, name: str, sid: str, rank: int) -> SessionStatus:
         raw = await _read_body_limited(request, settings.max_index_bytes)
-        index = RankIndex.model_validate_json(raw)
+        index = _parse_body(RankIndex, raw, f"index of rank {rank}", InvalidIndex, rank=rank)
         if index.rank != rank:
             raise InvalidRequest(f"index body is for rank {index.rank}, URL says rank {rank}", rank=rank)
         return await run_in_threadpool(sessions.put_index, run, name, sid, index)
@@ -200,7 +215,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     @app.post("/v1/checkpoints/{run}/{name}/read-plan", response_model=ReadPlan, tags=["read"])
     async def read_plan(request: Request, run: str, name: str) -> ReadPlan:
         raw = await _read_body_limited(request, settings.max_index_bytes)
-        body = ReadPlanBody.model_validate_json(raw)
+        body = _parse_body(ReadPlanBody, raw, "read-plan request")
         manifest = await run_in_threadpool(reader.manifest, run, name)
         return await run_in_threadpool(plan_reads, manifest, body.requests)
 
@@ -229,4 +244,5 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         return StreamingResponse(pieces(), status_code=status, headers=headers,
                                  media_type="application/octet-stream")
 
+    app.include_router(reshard_router(storage, settings))
     return app

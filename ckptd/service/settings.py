@@ -18,4 +18,6 @@ class Settings(BaseSettings):
     reclaim_interval: float = Field(600.0, description="seconds between stale-session sweeps")
     max_index_bytes: int = Field(256 << 20, description="largest accepted rank index or read-plan body")
     write_batch_bytes: int = Field(8 << 20, description="bytes gathered before each storage write")
+    reshard_workers: int = Field(1, description="worker processes for reshard jobs")
+    reshard_max_mbps: float = Field(256.0, description="bandwidth cap of one reshard job, MiB/s (0 = none)")
     log_level: str = Field("info", description="log level")

@@ -21,7 +21,9 @@ from .local import LocalStorage
 
 __all__ = ["FsspecStorage"]
 
-_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "memory"}
+# memory:// is not one: its files appear in the store as soon as they are opened
+# for writing (and stay after discard), so it needs the temp key + mv path.
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs"}
 
 
 def _wrap(op: str, key: str, e: Exception) -> StorageError:
@@ -89,22 +91,24 @@ class FsspecStorage(Storage):
             self.fs.makedirs(self.root, exist_ok=True)
 
     def _path(self, key: str) -> str:
-        return f"{self.root}/{check_key(key)}" if key else self.root
+        return f"{self.root}/{check_key(key)}"
 
     def open_write(self, key: str) -> Writer:
         return _FsspecWriter(self.fs, self._path(key), key, self._in_place)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        path = self._path(key)  # InvalidName propagates as is
         try:
-            return self.fs.cat_file(self._path(key), start=start, end=end)
+            return self.fs.cat_file(path, start=start, end=end)
         except FileNotFoundError as e:
             raise StorageError(f"storage object {key!r} does not exist", key=key) from e
         except Exception as e:  # noqa: BLE001
             raise _wrap("read", key, e) from e
 
     def size(self, key: str) -> int | None:
+        path = self._path(key)
         try:
-            info = self.fs.info(self._path(key))
+            info = self.fs.info(path)
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001
@@ -112,7 +116,7 @@ class FsspecStorage(Storage):
         return int(info.get("size") or 0) if info.get("type") != "directory" else 0
 
     def list(self, prefix: str) -> list[str]:
-        path = self._path(prefix)
+        path = self._path(prefix) if prefix else self.root
         try:
             entries = self.fs.ls(path, detail=False, refresh=True) if self.fs.exists(path) else []
         except FileNotFoundError:
@@ -134,8 +138,9 @@ class FsspecStorage(Storage):
             return True
 
     def delete(self, key: str) -> None:
+        path = self._path(key)
         try:
-            self.fs.rm_file(self._path(key))
+            self.fs.rm_file(path)
         except FileNotFoundError:
             pass
         except Exception as e:  # noqa: BLE001

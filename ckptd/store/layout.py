@@ -47,6 +47,7 @@ class SessionMeta(BaseModel):
     world_size: int
     step: int | None
     created_at: datetime
+    derived_from: str | None = None
 
 
 class Paths:

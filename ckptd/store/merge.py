@@ -82,7 +82,7 @@ def _merge_tensors(run: str, name: str, ranks: Sequence[RankIndex], owners: dict
         for t in ix.tensors:
             grouped[t.name].append((ix.rank, t))
     out = []
-    for tname in sorted(grouped):
+    for tname in grouped:  # first-seen order: rank 0's state-dict order (layouts concatenate in it)
         entries = grouped[tname]
         r0, first = entries[0]
         chunks = []
@@ -91,6 +91,9 @@ def _merge_tensors(run: str, name: str, ranks: Sequence[RankIndex], owners: dict
                 raise InvalidIndex(
                     f"tensor {tname!r}: rank {r0} saved shape {first.shape} {first.dtype}, "
                     f"rank {r} saved shape {t.shape} {t.dtype}", tensor=tname, ranks=[r0, r])
+            if t.digest is not None and first.digest is not None and t.digest != first.digest:
+                raise InvalidIndex(f"tensor {tname!r}: ranks {r0} and {r} declare different digests",
+                                   tensor=tname, ranks=[r0, r])
             for c in t.chunks:
                 if c.rank != r:
                     raise InvalidIndex(f"tensor {tname!r}: rank {r} sent a chunk labelled rank {c.rank}",
@@ -102,8 +105,9 @@ def _merge_tensors(run: str, name: str, ranks: Sequence[RankIndex], owners: dict
                 chunks.append(c)
         chunks.sort(key=_chunk_key)
         check_tiling(tname, first.shape, [(c.region, c.rank, c.location.xxh3) for c in chunks])
+        digest = next((t.digest for _, t in entries if t.digest is not None), None)
         out.append(TensorEntry(name=tname, shape=first.shape, dtype=first.dtype, group=first.group,
-                               chunks=chunks, placement=first.placement))
+                               chunks=chunks, placement=first.placement, digest=digest))
     return out
 
 
@@ -112,19 +116,27 @@ def _object_identity(o: ObjectEntry) -> tuple:
 
 
 def _merge_objects(ranks: Sequence[RankIndex], world_size: int) -> list[ObjectEntry]:
+    """Objects a rank sends with ``rank=None`` are global (kept once). Per-rank objects that
+    every rank saved with identical content become one global entry; others stay per rank."""
+    global_: dict[str, ObjectEntry] = {}
     grouped: dict[str, list[ObjectEntry]] = defaultdict(list)
     for ix in ranks:
         for o in ix.objects:
-            grouped[o.name].append(o.model_copy(update={"rank": ix.rank}))
-    out: list[ObjectEntry] = []
-    for oname in sorted(grouped):
+            if o.rank is None:
+                global_.setdefault(o.name, o)
+            else:
+                grouped[o.name].append(o.model_copy(update={"rank": ix.rank}))
+    out: list[ObjectEntry] = list(global_.values())
+    for oname in grouped:
+        if oname in global_:
+            continue
         entries = sorted(grouped[oname], key=lambda o: o.rank)
         same = len({_object_identity(o) for o in entries}) == 1
         if same and len(entries) == world_size:
             out.append(entries[0].model_copy(update={"rank": None}))
         else:
             out.extend(entries)
-    return out
+    return sorted(out, key=lambda o: (o.name, -1 if o.rank is None else o.rank))
 
 
 def _merge_param_groups(run: str, name: str, ranks: Sequence[RankIndex]) -> list[ParamGroup]:

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from ckptd_schemas import (
     AlreadyCommitted, ChecksumMismatch, CkptdError, CommitFailed, Conflict, FileEntry, InvalidIndex,
     OpenSession, RankIndex, SessionConflict, SessionInfo, SessionNotFound, SessionStatus, UploadResult,
-    check_file, check_name, check_run, check_session,
+    check_file, check_name, check_run, check_session, parse_ref,
 )
 
 from ..storage import Storage, Writer
@@ -125,11 +125,14 @@ class SessionStore:
             raise AlreadyCommitted(
                 f"checkpoint {run}/{name} is already committed; committed checkpoints are immutable "
                 f"(save under a new name)", ref=f"{run}/{name}", session=m.session)
-        meta = SessionMeta(session=req.session, world_size=req.world_size, step=req.step, created_at=_now())
+        if req.derived_from is not None:
+            parse_ref(req.derived_from)
+        meta = SessionMeta(session=req.session, world_size=req.world_size, step=req.step, created_at=_now(),
+                           derived_from=req.derived_from)
         key = Paths.session_meta(run, name, req.session)
         if not self.storage.create_if_absent(key, meta.model_dump_json().encode()):
             meta = self._meta(run, name, req.session)
-            if meta.world_size != req.world_size or meta.step != req.step:
+            if meta.world_size != req.world_size or meta.step != req.step or meta.derived_from != req.derived_from:
                 raise SessionConflict(
                     f"session {req.session} of {run}/{name} was opened with world size {meta.world_size} "
                     f"and step {meta.step}; this request says world size {req.world_size} and step {req.step}",
@@ -151,6 +154,13 @@ class SessionStore:
     # -- 3. rank index -----------------------------------------------------------------
     def put_index(self, run: str, name: str, sid: str, index: RankIndex) -> SessionStatus:
         check_run(run), check_name(name), check_session(sid)
+        m = self._marker(run, name)
+        if m is not None and m.session == sid:
+            # A retry of an index that is already part of this session's commit (the response was
+            # lost, e.g. the server died right after creating the marker): answer as before.
+            stored = self.storage.read_json_or_none(Paths.rank_index(run, name, sid, index.rank))
+            if stored is not None and RankIndex.model_validate(stored) == index:
+                return self.status(run, name, sid)
         meta = self._check_writable(run, name, sid)
         if index.world_size != meta.world_size or index.rank >= meta.world_size:
             raise InvalidIndex(
@@ -235,7 +245,8 @@ class SessionStore:
                         raise InvalidIndex(f"rank {ix.rank}: file {f!r} has no verified upload", file=f)
                     files[f] = entry
             manifest = merge_indexes(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
-                                     world_size=meta.world_size, indexes=indexes, files=files)
+                                     world_size=meta.world_size, indexes=indexes, files=files,
+                                     derived_from=meta.derived_from)
         except (CkptdError, ValidationError) as e:
             err = e if isinstance(e, CkptdError) else InvalidIndex(f"{run}/{name}: {e}")
             log.warning("commit of %s/%s session %s refused: %s", run, name, sid, err.message)

@@ -1,0 +1,128 @@
+"""``ckptd reshard`` and ``ckptd reshard-worker``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import uuid
+from dataclasses import asdict
+
+from ckptd_schemas import parse_ref
+
+from .output import human, progress_bar
+
+__all__ = ["add_parsers", "default_out_name"]
+
+
+def default_out_name(name: str, spec: str, dtype: str | None) -> str:
+    slug = spec.replace(":", "-").replace("=", "").replace(",", "-")
+    return f"{name}-{slug}" + (f"-{dtype}" if dtype else "")
+
+
+def _print_preview(pv, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(asdict(pv)))
+        return
+    kinds = ["weights", "gradients", "optimizer", "other"]
+    print(f"target {pv.spec}: {pv.world_size} ranks")
+    print("rank   " + "  ".join(f"{k:>12}" for k in kinds) + f"  {'total':>12}")
+    for r, row in enumerate(pv.per_rank):
+        print(f"{r:<6} " + "  ".join(f"{human(row.get(k, 0)):>12}" for k in kinds)
+              + f"  {human(sum(row.values())):>12}")
+    print(f"imbalance {pv.imbalance:.1%}  padding {pv.padding:.1%}")
+    note = " (gradients not saved: estimated as the weights' size)" if pv.grads_estimated else ""
+    print(f"ZeRO estimates per rank: M_S2 ~ N*b_p + N*(b_g+b_o)/P = {human(pv.m_s2)};  "
+          f"M_S3 ~ N*(b_p+b_g+b_o)/P = {human(pv.m_s3)}{note}")
+    print("work units (unit, rank, file, bytes to read):")
+    for u, r, f, n in pv.unit_reads:
+        print(f"  {u:>5}  {r:>5}  {f}  {human(n)}")
+
+
+def cmd_reshard(args: argparse.Namespace) -> int:
+    if args.server or (not args.root and os.environ.get("CKPTD_URL") and not os.environ.get("CKPTD_ROOT")):
+        from .reshard_remote import reshard_via_server
+
+        return reshard_via_server(args)
+    from ..reshard.executor import pick_device, run_plan
+    from ..reshard.planner import plan_reshard
+    from ..reshard.preview import preview
+    from ..reshard.spec import parse_spec
+    from ..storage import open_storage
+    from ..store import CheckpointReader, SessionStore
+
+    spec = parse_spec(args.to)  # refused before any I/O
+    src = parse_ref(args.ref)
+    storage = open_storage(args.root or os.environ.get("CKPTD_ROOT") or "./ckptd-data")
+    reader, sessions = CheckpointReader(storage), SessionStore(storage)
+    manifest = reader.manifest(src.run, src.name)
+    plan = plan_reshard(manifest, spec, dtype=args.dtype)
+    if args.dry_run:
+        _print_preview(preview(plan), args.json)
+        return 0
+    pick_device(args.device)
+    out = args.out or f"{manifest.run}/{default_out_name(manifest.name, str(spec), args.dtype)}"
+    parse_ref(out)
+    if args.write_plan:
+        from ..reshard.jobs import write_job
+
+        session = uuid.uuid4().hex
+        write_job(args.write_plan, plan, out, session, args.device, sessions)
+        print(json.dumps({"plan": args.write_plan, "units": len(plan.units), "out": out, "session": session}))
+        return 0
+    advance, stop = progress_bar(plan.bytes_to_write, f"reshard -> {spec}", args.json)
+    try:
+        res = run_plan(reader, sessions, plan, out, uuid.uuid4().hex, device=args.device, jobs=args.jobs,
+                       progress=advance)
+    finally:
+        stop()
+    pv = preview(plan)
+    if args.json:
+        print(json.dumps({"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units,
+                          "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
+                          "seconds": round(res.seconds, 3), "imbalance": pv.imbalance, "padding": pv.padding,
+                          "per_rank_bytes": [sum(r.values()) for r in pv.per_rank]}))
+    else:
+        rate = res.bytes_written / res.seconds if res.seconds else 0
+        print(f"committed {res.ref} ({spec}, derived from {manifest.ref}): {res.units} work units, "
+              f"{human(res.bytes_read)} read, {human(res.bytes_written)} written in {res.seconds:.2f}s "
+              f"({human(rate)}/s); every tensor's digest matches the source")
+        loads = [sum(r.values()) for r in pv.per_rank]
+        print(f"per rank: max {human(max(loads))}, min {human(min(loads))}, imbalance {pv.imbalance:.1%}, "
+              f"padding {pv.padding:.1%}")
+    return 0
+
+
+def cmd_reshard_worker(args: argparse.Namespace) -> int:
+    from ..reshard.jobs import run_worker
+
+    result = run_worker(args.plan, args.index, root=args.root)
+    print(json.dumps(result))
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
+    s = sub.add_parser("reshard", help="convert a committed checkpoint to another layout (new checkpoint)")
+    s.add_argument("ref", help="source checkpoint, RUN/NAME or RUN/latest")
+    s.add_argument("--to", required=True, metavar="SPEC", help="target layout, e.g. fsdp2:dp=4, zero3:dp=8,align=16, "
+                   "tp=2,dp=2, owner:dp=4,max-per-rank=5, pp=2, full")
+    s.add_argument("--out", help="output ref (default RUN/NAME-<spec>)")
+    s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where chunks are assembled and cast")
+    s.add_argument("--jobs", type=int, default=2, help="work units run in parallel")
+    s.add_argument("--dtype", help="cast floating tensors, e.g. bfloat16")
+    s.add_argument("--dry-run", action="store_true", help="print per-rank bytes and reads; write nothing")
+    s.add_argument("--write-plan", metavar="URI", help="write the plan for `ckptd reshard-worker` pods and exit")
+    s.add_argument("--json", action="store_true")
+    add_target(s)
+    s.set_defaults(func=cmd_reshard)
+
+    s = sub.add_parser("reshard-worker", help="run one work unit of a written plan (Kubernetes Indexed Job)")
+    s.add_argument("--plan", required=True, metavar="URI", help="plan written by reshard --write-plan")
+    s.add_argument("--index", type=int, default=int(os.environ.get("JOB_COMPLETION_INDEX", "-1")),
+                   help="work unit (default $JOB_COMPLETION_INDEX)")
+    s.add_argument("--root", help="storage root holding the checkpoints (default: the plan's)")
+    s.set_defaults(func=cmd_reshard_worker)
+
+

@@ -1,0 +1,55 @@
+"""``ckptd reshard --server URL``: submit a job to the service, follow it with a progress bar."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from ckptd_schemas import CkptdError, error_from_body
+
+from .output import human
+
+__all__ = ["reshard_via_server"]
+
+
+def reshard_via_server(args: argparse.Namespace) -> int:
+    from ckptd_client._http import Transport
+
+    url = args.server or os.environ["CKPTD_URL"]
+    t = Transport(url, retry_seconds=10.0, token=os.environ.get("CKPTD_TOKEN"))
+    body = {"source": args.ref, "to": args.to, "out": args.out, "dtype": args.dtype, "device": args.device,
+            "jobs": args.jobs}
+    if args.dry_run:
+        pv = t.request("POST", "/v1/reshard/preview", json=body)
+        print(json.dumps(pv) if args.json else json.dumps(pv, indent=2))
+        return 0
+    job = t.request("POST", "/v1/reshard", json=body)
+    bar = None
+    if not args.json and sys.stderr.isatty():
+        from rich.progress import BarColumn, DownloadColumn, Progress
+
+        bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), transient=True)
+        bar.start()
+        task = bar.add_task(f"reshard -> {args.to}", total=job["bytes_total"] or 1)
+    try:
+        while job["state"] in ("queued", "running"):
+            time.sleep(0.3)
+            job = t.request("GET", f"/v1/jobs/{job['id']}")
+            if bar is not None:
+                bar.update(task, completed=job["bytes_done"])
+    finally:
+        if bar is not None:
+            bar.stop()
+    if job["state"] == "failed":
+        err = error_from_body({"error": job["error"]}, 422)
+        raise err if isinstance(err, CkptdError) else CkptdError(str(job["error"]))
+    res = job["result"]
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"committed {res['ref']} ({job['spec']}, derived from {job['source']}): {res['units']} work units, "
+              f"{human(res['bytes_written'])} written in {res['seconds']:.2f}s; every tensor's digest matches")
+    return 0

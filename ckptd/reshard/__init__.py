@@ -1,0 +1,1 @@
+"""Resharding: layout specs, pure layouts and planner, and the streaming executor."""

@@ -1,0 +1,267 @@
+"""The reshard executor: runs a plan's work units with bounded memory, then commits.
+
+Call order (``run_plan`` does all of it; ``ckptd reshard-worker`` does step 2
+for one unit):
+
+1. ``open_target``: open an upload session for the output ref (``derived_from``
+   the source), exactly as a trainer save does.
+2. ``run_unit`` per work unit, in any order or process: for each target chunk,
+   fetch its source byte ranges (block digests verified), assemble it on the
+   chosen device (cast there if asked), stream it into the unit's target file.
+   Memory held: one target chunk plus the fetches that fill it.
+3. ``finalize``: build each target rank's index, compute every tensor's
+   layout-independent digest on the source and on the written target; any
+   difference aborts the session (nothing becomes visible). Otherwise the
+   indexes go in and the output commits through the normal protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import xxhash
+from pydantic import BaseModel, ConfigDict
+
+from ckptd_client.assemble import Destination, copy_into, torch_dtype, verify_fetch
+from ckptd_schemas import (
+    BoxChunk, Chunk, FlatChunk, IntegrityError, InvalidRequest, Location, Manifest, ObjectEntry,
+    OpenSession, RankIndex, TensorEntry, check_name, check_run, parse_ref,
+)
+
+from ..store import CheckpointReader, SessionStore
+from ..store.layout import Paths
+from ..store.merge import merge_indexes
+from .digest import tensor_digests
+from .planner import ALIGN, ReshardPlan, WorkUnit
+
+__all__ = ["ReshardResult", "UnitResult", "finalize", "open_target", "pick_device", "run_plan", "run_unit"]
+
+log = logging.getLogger("ckptd.reshard")
+_PAD = bytes(ALIGN)
+
+
+def pick_device(device: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu; ``cuda`` without a GPU is refused."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest("--device cuda asked for, but no CUDA device is available", device=device)
+    if device not in ("cpu", "cuda"):
+        raise InvalidRequest(f"device must be auto, cpu or cuda, not {device!r}", device=device)
+    return torch.device(device)
+
+
+class UnitResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    index: int
+    rank: int
+    file: str
+    chunks: list[tuple[str, Chunk]]
+    bytes_read: int
+    bytes_written: int
+
+
+@dataclass
+class ReshardResult:
+    ref: str
+    manifest_xxh3: str
+    units: int
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+
+
+def open_target(sessions: SessionStore, plan: ReshardPlan, out_ref: str, session: str) -> None:
+    r = parse_ref(out_ref)
+    check_run(r.run), check_name(r.name)
+    sessions.open(r.run, r.name, OpenSession(session=session, world_size=plan.world_size, step=plan.source_step,
+                                             derived_from=plan.source))
+
+
+def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan, unit: WorkUnit, out_ref: str,
+             session: str, *, device: torch.device, progress: Callable[[int], None] | None = None) -> UnitResult:
+    src = parse_ref(plan.source)
+    out = parse_ref(out_ref)
+    sink = sessions.begin_file(out.run, out.name, session, unit.file)
+    chunks: list[tuple[str, Chunk]] = []
+    read_total = 0
+    try:
+        for pc in unit.chunks:
+            buf = torch.empty(pc.numel, dtype=torch_dtype(pc.src_dtype), device=device)
+            if pc.sizes is not None:
+                dest = Destination(buf.view(pc.sizes), _shape(reader, plan, pc.tensor), box_offsets=pc.offsets)
+            else:
+                dest = Destination(buf, _shape(reader, plan, pc.tensor), flat_start=pc.flat_start)
+            for i, f in enumerate(pc.reads.fetches):
+                data = bytearray(reader.read_range(src.run, src.name, f.file, f.start, f.end))
+                verify_fetch(data, f)
+                read_total += len(data)
+                for c in pc.reads.copies:
+                    if c.fetch == i:
+                        copy_into(data, c, dest)
+            result = buf if pc.dtype == pc.src_dtype else buf.to(torch_dtype(pc.dtype))
+            host = result.cpu() if result.device.type != "cpu" else result
+            raw = memoryview(host.view(torch.uint8).numpy()) if host.numel() else memoryview(b"")
+            assert sink.size == pc.file_offset, "work unit layout out of step with the plan"
+            sink.write(raw)
+            pad = (-len(raw)) % ALIGN
+            if pad:
+                sink.write(_PAD[:pad])
+            loc = Location(file=unit.file, offset=pc.file_offset, length=len(raw), raw_length=len(raw),
+                           xxh3=xxhash.xxh3_64_hexdigest(raw))
+            if pc.sizes is not None:
+                chunk: Chunk = BoxChunk(rank=unit.rank, offsets=pc.offsets, sizes=pc.sizes, location=loc)
+            else:
+                chunk = FlatChunk(rank=unit.rank, start=pc.flat_start, length=pc.flat_length, location=loc)
+            chunks.append((pc.tensor, chunk))
+            if progress:
+                progress(pc.nbytes)
+        sink.finish(None)
+    except BaseException:
+        sink.abort()
+        raise
+    return UnitResult(index=unit.index, rank=unit.rank, file=unit.file, chunks=chunks, bytes_read=read_total,
+                      bytes_written=unit.size)
+
+
+def _shape(reader: CheckpointReader, plan: ReshardPlan, tensor: str) -> list[int]:
+    src = parse_ref(plan.source)
+    t = reader.manifest(src.run, src.name).tensor(tensor)
+    assert t is not None
+    return t.shape
+
+
+def _indexes(plan: ReshardPlan, source: Manifest, results: list[UnitResult],
+             objects: list[ObjectEntry], objects_file: str | None) -> list[RankIndex]:
+    by_rank: dict[int, dict[str, list[Chunk]]] = {r: {} for r in range(plan.world_size)}
+    files: dict[int, list[str]] = {r: [] for r in range(plan.world_size)}
+    for res in sorted(results, key=lambda r: r.index):
+        files[res.rank].append(res.file)
+        for name, chunk in res.chunks:
+            by_rank[res.rank].setdefault(name, []).append(chunk)
+    if objects_file is not None:
+        files[0].append(objects_file)
+    out = []
+    for r in range(plan.world_size):
+        tensors = []
+        for t in source.tensors:
+            chunks = by_rank[r].get(t.name)
+            if chunks is None and r != 0:  # rank 0 declares every tensor: the manifest keeps source order
+                continue
+            dtype = t.dtype if plan.dtype is None or t.dtype not in ("float64", "float32", "float16", "bfloat16") \
+                else plan.dtype
+            tensors.append(TensorEntry(name=t.name, shape=t.shape, dtype=dtype, group=t.group, chunks=chunks or [],
+                                       placement=plan.placements.get(t.name)))
+        out.append(RankIndex(rank=r, world_size=plan.world_size, coords=plan.coords[r] if plan.coords else {},
+                             mesh=plan.mesh, layouts=plan.group_layouts, tensors=tensors,
+                             objects=objects if r == 0 else [],
+                             param_groups=source.param_groups if r == 0 else [], files=files[r]))
+    return out
+
+
+def _copy_objects(reader: CheckpointReader, sessions: SessionStore, source: Manifest, out_ref: str,
+                  session: str, world: int) -> tuple[list[ObjectEntry], str | None]:
+    """Carry objects over: global ones stay global; per-rank ones keep their rank if it exists."""
+    keep = [o for o in source.objects if o.rank is None or o.rank < world]
+    pickled = [o for o in keep if o.location is not None]
+    if not pickled:
+        return [o.model_copy(update={"rank": None}) if o.rank is None else o for o in keep], None
+    out = parse_ref(out_ref)
+    fname = "objects.bin"
+    sink = sessions.begin_file(out.run, out.name, session, fname)
+    moved: list[ObjectEntry] = []
+    try:
+        for o in keep:
+            if o.location is None:
+                moved.append(o)
+                continue
+            data = reader.read_range(source.run, source.name, o.location.file, o.location.offset,
+                                     o.location.offset + o.location.length)
+            if xxhash.xxh3_64_hexdigest(data) != o.location.xxh3:
+                raise IntegrityError(f"object {o.name!r} of {source.ref} fails its checksum", file=o.location.file)
+            loc = o.location.model_copy(update={"file": fname, "offset": sink.size})
+            sink.write(data)
+            pad = (-len(data)) % ALIGN
+            if pad:
+                sink.write(_PAD[:pad])
+            moved.append(o.model_copy(update={"location": loc}))
+        sink.finish(None)
+    except BaseException:
+        sink.abort()
+        raise
+    return moved, fname
+
+
+def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan, results: list[UnitResult],
+             out_ref: str, session: str) -> str:
+    """Check digests source vs target, then send the indexes (the last one commits)."""
+    src = parse_ref(plan.source)
+    out = parse_ref(out_ref)
+    source = reader.manifest(src.run, src.name)
+    objects, objects_file = _copy_objects(reader, sessions, source, out_ref, session, plan.world_size)
+    indexes = _indexes(plan, source, results, objects, objects_file)
+    files = {}
+    for ix in indexes:
+        for f in ix.files:
+            entry = sessions._file_entry(out.run, out.name, session, f)
+            if entry is None:
+                raise IntegrityError(f"target file {f!r} of {out_ref} was not written", file=f)
+            files[f] = entry
+    target = merge_indexes(run=out.run, name=out.name, session=session, step=plan.source_step,
+                           created_at=source.created_at, world_size=plan.world_size, indexes=indexes, files=files,
+                           derived_from=plan.source)
+    storage = sessions.storage
+
+    def read_target(file: str, start: int, end: int) -> bytes:
+        return storage.read(Paths.file(out.run, out.name, session, file), start, end)
+
+    def read_source(file: str, start: int, end: int) -> bytes:
+        return reader.read_range(src.run, src.name, file, start, end)
+
+    want = {t.name: t.digest for t in source.tensors if t.digest is not None and plan.dtype is None}
+    missing = {t.name for t in source.tensors} - set(want)
+    want.update(tensor_digests(source, read_source, cast=plan.dtype, names=missing))
+    got = tensor_digests(target, read_target)
+    bad = sorted(n for n in want if got.get(n) != want[n])
+    if bad:
+        sessions.abort(out.run, out.name, session)
+        raise IntegrityError(f"reshard {plan.source} -> {plan.target_spec}: digests differ for {len(bad)} tensors "
+                             f"({bad[:5]}); the output was discarded", tensors=bad[:64])
+    digest = ""
+    for ix in indexes:
+        ix = ix.model_copy(update={"tensors": [t.model_copy(update={"digest": got[t.name]}) for t in ix.tensors]})
+        status = sessions.put_index(out.run, out.name, session, ix)
+        digest = status.manifest_xxh3 or digest
+    return digest
+
+
+def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan, out_ref: str, session: str, *,
+             device: str = "auto", jobs: int = 1, progress: Callable[[int], None] | None = None) -> ReshardResult:
+    t0 = time.monotonic()
+    dev = pick_device(device)
+    open_target(sessions, plan, out_ref, session)
+    try:
+        if jobs > 1 and len(plan.units) > 1:
+            with ThreadPoolExecutor(jobs, thread_name_prefix="ckptd-reshard") as pool:
+                results = list(pool.map(lambda u: run_unit(reader, sessions, plan, u, out_ref, session, device=dev,
+                                                           progress=progress), plan.units))
+        else:
+            results = [run_unit(reader, sessions, plan, u, out_ref, session, device=dev, progress=progress)
+                       for u in plan.units]
+        digest = finalize(reader, sessions, plan, results, out_ref, session)
+    except BaseException:
+        out = parse_ref(out_ref)
+        try:
+            if sessions.status(out.run, out.name, session).state != "committed":
+                sessions.abort(out.run, out.name, session)
+        except Exception:  # noqa: BLE001 - best effort cleanup; the session stays invisible anyway
+            pass
+        raise
+    return ReshardResult(ref=out_ref, manifest_xxh3=digest, units=len(plan.units),
+                         bytes_read=sum(r.bytes_read for r in results),
+                         bytes_written=sum(r.bytes_written for r in results), seconds=time.monotonic() - t0)

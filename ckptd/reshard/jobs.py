@@ -1,0 +1,224 @@
+"""Reshard jobs: the service's background conversions and Kubernetes work units.
+
+Service jobs (``POST /v1/reshard``): :func:`submit_job` validates, leases the
+source, records ``jobs/<id>.json`` in storage and hands the job to a worker
+process, which runs :func:`run_service_job` at low CPU and I/O priority with a
+bandwidth cap, so trainer uploads keep priority. Status lives in storage, so
+any replica answers ``GET /v1/jobs/<id>``.
+
+Kubernetes (``ckptd reshard --write-plan URI`` then one ``ckptd
+reshard-worker --plan URI --index I`` per pod): :func:`write_job` stores the
+plan and opens the output session; each worker runs one unit and records its
+result beside the plan; whichever worker sees every result finalizes (the
+commit is idempotent, so two finalizers are harmless).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+import fsspec
+from pydantic import BaseModel, ConfigDict, Field
+
+from ckptd_schemas import CheckpointNotFound, CkptdError, NotFound, parse_ref
+
+from ..storage import Storage, open_storage
+from ..store import CheckpointReader, SessionStore
+from .executor import UnitResult, finalize, open_target, pick_device, run_unit
+from .leases import Leases
+from .planner import ReshardPlan, plan_reshard
+from .spec import parse_spec
+
+__all__ = ["JobStatus", "ReshardRequest", "WorkerJob", "get_job", "run_service_job", "run_worker", "submit_job",
+           "write_job"]
+
+log = logging.getLogger("ckptd.reshard")
+
+
+class ReshardRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(description="RUN/NAME or RUN/latest")
+    to: str = Field(description="target layout spec")
+    out: str | None = Field(None, description="output ref (default RUN/NAME-<spec>)")
+    dtype: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    jobs: int = Field(2, ge=1, le=64)
+
+
+class JobStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    state: Literal["queued", "running", "done", "failed"]
+    source: str
+    out: str
+    spec: str
+    bytes_total: int = 0
+    bytes_done: int = 0
+    created_at: datetime
+    updated_at: datetime
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _job_key(job_id: str) -> str:
+    return f"jobs/{job_id}.json"
+
+
+def _put_status(storage: Storage, st: JobStatus) -> None:
+    storage.put(_job_key(st.id), st.model_dump_json().encode())
+
+
+def get_job(storage: Storage, job_id: str) -> JobStatus:
+    if not job_id.isalnum() or len(job_id) > 64:
+        raise NotFound(f"no reshard job {job_id!r}", job=job_id[:64])
+    data = storage.read_json_or_none(_job_key(job_id))
+    if data is None:
+        raise NotFound(f"no reshard job {job_id!r}", job=job_id)
+    return JobStatus.model_validate(data)
+
+
+def submit_job(storage: Storage, req: ReshardRequest) -> tuple[JobStatus, ReshardPlan]:
+    """Validate and plan (no data I/O), lease the source, record the job as queued."""
+    from ..cli.reshard import default_out_name
+
+    spec = parse_spec(req.to)
+    src = parse_ref(req.source)
+    reader = CheckpointReader(storage)
+    manifest = reader.manifest(src.run, src.name)
+    plan = plan_reshard(manifest, spec, dtype=req.dtype)
+    out = req.out or f"{manifest.run}/{default_out_name(manifest.name, str(spec), req.dtype)}"
+    parse_ref(out)
+    job_id = uuid.uuid4().hex
+    Leases(storage).acquire(manifest.run, manifest.name, job_id, ttl=300)
+    now = _now()
+    st = JobStatus(id=job_id, state="queued", source=manifest.ref, out=out, spec=str(spec),
+                   bytes_total=plan.bytes_to_write, created_at=now, updated_at=now)
+    _put_status(storage, st)
+    return st, plan
+
+
+def _lower_priority() -> None:
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    try:  # idle I/O class where the platform allows it (Linux: ionice -c3)
+        import psutil  # type: ignore[import-not-found]
+
+        psutil.Process().ionice(psutil.IOPRIO_CLASS_IDLE)
+    except Exception:  # noqa: BLE001 - optional
+        pass
+
+
+def run_service_job(root: str, job_id: str, plan_json: str, request_json: str, max_bytes_per_s: float) -> None:
+    """Body of a service worker process: run the job, keep status and lease fresh."""
+    _lower_priority()
+    storage = open_storage(root)
+    st = get_job(storage, job_id)
+    plan = ReshardPlan.model_validate_json(plan_json)
+    req = ReshardRequest.model_validate_json(request_json)
+    reader, sessions = CheckpointReader(storage), SessionStore(storage)
+    src = parse_ref(st.source)
+    leases = Leases(storage)
+    lock = threading.Lock()
+    done = [0]
+    last = [0.0]
+    throttle = _Throttle(max_bytes_per_s)
+
+    def progress(n: int) -> None:
+        throttle.spend(n)
+        with lock:
+            done[0] += n
+            if time.monotonic() - last[0] > 0.5:
+                last[0] = time.monotonic()
+                _put_status(storage, st.model_copy(update={"state": "running", "bytes_done": done[0],
+                                                           "updated_at": _now()}))
+                leases.acquire(src.run, src.name, job_id, ttl=300)
+
+    _put_status(storage, st := st.model_copy(update={"state": "running", "updated_at": _now()}))
+    try:
+        from .executor import run_plan
+
+        res = run_plan(reader, sessions, plan, st.out, uuid.uuid4().hex, device=req.device, jobs=req.jobs,
+                       progress=progress)
+        _put_status(storage, st.model_copy(update={
+            "state": "done", "bytes_done": st.bytes_total, "updated_at": _now(),
+            "result": {"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units,
+                       "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
+                       "seconds": round(res.seconds, 3)}}))
+    except CkptdError as e:
+        _put_status(storage, st.model_copy(update={"state": "failed", "updated_at": _now(),
+                                                   "error": e.to_body()["error"]}))
+    except Exception as e:  # noqa: BLE001 - recorded for the caller
+        log.exception("reshard job %s failed", job_id)
+        _put_status(storage, st.model_copy(update={"state": "failed", "updated_at": _now(),
+                                                   "error": {"code": "internal", "message": str(e), "details": {}}}))
+    finally:
+        leases.release(src.run, src.name, job_id)
+
+
+class _Throttle:
+    """Token bucket: conversion I/O never exceeds ``rate`` bytes/s (0 = unlimited)."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.t0 = time.monotonic()
+        self.spent = 0
+
+    def spend(self, n: int) -> None:
+        if self.rate <= 0:
+            return
+        self.spent += n
+        ahead = self.spent / self.rate - (time.monotonic() - self.t0)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
+# -- Kubernetes Indexed Job ---------------------------------------------------------------------
+
+class WorkerJob(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    root: str
+    out: str
+    session: str
+    device: str
+    plan: ReshardPlan
+
+
+def write_job(uri: str, plan: ReshardPlan, out: str, session: str, device: str, sessions: SessionStore) -> None:
+    open_target(sessions, plan, out, session)
+    doc = WorkerJob(root=sessions.storage.url, out=out, session=session, device=device, plan=plan)
+    with fsspec.open(uri, "w") as f:
+        f.write(doc.model_dump_json())
+
+
+def run_worker(uri: str, index: int, *, root: str | None = None) -> dict[str, Any]:
+    with fsspec.open(uri, "r") as f:
+        job = WorkerJob.model_validate_json(f.read())
+    if not 0 <= index < len(job.plan.units):
+        raise CheckpointNotFound(f"plan {uri} has units 0..{len(job.plan.units) - 1}, not {index}", index=index)
+    storage = open_storage(root or job.root)
+    reader, sessions = CheckpointReader(storage), SessionStore(storage)
+    res = run_unit(reader, sessions, job.plan, job.plan.units[index], job.out, job.session,
+                   device=pick_device(job.device))
+    fs, base = fsspec.url_to_fs(uri)
+    fs.makedirs(f"{base}.units", exist_ok=True)
+    fs.pipe_file(f"{base}.units/{index:06d}.json", res.model_dump_json().encode())
+    out: dict[str, Any] = {"unit": index, "file": res.file, "bytes_written": res.bytes_written}
+    names = fs.ls(f"{base}.units", detail=False)
+    if len(names) == len(job.plan.units):
+        results = [UnitResult.model_validate_json(fs.cat_file(n)) for n in sorted(names)]
+        out["committed"] = finalize(reader, sessions, job.plan, results, job.out, job.session)
+    return out
+
+

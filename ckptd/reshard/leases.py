@@ -1,0 +1,41 @@
+"""Leases: a checkpoint being read or converted must not be deleted.
+
+A lease is a small object ``leases/<run>/<name>/<holder>.json`` holding an
+expiry time; holders renew it while they work and release it when done.
+Retention (``ckptd gc``) skips any checkpoint with an unexpired lease. A
+crashed holder's lease simply expires.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from ..storage import Storage
+
+__all__ = ["Leases"]
+
+
+class Leases:
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    @staticmethod
+    def _key(run: str, name: str, holder: str) -> str:
+        return f"leases/{run}/{name}/{holder}.json"
+
+    def acquire(self, run: str, name: str, holder: str, *, ttl: float) -> None:
+        self.storage.put(self._key(run, name, holder),
+                         json.dumps({"holder": holder, "expires_at": time.time() + ttl}).encode())
+
+    def release(self, run: str, name: str, holder: str) -> None:
+        self.storage.delete(self._key(run, name, holder))
+
+    def active(self, run: str, name: str, *, now: float | None = None) -> list[str]:
+        now = time.time() if now is None else now
+        out = []
+        for entry in self.storage.list(f"leases/{run}/{name}"):
+            data = self.storage.read_json_or_none(f"leases/{run}/{name}/{entry}")
+            if data and float(data.get("expires_at", 0)) > now:
+                out.append(str(data.get("holder", entry)))
+        return out

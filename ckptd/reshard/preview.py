@@ -1,0 +1,61 @@
+"""What a target layout costs per rank, next to the ZeRO estimates (the seed's formulas).
+
+With weights, gradients and optimizer state of b_p, b_g, b_o bytes per
+parameter, N parameters and P data-parallel ranks, per-rank static state is
+about M_S2 = N*b_p + N*(b_g + b_o)/P (ZeRO-2) and M_S3 = N*(b_p + b_g + b_o)/P
+(ZeRO-3). The preview reports the bytes each target rank actually holds, per
+kind, the imbalance and padding of the assignment, and the bytes each work
+unit reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .planner import ReshardPlan
+
+__all__ = ["Preview", "preview"]
+
+KIND = {"model": "weights", "grad": "gradients", "grads": "gradients", "optim": "optimizer"}
+
+
+@dataclass
+class Preview:
+    spec: str
+    world_size: int
+    per_rank: list[dict[str, int]]       # kind -> bytes
+    totals: dict[str, int]
+    imbalance: float                     # max / mean - 1
+    padding: float                       # (P * max - total) / (P * max): unused capacity at the max rank
+    m_s2: float
+    m_s3: float
+    grads_estimated: bool
+    unit_reads: list[tuple[int, int, str, int]]  # (unit, rank, file, bytes to read)
+
+
+def preview(plan: ReshardPlan) -> Preview:
+    per_rank: list[dict[str, int]] = []
+    for groups in plan.rank_bytes:
+        kinds: dict[str, int] = {}
+        for g, n in groups.items():
+            k = KIND.get(g, "other")
+            kinds[k] = kinds.get(k, 0) + n
+        per_rank.append(kinds)
+    totals: dict[str, int] = {}
+    for kinds in per_rank:
+        for k, n in kinds.items():
+            totals[k] = totals.get(k, 0) + n
+    loads = [sum(k.values()) for k in per_rank]
+    total, peak = sum(loads), max(loads) if loads else 0
+    mean = total / len(loads) if loads else 0
+    P = plan.mesh.get("dp", 1)
+    w = totals.get("weights", 0)
+    grads_estimated = "gradients" not in totals
+    g = totals.get("gradients", w)
+    o = totals.get("optimizer", 0)
+    return Preview(
+        spec=plan.target_spec, world_size=plan.world_size, per_rank=per_rank, totals=totals,
+        imbalance=(peak / mean - 1) if mean else 0.0,
+        padding=((len(loads) * peak - total) / (len(loads) * peak)) if peak else 0.0,
+        m_s2=w + (g + o) / P, m_s3=(w + g + o) / P, grads_estimated=grads_estimated,
+        unit_reads=[(u.index, u.rank, u.file, u.bytes_to_read) for u in plan.units])

@@ -1,0 +1,61 @@
+"""Reshard job routes: ``POST /v1/reshard`` (202 + job id), ``GET /v1/jobs/{id}``, preview.
+
+Jobs run in a small pool of worker processes beside the upload handlers;
+each worker lowers its CPU and I/O priority and caps its bandwidth
+(``CKPTD_RESHARD_MAX_MBPS``), so saves keep priority.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+
+from fastapi import APIRouter, Response
+from starlette.concurrency import run_in_threadpool
+
+from ..reshard.jobs import JobStatus, ReshardRequest, get_job, run_service_job, submit_job
+from ..storage import Storage
+from .settings import Settings
+
+__all__ = ["reshard_router"]
+
+
+def reshard_router(storage: Storage, settings: Settings) -> APIRouter:
+    router = APIRouter(tags=["reshard"])
+    pool: list[ProcessPoolExecutor] = []
+
+    def executor() -> ProcessPoolExecutor:
+        if not pool:
+            pool.append(ProcessPoolExecutor(settings.reshard_workers,
+                                            mp_context=multiprocessing.get_context("spawn")))
+        return pool[0]
+
+    @router.post("/v1/reshard", status_code=202, response_model=JobStatus)
+    async def create_job(body: ReshardRequest, response: Response) -> JobStatus:
+        st, plan = await run_in_threadpool(submit_job, storage, body)
+        executor().submit(run_service_job, storage.url, st.id, plan.model_dump_json(), body.model_dump_json(),
+                          settings.reshard_max_mbps * (1 << 20))
+        response.headers["Location"] = f"/v1/jobs/{st.id}"
+        return st
+
+    @router.post("/v1/reshard/preview")
+    async def preview_job(body: ReshardRequest) -> dict:
+        from ..reshard.planner import plan_reshard
+        from ..reshard.preview import preview
+        from ..reshard.spec import parse_spec
+        from ckptd_schemas import parse_ref
+        from ..store import CheckpointReader
+
+        def run() -> dict:
+            src = parse_ref(body.source)
+            manifest = CheckpointReader(storage).manifest(src.run, src.name)
+            return asdict(preview(plan_reshard(manifest, parse_spec(body.to), dtype=body.dtype)))
+
+        return await run_in_threadpool(run)
+
+    @router.get("/v1/jobs/{job_id}", response_model=JobStatus)
+    async def job_status(job_id: str) -> JobStatus:
+        return await run_in_threadpool(get_job, storage, job_id)
+
+    return router

@@ -1,0 +1,140 @@
+"""Offline resharding over a real storage root: A -> B -> A is the identity, digests match,
+casts, refusals (nothing written), and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from ckptd.reshard.executor import run_plan
+from ckptd.reshard.planner import plan_reshard
+from ckptd.reshard.spec import parse_spec
+from ckptd.storage import LocalStorage
+from ckptd.store import CheckpointReader, SessionStore
+from ckptd.store.offline import read_tensor, write_tensors
+from ckptd_schemas import CheckpointNotFound, IntegrityError, InvalidRequest
+
+SPECS = ["full", "replicate:dp=2", "fsdp2:dp=3", "fsdp2:dp=4", "zero3:dp=4,align=16", "zero1:dp=3", "fsdp1:dp=2",
+         "tp=2", "tp=2,dp=2", "owner:dp=3", "owner:dp=4,max-per-rank=5", "pp=2"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reshard-root")
+    st_ = LocalStorage(path, durable=False)
+    return st_, CheckpointReader(st_), SessionStore(st_)
+
+
+def _model(seed: int, rows: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    t = {"model.embed.weight": torch.randn(rows + 3, 5, generator=g)}
+    for i in range(3):
+        t[f"model.layers.{i}.attn.wq.weight"] = torch.randn(rows, 5, generator=g)
+        t[f"model.layers.{i}.mlp.down_proj.weight"] = torch.randn(5, rows + i, generator=g).bfloat16()
+        t[f"model.layers.{i}.norm.weight"] = torch.randn(5, generator=g)
+    t["model.head.weight"] = torch.randn(7, 5, generator=g)
+    for name in list(t):
+        if name.endswith("wq.weight"):
+            t[f"optim.state.{name[6:]}.exp_avg"] = torch.randn(rows, 5, generator=g)
+            t[f"optim.state.{name[6:]}.step"] = torch.tensor(float(seed))
+    return t
+
+
+def _reshard(root, src: str, spec: str, **kw) -> str:
+    storage, reader, sessions = root
+    r = src.split("/")
+    plan = plan_reshard(reader.manifest(*r), parse_spec(spec), **kw)
+    out = f"{r[0]}/{uuid.uuid4().hex[:10]}"
+    run_plan(reader, sessions, plan, out, uuid.uuid4().hex, device="cpu", jobs=2)
+    return out
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(a=st.sampled_from(SPECS), b=st.sampled_from(SPECS), rows=st.integers(2, 11), seed=st.integers(0, 99))
+def test_a_to_b_to_a_is_the_identity(root, a, b, rows, seed):
+    storage, reader, sessions = root
+    tensors = _model(seed, rows)
+    src = f"rt/{uuid.uuid4().hex[:10]}"
+    write_tensors(sessions, src, tensors, step=seed)
+    ref_a = _reshard(root, src, a)
+    ref_b = _reshard(root, ref_a, b)
+    ref_a2 = _reshard(root, ref_b, a)
+    ma, ma2 = reader.manifest(*ref_a.split("/")), reader.manifest(*ref_a2.split("/"))
+    assert [(t.name, t.digest) for t in ma.tensors] == [(t.name, t.digest) for t in ma2.tensors]
+    # same layout -> same chunk geometry
+    geo = lambda m: sorted((t.name, c.rank, c.kind, tuple(getattr(c, "offsets", ())), getattr(c, "start", 0))
+                           for t in m.tensors for c in t.chunks)
+    assert geo(ma) == geo(ma2)
+    for name, t in tensors.items():
+        assert torch.equal(read_tensor(reader, ref_a2, name).reshape(-1).view(torch.uint8),
+                           t.reshape(-1).view(torch.uint8)), name
+    assert reader.manifest(*ref_b.split("/")).derived_from == ref_a
+
+
+def test_cast_to_bf16_for_export(root):
+    storage, reader, sessions = root
+    tensors = _model(1, 6)
+    write_tensors(sessions, "cast/1", tensors, step=1)
+    out = _reshard(root, "cast/1", "full", dtype="bfloat16")
+    m = reader.manifest(*out.split("/"))
+    assert {t.dtype for t in m.tensors} == {"bfloat16"}
+    for name, t in tensors.items():
+        assert torch.equal(read_tensor(reader, out, name), t.bfloat16()), name
+
+
+def test_refusals_write_nothing(root):
+    storage, reader, sessions = root
+    write_tensors(sessions, "refuse/1", {"model.layers.0.w": torch.randn(3, 3)}, step=1)
+    before = sorted(storage.list("runs/refuse"))
+    with pytest.raises(InvalidRequest, match="Grammar"):
+        parse_spec("fsdp2:dp=")
+    with pytest.raises(InvalidRequest, match="tp=4 cannot split"):
+        plan_reshard(reader.manifest("refuse", "1"), parse_spec("tp=4"))
+    with pytest.raises(InvalidRequest, match="pp=2 needs at least 2 layers"):
+        plan_reshard(reader.manifest("refuse", "1"), parse_spec("pp=2"))
+    with pytest.raises(CheckpointNotFound, match="refuse/2"):
+        reader.manifest("refuse", "2")
+    assert sorted(storage.list("runs/refuse")) == before
+
+
+def test_a_corrupt_source_fails_the_conversion_and_commits_nothing(root, tmp_path):
+    storage, reader, sessions = root
+    write_tensors(sessions, "corrupt/1", {"model.w": torch.randn(64, 64)}, step=1)
+    m = reader.manifest("corrupt", "1")
+    (fname,) = m.files
+    path = storage.root / "runs/corrupt/1/sessions" / m.session / "files" / fname
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x01
+    path.write_bytes(bytes(data))
+    plan = plan_reshard(m, parse_spec("fsdp2:dp=2"))
+    with pytest.raises(IntegrityError, match=fname):
+        run_plan(reader, sessions, plan, "corrupt/out", uuid.uuid4().hex, device="cpu")
+    assert reader.marker("corrupt", "out") is None
+
+
+def _ckptd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptd.cli.main", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_reshard_dry_run_and_run(tmp_path):
+    storage = LocalStorage(tmp_path)
+    write_tensors(SessionStore(storage), "cli/5", _model(5, 9), step=5)
+    out = _ckptd("reshard", "cli/5", "--to", "zero3:dp=4,align=16", "--dry-run", "--root", str(tmp_path))
+    assert out.returncode == 0 and "M_S3" in out.stdout and "work units" in out.stdout, out.stderr
+    assert storage.list("runs/cli") == ["5"]  # a dry run writes nothing
+    out = _ckptd("reshard", "cli/5", "--to", "owner:dp=2", "--json", "--root", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["ref"] == "cli/5-owner-dp2" and len(res["per_rank_bytes"]) == 2
+    assert _ckptd("verify", res["ref"], "--root", str(tmp_path)).returncode == 0
+    bad = _ckptd("reshard", "cli/5", "--to", "fsdp2:dp=two", "--root", str(tmp_path))
+    assert bad.returncode == 2 and "Grammar" in bad.stderr
+    missing = _ckptd("reshard", "cli/6", "--to", "full", "--root", str(tmp_path))
+    assert missing.returncode == 1 and "cli/6" in missing.stderr
