@@ -15,5 +15,6 @@ from ._load import LoadReport
 from ._save import SaveHandle
 from .client import CheckpointClient
 from .flat import FlatShard
+from .zero import flat_partition
 
-__all__ = ["CheckpointClient", "FlatShard", "LoadReport", "SaveHandle", *_errors]
+__all__ = ["CheckpointClient", "FlatShard", "LoadReport", "SaveHandle", "flat_partition", *_errors]
