@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from math import prod
 from ckptd_schemas import CkptdError, IntegrityError, NotFound, Unavailable, parse_ref
 
 from .backends import open_backend
@@ -82,14 +83,20 @@ def cmd_show(args: argparse.Namespace) -> int:
         g[1] += sum(c.location.raw_length for c in t.chunks)
     for g, (n, nbytes) in sorted(groups.items()):
         print(f"group      {g}: {n} tensors, {human(nbytes)}")
-    per_rank: dict[int, int] = {}
+    per_rank = [0] * topo.world_size
+    matrices = [0] * topo.world_size
     for t in m.tensors:
         for c in t.chunks:
-            per_rank[c.rank] = per_rank.get(c.rank, 0) + c.location.length
-    if per_rank:
-        mean = sum(per_rank.values()) / topo.world_size
-        peak = max(per_rank.values())
-        print(f"per rank   max {human(peak)}, mean {human(mean)}, imbalance {peak / mean - 1 if mean else 0:.1%}")
+            per_rank[c.rank] += c.location.raw_length
+            matrices[c.rank] += len(t.shape) >= 2 and c.numel == prod(t.shape)
+    if any(per_rank):
+        peak, total = max(per_rank), sum(per_rank)
+        mean = total / topo.world_size
+        print(f"per rank   max {human(peak)}, mean {human(mean)}, imbalance {peak / mean - 1:.1%}, "
+              f"padding {(topo.world_size * peak - total) / (topo.world_size * peak):.1%}")
+        if args.ranks or topo.world_size <= 8:
+            for r, n in enumerate(per_rank):
+                print(f"  rank {r:<5} {human(n):>10}  {matrices[r]} whole matrices")
     for pg in m.param_groups:
         hp = ", ".join(f"{k}={v}" for k, v in pg.hyperparams.items() if k in ("lr", "weight_decay", "betas", "eps"))
         print(f"optimizer  {pg.optimizer or '-'} group {pg.index}: {len(pg.params)} params, {hp}")
@@ -154,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("ref")
     s.add_argument("--json", action="store_true", help="print the manifest")
     s.add_argument("--tensors", action="store_true", help="list every tensor")
+    s.add_argument("--ranks", action="store_true", help="bytes per rank (always shown up to 8 ranks)")
     _add_target(s)
     s.set_defaults(func=cmd_show)
 

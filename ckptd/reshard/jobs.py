@@ -20,18 +20,18 @@ import os
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any
 
 import fsspec
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
-from ckptd_schemas import CheckpointNotFound, CkptdError, NotFound, parse_ref
+from ckptd_schemas import CheckpointNotFound, CkptdError, parse_ref
 
 from ..storage import Storage, open_storage
 from ..store import CheckpointReader, SessionStore
 from .executor import UnitResult, finalize, open_target, pick_device, run_unit
 from .leases import Leases
+from .models import JobStatus, ReshardRequest, now_utc, put_status, get_job
 from .planner import ReshardPlan, plan_reshard
 from .spec import parse_spec
 
@@ -39,52 +39,6 @@ __all__ = ["JobStatus", "ReshardRequest", "WorkerJob", "get_job", "run_service_j
            "write_job"]
 
 log = logging.getLogger("ckptd.reshard")
-
-
-class ReshardRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    source: str = Field(description="RUN/NAME or RUN/latest")
-    to: str = Field(description="target layout spec")
-    out: str | None = Field(None, description="output ref (default RUN/NAME-<spec>)")
-    dtype: str | None = None
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    jobs: int = Field(2, ge=1, le=64)
-
-
-class JobStatus(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    id: str
-    state: Literal["queued", "running", "done", "failed"]
-    source: str
-    out: str
-    spec: str
-    bytes_total: int = 0
-    bytes_done: int = 0
-    created_at: datetime
-    updated_at: datetime
-    result: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
-
-
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-def _job_key(job_id: str) -> str:
-    return f"jobs/{job_id}.json"
-
-
-def _put_status(storage: Storage, st: JobStatus) -> None:
-    storage.put(_job_key(st.id), st.model_dump_json().encode())
-
-
-def get_job(storage: Storage, job_id: str) -> JobStatus:
-    if not job_id.isalnum() or len(job_id) > 64:
-        raise NotFound(f"no reshard job {job_id!r}", job=job_id[:64])
-    data = storage.read_json_or_none(_job_key(job_id))
-    if data is None:
-        raise NotFound(f"no reshard job {job_id!r}", job=job_id)
-    return JobStatus.model_validate(data)
 
 
 def submit_job(storage: Storage, req: ReshardRequest) -> tuple[JobStatus, ReshardPlan]:
@@ -100,10 +54,10 @@ def submit_job(storage: Storage, req: ReshardRequest) -> tuple[JobStatus, Reshar
     parse_ref(out)
     job_id = uuid.uuid4().hex
     Leases(storage).acquire(manifest.run, manifest.name, job_id, ttl=300)
-    now = _now()
+    now = now_utc()
     st = JobStatus(id=job_id, state="queued", source=manifest.ref, out=out, spec=str(spec),
                    bytes_total=plan.bytes_to_write, created_at=now, updated_at=now)
-    _put_status(storage, st)
+    put_status(storage, st)
     return st, plan
 
 
@@ -141,27 +95,27 @@ def run_service_job(root: str, job_id: str, plan_json: str, request_json: str, m
             done[0] += n
             if time.monotonic() - last[0] > 0.5:
                 last[0] = time.monotonic()
-                _put_status(storage, st.model_copy(update={"state": "running", "bytes_done": done[0],
-                                                           "updated_at": _now()}))
+                put_status(storage, st.model_copy(update={"state": "running", "bytes_done": done[0],
+                                                           "updated_at": now_utc()}))
                 leases.acquire(src.run, src.name, job_id, ttl=300)
 
-    _put_status(storage, st := st.model_copy(update={"state": "running", "updated_at": _now()}))
+    put_status(storage, st := st.model_copy(update={"state": "running", "updated_at": now_utc()}))
     try:
         from .executor import run_plan
 
         res = run_plan(reader, sessions, plan, st.out, uuid.uuid4().hex, device=req.device, jobs=req.jobs,
                        progress=progress)
-        _put_status(storage, st.model_copy(update={
-            "state": "done", "bytes_done": st.bytes_total, "updated_at": _now(),
+        put_status(storage, st.model_copy(update={
+            "state": "done", "bytes_done": st.bytes_total, "updated_at": now_utc(),
             "result": {"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units,
                        "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
                        "seconds": round(res.seconds, 3)}}))
     except CkptdError as e:
-        _put_status(storage, st.model_copy(update={"state": "failed", "updated_at": _now(),
+        put_status(storage, st.model_copy(update={"state": "failed", "updated_at": now_utc(),
                                                    "error": e.to_body()["error"]}))
     except Exception as e:  # noqa: BLE001 - recorded for the caller
         log.exception("reshard job %s failed", job_id)
-        _put_status(storage, st.model_copy(update={"state": "failed", "updated_at": _now(),
+        put_status(storage, st.model_copy(update={"state": "failed", "updated_at": now_utc(),
                                                    "error": {"code": "internal", "message": str(e), "details": {}}}))
     finally:
         leases.release(src.run, src.name, job_id)

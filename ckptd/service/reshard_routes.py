@@ -14,7 +14,7 @@ from dataclasses import asdict
 from fastapi import APIRouter, Response
 from starlette.concurrency import run_in_threadpool
 
-from ..reshard.jobs import JobStatus, ReshardRequest, get_job, run_service_job, submit_job
+from ..reshard.models import JobStatus, ReshardRequest
 from ..storage import Storage
 from .settings import Settings
 
@@ -33,6 +33,8 @@ def reshard_router(storage: Storage, settings: Settings) -> APIRouter:
 
     @router.post("/v1/reshard", status_code=202, response_model=JobStatus)
     async def create_job(body: ReshardRequest, response: Response) -> JobStatus:
+        from ..reshard.jobs import run_service_job, submit_job  # torch loads on first use, not at start-up
+
         st, plan = await run_in_threadpool(submit_job, storage, body)
         executor().submit(run_service_job, storage.url, st.id, plan.model_dump_json(), body.model_dump_json(),
                           settings.reshard_max_mbps * (1 << 20))
@@ -41,10 +43,11 @@ def reshard_router(storage: Storage, settings: Settings) -> APIRouter:
 
     @router.post("/v1/reshard/preview")
     async def preview_job(body: ReshardRequest) -> dict:
+        from ckptd_schemas import parse_ref
+
         from ..reshard.planner import plan_reshard
         from ..reshard.preview import preview
         from ..reshard.spec import parse_spec
-        from ckptd_schemas import parse_ref
         from ..store import CheckpointReader
 
         def run() -> dict:
@@ -56,6 +59,8 @@ def reshard_router(storage: Storage, settings: Settings) -> APIRouter:
 
     @router.get("/v1/jobs/{job_id}", response_model=JobStatus)
     async def job_status(job_id: str) -> JobStatus:
+        from ..reshard.models import get_job
+
         return await run_in_threadpool(get_job, storage, job_id)
 
     return router
