@@ -18,18 +18,11 @@ from ckptd_schemas.balance import lpt_assign
 
 from .flat import FlatShard
 
-__all__ = ["LocalPiece", "assign_replicated", "dtype_name", "local_piece", "mesh_of", "torch_dtype"]
+__all__ = ["LocalPiece", "assign_replicated", "dtype_name", "local_piece", "mesh_of"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise InvalidRequest(f"unknown dtype {name!r}")
-    return dt
 
 
 @dataclass

@@ -20,17 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import torch
 import xxhash
-import zstandard
 
-from ckptd_schemas import (
-    ChecksumMismatch, Manifest, ObjectEntry, ReadPlan, ReadRequest, StateDictMismatch, row_major_strides,
-)
+from ckptd_schemas import ChecksumMismatch, Manifest, ObjectEntry, ReadPlan, ReadRequest, StateDictMismatch
 
 from ._flatten import Leaf, flatten_state_dict
 from ._http import Transport
-from ._layout import LocalPiece, dtype_name, local_piece, torch_dtype
+from ._layout import LocalPiece, dtype_name, local_piece
+from .assemble import Destination, copy_into, verify_fetch
 
 __all__ = ["LoadReport", "load_into"]
 
@@ -65,18 +62,6 @@ def _request(fqn: str, piece: LocalPiece) -> ReadRequest:
     return ReadRequest(name=fqn, offsets=list(piece.box.offsets), sizes=list(piece.box.sizes))
 
 
-def _dest_view(piece: LocalPiece, offsets: list[int], sizes: list[int]) -> torch.Tensor:
-    dst = piece.local
-    if piece.flat is not None:
-        gstrides = row_major_strides(piece.shape)
-        s = dst.stride(0)
-        pos = sum(o * g for o, g in zip(offsets, gstrides)) - piece.flat[0]
-        return dst.as_strided(sizes, [g * s for g in gstrides], dst.storage_offset() + pos * s)
-    assert piece.box is not None
-    rel = [o - b for o, b in zip(offsets, piece.box.offsets)]
-    return dst.as_strided(sizes, dst.stride(), dst.storage_offset() + sum(r * s for r, s in zip(rel, dst.stride())))
-
-
 def _fetch(transport: Transport, base: str, f: Any) -> bytearray:
     size = f.end - f.start
     buf = bytearray(size)
@@ -96,15 +81,7 @@ def _fetch(transport: Transport, base: str, f: Any) -> bytearray:
 
     transport.request("GET", f"{base}/files/{f.file}", headers={"Range": f"bytes={f.start}-{f.end - 1}"},
                       sink=sink)
-    mv = memoryview(buf)
-    for i, want in enumerate(f.blocks):
-        lo = i * f.block_size
-        got = xxhash.xxh3_64_hexdigest(mv[lo:lo + f.block_size])
-        if got != want:
-            start = f.start + lo
-            raise ChecksumMismatch(
-                f"file {f.file!r}: bytes [{start}, {start + min(f.block_size, size - lo)}) hash to {got}, "
-                f"manifest says {want}: the checkpoint is corrupt", file=f.file, offset=start)
+    verify_fetch(buf, f)
     return buf
 
 
@@ -184,28 +161,24 @@ def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, ra
     return report
 
 
+def _destination(piece: LocalPiece) -> Destination:
+    if piece.flat is not None:
+        return Destination(piece.local, piece.shape, flat_start=piece.flat[0])
+    assert piece.box is not None
+    return Destination(piece.local, piece.shape, box_offsets=piece.box.offsets)
+
+
 def _execute(transport: Transport, base: str, plan: ReadPlan, pieces: list[tuple[Leaf, LocalPiece]],
              streams: int) -> None:
     by_fetch: dict[int, list] = {}
     for c in plan.copies:
         by_fetch.setdefault(c.fetch, []).append(c)
-    dctx = zstandard.ZstdDecompressor()
+    dests = [_destination(p) for _, p in pieces]
 
     def run(i: int) -> None:
         buf = _fetch(transport, base, plan.fetches[i])
         for c in by_fetch.get(i, []):
-            leaf, piece = pieces[c.request]
-            dtype = torch_dtype(c.dtype)
-            if c.codec == "zstd":
-                frame = bytes(memoryview(buf)[c.byte_start:c.byte_start + c.byte_length])
-                src = torch.frombuffer(bytearray(dctx.decompress(frame)), dtype=dtype)
-            else:
-                src = torch.frombuffer(buf, dtype=dtype, offset=c.byte_start, count=c.npos)
-            with torch.no_grad():
-                for offsets, sizes in c.regions:
-                    rel = sum(o * s for o, s in zip(offsets, c.strides)) - c.base - c.pos0
-                    view = src.as_strided(sizes, c.strides, src.storage_offset() + rel)
-                    _dest_view(piece, offsets, sizes).copy_(view)
+            copy_into(buf, c, dests[c.request])
 
     if streams > 1 and len(plan.fetches) > 1:
         with ThreadPoolExecutor(min(streams, len(plan.fetches)), thread_name_prefix="ckptd-load") as pool:
