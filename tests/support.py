@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["ServerProcess", "free_port", "run_ranks"]
+__all__ = ["ServerProcess", "assert_bits_equal", "blank_like", "free_port", "make_state", "run_ranks"]
 
 
 def free_port() -> int:
@@ -138,3 +138,46 @@ def run_ranks(fn: Callable, world: int, *args: Any, tmp: Path, check: bool = Tru
 def _record(out_dir: Path, rank: int) -> dict:
     path = out_dir / f"rank{rank}.pt"
     return torch.load(path, weights_only=False) if path.exists() else {"ok": False, "error": "no result"}
+
+
+# -- state dicts for protocol tests -----------------------------------------------------------------
+
+def make_state(seed: int, mib: float = 0.25) -> dict:
+    """A small but varied state dict: float32/bfloat16/int64 tensors, a JSON and a pickled object."""
+    g = torch.Generator().manual_seed(seed)
+    rows = max(1, int(mib * (1 << 20) / (4 * 1024)))
+    return {
+        "model": {
+            "w": torch.randn(rows, 1024, generator=g),
+            "b": torch.randn(37, generator=g).to(torch.bfloat16),
+            "count": torch.randint(-(1 << 40), 1 << 40, (5, 3), generator=g),
+        },
+        "extra": {"epoch": seed, "rng": (seed, "tuple-pickled", 2.5)},
+    }
+
+
+def blank_like(sd: dict) -> dict:
+    """Same keys, shapes and dtypes; every tensor filled with a value the checkpoint does not hold."""
+    out: dict = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out[k] = blank_like(v)
+        elif isinstance(v, torch.Tensor):
+            out[k] = torch.full_like(v, 7)
+        else:
+            out[k] = None
+    return out
+
+
+def assert_bits_equal(got: dict, want: dict, where: str = "") -> None:
+    assert set(got) == set(want), f"{where}: keys {sorted(got)} != {sorted(want)}"
+    for k, w in want.items():
+        g, name = got[k], f"{where}.{k}" if where else str(k)
+        if isinstance(w, dict):
+            assert_bits_equal(g, w, name)
+        elif isinstance(w, torch.Tensor):
+            assert g.dtype == w.dtype and g.shape == w.shape, f"{name}: {g.dtype}{list(g.shape)}"
+            assert torch.equal(g.contiguous().view(-1).view(torch.uint8), w.contiguous().view(-1).view(torch.uint8)), \
+                f"{name} differs bitwise"
+        else:
+            assert g == w and type(g) is type(w), f"{name}: {g!r} != {w!r}"

@@ -90,6 +90,13 @@ def _full(t: TensorEntry, rank: int) -> TargetChunk | None:
     return TargetChunk(rank, t.name, Region(box=Box.full(t.shape))) if prod(t.shape) else None
 
 
+def _replicate_into(out: "TargetLayout", t: TensorEntry, writer: int) -> None:
+    """A replicated tensor (scalars, norms, zero1/2 weights): one chunk, written by ``writer``."""
+    if (c := _full(t, writer)) is not None:
+        out.chunks.append(c)
+    out.placements[t.name] = "replicate"
+
+
 def build_layout(spec: LayoutSpec, tensors: Sequence[TensorEntry]) -> TargetLayout:
     """Place every tensor under ``spec``; raise InvalidRequest for an impossible target."""
     builder = {
@@ -137,9 +144,7 @@ def _layout_fsdp2(spec: LayoutSpec, tensors: list[TensorEntry]) -> TargetLayout:
     writers = _replicated_writers(scalars, spec.dp)
     for t in tensors:
         if not t.shape:
-            if (c := _full(t, writers[t.name])) is not None:
-                out.chunks.append(c)
-            out.placements[t.name] = "replicate"
+            _replicate_into(out, t, writers[t.name])
             continue
         for r in range(spec.dp):
             box = _split(Box.full(t.shape), 0, spec.dp, r)
@@ -172,9 +177,7 @@ def _layout_tp(spec: LayoutSpec, tensors: list[TensorEntry]) -> TargetLayout:
     writers = _replicated_writers(replicated, spec.world_size)
     for t in tensors:
         if not t.shape:
-            if (c := _full(t, writers[t.name])) is not None:
-                out.chunks.append(c)
-            out.placements[t.name] = "replicate"
+            _replicate_into(out, t, writers[t.name])
             continue
         d = _tp_dim(t)
         if d is not None and t.shape[d] < T:
@@ -207,9 +210,7 @@ def _layout_flat(spec: LayoutSpec, tensors: list[TensorEntry]) -> TargetLayout:
     groups: dict[str, list[TensorEntry]] = {}
     for t in tensors:
         if t.name in writers:
-            if (c := _full(t, writers[t.name])) is not None:
-                out.chunks.append(c)
-            out.placements[t.name] = "replicate"
+            _replicate_into(out, t, writers[t.name])
             out.group_layouts[t.group] = f"replicate:dp={N}" if t.group == "model" else out.group_layouts[t.group]
         else:
             groups.setdefault(t.group, []).append(t)
