@@ -25,7 +25,7 @@ from typing import Any
 import fsspec
 from pydantic import BaseModel, ConfigDict
 
-from ckptd_schemas import CheckpointNotFound, CkptdError, parse_ref
+from ckptd_schemas import AlreadyCommitted, CheckpointNotFound, CkptdError, parse_ref
 
 from ..storage import Storage, open_storage
 from ..store import CheckpointReader, SessionStore
@@ -51,7 +51,10 @@ def submit_job(storage: Storage, req: ReshardRequest) -> tuple[JobStatus, Reshar
     manifest = reader.manifest(src.run, src.name)
     plan = plan_reshard(manifest, spec, dtype=req.dtype)
     out = req.out or f"{manifest.run}/{default_out_name(manifest.name, str(spec), req.dtype)}"
-    parse_ref(out)
+    o = parse_ref(out)
+    if reader.marker(o.run, o.name) is not None:
+        raise AlreadyCommitted(f"output {out} is already committed; committed checkpoints are immutable (pass another "
+                               f"--out)", ref=out)
     job_id = uuid.uuid4().hex
     Leases(storage).acquire(manifest.run, manifest.name, job_id, ttl=300)
     now = now_utc()
@@ -163,6 +166,14 @@ def run_worker(uri: str, index: int, *, root: str | None = None) -> dict[str, An
         raise CheckpointNotFound(f"plan {uri} has units 0..{len(job.plan.units) - 1}, not {index}", index=index)
     storage = open_storage(root or job.root)
     reader, sessions = CheckpointReader(storage), SessionStore(storage)
+
+    def committed() -> str | None:  # the output's digest when this job's own session committed it
+        r = parse_ref(job.out)
+        m = reader.marker(r.run, r.name)
+        return m.manifest_xxh3 if m is not None and m.session == job.session else None
+
+    if (digest := committed()) is not None:  # a retried pod after the commit: nothing left to do
+        return {"unit": index, "committed": digest}
     res = run_unit(reader, sessions, job.plan, job.plan.units[index], job.out, job.session,
                    device=pick_device(job.device))
     fs, base = fsspec.url_to_fs(uri)
@@ -172,7 +183,12 @@ def run_worker(uri: str, index: int, *, root: str | None = None) -> dict[str, An
     names = fs.ls(f"{base}.units", detail=False)
     if len(names) == len(job.plan.units):
         results = [UnitResult.model_validate_json(fs.cat_file(n)) for n in sorted(names)]
-        out["committed"] = finalize(reader, sessions, job.plan, results, job.out, job.session)
+        try:
+            out["committed"] = finalize(reader, sessions, job.plan, results, job.out, job.session)
+        except AlreadyCommitted:  # two workers finished together and the other one committed first
+            if (digest := committed()) is None:
+                raise
+            out["committed"] = digest
     return out
 
 

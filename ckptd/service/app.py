@@ -155,13 +155,13 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
                 if len(buf) >= batch_limit:
                     if pending is not None:
                         await pending
-                    data, buf = bytes(buf), bytearray()
+                    data, buf = buf, bytearray()  # hand the batch over, no copy
                     pending = asyncio.ensure_future(run_in_threadpool(sink.write, data))
                     crash_point("upload-mid-stream")
             if pending is not None:
                 await pending
             if buf:
-                await run_in_threadpool(sink.write, bytes(buf))
+                await run_in_threadpool(sink.write, buf)
             declared = request.headers.get("content-length")
             if declared is not None and int(declared) != sink.size:
                 raise InvalidRequest(f"file {file!r}: received {sink.size} of {declared} bytes", file=file)
