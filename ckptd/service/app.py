@@ -104,6 +104,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     storage = storage or open_storage(settings.root)
     sessions = SessionStore(storage)
     reader = CheckpointReader(storage)
+    jobs_router, close_jobs = reshard_router(storage, settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -121,6 +122,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
             yield
         finally:
             task.cancel()
+            close_jobs()
 
     app = FastAPI(title="ckptd", version=__version__, lifespan=lifespan,
                   description="Distributed checkpoint and reshard service for sharded PyTorch training.")
@@ -244,5 +246,5 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         return StreamingResponse(pieces(), status_code=status, headers=headers,
                                  media_type="application/octet-stream")
 
-    app.include_router(reshard_router(storage, settings))
+    app.include_router(jobs_router)
     return app

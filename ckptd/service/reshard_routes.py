@@ -8,8 +8,12 @@ each worker lowers its CPU and I/O priority and caps its bandwidth
 from __future__ import annotations
 
 import multiprocessing
+import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
+from typing import Callable
 
 from fastapi import APIRouter, Response
 from starlette.concurrency import run_in_threadpool
@@ -21,15 +25,31 @@ from .settings import Settings
 __all__ = ["reshard_router"]
 
 
-def reshard_router(storage: Storage, settings: Settings) -> APIRouter:
+def _exit_with_parent(parent: int) -> None:
+    """Worker initializer: a worker whose service died (even by SIGKILL) exits too."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="ckptd-parent-watch", daemon=True).start()
+
+
+def reshard_router(storage: Storage, settings: Settings) -> tuple[APIRouter, Callable[[], None]]:
+    """The routes and a ``close`` for the service's shutdown (stops the worker processes)."""
     router = APIRouter(tags=["reshard"])
     pool: list[ProcessPoolExecutor] = []
 
     def executor() -> ProcessPoolExecutor:
         if not pool:
-            pool.append(ProcessPoolExecutor(settings.reshard_workers,
-                                            mp_context=multiprocessing.get_context("spawn")))
+            pool.append(ProcessPoolExecutor(settings.reshard_workers, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_exit_with_parent, initargs=(os.getpid(),)))
         return pool[0]
+
+    def close() -> None:
+        if pool:
+            pool.pop().shutdown(wait=False, cancel_futures=True)
 
     @router.post("/v1/reshard", status_code=202, response_model=JobStatus)
     async def create_job(body: ReshardRequest, response: Response) -> JobStatus:
@@ -63,4 +83,4 @@ def reshard_router(storage: Storage, settings: Settings) -> APIRouter:
 
         return await run_in_threadpool(get_job, storage, job_id)
 
-    return router
+    return router, close
