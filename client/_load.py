@@ -14,7 +14,6 @@ Call order inside :meth:`CheckpointClient.load`:
 
 from __future__ import annotations
 
-import pickle
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +26,7 @@ from ckptd_schemas import ChecksumMismatch, Manifest, ObjectEntry, ReadPlan, Rea
 from ._flatten import Leaf, flatten_state_dict
 from ._http import Transport
 from ._layout import LocalPiece, dtype_name, local_piece
-from .assemble import Destination, copy_into, verify_fetch
+from .assemble import Destination, copy_into, decode_object, verify_fetch
 
 __all__ = ["LoadReport", "load_into"]
 
@@ -95,7 +94,7 @@ def _load_object(transport: Transport, base: str, o: ObjectEntry) -> Any:
                              sink=lambda r: r.read())
     if xxhash.xxh3_64_hexdigest(data) != loc.xxh3:
         raise ChecksumMismatch(f"object {o.name!r} in file {loc.file!r} fails its checksum", file=loc.file)
-    return pickle.loads(data)
+    return decode_object(o.encoding, data, o.name)
 
 
 def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, rank: int, strict: bool,
@@ -150,13 +149,7 @@ def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, ra
                                         f"{[o.rank for o in entries][:8]}, not for rank {rank}", key=leaf.fqn)
             report.missing.append(leaf.fqn)
             continue
-        value = _load_object(transport, base, entry)
-        if leaf.kind == "param_groups" and isinstance(leaf.value, list) and len(leaf.value) == len(value):
-            for dst, src in zip(leaf.value, value):
-                dst.clear()
-                dst.update(src)
-        else:
-            leaf.container[leaf.key] = value
+        leaf.container[leaf.key] = _load_object(transport, base, entry)
         report.objects.append(leaf.fqn)
     return report
 

@@ -13,9 +13,9 @@ Call order inside :meth:`CheckpointClient.save`:
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import pickle
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,7 +30,7 @@ from ckptd_schemas import (
     SessionStatus, TensorEntry, Unavailable, error_from_body,
 )
 
-from ._flatten import flatten_state_dict
+from ._flatten import flatten_state_dict, param_groups_of
 from ._http import Transport
 from ._layout import assign_replicated, dtype_name, local_piece, mesh_of
 
@@ -94,7 +94,7 @@ def _no_tuples(v: Any) -> bool:
 
 
 def _describe(v: Any) -> Any:
-    """A JSON description of a hyper-parameter for the manifest (exact value is pickled)."""
+    """A JSON description of a hyper-parameter for the manifest (the exact value is stored as an object)."""
     if isinstance(v, (list, tuple)):
         return [_describe(x) for x in v]
     if v is None or isinstance(v, (bool, int, str)):
@@ -109,7 +109,9 @@ def _describe(v: Any) -> Any:
 def _encode_object(fqn: str, value: Any) -> _Object:
     if _json_clean(value):
         return _Object(fqn, "json", value=value)
-    return _Object(fqn, "pickle", payload=pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    buf = io.BytesIO()
+    torch.save(value, buf)  # the encoding DCP uses for non-tensor values
+    return _Object(fqn, "torch", payload=buf.getvalue())
 
 
 def build_snapshot(state_dict: dict, rank: int, world: int) -> Snapshot:
@@ -134,17 +136,14 @@ def build_snapshot(state_dict: dict, rank: int, world: int) -> Snapshot:
             data.copy_(p.local.detach())
             box = (list(p.box.offsets), list(p.box.sizes)) if p.box is not None else None
             snap.chunks.setdefault(leaf.fqn, []).append(_Chunk(leaf.fqn, data, box, p.flat))
-        elif leaf.kind == "param_groups":
-            groups = leaf.value
-            owner = leaf.fqn.rsplit(".", 1)[0] if "." in leaf.fqn else ""
-            for i, g in enumerate(groups):
-                params = [p if isinstance(p, (int, str)) else repr(p) for p in g.get("params", [])]
-                snap.param_groups.append(ParamGroup(
-                    optimizer=owner, index=i, params=params,
-                    hyperparams={k: _describe(v) for k, v in sorted(g.items()) if k != "params"}))
-            snap.objects.append(_encode_object(leaf.fqn, groups))
         else:
             snap.objects.append(_encode_object(leaf.fqn, leaf.value))
+    for owner, groups in param_groups_of(state_dict):
+        for i, g in enumerate(groups):
+            params = [p if isinstance(p, (int, str)) else repr(p) for p in g.get("params", [])]
+            snap.param_groups.append(ParamGroup(
+                optimizer=owner, index=i, params=params,
+                hyperparams={k: _describe(v) for k, v in sorted(g.items()) if k != "params"}))
     for g, kinds in group_kinds.items():
         snap.layouts[g] = _layout_name(kinds, snap.mesh, world)
     return snap
@@ -215,7 +214,7 @@ def _pack(snap: Snapshot, compression: str | None, file_bytes: int) -> tuple[lis
             fname, off = place(o.payload)
             loc = Location(file=fname, offset=off, length=len(o.payload), raw_length=len(o.payload),
                            xxh3=xxhash.xxh3_64_hexdigest(o.payload))
-            objects.append(ObjectEntry(name=o.fqn, rank=snap.rank, encoding="pickle", location=loc))
+            objects.append(ObjectEntry(name=o.fqn, rank=snap.rank, encoding="torch", location=loc))
     for f in files:
         h = xxhash.xxh3_64()
         for data, pad in f.parts:

@@ -9,6 +9,8 @@ with a destination described by :class:`Destination`.
 
 from __future__ import annotations
 
+import io
+import pickle
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -18,7 +20,7 @@ import zstandard
 
 from ckptd_schemas import ChecksumMismatch, Copy, Fetch, row_major_strides
 
-__all__ = ["Destination", "copy_into", "torch_dtype", "verify_fetch"]
+__all__ = ["Destination", "copy_into", "decode_object", "torch_dtype", "verify_fetch"]
 
 _DCTX = zstandard.ZstdDecompressor()
 
@@ -89,3 +91,12 @@ def copy_into(buf: bytearray | memoryview, c: Copy, dest: Destination) -> None:
             rel = sum(o * s for o, s in zip(offsets, c.strides)) - c.base - c.pos0
             view = src.as_strided(sizes, c.strides, src.storage_offset() + rel)
             dest.view(offsets, sizes).copy_(view)
+
+
+def decode_object(encoding: str, data: bytes, name: str) -> object:
+    """A non-tensor value from its stored bytes (``torch``: torch.save, as DCP writes them)."""
+    if encoding == "torch":
+        return torch.load(io.BytesIO(data), weights_only=False)
+    if encoding == "pickle":
+        return pickle.loads(data)
+    raise ValueError(f"object {name!r}: unknown encoding {encoding!r}")

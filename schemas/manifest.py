@@ -149,18 +149,20 @@ class TensorEntry(_Model):
 
 
 class ObjectEntry(_Model):
-    """Non-tensor state: JSON inline, or pickled bytes in a data file."""
+    """Non-tensor state: JSON inline, or torch.save bytes in a data file."""
 
     name: Fqn
     rank: NonNeg | None = Field(default=None, description="None when every rank saved the same value")
-    encoding: Literal["json", "pickle"]
+    encoding: Literal["json", "torch", "pickle"] = Field(
+        description="json: inline value; torch: torch.save bytes (as DCP writes them); pickle: pickle bytes")
     value: JsonValue = None
     location: Location | None = None
 
     @model_validator(mode="after")
     def _one_home(self) -> "ObjectEntry":
-        if (self.encoding == "pickle") != (self.location is not None):
-            raise ValueError(f"object {self.name!r}: pickle objects need a location, json objects an inline value")
+        if (self.encoding != "json") != (self.location is not None):
+            raise ValueError(f"object {self.name!r}: {self.encoding} objects need a location, json objects an "
+                             f"inline value")
         return self
 
 
