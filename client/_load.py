@@ -28,7 +28,9 @@ from ._http import Transport
 from ._layout import LocalPiece, dtype_name, local_piece
 from .assemble import Destination, copy_into, decode_object, verify_fetch
 
-__all__ = ["LoadReport", "load_into"]
+__all__ = ["LoadReport", "RESERVED", "load_into"]
+
+RESERVED = "__ckptd."
 
 
 @dataclass
@@ -107,7 +109,8 @@ def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, ra
     tensor_leaves = [leaf for leaf in leaves if leaf.kind == "tensor"]
     objects_by_name: dict[str, list[ObjectEntry]] = {}
     for o in manifest.objects:
-        objects_by_name.setdefault(o.name, []).append(o)
+        if not o.name.startswith(RESERVED):  # ckptd's own records, e.g. DCP metadata
+            objects_by_name.setdefault(o.name, []).append(o)
 
     present = {leaf.fqn for leaf in leaves}
     report.missing = sorted(leaf.fqn for leaf in tensor_leaves if manifest.tensor(leaf.fqn) is None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import time
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -173,12 +174,14 @@ class _File:
     xxh3: str = ""
 
 
-def _pack(snap: Snapshot, compression: str | None, file_bytes: int) -> tuple[list[_File], RankIndex]:
+def _pack(snap: Snapshot, compression: str | None, file_bytes: int,
+          prefix: str | None = None) -> tuple[list[_File], RankIndex]:
     files: list[_File] = []
+    prefix = prefix or f"r{snap.rank:06d}"
 
     def current(n: int) -> _File:
         if not files or (files[-1].size and files[-1].size + n > file_bytes):
-            files.append(_File(f"r{snap.rank:06d}-{len(files):04d}.bin"))
+            files.append(_File(f"{prefix}-{len(files):04d}.bin"))
         return files[-1]
 
     def place(data: memoryview | bytes) -> tuple[str, int]:
@@ -236,12 +239,14 @@ def _stream(f: _File) -> Iterator[bytes | memoryview]:
             yield _PAD[:pad]
 
 
-def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None, *,
-                    compression: str | None, file_bytes: int, streams: int) -> SessionStatus:
-    """Open-or-join, upload files, send the index; return the session status after it."""
-    transport.request("POST", f"{base}/sessions", json={"session": session, "world_size": snap.world,
-                                                        "step": step})
-    files, index = _pack(snap, compression, file_bytes)
+def open_session(transport: Transport, base: str, session: str, world: int, step: int | None) -> None:
+    transport.request("POST", f"{base}/sessions", json={"session": session, "world_size": world, "step": step})
+
+
+def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, *, compression: str | None,
+                 file_bytes: int, streams: int, prefix: str | None = None) -> RankIndex:
+    """Pack the snapshot into files, stream them (several at once), return the rank's index."""
+    files, index = _pack(snap, compression, file_bytes, prefix)
 
     def put(f: _File) -> None:
         transport.request("PUT", f"{base}/sessions/{session}/files/{f.name}", content=lambda: _stream(f),
@@ -254,10 +259,23 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
     else:
         for f in files:
             put(f)
+    return index
+
+
+def put_index(transport: Transport, base: str, session: str, index: RankIndex) -> SessionStatus:
     body = index.model_dump_json().encode()
-    st = transport.request("PUT", f"{base}/sessions/{session}/ranks/{snap.rank}", content=lambda: body,
+    st = transport.request("PUT", f"{base}/sessions/{session}/ranks/{index.rank}", content=lambda: body,
                            headers={"Content-Type": "application/json"})
     return SessionStatus.model_validate(st)
+
+
+def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None, *,
+                    compression: str | None, file_bytes: int, streams: int) -> SessionStatus:
+    """Open-or-join, upload files, send the index; return the session status after it."""
+    open_session(transport, base, session, snap.world, step)
+    index = upload_files(transport, base, session, snap, compression=compression, file_bytes=file_bytes,
+                         streams=streams)
+    return put_index(transport, base, session, index)
 
 
 class SaveHandle:
@@ -280,22 +298,24 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = 1800.0) -> SessionStatus:
         """Block until the checkpoint is committed (every rank done); raise the typed error otherwise."""
-        import time
-
         with self._lock:
             self._observed = True
             deadline = None if timeout is None else time.monotonic() + timeout
             status: SessionStatus = self._future.result(timeout=timeout)
-            while status.state == "open":
-                left = 10.0 if deadline is None else min(10.0, deadline - time.monotonic())
-                if left <= 0:
-                    raise Unavailable(
-                        f"{self.ref}: not committed within {timeout}s; ranks done: {status.ranks_done} of "
-                        f"{status.world_size}", ref=self.ref, session=self.session)
-                status = SessionStatus.model_validate(self._transport.request(
-                    "GET", f"{self._base}/sessions/{self.session}", params={"wait": round(left, 1)}))
-            self._status = status
-            if status.state == "failed":
-                err = error_from_body({"error": status.error}, 422)
-                raise err
-            return status
+            self._status = wait_committed(self._transport, self._base, self.ref, status, deadline)
+            return self._status
+
+
+def wait_committed(transport: Transport, base: str, ref: str, status: SessionStatus,
+                   deadline: float | None) -> SessionStatus:
+    """Long-poll the session until it leaves ``open``; raise its typed error if it failed."""
+    while status.state == "open":
+        left = 10.0 if deadline is None else min(10.0, deadline - time.monotonic())
+        if left <= 0:
+            raise Unavailable(f"{ref}: not committed in time; ranks done: {status.ranks_done} of "
+                              f"{status.world_size}", ref=ref, session=status.session)
+        status = SessionStatus.model_validate(transport.request(
+            "GET", f"{base}/sessions/{status.session}", params={"wait": round(left, 1)}))
+    if status.state == "failed":
+        raise error_from_body({"error": status.error}, 422)
+    return status

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from typing import TYPE_CHECKING
 from concurrent.futures import ThreadPoolExecutor
 
 from ckptd_schemas import (
@@ -15,6 +16,9 @@ from ._dist import broadcast_str, rank_and_world
 from ._http import Transport
 from ._load import LoadReport, load_into
 from ._save import SaveHandle, build_snapshot, upload_snapshot
+
+if TYPE_CHECKING:
+    from .dcp import CkptdStorageReader, CkptdStorageWriter
 
 __all__ = ["CheckpointClient"]
 
@@ -45,7 +49,8 @@ class CheckpointClient:
         self.compression = compression
         self.streams = streams
         self.file_bytes = file_bytes
-        self._transport = Transport(self.url, token=token or os.environ.get("CKPTD_TOKEN"),
+        self._token = token or os.environ.get("CKPTD_TOKEN")
+        self._transport = Transport(self.url, token=self._token,
                                     retry_seconds=retry_seconds, timeout=timeout)
         self._uploader = ThreadPoolExecutor(1, thread_name_prefix="ckptd-save")
         self._last: SaveHandle | None = None
@@ -87,6 +92,20 @@ class CheckpointClient:
         rank, _ = rank_and_world()
         return load_into(self._transport, r.run, r.name, state_dict, rank=rank, strict=strict,
                          streams=self.streams)
+
+    # -- torch.distributed.checkpoint ------------------------------------------------
+    def dcp_writer(self, ref: str) -> "CkptdStorageWriter":
+        """A DCP ``StorageWriter``: ``dcp.save(sd, storage_writer=client.dcp_writer("gpt/1000"))``."""
+        from .dcp import CkptdStorageWriter
+
+        return CkptdStorageWriter(self.url, ref, token=self._token, compression=self.compression,
+                                  file_bytes=self.file_bytes, streams=self.streams)
+
+    def dcp_reader(self, ref: str) -> "CkptdStorageReader":
+        """A DCP ``StorageReader``: ``dcp.load(sd, storage_reader=client.dcp_reader("gpt/latest"))``."""
+        from .dcp import CkptdStorageReader
+
+        return CkptdStorageReader(self.url, ref, token=self._token, streams=self.streams)
 
     # -- queries -----------------------------------------------------------------
     def manifest(self, ref: str) -> Manifest:

@@ -1,0 +1,329 @@
+"""``torch.distributed.checkpoint`` storage writer and reader backed by ckptd.
+
+``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` run unchanged on top of the
+commit protocol::
+
+    dcp.save(sd, storage_writer=client.dcp_writer("gpt/1000"))
+    dcp.load(sd, storage_reader=client.dcp_reader("gpt/latest"))
+
+Writer call order (DCP's): ``set_up_storage_writer`` -> ``prepare_local_plan``
+-> ``prepare_global_plan`` (coordinator: draws the session id all ranks use)
+-> ``write_data`` (every rank: snapshot, hash, stream its files; returns its
+chunk index inside the WriteResults) -> ``finish`` (coordinator: stores DCP's
+own metadata, sends every rank's index; the last one commits atomically).
+
+Reader: ``read_metadata`` returns the DCP metadata saved with the checkpoint,
+or one synthesised from the manifest (so checkpoints saved by
+``CheckpointClient.save`` load through DCP too); ``read_data`` asks the
+service for the byte ranges of exactly the regions DCP's planner wants (any
+world size), verifies them block by block and copies them in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+import xxhash
+
+from ckptd_schemas import (
+    Box, ChecksumMismatch, CkptdError, InvalidName, Manifest, ObjectEntry, RankIndex, ReadPlan, ReadRequest,
+    TensorEntry, parse_ref,
+)
+
+from ._http import Transport
+from ._layout import dtype_name
+from ._save import Snapshot, _Chunk, _Object, open_session, put_index, upload_files, wait_committed
+from .assemble import Destination, copy_into, decode_object, torch_dtype, verify_fetch
+
+__all__ = ["DCP_METADATA", "CkptdStorageReader", "CkptdStorageWriter"]
+
+DCP_METADATA = "__ckptd.dcp_metadata"  # reserved object name: DCP's own Metadata, torch.save'd
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlanData:
+    session: str
+    rank: int
+    world: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankResult:
+    """Carried from each rank's write_data to the coordinator's finish inside a WriteResult."""
+
+    session: str
+    index_json: str
+
+
+class _Endpoint:
+    """Connection settings that survive pickling (``dcp.async_save`` with a process executor)."""
+
+    def __init__(self, url: str, ref: str, token: str | None, streams: int) -> None:
+        self.url, self.ref, self.token, self.streams = url, ref, token, streams
+        self._transport: Transport | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_transport": None}
+
+    @property
+    def transport(self) -> Transport:
+        if self._transport is None:
+            self._transport = Transport(self.url, token=self.token)
+        return self._transport
+
+    def set_ref(self, checkpoint_id: Any) -> None:
+        if checkpoint_id is not None:
+            self.ref = str(checkpoint_id)
+        r = parse_ref(self.ref)
+        if r.is_latest and isinstance(self, CkptdStorageWriter):
+            raise InvalidName("cannot save to RUN/latest: name the checkpoint", ref=self.ref)
+
+    @property
+    def base(self) -> str:
+        r = parse_ref(self.ref)
+        return f"/v1/checkpoints/{r.run}/{r.name}"
+
+
+def _done(value: Any) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+class CkptdStorageWriter(_Endpoint, StorageWriter):
+    def __init__(self, url: str, ref: str, *, token: str | None = None, compression: str | None = None,
+                 file_bytes: int = 256 << 20, streams: int = 4) -> None:
+        _Endpoint.__init__(self, url, ref, token, streams)
+        self.compression, self.file_bytes = compression, file_bytes
+        self.is_coordinator = False
+        self.set_ref(None)
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.set_ref(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        try:
+            return not parse_ref(str(checkpoint_id)).is_latest
+        except CkptdError:
+            return False
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.ref)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        session = uuid.uuid4().hex
+        return [dataclasses.replace(p, storage_data=_PlanData(session, i, len(plans))) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        pd: _PlanData = plan.storage_data
+        snap = Snapshot(pd.rank, pd.world)
+        sizes: list[tuple[Any, int]] = []
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                payload = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data.read())
+                snap.objects.append(_Object(fqn, "torch", payload=payload))
+                sizes.append((item.index, len(payload)))
+                continue
+            td = item.tensor_data
+            assert td is not None
+            t = planner.resolve_data(item).detach()
+            data = torch.empty(tuple(td.chunk.sizes), dtype=t.dtype, device="cpu")
+            data.copy_(t)
+            snap.tensors.append(TensorEntry(name=fqn, shape=list(td.size), dtype=dtype_name(td.properties.dtype),
+                                            group=fqn.split(".", 1)[0], chunks=[]))
+            if data.numel():
+                snap.chunks.setdefault(fqn, []).append(
+                    _Chunk(fqn, data, (list(td.chunk.offsets), list(td.chunk.sizes)), None))
+            sizes.append((item.index, data.numel() * data.element_size()))
+        open_session(self.transport, self.base, pd.session, pd.world, _step_of(self.ref))
+        index = upload_files(self.transport, self.base, pd.session, snap, compression=self.compression,
+                             file_bytes=self.file_bytes, streams=self.streams)
+        index = index.model_copy(update={"tensors": _merge_entries(index.tensors)})
+        carried = _RankResult(pd.session, index.model_dump_json())
+        results = [WriteResult(index=ix, size_in_bytes=n, storage_data=None) for ix, n in sizes]
+        if results:
+            results[0] = dataclasses.replace(results[0], storage_data=carried)
+        else:
+            results = [WriteResult(index=None, size_in_bytes=0, storage_data=carried)]  # type: ignore[arg-type]
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: store DCP's metadata, send every rank's index, wait for the commit."""
+        carried: list[_RankResult] = []
+        for rank_results in results:
+            found = next((r.storage_data for r in rank_results if isinstance(r.storage_data, _RankResult)), None)
+            if found is None:
+                raise CkptdError(f"{self.ref}: a rank returned no ckptd index from write_data")
+            carried.append(found)
+        indexes = [RankIndex.model_validate_json(c.index_json) for c in carried]
+        session = carried[0].session
+        buf = io.BytesIO()
+        torch.save(dataclasses.replace(metadata, storage_data=None), buf)
+        meta_snap = Snapshot(0, len(indexes), objects=[_Object(DCP_METADATA, "torch", payload=buf.getvalue())])
+        meta_index = upload_files(self.transport, self.base, session, meta_snap, compression=None,
+                                  file_bytes=self.file_bytes, streams=1, prefix="dcp-metadata")
+        extra = [o.model_copy(update={"rank": None}) for o in meta_index.objects]
+        indexes[0] = indexes[0].model_copy(update={"objects": indexes[0].objects + extra,
+                                                   "files": indexes[0].files + meta_index.files})
+        status = None
+        for ix in indexes:
+            status = put_index(self.transport, self.base, session, ix)
+        assert status is not None
+        wait_committed(self.transport, self.base, self.ref, status, None)
+
+
+def _step_of(ref: str) -> int | None:
+    name = parse_ref(ref).name
+    return int(name) if name.isdigit() else None
+
+
+def _merge_entries(entries: list[TensorEntry]) -> list[TensorEntry]:
+    """DCP may give one rank several chunks of a tensor: one entry per tensor."""
+    out: dict[str, TensorEntry] = {}
+    for e in entries:
+        prev = out.get(e.name)
+        out[e.name] = e if prev is None else prev.model_copy(update={"chunks": prev.chunks + e.chunks})
+    return list(out.values())
+
+
+# -- reader -----------------------------------------------------------------------------------------
+
+def _synthesise(manifest: Manifest) -> Metadata:
+    """DCP metadata for a checkpoint ckptd's client saved (flat ranges become boxes)."""
+    md: dict[str, Any] = {}
+    for t in manifest.tensors:
+        boxes: dict[Box, None] = {}
+        for c in t.chunks:
+            for b in c.region.boxes(t.shape):
+                boxes[b] = None
+        md[t.name] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=torch_dtype(t.dtype)), size=torch.Size(t.shape),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes)) for b in boxes])
+    for o in manifest.objects:
+        if o.name != DCP_METADATA and (o.rank is None or o.rank == 0):
+            md[o.name] = BytesStorageMetadata()
+    return Metadata(state_dict_metadata=md)
+
+
+class CkptdStorageReader(_Endpoint, StorageReader):
+    def __init__(self, url: str, ref: str, *, token: str | None = None, streams: int = 4) -> None:
+        _Endpoint.__init__(self, url, ref, token, streams)
+        self._manifest: Manifest | None = None
+        self.set_ref(None)
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.set_ref(checkpoint_id)
+        self._manifest = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        try:
+            parse_ref(str(checkpoint_id))
+            return True
+        except CkptdError:
+            return False
+
+    def _get_manifest(self) -> Manifest:
+        if self._manifest is None:
+            raw = self.transport.request("GET", self.base, sink=lambda r: r.read())
+            self._manifest = Manifest.model_validate_json(raw)
+            r = parse_ref(self.ref)
+            self.ref = f"{r.run}/{self._manifest.name}"  # pin RUN/latest to what it resolved to
+        return self._manifest
+
+    def _object_bytes(self, o: ObjectEntry) -> bytes:
+        if o.location is None:
+            buf = io.BytesIO()
+            torch.save(o.value, buf)
+            return buf.getvalue()
+        loc = o.location
+        data = self.transport.request("GET", f"{self.base}/files/{loc.file}",
+                                      headers={"Range": f"bytes={loc.offset}-{loc.offset + loc.length - 1}"},
+                                      sink=lambda r: r.read())
+        if xxhash.xxh3_64_hexdigest(data) != loc.xxh3:
+            raise ChecksumMismatch(f"object {o.name!r} in file {loc.file!r} fails its checksum", file=loc.file)
+        if o.encoding == "torch":
+            return data
+        buf = io.BytesIO()
+        torch.save(decode_object(o.encoding, data, o.name), buf)
+        return buf.getvalue()
+
+    def read_metadata(self) -> Metadata:
+        m = self._get_manifest()
+        stored = next((o for o in m.objects if o.name == DCP_METADATA), None)
+        if stored is not None:
+            md = torch.load(io.BytesIO(self._object_bytes(stored)), weights_only=False)
+        else:
+            md = _synthesise(m)
+        md.storage_meta = StorageMeta(checkpoint_id=self.ref)
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        import torch.distributed as dist
+
+        m = self._get_manifest()
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        objects = {}
+        for o in m.objects:
+            if o.rank is None or o.rank == rank or o.name not in objects:
+                objects[o.name] = o
+        tensor_items = [it for it in plan.items if it.type != LoadItemType.BYTE_IO]
+        for it in plan.items:
+            if it.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(it, io.BytesIO(self._object_bytes(objects[it.storage_index.fqn])))
+        if tensor_items:
+            requests, dests, targets = [], [], []
+            for it in tensor_items:
+                t = m.tensor(it.storage_index.fqn)
+                assert t is not None
+                base = list(it.storage_index.offset or [0] * len(t.shape))
+                offsets = [b + o for b, o in zip(base, it.storage_offsets)]
+                target = planner.resolve_tensor(it).detach()
+                requests.append(ReadRequest(name=t.name, offsets=offsets, sizes=list(it.lengths)))
+                dests.append(Destination(target, t.shape, box_offsets=offsets))
+                targets.append(target)
+            body = {"requests": [r.model_dump(exclude_none=True) for r in requests]}
+            rp = ReadPlan.model_validate(self.transport.request("POST", f"{self.base}/read-plan", json=body))
+            for i, f in enumerate(rp.fetches):
+                data = bytearray(self.transport.request(
+                    "GET", f"{self.base}/files/{f.file}", headers={"Range": f"bytes={f.start}-{f.end - 1}"},
+                    sink=lambda r: r.read()))
+                verify_fetch(data, f)
+                for c in rp.copies:
+                    if c.fetch == i:
+                        copy_into(data, c, dests[c.request])
+            for it, target in zip(tensor_items, targets):
+                planner.commit_tensor(it, target)
+        return _done(None)
+
