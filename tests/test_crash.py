@@ -519,3 +519,17 @@ def test_restarted_server_serves_everything_committed_before(srv, tmp_path):
             fresh.close()
     finally:
         client.close(wait=False)
+
+
+def test_a_session_folder_without_its_record_is_removed_only_on_the_second_sweep(tmp_path):
+    """A folder with no SESSION.json may be one being opened right now: one sweep of grace."""
+    from ckptd.storage import LocalStorage
+    from ckptd.store import SessionStore
+
+    storage = LocalStorage(tmp_path)
+    storage.put("runs/r/1/sessions/abc/files/x.bin", b"partial")
+    store = SessionStore(storage)
+    assert store.reclaim_stale(0) == []
+    assert storage.exists("runs/r/1/sessions/abc/files/x.bin")
+    assert store.reclaim_stale(0) == ["r/1/abc"]
+    assert storage.list("runs/r/1/sessions") == []

@@ -90,6 +90,7 @@ class SessionStore:
     def __init__(self, storage: Storage, *, block_size: int = BLOCK_SIZE) -> None:
         self.storage = storage
         self.block_size = block_size
+        self._orphans_seen: set[str] = set()
 
     # -- helpers ---------------------------------------------------------------
     def _marker(self, run: str, name: str) -> Marker | None:
@@ -292,6 +293,11 @@ class SessionStore:
                     meta = self._meta_or_none(run, name, sid)
                     if meta is not None and now - meta.created_at.timestamp() < ttl_seconds:
                         continue
+                    key = f"{run}/{name}/{sid}"
+                    if meta is None and key not in self._orphans_seen:
+                        self._orphans_seen.add(key)  # maybe being opened right now: decide next sweep
+                        continue
+                    self._orphans_seen.discard(key)
                     self.storage.delete_tree(Paths.session(run, name, sid))
                     removed.append(f"{run}/{name}/{sid}")
         if removed:
