@@ -7,7 +7,7 @@ writers of replicated tensors and for whole-matrix ownership (``owner:``).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .errors import InvalidRequest
 
@@ -15,27 +15,35 @@ __all__ = ["lpt_assign"]
 
 
 def lpt_assign(items: Sequence[tuple[str, int]], bins: int, *, cap: int | None = None,
-               counted: set[str] | None = None, load: Sequence[int] | None = None) -> dict[str, int]:
+               counted: Mapping[str, int] | set[str] | None = None,
+               load: Sequence[int] | None = None) -> dict[str, int]:
     """Assign each ``(name, size)`` to one of ``bins`` ranks.
 
-    ``cap`` limits how many of the ``counted`` items (all, when None) one rank
-    may take; an assignment the cap makes impossible raises InvalidRequest.
-    ``load`` seeds the ranks' starting loads.
+    ``cap`` limits how many counted things one rank may take: an item counts
+    ``counted[name]`` (a mapping), 1 if it is in ``counted`` (a set) or 1 for
+    every item (None). An assignment the cap makes impossible raises
+    InvalidRequest. ``load`` seeds the ranks' starting loads.
     """
+    def weight(name: str) -> int:
+        if counted is None:
+            return 1
+        if isinstance(counted, Mapping):
+            return counted.get(name, 0)
+        return 1 if name in counted else 0
+
     loads = list(load) if load is not None else [0] * bins
     counts = [0] * bins
     owner: dict[str, int] = {}
     for name, size in sorted(items, key=lambda x: (-x[1], x[0])):
-        limited = cap is not None and (counted is None or name in counted)
-        choices = [r for r in range(bins) if not limited or counts[r] < cap]  # type: ignore[operator]
+        w = weight(name) if cap is not None else 0
+        choices = [r for r in range(bins) if counts[r] + w <= cap] if w else list(range(bins))  # type: ignore[operator]
         if not choices:
-            n = sum(1 for i, _ in items if counted is None or i in counted)
+            n = sum(weight(i) for i, _ in items)
             raise InvalidRequest(
                 f"cannot place {n} items on {bins} ranks with at most {cap} per rank "
                 f"(capacity {bins * cap}); first item left over: {name!r}", items=n, ranks=bins, cap=cap)
         r = min(choices, key=lambda i: (loads[i], i))
         owner[name] = r
         loads[r] += size
-        if limited:
-            counts[r] += 1
+        counts[r] += w
     return owner

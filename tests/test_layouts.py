@@ -11,7 +11,7 @@ from ckptd.reshard.layouts import build_layout, logical_param, rank_bytes
 from ckptd.reshard.spec import GRAMMAR, parse_spec
 from ckptd_schemas import InvalidRequest, TensorEntry, check_tiling, itemsize
 
-SPECS = ["full", "replicate", "replicate:dp=3", "fsdp2:dp=1", "fsdp2:dp=3", "fsdp2:dp=8", "zero1:dp=2",
+SPECS = ["full", "replicate", "replicate:dp=3", "fsdp2:dp=1", "fsdp2:dp=3", "fsdp2:dp=8", "zero1:dp=2", "owner:dp=3,group=role",
          "zero2:dp=3,align=8", "zero3:dp=4,align=16", "fsdp1:dp=5", "tp=2", "tp=2,dp=3", "owner:dp=3",
          "owner:dp=2,max-per-rank=50", "pp=2"]
 
@@ -126,3 +126,31 @@ def test_bad_specs_are_refused_with_the_grammar(bad):
 def test_spec_round_trips_through_its_canonical_string():
     for s in SPECS:
         assert str(parse_spec(str(parse_spec(s)))) == str(parse_spec(s))
+
+
+def test_owner_group_role_batches_same_role_same_shape_matrices_never_splitting_one():
+    ts = []
+    for layer in range(2):
+        for e in range(6):
+            for proj, shape in (("gate_proj", [16, 8]), ("up_proj", [16, 8]), ("down_proj", [8, 16])):
+                name = f"layers.{layer}.mlp.experts.{e}.{proj}.weight"
+                ts.append(TensorEntry(name=f"model.{name}", shape=shape, dtype="float32", group="model", chunks=[]))
+                ts.append(TensorEntry(name=f"optim.state.{name}.exp_avg", shape=shape, dtype="float32",
+                                      group="optim", chunks=[]))
+    layout = build_layout(parse_spec("owner:dp=4,max-per-rank=9,group=role"), ts)
+    owner: dict[str, set[int]] = {}
+    for c in layout.chunks:
+        t = next(t for t in ts if t.name == c.tensor)
+        assert list(c.region.box.sizes) == t.shape  # whole, never split
+        owner.setdefault(logical_param(t), set()).add(c.rank)
+    assert all(len(r) == 1 for r in owner.values())
+    # each rank's matrices of one role come in batches: per (rank, role) the count is a multiple of the
+    # batch size (an even share of 12 matrices per role over 4 ranks = 3)
+    per = {}
+    for p, (r,) in ((p, tuple(r)) for p, r in owner.items()):
+        role = p.split(".")[-2]
+        per[(r, role)] = per.get((r, role), 0) + 1
+    assert all(n % 3 == 0 for n in per.values()), per
+    assert max(sum(n for (r, _), n in per.items() if r == k) for k in range(4)) <= 9
+    for t in ts:
+        check_tiling(t.name, t.shape, [(c.region, c.rank, "") for c in layout.chunks if c.tensor == t.name])

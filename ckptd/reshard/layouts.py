@@ -230,19 +230,47 @@ def _layout_flat(spec: LayoutSpec, tensors: list[TensorEntry]) -> TargetLayout:
     return out
 
 
+def _role(param: str) -> str:
+    """``layers.3.mlp.experts.7.down_proj.weight`` -> ``layers.*.mlp.experts.*.down_proj.weight``."""
+    return re.sub(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)", "*", param)
+
+
 def _layout_owner(spec: LayoutSpec, tensors: list[TensorEntry]) -> TargetLayout:
-    """Whole logical matrices (a weight and its optimizer state together) on one rank each."""
+    """Whole logical matrices (a weight and its optimizer state together) on one rank each.
+
+    With ``group=role``, matrices of one role and shape (MoE down/up/gate across
+    layers and experts) are batched: each batch of at most ``max-per-rank``
+    (or an even share) lands whole on one rank, so it can run one batched
+    Newton-Schulz; no matrix is ever split.
+    """
     out = _new(spec, tensors, str(spec))
-    units: dict[str, int] = {}
-    matrices: set[str] = set()
+    sizes: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for t in tensors:
         p = logical_param(t)
-        units[p] = units.get(p, 0) + _nbytes(t)
-        if len(t.shape) >= 2:
-            matrices.add(p)
-    owner = lpt_assign(list(units.items()), spec.dp, cap=spec.max_per_rank, counted=matrices)
+        sizes[p] = sizes.get(p, 0) + _nbytes(t)
+        if len(t.shape) >= 2 and p not in shapes:
+            shapes[p] = tuple(t.shape)
+    unit_of = {p: p for p in sizes}
+    if spec.group == "role":
+        batches: dict[tuple, list[str]] = {}
+        for p in sizes:
+            if p in shapes:
+                batches.setdefault((_role(p), shapes[p]), []).append(p)
+        for (role, _), members in batches.items():
+            size = spec.max_per_rank or -(-len(members) // spec.dp)
+            for i in range(0, len(members), size):
+                for p in members[i:i + size]:
+                    unit_of[p] = f"{role}#{i // size}"
+    units: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    for p, n in sizes.items():
+        u = unit_of[p]
+        units[u] = units.get(u, 0) + n
+        counts[u] = counts.get(u, 0) + (p in shapes)
+    owner = lpt_assign(list(units.items()), spec.dp, cap=spec.max_per_rank, counted=counts)
     for t in tensors:
-        if (c := _full(t, owner[logical_param(t)])) is not None:
+        if (c := _full(t, owner[unit_of[logical_param(t)]])) is not None:
             out.chunks.append(c)
         out.placements[t.name] = "owner"
     return out

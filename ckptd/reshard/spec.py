@@ -10,7 +10,9 @@ Grammar::
     zero3:dp=N[,align=A]          everything flat-partitioned
     fsdp1:dp=N[,align=A]          as zero3 (FSDP1 flat parameters)
     tp=T[,dp=N]                   tensor parallel (column Shard(0) / row Shard(1)) x dp Shard(0)
-    owner:dp=N[,max-per-rank=K]   whole matrices, each owned by one rank, balanced by bytes
+    owner:dp=N[,max-per-rank=K][,group=role]
+                                  whole matrices, each owned by one rank, balanced by bytes;
+                                  group=role batches same-role, same-shape matrices (MoE)
     pp=P                          pipeline stages own contiguous layer ranges
 """
 
@@ -25,13 +27,14 @@ __all__ = ["GRAMMAR", "LayoutSpec", "parse_spec"]
 
 GRAMMAR = (
     "replicate[:dp=N] | full | fsdp2:dp=N | zero1:dp=N[,align=A] | zero2:dp=N[,align=A] | zero3:dp=N[,align=A] | "
-    "fsdp1:dp=N[,align=A] | tp=T[,dp=N] | owner:dp=N[,max-per-rank=K] | pp=P"
+    "fsdp1:dp=N[,align=A] | tp=T[,dp=N] | owner:dp=N[,max-per-rank=K][,group=role] | pp=P"
 )
 KINDS = ("replicate", "full", "fsdp2", "zero1", "zero2", "zero3", "fsdp1", "tp", "owner", "pp")
 _ALLOWED = {
     "replicate": ({"dp"}, set()), "full": (set(), set()), "fsdp2": ({"dp"}, {"dp"}),
     "zero1": ({"dp", "align"}, {"dp"}), "zero2": ({"dp", "align"}, {"dp"}), "zero3": ({"dp", "align"}, {"dp"}),
-    "fsdp1": ({"dp", "align"}, {"dp"}), "tp": ({"tp", "dp"}, {"tp"}), "owner": ({"dp", "max-per-rank"}, {"dp"}),
+    "fsdp1": ({"dp", "align"}, {"dp"}), "tp": ({"tp", "dp"}, {"tp"}),
+    "owner": ({"dp", "max-per-rank", "group"}, {"dp"}),
     "pp": ({"pp"}, {"pp"}),
 }
 MAX_WORLD = 1 << 16
@@ -45,6 +48,7 @@ class LayoutSpec:
     pp: int = 1
     align: int = 1
     max_per_rank: int | None = None
+    group: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -64,8 +68,9 @@ class LayoutSpec:
         if self.kind == "pp":
             return f"pp={self.pp}"
         extra = f",align={self.align}" if self.flat and self.align != 1 else ""
-        if self.kind == "owner" and self.max_per_rank is not None:
-            extra = f",max-per-rank={self.max_per_rank}"
+        if self.kind == "owner":
+            extra = (f",max-per-rank={self.max_per_rank}" if self.max_per_rank is not None else "") + (
+                f",group={self.group}" if self.group else "")
         return f"{self.kind}:dp={self.dp}{extra}"
 
 
@@ -89,13 +94,19 @@ def parse_spec(spec: str) -> LayoutSpec:
         raise _bad(s, f"unknown layout {kind!r}")
     allowed, required = _ALLOWED[kind]
     params: dict[str, int] = {}
+    group: str | None = None
     for part in filter(None, rest.split(",")):
         key, sep, value = part.partition("=")
         key = key.strip()
         if not sep or key not in allowed:
             raise _bad(s, f"{kind} takes {sorted(allowed) or 'no parameters'}, not {part!r}")
-        if key in params:
+        if key in params or (key == "group" and group is not None):
             raise _bad(s, f"{key} given twice")
+        if key == "group":
+            if value.strip() != "role":
+                raise _bad(s, f"group must be 'role', not {value!r}")
+            group = "role"
+            continue
         if not re.fullmatch(r"[0-9]{1,6}", value.strip()):
             raise _bad(s, f"{key} must be a positive integer, not {value!r}")
         params[key] = int(value)
@@ -105,7 +116,7 @@ def parse_spec(spec: str) -> LayoutSpec:
     if missing:
         raise _bad(s, f"{kind} needs {', '.join(sorted(missing))}")
     out = LayoutSpec(kind=kind, dp=params.get("dp", 1), tp=params.get("tp", 1), pp=params.get("pp", 1),
-                     align=params.get("align", 1), max_per_rank=params.get("max-per-rank"))
+                     align=params.get("align", 1), max_per_rank=params.get("max-per-rank"), group=group)
     if out.world_size > MAX_WORLD:
         raise _bad(s, f"world size {out.world_size} exceeds {MAX_WORLD}")
     return out
