@@ -11,12 +11,20 @@ Writer call order (DCP's): ``set_up_storage_writer`` -> ``prepare_local_plan``
 -> ``write_data`` (every rank: snapshot, hash, stream its files; returns its
 chunk index inside the WriteResults) -> ``finish`` (coordinator: stores DCP's
 own metadata, sends every rank's index; the last one commits atomically).
+Objects (DCP's ``BYTE_IO`` items: one value per key after DCP's dedup) are
+stored as global, so any rank at any world size loads them, through DCP or
+``CheckpointClient.load``. ``dcp.async_save`` works with both executors: the
+writer pickles without its connection (process executor). Give async saves
+their own process group (``dist.new_group(backend="gloo")``) so that their
+collectives never interleave with training's.
 
 Reader: ``read_metadata`` returns the DCP metadata saved with the checkpoint,
 or one synthesised from the manifest (so checkpoints saved by
 ``CheckpointClient.save`` load through DCP too); ``read_data`` asks the
 service for the byte ranges of exactly the regions DCP's planner wants (any
-world size), verifies them block by block and copies them in place.
+world size), verifies them block by block and copies them in place. Every
+rank reads the checkpoint the coordinator resolved (``RUN/latest`` is pinned
+through the load plan).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -39,14 +48,15 @@ from torch.futures import Future
 import xxhash
 
 from ckptd_schemas import (
-    Box, ChecksumMismatch, CkptdError, InvalidName, Manifest, ObjectEntry, RankIndex, ReadPlan, ReadRequest,
-    TensorEntry, parse_ref,
+    Box, ChecksumMismatch, CkptdError, InvalidName, InvalidRequest, Manifest, ObjectEntry, RankIndex, ReadPlan,
+    ReadRequest, StateDictMismatch, TensorEntry, parse_ref,
 )
 
 from ._http import Transport
 from ._layout import dtype_name
 from ._save import Snapshot, _Chunk, _Object, open_session, put_index, upload_files, wait_committed
-from .assemble import Destination, copy_into, decode_object, torch_dtype, verify_fetch
+from ._load import _fetch
+from .assemble import Destination, copy_into, decode_object, torch_dtype
 
 __all__ = ["DCP_METADATA", "CkptdStorageReader", "CkptdStorageWriter"]
 
@@ -122,6 +132,9 @@ class CkptdStorageWriter(_Endpoint, StorageWriter):
             return False
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise InvalidRequest(f"{self.ref}: dcp.save(..., use_collectives=False) is not supported by ckptd: "
+                                 f"the ranks must agree on one upload session", ref=self.ref)
         self.is_coordinator = is_coordinator
 
     def storage_meta(self) -> StorageMeta | None:
@@ -160,7 +173,10 @@ class CkptdStorageWriter(_Endpoint, StorageWriter):
         open_session(self.transport, self.base, pd.session, pd.world, _step_of(self.ref))
         index = upload_files(self.transport, self.base, pd.session, snap, compression=self.compression,
                              file_bytes=self.file_bytes, streams=self.streams)
-        index = index.model_copy(update={"tensors": _merge_entries(index.tensors)})
+        # DCP keeps one value per key (its planner dedups replicated items), so every object is global:
+        # any rank, at any world size, may load it (client.load included).
+        index = index.model_copy(update={"tensors": _merge_entries(index.tensors),
+                                         "objects": [o.model_copy(update={"rank": None}) for o in index.objects]})
         carried = _RankResult(pd.session, index.model_dump_json())
         results = [WriteResult(index=ix, size_in_bytes=n, storage_data=None) for ix, n in sizes]
         if results:
@@ -227,10 +243,21 @@ def _synthesise(manifest: Manifest) -> Metadata:
     return Metadata(state_dict_metadata=md)
 
 
+def _reconcile(md: Metadata, manifest: Manifest) -> Metadata:
+    """The stored DCP metadata, with dtypes taken from the manifest (``ckptd reshard --dtype`` casts the data
+    but carries the objects, this one included, unchanged)."""
+    for t in manifest.tensors:
+        entry = md.state_dict_metadata.get(t.name)
+        if isinstance(entry, TensorStorageMetadata) and dtype_name(entry.properties.dtype) != t.dtype:
+            entry.properties = dataclasses.replace(entry.properties, dtype=torch_dtype(t.dtype))
+    return md
+
+
 class CkptdStorageReader(_Endpoint, StorageReader):
     def __init__(self, url: str, ref: str, *, token: str | None = None, streams: int = 4) -> None:
         _Endpoint.__init__(self, url, ref, token, streams)
         self._manifest: Manifest | None = None
+        self._rank: int | None = None
         self.set_ref(None)
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -253,6 +280,11 @@ class CkptdStorageReader(_Endpoint, StorageReader):
             self.ref = f"{r.run}/{self._manifest.name}"  # pin RUN/latest to what it resolved to
         return self._manifest
 
+    def _pin(self, ref: Any) -> None:
+        """Use the checkpoint the coordinator resolved (``RUN/latest`` may move between ranks' reads)."""
+        if isinstance(ref, str) and ref != self.ref and not parse_ref(ref).is_latest:
+            self.ref, self._manifest = ref, None
+
     def _object_bytes(self, o: ObjectEntry) -> bytes:
         if o.location is None:
             buf = io.BytesIO()
@@ -274,7 +306,7 @@ class CkptdStorageReader(_Endpoint, StorageReader):
         m = self._get_manifest()
         stored = next((o for o in m.objects if o.name == DCP_METADATA), None)
         if stored is not None:
-            md = torch.load(io.BytesIO(self._object_bytes(stored)), weights_only=False)
+            md = _reconcile(torch.load(io.BytesIO(self._object_bytes(stored)), weights_only=False), m)
         else:
             md = _synthesise(m)
         md.storage_meta = StorageMeta(checkpoint_id=self.ref)
@@ -282,48 +314,69 @@ class CkptdStorageReader(_Endpoint, StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        self._rank = kwargs.get("rank")
+        if metadata.storage_meta is not None:
+            self._pin(metadata.storage_meta.checkpoint_id)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        return [dataclasses.replace(p, storage_data=self.ref) for p in plans]  # the coordinator's checkpoint
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        import torch.distributed as dist
-
+        self._pin(plan.storage_data)
         m = self._get_manifest()
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        objects = {}
+        rank = self._rank if self._rank is not None else _dist_rank()
+        objects: dict[str, ObjectEntry] = {}
         for o in m.objects:
             if o.rank is None or o.rank == rank or o.name not in objects:
                 objects[o.name] = o
         tensor_items = [it for it in plan.items if it.type != LoadItemType.BYTE_IO]
         for it in plan.items:
             if it.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(it, io.BytesIO(self._object_bytes(objects[it.storage_index.fqn])))
-        if tensor_items:
-            requests, dests, targets = [], [], []
-            for it in tensor_items:
-                t = m.tensor(it.storage_index.fqn)
-                assert t is not None
-                base = list(it.storage_index.offset or [0] * len(t.shape))
-                offsets = [b + o for b, o in zip(base, it.storage_offsets)]
-                target = planner.resolve_tensor(it).detach()
-                requests.append(ReadRequest(name=t.name, offsets=offsets, sizes=list(it.lengths)))
-                dests.append(Destination(target, t.shape, box_offsets=offsets))
-                targets.append(target)
-            body = {"requests": [r.model_dump(exclude_none=True) for r in requests]}
-            rp = ReadPlan.model_validate(self.transport.request("POST", f"{self.base}/read-plan", json=body))
-            for i, f in enumerate(rp.fetches):
-                data = bytearray(self.transport.request(
-                    "GET", f"{self.base}/files/{f.file}", headers={"Range": f"bytes={f.start}-{f.end - 1}"},
-                    sink=lambda r: r.read()))
-                verify_fetch(data, f)
-                for c in rp.copies:
-                    if c.fetch == i:
-                        copy_into(data, c, dests[c.request])
-            for it, target in zip(tensor_items, targets):
-                planner.commit_tensor(it, target)
+                o = objects.get(it.storage_index.fqn)
+                if o is None:
+                    raise StateDictMismatch(f"checkpoint {m.ref} has no object {it.storage_index.fqn!r}",
+                                            key=it.storage_index.fqn)
+                planner.load_bytes(it, io.BytesIO(self._object_bytes(o)))
+        if not tensor_items:
+            return _done(None)
+        requests, dests, targets = [], [], []
+        for it in tensor_items:
+            t = m.tensor(it.storage_index.fqn)
+            if t is None:
+                raise StateDictMismatch(f"checkpoint {m.ref} has no tensor {it.storage_index.fqn!r}",
+                                        tensor=it.storage_index.fqn)
+            base = list(it.storage_index.offset or [0] * len(t.shape))
+            offsets = [b + o for b, o in zip(base, it.storage_offsets)]
+            target = planner.resolve_tensor(it).detach()
+            requests.append(ReadRequest(name=t.name, offsets=offsets, sizes=list(it.lengths)))
+            dests.append(Destination(target, t.shape, box_offsets=offsets))
+            targets.append(target)
+        body = {"requests": [r.model_dump(exclude_none=True) for r in requests]}
+        rp = ReadPlan.model_validate(self.transport.request("POST", f"{self.base}/read-plan", json=body))
+        by_fetch: dict[int, list] = {}
+        for c in rp.copies:
+            by_fetch.setdefault(c.fetch, []).append(c)
+
+        def run(i: int) -> None:
+            data = _fetch(self.transport, self.base, rp.fetches[i])  # length and block digests verified
+            for c in by_fetch.get(i, []):
+                copy_into(data, c, dests[c.request])
+
+        if self.streams > 1 and len(rp.fetches) > 1:
+            with ThreadPoolExecutor(min(self.streams, len(rp.fetches)), thread_name_prefix="ckptd-dcp-load") as pool:
+                list(pool.map(run, range(len(rp.fetches))))
+        else:
+            for i in range(len(rp.fetches)):
+                run(i)
+        for it, target in zip(tensor_items, targets):
+            planner.commit_tensor(it, target)
         return _done(None)
 
+
+def _dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

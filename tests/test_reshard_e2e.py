@@ -229,7 +229,7 @@ def test_fsdp2_dp4_to_full_loads_in_one_process_without_torch_distributed(server
     assert not report.missing and not report.unexpected
     got = _gather(sd)
     _assert_bitwise(got, fsdp_saved["tensors"], "full")
-    assert got["optim.param_groups"][0]["lr"] == LR
+    assert got["optim.param_groups.0.lr"] == LR
 
 
 # -- 2. ZeRO-3 flat partitions on 4 ranks -> fsdp2:dp=3; FSDP2 -> zero2:dp=2 with flat buffers ------

@@ -288,7 +288,7 @@ def test_worker_path_commits_once_after_the_last_unit(server, reader, trained, t
     assert v.returncode == 0 and v.stdout.startswith("OK train/3-k8s"), v.stdout + v.stderr
     _assert_values(reader, "train/3-k8s", 3)
     (sched,) = [o for o in m.objects if o.name == "sched.milestones"]
-    assert sched.encoding == "pickle"  # carried over through the finalizer's objects file
+    assert sched.encoding == "torch"  # carried over through the finalizer's objects file
     sd = {"sched": {"milestones": None}}
     CheckpointClient(server.url).load(sd, "train/3-k8s", strict=False)
     assert sd["sched"]["milestones"] == (3, 7)

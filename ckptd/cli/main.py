@@ -1,4 +1,4 @@
-"""``ckptd`` command line: serve, ls, show, verify, reshard, reshard-worker.
+"""``ckptd`` command line: serve, ls, show, verify, reshard, reshard-worker, import, export.
 
 Exit codes: 0 success; 1 the thing checked is wrong (corrupt, invalid, not
 found); 2 usage or connection error.
@@ -14,6 +14,7 @@ from math import prod
 from ckptd_schemas import CkptdError, IntegrityError, NotFound, Unavailable, parse_ref
 
 from .backends import open_backend
+from .dcp_io import add_parsers as add_dcp_io_parsers
 from .output import human, progress_bar
 from .reshard import add_parsers as add_reshard_parsers
 
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_verify)
 
     add_reshard_parsers(sub, _add_target)
+    add_dcp_io_parsers(sub, _add_target)
     return p
 
 

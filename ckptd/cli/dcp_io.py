@@ -1,0 +1,125 @@
+"""``ckptd import dcp DIR REF`` and ``ckptd export REF --format safetensors|torch OUT``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ckptd_schemas import parse_ref
+
+from .output import human, progress_bar
+
+__all__ = ["add_parsers"]
+
+
+def _use_server(args: argparse.Namespace) -> str | None:
+    if args.server:
+        return args.server
+    if not args.root and os.environ.get("CKPTD_URL") and not os.environ.get("CKPTD_ROOT"):
+        return os.environ["CKPTD_URL"]
+    return None
+
+
+def _root(args: argparse.Namespace) -> str:
+    return args.root or os.environ.get("CKPTD_ROOT") or "./ckptd-data"
+
+
+def cmd_import_dcp(args: argparse.Namespace) -> int:
+    from ..interop.dcp_import import HttpTarget, RootTarget, import_dcp, inspect_dcp
+
+    r = parse_ref(args.ref)  # refused before any I/O
+    src = inspect_dcp(args.dir)  # refuses a damaged directory, naming the files, before anything is written
+    server = _use_server(args)
+    if server:
+        target = HttpTarget(server)
+    else:
+        from ..storage import open_storage
+        from ..store import SessionStore
+
+        target = RootTarget(SessionStore(open_storage(_root(args))))
+    advance, stop = progress_bar(src.total_bytes, f"import {r}", args.json)
+    try:
+        res = import_dcp(src, str(r), target, progress=advance)
+    finally:
+        stop()
+        if isinstance(target, HttpTarget):
+            target.close()
+    if args.json:
+        print(json.dumps({"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "source": res.source,
+                          "tensors": res.tensors, "chunks": res.chunks, "objects": res.objects, "files": res.files,
+                          "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
+                          "seconds": round(res.seconds, 3)}))
+    else:
+        print(f"committed {res.ref} from DCP checkpoint {res.source}: {res.tensors} tensors ({res.chunks} chunks), "
+              f"{res.objects} objects, {human(res.bytes_written)} in {res.files} files, hashed on ingest, in "
+              f"{res.seconds:.2f}s; DCP's metadata is kept for client.dcp_reader")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ..interop.export import export_safetensors, export_torch, parse_size, tensor_bytes
+    from .backends import open_backend
+
+    ref = parse_ref(args.ref)
+    max_shard = parse_size(args.max_shard_size)
+    server = _use_server(args)
+    backend = open_backend(None if server else _root(args), server)
+    manifest = backend.manifest(ref.run, ref.name)
+
+    def read(file: str, start: int, end: int) -> bytes:
+        return backend.read(manifest, file, start, end)
+
+    total = sum(tensor_bytes(t.shape, args.dtype if args.dtype and t.dtype in ("float64", "float32", "float16",
+                                                                               "bfloat16") else t.dtype)
+                for t in manifest.tensors if not args.prefix or t.name.startswith(args.prefix))
+    # One bar for writing and, unless --no-check, reading every tensor back.
+    advance, stop = progress_bar(total * (1 if args.no_check else 2), f"export {manifest.ref}", args.json)
+    try:
+        kw = dict(dtype=args.dtype, prefix=args.prefix, check=not args.no_check, progress=advance,
+                  check_progress=advance)
+        if args.format == "safetensors":
+            res = export_safetensors(manifest, read, args.out, max_shard_size=max_shard, **kw)
+        else:
+            res = export_torch(manifest, read, args.out, **kw)
+    finally:
+        stop()
+    if args.json:
+        print(json.dumps({"ref": res.ref, "format": res.format, "out": res.out, "files": res.files,
+                          "tensors": res.tensors, "objects": res.objects, "total_size": res.total_size,
+                          "nested": res.nested if res.format == "torch" else None, "checked": not args.no_check,
+                          "seconds": round(res.seconds, 3)}))
+    else:
+        shards = len(res.files) - 1
+        what = (f"{shards} shard{'s' if shards != 1 else ''} + {res.files[-1]}" if res.format == "safetensors"
+                else f"one torch.save file ({'nested as DCP saved it' if res.nested else 'flat FQN keys'}, "
+                     f"{res.objects} objects)")
+        check = "read back: every tensor's digest matches the source" if not args.no_check else "not checked"
+        print(f"exported {res.ref} to {res.out}: {res.tensors} tensors, {human(res.total_size)}, {what}, in "
+              f"{res.seconds:.2f}s; {check}")
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
+    s = sub.add_parser("import", help="ingest a checkpoint written by another tool as a committed checkpoint")
+    fmt = s.add_subparsers(dest="source_format", required=True)
+    d = fmt.add_parser("dcp", help="a torch.distributed.checkpoint directory (FileSystemWriter)")
+    d.add_argument("dir", help="DCP checkpoint directory (holds .metadata and *.distcp files)")
+    d.add_argument("ref", help="checkpoint to create, RUN/NAME (a numeric NAME is its step)")
+    d.add_argument("--json", action="store_true", help="print one JSON object; no progress bar")
+    add_target(d)
+    d.set_defaults(func=cmd_import_dcp)
+
+    s = sub.add_parser("export", help="write a checkpoint as sharded safetensors (Hugging Face) or one torch.save file")
+    s.add_argument("ref", help="checkpoint, RUN/NAME or RUN/latest")
+    s.add_argument("--format", choices=["safetensors", "torch"], default="safetensors",
+                   help="safetensors: OUT is a directory of model-0000i-of-0000N.safetensors and "
+                        "model.safetensors.index.json; torch: OUT is one file")
+    s.add_argument("out", metavar="OUT", help="output directory (safetensors) or file (torch)")
+    s.add_argument("--max-shard-size", default="5GB", help="safetensors shard size, e.g. 5GB, 500MB, 2GiB")
+    s.add_argument("--dtype", help="cast floating tensors, e.g. bfloat16")
+    s.add_argument("--prefix", help="export only tensors whose name starts with PREFIX, without it (e.g. model.)")
+    s.add_argument("--no-check", action="store_true", help="skip reading the export back and comparing digests")
+    s.add_argument("--json", action="store_true", help="print one JSON object; no progress bar")
+    add_target(s)
+    s.set_defaults(func=cmd_export)

@@ -1,0 +1,462 @@
+"""Import a ``torch.distributed.checkpoint`` directory (``FileSystemWriter``) as a committed checkpoint.
+
+Call order (:func:`import_dcp` does all of it):
+
+1. :func:`inspect_dcp` (reads nothing but ``.metadata`` and file sizes): DCP's own
+   ``FileSystemReader(DIR).read_metadata()``; every tensor chunk and object of the
+   metadata must have a storage entry, every data file must exist and hold the bytes its
+   entries point at. A missing ``.metadata``, a missing or truncated data file is refused
+   with the files named (:class:`DcpImportError`, exit 1) before anything is written.
+2. Open an upload session (one rank) on the target: a storage root (``SessionStore``,
+   like :func:`ckptd.store.offline.write_tensors`) or a running service (HTTP, each data
+   file spooled to a temporary file, hashed, then streamed).
+3. Stream item by item, file by file in offset order: DCP's own ``FileSystemReader.read_data``
+   decodes each item (``torch.save`` per item, stream transforms included) into a buffer
+   the size of that one item; the bytes are hashed (XXH3 per chunk; the store hashes each
+   file and its blocks) and appended to the current ckptd data file. Objects (DCP's
+   ``BYTE_IO`` items) are kept as the ``torch.save`` bytes DCP wrote, global.
+4. Store DCP's metadata (without its storage entries) as the reserved object
+   ``__ckptd.dcp_metadata``, so ``client.dcp_reader(REF)`` returns it; send the index; the
+   store merges, validates the tiling and commits. Any failure aborts the session:
+   nothing becomes visible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+import xxhash
+
+from ckptd_client.dcp import DCP_METADATA
+from ckptd_schemas import (
+    ITEMSIZE, BoxChunk, IntegrityError, Location, ObjectEntry, OpenSession, RankIndex, TensorEntry, parse_ref,
+)
+
+__all__ = ["DcpDirectory", "DcpImportError", "HttpTarget", "ImportResult", "RootTarget", "import_dcp",
+           "inspect_dcp"]
+
+METADATA_FILE = ".metadata"
+ALIGN = 64
+_PAD = bytes(ALIGN)
+
+
+class DcpImportError(IntegrityError):
+    """The directory is not an importable DCP checkpoint; the message names the files at fault."""
+
+
+@dataclass(frozen=True)
+class DcpItem:
+    """One stored item of a DCP checkpoint: a tensor chunk or an object."""
+
+    index: Any                    # torch.distributed.checkpoint.metadata.MetadataIndex
+    file: str                     # relative path inside the directory
+    offset: int
+    length: int
+    dtype: str | None = None      # tensors only
+    offsets: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.dtype is not None
+
+    @property
+    def nbytes(self) -> int:
+        n = ITEMSIZE[self.dtype] if self.dtype else 0
+        for s in self.sizes:
+            n *= s
+        return n
+
+
+@dataclass
+class DcpDirectory:
+    path: Path
+    metadata: Any                 # torch.distributed.checkpoint.metadata.Metadata
+    items: list[DcpItem]          # sorted by (file, offset)
+    file_sizes: dict[str, int]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(i.length for i in self.items)
+
+
+def _refuse(message: str, files: list[str]) -> DcpImportError:
+    return DcpImportError(message, file=files[0] if files else None, files=files[:64])
+
+
+def inspect_dcp(path: str | os.PathLike) -> DcpDirectory:
+    """Read and check a DCP directory's metadata and file sizes; raise :class:`DcpImportError` naming the files."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, \
+        TensorStorageMetadata
+
+    root = Path(path)
+    meta_path = root / METADATA_FILE
+    if not root.is_dir():
+        raise _refuse(f"{root} is not a directory: expected a DCP checkpoint directory", [str(root)])
+    if not meta_path.is_file():
+        raise _refuse(f"{meta_path} is missing: {root} is not a DCP checkpoint (or its save never finished); "
+                      f"nothing was imported", [str(meta_path)])
+    try:
+        md = FileSystemReader(str(root)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged metadata file
+        raise _refuse(f"{meta_path} is unreadable ({type(e).__name__}: {e}); nothing was imported",
+                      [str(meta_path)]) from e
+    if not isinstance(md, Metadata) or not isinstance(getattr(md, "storage_data", None), dict):
+        raise _refuse(f"{meta_path} holds no DCP storage entries (not written by FileSystemWriter?); "
+                      f"nothing was imported", [str(meta_path)])
+    storage = md.storage_data
+    items: list[DcpItem] = []
+    problems: list[str] = []
+    for fqn, entry in md.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            dtype = str(entry.properties.dtype).removeprefix("torch.")
+            if dtype not in ITEMSIZE:
+                raise _refuse(f"{meta_path}: tensor {fqn!r} has dtype {dtype}, which ckptd does not store",
+                              [str(meta_path)])
+            keys = [(MetadataIndex(fqn, c.offsets), tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
+        elif isinstance(entry, BytesStorageMetadata):
+            dtype, keys = None, [(MetadataIndex(fqn), (), ())]
+        else:
+            raise _refuse(f"{meta_path}: entry {fqn!r} has unknown kind {type(entry).__name__}", [str(meta_path)])
+        for key, offsets, sizes in keys:
+            info = storage.get(key)
+            if info is None:
+                problems.append(f"{fqn} at {list(offsets)} has no storage entry")
+                continue
+            rel = str(info.relative_path)
+            if Path(rel).is_absolute() or ".." in Path(rel).parts:
+                raise _refuse(f"{meta_path}: item {fqn!r} points outside the directory ({rel!r})", [str(meta_path)])
+            items.append(DcpItem(key, rel, int(info.offset), int(info.length), dtype, offsets, sizes))
+    if problems:
+        raise _refuse(f"{meta_path} is inconsistent: {len(problems)} items without storage "
+                      f"({'; '.join(problems[:5])}); nothing was imported", [str(meta_path)])
+
+    need: dict[str, int] = {}
+    for it in items:
+        need[it.file] = max(need.get(it.file, 0), it.offset + it.length)
+    sizes: dict[str, int] = {}
+    bad: list[str] = []
+    reasons: list[str] = []
+    for rel in sorted(need):
+        p = root / rel
+        if not p.is_file():
+            bad.append(str(p))
+            reasons.append(f"{p} is missing")
+            continue
+        sizes[rel] = p.stat().st_size
+        if sizes[rel] < need[rel]:
+            bad.append(str(p))
+            reasons.append(f"{p} is truncated: {sizes[rel]} bytes, its items need {need[rel]}")
+    if bad:
+        raise _refuse(f"DCP checkpoint {root} is damaged: {'; '.join(reasons[:8])}; nothing was imported", bad)
+    items.sort(key=lambda i: (i.file, i.offset))
+    return DcpDirectory(root, md, items, sizes)
+
+
+# -- targets ----------------------------------------------------------------------------------------
+
+class FileOut(Protocol):
+    size: int
+
+    def write(self, data: bytes | memoryview) -> None: ...
+    def finish(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+class ImportTarget(Protocol):
+    def open(self, run: str, name: str, session: str, step: int | None) -> None: ...
+    def begin_file(self, file: str) -> FileOut: ...
+    def commit(self, index: RankIndex) -> str: ...
+    def abort(self) -> None: ...
+
+
+class _SinkOut:
+    def __init__(self, sink: Any) -> None:
+        self._sink = sink
+
+    @property
+    def size(self) -> int:
+        return self._sink.size
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._sink.write(data)
+
+    def finish(self) -> None:
+        self._sink.finish(None)
+
+    def abort(self) -> None:
+        self._sink.abort()
+
+
+class RootTarget:
+    """A storage root, through the store's own session and commit code."""
+
+    def __init__(self, sessions: Any) -> None:
+        self.sessions = sessions
+        self._at: tuple[str, str, str] | None = None
+
+    def open(self, run: str, name: str, session: str, step: int | None) -> None:
+        self.sessions.open(run, name, OpenSession(session=session, world_size=1, step=step))
+        self._at = (run, name, session)
+
+    def begin_file(self, file: str) -> FileOut:
+        assert self._at is not None
+        return _SinkOut(self.sessions.begin_file(*self._at, file))
+
+    def commit(self, index: RankIndex) -> str:
+        assert self._at is not None
+        return self.sessions.put_index(*self._at, index).manifest_xxh3 or ""
+
+    def abort(self) -> None:
+        if self._at is not None:
+            self.sessions.abort(*self._at)
+
+
+class _SpoolOut:
+    """A data file spooled to a temporary file (hashed while written), then streamed to the service."""
+
+    PIECE = 4 << 20
+
+    def __init__(self, target: "HttpTarget", file: str) -> None:
+        self._target, self.file = target, file
+        self._tmp = tempfile.NamedTemporaryFile(prefix="ckptd-import-", suffix=".bin", delete=False)
+        self._h = xxhash.xxh3_64()
+        self.size = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._tmp.write(data)
+        self._h.update(data)
+        self.size += len(data)
+
+    def _pieces(self) -> Iterator[bytes]:
+        with open(self._tmp.name, "rb") as f:
+            while piece := f.read(self.PIECE):
+                yield piece
+
+    def finish(self) -> None:
+        self._tmp.close()
+        try:
+            self._target.transport.request(
+                "PUT", f"{self._target.base}/sessions/{self._target.session}/files/{self.file}",
+                content=self._pieces, headers={"X-Ckptd-Xxh3": self._h.hexdigest(), "Content-Length": str(self.size),
+                                               "Content-Type": "application/octet-stream"})
+        finally:
+            os.unlink(self._tmp.name)
+
+    def abort(self) -> None:
+        self._tmp.close()
+        if os.path.exists(self._tmp.name):
+            os.unlink(self._tmp.name)
+
+
+class HttpTarget:
+    """A running ckptd service: the same protocol a trainer's save uses (one rank)."""
+
+    def __init__(self, url: str, *, token: str | None = None) -> None:
+        from ckptd_client._http import Transport
+
+        self.transport = Transport(url, token=token or os.environ.get("CKPTD_TOKEN"), retry_seconds=30.0)
+        self.base = ""
+        self.session = ""
+        self.ref = ""
+
+    def open(self, run: str, name: str, session: str, step: int | None) -> None:
+        from ckptd_client._save import open_session
+
+        self.base, self.session, self.ref = f"/v1/checkpoints/{run}/{name}", session, f"{run}/{name}"
+        open_session(self.transport, self.base, session, 1, step)
+
+    def begin_file(self, file: str) -> FileOut:
+        return _SpoolOut(self, file)
+
+    def commit(self, index: RankIndex) -> str:
+        from ckptd_client._save import put_index, wait_committed
+
+        status = put_index(self.transport, self.base, self.session, index)
+        return wait_committed(self.transport, self.base, self.ref, status, time.monotonic() + 600).manifest_xxh3 or ""
+
+    def abort(self) -> None:
+        if self.session:
+            self.transport.request("DELETE", f"{self.base}/sessions/{self.session}", retry=False)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+# -- streaming --------------------------------------------------------------------------------------
+
+class _Packer:
+    """Appends chunks to data files of about ``file_bytes`` each, 64-byte aligned."""
+
+    def __init__(self, target: ImportTarget, file_bytes: int) -> None:
+        self.target, self.file_bytes = target, file_bytes
+        self.files: list[str] = []
+        self.written = 0
+        self._cur: FileOut | None = None
+
+    def place(self, data: memoryview | bytes) -> Location:
+        if self._cur is None or (self._cur.size and self._cur.size + len(data) > self.file_bytes):
+            self.close()
+            name = f"r000000-{len(self.files):04d}.bin"
+            self._cur = self.target.begin_file(name)
+            self.files.append(name)
+        cur = self._cur
+        offset = cur.size
+        cur.write(data)
+        pad = (-len(data)) % ALIGN
+        if pad:
+            cur.write(_PAD[:pad])
+        self.written += len(data)
+        return Location(file=self.files[-1], offset=offset, length=len(data), raw_length=len(data),
+                        xxh3=xxhash.xxh3_64_hexdigest(data))
+
+    def close(self) -> None:
+        if self._cur is not None:
+            cur, self._cur = self._cur, None
+            cur.finish()
+
+    def abort(self) -> None:
+        if self._cur is not None:
+            cur, self._cur = self._cur, None
+            cur.abort()
+
+
+class _Capture:
+    """A minimal DCP LoadPlanner: hands each item to ``emit`` as FileSystemReader decodes it."""
+
+    def __init__(self, items: list[DcpItem], emit: Callable[[DcpItem, Any], None]) -> None:
+        self.items = {it.index: it for it in items}
+        self.emit = emit
+        self.done = 0
+
+    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+        it = self.items[read_item.storage_index]
+        return torch.empty(it.sizes, dtype=getattr(torch, it.dtype))
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        self.emit(self.items[read_item.storage_index], tensor)
+        self.done += 1
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        self.emit(self.items[read_item.storage_index], value.getvalue())
+        self.done += 1
+
+
+def _read_item(it: DcpItem) -> Any:
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    if it.is_tensor:
+        zeros = torch.Size([0] * len(it.sizes))
+        return ReadItem(type=LoadItemType.TENSOR, dest_index=it.index, dest_offsets=zeros, storage_index=it.index,
+                        storage_offsets=zeros, lengths=torch.Size(it.sizes))
+    empty = torch.Size([])
+    return ReadItem(type=LoadItemType.BYTE_IO, dest_index=it.index, dest_offsets=empty, storage_index=it.index,
+                    storage_offsets=empty, lengths=empty)
+
+
+@dataclass
+class ImportResult:
+    ref: str
+    manifest_xxh3: str
+    tensors: int
+    chunks: int
+    objects: int
+    files: int
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+    source: str = ""
+    skipped_empty: int = field(default=0)
+
+
+def import_dcp(path: str | os.PathLike | DcpDirectory, ref: str, target: ImportTarget, *,
+               file_bytes: int = 256 << 20, progress: Callable[[int], None] | None = None) -> ImportResult:
+    """Ingest a DCP directory as the committed checkpoint ``ref``; nothing is visible unless all of it commits."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    t0 = time.monotonic()
+    r = parse_ref(ref)
+    if r.is_latest:
+        from ckptd_schemas import InvalidName
+
+        raise InvalidName("cannot import to RUN/latest: name the checkpoint", ref=ref)
+    src = path if isinstance(path, DcpDirectory) else inspect_dcp(path)  # refuses damage before any write
+    md = src.metadata
+    fs = FileSystemReader(str(src.path))
+    fs.set_up_storage_reader(md, True)
+
+    chunks: dict[str, list[BoxChunk]] = {}
+    objects: list[ObjectEntry] = []
+    skipped = 0
+    session = uuid.uuid4().hex
+    target.open(r.run, r.name, session, int(r.name) if r.name.isdigit() else None)
+    packer = _Packer(target, file_bytes)
+
+    def emit(it: DcpItem, value: Any) -> None:
+        nonlocal skipped
+        fqn = it.index.fqn
+        if it.is_tensor:
+            t: torch.Tensor = value.contiguous()
+            if t.numel() == 0:
+                skipped += 1
+            else:
+                raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                loc = packer.place(raw)
+                chunks.setdefault(fqn, []).append(
+                    BoxChunk(rank=0, offsets=list(it.offsets), sizes=list(it.sizes), location=loc))
+        else:
+            objects.append(ObjectEntry(name=fqn, rank=None, encoding="torch", location=packer.place(value)))
+        if progress:
+            progress(it.length)
+
+    try:
+        by_file: dict[str, list[DcpItem]] = {}
+        for it in src.items:
+            by_file.setdefault(it.file, []).append(it)
+        for rel, file_items in by_file.items():
+            cap = _Capture(file_items, emit)
+            try:
+                fs.read_data(LoadPlan([_read_item(it) for it in file_items]), cap).wait()  # type: ignore[arg-type]
+            except DcpImportError:
+                raise
+            except Exception as e:
+                bad = file_items[min(cap.done, len(file_items) - 1)]
+                raise _refuse(f"{src.path / rel}: item {bad.index.fqn!r} at byte {bad.offset} ({bad.length} bytes) "
+                              f"cannot be decoded ({type(e).__name__}: {e}); nothing was imported",
+                              [str(src.path / rel)]) from e
+        buf = io.BytesIO()
+        torch.save(dataclasses.replace(md, storage_data=None), buf)
+        objects.append(ObjectEntry(name=DCP_METADATA, rank=None, encoding="torch",
+                                   location=packer.place(buf.getvalue())))
+        packer.close()
+        tensors = []
+        for fqn, entry in md.state_dict_metadata.items():
+            if isinstance(entry, TensorStorageMetadata):
+                tensors.append(TensorEntry(name=fqn, shape=list(entry.size),
+                                           dtype=str(entry.properties.dtype).removeprefix("torch."),
+                                           group=fqn.split(".", 1)[0], chunks=chunks.get(fqn, [])))
+        index = RankIndex(rank=0, world_size=1, tensors=tensors, objects=objects, files=packer.files)
+        digest = target.commit(index)
+    except BaseException:
+        packer.abort()
+        try:
+            target.abort()
+        except Exception:  # noqa: BLE001 - best effort: an uncommitted session stays invisible anyway
+            pass
+        raise
+    return ImportResult(ref=str(r), manifest_xxh3=digest, tensors=len(tensors),
+                        chunks=sum(len(c) for c in chunks.values()), objects=len(objects) - 1,
+                        files=len(packer.files), bytes_read=src.total_bytes, bytes_written=packer.written,
+                        seconds=time.monotonic() - t0, source=str(src.path), skipped_empty=skipped)

@@ -1,0 +1,440 @@
+"""Export a committed checkpoint: Hugging Face style sharded safetensors, or one ``torch.save`` file.
+
+Call order for safetensors (:func:`export_safetensors`):
+
+1. select the tensors (``prefix`` filters and is stripped), choose the output dtype
+   (``dtype`` casts floating tensors) and cut them into shards of at most
+   ``max_shard_size`` bytes (a bigger tensor gets a shard of its own), all from the
+   manifest: names and sizes are known before a byte is read;
+2. per shard, write the header first (8-byte little-endian length, JSON with dtype, shape
+   and data offsets, space padded to 8 bytes), then stream each tensor in row-major slabs
+   of at most ``slab_bytes``: each slab is assembled from whatever chunks hold it (read
+   plan, block digests verified), cast, hashed (XXH3-64) and appended. Memory held: one
+   slab. Files are written under temporary names and renamed when complete;
+3. ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``);
+4. check: every shard is read back with ``safetensors.safe_open`` (row slabs again) and each
+   tensor's XXH3-64 compared with the digest of the bytes assembled from the source (and,
+   uncast, with the digest the manifest records when it has one). Any difference raises
+   :class:`ckptd_schemas.IntegrityError` naming the tensor and file; the outputs are removed.
+
+``torch`` format (:func:`export_torch`): the nested state dict (nested as DCP recorded it
+for checkpoints saved through DCP or imported from it; flat FQN keys otherwise), objects
+included, in one ``torch.save`` file. Each tensor is assembled slab by slab into its own
+memory-mapped temporary file, so the data lives in the page cache, not in the process's
+heap, while ``torch.save`` writes it; the file is then read back (``mmap=True``) and checked
+the same way.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import struct
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from math import prod
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import xxhash
+
+from ckptd_client.assemble import Destination, copy_into, decode_object, torch_dtype, verify_fetch
+from ckptd_client.dcp import DCP_METADATA
+from ckptd_schemas import (
+    ITEMSIZE, IntegrityError, InvalidRequest, Manifest, ObjectEntry, ReadRequest, TensorEntry, plan_reads,
+)
+
+__all__ = ["ExportResult", "FLOATS", "ReadFn", "SAFETENSORS_DTYPES", "export_safetensors", "export_torch",
+           "parse_size", "tensor_bytes"]
+
+ReadFn = Callable[[str, int, int], bytes]
+FLOATS = {"float64", "float32", "float16", "bfloat16"}
+RESERVED = "__ckptd."
+INDEX_FILE = "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+    "bool": "BOOL", "complex64": "C64",
+}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """``5GB`` (10^9, as Hugging Face counts), ``500MiB`` (2^20), or plain bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())
+    if not m or m.group(2) not in _UNITS:
+        raise InvalidRequest(f"invalid size {text!r}: expected e.g. 5GB, 500MB, 2GiB or a number of bytes",
+                             value=str(text))
+    n = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if n <= 0:
+        raise InvalidRequest(f"size {text!r} must be positive", value=str(text))
+    return n
+
+
+@dataclass
+class ExportResult:
+    ref: str
+    format: str
+    out: str
+    files: list[str]
+    tensors: int
+    total_size: int
+    seconds: float
+    objects: int = 0
+    digests: dict[str, str] = field(default_factory=dict)
+    nested: bool = False
+
+
+@dataclass(frozen=True)
+class _Out:
+    src: TensorEntry
+    name: str
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.src.shape) * ITEMSIZE[self.dtype]
+
+
+def tensor_bytes(shape: list[int], dtype: str) -> int:
+    return prod(shape) * ITEMSIZE[dtype]
+
+
+def _select(manifest: Manifest, prefix: str | None, dtype: str | None) -> list[_Out]:
+    if dtype is not None and dtype not in FLOATS:
+        raise InvalidRequest(f"--dtype must be a floating dtype, one of {sorted(FLOATS)}, not {dtype!r}", dtype=dtype)
+    out = []
+    for t in manifest.tensors:
+        if prefix and not t.name.startswith(prefix):
+            continue
+        name = t.name[len(prefix):] if prefix else t.name
+        if not name:
+            continue
+        out.append(_Out(t, name, dtype if dtype is not None and t.dtype in FLOATS else t.dtype))
+    if not out:
+        raise InvalidRequest(f"checkpoint {manifest.ref} has no tensor starting with {prefix!r}" if prefix
+                             else f"checkpoint {manifest.ref} has no tensors", prefix=prefix)
+    return out
+
+
+def _stream(manifest: Manifest, o: _Out, read: ReadFn, write: Callable[[memoryview], None], *,
+            slab_bytes: int, progress: Callable[[int], None] | None = None) -> str:
+    """Assemble ``o`` slab by slab (row-major), cast, write; return the XXH3-64 of the bytes written."""
+    t = o.src
+    numel = prod(t.shape)
+    h = xxhash.xxh3_64()
+    src_h = xxhash.xxh3_64() if t.digest is not None and o.dtype != t.dtype else None
+    step = max(1, slab_bytes // max(ITEMSIZE[t.dtype], ITEMSIZE[o.dtype]))
+    out_dtype = torch_dtype(o.dtype)
+    for start in range(0, numel, step):
+        n = min(step, numel - start)
+        plan = plan_reads(manifest, [ReadRequest(name=t.name, flat_start=start, flat_length=n)])
+        buf = torch.empty(n, dtype=torch_dtype(t.dtype))
+        dest = Destination(buf, t.shape, flat_start=start)
+        for i, f in enumerate(plan.fetches):
+            data = bytearray(read(f.file, f.start, f.end))
+            verify_fetch(data, f)
+            for c in plan.copies:
+                if c.fetch == i:
+                    copy_into(data, c, dest)
+        if src_h is not None:
+            src_h.update(memoryview(buf.view(torch.uint8).numpy()))
+        if buf.dtype != out_dtype:
+            buf = buf.to(out_dtype)
+        raw = memoryview(buf.view(torch.uint8).numpy())
+        h.update(raw)
+        write(raw)
+        if progress:
+            progress(len(raw))
+    if t.digest is not None:
+        got = (src_h or h).hexdigest()
+        if got != t.digest:
+            raise IntegrityError(f"tensor {t.name!r} of {manifest.ref}: assembled bytes hash to {got}, the manifest "
+                                 f"records {t.digest}", tensor=t.name)
+    return h.hexdigest()
+
+
+def _shards(outs: list[_Out], max_shard_size: int) -> list[list[_Out]]:
+    shards: list[list[_Out]] = []
+    size = 0
+    for o in outs:
+        if not shards or (shards[-1] and size + o.nbytes > max_shard_size):
+            shards.append([])
+            size = 0
+        shards[-1].append(o)
+        size += o.nbytes
+    return shards
+
+
+def _header(shard: list[_Out]) -> bytes:
+    head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for o in shard:
+        if o.dtype not in SAFETENSORS_DTYPES:
+            raise InvalidRequest(f"tensor {o.src.name!r} has dtype {o.dtype}, which safetensors cannot store",
+                                 tensor=o.src.name)
+        head[o.name] = {"dtype": SAFETENSORS_DTYPES[o.dtype], "shape": list(o.src.shape),
+                        "data_offsets": [offset, offset + o.nbytes]}
+        offset += o.nbytes
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * ((-len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _check_names(outs: list[_Out]) -> None:
+    seen: dict[str, str] = {}
+    for o in outs:
+        if o.name in seen:
+            raise InvalidRequest(f"tensors {seen[o.name]!r} and {o.src.name!r} both export as {o.name!r}",
+                                 tensor=o.name)
+        if o.name == "__metadata__":
+            raise InvalidRequest(f"tensor {o.src.name!r} would export as the reserved name '__metadata__'",
+                                 tensor=o.src.name)
+        seen[o.name] = o.src.name
+
+
+def _prepare_dir(out: Path, names: list[str]) -> None:
+    if out.exists() and not out.is_dir():
+        raise InvalidRequest(f"{out} exists and is not a directory", path=str(out))
+    out.mkdir(parents=True, exist_ok=True)
+    clash = [n for n in names if (out / n).exists()]
+    if clash:
+        raise InvalidRequest(f"{out} already holds {clash[:3]}: choose an empty directory", path=str(out))
+
+
+def _rowslab_digest(get: Callable[[int, int], torch.Tensor], shape: list[int], itemsize: int,
+                    slab_bytes: int) -> str:
+    h = xxhash.xxh3_64()
+    if not shape:
+        t = get(0, 0)
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        return h.hexdigest()
+    row = max(1, prod(shape[1:]) * itemsize)
+    rows = max(1, slab_bytes // row)
+    for a in range(0, shape[0], rows):
+        t = get(a, min(shape[0], a + rows)).contiguous()
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def check_safetensors(out: Path, files: list[str], digests: dict[str, str], *, slab_bytes: int = 64 << 20,
+                      progress: Callable[[int], None] | None = None) -> None:
+    """Read every shard back with ``safetensors.safe_open`` and compare each tensor's digest."""
+    from safetensors import safe_open
+
+    index = json.loads((out / INDEX_FILE).read_text())
+    seen: set[str] = set()
+    for fname in files:
+        with safe_open(str(out / fname), framework="pt") as f:
+            for name in f.keys():
+                if index["weight_map"].get(name) != fname:
+                    raise IntegrityError(f"{out / fname}: tensor {name!r} is not mapped to this file by {INDEX_FILE}",
+                                         file=fname, tensor=name)
+                sl = f.get_slice(name)
+                shape = list(sl.get_shape())
+                dt = next(k for k, v in SAFETENSORS_DTYPES.items() if v == sl.get_dtype())
+                got = _rowslab_digest(lambda a, b: f.get_tensor(name) if not shape else sl[a:b], shape,
+                                      ITEMSIZE[dt], slab_bytes)
+                if got != digests.get(name):
+                    raise IntegrityError(f"{out / fname}: tensor {name!r} reads back with digest {got}, the source "
+                                         f"bytes have {digests.get(name)}", file=fname, tensor=name)
+                seen.add(name)
+                if progress:
+                    progress(tensor_bytes(shape, dt))
+    missing = sorted(set(digests) - seen)
+    if missing:
+        raise IntegrityError(f"{out}: tensors missing from the shards: {missing[:5]}", tensors=missing[:64])
+
+
+def export_safetensors(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, max_shard_size: int = 5 * 10**9,
+                       dtype: str | None = None, prefix: str | None = None, slab_bytes: int = 64 << 20,
+                       check: bool = True, progress: Callable[[int], None] | None = None,
+                       check_progress: Callable[[int], None] | None = None) -> ExportResult:
+    """Write ``model-0000i-of-0000N.safetensors`` shards and ``model.safetensors.index.json`` under ``out``."""
+    if sys.byteorder != "little":
+        raise InvalidRequest("safetensors export needs a little-endian machine")
+    t0 = time.monotonic()
+    outs = _select(manifest, prefix, dtype)
+    _check_names(outs)
+    for o in outs:
+        if o.dtype not in SAFETENSORS_DTYPES:
+            raise InvalidRequest(f"tensor {o.src.name!r} has dtype {o.dtype}, which safetensors cannot store",
+                                 tensor=o.src.name)
+    shards = _shards(outs, max_shard_size)
+    n = len(shards)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    root = Path(out)
+    _prepare_dir(root, names + [INDEX_FILE])
+    digests: dict[str, str] = {}
+    weight_map: dict[str, str] = {}
+    written: list[Path] = []
+    try:
+        for fname, shard in zip(names, shards):
+            tmp = root / f".{fname}.partial"
+            written.append(tmp)
+            with open(tmp, "wb") as f:
+                f.write(_header(shard))
+                for o in shard:
+                    digests[o.name] = _stream(manifest, o, read, f.write, slab_bytes=slab_bytes, progress=progress)
+                    weight_map[o.name] = fname
+            os.replace(tmp, root / fname)
+            written[-1] = root / fname
+        index = {"metadata": {"total_size": sum(o.nbytes for o in outs), "ckptd_source": manifest.ref},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (root / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        written.append(root / INDEX_FILE)
+        if check:
+            check_safetensors(root, names, digests, slab_bytes=slab_bytes, progress=check_progress)
+    except BaseException:
+        for p in written:
+            p.unlink(missing_ok=True)
+        raise
+    return ExportResult(ref=manifest.ref, format="safetensors", out=str(root), files=names + [INDEX_FILE],
+                        tensors=len(outs), total_size=sum(o.nbytes for o in outs), seconds=time.monotonic() - t0,
+                        objects=0, digests=digests)
+
+
+# -- torch.save --------------------------------------------------------------------------------------
+
+def _dcp_layout(manifest: Manifest, read: ReadFn) -> tuple[dict[str, tuple], list[str]] | None:
+    """DCP's key paths (``fqn -> ("optim", "param_groups", 0, "lr")``) and key order, when the checkpoint
+    carries DCP metadata (saved through ``client.dcp_writer`` or imported from a DCP directory)."""
+    stored = next((o for o in manifest.objects if o.name == DCP_METADATA and o.location is not None), None)
+    if stored is None:
+        return None
+    md = torch.load(io.BytesIO(_object_bytes(manifest, stored, read)), weights_only=False)
+    pd = getattr(md, "planner_data", None)
+    if not isinstance(pd, dict):
+        return None
+    return {k: tuple(v) for k, v in pd.items()}, list(md.state_dict_metadata)
+
+
+def _object_bytes(manifest: Manifest, o: ObjectEntry, read: ReadFn) -> bytes:
+    loc = o.location
+    assert loc is not None
+    data = read(loc.file, loc.offset, loc.offset + loc.length)
+    if xxhash.xxh3_64_hexdigest(data) != loc.xxh3:
+        raise IntegrityError(f"object {o.name!r} of {manifest.ref} fails its checksum", file=loc.file)
+    return data
+
+
+def _set(root: dict, path: tuple, value: Any) -> None:
+    """DCP's ``set_element``: walk ``path``, creating dicts (or lists for integer keys)."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(root, path, value)
+
+
+def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dtype: str | None = None,
+                 prefix: str | None = None, slab_bytes: int = 64 << 20, check: bool = True,
+                 progress: Callable[[int], None] | None = None,
+                 check_progress: Callable[[int], None] | None = None) -> ExportResult:
+    """One ``torch.save`` file of the state dict: tensors (optionally cast, prefix-filtered) and objects."""
+    t0 = time.monotonic()
+    outs = _select(manifest, prefix, dtype)
+    _check_names(outs)
+    path = Path(out)
+    if path.exists():
+        raise InvalidRequest(f"{path} already exists: choose a new file", path=str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    layout = _dcp_layout(manifest, read)
+    paths, order = layout if layout is not None else ({}, [])
+    objects: dict[str, ObjectEntry] = {}
+    for o in manifest.objects:  # a per-rank object: the lowest rank's value (DCP keeps one per key)
+        if o.name.startswith(RESERVED) or (prefix and not o.name.startswith(prefix)):
+            continue
+        prev = objects.get(o.name)
+        if prev is None or (prev.rank is not None and (o.rank is None or o.rank < prev.rank)):
+            objects[o.name] = o
+
+    def key_path(fqn: str) -> tuple:
+        stripped = fqn[len(prefix):] if prefix else fqn
+        p = paths.get(fqn)
+        if p is None:
+            return (stripped,)
+        if prefix:  # drop the leading path components that spell the prefix, if they do
+            for k in range(1, len(p) + 1):
+                if ".".join(str(x) for x in p[:k]) + "." == prefix:
+                    return p[k:] if p[k:] else (stripped,)
+            return (stripped,)
+        return p
+
+    # Fill in DCP's key order (so dicts iterate as dcp_to_torch_save's do), then anything else.
+    rank_of = {k: i for i, k in enumerate(order)}
+    pending: list[tuple[str, Any]] = [("t", o) for o in outs] + [("o", n) for n in objects]
+    pending.sort(key=lambda p: rank_of.get(p[1].src.name if p[0] == "t" else p[1], len(rank_of)))
+    sd: dict = {}
+    digests: dict[str, str] = {}
+    tmpdir = tempfile.mkdtemp(prefix=".ckptd-export-", dir=path.parent)
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        for i, (kind, item) in enumerate(pending):
+            if kind == "o":
+                entry = objects[item]
+                value = entry.value if entry.encoding == "json" else decode_object(
+                    entry.encoding, _object_bytes(manifest, entry, read), entry.name)
+                _set(sd, key_path(item), value)
+                continue
+            o = item
+            numel = prod(o.src.shape)
+            if numel:
+                backing = os.path.join(tmpdir, f"t{i}")
+                flat = torch.from_file(backing, shared=True, size=numel, dtype=torch_dtype(o.dtype))
+                os.unlink(backing)  # the mapping stays valid; the space is freed when the tensor goes
+            else:
+                flat = torch.empty(0, dtype=torch_dtype(o.dtype))
+            pos = 0
+
+            def write(raw: memoryview, flat: torch.Tensor = flat) -> None:
+                nonlocal pos
+                n = len(raw)
+                flat.view(torch.uint8)[pos:pos + n].copy_(torch.frombuffer(raw, dtype=torch.uint8))
+                pos += n
+
+            digests[o.name] = _stream(manifest, o, read, write, slab_bytes=slab_bytes, progress=progress)
+            _set(sd, key_path(o.src.name), flat.view(o.src.shape))
+        torch.save(sd, partial)
+        del sd
+        if check:
+            back = torch.load(partial, mmap=True, weights_only=False)
+            for o in outs:
+                t = _get(back, key_path(o.src.name))
+                if not isinstance(t, torch.Tensor) or t.dtype != torch_dtype(o.dtype):
+                    raise IntegrityError(f"{path}: {o.name!r} reads back as {type(t).__name__} "
+                                         f"{getattr(t, 'dtype', '')}, not a {o.dtype} tensor", file=str(path),
+                                         tensor=o.name)
+                got = _rowslab_digest(lambda a, b, t=t: t if t.dim() == 0 else t[a:b], list(t.shape),
+                                      t.element_size(), slab_bytes)
+                if got != digests[o.name]:
+                    raise IntegrityError(f"{path}: tensor {o.name!r} reads back with digest {got}, the source bytes "
+                                         f"have {digests[o.name]}", file=str(path), tensor=o.name)
+                if check_progress:
+                    check_progress(o.nbytes)
+            del back
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    finally:
+        for leftover in Path(tmpdir).glob("*"):
+            leftover.unlink(missing_ok=True)
+        os.rmdir(tmpdir)
+    return ExportResult(ref=manifest.ref, format="torch", out=str(path), files=[path.name], tensors=len(outs),
+                        total_size=sum(o.nbytes for o in outs), seconds=time.monotonic() - t0,
+                        objects=len(objects), digests=digests, nested=layout is not None)
+
+
+def _get(root: Any, path: tuple) -> Any:
+    for k in path:
+        root = root[k]
+    return root
