@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-__all__ = ["DType", "ITEMSIZE", "itemsize"]
+__all__ = ["DType", "FLOATING", "ITEMSIZE", "itemsize"]
 
 DType = Literal[
     "float64", "float32", "float16", "bfloat16",
@@ -20,6 +20,8 @@ ITEMSIZE: dict[str, int] = {
     "bool": 1, "complex64": 8, "complex128": 16,
 }
 assert set(ITEMSIZE) == set(get_args(DType))
+
+FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})  # what --dtype casts apply to
 
 
 def itemsize(dtype: str) -> int:

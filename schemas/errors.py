@@ -20,7 +20,8 @@ identically on either side of the wire.
     │   └── SessionConflict           409 session_conflict    e.g. world size disagrees
     ├── IntegrityError                422 integrity
     │   ├── ChecksumMismatch          422 checksum_mismatch   bytes differ from their digest
-    │   └── TilingError               422 tiling              chunks do not cover a tensor exactly once
+    │   ├── TilingError               422 tiling              chunks do not cover a tensor exactly once
+    │   └── DcpImportError            422 dcp_import          a DCP directory is missing or truncated files
     ├── CommitFailed                  422 commit_failed       the session was refused at commit
     ├── PayloadTooLarge               413 payload_too_large
     ├── Unavailable                   503 unavailable         server unreachable after retries
@@ -41,6 +42,7 @@ __all__ = [
     "CkptdError",
     "CommitFailed",
     "Conflict",
+    "DcpImportError",
     "IntegrityError",
     "InvalidIndex",
     "InvalidName",
@@ -129,6 +131,12 @@ class ChecksumMismatch(IntegrityError):
 
 class TilingError(IntegrityError):
     code = "tiling"
+
+
+class DcpImportError(IntegrityError):
+    """The directory is not an importable DCP checkpoint; the message names the files at fault."""
+
+    code = "dcp_import"
 
 
 class CommitFailed(CkptdError):

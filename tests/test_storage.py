@@ -15,7 +15,6 @@ import sys
 import textwrap
 import threading
 import uuid
-from pathlib import Path
 
 import pytest
 

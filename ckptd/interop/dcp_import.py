@@ -38,7 +38,8 @@ import xxhash
 
 from ckptd_client.dcp import DCP_METADATA
 from ckptd_schemas import (
-    ITEMSIZE, BoxChunk, IntegrityError, Location, ObjectEntry, OpenSession, RankIndex, TensorEntry, parse_ref,
+    ITEMSIZE, BoxChunk, DcpImportError, Location, ObjectEntry, OpenSession, RankIndex, TensorEntry,
+    parse_ref,
 )
 
 __all__ = ["DcpDirectory", "DcpImportError", "HttpTarget", "ImportResult", "RootTarget", "import_dcp",
@@ -47,10 +48,6 @@ __all__ = ["DcpDirectory", "DcpImportError", "HttpTarget", "ImportResult", "Root
 METADATA_FILE = ".metadata"
 ALIGN = 64
 _PAD = bytes(ALIGN)
-
-
-class DcpImportError(IntegrityError):
-    """The directory is not an importable DCP checkpoint; the message names the files at fault."""
 
 
 @dataclass(frozen=True)

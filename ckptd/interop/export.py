@@ -43,18 +43,19 @@ from typing import Any, Callable
 import torch
 import xxhash
 
-from ckptd_client.assemble import Destination, copy_into, decode_object, torch_dtype, verify_fetch
+from ckptd_client._load import RESERVED
+from ckptd_client.assemble import decode_object, torch_dtype
 from ckptd_client.dcp import DCP_METADATA
 from ckptd_schemas import (
-    ITEMSIZE, IntegrityError, InvalidRequest, Manifest, ObjectEntry, ReadRequest, TensorEntry, plan_reads,
+    ITEMSIZE, IntegrityError, InvalidRequest, Manifest, ObjectEntry, TensorEntry,
 )
+from ckptd_schemas.dtypes import FLOATING as FLOATS
+
+from ..store.offline import ReadFn, iter_slabs
 
 __all__ = ["ExportResult", "FLOATS", "ReadFn", "SAFETENSORS_DTYPES", "export_safetensors", "export_torch",
            "parse_size", "tensor_bytes"]
 
-ReadFn = Callable[[str, int, int], bytes]
-FLOATS = {"float64", "float32", "float16", "bfloat16"}
-RESERVED = "__ckptd."
 INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
@@ -130,22 +131,11 @@ def _stream(manifest: Manifest, o: _Out, read: ReadFn, write: Callable[[memoryvi
             slab_bytes: int, progress: Callable[[int], None] | None = None) -> str:
     """Assemble ``o`` slab by slab (row-major), cast, write; return the XXH3-64 of the bytes written."""
     t = o.src
-    numel = prod(t.shape)
     h = xxhash.xxh3_64()
     src_h = xxhash.xxh3_64() if t.digest is not None and o.dtype != t.dtype else None
-    step = max(1, slab_bytes // max(ITEMSIZE[t.dtype], ITEMSIZE[o.dtype]))
     out_dtype = torch_dtype(o.dtype)
-    for start in range(0, numel, step):
-        n = min(step, numel - start)
-        plan = plan_reads(manifest, [ReadRequest(name=t.name, flat_start=start, flat_length=n)])
-        buf = torch.empty(n, dtype=torch_dtype(t.dtype))
-        dest = Destination(buf, t.shape, flat_start=start)
-        for i, f in enumerate(plan.fetches):
-            data = bytearray(read(f.file, f.start, f.end))
-            verify_fetch(data, f)
-            for c in plan.copies:
-                if c.fetch == i:
-                    copy_into(data, c, dest)
+    slab = max(1, slab_bytes // max(ITEMSIZE[t.dtype], ITEMSIZE[o.dtype]))
+    for buf in iter_slabs(manifest, t, read, slab_elems=slab):
         if src_h is not None:
             src_h.update(memoryview(buf.view(torch.uint8).numpy()))
         if buf.dtype != out_dtype:

@@ -29,14 +29,16 @@ from pydantic import BaseModel, ConfigDict
 
 from ckptd_client.assemble import Destination, copy_into, torch_dtype, verify_fetch
 from ckptd_schemas import (
-    BoxChunk, Chunk, FlatChunk, IntegrityError, InvalidRequest, Location, Manifest, ObjectEntry,
-    OpenSession, RankIndex, TensorEntry, check_name, check_run, parse_ref,
+    BoxChunk, CheckpointNotFound, Chunk, Fetch, FlatChunk, IntegrityError, InvalidRequest, Location, Manifest,
+    ObjectEntry, OpenSession, RankIndex, TensorEntry, check_name, check_run, parse_ref,
 )
+from ckptd_schemas.dtypes import FLOATING
 
+from ..storage.local import LocalStorage
 from ..store import CheckpointReader, SessionStore
 from ..store.layout import Paths
 from ..store.merge import merge_indexes
-from .digest import tensor_digests
+from .digest import tensor_digest
 from .planner import ALIGN, ReshardPlan, WorkUnit
 
 __all__ = ["ReshardResult", "UnitResult", "finalize", "open_target", "pick_device", "run_plan", "run_unit"]
@@ -90,17 +92,24 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     sink = sessions.begin_file(out.run, out.name, session, unit.file)
     chunks: list[tuple[str, Chunk]] = []
     read_total = 0
+    fetches = _Fetches(reader, src.run, src.name)
+    staging: torch.Tensor | None = None  # one target chunk's bytes, reused (grown) from chunk to chunk
     try:
         for pc in unit.chunks:
-            buf = torch.empty(pc.numel, dtype=torch_dtype(pc.src_dtype), device=device)
+            dtype = torch_dtype(pc.src_dtype)
+            nbytes = pc.numel * dtype.itemsize
+            if staging is None or staging.numel() < nbytes:
+                staging = None
+                staging = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            buf = staging[:nbytes].view(dtype)
             if pc.sizes is not None:
                 dest = Destination(buf.view(pc.sizes), _shape(reader, plan, pc.tensor), box_offsets=pc.offsets)
             else:
                 dest = Destination(buf, _shape(reader, plan, pc.tensor), flat_start=pc.flat_start)
             for i, f in enumerate(pc.reads.fetches):
-                data = bytearray(reader.read_range(src.run, src.name, f.file, f.start, f.end))
+                data, n_read = fetches.get(f)
                 verify_fetch(data, f)
-                read_total += len(data)
+                read_total += n_read
                 for c in pc.reads.copies:
                     if c.fetch == i:
                         copy_into(data, c, dest)
@@ -129,6 +138,63 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
                       bytes_written=unit.size)
 
 
+def _read_into(storage: object, key: str, start: int, view: memoryview) -> int:
+    """Read ``len(view)`` bytes of ``key`` from ``start`` into ``view`` (a local file: no intermediate copy)."""
+    if isinstance(storage, LocalStorage):
+        try:
+            with open(storage._path(key), "rb", buffering=0) as fh:
+                fh.seek(start)
+                got = 0
+                while got < len(view):
+                    n = fh.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+                return got
+        except OSError:
+            pass  # let the storage's own read raise its error
+    data = storage.read(key, start, start + len(view))  # type: ignore[attr-defined]
+    view[:len(data)] = data
+    return len(data)
+
+
+class _Fetches:
+    """Source byte ranges for one work unit, read into one reused buffer.
+
+    Fetches are whole verification blocks, so neighbouring target chunks taken
+    from one source file share the block at their boundary: the last block of
+    each file's previous fetch is kept and copied, not read again (the caller
+    verifies every fetch before using it, so a kept block was verified once and
+    is verified again as part of the new fetch). ``get`` returns (the fetched
+    bytes, a view valid until the next ``get``; bytes read from storage).
+    """
+
+    def __init__(self, reader: CheckpointReader, run: str, name: str) -> None:
+        self.reader, self.run, self.name = reader, run, name
+        self.buf = bytearray()
+        self.tails: dict[str, tuple[int, bytes]] = {}  # file -> (start, bytes) of its last fetched block
+
+    def get(self, f: Fetch) -> tuple[memoryview, int]:
+        start, end = f.start, f.end
+        key, size = self.reader.file_key(self.run, self.name, f.file)
+        if not 0 <= start <= end <= size:
+            raise CheckpointNotFound(f"byte range [{start}, {end}) outside file {f.file!r} of {size} bytes",
+                                     file=f.file)
+        if len(self.buf) < end - start:
+            self.buf = bytearray(end - start)
+        view = memoryview(self.buf)[:end - start]
+        have = 0
+        tail = self.tails.get(f.file)
+        if tail is not None and tail[0] <= start < tail[0] + len(tail[1]):
+            have = min(tail[0] + len(tail[1]), end) - start
+            view[:have] = tail[1][start - tail[0]:start - tail[0] + have]
+        got = _read_into(self.reader.storage, key, start + have, view[have:]) if have < len(view) else 0
+        view = view[:have + got]  # a short read: verify_fetch reports it
+        keep = min(len(view), f.block_size)
+        self.tails[f.file] = (start + len(view) - keep, bytes(view[len(view) - keep:]))
+        return view, got
+
+
 def _shape(reader: CheckpointReader, plan: ReshardPlan, tensor: str) -> list[int]:
     src = parse_ref(plan.source)
     t = reader.manifest(src.run, src.name).tensor(tensor)
@@ -153,8 +219,7 @@ def _indexes(plan: ReshardPlan, source: Manifest, results: list[UnitResult],
             chunks = by_rank[r].get(t.name)
             if chunks is None and r != 0:  # rank 0 declares every tensor: the manifest keeps source order
                 continue
-            dtype = t.dtype if plan.dtype is None or t.dtype not in ("float64", "float32", "float16", "bfloat16") \
-                else plan.dtype
+            dtype = t.dtype if plan.dtype is None or t.dtype not in FLOATING else plan.dtype
             tensors.append(TensorEntry(name=t.name, shape=t.shape, dtype=dtype, group=t.group, chunks=chunks or [],
                                        placement=plan.placements.get(t.name)))
         out.append(RankIndex(rank=r, world_size=plan.world_size, coords=plan.coords[r] if plan.coords else {},
@@ -197,9 +262,33 @@ def _copy_objects(reader: CheckpointReader, sessions: SessionStore, source: Mani
     return moved, fname
 
 
+def _digests(todo: list[tuple[str, Manifest, TensorEntry, Callable[[str, int, int], bytes], str | None]],
+             jobs: int) -> dict[tuple[str, str], str]:
+    """Layout-independent digests of (side, manifest, tensor, read, cast) items, ``jobs`` tensors at a time."""
+    def one(item: tuple) -> str:
+        _, m, t, read, cast = item
+        return tensor_digest(m, t, read, cast=cast)
+
+    if jobs > 1 and len(todo) > 1:
+        with ThreadPoolExecutor(jobs, thread_name_prefix="ckptd-digest") as pool:
+            values = list(pool.map(one, todo))
+    else:
+        values = [one(item) for item in todo]
+    return {(side, t.name): v for (side, _, t, _, _), v in zip(todo, values)}
+
+
+def _reader_of(storage: object, key_of: Callable[[str], str]) -> Callable[[str, int, int], bytearray]:
+    def read(file: str, start: int, end: int) -> bytearray:
+        buf = bytearray(end - start)
+        got = _read_into(storage, key_of(file), start, memoryview(buf))
+        return buf if got == len(buf) else buf[:got]
+    return read
+
+
 def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan, results: list[UnitResult],
-             out_ref: str, session: str) -> str:
-    """Check digests source vs target, then send the indexes (the last one commits)."""
+             out_ref: str, session: str, *, jobs: int = 1) -> str:
+    """Check digests source vs target (``jobs`` tensors at a time), then send the indexes (the last one
+    commits)."""
     src = parse_ref(plan.source)
     out = parse_ref(out_ref)
     source = reader.manifest(src.run, src.name)
@@ -217,16 +306,16 @@ def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
                            derived_from=plan.source)
     storage = sessions.storage
 
-    def read_target(file: str, start: int, end: int) -> bytes:
-        return storage.read(Paths.file(out.run, out.name, session, file), start, end)
-
-    def read_source(file: str, start: int, end: int) -> bytes:
-        return reader.read_range(src.run, src.name, file, start, end)
+    read_target = _reader_of(storage, lambda file: Paths.file(out.run, out.name, session, file))
+    src_keys = {f: Paths.file(source.run, source.name, source.session, f) for f in source.files}
+    read_source = _reader_of(reader.storage, lambda file: src_keys[file])
 
     want = {t.name: t.digest for t in source.tensors if t.digest is not None and plan.dtype is None}
-    missing = {t.name for t in source.tensors} - set(want)
-    want.update(tensor_digests(source, read_source, cast=plan.dtype, names=missing))
-    got = tensor_digests(target, read_target)
+    todo = [("src", source, t, read_source, plan.dtype) for t in source.tensors if t.name not in want]
+    todo += [("dst", target, t, read_target, None) for t in target.tensors]
+    digests = _digests(todo, jobs)
+    want.update({name: v for (side, name), v in digests.items() if side == "src"})
+    got = {name: v for (side, name), v in digests.items() if side == "dst"}
     bad = sorted(n for n in want if got.get(n) != want[n])
     if bad:
         sessions.abort(out.run, out.name, session)
@@ -253,7 +342,7 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
         else:
             results = [run_unit(reader, sessions, plan, u, out_ref, session, device=dev, progress=progress)
                        for u in plan.units]
-        digest = finalize(reader, sessions, plan, results, out_ref, session)
+        digest = finalize(reader, sessions, plan, results, out_ref, session, jobs=jobs)
     except BaseException:
         out = parse_ref(out_ref)
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from ckptd_schemas import DType, Manifest, ReadPlan, ReadRequest, itemsize, plan_reads
-from ckptd_schemas.dtypes import ITEMSIZE
+from ckptd_schemas.dtypes import FLOATING as FLOATS, ITEMSIZE
 
 from .layouts import TargetLayout, build_layout, rank_bytes
 from .spec import LayoutSpec
@@ -20,7 +20,6 @@ from .spec import LayoutSpec
 __all__ = ["PlannedChunk", "ReshardPlan", "WorkUnit", "plan_reshard"]
 
 ALIGN = 64
-FLOATS = {"float64", "float32", "float16", "bfloat16"}
 
 
 class _M(BaseModel):

@@ -44,7 +44,7 @@ from .settings import Settings
 __all__ = ["create_app"]
 
 log = logging.getLogger("ckptd.service")
-STREAM_PIECE = 8 << 20
+STREAM_PIECE = 1 << 20  # per read and send: bounds memory per GET; 8 MiB cost ~25 MiB each
 
 
 class ReadPlanBody(BaseModel):
@@ -175,6 +175,13 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
             await run_in_threadpool(sink.abort)
             raise
 
+    waiters: dict[str, asyncio.Event] = {}  # session id -> event set when one of its indexes arrives here
+
+    def _wake(sid: str) -> None:
+        event = waiters.pop(sid, None)
+        if event is not None:
+            event.set()
+
     @app.put("/v1/checkpoints/{run}/{name}/sessions/{sid}/ranks/{rank}", response_model=SessionStatus,
              tags=["upload"])
     async def put_index(request: Request, run: str, name: str, sid: str, rank: int) -> SessionStatus:
@@ -182,17 +189,30 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         index = _parse_body(RankIndex, raw, f"index of rank {rank}", InvalidIndex, rank=rank)
         if index.rank != rank:
             raise InvalidRequest(f"index body is for rank {index.rank}, URL says rank {rank}", rank=rank)
-        return await run_in_threadpool(sessions.put_index, run, name, sid, index)
+        try:
+            return await run_in_threadpool(sessions.put_index, run, name, sid, index)
+        finally:
+            _wake(sid)
 
     @app.get("/v1/checkpoints/{run}/{name}/sessions/{sid}", response_model=SessionStatus, tags=["upload"])
     async def session_status(run: str, name: str, sid: str,
                              wait: float = Query(0.0, ge=0.0, le=60.0)) -> SessionStatus:
         deadline = time.monotonic() + wait
-        while True:
-            st = await run_in_threadpool(sessions.status, run, name, sid)
-            if st.state != "open" or time.monotonic() >= deadline:
-                return st
-            await asyncio.sleep(0.1)
+        event: asyncio.Event | None = None
+        try:
+            while True:
+                event = waiters.setdefault(sid, asyncio.Event())  # before reading: no lost wake-up
+                st = await run_in_threadpool(sessions.status, run, name, sid)
+                left = deadline - time.monotonic()
+                if st.state != "open" or left <= 0:
+                    return st
+                # Woken at once when an index arrives at this process; polled every 0.1 s otherwise
+                # (another replica may take the last index).
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(event.wait(), min(0.1, left))
+        finally:
+            if event is not None and waiters.get(sid) is event:
+                del waiters[sid]  # a waiter sharing it falls back to the 0.1 s poll
 
     @app.delete("/v1/checkpoints/{run}/{name}/sessions/{sid}", status_code=204, tags=["upload"])
     async def abort_session(run: str, name: str, sid: str) -> Response:

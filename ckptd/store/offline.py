@@ -5,23 +5,25 @@ through the same session and commit code as the service."""
 from __future__ import annotations
 
 import uuid
-from typing import Mapping
+from math import prod
+from typing import Callable, Iterator, Mapping
 
 import torch
 import xxhash
 
 from ckptd_client.assemble import Destination, copy_into, torch_dtype, verify_fetch
 from ckptd_schemas import (
-    BoxChunk, CheckpointNotFound, Location, OpenSession, RankIndex, ReadRequest, TensorEntry, parse_ref,
-    plan_reads,
+    BoxChunk, CheckpointNotFound, Location, Manifest, OpenSession, RankIndex, ReadRequest, TensorEntry,
+    parse_ref, plan_reads,
 )
 
 from .reader import CheckpointReader
 from .sessions import SessionStore
 
-__all__ = ["read_tensor", "write_tensors"]
+__all__ = ["ReadFn", "iter_slabs", "read_tensor", "write_tensors"]
 
 ALIGN = 64
+ReadFn = Callable[[str, int, int], bytes]  # (file, start, end) -> bytes of a data file
 
 
 def write_tensors(sessions: SessionStore, ref: str, tensors: Mapping[str, torch.Tensor], *,
@@ -72,3 +74,23 @@ def read_tensor(reader: CheckpointReader, ref: str, name: str) -> torch.Tensor:
             if c.fetch == i:
                 copy_into(data, c, dest)
     return out
+
+
+def iter_slabs(manifest: Manifest, t: TensorEntry, read: ReadFn, *, slab_elems: int) -> Iterator[torch.Tensor]:
+    """The tensor's row-major flattening in 1-D slabs of at most ``slab_elems`` elements, each
+    assembled from whatever chunks hold it and block-verified: bounded memory for any layout."""
+    numel = prod(t.shape)
+    dtype = torch_dtype(t.dtype)
+    step = max(1, slab_elems)
+    for start in range(0, numel, step):
+        n = min(step, numel - start)
+        plan = plan_reads(manifest, [ReadRequest(name=t.name, flat_start=start, flat_length=n)])
+        buf = torch.empty(n, dtype=dtype)
+        dest = Destination(buf, t.shape, flat_start=start)
+        for i, f in enumerate(plan.fetches):
+            data = bytearray(read(f.file, f.start, f.end))
+            verify_fetch(data, f)
+            for c in plan.copies:
+                if c.fetch == i:
+                    copy_into(data, c, dest)
+        yield buf

@@ -1,0 +1,686 @@
+"""ckptd against torch.distributed.checkpoint (DCP), side by side, in one run on one disk.
+
+    .venv/bin/python -m bench.save_load --mib 512 --repeat 3 --out bench/results/save_load.json
+
+What one run does (see BENCHMARKS.md for the results and how to read them):
+
+1. Machine baselines in this process: durable disk writes (two writers, write +
+   fsync, the ceiling for both systems), XXH3 and memcpy speed.
+2. Starts real ``ckptd serve`` processes (tests/support.py ``ServerProcess``)
+   whose roots sit, with the DCP directory, in one work directory (one disk):
+   the main server, and one more per ``--rss-mib`` size that only ever sees a
+   state of that size (one save, one load), so that the servers' peak RSS
+   (``VmHWM``) can be compared across shard sizes. Each server is restarted
+   (same root and port) between the saves and the loads, so the load peak is
+   that of a fresh process.
+3. Two gloo ranks hold ``--mib`` MiB of fp32 state in total: 8 DTensors,
+   ``Shard(0)``, with uneven row counts. Per repeat, between barriers, they run
+   ``dcp.save`` (``FileSystemWriter`` defaults: ``sync_files=True``, one thread
+   per rank) and ``CheckpointClient.save`` to a fresh ref, timing ``save()``'s
+   return (the training stall) and ``handle.wait()`` (committed). The order of
+   the two alternates between repeats. Internal client steps are timed from the
+   outside by wrapping functions (no code in the client knows about this).
+4. Three gloo ranks (another world size) load every repeat's checkpoint into
+   DTensors on a 3-mesh with ``dcp.load`` and ``CheckpointClient.load``: first
+   cold (pages of both checkpoints evicted with ``posix_fadvise(DONTNEED)``), then
+   warm. Both results are checked bit for bit against the values saved.
+
+Throughput is the global state size divided by wall time between barriers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import xxhash
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO / "tests") not in sys.path:
+    sys.path.insert(0, str(REPO / "tests"))
+
+from support import ServerProcess, run_ranks  # noqa: E402  (tests/support.py)
+
+MiB = 1 << 20
+COLS = 1024                                  # fp32 columns: 4 KiB per row
+WEIGHTS = (23, 5, 17, 3, 13, 7, 19, 11)      # relative sizes of the 8 tensors (uneven on purpose)
+GOALS = {"save_throughput_ratio": 1.0, "stall_ratio": 0.2, "load_throughput_ratio": 1.0}
+
+
+# -- the state ------------------------------------------------------------------------------------
+
+def tensor_specs(mib: float) -> list[tuple[str, int, int]]:
+    """8 (name, rows, cols) with odd row counts (uneven over 2 and 3 ranks) summing to about ``mib``."""
+    total_rows = max(int(mib * MiB) // (4 * COLS), 8 * 3)
+    rows = [max(total_rows * w // sum(WEIGHTS), 3) for w in WEIGHTS]
+    rows = [r if r % 2 else r - 1 for r in rows]
+    rows[0] += total_rows - sum(rows)  # the remainder, kept odd
+    if rows[0] % 2 == 0:
+        rows[0] -= 1
+    return [(f"layers.{i}.weight", r, COLS) for i, r in enumerate(rows)]
+
+
+def _pattern(index: int, row0: int, rows: int, cols: int) -> torch.Tensor:
+    """Deterministic values of rows [row0, row0+rows) of tensor ``index``, whatever the world size."""
+    idx = torch.arange(row0 * cols, (row0 + rows) * cols, dtype=torch.int64)
+    idx.mul_(2654435761).add_(97 * index + 1).remainder_(16777213)
+    return idx.to(torch.float32).reshape(rows, cols)
+
+
+def make_state(specs: list[tuple[str, int, int]], mesh: Any, *, fill: bool) -> dict:
+    """``{"model": {name: DTensor}}`` sharded Shard(0) on ``mesh``; values from ``_pattern`` or NaN."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    model = {}
+    for i, (name, rows, cols) in enumerate(specs):
+        local_shape, offsets = compute_local_shape_and_global_offset((rows, cols), mesh, [Shard(0)])
+        if fill:
+            local = _pattern(i, offsets[0], local_shape[0], cols)
+        else:
+            local = torch.full(tuple(local_shape), float("nan"))
+        model[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                         shape=torch.Size((rows, cols)), stride=(cols, 1))
+    return {"model": model}
+
+
+def state_bytes(specs: list[tuple[str, int, int]]) -> int:
+    return sum(r * c * 4 for _, r, c in specs)
+
+
+# -- outside instrumentation ------------------------------------------------------------------------
+
+def _kind(method: str, path: str) -> str:
+    if method == "POST" and path.endswith("/sessions"):
+        return "open_session"
+    if method == "PUT" and "/files/" in path:
+        return "put_file"
+    if method == "PUT" and "/ranks/" in path:
+        return "put_index"
+    if method == "GET" and "/sessions/" in path:
+        return "poll"
+    if method == "POST" and path.endswith("/read-plan"):
+        return "read_plan"
+    if method == "GET" and "/files/" in path:
+        return "get_range"
+    if method == "GET":
+        return "manifest"
+    return f"{method} other"
+
+
+class Probe:
+    """Times ckptd_client internals by wrapping them; missing names are skipped (the bench must not rot)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float, float]] = []
+        import ckptd_client._load as cl
+        import ckptd_client._save as cs
+        import ckptd_client.client as cc
+        from ckptd_client._http import Transport
+
+        for mod, name, kind in ((cc, "build_snapshot", "snapshot"), (cc, "upload_snapshot", "upload_total"),
+                                (cs, "_pack", "pack_hash"), (cl, "_fetch", "fetch_verify"),
+                                (cl, "_execute", "fetch_copy_total")):
+            if hasattr(mod, name):
+                setattr(mod, name, self._timed(getattr(mod, name), kind))
+        if hasattr(cs, "_stream"):  # the body generator of a file PUT: its end = last byte handed to httpx
+            orig_stream = cs._stream
+            evs = self.events
+
+            @functools.wraps(orig_stream)
+            def stream(*a: Any, **kw: Any) -> Any:
+                t0 = time.perf_counter()
+                yield from orig_stream(*a, **kw)
+                evs.append(("body_sent", t0, time.perf_counter()))
+
+            cs._stream = stream
+        if hasattr(Transport, "request"):
+            orig = Transport.request
+            events = self.events
+
+            @functools.wraps(orig)
+            def request(tr: Any, method: str, path: str, *a: Any, **kw: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return orig(tr, method, path, *a, **kw)
+                finally:
+                    events.append((_kind(method, path), t0, time.perf_counter()))
+
+            Transport.request = request
+
+    def _timed(self, fn: Callable, kind: str) -> Callable:
+        events = self.events
+
+        @functools.wraps(fn)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                events.append((kind, t0, time.perf_counter()))
+
+        return wrapper
+
+    def take(self, t_start: float) -> dict[str, float]:
+        """Durations by kind since ``t_start``: ``<kind>`` = summed seconds, ``<kind>_span`` = first start..last end."""
+        evs, self.events[:] = list(self.events), []
+        out: dict[str, float] = {}
+        kinds: dict[str, list[tuple[float, float]]] = {}
+        for k, a, b in evs:
+            if a >= t_start:
+                kinds.setdefault(k, []).append((a, b))
+        for k, spans in kinds.items():
+            out[k] = sum(b - a for a, b in spans)
+            out[f"{k}_span"] = max(b for _, b in spans) - min(a for a, _ in spans)
+            out[f"{k}_n"] = len(spans)
+            out[f"{k}_end"] = max(b for _, b in spans) - t_start
+        return out
+
+
+def _proc_cpu(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process, all its threads, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def _own_cpu() -> tuple[float, float]:
+    t = os.times()
+    return t.user, t.system
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _sum_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def evict(paths: list[Path]) -> int:
+    """Drop the (clean, fsynced) page-cache pages of every file under ``paths``; return bytes evicted."""
+    n = 0
+    for root in paths:
+        for dirpath, _, files in os.walk(root):
+            for name in files:
+                p = os.path.join(dirpath, name)
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    n += os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+    return n
+
+
+# -- rank jobs (spawned; module-level so they pickle) ------------------------------------------------
+
+def save_job(rank: int, world: int, cfg: dict) -> dict:
+    from ckptd_client import CheckpointClient
+
+    probe = Probe()
+    mesh = init_device_mesh("cpu", (world,))
+    sd = make_state(cfg["specs"], mesh, fill=True)
+    client = CheckpointClient(cfg["url"])
+    repeats = []
+    for r in range(cfg["repeat"]):
+        order = ("dcp", "ckptd") if r % 2 == 0 else ("ckptd", "dcp")
+        rec: dict[str, Any] = {"order": list(order)}
+        for which in order:
+            dist.barrier()
+            cpu0 = _own_cpu()
+            srv0 = _proc_cpu(cfg["server_pid"]) if rank == 0 else (0.0, 0.0)
+            t0 = time.perf_counter()
+            if which == "dcp":
+                dcp.save(sd, checkpoint_id=os.path.join(cfg["dcp_dir"], f"r{r}"))
+                dist.barrier()
+                t_total = time.perf_counter() - t0
+                cpu = [b - a for a, b in zip(cpu0, _own_cpu())]
+                vals = _max_over_ranks([t_total, *cpu])
+                rec["dcp_save_s"], rec["dcp_rank_user_s"], rec["dcp_rank_sys_s"] = vals
+                rec["dcp_rank_cpu_s"] = vals[1] + vals[2]
+            else:
+                handle = client.save(sd, f"bench/{r}")
+                t_stall = time.perf_counter() - t0
+                handle.wait()
+                t_own = time.perf_counter() - t0
+                dist.barrier()
+                t_total = time.perf_counter() - t0
+                cpu = [b - a for a, b in zip(cpu0, _own_cpu())]
+                srv = [b - a for a, b in zip(srv0, _proc_cpu(cfg["server_pid"]))] if rank == 0 else [0.0, 0.0]
+                phases = probe.take(t0)
+                vals = _max_over_ranks([t_stall, t_total, *cpu, *srv])
+                (rec["ckptd_stall_s"], rec["ckptd_committed_s"], rec["ckptd_rank_user_s"], rec["ckptd_rank_sys_s"],
+                 rec["server_user_s"], rec["server_sys_s"]) = vals
+                rec["ckptd_rank_cpu_s"] = vals[2] + vals[3]
+                rec["server_cpu_s"] = vals[4] + vals[5]
+                rec["ckptd_phases"] = {**phases, "stall": t_stall, "own_wait_return": t_own}
+        repeats.append(rec)
+    client.close()
+    del sd
+    # One save of another size to a server that only ever sees that size (its peak RSS vs shard size).
+    extra_s = {}
+    for ex in cfg["extra"]:
+        dist.barrier()
+        other = make_state(ex["specs"], mesh, fill=True)
+        other_client = CheckpointClient(ex["url"])
+        t0 = time.perf_counter()
+        other_client.save(other, "bench/other").wait()
+        dist.barrier()
+        extra_s[ex["key"]] = time.perf_counter() - t0
+        other_client.close()
+        del other
+    return {"repeats": repeats, "extra_committed_s": extra_s}
+
+
+def load_job(rank: int, world: int, cfg: dict) -> dict:
+    from ckptd_client import CheckpointClient
+
+    probe = Probe()
+    mesh = init_device_mesh("cpu", (world,))
+    expected = make_state(cfg["specs"], mesh, fill=True)["model"]
+    into_dcp = make_state(cfg["specs"], mesh, fill=False)
+    into_ckptd = make_state(cfg["specs"], mesh, fill=False)
+    client = CheckpointClient(cfg["url"])
+
+    def check(sd: dict, what: str) -> None:
+        for name, want in expected.items():
+            got = sd["model"][name].to_local()
+            assert torch.equal(got, want.to_local()), f"{what}: {name} differs on rank {rank}"
+
+    def reset(sd: dict) -> None:
+        for t in sd["model"].values():
+            t.to_local().fill_(float("nan"))
+
+    repeats = []
+    for r in range(cfg["repeat"]):
+        rec: dict[str, Any] = {}
+        for cache in ("cold", "warm"):
+            if cache == "cold":
+                if rank == 0:
+                    rec["evicted_bytes"] = evict([Path(cfg["dcp_dir"]) / f"r{r}",
+                                                  Path(cfg["root"]) / "runs" / "bench" / str(r)])
+                dist.barrier()
+            order = ("dcp", "ckptd") if r % 2 == 0 else ("ckptd", "dcp")
+            for which in order:
+                reset(into_dcp if which == "dcp" else into_ckptd)
+                dist.barrier()
+                cpu0 = _own_cpu()
+                srv0 = _proc_cpu(cfg["server_pid"]) if rank == 0 else (0.0, 0.0)
+                t0 = time.perf_counter()
+                if which == "dcp":
+                    dcp.load(into_dcp, checkpoint_id=os.path.join(cfg["dcp_dir"], f"r{r}"))
+                else:
+                    client.load(into_ckptd, f"bench/{r}")
+                dist.barrier()
+                t = time.perf_counter() - t0
+                cpu = sum(b - a for a, b in zip(cpu0, _own_cpu()))
+                srv = sum(b - a for a, b in zip(srv0, _proc_cpu(cfg["server_pid"]))) if rank == 0 else 0.0
+                if which == "ckptd":
+                    rec[f"ckptd_{cache}_phases"] = probe.take(t0)
+                cpu_sum, srv = _sum_over_ranks([cpu, srv])
+                rec[f"{which}_{cache}_load_s"] = _max_over_ranks([t])[0]
+                rec[f"{which}_{cache}_load_ranks_cpu_s"] = cpu_sum
+                if which == "ckptd":
+                    rec[f"ckptd_{cache}_load_server_cpu_s"] = srv
+            check(into_dcp, f"dcp.load repeat {r} ({cache})")
+            check(into_ckptd, f"ckptd load repeat {r} ({cache})")
+            for name in expected:  # the two loads agree bit for bit
+                assert torch.equal(into_dcp["model"][name].to_local(), into_ckptd["model"][name].to_local())
+        repeats.append(rec)
+    client.close()
+    expected.clear()  # free the main state before the other sizes
+    del into_dcp, into_ckptd
+    for ex in cfg["extra"]:
+        want = make_state(ex["specs"], mesh, fill=True)["model"]
+        got = make_state(ex["specs"], mesh, fill=False)
+        other_client = CheckpointClient(ex["url"])
+        other_client.load(got, "bench/other")
+        for name, w in want.items():
+            assert torch.equal(got["model"][name].to_local(), w.to_local()), f"{ex['key']}: {name} differs"
+        other_client.close()
+        del want, got
+    return {"repeats": repeats}
+
+
+# -- machine and micro-baselines ----------------------------------------------------------------------
+
+def _cmd(args: list[str]) -> str:
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def describe_machine(work: Path) -> dict:
+    mem_kib = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem_kib = int(line.split()[1])
+    cpu = ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    df = _cmd(["df", "-hT", str(work)]).splitlines()
+    dev = df[-1].split()[0] if df else ""
+    rotational = ""
+    name = os.path.basename(dev)
+    if name and os.path.exists(f"/sys/block/{name}/queue/rotational"):
+        rotational = Path(f"/sys/block/{name}/queue/rotational").read_text().strip()
+    import importlib.metadata as md
+
+    def ver(p: str) -> str | None:
+        try:
+            return md.version(p)
+        except md.PackageNotFoundError:
+            return None
+
+    return {
+        "nproc": os.cpu_count(), "cpu": cpu, "mem_gib": round(mem_kib / 2**20, 1),
+        "disk": df[-1] if df else "", "disk_rotational": rotational, "kernel": platform.release(),
+        "python": platform.python_version(),
+        "versions": {p: ver(p) for p in ("torch", "fastapi", "uvicorn", "uvloop", "httptools", "httpx",
+                                         "xxhash", "starlette")},
+        "loadavg_at_start": os.getloadavg(),
+    }
+
+
+def micro_baselines(work: Path, total_bytes: int) -> dict:
+    """Durable disk write (2 writers, like 2 ranks), XXH3 and memcpy speed, on this machine, now."""
+    piece = os.urandom(8 * MiB)
+    per = total_bytes // 2
+
+    def writer(path: Path) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            left = per
+            while left > 0:
+                left -= os.write(fd, piece[:min(left, len(piece))])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    paths = [work / f"disk-baseline-{i}.bin" for i in range(2)]
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=writer, args=(p,)) for p in paths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    disk_s = time.perf_counter() - t0
+    for p in paths:
+        p.unlink()
+    buf = torch.randint(0, 255, (64 * MiB,), dtype=torch.uint8)
+    mv = memoryview(buf.numpy())
+    t0 = time.perf_counter()
+    for _ in range(4):
+        xxhash.xxh3_64_hexdigest(mv)
+    xxh_s = (time.perf_counter() - t0) / 4
+    t0 = time.perf_counter()
+    for _ in range(4):
+        torch.empty_like(buf).copy_(buf)
+    fresh_s = (time.perf_counter() - t0) / 4
+    dst = torch.empty_like(buf)
+    dst.copy_(buf)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(buf)
+    reuse_s = (time.perf_counter() - t0) / 4
+    return {"disk_durable_write_2_writers_gbps": total_bytes / disk_s / 1e9,
+            "xxh3_gbps": 64 * MiB / xxh_s / 1e9,
+            "memcpy_fresh_alloc_gbps": 64 * MiB / fresh_s / 1e9,
+            "memcpy_reused_gbps": 64 * MiB / reuse_s / 1e9}
+
+
+def vm_status(pid: int) -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("VmHWM", "VmRSS"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def _upload_streams(root: str, streams: int = 4) -> dict:
+    """Data files per rank of one checkpoint under ``root``, and the concurrent uploads that makes
+    (each rank sends up to ``streams`` files at once: CheckpointClient's default)."""
+    sess = sorted(Path(root).glob("runs/bench/*/sessions/*/files"))
+    per_rank: dict[str, int] = {}
+    if sess:
+        for f in sess[0].iterdir():
+            if f.name.startswith("r") and f.name.endswith(".bin"):
+                r = f.name.split("-")[0]
+                per_rank[r] = per_rank.get(r, 0) + 1
+    return {"files_per_rank": sorted(per_rank.values()),
+            "concurrent_uploads": sum(min(streams, n) for n in per_rank.values())}
+
+
+# -- summary ------------------------------------------------------------------------------------------
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarise(save: dict, load: dict, nbytes: int) -> dict:
+    sr, lr = save["repeats"], load["repeats"]
+    gb = nbytes / 1e9
+    dcp_save = _med([r["dcp_save_s"] for r in sr])
+    stall = _med([r["ckptd_stall_s"] for r in sr])
+    committed = _med([r["ckptd_committed_s"] for r in sr])
+    out: dict[str, Any] = {
+        "dcp_save_s": dcp_save, "ckptd_stall_s": stall, "ckptd_committed_s": committed,
+        "ckptd_stall_worst_s": max(r["ckptd_stall_s"] for r in sr),
+        "ckptd_committed_worst_s": max(r["ckptd_committed_s"] for r in sr),
+        "dcp_save_worst_s": max(r["dcp_save_s"] for r in sr),
+        "dcp_save_gbps": gb / dcp_save, "ckptd_committed_gbps": gb / committed,
+        "save_throughput_ratio": dcp_save / committed, "stall_ratio": stall / dcp_save,
+        # CPU seconds during the save (per rank: the larger rank's; server: the whole process)
+        **{k: _med([r[k] for r in sr]) for k in (
+            "dcp_rank_cpu_s", "dcp_rank_user_s", "dcp_rank_sys_s", "ckptd_rank_cpu_s", "ckptd_rank_user_s",
+            "ckptd_rank_sys_s", "server_cpu_s", "server_user_s", "server_sys_s")},
+    }
+    for cache in ("cold", "warm"):
+        d = _med([r[f"dcp_{cache}_load_s"] for r in lr])
+        c = _med([r[f"ckptd_{cache}_load_s"] for r in lr])
+        out.update({f"dcp_{cache}_load_s": d, f"ckptd_{cache}_load_s": c, f"dcp_{cache}_load_gbps": gb / d,
+                    f"ckptd_{cache}_load_gbps": gb / c, f"load_{cache}_throughput_ratio": d / c,
+                    f"dcp_{cache}_load_ranks_cpu_s": _med([r[f"dcp_{cache}_load_ranks_cpu_s"] for r in lr]),
+                    f"ckptd_{cache}_load_ranks_cpu_s": _med([r[f"ckptd_{cache}_load_ranks_cpu_s"] for r in lr]),
+                    f"ckptd_{cache}_load_server_cpu_s": _med([r[f"ckptd_{cache}_load_server_cpu_s"] for r in lr])})
+    out["load_throughput_ratio"] = out["load_cold_throughput_ratio"]
+    # Where ckptd's save time goes: median over repeats of each phase (seconds, the slower rank's).
+    keys = ("stall", "snapshot", "open_session", "pack_hash", "put_file_span", "put_file_n", "put_index",
+            "put_index_end", "upload_total", "upload_total_end", "poll", "own_wait_return")
+    for r in sr:
+        for p in r["ckptd_phases_by_rank"]:
+            if "put_file_end" in p and "body_sent_end" in p:
+                # last byte of the last file handed to httpx -> its PUT answered: the server's fsync + digest
+                p["server_file_tail"] = p["put_file_end"] - p["body_sent_end"]
+    keys += ("server_file_tail",)
+    # last index answered (the commit) -> the last rank's wait() returns: how fast waiters learn of the commit
+    out["commit_seen_after_s"] = _med([max(p.get("own_wait_return", 0.0) for p in r["ckptd_phases_by_rank"])
+                                       - max(p.get("put_index_end", 0.0) for p in r["ckptd_phases_by_rank"])
+                                       for r in sr])
+    out["save_phases_s"] = {k: _med([max(p.get(k, 0.0) for p in r["ckptd_phases_by_rank"]) for r in sr])
+                            for k in keys}
+    lkeys = ("manifest", "read_plan", "get_range_span", "get_range_n", "fetch_verify", "fetch_copy_total")
+    out["load_phases_s"] = {c: {k: _med([max(p.get(k, 0.0) for p in r[f"ckptd_{c}_phases_by_rank"]) for r in lr])
+                                for k in lkeys} for c in ("cold", "warm")}
+    out["goals_met"] = {
+        "save_throughput_ratio>=1.0": out["save_throughput_ratio"] >= GOALS["save_throughput_ratio"],
+        "stall_ratio<=0.2": out["stall_ratio"] <= GOALS["stall_ratio"],
+        "load_throughput_ratio>=1.0 (cold)": out["load_cold_throughput_ratio"] >= GOALS["load_throughput_ratio"],
+        "load_throughput_ratio>=1.0 (warm)": out["load_warm_throughput_ratio"] >= GOALS["load_throughput_ratio"],
+    }
+    return out
+
+
+def _merge_rank_records(records: list[dict], phase_keys: tuple[str, ...]) -> dict:
+    """Rank 0's record, with each repeat's per-rank phase dicts gathered under ``<key>_by_rank``."""
+    base = records[0]["result"]
+    for i, rep in enumerate(base["repeats"]):
+        for k in phase_keys:
+            rep[f"{k}_by_rank"] = [rec["result"]["repeats"][i].get(k, {}) for rec in records]
+            rep.pop(k, None)
+    return base
+
+
+def markdown(res: dict) -> str:
+    s, cfg = res["summary"], res["config"]
+    mib = cfg["state_bytes"] / MiB
+    rows = [
+        ("save, committed (ckptd `handle.wait()`) vs `dcp.save`", f"{s['ckptd_committed_s']:.2f} s = "
+         f"{s['ckptd_committed_gbps']:.2f} GB/s", f"{s['dcp_save_s']:.2f} s = {s['dcp_save_gbps']:.2f} GB/s",
+         f"throughput ratio {s['save_throughput_ratio']:.2f}", ">= 1.0"),
+        ("training stall (`save()` returns) vs `dcp.save`", f"{s['ckptd_stall_s']:.3f} s",
+         f"{s['dcp_save_s']:.2f} s", f"stall ratio {s['stall_ratio']:.3f}", "<= 0.2"),
+        ("load at world size 3, cold page cache", f"{s['ckptd_cold_load_s']:.2f} s = "
+         f"{s['ckptd_cold_load_gbps']:.2f} GB/s", f"{s['dcp_cold_load_s']:.2f} s = {s['dcp_cold_load_gbps']:.2f} GB/s",
+         f"throughput ratio {s['load_cold_throughput_ratio']:.2f}", ">= 1.0"),
+        ("load at world size 3, warm page cache", f"{s['ckptd_warm_load_s']:.2f} s = "
+         f"{s['ckptd_warm_load_gbps']:.2f} GB/s", f"{s['dcp_warm_load_s']:.2f} s = {s['dcp_warm_load_gbps']:.2f} GB/s",
+         f"throughput ratio {s['load_warm_throughput_ratio']:.2f}", ">= 1.0"),
+    ]
+    lines = [f"{mib:.0f} MiB fp32 state, save on 2 ranks, load on 3, median of {cfg['repeat']} repeats:", "",
+             "| measure | ckptd | DCP | ratio | goal |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows]
+    rss = res["server_rss"]
+    lines += ["", "| server | state | idle RSS | peak RSS, saves | concurrent uploads | peak RSS, loads (fresh process) |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for key, r in sorted(rss.items(), key=lambda kv: kv[1]["state_mib"]):
+        lines.append(f"| {key} | {r['state_mib']:.0f} MiB | {r['idle']['VmHWM'] / MiB:.0f} MiB | "
+                     f"{r['after_save']['VmHWM'] / MiB:.0f} MiB | {r['upload_streams']['concurrent_uploads']} | "
+                     f"{r['load_peak']['VmHWM'] / MiB:.0f} MiB |")
+    p = s["save_phases_s"]
+    lines += ["", "ckptd save phases (s, slower rank, median): " + ", ".join(
+        f"{k}={v:.3f}" for k, v in p.items())]
+    lines += ["", "CPU seconds during one save (user+sys; ranks: the busier rank, x2 for both): "
+              f"DCP ranks 2 x ({s['dcp_rank_user_s']:.2f}+{s['dcp_rank_sys_s']:.2f}); "
+              f"ckptd ranks 2 x ({s['ckptd_rank_user_s']:.2f}+{s['ckptd_rank_sys_s']:.2f}), "
+              f"server {s['server_user_s']:.2f}+{s['server_sys_s']:.2f}"]
+    lines += ["CPU seconds during one load at world size 3 (all ranks summed): " + "; ".join(
+        f"{c}: DCP {s[f'dcp_{c}_load_ranks_cpu_s']:.2f}, ckptd ranks {s[f'ckptd_{c}_load_ranks_cpu_s']:.2f} + "
+        f"server {s[f'ckptd_{c}_load_server_cpu_s']:.2f}" for c in ("cold", "warm"))]
+    b = res["baselines"]
+    lines += ["", "baselines: " + ", ".join(f"{k}={v:.2f}" for k, v in b.items())]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=float, default=512, help="total fp32 state over the 2 saving ranks (MiB)")
+    ap.add_argument("--rss-mib", default=None,
+                    help="comma-separated state sizes (MiB), each saved and loaded once through its own server, "
+                         "for peak RSS vs shard size (default: mib/4,mib*2)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "save_load.json")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="parent of the temporary work dir (server roots and DCP dir: one disk); default $TMPDIR")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = ap.parse_args(argv)
+    other_mibs = ([float(x) for x in args.rss_mib.split(",") if x.strip()] if args.rss_mib is not None
+                  else [max(args.mib / 4, 1), args.mib * 2])
+
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir=args.workdir))
+    t_start = time.perf_counter()
+    servers: list[ServerProcess] = []
+    try:
+        specs = tensor_specs(args.mib)
+        other_specs = {f"state-{m:g}MiB": tensor_specs(m) for m in other_mibs}
+        nbytes = state_bytes(specs)
+        machine = describe_machine(work)
+        print(f"work dir {work}; {nbytes / MiB:.1f} MiB state; load average {machine['loadavg_at_start']}",
+              flush=True)
+        baselines = micro_baselines(work, nbytes)
+        print("baselines", json.dumps({k: round(v, 2) for k, v in baselines.items()}), flush=True)
+        dcp_dir, root = work / "dcp", work / "ckptd-root"
+        dcp_dir.mkdir()
+        main_srv = ServerProcess(root, log=work / "server-main.log").start()
+        servers.append(main_srv)
+        extra, pids = [], {"main": main_srv.proc.pid}
+        state_mib = {"main": nbytes / MiB}
+        for key, sp in other_specs.items():
+            srv = ServerProcess(work / f"ckptd-root-{key}", log=work / f"server-{key}.log").start()
+            servers.append(srv)
+            extra.append({"key": key, "url": srv.url, "specs": sp})
+            pids[key], state_mib[key] = srv.proc.pid, state_bytes(sp) / MiB
+        rss: dict[str, dict] = {k: {"state_mib": state_mib[k], "idle": vm_status(pid)} for k, pid in pids.items()}
+        cfg = {"specs": specs, "extra": extra, "repeat": args.repeat, "url": main_srv.url,
+               "server_pid": pids["main"], "dcp_dir": str(dcp_dir), "root": str(root)}
+        budget = 180 + (args.repeat * nbytes + sum(map(state_bytes, other_specs.values()))) / MiB * 0.2
+
+        save_records = run_ranks(save_job, 2, cfg, tmp=work, timeout=budget)
+        # Each server's peak during the saves; then a fresh process on the same root and port for the
+        # loads (sessions live in storage), so that the load peak carries nothing over from the saves.
+        for (k, pid), srv in zip(list(pids.items()), servers):
+            rss[k]["after_save"] = vm_status(pid)
+            rss[k]["upload_streams"] = _upload_streams(srv.root)
+            srv.stop()
+            srv.start()
+            pids[k] = srv.proc.pid
+            rss[k]["load_idle"] = vm_status(pids[k])
+        cfg["server_pid"] = pids["main"]
+        print("saved", flush=True)
+        load_records = run_ranks(load_job, 3, cfg, tmp=work, timeout=budget)
+        for k, pid in pids.items():
+            rss[k]["load_peak"] = vm_status(pid)
+        for s in servers:
+            s.stop()
+        save = _merge_rank_records(save_records, ("ckptd_phases",))
+        load = _merge_rank_records(load_records, ("ckptd_cold_phases", "ckptd_warm_phases"))
+        same_disk = len({os.stat(p).st_dev for p in (dcp_dir, root, work)}) == 1
+        result = {
+            "command": "python -m bench.save_load " + " ".join(sys.argv[1:] if argv is None else argv),
+            "config": {"mib": args.mib, "state_bytes": nbytes, "rss_state_mib": other_mibs,
+                       "repeat": args.repeat, "save_world": 2, "load_world": 3, "tensors": specs,
+                       "same_filesystem": same_disk, "workdir": str(work),
+                       "dcp": "dcp.save/dcp.load, FileSystemWriter defaults (sync_files=True, thread_count=1)",
+                       "ckptd": "CheckpointClient defaults (streams=4, file_bytes=256 MiB, no compression); "
+                                "server LocalStorage durable (fsync)"},
+            "machine": machine, "baselines": baselines,
+            "summary": summarise(save, load, nbytes),
+            "server_rss": rss, "save": save, "load": load,
+            "wall_s": time.perf_counter() - t_start, "loadavg_at_end": os.getloadavg(),
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2, default=float))
+        print(markdown(result))
+        print(f"\nwrote {args.out} in {result['wall_s']:.1f} s")
+        return 0
+    finally:
+        for s in servers:
+            s.stop()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

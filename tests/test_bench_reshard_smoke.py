@@ -1,0 +1,43 @@
+"""The reshard benchmark (bench/reshard.py) still runs, at a tiny size, so it cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(120)
+def test_bench_reshard_runs_small(tmp_path):
+    out = tmp_path / "reshard.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.reshard", "--gib", "0.01", "--sizes", "0.01", "--out", str(out),
+         "--workdir", str(tmp_path / "work")],
+        cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    s = res["summary"]
+    for key in ("dp2_ratio_vs_dcp_load", "dp2_ratio_vs_dcp_load_save", "full_ratio_vs_dcp_to_torch_save",
+                "disk_efficiency_dp2", "disk_efficiency_full", "disk_convert_ceiling_gbps"):
+        assert s[key] > 0, key
+    assert res["config"]["same_filesystem"]
+    rep = res["sizes"]["0p01gib"]["repeats"][0]
+    for op in ("ckptd_dp2", "ckptd_full", "dcp_to_torch_save"):
+        assert rep[op]["peak_rss_bytes"] > 0 and rep[op]["spot_checked"], op
+    assert rep["ckptd_dp2"]["bytes_written"] >= res["sizes"]["0p01gib"]["state_bytes"]
+    assert rep["dcp_load"]["checked"] and min(rep["dcp_load"]["load_peak_rss_bytes_per_rank"]) > 0
+    for spec in ("fsdp2:dp=2", "full"):  # the timers still hook into the executor
+        p = res["profile"][spec]
+        assert p["rc"] == 0 and p["n_units"] >= 1 and p["finalize_s"] > 0, spec
+        assert p["in_units_thread_s"]["read"] > 0 and p["in_units_thread_s"]["sink_write"] > 0, spec
+        assert p["in_finalize_s"]["digests"] > 0, spec
+    assert res["gpu"]["available"] in (True, False)
+    assert "| measure | ckptd | DCP |" in proc.stdout
+    assert not any((tmp_path / "work").iterdir()), "the work directory is removed"

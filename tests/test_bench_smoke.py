@@ -1,0 +1,35 @@
+"""The save/load benchmark (bench/save_load.py) still runs, at a tiny size, so it cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(120)
+def test_bench_save_load_runs_small(tmp_path):
+    out = tmp_path / "save_load.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.save_load", "--mib", "16", "--repeat", "1", "--out", str(out),
+         "--workdir", str(tmp_path / "work")],
+        cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    s = res["summary"]
+    for key in ("save_throughput_ratio", "stall_ratio", "load_cold_throughput_ratio", "load_warm_throughput_ratio"):
+        assert s[key] > 0, key
+    assert res["config"]["same_filesystem"]
+    assert s["save_phases_s"]["snapshot"] > 0 and s["save_phases_s"]["put_file_span"] > 0  # the probe still hooks in
+    assert len(res["server_rss"]) == 3  # main + the two --rss-mib sizes (default mib/4 and mib*2)
+    for server in res["server_rss"].values():
+        assert server["load_peak"]["VmHWM"] > 0
+    assert "| measure | ckptd | DCP |" in proc.stdout
+    assert not any((tmp_path / "work").iterdir()), "the work directory is removed"
