@@ -432,3 +432,16 @@ def test_local_enospc_real_tmpfs(tmp_path):
     assert "run/ck/COMMITTED" in lines["create"]
     assert lines["left"] == "[]", r.stdout
     assert lines["small"] == "fits"
+
+
+def test_read_into_fills_a_callers_buffer_like_read(storage):
+    data = bytes(range(256)) * 64
+    storage.put("a/blob", data)
+    buf = bytearray(1000)
+    assert storage.read_into("a/blob", 300, memoryview(buf)) == 1000
+    assert bytes(buf) == data[300:1300]
+    tail = bytearray(500)
+    assert storage.read_into("a/blob", len(data) - 200, memoryview(tail)) == 200  # short at the end
+    assert bytes(tail[:200]) == data[-200:]
+    with pytest.raises(StorageError, match="a/missing"):
+        storage.read_into("a/missing", 0, memoryview(bytearray(4)))

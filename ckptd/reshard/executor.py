@@ -34,7 +34,6 @@ from ckptd_schemas import (
 )
 from ckptd_schemas.dtypes import FLOATING
 
-from ..storage.local import LocalStorage
 from ..store import CheckpointReader, SessionStore
 from ..store.layout import Paths
 from ..store.merge import merge_indexes
@@ -138,26 +137,6 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
                       bytes_written=unit.size)
 
 
-def _read_into(storage: object, key: str, start: int, view: memoryview) -> int:
-    """Read ``len(view)`` bytes of ``key`` from ``start`` into ``view`` (a local file: no intermediate copy)."""
-    if isinstance(storage, LocalStorage):
-        try:
-            with open(storage._path(key), "rb", buffering=0) as fh:
-                fh.seek(start)
-                got = 0
-                while got < len(view):
-                    n = fh.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-                return got
-        except OSError:
-            pass  # let the storage's own read raise its error
-    data = storage.read(key, start, start + len(view))  # type: ignore[attr-defined]
-    view[:len(data)] = data
-    return len(data)
-
-
 class _Fetches:
     """Source byte ranges for one work unit, read into one reused buffer.
 
@@ -188,7 +167,7 @@ class _Fetches:
         if tail is not None and tail[0] <= start < tail[0] + len(tail[1]):
             have = min(tail[0] + len(tail[1]), end) - start
             view[:have] = tail[1][start - tail[0]:start - tail[0] + have]
-        got = _read_into(self.reader.storage, key, start + have, view[have:]) if have < len(view) else 0
+        got = self.reader.storage.read_into(key, start + have, view[have:]) if have < len(view) else 0
         view = view[:have + got]  # a short read: verify_fetch reports it
         keep = min(len(view), f.block_size)
         self.tails[f.file] = (start + len(view) - keep, bytes(view[len(view) - keep:]))
@@ -280,7 +259,7 @@ def _digests(todo: list[tuple[str, Manifest, TensorEntry, Callable[[str, int, in
 def _reader_of(storage: object, key_of: Callable[[str], str]) -> Callable[[str, int, int], bytearray]:
     def read(file: str, start: int, end: int) -> bytearray:
         buf = bytearray(end - start)
-        got = _read_into(storage, key_of(file), start, memoryview(buf))
+        got = storage.read_into(key_of(file), start, memoryview(buf))
         return buf if got == len(buf) else buf[:got]
     return read
 

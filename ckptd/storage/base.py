@@ -6,7 +6,8 @@ Keys are ``/``-separated paths relative to the storage root. Primitives:
   the key, whole and durable, only on :meth:`Writer.commit` (temp file +
   rename + fsync locally; single PUT or multipart completion on object
   stores); :meth:`Writer.abort` leaves nothing behind.
-* :meth:`Storage.read` a byte range; :meth:`Storage.size` (None if absent).
+* :meth:`Storage.read` a byte range (:meth:`Storage.read_into` a caller's buffer, derived;
+  local files override it to skip a copy); :meth:`Storage.size` (None if absent).
 * :meth:`Storage.list` the immediate children of a prefix.
 * :meth:`Storage.create_if_absent` writes a small object exactly once (first
   writer wins): the commit marker's primitive.
@@ -112,6 +113,12 @@ class Storage(ABC):
             raise
         w.commit()
         return n
+
+    def read_into(self, key: str, start: int, view: memoryview) -> int:
+        """Read up to ``len(view)`` bytes from ``start`` into ``view``; return how many arrived."""
+        data = self.read(key, start, start + len(view))
+        view[:len(data)] = data
+        return len(data)
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None

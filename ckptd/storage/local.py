@@ -114,6 +114,22 @@ class LocalStorage(Storage):
         except OSError as e:
             raise _storage_error("read", key, e) from e
 
+    def read_into(self, key: str, start: int, view: memoryview) -> int:
+        try:
+            with open(self._path(key), "rb", buffering=0) as f:
+                f.seek(start)
+                got = 0
+                while got < len(view):
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+                return got
+        except FileNotFoundError as e:
+            raise StorageError(f"storage object {key!r} does not exist", key=key, errno=errno.ENOENT) from e
+        except OSError as e:
+            raise _storage_error("read", key, e) from e
+
     def size(self, key: str) -> int | None:
         try:
             st = self._path(key).stat()
