@@ -462,8 +462,7 @@ def profile_main(argv: list[str]) -> int:
                                       xxh3_64=xxhash.xxh3_64)
     CheckpointReader.read_range = timed(CheckpointReader.read_range, "read")
     LocalStorage.read = timed(LocalStorage.read, "storage_read")  # nested in "read"; also the target re-read
-    if hasattr(ex, "_read_into"):
-        ex._read_into = timed(ex._read_into, "read")
+    LocalStorage.read_into = timed(LocalStorage.read_into, "read")  # the executor's source reads
     hashing.StreamDigest.update = timed(hashing.StreamDigest.update, "sink_hash")
     _LocalWriter.write = timed(_LocalWriter.write, "sink_write")
     _LocalWriter.commit = timed(_LocalWriter.commit, "fsync_commit")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -100,6 +101,13 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, out_
     try:
         result = fn(rank, world, *args)
         torch.save({"ok": True, "result": result}, Path(out_dir) / f"rank{rank}.pt")
+        # Every rank done before any tears gloo down: a peer closing its sockets while another
+        # rank still has work in flight can abort that rank ("terminate called ..."). Bounded, so a
+        # test that kills a rank on purpose is not held up: the record is already saved.
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=30))
+        except RuntimeError:
+            pass
     except BaseException as e:  # noqa: BLE001 - reported to the parent test
         torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc(),
                     "type": type(e).__name__}, Path(out_dir) / f"rank{rank}.pt")
