@@ -82,3 +82,20 @@ def full_tensors(sd: dict, prefix: str = "") -> dict[str, torch.Tensor]:
         elif isinstance(v, torch.Tensor):
             out[name] = v.clone()
     return out
+
+
+def save_job(rank: int, world: int, url: str, ref: str) -> dict:
+    """Train 3 steps, save through ckptd, then record the full state and the next two losses."""
+    from ckptd_client import CheckpointClient
+
+    model, opt = build(world, seed=0)
+    for step in range(3):
+        train_step(model, opt, step, rank, world)
+    client = CheckpointClient(url)
+    handle = client.save(state(model, opt), ref)
+    handle.wait()
+    client.close()
+    saved = full_tensors(state(model, opt))
+    loss_next = train_step(model, opt, 3, rank, world)
+    loss_after = train_step(model, opt, 4, rank, world)
+    return {"tensors": saved, "loss_next": loss_next, "loss_after": loss_after}

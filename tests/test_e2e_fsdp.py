@@ -6,24 +6,10 @@ import torch
 import pytest
 
 from ckptd_client import CheckpointClient
-from fsdp_job import LR, apply, build, full_tensors, state, train_step
+from fsdp_job import LR, apply, build, full_tensors, save_job, state, train_step
 from support import run_ranks
 
 pytestmark = pytest.mark.slow
-
-
-def save_job(rank: int, world: int, url: str, ref: str) -> dict:
-    model, opt = build(world, seed=0)
-    for step in range(3):
-        train_step(model, opt, step, rank, world)
-    client = CheckpointClient(url)
-    handle = client.save(state(model, opt), ref)
-    handle.wait()
-    client.close()
-    saved = full_tensors(state(model, opt))
-    loss_next = train_step(model, opt, 3, rank, world)
-    loss_after = train_step(model, opt, 4, rank, world)
-    return {"tensors": saved, "loss_next": loss_next, "loss_after": loss_after}
 
 
 def load_job(rank: int, world: int, url: str, ref: str) -> dict:

@@ -36,7 +36,7 @@ from ckptd_client._flatten import flatten_state_dict
 from ckptd_client._layout import local_piece
 from ckptd_client.zero import partition_size
 from ckptd_schemas import FlatChunk, Manifest, ReadRequest, plan_reads
-from fsdp_job import LR, apply, build, full_tensors, state, train_step
+from fsdp_job import LR, apply, build, full_tensors, save_job, state, train_step
 from support import ServerProcess, run_ranks
 
 pytestmark = pytest.mark.slow
@@ -151,19 +151,6 @@ def _convert(store, src: str, spec: str, out: str | None = None) -> str:
 
 # -- 1. FSDP2 + AdamW on 4 ranks -> fsdp2:dp=2 -> 2 ranks keep training; -> full -> one process ---------
 
-def fsdp_save_job(rank: int, world: int, url: str, ref: str) -> dict:
-    model, opt = build(world, seed=0)
-    for step in range(3):
-        train_step(model, opt, step, rank, world)
-    client = CheckpointClient(url)
-    client.save(state(model, opt), ref).wait()
-    client.close()
-    saved = full_tensors(state(model, opt))
-    loss_next = train_step(model, opt, 3, rank, world)
-    loss_after = train_step(model, opt, 4, rank, world)
-    return {"tensors": saved, "loss_next": loss_next, "loss_after": loss_after}
-
-
 def fsdp_load_job(rank: int, world: int, url: str, ref: str) -> dict:
     model, opt = build(world, seed=123, lr=1.0)
     train_step(model, opt, 0, rank, world)  # materialise optimizer state with the wrong values
@@ -183,7 +170,7 @@ def fsdp_load_job(rank: int, world: int, url: str, ref: str) -> dict:
 
 @pytest.fixture(scope="module")
 def fsdp_saved(server, tmp_path_factory):
-    rec = run_ranks(fsdp_save_job, 4, server.url, "fsdp/3", tmp=tmp_path_factory.mktemp("fsdp-save"))[0]
+    rec = run_ranks(save_job, 4, server.url, "fsdp/3", tmp=tmp_path_factory.mktemp("fsdp-save"))[0]
     return rec["result"]
 
 
