@@ -6,15 +6,35 @@ Imports without the server's dependencies (FastAPI, uvicorn, s3fs)::
     client = CheckpointClient("http://127.0.0.1:8470")
     client.save(state_dict, "gpt/1000").wait()
     client.load(state_dict, "gpt/latest")
+
+The public names below are resolved on first use (PEP 562): tools that only
+need ``ckptd_client.assemble`` (the reshard workers, the CLI) then skip
+importing ``torch.distributed.tensor``, about half a second of start-up.
 """
+
+from importlib import import_module
+from typing import TYPE_CHECKING
 
 from ckptd_schemas.errors import *  # noqa: F403
 from ckptd_schemas.errors import __all__ as _errors
 
-from ._load import LoadReport
-from ._save import SaveHandle
-from .client import CheckpointClient
-from .flat import FlatShard
-from .zero import flat_partition
+if TYPE_CHECKING:
+    from ._load import LoadReport
+    from ._save import SaveHandle
+    from .client import CheckpointClient
+    from .flat import FlatShard
+    from .zero import flat_partition
+
+_LAZY = {"CheckpointClient": ".client", "FlatShard": ".flat", "LoadReport": "._load",
+         "SaveHandle": "._save", "flat_partition": ".zero"}
 
 __all__ = ["CheckpointClient", "FlatShard", "LoadReport", "SaveHandle", "flat_partition", *_errors]
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptd_client' has no attribute {name!r}")
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value
+    return value
