@@ -453,7 +453,7 @@ def profile_main(argv: list[str]) -> int:
     planner.plan_reshard = timed(planner_fn, "plan")
     ex.run_unit = timed(ex.run_unit, "unit")
     ex.finalize = timed(ex.finalize, "finalize")
-    for fn in ("tensor_digests", "tensor_digest"):  # the digest check (per call: thread-seconds)
+    for fn in ("tensor_digests", "tensor_digest", "combine"):  # the digest check (per call: thread-seconds)
         if hasattr(ex, fn):
             setattr(ex, fn, timed(getattr(ex, fn), "digests"))
     ex.verify_fetch = timed(ex.verify_fetch, "verify_blocks")

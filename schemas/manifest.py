@@ -114,7 +114,8 @@ class TensorEntry(_Model):
     group: str = Field(description="state group, the first component of the name (model, optim, ...)")
     chunks: list[Chunk]
     digest: Annotated[str, Field(pattern=HEX64)] | None = Field(
-        default=None, description="layout-independent XXH3-64 of the full tensor's row-major bytes"
+        default=None, description="layout-independent digest of the tensor's row-major bytes: XXH3-64 of the "
+        "XXH3-64 values of its 64 KiB blocks (ckptd_schemas.digest)"
     )
     placement: str | None = Field(default=None, description="source layout hint, e.g. DTensor placements")
 

@@ -138,3 +138,19 @@ def test_cli_reshard_dry_run_and_run(tmp_path):
     assert bad.returncode == 2 and "Grammar" in bad.stderr
     missing = _ckptd("reshard", "cli/6", "--to", "full", "--root", str(tmp_path))
     assert missing.returncode == 1 and "cli/6" in missing.stderr
+
+
+def test_a_one_rank_target_is_cut_into_units_for_parallel_workers(root):
+    storage, reader, sessions = root
+    tensors = _model(3, 9)
+    write_tensors(sessions, "units/1", tensors, step=3)
+    m = reader.manifest("units", "1")
+    one = plan_reshard(m, parse_spec("full"))
+    four = plan_reshard(m, parse_spec("full"), min_units=4)
+    assert len(one.units) == 1 and len(four.units) >= 4
+    assert {u.rank for u in four.units} == {0}
+    listed = lambda p: sorted((c.tensor, tuple(c.offsets or ()), c.flat_start) for u in p.units for c in u.chunks)
+    assert listed(one) == listed(four)  # the same chunks, each once, in more files
+    out = _reshard(root, "units/1", "full", min_units=4)
+    for name, t in tensors.items():
+        assert torch.equal(read_tensor(reader, out, name), t), name

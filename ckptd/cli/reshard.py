@@ -56,7 +56,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     storage = open_storage(args.root or os.environ.get("CKPTD_ROOT") or "./ckptd-data")
     reader, sessions = CheckpointReader(storage), SessionStore(storage)
     manifest = reader.manifest(src.run, src.name)
-    plan = plan_reshard(manifest, spec, dtype=args.dtype)
+    plan = plan_reshard(manifest, spec, dtype=args.dtype, min_units=args.jobs)
     if args.dry_run:
         _print_preview(preview(plan), args.json)
         return 0

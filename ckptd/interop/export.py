@@ -49,6 +49,7 @@ from ckptd_client.dcp import DCP_METADATA
 from ckptd_schemas import (
     ITEMSIZE, IntegrityError, InvalidRequest, Manifest, ObjectEntry, TensorEntry,
 )
+from ckptd_schemas.digest import StreamHasher
 from ckptd_schemas.dtypes import FLOATING as FLOATS
 
 from ..store.offline import ReadFn, iter_slabs
@@ -132,7 +133,7 @@ def _stream(manifest: Manifest, o: _Out, read: ReadFn, write: Callable[[memoryvi
     """Assemble ``o`` slab by slab (row-major), cast, write; return the XXH3-64 of the bytes written."""
     t = o.src
     h = xxhash.xxh3_64()
-    src_h = xxhash.xxh3_64() if t.digest is not None and o.dtype != t.dtype else None
+    src_h = StreamHasher() if t.digest is not None else None  # the layout-independent digest, before any cast
     out_dtype = torch_dtype(o.dtype)
     slab = max(1, slab_bytes // max(ITEMSIZE[t.dtype], ITEMSIZE[o.dtype]))
     for buf in iter_slabs(manifest, t, read, slab_elems=slab):
@@ -145,8 +146,8 @@ def _stream(manifest: Manifest, o: _Out, read: ReadFn, write: Callable[[memoryvi
         write(raw)
         if progress:
             progress(len(raw))
-    if t.digest is not None:
-        got = (src_h or h).hexdigest()
+    if src_h is not None:
+        got = src_h.hexdigest()
         if got != t.digest:
             raise IntegrityError(f"tensor {t.name!r} of {manifest.ref}: assembled bytes hash to {got}, the manifest "
                                  f"records {t.digest}", tensor=t.name)

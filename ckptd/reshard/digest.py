@@ -1,19 +1,20 @@
-"""Layout-independent tensor digests: XXH3-64 of the full tensor's row-major bytes.
+"""Layout-independent tensor digests computed by walking a stored tensor in slabs.
 
-Computed by walking each tensor in flat slabs (bounded memory), assembling
-every slab from whatever chunks hold it, so two checkpoints of one tensor in
-different layouts have equal digests iff their values are bit-identical.
-With ``cast``, floating tensors are cast before hashing (the digest a cast
-conversion must reproduce).
+The definition lives in ``ckptd_schemas.digest``. This walk assembles the
+tensor's row-major stream slab by slab (bounded memory, any layout) and is
+the fallback for pieces that are not row-major contiguous (column shards),
+for cast sources, and for ``ckptd verify``-style checks. With ``cast``,
+floating tensors are cast before hashing (the digest a cast conversion must
+reproduce).
 """
 
 from __future__ import annotations
 
 import torch
-import xxhash
 
 from ckptd_client.assemble import torch_dtype
 from ckptd_schemas import Manifest, TensorEntry, itemsize
+from ckptd_schemas.digest import DIGEST_BLOCK, StreamHasher
 from ckptd_schemas.dtypes import FLOATING as FLOATS
 
 from ..store.offline import ReadFn, iter_slabs
@@ -21,12 +22,12 @@ from ..store.offline import ReadFn, iter_slabs
 __all__ = ["ReadFn", "tensor_digest", "tensor_digests"]
 
 
-
 def tensor_digest(manifest: Manifest, t: TensorEntry, read: ReadFn, *, cast: str | None = None,
                   slab_bytes: int = 32 << 20) -> str:
-    h = xxhash.xxh3_64()
+    h = StreamHasher()
     out_dtype = torch_dtype(cast if cast is not None and t.dtype in FLOATS else t.dtype)
-    for buf in iter_slabs(manifest, t, read, slab_elems=slab_bytes // itemsize(t.dtype)):
+    widest = max(itemsize(t.dtype), out_dtype.itemsize)
+    for buf in iter_slabs(manifest, t, read, slab_elems=max(DIGEST_BLOCK, slab_bytes // widest)):
         if buf.dtype != out_dtype:
             buf = buf.to(out_dtype)
         h.update(memoryview(buf.view(torch.uint8).numpy()))

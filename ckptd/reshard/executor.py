@@ -9,10 +9,17 @@ for one unit):
    fetch its source byte ranges (block digests verified), assemble it on the
    chosen device (cast there if asked), stream it into the unit's target file.
    Memory held: one target chunk plus the fetches that fill it.
-3. ``finalize``: build each target rank's index, compute every tensor's
-   layout-independent digest on the source and on the written target; any
-   difference aborts the session (nothing becomes visible). Otherwise the
-   indexes go in and the output commits through the normal protocol.
+3. ``finalize``: build each target rank's index, and compare every tensor's
+   layout-independent digest on the source and on the target; any difference
+   aborts the session (nothing becomes visible). Otherwise the indexes go in
+   and the output commits through the normal protocol.
+
+The digests come from bytes step 2 already holds: each unit hashes the
+verified source bytes it fetched and the target chunks it wrote, in 64 KiB
+blocks (``ckptd_schemas.digest``), and returns the block values with its
+result; ``finalize`` only reads the ragged ends of pieces. Tensors whose
+chunks are not row-major runs (column shards) or whose source must be cast
+are hashed by walking the stored data instead.
 """
 
 from __future__ import annotations
@@ -30,17 +37,20 @@ from pydantic import BaseModel, ConfigDict
 from ckptd_client.assemble import Destination, copy_into, torch_dtype, verify_fetch
 from ckptd_schemas import (
     BoxChunk, CheckpointNotFound, Chunk, Fetch, FlatChunk, IntegrityError, InvalidRequest, Location, Manifest,
-    ObjectEntry, OpenSession, RankIndex, TensorEntry, check_name, check_run, parse_ref,
+    ObjectEntry, OpenSession, RankIndex, TensorEntry, check_name, check_run, itemsize, parse_ref,
 )
+from ckptd_schemas.digest import DigestPart, combine
 from ckptd_schemas.dtypes import FLOATING
 
 from ..store import CheckpointReader, SessionStore
 from ..store.layout import Paths
 from ..store.merge import merge_indexes
 from .digest import tensor_digest
+from .pieces import SourcePieces, target_piece
 from .planner import ALIGN, ReshardPlan, WorkUnit
 
-__all__ = ["ReshardResult", "UnitResult", "finalize", "open_target", "pick_device", "run_plan", "run_unit"]
+__all__ = ["ReshardResult", "UnitResult", "finalize", "open_target", "pick_device", "run_plan", "run_unit",
+           "source_pieces"]
 
 log = logging.getLogger("ckptd.reshard")
 _PAD = bytes(ALIGN)
@@ -65,6 +75,7 @@ class UnitResult(BaseModel):
     chunks: list[tuple[str, Chunk]]
     bytes_read: int
     bytes_written: int
+    digests: list[DigestPart] = []
 
 
 @dataclass
@@ -84,10 +95,24 @@ def open_target(sessions: SessionStore, plan: ReshardPlan, out_ref: str, session
                                              derived_from=plan.source))
 
 
+def source_pieces(reader: CheckpointReader, plan: ReshardPlan) -> SourcePieces:
+    """The source tensors whose digests the units compute as they read (``run_unit``'s ``pieces``)."""
+    src = parse_ref(plan.source)
+    m = reader.manifest(src.run, src.name)
+    return SourcePieces(m, (t.name for t in m.tensors if t.digest is None and not _cast(plan, t.dtype)))
+
+
+def _cast(plan: ReshardPlan, dtype: str) -> bool:
+    return plan.dtype is not None and dtype in FLOATING and plan.dtype != dtype
+
+
 def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan, unit: WorkUnit, out_ref: str,
-             session: str, *, device: torch.device, progress: Callable[[int], None] | None = None) -> UnitResult:
+             session: str, *, device: torch.device, progress: Callable[[int], None] | None = None,
+             pieces: SourcePieces | None = None) -> UnitResult:
     src = parse_ref(plan.source)
     out = parse_ref(out_ref)
+    pieces = pieces or source_pieces(reader, plan)
+    parts: list[DigestPart] = []
     sink = sessions.begin_file(out.run, out.name, session, unit.file)
     chunks: list[tuple[str, Chunk]] = []
     read_total = 0
@@ -108,6 +133,7 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
             for i, f in enumerate(pc.reads.fetches):
                 data, n_read = fetches.get(f)
                 verify_fetch(data, f)
+                parts += pieces.parts(f.file, f.start, data)
                 read_total += n_read
                 for c in pc.reads.copies:
                     if c.fetch == i:
@@ -122,6 +148,10 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
                 sink.write(_PAD[:pad])
             loc = Location(file=unit.file, offset=pc.file_offset, length=len(raw), raw_length=len(raw),
                            xxh3=xxhash.xxh3_64_hexdigest(raw))
+            part = target_piece(pc.tensor, _shape(reader, plan, pc.tensor), pc.dtype,
+                                (pc.offsets, pc.sizes, pc.flat_start), raw, file=unit.file, file_offset=pc.file_offset)
+            if part is not None:
+                parts.append(part)
             if pc.sizes is not None:
                 chunk: Chunk = BoxChunk(rank=unit.rank, offsets=pc.offsets, sizes=pc.sizes, location=loc)
             else:
@@ -134,7 +164,7 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
         sink.abort()
         raise
     return UnitResult(index=unit.index, rank=unit.rank, file=unit.file, chunks=chunks, bytes_read=read_total,
-                      bytes_written=unit.size)
+                      bytes_written=unit.size, digests=parts)
 
 
 class _Fetches:
@@ -256,6 +286,13 @@ def _digests(todo: list[tuple[str, Manifest, TensorEntry, Callable[[str, int, in
     return {(side, t.name): v for (side, _, t, _, _), v in zip(todo, values)}
 
 
+def _nbytes(t: TensorEntry) -> int:
+    n = itemsize(t.dtype)
+    for d in t.shape:
+        n *= d
+    return n
+
+
 def _reader_of(storage: object, key_of: Callable[[str], str]) -> Callable[[str, int, int], bytearray]:
     def read(file: str, start: int, end: int) -> bytearray:
         buf = bytearray(end - start)
@@ -289,10 +326,16 @@ def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     src_keys = {f: Paths.file(source.run, source.name, source.session, f) for f in source.files}
     read_source = _reader_of(reader.storage, lambda file: src_keys[file])
 
-    want = {t.name: t.digest for t in source.tensors if t.digest is not None and plan.dtype is None}
-    todo = [("src", source, t, read_source, plan.dtype) for t in source.tensors if t.name not in want]
-    todo += [("dst", target, t, read_target, None) for t in target.tensors]
-    digests = _digests(todo, jobs)
+    want = {t.name: t.digest for t in source.tensors if t.digest is not None and not _cast(plan, t.dtype)}
+    sizes = {("src", t.name): _nbytes(t) for t in source.tensors if t.name not in want and not _cast(plan, t.dtype)}
+    sizes.update({("dst", t.name): _nbytes(t) for t in target.tensors})
+    reads = {"src": read_source, "dst": read_target}
+    digests = combine((p for r in results for p in r.digests), sizes,
+                      lambda side, file, a, b: reads[side](file, a, b))
+    todo = [("src", source, t, read_source, plan.dtype) for t in source.tensors
+            if t.name not in want and ("src", t.name) not in digests]
+    todo += [("dst", target, t, read_target, None) for t in target.tensors if ("dst", t.name) not in digests]
+    digests.update(_digests(todo, jobs))
     want.update({name: v for (side, name), v in digests.items() if side == "src"})
     got = {name: v for (side, name), v in digests.items() if side == "dst"}
     bad = sorted(n for n in want if got.get(n) != want[n])
@@ -314,13 +357,17 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     dev = pick_device(device)
     open_target(sessions, plan, out_ref, session)
     try:
+        pieces = source_pieces(reader, plan)
+
+        def unit(u: WorkUnit) -> UnitResult:
+            return run_unit(reader, sessions, plan, u, out_ref, session, device=dev, progress=progress,
+                            pieces=pieces)
+
         if jobs > 1 and len(plan.units) > 1:
             with ThreadPoolExecutor(jobs, thread_name_prefix="ckptd-reshard") as pool:
-                results = list(pool.map(lambda u: run_unit(reader, sessions, plan, u, out_ref, session, device=dev,
-                                                           progress=progress), plan.units))
+                results = list(pool.map(unit, plan.units))
         else:
-            results = [run_unit(reader, sessions, plan, u, out_ref, session, device=dev, progress=progress)
-                       for u in plan.units]
+            results = [unit(u) for u in plan.units]
         digest = finalize(reader, sessions, plan, results, out_ref, session, jobs=jobs)
     except BaseException:
         out = parse_ref(out_ref)

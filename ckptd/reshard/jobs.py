@@ -49,7 +49,7 @@ def submit_job(storage: Storage, req: ReshardRequest) -> tuple[JobStatus, Reshar
     src = parse_ref(req.source)
     reader = CheckpointReader(storage)
     manifest = reader.manifest(src.run, src.name)
-    plan = plan_reshard(manifest, spec, dtype=req.dtype)
+    plan = plan_reshard(manifest, spec, dtype=req.dtype, min_units=req.jobs)
     out = req.out or f"{manifest.run}/{default_out_name(manifest.name, str(spec), req.dtype)}"
     o = parse_ref(out)
     if reader.marker(o.run, o.name) is not None:

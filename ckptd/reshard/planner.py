@@ -88,16 +88,27 @@ def _out_dtype(src: str, cast: str | None) -> str:
 
 
 def plan_reshard(manifest: Manifest, spec: LayoutSpec, *, dtype: str | None = None,
-                 file_bytes: int = 1 << 30, layout: TargetLayout | None = None) -> ReshardPlan:
-    """Plan the conversion of ``manifest`` to ``spec`` (optionally casting floats to ``dtype``)."""
+                 file_bytes: int = 1 << 30, min_units: int = 1, layout: TargetLayout | None = None) -> ReshardPlan:
+    """Plan the conversion of ``manifest`` to ``spec`` (optionally casting floats to ``dtype``).
+
+    Each target rank's output is cut into files of at most ``file_bytes``, and into at least
+    ``min_units`` work units in all where chunks allow (pass the number of parallel workers: a
+    one-rank target such as ``full`` would otherwise be a single unit). A chunk is never split.
+    """
     if dtype is not None and dtype not in ITEMSIZE:
         from ckptd_schemas import InvalidRequest
 
         raise InvalidRequest(f"unknown dtype {dtype!r}; one of {sorted(ITEMSIZE)}", dtype=dtype)
     layout = layout or build_layout(spec, manifest.tensors)
     entries = {t.name: t for t in manifest.tensors}
+    by_rank = layout.by_rank()
+    per_rank = -(-max(1, min_units) // max(1, len(by_rank)))
+    if per_rank > 1:
+        biggest = max((sum(tc.numel * itemsize(_out_dtype(entries[tc.tensor].dtype, dtype)) for tc in chunks)
+                       for chunks in by_rank.values()), default=0)
+        file_bytes = max(ALIGN, min(file_bytes, -(-biggest // per_rank)))
     units: list[WorkUnit] = []
-    for rank, chunks in layout.by_rank().items():
+    for rank, chunks in by_rank.items():
         current: WorkUnit | None = None
         for tc in chunks:
             t = entries[tc.tensor]
