@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from ckptd.reshard.leases import Leases
+from ckptd.store.leases import Leases
 from ckptd.reshard.spec import GRAMMAR
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader

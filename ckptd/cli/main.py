@@ -1,4 +1,4 @@
-"""``ckptd`` command line: serve, ls, show, verify, reshard, reshard-worker, import, export.
+"""``ckptd`` command line: serve, ls, show, verify, reshard, reshard-worker, import, export, gc.
 
 Exit codes: 0 success; 1 the thing checked is wrong (corrupt, invalid, not
 found); 2 usage or connection error.
@@ -15,6 +15,7 @@ from ckptd_schemas import CkptdError, IntegrityError, NotFound, Unavailable, par
 
 from .backends import open_backend
 from .dcp_io import add_parsers as add_dcp_io_parsers
+from .gc import add_parsers as add_gc_parsers
 from .output import human, progress_bar
 from .reshard import add_parsers as add_reshard_parsers
 
@@ -174,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_reshard_parsers(sub, _add_target)
     add_dcp_io_parsers(sub, _add_target)
+    add_gc_parsers(sub, _add_target)
     return p
 
 

@@ -30,7 +30,7 @@ from ckptd_schemas import AlreadyCommitted, CheckpointNotFound, CkptdError, pars
 from ..storage import Storage, open_storage
 from ..store import CheckpointReader, SessionStore
 from .executor import UnitResult, finalize, open_target, pick_device, run_unit
-from .leases import Leases
+from ..store.leases import Leases
 from .models import JobStatus, ReshardRequest, now_utc, put_status, get_job
 from .planner import ReshardPlan, plan_reshard
 from .spec import parse_spec

@@ -1,0 +1,54 @@
+"""``ckptd gc RUN --keep-last N [--keep-every K] [--dry-run]``: retention (``ckptd.store.retention``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+__all__ = ["add_parsers"]
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    if args.server or (not args.root and os.environ.get("CKPTD_URL")):
+        from ckptd_client import CheckpointClient
+
+        server = args.server or os.environ["CKPTD_URL"]
+        plan = CheckpointClient(server, retry_seconds=5.0).gc(args.run, keep_last=args.keep_last,
+                                                              keep_every=args.keep_every, dry_run=args.dry_run)
+    else:
+        from ..storage import open_storage
+        from ..store.retention import collect
+
+        storage = open_storage(args.root or os.environ.get("CKPTD_ROOT") or "./ckptd-data")
+        plan = collect(storage, args.run, keep_last=args.keep_last, keep_every=args.keep_every,
+                       dry_run=args.dry_run).as_json()
+        if not args.dry_run:
+            from ..store import SessionStore
+
+            plan["reclaimed_sessions"] = SessionStore(storage).reclaim_stale(args.stale_ttl)
+    if args.json:
+        print(json.dumps(plan, indent=2))
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    gone = plan["delete"] if args.dry_run else plan["deleted"]
+    for name in gone:
+        print(f"{verb} {args.run}/{name}")
+    for name, why in plan["keep"].items():
+        print(f"keep   {args.run}/{name}  ({why})")
+    for sid in plan.get("reclaimed_sessions", []):
+        print(f"reclaimed stale staging {sid}")
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
+    s = sub.add_parser("gc", help="delete old committed checkpoints of a run (retention), reclaim stale staging")
+    s.add_argument("run")
+    s.add_argument("--keep-last", type=int, required=True, metavar="N", help="keep the N newest steps")
+    s.add_argument("--keep-every", type=int, metavar="K", help="also keep every step that is a multiple of K")
+    s.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
+    s.add_argument("--stale-ttl", type=float, default=6 * 3600.0, metavar="S",
+                   help="reclaim uncommitted staging older than S seconds (default 6 h)")
+    s.add_argument("--json", action="store_true")
+    add_target(s)
+    s.set_defaults(func=cmd_gc)
