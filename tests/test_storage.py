@@ -1,8 +1,10 @@
 """Conformance suite for the storage interface (``ckptd.storage``).
 
 Every backend must behave the same through :class:`ckptd.storage.Storage`:
-LocalStorage on a directory, FsspecStorage on ``file://`` and on ``memory://``.
-A few local-only cases (disk full) follow at the end.
+LocalStorage on a directory, FsspecStorage on ``file://`` and on ``memory://``,
+and S3Storage on ``s3://`` against a real S3 protocol server on loopback
+(moto in server mode, started by the ``moto_s3`` fixture; more S3 cases in
+test_s3.py). A few local-only cases (disk full) follow at the end.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import pytest
 
 from ckptd.storage import LocalStorage, Storage, open_storage
 from ckptd.storage.fsspec import FsspecStorage
+from ckptd.storage.s3 import S3Storage
 from ckptd_schemas import InvalidName, StorageError
 
-BACKENDS = ["local", "fsspec-file", "fsspec-memory"]
+BACKENDS = ["local", "fsspec-file", "fsspec-memory", "s3"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -31,6 +34,13 @@ def storage(request, tmp_path):
         yield LocalStorage(tmp_path / "root", durable=True)
     elif request.param == "fsspec-file":
         yield FsspecStorage("file://" + str(tmp_path / "root"))
+    elif request.param == "s3":
+        moto = request.getfixturevalue("moto_s3")
+        request.getfixturevalue("s3_env")  # endpoint and credentials from the standard AWS environment
+        st = open_storage(moto.url())
+        assert isinstance(st, S3Storage)
+        yield st
+        moto.clear(st._prefix)
     else:
         st = FsspecStorage(f"memory://ckptd-test-{uuid.uuid4().hex}")
         yield st
@@ -48,8 +58,13 @@ def raw_names(st: Storage, prefix: str) -> list[str]:
     assert isinstance(st, FsspecStorage)
     path = f"{st.root}/{prefix}" if prefix else st.root
     if not st.fs.exists(path):
-        return []
-    return sorted(str(p).rstrip("/").rsplit("/", 1)[-1] for p in st.fs.ls(path, detail=False, refresh=True))
+        names = []
+    else:
+        names = sorted(str(p).rstrip("/").rsplit("/", 1)[-1] for p in st.fs.ls(path, detail=False, refresh=True))
+    if isinstance(st, S3Storage):  # unfinished multipart uploads are storage left behind too
+        depth = prefix.count("/") + 1 if prefix else 0
+        names += [f"{k.split('/')[depth]} (upload in flight)" for k in st.pending_uploads(prefix)]
+    return names
 
 
 # -- basic objects -------------------------------------------------------------

@@ -9,7 +9,12 @@ __all__ = ["LocalStorage", "Storage", "Writer", "check_key", "open_storage"]
 
 
 def open_storage(root: str, **options: object) -> Storage:
-    """A plain path opens :class:`LocalStorage`; any ``scheme://`` URL opens fsspec."""
+    """A plain path opens :class:`LocalStorage`; ``s3://`` (``s3a://``) :class:`~ckptd.storage.s3.S3Storage`;
+    any other ``scheme://`` URL :class:`~ckptd.storage.fsspec.FsspecStorage`."""
+    if root.startswith(("s3://", "s3a://")):
+        from .s3 import S3Storage
+
+        return S3Storage(root, **options)
     if "://" in root:
         from .fsspec import FsspecStorage
 

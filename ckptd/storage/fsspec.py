@@ -1,4 +1,5 @@
-"""Storage on any fsspec filesystem (``file://``, ``memory://``; ``s3://`` via s3fs).
+"""Storage on any fsspec filesystem (``file://``, ``memory://``; ``s3://`` is
+:class:`ckptd.storage.s3.S3Storage`, a subclass, via :func:`ckptd.storage.open_storage`).
 
 Object stores (no rename) write the object in place: it becomes visible only
 when the upload completes (single PUT or multipart completion), which is the
@@ -130,7 +131,8 @@ class FsspecStorage(Storage):
         if self._local is not None:
             return self._local.create_if_absent(key, data)
         # Backends without a native conditional create: exactly-once within this
-        # process only. (S3 uses a conditional PUT: see the s3 storage issue.)
+        # process only. S3 has one (a conditional PUT): open s3:// roots with
+        # open_storage, which gives S3Storage (ckptd.storage.s3).
         with self._create_lock:
             if self.size(key) is not None:
                 return False

@@ -1,0 +1,367 @@
+"""S3 (and S3-compatible) storage through s3fs: ``--root s3://bucket/prefix``.
+
+Endpoint and credentials come from the standard AWS environment: the
+credential chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, profiles,
+instance roles), ``AWS_DEFAULT_REGION``, and ``AWS_ENDPOINT_URL_S3`` or
+``AWS_ENDPOINT_URL`` for S3-compatible stores (MinIO, Ceph, moto).
+
+How the storage primitives map onto S3 (no rename anywhere):
+
+* ``open_write``: the object is written in place. Up to one block
+  (:data:`DEFAULT_BLOCK_SIZE`) a single PUT at commit; beyond it a streaming
+  multipart upload, one part per block, completed at commit. Nothing is
+  visible at the key before the PUT or the completion; ``abort`` aborts the
+  multipart upload.
+* ``create_if_absent``: one conditional PUT (``If-None-Match: *``); 412
+  PreconditionFailed means another writer was first. A 409
+  ConditionalRequestConflict (a concurrent conditional write in flight) is
+  retried. Caveat of the protocol: when a PUT that succeeded is retried
+  (its response lost to a 5xx or a reset connection), the retry reads 412 and
+  the call returns False although this writer's bytes are at the key; callers
+  read the object back (the commit compares the marker's session).
+* ``read``: ranged GET; ``size``: HEAD; ``list``: ``ListObjectsV2`` with the
+  ``/`` delimiter; ``delete_tree``: batched ``DeleteObjects`` plus aborting
+  the multipart uploads left under the prefix (a crashed writer's parts).
+* Retries: botocore's ``standard`` mode (exponential backoff with jitter on
+  throttling - SlowDown, 503 - and on 500/502/503/504 and connection errors),
+  ``AWS_MAX_ATTEMPTS`` attempts in all (default 10) unless ``AWS_RETRY_MODE`` /
+  ``AWS_MAX_ATTEMPTS`` or the ``config_kwargs`` storage option say otherwise.
+  What still fails becomes :class:`ckptd_schemas.StorageError` naming the key.
+
+Listings are never cached (another process or replica may have written since).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Any, Iterator, Mapping
+
+from ckptd_schemas import StorageError
+
+from .base import Writer
+from .fsspec import FsspecStorage, _wrap
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_ATTEMPTS", "S3Storage", "s3_options_from_env"]
+
+DEFAULT_BLOCK_SIZE = 32 << 20  # multipart part size (S3: at least 5 MiB, at most 10,000 parts)
+_PARTS_PER_SIZE = 2000  # the part size doubles every 2,000 parts: 32 MiB blocks reach 1.9 TiB
+DEFAULT_MAX_ATTEMPTS = 10
+_CONFLICT_ATTEMPTS = 8  # 409 ConditionalRequestConflict on create_if_absent
+# s3fs's own retry loop wraps botocore's: it re-runs a call whose botocore retries are spent
+# when the error is SlowDown, and re-reads a body cut off mid-stream (which botocore cannot).
+# Kept small: the attempts multiply.
+_S3FS_RETRIES = 3
+
+
+def s3_options_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """s3fs options from the standard AWS environment (endpoint, retry mode and attempts).
+
+    Credentials and region are left to botocore's own chain.
+    """
+    env = os.environ if env is None else env
+    opts: dict[str, Any] = {}
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if endpoint and env.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() != "true":
+        opts["endpoint_url"] = endpoint
+    try:
+        attempts = int(env.get("AWS_MAX_ATTEMPTS") or DEFAULT_MAX_ATTEMPTS)
+    except ValueError:
+        attempts = DEFAULT_MAX_ATTEMPTS
+    mode = env.get("AWS_RETRY_MODE") or "standard"
+    opts["config_kwargs"] = {"retries": {"mode": mode, "total_max_attempts": attempts}}  # AWS_MAX_ATTEMPTS: total
+    return opts
+
+
+def _client_errors(e: BaseException) -> Iterator[tuple[str, int | None]]:
+    """(error code, HTTP status) of every botocore ClientError in ``e``'s cause chain."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        resp = getattr(cur, "response", None)
+        if isinstance(resp, dict):
+            err = resp.get("Error") or {}
+            status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            yield str(err.get("Code") or ""), status
+        cur = cur.__cause__ or cur.__context__
+
+
+def _create_outcome(e: BaseException) -> str:
+    """``exists`` (412: the key is there), ``conflict`` (409: retry) or ``error``."""
+    if isinstance(e, FileExistsError):
+        return "exists"
+    for code, status in _client_errors(e):
+        if code == "PreconditionFailed" or status == 412:
+            return "exists"
+        if code == "ConditionalRequestConflict" or status == 409:
+            return "conflict"
+    return "error"
+
+
+class _S3Writer(Writer):
+    """Streaming upload: a single PUT at commit up to one block, else a multipart upload
+    whose parts (one block each) go out while the bytes arrive and which completes at commit.
+
+    Nothing is ever published implicitly: a writer dropped without ``commit`` leaves at most
+    an unfinished multipart upload (invisible; aborted by ``delete_tree`` of its folder or by
+    the bucket's lifecycle rule), never a partial object. (s3fs's own file object completes
+    its upload when it is garbage collected, so it is not used for writing.)
+    """
+
+    def __init__(self, st: "S3Storage", key: str) -> None:
+        self._st, self._key = st, key
+        self._s3key = st._s3key(key)
+        self._block = int(st.block_size)
+        self._buf = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[dict[str, Any]] = []
+        self._closed = False
+
+    def _call(self, method: str, **kw: Any) -> dict:
+        return self._st.fs.call_s3(method, Bucket=self._st.bucket, Key=self._s3key, **kw)
+
+    def _upload_part(self, body: bytes) -> None:
+        if self._upload_id is None:
+            self._upload_id = self._call("create_multipart_upload")["UploadId"]
+        n = len(self._parts) + 1
+        out = self._call("upload_part", UploadId=self._upload_id, PartNumber=n, Body=body)
+        # botocore sends (and S3 checks) a checksum of each part's body; the upload was created
+        # without a checksum algorithm, so completion names parts by ETag only (as s3fs does).
+        self._parts.append({"PartNumber": n, "ETag": out["ETag"]})
+
+    def part_size(self) -> int:
+        """Size of the next part: the block size, doubled every 2,000 parts (S3 allows 10,000)."""
+        return self._block << (len(self._parts) // _PARTS_PER_SIZE)
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self._closed:
+            raise StorageError(f"storage write of {self._key!r} failed: the writer is closed", key=self._key)
+        self._buf += data
+        try:
+            while len(self._buf) >= (n := self.part_size()):
+                body = bytes(memoryview(self._buf)[:n])
+                del self._buf[:n]
+                self._upload_part(body)
+        except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
+            self.abort()
+            raise _wrap("write", self._key, e) from e
+
+    def commit(self) -> None:
+        if self._closed:
+            raise StorageError(f"storage commit of {self._key!r} failed: the writer is closed", key=self._key)
+        try:
+            if self._upload_id is None:
+                self._call("put_object", Body=bytes(self._buf))
+            else:
+                if self._buf:
+                    self._upload_part(bytes(self._buf))
+                self._call("complete_multipart_upload", UploadId=self._upload_id,
+                           MultipartUpload={"Parts": self._parts})
+            self._closed = True
+            self._buf = bytearray()
+        except Exception as e:  # noqa: BLE001
+            self.abort()
+            raise _wrap("commit", self._key, e) from e
+
+    def abort(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._buf = bytearray()
+        if self._upload_id is not None:
+            try:
+                self._call("abort_multipart_upload", UploadId=self._upload_id)
+            except Exception:  # noqa: BLE001 - best effort; delete_tree and lifecycle rules reap leftovers
+                pass
+
+
+class S3Storage(FsspecStorage):
+    """Storage rooted at ``s3://bucket[/prefix]``; see the module docstring for the mapping.
+
+    ``storage_options`` go to :class:`s3fs.S3FileSystem` and override the
+    defaults (environment endpoint and retries, :data:`DEFAULT_BLOCK_SIZE`,
+    no listings cache).
+    """
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        opts: dict[str, Any] = {"default_block_size": DEFAULT_BLOCK_SIZE, "use_listings_cache": False,
+                                **s3_options_from_env(), **storage_options}
+        try:
+            super().__init__(url, **opts)
+        except ImportError as e:
+            raise StorageError(f"{url}: S3 needs s3fs (pip install 'ckptd[s3]'): {e}", key="") from e
+        if not self._in_place:  # pragma: no cover - s3fs always registers s3/s3a
+            raise StorageError(f"{url}: not an S3 filesystem ({self.fs.protocol})", key="")
+        self.fs.retries = _S3FS_RETRIES
+        self.bucket, _, prefix = self.root.partition("/")
+        self._prefix = prefix.strip("/")
+        self.block_size = int(getattr(self.fs, "default_block_size", None) or DEFAULT_BLOCK_SIZE)
+        if self.block_size < 5 << 20:
+            raise StorageError(f"{url}: S3 multipart parts are at least 5 MiB (block size {self.block_size})", key="")
+
+    # -- helpers ------------------------------------------------------------------
+    def _s3key(self, key: str) -> str:
+        """The S3 object key of a storage key (validated)."""
+        return self._path(key).partition("/")[2]
+
+    def _dir(self, prefix: str) -> str:
+        """The S3 key prefix (ending in ``/``, or empty at the bucket root) of a storage folder."""
+        k = self._s3key(prefix) if prefix else self._prefix
+        return f"{k}/" if k else ""
+
+    def _walk(self, prefix: str, delimiter: str | None) -> Iterator[dict]:
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        if delimiter:
+            kw["Delimiter"] = delimiter
+        while True:
+            out = self.fs.call_s3("list_objects_v2", **kw)
+            yield out
+            if not out.get("IsTruncated"):
+                return
+            kw["ContinuationToken"] = out["NextContinuationToken"]
+
+    def _missing(self, key: str, e: BaseException | None = None) -> StorageError:
+        err = StorageError(f"storage object {key!r} does not exist", key=key)
+        if e is not None:
+            err.__cause__ = e
+        return err
+
+    # -- primitives ---------------------------------------------------------------
+    def open_write(self, key: str) -> Writer:
+        return _S3Writer(self, key)
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        path = self._path(key)
+        if end is not None and end <= start:
+            # S3 ignores an inverted Range and would send the whole object.
+            if self.size(key) is None:
+                raise self._missing(key)
+            return b""
+        try:
+            if start == 0 and end is None:
+                return self.fs.cat_file(path)
+            return self.fs.cat_file(path, start=start, end=end)
+        except FileNotFoundError as e:
+            raise self._missing(key, e) from e
+        except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
+            if not isinstance(e, StorageError):  # 416 InvalidRange past the end: a short read, as on a file
+                size = self.size(key)
+                if size is not None and start >= size:
+                    return b""
+            raise _wrap("read", key, e) from e
+
+    def size(self, key: str) -> int | None:
+        k = self._s3key(key)
+        try:
+            out = self.fs.call_s3("head_object", Bucket=self.bucket, Key=k)
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001
+            raise _wrap("stat", key, e) from e
+        return int(out.get("ContentLength") or 0)
+
+    def read_json_or_none(self, key: str) -> Any:
+        """One GET (no HEAD first): ``None`` when the object is absent."""
+        import json
+
+        path = self._path(key)
+        try:
+            raw = self.fs.cat_file(path, start=0, end=None)
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001
+            raise _wrap("read", key, e) from e
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise StorageError(f"{self.url}/{key} is not valid JSON: {e}", key=key) from e
+
+    def list(self, prefix: str) -> list[str]:
+        pfx = self._dir(prefix)
+        names: set[str] = set()
+        try:
+            for page in self._walk(pfx, "/"):
+                names.update(c["Prefix"][len(pfx):].rstrip("/") for c in page.get("CommonPrefixes") or ())
+                names.update(o["Key"][len(pfx):] for o in page.get("Contents") or ())
+        except FileNotFoundError:
+            return []
+        except Exception as e:  # noqa: BLE001
+            raise _wrap("list", prefix, e) from e
+        return sorted(n for n in names if n and "/" not in n and not n.startswith(".") and ".tmp-" not in n)
+
+    def create_if_absent(self, key: str, data: bytes) -> bool:
+        k = self._s3key(key)
+        for attempt in range(_CONFLICT_ATTEMPTS):
+            try:
+                self.fs.call_s3("put_object", Bucket=self.bucket, Key=k, Body=bytes(data), IfNoneMatch="*")
+                return True
+            except Exception as e:  # noqa: BLE001
+                outcome = _create_outcome(e)
+                if outcome == "exists":
+                    return False
+                if outcome == "conflict" and attempt + 1 < _CONFLICT_ATTEMPTS:
+                    time.sleep(min(0.05 * 2 ** attempt, 2.0) * (0.5 + random.random()))
+                    continue
+                raise _wrap("create", key, e) from e
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def delete(self, key: str) -> None:
+        k = self._s3key(key)
+        try:
+            self.fs.call_s3("delete_object", Bucket=self.bucket, Key=k)
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            raise _wrap("delete", key, e) from e
+
+    def delete_tree(self, prefix: str) -> None:
+        k = self._s3key(prefix)
+        pfx = f"{k}/"
+        try:
+            keys = [k]  # an object at the prefix itself goes too, as a file does locally
+            for page in self._walk(pfx, None):
+                keys.extend(o["Key"] for o in page.get("Contents") or ())
+            for i in range(0, len(keys), 1000):
+                out = self.fs.call_s3("delete_objects", Bucket=self.bucket,
+                                      Delete={"Objects": [{"Key": x} for x in keys[i:i + 1000]], "Quiet": True})
+                errors = [e for e in out.get("Errors") or () if e.get("Code") != "NoSuchKey"]
+                if errors:
+                    first = errors[0]
+                    raise OSError(f"{len(errors)} objects not deleted, first {first.get('Key')!r}: "
+                                  f"{first.get('Code')} {first.get('Message')}")
+            self._abort_uploads(pfx)
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            raise _wrap("delete", prefix, e) from e
+        self.fs.invalidate_cache(self._path(prefix))
+
+    def _abort_uploads(self, pfx: str) -> None:
+        """Abort the multipart uploads in flight under ``pfx`` (parts of crashed or abandoned writers)."""
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": pfx}
+        while True:
+            out = self.fs.call_s3("list_multipart_uploads", **kw)
+            for u in out.get("Uploads") or ():
+                try:
+                    self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=u["Key"],
+                                    UploadId=u["UploadId"])
+                except FileNotFoundError:
+                    pass
+            if not out.get("IsTruncated"):
+                return
+            kw["KeyMarker"], kw["UploadIdMarker"] = out.get("NextKeyMarker"), out.get("NextUploadIdMarker")
+
+    def pending_uploads(self, prefix: str = "") -> list[str]:
+        """Keys (relative to the root) of multipart uploads in flight under ``prefix``: diagnostics and tests."""
+        pfx = self._dir(prefix)
+        root = f"{self._prefix}/" if self._prefix else ""
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": pfx}
+        keys: list[str] = []
+        while True:
+            out = self.fs.call_s3("list_multipart_uploads", **kw)
+            keys.extend(u["Key"][len(root):] for u in out.get("Uploads") or ())
+            if not out.get("IsTruncated"):
+                return sorted(keys)
+            kw["KeyMarker"], kw["UploadIdMarker"] = out.get("NextKeyMarker"), out.get("NextUploadIdMarker")
