@@ -23,12 +23,14 @@ if TYPE_CHECKING:
     from ._save import SaveHandle
     from .client import CheckpointClient
     from .flat import FlatShard
+    from .preempt import PreemptionGuard
     from .zero import flat_partition
 
 _LAZY = {"CheckpointClient": ".client", "FlatShard": ".flat", "LoadReport": "._load",
-         "SaveHandle": "._save", "flat_partition": ".zero"}
+         "PreemptionGuard": ".preempt", "SaveHandle": "._save", "flat_partition": ".zero"}
 
-__all__ = ["CheckpointClient", "FlatShard", "LoadReport", "SaveHandle", "flat_partition", *_errors]
+__all__ = ["CheckpointClient", "FlatShard", "LoadReport", "PreemptionGuard", "SaveHandle", "flat_partition",
+           *_errors]
 
 
 def __getattr__(name: str) -> object:
