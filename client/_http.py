@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
+import uuid
 from typing import Any, Callable, Iterable
 
 import httpx
@@ -22,13 +24,20 @@ class Transport:
 
     Every call is idempotent on the service side, so transport errors and 5xx
     answers are retried with jittered exponential backoff until
-    ``retry_seconds`` have passed; 4xx answers raise the typed error at once.
+    ``retry_seconds`` have passed; 4xx answers (401 ``Unauthorized`` and 403
+    ``Forbidden`` included) raise the typed error at once.
+
+    ``token`` (default ``$CKPTD_TOKEN``; ``""`` sends none) goes in an
+    ``Authorization: Bearer`` header. Each call sends one ``X-Request-Id``, the
+    same on every retry, which the service logs and puts in error bodies
+    (``err.request_id``).
     """
 
     def __init__(self, url: str, *, timeout: float = 300.0, retry_seconds: float = 120.0,
                  token: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.retry_seconds = retry_seconds
+        token = ((os.environ.get("CKPTD_TOKEN") if token is None else token) or "").strip()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=10.0),
                                     headers=headers, limits=httpx.Limits(max_connections=64,
@@ -44,6 +53,7 @@ class Transport:
         deadline = time.monotonic() + (self.retry_seconds if retry else 0.0)
         delay = 0.1
         attempt = 0
+        headers = {"X-Request-Id": uuid.uuid4().hex, **(headers or {})}
         while True:
             attempt += 1
             try:

@@ -8,6 +8,8 @@ identically on either side of the wire.
 ::
 
     CkptdError                        500 internal
+    ├── Unauthorized                  401 unauthorized        no valid bearer token
+    ├── Forbidden                     403 forbidden           the token's scopes do not cover the request
     ├── InvalidRequest                400 invalid_request
     │   ├── InvalidName               400 invalid_name        run, name, file or ref unsafe or malformed
     │   ├── InvalidIndex              422 invalid_index       a rank's index is inconsistent
@@ -43,6 +45,7 @@ __all__ = [
     "CommitFailed",
     "Conflict",
     "DcpImportError",
+    "Forbidden",
     "IntegrityError",
     "InvalidIndex",
     "InvalidName",
@@ -54,6 +57,7 @@ __all__ = [
     "StateDictMismatch",
     "StorageError",
     "TilingError",
+    "Unauthorized",
     "Unavailable",
     "error_from_body",
 ]
@@ -69,9 +73,24 @@ class CkptdError(Exception):
         super().__init__(message)
         self.message = message
         self.details = details
+        self.request_id: str | None = None  # set on the client side from the error body
 
     def to_body(self) -> dict[str, Any]:
         return {"error": {"code": self.code, "message": self.message, "details": self.details}}
+
+
+class Unauthorized(CkptdError):
+    """No bearer token, or one the service does not know (never retried by the client)."""
+
+    code = "unauthorized"
+    status = 401
+
+
+class Forbidden(CkptdError):
+    """A known token whose scopes do not cover the request (never retried by the client)."""
+
+    code = "forbidden"
+    status = 403
 
 
 class InvalidRequest(CkptdError):
@@ -175,8 +194,15 @@ def error_from_body(body: Any, status: int) -> CkptdError:
     if isinstance(err, dict) and isinstance(err.get("code"), str):
         cls = _BY_CODE.get(err["code"], CkptdError)
         details = err.get("details") if isinstance(err.get("details"), dict) else {}
-        return cls(str(err.get("message", "")), **details)
-    # FastAPI's own 422 (request validation) and anything unexpected.
+        exc = cls(str(err.get("message", "")), **details)
+        if isinstance(err.get("request_id"), str):
+            exc.request_id = err["request_id"]  # the service's log lines for this request carry it
+        return exc
+    # FastAPI's own 422 (request validation), a proxy's answer, and anything unexpected.
+    if status == 401:
+        return Unauthorized(f"unauthorized (401): {body}")
+    if status == 403:
+        return Forbidden(f"forbidden (403): {body}")
     if status == 422 or status == 400:
         return InvalidRequest(f"request refused ({status}): {body}")
     if status == 404:

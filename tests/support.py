@@ -31,10 +31,11 @@ class ServerProcess:
     """``ckptd serve`` in its own process, killable and restartable on the same root and port."""
 
     def __init__(self, root: str | Path, port: int | None = None, env: dict[str, str] | None = None,
-                 log: Path | None = None) -> None:
+                 log: Path | None = None, args: list[str] | None = None) -> None:
         self.root = str(root)
         self.port = port or free_port()
         self.env = dict(env or {})
+        self.args = list(args or [])  # more `ckptd serve` flags (later ones win: --log-level debug)
         self.log = Path(log) if log else Path(self.root).with_name(f"server-{self.port}.log")
         self.proc: subprocess.Popen | None = None
 
@@ -48,7 +49,7 @@ class ServerProcess:
         self._logf = open(self.log, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ckptd.cli.main", "serve", "--root", self.root, "--port", str(self.port),
-             "--log-level", "warning"],
+             "--log-level", "warning", *self.args],
             env=full_env, stdout=self._logf, stderr=subprocess.STDOUT)
         if wait:
             self.wait_ready()

@@ -35,14 +35,20 @@ def _backend(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from ..service.server import serve
+        from ..service.server import AuthConfigError, serve
         from ..service.settings import Settings
     except ImportError as e:
         print(f"ckptd serve needs the server extra: pip install 'ckptd[server]' ({e})", file=sys.stderr)
         return 2
     overrides = {k: v for k, v in (("root", args.root), ("host", args.host), ("port", args.port),
-                                   ("log_level", args.log_level)) if v is not None}
-    serve(Settings(**overrides))
+                                   ("log_level", args.log_level), ("log_format", args.log_format),
+                                   ("tokens_file", args.tokens_file), ("insecure_open", args.insecure_open))
+                 if v is not None}
+    try:
+        serve(Settings(**overrides))
+    except AuthConfigError as e:
+        print(f"ckptd serve: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -151,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (default 8470)")
     s.add_argument("--log-level", help="debug, info, warning")
+    s.add_argument("--log-format", choices=["text", "json"], help="log lines as text (default) or JSON objects")
+    s.add_argument("--tokens-file", help="bearer tokens and their scopes (README: Authentication)")
+    s.add_argument("--insecure-open", action="store_true", default=None,
+                   help="serve without tokens on a non-loopback address")
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("ls", help="list runs, or the committed checkpoints of RUN")

@@ -12,7 +12,12 @@ Routes (all under ``/v1`` except probes)::
     GET    /v1/checkpoints/{run}/{name}                           manifest ({name} may be "latest")
     POST   /v1/checkpoints/{run}/{name}/read-plan                 byte ranges that fill given regions
     GET    /v1/checkpoints/{run}/{name}/files/{file}              file bytes (Range supported)
-    GET    /healthz, /readyz
+    GET    /healthz, /readyz, /metrics
+
+Who may call what (bearer tokens and scopes) is declared in ``auth.ROUTE_RULES``
+and enforced by ``auth.AccessMiddleware`` (401) and ``auth.authorize`` (403);
+``logs.RequestContextMiddleware`` gives each request its id, access log line and
+HTTP metrics.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import logging
 import time
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Header, Query, Request, Response
+from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -35,9 +40,12 @@ from ckptd_schemas import (
 
 from .. import __version__
 from ..storage import Storage, open_storage
-from ..store import CheckpointReader, SessionStore
+from ..store import CheckpointReader
 from ..store.faults import crash_point
+from .auth import ROUTE_RULES, AccessMiddleware, TokenStore, authorize, check_routes, iter_routes, principal_of
 from .errors import install_error_handlers
+from .logs import RequestContextMiddleware
+from .metrics import CONTENT_TYPE_LATEST, MeteredSessionStore, Metrics
 from .reshard_routes import reshard_router
 from .settings import Settings
 
@@ -99,12 +107,15 @@ async def _read_body_limited(request: Request, limit: int) -> bytes:
     return bytes(buf)
 
 
-def create_app(settings: Settings | None = None, storage: Storage | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, storage: Storage | None = None,
+               tokens: TokenStore | None = None) -> FastAPI:
     settings = settings or Settings()
     storage = storage or open_storage(settings.root)
-    sessions = SessionStore(storage)
+    tokens = tokens or TokenStore.from_settings(settings)
+    metrics = Metrics()
+    sessions = MeteredSessionStore(storage, metrics)
     reader = CheckpointReader(storage)
-    jobs_router, close_jobs = reshard_router(storage, settings)
+    jobs_router, close_jobs = reshard_router(storage, settings, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -113,6 +124,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
                 try:
                     await run_in_threadpool(sessions.reclaim_stale, settings.stale_session_ttl)
                 except Exception:  # noqa: BLE001 - a failed sweep must not stop the service
+                    metrics.storage_errors.labels("reclaim").inc()
                     log.exception("stale-session sweep failed")
                 await asyncio.sleep(settings.reclaim_interval)
 
@@ -124,9 +136,9 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
             task.cancel()
             close_jobs()
 
-    app = FastAPI(title="ckptd", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="ckptd", version=__version__, lifespan=lifespan, dependencies=[Depends(authorize)],
                   description="Distributed checkpoint and reshard service for sharded PyTorch training.")
-    app.state.settings, app.state.storage = settings, storage
+    app.state.settings, app.state.storage, app.state.metrics, app.state.tokens = settings, storage, metrics, tokens
     install_error_handlers(app)
 
     @app.get("/healthz", tags=["probes"])
@@ -137,6 +149,11 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     async def readyz() -> dict:
         await run_in_threadpool(storage.list, "runs")
         return {"status": "ready", "storage": storage.url}
+
+    @app.get("/metrics", name="metrics", tags=["probes"], response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
+    async def metrics_text() -> Response:
+        return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     # -- uploads ---------------------------------------------------------------
     @app.post("/v1/checkpoints/{run}/{name}/sessions", response_model=SessionInfo, tags=["upload"])
@@ -221,8 +238,9 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
 
     # -- reads -----------------------------------------------------------------
     @app.get("/v1/runs", response_model=list[RunSummary], tags=["read"])
-    async def list_runs() -> list[RunSummary]:
-        return await run_in_threadpool(reader.list_runs)
+    async def list_runs(request: Request) -> list[RunSummary]:
+        principal = principal_of(request)
+        return [r for r in await run_in_threadpool(reader.list_runs) if principal.can_read(r.run)]
 
     @app.get("/v1/runs/{run}/checkpoints", response_model=list[CheckpointSummary], tags=["read"])
     async def list_checkpoints(run: str) -> list[CheckpointSummary]:
@@ -267,4 +285,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
                                  media_type="application/octet-stream")
 
     app.include_router(jobs_router)
+    check_routes(app)
+    open_paths = {r.path for r in iter_routes(app.router) if ROUTE_RULES[r.name].access == "open"}
+    app.add_middleware(AccessMiddleware, tokens=tokens, open_paths=open_paths, index_limit=settings.max_index_bytes)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics)  # outermost: ids and logs for 401s too
     return app

@@ -1,4 +1,9 @@
-"""The one place where exceptions become HTTP responses."""
+"""The one place where exceptions become HTTP responses.
+
+Every error body carries the request's id (``error.request_id``, also in the
+``X-Request-Id`` header), and storage and integrity failures are counted in the
+app's metrics here.
+"""
 
 from __future__ import annotations
 
@@ -16,20 +21,38 @@ __all__ = ["install_error_handlers"]
 log = logging.getLogger("ckptd.service")
 
 
+def _body(request: Request, err: CkptdError) -> dict:
+    body = err.to_body()
+    rid = request.scope.get("state", {}).get("request_id")
+    if rid:
+        body["error"]["request_id"] = rid
+    return body
+
+
+def _op(request: Request) -> str:
+    return getattr(request.scope.get("route"), "name", None) or "unmatched"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(CkptdError)
-    async def _ckptd(_: Request, exc: CkptdError) -> JSONResponse:
-        return JSONResponse(exc.to_body(), status_code=exc.status)
+    async def _ckptd(request: Request, exc: CkptdError) -> JSONResponse:
+        metrics = getattr(request.app.state, "metrics", None)
+        if metrics is not None:
+            metrics.observe_error(exc, _op(request))
+        if exc.status >= 500:
+            log.warning("%s answered %d: %s", _op(request), exc.status, exc.message)
+        headers = {"WWW-Authenticate": 'Bearer realm="ckptd", error="insufficient_scope"'} if exc.status == 403 else None
+        return JSONResponse(_body(request, exc), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
         where = ".".join(str(p) for p in first.get("loc", ()))
         err = InvalidRequest(f"invalid request at {where}: {first.get('msg', 'invalid')}",
                              errors=[{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg")}
                                      for e in errors[:20]])
-        return JSONResponse(err.to_body(), status_code=422)
+        return JSONResponse(_body(request, err), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -41,10 +64,10 @@ def install_error_handlers(app: FastAPI) -> None:
             err = NotFound(f"no route for {where} (names may not contain '/')", path=path)
         else:
             err = InvalidRequest(f"{where}: {exc.detail}", path=path)
-        return JSONResponse(err.to_body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(_body(request, err), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         err = CkptdError(f"internal error: {type(exc).__name__}: {exc}")
-        return JSONResponse(err.to_body(), status_code=500)
+        return JSONResponse(_body(request, err), status_code=500)

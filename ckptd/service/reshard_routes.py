@@ -1,5 +1,7 @@
 """Reshard job routes: ``POST /v1/reshard`` (202 + job id), ``GET /v1/jobs/{id}``, preview.
 
+All three need the ``admin`` scope (``auth.ROUTE_RULES``).
+
 Jobs run in a small pool of worker processes beside the upload handlers;
 each worker lowers its CPU and I/O priority and caps its bandwidth
 (``CKPTD_RESHARD_MAX_MBPS``), so saves keep priority.
@@ -13,7 +15,7 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from fastapi import APIRouter, Response
 from starlette.concurrency import run_in_threadpool
@@ -21,6 +23,9 @@ from starlette.concurrency import run_in_threadpool
 from ..reshard.models import JobStatus, ReshardRequest
 from ..storage import Storage
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from .metrics import Metrics
 
 __all__ = ["reshard_router"]
 
@@ -36,7 +41,8 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="ckptd-parent-watch", daemon=True).start()
 
 
-def reshard_router(storage: Storage, settings: Settings) -> tuple[APIRouter, Callable[[], None]]:
+def reshard_router(storage: Storage, settings: Settings,
+                   metrics: "Metrics | None" = None) -> tuple[APIRouter, Callable[[], None]]:
     """The routes and a ``close`` for the service's shutdown (stops the worker processes)."""
     router = APIRouter(tags=["reshard"])
     pool: list[ProcessPoolExecutor] = []
@@ -58,6 +64,8 @@ def reshard_router(storage: Storage, settings: Settings) -> tuple[APIRouter, Cal
         st, plan = await run_in_threadpool(submit_job, storage, body)
         executor().submit(run_service_job, storage.url, st.id, plan.model_dump_json(), body.model_dump_json(),
                           settings.reshard_max_mbps * (1 << 20))
+        if metrics is not None:
+            metrics.track_job(storage, st.id)
         response.headers["Location"] = f"/v1/jobs/{st.id}"
         return st
 

@@ -3,25 +3,141 @@
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import logging
+from typing import Any
 
 import uvicorn
 
 from .app import create_app
+from .auth import AuthConfigError, TokenStore
+from .logs import configure_logging
 from .settings import Settings
 
-__all__ = ["serve"]
+__all__ = ["AuthConfigError", "check_open_mode", "is_loopback", "serve"]
+
+log = logging.getLogger("ckptd.service")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_open_mode(settings: Settings, tokens: TokenStore) -> None:
+    """Open mode (no tokens) only on loopback, unless ``insecure_open``; says so either way."""
+    if tokens.enabled:
+        if not tokens.entries:
+            log.warning("the tokens file %s holds no token: every request except probes and /metrics is refused "
+                        "until one is added", tokens.file)
+        return
+    where = f"{settings.host}:{settings.port}"
+    if is_loopback(settings.host):
+        log.warning("authentication is off (no CKPTD_TOKENS_FILE or CKPTD_TOKENS): anyone on this machine who can "
+                    "reach %s can read and write checkpoints", where)
+    elif settings.insecure_open:
+        log.warning("authentication is off on %s (--insecure-open): anyone who can reach this address can read, "
+                    "write and reshard checkpoints", where)
+    else:
+        raise AuthConfigError(
+            f"refusing to serve on {settings.host} without authentication: anyone who can reach {where} could "
+            f"read and write every checkpoint. Configure bearer tokens (CKPTD_TOKENS_FILE or CKPTD_TOKENS; README, "
+            f"'Authentication'), listen on 127.0.0.1, or pass --insecure-open (CKPTD_INSECURE_OPEN=1) to serve "
+            f"openly anyway.")
+
+
+def _bounded_httptools(limit: int) -> Any:
+    """uvicorn's httptools protocol with the request line plus headers bounded (httptools has no limit)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    body = (b'{"error": {"code": "payload_too_large", "message": "request line and headers exceed %d bytes", '
+            b'"details": {"limit": %d}}}' % (limit, limit))
+    response = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+        _ckptd_head = 0  # bytes received since the current request began, while its head is incomplete
+        _ckptd_parsed = 0  # request line and headers parsed so far
+        _ckptd_in_body = False
+        _ckptd_refused = False
+
+        def _ckptd_refuse(self) -> None:
+            if not self._ckptd_refused and not self.transport.is_closing():
+                self._ckptd_refused = True
+                logging.getLogger("uvicorn.error").warning("request head over %d bytes refused (431)", limit)
+                self.transport.write(response)
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._ckptd_refused:
+                return
+            if not self._ckptd_in_body:
+                self._ckptd_head += len(data)
+            super().data_received(data)
+            if not self._ckptd_in_body and self._ckptd_head > limit:  # one header still arriving
+                self._ckptd_refuse()
+
+        def send_400_response(self, msg: str) -> None:  # a callback below raised: answer 431, not 400
+            if self._ckptd_parsed > limit:
+                self._ckptd_refuse()
+            else:
+                super().send_400_response(msg)
+
+        def on_message_begin(self) -> None:
+            self._ckptd_parsed, self._ckptd_in_body = 0, False
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._ckptd_parsed += len(url)
+            if self._ckptd_parsed > limit:
+                raise ValueError("request line too long")
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._ckptd_parsed += len(name) + len(value) + 4
+            if self._ckptd_parsed > limit:
+                raise ValueError("request headers too large")
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._ckptd_in_body = True
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._ckptd_in_body, self._ckptd_head = False, 0
+            super().on_message_complete()
+
+    return BoundedHttpToolsProtocol
 
 
 def serve(settings: Settings) -> None:
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
+    """Configure logging, check the authentication setup, and run until stopped.
+
+    Raises :class:`AuthConfigError` (before listening) when the tokens cannot be
+    read, or when no token is configured on a non-loopback address without
+    ``insecure_open``.
+    """
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        from prometheus_client import disable_created_metrics
+
+        disable_created_metrics()  # no *_created series beside every counter and histogram
+    except ImportError:  # prometheus-client < 0.17
+        pass
+    tokens = TokenStore.from_settings(settings)
+    check_open_mode(settings, tokens)
+    app = create_app(settings, tokens=tokens)
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    if settings.host not in ("127.0.0.1", "localhost", "::1"):
-        logging.getLogger("ckptd.service").warning(
-            "listening on %s without authentication: anyone who can reach this port can read and write "
-            "checkpoints", settings.host)
-    uvicorn.run(app, host=settings.host, port=settings.port, loop=loop, http=http,
-                log_level=settings.log_level.lower(), timeout_keep_alive=30)
+    http: Any = "h11"
+    if importlib.util.find_spec("httptools"):
+        try:
+            http = _bounded_httptools(settings.max_header_bytes)
+        except (ImportError, AttributeError):  # an uvicorn without this protocol class: h11 has its own bound
+            http = "h11"
+    uvicorn.run(app, host=settings.host, port=settings.port, loop=loop, http=http, log_config=None,
+                log_level=settings.log_level.lower(), access_log=False, timeout_keep_alive=30,
+                h11_max_incomplete_event_size=settings.max_header_bytes)

@@ -13,7 +13,9 @@ the README's table differs from the generated one. Give every field a
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings", "markdown_table", "update_readme"]
@@ -32,6 +34,16 @@ class Settings(BaseSettings):
     reshard_workers: int = Field(1, description="worker processes for reshard jobs")
     reshard_max_mbps: float = Field(256.0, description="bandwidth cap of one reshard job, MiB/s (0 = none)")
     log_level: str = Field("info", description="log level")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="log lines as text or as JSON objects (one per line, with request ids)")
+    tokens_file: str | None = Field(
+        None, description="file of bearer tokens and their scopes (README: Authentication); re-read when it changes")
+    tokens: SecretStr | None = Field(
+        None, description="bearer tokens inline, in the tokens-file format (`;` separates lines)")
+    insecure_open: bool = Field(
+        False, description="serve without tokens on a non-loopback address (anyone who can reach it may read "
+                           "and write)")
+    max_header_bytes: int = Field(64 << 10, description="largest accepted request line plus headers (431 beyond)")
 
 
 # -- the README's configuration table -------------------------------------------------------------

@@ -1,0 +1,433 @@
+"""Bearer-token authentication and per-route scopes.
+
+Tokens come from a file (``CKPTD_TOKENS_FILE``) and/or inline (``CKPTD_TOKENS``),
+one token per line::
+
+    # NAME        TOKEN                                                                      SCOPES
+    trainer-gpt   sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08   write:gpt*
+    dashboard     sha256:2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae   read:*
+    ops           a-plain-token-of-at-least-16-characters                                    admin
+
+``NAME`` labels the token in logs (the token itself is never logged); ``TOKEN``
+is ``sha256:`` and the hex SHA-256 of the token (so the file holds no secret:
+``printf %s "$TOKEN" | sha256sum``), or the token itself (16 characters at
+least); ``SCOPES`` is a comma-separated list of
+
+* ``read:PATTERN``: list and load the checkpoints of runs matching PATTERN
+  (shell-style, ``fnmatch``: ``*``, ``?``, ``[...]``),
+* ``write:PATTERN``: save to (and read) runs matching PATTERN,
+* ``admin``: everything, including reshard jobs (and future gc/import routes).
+
+Blank lines and ``#`` comments are ignored (so a plain token cannot hold ``#``
+or blanks); in ``CKPTD_TOKENS`` a ``;`` also ends a line. A presented token is hashed and compared with every entry's hash
+using :func:`hmac.compare_digest`, without stopping at the first match.
+
+Requests send ``Authorization: Bearer TOKEN``. Without a valid token the
+answer is 401 (``unauthorized``); with a token whose scopes do not cover the
+route and run, 403 (``forbidden``). ``/healthz``, ``/readyz``, ``/metrics``
+and the API docs are open. Every route has an entry in :data:`ROUTE_RULES`;
+:func:`check_routes` refuses an app with a route that has none.
+
+With no token configured the service is open (every request allowed); ``ckptd
+serve`` allows that only on a loopback address unless told otherwise
+(``--insecure-open``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal
+
+from fastapi import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ckptd_schemas import Forbidden, PayloadTooLarge, Unauthorized
+
+__all__ = ["OPEN", "ROUTE_RULES", "AccessMiddleware", "AuthConfigError", "Principal", "Rule", "TokenStore",
+           "authorize", "check_routes", "hash_token", "iter_routes", "parse_tokens", "principal_of"]
+
+log = logging.getLogger("ckptd.service")
+
+Access = Literal["open", "read", "write", "admin"]
+BodyLimit = Literal["small", "index", "stream"]
+SMALL_BODY_BYTES = 1 << 20  # JSON control bodies (open session, reshard request)
+MIN_PLAIN_TOKEN = 16
+MAX_TOKEN_CHARS = 4096
+RELOAD_CHECK_SECONDS = 2.0
+NO_TOKEN = ("this service requires a bearer token (header 'Authorization: Bearer TOKEN'; the client and the CLI "
+            "send $CKPTD_TOKEN)")
+_SCOPE_RE = re.compile(r"(read|write):([A-Za-z0-9._\-*?\[\]!]{1,256})|admin")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,63}")
+_HASH_RE = re.compile(r"sha256:([0-9a-fA-F]{64})")
+
+
+class AuthConfigError(ValueError):
+    """The token configuration is unusable (the service refuses to start); never quotes a token."""
+
+
+# -- principals and tokens -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a request acts as: a token's name and its scopes."""
+
+    name: str
+    read: tuple[str, ...] = ()
+    write: tuple[str, ...] = ()
+    admin: bool = False
+
+    def can_read(self, run: str) -> bool:
+        return self.admin or any(fnmatch.fnmatchcase(run, p) for p in (*self.read, *self.write))
+
+    def can_write(self, run: str) -> bool:
+        return self.admin or any(fnmatch.fnmatchcase(run, p) for p in self.write)
+
+    def allows(self, access: Access, run: str | None) -> bool:
+        if access == "open":
+            return True
+        if access == "admin":
+            return self.admin
+        if run is None:
+            return True  # listing routes: any token; the handler filters what it shows
+        return self.can_read(run) if access == "read" else self.can_write(run)
+
+    @property
+    def scopes(self) -> str:
+        parts = [f"read:{p}" for p in self.read] + [f"write:{p}" for p in self.write] + (["admin"] if self.admin else [])
+        return ",".join(parts) or "none"
+
+
+OPEN_PRINCIPAL = Principal("open", admin=True)  # no tokens configured: everything is allowed
+ANONYMOUS = Principal("anonymous")  # tokens configured, none presented (open routes only): no scope at all
+
+
+def hash_token(token: str) -> str:
+    """The hex SHA-256 of a token, as written after ``sha256:`` in a tokens file."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Entry:
+    digest: bytes
+    principal: Principal
+
+
+def parse_tokens(text: str, source: str) -> list[_Entry]:
+    """Parse the tokens format (module docstring); errors name the source and line, never the token."""
+    entries: list[_Entry] = []
+    names: set[str] = set()
+    digests: set[bytes] = set()
+    lines = text.replace(";", "\n").splitlines() if source == "CKPTD_TOKENS" else text.splitlines()
+    for no, raw in enumerate(lines, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{source} line {no}"
+        fields = line.split()
+        if len(fields) != 3:
+            raise AuthConfigError(f"{where}: expected NAME TOKEN SCOPES (3 fields separated by blanks), "
+                                  f"found {len(fields)} fields")
+        name, token, scopes = fields
+        if not _NAME_RE.fullmatch(name):
+            raise AuthConfigError(f"{where}: invalid token name (field 1, not shown): must match {_NAME_RE.pattern}")
+        if name in names:
+            raise AuthConfigError(f"{where}: token name {name!r} appears twice")
+        m = _HASH_RE.fullmatch(token)
+        if m:
+            digest = bytes.fromhex(m[1])
+        elif token.startswith("sha256:"):
+            raise AuthConfigError(f"{where} ({name}): sha256: must be followed by 64 hex digits")
+        elif len(token) < MIN_PLAIN_TOKEN:
+            raise AuthConfigError(f"{where} ({name}): a plain token needs {MIN_PLAIN_TOKEN} characters at least "
+                                  f"(or write sha256:HEX of the token)")
+        else:
+            digest = bytes.fromhex(hash_token(token))
+        if digest in digests:
+            raise AuthConfigError(f"{where} ({name}): the same token appears twice")
+        read: list[str] = []
+        write: list[str] = []
+        admin = False
+        for s in scopes.split(","):
+            sm = _SCOPE_RE.fullmatch(s)
+            if not sm:
+                shown = repr(s[:80]) if s.startswith(("read:", "write:")) else "(not shown)"  # maybe a token
+                raise AuthConfigError(f"{where} ({name}): invalid scope {shown}: expected read:PATTERN, "
+                                      f"write:PATTERN or admin (fields: NAME TOKEN SCOPES)")
+            if s == "admin":
+                admin = True
+            else:
+                (read if sm[1] == "read" else write).append(sm[2])
+        names.add(name)
+        digests.add(digest)
+        entries.append(_Entry(digest, Principal(name, tuple(read), tuple(write), admin)))
+    return entries
+
+
+class TokenStore:
+    """The configured tokens; the file is re-read when it changes (checked every 2 s at most).
+
+    A changed file that no longer parses is logged and ignored: the previous tokens stay in force.
+    """
+
+    def __init__(self, file: str | None = None, inline: str | None = None) -> None:
+        self.file = file or None
+        self._inline = parse_tokens(inline, "CKPTD_TOKENS") if inline else []
+        self._from_file: list[_Entry] = []
+        self._mtime: float | None = None
+        self._checked = 0.0
+        if self.file:
+            self._load_file(initial=True)
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> "TokenStore":
+        inline = settings.tokens.get_secret_value() if settings.tokens is not None else None
+        return cls(settings.tokens_file, inline)
+
+    def _load_file(self, *, initial: bool = False) -> None:
+        assert self.file
+        try:
+            st = os.stat(self.file)
+            with open(self.file, encoding="utf-8") as f:
+                entries = parse_tokens(f.read(), self.file)
+        except (OSError, UnicodeDecodeError, AuthConfigError) as e:
+            if initial:
+                if isinstance(e, AuthConfigError):
+                    raise
+                raise AuthConfigError(f"cannot read tokens file {self.file}: {type(e).__name__}: "
+                                      f"{getattr(e, 'strerror', None) or e}") from None
+            log.error("tokens file %s changed but is unusable, keeping the previous tokens: %s", self.file,
+                      e if isinstance(e, AuthConfigError) else type(e).__name__)
+            self._mtime = None
+            return
+        if not initial:
+            log.warning("tokens file %s reloaded: %d tokens", self.file, len(entries))
+        self._from_file, self._mtime = entries, st.st_mtime
+
+    def _maybe_reload(self) -> None:
+        if not self.file:
+            return
+        now = time.monotonic()
+        if now - self._checked < RELOAD_CHECK_SECONDS:
+            return
+        self._checked = now
+        try:
+            mtime = os.stat(self.file).st_mtime
+        except OSError:
+            return
+        if mtime != self._mtime:
+            self._load_file()
+
+    @property
+    def entries(self) -> list[_Entry]:
+        return [*self._from_file, *self._inline]
+
+    @property
+    def enabled(self) -> bool:
+        """True when any token is configured (a tokens file that is set counts, even if empty)."""
+        return bool(self.file) or bool(self._inline)
+
+    def authenticate(self, token: str) -> Principal | None:
+        self._maybe_reload()
+        digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+        found: Principal | None = None
+        for e in self.entries:  # no early exit: the time taken does not depend on which entry matches
+            if hmac.compare_digest(e.digest, digest):
+                found = e.principal
+        return found
+
+
+# -- what each route needs ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rule:
+    access: Access
+    body: BodyLimit = "small"
+    run_param: str | None = "run"  # the path parameter naming the run the access applies to
+
+
+OPEN = Rule("open", run_param=None)
+ROUTE_RULES: dict[str, Rule] = {
+    # probes, metrics and the API description: open
+    "healthz": OPEN, "readyz": OPEN, "metrics": OPEN,
+    "openapi": OPEN, "swagger_ui_html": OPEN, "swagger_ui_redirect": OPEN, "redoc_html": OPEN,
+    # reads: read:RUN (write:RUN and admin include it)
+    "list_runs": Rule("read", run_param=None),  # any token; only the runs it may read are listed
+    "list_checkpoints": Rule("read"),
+    "get_manifest": Rule("read"),
+    "read_plan": Rule("read", body="index"),
+    "get_file": Rule("read"),
+    # uploads: write:RUN
+    "open_session": Rule("write"),
+    "upload_file": Rule("write", body="stream"),
+    "put_index": Rule("write", body="index"),
+    "session_status": Rule("write"),
+    "abort_session": Rule("write"),
+    # reshard jobs (and future gc / import routes): admin
+    "create_job": Rule("admin", run_param=None),
+    "preview_job": Rule("admin", run_param=None),
+    "job_status": Rule("admin", run_param=None),
+}
+
+
+def iter_routes(routes: Any) -> Iterator[Any]:
+    """Every leaf route (with ``path``, ``name``, ``methods``), routers included by FastAPI walked into."""
+    for r in getattr(routes, "routes", routes):
+        inner = getattr(getattr(r, "original_router", None), "routes", None)
+        if inner is not None:  # FastAPI >= 0.16x keeps included routers as nodes
+            yield from iter_routes(inner)
+        elif hasattr(r, "path") and hasattr(r, "name"):
+            yield r
+
+
+def check_routes(app: Any) -> None:
+    missing = sorted({f"{r.name} ({r.path})" for r in iter_routes(app.router) if r.name not in ROUTE_RULES})
+    if missing:
+        raise RuntimeError(f"routes without an access rule in ckptd.service.auth.ROUTE_RULES: {missing}")
+
+
+def principal_of(request: Request) -> Principal:
+    p = request.scope.get("state", {}).get("principal")
+    return p if isinstance(p, Principal) else ANONYMOUS
+
+
+def _route_name(scope: Scope) -> str | None:
+    route = scope.get("route")
+    name = getattr(route, "name", None)
+    if name is None:
+        endpoint = scope.get("endpoint")
+        name = getattr(endpoint, "__name__", None)
+    return name
+
+
+async def authorize(request: Request) -> None:
+    """App-wide dependency: the matched route's rule against the request's principal (403)."""
+    name = _route_name(request.scope)
+    rule = ROUTE_RULES.get(name or "")
+    principal = principal_of(request)
+    if rule is None:
+        raise Forbidden(f"route {name!r} has no access rule", route=name)
+    if rule.access != "open" and principal is ANONYMOUS:  # e.g. another method on an open route's path
+        raise Unauthorized(NO_TOKEN)
+    run = request.path_params.get(rule.run_param) if rule.run_param else None
+    if principal.allows(rule.access, run if isinstance(run, str) else None):
+        return
+    if rule.access == "admin":
+        raise Forbidden(f"token {principal.name!r} (scopes {principal.scopes}) lacks the admin scope that "
+                        f"{request.method} {request.url.path[:200]} needs", token=principal.name, needs="admin")
+    raise Forbidden(f"token {principal.name!r} (scopes {principal.scopes}) may not {rule.access} run {run!r}",
+                    token=principal.name, needs=f"{rule.access}:{run}")
+
+
+# -- the middleware: authentication and body limits ----------------------------------------------------
+
+def _bearer(scope: Scope) -> str | None:
+    for k, v in scope.get("headers", ()):
+        if k == b"authorization":
+            try:
+                value = v.decode("latin-1").strip()
+            except UnicodeDecodeError:
+                return ""
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() != "bearer":
+                return ""
+            return token.strip()
+    return None
+
+
+async def _send_error(send: Send, scope: Scope, err: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = err.to_body()
+    rid = scope.get("state", {}).get("request_id")
+    if rid:
+        body["error"]["request_id"] = rid
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": raw})
+
+
+class AccessMiddleware:
+    """401 before anything is routed or read; body limits by route once routed.
+
+    Authentication runs first, for every path that is not an open route, so a
+    request without a valid token never reaches a handler (or has its body
+    read). Which run a route touches is only known once FastAPI has routed the
+    request; :func:`authorize` (an app-wide dependency) checks that (403).
+    The body limit of the matched route (``Rule.body``) applies to the first
+    body read: a declared Content-Length over it is answered 413 at once, and
+    a body that grows past it is cut off with 413.
+    """
+
+    def __init__(self, app: ASGIApp, tokens: TokenStore, open_paths: set[str], index_limit: int) -> None:
+        self.app, self.tokens, self.open_paths, self.index_limit = app, tokens, open_paths, index_limit
+
+    def _limit(self, scope: Scope) -> int | None:
+        rule = ROUTE_RULES.get(_route_name(scope) or "")
+        body = rule.body if rule is not None else "index"
+        return None if body == "stream" else self.index_limit if body == "index" else SMALL_BODY_BYTES
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        if not self.tokens.enabled:
+            state["principal"] = OPEN_PRINCIPAL
+        elif scope["path"] in self.open_paths:
+            state["principal"] = ANONYMOUS
+        else:
+            token = _bearer(scope)
+            principal = self.tokens.authenticate(token) if token and len(token) <= MAX_TOKEN_CHARS else None
+            if principal is None:
+                msg = NO_TOKEN if token is None else "the bearer token is not valid"
+                await _send_error(send, scope, Unauthorized(msg),
+                                  [(b"www-authenticate", b'Bearer realm="ckptd"')])
+                return
+            state["principal"] = principal
+
+        responded = False
+        checked = False
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal responded, checked, seen
+            if responded:
+                return {"type": "http.disconnect"}
+            limit = self._limit(scope)  # the router has matched by now: the route is in the scope
+            if not checked:
+                checked = True
+                declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+                if limit is not None and declared is not None and declared.isdigit() and int(declared) > limit:
+                    await reject(f"body of {int(declared)} bytes exceeds the limit of {limit} for this route", limit)
+                    return {"type": "http.disconnect"}
+            msg = await receive()
+            if msg["type"] == "http.request" and limit is not None:
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    await reject(f"body exceeds the limit of {limit} bytes for this route", limit)
+                    return {"type": "http.disconnect"}
+            return msg
+
+        async def reject(message: str, limit: int) -> None:
+            nonlocal responded
+            responded = True
+            await _send_error(send, scope, PayloadTooLarge(message, limit=limit), [(b"connection", b"close")])
+
+        async def guarded_send(msg: Message) -> None:
+            if not responded:  # after a 413 the handler's own answer (to the disconnect) is dropped
+                await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not responded:
+                raise
+            # Answered 413 already; the handler then met the disconnect it was given (ClientDisconnect).

@@ -1,0 +1,224 @@
+"""Prometheus metrics (``GET /metrics``), one registry per app.
+
+Instrumented at the service's edges: the request middleware (bytes, requests,
+latency), the error handler (storage errors, integrity refusals), a
+:class:`MeteredSessionStore` around the store core (commits, open sessions) and
+the reshard routes (job progress, read from the job records at scrape time).
+No label carries a run or checkpoint name; route labels are handler names.
+
+=====================================  =========  ==========================================================
+metric                                 type       meaning
+=====================================  =========  ==========================================================
+ckptd_bytes_in_total{route}            counter    request body bytes received
+ckptd_bytes_out_total{route}           counter    response body bytes sent
+ckptd_http_requests_total{route,...}   counter    requests answered, by route, method and status
+ckptd_http_request_seconds{route}      histogram  time to answer a request
+ckptd_commit_seconds                   histogram  one commit: merge, validate, write manifest and marker
+ckptd_commits_total                    counter    checkpoints committed by this replica
+ckptd_upload_sessions_open             gauge      sessions opened through this replica, not yet committed,
+                                                  failed or aborted
+ckptd_verify_failures_total{code}      counter    integrity refusals: uploads whose bytes differ from their
+                                                  digest, commits refused at validation, corrupt manifests
+ckptd_storage_errors_total{op}         counter    storage backend failures, by route (or ``reclaim``)
+ckptd_auth_refusals_total{status}      counter    requests refused 401 or 403
+ckptd_reshard_jobs_active              gauge      reshard jobs submitted here and queued or running
+ckptd_reshard_job_bytes_done{job}      gauge      bytes written so far by a job
+ckptd_reshard_job_bytes_planned{job}   gauge      bytes a job will write
+ckptd_reshard_jobs_finished_total      counter    reshard jobs finished, by state (done, failed)
+=====================================  =========  ==========================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ckptd_schemas import CkptdError, Conflict, SessionStatus, StorageError
+
+from ..storage import Storage
+from ..store import SessionStore
+
+__all__ = ["CONTENT_TYPE_LATEST", "MeteredSessionStore", "Metrics"]
+
+log = logging.getLogger("ckptd.service")
+COMMIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+FINISHED_JOB_KEEP_SECONDS = 600.0  # a finished job's gauges stay this long, so a scrape sees its 100%
+MAX_REFRESH = 1000  # sessions or jobs re-read per scrape at most
+
+
+class Metrics:
+    """The service's metrics in their own :class:`CollectorRegistry` (apps in one process do not collide)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.bytes_in = Counter("ckptd_bytes_in", "Request body bytes received.", ["route"], registry=r)
+        self.bytes_out = Counter("ckptd_bytes_out", "Response body bytes sent.", ["route"], registry=r)
+        self.requests = Counter("ckptd_http_requests", "Requests answered.", ["route", "method", "status"],
+                                registry=r)
+        self.request_seconds = Histogram("ckptd_http_request_seconds", "Time to answer a request.", ["route"],
+                                         buckets=REQUEST_BUCKETS, registry=r)
+        self.commit_seconds = Histogram("ckptd_commit_seconds",
+                                        "Time of one commit: merge and validate the indexes, write the manifest "
+                                        "and the COMMITTED marker.", buckets=COMMIT_BUCKETS, registry=r)
+        self.commits = Counter("ckptd_commits", "Checkpoints committed by this replica.", registry=r)
+        self.sessions_open = Gauge("ckptd_upload_sessions_open",
+                                   "Upload sessions opened through this replica and not yet committed, failed "
+                                   "or aborted.", registry=r)
+        self.verify_failures = Counter("ckptd_verify_failures",
+                                       "Integrity refusals: uploads whose bytes differ from their digest, commits "
+                                       "refused at validation, manifests that do not match their marker.",
+                                       ["code"], registry=r)
+        self.storage_errors = Counter("ckptd_storage_errors", "Storage backend failures, by operation.", ["op"],
+                                      registry=r)
+        self.auth_refusals = Counter("ckptd_auth_refusals", "Requests refused for authentication (401) or "
+                                     "scope (403).", ["status"], registry=r)
+        self.reshard_active = Gauge("ckptd_reshard_jobs_active", "Reshard jobs submitted here, queued or running.",
+                                    registry=r)
+        self.reshard_done = Gauge("ckptd_reshard_job_bytes_done", "Bytes a reshard job has written so far.", ["job"],
+                                  registry=r)
+        self.reshard_planned = Gauge("ckptd_reshard_job_bytes_planned", "Bytes a reshard job will write.", ["job"],
+                                     registry=r)
+        self.reshard_finished = Counter("ckptd_reshard_jobs_finished", "Reshard jobs finished, by state.",
+                                        ["state"], registry=r)
+        self._lock = threading.Lock()
+        self._sessions: dict[str, tuple[str, str]] = {}  # sid -> (run, name)
+        self._jobs: dict[str, float | None] = {}  # job id -> when seen finished (None: still active)
+        self._job_storage: Storage | None = None
+        self._session_store: SessionStore | None = None
+        self.sessions_open.set_function(lambda: len(self._sessions))
+        self.reshard_active.set_function(lambda: sum(1 for v in self._jobs.values() if v is None))
+
+    # -- hooks -----------------------------------------------------------------------------------------
+    def observe_request(self, route: str, method: str, status: int, seconds: float, bytes_in: int,
+                        bytes_out: int) -> None:
+        self.requests.labels(route, method, str(status)).inc()
+        self.request_seconds.labels(route).observe(seconds)
+        if bytes_in:
+            self.bytes_in.labels(route).inc(bytes_in)
+        if bytes_out:
+            self.bytes_out.labels(route).inc(bytes_out)
+        if status in (401, 403):
+            self.auth_refusals.labels(str(status)).inc()
+
+    def observe_error(self, exc: CkptdError, op: str) -> None:
+        """From the error handler: storage errors by operation, integrity refusals by code."""
+        from ckptd_schemas import IntegrityError
+
+        if isinstance(exc, StorageError):
+            self.storage_errors.labels(op).inc()
+        elif isinstance(exc, IntegrityError) and not getattr(exc, "_ckptd_metered", False):
+            self.verify_failures.labels(exc.code).inc()
+
+    def session_open(self, sid: str, run: str, name: str) -> None:
+        with self._lock:
+            self._sessions[sid] = (run, name)
+
+    def session_closed(self, sid: str) -> None:
+        with self._lock:
+            self._sessions.pop(sid, None)
+
+    def track_job(self, storage: Storage, job_id: str) -> None:
+        with self._lock:
+            self._job_storage = storage
+            self._jobs[job_id] = None
+
+    # -- scrape ----------------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Bring the storage-backed values up to date (sessions finished elsewhere, job progress)."""
+        with self._lock:
+            sessions = list(self._sessions.items())[:MAX_REFRESH]
+            jobs = list(self._jobs.items())[:MAX_REFRESH]
+        store = self._session_store
+        if store is not None:
+            for sid, (run, name) in sessions:
+                try:
+                    store.status(run, name, sid)  # drops it from the gauge when no longer open
+                except CkptdError:
+                    pass
+        if self._job_storage is not None:
+            from ..reshard.models import get_job
+
+            now = time.monotonic()
+            for job_id, finished_at in jobs:
+                if finished_at is not None:
+                    if now - finished_at > FINISHED_JOB_KEEP_SECONDS:
+                        with self._lock:
+                            self._jobs.pop(job_id, None)
+                        for g in (self.reshard_done, self.reshard_planned):
+                            try:
+                                g.remove(job_id)
+                            except KeyError:
+                                pass
+                    continue
+                try:
+                    st = get_job(self._job_storage, job_id)
+                except CkptdError:
+                    continue
+                self.reshard_done.labels(job_id).set(st.bytes_done)
+                self.reshard_planned.labels(job_id).set(st.bytes_total)
+                if st.state in ("done", "failed"):
+                    self.reshard_finished.labels(st.state).inc()
+                    with self._lock:
+                        self._jobs[job_id] = now
+
+    def render(self) -> bytes:
+        try:
+            self.refresh()
+        except Exception:  # noqa: BLE001 - a scrape answers with what it has
+            log.exception("metrics refresh failed")
+        return generate_latest(self.registry)
+
+
+class MeteredSessionStore(SessionStore):
+    """The store core, observed from the service: commit latency, refusals, sessions still open."""
+
+    def __init__(self, storage: Storage, metrics: Metrics, **kw: Any) -> None:
+        super().__init__(storage, **kw)
+        self.metrics = metrics
+        metrics._session_store = self
+
+    def open(self, run: str, name: str, req: Any) -> Any:
+        info = super().open(run, name, req)
+        self.metrics.session_open(info.session, run, name)
+        return info
+
+    def status(self, run: str, name: str, sid: str, *, raise_on_failure: bool = False) -> SessionStatus:
+        try:
+            st = super().status(run, name, sid, raise_on_failure=raise_on_failure)
+        except StorageError:
+            raise
+        except CkptdError:
+            self.metrics.session_closed(sid)  # not found, refused, committed by another session
+            raise
+        if st.state != "open":
+            self.metrics.session_closed(sid)
+        return st
+
+    def commit(self, run: str, name: str, sid: str, meta: Any = None) -> str:
+        t0 = time.perf_counter()
+        try:
+            digest = super().commit(run, name, sid, meta)
+        except (StorageError, Conflict):
+            raise
+        except CkptdError as e:
+            self.metrics.verify_failures.labels(e.code).inc()
+            e._ckptd_metered = True  # type: ignore[attr-defined]  # counted once, here
+            raise
+        self.metrics.commit_seconds.observe(time.perf_counter() - t0)
+        self.metrics.commits.inc()
+        return digest
+
+    def abort(self, run: str, name: str, sid: str) -> None:
+        super().abort(run, name, sid)
+        self.metrics.session_closed(sid)
+
+    def reclaim_stale(self, ttl_seconds: float, *, now: float | None = None) -> list[str]:
+        removed = super().reclaim_stale(ttl_seconds, now=now)
+        for key in removed:
+            self.metrics.session_closed(str(key).rsplit("/", 1)[-1])
+        return removed
