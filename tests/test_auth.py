@@ -81,6 +81,8 @@ def _operations(app) -> list[tuple[str, str, str]]:
 def _body_for(name: str) -> dict:
     if name in ("create_job", "preview_job"):
         return {"json": {"source": "gpt/1", "to": "full"}}
+    if name == "run_gc":
+        return {"json": {"keep_last": 1, "dry_run": True}}
     if name == "open_session":
         return {"json": {"session": "s1", "world_size": 1}}
     if name == "read_plan":
@@ -106,7 +108,7 @@ def test_every_route_has_a_rule_and_the_expected_scope(app):
     assert api_ops <= walked, api_ops - walked
     for r in iter_routes(app.router):
         rule = ROUTE_RULES[r.name]
-        if r.path.startswith(("/v1/reshard", "/v1/jobs")):
+        if r.path.startswith(("/v1/reshard", "/v1/jobs")) or r.path.endswith("/gc"):
             assert rule.access == "admin", r.path
         elif "/sessions" in r.path:
             assert rule.access == "write", r.path

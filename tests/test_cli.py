@@ -50,4 +50,4 @@ def test_exit_codes(saved, tmp_path):
     help_text = ckptd("--help").stdout
     for cmd in ("serve", "ls", "show", "verify"):
         assert cmd in help_text
-    assert "{serve,ls,show,verify,reshard,reshard-worker,import,export}" in help_text  # later ones appear when they work
+    assert "{serve,ls,show,verify,reshard,reshard-worker,import,export,gc}" in help_text

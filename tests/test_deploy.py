@@ -45,7 +45,7 @@ K8S = DEPLOY / "k8s"
 VENV_BIN = Path(sys.executable).parent
 
 # CKPTD_* variables the deployment files set before the setting exists (another change adds it).
-PENDING_SETTINGS = {"CKPTD_TOKENS_FILE"}
+PENDING_SETTINGS: set[str] = set()
 # Oldest Kubernetes the manifests target (Indexed Job with backoffLimitPerIndex), and the newest schemas we have.
 K8S_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import uuid
 from datetime import datetime, timedelta, timezone
 
@@ -153,3 +154,31 @@ def test_cli_gc_dry_run_json_and_real(tmp_path):
     assert not (tmp_path / "runs/cli/1").exists()
     r = ckptd("gc", "cli", "--keep-last", "0")
     assert r.returncode == 2 and "keep_last must be at least 1" in r.stderr
+
+
+def test_service_policy_collects_after_each_commit_and_spares_what_was_just_read(tmp_path):
+    from ckptd_client import CheckpointClient
+    from support import ServerProcess
+
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_RETENTION_KEEP_LAST": "2",
+                                                "CKPTD_READ_LEASE_SECONDS": "600"}).start()
+    try:
+        c = CheckpointClient(srv.url)
+        c.save({"w": torch.zeros(4)}, "pol/1").wait()
+        c.manifest("pol/1")  # a load starts: step 1 is leased by the replica that served it
+        for s in (2, 3, 4):
+            c.save({"w": torch.full((4,), float(s))}, f"pol/{s}").wait()
+        deadline = time.monotonic() + 20
+        names: list[str] = []
+        while time.monotonic() < deadline:  # the policy runs in the background after each commit
+            names = [x.name for x in c.list_checkpoints("pol")]
+            if names == ["1", "3", "4"]:
+                break
+            time.sleep(0.2)
+        assert names == ["1", "3", "4"]  # 2 went; 1 is leased; 3 and 4 are the last two steps
+        got = {"w": torch.zeros(4)}
+        c.load(got, "pol/latest")
+        assert torch.equal(got["w"], torch.full((4,), 4.0))
+        c.close()
+    finally:
+        srv.stop()

@@ -47,6 +47,7 @@ from .errors import install_error_handlers
 from .logs import RequestContextMiddleware
 from .metrics import CONTENT_TYPE_LATEST, MeteredSessionStore, Metrics
 from .reshard_routes import reshard_router
+from .retention_routes import ReadLeases, RetentionPolicy, gc_router
 from .settings import Settings
 
 __all__ = ["create_app"]
@@ -116,6 +117,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     sessions = MeteredSessionStore(storage, metrics)
     reader = CheckpointReader(storage)
     jobs_router, close_jobs = reshard_router(storage, settings, metrics)
+    retention = RetentionPolicy(storage, settings)
+    read_leases = ReadLeases(storage, settings.read_lease_seconds)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -207,9 +210,12 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
         if index.rank != rank:
             raise InvalidRequest(f"index body is for rank {index.rank}, URL says rank {rank}", rank=rank)
         try:
-            return await run_in_threadpool(sessions.put_index, run, name, sid, index)
+            status = await run_in_threadpool(sessions.put_index, run, name, sid, index)
         finally:
             _wake(sid)
+        if status.state == "committed":
+            retention.after_commit(run)
+        return status
 
     @app.get("/v1/checkpoints/{run}/{name}/sessions/{sid}", response_model=SessionStatus, tags=["upload"])
     async def session_status(run: str, name: str, sid: str,
@@ -249,6 +255,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     @app.get("/v1/checkpoints/{run}/{name}", response_model=Manifest, tags=["read"])
     async def get_manifest(run: str, name: str) -> Response:
         manifest = await run_in_threadpool(reader.manifest, run, name)
+        await run_in_threadpool(read_leases.touch, run, manifest.name)
         raw = await run_in_threadpool(reader.manifest_bytes, run, manifest.name)
         return Response(raw, media_type="application/json", headers={"X-Ckptd-Name": manifest.name})
 
@@ -285,6 +292,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
                                  media_type="application/octet-stream")
 
     app.include_router(jobs_router)
+    app.include_router(gc_router(storage, settings))
     check_routes(app)
     open_paths = {r.path for r in iter_routes(app.router) if ROUTE_RULES[r.name].access == "open"}
     app.add_middleware(AccessMiddleware, tokens=tokens, open_paths=open_paths, index_limit=settings.max_index_bytes)

@@ -274,6 +274,7 @@ ROUTE_RULES: dict[str, Rule] = {
     "create_job": Rule("admin", run_param=None),
     "preview_job": Rule("admin", run_param=None),
     "job_status": Rule("admin", run_param=None),
+    "run_gc": Rule("admin"),
 }
 
 

@@ -33,6 +33,13 @@ class Settings(BaseSettings):
     write_batch_bytes: int = Field(8 << 20, description="bytes gathered before each storage write")
     reshard_workers: int = Field(1, description="worker processes for reshard jobs")
     reshard_max_mbps: float = Field(256.0, description="bandwidth cap of one reshard job, MiB/s (0 = none)")
+    retention_keep_last: int | None = Field(
+        None, ge=1, description="retention policy: after each commit keep the N newest steps of its run (unset: "
+        "keep everything; `ckptd gc` still works)")
+    retention_keep_every: int | None = Field(
+        None, ge=1, description="retention policy: also keep every step that is a multiple of K")
+    read_lease_seconds: float = Field(
+        900.0, ge=0, description="serving a manifest leases that checkpoint this long, so gc spares it (0 = off)")
     log_level: str = Field("info", description="log level")
     log_format: Literal["text", "json"] = Field(
         "text", description="log lines as text or as JSON objects (one per line, with request ids)")

@@ -1,0 +1,116 @@
+"""Retention over HTTP and as a service policy; read leases on manifests.
+
+* ``POST /v1/runs/{run}/gc`` (admin): ``ckptd gc RUN --server``; the same rules
+  as offline (``ckptd.store.retention``), then reclaims stale staging.
+* Policy: with ``CKPTD_RETENTION_KEEP_LAST`` set, the run of every checkpoint
+  that commits through this service is collected right after the commit (in
+  the background; a failure is logged and changes nothing visible).
+* Read leases: serving a manifest leases that checkpoint for
+  ``CKPTD_READ_LEASE_SECONDS``, so gc does not delete it under a load that is
+  still fetching its files. Renewed at most every half lease per replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from ckptd_schemas import check_run
+
+from ..storage import Storage
+from ..store import SessionStore
+from ..store.leases import Leases
+from ..store.retention import collect
+from .settings import Settings
+
+__all__ = ["GcRequest", "ReadLeases", "RetentionPolicy", "gc_router"]
+
+log = logging.getLogger("ckptd.service")
+
+
+class GcRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    keep_last: int = Field(ge=1, le=1_000_000, description="keep the N newest steps")
+    keep_every: int | None = Field(None, ge=1, le=1_000_000_000, description="also keep multiples of K")
+    dry_run: bool = False
+
+
+def gc_router(storage: Storage, settings: Settings) -> APIRouter:
+    router = APIRouter(tags=["retention"])
+
+    @router.post("/v1/runs/{run}/gc")
+    async def run_gc(run: str, body: GcRequest) -> dict:
+        check_run(run)
+
+        def work() -> dict:
+            plan = collect(storage, run, keep_last=body.keep_last, keep_every=body.keep_every,
+                           dry_run=body.dry_run).as_json()
+            if not body.dry_run:
+                plan["reclaimed_sessions"] = SessionStore(storage).reclaim_stale(settings.stale_session_ttl)
+            return plan
+
+        return await run_in_threadpool(work)
+
+    return router
+
+
+class RetentionPolicy:
+    """Collects a run after each commit when the service has a retention policy; one pass per run at a time."""
+
+    def __init__(self, storage: Storage, settings: Settings) -> None:
+        self.storage, self.settings = storage, settings
+        self._busy: set[str] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.retention_keep_last is not None
+
+    def after_commit(self, run: str) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            if run in self._busy:
+                return
+            self._busy.add(run)
+        threading.Thread(target=self._collect, args=(run,), name=f"ckptd-gc-{run}", daemon=True).start()
+
+    def _collect(self, run: str) -> None:
+        try:
+            plan = collect(self.storage, run, keep_last=self.settings.retention_keep_last or 1,
+                           keep_every=self.settings.retention_keep_every)
+            if plan.deleted:
+                log.info("retention: deleted %s from run %s", ", ".join(plan.deleted), run)
+        except Exception:  # noqa: BLE001 - retention never breaks a save; the next commit tries again
+            log.exception("retention of run %s failed", run)
+        finally:
+            with self._lock:
+                self._busy.discard(run)
+
+
+class ReadLeases:
+    """Leases served checkpoints for a while; at most one storage write per checkpoint per half lease."""
+
+    def __init__(self, storage: Storage, seconds: float) -> None:
+        self.leases, self.seconds = Leases(storage), seconds
+        self.holder = f"reader-{uuid.uuid4().hex[:12]}"  # this replica
+        self._renewed: dict[tuple[str, str], float] = {}
+        self._lock = threading.Lock()
+
+    def touch(self, run: str, name: str) -> None:
+        if self.seconds <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if now - self._renewed.get((run, name), -1e18) < self.seconds / 2:
+                return
+            self._renewed[(run, name)] = now
+            if len(self._renewed) > 10_000:
+                self._renewed = {k: v for k, v in self._renewed.items() if now - v < self.seconds}
+        self.leases.acquire(run, name, self.holder, ttl=self.seconds)
