@@ -5,22 +5,33 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 import uuid
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import httpx
 
 from ckptd_schemas import CkptdError, Unavailable, error_from_body
 
-__all__ = ["Transport"]
+__all__ = ["Transport", "split_urls"]
 
 log = logging.getLogger("ckptd_client")
 RETRY_STATUS = {500, 502, 503, 504}
+FAILOVER_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)  # the replica is not there: try the next
+
+
+def split_urls(url: str | Sequence[str]) -> list[str]:
+    """``"http://a:8470,http://b:8470"`` or a list of URLs -> the list (service replicas, in order)."""
+    urls = [u.strip().rstrip("/") for u in (url.split(",") if isinstance(url, str) else url)]
+    urls = [u for u in urls if u]
+    if not urls:
+        raise ValueError("no service URL given")
+    return urls
 
 
 class Transport:
-    """A thread-safe httpx client for one service URL.
+    """A thread-safe httpx client for a service URL, or several replicas of one service.
 
     Every call is idempotent on the service side, so transport errors and 5xx
     answers are retried with jittered exponential backoff until
@@ -31,20 +42,37 @@ class Transport:
     ``Authorization: Bearer`` header. Each call sends one ``X-Request-Id``, the
     same on every retry, which the service logs and puts in error bodies
     (``err.request_id``).
+
+    With several URLs (replicas sharing one storage root), a connection that
+    cannot be made moves every later call to the next URL (sticky failover).
     """
 
-    def __init__(self, url: str, *, timeout: float = 300.0, retry_seconds: float = 120.0,
+    def __init__(self, url: str | Sequence[str], *, timeout: float = 300.0, retry_seconds: float = 120.0,
                  token: str | None = None) -> None:
-        self.url = url.rstrip("/")
+        self.urls = split_urls(url)
         self.retry_seconds = retry_seconds
         token = ((os.environ.get("CKPTD_TOKEN") if token is None else token) or "").strip()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=10.0),
-                                    headers=headers, limits=httpx.Limits(max_connections=64,
-                                                                         max_keepalive_connections=16))
+        self._clients = [httpx.Client(base_url=u, timeout=httpx.Timeout(timeout, connect=10.0), headers=headers,
+                                      limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
+                         for u in self.urls]
+        self._active = 0
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        """The URL calls go to now."""
+        return self.urls[self._active]
+
+    def _fail_over(self, failed: int) -> None:
+        with self._lock:
+            if self._active == failed:  # concurrent failures of the same replica move on once
+                self._active = (failed + 1) % len(self.urls)
+                log.warning("ckptd at %s unreachable; failing over to %s", self.urls[failed], self.url)
 
     def close(self) -> None:
-        self._client.close()
+        for c in self._clients:
+            c.close()
 
     def request(self, method: str, path: str, *, content: Callable[[], Iterable[bytes] | bytes] | None = None,
                 json: Any = None, headers: dict[str, str] | None = None, params: dict[str, Any] | None = None,
@@ -54,12 +82,14 @@ class Transport:
         delay = 0.1
         attempt = 0
         headers = {"X-Request-Id": uuid.uuid4().hex, **(headers or {})}
+        unreachable: set[int] = set()  # replicas refused since the last pause
         while True:
             attempt += 1
+            active = self._active
             try:
                 body = content() if content is not None else None
-                with self._client.stream(method, path, content=body, json=json, headers=headers,
-                                         params=params) as resp:
+                with self._clients[active].stream(method, path, content=body, json=json, headers=headers,
+                                                  params=params) as resp:
                     if resp.status_code < 400:
                         if sink is not None:
                             return sink(resp)
@@ -72,11 +102,17 @@ class Transport:
                     failure: Exception = err
             except httpx.TransportError as e:
                 failure = e
+                if len(self.urls) > 1 and isinstance(e, FAILOVER_ERRORS):
+                    self._fail_over(active)
+                    unreachable.add(active)
+                    if len(unreachable) < len(self.urls):
+                        continue  # another replica not tried yet: at once, no pause
+            unreachable.clear()
             if time.monotonic() + delay > deadline:
                 if isinstance(failure, CkptdError):
                     raise failure
-                raise Unavailable(f"{method} {self.url}{path} failed after {attempt} attempts: "
-                                  f"{type(failure).__name__}: {failure}", url=self.url) from failure
+                raise Unavailable(f"{method} {self.urls[active]}{path} failed after {attempt} attempts: "
+                                  f"{type(failure).__name__}: {failure}", url=self.urls[active]) from failure
             log.warning("%s %s failed (%s); retrying in %.1fs", method, path, failure, delay)
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 5.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ckptd_schemas import (
@@ -32,7 +32,9 @@ class CheckpointClient:
     every rank calls them with its own shards, in the same order.
 
     Args:
-        url: service URL (default ``$CKPTD_URL`` or ``http://127.0.0.1:8470``).
+        url: service URL (default ``$CKPTD_URL`` or ``http://127.0.0.1:8470``); several replicas of
+            one service (same storage root) as a list or comma-separated: calls go to the first and
+            move to the next when a connection cannot be made.
         token: bearer token (default ``$CKPTD_TOKEN``).
         compression: ``None`` (store raw) or ``"zstd"`` (per chunk, independently decodable).
         streams: concurrent HTTP streams per rank for uploads and ranged reads.
@@ -40,9 +42,9 @@ class CheckpointClient:
         retry_seconds: how long transient failures (connection errors, 5xx) are retried.
     """
 
-    def __init__(self, url: str | None = None, *, token: str | None = None, compression: str | None = None,
-                 streams: int = 4, file_bytes: int = 256 << 20, retry_seconds: float = 120.0,
-                 timeout: float = 300.0) -> None:
+    def __init__(self, url: str | Sequence[str] | None = None, *, token: str | None = None,
+                 compression: str | None = None, streams: int = 4, file_bytes: int = 256 << 20,
+                 retry_seconds: float = 120.0, timeout: float = 300.0) -> None:
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', not {compression!r}")
         self.url = url or os.environ.get("CKPTD_URL", DEFAULT_URL)
