@@ -289,12 +289,25 @@ class SaveHandle:
         self._lock = threading.Lock()
 
     def done(self) -> bool:
-        return self._status is not None and self._status.state != "open" or (
-            self._future.done() and self._future.exception() is not None)
+        """True once the save is over: committed, or failed (``wait()`` then returns or raises at once)."""
+        if self._status is not None and self._status.state != "open":
+            return True
+        if not self._future.done():
+            return False
+        return self._future.exception() is not None or self._future.result().state != "open"
 
     @property
     def failed_unobserved(self) -> bool:
         return not self._observed and self._future.done() and self._future.exception() is not None
+
+    @property
+    def unreported(self) -> bool:
+        """True while nobody waited and the save is not known to be committed (in flight, or failed)."""
+        if self._observed:
+            return False
+        if not self._future.done():
+            return True
+        return self._future.exception() is not None or self._future.result().state != "committed"
 
     def wait(self, timeout: float | None = 1800.0) -> SessionStatus:
         """Block until the checkpoint is committed (every rank done); raise the typed error otherwise."""

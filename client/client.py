@@ -55,7 +55,7 @@ class CheckpointClient:
         self._transport = Transport(self.url, token=self._token,
                                     retry_seconds=retry_seconds, timeout=timeout)
         self._uploader = ThreadPoolExecutor(1, thread_name_prefix="ckptd-save")
-        self._last: SaveHandle | None = None
+        self._pending: list[SaveHandle] = []  # saves whose outcome nobody has seen yet
         self._lock = threading.Lock()
 
     # -- save ------------------------------------------------------------------
@@ -63,8 +63,8 @@ class CheckpointClient:
         """Snapshot this rank's shards and return; the upload continues in the background.
 
         ``ref`` is ``RUN/NAME``; trainer saves use the step number as NAME, which
-        is also the default ``step``. Raises the previous save's error if it
-        failed and nobody waited on it.
+        is also the default ``step``. Raises an earlier save's error if it
+        failed and nobody waited on it (each failure once).
         """
         r = parse_ref(ref)
         if r.is_latest:
@@ -72,9 +72,11 @@ class CheckpointClient:
         if step is None and r.name.isdigit():
             step = int(r.name)
         with self._lock:
-            if self._last is not None and self._last.failed_unobserved:
-                prev, self._last = self._last, None
-                prev.wait()  # raises the stored failure
+            self._pending = [h for h in self._pending if h.unreported]
+            failed = next((h for h in self._pending if h.failed_unobserved), None)
+            if failed is not None:
+                self._pending.remove(failed)
+                failed.wait()  # raises the stored failure
         rank, world = rank_and_world()
         session = broadcast_str(uuid.uuid4().hex if rank == 0 else None)
         snap = build_snapshot(state_dict, rank, world)
@@ -84,7 +86,7 @@ class CheckpointClient:
                                        streams=self.streams)
         handle = SaveHandle(str(r), session, future, self._transport, base)
         with self._lock:
-            self._last = handle
+            self._pending.append(handle)
         return handle
 
     # -- load ------------------------------------------------------------------
@@ -128,11 +130,19 @@ class CheckpointClient:
 
     # -- lifecycle -----------------------------------------------------------------
     def close(self, *, wait: bool = True) -> None:
-        """Wait for the pending save (raising its error) and release connections."""
+        """Wait for the pending saves (raising the first error among them) and release connections."""
         try:
-            if wait and self._last is not None:
-                last, self._last = self._last, None
-                last.wait()
+            if wait:
+                with self._lock:
+                    pending, self._pending = [h for h in self._pending if h.unreported], []
+                first: BaseException | None = None
+                for h in pending:
+                    try:
+                        h.wait()
+                    except BaseException as e:  # noqa: BLE001 - every save waited for, the first error raised
+                        first = first or e
+                if first is not None:
+                    raise first
         finally:
             self._uploader.shutdown(wait=wait)
             self._transport.close()

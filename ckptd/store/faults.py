@@ -1,17 +1,45 @@
-"""Named crash points for the fault tests (DESIGN §2 item 6).
+"""Fault injection for the crash and fault tests (DESIGN §2 item 6). Inert unless a test sets it.
 
-``CKPTD_CRASH_AT=<point>`` in a server's environment makes that process
-SIGKILL itself when it reaches ``<point>``: the tests use it to kill the
-service between the protocol's steps, exactly where a real crash could land.
-Unset (always, outside tests) it costs one dict lookup.
+Named crash points: ``CKPTD_CRASH_AT=<point>`` in a server's environment makes
+that process SIGKILL itself when it reaches ``<point>``: the tests use it to
+kill the service between the protocol's steps, exactly where a real crash
+could land. Unset (always, outside tests) it costs one dict lookup.
+
+Read once, when this module is imported (or :func:`configure` is called):
+
+* ``CKPTD_CRASH_RANDOM=<seed>:<probability>[:<point>,<point>...]``: every kill
+  point the process passes (the named crash points, and two inside storage
+  writes: ``storage-write-partial``, half of a write's bytes in the temp object,
+  and ``storage-before-rename``, the object complete but not yet in place), or
+  only those listed, draws from a ``random.Random(seed)`` and SIGKILLs the
+  process with that probability. The point is written to stderr first
+  (``ckptd fault: SIGKILL at <point> ...``).
+  ``CKPTD_CRASH_RANDOM=@<path>``: the same spec read from a file, re-read (and
+  the generator re-seeded) whenever the file is replaced; an empty or missing
+  file kills nothing. A test then arms and disarms one server process between saves.
+* ``CKPTD_FAULT_STALL_RUN=<run>:<seconds>``: every object the session store
+  writes under ``runs/<run>/`` waits ``seconds`` first (a slow backend for one run).
+* ``CKPTD_FAULT_FAIL_RUN=<run>``: every such write raises
+  :class:`~ckptd_schemas.StorageError` (a backend that is unavailable for one run).
+
+With none of them set, :func:`wrap_storage` returns the storage unchanged and
+the kill-point check is one global lookup.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
+import threading
+import time
+from collections.abc import Mapping
 
-__all__ = ["CRASH_POINTS", "crash_point"]
+from ckptd_schemas import StorageError
+
+from ..storage import Storage, Writer
+
+__all__ = ["CRASH_POINTS", "STORAGE_CRASH_POINTS", "configure", "crash_point", "wrap_storage"]
 
 CRASH_POINTS = (
     "upload-mid-stream",      # part of a file received, not yet committed to storage
@@ -21,8 +49,156 @@ CRASH_POINTS = (
     "commit-before-marker",   # manifest durable, COMMITTED not yet created
     "commit-after-marker",    # COMMITTED created, response not yet sent
 )
+STORAGE_CRASH_POINTS = (
+    "storage-write-partial",  # half of one write's bytes in the temp object
+    "storage-before-rename",  # the temp object complete, not yet in place
+)
+
+
+class _RandomKill:
+    def __init__(self, spec: str) -> None:
+        self.lock = threading.Lock()
+        self.path = spec[1:] if spec.startswith("@") else None
+        self._seen: tuple | None = None
+        self._arm("" if self.path else spec)
+
+    def _arm(self, spec: str) -> None:
+        spec = spec.strip()
+        self.calls = 0
+        self.probability = 0.0
+        self.points: frozenset[str] | None = None
+        if spec:
+            seed, p, *points = spec.split(":")
+            self.rng = random.Random(int(seed))
+            self.probability = float(p)
+            self.points = frozenset(points[0].split(",")) if points and points[0] else None
+
+    def _reload(self) -> None:
+        try:
+            st = os.stat(self.path)
+            key: tuple | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            key = None
+        if key != self._seen:
+            self._seen = key
+            try:
+                with open(self.path) as f:
+                    self._arm(f.read())
+            except FileNotFoundError:
+                self._arm("")
+
+    def draw(self, point: str) -> int | None:
+        with self.lock:
+            if self.path is not None:
+                self._reload()
+            if self.probability <= 0 or self.points is not None and point not in self.points:
+                return None
+            self.calls += 1
+            return self.calls if self.rng.random() < self.probability else None
+
+
+_random: _RandomKill | None = None
+_stall: tuple[str, float] | None = None   # (runs/<run>/ prefix, seconds)
+_fail: str | None = None                  # runs/<run>/ prefix
+
+
+def configure(environ: Mapping[str, str] = os.environ) -> None:
+    """(Re)read the fault settings from ``environ``."""
+    global _random, _stall, _fail
+    spec = environ.get("CKPTD_CRASH_RANDOM")
+    _random = _RandomKill(spec) if spec else None
+    spec = environ.get("CKPTD_FAULT_STALL_RUN")
+    if spec:
+        run, _, seconds = spec.rpartition(":")
+        _stall = (f"runs/{run}/", float(seconds))
+    else:
+        _stall = None
+    run = environ.get("CKPTD_FAULT_FAIL_RUN")
+    _fail = f"runs/{run}/" if run else None
+
+
+def _kill(point: str, how: str) -> None:
+    os.write(2, f"ckptd fault: SIGKILL at {point} ({how})\n".encode())
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def crash_point(name: str) -> None:
+    if _random is not None:
+        call = _random.draw(name)
+        if call is not None:
+            _kill(name, f"random, draw {call}")
     if os.environ.get("CKPTD_CRASH_AT") == name:
-        os.kill(os.getpid(), signal.SIGKILL)
+        _kill(name, "CKPTD_CRASH_AT")
+
+
+def _before_write(key: str) -> None:
+    if _stall is not None and key.startswith(_stall[0]):
+        time.sleep(_stall[1])
+    if _fail is not None and key.startswith(_fail):
+        raise StorageError(f"storage write of {key!r} failed: backend unavailable (injected fault)", key=key)
+
+
+class _FaultWriter(Writer):
+    def __init__(self, inner: Writer) -> None:
+        self._inner = inner
+
+    def write(self, data: bytes | memoryview) -> None:
+        if _random is not None and len(data) > 1:
+            view = memoryview(data)
+            half = len(view) // 2
+            self._inner.write(view[:half])
+            crash_point("storage-write-partial")
+            self._inner.write(view[half:])
+        else:
+            self._inner.write(data)
+
+    def commit(self) -> None:
+        crash_point("storage-before-rename")
+        self._inner.commit()
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+
+class _FaultStorage(Storage):
+    """Delegates to the real storage, with the configured faults on the write path."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.url = inner.url
+
+    def open_write(self, key: str) -> Writer:
+        _before_write(key)
+        return _FaultWriter(self.inner.open_write(key))
+
+    def create_if_absent(self, key: str, data: bytes) -> bool:
+        _before_write(key)
+        return self.inner.create_if_absent(key, data)
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        return self.inner.read(key, start, end)
+
+    def read_into(self, key: str, start: int, view: memoryview) -> int:
+        return self.inner.read_into(key, start, view)
+
+    def size(self, key: str) -> int | None:
+        return self.inner.size(key)
+
+    def list(self, prefix: str) -> list[str]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def delete_tree(self, prefix: str) -> None:
+        self.inner.delete_tree(prefix)
+
+
+def wrap_storage(storage: Storage) -> Storage:
+    """``storage`` itself, or a fault-injecting wrapper when a fault setting above is present."""
+    if _random is None and _stall is None and _fail is None:
+        return storage
+    return _FaultStorage(storage)
+
+
+configure()

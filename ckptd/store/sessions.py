@@ -30,7 +30,7 @@ from ckptd_schemas import (
 )
 
 from ..storage import Storage, Writer
-from .faults import crash_point
+from .faults import crash_point, wrap_storage
 from .hashing import BLOCK_SIZE, StreamDigest, xxh3_hex
 from .layout import Marker, Paths, SessionMeta
 from .merge import merge_indexes
@@ -88,7 +88,7 @@ class SessionStore:
     """Upload sessions and commits over one :class:`Storage`."""
 
     def __init__(self, storage: Storage, *, block_size: int = BLOCK_SIZE) -> None:
-        self.storage = storage
+        self.storage = wrap_storage(storage)  # itself, unless a test set a fault (faults.py)
         self.block_size = block_size
         self._orphans_seen: set[str] = set()
 
