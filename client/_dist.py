@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["barrier", "broadcast_str", "rank_and_world"]
@@ -30,3 +31,12 @@ def broadcast_str(value: str | None) -> str:
 def barrier() -> None:
     if _active() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank iff ``flag`` is true on some rank (identity without torch.distributed)."""
+    if not _active() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

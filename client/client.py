@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ckptd_schemas import (
-    CheckpointSummary, InvalidName, Manifest, RunSummary, parse_ref,
+    CheckpointSummary, CommitFailed, InvalidName, Manifest, RunSummary, parse_ref,
 )
 
-from ._dist import broadcast_str, rank_and_world
+from ._dist import any_rank, broadcast_str, rank_and_world
 from ._http import Transport
 from ._load import LoadReport, load_into
 from ._save import SaveHandle, build_snapshot, upload_snapshot
@@ -76,8 +76,13 @@ class CheckpointClient:
             failed = next((h for h in self._pending if h.failed_unobserved), None)
             if failed is not None:
                 self._pending.remove(failed)
-                failed.wait()  # raises the stored failure
         rank, world = rank_and_world()
+        # Every rank raises, or none: a rank that raised alone would leave the others blocked in
+        # the session broadcast below.
+        if any_rank(failed is not None):
+            if failed is not None:
+                failed.wait()  # raises the stored failure
+            raise CommitFailed(f"an earlier save failed on another rank; {ref} was not started", ref=ref)
         session = broadcast_str(uuid.uuid4().hex if rank == 0 else None)
         snap = build_snapshot(state_dict, rank, world)
         base = f"/v1/checkpoints/{r.run}/{r.name}"
@@ -122,6 +127,12 @@ class CheckpointClient:
 
     def list_checkpoints(self, run: str) -> list[CheckpointSummary]:
         return [CheckpointSummary.model_validate(x) for x in self._transport.request("GET", f"/v1/runs/{run}/checkpoints")]
+
+    def gc(self, run: str, *, keep_last: int, keep_every: int | None = None, dry_run: bool = False) -> dict:
+        """Retention on the service (admin scope): the same rules as ``ckptd gc``; returns the plan
+        (``keep`` with reasons, ``delete``, ``deleted``)."""
+        return self._transport.request("POST", f"/v1/runs/{run}/gc", json={
+            "keep_last": keep_last, "keep_every": keep_every, "dry_run": dry_run})
 
     def read_range(self, ref: str, file: str, start: int, end: int) -> bytes:
         r = parse_ref(ref)

@@ -667,6 +667,28 @@ def test_close_reports_a_pending_failing_save(tmp_path):
         server.kill()
 
 
+def _one_rank_failed_before(rank: int, world: int, url: str, dead_url: str) -> str:
+    from ckptd_schemas import CkptdError
+
+    client = CheckpointClient(url if rank == 0 else dead_url, retry_seconds=0.5)
+    first = client.save(make_state(rank), f"{RUN}/10")  # rank 1's upload fails in the background
+    deadline = time.monotonic() + 30
+    while rank == 1 and not first.done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        client.save(make_state(rank), f"{RUN}/11")  # both ranks must raise; neither may block
+    except CkptdError as e:
+        return type(e).__name__
+    finally:
+        client.close(wait=False)
+    return "no error"
+
+
+def test_an_earlier_failure_on_one_rank_makes_every_rank_raise_not_hang(srv, tmp_path):
+    recs = run_ranks(_one_rank_failed_before, 2, srv.url, "http://127.0.0.1:9", tmp=tmp_path, timeout=120)
+    assert [r["result"] for r in recs] == ["CommitFailed", "Unavailable"], recs
+
+
 # -- the fault hooks themselves ------------------------------------------------------------------------------
 
 def test_fault_hooks_are_inert_unless_set(tmp_path, monkeypatch):

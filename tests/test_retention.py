@@ -182,3 +182,25 @@ def test_service_policy_collects_after_each_commit_and_spares_what_was_just_read
         c.close()
     finally:
         srv.stop()
+
+
+def test_cli_gc_through_the_service(server):
+    from ckptd_client import CheckpointClient
+
+    c = CheckpointClient(server.url)
+    for s in (1, 2, 3):
+        c.save({"w": torch.full((2,), float(s))}, f"srv/{s}").wait()
+    c.close()
+
+    def ckptd(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ckptd.cli.main", *args, "--server", server.url],
+                              capture_output=True, text=True, timeout=120)
+
+    r = ckptd("gc", "srv", "--keep-last", "1", "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["delete"] == ["1", "2"]
+    r = ckptd("gc", "srv", "--keep-last", "2")
+    assert r.returncode == 0 and "deleted srv/1" in r.stdout, r.stdout + r.stderr
+    assert [x.name for x in CheckpointClient(server.url).list_checkpoints("srv")] == ["2", "3"]
+    r = ckptd("gc", "srv", "--keep-last", "0")
+    assert r.returncode == 2 and "keep_last" in r.stderr

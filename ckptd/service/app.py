@@ -53,7 +53,6 @@ from .settings import Settings
 __all__ = ["create_app"]
 
 log = logging.getLogger("ckptd.service")
-STREAM_PIECE = 1 << 20  # per read and send: bounds memory per GET; 8 MiB cost ~25 MiB each
 
 
 class ReadPlanBody(BaseModel):
@@ -277,14 +276,15 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
         if range:
             status = 206
             headers["Content-Range"] = f"bytes {start}-{max(end - 1, start)}/{size}"
-        if end - start <= STREAM_PIECE:
+        piece = storage.read_piece  # per read and send: bounds the memory of one GET
+        if end - start <= piece:
             data = await run_in_threadpool(storage.read, key, start, end)
             return Response(data, status_code=status, headers=headers, media_type="application/octet-stream")
 
         async def pieces() -> AsyncIterator[bytes]:
             pos = start
             while pos < end:
-                nxt = min(pos + STREAM_PIECE, end)
+                nxt = min(pos + piece, end)
                 yield await run_in_threadpool(storage.read, key, pos, nxt)
                 pos = nxt
 

@@ -64,6 +64,9 @@ class Storage(ABC):
     """Minimal storage interface; see the module docstring for the contract."""
 
     url: str
+    #: Bytes per read when a long range is streamed out (``GET .../files``): bounds the memory of one
+    #: response. Object stores raise it: each read is a request, and a request per MiB is slow.
+    read_piece: int = 1 << 20
 
     # -- primitives ---------------------------------------------------------
     @abstractmethod

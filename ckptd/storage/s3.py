@@ -185,6 +185,8 @@ class S3Storage(FsspecStorage):
     no listings cache).
     """
 
+    read_piece = 16 << 20  # one ranged GET per 16 MiB streamed out, not per MiB
+
     def __init__(self, url: str, **storage_options: Any) -> None:
         opts: dict[str, Any] = {"default_block_size": DEFAULT_BLOCK_SIZE, "use_listings_cache": False,
                                 **s3_options_from_env(), **storage_options}

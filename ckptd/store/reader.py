@@ -9,6 +9,7 @@ names. Committed checkpoints are immutable, so manifests are cached by
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 
 from pydantic import ValidationError
@@ -24,6 +25,8 @@ from .layout import Marker, Paths
 
 __all__ = ["CheckpointReader"]
 
+MARKER_TTL = 2.0  # seconds a data read may reuse a concrete checkpoint's marker
+
 
 def _step_key(s: CheckpointSummary) -> tuple:
     return (s.step if s.step is not None else -1, s.name)
@@ -34,6 +37,7 @@ class CheckpointReader:
         self.storage = storage
         self._cache: OrderedDict[tuple, Manifest] = OrderedDict()
         self._cache_size = cache_size
+        self._markers: dict[tuple[str, str], tuple[float, Marker]] = {}
         self._lock = threading.Lock()
 
     # -- markers --------------------------------------------------------------
@@ -90,8 +94,32 @@ class CheckpointReader:
                                      ref=f"{run}/{name}")
         return name, m
 
-    def manifest(self, run: str, name: str) -> Manifest:
+    def _resolve_for_data(self, run: str, name: str) -> tuple[str, Marker]:
+        """``resolve`` with the marker of a concrete name cached for ``MARKER_TTL`` seconds.
+
+        A load sends one request per byte range; reading ``COMMITTED`` again for each is one
+        more storage round trip per range (a GET on S3). Only data reads use this: a manifest
+        request always sees a deletion at once, and a data read just after one fails with
+        not-found when it reaches the deleted file.
+        """
+        if name == LATEST:
+            return self.resolve(run, name)
+        now = time.monotonic()
+        with self._lock:
+            hit = self._markers.get((run, name))
+        if hit is not None and now - hit[0] < MARKER_TTL:
+            return name, hit[1]
         name, m = self.resolve(run, name)
+        with self._lock:
+            self._markers[(run, name)] = (now, m)
+            if len(self._markers) > 4 * self._cache_size:
+                self._markers.pop(next(iter(self._markers)))
+        return name, m
+
+    def manifest(self, run: str, name: str) -> Manifest:
+        return self._manifest_of(run, *self.resolve(run, name))
+
+    def _manifest_of(self, run: str, name: str, m: Marker) -> Manifest:
         key = (run, name, m.session, m.manifest_xxh3)
         with self._lock:
             cached = self._cache.get(key)
@@ -122,7 +150,7 @@ class CheckpointReader:
     def file_key(self, run: str, name: str, file: str) -> tuple[str, int]:
         """Storage key and size of a data file of a committed checkpoint."""
         check_file(file)
-        manifest = self.manifest(run, name)
+        manifest = self._manifest_of(run, *self._resolve_for_data(run, name))
         entry = manifest.files.get(file)
         if entry is None:
             raise CheckpointNotFound(f"checkpoint {manifest.ref} has no file {file!r}", ref=manifest.ref, file=file)
