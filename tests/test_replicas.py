@@ -10,14 +10,15 @@ the dead replica had fully received (data plus digest sidecar) are used as
 they are: the client never re-sends a file whose upload was answered, and the
 file it was streaming when the replica died is sent again, whole, to the next.
 
-Everything is real: ``ckptd serve`` subprocesses, gloo ranks, SIGKILL.
+Everything is real: ``ckptd serve`` subprocesses, gloo ranks, SIGKILL; the
+spread save and the commit race also run on an ``s3://`` root (moto in server
+mode, tests/s3_server.py), where the marker is a conditional PUT.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import threading
