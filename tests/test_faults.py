@@ -689,6 +689,28 @@ def test_an_earlier_failure_on_one_rank_makes_every_rank_raise_not_hang(srv, tmp
     assert [r["result"] for r in recs] == ["CommitFailed", "Unavailable"], recs
 
 
+def test_a_transient_storage_error_at_commit_leaves_the_session_open_for_the_retry(tmp_path):
+    from ckptd_schemas import OpenSession, RankIndex, StorageError
+
+    class Flaky(LocalStorage):
+        fail_next_index_read = True
+
+        def read(self, key, start=0, end=None):
+            if "/ranks/" in key and self.fail_next_index_read:
+                type(self).fail_next_index_read = False
+                raise StorageError(f"storage read of {key!r} failed: SlowDown", key=key)
+            return super().read(key, start, end)
+
+    store = SessionStore(Flaky(tmp_path / "root", durable=False))
+    sid = uuid.uuid4().hex
+    store.open("flaky", "1", OpenSession(session=sid, world_size=1, step=1))
+    with pytest.raises(StorageError, match="SlowDown"):  # the last index arrives; the commit hits the error
+        store.put_index("flaky", "1", sid, RankIndex(rank=0, world_size=1))
+    st = store.status("flaky", "1", sid)  # not failed for good: the next call commits
+    assert st.state == "committed", st
+    assert not (tmp_path / "root/runs/flaky/1/sessions" / sid / "FAILED.json").exists()
+
+
 # -- the fault hooks themselves ------------------------------------------------------------------------------
 
 def test_fault_hooks_are_inert_unless_set(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from ckptd_schemas import (
     AlreadyCommitted, ChecksumMismatch, CkptdError, CommitFailed, Conflict, FileEntry, InvalidIndex,
-    OpenSession, RankIndex, SessionConflict, SessionInfo, SessionNotFound, SessionStatus, UploadResult,
+    OpenSession, RankIndex, SessionConflict, SessionInfo, SessionNotFound, SessionStatus, StorageError, UploadResult,
     check_file, check_name, check_run, check_session, parse_ref,
 )
 
@@ -216,6 +216,8 @@ class SessionStore:
             try:
                 digest = self.commit(run, name, sid, meta)
                 return SessionStatus(state="committed", manifest_xxh3=digest, **base)
+            except StorageError:
+                raise  # not a verdict on the session: the caller retries (503)
             except CkptdError as e:
                 if raise_on_failure:
                     raise
@@ -236,7 +238,7 @@ class SessionStore:
         """Merge, validate, write the manifest, create the marker; return the manifest digest."""
         meta = meta or self._meta(run, name, sid)
         try:
-            indexes = [RankIndex.model_validate(self.storage.read_json(Paths.rank_index(run, name, sid, r)))
+            indexes = [RankIndex.model_validate_json(self.storage.read(Paths.rank_index(run, name, sid, r)))
                        for r in range(meta.world_size)]
             files: dict[str, FileEntry] = {}
             for ix in indexes:
@@ -248,6 +250,8 @@ class SessionStore:
             manifest = merge_indexes(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
                                      world_size=meta.world_size, indexes=indexes, files=files,
                                      derived_from=meta.derived_from)
+        except StorageError:
+            raise  # transient (or the store is down): the session stays open for a retry, not failed
         except (CkptdError, ValidationError) as e:
             err = e if isinstance(e, CkptdError) else InvalidIndex(f"{run}/{name}: {e}")
             log.warning("commit of %s/%s session %s refused: %s", run, name, sid, err.message)
