@@ -28,9 +28,10 @@ from ._http import Transport
 from ._layout import LocalPiece, dtype_name, local_piece
 from .assemble import Destination, copy_into, decode_object, verify_fetch
 
+from ._names import RESERVED
+
 __all__ = ["LoadReport", "RESERVED", "load_into"]
 
-RESERVED = "__ckptd."
 
 
 @dataclass

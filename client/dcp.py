@@ -56,11 +56,11 @@ from ._http import Transport
 from ._layout import dtype_name
 from ._save import Snapshot, _Chunk, _Object, open_session, put_index, upload_files, wait_committed
 from ._load import _fetch
+from ._names import DCP_METADATA
 from .assemble import Destination, copy_into, decode_object, torch_dtype
 
 __all__ = ["DCP_METADATA", "CkptdStorageReader", "CkptdStorageWriter"]
 
-DCP_METADATA = "__ckptd.dcp_metadata"  # reserved object name: DCP's own Metadata, torch.save'd
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,9 +43,8 @@ from typing import Any, Callable
 import torch
 import xxhash
 
-from ckptd_client._load import RESERVED
+from ckptd_client._names import DCP_METADATA, RESERVED
 from ckptd_client.assemble import decode_object, torch_dtype
-from ckptd_client.dcp import DCP_METADATA
 from ckptd_schemas import (
     ITEMSIZE, IntegrityError, InvalidRequest, Manifest, ObjectEntry, TensorEntry,
 )
@@ -154,6 +153,20 @@ def _stream(manifest: Manifest, o: _Out, read: ReadFn, write: Callable[[memoryvi
     return h.hexdigest()
 
 
+def _durable(f: Any) -> None:
+    """Flush and fsync an open file: an export is renamed into place only once its bytes are on disk."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _shards(outs: list[_Out], max_shard_size: int) -> list[list[_Out]]:
     shards: list[list[_Out]] = []
     size = 0
@@ -218,30 +231,52 @@ def _rowslab_digest(get: Callable[[int, int], torch.Tensor], shape: list[int], i
     return h.hexdigest()
 
 
+class _Reopening:
+    """A ``safe_open`` handle replaced after every ``budget`` bytes read.
+
+    safetensors reads through a memory map; the pages it touches count as the process's
+    resident memory until the map closes. Reopening bounds the check's peak by the budget
+    instead of the shard size (up to 5 GB by default).
+    """
+
+    def __init__(self, path: Path, budget: int) -> None:
+        from safetensors import safe_open
+
+        self._open = lambda: safe_open(str(path), framework="pt")
+        self.budget, self.used = budget, 0
+        self.f = self._open()
+
+    def slice(self, name: str, a: int, b: int, nbytes: int) -> torch.Tensor:
+        if self.used + nbytes > self.budget and self.used:
+            self.f = self._open()  # the old map closes when its last reference goes
+            self.used = 0
+        self.used += nbytes
+        return self.f.get_slice(name)[a:b] if b > a or a else self.f.get_tensor(name)
+
+
 def check_safetensors(out: Path, files: list[str], digests: dict[str, str], *, slab_bytes: int = 64 << 20,
                       progress: Callable[[int], None] | None = None) -> None:
     """Read every shard back with ``safetensors.safe_open`` and compare each tensor's digest."""
-    from safetensors import safe_open
-
     index = json.loads((out / INDEX_FILE).read_text())
     seen: set[str] = set()
     for fname in files:
-        with safe_open(str(out / fname), framework="pt") as f:
-            for name in f.keys():
-                if index["weight_map"].get(name) != fname:
-                    raise IntegrityError(f"{out / fname}: tensor {name!r} is not mapped to this file by {INDEX_FILE}",
-                                         file=fname, tensor=name)
-                sl = f.get_slice(name)
-                shape = list(sl.get_shape())
-                dt = next(k for k, v in SAFETENSORS_DTYPES.items() if v == sl.get_dtype())
-                got = _rowslab_digest(lambda a, b: f.get_tensor(name) if not shape else sl[a:b], shape,
-                                      ITEMSIZE[dt], slab_bytes)
-                if got != digests.get(name):
-                    raise IntegrityError(f"{out / fname}: tensor {name!r} reads back with digest {got}, the source "
-                                         f"bytes have {digests.get(name)}", file=fname, tensor=name)
-                seen.add(name)
-                if progress:
-                    progress(tensor_bytes(shape, dt))
+        h = _Reopening(out / fname, 2 * slab_bytes)
+        for name in h.f.keys():
+            if index["weight_map"].get(name) != fname:
+                raise IntegrityError(f"{out / fname}: tensor {name!r} is not mapped to this file by {INDEX_FILE}",
+                                     file=fname, tensor=name)
+            sl = h.f.get_slice(name)
+            shape = list(sl.get_shape())
+            dt = next(k for k, v in SAFETENSORS_DTYPES.items() if v == sl.get_dtype())
+            row = prod(shape[1:]) * ITEMSIZE[dt] if shape else ITEMSIZE[dt]
+            got = _rowslab_digest(lambda a, b, name=name, row=row: h.slice(name, a, b, (b - a) * row or row),
+                                  shape, ITEMSIZE[dt], slab_bytes)
+            if got != digests.get(name):
+                raise IntegrityError(f"{out / fname}: tensor {name!r} reads back with digest {got}, the source "
+                                     f"bytes have {digests.get(name)}", file=fname, tensor=name)
+            seen.add(name)
+            if progress:
+                progress(tensor_bytes(shape, dt))
     missing = sorted(set(digests) - seen)
     if missing:
         raise IntegrityError(f"{out}: tensors missing from the shards: {missing[:5]}", tensors=missing[:64])
@@ -278,11 +313,15 @@ def export_safetensors(manifest: Manifest, read: ReadFn, out: str | os.PathLike,
                 for o in shard:
                     digests[o.name] = _stream(manifest, o, read, f.write, slab_bytes=slab_bytes, progress=progress)
                     weight_map[o.name] = fname
+                _durable(f)
             os.replace(tmp, root / fname)
             written[-1] = root / fname
         index = {"metadata": {"total_size": sum(o.nbytes for o in outs), "ckptd_source": manifest.ref},
                  "weight_map": dict(sorted(weight_map.items()))}
-        (root / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        with open(root / INDEX_FILE, "w") as f:
+            f.write(json.dumps(index, indent=2) + "\n")
+            _durable(f)
+        _fsync_dir(root)
         written.append(root / INDEX_FILE)
         if check:
             check_safetensors(root, names, digests, slab_bytes=slab_bytes, progress=check_progress)
@@ -412,7 +451,10 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
                 if check_progress:
                     check_progress(o.nbytes)
             del back
+        with open(partial, "rb+") as f:
+            _durable(f)
         os.replace(partial, path)
+        _fsync_dir(path.parent)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
