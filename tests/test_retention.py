@@ -204,3 +204,14 @@ def test_cli_gc_through_the_service(server):
     assert [x.name for x in CheckpointClient(server.url).list_checkpoints("srv")] == ["2", "3"]
     r = ckptd("gc", "srv", "--keep-last", "0")
     assert r.returncode == 2 and "keep_last" in r.stderr
+
+
+def test_a_held_lease_spares_a_checkpoint_until_the_holder_is_done(root):
+    storage, reader, sessions = root
+    _commit_steps(sessions, "held", [1, 2, 3])
+    with Leases(storage).hold("held", "1", "export", ttl=0.6) as holder:
+        time.sleep(0.9)  # renewed in the background: still active past its first ttl
+        assert holder in Leases(storage).active("held", "1")
+        assert collect(storage, "held", keep_last=1).keep["1"] == "leased"
+    assert Leases(storage).active("held", "1") == []
+    assert collect(storage, "held", keep_last=1).deleted == ["1"]

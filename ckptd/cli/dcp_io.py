@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -75,13 +76,19 @@ def cmd_export(args: argparse.Namespace) -> int:
                 for t in manifest.tensors if not args.prefix or t.name.startswith(args.prefix))
     # One bar for writing and, unless --no-check, reading every tensor back.
     advance, stop = progress_bar(total * (1 if args.no_check else 2), f"export {manifest.ref}", args.json)
+    lease = contextlib.nullcontext()
+    if not server:  # through a service, serving the manifest leased it already
+        from ..store.leases import Leases
+
+        lease = Leases(backend.reader.storage).hold(manifest.run, manifest.name, "export")
     try:
         kw = dict(dtype=args.dtype, prefix=args.prefix, check=not args.no_check, progress=advance,
                   check_progress=advance)
-        if args.format == "safetensors":
-            res = export_safetensors(manifest, read, args.out, max_shard_size=max_shard, **kw)
-        else:
-            res = export_torch(manifest, read, args.out, **kw)
+        with lease:
+            if args.format == "safetensors":
+                res = export_safetensors(manifest, read, args.out, max_shard_size=max_shard, **kw)
+            else:
+                res = export_torch(manifest, read, args.out, **kw)
     finally:
         stop()
     if args.json:

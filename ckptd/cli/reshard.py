@@ -70,10 +70,13 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         write_job(args.write_plan, plan, out, session, args.device, sessions)
         print(json.dumps({"plan": args.write_plan, "units": len(plan.units), "out": out, "session": session}))
         return 0
+    from ..store.leases import Leases
+
     advance, stop = progress_bar(plan.bytes_to_write, f"reshard -> {spec}", args.json)
     try:
-        res = run_plan(reader, sessions, plan, out, uuid.uuid4().hex, device=args.device, jobs=args.jobs,
-                       progress=advance)
+        with Leases(storage).hold(manifest.run, manifest.name, "reshard"):  # gc spares the source meanwhile
+            res = run_plan(reader, sessions, plan, out, uuid.uuid4().hex, device=args.device, jobs=args.jobs,
+                           progress=advance)
     finally:
         stop()
     pv = preview(plan)

@@ -8,8 +8,12 @@ crashed holder's lease simply expires.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
+import uuid
+from typing import Iterator
 
 from ..storage import Storage
 
@@ -39,3 +43,24 @@ class Leases:
             if data and float(data.get("expires_at", 0)) > now:
                 out.append(str(data.get("holder", entry)))
         return out
+
+    @contextlib.contextmanager
+    def hold(self, run: str, name: str, what: str, *, ttl: float = 300.0) -> Iterator[str]:
+        """Lease ``run/name`` for the duration of the block (``what``: reshard, export...), renewed every
+        ``ttl / 3`` seconds by a thread, released at the end; a crashed holder's lease expires."""
+        holder = f"{what}-{uuid.uuid4().hex[:12]}"
+        self.acquire(run, name, holder, ttl=ttl)
+        stop = threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(ttl / 3):
+                self.acquire(run, name, holder, ttl=ttl)
+
+        t = threading.Thread(target=renew, name="ckptd-lease", daemon=True)
+        t.start()
+        try:
+            yield holder
+        finally:
+            stop.set()
+            t.join(timeout=5)
+            self.release(run, name, holder)
