@@ -66,6 +66,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
+from bench._report import write_report  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
@@ -649,10 +651,7 @@ def main(argv: list[str] | None = None) -> int:
             "writer": writer, "export": export, "server_rss": server_rss,
             "wall_s": time.perf_counter() - t_start, "loadavg_at_end": os.getloadavg(),
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2, default=float))
-        print(markdown(result))
-        print(f"\nwrote {args.out} in {result['wall_s']:.1f} s")
+        write_report(args.out, result, markdown(result))
         return 0
     finally:
         if server is not None:

@@ -66,6 +66,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from bench._report import write_report  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
@@ -762,10 +764,7 @@ def main(argv: list[str] | None = None) -> int:
             "sizes": results,
             "wall_s": time.perf_counter() - t_start,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2, default=float))
-        print(markdown(result))
-        print(f"\nwrote {args.out} in {result['wall_s']:.1f} s")
+        write_report(args.out, result, markdown(result))
         return 0
     finally:
         if server is not None:

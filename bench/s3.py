@@ -52,6 +52,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
+from bench._report import write_report
 from bench.save_load import (MiB, Probe, _max_over_ranks, _med, _own_cpu, _proc_cpu, _sum_over_ranks,
                              describe_machine, make_state, state_bytes, tensor_specs)
 from s3_server import AWS_VARS_TO_CLEAR, MotoServer  # noqa: E402  (tests/, on sys.path via bench.save_load)
@@ -434,10 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             "summary": summary, "save": save, "load": load,
             "wall_s": time.perf_counter() - t_start, "loadavg_at_end": os.getloadavg(),
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2, default=float))
-        print(markdown(result))
-        print(f"\nwrote {args.out} in {result['wall_s']:.1f} s; load average at end {result['loadavg_at_end']}")
+        write_report(args.out, result, markdown(result), extra=f"; load average at end {result['loadavg_at_end']}")
         return 0 if all(summary["correct"].values()) else 1
     finally:
         if server is not None:

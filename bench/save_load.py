@@ -52,6 +52,8 @@ import xxhash
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from bench._report import write_report  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
@@ -670,10 +672,7 @@ def main(argv: list[str] | None = None) -> int:
             "server_rss": rss, "save": save, "load": load,
             "wall_s": time.perf_counter() - t_start, "loadavg_at_end": os.getloadavg(),
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2, default=float))
-        print(markdown(result))
-        print(f"\nwrote {args.out} in {result['wall_s']:.1f} s")
+        write_report(args.out, result, markdown(result))
         return 0
     finally:
         for s in servers:

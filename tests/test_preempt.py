@@ -8,10 +8,8 @@ import signal
 import time
 
 import pytest
-import torch
 
-from ckptd_client import CheckpointClient
-from ckptd_client import PreemptionGuard
+from ckptd_client import CheckpointClient, PreemptionGuard
 from ckptd_schemas import Unavailable
 
 from support import assert_bits_equal, blank_like, make_state, run_ranks

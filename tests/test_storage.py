@@ -434,7 +434,7 @@ def test_local_enospc_real_tmpfs(tmp_path):
         """
     )
     r = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=64k none "$1" && exec "$2" -c "$3" "$1"', "sh",
+        ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=64k none "$1" && exec "$2" -c "$3" "$1"', "sh",
          str(mnt), sys.executable, script],
         capture_output=True, text=True, timeout=120,
     )

@@ -399,7 +399,7 @@ class AccessMiddleware:
         seen = 0
 
         async def limited_receive() -> Message:
-            nonlocal responded, checked, seen
+            nonlocal checked, seen
             if responded:
                 return {"type": "http.disconnect"}
             limit = self._limit(scope)  # the router has matched by now: the route is in the scope
