@@ -27,7 +27,8 @@ identically on either side of the wire.
     ├── CommitFailed                  422 commit_failed       the session was refused at commit
     ├── PayloadTooLarge               413 payload_too_large
     ├── Unavailable                   503 unavailable         server unreachable after retries
-    └── StorageError                  503 storage             the storage backend failed
+    └── StorageError                  503 storage             the storage backend failed (retried)
+        └── StorageFull               507 storage_full        no space left: not retried, staging dropped
 
 Every error carries ``message`` (a sentence naming the tensor, rank, file or
 field at fault) and ``details`` (machine-readable context).
@@ -56,6 +57,7 @@ __all__ = [
     "SessionNotFound",
     "StateDictMismatch",
     "StorageError",
+    "StorageFull",
     "TilingError",
     "Unauthorized",
     "Unavailable",
@@ -176,6 +178,13 @@ class Unavailable(CkptdError):
 class StorageError(CkptdError):
     code = "storage"
     status = 503
+
+
+class StorageFull(StorageError):
+    """The storage has no space left (ENOSPC). Waiting will not help, so clients do not retry it."""
+
+    code = "storage_full"
+    status = 507
 
 
 def _all_subclasses(cls: type[CkptdError]) -> list[type[CkptdError]]:

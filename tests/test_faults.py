@@ -38,7 +38,7 @@ from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
 from ckptd.store.verify import verify_manifest
 from ckptd_client import (
-    AlreadyCommitted, CheckpointClient, CheckpointNotFound, StorageError, Unavailable,
+    AlreadyCommitted, CheckpointClient, CheckpointNotFound, StorageError, StorageFull, Unavailable,
 )
 from ckptd_client._http import Transport
 from ckptd_client._save import build_snapshot, upload_snapshot, wait_committed
@@ -438,17 +438,21 @@ def small_fs(tmp_path):
 def test_disk_full_mid_write_typed_error_staging_dropped_previous_loads(small_fs, tmp_path):
     root = small_fs
     server = ServerProcess(root, env=SMALL_BATCH, log=tmp_path / "server.log").start()
-    client = CheckpointClient(server.url, retry_seconds=2, streams=1, file_bytes=256 * KIB)
+    # A long retry budget: a full disk must not be retried (507), so the error arrives at once.
+    client = CheckpointClient(server.url, retry_seconds=120, streams=1, file_bytes=256 * KIB)
     try:
         sd1 = make_state(1, mib=0.25)
         assert client.save(sd1, f"{RUN}/1").wait(timeout=60).state == "committed"
         free_before = shutil.disk_usage(root).free
 
         sd2 = make_state(2, mib=2)  # about 2 MiB: a few of its 256 KiB files fit, then the disk is full
+        t0 = time.monotonic()
         handle = client.save(sd2, f"{RUN}/2")
-        with pytest.raises(StorageError) as ei:
+        with pytest.raises(StorageFull) as ei:
             handle.wait(timeout=60)
+        assert time.monotonic() - t0 < 30, "a full disk was retried"
         err = ei.value
+        assert isinstance(err, StorageError) and err.status == 507
         assert "disk full" in err.message, err.message
         key = err.details.get("key", "")
         assert key.startswith(f"runs/{RUN}/2/sessions/{handle.session}/"), err.details

@@ -8,7 +8,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from ckptd_schemas import StorageError
+from ckptd_schemas import StorageError, StorageFull
 
 from .base import Storage, Writer, check_key
 
@@ -24,8 +24,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _storage_error(op: str, key: str, e: OSError) -> StorageError:
-    reason = "disk full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-    return StorageError(f"storage {op} of {key!r} failed: {reason}", key=key, errno=e.errno)
+    if e.errno == errno.ENOSPC:
+        return StorageFull(f"storage {op} of {key!r} failed: disk full", key=key, errno=e.errno)
+    return StorageError(f"storage {op} of {key!r} failed: {e.strerror or e}", key=key, errno=e.errno)
 
 
 class _LocalWriter(Writer):
