@@ -99,3 +99,23 @@ def save_job(rank: int, world: int, url: str, ref: str) -> dict:
     loss_next = train_step(model, opt, 3, rank, world)
     loss_after = train_step(model, opt, 4, rank, world)
     return {"tensors": saved, "loss_next": loss_next, "loss_after": loss_after}
+
+
+def load_job(rank: int, world: int, url: str, ref: str) -> dict:
+    """Build the same model with wrong values, load ``ref`` through ckptd, record the full state, the
+    learning rate and the next two losses (which must equal the saving job's)."""
+    from ckptd_client import CheckpointClient
+
+    model, opt = build(world, seed=123, lr=1.0)
+    train_step(model, opt, 0, rank, world)  # materialise optimizer state with the wrong values
+    sd = state(model, opt)
+    client = CheckpointClient(url)
+    report = client.load(sd, ref)
+    client.close()
+    apply(model, opt, sd)
+    loaded = full_tensors(state(model, opt))
+    lr = opt.param_groups[0]["lr"]
+    loss_next = train_step(model, opt, 3, rank, world)
+    loss_after = train_step(model, opt, 4, rank, world)
+    return {"tensors": loaded, "lr": lr, "loss_next": loss_next, "loss_after": loss_after,
+            "restored": len(report.tensors), "bytes_read": report.bytes_read}

@@ -27,6 +27,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen | None) -> None:
+    """SIGTERM, then SIGKILL after 10 s; nothing if it already exited."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 class ServerProcess:
     """``ckptd serve`` in its own process, killable and restartable on the same root and port."""
 
@@ -81,13 +92,7 @@ class ServerProcess:
         return rc
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
         self.proc = None
 
     def restart(self, env: dict[str, str] | None = None) -> "ServerProcess":

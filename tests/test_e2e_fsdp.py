@@ -6,26 +6,10 @@ import torch
 import pytest
 
 from ckptd_client import CheckpointClient
-from fsdp_job import LR, apply, build, full_tensors, save_job, state, train_step
+from fsdp_job import LR, load_job, save_job
 from support import run_ranks
 
 pytestmark = pytest.mark.slow
-
-
-def load_job(rank: int, world: int, url: str, ref: str) -> dict:
-    model, opt = build(world, seed=123, lr=1.0)
-    train_step(model, opt, 0, rank, world)  # materialise optimizer state with the wrong values
-    sd = state(model, opt)
-    client = CheckpointClient(url)
-    report = client.load(sd, ref)
-    client.close()
-    apply(model, opt, sd)
-    loaded = full_tensors(state(model, opt))
-    lr = opt.param_groups[0]["lr"]
-    loss_next = train_step(model, opt, 3, rank, world)
-    loss_after = train_step(model, opt, 4, rank, world)
-    return {"tensors": loaded, "lr": lr, "loss_next": loss_next, "loss_after": loss_after,
-            "restored": len(report.tensors), "bytes_read": report.bytes_read}
 
 
 def test_fsdp2_save_4_load_3_2_1(server, tmp_path):

@@ -37,7 +37,7 @@ from ckptd.store import SessionStore
 from ckptd.store.faults import CRASH_POINTS
 from ckptd_client import CheckpointClient, FlatShard
 from ckptd_schemas import OpenSession, RankIndex
-from fsdp_job import apply, build, full_tensors, state, train_step
+from fsdp_job import build, full_tensors, load_job, state, train_step
 from support import ServerProcess, assert_bits_equal, blank_like, run_ranks
 
 pytestmark = pytest.mark.slow
@@ -283,16 +283,6 @@ def split_save_job(rank: int, world: int, urls: list[str], ref: str) -> dict:
             "url": urls[rank]}
 
 
-def fsdp_load_job(rank: int, world: int, url: str, ref: str) -> dict:
-    model, opt = build(world, seed=123, lr=1.0)
-    train_step(model, opt, 0, rank, world)  # optimizer state present, with the wrong values
-    sd = state(model, opt)
-    with CheckpointClient(url) as client:
-        client.load(sd, ref)
-    apply(model, opt, sd)
-    return {"tensors": full_tensors(state(model, opt))}
-
-
 def test_ranks_spread_over_two_replicas_commit_once_and_both_serve_it(replicas, tmp_path):
     a, b, storage = replicas
     urls = [a.url, a.url, b.url, b.url]
@@ -310,7 +300,7 @@ def test_ranks_spread_over_two_replicas_commit_once_and_both_serve_it(replicas, 
     saved = records[0]["result"]["tensors"]
     assert any(k.endswith("exp_avg_sq") for k in saved)
     for world, url in ((3, b.url), (2, a.url)):  # through B only, then through A only
-        got = run_ranks(fsdp_load_job, world, url, f"{RUN}/latest", tmp=tmp_path)[0]["result"]["tensors"]
+        got = run_ranks(load_job, world, url, f"{RUN}/latest", tmp=tmp_path)[0]["result"]["tensors"]
         assert set(got) == set(saved)
         for k, t in saved.items():
             assert torch.equal(got[k].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8)), \

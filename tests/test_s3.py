@@ -306,22 +306,9 @@ def test_errors_after_the_retries_are_storage_errors_naming_the_key(proxied, mon
 
 
 def load_job(rank: int, world: int, url: str, refs: list[str]) -> dict:
-    from ckptd_client import CheckpointClient
-    from fsdp_job import apply, build, full_tensors, state, train_step
+    from fsdp_job import load_job as load_one
 
-    out = {}
-    for ref in refs:
-        model, opt = build(world, seed=123, lr=1.0)
-        train_step(model, opt, 0, rank, world)  # materialise optimizer state with the wrong values
-        sd = state(model, opt)
-        client = CheckpointClient(url)
-        report = client.load(sd, ref)
-        client.close()
-        apply(model, opt, sd)
-        out[ref] = {"tensors": full_tensors(state(model, opt)), "lr": opt.param_groups[0]["lr"],
-                    "restored": len(report.tensors), "loss_next": train_step(model, opt, 3, rank, world),
-                    "loss_after": train_step(model, opt, 4, rank, world)}
-    return out
+    return {ref: load_one(rank, world, url, ref) for ref in refs}
 
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
