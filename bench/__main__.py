@@ -25,6 +25,10 @@ dcp_io   ckptd's DCP writer vs ``FileSystemWriter``;       ``--gib`` = gib
 s3       save/load on S3 (moto) vs DCP's fsspec writer     ``--mib`` = 128 x gib
 replicas two service replicas vs one, 4 saving ranks       ``--mib`` = 256 x gib
 soak     16 ranks x 20 checkpoints, reshard and gc beside ``--mib`` = 64 x gib
+verify   ``ckptd verify`` vs the disk's cold sequential   ``--gib`` = gib
+         read bandwidth, same files
+manifest commit of 1,024 ranks x 500 tensors vs DCP's    fixed
+         ``create_global_plan`` on the same layout
 ======== ================================================ ===========================
 """
 
@@ -49,12 +53,16 @@ def _size(flag: str, per_gib: float) -> Callable[[float], list[str]]:
 
 
 SUITES: dict[str, tuple[Callable[[float], list[str]], bool]] = {  # name -> (size args, takes --repeat)
-    "save_load": (_size("--mib", 512), True),
+    # each of the 2 saving ranks keeps a snapshot buffer of its share (+10%): CheckpointClient(snapshot_bytes=...)
+    "save_load": (lambda gib: ["--mib", f"{gib * 512:g}", "--snapshot-bytes", str(int(gib * 256 * 1.1 * 2**20))],
+                  True),
     "reshard": (_size("--gib", 1), True),
     "dcp_io": (_size("--gib", 1), True),
     "s3": (_size("--mib", 128), True),
     "replicas": (_size("--mib", 256), True),
     "soak": (_size("--mib", 64), False),
+    "verify": (_size("--gib", 1), True),
+    "manifest": (lambda gib: [], True),  # fixed scale: 1,024 ranks x 500 tensors
 }
 
 
@@ -70,6 +78,7 @@ def _get(d: dict, path: str) -> Any:
 RATIOS: list[tuple[str, str, str, float | None, str]] = [
     ("save_load", "committed save vs dcp.save", "summary.save_throughput_ratio", 1.5, ">="),
     ("save_load", "stall / dcp.save time", "summary.stall_ratio", 0.1, "<="),
+    ("save_load", "stall / dcp.async_save blocking", "summary.stall_vs_async_ratio", 1.0, "<="),
     ("save_load", "load at another world size vs dcp.load", "summary.load_throughput_ratio", 1.5, ">="),
     ("reshard", "reshard dp4->dp2 vs dcp.load", "summary.dp2_ratio_vs_dcp_load", 1.5, ">="),
     ("reshard", "reshard dp4->dp2 vs dcp.load+save", "summary.dp2_ratio_vs_dcp_load_save", None, ">="),
@@ -81,6 +90,9 @@ RATIOS: list[tuple[str, str, str, float | None, str]] = [
     ("s3", "save on S3 vs dcp.save (fsspec)", "summary.save_throughput_ratio", 1.0, ">="),
     ("s3", "load on S3 vs dcp.load (fsspec)", "summary.load_throughput_ratio", 1.0, ">="),
     ("replicas", "two replicas vs one (save throughput)", "summary.two_over_one_throughput", None, ">="),
+    ("verify", "ckptd verify vs cold sequential read", "summary.verify_ratio", 0.8, ">="),
+    ("manifest", "commit, 1024 ranks x 500 tensors (seconds)", "summary.commit_s", 2.0, "<="),
+    ("manifest", "commit vs DCP global plan, same layout", "summary.commit_ratio_vs_dcp_global_plan", None, ">="),
 ]
 
 

@@ -8,8 +8,11 @@ Call order inside :meth:`CheckpointClient.load`:
 2. describe the regions this rank's tensors cover (DTensor boxes from their
    placements, FlatShard ranges, whole plain tensors) and ask the service for
    a read plan: coalesced, block-aligned byte ranges;
-3. fetch the ranges in parallel, verify every block digest, decode, and copy
-   each overlap with one strided view per side straight into the destination.
+3. fetch the ranges in parallel and verify every block digest. Where every
+   overlap of a fetch is a contiguous run on both sides (row bands into row
+   bands, raw, same dtype, CPU) the response is scattered straight into the
+   destination tensors as it arrives (``_direct``); otherwise the fetch is
+   buffered, decoded, and each overlap copied with one strided view per side.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import xxhash
 
 from ckptd_schemas import ChecksumMismatch, Manifest, ObjectEntry, ReadPlan, ReadRequest, StateDictMismatch
 
+from ._direct import direct_targets, scatter
 from ._flatten import Leaf, flatten_state_dict
 from ._http import Transport
 from ._layout import LocalPiece, dtype_name, local_piece
@@ -85,6 +89,19 @@ def _fetch(transport: Transport, base: str, f: Any) -> bytearray:
                       sink=sink)
     verify_fetch(buf, f)
     return buf
+
+
+def _fetch_direct(transport: Transport, base: str, f: Any, targets: list) -> None:
+    """Stream the range straight into the destination tensors, verifying every block on the way."""
+    size = f.end - f.start
+
+    def sink(resp: httpx.Response) -> None:
+        got = scatter(resp.iter_bytes(), f, targets)
+        if got != size:
+            raise ChecksumMismatch(f"file {f.file!r}: got {got} of {size} bytes at offset {f.start}", file=f.file)
+
+    transport.request("GET", f"{base}/files/{f.file}", headers={"Range": f"bytes={f.start}-{f.end - 1}"},
+                      sink=sink)
 
 
 def _load_object(transport: Transport, base: str, o: ObjectEntry) -> Any:
@@ -173,8 +190,13 @@ def _execute(transport: Transport, base: str, plan: ReadPlan, pieces: list[tuple
     dests = [_destination(p) for _, p in pieces]
 
     def run(i: int) -> None:
+        copies = by_fetch.get(i, [])
+        targets = direct_targets(copies, dests)
+        if targets is not None:  # row bands into row bands: no buffer, no second copy
+            _fetch_direct(transport, base, plan.fetches[i], targets)
+            return
         buf = _fetch(transport, base, plan.fetches[i])
-        for c in by_fetch.get(i, []):
+        for c in copies:
             copy_into(buf, c, dests[c.request])
 
     if streams > 1 and len(plan.fetches) > 1:

@@ -4,11 +4,13 @@ Call order inside :meth:`CheckpointClient.save`:
 
 1. ``build_snapshot`` (caller's thread; this is the training stall): flatten
    the state dict, decide which chunks this rank writes (replicas once),
-   copy them to host memory, encode objects.
+   copy them to host memory (into a leased :class:`SnapshotPool` slab when the client has one;
+   from CUDA on a side stream, synchronised before returning), encode objects.
 2. ``upload_snapshot`` (background thread): open-or-join the session, pack
    chunks into files (64-byte aligned), hash each chunk and file with XXH3,
    stream files with retries, then send the rank's index. The service commits
-   when the last rank's index arrives.
+   when the last rank's index arrives. Then ``Snapshot.release`` (success or failure) gives the
+   slab back: nothing but the pool's declared slab outlives the upload.
 """
 
 from __future__ import annotations
@@ -31,11 +33,16 @@ from ckptd_schemas import (
     SessionStatus, TensorEntry, Unavailable, error_from_body,
 )
 
+from ._codec import FRAME_BYTES, CompressionPolicy, split_frames
 from ._flatten import flatten_state_dict, param_groups_of
 from ._http import Transport
 from ._layout import assign_replicated, dtype_name, local_piece, mesh_of
+from ._pool import Lease, SnapshotPool
 
-__all__ = ["SaveHandle", "Snapshot", "build_snapshot", "upload_snapshot"]
+__all__ = ["Compression", "SaveHandle", "Snapshot", "build_snapshot", "upload_snapshot"]
+
+Compression = str | CompressionPolicy | None
+"""``None`` (raw), ``"zstd"`` (always) or a :class:`CompressionPolicy` (per chunk, by measurement)."""
 
 ALIGN = 64
 PIECE = 4 << 20
@@ -70,10 +77,19 @@ class Snapshot:
     mesh: dict[str, int] = field(default_factory=dict)
     coords: dict[str, int] = field(default_factory=dict)
     layouts: dict[str, str] = field(default_factory=dict)
+    lease: Lease | None = None    # the pool slab the chunks are views of, until release()
 
     @property
     def nbytes(self) -> int:
         return sum(c.data.numel() * c.data.element_size() for cs in self.chunks.values() for c in cs)
+
+    def release(self) -> None:
+        """Drop the chunks and give the pool's slab back; call once the upload has ended (success or
+        failure), never before: the chunks are views of the slab, which the next save overwrites."""
+        self.chunks = {}
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
 
 def _json_clean(value: Any) -> bool:
@@ -115,10 +131,49 @@ def _encode_object(fqn: str, value: Any) -> _Object:
     return _Object(fqn, "torch", payload=buf.getvalue())
 
 
-def build_snapshot(state_dict: dict, rank: int, world: int) -> Snapshot:
-    """Copy what this rank writes to host memory; afterwards training may mutate its tensors."""
+def _to_host(src: torch.Tensor, lease: Lease | None, side: dict[torch.device, Any]) -> torch.Tensor:
+    """A contiguous host copy of ``src``: into the leased slab if it fits, else a fresh tensor.
+
+    A CUDA source is copied on a side stream (one per device, in ``side``), non-blocking into the
+    pinned view, so the copy does not queue behind training kernels launched later; the caller
+    synchronises ``side`` before training may touch its tensors again. (Untested here: no GPU.)
+    """
+    dst = lease.take(src.shape, src.dtype) if lease is not None else torch.empty(src.shape, dtype=src.dtype)
+    if not src.is_cuda:
+        dst.copy_(src)
+        return dst
+    stream = side.get(src.device)
+    if stream is None:
+        stream = side[src.device] = torch.cuda.Stream(src.device)
+    stream.wait_stream(torch.cuda.current_stream(src.device))  # see every write queued before save()
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+    src.record_stream(stream)  # a temporary source is not reused by the allocator before the copy ran
+    return dst
+
+
+def build_snapshot(state_dict: dict, rank: int, world: int, pool: SnapshotPool | None = None) -> Snapshot:
+    """Copy what this rank writes to host memory; afterwards training may mutate its tensors.
+
+    With ``pool``, the copies go into its slab (leased until ``snap.release()``, which the uploader
+    calls); on failure here the lease is given back before raising.
+    """
+    snap = Snapshot(rank, world, lease=pool.lease() if pool is not None else None)
+    side: dict[torch.device, Any] = {}
+    try:
+        try:
+            _fill(snap, state_dict, rank, world, side)
+        finally:  # training may change the sources once we return: the copies must be complete
+            for stream in side.values():
+                stream.synchronize()
+    except BaseException:
+        snap.release()
+        raise
+    return snap
+
+
+def _fill(snap: Snapshot, state_dict: dict, rank: int, world: int, side: dict[torch.device, Any]) -> None:
     leaves = flatten_state_dict(state_dict)
-    snap = Snapshot(rank, world)
     pieces = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in leaves if leaf.kind == "tensor"}
     owners = assign_replicated(
         [(n, p.numel * p.local.element_size()) for n, p in pieces.items() if p.replicated], world)
@@ -133,8 +188,7 @@ def build_snapshot(state_dict: dict, rank: int, world: int) -> Snapshot:
             writes = owners.get(leaf.fqn) == rank if p.replicated else p.writes
             if not writes or p.numel == 0:
                 continue
-            data = torch.empty(p.local.shape, dtype=p.dtype, device="cpu")
-            data.copy_(p.local.detach())
+            data = _to_host(p.local.detach(), snap.lease, side)
             box = (list(p.box.offsets), list(p.box.sizes)) if p.box is not None else None
             snap.chunks.setdefault(leaf.fqn, []).append(_Chunk(leaf.fqn, data, box, p.flat))
         else:
@@ -147,7 +201,6 @@ def build_snapshot(state_dict: dict, rank: int, world: int) -> Snapshot:
                 hyperparams={k: _describe(v) for k, v in sorted(g.items()) if k != "params"}))
     for g, kinds in group_kinds.items():
         snap.layouts[g] = _layout_name(kinds, snap.mesh, world)
-    return snap
 
 
 def _layout_name(kinds: set[str], mesh: dict[str, int], world: int) -> str:
@@ -174,7 +227,7 @@ class _File:
     xxh3: str = ""
 
 
-def _pack(snap: Snapshot, compression: str | None, file_bytes: int,
+def _pack(snap: Snapshot, compression: Compression, file_bytes: int,
           prefix: str | None = None) -> tuple[list[_File], RankIndex]:
     files: list[_File] = []
     prefix = prefix or f"r{snap.rank:06d}"
@@ -192,21 +245,34 @@ def _pack(snap: Snapshot, compression: str | None, file_bytes: int,
         f.size += len(data) + pad
         return f.name, offset
 
-    cctx = zstandard.ZstdCompressor(level=1) if compression == "zstd" else None
+    policy = compression if isinstance(compression, CompressionPolicy) else None
+    cctx = zstandard.ZstdCompressor(level=1) if compression is not None else None
     entries = []
     for t in snap.tensors:
         chunks = []
         for c in snap.chunks.get(t.name, []):
             raw = _bytes_of(c.data)
-            stored: memoryview | bytes = cctx.compress(raw) if cctx is not None else raw
-            fname, off = place(stored)
-            loc = Location(file=fname, offset=off, length=len(stored), codec="zstd" if cctx else "raw",
-                           raw_length=len(raw), xxh3=xxhash.xxh3_64_hexdigest(stored))
-            if c.box is not None:
-                chunks.append(BoxChunk(rank=snap.rank, offsets=c.box[0], sizes=c.box[1], location=loc))
-            else:
-                assert c.flat is not None
-                chunks.append(FlatChunk(rank=snap.rank, start=c.flat[0], length=c.flat[1], location=loc))
+            if cctx is None or (policy is not None and not policy.should_compress(raw)):
+                pieces = [(raw, c.box, c.flat, False)]
+            else:  # independently decodable frames: a ranged read decodes only the ones it overlaps
+                isz = c.data.element_size()
+                pieces = [(raw[lo * isz:(lo + n) * isz], box, flat, True)
+                          for lo, n, box, flat in split_frames(isz, c.box, c.flat, FRAME_BYTES)]
+            for data, box, flat, compress in pieces:
+                stored: memoryview | bytes = data
+                if compress:
+                    packed = cctx.compress(data)  # type: ignore[union-attr]
+                    # "auto" keeps a frame raw when zstd did not shrink it after all
+                    stored = data if policy is not None and len(packed) >= len(data) else packed
+                fname, off = place(stored)
+                loc = Location(file=fname, offset=off, length=len(stored),
+                               codec="raw" if stored is data else "zstd",
+                               raw_length=len(data), xxh3=xxhash.xxh3_64_hexdigest(stored))
+                if box is not None:
+                    chunks.append(BoxChunk(rank=snap.rank, offsets=box[0], sizes=box[1], location=loc))
+                else:
+                    assert flat is not None
+                    chunks.append(FlatChunk(rank=snap.rank, start=flat[0], length=flat[1], location=loc))
         entries.append(t.model_copy(update={"chunks": chunks}))
     objects = []
     for o in snap.objects:
@@ -243,10 +309,15 @@ def open_session(transport: Transport, base: str, session: str, world: int, step
     transport.request("POST", f"{base}/sessions", json={"session": session, "world_size": world, "step": step})
 
 
-def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, *, compression: str | None,
+def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, *, compression: Compression,
                  file_bytes: int, streams: int, prefix: str | None = None) -> RankIndex:
-    """Pack the snapshot into files, stream them (several at once), return the rank's index."""
+    """Pack the snapshot into files, stream them (several at once), return the rank's index.
+
+    With a :class:`CompressionPolicy`, the upload's throughput is fed back to it: the next save
+    decides against the store as it is now.
+    """
     files, index = _pack(snap, compression, file_bytes, prefix)
+    t0 = time.perf_counter()
 
     def put(f: _File) -> None:
         transport.request("PUT", f"{base}/sessions/{session}/files/{f.name}", content=lambda: _stream(f),
@@ -259,6 +330,8 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
     else:
         for f in files:
             put(f)
+    if isinstance(compression, CompressionPolicy):
+        compression.observe(sum(f.size for f in files), time.perf_counter() - t0)
     return index
 
 
@@ -270,7 +343,7 @@ def put_index(transport: Transport, base: str, session: str, index: RankIndex) -
 
 
 def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None, *,
-                    compression: str | None, file_bytes: int, streams: int) -> SessionStatus:
+                    compression: Compression, file_bytes: int, streams: int) -> SessionStatus:
     """Open-or-join, upload files, send the index; return the session status after it."""
     open_session(transport, base, session, snap.world, step)
     index = upload_files(transport, base, session, snap, compression=compression, file_bytes=file_bytes,

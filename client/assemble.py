@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -22,7 +23,16 @@ from ckptd_schemas import ChecksumMismatch, Copy, Fetch, row_major_strides
 
 __all__ = ["Destination", "copy_into", "decode_object", "torch_dtype", "verify_fetch"]
 
-_DCTX = zstandard.ZstdDecompressor()
+_LOCAL = threading.local()
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    """One decompressor per thread: a ZstdDecompressor must not be used by two threads at once
+    (loads decode frames on several fetch threads; a shared one corrupts its output)."""
+    d = getattr(_LOCAL, "dctx", None)
+    if d is None:
+        d = _LOCAL.dctx = zstandard.ZstdDecompressor()
+    return d
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -74,7 +84,7 @@ class Destination:
 def _source(buf: bytearray | memoryview, c: Copy, device: torch.device | None) -> torch.Tensor:
     dtype = torch_dtype(c.dtype)
     if c.codec == "zstd":
-        raw = bytearray(_DCTX.decompress(bytes(memoryview(buf)[c.byte_start:c.byte_start + c.byte_length])))
+        raw = bytearray(_dctx().decompress(bytes(memoryview(buf)[c.byte_start:c.byte_start + c.byte_length])))
         src = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
     else:
         src = torch.frombuffer(buf, dtype=dtype, offset=c.byte_start, count=c.npos)

@@ -9,13 +9,15 @@ from typing import TYPE_CHECKING, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ckptd_schemas import (
-    CheckpointSummary, CommitFailed, InvalidName, Manifest, RunSummary, parse_ref,
+    CheckpointSummary, CommitFailed, InvalidName, Manifest, RunSummary, SessionStatus, parse_ref,
 )
 
+from ._codec import CompressionPolicy, compression_of
 from ._dist import any_rank, broadcast_str, rank_and_world
 from ._http import Transport
 from ._load import LoadReport, load_into
-from ._save import SaveHandle, build_snapshot, upload_snapshot
+from ._pool import SnapshotPool
+from ._save import SaveHandle, Snapshot, build_snapshot, upload_snapshot
 
 if TYPE_CHECKING:
     from .dcp import CkptdStorageReader, CkptdStorageWriter
@@ -23,6 +25,16 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointClient"]
 
 DEFAULT_URL = "http://127.0.0.1:8470"
+
+
+def _upload_then_release(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None,
+                         **kw: object) -> SessionStatus:
+    """The background save: the buffers go back inside the task, before its future completes, so a
+    caller that saw ``wait()`` return finds the pool free (a done-callback could run after that)."""
+    try:
+        return upload_snapshot(transport, base, session, snap, step, **kw)  # type: ignore[arg-type]
+    finally:
+        snap.release()
 
 
 class CheckpointClient:
@@ -36,19 +48,29 @@ class CheckpointClient:
             one service (same storage root) as a list or comma-separated: calls go to the first and
             move to the next when a connection cannot be made.
         token: bearer token (default ``$CKPTD_TOKEN``).
-        compression: ``None`` (store raw) or ``"zstd"`` (per chunk, independently decodable).
+        compression: ``None`` (store raw), ``"zstd"`` (always), or ``"auto"``: per chunk, zstd level 1
+            only where a timed sample says compressing plus uploading the smaller result beats uploading
+            raw at this client's observed upload throughput (so raw on a fast local disk, zstd on a slow
+            remote store; see ``ckptd_client._codec``). A ``CompressionPolicy`` instance may be given
+            to set the assumed store throughput. Compressed chunks are stored as independently
+            decodable frames of at most 4 MiB raw, so ranged reads decode only what they need.
         streams: concurrent HTTP streams per rank for uploads and ranged reads.
         file_bytes: target size of each uploaded data file.
         retry_seconds: how long transient failures (connection errors, 5xx) are retried.
+        snapshot_bytes: size of a host buffer kept for save snapshots (pinned when CUDA is available),
+            allocated and pre-faulted here, so that ``save()``'s stall is a copy without page faults;
+            size it to what this rank writes. ``None``: fresh memory per save, freed after its upload.
+            The buffer serves one save at a time: a save while the previous one still uploads, or
+            chunks that do not fit, use fresh memory (see ``ckptd_client._pool``). Freed by ``close()``.
     """
 
     def __init__(self, url: str | Sequence[str] | None = None, *, token: str | None = None,
-                 compression: str | None = None, streams: int = 4, file_bytes: int = 256 << 20,
-                 retry_seconds: float = 120.0, timeout: float = 300.0) -> None:
-        if compression not in (None, "zstd"):
-            raise ValueError(f"compression must be None or 'zstd', not {compression!r}")
+                 compression: str | CompressionPolicy | None = None, streams: int = 4,
+                 file_bytes: int = 256 << 20, retry_seconds: float = 120.0, timeout: float = 300.0,
+                 snapshot_bytes: int | None = None) -> None:
         self.url = url or os.environ.get("CKPTD_URL", DEFAULT_URL)
         self.compression = compression
+        self._codec = compression_of(compression)  # one policy per client: it learns across saves
         self.streams = streams
         self.file_bytes = file_bytes
         self._token = token or os.environ.get("CKPTD_TOKEN")
@@ -57,6 +79,7 @@ class CheckpointClient:
         self._uploader = ThreadPoolExecutor(1, thread_name_prefix="ckptd-save")
         self._pending: list[SaveHandle] = []  # saves whose outcome nobody has seen yet
         self._lock = threading.Lock()
+        self.snapshot_pool = SnapshotPool(snapshot_bytes) if snapshot_bytes else None
 
     # -- save ------------------------------------------------------------------
     def save(self, state_dict: dict, ref: str, *, step: int | None = None) -> SaveHandle:
@@ -84,11 +107,15 @@ class CheckpointClient:
                 failed.wait()  # raises the stored failure
             raise CommitFailed(f"an earlier save failed on another rank; {ref} was not started", ref=ref)
         session = broadcast_str(uuid.uuid4().hex if rank == 0 else None)
-        snap = build_snapshot(state_dict, rank, world)
+        snap = build_snapshot(state_dict, rank, world, self.snapshot_pool)
         base = f"/v1/checkpoints/{r.run}/{r.name}"
-        future = self._uploader.submit(upload_snapshot, self._transport, base, session, snap, step,
-                                       compression=self.compression, file_bytes=self.file_bytes,
-                                       streams=self.streams)
+        try:
+            future = self._uploader.submit(_upload_then_release, self._transport, base, session, snap, step,
+                                           compression=self._codec, file_bytes=self.file_bytes,
+                                           streams=self.streams)
+        except BaseException:
+            snap.release()
+            raise
         handle = SaveHandle(str(r), session, future, self._transport, base)
         with self._lock:
             self._pending.append(handle)
@@ -107,7 +134,7 @@ class CheckpointClient:
         """A DCP ``StorageWriter``: ``dcp.save(sd, storage_writer=client.dcp_writer("gpt/1000"))``."""
         from .dcp import CkptdStorageWriter
 
-        return CkptdStorageWriter(self.url, ref, token=self._token, compression=self.compression,
+        return CkptdStorageWriter(self.url, ref, token=self._token, compression=self._codec,
                                   file_bytes=self.file_bytes, streams=self.streams)
 
     def dcp_reader(self, ref: str) -> "CkptdStorageReader":
@@ -157,6 +184,8 @@ class CheckpointClient:
         finally:
             self._uploader.shutdown(wait=wait)
             self._transport.close()
+            if self.snapshot_pool is not None:
+                self.snapshot_pool.close()
 
     def __enter__(self) -> "CheckpointClient":
         return self

@@ -52,6 +52,7 @@ from ckptd_schemas import (
     ReadRequest, StateDictMismatch, TensorEntry, parse_ref,
 )
 
+from ._codec import CompressionPolicy, compression_of
 from ._http import Transport
 from ._layout import dtype_name
 from ._save import Snapshot, _Chunk, _Object, open_session, put_index, upload_files, wait_committed
@@ -114,10 +115,14 @@ def _done(value: Any) -> Future:
 
 
 class CkptdStorageWriter(_Endpoint, StorageWriter):
-    def __init__(self, url: str, ref: str, *, token: str | None = None, compression: str | None = None,
-                 file_bytes: int = 256 << 20, streams: int = 4) -> None:
+    """DCP ``StorageWriter``; ``compression`` as for :class:`CheckpointClient` (``None``, ``"zstd"``,
+    ``"auto"`` or a ``CompressionPolicy``, which then learns this writer's upload throughput)."""
+
+    def __init__(self, url: str, ref: str, *, token: str | None = None,
+                 compression: str | CompressionPolicy | None = None, file_bytes: int = 256 << 20,
+                 streams: int = 4) -> None:
         _Endpoint.__init__(self, url, ref, token, streams)
-        self.compression, self.file_bytes = compression, file_bytes
+        self.compression, self.file_bytes = compression_of(compression), file_bytes
         self.is_coordinator = False
         self.set_ref(None)
 

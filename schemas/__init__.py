@@ -1,7 +1,10 @@
 """ckptd_schemas: the manifest, API bodies, errors and pure geometry shared by
 the ckptd service and the ``ckptd_client`` trainer client. No I/O here."""
 
-from .api import CheckpointSummary, OpenSession, RankIndex, RunSummary, SessionInfo, SessionStatus, UploadResult
+from .api import (
+    CheckpointSummary, OpenSession, RankIndex, RunSummary, SessionInfo, SessionStatus, TensorColumns, UploadResult,
+)
+from .chunktable import ChunkColumns
 from .dtypes import ITEMSIZE, DType, itemsize
 from .errors import *  # noqa: F403
 from .errors import __all__ as _errors_all
@@ -16,9 +19,9 @@ from .readplan import Copy, Fetch, ReadPlan, ReadRequest, plan_reads
 __all__ = [
     *_errors_all,
     "FORMAT_VERSION", "ITEMSIZE", "LATEST",
-    "Box", "BoxChunk", "CheckpointRef", "CheckpointSummary", "Chunk", "Copy", "DType", "Fetch", "FileEntry",
+    "Box", "BoxChunk", "CheckpointRef", "CheckpointSummary", "Chunk", "ChunkColumns", "Copy", "DType", "Fetch", "FileEntry",
     "FlatChunk", "Location", "Manifest", "ObjectEntry", "OpenSession", "ParamGroup", "RankIndex", "RankInfo",
-    "ReadPlan", "ReadRequest", "Region", "RunSummary", "SessionInfo", "SessionStatus", "TensorEntry",
+    "ReadPlan", "ReadRequest", "Region", "RunSummary", "SessionInfo", "SessionStatus", "TensorColumns", "TensorEntry",
     "Topology", "UploadResult",
     "check_file", "check_name", "check_run", "check_session", "check_tiling", "flat_range_to_boxes",
     "intersect_regions", "itemsize", "parse_ref", "plan_reads", "row_major_strides",

@@ -13,20 +13,22 @@ from __future__ import annotations
 
 from datetime import datetime
 from math import prod
+from operator import add, le
 from typing import Annotated, Literal, Union
 
 from pydantic import (
     BaseModel, ConfigDict, Field, JsonValue, PrivateAttr, ValidationInfo, field_validator, model_validator,
 )
 
+from .chunktable import HEX64, ChunkColumns, FileName, NonNeg, check_columns, columns_of
 from .dtypes import ITEMSIZE, DType, itemsize
 from .geometry import Box, Region
-from .names import FILE_RE
 
 __all__ = [
     "FORMAT_VERSION",
     "BoxChunk",
     "Chunk",
+    "ChunkColumns",
     "FileEntry",
     "FlatChunk",
     "Location",
@@ -38,11 +40,8 @@ __all__ = [
     "Topology",
 ]
 
-FORMAT_VERSION = 1
-HEX64 = r"^[0-9a-f]{16}$"
-NonNeg = Annotated[int, Field(ge=0, le=2**62)]
+FORMAT_VERSION = 2  # 2: chunks stored as columns (ckptd_schemas.chunktable); 1 (a list of chunk objects) is read
 Fqn = Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^[^\x00]+$")]
-FileName = Annotated[str, Field(pattern=FILE_RE.pattern.join("^$"))]
 
 
 class _Model(BaseModel):
@@ -106,18 +105,27 @@ Chunk = Annotated[Union[BoxChunk, FlatChunk], Field(discriminator="kind")]
 
 
 class TensorEntry(_Model):
-    """A tensor's global description and the chunks that hold it."""
+    """A tensor's global description and the chunks that hold it.
+
+    The chunks are stored as columns (``table``, see :mod:`ckptd_schemas.chunktable`);
+    ``chunks`` gives them as objects, built on first use. Constructing with
+    ``chunks=[...]`` (and reading a format-1 manifest, which stored that list)
+    converts to columns.
+    """
 
     name: Fqn
     shape: list[NonNeg]
     dtype: DType
     group: str = Field(description="state group, the first component of the name (model, optim, ...)")
-    chunks: list[Chunk]
+    table: ChunkColumns | None = Field(default=None, description="the chunks, one column per field, with a rank column")
+    chunks_in: list[Chunk] | None = Field(default=None, alias="chunks", exclude=True, description=(
+        "input only: the chunks as a list of objects (format 1), converted to table"))
     digest: Annotated[str, Field(pattern=HEX64)] | None = Field(
         default=None, description="layout-independent digest of the tensor's row-major bytes: XXH3-64 of the "
         "XXH3-64 values of its 64 KiB blocks (ckptd_schemas.digest)"
     )
     placement: str | None = Field(default=None, description="source layout hint, e.g. DTensor placements")
+    _chunks: list[Chunk] | None = PrivateAttr(default=None)
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -126,35 +134,57 @@ class TensorEntry(_Model):
             raise ValueError(f"tensor {info.data.get('name')!r}: unknown dtype {v!r} (known: {', '.join(ITEMSIZE)})")
         return v
 
+    @field_validator("table")
+    @classmethod
+    def _chunks_inside(cls, table: ChunkColumns | None, info: ValidationInfo) -> ChunkColumns | None:
+        # A field check, not a model one: it runs when a tensor is parsed or built, not again when an
+        # existing entry is put into a manifest (the merge builds 500 entries of 1,024 chunks each).
+        name, shape, dtype = (info.data.get(k) for k in ("name", "shape", "dtype"))
+        if table is None:
+            return table
+        if table.rank is None or table.tensor is not None:
+            raise ValueError(f"tensor {name!r}: the chunk table needs a rank column (and no tensor column)")
+        if name is not None and shape is not None and dtype is not None:  # else their own errors are reported
+            check_columns(name, shape, dtype, itemsize(dtype), table)
+        return table
+
     @model_validator(mode="after")
-    def _chunks_inside(self) -> "TensorEntry":
-        # Runs once per chunk of every index and manifest parsed (500k chunks for 1,024 ranks x 500
-        # tensors): plain integer loops, no objects; messages are built only on failure.
-        shape = self.shape
-        ndim = len(shape)
-        numel = prod(shape)
-        size = itemsize(self.dtype)
-        for c in self.chunks:
-            if c.kind == "box":
-                offsets, sizes = c.offsets, c.sizes
-                if len(offsets) != ndim or len(sizes) != ndim:
-                    raise ValueError(f"tensor {self.name!r}: chunk from rank {c.rank} has {len(offsets)}-d offsets "
-                                     f"for a {ndim}-d shape {shape}")
-                n = 1
-                for o, z, d in zip(offsets, sizes, shape):
-                    if o + z > d:
-                        raise ValueError(f"tensor {self.name!r}: chunk from rank {c.rank} at offsets {offsets} sizes "
-                                         f"{sizes} lies outside global shape {shape}")
-                    n *= z
-            else:
-                n = c.length
-                if c.start + n > numel:
-                    raise ValueError(f"tensor {self.name!r}: chunk from rank {c.rank} flat range [{c.start}, "
-                                     f"{c.start + n}) exceeds {numel} elements")
-            if c.location.raw_length != n * size:
-                raise ValueError(f"tensor {self.name!r}: chunk from rank {c.rank}: raw_length "
-                                 f"{c.location.raw_length} != {n} elements x {size} bytes ({self.dtype})")
+    def _one_table(self) -> "TensorEntry":
+        # After, not before: a before validator would make pydantic build every manifest's tensors
+        # as Python dicts first. Cheap when the entry already has its table.
+        if self.chunks_in is None:
+            if self.table is None:
+                raise ValueError(f"tensor {self.name!r}: needs its chunks (table)")
+            return self
+        if self.table is not None:
+            raise ValueError(f"tensor {self.name!r}: give chunks or table, not both")
+        table = ChunkColumns(**columns_of(self.chunks_in, self.dtype, name=self.name))
+        check_columns(self.name, self.shape, self.dtype, itemsize(self.dtype), table)
+        self.__dict__.update(table=table, chunks_in=None)
         return self
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        """The chunks as objects, in table order (built once; do not mutate)."""
+        if self._chunks is None:
+            self._chunks = self.table.materialize(itemsize(self.dtype))
+        return self._chunks
+
+    def model_copy(self, *, update: dict | None = None, deep: bool = False) -> "TensorEntry":
+        """As pydantic's, and ``update={"chunks": [...]}`` replaces the table."""
+        if update and "chunks" in update:
+            update = dict(update)
+            dtype = update.get("dtype", self.dtype)
+            cols = columns_of(update.pop("chunks"), dtype, name=self.name)
+            update["table"] = ChunkColumns(**cols)
+        out = super().model_copy(update=update, deep=deep)
+        out._chunks = None
+        return out
+
+    def __eq__(self, other: object) -> bool:  # fields only: the chunk cache is not part of the value
+        return type(other) is type(self) and self.__dict__ == other.__dict__  # type: ignore[union-attr]
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 class ObjectEntry(_Model):
@@ -226,7 +256,7 @@ class FileEntry(_Model):
 class Manifest(_Model):
     """The global description of one committed checkpoint (DESIGN §1)."""
 
-    format_version: Literal[1] = FORMAT_VERSION
+    format_version: Literal[1, 2] = FORMAT_VERSION
     run: str
     name: str
     step: NonNeg | None = None
@@ -251,8 +281,17 @@ class Manifest(_Model):
 
     @model_validator(mode="after")
     def _locations_inside_files(self) -> "Manifest":
-        locs = [(f"tensor {t.name!r}", c.location) for t in self.tensors for c in t.chunks]
-        locs += [(f"object {o.name!r}", o.location) for o in self.objects if o.location is not None]
+        sizes = {name: f.size for name, f in self.files.items()}
+        for t in self.tensors:  # whole-column passes; the per-chunk message only on failure
+            tab = t.table
+            limit = list(map(sizes.get, tab.file))
+            if None in limit or not all(map(le, map(add, tab.offset, tab.length), limit)):
+                self._check_locations([(f"tensor {t.name!r}", c.location) for c in t.chunks])
+        self._check_locations([(f"object {o.name!r}", o.location) for o in self.objects if o.location is not None])
+        self.__dict__["format_version"] = FORMAT_VERSION  # read as 1 or 2, held (and written) as 2
+        return self
+
+    def _check_locations(self, locs: list[tuple[str, Location]]) -> None:
         for what, loc in locs:
             f = self.files.get(loc.file)
             if f is None:
@@ -261,7 +300,11 @@ class Manifest(_Model):
                 raise ValueError(
                     f"{what}: bytes [{loc.offset}, {loc.offset + loc.length}) exceed file {loc.file!r} of {f.size} bytes"
                 )
-        return self
+
+    def __eq__(self, other: object) -> bool:  # fields only: the name lookup table is not part of the value
+        return type(other) is type(self) and self.__dict__ == other.__dict__  # type: ignore[union-attr]
+
+    __hash__ = None  # type: ignore[assignment]
 
     @property
     def ref(self) -> str:

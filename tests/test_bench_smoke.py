@@ -19,14 +19,15 @@ def test_bench_save_load_runs_small(tmp_path):
     out = tmp_path / "save_load.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.save_load", "--mib", "16", "--repeat", "1", "--out", str(out),
-         "--workdir", str(tmp_path / "work")],
+         "--workdir", str(tmp_path / "work"), "--snapshot-bytes", str(9 << 20)],
         cwd=REPO, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     s = res["summary"]
-    for key in ("save_throughput_ratio", "stall_ratio", "load_cold_throughput_ratio", "load_warm_throughput_ratio"):
+    for key in ("save_throughput_ratio", "stall_ratio", "stall_vs_async_ratio", "load_cold_throughput_ratio",
+                "load_warm_throughput_ratio"):
         assert s[key] > 0, key
-    assert res["config"]["same_filesystem"]
+    assert res["config"]["same_filesystem"] and res["config"]["snapshot_bytes"] == 9 << 20
     assert s["save_phases_s"]["snapshot"] > 0 and s["save_phases_s"]["put_file_span"] > 0  # the probe still hooks in
     assert len(res["server_rss"]) == 3  # main + the two --rss-mib sizes (default mib/4 and mib*2)
     for server in res["server_rss"].values():

@@ -141,13 +141,13 @@ def test_schema_validates_real_manifest():
     bad["tensors"][0]["dtype"] = "float128"
     assert not validator.is_valid(bad)
     bad = json.loads(m.model_dump_json())
-    bad["tensors"][0]["chunks"][0]["location"]["file"] = "../escape"
+    bad["tensors"][0]["table"]["file"][0] = "../escape"
     assert not validator.is_valid(bad)
     bad = json.loads(m.model_dump_json())
     bad["surprise"] = 1
     assert not validator.is_valid(bad)
     bad = json.loads(m.model_dump_json())
-    bad["tensors"][0]["chunks"][0]["kind"] = "sparse"
+    bad["tensors"][0]["table"]["codec"] = ["lz4"] * len(bad["tensors"][0]["table"]["xxh3"])
     assert not validator.is_valid(bad)
     # and a dump round-trips through the models unchanged
     assert Manifest.model_validate_json(m.model_dump_json()) == m

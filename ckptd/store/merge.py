@@ -8,21 +8,19 @@ same session concurrently write byte-identical manifests.
 from __future__ import annotations
 
 from collections import defaultdict
+from operator import itemgetter, le, lt
 from datetime import datetime
 from typing import Sequence
 
 from pydantic import ValidationError
 
 from ckptd_schemas import (
-    FileEntry, InvalidIndex, Manifest, ObjectEntry, ParamGroup, RankIndex, RankInfo, TensorEntry,
-    Topology, check_tiling,
+    ChunkColumns, FileEntry, InvalidIndex, Manifest, ObjectEntry, ParamGroup, RankIndex, RankInfo, TensorEntry,
+    Topology, itemsize,
 )
+from ckptd_schemas.chunktable import check_columns, check_columns_tiling
 
 __all__ = ["merge_indexes"]
-
-
-def _chunk_key(c) -> tuple:
-    return (c.rank, c.kind, tuple(getattr(c, "offsets", ())) or (getattr(c, "start", 0),))
 
 
 def merge_indexes(
@@ -77,40 +75,115 @@ def merge_indexes(
 
 
 def _merge_tensors(run: str, name: str, ranks: Sequence[RankIndex], owners: dict[str, int]) -> list[TensorEntry]:
-    grouped: dict[str, list[tuple[int, TensorEntry]]] = defaultdict(list)
+    """Regroup the ranks' chunk columns by tensor, check them, and build one entry per tensor.
+
+    All whole-column work (concatenation, ``itemgetter`` gathers, ``map``, list
+    equality) but one pass that buckets rows by tensor: 512,000 chunks in well
+    under a second. Rows keep rank order; within a rank they are sorted by
+    (kind, offsets).
+    """
+    ids: dict[str, int] = {}
+    first: list[tuple[int, int]] = []  # tensor id -> (rank, position in that rank's tensor table)
+    shapes: list[tuple[int, ...]] = []  # tensor id -> shape, dtype, first declared digest
+    dtypes: list[str] = []
+    digests: list[str | None] = []
+    cols: dict[str, list] = {k: [] for k in ("tid", "rank", "flat", "offsets", "sizes", "file", "offset",
+                                             "length", "codec", "xxh3")}
+    names: list[str] = []
+    tids: list[int] = []
     for ix in ranks:
-        for t in ix.tensors:
-            grouped[t.name].append((ix.rank, t))
+        r, tt, ct = ix.rank, ix.tensor_table, ix.chunk_table
+        if tt.name != names:  # usually every rank lists the same tensors in the same order
+            names, tids = tt.name, []
+            for p, tname in enumerate(names):
+                tid = ids.setdefault(tname, len(ids))
+                if tid == len(first):
+                    first.append((r, p))
+                    shapes.append(tt.shape[p])
+                    dtypes.append(tt.dtype[p])
+                    digests.append(None)
+                tids.append(tid)
+        if _gather(tids, shapes) != tt.shape or _gather(tids, dtypes) != tt.dtype:
+            q = next(q for q, t in enumerate(tids) if shapes[t] != tt.shape[q] or dtypes[t] != tt.dtype[q])
+            r0 = first[tids[q]][0]
+            raise InvalidIndex(f"tensor {tt.name[q]!r}: rank {r0} saved shape {list(shapes[tids[q]])} "
+                               f"{dtypes[tids[q]]}, rank {r} saved shape {list(tt.shape[q])} {tt.dtype[q]}",
+                               tensor=tt.name[q], ranks=[r0, r])
+        for q, (tid, d) in enumerate(zip(tids, tt.digest or ())):
+            if d is not None and digests[tid] is None:
+                digests[tid] = d
+            elif d is not None and d != digests[tid]:
+                r0 = first[tid][0]
+                raise InvalidIndex(f"tensor {tt.name[q]!r}: ranks {r0} and {r} declare different digests",
+                                   tensor=tt.name[q], ranks=[r0, r])
+        n = len(ct)
+        if not n:
+            continue
+        stray = set(ct.file) - {f for f in ix.files if owners.get(f) == r}
+        if stray:
+            f = sorted(stray)[0]
+            tname = tt.name[ct.tensor[ct.file.index(f)]]  # type: ignore[index]
+            raise InvalidIndex(f"tensor {tname!r}: rank {r} points at file {f!r}, which it did not upload",
+                               tensor=tname, ranks=[r], file=f)
+        cols["tid"] += _gather(ct.tensor, tids)  # type: ignore[arg-type]
+        cols["rank"] += [r] * n
+        cols["flat"] += ct.flat or [False] * n
+        cols["codec"] += ct.codec or ["raw"] * n
+        for k in ("offsets", "sizes", "file", "offset", "length", "xxh3"):
+            cols[k] += getattr(ct, k)
+    buckets: list[list[int]] = [[] for _ in first]
+    appends = [b.append for b in buckets]
+    for i, tid in enumerate(cols["tid"]):
+        appends[tid](i)
+    bounds = [0]
+    order: list[int] = []
+    for b in buckets:
+        order += _ordered(b, cols)
+        bounds.append(len(order))
+    gather = itemgetter(*order) if len(order) > 1 else (lambda col: tuple(col[i] for i in order))
+    by_tensor = {k: list(gather(cols[k])) for k in cols if k != "tid"}  # rows grouped by tensor
     out = []
-    for tname in grouped:  # first-seen order: rank 0's state-dict order (layouts concatenate in it)
-        entries = grouped[tname]
-        r0, first = entries[0]
-        chunks = []
-        for r, t in entries:
-            if t.shape != first.shape or t.dtype != first.dtype:
-                raise InvalidIndex(
-                    f"tensor {tname!r}: rank {r0} saved shape {first.shape} {first.dtype}, "
-                    f"rank {r} saved shape {t.shape} {t.dtype}", tensor=tname, ranks=[r0, r])
-            if t.digest is not None and first.digest is not None and t.digest != first.digest:
-                raise InvalidIndex(f"tensor {tname!r}: ranks {r0} and {r} declare different digests",
-                                   tensor=tname, ranks=[r0, r])
-            for c in t.chunks:
-                if c.rank != r:
-                    raise InvalidIndex(f"tensor {tname!r}: rank {r} sent a chunk labelled rank {c.rank}",
-                                       tensor=tname, ranks=[r])
-                if owners.get(c.location.file) != r:
-                    raise InvalidIndex(
-                        f"tensor {tname!r}: rank {r} points at file {c.location.file!r}, which it did not upload",
-                        tensor=tname, ranks=[r], file=c.location.file)
-                chunks.append(c)
-        chunks.sort(key=_chunk_key)
-        check_tiling(tname, first.shape, [(c.region, c.rank, c.location.xxh3) for c in chunks])
-        digest = next((t.digest for _, t in entries if t.digest is not None), None)
-        # Every chunk was validated inside its rank's entry, with this shape and dtype (checked above),
-        # and the tiling just now: construct without validating each chunk a second time.
-        out.append(TensorEntry.model_construct(name=tname, shape=first.shape, dtype=first.dtype, group=first.group,
-                                               chunks=chunks, placement=first.placement, digest=digest))
+    for tid, (r0, p0) in enumerate(first):
+        tt = ranks[r0].tensor_table
+        tname, shape, dtype = tt.name[p0], shapes[tid], dtypes[tid]
+        lo, hi = bounds[tid], bounds[tid + 1]
+        table = {k: v[lo:hi] for k, v in by_tensor.items()}
+        if not any(table["flat"]):
+            table["flat"] = None
+        if table["codec"].count("raw") == hi - lo:
+            table["codec"] = None
+        chunks = ChunkColumns.model_construct(tensor=None, **table)
+        try:
+            dims = check_columns(tname, shape, dtype, itemsize(dtype), chunks)
+        except ValueError as e:
+            raise InvalidIndex(str(e), tensor=tname, ranks=sorted(set(table["rank"]))[:64]) from e
+        check_columns_tiling(tname, shape, chunks, dims)
+        # Columns were type-checked when each index was parsed, bounds and tiling just now.
+        out.append(TensorEntry.model_construct(
+            name=tname, shape=list(shape), dtype=dtype, group=tt.group[p0], table=chunks, digest=digests[tid],
+            placement=tt.placement[p0] if tt.placement else None))
     return out
+
+
+def _gather(rows: Sequence[int], col: Sequence) -> list:
+    """``[col[i] for i in rows]`` at C speed."""
+    if len(rows) > 1:
+        return list(itemgetter(*rows)(col))
+    return [col[i] for i in rows]
+
+
+def _ordered(rows: list[int], cols: dict[str, list]) -> list[int]:
+    """Rows sorted by (rank, flat, offsets); they arrive in rank order, so usually already sorted."""
+    if len(rows) < 2:
+        return rows
+    rank, flat, offsets = cols["rank"], cols["flat"], cols["offsets"]
+    ranks = _gather(rows, rank)
+    if all(map(lt, ranks, ranks[1:])):  # one chunk per rank
+        return rows
+    keys = [(rank[i], flat[i], offsets[i]) for i in rows]
+    if all(map(le, keys, keys[1:])):
+        return rows
+    return [i for _, i in sorted(zip(keys, rows))]
 
 
 def _object_identity(o: ObjectEntry) -> tuple:

@@ -31,7 +31,9 @@ from ckptd_schemas import (
 
 from ..storage import Storage, Writer
 from .faults import crash_point, wrap_storage
+from .gcpause import gc_paused
 from .hashing import BLOCK_SIZE, StreamDigest, xxh3_hex
+from .index_cache import IndexCache
 from .layout import Marker, Paths, SessionMeta
 from .merge import merge_indexes
 
@@ -91,6 +93,7 @@ class SessionStore:
         self.storage = wrap_storage(storage)  # itself, unless a test set a fault (faults.py)
         self.block_size = block_size
         self._orphans_seen: set[str] = set()
+        self._indexes = IndexCache()
 
     # -- helpers ---------------------------------------------------------------
     def _marker(self, run: str, name: str) -> Marker | None:
@@ -175,17 +178,25 @@ class SessionStore:
                 raise InvalidIndex(f"rank {index.rank}: file {f!r} was not uploaded (or its upload failed)",
                                    rank=index.rank, file=f)
             sizes[f] = entry.size
-        locs = [(f"tensor {t.name!r}", c.location) for t in index.tensors for c in t.chunks]
-        locs += [(f"object {o.name!r}", o.location) for o in index.objects if o.location is not None]
-        for what, loc in locs:
-            if loc.file not in sizes:
-                raise InvalidIndex(f"rank {index.rank}: {what} points at file {loc.file!r}, not among its files",
-                                   rank=index.rank, file=loc.file)
-            if loc.offset + loc.length > sizes[loc.file]:
+        try:
+            index.check_chunks()
+        except ValueError as e:
+            raise InvalidIndex(f"rank {index.rank}: {e}", rank=index.rank) from e
+        ct, names = index.chunk_table, index.tensor_table.name
+        locs = [(f"tensor {names[p]!r}", f, o, n) for p, f, o, n in zip(ct.tensor or (), ct.file, ct.offset, ct.length)]
+        locs += [(f"object {o.name!r}", o.location.file, o.location.offset, o.location.length)
+                 for o in index.objects if o.location is not None]
+        for what, file, offset, length in locs:
+            if file not in sizes:
+                raise InvalidIndex(f"rank {index.rank}: {what} points at file {file!r}, not among its files",
+                                   rank=index.rank, file=file)
+            if offset + length > sizes[file]:
                 raise InvalidIndex(
-                    f"rank {index.rank}: {what} bytes [{loc.offset}, {loc.offset + loc.length}) exceed file "
-                    f"{loc.file!r} of {sizes[loc.file]} bytes", rank=index.rank, file=loc.file)
-        self.storage.put(Paths.rank_index(run, name, sid, index.rank), index.model_dump_json().encode())
+                    f"rank {index.rank}: {what} bytes [{offset}, {offset + length}) exceed file "
+                    f"{file!r} of {sizes[file]} bytes", rank=index.rank, file=file)
+        key, raw = Paths.rank_index(run, name, sid, index.rank), index.model_dump_json().encode()
+        self.storage.put(key, raw)
+        self._indexes.put(key, raw, index)
         crash_point("index-written")
         return self.status(run, name, sid, raise_on_failure=True)
 
@@ -238,42 +249,54 @@ class SessionStore:
         """Merge, validate, write the manifest, create the marker; return the manifest digest."""
         meta = meta or self._meta(run, name, sid)
         try:
-            indexes = [RankIndex.model_validate_json(self.storage.read(Paths.rank_index(run, name, sid, r)))
-                       for r in range(meta.world_size)]
-            files: dict[str, FileEntry] = {}
-            for ix in indexes:
-                for f in ix.files:
-                    entry = self._file_entry(run, name, sid, f)
-                    if entry is None:
-                        raise InvalidIndex(f"rank {ix.rank}: file {f!r} has no verified upload", file=f)
-                    files[f] = entry
-            manifest = merge_indexes(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
-                                     world_size=meta.world_size, indexes=indexes, files=files,
-                                     derived_from=meta.derived_from)
-        except StorageError:
-            raise  # transient (or the store is down): the session stays open for a retry, not failed
-        except (CkptdError, ValidationError) as e:
-            err = e if isinstance(e, CkptdError) else InvalidIndex(f"{run}/{name}: {e}")
-            log.warning("commit of %s/%s session %s refused: %s", run, name, sid, err.message)
-            self.storage.put(Paths.failed(run, name, sid), json.dumps(err.to_body()).encode())
-            raise err
+            return self._commit(run, name, sid, meta)
+        finally:
+            self._indexes.drop_under(Paths.session(run, name, sid) + "/")
+
+    def _read_index(self, key: str) -> RankIndex:
+        raw = self.storage.read(key)
+        return self._indexes.get(key, raw) or RankIndex.model_validate_json(raw)
+
+    def _commit(self, run: str, name: str, sid: str, meta: SessionMeta) -> str:
+        with gc_paused():  # 512,000 chunks allocate enough for the collector to run dozens of full passes
+            try:
+                indexes = [self._read_index(Paths.rank_index(run, name, sid, r)) for r in range(meta.world_size)]
+                files: dict[str, FileEntry] = {}
+                for ix in indexes:
+                    for f in ix.files:
+                        entry = self._file_entry(run, name, sid, f)
+                        if entry is None:
+                            raise InvalidIndex(f"rank {ix.rank}: file {f!r} has no verified upload", file=f)
+                        files[f] = entry
+                manifest = merge_indexes(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
+                                         world_size=meta.world_size, indexes=indexes, files=files,
+                                         derived_from=meta.derived_from)
+            except StorageError:
+                raise  # transient (or the store is down): the session stays open for a retry, not failed
+            except (CkptdError, ValidationError) as e:
+                err = e if isinstance(e, CkptdError) else InvalidIndex(f"{run}/{name}: {e}")
+                log.warning("commit of %s/%s session %s refused: %s", run, name, sid, err.message)
+                self.storage.put(Paths.failed(run, name, sid), json.dumps(err.to_body()).encode())
+                raise err
+            raw = manifest.model_dump_json().encode()
+            derived_from, nfiles, nbytes = manifest.derived_from, len(manifest.files), manifest.total_bytes
+            # Freed here by reference counting, so the collector, back on, does not walk them first.
+            del manifest, indexes
         crash_point("commit-before-manifest")
-        raw = manifest.model_dump_json().encode()
         digest = xxh3_hex(raw)
         mkey = Paths.manifest(run, name, sid, digest)
         if self.storage.size(mkey) != len(raw):
             self.storage.put(mkey, raw)
         crash_point("commit-before-marker")
         marker = Marker(session=sid, manifest=mkey.rsplit("/", 1)[1], manifest_xxh3=digest, step=meta.step,
-                        derived_from=manifest.derived_from, committed_at=_now())
+                        derived_from=derived_from, committed_at=_now())
         if not self.storage.create_if_absent(Paths.marker(run, name), marker.model_dump_json().encode()):
             existing = self._marker(run, name)
             if existing is None or existing.session != sid:
                 raise Conflict(f"{run}/{name} was committed by another session", ref=f"{run}/{name}")
             return existing.manifest_xxh3
         crash_point("commit-after-marker")
-        log.info("committed %s/%s session %s (%d files, %d bytes)", run, name, sid, len(manifest.files),
-                 manifest.total_bytes)
+        log.info("committed %s/%s session %s (%d files, %d bytes)", run, name, sid, nfiles, nbytes)
         return digest
 
     # -- abort / reclaim -----------------------------------------------------------------

@@ -1,0 +1,186 @@
+"""Compression as a choice made by measurement, and frames small enough for ranged reads.
+
+zstd level 1 compresses at roughly 0.5-1 GB/s per core and saves ~8% on fp32
+weights (20-30% on bf16), while a local disk takes durable writes at over 1 GB/s:
+there compression only makes a save slower (BENCHMARKS.md, Compression). On a slow store (remote S3) the
+bytes saved outweigh the CPU time. :class:`CompressionPolicy` decides per chunk
+from a timed zstd-1 run on a sample of the chunk and the observed upload
+throughput of this client.
+
+Cost model: ``_pack`` compresses every chunk before the first byte is uploaded,
+so compressing costs its CPU time *plus* the upload of what is left::
+
+    raw:        raw_bytes / store_bw
+    compressed: compress_seconds + stored_bytes / store_bw
+
+Compressed chunks are cut into frames of at most :data:`FRAME_BYTES` raw bytes
+(:func:`split_frames`), each its own chunk, so a ranged read fetches and decodes
+only the frames it overlaps instead of the whole shard.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import zstandard
+
+__all__ = ["DEFAULT_STORE_BW", "FRAME_BYTES", "SAMPLE_BYTES", "CompressionPolicy", "Measurement",
+           "compression_of", "measure_zstd", "split_frames"]
+
+FRAME_BYTES = 4 << 20
+"""Largest raw size of one compressed chunk: the most a ranged read decodes beyond what it needs."""
+SAMPLE_BYTES = 1 << 20
+"""Bytes of each chunk (from its middle) compressed to measure speed and ratio."""
+DEFAULT_STORE_BW = 1.0e9
+"""Upload throughput (bytes/s) assumed until this client has timed an upload: about a local disk's
+durable write rate, so the first save compresses only data that compresses well and fast."""
+MIN_OBSERVED_BYTES = 8 << 20
+"""Uploads smaller than this say more about request latency than throughput; they are not used."""
+LEVEL = 1
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """zstd on a sample: ``raw`` bytes in, ``stored`` bytes out, in ``seconds`` of CPU/wall time."""
+
+    raw: int
+    stored: int
+    seconds: float
+
+    @property
+    def ratio(self) -> float:
+        return self.stored / self.raw if self.raw else 1.0
+
+    @property
+    def speed(self) -> float:
+        """Raw bytes compressed per second (infinite if the clock did not move)."""
+        return self.raw / self.seconds if self.seconds > 0 else math.inf
+
+
+def _sample(data: memoryview, n: int) -> memoryview:
+    """Up to ``n`` bytes from the middle: the edges of a tensor (padding, embeddings of rare tokens)
+    are the least typical of it."""
+    if len(data) <= n:
+        return data
+    lo = (len(data) - n) // 2
+    return data[lo:lo + n]
+
+
+_LOCAL = threading.local()
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    """One zstd-1 context per thread, kept: a context's first use allocates and faults in its tables
+    (several times slower), which would bias every measurement towards raw."""
+    c = getattr(_LOCAL, "cctx", None)
+    if c is None:
+        c = _LOCAL.cctx = zstandard.ZstdCompressor(level=LEVEL)
+    return c
+
+
+def measure_zstd(data: memoryview | bytes, *, sample_bytes: int = SAMPLE_BYTES,
+                 clock: Callable[[], float] = time.perf_counter) -> Measurement:
+    """Compress a sample of ``data`` with zstd level 1 and time it, as the machine is now (other
+    threads of the trainer competing for the cores included)."""
+    sample = _sample(memoryview(data).cast("B"), sample_bytes)
+    cctx = _compressor()
+    t0 = clock()
+    stored = len(cctx.compress(sample))
+    return Measurement(len(sample), stored, clock() - t0)
+
+
+class CompressionPolicy:
+    """Decides per chunk whether zstd makes the save faster; learns the store's throughput.
+
+    Args:
+        store_bw: upload throughput (stored bytes/s) to assume until one is observed
+            (:data:`DEFAULT_STORE_BW`); pass the known rate of a slow store to compress from the first save.
+        margin: compress only if the estimated time is at least this fraction below storing raw
+            (measurement noise should not flip decisions back and forth).
+        max_ratio: compress only if the sample shrinks below this fraction of its size.
+        clock: the timer used by :meth:`measure` (tests inject a fake one).
+
+    ``observe`` is called by the uploader after each upload; the estimate is a moving
+    average (half weight to the newest), so a store that slows down is noticed at the next save.
+    """
+
+    def __init__(self, store_bw: float = DEFAULT_STORE_BW, *, margin: float = 0.05, max_ratio: float = 0.95,
+                 sample_bytes: int = SAMPLE_BYTES, clock: Callable[[], float] = time.perf_counter) -> None:
+        if store_bw <= 0:
+            raise ValueError(f"store_bw must be positive, not {store_bw}")
+        self.store_bw = float(store_bw)
+        self.margin, self.max_ratio = margin, max_ratio
+        self.sample_bytes, self.clock = sample_bytes, clock
+        self.observed = 0  # uploads that fed the estimate
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """Fold one completed upload (bytes stored, wall seconds) into the throughput estimate."""
+        if nbytes < MIN_OBSERVED_BYTES or seconds <= 0:
+            return
+        bw = nbytes / seconds
+        self.store_bw = bw if self.observed == 0 else 0.5 * (self.store_bw + bw)
+        self.observed += 1
+
+    def decide(self, nbytes: int, m: Measurement) -> bool:
+        """True when compressing ``nbytes`` raw bytes, at the speed and ratio of ``m``, is faster."""
+        if nbytes == 0 or m.ratio >= self.max_ratio:
+            return False
+        raw_time = nbytes / self.store_bw
+        zstd_time = nbytes / m.speed + nbytes * m.ratio / self.store_bw
+        return zstd_time < (1.0 - self.margin) * raw_time
+
+    def measure(self, data: memoryview | bytes) -> Measurement:
+        return measure_zstd(data, sample_bytes=self.sample_bytes, clock=self.clock)
+
+    def should_compress(self, data: memoryview | bytes) -> bool:
+        """Measure a sample of ``data`` and decide."""
+        n = len(memoryview(data).cast("B"))
+        return n > 0 and self.decide(n, self.measure(data))
+
+    def __repr__(self) -> str:
+        return (f"CompressionPolicy(store_bw={self.store_bw / 1e6:.0f} MB/s, observed={self.observed}, "
+                f"margin={self.margin}, max_ratio={self.max_ratio})")
+
+
+def compression_of(option: "str | CompressionPolicy | None") -> "str | CompressionPolicy | None":
+    """The client option as the uploader takes it: ``"auto"`` becomes a fresh policy."""
+    if option == "auto":
+        return CompressionPolicy()
+    if option is None or option == "zstd" or isinstance(option, CompressionPolicy):
+        return option
+    raise ValueError(f"compression must be None, 'zstd', 'auto' or a CompressionPolicy, not {option!r}")
+
+
+Box = tuple[list[int], list[int]]
+
+
+def split_frames(itemsize: int, box: Box | None, flat: tuple[int, int] | None,
+                 limit: int = FRAME_BYTES) -> Iterator[tuple[int, int, Box | None, tuple[int, int] | None]]:
+    """Cut a chunk into pieces of at most ``limit`` raw bytes, each one row-major run of the chunk.
+
+    Yields ``(first, count, box, flat)``: the piece's elements ``[first, first + count)`` of the
+    chunk's own flattening and its region in the tensor. Box chunks are cut along dimension 0 at row
+    boundaries (a single row larger than ``limit`` stays whole); flat chunks into consecutive ranges.
+    """
+    if flat is not None:
+        start, length = flat
+        step = max(1, limit // itemsize)
+        for lo in range(0, length, step):
+            n = min(step, length - lo)
+            yield lo, n, None, (start + lo, n)
+        return
+    assert box is not None
+    offsets, sizes = box
+    numel = math.prod(sizes)
+    if not sizes or numel * itemsize <= limit:
+        yield 0, numel, box, None
+        return
+    row = math.prod(sizes[1:])
+    rows = max(1, limit // (row * itemsize))
+    for r0 in range(0, sizes[0], rows):
+        n = min(rows, sizes[0] - r0)
+        yield r0 * row, n * row, ([offsets[0] + r0, *offsets[1:]], [n, *sizes[1:]]), None

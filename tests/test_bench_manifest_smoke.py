@@ -1,0 +1,25 @@
+"""The commit-at-scale benchmark (bench/manifest.py) still runs, at a tiny scale, so it cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(120)
+def test_bench_manifest_runs_small(tmp_path):
+    out = tmp_path / "manifest.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.manifest", "--ranks", "8", "--tensors", "12", "--repeat", "1",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads(out.read_text())["summary"]
+    assert s["chunks"] == 96
+    for key in ("commit_s", "commit_cold_s", "manifest_read_s", "dcp_global_plan_s", "commit_ratio_vs_dcp_global_plan"):
+        assert s[key] > 0, key
+    assert "ckptd commit" in proc.stdout

@@ -1,0 +1,111 @@
+"""Loads that scatter fetched bytes straight into the destination (client/_direct.py) give exactly
+what the buffered path (verify the whole fetch, then copy_into) gives, verify every block on the
+stream, and step aside for copies they cannot place directly.
+
+The manifests are real (chunks laid out in byte files with real digests), the plans come from the
+service's pure planner, and the "response" is the file's bytes cut into random pieces.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckptd.store.hashing import StreamDigest, xxh3_hex
+from ckptd_client._direct import direct_targets, scatter
+from ckptd_client.assemble import Destination, copy_into, verify_fetch
+from ckptd_schemas import (
+    BoxChunk, ChecksumMismatch, FileEntry, FlatChunk, Location, Manifest, ReadRequest, TensorEntry, Topology,
+    plan_reads,
+)
+
+BLOCK = 4096
+
+
+def _manifest(rows: int, cols: int, cuts: list[int], flat: bool, dtype: torch.dtype) -> tuple[Manifest, dict, torch.Tensor]:
+    """A [rows, cols] tensor saved as row bands (or the same bands as flat ranges), one file per band,
+    with 100 junk bytes before each band so that fetches have gaps to hash and skip."""
+    full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols).to(dtype)
+    edges = [0, *cuts, rows]
+    chunks, files, data = [], {}, {}
+    for r, (lo, hi) in enumerate(zip(edges, edges[1:])):
+        name = f"r{r:06d}-0000.bin"
+        band = full[lo:hi].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        blob = bytes(range(100)) + band
+        loc = Location(file=name, offset=100, length=len(band), raw_length=len(band), xxh3=xxh3_hex(band))
+        if flat:
+            chunks.append(FlatChunk(rank=r, start=lo * cols, length=(hi - lo) * cols, location=loc))
+        else:
+            chunks.append(BoxChunk(rank=r, offsets=[lo, 0], sizes=[hi - lo, cols], location=loc))
+        d = StreamDigest(BLOCK)
+        d.update(blob)
+        whole, blocks = d.finish()
+        files[name] = FileEntry(size=len(blob), xxh3=whole, block_size=BLOCK, blocks=blocks)
+        data[name] = blob
+    t = TensorEntry(name="model.w", shape=[rows, cols], dtype=str(dtype).removeprefix("torch."), group="model",
+                    chunks=chunks)
+    m = Manifest(run="r", name="1", session="s" * 8, created_at=datetime.now(timezone.utc),
+                 topology=Topology(world_size=len(chunks)), tensors=[t], files=files)
+    return m, data, full
+
+
+def _pieces(blob: bytes, cuts: list[int]):
+    edges = [0, *sorted(c % (len(blob) + 1) for c in cuts), len(blob)]
+    return [blob[a:b] for a, b in zip(edges, edges[1:]) if b > a]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_direct_scatter_equals_buffered_copy(data):
+    rows, cols = data.draw(st.integers(2, 40)), data.draw(st.integers(1, 300))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, rows - 1), max_size=4))))
+    flat = data.draw(st.booleans())
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64]))
+    m, files, full = _manifest(rows, cols, cuts, flat, dtype)
+    lo = data.draw(st.integers(0, rows - 1))
+    hi = data.draw(st.integers(lo + 1, rows))
+    plan = plan_reads(m, [ReadRequest(name="model.w", offsets=[lo, 0], sizes=[hi - lo, cols])])
+    direct_out = torch.zeros(hi - lo, cols, dtype=dtype)
+    buffered_out = torch.zeros(hi - lo, cols, dtype=dtype)
+    for i, f in enumerate(plan.fetches):
+        copies = [c for c in plan.copies if c.fetch == i]
+        blob = files[f.file][f.start:f.end]
+        targets = direct_targets(copies, [Destination(direct_out, [rows, cols], box_offsets=[lo, 0])])
+        assert targets is not None  # row bands into a row band: always direct
+        got = scatter(_pieces(blob, data.draw(st.lists(st.integers(0, 10**6), max_size=6))), f, targets)
+        assert got == f.end - f.start
+        verify_fetch(blob, f)
+        for c in copies:
+            copy_into(bytearray(blob), c, Destination(buffered_out, [rows, cols], box_offsets=[lo, 0]))
+    assert torch.equal(direct_out, buffered_out)
+    assert torch.equal(direct_out, full[lo:hi])
+
+
+def test_every_block_is_checked_on_the_stream_including_skipped_bytes():
+    m, files, _ = _manifest(64, 128, [20, 41], flat=False, dtype=torch.float32)
+    plan = plan_reads(m, [ReadRequest(name="model.w", offsets=[30, 0], sizes=[20, 128])])
+    f = plan.fetches[0]
+    blob = bytearray(files[f.file][f.start:f.end])
+    for flip in (0, len(blob) - 1):  # a junk byte the copy skips, then the last byte it places
+        bad = bytearray(blob)
+        bad[flip] ^= 0xFF
+        out = torch.zeros(20, 128)
+        targets = direct_targets([c for c in plan.copies if c.fetch == 0], [Destination(out, [64, 128], box_offsets=[30, 0])])
+        with pytest.raises(ChecksumMismatch, match=f"file '{f.file}': bytes"):
+            scatter([bytes(bad)], f, targets)
+
+
+def test_copies_that_need_a_buffer_are_refused():
+    m, _, _ = _manifest(16, 8, [8], flat=False, dtype=torch.float32)
+    # a column slice of the destination is not contiguous: buffered path
+    plan = plan_reads(m, [ReadRequest(name="model.w", offsets=[0, 2], sizes=[16, 4])])
+    out = torch.zeros(16, 4)
+    assert direct_targets(plan.copies, [Destination(out, [16, 8], box_offsets=[0, 2])]) is None
+    # a destination of another dtype (a cast): buffered path
+    plan = plan_reads(m, [ReadRequest(name="model.w", offsets=[0, 0], sizes=[16, 8])])
+    assert direct_targets(plan.copies, [Destination(torch.zeros(16, 8, dtype=torch.float64), [16, 8],
+                                                    box_offsets=[0, 0])]) is None
