@@ -73,6 +73,7 @@ def main() -> None:
         if rank == 0:
             print(f"saved {args.save} from {world} ranks")
     client.close()
+    dist.barrier()  # every rank done with gloo before any tears it down (else a gloo thread can abort at exit)
     dist.destroy_process_group()
 
 

@@ -169,20 +169,22 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
         sink = await run_in_threadpool(sessions.begin_file, run, name, sid, file)
         batch_limit = settings.write_batch_bytes
         pending: asyncio.Future | None = None
-        buf = bytearray()
+        parts: list[bytes] = []  # the body's pieces as uvicorn hands them over: batched, never copied
+        nbytes = 0
         try:
             async for piece in request.stream():
-                buf += piece
-                if len(buf) >= batch_limit:
+                parts.append(piece)
+                nbytes += len(piece)
+                if nbytes >= batch_limit:
                     if pending is not None:
                         await pending
-                    data, buf = buf, bytearray()  # hand the batch over, no copy
-                    pending = asyncio.ensure_future(run_in_threadpool(sink.write, data))
+                    pending = asyncio.ensure_future(run_in_threadpool(sink.write_parts, parts))
+                    parts, nbytes = [], 0
                     crash_point("upload-mid-stream")
             if pending is not None:
                 await pending
-            if buf:
-                await run_in_threadpool(sink.write, buf)
+            if parts:
+                await run_in_threadpool(sink.write_parts, parts)
             declared = request.headers.get("content-length")
             if declared is not None and int(declared) != sink.size:
                 raise InvalidRequest(f"file {file!r}: received {sink.size} of {declared} bytes", file=file)

@@ -42,6 +42,11 @@ class Writer(ABC):
     @abstractmethod
     def write(self, data: bytes | memoryview) -> None: ...
 
+    def write_parts(self, parts: list[bytes]) -> None:
+        """Append several pieces; backends that can gather them in one call override this."""
+        for p in parts:
+            self.write(p)
+
     @abstractmethod
     def commit(self) -> None:
         """Make the object durable and visible (replacing any previous one)."""

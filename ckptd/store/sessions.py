@@ -65,6 +65,12 @@ class FileSink:
         self._digest.update(data)
         self._writer.write(data)
 
+    def write_parts(self, parts: list[bytes]) -> None:
+        """Several pieces in one call (one ``writev`` on local disks): no copy into a batch buffer."""
+        for p in parts:
+            self._digest.update(p)
+        self._writer.write_parts(parts)
+
     def finish(self, declared_xxh3: str | None) -> UploadResult:
         digest, blocks = self._digest.finish()
         if declared_xxh3 is not None and declared_xxh3.lower() != digest:
