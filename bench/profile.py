@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
 
-from bench._report import write_report  # noqa: E402
+from bench._report import git_state, write_report  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 PY = sys.executable
@@ -480,10 +480,10 @@ def _proc_cpu(pid: int) -> float:
 
 
 def _evict_root(root: Path) -> int:
-    from bench.verify import evict
+    from bench._disk import evict
 
     os.sync()
-    return evict([Path(d) / f for d, _, fs in os.walk(root) for f in fs])
+    return evict([root])
 
 
 def _last_json(text: str) -> dict | None:
@@ -491,16 +491,6 @@ def _last_json(text: str) -> dict | None:
 
     lines = [ln for ln in text.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1]) if lines else None
-
-
-def _git_state() -> dict:
-    """The commit and the files changed in the working tree when this ran (others edit it concurrently)."""
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--short", "--untracked-files=no").splitlines()}
 
 
 # -- report -------------------------------------------------------------------------------------------
@@ -682,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
                        "pyspy": subprocess.run([pyspy_bin(), "--version"], capture_output=True,
                                                text=True).stdout.strip(),
                        "categories": [[n, w, rx] for n, w, rx in CATEGORIES]},
-            "git": _git_state(),
+            "git": git_state(),
             "machine": describe_machine(work), "loadavg_at_start": loads,
             "workloads": workloads, "wall_s": time.perf_counter() - t_start, "loadavg_at_end": os.getloadavg(),
         }

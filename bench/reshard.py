@@ -72,8 +72,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
 
-# reused from the save/load benchmark: the deterministic values, machine description, page-cache eviction, VmHWM
-from bench.save_load import _pattern, describe_machine, evict, vm_status  # noqa: E402
+# reused from the save/load benchmark: the deterministic values, machine description, VmHWM
+from bench._disk import evict  # noqa: E402
+from bench.save_load import _pattern, describe_machine, vm_status  # noqa: E402
 from support import ServerProcess, run_ranks  # noqa: E402  (tests/support.py)
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -241,9 +242,9 @@ def disk_ceiling(work: Path, nbytes: int) -> dict:
 
         os.sync()
         out[f"write_gbps_{n}t"] = n * per / parallel(write, n) / 1e9
-        _evict_files(src)
+        evict(src)
         out[f"read_gbps_{n}t"] = n * per / parallel(read, n) / 1e9
-        _evict_files(src)
+        evict(src)
         out[f"copy_gbps_{n}t"] = n * per / parallel(copy, n) / 1e9  # source bytes per second
         for p in src + dst:
             p.unlink()
@@ -259,16 +260,6 @@ def combine_ceilings(start: dict, end: dict) -> dict:
     r, w = max(start["read_gbps"], end["read_gbps"]), max(start["write_gbps"], end["write_gbps"])
     return {"read_gbps": r, "write_gbps": w, "copy_gbps": max(start["copy_gbps"], end["copy_gbps"]),
             "convert_ceiling_gbps": 1 / (1 / r + 1 / w), "start": start, "end": end}
-
-
-def _evict_files(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _evict(paths: list[Path]) -> int:

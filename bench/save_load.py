@@ -52,6 +52,7 @@ import xxhash
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from bench._disk import evict  # noqa: E402
 from bench._report import write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -218,23 +219,6 @@ def _sum_over_ranks(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
-
-
-def evict(paths: list[Path]) -> int:
-    """Drop the (clean, fsynced) page-cache pages of every file under ``paths``; return bytes evicted."""
-    n = 0
-    for root in paths:
-        for dirpath, _, files in os.walk(root):
-            for name in files:
-                p = os.path.join(dirpath, name)
-                fd = os.open(p, os.O_RDONLY)
-                try:
-                    os.fdatasync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    n += os.fstat(fd).st_size
-                finally:
-                    os.close(fd)
-    return n
 
 
 # -- rank jobs (spawned; module-level so they pickle) ------------------------------------------------

@@ -56,7 +56,8 @@ from typing import Any
 
 import torch
 
-from bench._report import write_report
+from bench._disk import evict
+from bench._report import git_state, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
@@ -116,20 +117,6 @@ def data_files(root: Path) -> tuple[list[Path], int, Any]:
 
 
 # -- the measurements -------------------------------------------------------------------------------
-
-def evict(paths: list[Path]) -> int:
-    """Drop the page-cache pages of ``paths`` (written back first); return the bytes evicted."""
-    n = 0
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            n += os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    return n
-
 
 def resident_fraction(paths: list[Path]) -> float | None:
     """Fraction of the files' pages in the page cache now (``mincore``), or None where unavailable."""
@@ -266,16 +253,6 @@ def profile_verify(root: Path, files: list[Path], out_dir: Path, rate: int) -> d
             "file": save_collapsed(raw, stacks), "top_self": agg["top_self"],
             "top_cumulative": agg["top_cumulative"], "top_lines": top_lines(stacks, 15),
             "categories": categorize(stacks), "leaf_sources": sources}
-
-
-def _git_state() -> dict:
-    """The commit and the files changed in the working tree when this ran (others edit it concurrently)."""
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--short", "--untracked-files=no").splitlines()}
 
 
 # -- summary ----------------------------------------------------------------------------------------
@@ -423,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                        "chunks": sum(len(t.chunks) for t in manifest.tensors), "workdir": str(work),
                        "client": "CheckpointClient defaults (file_bytes=256 MiB, no compression), world size 1",
                        "verify_read_size": _verify_read_size(), "xxhash": xxhash.VERSION},
-            "git": _git_state(),
+            "git": git_state(),
             "machine": {**machine, "python": platform.python_version()},
             "save_s": saved["save_s"], "startup_s": startup,
             "summary": summarise(repeats, nbytes), "repeats": repeats, "profile": profile,
