@@ -297,7 +297,8 @@ def load_job(rank: int, world: int, cfg: dict) -> dict:
     expected = make_state(cfg["specs"], mesh, fill=True)["model"]
     into_dcp = make_state(cfg["specs"], mesh, fill=False)
     into_ckptd = make_state(cfg["specs"], mesh, fill=False)
-    client = CheckpointClient(cfg["url"])
+    client = CheckpointClient(cfg["url"])  # direct reads: the service's files are on this host
+    http_client = CheckpointClient(cfg["url"], direct_reads=False)  # every byte through the service
 
     def check(sd: dict, what: str) -> None:
         for name, want in expected.items():
@@ -309,17 +310,19 @@ def load_job(rank: int, world: int, cfg: dict) -> dict:
             t.to_local().fill_(float("nan"))
 
     repeats = []
+    ways = ("dcp", "ckptd", "ckptd_http")
     for r in range(cfg["repeat"]):
         rec: dict[str, Any] = {}
         for cache in ("cold", "warm"):
-            if cache == "cold":
-                if rank == 0:
-                    rec["evicted_bytes"] = evict([Path(cfg["dcp_dir"]) / f"r{r}",
-                                                  Path(cfg["root"]) / "runs" / "bench" / str(r)])
-                dist.barrier()
-            order = ("dcp", "ckptd") if r % 2 == 0 else ("ckptd", "dcp")
+            order = ways[r % 3:] + ways[:r % 3]  # rotate who goes first
             for which in order:
-                reset(into_dcp if which == "dcp" else into_ckptd)
+                if cache == "cold":  # before each load: ckptd's two ways read the same files
+                    if rank == 0:
+                        rec[f"evicted_bytes_{which}"] = evict([Path(cfg["dcp_dir"]) / f"r{r}",
+                                                               Path(cfg["root"]) / "runs" / "bench" / str(r)])
+                    dist.barrier()
+                into = into_dcp if which == "dcp" else into_ckptd
+                reset(into)
                 dist.barrier()
                 cpu0 = _own_cpu()
                 srv0 = _proc_cpu(cfg["server_pid"]) if rank == 0 else (0.0, 0.0)
@@ -327,24 +330,26 @@ def load_job(rank: int, world: int, cfg: dict) -> dict:
                 if which == "dcp":
                     dcp.load(into_dcp, checkpoint_id=os.path.join(cfg["dcp_dir"], f"r{r}"))
                 else:
-                    client.load(into_ckptd, f"bench/{r}")
+                    rep = (client if which == "ckptd" else http_client).load(into_ckptd, f"bench/{r}")
+                    rec[f"{which}_{cache}_direct_fraction"] = rep.bytes_read_direct / max(1, rep.bytes_read)
                 dist.barrier()
                 t = time.perf_counter() - t0
                 cpu = sum(b - a for a, b in zip(cpu0, _own_cpu()))
                 srv = sum(b - a for a, b in zip(srv0, _proc_cpu(cfg["server_pid"]))) if rank == 0 else 0.0
-                if which == "ckptd":
-                    rec[f"ckptd_{cache}_phases"] = probe.take(t0)
+                if which != "dcp":
+                    rec[f"{which}_{cache}_phases"] = probe.take(t0)
                 cpu_sum, srv = _sum_over_ranks([cpu, srv])
                 rec[f"{which}_{cache}_load_s"] = _max_over_ranks([t])[0]
                 rec[f"{which}_{cache}_load_ranks_cpu_s"] = cpu_sum
-                if which == "ckptd":
-                    rec[f"ckptd_{cache}_load_server_cpu_s"] = srv
+                if which != "dcp":
+                    rec[f"{which}_{cache}_load_server_cpu_s"] = srv
+                    check(into_ckptd, f"{which} load repeat {r} ({cache})")
             check(into_dcp, f"dcp.load repeat {r} ({cache})")
-            check(into_ckptd, f"ckptd load repeat {r} ({cache})")
-            for name in expected:  # the two loads agree bit for bit
+            for name in expected:  # the loads agree bit for bit
                 assert torch.equal(into_dcp["model"][name].to_local(), into_ckptd["model"][name].to_local())
         repeats.append(rec)
     client.close()
+    http_client.close()
     expected.clear()  # free the main state before the other sizes
     del into_dcp, into_ckptd
     for ex in cfg["extra"]:
@@ -509,6 +514,14 @@ def summarise(save: dict, load: dict, nbytes: int) -> dict:
                     f"dcp_{cache}_load_ranks_cpu_s": _med([r[f"dcp_{cache}_load_ranks_cpu_s"] for r in lr]),
                     f"ckptd_{cache}_load_ranks_cpu_s": _med([r[f"ckptd_{cache}_load_ranks_cpu_s"] for r in lr]),
                     f"ckptd_{cache}_load_server_cpu_s": _med([r[f"ckptd_{cache}_load_server_cpu_s"] for r in lr])})
+        h = _med([r[f"ckptd_http_{cache}_load_s"] for r in lr])  # the same load with direct_reads=False
+        out.update({f"ckptd_http_{cache}_load_s": h, f"ckptd_http_{cache}_load_gbps": gb / h,
+                    f"load_{cache}_http_throughput_ratio": d / h,
+                    **{f"{w}_{cache}_direct_fraction": _med([r[f"{w}_{cache}_direct_fraction"] for r in lr])
+                       for w in ("ckptd", "ckptd_http")},
+                    f"ckptd_http_{cache}_load_ranks_cpu_s": _med([r[f"ckptd_http_{cache}_load_ranks_cpu_s"] for r in lr]),
+                    f"ckptd_http_{cache}_load_server_cpu_s": _med(
+                        [r[f"ckptd_http_{cache}_load_server_cpu_s"] for r in lr])})
     out["load_throughput_ratio"] = out["load_cold_throughput_ratio"]
     # Where ckptd's save time goes: median over repeats of each phase (seconds, the slower rank's).
     keys = ("stall", "snapshot", "open_session", "pack_hash", "put_file_span", "put_file_n", "put_index",
@@ -526,8 +539,9 @@ def summarise(save: dict, load: dict, nbytes: int) -> dict:
     out["save_phases_s"] = {k: _med([max(p.get(k, 0.0) for p in r["ckptd_phases_by_rank"]) for r in sr])
                             for k in keys}
     lkeys = ("manifest", "read_plan", "get_range_span", "get_range_n", "fetch_verify", "fetch_copy_total")
-    out["load_phases_s"] = {c: {k: _med([max(p.get(k, 0.0) for p in r[f"ckptd_{c}_phases_by_rank"]) for r in lr])
-                                for k in lkeys} for c in ("cold", "warm")}
+    out["load_phases_s"] = {f"{w}_{c}": {k: _med([max(p.get(k, 0.0) for p in r[f"{w}_{c}_phases_by_rank"])
+                                                 for r in lr]) for k in lkeys}
+                            for w in ("ckptd", "ckptd_http") for c in ("cold", "warm")}
     out["goals_met"] = {
         "save_throughput_ratio>=1.5": out["save_throughput_ratio"] >= GOALS["save_throughput_ratio"],
         "stall_ratio<=0.1": out["stall_ratio"] <= GOALS["stall_ratio"],
@@ -565,6 +579,10 @@ def markdown(res: dict) -> str:
         ("load at world size 3, warm page cache", f"{s['ckptd_warm_load_s']:.2f} s = "
          f"{s['ckptd_warm_load_gbps']:.2f} GB/s", f"{s['dcp_warm_load_s']:.2f} s = {s['dcp_warm_load_gbps']:.2f} GB/s",
          f"throughput ratio {s['load_warm_throughput_ratio']:.2f}", ">= 1.5"),
+        *((f"same, {c}, `direct_reads=False` (every byte through the service)",
+           f"{s[f'ckptd_http_{c}_load_s']:.2f} s = {s[f'ckptd_http_{c}_load_gbps']:.2f} GB/s",
+           f"{s[f'dcp_{c}_load_s']:.2f} s", f"throughput ratio {s[f'load_{c}_http_throughput_ratio']:.2f}", "")
+          for c in ("cold", "warm")),
     ]
     lines = [f"{mib:.0f} MiB fp32 state, save on 2 ranks, load on 3, median of {cfg['repeat']} repeats:", "",
              "| measure | ckptd | DCP | ratio | goal |", "| --- | --- | --- | --- | --- |"]
@@ -585,7 +603,8 @@ def markdown(res: dict) -> str:
               f"server {s['server_user_s']:.2f}+{s['server_sys_s']:.2f}"]
     lines += ["CPU seconds during one load at world size 3 (all ranks summed): " + "; ".join(
         f"{c}: DCP {s[f'dcp_{c}_load_ranks_cpu_s']:.2f}, ckptd ranks {s[f'ckptd_{c}_load_ranks_cpu_s']:.2f} + "
-        f"server {s[f'ckptd_{c}_load_server_cpu_s']:.2f}" for c in ("cold", "warm"))]
+        f"server {s[f'ckptd_{c}_load_server_cpu_s']:.2f} (HTTP: ranks {s[f'ckptd_http_{c}_load_ranks_cpu_s']:.2f} + "
+        f"server {s[f'ckptd_http_{c}_load_server_cpu_s']:.2f})" for c in ("cold", "warm"))]
     b = res["baselines"]
     lines += ["", "baselines: " + ", ".join(f"{k}={v:.2f}" for k, v in b.items())]
     return "\n".join(lines)
@@ -657,7 +676,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers:
             s.stop()
         save = _merge_rank_records(save_records, ("ckptd_phases",))
-        load = _merge_rank_records(load_records, ("ckptd_cold_phases", "ckptd_warm_phases"))
+        load = _merge_rank_records(load_records, ("ckptd_cold_phases", "ckptd_warm_phases",
+                                                  "ckptd_http_cold_phases", "ckptd_http_warm_phases"))
         same_disk = len({os.stat(p).st_dev for p in (dcp_dir, root, work)}) == 1
         result = {
             "command": "python -m bench.save_load " + " ".join(sys.argv[1:] if argv is None else argv),

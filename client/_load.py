@@ -13,6 +13,9 @@ Call order inside :meth:`CheckpointClient.load`:
    bands, raw, same dtype, CPU) the response is scattered straight into the
    destination tensors as it arrives (``_direct``); otherwise the fetch is
    buffered, decoded, and each overlap copied with one strided view per side.
+   When the plan names the service's own file paths and this host can open
+   them (same host, shared filesystem), the bytes are read from the files
+   instead of over HTTP (``_files``), with the same checks and an HTTP retry.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import xxhash
 from ckptd_schemas import ChecksumMismatch, Manifest, ObjectEntry, ReadPlan, ReadRequest, StateDictMismatch
 
 from ._direct import direct_targets, scatter
+from ._files import LocalFiles
 from ._flatten import Leaf, flatten_state_dict
 from ._http import Transport
 from ._layout import LocalPiece, dtype_name, local_piece
@@ -48,6 +52,7 @@ class LoadReport:
     missing: list[str] = field(default_factory=list)      # in the state dict, not in the checkpoint
     unexpected: list[str] = field(default_factory=list)   # in the checkpoint, not in the state dict
     bytes_read: int = 0
+    bytes_read_direct: int = 0  # of bytes_read, read from the service's files on this host (not HTTP)
 
 
 def _check(leaf: Leaf, piece: LocalPiece, manifest: Manifest) -> None:
@@ -118,7 +123,7 @@ def _load_object(transport: Transport, base: str, o: ObjectEntry) -> Any:
 
 
 def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, rank: int, strict: bool,
-              streams: int) -> LoadReport:
+              streams: int, direct_reads: bool = True) -> LoadReport:
     raw = transport.request("GET", f"/v1/checkpoints/{run}/{name}", sink=lambda r: r.read())
     manifest = Manifest.model_validate_json(raw)
     base = f"/v1/checkpoints/{run}/{manifest.name}"
@@ -153,9 +158,20 @@ def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, ra
         report.tensors.append(leaf.fqn)
 
     if pieces:
-        body = {"requests": [_request(leaf.fqn, p).model_dump(exclude_none=True) for leaf, p in pieces]}
+        body: dict[str, Any] = {"requests": [_request(leaf.fqn, p).model_dump(exclude_none=True)
+                                             for leaf, p in pieces]}
+        if direct_reads:
+            body["local_paths"] = True
         plan = ReadPlan.model_validate(transport.request("POST", f"{base}/read-plan", json=body))
-        _execute(transport, base, plan, pieces, streams)
+        files = None
+        if plan.local_paths:
+            files = LocalFiles(plan.local_paths, {k: e.size for k, e in manifest.files.items()})
+        try:
+            _execute(transport, base, plan, pieces, streams, files)
+        finally:
+            if files is not None:
+                files.close()
+                report.bytes_read_direct = files.bytes_read
         report.bytes_read = plan.bytes_to_read
 
     for leaf in leaves:
@@ -183,21 +199,35 @@ def _destination(piece: LocalPiece) -> Destination:
 
 
 def _execute(transport: Transport, base: str, plan: ReadPlan, pieces: list[tuple[Leaf, LocalPiece]],
-             streams: int) -> None:
+             streams: int, files: LocalFiles | None = None) -> None:
     by_fetch: dict[int, list] = {}
     for c in plan.copies:
         by_fetch.setdefault(c.fetch, []).append(c)
     dests = [_destination(p) for _, p in pieces]
 
-    def run(i: int) -> None:
-        copies = by_fetch.get(i, [])
-        targets = direct_targets(copies, dests)
+    def fill(f: Any, copies: list, targets: list | None, from_files: bool) -> None:
         if targets is not None:  # row bands into row bands: no buffer, no second copy
-            _fetch_direct(transport, base, plan.fetches[i], targets)
+            if from_files:
+                files.scatter(f, targets)  # type: ignore[union-attr]
+            else:
+                _fetch_direct(transport, base, f, targets)
             return
-        buf = _fetch(transport, base, plan.fetches[i])
+        buf = files.fetch(f) if from_files else _fetch(transport, base, f)  # type: ignore[union-attr]
         for c in copies:
             copy_into(buf, c, dests[c.request])
+
+    def run(i: int) -> None:
+        f, copies = plan.fetches[i], by_fetch.get(i, [])
+        targets = direct_targets(copies, dests)
+        if files is not None and files.usable(f.file):
+            try:
+                fill(f, copies, targets, True)
+                return
+            except ChecksumMismatch:
+                fill(f, copies, targets, False)  # raises if the service's bytes are bad too
+                files.disable()  # HTTP passed: this host's file at that path is not the service's
+                return
+        fill(f, copies, targets, False)
 
     if streams > 1 and len(plan.fetches) > 1:
         with ThreadPoolExecutor(min(streams, len(plan.fetches)), thread_name_prefix="ckptd-load") as pool:

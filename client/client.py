@@ -62,12 +62,17 @@ class CheckpointClient:
             size it to what this rank writes. ``None``: fresh memory per save, freed after its upload.
             The buffer serves one save at a time: a save while the previous one still uploads, or
             chunks that do not fit, use fresh memory (see ``ckptd_client._pool``). Freed by ``close()``.
+        direct_reads: when the service's root is a local directory that this host can open (same
+            host, or a shared filesystem mounted at the same path), ``load`` reads the data files
+            itself instead of through HTTP, verifying the same block digests; a file it cannot open,
+            or bytes that fail their digests there but pass over HTTP, fall back to HTTP
+            (``ckptd_client._files``). ``False``: always HTTP.
     """
 
     def __init__(self, url: str | Sequence[str] | None = None, *, token: str | None = None,
                  compression: str | CompressionPolicy | None = None, streams: int = 4,
                  file_bytes: int = 256 << 20, retry_seconds: float = 120.0, timeout: float = 300.0,
-                 snapshot_bytes: int | None = None) -> None:
+                 snapshot_bytes: int | None = None, direct_reads: bool = True) -> None:
         self.url = url or os.environ.get("CKPTD_URL", DEFAULT_URL)
         self.compression = compression
         self._codec = compression_of(compression)  # one policy per client: it learns across saves
@@ -80,6 +85,7 @@ class CheckpointClient:
         self._pending: list[SaveHandle] = []  # saves whose outcome nobody has seen yet
         self._lock = threading.Lock()
         self.snapshot_pool = SnapshotPool(snapshot_bytes) if snapshot_bytes else None
+        self.direct_reads = direct_reads
 
     # -- save ------------------------------------------------------------------
     def save(self, state_dict: dict, ref: str, *, step: int | None = None) -> SaveHandle:
@@ -127,7 +133,7 @@ class CheckpointClient:
         r = parse_ref(ref)
         rank, _ = rank_and_world()
         return load_into(self._transport, r.run, r.name, state_dict, rank=rank, strict=strict,
-                         streams=self.streams)
+                         streams=self.streams, direct_reads=self.direct_reads)
 
     # -- torch.distributed.checkpoint ------------------------------------------------
     def dcp_writer(self, ref: str) -> "CkptdStorageWriter":

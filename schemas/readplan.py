@@ -91,6 +91,10 @@ class Copy(_Body):
 class ReadPlan(_Body):
     fetches: list[Fetch]
     copies: list[Copy]
+    local_paths: dict[str, str] | None = Field(
+        None, description="each fetched file's absolute path on the service's filesystem, when the request "
+        "asked for them and the service's root is a local directory: a reader that can open them (same host, "
+        "shared filesystem) may read the bytes itself, verifying the same block digests")
 
     @property
     def bytes_to_read(self) -> int:

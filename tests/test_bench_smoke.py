@@ -25,8 +25,11 @@ def test_bench_save_load_runs_small(tmp_path):
     res = json.loads(out.read_text())
     s = res["summary"]
     for key in ("save_throughput_ratio", "stall_ratio", "stall_vs_async_ratio", "load_cold_throughput_ratio",
-                "load_warm_throughput_ratio"):
+                "load_warm_throughput_ratio", "load_cold_http_throughput_ratio", "load_warm_http_throughput_ratio"):
         assert s[key] > 0, key
+    # the default load reads the service's files on this host; the other way goes through HTTP
+    assert s["ckptd_cold_direct_fraction"] == 1.0 and s["ckptd_http_cold_direct_fraction"] == 0.0
+    assert s["load_phases_s"]["ckptd_http_cold"]["get_range_n"] > 0 and s["load_phases_s"]["ckptd_cold"]["get_range_n"] == 0
     assert res["config"]["same_filesystem"] and res["config"]["snapshot_bytes"] == 9 << 20
     assert s["save_phases_s"]["snapshot"] > 0 and s["save_phases_s"]["put_file_span"] > 0  # the probe still hooks in
     assert len(res["server_rss"]) == 3  # main + the two --rss-mib sizes (default mib/4 and mib*2)

@@ -42,6 +42,7 @@ from .. import __version__
 from ..storage import Storage, open_storage
 from ..store import CheckpointReader
 from ..store.faults import crash_point
+from ..store.layout import Paths
 from .auth import ROUTE_RULES, AccessMiddleware, TokenStore, authorize, check_routes, iter_routes, principal_of
 from .errors import install_error_handlers
 from .logs import RequestContextMiddleware
@@ -58,6 +59,7 @@ log = logging.getLogger("ckptd.service")
 class ReadPlanBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     requests: list[ReadRequest]
+    local_paths: bool = False  # also answer with each file's path here (direct reads, see ReadPlan)
 
 
 def _parse_range(header: str | None, size: int) -> tuple[int, int]:
@@ -260,12 +262,19 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
         raw = await run_in_threadpool(reader.manifest_bytes, run, manifest.name)
         return Response(raw, media_type="application/json", headers={"X-Ckptd-Name": manifest.name})
 
-    @app.post("/v1/checkpoints/{run}/{name}/read-plan", response_model=ReadPlan, tags=["read"])
+    @app.post("/v1/checkpoints/{run}/{name}/read-plan", response_model=ReadPlan, tags=["read"],
+              response_model_exclude_none=True)  # no local_paths key unless offered: older clients parse it
     async def read_plan(request: Request, run: str, name: str) -> ReadPlan:
         raw = await _read_body_limited(request, settings.max_index_bytes)
         body = _parse_body(ReadPlanBody, raw, "read-plan request")
         manifest = await run_in_threadpool(reader.manifest, run, name)
-        return await run_in_threadpool(plan_reads, manifest, body.requests)
+        plan = await run_in_threadpool(plan_reads, manifest, body.requests)
+        if body.local_paths and settings.direct_reads:
+            paths = {f.file: storage.local_path(Paths.file(run, manifest.name, manifest.session, f.file))
+                     for f in plan.fetches}
+            if all(paths.values()):
+                plan.local_paths = paths  # type: ignore[assignment]
+        return plan
 
     @app.get("/v1/checkpoints/{run}/{name}/files/{file}", tags=["read"],
              responses={206: {"description": "partial content"}})

@@ -50,6 +50,10 @@ class Settings(BaseSettings):
     insecure_open: bool = Field(
         False, description="serve without tokens on a non-loopback address (anyone who can reach it may read "
                            "and write)")
+    direct_reads: bool = Field(
+        True, description="when the root is a local directory, give loading clients each data file's path so that "
+        "ranks on this host (or on a shared filesystem mounted at the same path) read the bytes themselves, with "
+        "the same block checks, instead of through HTTP")
     max_header_bytes: int = Field(64 << 10, description="largest accepted request line plus headers (431 beyond)")
 
 

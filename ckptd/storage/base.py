@@ -13,6 +13,9 @@ Keys are ``/``-separated paths relative to the storage root. Primitives:
   writer wins): the commit marker's primitive.
 * :meth:`Storage.delete` and :meth:`Storage.delete_tree`.
 
+Optional: :meth:`Storage.local_path` (None unless the key is a file on this host) lets the
+service offer direct reads to clients that share its filesystem.
+
 Errors from the backend surface as :class:`ckptd_schemas.StorageError`
 naming the key.
 """
@@ -130,6 +133,11 @@ class Storage(ABC):
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
+
+    def local_path(self, key: str) -> str | None:
+        """An absolute path that opens ``key`` on this host, or None (an object store): offered to
+        loading clients for direct reads (``ReadPlan.local_paths``)."""
+        return None
 
     def read_json(self, key: str) -> Any:
         try:

@@ -152,6 +152,9 @@ class LocalStorage(Storage):
         except OSError as e:
             raise _storage_error("read", key, e) from e
 
+    def local_path(self, key: str) -> str | None:
+        return str(self._path(key))
+
     def size(self, key: str) -> int | None:
         try:
             st = self._path(key).stat()

@@ -1,0 +1,129 @@
+"""Direct reads: a load reads the service's data files itself when this host can open them.
+
+When the service's root is a local directory (and ``CKPTD_DIRECT_READS`` is on), a read plan
+asked for with ``local_paths`` names each data file's path on the service's filesystem. A rank
+on the same host, or on a shared filesystem mounted at the same path, then reads its ranges with
+``preadv`` straight into the destination tensors: no HTTP hop, no server CPU, no copy through a
+socket. Every block digest is checked exactly as on the HTTP path. The service stays in charge of
+*what* is read (the ref, the read lease, the plan); only the bytes travel differently.
+
+Fallbacks, so that a direct read never fails a load that HTTP would pass:
+
+* a path that cannot be opened, or whose size differs from the manifest's, is not used;
+* a fetch whose digests fail on the direct path is fetched again over HTTP; if that passes, the
+  local file is not the service's (another file at the same path on this host) and direct reads
+  stop for the rest of the load. If HTTP fails too, the checkpoint is corrupt: its error is raised.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Mapping
+
+from ckptd_schemas import ChecksumMismatch, Fetch
+
+from ._direct import BlockVerifier, Target
+
+__all__ = ["LocalFiles", "READ_SIZE"]
+
+#: Bytes per ``preadv``: no larger than a typical read-ahead window (so the kernel keeps reading
+#: ahead while a piece is hashed) and small enough that the block hash finds it in cache.
+READ_SIZE = 4 << 20
+
+
+class LocalFiles:
+    """The data files of one checkpoint, opened on first use and shared by the fetch threads."""
+
+    def __init__(self, paths: Mapping[str, str], sizes: Mapping[str, int]) -> None:
+        self._paths = dict(paths)
+        self._sizes = dict(sizes)
+        self._fds: dict[str, int | None] = {}
+        self._lock = threading.Lock()
+        self._scratch = threading.local()
+        self.enabled = True
+        self.bytes_read = 0
+
+    def usable(self, file: str) -> bool:
+        return self.enabled and self._fd(file) is not None
+
+    def disable(self) -> None:
+        """Stop reading directly (the local files turned out not to be the service's)."""
+        self.enabled = False
+
+    def _fd(self, file: str) -> int | None:
+        with self._lock:
+            if file not in self._fds:
+                self._fds[file] = self._open(file)
+            return self._fds[file]
+
+    def _open(self, file: str) -> int | None:
+        path = self._paths.get(file)
+        if not path or not os.path.isabs(path):
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return None  # not on this host, or no permission: HTTP serves it
+        if os.fstat(fd).st_size != self._sizes.get(file):
+            os.close(fd)
+            return None
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead window
+        return fd
+
+    def _read(self, fd: int, f: Fetch, at: int, view: memoryview, check: BlockVerifier) -> None:
+        """Fill ``view`` from byte ``at`` of the fetch, hashing each piece as it lands."""
+        got = 0
+        while got < len(view):
+            piece = view[got:got + READ_SIZE]
+            n = os.preadv(fd, [piece], f.start + at + got)
+            if n <= 0:
+                raise ChecksumMismatch(f"file {f.file!r}: ends before byte {f.start + at + got} "
+                                       f"(the read plan asks for [{f.start}, {f.end}))", file=f.file)
+            check.update(piece[:n])
+            got += n
+        with self._lock:
+            self.bytes_read += got
+
+    def _gap(self, n: int) -> memoryview:
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None:
+            buf = self._scratch.buf = memoryview(bytearray(READ_SIZE))
+        return buf[:n]
+
+    def _start(self, f: Fetch) -> int:
+        fd = self._fd(f.file)
+        assert fd is not None
+        if hasattr(os, "posix_fadvise"):  # queue the whole range now: the disk works while we hash
+            os.posix_fadvise(fd, f.start, f.end - f.start, os.POSIX_FADV_WILLNEED)
+        return fd
+
+    def scatter(self, f: Fetch, targets: list[Target]) -> None:
+        """Read the fetch into its targets (sorted, disjoint byte runs of the fetch); the bytes
+        between them go through a small scratch buffer, only to be hashed."""
+        fd = self._start(f)
+        check = BlockVerifier(f)
+        pos = 0
+        for lo, hi, dst in [*targets, (check.size, check.size, memoryview(b""))]:
+            while pos < lo:
+                gap = self._gap(min(lo - pos, READ_SIZE))
+                self._read(fd, f, pos, gap, check)
+                pos += len(gap)
+            if hi > lo:
+                self._read(fd, f, lo, dst, check)
+                pos = hi
+
+    def fetch(self, f: Fetch) -> bytearray:
+        """The fetch's bytes in a fresh buffer, every block verified."""
+        fd = self._start(f)
+        buf = bytearray(f.end - f.start)
+        self._read(fd, f, 0, memoryview(buf), BlockVerifier(f))
+        return buf
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                if fd is not None:
+                    os.close(fd)
+            self._fds.clear()
