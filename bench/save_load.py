@@ -5,7 +5,8 @@
 What one run does (see BENCHMARKS.md for the results and how to read them):
 
 1. Machine baselines in this process: durable disk writes (two writers, write +
-   fsync, the ceiling for both systems), XXH3 and memcpy speed.
+   fsync, the ceiling for both systems; measured again at the end, the better
+   of the two bounds every save ratio), XXH3 and memcpy speed.
 2. Starts real ``ckptd serve`` processes (tests/support.py ``ServerProcess``)
    whose roots sit, with the DCP directory, in one work directory (one disk):
    the main server, and one more per ``--rss-mib`` size that only ever sees a
@@ -21,9 +22,12 @@ What one run does (see BENCHMARKS.md for the results and how to read them):
    the two alternates between repeats. Internal client steps are timed from the
    outside by wrapping functions (no code in the client knows about this).
 4. Three gloo ranks (another world size) load every repeat's checkpoint into
-   DTensors on a 3-mesh with ``dcp.load`` and ``CheckpointClient.load``: first
-   cold (pages of both checkpoints evicted with ``posix_fadvise(DONTNEED)``), then
-   warm. Both results are checked bit for bit against the values saved.
+   DTensors on a 3-mesh with ``dcp.load`` and ``CheckpointClient.load``, the
+   latter twice: with direct reads (the default: the ranks share the service's
+   host) and with ``direct_reads=False`` (every byte through HTTP). First cold
+   (pages of both checkpoints evicted with ``posix_fadvise(DONTNEED)`` before
+   each load), then warm. Every result is checked bit for bit against the
+   values saved.
 
 Throughput is the global state size divided by wall time between barriers.
 """
@@ -607,6 +611,9 @@ def markdown(res: dict) -> str:
         f"server {s[f'ckptd_http_{c}_load_server_cpu_s']:.2f})" for c in ("cold", "warm"))]
     b = res["baselines"]
     lines += ["", "baselines: " + ", ".join(f"{k}={v:.2f}" for k, v in b.items())]
+    lines += [f"disk's durable-write ceiling (2 writers, best of start and end) {s['disk_write_ceiling_gbps']:.2f} GB/s: "
+              f"dcp.save reaches {s['dcp_save_vs_ceiling']:.2f} of it, ckptd {s['ckptd_save_vs_ceiling']:.2f}; the "
+              f"highest save ratio this disk allows is {s['save_ratio_possible']:.2f}"]
     return "\n".join(lines)
 
 
@@ -679,6 +686,15 @@ def main(argv: list[str] | None = None) -> int:
         load = _merge_rank_records(load_records, ("ckptd_cold_phases", "ckptd_warm_phases",
                                                   "ckptd_http_cold_phases", "ckptd_http_warm_phases"))
         same_disk = len({os.stat(p).st_dev for p in (dcp_dir, root, work)}) == 1
+        baselines_end = micro_baselines(work, nbytes)
+        summary = summarise(save, load, nbytes)
+        # The disk's durable-write ceiling, best of the start and the end: no save that writes every
+        # byte durably (ckptd or DCP) can beat it, so it bounds the save ratio this disk can show.
+        ceiling = max(baselines["disk_durable_write_2_writers_gbps"], baselines_end["disk_durable_write_2_writers_gbps"])
+        summary.update({"disk_write_ceiling_gbps": ceiling,
+                        "dcp_save_vs_ceiling": summary["dcp_save_gbps"] / ceiling,
+                        "ckptd_save_vs_ceiling": summary["ckptd_committed_gbps"] / ceiling,
+                        "save_ratio_possible": ceiling / summary["dcp_save_gbps"]})
         result = {
             "command": "python -m bench.save_load " + " ".join(sys.argv[1:] if argv is None else argv),
             "config": {"mib": args.mib, "state_bytes": nbytes, "rss_state_mib": other_mibs,
@@ -688,8 +704,8 @@ def main(argv: list[str] | None = None) -> int:
                        "dcp": "dcp.save/dcp.load, FileSystemWriter defaults (sync_files=True, thread_count=1)",
                        "ckptd": "CheckpointClient defaults (streams=4, file_bytes=256 MiB, no compression); "
                                 "server LocalStorage durable (fsync)"},
-            "machine": machine, "baselines": baselines,
-            "summary": summarise(save, load, nbytes),
+            "machine": machine, "baselines": baselines, "baselines_end": baselines_end,
+            "summary": summary,
             "server_rss": rss, "save": save, "load": load,
             "wall_s": time.perf_counter() - t_start, "loadavg_at_end": os.getloadavg(),
         }

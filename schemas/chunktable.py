@@ -41,7 +41,7 @@ _COLUMNS = ("offsets", "sizes", "file", "offset", "length", "xxh3")
 class ChunkColumns(BaseModel):
     """One tensor's chunks as parallel lists (in a manifest ``rank`` is set; in a rank index ``tensor``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
     rank: list[NonNeg] | None = Field(default=None, description="writer rank of each chunk (manifest)")
     tensor: list[NonNeg] | None = Field(default=None, description="position in the index's tensor list (rank index)")

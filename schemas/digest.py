@@ -35,7 +35,7 @@ _B = DIGEST_BLOCK
 
 
 class _M(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
 
 class Edge(_M):

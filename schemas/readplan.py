@@ -31,7 +31,7 @@ __all__ = ["Copy", "Fetch", "ReadPlan", "ReadRequest", "plan_reads"]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
 
 class ReadRequest(_Body):

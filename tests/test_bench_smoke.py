@@ -27,6 +27,7 @@ def test_bench_save_load_runs_small(tmp_path):
     for key in ("save_throughput_ratio", "stall_ratio", "stall_vs_async_ratio", "load_cold_throughput_ratio",
                 "load_warm_throughput_ratio", "load_cold_http_throughput_ratio", "load_warm_http_throughput_ratio"):
         assert s[key] > 0, key
+    assert s["disk_write_ceiling_gbps"] > 0 and s["save_ratio_possible"] > 0  # the bound on any save ratio
     # the default load reads the service's files on this host; the other way goes through HTTP
     assert s["ckptd_cold_direct_fraction"] == 1.0 and s["ckptd_http_cold_direct_fraction"] == 0.0
     assert s["load_phases_s"]["ckptd_http_cold"]["get_range_n"] > 0 and s["load_phases_s"]["ckptd_cold"]["get_range_n"] == 0
