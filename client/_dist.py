@@ -5,11 +5,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["barrier", "broadcast_str", "rank_and_world"]
+__all__ = ["any_rank", "barrier", "broadcast_str", "distributed", "rank_and_world"]
 
 
 def _active() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def distributed() -> bool:
+    """torch.distributed is initialised with more than one rank."""
+    return _active() and dist.get_world_size() > 1
 
 
 def rank_and_world() -> tuple[int, int]:

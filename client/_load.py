@@ -16,6 +16,10 @@ Call order inside :meth:`CheckpointClient.load`:
    When the plan names the service's own file paths and this host can open
    them (same host, shared filesystem), the bytes are read from the files
    instead of over HTTP (``_files``), with the same checks and an HTTP retry.
+4. in a distributed load, regions that several ranks of one host need
+   (replicated tensors) are read by one of them and sent to the others
+   (``_share``); every step that could leave a rank waiting is agreed first,
+   so a failure on one rank raises on all of them instead of hanging.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ import xxhash
 from ckptd_schemas import ChecksumMismatch, Manifest, ObjectEntry, ReadPlan, ReadRequest, StateDictMismatch
 
 from ._direct import direct_targets, scatter
+from ._dist import distributed as _distributed
 from ._files import LocalFiles
+from ._share import Sharing, agree, exchange, region_key, share_plan
 from ._flatten import Leaf, flatten_state_dict
 from ._http import Transport
 from ._layout import LocalPiece, dtype_name, local_piece
@@ -53,6 +59,7 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)   # in the checkpoint, not in the state dict
     bytes_read: int = 0
     bytes_read_direct: int = 0  # of bytes_read, read from the service's files on this host (not HTTP)
+    bytes_shared_in: int = 0  # received from the rank of this host that read them (``_share``)
 
 
 def _check(leaf: Leaf, piece: LocalPiece, manifest: Manifest) -> None:
@@ -123,10 +130,43 @@ def _load_object(transport: Transport, base: str, o: ObjectEntry) -> Any:
 
 
 def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, rank: int, strict: bool,
-              streams: int, direct_reads: bool = True) -> LoadReport:
+              streams: int, direct_reads: bool = True, share_replicas: bool = True) -> LoadReport:
+    share = share_replicas and _distributed()
+    try:
+        manifest, report, leaves, pieces, objects_by_name = _prepare(transport, run, name, state_dict, strict)
+        base = f"/v1/checkpoints/{run}/{manifest.name}"
+        plan = _plan(transport, base, pieces, direct_reads) if pieces else None
+    except Exception as e:
+        if share:
+            agree(e)  # the other ranks must not wait in the collectives below for this one
+        raise
+    if share:
+        agree(None)
+    if pieces or share:  # a rank with nothing to read still takes part in the agreement
+        _read_tensors(transport, base, manifest, pieces, plan, report, streams=streams,
+                      direct_reads=direct_reads, share=share)
+    for leaf in leaves:
+        if leaf.kind == "tensor" or leaf.fqn not in objects_by_name:
+            continue
+        entries = objects_by_name[leaf.fqn]
+        entry = next((o for o in entries if o.rank is None), None) or next(
+            (o for o in entries if o.rank == rank), None)
+        if entry is None:
+            if strict:
+                raise StateDictMismatch(f"object {leaf.fqn!r} was saved per rank for ranks "
+                                        f"{[o.rank for o in entries][:8]}, not for rank {rank}", key=leaf.fqn)
+            report.missing.append(leaf.fqn)
+            continue
+        leaf.container[leaf.key] = _load_object(transport, base, entry)
+        report.objects.append(leaf.fqn)
+    return report
+
+
+def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict: bool
+             ) -> tuple[Manifest, LoadReport, list[Leaf], list[tuple[Leaf, LocalPiece]], dict[str, list[ObjectEntry]]]:
+    """Step 1: the manifest, matched against the state dict; the tensor pieces this rank fills."""
     raw = transport.request("GET", f"/v1/checkpoints/{run}/{name}", sink=lambda r: r.read())
     manifest = Manifest.model_validate_json(raw)
-    base = f"/v1/checkpoints/{run}/{manifest.name}"
     report = LoadReport(ref=manifest.ref)
     leaves = flatten_state_dict(state_dict)
     tensor_leaves = [leaf for leaf in leaves if leaf.kind == "tensor"]
@@ -156,39 +196,56 @@ def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, ra
         if piece.numel:
             pieces.append((leaf, piece))
         report.tensors.append(leaf.fqn)
+    return manifest, report, leaves, pieces, objects_by_name
 
-    if pieces:
-        body: dict[str, Any] = {"requests": [_request(leaf.fqn, p).model_dump(exclude_none=True)
-                                             for leaf, p in pieces]}
-        if direct_reads:
-            body["local_paths"] = True
-        plan = ReadPlan.model_validate(transport.request("POST", f"{base}/read-plan", json=body))
-        files = None
-        if plan.local_paths:
-            files = LocalFiles(plan.local_paths, {k: e.size for k, e in manifest.files.items()})
+
+def _plan(transport: Transport, base: str, pieces: list[tuple[Leaf, LocalPiece]], direct_reads: bool) -> ReadPlan:
+    body: dict[str, Any] = {"requests": [_request(leaf.fqn, p).model_dump(exclude_none=True) for leaf, p in pieces]}
+    if direct_reads:
+        body["local_paths"] = True
+    return ReadPlan.model_validate(transport.request("POST", f"{base}/read-plan", json=body))
+
+
+def _key(leaf: Leaf, p: LocalPiece) -> Any:
+    box = (p.box.offsets, p.box.sizes) if p.box is not None else None
+    return region_key(leaf.fqn, box, p.flat, p.dtype)
+
+
+def _read_tensors(transport: Transport, base: str, manifest: Manifest, pieces: list[tuple[Leaf, LocalPiece]],
+                  plan: ReadPlan | None, report: LoadReport, *, streams: int, direct_reads: bool,
+                  share: bool) -> None:
+    """Step 3 (and 4): agree who reads the regions shared within a host; fetch and verify; pass
+    the shared regions along."""
+    pieces_all = pieces
+    files = None
+    if plan is not None and plan.local_paths:
+        files = LocalFiles(plan.local_paths, {k: e.size for k, e in manifest.files.items()})
+    try:
+        sharing = Sharing()
+        if share:
+            direct = files is not None and all(files.usable(f.file) for f in plan.fetches)  # type: ignore[union-attr]
+            sharing = share_plan({_key(leaf, p): p.numel * p.local.element_size() for leaf, p in pieces}, direct)
+            if sharing.skip:  # another rank of this host reads these for us
+                pieces_read = [(leaf, p) for leaf, p in pieces if _key(leaf, p) not in sharing.skip]
+                plan = _plan(transport, base, pieces_read, direct_reads) if pieces_read else None
+                pieces = pieces_read
+        err: Exception | None = None
         try:
-            _execute(transport, base, plan, pieces, streams, files)
-        finally:
-            if files is not None:
-                files.close()
-                report.bytes_read_direct = files.bytes_read
-        report.bytes_read = plan.bytes_to_read
-
-    for leaf in leaves:
-        if leaf.kind == "tensor" or leaf.fqn not in objects_by_name:
-            continue
-        entries = objects_by_name[leaf.fqn]
-        entry = next((o for o in entries if o.rank is None), None) or next(
-            (o for o in entries if o.rank == rank), None)
-        if entry is None:
-            if strict:
-                raise StateDictMismatch(f"object {leaf.fqn!r} was saved per rank for ranks "
-                                        f"{[o.rank for o in entries][:8]}, not for rank {rank}", key=leaf.fqn)
-            report.missing.append(leaf.fqn)
-            continue
-        leaf.container[leaf.key] = _load_object(transport, base, entry)
-        report.objects.append(leaf.fqn)
-    return report
+            if plan is not None:
+                _execute(transport, base, plan, pieces, streams, files)
+                report.bytes_read = plan.bytes_to_read
+        except Exception as e:
+            err = e
+        if not sharing.empty:  # the receivers must not wait for a reader that failed
+            agree(err)
+        elif err is not None:
+            raise err
+    finally:
+        if files is not None:
+            files.close()
+            report.bytes_read_direct = files.bytes_read
+    if not sharing.empty:
+        report.bytes_shared_in = exchange(sharing, {_key(leaf, p): p.local for leaf, p in pieces_all})
 
 
 def _destination(piece: LocalPiece) -> Destination:

@@ -67,12 +67,17 @@ class CheckpointClient:
             itself instead of through HTTP, verifying the same block digests; a file it cannot open,
             or bytes that fail their digests there but pass over HTTP, fall back to HTTP
             (``ckptd_client._files``). ``False``: always HTTP.
+        share_replicas: in a distributed load, a region that several ranks of one host need (plain
+            replicated tensors, ``Replicate`` DTensor copies) is read by one of them and sent to the
+            others over torch.distributed, unless all of that host's ranks read the service's files
+            directly (the page cache already shares them). Must be the same on every rank.
     """
 
     def __init__(self, url: str | Sequence[str] | None = None, *, token: str | None = None,
                  compression: str | CompressionPolicy | None = None, streams: int = 4,
                  file_bytes: int = 256 << 20, retry_seconds: float = 120.0, timeout: float = 300.0,
-                 snapshot_bytes: int | None = None, direct_reads: bool = True) -> None:
+                 snapshot_bytes: int | None = None, direct_reads: bool = True,
+                 share_replicas: bool = True) -> None:
         self.url = url or os.environ.get("CKPTD_URL", DEFAULT_URL)
         self.compression = compression
         self._codec = compression_of(compression)  # one policy per client: it learns across saves
@@ -86,6 +91,7 @@ class CheckpointClient:
         self._lock = threading.Lock()
         self.snapshot_pool = SnapshotPool(snapshot_bytes) if snapshot_bytes else None
         self.direct_reads = direct_reads
+        self.share_replicas = share_replicas
 
     # -- save ------------------------------------------------------------------
     def save(self, state_dict: dict, ref: str, *, step: int | None = None) -> SaveHandle:
@@ -133,7 +139,8 @@ class CheckpointClient:
         r = parse_ref(ref)
         rank, _ = rank_and_world()
         return load_into(self._transport, r.run, r.name, state_dict, rank=rank, strict=strict,
-                         streams=self.streams, direct_reads=self.direct_reads)
+                         streams=self.streams, direct_reads=self.direct_reads,
+                         share_replicas=self.share_replicas)
 
     # -- torch.distributed.checkpoint ------------------------------------------------
     def dcp_writer(self, ref: str) -> "CkptdStorageWriter":
