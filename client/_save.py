@@ -15,6 +15,7 @@ Call order inside :meth:`CheckpointClient.save`:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -344,10 +345,20 @@ def put_index(transport: Transport, base: str, session: str, index: RankIndex) -
 
 def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None, *,
                     compression: Compression, file_bytes: int, streams: int) -> SessionStatus:
-    """Open-or-join, upload files, send the index; return the session status after it."""
-    open_session(transport, base, session, snap.world, step)
-    index = upload_files(transport, base, session, snap, compression=compression, file_bytes=file_bytes,
-                         streams=streams)
+    """Open-or-join, upload files, send the index; return the session status after it.
+
+    A failure before the index is sent aborts the session (best effort): it cannot commit without
+    this rank's index, so its staged files are deleted now instead of at the stale-session TTL, and
+    the other ranks' waits end with the session gone instead of at their timeout.
+    """
+    try:
+        open_session(transport, base, session, snap.world, step)
+        index = upload_files(transport, base, session, snap, compression=compression, file_bytes=file_bytes,
+                             streams=streams)
+    except Exception:
+        with contextlib.suppress(Exception):
+            transport.request("DELETE", f"{base}/sessions/{session}", retry=False)
+        raise
     return put_index(transport, base, session, index)
 
 

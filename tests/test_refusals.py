@@ -165,6 +165,28 @@ def test_wrong_declared_checksum_is_refused_and_partial_data_dropped(env):
     env.assert_intact()
 
 
+def test_a_save_whose_upload_is_refused_aborts_its_session(env, monkeypatch):
+    """The bytes sent differ from the digest declared (corrupted in flight): the service refuses
+    the file, and the client deletes its session instead of leaving it staged until the TTL."""
+    import ckptd_client._save as save_mod
+
+    real = save_mod._stream
+
+    def corrupted(f):
+        for i, piece in enumerate(real(f)):
+            yield bytes([piece[0] ^ 1]) + bytes(piece[1:]) if i == 0 else piece
+
+    monkeypatch.setattr(save_mod, "_stream", corrupted)
+    handle = env.client.save(make_state(2), f"{env.run}/2")
+    with pytest.raises(ChecksumMismatch):
+        handle.wait(timeout=60)
+    sessions = env.root / "runs" / env.run / "2" / "sessions"
+    assert not sessions.exists() or not any(sessions.iterdir()), list(sessions.iterdir())
+    assert "2" not in env.committed_names()
+    monkeypatch.setattr(save_mod, "_stream", real)
+    env.assert_intact()
+
+
 @pytest.mark.parametrize("target", ["data", "manifest"])
 def test_corrupt_byte_on_disk_is_detected(env, target):
     sd2 = make_state(2)
