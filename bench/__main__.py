@@ -84,6 +84,8 @@ RATIOS: list[tuple[str, str, str, float | None, str]] = [
     ("reshard", "reshard dp4->dp2 vs dcp.load+save", "summary.dp2_ratio_vs_dcp_load_save", None, ">="),
     ("reshard", "reshard full vs dcp_to_torch_save", "summary.full_ratio_vs_dcp_to_torch_save", 1.5, ">="),
     ("reshard", "reshard disk efficiency (dp2)", "summary.disk_efficiency_dp2", 0.7, ">="),
+    ("reshard", "reshard via the service (warm worker) disk efficiency", "summary.disk_efficiency_service", 0.7,
+     ">="),
     ("dcp_io", "DCP writer via ckptd vs FileSystemWriter", "summary.save_throughput_ratio", 0.9, ">="),
     ("dcp_io", "safetensors export vs dcp_to_torch_save+save_file", "summary.export_ratio", 1.0, ">="),
     ("dcp_io", "export peak RSS / peer's peak RSS", "summary.export_peak_rss_fraction", 0.5, "<="),

@@ -22,7 +22,24 @@ What one run does (see BENCHMARKS.md, section "Reshard", for the results and how
      and against ``dcp.load`` + ``dcp.save`` at dp=2 (the DCP way to *produce*
      a dp=2 checkpoint);
    * ``ckptd reshard SRC --to full`` against ``dcp_to_torch_save`` (subprocess;
-     an ``fsync`` of the ``.pt`` is added, since ckptd's output is durable).
+     an ``fsync`` of the ``.pt`` is added, since ckptd's output is durable);
+   * both conversions again as service jobs: ``POST /v1/reshard`` to the
+     ``ckptd serve`` that took the saves, then ``GET /v1/jobs/{id}`` every
+     ``POLL_S`` until done; timed from the POST to the poll that sees the job
+     committed (it reports done only after the commit). What is warm: the
+     service runs jobs in a ``ProcessPoolExecutor`` of ``CKPTD_RESHARD_WORKERS``
+     (1) spawned processes, created at the first POST; each job is one task in
+     the same long-lived process. ``warm_service`` runs a first, tiny job once,
+     so the measured jobs find that worker started, with Python, torch, ckptd,
+     xxhash and pydantic imported (and torch imported in the server, which
+     plans the job). Nothing else carries over: each job opens its storage and
+     reader anew (the source manifest is read again, in the server to plan and
+     in the worker), starts its own ``--jobs`` threads, and allocates its
+     buffers per work unit; the page cache is evicted as before. The server
+     runs with ``CKPTD_RESHARD_MAX_MBPS=0``: the default 256 MiB/s cap is a
+     policy that keeps conversions from slowing saves, not the cost of the
+     work. The worker still lowers its own priority (``nice`` 10), as it does
+     in production; on an otherwise idle machine that costs nothing.
 
    Wall time; peak RSS (``ru_maxrss`` from ``wait4`` for subprocesses, ``VmHWM``
    reset before the timed phase for ranks); CPU; disk bytes (``ru_inblock``/
@@ -32,6 +49,10 @@ What one run does (see BENCHMARKS.md, section "Reshard", for the results and how
 4. Once, at ``--gib``: ``ckptd reshard`` in a subprocess whose executor functions
    are wrapped with timers (outside the headline runs): where the time goes.
 5. With a CUDA device: the GPU path (``--device cuda``) once at ``--gib``.
+
+Every ckptd output (CLI and service, dp2 and full) is read back with its
+tensors' digests, which do not depend on layout: one repeat's four outputs
+must hold the same digests (``same_digests``).
 
 Headline ratios are DCP's time / ckptd's time (> 1: ckptd is faster). ckptd is
 timed as a whole process (Python and torch import, planning, conversion,
@@ -60,9 +81,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import httpx
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -82,6 +105,8 @@ COLS = 1024                                                        # fp32 column
 LAYER = (("wqkv", 3071), ("wo", 1021), ("w_up", 4093), ("w_down", 2045))  # odd rows: uneven over 4 and 2
 OPTIM_KINDS = ("exp_avg", "exp_avg_sq")
 SRC_WORLD, DST_WORLD = 4, 2
+SERVICE_ENV = {"CKPTD_RESHARD_MAX_MBPS": "0"}                     # the jobs' bandwidth cap off: measure the work
+POLL_S = 0.02                                                      # job status polls: the timing's resolution
 GOALS = {"dp2_ratio_vs_dcp_load": 1.5, "full_ratio_vs_dcp_to_torch_save": 1.5, "disk_efficiency": 0.7,
          "peak_rss_growth_max": 1.25}
 PY = sys.executable
@@ -336,19 +361,94 @@ def run_ckptd(ctx: dict, spec: str, out: str, device: str = "cpu") -> dict:
     rep = r["report"]
     r.update(inproc_s=rep["seconds"], bytes_read=rep["bytes_read"], bytes_written=rep["bytes_written"],
              units=rep["units"])
-    # the digest check is built in; spot-check values as well
+    r.update(check_output(ctx, spec, out))
+    return r
+
+
+def check_output(ctx: dict, spec: str, out: str) -> dict:
+    """Check a committed output, then delete it: topology and provenance, two tensors' values against what the
+    ranks held (``read_tensor``), and every tensor's digest present. Returns the spot-checked names, the
+    manifest digest its COMMITTED marker names, and a fingerprint of all tensor digests: digests are
+    layout-independent, so every output of one source must share it (``same_digests``)."""
     from ckptd.storage import LocalStorage
     from ckptd.store import CheckpointReader
     from ckptd.store.offline import read_tensor
 
+    root = ctx["root"]
     reader = CheckpointReader(LocalStorage(root, durable=False))
+    marker = reader.marker(*out.split("/"))
+    assert marker is not None, f"{out} is not committed"
     m = reader.manifest(*out.split("/"))
     assert m.topology.world_size == (1 if spec == "full" else DST_WORLD) and m.derived_from == ctx["ref"], m.ref
     for name in spot_names(ctx["specs"]):
         assert torch.equal(read_tensor(reader, out, name), expected(ctx["specs"], name)), f"{out}: {name} differs"
-    r["spot_checked"] = spot_names(ctx["specs"])
+    missing = [t.name for t in m.tensors if t.digest is None]
+    assert not missing, f"{out}: tensors without a digest: {missing[:5]}"
+    fingerprint = xxhash.xxh3_64_hexdigest(json.dumps(sorted((t.name, t.digest) for t in m.tensors)).encode())
     shutil.rmtree(root / "runs" / out.split("/")[0] / out.split("/")[1])
+    return {"spot_checked": spot_names(ctx["specs"]), "committed_manifest_xxh3": marker.manifest_xxh3,
+            "tensor_digests_xxh3": fingerprint}
+
+
+def same_digests(rec: dict) -> None:
+    """Every ckptd output of one repeat holds the same tensor digests (layout-independent): mark them matched."""
+    ops = [op for op in rec if "tensor_digests_xxh3" in rec[op]]
+    values = {rec[op]["tensor_digests_xxh3"] for op in ops}
+    assert len(values) == 1, {op: rec[op]["tensor_digests_xxh3"] for op in ops}
+    for op in ops:
+        rec[op]["digests_match"] = ops
+
+
+def submit_and_wait(http: httpx.Client, body: dict, timeout: float) -> tuple[dict, float]:
+    """``POST /v1/reshard``, then poll ``GET /v1/jobs/{id}`` every ``POLL_S`` until the job leaves
+    queued/running. Returns (the final job status, seconds from just before the POST to the poll that saw
+    it finished)."""
+    t0 = time.perf_counter()
+    r = http.post("/v1/reshard", json=body)
+    assert r.status_code == 202, r.text
+    job = r.json()
+    while job["state"] in ("queued", "running"):
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(f"reshard job {job['id']} still {job['state']} after {timeout:.0f}s")
+        time.sleep(POLL_S)
+        r = http.get(f"/v1/jobs/{job['id']}")
+        r.raise_for_status()
+        job = r.json()
+    wall = time.perf_counter() - t0
+    assert job["state"] == "done", job.get("error")
+    return job, wall
+
+
+def run_service(ctx: dict, spec: str, out: str) -> dict:
+    """The same conversion as ``run_ckptd``, submitted to the running service's reshard worker (already warm:
+    ``warm_service``), page cache evicted first; timed from submit to the job reported done (committed)."""
+    _evict([ctx["dcp_dir"], ctx["root"]])
+    body = {"source": ctx["ref"], "to": spec, "out": out, "device": "cpu", "jobs": ctx["jobs"]}
+    job, wall = submit_and_wait(ctx["http"], body, ctx["timeout"])
+    res = job["result"]
+    r = {"wall_s": wall, "inproc_s": res["seconds"], "bytes_read": res["bytes_read"],
+         "bytes_written": res["bytes_written"], "units": res["units"], "job": job["id"], "state": job["state"]}
+    r.update(check_output(ctx, spec, out))
+    r["committed"] = res["ref"] == out and r["committed_manifest_xxh3"] == res["manifest_xxh3"]
+    assert r["committed"], f"job {job['id']} reported {res['ref']} {res['manifest_xxh3']}, marker says {r}"
     return r
+
+
+def warm_service(url: str, timeout: float) -> dict:
+    """Save a tiny checkpoint through the service and convert it there, untimed by the headline: the first job
+    spawns the service's reshard worker process and imports torch in it (and in the server, which plans).
+    Returns that first job's wall time, the cold start a measured job no longer pays."""
+    from ckptd_client import CheckpointClient
+
+    client = CheckpointClient(url)
+    try:
+        client.save({"w": torch.arange(4 * DST_WORLD, dtype=torch.float32).reshape(DST_WORLD, 4)}, "warmup/0").wait()
+    finally:
+        client.close()
+    with httpx.Client(base_url=url, timeout=60.0) as http:
+        job, wall = submit_and_wait(http, {"source": "warmup/0", "to": f"fsdp2:dp={DST_WORLD}", "out": "warmup/dp2",
+                                           "device": "cpu", "jobs": 1}, timeout)
+    return {"wall_s": wall, "inproc_s": job["result"]["seconds"]}
 
 
 def run_dcp_load(ctx: dict, tag: str) -> dict:
@@ -416,10 +516,6 @@ def profile_main(argv: list[str]) -> int:
     executor's steps; print one JSON line of summed thread-seconds per step and phase spans."""
     t_start = time.perf_counter()
     root, src, spec, out, jobs = argv
-    import types
-
-    import xxhash
-
     import ckptd.reshard.executor as ex
     import ckptd.reshard.planner as planner
     import ckptd.store.hashing as hashing
@@ -451,8 +547,7 @@ def profile_main(argv: list[str]) -> int:
             setattr(ex, fn, timed(getattr(ex, fn), "digests"))
     ex.verify_fetch = timed(ex.verify_fetch, "verify_blocks")
     ex.copy_into = timed(ex.copy_into, "assemble_copy")
-    ex.xxhash = types.SimpleNamespace(xxh3_64_hexdigest=timed(xxhash.xxh3_64_hexdigest, "chunk_xxh3"),
-                                      xxh3_64=xxhash.xxh3_64)
+    ex.write_hashed = timed(ex.write_hashed, "write_hashed")  # chunk, tensor and file digests + writes (nested)
     CheckpointReader.read_range = timed(CheckpointReader.read_range, "read")
     LocalStorage.read = timed(LocalStorage.read, "storage_read")  # nested in "read"; also the target re-read
     LocalStorage.read_into = timed(LocalStorage.read_into, "read")  # the executor's source reads
@@ -498,6 +593,8 @@ def summarise(sizes: dict, main_key: str, ceiling: dict) -> dict:
     ck_dp2_in = _med([r["ckptd_dp2"]["inproc_s"] for r in reps])
     ck_full = _med([r["ckptd_full"]["wall_s"] for r in reps])
     ck_full_in = _med([r["ckptd_full"]["inproc_s"] for r in reps])
+    svc = {op: _med([r[f"service_{op}"]["wall_s"] for r in reps]) for op in ("dp2", "full")}
+    svc_in = {op: _med([r[f"service_{op}"]["inproc_s"] for r in reps]) for op in ("dp2", "full")}
     d_load = _med([r["dcp_load"]["load_s"] for r in reps])
     d_load_save = _med([r["dcp_load"]["load_save_s"] for r in reps])
     d_full = _med([r["dcp_to_torch_save"]["wall_s"] for r in reps])
@@ -526,6 +623,11 @@ def summarise(sizes: dict, main_key: str, ceiling: dict) -> dict:
         "disk_efficiency_dp2": eff("ckptd_dp2", ck_dp2), "disk_efficiency_full": eff("ckptd_full", ck_full),
         "disk_efficiency_dp2_inproc": eff("ckptd_dp2", ck_dp2_in),
         "disk_efficiency_full_inproc": eff("ckptd_full", ck_full_in),
+        # the same conversions as jobs of the running service (warm worker), submit to done
+        "service_dp2_wall_s": svc["dp2"], "service_full_wall_s": svc["full"],
+        "service_dp2_inproc_s": svc_in["dp2"], "service_full_inproc_s": svc_in["full"],
+        "disk_efficiency_service_dp2": eff("service_dp2", svc["dp2"]),
+        "disk_efficiency_service_full": eff("service_full", svc["full"]),
         # DCP against the same ceiling (it reads the source once and writes about as much)
         "disk_efficiency_dcp_load_save": (nbytes / R + nbytes / W) / d_load_save,
         "disk_efficiency_dcp_to_torch_save": (nbytes / R + reps[0]["dcp_to_torch_save"]["bytes_written"] / W) / d_full,
@@ -536,6 +638,8 @@ def summarise(sizes: dict, main_key: str, ceiling: dict) -> dict:
                  "dcp_load_per_rank": max(max(r["dcp_load"]["load_peak_rss_bytes_per_rank"]) for r in v["repeats"]),
                  "dcp_to_torch_save": max(r["dcp_to_torch_save"]["peak_rss_bytes"] for r in v["repeats"])}
              for k, v in sizes.items()}
+    # one number for the goal: the worse conversion, so meeting it means both do
+    out["disk_efficiency_service"] = min(out["disk_efficiency_service_dp2"], out["disk_efficiency_service_full"])
     out["peak_rss_bytes"] = peaks
     order = sorted(peaks, key=lambda k: peaks[k]["state_bytes"])
     lo, hi = peaks[order[0]], peaks[order[-1]]
@@ -551,6 +655,8 @@ def summarise(sizes: dict, main_key: str, ceiling: dict) -> dict:
         "peak RSS flat (largest / smallest size <= 1.25)": growth_ok,
         "disk efficiency >= 0.7 (dp2)": out["disk_efficiency_dp2"] >= 0.7,
         "disk efficiency >= 0.7 (full)": out["disk_efficiency_full"] >= 0.7,
+        "disk efficiency >= 0.7 via the service (warm worker; dp2 and full)":
+            out["disk_efficiency_service"] >= GOALS["disk_efficiency"],
     }
     return out
 
@@ -586,6 +692,11 @@ def markdown(res: dict) -> str:
              f"{s['disk_efficiency_dp2']:.2f}, full {s['ckptd_full_gbps']:.2f} GB/s = {s['disk_efficiency_full']:.2f} "
              f"(goal >= 0.7; in-process: {s['disk_efficiency_dp2_inproc']:.2f} / "
              f"{s['disk_efficiency_full_inproc']:.2f}). "
+             f"Via the service (`POST /v1/reshard` to a warm worker, submit to done): dp2 "
+             f"{s['service_dp2_wall_s']:.2f} s = efficiency {s['disk_efficiency_service_dp2']:.2f}, full "
+             f"{s['service_full_wall_s']:.2f} s = {s['disk_efficiency_service_full']:.2f} (in the worker "
+             f"{s['service_dp2_inproc_s']:.2f} / {s['service_full_inproc_s']:.2f} s; the first job, which spawned "
+             f"the worker, took {res['service_warmup']['wall_s']:.2f} s). "
              f"DCP on the same scale: load + save {s['disk_efficiency_dcp_load_save']:.2f}, dcp_to_torch_save "
              f"{s['disk_efficiency_dcp_to_torch_save']:.2f}.",
              "", "Wall time per size (median over its runs; ratio = DCP / ckptd):", "",
@@ -644,11 +755,14 @@ def one_size(gib: float, repeat: int, ctx: dict, server: ServerProcess, profile:
     repeats = []
     for r in range(repeat):
         rec: dict[str, Any] = {}
-        order = ("ckptd", "dcp") if r % 2 == 0 else ("dcp", "ckptd")
+        order = ("ckptd", "service", "dcp") if r % 2 == 0 else ("dcp", "ckptd", "service")
         for which in order:
             if which == "ckptd":
                 rec["ckptd_dp2"] = run_ckptd(c, "fsdp2:dp=2", f"out/{tag}-dp2-r{r}")
                 rec["ckptd_full"] = run_ckptd(c, "full", f"out/{tag}-full-r{r}")
+            elif which == "service":
+                rec["service_dp2"] = run_service(c, "fsdp2:dp=2", f"out/{tag}-svc-dp2-r{r}")
+                rec["service_full"] = run_service(c, "full", f"out/{tag}-svc-full-r{r}")
             else:
                 rec["dcp_load"] = run_dcp_load(c, f"{tag}-r{r}")
                 rec["dcp_to_torch_save"] = run_dcp_to_torch_save(c, f"{tag}-r{r}")
@@ -657,7 +771,9 @@ def one_size(gib: float, repeat: int, ctx: dict, server: ServerProcess, profile:
               f"dcp.load {rec['dcp_load']['load_s']:.2f}s + save {rec['dcp_load']['save_s']:.2f}s; "
               f"ckptd full {rec['ckptd_full']['wall_s']:.2f}s (peak {rec['ckptd_full']['peak_rss_bytes'] / MiB:.0f}"
               f" MiB), dcp_to_torch_save {rec['dcp_to_torch_save']['wall_s']:.2f}s (peak "
-              f"{rec['dcp_to_torch_save']['peak_rss_bytes'] / MiB:.0f} MiB)", flush=True)
+              f"{rec['dcp_to_torch_save']['peak_rss_bytes'] / MiB:.0f} MiB); via the service: dp2 "
+              f"{rec['service_dp2']['wall_s']:.2f}s, full {rec['service_full']['wall_s']:.2f}s", flush=True)
+        same_digests(rec)
         repeats.append(rec)
     out: dict[str, Any] = {"gib": gib, "state_bytes": nbytes, "tensors": len(specs),
                            "largest_tensor_bytes": max(r * cc * 4 for _, _, r, cc in specs),
@@ -704,6 +820,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ckptd-bench-reshard-", dir=args.workdir))
     t_start = time.perf_counter()
     server: ServerProcess | None = None
+    http: httpx.Client | None = None
     gpu = torch.cuda.is_available()
     try:
         machine = describe_machine(work)
@@ -721,8 +838,12 @@ def main(argv: list[str] | None = None) -> int:
                                work / "startup.log", 120)
         print(f"ckptd reshard start-up (process + imports): {startup['wall_s']:.2f}s", flush=True)
         root = work / "ckptd-root"
-        server = ServerProcess(root, log=work / "server.log").start()
-        ctx = {"work": work, "root": root, "jobs": args.jobs}
+        server = ServerProcess(root, log=work / "server.log", env=SERVICE_ENV).start()
+        service_warmup = warm_service(server.url, 300)
+        print(f"first service job (spawns and warms the reshard worker): {service_warmup['wall_s']:.2f}s",
+              flush=True)
+        http = httpx.Client(base_url=server.url, timeout=60.0)
+        ctx = {"work": work, "root": root, "jobs": args.jobs, "http": http}
         results: dict[str, dict] = {}
         for gib in sizes:
             main_size = gib == args.gib
@@ -744,8 +865,12 @@ def main(argv: list[str] | None = None) -> int:
                                        "(CheckpointClient defaults), like a trainer save",
                        "ckptd": "`python -m ckptd.cli.main reshard SRC --to SPEC --root ROOT --json --jobs N "
                                 "--device cpu` as a subprocess; LocalStorage durable (fsync)",
+                       "service": f"POST /v1/reshard (same SRC, SPEC, jobs, device cpu) to the running `ckptd "
+                                  f"serve` (env {SERVICE_ENV}), GET /v1/jobs/ID every {POLL_S}s until done; "
+                                  "timed from the POST; its one worker process already ran a job",
                        "dcp": "dcp.save/dcp.load, FileSystemWriter/Reader defaults; dcp_to_torch_save + fsync"},
             "goals": GOALS, "machine": machine, "ceiling": ceiling, "ckptd_startup": startup,
+            "service_warmup": service_warmup,
             "gpu": {"available": gpu, **({"results": results[main_key].get("gpu")} if gpu else {}),
                     "note": ("measured at --gib with --device cuda: see sizes[gib].gpu" if gpu else
                              "no CUDA device in this run (torch.cuda.is_available() is False): GPU path not "
@@ -758,6 +883,8 @@ def main(argv: list[str] | None = None) -> int:
         write_report(args.out, result, markdown(result))
         return 0
     finally:
+        if http is not None:
+            http.close()
         if server is not None:
             server.stop()
         if not args.keep:

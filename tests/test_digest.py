@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import ckptd.reshard.executor as ex
 from ckptd.reshard.digest import tensor_digest
+from ckptd.reshard.pieces import SLICE, piece_part, write_hashed
 from ckptd.reshard.planner import plan_reshard
 from ckptd.reshard.spec import parse_spec
 from ckptd.storage import LocalStorage
@@ -81,9 +82,54 @@ def test_a_gap_gives_no_digest_and_a_changed_byte_another(n, seed):
     assert got[("s", "t")] != _reference(data)
 
 
+SIZES = [0, 1, B - 1, B, B + 1, 3 * B + 17, SLICE + 5 * B + 3]
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.sampled_from(SIZES), seed=st.integers(0, 10**6))
+def test_the_executors_fast_paths_give_digest_pieces_parts(n, seed):
+    """``piece_part`` (one comprehension) and ``write_hashed`` (hashing slice by slice as it writes) are
+    ``digest_piece`` made fast: the same part for any piece, the same bytes written, the chunk's XXH3."""
+    rnd = random.Random(seed)
+    data = rnd.randbytes(n)
+    a = rnd.randrange(n + 1)
+    b = rnd.choice([n, rnd.randrange(a, n + 1)])
+    want = digest_piece("s", "t", n, a, data[a:b], file="f", file_offset=7 + a)
+    assert piece_part("s", "t", n, a, data[a:b], file="f", file_offset=7 + a) == want
+    written = []
+    xxh3, values = write_hashed(written.append, memoryview(data)[a:b], (a, n))
+    assert b"".join(written) == data[a:b] and xxh3 == xxhash.xxh3_64_hexdigest(data[a:b])
+    assert all(len(w) <= SLICE for w in written)
+    assert piece_part("s", "t", n, a, data[a:b], file="f", file_offset=7 + a, values=values) == want
+    xxh3, values = write_hashed(written.append, memoryview(data)[a:b], None)  # not one run: no blocks
+    assert xxh3 == xxhash.xxh3_64_hexdigest(data[a:b]) and values == []
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.sampled_from(SIZES[1:]), seed=st.integers(0, 10**6))
+def test_one_flipped_bit_anywhere_changes_the_fast_paths_digest(n, seed):
+    rnd = random.Random(seed)
+    data = rnd.randbytes(n)
+    flipped = bytearray(data)
+    bit = rnd.randrange(8 * n)
+    flipped[bit // 8] ^= 1 << (bit % 8)
+    cut = rnd.randrange(n + 1)  # two pieces, as a reshard's two source chunks or two target chunks
+
+    def digest(buf: bytes) -> str:
+        parts = [piece_part("s", "t", n, a, buf[a:b], file="f", file_offset=a) for a, b in ((0, cut), (cut, n))]
+        return combine(parts, {("s", "t"): n}, lambda s, f, a, b: buf[a:b])[("s", "t")]
+
+    assert digest(data) == _reference(data)
+    assert digest(bytes(flipped)) != _reference(data)
+
+
 def test_pieces_outside_the_stream_are_refused():
     with pytest.raises(ValueError, match="'w'"):
         digest_piece("s", "w", 10, 8, b"abc", file="f", file_offset=0)
+    with pytest.raises(ValueError, match="'w'"):
+        piece_part("s", "w", 10, 8, b"abc", file="f", file_offset=0)
+    with pytest.raises(ValueError, match="1 whole blocks, 2 values"):
+        piece_part("s", "w", B, 0, bytes(B), file="f", file_offset=0, values=[1, 2])
     assert digest_of_blocks([]) == xxhash.xxh3_64_hexdigest(b"")
 
 

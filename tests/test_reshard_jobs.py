@@ -342,3 +342,11 @@ def test_a_job_whose_output_exists_is_refused_up_front(server, reader, trained):
     assert Leases(reader.storage).active("train", "4") == []
     again = _ckptd("reshard", "train/4", "--to", "full", "--server", server.url)
     assert again.returncode == 2 and "already committed" in again.stderr, again.stderr
+
+
+def test_a_pooled_worker_lowers_its_priority_once_not_per_job():
+    """Jobs share a worker process, and ``os.nice`` adds up: the second job must not push it further."""
+    code = ("import os; from ckptd.reshard.jobs import _lower_priority; before = os.nice(0); "
+            "_lower_priority(); _lower_priority(); print(os.nice(0) - before)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert int(out.stdout) == min(10, 19 - os.nice(0))

@@ -20,6 +20,12 @@ blocks (``ckptd_schemas.digest``), and returns the block values with its
 result; ``finalize`` only reads the ragged ends of pieces. Tensors whose
 chunks are not row-major runs (column shards) or whose source must be cast
 are hashed by walking the stored data instead.
+
+Memory traffic, the cost besides the disk: a unit allocates its fetch buffer
+and its staging chunk once, at the largest size it needs (fresh pages cost
+more to fault in than the bytes cost to copy), and writes each target chunk
+with ``write_hashed``, which hashes it for the chunk digest, the tensor
+digest and the file digests slice by slice while the slice is in cache.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import xxhash
@@ -46,7 +53,7 @@ from ..store import CheckpointReader, SessionStore
 from ..store.layout import Paths
 from ..store.merge import merge_indexes
 from .digest import tensor_digest
-from .pieces import SourcePieces, target_piece
+from .pieces import SourcePieces, piece_part, target_place, write_hashed
 from .planner import ALIGN, ReshardPlan, WorkUnit
 
 __all__ = ["ReshardResult", "UnitResult", "finalize", "open_target", "pick_device", "run_plan", "run_unit",
@@ -116,15 +123,13 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     sink = sessions.begin_file(out.run, out.name, session, unit.file)
     chunks: list[tuple[str, Chunk]] = []
     read_total = 0
-    fetches = _Fetches(reader, src.run, src.name)
-    staging: torch.Tensor | None = None  # one target chunk's bytes, reused (grown) from chunk to chunk
+    fetch_bytes, chunk_bytes = _largest(unit)
+    fetches = _Fetches(reader, src.run, src.name, fetch_bytes)
+    staging = torch.empty(chunk_bytes, dtype=torch.uint8, device=device)  # one target chunk, reused chunk to chunk
     try:
         for pc in unit.chunks:
             dtype = torch_dtype(pc.src_dtype)
             nbytes = pc.numel * dtype.itemsize
-            if staging is None or staging.numel() < nbytes:
-                staging = None
-                staging = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
             buf = staging[:nbytes].view(dtype)
             if pc.sizes is not None:
                 dest = Destination(buf.view(pc.sizes), _shape(reader, plan, pc.tensor), box_offsets=pc.offsets)
@@ -142,16 +147,15 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
             host = result.cpu() if result.device.type != "cpu" else result
             raw = memoryview(host.view(torch.uint8).numpy()) if host.numel() else memoryview(b"")
             assert sink.size == pc.file_offset, "work unit layout out of step with the plan"
-            sink.write(raw)
+            place = target_place(_shape(reader, plan, pc.tensor), pc.dtype, (pc.offsets, pc.sizes, pc.flat_start))
+            xxh3, values = write_hashed(sink.write, raw, place)
             pad = (-len(raw)) % ALIGN
             if pad:
                 sink.write(_PAD[:pad])
-            loc = Location(file=unit.file, offset=pc.file_offset, length=len(raw), raw_length=len(raw),
-                           xxh3=xxhash.xxh3_64_hexdigest(raw))
-            part = target_piece(pc.tensor, _shape(reader, plan, pc.tensor), pc.dtype,
-                                (pc.offsets, pc.sizes, pc.flat_start), raw, file=unit.file, file_offset=pc.file_offset)
-            if part is not None:
-                parts.append(part)
+            loc = Location(file=unit.file, offset=pc.file_offset, length=len(raw), raw_length=len(raw), xxh3=xxh3)
+            if place is not None:
+                parts.append(piece_part("dst", pc.tensor, place[1], place[0], raw, file=unit.file,
+                                        file_offset=pc.file_offset, values=values))
             if pc.sizes is not None:
                 chunk: Chunk = BoxChunk(rank=unit.rank, offsets=pc.offsets, sizes=pc.sizes, location=loc)
             else:
@@ -167,8 +171,30 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
                       bytes_written=unit.size, digests=parts)
 
 
+def _largest(unit: WorkUnit) -> tuple[int, int]:
+    """(largest fetch, largest target chunk before any cast, at least 1) of a unit: its buffers are allocated
+    once at these sizes, not grown chunk by chunk (each growth faults in fresh pages)."""
+    fetch = max((f.end - f.start for pc in unit.chunks for f in pc.reads.fetches), default=0)
+    chunk = max((pc.numel * itemsize(pc.src_dtype) for pc in unit.chunks), default=0)
+    return fetch, max(chunk, 1)
+
+
+class _Tail:
+    """The last block of a file's previous fetch: where it starts, how long, and a buffer reused for it."""
+
+    def __init__(self, block_size: int) -> None:
+        self.start, self.length, self.buf = 0, 0, bytearray(block_size)
+
+    def keep(self, start: int, data: memoryview) -> None:
+        if len(self.buf) < len(data):
+            self.buf = bytearray(len(data))
+        self.buf[:len(data)] = data
+        self.start, self.length = start, len(data)
+
+
 class _Fetches:
-    """Source byte ranges for one work unit, read into one reused buffer.
+    """Source byte ranges for one work unit, read into one buffer allocated once (``size``: the unit's largest
+    fetch), so no fetch faults in fresh pages.
 
     Fetches are whole verification blocks, so neighbouring target chunks taken
     from one source file share the block at their boundary: the last block of
@@ -178,10 +204,10 @@ class _Fetches:
     bytes, a view valid until the next ``get``; bytes read from storage).
     """
 
-    def __init__(self, reader: CheckpointReader, run: str, name: str) -> None:
+    def __init__(self, reader: CheckpointReader, run: str, name: str, size: int) -> None:
         self.reader, self.run, self.name = reader, run, name
-        self.buf = bytearray()
-        self.tails: dict[str, tuple[int, bytes]] = {}  # file -> (start, bytes) of its last fetched block
+        self.buf = bytearray(size)
+        self.tails: dict[str, _Tail] = {}  # file -> its last fetched block
 
     def get(self, f: Fetch) -> tuple[memoryview, int]:
         start, end = f.start, f.end
@@ -189,18 +215,20 @@ class _Fetches:
         if not 0 <= start <= end <= size:
             raise CheckpointNotFound(f"byte range [{start}, {end}) outside file {f.file!r} of {size} bytes",
                                      file=f.file)
-        if len(self.buf) < end - start:
+        if len(self.buf) < end - start:  # only for a fetch the unit did not announce
             self.buf = bytearray(end - start)
         view = memoryview(self.buf)[:end - start]
         have = 0
         tail = self.tails.get(f.file)
-        if tail is not None and tail[0] <= start < tail[0] + len(tail[1]):
-            have = min(tail[0] + len(tail[1]), end) - start
-            view[:have] = tail[1][start - tail[0]:start - tail[0] + have]
+        if tail is not None and tail.start <= start < tail.start + tail.length:
+            have = min(tail.start + tail.length, end) - start
+            view[:have] = memoryview(tail.buf)[start - tail.start:start - tail.start + have]
         got = self.reader.storage.read_into(key, start + have, view[have:]) if have < len(view) else 0
         view = view[:have + got]  # a short read: verify_fetch reports it
         keep = min(len(view), f.block_size)
-        self.tails[f.file] = (start + len(view) - keep, bytes(view[len(view) - keep:]))
+        if f.file not in self.tails:
+            self.tails[f.file] = _Tail(f.block_size)
+        self.tails[f.file].keep(start + len(view) - keep, view[len(view) - keep:])
         return view, got
 
 
@@ -351,6 +379,26 @@ def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     return digest
 
 
+@contextmanager
+def _one_intraop_thread(device: torch.device) -> Iterator[None]:
+    """On CPU, torch's intra-op threads are set to 1 while the units run, and restored after.
+
+    The units' own threads are the parallelism, and one memcpy-speed thread per copy outruns the disk. An
+    intra-op team, by contrast, makes each copy wait for its slowest thread: on 2 shared cores, 256 MiB of
+    8 MiB copies took 9 ms with 1 thread and, at random, 250 ms with 2. Threads that start while this is in
+    effect (the unit pool's) take the setting; the caller's thread gets its own value back.
+    """
+    if device.type != "cpu":
+        yield
+        return
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
 def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan, out_ref: str, session: str, *,
              device: str = "auto", jobs: int = 1, progress: Callable[[int], None] | None = None) -> ReshardResult:
     t0 = time.monotonic()
@@ -363,11 +411,12 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
             return run_unit(reader, sessions, plan, u, out_ref, session, device=dev, progress=progress,
                             pieces=pieces)
 
-        if jobs > 1 and len(plan.units) > 1:
-            with ThreadPoolExecutor(jobs, thread_name_prefix="ckptd-reshard") as pool:
-                results = list(pool.map(unit, plan.units))
-        else:
-            results = [unit(u) for u in plan.units]
+        with _one_intraop_thread(dev):
+            if jobs > 1 and len(plan.units) > 1:
+                with ThreadPoolExecutor(jobs, thread_name_prefix="ckptd-reshard") as pool:
+                    results = list(pool.map(unit, plan.units))
+            else:
+                results = [unit(u) for u in plan.units]
         digest = finalize(reader, sessions, plan, results, out_ref, session, jobs=jobs)
     except BaseException:
         out = parse_ref(out_ref)

@@ -15,6 +15,7 @@ commit is idempotent, so two finalizers are harmless).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -64,7 +65,10 @@ def submit_job(storage: Storage, req: ReshardRequest) -> tuple[JobStatus, Reshar
     return st, plan
 
 
+@functools.cache
 def _lower_priority() -> None:
+    """Once per worker process: ``os.nice`` adds to the niceness, so calling it for every job of a pooled
+    worker would take it from 10 to the floor of 19 at the second job."""
     try:
         os.nice(10)
     except OSError:
