@@ -44,7 +44,7 @@ from .assemble import Destination, copy_into, decode_object, verify_fetch
 
 from ._names import RESERVED
 
-__all__ = ["LoadReport", "RESERVED", "load_into"]
+__all__ = ["LoadReport", "RESERVED", "execute", "load_into", "local_files"]
 
 
 
@@ -217,9 +217,7 @@ def _read_tensors(transport: Transport, base: str, manifest: Manifest, pieces: l
     """Step 3 (and 4): agree who reads the regions shared within a host; fetch and verify; pass
     the shared regions along."""
     pieces_all = pieces
-    files = None
-    if plan is not None and plan.local_paths:
-        files = LocalFiles(plan.local_paths, {k: e.size for k, e in manifest.files.items()})
+    files = local_files(plan, manifest) if plan is not None else None
     try:
         sharing = Sharing()
         if share:
@@ -232,7 +230,7 @@ def _read_tensors(transport: Transport, base: str, manifest: Manifest, pieces: l
         err: Exception | None = None
         try:
             if plan is not None:
-                _execute(transport, base, plan, pieces, streams, files)
+                execute(transport, base, plan, [_destination(p) for _, p in pieces], streams, files)
                 report.bytes_read = plan.bytes_to_read
         except Exception as e:
             err = e
@@ -255,12 +253,20 @@ def _destination(piece: LocalPiece) -> Destination:
     return Destination(piece.local, piece.shape, box_offsets=piece.box.offsets)
 
 
-def _execute(transport: Transport, base: str, plan: ReadPlan, pieces: list[tuple[Leaf, LocalPiece]],
-             streams: int, files: LocalFiles | None = None) -> None:
+def local_files(plan: ReadPlan, manifest: Manifest) -> LocalFiles | None:
+    """The checkpoint's data files on this host, when the plan names them (direct reads)."""
+    if not plan.local_paths:
+        return None
+    return LocalFiles(plan.local_paths, {k: e.size for k, e in manifest.files.items()})
+
+
+def execute(transport: Transport, base: str, plan: ReadPlan, dests: list[Destination], streams: int,
+            files: LocalFiles | None = None) -> None:
+    """Fetch every range of ``plan`` (``streams`` at a time; from ``files`` where usable, else over
+    HTTP), verify it, and copy it into ``dests`` (indexed like the plan's requests)."""
     by_fetch: dict[int, list] = {}
     for c in plan.copies:
         by_fetch.setdefault(c.fetch, []).append(c)
-    dests = [_destination(p) for _, p in pieces]
 
     def fill(f: Any, copies: list, targets: list | None, from_files: bool) -> None:
         if targets is not None:  # row bands into row bands: no buffer, no second copy

@@ -154,7 +154,8 @@ class CheckpointClient:
         """A DCP ``StorageReader``: ``dcp.load(sd, storage_reader=client.dcp_reader("gpt/latest"))``."""
         from .dcp import CkptdStorageReader
 
-        return CkptdStorageReader(self.url, ref, token=self._token, streams=self.streams)
+        return CkptdStorageReader(self.url, ref, token=self._token, streams=self.streams,
+                                  direct_reads=self.direct_reads)
 
     # -- queries -----------------------------------------------------------------
     def manifest(self, ref: str) -> Manifest:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -56,9 +55,9 @@ from ._codec import CompressionPolicy, compression_of
 from ._http import Transport
 from ._layout import dtype_name
 from ._save import Snapshot, _Chunk, _Object, open_session, put_index, upload_files, wait_committed
-from ._load import _fetch
+from ._load import execute, local_files
 from ._names import DCP_METADATA
-from .assemble import Destination, copy_into, decode_object, torch_dtype
+from .assemble import Destination, decode_object, torch_dtype
 
 __all__ = ["DCP_METADATA", "CkptdStorageReader", "CkptdStorageWriter"]
 
@@ -259,8 +258,10 @@ def _reconcile(md: Metadata, manifest: Manifest) -> Metadata:
 
 
 class CkptdStorageReader(_Endpoint, StorageReader):
-    def __init__(self, url: str, ref: str, *, token: str | None = None, streams: int = 4) -> None:
+    def __init__(self, url: str, ref: str, *, token: str | None = None, streams: int = 4,
+                 direct_reads: bool = True) -> None:
         _Endpoint.__init__(self, url, ref, token, streams)
+        self.direct_reads = direct_reads
         self._manifest: Manifest | None = None
         self._rank: int | None = None
         self.set_ref(None)
@@ -359,23 +360,16 @@ class CkptdStorageReader(_Endpoint, StorageReader):
             requests.append(ReadRequest(name=t.name, offsets=offsets, sizes=list(it.lengths)))
             dests.append(Destination(target, t.shape, box_offsets=offsets))
             targets.append(target)
-        body = {"requests": [r.model_dump(exclude_none=True) for r in requests]}
+        body: dict[str, Any] = {"requests": [r.model_dump(exclude_none=True) for r in requests]}
+        if self.direct_reads:
+            body["local_paths"] = True
         rp = ReadPlan.model_validate(self.transport.request("POST", f"{self.base}/read-plan", json=body))
-        by_fetch: dict[int, list] = {}
-        for c in rp.copies:
-            by_fetch.setdefault(c.fetch, []).append(c)
-
-        def run(i: int) -> None:
-            data = _fetch(self.transport, self.base, rp.fetches[i])  # length and block digests verified
-            for c in by_fetch.get(i, []):
-                copy_into(data, c, dests[c.request])
-
-        if self.streams > 1 and len(rp.fetches) > 1:
-            with ThreadPoolExecutor(min(self.streams, len(rp.fetches)), thread_name_prefix="ckptd-dcp-load") as pool:
-                list(pool.map(run, range(len(rp.fetches))))
-        else:
-            for i in range(len(rp.fetches)):
-                run(i)
+        files = local_files(rp, m)
+        try:  # every block verified, from this host's files (direct reads) or over HTTP
+            execute(self.transport, self.base, rp, dests, self.streams, files)
+        finally:
+            if files is not None:
+                files.close()
         for it, target in zip(tensor_items, targets):
             planner.commit_tensor(it, target)
         return _done(None)

@@ -21,7 +21,7 @@ from ckptd_client import CheckpointClient
 from ckptd_client._files import LocalFiles
 from ckptd_client._flatten import flatten_state_dict
 from ckptd_client._layout import local_piece
-from ckptd_client._load import _execute, _request
+from ckptd_client._load import _destination, _request, execute
 from ckptd_schemas import ChecksumMismatch, ReadPlan
 from support import ServerProcess, assert_bits_equal, blank_like, make_state
 
@@ -140,9 +140,25 @@ def test_a_file_that_is_not_the_services_falls_back_to_http(server, tmp_path, ca
             other[f] = str(dst)
         files = LocalFiles(other, sizes)
         try:
-            _execute(c._transport, base, plan, pieces, 2, files)
+            execute(c._transport, base, plan, [_destination(p) for _, p in pieces], 2, files)
         finally:
             files.close()
     assert torch.equal(got["w"], want)
     assert files.enabled is (case != "other bytes")  # a digest failure there stops direct reads
     assert files.bytes_read < plan.bytes_to_read or case == "other bytes"
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_dcp_reader_reads_both_ways(server, direct):
+    import torch.distributed.checkpoint as dcp
+
+    want = {"w": torch.randn(257, 33), "b": torch.randn(9).to(torch.bfloat16)}
+    with CheckpointClient(server.url) as c:
+        dcp.save(want, storage_writer=c.dcp_writer(f"dcp/{int(direct)}"))
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    with CheckpointClient(server.url, direct_reads=direct) as c:
+        reader = c.dcp_reader(f"dcp/{int(direct)}")
+        dcp.load(got, storage_reader=reader)
+    assert reader.direct_reads is direct
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
