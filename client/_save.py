@@ -23,7 +23,7 @@ import time
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import xxhash
@@ -228,14 +228,30 @@ class _File:
     xxh3: str = ""
 
 
-def _pack(snap: Snapshot, compression: Compression, file_bytes: int,
-          prefix: str | None = None) -> tuple[list[_File], RankIndex]:
+def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str | None = None,
+          on_file: Callable[[_File], None] | None = None) -> tuple[list[_File], RankIndex]:
+    """Lay the snapshot's chunks (compressed per the policy) and objects out in files of about
+    ``file_bytes``, hashing each stored chunk and each file; return the files and the rank's index.
+
+    ``on_file`` gets each file as soon as it is complete (hashed), before the next one is packed:
+    the caller starts its upload there, so hashing and compressing file k+1 run while file k
+    streams out (the pipeline of a save).
+    """
     files: list[_File] = []
     prefix = prefix or f"r{snap.rank:06d}"
+    hashes: list[Any] = []
+
+    def finish(f: _File) -> None:
+        f.xxh3 = hashes[-1].hexdigest()
+        if on_file is not None:
+            on_file(f)
 
     def current(n: int) -> _File:
         if not files or (files[-1].size and files[-1].size + n > file_bytes):
+            if files:
+                finish(files[-1])
             files.append(_File(f"{prefix}-{len(files):04d}.bin"))
+            hashes.append(xxhash.xxh3_64())
         return files[-1]
 
     def place(data: memoryview | bytes) -> tuple[str, int]:
@@ -244,6 +260,8 @@ def _pack(snap: Snapshot, compression: Compression, file_bytes: int,
         pad = (-len(data)) % ALIGN
         f.parts.append((data, pad))
         f.size += len(data) + pad
+        hashes[-1].update(data)  # right after the chunk's own hash: the same bytes, still in cache
+        hashes[-1].update(_PAD[:pad])
         return f.name, offset
 
     policy = compression if isinstance(compression, CompressionPolicy) else None
@@ -285,12 +303,8 @@ def _pack(snap: Snapshot, compression: Compression, file_bytes: int,
             loc = Location(file=fname, offset=off, length=len(o.payload), raw_length=len(o.payload),
                            xxh3=xxhash.xxh3_64_hexdigest(o.payload))
             objects.append(ObjectEntry(name=o.fqn, rank=snap.rank, encoding="torch", location=loc))
-    for f in files:
-        h = xxhash.xxh3_64()
-        for data, pad in f.parts:
-            h.update(data)
-            h.update(_PAD[:pad])
-        f.xxh3 = h.hexdigest()
+    if files:
+        finish(files[-1])
     index = RankIndex(rank=snap.rank, world_size=snap.world, coords=snap.coords, mesh=snap.mesh,
                       layouts=snap.layouts, tensors=entries, objects=objects, param_groups=snap.param_groups,
                       files=[f.name for f in files])
@@ -317,22 +331,28 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
     With a :class:`CompressionPolicy`, the upload's throughput is fed back to it: the next save
     decides against the store as it is now.
     """
-    files, index = _pack(snap, compression, file_bytes, prefix)
-    t0 = time.perf_counter()
+    starts: list[float] = []  # the upload's rate, for the compression policy, runs from the first PUT
 
     def put(f: _File) -> None:
+        starts.append(time.perf_counter())
         transport.request("PUT", f"{base}/sessions/{session}/files/{f.name}", content=lambda: _stream(f),
                           headers={"X-Ckptd-Xxh3": f.xxh3, "Content-Length": str(f.size),
                                    "Content-Type": "application/octet-stream"})
 
-    if len(files) > 1 and streams > 1:
-        with ThreadPoolExecutor(min(streams, len(files)), thread_name_prefix="ckptd-upload") as pool:
-            list(pool.map(put, files))
-    else:
-        for f in files:
-            put(f)
-    if isinstance(compression, CompressionPolicy):
-        compression.observe(sum(f.size for f in files), time.perf_counter() - t0)
+    # Each file's upload starts as soon as it is packed and hashed, while the next one is packed.
+    with ThreadPoolExecutor(max(1, streams), thread_name_prefix="ckptd-upload") as pool:
+        sent: list[Future] = []
+        try:
+            files, index = _pack(snap, compression, file_bytes, prefix,
+                                 on_file=lambda f: sent.append(pool.submit(put, f)))
+        except BaseException:
+            for fut in sent:
+                fut.cancel()
+            raise
+        for fut in sent:
+            fut.result()  # the first failure, in file order
+    if isinstance(compression, CompressionPolicy) and starts:
+        compression.observe(sum(f.size for f in files), time.perf_counter() - min(starts))
     return index
 
 

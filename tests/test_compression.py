@@ -205,3 +205,46 @@ def test_dcp_writer_takes_the_same_option(server):
         dcp.load(out, storage_reader=c.dcp_reader("dcpz/1"), no_dist=True)
     assert torch.equal(out["w"].view(torch.int16), src.view(torch.int16))
     verify(server.url, "dcpz/1")
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_each_file_is_handed_on_hashed_before_the_next_is_packed(compression):
+    """The save's pipeline: ``_pack`` gives each file to ``on_file`` (where its upload starts) as soon as it
+    is complete, with its final digest, and before any byte of a later file is hashed."""
+    import xxhash
+
+    from ckptd_client._save import _pack, _stream, build_snapshot
+
+    g = torch.Generator().manual_seed(3)
+    sd = {f"w{i}": torch.randn(64, 1024, generator=g).to(torch.bfloat16) for i in range(5)}
+    snap = build_snapshot(sd, 0, 1)
+    real = xxhash.xxh3_64
+    log: list[str] = []
+
+    class Counting:  # a file hasher (the i-th made hashes file i) that logs the bytes it is fed
+        made = 0
+
+        def __init__(self) -> None:
+            self.h, self.i = real(), Counting.made
+            Counting.made += 1
+
+        def update(self, data) -> None:
+            log.append(f"hash {self.i}")
+            self.h.update(data)
+
+        def hexdigest(self) -> str:
+            return self.h.hexdigest()
+
+    import ckptd_client._save as save_mod
+
+    save_mod.xxhash.xxh3_64, handed = Counting, []
+    try:
+        files, _ = _pack(snap, compression, 200 << 10,
+                         on_file=lambda f: (handed.append(f), log.append(f"done {len(handed) - 1}")))
+    finally:
+        save_mod.xxhash.xxh3_64 = real
+    assert [f.name for f in handed] == [f.name for f in files] and len(files) >= 3
+    for i, f in enumerate(handed):
+        assert f.xxh3 == xxhash.xxh3_64_hexdigest(b"".join(bytes(p) for p in _stream(f)))
+        later = [j for j, e in enumerate(log) if e == f"hash {i + 1}"]
+        assert not later or log.index(f"done {i}") < later[0]  # handed on before file i+1 is hashed
