@@ -446,3 +446,14 @@ def test_deploy_tokens_secret_template_refuses_to_start(tmp_path):
     f.write_text(placeholder)
     with pytest.raises(AuthConfigError, match="line 1"):
         TokenStore(file=str(f))
+
+
+def test_a_refused_request_is_counted_under_its_route(app):
+    """401s are answered before routing; the metrics and the access log still name the route."""
+    assert _call(app, "GET", "/v1/runs").status_code == 401
+    assert _call(app, "GET", "/v1/checkpoints/gpt/1").status_code == 401
+    assert _call(app, "GET", "/v1/nothing-here").status_code == 401
+    text = _call(app, "GET", "/metrics").text
+    lines = [ln for ln in text.splitlines() if ln.startswith("ckptd_http_requests_total{") and 'status="401"' in ln]
+    routes = {re.search(r'route="([^"]*)"', ln)[1] for ln in lines}
+    assert {"list_runs", "get_manifest", "unmatched"} <= routes, lines

@@ -306,6 +306,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     app.include_router(gc_router(storage, settings))
     check_routes(app)
     open_paths = {r.path for r in iter_routes(app.router) if ROUTE_RULES[r.name].access == "open"}
-    app.add_middleware(AccessMiddleware, tokens=tokens, open_paths=open_paths, index_limit=settings.max_index_bytes)
+    app.add_middleware(AccessMiddleware, tokens=tokens, open_paths=open_paths, index_limit=settings.max_index_bytes,
+                       routes=app.router.routes)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)  # outermost: ids and logs for 401s too
     return app

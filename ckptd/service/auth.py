@@ -44,9 +44,10 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator, Literal, Sequence
 
 from fastapi import Request
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ckptd_schemas import Forbidden, PayloadTooLarge, Unauthorized
@@ -367,8 +368,18 @@ class AccessMiddleware:
     a body that grows past it is cut off with 413.
     """
 
-    def __init__(self, app: ASGIApp, tokens: TokenStore, open_paths: set[str], index_limit: int) -> None:
+    def __init__(self, app: ASGIApp, tokens: TokenStore, open_paths: set[str], index_limit: int,
+                 routes: Sequence[Any] = ()) -> None:
         self.app, self.tokens, self.open_paths, self.index_limit = app, tokens, open_paths, index_limit
+        self.routes = routes
+
+    def _match(self, scope: Scope) -> None:
+        """Put the route a refused request was for in its scope, as the router would have: the access
+        log and the metrics then name it instead of ``unmatched``."""
+        for route in iter_routes(self.routes):
+            if route.matches(scope)[0] == Match.FULL:
+                scope["route"] = route
+                return
 
     def _limit(self, scope: Scope) -> int | None:
         rule = ROUTE_RULES.get(_route_name(scope) or "")
@@ -389,6 +400,7 @@ class AccessMiddleware:
             principal = self.tokens.authenticate(token) if token and len(token) <= MAX_TOKEN_CHARS else None
             if principal is None:
                 msg = NO_TOKEN if token is None else "the bearer token is not valid"
+                self._match(scope)
                 await _send_error(send, scope, Unauthorized(msg),
                                   [(b"www-authenticate", b'Bearer realm="ckptd"')])
                 return
