@@ -28,6 +28,10 @@ What one run does (see BENCHMARKS.md for the results and how to read them):
    (pages of both checkpoints evicted with ``posix_fadvise(DONTNEED)`` before
    each load), then warm. Every result is checked bit for bit against the
    values saved.
+5. A replicated state (plain tensors, a quarter of the size) that every rank
+   loads whole, over HTTP and cold: once with ``share_replicas`` (one rank of
+   the host fetches each tensor and sends it to the others) and once without;
+   bytes fetched from the service, time and the service's CPU.
 
 Throughput is the global state size divided by wall time between barriers.
 """
@@ -105,6 +109,12 @@ def make_state(specs: list[tuple[str, int, int]], mesh: Any, *, fill: bool) -> d
         model[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                          shape=torch.Size((rows, cols)), stride=(cols, 1))
     return {"model": model}
+
+
+def replicated_state(specs: list[tuple[str, int, int]], *, fill: bool) -> dict:
+    """``{"repl": {name: tensor}}``: plain (DDP-replicated) tensors every rank holds whole."""
+    return {"repl": {name: _pattern(100 + i, 0, rows, cols) if fill else torch.full((rows, cols), float("nan"))
+                     for i, (name, rows, cols) in enumerate(specs)}}
 
 
 def state_bytes(specs: list[tuple[str, int, int]]) -> int:
@@ -276,6 +286,7 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
                 rec["server_cpu_s"] = vals[4] + vals[5]
                 rec["ckptd_phases"] = {**phases, "stall": t_stall, "own_wait_return": t_own}
         repeats.append(rec)
+    client.save(replicated_state(cfg["repl_specs"], fill=True), "bench/repl").wait()  # written once
     client.close()
     del sd
     # One save of another size to a server that only ever sees that size (its peak RSS vs shard size).
@@ -355,6 +366,7 @@ def load_job(rank: int, world: int, cfg: dict) -> dict:
         repeats.append(rec)
     client.close()
     http_client.close()
+    repl = _replicated_loads(rank, cfg)
     expected.clear()  # free the main state before the other sizes
     del into_dcp, into_ckptd
     for ex in cfg["extra"]:
@@ -366,7 +378,34 @@ def load_job(rank: int, world: int, cfg: dict) -> dict:
             assert torch.equal(got["model"][name].to_local(), w.to_local()), f"{ex['key']}: {name} differs"
         other_client.close()
         del want, got
-    return {"repeats": repeats}
+    return {"repeats": repeats, "replicated": repl}
+
+
+def _replicated_loads(rank: int, cfg: dict) -> dict:
+    """Every rank loads the same plain tensors over HTTP (as from a remote store), cold: once with
+    ``share_replicas`` (one rank of the host fetches each, then sends it) and once without."""
+    from ckptd_client import CheckpointClient
+
+    want = replicated_state(cfg["repl_specs"], fill=True)["repl"]
+    out: dict[str, dict] = {}
+    for share in (True, False):
+        got = replicated_state(cfg["repl_specs"], fill=False)
+        if rank == 0:
+            evict([Path(cfg["root"]) / "runs" / "bench" / "repl"])
+        with CheckpointClient(cfg["url"], direct_reads=False, share_replicas=share) as c:
+            dist.barrier()
+            srv0 = _proc_cpu(cfg["server_pid"]) if rank == 0 else (0.0, 0.0)
+            t0 = time.perf_counter()
+            rep = c.load(got, "bench/repl")
+            dist.barrier()
+            t = time.perf_counter() - t0
+        srv = sum(b - a for a, b in zip(srv0, _proc_cpu(cfg["server_pid"]))) if rank == 0 else 0.0
+        for name, w in want.items():
+            assert torch.equal(got["repl"][name], w), f"replicated {name} differs on rank {rank} (share={share})"
+        fetched, shared_in, srv = _sum_over_ranks([rep.bytes_read, rep.bytes_shared_in, srv])
+        out["shared" if share else "each_rank"] = {"load_s": _max_over_ranks([t])[0], "bytes_fetched": fetched,
+                                                   "bytes_shared_in": shared_in, "server_cpu_s": srv}
+    return out
 
 
 # -- machine and micro-baselines ----------------------------------------------------------------------
@@ -528,6 +567,9 @@ def summarise(save: dict, load: dict, nbytes: int) -> dict:
                     f"ckptd_http_{cache}_load_server_cpu_s": _med(
                         [r[f"ckptd_http_{cache}_load_server_cpu_s"] for r in lr])})
     out["load_throughput_ratio"] = out["load_cold_throughput_ratio"]
+    rp = load["replicated"]  # plain tensors every rank loads, over HTTP: one fetch per host, or one per rank
+    out["replicated_load"] = {**rp, "fetch_ratio": rp["each_rank"]["bytes_fetched"] / rp["shared"]["bytes_fetched"],
+                              "time_ratio": rp["each_rank"]["load_s"] / rp["shared"]["load_s"]}
     # Where ckptd's save time goes: median over repeats of each phase (seconds, the slower rank's).
     keys = ("stall", "snapshot", "open_session", "pack_hash", "put_file_span", "put_file_n", "put_index",
             "put_index_end", "upload_total", "upload_total_end", "poll", "own_wait_return")
@@ -610,6 +652,12 @@ def markdown(res: dict) -> str:
         f"{c}: DCP {s[f'dcp_{c}_load_ranks_cpu_s']:.2f}, ckptd ranks {s[f'ckptd_{c}_load_ranks_cpu_s']:.2f} + "
         f"server {s[f'ckptd_{c}_load_server_cpu_s']:.2f} (HTTP: ranks {s[f'ckptd_http_{c}_load_ranks_cpu_s']:.2f} + "
         f"server {s[f'ckptd_http_{c}_load_server_cpu_s']:.2f})" for c in ("cold", "warm"))]
+    rl = s["replicated_load"]
+    lines += ["", f"replicated state ({rl['shared']['bytes_fetched'] / MiB:.0f} MiB of plain tensors) loaded by all 3 "
+              f"ranks over HTTP, cold: shared per host {rl['shared']['load_s']:.2f} s, "
+              f"{rl['shared']['bytes_fetched'] / MiB:.0f} MiB fetched, server {rl['shared']['server_cpu_s']:.2f} CPU-s; "
+              f"each rank its own {rl['each_rank']['load_s']:.2f} s, {rl['each_rank']['bytes_fetched'] / MiB:.0f} MiB "
+              f"fetched, server {rl['each_rank']['server_cpu_s']:.2f} CPU-s"]
     b = res["baselines"]
     lines += ["", "baselines: " + ", ".join(f"{k}={v:.2f}" for k, v in b.items())]
     lines += [f"disk's durable-write ceiling (2 writers, best of start and end) {s['disk_write_ceiling_gbps']:.2f} GB/s: "
@@ -662,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             pids[key], state_mib[key] = srv.proc.pid, state_bytes(sp) / MiB
         rss: dict[str, dict] = {k: {"state_mib": state_mib[k], "idle": vm_status(pid)} for k, pid in pids.items()}
         cfg = {"specs": specs, "extra": extra, "repeat": args.repeat, "url": main_srv.url,
+               "repl_specs": tensor_specs(args.mib / 4),
                "server_pid": pids["main"], "dcp_dir": str(dcp_dir), "root": str(root),
                "snapshot_bytes": args.snapshot_bytes}
         budget = 180 + (args.repeat * nbytes + sum(map(state_bytes, other_specs.values()))) / MiB * 0.2

@@ -221,7 +221,7 @@ def _read_tensors(transport: Transport, base: str, manifest: Manifest, pieces: l
     try:
         sharing = Sharing()
         if share:
-            direct = files is not None and all(files.usable(f.file) for f in plan.fetches)  # type: ignore[union-attr]
+            direct = plan is None or (files is not None and all(files.usable(f.file) for f in plan.fetches))
             sharing = share_plan({_key(leaf, p): p.numel * p.local.element_size() for leaf, p in pieces}, direct)
             if sharing.skip:  # another rank of this host reads these for us
                 pieces_read = [(leaf, p) for leaf, p in pieces if _key(leaf, p) not in sharing.skip]

@@ -28,6 +28,12 @@ def test_bench_save_load_runs_small(tmp_path):
                 "load_warm_throughput_ratio", "load_cold_http_throughput_ratio", "load_warm_http_throughput_ratio"):
         assert s[key] > 0, key
     assert s["disk_write_ceiling_gbps"] > 0 and s["save_ratio_possible"] > 0  # the bound on any save ratio
+    rl = s["replicated_load"]  # over HTTP, the host's ranks fetch the replicated tensors once between them
+    state = rl["shared"]["bytes_shared_in"] / 2  # each of the two other ranks receives every tensor
+    assert state > 0 and rl["each_rank"]["bytes_shared_in"] == 0
+    assert rl["each_rank"]["bytes_fetched"] >= 3 * state
+    # at this tiny size the read plan coalesces ranges across small gaps, so the readers fetch a little more
+    assert state <= rl["shared"]["bytes_fetched"] < rl["each_rank"]["bytes_fetched"]
     # the default load reads the service's files on this host; the other way goes through HTTP
     assert s["ckptd_cold_direct_fraction"] == 1.0 and s["ckptd_http_cold_direct_fraction"] == 0.0
     assert s["load_phases_s"]["ckptd_http_cold"]["get_range_n"] > 0 and s["load_phases_s"]["ckptd_cold"]["get_range_n"] == 0
