@@ -91,6 +91,7 @@ RATIOS: list[tuple[str, str, str, float | None, str]] = [
     ("dcp_io", "DCP writer via ckptd vs FileSystemWriter", "summary.save_throughput_ratio", 0.9, ">="),
     ("dcp_io", "safetensors export vs dcp_to_torch_save+save_file", "summary.export_ratio", 1.0, ">="),
     ("dcp_io", "export peak RSS / peer's peak RSS", "summary.export_peak_rss_fraction", 0.5, "<="),
+    ("dcp_io", "export disk efficiency (whole process)", "summary.export_disk_efficiency", 0.7, ">="),
     ("s3", "save on S3 vs dcp.save (fsspec)", "summary.save_throughput_ratio", 1.0, ">="),
     ("s3", "load on S3 vs dcp.load (fsspec)", "summary.load_throughput_ratio", 1.0, ">="),
     ("replicas", "two replicas vs one (save throughput)", "summary.two_over_one_throughput", None, ">="),

@@ -455,6 +455,16 @@ def _phase(rec: dict, key: str) -> float:
     return max(p.get(key, 0.0) for p in rec["phases_by_rank"])
 
 
+def with_export_efficiency(summary: dict, ceiling: dict) -> dict:
+    """``summary`` plus the export's share of the disk's conversion ceiling (read it once, write it once:
+    1/(1/R + 1/W), measured in the same run), as a whole process and in process."""
+    gbps = summary["export_state_bytes"] / 1e9
+    cap = ceiling["convert_ceiling_gbps"]
+    summary["export_disk_efficiency"] = gbps / summary["ckptd_export_wall_s"] / cap
+    summary["export_disk_efficiency_inproc"] = gbps / summary["ckptd_export_inproc_s"] / cap
+    return summary
+
+
 def summarise(writer: dict, export: dict, nbytes: int) -> dict:
     reps = writer["repeats"]
     gb = nbytes / 1e9
@@ -647,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "--root R --json` (default: read back and checked); import done before, "
                                        "timed apart"},
             "goals": GOALS, "machine": machine, "ceiling": ceiling,
-            "summary": summarise(writer, export, nbytes),
+            "summary": with_export_efficiency(summarise(writer, export, nbytes), ceiling),
             "writer": writer, "export": export, "server_rss": server_rss,
             "wall_s": time.perf_counter() - t_start, "loadavg_at_end": os.getloadavg(),
         }
