@@ -1,15 +1,34 @@
-"""What the client needs from torch.distributed: rank, world size, one broadcast."""
+"""What the client needs from torch.distributed: rank, world size, a few small collectives.
+
+Every collective here moves CPU tensors or pickled objects, so it runs on a group with a CPU
+backend: the default group when it has one (gloo, or ``cpu:gloo,cuda:nccl``), else a gloo group
+made once for the default group (a trainer that called ``init_process_group("nccl")``), whose
+creation is itself collective: the first save or load, which every rank calls, makes it.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["any_rank", "barrier", "broadcast_str", "distributed", "rank_and_world"]
+__all__ = ["any_rank", "barrier", "broadcast_str", "cpu_group", "distributed", "rank_and_world"]
 
 
 def _active() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+_gloo: dict[int, object] = {}  # id of the default group -> a gloo group over the same ranks
+
+
+def cpu_group() -> object | None:
+    """The group for the client's CPU collectives (None: the default group)."""
+    if "gloo" in dist.get_backend_config():
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _gloo:
+        _gloo[key] = dist.new_group(backend="gloo")
+    return _gloo[key]
 
 
 def distributed() -> bool:
@@ -29,7 +48,7 @@ def broadcast_str(value: str | None) -> str:
         assert value is not None
         return value
     box = [value if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=cpu_group())
     return str(box[0])
 
 
@@ -43,5 +62,5 @@ def any_rank(flag: bool) -> bool:
     if not _active() or dist.get_world_size() == 1:
         return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
     return bool(t.item())

@@ -29,6 +29,8 @@ import torch
 
 from ckptd_schemas import CkptdError
 
+from ._dist import cpu_group
+
 __all__ = ["Sharing", "agree", "assign_readers", "exchange", "region_key", "share_plan"]
 
 Key = Hashable
@@ -83,7 +85,7 @@ def share_plan(regions: Mapping[Key, int], direct: bool, *, host: str | None = N
         return Sharing()
     me = dist.get_rank()
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (host or socket.gethostname(), direct, dict(regions)))
+    dist.all_gather_object(gathered, (host or socket.gethostname(), direct, dict(regions)), group=cpu_group())
     hosts = [g[0] for g in gathered]
     shared_hosts = {h for h in hosts if not all(g[1] for g in gathered if g[0] == h)}
     sharing = Sharing()
@@ -110,9 +112,9 @@ def exchange(sharing: Sharing, tensors: Mapping[Key, torch.Tensor]) -> int:
         if me == src:
             if buf is not t:
                 buf.copy_(t)
-            dist.send(raw, dst)
+            dist.send(raw, dst, group=cpu_group())
         else:
-            dist.recv(raw, src)
+            dist.recv(raw, src, group=cpu_group())
             if buf is not t:
                 t.copy_(buf)
             got += raw.numel()
@@ -125,7 +127,7 @@ def agree(err: BaseException | None) -> None:
     import torch.distributed as dist
 
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, None if err is None else f"{type(err).__name__}: {err}")
+    dist.all_gather_object(gathered, None if err is None else f"{type(err).__name__}: {err}", group=cpu_group())
     failed = [(r, m) for r, m in enumerate(gathered) if m is not None]
     if not failed:
         return

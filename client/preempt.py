@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from ckptd_schemas import Unavailable
 
-from ._dist import _active
+from ._dist import _active, cpu_group
 
 if TYPE_CHECKING:
     from ckptd_schemas import SessionStatus
@@ -84,7 +84,7 @@ class PreemptionGuard:
             import torch.distributed as dist
 
             t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
             flag = bool(t.item())
         if flag and self._at is None:
             self._at = time.monotonic()
@@ -107,7 +107,7 @@ class PreemptionGuard:
             import torch.distributed as dist
 
             t = torch.tensor([left], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cpu_group())
             left = float(t.item())
         if left <= 0:
             raise Unavailable(f"preemption deadline of {self.deadline:g} s passed before the save of {ref} could "

@@ -122,3 +122,18 @@ def test_a_rank_that_fails_does_not_leave_the_others_waiting(server, tmp_path):
     assert recs[1]["type"] == "StateDictMismatch" and "extra" in recs[1]["message"]
     for r in (recs[0], recs[2]):
         assert r["type"] == "CkptdError" and "rank 1" in r["message"], r
+
+
+def group_job(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from ckptd_client._dist import any_rank, broadcast_str, cpu_group
+
+    # a gloo default group carries the client's CPU collectives itself: no extra group
+    return {"group_is_default": cpu_group() is None, "any": any_rank(rank == 1),
+            "bcast": broadcast_str(f"from {rank}" if rank == 0 else None), "backend": dist.get_backend_config()}
+
+
+def test_cpu_collectives_use_the_default_group_when_it_has_a_cpu_backend(tmp_path):
+    recs = [r["result"] for r in run_ranks(group_job, 2, tmp=tmp_path)]
+    assert all(r["group_is_default"] and r["any"] and r["bcast"] == "from 0" for r in recs), recs
