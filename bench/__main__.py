@@ -96,6 +96,7 @@ RATIOS: list[tuple[str, str, str, float | None, str]] = [
     ("s3", "load on S3 vs dcp.load (fsspec)", "summary.load_throughput_ratio", 1.0, ">="),
     ("replicas", "two replicas vs one (save throughput)", "summary.two_over_one_throughput", None, ">="),
     ("verify", "ckptd verify vs cold sequential read", "summary.verify_ratio", 0.8, ">="),
+    ("verify", "verify in the service's warm worker vs cold read", "summary.verify_service_ratio", 0.8, ">="),
     ("manifest", "commit, 1024 ranks x 500 tensors (seconds)", "summary.commit_s", 2.0, "<="),
     ("manifest", "commit vs DCP global plan, same layout", "summary.commit_ratio_vs_dcp_global_plan", None, ">="),
 ]

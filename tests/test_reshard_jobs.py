@@ -346,7 +346,7 @@ def test_a_job_whose_output_exists_is_refused_up_front(server, reader, trained):
 
 def test_a_pooled_worker_lowers_its_priority_once_not_per_job():
     """Jobs share a worker process, and ``os.nice`` adds up: the second job must not push it further."""
-    code = ("import os; from ckptd.reshard.jobs import _lower_priority; before = os.nice(0); "
-            "_lower_priority(); _lower_priority(); print(os.nice(0) - before)")
+    code = ("import os; from ckptd.reshard.priority import lower_priority; before = os.nice(0); "
+            "lower_priority(); lower_priority(); print(os.nice(0) - before)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert int(out.stdout) == min(10, 19 - os.nice(0))

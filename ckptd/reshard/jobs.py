@@ -15,7 +15,6 @@ commit is idempotent, so two finalizers are harmless).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -34,6 +33,7 @@ from .executor import UnitResult, finalize, open_target, pick_device, run_unit
 from ..store.leases import Leases
 from .models import JobStatus, ReshardRequest, now_utc, put_status, get_job
 from .planner import ReshardPlan, plan_reshard
+from .priority import lower_priority
 from .spec import parse_spec
 
 __all__ = ["JobStatus", "ReshardRequest", "WorkerJob", "get_job", "run_service_job", "run_worker", "submit_job",
@@ -65,25 +65,9 @@ def submit_job(storage: Storage, req: ReshardRequest) -> tuple[JobStatus, Reshar
     return st, plan
 
 
-@functools.cache
-def _lower_priority() -> None:
-    """Once per worker process: ``os.nice`` adds to the niceness, so calling it for every job of a pooled
-    worker would take it from 10 to the floor of 19 at the second job."""
-    try:
-        os.nice(10)
-    except OSError:
-        pass
-    try:  # idle I/O class where the platform allows it (Linux: ionice -c3)
-        import psutil  # type: ignore[import-not-found]
-
-        psutil.Process().ionice(psutil.IOPRIO_CLASS_IDLE)
-    except Exception:  # noqa: BLE001 - optional
-        pass
-
-
 def run_service_job(root: str, job_id: str, plan_json: str, request_json: str, max_bytes_per_s: float) -> None:
     """Body of a service worker process: run the job, keep status and lease fresh."""
-    _lower_priority()
+    lower_priority()
     storage = open_storage(root)
     st = get_job(storage, job_id)
     plan = ReshardPlan.model_validate_json(plan_json)

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
-    CheckpointSummary, InvalidIndex, InvalidRequest, Manifest, OpenSession, PayloadTooLarge, RankIndex, ReadPlan,
+    CheckpointSummary, InvalidIndex, InvalidRequest, Manifest, NotFound, OpenSession, PayloadTooLarge, RankIndex, ReadPlan,
     ReadRequest, RunSummary, SessionInfo, SessionStatus, UploadResult, check_file, plan_reads,
 )
 
@@ -43,6 +43,7 @@ from ..storage import Storage, open_storage
 from ..store import CheckpointReader
 from ..store.faults import crash_point
 from ..store.layout import Paths
+from ..store.verification import VerifyRecord, read_record, verify_and_record
 from .auth import ROUTE_RULES, AccessMiddleware, TokenStore, authorize, check_routes, iter_routes, principal_of
 from .errors import install_error_handlers
 from .logs import RequestContextMiddleware
@@ -117,7 +118,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     metrics = Metrics()
     sessions = MeteredSessionStore(storage, metrics)
     reader = CheckpointReader(storage)
-    jobs_router, close_jobs = reshard_router(storage, settings, metrics)
+    jobs_router, close_jobs, workers = reshard_router(storage, settings, metrics)
+    verifying: set[tuple[str, str]] = set()  # verifications submitted after commit by this process
     retention = RetentionPolicy(storage, settings)
     read_leases = ReadLeases(storage, settings.read_lease_seconds)
 
@@ -218,6 +220,9 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
             _wake(sid)
         if status.state == "committed":
             retention.after_commit(run)
+            if settings.verify_after_commit and (run, name) not in verifying:
+                verifying.add((run, name))
+                workers().submit(verify_and_record, storage.url, run, name)
         return status
 
     @app.get("/v1/checkpoints/{run}/{name}/sessions/{sid}", response_model=SessionStatus, tags=["upload"])
@@ -275,6 +280,23 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
             if all(paths.values()):
                 plan.local_paths = paths  # type: ignore[assignment]
         return plan
+
+    @app.post("/v1/checkpoints/{run}/{name}/verify", response_model=VerifyRecord, tags=["read"])
+    async def verify_checkpoint(run: str, name: str) -> VerifyRecord:
+        """Re-read and check every byte of a committed checkpoint in a worker process (as `ckptd verify`),
+        record the outcome and return it; 200 either way: ``ok`` says whether it holds."""
+        manifest = await run_in_threadpool(reader.manifest, run, name)  # 404 before any work
+        rec = await asyncio.wrap_future(workers().submit(verify_and_record, storage.url, run, manifest.name))
+        return VerifyRecord.model_validate(rec)
+
+    @app.get("/v1/checkpoints/{run}/{name}/verification", response_model=VerifyRecord, tags=["read"])
+    async def get_verification(run: str, name: str) -> VerifyRecord:
+        """The last verification the service recorded for this checkpoint (404 when there is none)."""
+        manifest = await run_in_threadpool(reader.manifest, run, name)
+        rec = await run_in_threadpool(read_record, storage, run, manifest.name)
+        if rec is None:
+            raise NotFound(f"checkpoint {manifest.ref} has not been verified by the service", ref=manifest.ref)
+        return rec
 
     @app.get("/v1/checkpoints/{run}/{name}/files/{file}", tags=["read"],
              responses={206: {"description": "partial content"}})

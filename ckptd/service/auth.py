@@ -265,6 +265,8 @@ ROUTE_RULES: dict[str, Rule] = {
     "get_manifest": Rule("read"),
     "read_plan": Rule("read", body="index"),
     "get_file": Rule("read"),
+    "verify_checkpoint": Rule("read"),  # runs in a worker; the record it writes is derived, never the data
+    "get_verification": Rule("read"),
     # uploads: write:RUN
     "open_session": Rule("write"),
     "upload_file": Rule("write", body="stream"),

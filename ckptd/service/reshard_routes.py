@@ -41,9 +41,10 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="ckptd-parent-watch", daemon=True).start()
 
 
-def reshard_router(storage: Storage, settings: Settings,
-                   metrics: "Metrics | None" = None) -> tuple[APIRouter, Callable[[], None]]:
-    """The routes and a ``close`` for the service's shutdown (stops the worker processes)."""
+def reshard_router(storage: Storage, settings: Settings, metrics: "Metrics | None" = None
+                   ) -> tuple[APIRouter, Callable[[], None], Callable[[], ProcessPoolExecutor]]:
+    """The routes, a ``close`` for the service's shutdown (stops the worker processes), and the
+    worker pool (started on first use), which the service's verifications share."""
     router = APIRouter(tags=["reshard"])
     pool: list[ProcessPoolExecutor] = []
 
@@ -91,4 +92,4 @@ def reshard_router(storage: Storage, settings: Settings,
 
         return await run_in_threadpool(get_job, storage, job_id)
 
-    return router, close
+    return router, close, executor

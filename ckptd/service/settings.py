@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     insecure_open: bool = Field(
         False, description="serve without tokens on a non-loopback address (anyone who can reach it may read "
                            "and write)")
+    verify_after_commit: bool = Field(
+        False, description="after each commit, re-read and check the checkpoint in a worker process (as `ckptd "
+        "verify` does) and record the outcome (`GET .../verification`)")
     direct_reads: bool = Field(
         True, description="when the root is a local directory, give loading clients each data file's path so that "
         "ranks on this host (or on a shared filesystem mounted at the same path) read the bytes themselves, with "

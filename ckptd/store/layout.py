@@ -3,6 +3,7 @@
 ::
 
     runs/<run>/<name>/COMMITTED                         marker: names session + manifest digest
+    runs/<run>/<name>/VERIFIED.json                     the service's last verification (store.verification)
     runs/<run>/<name>/sessions/<sid>/SESSION.json       upload session (open-or-join, create-if-absent)
     runs/<run>/<name>/sessions/<sid>/files/<file>       data streamed by ranks (staging)
     runs/<run>/<name>/sessions/<sid>/digests/<file>     size, XXH3 and block digests of a verified file
@@ -68,6 +69,10 @@ class Paths:
     @staticmethod
     def marker(run: str, name: str) -> str:
         return f"{RUNS}/{run}/{name}/COMMITTED"
+
+    @staticmethod
+    def verification(run: str, name: str) -> str:
+        return f"{RUNS}/{run}/{name}/VERIFIED.json"
 
     @staticmethod
     def sessions(run: str, name: str) -> str:

@@ -1,0 +1,73 @@
+"""The service verifies committed checkpoints in a worker process and records the outcome
+(DESIGN §2 item 5: "The service can run it after each commit and records the result").
+
+Real ``ckptd serve`` processes; the records are read back over HTTP and checked against the
+checkpoint's manifest, and a corrupt byte is found and named.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import xxhash
+
+from ckptd_client import CheckpointClient
+from support import ServerProcess, make_state
+
+
+def _wait_record(url: str, ref: str, timeout: float = 90.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{url}/v1/checkpoints/{ref}/verification", timeout=10)
+        if r.status_code == 200:
+            return r.json()
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+        time.sleep(0.2)
+    raise AssertionError(f"no verification of {ref} recorded in {timeout}s")
+
+
+def test_every_commit_is_verified_and_recorded(tmp_path):
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_VERIFY_AFTER_COMMIT": "true"}).start()
+    try:
+        with CheckpointClient(srv.url) as c:
+            c.save(make_state(1, mib=1.0), "v/1").wait()
+            c.save(make_state(2, mib=1.0), "v/2").wait()
+            manifests = {n: c.manifest(f"v/{n}") for n in ("1", "2")}
+        for n, m in manifests.items():
+            rec = _wait_record(srv.url, f"v/{n}")
+            marker = httpx.get(f"{srv.url}/v1/checkpoints/v/{n}", timeout=10)
+            assert rec["ok"] is True and rec["problems"] == [], rec
+            assert rec["ref"] == f"v/{n}" and rec["bytes_read"] == m.total_bytes > 1 << 20
+            assert rec["files"] == len(m.files) and rec["tensors"] == len(m.tensors)
+            assert rec["manifest_xxh3"] == xxhash.xxh3_64_hexdigest(marker.content)  # about this manifest
+        assert _wait_record(srv.url, "v/latest")["ref"] == "v/2"  # latest resolves to the newest step
+    finally:
+        srv.stop()
+
+
+def test_verify_on_request_finds_a_corrupt_byte_and_names_the_file(server):
+    with CheckpointClient(server.url) as c:
+        c.save({"w": torch.randn(256, 512)}, "v/3").wait()
+    r = httpx.get(f"{server.url}/v1/checkpoints/v/3/verification", timeout=10)
+    assert r.status_code == 404 and "not been verified" in r.json()["error"]["message"]
+    good = httpx.post(f"{server.url}/v1/checkpoints/v/3/verify", timeout=120).json()
+    assert good["ok"] is True and good["bytes_read"] > 0
+
+    (path,) = sorted(p for p in Path(server.root).rglob("files/*") if p.is_file())
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+    bad = httpx.post(f"{server.url}/v1/checkpoints/v/3/verify", timeout=120).json()
+    assert bad["ok"] is False and any(path.name in p for p in bad["problems"]), bad
+    assert httpx.get(f"{server.url}/v1/checkpoints/v/3/verification", timeout=10).json() == bad  # recorded
+
+
+def test_verify_of_a_missing_checkpoint_is_404(server):
+    r = httpx.post(f"{server.url}/v1/checkpoints/v/404/verify", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "checkpoint_not_found", r.text
