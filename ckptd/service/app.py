@@ -23,6 +23,7 @@ HTTP metrics.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -119,7 +120,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     sessions = MeteredSessionStore(storage, metrics)
     reader = CheckpointReader(storage)
     jobs_router, close_jobs, workers = reshard_router(storage, settings, metrics)
-    verifying: set[tuple[str, str]] = set()  # verifications submitted after commit by this process
+    verifying: collections.deque[tuple[str, str]] = collections.deque(maxlen=1024)  # recent after-commit checks
     retention = RetentionPolicy(storage, settings)
     read_leases = ReadLeases(storage, settings.read_lease_seconds)
 
@@ -220,8 +221,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
             _wake(sid)
         if status.state == "committed":
             retention.after_commit(run)
-            if settings.verify_after_commit and (run, name) not in verifying:
-                verifying.add((run, name))
+            if settings.verify_after_commit and (run, name) not in verifying:  # index retries: verify once
+                verifying.append((run, name))
                 workers().submit(verify_and_record, storage.url, run, name)
         return status
 
