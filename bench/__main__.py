@@ -88,6 +88,8 @@ RATIOS: list[tuple[str, str, str, float | None, str]] = [
     ("reshard", "reshard disk efficiency (dp2)", "summary.disk_efficiency_dp2", 0.7, ">="),
     ("reshard", "reshard via the service (warm worker) disk efficiency", "summary.disk_efficiency_service", 0.7,
      ">="),
+    ("reshard", "ckptd reshard --server (whole process) disk efficiency (dp2)",
+     "summary.disk_efficiency_cli_server_dp2", 0.7, ">="),
     ("dcp_io", "DCP writer via ckptd vs FileSystemWriter", "summary.save_throughput_ratio", 0.9, ">="),
     ("dcp_io", "safetensors export vs dcp_to_torch_save+save_file", "summary.export_ratio", 1.0, ">="),
     ("dcp_io", "export peak RSS / peer's peak RSS", "summary.export_peak_rss_fraction", 0.5, "<="),

@@ -365,6 +365,20 @@ def run_ckptd(ctx: dict, spec: str, out: str, device: str = "cpu") -> dict:
     return r
 
 
+def run_ckptd_server(ctx: dict, spec: str, out: str) -> dict:
+    """``ckptd reshard ... --server URL`` as a whole process: the CLI submits the job to the running service
+    (warm worker) and waits for it; no torch in the CLI's process. Page cache evicted first."""
+    _evict([ctx["dcp_dir"], ctx["root"]])
+    cmd = [PY, "-m", "ckptd.cli.main", "reshard", ctx["ref"], "--to", spec, "--server", str(ctx["http"].base_url),
+           "--out", out, "--json", "--jobs", str(ctx["jobs"]), "--device", "cpu"]
+    r = run_measured(cmd, ctx["work"] / f"ckptd-server-{out.replace('/', '-')}.log", ctx["timeout"])
+    rep = r["report"]
+    r.update(inproc_s=rep["seconds"], bytes_read=rep["bytes_read"], bytes_written=rep["bytes_written"],
+             units=rep["units"])
+    r.update(check_output(ctx, spec, out))
+    return r
+
+
 def check_output(ctx: dict, spec: str, out: str) -> dict:
     """Check a committed output, then delete it: topology and provenance, two tensors' values against what the
     ranks held (``read_tensor``), and every tensor's digest present. Returns the spot-checked names, the
@@ -595,6 +609,7 @@ def summarise(sizes: dict, main_key: str, ceiling: dict) -> dict:
     ck_full_in = _med([r["ckptd_full"]["inproc_s"] for r in reps])
     svc = {op: _med([r[f"service_{op}"]["wall_s"] for r in reps]) for op in ("dp2", "full")}
     svc_in = {op: _med([r[f"service_{op}"]["inproc_s"] for r in reps]) for op in ("dp2", "full")}
+    cli_svc = _med([r["cli_server_dp2"]["wall_s"] for r in reps])
     d_load = _med([r["dcp_load"]["load_s"] for r in reps])
     d_load_save = _med([r["dcp_load"]["load_save_s"] for r in reps])
     d_full = _med([r["dcp_to_torch_save"]["wall_s"] for r in reps])
@@ -628,6 +643,8 @@ def summarise(sizes: dict, main_key: str, ceiling: dict) -> dict:
         "service_dp2_inproc_s": svc_in["dp2"], "service_full_inproc_s": svc_in["full"],
         "disk_efficiency_service_dp2": eff("service_dp2", svc["dp2"]),
         "disk_efficiency_service_full": eff("service_full", svc["full"]),
+        # `ckptd reshard --server URL`: the CLI as a whole process, the work in the service's warm worker
+        "cli_server_dp2_wall_s": cli_svc, "disk_efficiency_cli_server_dp2": eff("cli_server_dp2", cli_svc),
         # DCP against the same ceiling (it reads the source once and writes about as much)
         "disk_efficiency_dcp_load_save": (nbytes / R + nbytes / W) / d_load_save,
         "disk_efficiency_dcp_to_torch_save": (nbytes / R + reps[0]["dcp_to_torch_save"]["bytes_written"] / W) / d_full,
@@ -696,7 +713,9 @@ def markdown(res: dict) -> str:
              f"{s['service_dp2_wall_s']:.2f} s = efficiency {s['disk_efficiency_service_dp2']:.2f}, full "
              f"{s['service_full_wall_s']:.2f} s = {s['disk_efficiency_service_full']:.2f} (in the worker "
              f"{s['service_dp2_inproc_s']:.2f} / {s['service_full_inproc_s']:.2f} s; the first job, which spawned "
-             f"the worker, took {res['service_warmup']['wall_s']:.2f} s). "
+             f"the worker, took {res['service_warmup']['wall_s']:.2f} s). `ckptd reshard --server` as a whole process "
+             f"(the CLI submits and waits): dp2 {s['cli_server_dp2_wall_s']:.2f} s = efficiency "
+             f"{s['disk_efficiency_cli_server_dp2']:.2f}. "
              f"DCP on the same scale: load + save {s['disk_efficiency_dcp_load_save']:.2f}, dcp_to_torch_save "
              f"{s['disk_efficiency_dcp_to_torch_save']:.2f}.",
              "", "Wall time per size (median over its runs; ratio = DCP / ckptd):", "",
@@ -763,6 +782,7 @@ def one_size(gib: float, repeat: int, ctx: dict, server: ServerProcess, profile:
             elif which == "service":
                 rec["service_dp2"] = run_service(c, "fsdp2:dp=2", f"out/{tag}-svc-dp2-r{r}")
                 rec["service_full"] = run_service(c, "full", f"out/{tag}-svc-full-r{r}")
+                rec["cli_server_dp2"] = run_ckptd_server(c, "fsdp2:dp=2", f"out/{tag}-cli-svc-dp2-r{r}")
             else:
                 rec["dcp_load"] = run_dcp_load(c, f"{tag}-r{r}")
                 rec["dcp_to_torch_save"] = run_dcp_to_torch_save(c, f"{tag}-r{r}")

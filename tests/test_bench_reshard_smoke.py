@@ -26,7 +26,8 @@ def test_bench_reshard_runs_small(tmp_path):
     s = res["summary"]
     for key in ("dp2_ratio_vs_dcp_load", "dp2_ratio_vs_dcp_load_save", "full_ratio_vs_dcp_to_torch_save",
                 "disk_efficiency_dp2", "disk_efficiency_full", "disk_convert_ceiling_gbps",
-                "disk_efficiency_service_dp2", "disk_efficiency_service_full", "disk_efficiency_service"):
+                "disk_efficiency_service_dp2", "disk_efficiency_service_full", "disk_efficiency_service",
+                "disk_efficiency_cli_server_dp2"):
         assert s[key] > 0, key
     assert res["config"]["same_filesystem"]
     rep = res["sizes"]["0p01gib"]["repeats"][0]
@@ -38,7 +39,9 @@ def test_bench_reshard_runs_small(tmp_path):
         assert job["state"] == "done" and job["committed"] and job["spot_checked"], op
         assert job["bytes_written"] >= res["sizes"]["0p01gib"]["state_bytes"], op
         # its output's tensor digests equal those of every other ckptd output of the same source
-        assert set(job["digests_match"]) == {"ckptd_dp2", "ckptd_full", "service_dp2", "service_full"}, op
+        assert set(job["digests_match"]) == {"ckptd_dp2", "ckptd_full", "service_dp2", "service_full",
+                                             "cli_server_dp2"}, op
+    assert rep["cli_server_dp2"]["spot_checked"]  # `ckptd reshard --server`: committed, checked
     assert res["service_warmup"]["wall_s"] > 0
     assert rep["dcp_load"]["checked"] and min(rep["dcp_load"]["load_peak_rss_bytes_per_rank"]) > 0
     for spec in ("fsdp2:dp=2", "full"):  # the timers still hook into the executor
