@@ -353,25 +353,16 @@ def ckptd_cmd(root: Path, src: str, spec: str, out: str, jobs: int, device: str)
             "--json", "--jobs", str(jobs), "--device", device]
 
 
-def run_ckptd(ctx: dict, spec: str, out: str, device: str = "cpu") -> dict:
-    root = ctx["root"]
-    _evict([ctx["dcp_dir"], root])
-    r = run_measured(ckptd_cmd(root, ctx["ref"], spec, out, ctx["jobs"], device),
-                     ctx["work"] / f"ckptd-{out.replace('/', '-')}.log", ctx["timeout"])
-    rep = r["report"]
-    r.update(inproc_s=rep["seconds"], bytes_read=rep["bytes_read"], bytes_written=rep["bytes_written"],
-             units=rep["units"])
-    r.update(check_output(ctx, spec, out))
-    return r
-
-
-def run_ckptd_server(ctx: dict, spec: str, out: str) -> dict:
-    """``ckptd reshard ... --server URL`` as a whole process: the CLI submits the job to the running service
-    (warm worker) and waits for it; no torch in the CLI's process. Page cache evicted first."""
+def run_ckptd(ctx: dict, spec: str, out: str, device: str = "cpu", server: bool = False) -> dict:
+    """``ckptd reshard`` as a whole process, page cache evicted first: on the root (``--root``), or with
+    ``server`` through the running service (``--server URL``: the CLI submits the job to the warm worker and
+    waits for it; no torch in the CLI's process)."""
     _evict([ctx["dcp_dir"], ctx["root"]])
-    cmd = [PY, "-m", "ckptd.cli.main", "reshard", ctx["ref"], "--to", spec, "--server", str(ctx["http"].base_url),
-           "--out", out, "--json", "--jobs", str(ctx["jobs"]), "--device", "cpu"]
-    r = run_measured(cmd, ctx["work"] / f"ckptd-server-{out.replace('/', '-')}.log", ctx["timeout"])
+    cmd = ckptd_cmd(ctx["root"], ctx["ref"], spec, out, ctx["jobs"], device)
+    if server:
+        cmd[cmd.index("--root"):cmd.index("--root") + 2] = ["--server", str(ctx["http"].base_url)]
+    r = run_measured(cmd, ctx["work"] / f"ckptd-{'server-' if server else ''}{out.replace('/', '-')}.log",
+                     ctx["timeout"])
     rep = r["report"]
     r.update(inproc_s=rep["seconds"], bytes_read=rep["bytes_read"], bytes_written=rep["bytes_written"],
              units=rep["units"])
@@ -782,7 +773,7 @@ def one_size(gib: float, repeat: int, ctx: dict, server: ServerProcess, profile:
             elif which == "service":
                 rec["service_dp2"] = run_service(c, "fsdp2:dp=2", f"out/{tag}-svc-dp2-r{r}")
                 rec["service_full"] = run_service(c, "full", f"out/{tag}-svc-full-r{r}")
-                rec["cli_server_dp2"] = run_ckptd_server(c, "fsdp2:dp=2", f"out/{tag}-cli-svc-dp2-r{r}")
+                rec["cli_server_dp2"] = run_ckptd(c, "fsdp2:dp=2", f"out/{tag}-cli-svc-dp2-r{r}", server=True)
             else:
                 rec["dcp_load"] = run_dcp_load(c, f"{tag}-r{r}")
                 rec["dcp_to_torch_save"] = run_dcp_to_torch_save(c, f"{tag}-r{r}")
