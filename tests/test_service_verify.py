@@ -71,3 +71,12 @@ def test_verify_on_request_finds_a_corrupt_byte_and_names_the_file(server):
 def test_verify_of_a_missing_checkpoint_is_404(server):
     r = httpx.post(f"{server.url}/v1/checkpoints/v/404/verify", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "checkpoint_not_found", r.text
+
+
+def test_a_manifest_that_no_longer_matches_its_marker_is_recorded_as_failed(server):
+    with CheckpointClient(server.url) as c:
+        c.save({"w": torch.randn(64, 64)}, "v/5").wait()
+    (manifest,) = sorted(Path(server.root).rglob("v/5/sessions/*/manifest-*.json"))
+    manifest.write_bytes(manifest.read_bytes().replace(b'"w"', b'"x"', 1))
+    rec = httpx.post(f"{server.url}/v1/checkpoints/v/5/verify", timeout=120).json()
+    assert rec["ok"] is False and rec["problems"] and rec["bytes_read"] == 0, rec

@@ -35,8 +35,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
-    CheckpointSummary, InvalidIndex, InvalidRequest, Manifest, NotFound, OpenSession, PayloadTooLarge, RankIndex, ReadPlan,
-    ReadRequest, RunSummary, SessionInfo, SessionStatus, UploadResult, check_file, plan_reads,
+    CheckpointSummary, InvalidIndex, InvalidRequest, Manifest, NotFound, OpenSession, PayloadTooLarge, RankIndex,
+    ReadPlan, ReadRequest, RunSummary, SessionInfo, SessionStatus, UploadResult, check_file, plan_reads,
 )
 
 from .. import __version__
@@ -286,17 +286,17 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     async def verify_checkpoint(run: str, name: str) -> VerifyRecord:
         """Re-read and check every byte of a committed checkpoint in a worker process (as `ckptd verify`),
         record the outcome and return it; 200 either way: ``ok`` says whether it holds."""
-        manifest = await run_in_threadpool(reader.manifest, run, name)  # 404 before any work
-        rec = await asyncio.wrap_future(workers().submit(verify_and_record, storage.url, run, manifest.name))
+        name, _ = await run_in_threadpool(reader.resolve, run, name)  # 404 before any work; the manifest is checked
+        rec = await asyncio.wrap_future(workers().submit(verify_and_record, storage.url, run, name))
         return VerifyRecord.model_validate(rec)
 
     @app.get("/v1/checkpoints/{run}/{name}/verification", response_model=VerifyRecord, tags=["read"])
     async def get_verification(run: str, name: str) -> VerifyRecord:
         """The last verification the service recorded for this checkpoint (404 when there is none)."""
-        manifest = await run_in_threadpool(reader.manifest, run, name)
-        rec = await run_in_threadpool(read_record, storage, run, manifest.name)
+        name, _ = await run_in_threadpool(reader.resolve, run, name)
+        rec = await run_in_threadpool(read_record, storage, run, name)
         if rec is None:
-            raise NotFound(f"checkpoint {manifest.ref} has not been verified by the service", ref=manifest.ref)
+            raise NotFound(f"checkpoint {run}/{name} has not been verified by the service", ref=f"{run}/{name}")
         return rec
 
     @app.get("/v1/checkpoints/{run}/{name}/files/{file}", tags=["read"],

@@ -18,12 +18,12 @@ from datetime import datetime, timezone
 
 from pydantic import BaseModel, ConfigDict
 
-from ckptd_schemas import Manifest
+from ckptd_schemas import CkptdError
 
 from ..storage import Storage, open_storage
 from .layout import Paths
 from .reader import CheckpointReader
-from .verify import verify_manifest
+from .verify import VerifyReport, verify_manifest
 
 __all__ = ["VerifyRecord", "read_record", "verify_and_record"]
 
@@ -48,11 +48,11 @@ class VerifyRecord(BaseModel):
 
 
 class _StorageSource:
-    def __init__(self, storage: Storage, m: Manifest) -> None:
-        self.storage, self.m = storage, m
+    def __init__(self, storage: Storage, run: str, name: str, session: str) -> None:
+        self.storage, self.run, self.name, self.session = storage, run, name, session
 
     def read(self, file: str, start: int, end: int) -> bytes:
-        return self.storage.read(Paths.file(self.m.run, self.m.name, self.m.session, file), start, end)
+        return self.storage.read(Paths.file(self.run, self.name, self.session, file), start, end)
 
 
 def verify_and_record(root: str, run: str, name: str) -> dict:
@@ -64,14 +64,17 @@ def verify_and_record(root: str, run: str, name: str) -> dict:
     storage = open_storage(root)
     reader = CheckpointReader(storage)
     t0 = time.perf_counter()
-    m = reader.manifest(run, name)
-    marker = reader.marker(m.run, m.name)
-    report = verify_manifest(m, _StorageSource(storage, m))
-    rec = VerifyRecord(ref=m.ref, manifest_xxh3=marker.manifest_xxh3 if marker else "", ok=report.ok,
+    name, marker = reader.resolve(run, name)  # RUN/latest allowed; not committed: CheckpointNotFound
+    report = VerifyReport(ref=f"{run}/{name}")
+    try:
+        report = verify_manifest(reader.manifest(run, name), _StorageSource(storage, run, name, marker.session))
+    except CkptdError as e:  # a manifest that does not match its marker, or does not parse: recorded too
+        report.problems.append(e.message)
+    rec = VerifyRecord(ref=report.ref, manifest_xxh3=marker.manifest_xxh3, ok=report.ok,
                        problems=report.problems[:MAX_PROBLEMS], files=report.files, tensors=report.tensors,
                        chunks=report.chunks, bytes_read=report.bytes_read, seconds=time.perf_counter() - t0,
                        verified_at=datetime.now(timezone.utc))
-    storage.put(Paths.verification(m.run, m.name), rec.model_dump_json().encode())
+    storage.put(Paths.verification(run, name), rec.model_dump_json().encode())
     return rec.model_dump(mode="json")
 
 
