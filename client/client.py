@@ -175,6 +175,12 @@ class CheckpointClient:
         return self._transport.request("POST", f"/v1/runs/{run}/gc", json={
             "keep_last": keep_last, "keep_every": keep_every, "dry_run": dry_run})
 
+    def verify(self, ref: str) -> dict:
+        """Ask the service to re-read and check every byte of ``ref`` in its worker process (as ``ckptd
+        verify`` does) and record the outcome; returns the record (``ok``, ``problems``, counts)."""
+        r = parse_ref(ref)
+        return self._transport.request("POST", f"/v1/checkpoints/{r.run}/{r.name}/verify")
+
     def read_range(self, ref: str, file: str, start: int, end: int) -> bytes:
         r = parse_ref(ref)
         return self._transport.request("GET", f"/v1/checkpoints/{r.run}/{r.name}/files/{file}",

@@ -80,3 +80,27 @@ def test_a_manifest_that_no_longer_matches_its_marker_is_recorded_as_failed(serv
     manifest.write_bytes(manifest.read_bytes().replace(b'"w"', b'"x"', 1))
     rec = httpx.post(f"{server.url}/v1/checkpoints/v/5/verify", timeout=120).json()
     assert rec["ok"] is False and rec["problems"] and rec["bytes_read"] == 0, rec
+
+
+def test_ckptd_verify_in_service(server, tmp_path):
+    import subprocess
+    import sys
+
+    with CheckpointClient(server.url) as c:
+        c.save({"w": torch.randn(128, 128)}, "v/6").wait()
+
+    def cli(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ckptd.cli.main", "verify", "v/6", *extra],
+                              capture_output=True, text=True, timeout=120)
+
+    ok = cli("--server", server.url, "--in-service")
+    assert ok.returncode == 0 and ok.stdout.startswith("OK v/6"), ok.stdout + ok.stderr
+    assert httpx.get(f"{server.url}/v1/checkpoints/v/6/verification", timeout=10).json()["ok"] is True
+    usage = cli("--root", str(tmp_path), "--in-service")
+    assert usage.returncode == 2 and "needs --server" in usage.stderr
+    (path,) = sorted(p for p in Path(server.root).rglob("v/6/sessions/*/files/*") if p.is_file())
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    bad = cli("--server", server.url, "--in-service", "--json")
+    assert bad.returncode == 1 and '"ok": false' in bad.stdout and path.name in bad.stdout, bad.stdout

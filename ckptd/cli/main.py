@@ -115,18 +115,27 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..store.verify import verify_manifest
+    from ..store.verify import VerifyReport, verify_manifest
+    from .backends import HttpBackend
 
     ref = parse_ref(args.ref)
     b = _backend(args)
-    try:
-        m = b.manifest(ref.run, ref.name)
-    except IntegrityError as e:
-        print(f"FAIL {args.ref}: {e.message}")
-        return 1
-    progress, finish = progress_bar(m.total_bytes, f"verify {m.ref}", args.json)
-    report = verify_manifest(m, _Source(b, m), progress=progress)
-    finish()
+    if args.in_service:
+        if not isinstance(b, HttpBackend):
+            print("ckptd verify --in-service needs --server URL (or $CKPTD_URL)", file=sys.stderr)
+            return 2
+        rec = b.client.verify(str(ref))  # the service's worker reads and checks; this process only asks
+        report = VerifyReport(ref=rec["ref"], files=rec["files"], tensors=rec["tensors"], chunks=rec["chunks"],
+                              bytes_read=rec["bytes_read"], problems=rec["problems"])
+    else:
+        try:
+            m = b.manifest(ref.run, ref.name)
+        except IntegrityError as e:
+            print(f"FAIL {args.ref}: {e.message}")
+            return 1
+        progress, finish = progress_bar(m.total_bytes, f"verify {m.ref}", args.json)
+        report = verify_manifest(m, _Source(b, m), progress=progress)
+        finish()
     if args.json:
         print(json.dumps({"ref": report.ref, "ok": report.ok, "files": report.files, "tensors": report.tensors,
                           "chunks": report.chunks, "bytes_read": report.bytes_read, "problems": report.problems}))
@@ -180,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("verify", help="re-read and check every byte of a checkpoint (exit 1 if bad)")
     s.add_argument("ref")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--in-service", action="store_true",
+                   help="with --server: the service's worker reads and checks, and records the outcome")
     _add_target(s)
     s.set_defaults(func=cmd_verify)
 
