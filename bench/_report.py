@@ -1,12 +1,18 @@
-"""What every benchmark does at the end: write its JSON result and print its table."""
+"""What every benchmark shares: its temporary work directory, and at the end writing its JSON result and
+printing its table."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import shutil
 import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["git_state", "write_report"]
+__all__ = ["add_workdir_args", "git_state", "work_dir", "write_report"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,3 +32,25 @@ def git_state() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
     return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--short", "--untracked-files=no").splitlines()}
+
+
+def add_workdir_args(ap: argparse.ArgumentParser,
+                     workdir_help: str = "parent of the temporary work dir (default $TMPDIR)") -> None:
+    """Add ``--workdir`` (a Path, default None) and ``--keep`` (a flag) to ``ap``: where :func:`work_dir`
+    makes the run's temporary directory, and whether it is left in place afterwards."""
+    ap.add_argument("--workdir", type=Path, default=None, help=workdir_help)
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+
+
+@contextmanager
+def work_dir(prefix: str, parent: Path | None = None, keep: bool = False) -> Iterator[Path]:
+    """Yield a fresh directory ``tempfile.mkdtemp(prefix=prefix, dir=parent)`` (``parent`` is created first
+    when given; None: $TMPDIR) and remove it, with everything in it, on the way out unless ``keep``."""
+    if parent:
+        parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield work
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)

@@ -55,7 +55,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -66,7 +65,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
-from bench._report import write_report  # noqa: E402
+from bench._report import add_workdir_args, work_dir, write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
@@ -601,73 +600,67 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=4, help="gloo ranks that save and load")
     ap.add_argument("--no-fsync-probe", action="store_true", help="skip the strace runs that count fsyncs")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "dcp_io.json")
-    ap.add_argument("--workdir", type=Path, default=None,
-                    help="parent of the temporary work dir (server root, DCP dirs, exports: one disk); default $TMPDIR")
-    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    add_workdir_args(ap, "parent of the temporary work dir (server root, DCP dirs, exports: one disk); default $TMPDIR")
     args = ap.parse_args(argv)
-    if args.workdir:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="ckptd-bench-dcpio-", dir=args.workdir))
-    t_start = time.perf_counter()
-    server: ServerProcess | None = None
-    try:
-        specs = tensor_specs(args.gib)
-        nbytes = state_bytes(specs)
-        machine = describe_machine(work)
-        free = shutil.disk_usage(work).free
-        need = (2 * args.repeat + 5) * nbytes + GiB // 4
-        if free < need:
-            raise SystemExit(f"{work}: {free / GiB:.1f} GiB free, this run needs about {need / GiB:.1f}")
-        print(f"work dir {work}; {nbytes / GiB:.3f} GiB in {len(specs)} tensors; world {args.world}; load average "
-              f"{machine['loadavg_at_start']}", flush=True)
-        ceiling = disk_ceiling(work, min(nbytes, GiB))
-        print("disk ceiling", json.dumps({k: round(v, 3) for k, v in ceiling.items()}), flush=True)
-        dcp_dir, root = work / "dcp", work / "ckptd-root"
-        dcp_dir.mkdir()
-        server = ServerProcess(root, log=work / "server.log").start()
-        timeout = 300 + 150 * nbytes / GiB
-        cfg = {"specs": specs, "repeat": args.repeat, "url": server.url, "server_pid": server.proc.pid,
-               "dcp_dir": str(dcp_dir), "evict": [str(dcp_dir), str(root)]}
-        idle = vm_status(server.proc.pid)
-        records = run_ranks(writer_job, args.world, cfg, tmp=work, timeout=timeout * args.repeat)
-        server_rss = {"idle": idle, "end": vm_status(server.proc.pid)}
-        writer = _merge_rank_records(records)
-        for r, rep in enumerate(writer["repeats"]):
-            print(f"[writer] repeat {r} ({'/'.join(rep['order'])}): save DCP {rep['dcp_save']['s']:.2f}s, ckptd "
-                  f"{rep['ckptd_save']['s']:.2f}s; load DCP {rep['dcp_load']['s']:.2f}s, ckptd "
-                  f"{rep['ckptd_load']['s']:.2f}s", flush=True)
-        server.stop()
-        same_disk = len({os.stat(p).st_dev for p in (dcp_dir, root, work)}) == 1
-        export = export_part(work, dcp_dir / f"r{args.repeat - 1}", specs, args.repeat, timeout,
-                             fsync_probe=not args.no_fsync_probe)
-        result = {
-            "command": "python -m bench.dcp_io " + " ".join(argv),
-            "config": {"gib": args.gib, "state_bytes": nbytes, "repeat": args.repeat, "world": args.world,
-                       "tensors": len(specs), "largest_tensor_bytes": max(r * c * 4 for _, _, r, c in specs),
-                       "specs": specs, "same_filesystem": same_disk, "workdir": str(work),
-                       "dcp_writer": "dcp.save(sd, storage_writer=FileSystemWriter(dir)) defaults: sync_files=True, "
-                                     "thread_count=1, single_file_per_rank=True",
-                       "ckptd_writer": "dcp.save(sd, storage_writer=CheckpointClient(url).dcp_writer(ref)) defaults "
-                                       "(streams=4, file_bytes=256 MiB, no compression); real `ckptd serve`, "
-                                       "LocalStorage durable (fsync)",
-                       "peer_export": "one subprocess: dcp_to_torch_save(dir, tmp.pt); torch.load(tmp.pt); flatten "
-                                      "to dotted names; safetensors.torch.save_file; unlink tmp.pt; fsync (timed "
-                                      "apart)",
-                       "ckptd_export": "subprocess `python -m ckptd.cli.main export REF --format safetensors OUT "
-                                       "--root R --json` (default: read back and checked); import done before, "
-                                       "timed apart"},
-            "goals": GOALS, "machine": machine, "ceiling": ceiling,
-            "summary": with_export_efficiency(summarise(writer, export, nbytes), ceiling),
-            "writer": writer, "export": export, "server_rss": server_rss,
-            "wall_s": time.perf_counter() - t_start, "loadavg_at_end": os.getloadavg(),
-        }
-        write_report(args.out, result, markdown(result))
-        return 0
-    finally:
-        if server is not None:
+    with work_dir("ckptd-bench-dcpio-", args.workdir, args.keep) as work:
+        t_start = time.perf_counter()
+        server: ServerProcess | None = None
+        try:
+            specs = tensor_specs(args.gib)
+            nbytes = state_bytes(specs)
+            machine = describe_machine(work)
+            free = shutil.disk_usage(work).free
+            need = (2 * args.repeat + 5) * nbytes + GiB // 4
+            if free < need:
+                raise SystemExit(f"{work}: {free / GiB:.1f} GiB free, this run needs about {need / GiB:.1f}")
+            print(f"work dir {work}; {nbytes / GiB:.3f} GiB in {len(specs)} tensors; world {args.world}; load average "
+                  f"{machine['loadavg_at_start']}", flush=True)
+            ceiling = disk_ceiling(work, min(nbytes, GiB))
+            print("disk ceiling", json.dumps({k: round(v, 3) for k, v in ceiling.items()}), flush=True)
+            dcp_dir, root = work / "dcp", work / "ckptd-root"
+            dcp_dir.mkdir()
+            server = ServerProcess(root, log=work / "server.log").start()
+            timeout = 300 + 150 * nbytes / GiB
+            cfg = {"specs": specs, "repeat": args.repeat, "url": server.url, "server_pid": server.proc.pid,
+                   "dcp_dir": str(dcp_dir), "evict": [str(dcp_dir), str(root)]}
+            idle = vm_status(server.proc.pid)
+            records = run_ranks(writer_job, args.world, cfg, tmp=work, timeout=timeout * args.repeat)
+            server_rss = {"idle": idle, "end": vm_status(server.proc.pid)}
+            writer = _merge_rank_records(records)
+            for r, rep in enumerate(writer["repeats"]):
+                print(f"[writer] repeat {r} ({'/'.join(rep['order'])}): save DCP {rep['dcp_save']['s']:.2f}s, ckptd "
+                      f"{rep['ckptd_save']['s']:.2f}s; load DCP {rep['dcp_load']['s']:.2f}s, ckptd "
+                      f"{rep['ckptd_load']['s']:.2f}s", flush=True)
             server.stop()
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+            same_disk = len({os.stat(p).st_dev for p in (dcp_dir, root, work)}) == 1
+            export = export_part(work, dcp_dir / f"r{args.repeat - 1}", specs, args.repeat, timeout,
+                                 fsync_probe=not args.no_fsync_probe)
+            result = {
+                "command": "python -m bench.dcp_io " + " ".join(argv),
+                "config": {"gib": args.gib, "state_bytes": nbytes, "repeat": args.repeat, "world": args.world,
+                           "tensors": len(specs), "largest_tensor_bytes": max(r * c * 4 for _, _, r, c in specs),
+                           "specs": specs, "same_filesystem": same_disk, "workdir": str(work),
+                           "dcp_writer": "dcp.save(sd, storage_writer=FileSystemWriter(dir)) defaults: "
+                                         "sync_files=True, thread_count=1, single_file_per_rank=True",
+                           "ckptd_writer": "dcp.save(sd, storage_writer=CheckpointClient(url).dcp_writer(ref)) "
+                                           "defaults (streams=4, file_bytes=256 MiB, no compression); real "
+                                           "`ckptd serve`, LocalStorage durable (fsync)",
+                           "peer_export": "one subprocess: dcp_to_torch_save(dir, tmp.pt); torch.load(tmp.pt); flatten "
+                                          "to dotted names; safetensors.torch.save_file; unlink tmp.pt; fsync (timed "
+                                          "apart)",
+                           "ckptd_export": "subprocess `python -m ckptd.cli.main export REF --format safetensors OUT "
+                                           "--root R --json` (default: read back and checked); import done before, "
+                                           "timed apart"},
+                "goals": GOALS, "machine": machine, "ceiling": ceiling,
+                "summary": with_export_efficiency(summarise(writer, export, nbytes), ceiling),
+                "writer": writer, "export": export, "server_rss": server_rss,
+                "wall_s": time.perf_counter() - t_start, "loadavg_at_end": os.getloadavg(),
+            }
+            write_report(args.out, result, markdown(result))
+            return 0
+        finally:
+            if server is not None:
+                server.stop()
 
 
 if __name__ == "__main__":

@@ -29,15 +29,15 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from bench._report import add_workdir_args, work_dir
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
@@ -111,61 +111,58 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=float, default=256, help="total fp32 state over the 4 saving ranks (MiB)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    ap.add_argument("--workdir", type=Path, default=None, help="parent of the work directory (one disk)")
-    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    add_workdir_args(ap, "parent of the work directory (one disk)")
     args = ap.parse_args(argv)
 
-    work = Path(tempfile.mkdtemp(prefix="ckptd-bench-replicas-", dir=args.workdir))
-    root = work / "root"
-    a = ServerProcess(root, log=work / "a.log")
-    b = ServerProcess(root, log=work / "b.log")
-    try:
-        a.start(wait=False), b.start(wait=False)
-        a.wait_ready(), b.wait_ready()
-        plan, seed = [], 0
-        for r in range(args.repeat):
-            order = ("one", "two") if r % 2 == 0 else ("two", "one")
-            for mode in order:
-                seed += 1
-                urls = [a.url] * WORLD if mode == "one" else [a.url, a.url, b.url, b.url]
-                plan.append({"ref": f"bench/{seed}", "urls": urls, "seed": seed, "mode": mode})
-        budget = 600 + 10 * args.mib * args.repeat
-        records = run_ranks(save_job, WORLD, plan, args.mib, tmp=work, timeout=budget)
-        per_ckpt = []
-        for i, p in enumerate(plan):
-            rows = [rec["result"][i] for rec in records]
-            assert {r["state"] for r in rows} == {"committed"}, rows
-            assert len({r["manifest_xxh3"] for r in rows}) == 1, rows
-            check_load(b.url if p["mode"] == "two" else a.url, p["ref"], args.mib, p["seed"])
-            per_ckpt.append({"mode": p["mode"], "ref": p["ref"], "stall_s": max(r["stall_s"] for r in rows),
-                             "commit_s": max(r["commit_s"] for r in rows)})
-        summary = {}
-        for mode in ("one", "two"):
-            ts = [c["commit_s"] for c in per_ckpt if c["mode"] == mode]
-            stalls = [c["stall_s"] for c in per_ckpt if c["mode"] == mode]
-            summary[mode] = {"commit_s_median": statistics.median(ts), "commit_s_all": ts,
-                             "stall_s_median": statistics.median(stalls),
-                             "mib_per_s": args.mib / statistics.median(ts)}
-        summary["two_over_one_throughput"] = summary["two"]["mib_per_s"] / summary["one"]["mib_per_s"]
-        result = {"benchmark": "replicas", "mib": args.mib, "ranks": WORLD, "repeat": args.repeat,
-                  "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                              "python": platform.python_version(), "torch": torch.__version__},
-                  "summary": summary, "checkpoints": per_ckpt}
-        for mode in ("one", "two"):
-            s = summary[mode]
-            print(f"{mode} replica{'s' if mode == 'two' else ''}: {args.mib:.0f} MiB committed in "
-                  f"{s['commit_s_median']:.2f}s median ({s['mib_per_s']:.0f} MiB/s), "
-                  f"stall {s['stall_s_median'] * 1000:.0f} ms; all: "
-                  + ", ".join(f"{t:.2f}" for t in s["commit_s_all"]))
-        print(f"two/one throughput: {summary['two_over_one_throughput']:.2f}x")
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=2) + "\n")
-        return 0
-    finally:
-        a.kill(), b.kill()
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+    with work_dir("ckptd-bench-replicas-", args.workdir, args.keep) as work:
+        root = work / "root"
+        a = ServerProcess(root, log=work / "a.log")
+        b = ServerProcess(root, log=work / "b.log")
+        try:
+            a.start(wait=False), b.start(wait=False)
+            a.wait_ready(), b.wait_ready()
+            plan, seed = [], 0
+            for r in range(args.repeat):
+                order = ("one", "two") if r % 2 == 0 else ("two", "one")
+                for mode in order:
+                    seed += 1
+                    urls = [a.url] * WORLD if mode == "one" else [a.url, a.url, b.url, b.url]
+                    plan.append({"ref": f"bench/{seed}", "urls": urls, "seed": seed, "mode": mode})
+            budget = 600 + 10 * args.mib * args.repeat
+            records = run_ranks(save_job, WORLD, plan, args.mib, tmp=work, timeout=budget)
+            per_ckpt = []
+            for i, p in enumerate(plan):
+                rows = [rec["result"][i] for rec in records]
+                assert {r["state"] for r in rows} == {"committed"}, rows
+                assert len({r["manifest_xxh3"] for r in rows}) == 1, rows
+                check_load(b.url if p["mode"] == "two" else a.url, p["ref"], args.mib, p["seed"])
+                per_ckpt.append({"mode": p["mode"], "ref": p["ref"], "stall_s": max(r["stall_s"] for r in rows),
+                                 "commit_s": max(r["commit_s"] for r in rows)})
+            summary = {}
+            for mode in ("one", "two"):
+                ts = [c["commit_s"] for c in per_ckpt if c["mode"] == mode]
+                stalls = [c["stall_s"] for c in per_ckpt if c["mode"] == mode]
+                summary[mode] = {"commit_s_median": statistics.median(ts), "commit_s_all": ts,
+                                 "stall_s_median": statistics.median(stalls),
+                                 "mib_per_s": args.mib / statistics.median(ts)}
+            summary["two_over_one_throughput"] = summary["two"]["mib_per_s"] / summary["one"]["mib_per_s"]
+            result = {"benchmark": "replicas", "mib": args.mib, "ranks": WORLD, "repeat": args.repeat,
+                      "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                  "python": platform.python_version(), "torch": torch.__version__},
+                      "summary": summary, "checkpoints": per_ckpt}
+            for mode in ("one", "two"):
+                s = summary[mode]
+                print(f"{mode} replica{'s' if mode == 'two' else ''}: {args.mib:.0f} MiB committed in "
+                      f"{s['commit_s_median']:.2f}s median ({s['mib_per_s']:.0f} MiB/s), "
+                      f"stall {s['stall_s_median'] * 1000:.0f} ms; all: "
+                      + ", ".join(f"{t:.2f}" for t in s["commit_s_all"]))
+            print(f"two/one throughput: {summary['two_over_one_throughput']:.2f}x")
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(result, indent=2) + "\n")
+            return 0
+        finally:
+            a.kill(), b.kill()
 
 
 if __name__ == "__main__":

@@ -75,7 +75,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -89,7 +88,7 @@ import xxhash
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from bench._report import write_report  # noqa: E402
+from bench._report import add_workdir_args, work_dir, write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
@@ -818,88 +817,82 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="ckptd reshard --jobs")
     ap.add_argument("--no-profile", action="store_true", help="skip the timer-wrapped ckptd run")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "reshard.json")
-    ap.add_argument("--workdir", type=Path, default=None,
-                    help="parent of the temporary work dir (ckptd root and DCP dirs: one disk); default $TMPDIR")
-    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    add_workdir_args(ap, "parent of the temporary work dir (ckptd root and DCP dirs: one disk); default $TMPDIR")
     args = ap.parse_args(argv)
     sizes = sorted({float(x) for x in args.sizes.split(",") if x.strip()} if args.sizes is not None
                    else {args.gib, 2 * args.gib, 4 * args.gib})
     sizes = sorted(set(sizes) | {args.gib})
 
-    if args.workdir:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="ckptd-bench-reshard-", dir=args.workdir))
-    t_start = time.perf_counter()
-    server: ServerProcess | None = None
-    http: httpx.Client | None = None
-    gpu = torch.cuda.is_available()
-    try:
-        machine = describe_machine(work)
-        free = shutil.disk_usage(work).free
-        need = 3.2 * state_bytes(tensor_specs(max(sizes))) + 0.2 * GiB
-        if free < need:
-            raise SystemExit(f"{work}: {free / GiB:.1f} GiB free, the largest size needs about {need / GiB:.1f}")
-        print(f"work dir {work}; sizes {sizes} GiB; load average {machine['loadavg_at_start']}", flush=True)
-        ceiling = disk_ceiling(work, min(state_bytes(tensor_specs(args.gib)), 2 * GiB))
-        print("disk ceiling", json.dumps({k: round(v, 3) for k, v in ceiling.items()}), flush=True)
-        # the fixed cost of a `ckptd reshard` process before any work: Python, torch, ckptd's modules
-        startup = run_measured([PY, "-c", "import time; t = time.perf_counter(); import ckptd.cli.main, "
-                                "ckptd.reshard.executor, ckptd.reshard.planner, ckptd.reshard.preview; "
-                                "print('{\"import_s\": %f}' % (time.perf_counter() - t))"],
-                               work / "startup.log", 120)
-        print(f"ckptd reshard start-up (process + imports): {startup['wall_s']:.2f}s", flush=True)
-        root = work / "ckptd-root"
-        server = ServerProcess(root, log=work / "server.log", env=SERVICE_ENV).start()
-        service_warmup = warm_service(server.url, 300)
-        print(f"first service job (spawns and warms the reshard worker): {service_warmup['wall_s']:.2f}s",
-              flush=True)
-        http = httpx.Client(base_url=server.url, timeout=60.0)
-        ctx = {"work": work, "root": root, "jobs": args.jobs, "http": http}
-        results: dict[str, dict] = {}
-        for gib in sizes:
-            main_size = gib == args.gib
-            results[_tag(gib)] = one_size(gib, args.repeat if main_size else 1, ctx, server,
-                                          profile=main_size and not args.no_profile, gpu=gpu and main_size)
-        server.stop()
-        ceiling_end = disk_ceiling(work, min(state_bytes(tensor_specs(args.gib)), 2 * GiB))
-        print("disk ceiling at the end", json.dumps({k: round(v, 3) for k, v in ceiling_end.items()}), flush=True)
-        ceiling = combine_ceilings(ceiling, ceiling_end)
-        main_key = _tag(args.gib)
-        same_disk = len({os.stat(p).st_dev for p in (root, work)}) == 1
-        result = {
-            "command": "python -m bench.reshard " + " ".join(argv),
-            "config": {"gib": args.gib, "sizes_gib": sizes, "repeat": args.repeat, "jobs": args.jobs,
-                       "source_world": SRC_WORLD, "target_world": DST_WORLD, "cols": COLS, "layer_rows": LAYER,
-                       "tensors_at_gib": results[main_key]["tensors"], "same_filesystem": same_disk,
-                       "workdir": str(work),
-                       "ckptd_source": "written at dp=4 by 4 gloo ranks through a real `ckptd serve` "
-                                       "(CheckpointClient defaults), like a trainer save",
-                       "ckptd": "`python -m ckptd.cli.main reshard SRC --to SPEC --root ROOT --json --jobs N "
-                                "--device cpu` as a subprocess; LocalStorage durable (fsync)",
-                       "service": f"POST /v1/reshard (same SRC, SPEC, jobs, device cpu) to the running `ckptd "
-                                  f"serve` (env {SERVICE_ENV}), GET /v1/jobs/ID every {POLL_S}s until done; "
-                                  "timed from the POST; its one worker process already ran a job",
-                       "dcp": "dcp.save/dcp.load, FileSystemWriter/Reader defaults; dcp_to_torch_save + fsync"},
-            "goals": GOALS, "machine": machine, "ceiling": ceiling, "ckptd_startup": startup,
-            "service_warmup": service_warmup,
-            "gpu": {"available": gpu, **({"results": results[main_key].get("gpu")} if gpu else {}),
-                    "note": ("measured at --gib with --device cuda: see sizes[gib].gpu" if gpu else
-                             "no CUDA device in this run (torch.cuda.is_available() is False): GPU path not "
-                             "measured")},
-            "summary": summarise(results, main_key, ceiling),
-            "profile": results[main_key].get("profile"),
-            "sizes": results,
-            "wall_s": time.perf_counter() - t_start,
-        }
-        write_report(args.out, result, markdown(result))
-        return 0
-    finally:
-        if http is not None:
-            http.close()
-        if server is not None:
+    with work_dir("ckptd-bench-reshard-", args.workdir, args.keep) as work:
+        t_start = time.perf_counter()
+        server: ServerProcess | None = None
+        http: httpx.Client | None = None
+        gpu = torch.cuda.is_available()
+        try:
+            machine = describe_machine(work)
+            free = shutil.disk_usage(work).free
+            need = 3.2 * state_bytes(tensor_specs(max(sizes))) + 0.2 * GiB
+            if free < need:
+                raise SystemExit(f"{work}: {free / GiB:.1f} GiB free, the largest size needs about {need / GiB:.1f}")
+            print(f"work dir {work}; sizes {sizes} GiB; load average {machine['loadavg_at_start']}", flush=True)
+            ceiling = disk_ceiling(work, min(state_bytes(tensor_specs(args.gib)), 2 * GiB))
+            print("disk ceiling", json.dumps({k: round(v, 3) for k, v in ceiling.items()}), flush=True)
+            # the fixed cost of a `ckptd reshard` process before any work: Python, torch, ckptd's modules
+            startup = run_measured([PY, "-c", "import time; t = time.perf_counter(); import ckptd.cli.main, "
+                                    "ckptd.reshard.executor, ckptd.reshard.planner, ckptd.reshard.preview; "
+                                    "print('{\"import_s\": %f}' % (time.perf_counter() - t))"],
+                                   work / "startup.log", 120)
+            print(f"ckptd reshard start-up (process + imports): {startup['wall_s']:.2f}s", flush=True)
+            root = work / "ckptd-root"
+            server = ServerProcess(root, log=work / "server.log", env=SERVICE_ENV).start()
+            service_warmup = warm_service(server.url, 300)
+            print(f"first service job (spawns and warms the reshard worker): {service_warmup['wall_s']:.2f}s",
+                  flush=True)
+            http = httpx.Client(base_url=server.url, timeout=60.0)
+            ctx = {"work": work, "root": root, "jobs": args.jobs, "http": http}
+            results: dict[str, dict] = {}
+            for gib in sizes:
+                main_size = gib == args.gib
+                results[_tag(gib)] = one_size(gib, args.repeat if main_size else 1, ctx, server,
+                                              profile=main_size and not args.no_profile, gpu=gpu and main_size)
             server.stop()
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+            ceiling_end = disk_ceiling(work, min(state_bytes(tensor_specs(args.gib)), 2 * GiB))
+            print("disk ceiling at the end", json.dumps({k: round(v, 3) for k, v in ceiling_end.items()}), flush=True)
+            ceiling = combine_ceilings(ceiling, ceiling_end)
+            main_key = _tag(args.gib)
+            same_disk = len({os.stat(p).st_dev for p in (root, work)}) == 1
+            result = {
+                "command": "python -m bench.reshard " + " ".join(argv),
+                "config": {"gib": args.gib, "sizes_gib": sizes, "repeat": args.repeat, "jobs": args.jobs,
+                           "source_world": SRC_WORLD, "target_world": DST_WORLD, "cols": COLS, "layer_rows": LAYER,
+                           "tensors_at_gib": results[main_key]["tensors"], "same_filesystem": same_disk,
+                           "workdir": str(work),
+                           "ckptd_source": "written at dp=4 by 4 gloo ranks through a real `ckptd serve` "
+                                           "(CheckpointClient defaults), like a trainer save",
+                           "ckptd": "`python -m ckptd.cli.main reshard SRC --to SPEC --root ROOT --json --jobs N "
+                                    "--device cpu` as a subprocess; LocalStorage durable (fsync)",
+                           "service": f"POST /v1/reshard (same SRC, SPEC, jobs, device cpu) to the running `ckptd "
+                                      f"serve` (env {SERVICE_ENV}), GET /v1/jobs/ID every {POLL_S}s until done; "
+                                      "timed from the POST; its one worker process already ran a job",
+                           "dcp": "dcp.save/dcp.load, FileSystemWriter/Reader defaults; dcp_to_torch_save + fsync"},
+                "goals": GOALS, "machine": machine, "ceiling": ceiling, "ckptd_startup": startup,
+                "service_warmup": service_warmup,
+                "gpu": {"available": gpu, **({"results": results[main_key].get("gpu")} if gpu else {}),
+                        "note": ("measured at --gib with --device cuda: see sizes[gib].gpu" if gpu else
+                                 "no CUDA device in this run (torch.cuda.is_available() is False): GPU path not "
+                                 "measured")},
+                "summary": summarise(results, main_key, ceiling),
+                "profile": results[main_key].get("profile"),
+                "sizes": results,
+                "wall_s": time.perf_counter() - t_start,
+            }
+            write_report(args.out, result, markdown(result))
+            return 0
+        finally:
+            if http is not None:
+                http.close()
+            if server is not None:
+                server.stop()
 
 
 if __name__ == "__main__":

@@ -38,10 +38,8 @@ import argparse
 import json
 import os
 import re
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -52,7 +50,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
-from bench._report import write_report
+from bench._report import add_workdir_args, work_dir, write_report
 from bench.save_load import (MiB, Probe, _max_over_ranks, _med, _own_cpu, _proc_cpu, _sum_over_ranks,
                              describe_machine, make_state, state_bytes, tensor_specs)
 from s3_server import AWS_VARS_TO_CLEAR, MotoServer  # noqa: E402  (tests/, on sys.path via bench.save_load)
@@ -368,81 +366,76 @@ def main(argv: list[str] | None = None) -> int:
                     help="FsspecWriter(sync_files=True), DCP's default: on an s3fs stream (no fileno) DCP then "
                          "calls os.sync() for the whole machine after every file; off by default")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "s3.json")
-    ap.add_argument("--workdir", type=Path, default=None, help="parent of the temporary work dir (logs)")
-    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    add_workdir_args(ap, "parent of the temporary work dir (logs)")
     args = ap.parse_args(argv)
 
-    if args.workdir:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="ckptd-bench-s3-", dir=args.workdir))
-    t_start = time.perf_counter()
-    moto = MotoServer(work / "moto.log", bucket=BUCKET)
-    server: ServerProcess | None = None
-    try:
-        specs = tensor_specs(args.mib)
-        nbytes = state_bytes(specs)
-        machine = describe_machine(work)
-        import importlib.metadata as md
+    with work_dir("ckptd-bench-s3-", args.workdir, args.keep) as work:
+        t_start = time.perf_counter()
+        moto = MotoServer(work / "moto.log", bucket=BUCKET)
+        server: ServerProcess | None = None
+        try:
+            specs = tensor_specs(args.mib)
+            nbytes = state_bytes(specs)
+            machine = describe_machine(work)
+            import importlib.metadata as md
 
-        for p in ("moto", "s3fs", "fsspec", "botocore", "aiobotocore", "boto3", "werkzeug"):
-            try:
-                machine["versions"][p] = md.version(p)
-            except md.PackageNotFoundError:
-                machine["versions"][p] = None
-        print(f"work dir {work}; {nbytes / MiB:.1f} MiB state; load average {machine['loadavg_at_start']}",
-              flush=True)
-        moto.start()
-        # The ranks (spawned) and the server inherit this environment: the standard AWS variables only.
-        for k in AWS_VARS_TO_CLEAR:
-            os.environ.pop(k, None)
-        os.environ.update(moto.env)
-        # ckptd writes one file per rank (up to the client's file_bytes, 256 MiB); so does DCP
-        baselines = moto_baselines(moto, min(max(nbytes // args.save_world, 4 * MiB), 256 * MiB) // MiB * MiB)
-        print("moto baselines", json.dumps({k: round(v, 3) for k, v in baselines.items()}), flush=True)
-        root = f"s3://{BUCKET}/ckptd"
-        server = ServerProcess(root, env=moto.env, log=work / "server.log").start()
-        cfg = {"specs": specs, "repeat": args.repeat, "url": server.url, "server_pid": server.proc.pid,
-               "moto_pid": moto.proc.pid, "moto_log": str(moto.log), "dcp_url": f"s3://{BUCKET}/dcp",
-               "dcp_sync_files": args.dcp_sync_files, "warmup_specs": tensor_specs(WARMUP_MIB)}
-        budget = 300 + args.repeat * nbytes / MiB * 2.0
-        t0 = time.perf_counter()
-        save = _merge(run_ranks(save_job, args.save_world, cfg, tmp=work, timeout=budget))
-        print(f"saved in {time.perf_counter() - t0:.1f} s", flush=True)
-        stored = {"ckptd": bucket_usage(moto, "ckptd/runs/bench/"), "dcp": bucket_usage(moto, "dcp/")}
-        t0 = time.perf_counter()
-        load = _merge(run_ranks(load_job, args.load_world, cfg, tmp=work, timeout=budget))
-        print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
-        server.stop()
-        summary = summarise(save, load, nbytes)
-        summary["correct"]["stored_in_s3"] = (stored["ckptd"]["bytes"] >= args.repeat * nbytes
-                                              and stored["dcp"]["bytes"] >= args.repeat * nbytes
-                                              and stored["ckptd"]["pending_multipart_uploads"] == 0)
-        result = {
-            "command": "python -m bench.s3 " + " ".join(sys.argv[1:] if argv is None else argv),
-            "config": {"mib": args.mib, "state_bytes": nbytes, "repeat": args.repeat, "tensors": len(specs),
-                       "tensor_specs": specs, "save_world": args.save_world, "load_world": args.load_world,
-                       "s3": f"moto {machine['versions']['moto']} server mode (python -m moto.server, werkzeug, "
-                             "threaded), one process on loopback, bucket 'bucket'",
-                       "ckptd": f"ckptd serve --root {root} (S3Storage: 32 MiB multipart parts, ranged GETs); "
-                                "CheckpointClient defaults (streams=4, file_bytes=256 MiB, no compression)",
-                       "dcp": f"dcp.save/dcp.load with FsspecWriter/FsspecReader('s3://{BUCKET}/dcp/<repeat>'), "
-                              f"sync_files={args.dcp_sync_files}, thread_count=1, no storage options (s3fs "
-                              "reads AWS_ENDPOINT_URL_S3 from the environment)",
-                       "env": sorted(moto.env),
-                       "warmup": f"each rank job first saves (loads) a {WARMUP_MIB} MiB state once on each side, "
-                                 "untimed"},
-            "machine": machine, "baselines": baselines, "stored": stored,
-            "summary": summary, "save": save, "load": load,
-            "wall_s": time.perf_counter() - t_start, "loadavg_at_end": os.getloadavg(),
-        }
-        write_report(args.out, result, markdown(result), extra=f"; load average at end {result['loadavg_at_end']}")
-        return 0 if all(summary["correct"].values()) else 1
-    finally:
-        if server is not None:
+            for p in ("moto", "s3fs", "fsspec", "botocore", "aiobotocore", "boto3", "werkzeug"):
+                try:
+                    machine["versions"][p] = md.version(p)
+                except md.PackageNotFoundError:
+                    machine["versions"][p] = None
+            print(f"work dir {work}; {nbytes / MiB:.1f} MiB state; load average {machine['loadavg_at_start']}",
+                  flush=True)
+            moto.start()
+            # The ranks (spawned) and the server inherit this environment: the standard AWS variables only.
+            for k in AWS_VARS_TO_CLEAR:
+                os.environ.pop(k, None)
+            os.environ.update(moto.env)
+            # ckptd writes one file per rank (up to the client's file_bytes, 256 MiB); so does DCP
+            baselines = moto_baselines(moto, min(max(nbytes // args.save_world, 4 * MiB), 256 * MiB) // MiB * MiB)
+            print("moto baselines", json.dumps({k: round(v, 3) for k, v in baselines.items()}), flush=True)
+            root = f"s3://{BUCKET}/ckptd"
+            server = ServerProcess(root, env=moto.env, log=work / "server.log").start()
+            cfg = {"specs": specs, "repeat": args.repeat, "url": server.url, "server_pid": server.proc.pid,
+                   "moto_pid": moto.proc.pid, "moto_log": str(moto.log), "dcp_url": f"s3://{BUCKET}/dcp",
+                   "dcp_sync_files": args.dcp_sync_files, "warmup_specs": tensor_specs(WARMUP_MIB)}
+            budget = 300 + args.repeat * nbytes / MiB * 2.0
+            t0 = time.perf_counter()
+            save = _merge(run_ranks(save_job, args.save_world, cfg, tmp=work, timeout=budget))
+            print(f"saved in {time.perf_counter() - t0:.1f} s", flush=True)
+            stored = {"ckptd": bucket_usage(moto, "ckptd/runs/bench/"), "dcp": bucket_usage(moto, "dcp/")}
+            t0 = time.perf_counter()
+            load = _merge(run_ranks(load_job, args.load_world, cfg, tmp=work, timeout=budget))
+            print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
             server.stop()
-        moto.stop()
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+            summary = summarise(save, load, nbytes)
+            summary["correct"]["stored_in_s3"] = (stored["ckptd"]["bytes"] >= args.repeat * nbytes
+                                                  and stored["dcp"]["bytes"] >= args.repeat * nbytes
+                                                  and stored["ckptd"]["pending_multipart_uploads"] == 0)
+            result = {
+                "command": "python -m bench.s3 " + " ".join(sys.argv[1:] if argv is None else argv),
+                "config": {"mib": args.mib, "state_bytes": nbytes, "repeat": args.repeat, "tensors": len(specs),
+                           "tensor_specs": specs, "save_world": args.save_world, "load_world": args.load_world,
+                           "s3": f"moto {machine['versions']['moto']} server mode (python -m moto.server, werkzeug, "
+                                 "threaded), one process on loopback, bucket 'bucket'",
+                           "ckptd": f"ckptd serve --root {root} (S3Storage: 32 MiB multipart parts, ranged GETs); "
+                                    "CheckpointClient defaults (streams=4, file_bytes=256 MiB, no compression)",
+                           "dcp": f"dcp.save/dcp.load with FsspecWriter/FsspecReader('s3://{BUCKET}/dcp/<repeat>'), "
+                                  f"sync_files={args.dcp_sync_files}, thread_count=1, no storage options (s3fs "
+                                  "reads AWS_ENDPOINT_URL_S3 from the environment)",
+                           "env": sorted(moto.env),
+                           "warmup": f"each rank job first saves (loads) a {WARMUP_MIB} MiB state once on each side, "
+                                     "untimed"},
+                "machine": machine, "baselines": baselines, "stored": stored,
+                "summary": summary, "save": save, "load": load,
+                "wall_s": time.perf_counter() - t_start, "loadavg_at_end": os.getloadavg(),
+            }
+            write_report(args.out, result, markdown(result), extra=f"; load average at end {result['loadavg_at_end']}")
+            return 0 if all(summary["correct"].values()) else 1
+        finally:
+            if server is not None:
+                server.stop()
+            moto.stop()
 
 
 if __name__ == "__main__":

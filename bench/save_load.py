@@ -18,8 +18,14 @@ What one run does (see BENCHMARKS.md for the results and how to read them):
    ``Shard(0)``, with uneven row counts. Per repeat, between barriers, they run
    ``dcp.save`` (``FileSystemWriter`` defaults: ``sync_files=True``, one thread
    per rank) and ``CheckpointClient.save`` to a fresh ref, timing ``save()``'s
-   return (the training stall) and ``handle.wait()`` (committed). The order of
-   the two alternates between repeats. Internal client steps are timed from the
+   return (the training stall) and ``handle.wait()`` (committed), the latter
+   twice: as configured by default (every byte through HTTP) and with
+   ``direct_writes=True`` (the ranks share the service's host, write their data
+   files into the session's directory, and the service hashes and adopts them).
+   A fourth entry writes the same shard bytes with ``write`` + ``fsync`` and
+   nothing else: the floor under any durable save at that moment (this VM's
+   disk swings between about 0.6 and 2 GB/s). The order of the four rotates
+   between repeats. Internal client steps are timed from the
    outside by wrapping functions (no code in the client knows about this).
 4. Three gloo ranks (another world size) load every repeat's checkpoint into
    DTensors on a 3-mesh with ``dcp.load`` and ``CheckpointClient.load``, the
@@ -43,11 +49,9 @@ import functools
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -61,7 +65,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from bench._disk import evict  # noqa: E402
-from bench._report import write_report  # noqa: E402
+from bench._report import add_workdir_args, work_dir, write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
@@ -111,6 +115,22 @@ def make_state(specs: list[tuple[str, int, int]], mesh: Any, *, fill: bool) -> d
     return {"model": model}
 
 
+def raw_write(sd: dict, path: str) -> None:
+    """The floor under any durable save of this rank's shards: their bytes, ``write`` + ``fsync``,
+    one file, nothing else (no format, no hashing, no metadata)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for t in sd["model"].values():
+            view = memoryview(t.to_local().contiguous().view(torch.uint8).numpy())
+            for i in range(0, len(view), 8 * MiB):
+                piece = view[i:i + 8 * MiB]
+                while piece:
+                    piece = piece[os.write(fd, piece):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def replicated_state(specs: list[tuple[str, int, int]], *, fill: bool) -> dict:
     """``{"repl": {name: tensor}}``: plain (DDP-replicated) tensors every rank holds whole."""
     return {"repl": {name: _pattern(100 + i, 0, rows, cols) if fill else torch.full((rows, cols), float("nan"))
@@ -128,6 +148,8 @@ def _kind(method: str, path: str) -> str:
         return "open_session"
     if method == "PUT" and "/files/" in path:
         return "put_file"
+    if method == "POST" and path.endswith("/adopt"):
+        return "adopt_file"
     if method == "PUT" and "/ranks/" in path:
         return "put_index"
     if method == "GET" and "/sessions/" in path:
@@ -244,9 +266,11 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     sd = make_state(cfg["specs"], mesh, fill=True)
     client = CheckpointClient(cfg["url"], snapshot_bytes=cfg.get("snapshot_bytes"))
+    direct_client = CheckpointClient(cfg["url"], snapshot_bytes=cfg.get("snapshot_bytes"), direct_writes=True)
+    variants = ("dcp", "ckptd", "raw", "ckptd_direct")
     repeats = []
     for r in range(cfg["repeat"]):
-        order = ("dcp", "ckptd") if r % 2 == 0 else ("ckptd", "dcp")
+        order = variants[r % 4:] + variants[:r % 4]
         rec: dict[str, Any] = {"order": list(order)}
         for which in order:
             dist.barrier()
@@ -269,8 +293,15 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
                 fut.result()
                 dist.barrier()
                 rec["dcp_async_block_s"] = _max_over_ranks([t_block])[0]
+            elif which == "raw":
+                path = os.path.join(cfg["dcp_dir"], f"raw-{r}-{rank}.bin")
+                raw_write(sd, path)
+                dist.barrier()
+                rec["raw_write_s"] = _max_over_ranks([time.perf_counter() - t0])[0]
+                os.unlink(path)
             else:
-                handle = client.save(sd, f"bench/{r}")
+                c = client if which == "ckptd" else direct_client
+                handle = c.save(sd, f"bench/{r}" if which == "ckptd" else f"bench-direct/{r}")
                 t_stall = time.perf_counter() - t0
                 handle.wait()
                 t_own = time.perf_counter() - t0
@@ -280,14 +311,16 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
                 srv = [b - a for a, b in zip(srv0, _proc_cpu(cfg["server_pid"]))] if rank == 0 else [0.0, 0.0]
                 phases = probe.take(t0)
                 vals = _max_over_ranks([t_stall, t_total, *cpu, *srv])
-                (rec["ckptd_stall_s"], rec["ckptd_committed_s"], rec["ckptd_rank_user_s"], rec["ckptd_rank_sys_s"],
-                 rec["server_user_s"], rec["server_sys_s"]) = vals
-                rec["ckptd_rank_cpu_s"] = vals[2] + vals[3]
-                rec["server_cpu_s"] = vals[4] + vals[5]
-                rec["ckptd_phases"] = {**phases, "stall": t_stall, "own_wait_return": t_own}
+                w = which
+                (rec[f"{w}_stall_s"], rec[f"{w}_committed_s"], rec[f"{w}_rank_user_s"], rec[f"{w}_rank_sys_s"],
+                 rec[f"{w}_server_user_s"], rec[f"{w}_server_sys_s"]) = vals
+                rec[f"{w}_rank_cpu_s"] = vals[2] + vals[3]
+                rec[f"{w}_server_cpu_s"] = vals[4] + vals[5]
+                rec[f"{w}_phases"] = {**phases, "stall": t_stall, "own_wait_return": t_own}
         repeats.append(rec)
     client.save(replicated_state(cfg["repl_specs"], fill=True), "bench/repl").wait()  # written once
     client.close()
+    direct_client.close()
     del sd
     # One save of another size to a server that only ever sees that size (its peak RSS vs shard size).
     extra_s = {}
@@ -536,6 +569,7 @@ def summarise(save: dict, load: dict, nbytes: int) -> dict:
     dcp_save = _med([r["dcp_save_s"] for r in sr])
     stall = _med([r["ckptd_stall_s"] for r in sr])
     committed = _med([r["ckptd_committed_s"] for r in sr])
+    direct = _med([r["ckptd_direct_committed_s"] for r in sr])  # the same save with direct_writes=True
     out: dict[str, Any] = {
         "dcp_save_s": dcp_save, "ckptd_stall_s": stall, "ckptd_committed_s": committed,
         "ckptd_stall_worst_s": max(r["ckptd_stall_s"] for r in sr),
@@ -543,12 +577,20 @@ def summarise(save: dict, load: dict, nbytes: int) -> dict:
         "dcp_save_worst_s": max(r["dcp_save_s"] for r in sr),
         "dcp_save_gbps": gb / dcp_save, "ckptd_committed_gbps": gb / committed,
         "save_throughput_ratio": dcp_save / committed, "stall_ratio": stall / dcp_save,
+        "ckptd_direct_committed_s": direct, "ckptd_direct_committed_gbps": gb / direct,
+        # the same bytes written and fsynced by the same 2 ranks, nothing else, in the same rotation
+        "raw_write_s": _med([r["raw_write_s"] for r in sr]),
+        "ckptd_save_vs_raw": _med([r["raw_write_s"] / r["ckptd_committed_s"] for r in sr]),
+        "dcp_save_vs_raw": _med([r["raw_write_s"] / r["dcp_save_s"] for r in sr]),
+        "save_direct_throughput_ratio": dcp_save / direct,
+        "ckptd_direct_stall_s": _med([r["ckptd_direct_stall_s"] for r in sr]),
         "dcp_async_block_s": _med([r["dcp_async_block_s"] for r in sr]),
         "stall_vs_async_ratio": stall / _med([r["dcp_async_block_s"] for r in sr]),
         # CPU seconds during the save (per rank: the larger rank's; server: the whole process)
         **{k: _med([r[k] for r in sr]) for k in (
-            "dcp_rank_cpu_s", "dcp_rank_user_s", "dcp_rank_sys_s", "ckptd_rank_cpu_s", "ckptd_rank_user_s",
-            "ckptd_rank_sys_s", "server_cpu_s", "server_user_s", "server_sys_s")},
+            "dcp_rank_cpu_s", "dcp_rank_user_s", "dcp_rank_sys_s",
+            *(f"{w}_{x}" for w in ("ckptd", "ckptd_direct") for x in (
+                "rank_cpu_s", "rank_user_s", "rank_sys_s", "server_cpu_s", "server_user_s", "server_sys_s")))},
     }
     for cache in ("cold", "warm"):
         d = _med([r[f"dcp_{cache}_load_s"] for r in lr])
@@ -571,20 +613,22 @@ def summarise(save: dict, load: dict, nbytes: int) -> dict:
     out["replicated_load"] = {**rp, "fetch_ratio": rp["each_rank"]["bytes_fetched"] / rp["shared"]["bytes_fetched"],
                               "time_ratio": rp["each_rank"]["load_s"] / rp["shared"]["load_s"]}
     # Where ckptd's save time goes: median over repeats of each phase (seconds, the slower rank's).
-    keys = ("stall", "snapshot", "open_session", "pack_hash", "put_file_span", "put_file_n", "put_index",
-            "put_index_end", "upload_total", "upload_total_end", "poll", "own_wait_return")
+    keys = ("stall", "snapshot", "open_session", "pack_hash", "adopt_file_span", "adopt_file_n", "put_file_span",
+            "put_file_n", "put_index", "put_index_end", "upload_total", "upload_total_end", "poll", "own_wait_return")
     for r in sr:
         for p in r["ckptd_phases_by_rank"]:
             if "put_file_end" in p and "body_sent_end" in p:
                 # last byte of the last file handed to httpx -> its PUT answered: the server's fsync + digest
                 p["server_file_tail"] = p["put_file_end"] - p["body_sent_end"]
     keys += ("server_file_tail",)
-    # last index answered (the commit) -> the last rank's wait() returns: how fast waiters learn of the commit
-    out["commit_seen_after_s"] = _med([max(p.get("own_wait_return", 0.0) for p in r["ckptd_phases_by_rank"])
-                                       - max(p.get("put_index_end", 0.0) for p in r["ckptd_phases_by_rank"])
-                                       for r in sr])
-    out["save_phases_s"] = {k: _med([max(p.get(k, 0.0) for p in r["ckptd_phases_by_rank"]) for r in sr])
-                            for k in keys}
+    for w in ("ckptd", "ckptd_direct"):
+        by_rank = [r[f"{w}_phases_by_rank"] for r in sr]
+        # last index answered (the commit) -> the last rank's wait() returns: how fast waiters learn of the commit
+        out[f"{w}_commit_seen_after_s"] = _med([max(p.get("own_wait_return", 0.0) for p in ps)
+                                                - max(p.get("put_index_end", 0.0) for p in ps) for ps in by_rank])
+        out["save_phases_s" if w == "ckptd" else "save_direct_phases_s"] = {
+            k: _med([max(p.get(k, 0.0) for p in ps) for ps in by_rank]) for k in keys
+            if any(k in p for ps in by_rank for p in ps)}
     lkeys = ("manifest", "read_plan", "get_range_span", "get_range_n", "fetch_verify", "fetch_copy_total")
     out["load_phases_s"] = {f"{w}_{c}": {k: _med([max(p.get(k, 0.0) for p in r[f"{w}_{c}_phases_by_rank"])
                                                  for r in lr]) for k in lkeys}
@@ -616,6 +660,11 @@ def markdown(res: dict) -> str:
         ("save, committed (ckptd `handle.wait()`) vs `dcp.save`", f"{s['ckptd_committed_s']:.2f} s = "
          f"{s['ckptd_committed_gbps']:.2f} GB/s", f"{s['dcp_save_s']:.2f} s = {s['dcp_save_gbps']:.2f} GB/s",
          f"throughput ratio {s['save_throughput_ratio']:.2f}", ">= 1.5"),
+        ("same, `direct_writes=True` (ranks write the files, the service hashes and adopts them)",
+         f"{s['ckptd_direct_committed_s']:.2f} s = {s['ckptd_direct_committed_gbps']:.2f} GB/s",
+         f"{s['dcp_save_s']:.2f} s", f"throughput ratio {s['save_direct_throughput_ratio']:.2f}", ""),
+        ("the same bytes written + fsynced by the 2 ranks, nothing else (the floor)", "", f"{s['raw_write_s']:.2f} s",
+         f"ckptd reaches {s['ckptd_save_vs_raw']:.2f} of it, DCP {s['dcp_save_vs_raw']:.2f}", ""),
         ("training stall (`save()` returns) vs `dcp.save`", f"{s['ckptd_stall_s']:.3f} s",
          f"{s['dcp_save_s']:.2f} s", f"stall ratio {s['stall_ratio']:.3f}", "<= 0.1"),
         ("training stall vs `dcp.async_save` blocking", f"{s['ckptd_stall_s']:.3f} s",
@@ -641,13 +690,14 @@ def markdown(res: dict) -> str:
         lines.append(f"| {key} | {r['state_mib']:.0f} MiB | {r['idle']['VmHWM'] / MiB:.0f} MiB | "
                      f"{r['after_save']['VmHWM'] / MiB:.0f} MiB | {r['upload_streams']['concurrent_uploads']} | "
                      f"{r['load_peak']['VmHWM'] / MiB:.0f} MiB |")
-    p = s["save_phases_s"]
-    lines += ["", "ckptd save phases (s, slower rank, median): " + ", ".join(
-        f"{k}={v:.3f}" for k, v in p.items())]
+    for label, key in (("HTTP", "save_phases_s"), ("direct writes", "save_direct_phases_s")):
+        lines += ["", f"ckptd save phases, {label} (s, slower rank, median): " + ", ".join(
+            f"{k}={v:.3f}" for k, v in s[key].items())]
     lines += ["", "CPU seconds during one save (user+sys; ranks: the busier rank, x2 for both): "
-              f"DCP ranks 2 x ({s['dcp_rank_user_s']:.2f}+{s['dcp_rank_sys_s']:.2f}); "
-              f"ckptd ranks 2 x ({s['ckptd_rank_user_s']:.2f}+{s['ckptd_rank_sys_s']:.2f}), "
-              f"server {s['server_user_s']:.2f}+{s['server_sys_s']:.2f}"]
+              f"DCP ranks 2 x ({s['dcp_rank_user_s']:.2f}+{s['dcp_rank_sys_s']:.2f}); " + "; ".join(
+                  f"ckptd {label} ranks 2 x ({s[f'{w}_rank_user_s']:.2f}+{s[f'{w}_rank_sys_s']:.2f}), "
+                  f"server {s[f'{w}_server_user_s']:.2f}+{s[f'{w}_server_sys_s']:.2f}"
+                  for label, w in (("HTTP", "ckptd"), ("direct writes", "ckptd_direct")))]
     lines += ["CPU seconds during one load at world size 3 (all ranks summed): " + "; ".join(
         f"{c}: DCP {s[f'dcp_{c}_load_ranks_cpu_s']:.2f}, ckptd ranks {s[f'ckptd_{c}_load_ranks_cpu_s']:.2f} + "
         f"server {s[f'ckptd_{c}_load_server_cpu_s']:.2f} (HTTP: ranks {s[f'ckptd_http_{c}_load_ranks_cpu_s']:.2f} + "
@@ -674,98 +724,92 @@ def main(argv: list[str] | None = None) -> int:
                          "for peak RSS vs shard size (default: mib/4,mib*2)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "save_load.json")
-    ap.add_argument("--workdir", type=Path, default=None,
-                    help="parent of the temporary work dir (server roots and DCP dir: one disk); default $TMPDIR")
-    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    add_workdir_args(ap, "parent of the temporary work dir (server roots and DCP dir: one disk); default $TMPDIR")
     ap.add_argument("--snapshot-bytes", type=int, default=None,
                     help="CheckpointClient(snapshot_bytes=...) per saving rank: the reusable snapshot buffer")
     args = ap.parse_args(argv)
     other_mibs = ([float(x) for x in args.rss_mib.split(",") if x.strip()] if args.rss_mib is not None
                   else [max(args.mib / 4, 1), args.mib * 2])
 
-    if args.workdir:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir=args.workdir))
-    t_start = time.perf_counter()
-    servers: list[ServerProcess] = []
-    try:
-        specs = tensor_specs(args.mib)
-        other_specs = {f"state-{m:g}MiB": tensor_specs(m) for m in other_mibs}
-        nbytes = state_bytes(specs)
-        machine = describe_machine(work)
-        print(f"work dir {work}; {nbytes / MiB:.1f} MiB state; load average {machine['loadavg_at_start']}",
-              flush=True)
-        baselines = micro_baselines(work, nbytes)
-        print("baselines", json.dumps({k: round(v, 2) for k, v in baselines.items()}), flush=True)
-        dcp_dir, root = work / "dcp", work / "ckptd-root"
-        dcp_dir.mkdir()
-        main_srv = ServerProcess(root, log=work / "server-main.log").start()
-        servers.append(main_srv)
-        extra, pids = [], {"main": main_srv.proc.pid}
-        state_mib = {"main": nbytes / MiB}
-        for key, sp in other_specs.items():
-            srv = ServerProcess(work / f"ckptd-root-{key}", log=work / f"server-{key}.log").start()
-            servers.append(srv)
-            extra.append({"key": key, "url": srv.url, "specs": sp})
-            pids[key], state_mib[key] = srv.proc.pid, state_bytes(sp) / MiB
-        rss: dict[str, dict] = {k: {"state_mib": state_mib[k], "idle": vm_status(pid)} for k, pid in pids.items()}
-        cfg = {"specs": specs, "extra": extra, "repeat": args.repeat, "url": main_srv.url,
-               "repl_specs": tensor_specs(args.mib / 4),
-               "server_pid": pids["main"], "dcp_dir": str(dcp_dir), "root": str(root),
-               "snapshot_bytes": args.snapshot_bytes}
-        budget = 180 + (args.repeat * nbytes + sum(map(state_bytes, other_specs.values()))) / MiB * 0.2
+    with work_dir("ckptd-bench-", args.workdir, args.keep) as work:
+        t_start = time.perf_counter()
+        servers: list[ServerProcess] = []
+        try:
+            specs = tensor_specs(args.mib)
+            other_specs = {f"state-{m:g}MiB": tensor_specs(m) for m in other_mibs}
+            nbytes = state_bytes(specs)
+            machine = describe_machine(work)
+            print(f"work dir {work}; {nbytes / MiB:.1f} MiB state; load average {machine['loadavg_at_start']}",
+                  flush=True)
+            baselines = micro_baselines(work, nbytes)
+            print("baselines", json.dumps({k: round(v, 2) for k, v in baselines.items()}), flush=True)
+            dcp_dir, root = work / "dcp", work / "ckptd-root"
+            dcp_dir.mkdir()
+            main_srv = ServerProcess(root, log=work / "server-main.log").start()
+            servers.append(main_srv)
+            extra, pids = [], {"main": main_srv.proc.pid}
+            state_mib = {"main": nbytes / MiB}
+            for key, sp in other_specs.items():
+                srv = ServerProcess(work / f"ckptd-root-{key}", log=work / f"server-{key}.log").start()
+                servers.append(srv)
+                extra.append({"key": key, "url": srv.url, "specs": sp})
+                pids[key], state_mib[key] = srv.proc.pid, state_bytes(sp) / MiB
+            rss: dict[str, dict] = {k: {"state_mib": state_mib[k], "idle": vm_status(pid)} for k, pid in pids.items()}
+            cfg = {"specs": specs, "extra": extra, "repeat": args.repeat, "url": main_srv.url,
+                   "repl_specs": tensor_specs(args.mib / 4),
+                   "server_pid": pids["main"], "dcp_dir": str(dcp_dir), "root": str(root),
+                   "snapshot_bytes": args.snapshot_bytes}
+            budget = 180 + (args.repeat * nbytes + sum(map(state_bytes, other_specs.values()))) / MiB * 0.2
 
-        save_records = run_ranks(save_job, 2, cfg, tmp=work, timeout=budget)
-        # Each server's peak during the saves; then a fresh process on the same root and port for the
-        # loads (sessions live in storage), so that the load peak carries nothing over from the saves.
-        for (k, pid), srv in zip(list(pids.items()), servers):
-            rss[k]["after_save"] = vm_status(pid)
-            rss[k]["upload_streams"] = _upload_streams(srv.root)
-            srv.stop()
-            srv.start()
-            pids[k] = srv.proc.pid
-            rss[k]["load_idle"] = vm_status(pids[k])
-        cfg["server_pid"] = pids["main"]
-        print("saved", flush=True)
-        load_records = run_ranks(load_job, 3, cfg, tmp=work, timeout=budget)
-        for k, pid in pids.items():
-            rss[k]["load_peak"] = vm_status(pid)
-        for s in servers:
-            s.stop()
-        save = _merge_rank_records(save_records, ("ckptd_phases",))
-        load = _merge_rank_records(load_records, ("ckptd_cold_phases", "ckptd_warm_phases",
-                                                  "ckptd_http_cold_phases", "ckptd_http_warm_phases"))
-        same_disk = len({os.stat(p).st_dev for p in (dcp_dir, root, work)}) == 1
-        baselines_end = micro_baselines(work, nbytes)
-        summary = summarise(save, load, nbytes)
-        # The disk's durable-write ceiling, best of the start and the end: no save that writes every
-        # byte durably (ckptd or DCP) can beat it, so it bounds the save ratio this disk can show.
-        ceiling = max(baselines["disk_durable_write_2_writers_gbps"], baselines_end["disk_durable_write_2_writers_gbps"])
-        summary.update({"disk_write_ceiling_gbps": ceiling,
-                        "dcp_save_vs_ceiling": summary["dcp_save_gbps"] / ceiling,
-                        "ckptd_save_vs_ceiling": summary["ckptd_committed_gbps"] / ceiling,
-                        "save_ratio_possible": ceiling / summary["dcp_save_gbps"]})
-        result = {
-            "command": "python -m bench.save_load " + " ".join(sys.argv[1:] if argv is None else argv),
-            "config": {"mib": args.mib, "state_bytes": nbytes, "rss_state_mib": other_mibs,
-                       "repeat": args.repeat, "save_world": 2, "load_world": 3, "tensors": specs,
-                       "same_filesystem": same_disk, "workdir": str(work),
-                       "snapshot_bytes": args.snapshot_bytes,
-                       "dcp": "dcp.save/dcp.load, FileSystemWriter defaults (sync_files=True, thread_count=1)",
-                       "ckptd": "CheckpointClient defaults (streams=4, file_bytes=256 MiB, no compression); "
-                                "server LocalStorage durable (fsync)"},
-            "machine": machine, "baselines": baselines, "baselines_end": baselines_end,
-            "summary": summary,
-            "server_rss": rss, "save": save, "load": load,
-            "wall_s": time.perf_counter() - t_start, "loadavg_at_end": os.getloadavg(),
-        }
-        write_report(args.out, result, markdown(result))
-        return 0
-    finally:
-        for s in servers:
-            s.stop()
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+            save_records = run_ranks(save_job, 2, cfg, tmp=work, timeout=budget)
+            # Each server's peak during the saves; then a fresh process on the same root and port for the
+            # loads (sessions live in storage), so that the load peak carries nothing over from the saves.
+            for (k, pid), srv in zip(list(pids.items()), servers):
+                rss[k]["after_save"] = vm_status(pid)
+                rss[k]["upload_streams"] = _upload_streams(srv.root)
+                srv.stop()
+                srv.start()
+                pids[k] = srv.proc.pid
+                rss[k]["load_idle"] = vm_status(pids[k])
+            cfg["server_pid"] = pids["main"]
+            print("saved", flush=True)
+            load_records = run_ranks(load_job, 3, cfg, tmp=work, timeout=budget)
+            for k, pid in pids.items():
+                rss[k]["load_peak"] = vm_status(pid)
+            for s in servers:
+                s.stop()
+            save = _merge_rank_records(save_records, ("ckptd_phases", "ckptd_direct_phases"))
+            load = _merge_rank_records(load_records, ("ckptd_cold_phases", "ckptd_warm_phases",
+                                                      "ckptd_http_cold_phases", "ckptd_http_warm_phases"))
+            same_disk = len({os.stat(p).st_dev for p in (dcp_dir, root, work)}) == 1
+            baselines_end = micro_baselines(work, nbytes)
+            summary = summarise(save, load, nbytes)
+            # The disk's durable-write ceiling, best of the start and the end: no save that writes every
+            # byte durably (ckptd or DCP) can beat it, so it bounds the save ratio this disk can show.
+            ceiling = max(baselines["disk_durable_write_2_writers_gbps"], baselines_end["disk_durable_write_2_writers_gbps"])
+            summary.update({"disk_write_ceiling_gbps": ceiling,
+                            "dcp_save_vs_ceiling": summary["dcp_save_gbps"] / ceiling,
+                            "ckptd_save_vs_ceiling": summary["ckptd_committed_gbps"] / ceiling,
+                            "save_ratio_possible": ceiling / summary["dcp_save_gbps"]})
+            result = {
+                "command": "python -m bench.save_load " + " ".join(sys.argv[1:] if argv is None else argv),
+                "config": {"mib": args.mib, "state_bytes": nbytes, "rss_state_mib": other_mibs,
+                           "repeat": args.repeat, "save_world": 2, "load_world": 3, "tensors": specs,
+                           "same_filesystem": same_disk, "workdir": str(work),
+                           "snapshot_bytes": args.snapshot_bytes,
+                           "dcp": "dcp.save/dcp.load, FileSystemWriter defaults (sync_files=True, thread_count=1)",
+                           "ckptd": "CheckpointClient defaults (streams=4, file_bytes=256 MiB, no compression); "
+                                    "server LocalStorage durable (fsync)"},
+                "machine": machine, "baselines": baselines, "baselines_end": baselines_end,
+                "summary": summary,
+                "server_rss": rss, "save": save, "load": load,
+                "wall_s": time.perf_counter() - t_start, "loadavg_at_end": os.getloadavg(),
+            }
+            write_report(args.out, result, markdown(result))
+            return 0
+        finally:
+            for s in servers:
+                s.stop()
 
 
 if __name__ == "__main__":

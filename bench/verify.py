@@ -48,11 +48,9 @@ import json
 import os
 import platform
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -60,7 +58,7 @@ from typing import Any
 import torch
 
 from bench._disk import evict
-from bench._report import git_state, write_report
+from bench._report import add_workdir_args, git_state, work_dir, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
@@ -347,100 +345,96 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="one more cold verify under py-spy")
     ap.add_argument("--profile-rate", type=int, default=200)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "verify.json")
-    ap.add_argument("--workdir", type=Path, default=None, help="parent of the temporary work dir (default $TMPDIR)")
-    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    add_workdir_args(ap)
     args = ap.parse_args(argv)
 
-    if args.workdir:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="ckptd-bench-verify-", dir=args.workdir))
-    root = work / "ckptd-root"
-    t_start = time.perf_counter()
-    server = ServerProcess(root, log=work / "server.log")
-    try:
-        from bench.save_load import describe_machine
+    with work_dir("ckptd-bench-verify-", args.workdir, args.keep) as work:
+        root = work / "ckptd-root"
+        t_start = time.perf_counter()
+        server = ServerProcess(root, log=work / "server.log")
+        try:
+            from bench.save_load import describe_machine
 
-        machine = describe_machine(work)
-        server.start()
-        saved = save_checkpoint(server.url, args.gib)
-        server.stop()  # nothing else runs while timing
-        files, nbytes, manifest = data_files(root)
-        print(f"work dir {work}; saved {saved['state_bytes'] / MiB:.0f} MiB in {saved['save_s']:.1f}s; "
-              f"{len(files)} data files, {nbytes / MiB:.0f} MiB; load average {os.getloadavg()}", flush=True)
-        timeout = 120 + nbytes / MiB * 0.5
-        startup = startup_s(timeout)
-        blocks = [float(b) for b in args.blocks_mib.split(",") if b.strip()]
-        steps = (["cold_read", "verify_cli", "verify_inproc"] + (["verify_inproc_alt"] if args.alt_read_mib else [])
-                 + ([] if args.no_server else ["verify_server", "verify_service"]))
-        repeats = []
-        for r in range(args.repeat):
-            k = r % len(steps)
-            order = steps[k:] + steps[:k]
-            rec: dict[str, Any] = {"order": order, "loadavg": os.getloadavg()}
-            for step in order:
-                if step == "verify_server":
-                    server.start()
-                if step == "verify_service":  # start the service and its worker process, untimed
-                    server.start()
-                    rec["service_warmup_s"] = verify_service(server.url, nbytes, timeout)["seconds"]
-                if step == "cold_read":
-                    by_block = {}
-                    for b in blocks:
-                        rec.setdefault("evicted_bytes", []).append(evict(files))
-                        rec.setdefault("resident_after_evict", []).append(resident_fraction(files))
-                        by_block[f"{b:g} MiB"] = cold_read(files, int(b * MiB))
-                        assert by_block[f"{b:g} MiB"]["bytes"] == nbytes
-                    best = max(by_block.values(), key=lambda x: x["gbps"])
-                    rec[step] = {**best, "by_block": by_block,
-                                 "best_block": next(k for k, v in by_block.items() if v is best)}
-                    continue
-                os.sync()
-                rec.setdefault("evicted_bytes", []).append(evict(files))
-                rec.setdefault("resident_after_evict", []).append(resident_fraction(files))
-                if step == "verify_cli":
-                    rec[step] = verify_cli(root, nbytes, timeout)
-                elif step == "verify_inproc":
-                    rec[step] = verify_inproc(root, nbytes)
-                elif step == "verify_inproc_alt":
-                    rec[step] = verify_inproc(root, nbytes, int(args.alt_read_mib * MiB))
-                elif step == "verify_service":
-                    rec[step] = verify_service(server.url, nbytes, timeout)
-                    server.stop()
-                else:
-                    rec[step] = verify_cli(root, nbytes, timeout, server=server.url)
-                    server.stop()
-            rec["ratio"] = rec["verify_cli"]["gbps"] / rec["cold_read"]["gbps"]
-            sizes = ", ".join(f"{k} {v['gbps']:.2f}" for k, v in rec["cold_read"]["by_block"].items())
-            print(f"repeat {r}: " + ", ".join(f"{s} {rec[s]['gbps']:.2f} GB/s" for s in order)
-                  + f" (cold read by size: {sizes})"
-                  + f"; ratio {rec['ratio']:.2f}", flush=True)
-            repeats.append(rec)
-        profile = None
-        if args.profile:
-            profile = profile_verify(root, files, args.out.parent / "profiles", args.profile_rate)
-        import xxhash
+            machine = describe_machine(work)
+            server.start()
+            saved = save_checkpoint(server.url, args.gib)
+            server.stop()  # nothing else runs while timing
+            files, nbytes, manifest = data_files(root)
+            print(f"work dir {work}; saved {saved['state_bytes'] / MiB:.0f} MiB in {saved['save_s']:.1f}s; "
+                  f"{len(files)} data files, {nbytes / MiB:.0f} MiB; load average {os.getloadavg()}", flush=True)
+            timeout = 120 + nbytes / MiB * 0.5
+            startup = startup_s(timeout)
+            blocks = [float(b) for b in args.blocks_mib.split(",") if b.strip()]
+            steps = (["cold_read", "verify_cli", "verify_inproc"] + (["verify_inproc_alt"] if args.alt_read_mib else [])
+                     + ([] if args.no_server else ["verify_server", "verify_service"]))
+            repeats = []
+            for r in range(args.repeat):
+                k = r % len(steps)
+                order = steps[k:] + steps[:k]
+                rec: dict[str, Any] = {"order": order, "loadavg": os.getloadavg()}
+                for step in order:
+                    if step == "verify_server":
+                        server.start()
+                    if step == "verify_service":  # start the service and its worker process, untimed
+                        server.start()
+                        rec["service_warmup_s"] = verify_service(server.url, nbytes, timeout)["seconds"]
+                    if step == "cold_read":
+                        by_block = {}
+                        for b in blocks:
+                            rec.setdefault("evicted_bytes", []).append(evict(files))
+                            rec.setdefault("resident_after_evict", []).append(resident_fraction(files))
+                            by_block[f"{b:g} MiB"] = cold_read(files, int(b * MiB))
+                            assert by_block[f"{b:g} MiB"]["bytes"] == nbytes
+                        best = max(by_block.values(), key=lambda x: x["gbps"])
+                        rec[step] = {**best, "by_block": by_block,
+                                     "best_block": next(k for k, v in by_block.items() if v is best)}
+                        continue
+                    os.sync()
+                    rec.setdefault("evicted_bytes", []).append(evict(files))
+                    rec.setdefault("resident_after_evict", []).append(resident_fraction(files))
+                    if step == "verify_cli":
+                        rec[step] = verify_cli(root, nbytes, timeout)
+                    elif step == "verify_inproc":
+                        rec[step] = verify_inproc(root, nbytes)
+                    elif step == "verify_inproc_alt":
+                        rec[step] = verify_inproc(root, nbytes, int(args.alt_read_mib * MiB))
+                    elif step == "verify_service":
+                        rec[step] = verify_service(server.url, nbytes, timeout)
+                        server.stop()
+                    else:
+                        rec[step] = verify_cli(root, nbytes, timeout, server=server.url)
+                        server.stop()
+                rec["ratio"] = rec["verify_cli"]["gbps"] / rec["cold_read"]["gbps"]
+                sizes = ", ".join(f"{k} {v['gbps']:.2f}" for k, v in rec["cold_read"]["by_block"].items())
+                print(f"repeat {r}: " + ", ".join(f"{s} {rec[s]['gbps']:.2f} GB/s" for s in order)
+                      + f" (cold read by size: {sizes})"
+                      + f"; ratio {rec['ratio']:.2f}", flush=True)
+                repeats.append(rec)
+            profile = None
+            if args.profile:
+                profile = profile_verify(root, files, args.out.parent / "profiles", args.profile_rate)
+            import xxhash
 
-        result = {
-            "command": "python -m bench.verify " + " ".join(sys.argv[1:] if argv is None else argv),
-            "config": {"gib": args.gib, "repeat": args.repeat, "blocks_mib": blocks, "alt_read_mib": args.alt_read_mib,
-                       "ref": REF, "read_ahead_kb": _read_ahead_kb(work),
-                       "state_bytes": saved["state_bytes"], "data_bytes": nbytes, "files": len(files),
-                       "file_sizes": [p.stat().st_size for p in files],
-                       "chunks": sum(len(t.chunks) for t in manifest.tensors), "workdir": str(work),
-                       "client": "CheckpointClient defaults (file_bytes=256 MiB, no compression), world size 1",
-                       "verify_read_size": _verify_read_size(), "xxhash": xxhash.VERSION},
-            "git": git_state(),
-            "machine": {**machine, "python": platform.python_version()},
-            "save_s": saved["save_s"], "startup_s": startup,
-            "summary": summarise(repeats, nbytes), "repeats": repeats, "profile": profile,
-            "wall_s": time.perf_counter() - t_start, "loadavg_at_end": os.getloadavg(),
-        }
-        write_report(args.out, result, markdown(result))
-        return 0
-    finally:
-        server.stop()
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+            result = {
+                "command": "python -m bench.verify " + " ".join(sys.argv[1:] if argv is None else argv),
+                "config": {"gib": args.gib, "repeat": args.repeat, "blocks_mib": blocks,
+                           "alt_read_mib": args.alt_read_mib,
+                           "ref": REF, "read_ahead_kb": _read_ahead_kb(work),
+                           "state_bytes": saved["state_bytes"], "data_bytes": nbytes, "files": len(files),
+                           "file_sizes": [p.stat().st_size for p in files],
+                           "chunks": sum(len(t.chunks) for t in manifest.tensors), "workdir": str(work),
+                           "client": "CheckpointClient defaults (file_bytes=256 MiB, no compression), world size 1",
+                           "verify_read_size": _verify_read_size(), "xxhash": xxhash.VERSION},
+                "git": git_state(),
+                "machine": {**machine, "python": platform.python_version()},
+                "save_s": saved["save_s"], "startup_s": startup,
+                "summary": summarise(repeats, nbytes), "repeats": repeats, "profile": profile,
+                "wall_s": time.perf_counter() - t_start, "loadavg_at_end": os.getloadavg(),
+            }
+            write_report(args.out, result, markdown(result))
+            return 0
+        finally:
+            server.stop()
 
 
 def _read_ahead_kb(path: Path) -> int | None:

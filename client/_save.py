@@ -30,7 +30,7 @@ import xxhash
 import zstandard
 
 from ckptd_schemas import (
-    BoxChunk, FlatChunk, Location, ObjectEntry, ParamGroup, RankIndex,
+    BoxChunk, FlatChunk, Location, ObjectEntry, ParamGroup, RankIndex, SessionInfo,
     SessionStatus, TensorEntry, Unavailable, error_from_body,
 )
 
@@ -39,6 +39,7 @@ from ._flatten import flatten_state_dict, param_groups_of
 from ._http import Transport
 from ._layout import assign_replicated, dtype_name, local_piece, mesh_of
 from ._pool import Lease, SnapshotPool
+from ._staging import FALL_BACK, StagingDir, probe
 
 __all__ = ["Compression", "SaveHandle", "Snapshot", "build_snapshot", "upload_snapshot"]
 
@@ -320,21 +321,56 @@ def _stream(f: _File) -> Iterator[bytes | memoryview]:
             yield _PAD[:pad]
 
 
-def open_session(transport: Transport, base: str, session: str, world: int, step: int | None) -> None:
-    transport.request("POST", f"{base}/sessions", json={"session": session, "world_size": world, "step": step})
+def _pieces(f: _File) -> Iterator[bytes | memoryview]:
+    for data, pad in f.parts:
+        yield data
+        if pad:
+            yield _PAD[:pad]
+
+
+def open_session(transport: Transport, base: str, session: str, world: int, step: int | None, *,
+                 direct_writes: bool = False) -> StagingDir | None:
+    """Open or join the session; with ``direct_writes``, return the staging directory this rank may
+    write its files into (None when the service offers none or this host does not see it)."""
+    body = {"session": session, "world_size": world, "step": step}
+    if direct_writes:
+        body["direct_writes"] = True
+    info = SessionInfo.model_validate(transport.request("POST", f"{base}/sessions", json=body))
+    return probe(info.direct) if direct_writes else None
 
 
 def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, *, compression: Compression,
-                 file_bytes: int, streams: int, prefix: str | None = None) -> RankIndex:
+                 file_bytes: int, streams: int, prefix: str | None = None,
+                 staging: StagingDir | None = None) -> RankIndex:
     """Pack the snapshot into files, stream them (several at once), return the rank's index.
 
+    With ``staging`` (direct writes, ``ckptd_client._staging``), each file is written there and
+    adopted by the service instead of uploaded, until a fallback turns that off.
     With a :class:`CompressionPolicy`, the upload's throughput is fed back to it: the next save
     decides against the store as it is now.
     """
     starts: list[float] = []  # the upload's rate, for the compression policy, runs from the first PUT
 
+    def adopt(f: _File, staging: StagingDir) -> bool:
+        staged = staging.write(f.name, f.size, _pieces(f))
+        if staged is None:
+            return False
+        try:
+            transport.request("POST", f"{base}/sessions/{session}/files/{f.name}/adopt",
+                              json={"staged": staged, "size": f.size, "xxh3": f.xxh3})
+            return True
+        except FALL_BACK as e:  # the staged file was refused, not the session: upload it instead
+            staging.discard(staged)
+            staging.disable(e.message)
+            return False
+        except BaseException:
+            staging.discard(staged)
+            raise
+
     def put(f: _File) -> None:
         starts.append(time.perf_counter())
+        if staging is not None and staging.enabled and adopt(f, staging):
+            return
         transport.request("PUT", f"{base}/sessions/{session}/files/{f.name}", content=lambda: _stream(f),
                           headers={"X-Ckptd-Xxh3": f.xxh3, "Content-Length": str(f.size),
                                    "Content-Type": "application/octet-stream"})
@@ -364,7 +400,8 @@ def put_index(transport: Transport, base: str, session: str, index: RankIndex) -
 
 
 def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None, *,
-                    compression: Compression, file_bytes: int, streams: int) -> SessionStatus:
+                    compression: Compression, file_bytes: int, streams: int,
+                    direct_writes: bool = False) -> SessionStatus:
     """Open-or-join, upload files, send the index; return the session status after it.
 
     A failure before the index is sent aborts the session (best effort): it cannot commit without
@@ -372,9 +409,9 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
     the other ranks' waits end with the session gone instead of at their timeout.
     """
     try:
-        open_session(transport, base, session, snap.world, step)
+        staging = open_session(transport, base, session, snap.world, step, direct_writes=direct_writes)
         index = upload_files(transport, base, session, snap, compression=compression, file_bytes=file_bytes,
-                             streams=streams)
+                             streams=streams, staging=staging)
     except Exception:
         with contextlib.suppress(Exception):
             transport.request("DELETE", f"{base}/sessions/{session}", retry=False)

@@ -67,6 +67,14 @@ class CheckpointClient:
             itself instead of through HTTP, verifying the same block digests; a file it cannot open,
             or bytes that fail their digests there but pass over HTTP, fall back to HTTP
             (``ckptd_client._files``). ``False``: always HTTP.
+        direct_writes: ``True``: when the service's root is a local directory that this host sees
+            (same host, or a shared filesystem mounted at the same path), ``save`` writes each data
+            file into the session's staging directory itself and the service adopts it after hashing
+            every byte, instead of receiving it over HTTP; a staging directory this host cannot
+            write, or a file the service refuses there, falls back to HTTP
+            (``ckptd_client._staging``). It takes the service's receive work (about 5x less service
+            CPU per byte) onto the ranks; off by default because on the measured machine the
+            upload was the faster of the two (BENCHMARKS.md, Save and load).
         share_replicas: in a distributed load, a region that several ranks of one host need (plain
             replicated tensors, ``Replicate`` DTensor copies) is read by one of them and sent to the
             others over torch.distributed, unless all of that host's ranks read the service's files
@@ -77,7 +85,7 @@ class CheckpointClient:
                  compression: str | CompressionPolicy | None = None, streams: int = 4,
                  file_bytes: int = 256 << 20, retry_seconds: float = 120.0, timeout: float = 300.0,
                  snapshot_bytes: int | None = None, direct_reads: bool = True,
-                 share_replicas: bool = True) -> None:
+                 direct_writes: bool = False, share_replicas: bool = True) -> None:
         self.url = url or os.environ.get("CKPTD_URL", DEFAULT_URL)
         self.compression = compression
         self._codec = compression_of(compression)  # one policy per client: it learns across saves
@@ -91,6 +99,7 @@ class CheckpointClient:
         self._lock = threading.Lock()
         self.snapshot_pool = SnapshotPool(snapshot_bytes) if snapshot_bytes else None
         self.direct_reads = direct_reads
+        self.direct_writes = direct_writes
         self.share_replicas = share_replicas
 
     # -- save ------------------------------------------------------------------
@@ -124,7 +133,7 @@ class CheckpointClient:
         try:
             future = self._uploader.submit(_upload_then_release, self._transport, base, session, snap, step,
                                            compression=self._codec, file_bytes=self.file_bytes,
-                                           streams=self.streams)
+                                           streams=self.streams, direct_writes=self.direct_writes)
         except BaseException:
             snap.release()
             raise
@@ -148,7 +157,8 @@ class CheckpointClient:
         from .dcp import CkptdStorageWriter
 
         return CkptdStorageWriter(self.url, ref, token=self._token, compression=self._codec,
-                                  file_bytes=self.file_bytes, streams=self.streams)
+                                  file_bytes=self.file_bytes, streams=self.streams,
+                                  direct_writes=self.direct_writes)
 
     def dcp_reader(self, ref: str) -> "CkptdStorageReader":
         """A DCP ``StorageReader``: ``dcp.load(sd, storage_reader=client.dcp_reader("gpt/latest"))``."""

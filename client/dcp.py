@@ -114,14 +114,16 @@ def _done(value: Any) -> Future:
 
 
 class CkptdStorageWriter(_Endpoint, StorageWriter):
-    """DCP ``StorageWriter``; ``compression`` as for :class:`CheckpointClient` (``None``, ``"zstd"``,
-    ``"auto"`` or a ``CompressionPolicy``, which then learns this writer's upload throughput)."""
+    """DCP ``StorageWriter``; ``compression`` and ``direct_writes`` as for :class:`CheckpointClient`
+    (``compression``: ``None``, ``"zstd"``, ``"auto"`` or a ``CompressionPolicy``, which then learns
+    this writer's upload throughput)."""
 
     def __init__(self, url: str, ref: str, *, token: str | None = None,
                  compression: str | CompressionPolicy | None = None, file_bytes: int = 256 << 20,
-                 streams: int = 4) -> None:
+                 streams: int = 4, direct_writes: bool = False) -> None:
         _Endpoint.__init__(self, url, ref, token, streams)
         self.compression, self.file_bytes = compression_of(compression), file_bytes
+        self.direct_writes = direct_writes
         self.is_coordinator = False
         self.set_ref(None)
 
@@ -166,17 +168,21 @@ class CkptdStorageWriter(_Endpoint, StorageWriter):
             td = item.tensor_data
             assert td is not None
             t = planner.resolve_data(item).detach()
-            data = torch.empty(tuple(td.chunk.sizes), dtype=t.dtype, device="cpu")
-            data.copy_(t)
+            if t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == tuple(td.chunk.sizes):
+                data = t  # uploaded before write_data returns (async_save hands over its own staged copy)
+            else:
+                data = torch.empty(tuple(td.chunk.sizes), dtype=t.dtype, device="cpu")
+                data.copy_(t)
             snap.tensors.append(TensorEntry(name=fqn, shape=list(td.size), dtype=dtype_name(td.properties.dtype),
                                             group=fqn.split(".", 1)[0], chunks=[]))
             if data.numel():
                 snap.chunks.setdefault(fqn, []).append(
                     _Chunk(fqn, data, (list(td.chunk.offsets), list(td.chunk.sizes)), None))
             sizes.append((item.index, data.numel() * data.element_size()))
-        open_session(self.transport, self.base, pd.session, pd.world, _step_of(self.ref))
+        staging = open_session(self.transport, self.base, pd.session, pd.world, _step_of(self.ref),
+                               direct_writes=self.direct_writes)
         index = upload_files(self.transport, self.base, pd.session, snap, compression=self.compression,
-                             file_bytes=self.file_bytes, streams=self.streams)
+                             file_bytes=self.file_bytes, streams=self.streams, staging=staging)
         # DCP keeps one value per key (its planner dedups replicated items), so every object is global:
         # any rank, at any world size, may load it (client.load included).
         index = index.model_copy(update={"tensors": _merge_entries(index.tensors),

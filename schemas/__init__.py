@@ -2,7 +2,8 @@
 the ckptd service and the ``ckptd_client`` trainer client. No I/O here."""
 
 from .api import (
-    CheckpointSummary, OpenSession, RankIndex, RunSummary, SessionInfo, SessionStatus, TensorColumns, UploadResult,
+    AdoptFile, CheckpointSummary, DirectWrites, OpenSession, RankIndex, RunSummary, SessionInfo, SessionStatus,
+    TensorColumns, UploadResult,
 )
 from .chunktable import ChunkColumns
 from .dtypes import ITEMSIZE, DType, itemsize
@@ -13,16 +14,16 @@ from .manifest import (
     FORMAT_VERSION, BoxChunk, Chunk, FileEntry, FlatChunk, Location, Manifest, ObjectEntry, ParamGroup,
     RankInfo, TensorEntry, Topology,
 )
-from .names import LATEST, CheckpointRef, check_file, check_name, check_run, check_session, parse_ref
+from .names import LATEST, CheckpointRef, check_file, check_name, check_run, check_session, check_staged, parse_ref, staged_name
 from .readplan import Copy, Fetch, ReadPlan, ReadRequest, plan_reads
 
 __all__ = [
     *_errors_all,
     "FORMAT_VERSION", "ITEMSIZE", "LATEST",
-    "Box", "BoxChunk", "CheckpointRef", "CheckpointSummary", "Chunk", "ChunkColumns", "Copy", "DType", "Fetch", "FileEntry",
+    "AdoptFile", "Box", "BoxChunk", "CheckpointRef", "CheckpointSummary", "Chunk", "ChunkColumns", "Copy", "DirectWrites", "DType", "Fetch", "FileEntry",
     "FlatChunk", "Location", "Manifest", "ObjectEntry", "OpenSession", "ParamGroup", "RankIndex", "RankInfo",
     "ReadPlan", "ReadRequest", "Region", "RunSummary", "SessionInfo", "SessionStatus", "TensorColumns", "TensorEntry",
     "Topology", "UploadResult",
-    "check_file", "check_name", "check_run", "check_session", "check_tiling", "flat_range_to_boxes",
-    "intersect_regions", "itemsize", "parse_ref", "plan_reads", "row_major_strides",
+    "check_file", "check_name", "check_run", "check_session", "check_staged", "check_tiling", "flat_range_to_boxes",
+    "intersect_regions", "itemsize", "parse_ref", "plan_reads", "row_major_strides", "staged_name",
 ]

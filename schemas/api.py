@@ -13,7 +13,9 @@ from .manifest import Fqn, ObjectEntry, ParamGroup, TensorEntry
 from .names import SESSION_RE
 
 __all__ = [
+    "AdoptFile",
     "CheckpointSummary",
+    "DirectWrites",
     "OpenSession",
     "RankIndex",
     "RunSummary",
@@ -49,6 +51,25 @@ class OpenSession(_Body):
     world_size: Annotated[int, Field(ge=1, le=1 << 20)]
     step: Annotated[int, Field(ge=0)] | None = None
     derived_from: str | None = Field(None, max_length=300, description="source ref of a derived checkpoint")
+    direct_writes: bool = Field(False, description=(
+        "the client can write its data files into the store itself when it shares the service's "
+        "filesystem: the answer's `direct` says where (see AdoptFile)"))
+
+
+class DirectWrites(_Body):
+    """Where a rank on the service's filesystem writes its data files itself (direct writes).
+
+    Call order: read ``probe``; only if it holds ``token`` is this the service's filesystem (another
+    host may have the same path). Write each data file into ``dir`` under a name
+    ``.<file>.direct-<32 hex>``, close it, then ``POST .../files/<file>/adopt`` (:class:`AdoptFile`):
+    the service hashes every byte of it, refuses and deletes it on a mismatch with the declared
+    digest, and otherwise makes it durable and renames it into place. Only then does the file exist
+    for the session, exactly as after an upload.
+    """
+
+    dir: str
+    probe: str
+    token: str
 
 
 class SessionInfo(_Body):
@@ -58,6 +79,22 @@ class SessionInfo(_Body):
     world_size: int
     step: int | None = None
     created_at: datetime
+    direct: DirectWrites | None = Field(None, description="present when the request asked for direct writes "
+                                        "and the service's root is a local directory with direct writes on")
+
+
+class AdoptFile(_Body):
+    """Take a data file the client wrote into :attr:`DirectWrites.dir` as one upload of ``file``.
+
+    ``staged`` is the file's name in that directory (``.<file>.direct-<32 hex>``); ``size`` and
+    ``xxh3`` are what the client wrote. The service checks both before it accepts the file.
+    """
+
+    model_config = ConfigDict(extra="forbid", defer_build=False)  # a FastAPI body, like OpenSession
+
+    staged: Annotated[str, Field(max_length=200)]  # checked against the URL's file: names.check_staged
+    size: Annotated[int, Field(ge=0)]
+    xxh3: Annotated[str, Field(pattern=r"^[0-9a-fA-F]{16}$")]
 
 
 class UploadResult(_Body):

@@ -11,12 +11,14 @@ from typing import NamedTuple
 
 from .errors import InvalidName
 
-__all__ = ["CheckpointRef", "LATEST", "check_file", "check_name", "check_run", "check_session", "parse_ref"]
+__all__ = ["CheckpointRef", "LATEST", "check_file", "check_name", "check_run", "check_session", "check_staged",
+           "parse_ref", "staged_name"]
 
 RUN_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+STAGED_RE = re.compile(r"\.(?P<file>" + FILE_RE.pattern + r")\.direct-[0-9a-f]{32}")
 LATEST = "latest"
 
 
@@ -40,6 +42,21 @@ def check_file(name: str) -> str:
 
 def check_session(sid: str) -> str:
     return _check("session", sid, SESSION_RE, "[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
+def staged_name(file: str, nonce: str) -> str:
+    """The name a rank writes a data file under before the service adopts it (direct writes): a dot
+    name (never listed), unique per attempt (``nonce``: 32 hex digits)."""
+    return f".{check_file(file)}.direct-{nonce}"
+
+
+def check_staged(file: str, staged: str) -> str:
+    """``staged`` if it is a direct-write name for ``file`` (so it cannot point anywhere else)."""
+    m = STAGED_RE.fullmatch(staged) if isinstance(staged, str) else None
+    if m is None or m.group("file") != file:
+        raise InvalidName(f"invalid staged name {str(staged)[:200]!r} for file {file!r}: must be "
+                          f"'.{file}.direct-' and 32 hex digits", field="staged", value=str(staged)[:200])
+    return staged
 
 
 class CheckpointRef(NamedTuple):

@@ -39,6 +39,10 @@ def test_bench_save_load_runs_small(tmp_path):
     assert s["load_phases_s"]["ckptd_http_cold"]["get_range_n"] > 0 and s["load_phases_s"]["ckptd_cold"]["get_range_n"] == 0
     assert res["config"]["same_filesystem"] and res["config"]["snapshot_bytes"] == 9 << 20
     assert s["save_phases_s"]["snapshot"] > 0 and s["save_phases_s"]["put_file_span"] > 0  # the probe still hooks in
+    # the default save sends every byte through HTTP; with direct writes the ranks write the files on this host
+    assert "adopt_file_span" not in s["save_phases_s"] and s["save_direct_phases_s"]["adopt_file_span"] > 0
+    assert "put_file_span" not in s["save_direct_phases_s"] and s["save_direct_throughput_ratio"] > 0
+    assert s["raw_write_s"] > 0 and s["ckptd_save_vs_raw"] > 0
     assert len(res["server_rss"]) == 3  # main + the two --rss-mib sizes (default mib/4 and mib*2)
     for server in res["server_rss"].values():
         assert server["load_peak"]["VmHWM"] > 0

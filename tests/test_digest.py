@@ -4,6 +4,8 @@ a gap -> no digest; and the reshard executor checks with them without reading th
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -13,14 +15,14 @@ from hypothesis import given, settings, strategies as st
 
 import ckptd.reshard.executor as ex
 from ckptd.reshard.digest import tensor_digest
-from ckptd.reshard.pieces import SLICE, piece_part, write_hashed
+from ckptd.reshard.pieces import SLICE, write_hashed
 from ckptd.reshard.planner import plan_reshard
 from ckptd.reshard.spec import parse_spec
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
 from ckptd.store.offline import read_tensor, write_tensors
 from ckptd_schemas import IntegrityError
-from ckptd_schemas.digest import DIGEST_BLOCK, StreamHasher, combine, digest_of_blocks, digest_piece
+from ckptd_schemas.digest import DIGEST_BLOCK, DigestPart, Edge, StreamHasher, combine, digest_of_blocks, digest_piece
 
 B = DIGEST_BLOCK
 
@@ -29,6 +31,21 @@ def _reference(data: bytes) -> str:
     """The definition, written out: XXH3-64 over the blocks' XXH3-64 values (8 bytes, little-endian)."""
     values = [xxhash.xxh3_64_intdigest(data[a:a + B]) for a in range(0, len(data), B)]
     return xxhash.xxh3_64_hexdigest(b"".join(v.to_bytes(8, "little") for v in values))
+
+
+def _reference_part(n: int, offset: int, data: bytes, file_offset: int) -> DigestPart:
+    """The definition of a piece's part, walked block by block: a block is whole when the piece covers it
+    from its start to its end (the stream's last block may be short); any other overlap is an edge."""
+    end = offset + len(data)
+    blocks, edges, first = [], [], 0
+    for i in range(offset // B, -(-end // B)):
+        a, b = max(i * B, offset), min((i + 1) * B, n, end)
+        if a == i * B and b == min((i + 1) * B, n):
+            first = first if blocks else i
+            blocks.append(xxhash.xxh3_64_intdigest(data[a - offset:b - offset]))
+        elif b > a:
+            edges.append(Edge(block=i, at=a - i * B, length=b - a, file="f", file_offset=file_offset + a - offset))
+    return DigestPart(side="s", tensor="t", first=first, blocks=blocks, edges=edges)
 
 
 def _pieces(n: int, rnd: random.Random, overlap: bool) -> list[tuple[int, int]]:
@@ -87,20 +104,22 @@ SIZES = [0, 1, B - 1, B, B + 1, 3 * B + 17, SLICE + 5 * B + 3]
 
 @settings(max_examples=60, deadline=None)
 @given(n=st.sampled_from(SIZES), seed=st.integers(0, 10**6))
-def test_the_executors_fast_paths_give_digest_pieces_parts(n, seed):
-    """``piece_part`` (one comprehension) and ``write_hashed`` (hashing slice by slice as it writes) are
-    ``digest_piece`` made fast: the same part for any piece, the same bytes written, the chunk's XXH3."""
+def test_the_fast_paths_give_the_definitions_parts(n, seed):
+    """``digest_piece`` (whole blocks found by arithmetic, hashed in one comprehension) gives the part the
+    block-by-block definition gives, for any piece; ``write_hashed`` (hashing slice by slice as it writes)
+    gives the same values, the same bytes written, the chunk's XXH3."""
     rnd = random.Random(seed)
     data = rnd.randbytes(n)
     a = rnd.randrange(n + 1)
     b = rnd.choice([n, rnd.randrange(a, n + 1)])
-    want = digest_piece("s", "t", n, a, data[a:b], file="f", file_offset=7 + a)
-    assert piece_part("s", "t", n, a, data[a:b], file="f", file_offset=7 + a) == want
+    want = _reference_part(n, a, data[a:b], 7 + a)
+    assert digest_piece("s", "t", n, a, data[a:b], file="f", file_offset=7 + a) == want
+    assert digest_piece("s", "t", n, a, memoryview(data)[a:b], file="f", file_offset=7 + a) == want
     written = []
     xxh3, values = write_hashed(written.append, memoryview(data)[a:b], (a, n))
     assert b"".join(written) == data[a:b] and xxh3 == xxhash.xxh3_64_hexdigest(data[a:b])
     assert all(len(w) <= SLICE for w in written)
-    assert piece_part("s", "t", n, a, data[a:b], file="f", file_offset=7 + a, values=values) == want
+    assert digest_piece("s", "t", n, a, data[a:b], file="f", file_offset=7 + a, values=values) == want
     xxh3, values = write_hashed(written.append, memoryview(data)[a:b], None)  # not one run: no blocks
     assert xxh3 == xxhash.xxh3_64_hexdigest(data[a:b]) and values == []
 
@@ -116,21 +135,41 @@ def test_one_flipped_bit_anywhere_changes_the_fast_paths_digest(n, seed):
     cut = rnd.randrange(n + 1)  # two pieces, as a reshard's two source chunks or two target chunks
 
     def digest(buf: bytes) -> str:
-        parts = [piece_part("s", "t", n, a, buf[a:b], file="f", file_offset=a) for a, b in ((0, cut), (cut, n))]
+        parts = [digest_piece("s", "t", n, a, buf[a:b], file="f", file_offset=a) for a, b in ((0, cut), (cut, n))]
         return combine(parts, {("s", "t"): n}, lambda s, f, a, b: buf[a:b])[("s", "t")]
 
     assert digest(data) == _reference(data)
     assert digest(bytes(flipped)) != _reference(data)
 
 
+def test_every_piece_at_block_bounds_gives_the_definitions_part():
+    """Pieces starting and ending at, just before and just after block bounds, the stream's short last block
+    included: edges, whole blocks and ``first`` as the block-by-block definition has them."""
+    n = 3 * B + 17
+    data = random.Random(0).randbytes(n)
+    cuts = sorted({max(0, min(n, x + d)) for x in (0, B, 2 * B, 3 * B, n) for d in (-1, 0, 1)})
+    for a in cuts:
+        for b in (x for x in cuts if x >= a):
+            got = digest_piece("s", "t", n, a, data[a:b], file="f", file_offset=a)
+            assert got == _reference_part(n, a, data[a:b], a), (a, b)
+
+
 def test_pieces_outside_the_stream_are_refused():
     with pytest.raises(ValueError, match="'w'"):
         digest_piece("s", "w", 10, 8, b"abc", file="f", file_offset=0)
-    with pytest.raises(ValueError, match="'w'"):
-        piece_part("s", "w", 10, 8, b"abc", file="f", file_offset=0)
     with pytest.raises(ValueError, match="1 whole blocks, 2 values"):
-        piece_part("s", "w", B, 0, bytes(B), file="f", file_offset=0, values=[1, 2])
+        digest_piece("s", "w", B, 0, bytes(B), file="f", file_offset=0, values=[1, 2])
+    with pytest.raises(ValueError, match="0 whole blocks, 1 values"):
+        digest_piece("s", "w", 2 * B, 1, bytes(B), file="f", file_offset=0, values=[1])
     assert digest_of_blocks([]) == xxhash.xxh3_64_hexdigest(b"")
+
+
+def test_the_digest_module_needs_neither_torch_nor_numpy():
+    """``ckptd_schemas`` installs with pydantic and xxhash only: the one digest implementation lives there."""
+    code = ("import sys; import ckptd_schemas.digest as d; "
+            "assert d.digest_piece('s', 't', 3, 0, b'abc', file='f', file_offset=0).blocks; "
+            "bad = {'torch', 'numpy'} & set(sys.modules); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.fixture()

@@ -46,14 +46,14 @@ from ckptd_schemas import (
     BoxChunk, CheckpointNotFound, Chunk, Fetch, FlatChunk, IntegrityError, InvalidRequest, Location, Manifest,
     ObjectEntry, OpenSession, RankIndex, TensorEntry, check_name, check_run, itemsize, parse_ref,
 )
-from ckptd_schemas.digest import DigestPart, combine
+from ckptd_schemas.digest import DigestPart, combine, digest_piece
 from ckptd_schemas.dtypes import FLOATING
 
 from ..store import CheckpointReader, SessionStore
 from ..store.layout import Paths
 from ..store.merge import merge_indexes
 from .digest import tensor_digest
-from .pieces import SourcePieces, piece_part, target_place, write_hashed
+from .pieces import SourcePieces, target_place, write_hashed
 from .planner import ALIGN, ReshardPlan, WorkUnit
 
 __all__ = ["ReshardResult", "UnitResult", "finalize", "open_target", "pick_device", "run_plan", "run_unit",
@@ -154,8 +154,8 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
                 sink.write(_PAD[:pad])
             loc = Location(file=unit.file, offset=pc.file_offset, length=len(raw), raw_length=len(raw), xxh3=xxh3)
             if place is not None:
-                parts.append(piece_part("dst", pc.tensor, place[1], place[0], raw, file=unit.file,
-                                        file_offset=pc.file_offset, values=values))
+                parts.append(digest_piece("dst", pc.tensor, place[1], place[0], raw, file=unit.file,
+                                          file_offset=pc.file_offset, values=values))
             if pc.sizes is not None:
                 chunk: Chunk = BoxChunk(rank=unit.rank, offsets=pc.offsets, sizes=pc.sizes, location=loc)
             else:

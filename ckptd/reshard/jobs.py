@@ -16,7 +16,6 @@ commit is idempotent, so two finalizers are harmless).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid

@@ -3,15 +3,16 @@
 A reshard checks that every target tensor's layout-independent digest equals
 the source's (``ckptd_schemas.digest``). The executor computes both from
 bytes it already holds: the verified source fetches (``SourcePieces``) and the
-target chunks it writes (``target_place``, ``write_hashed``, ``piece_part``).
+target chunks it writes (``target_place``, ``write_hashed``, then
+``digest_piece``).
 Only chunks that are one row-major contiguous run can be placed in the stream
 this way; tensors with other chunks (column shards, compressed frames) are
 left to the slab walk.
 
-Speed: a piece holds hundreds of 64 KiB blocks, so ``piece_part`` hashes its
-whole blocks in one comprehension and leaves only the (at most two) ragged
-ends to ``digest_piece``, whose per-block Python bookkeeping costs about as
-much as the hashing itself. A target chunk is hashed four times (its chunk
+Speed: the block arithmetic and hashing live in one place,
+``ckptd_schemas.digest`` (``digest_piece`` hashes a piece's whole blocks in
+one comprehension, ``block_values``); this module only places pieces in
+their streams. A target chunk is hashed four times (its chunk
 XXH3, its digest blocks, the file sink's whole-file and 1 MiB block digests)
 and copied once more by the write; ``write_hashed`` feeds all of them slice by
 slice, so the chunk is read from memory once and every later pass over a slice
@@ -28,10 +29,10 @@ from typing import Callable, Iterable
 import xxhash
 
 from ckptd_schemas import BoxChunk, Chunk, FlatChunk, Manifest, itemsize
-from ckptd_schemas.digest import DIGEST_BLOCK, DigestPart, digest_piece
+from ckptd_schemas.digest import DIGEST_BLOCK, DigestPart, block_values, digest_piece, whole_blocks
 from ckptd_schemas.geometry import Box, is_row_major_contiguous, row_major_strides
 
-__all__ = ["SLICE", "SourcePieces", "piece_part", "stream_start", "target_place", "write_hashed"]
+__all__ = ["SLICE", "SourcePieces", "stream_start", "target_place", "write_hashed"]
 
 _B = DIGEST_BLOCK
 SLICE = 16 * DIGEST_BLOCK  # write_hashed's unit of work: 1 MiB, small enough to stay in cache while hashed
@@ -101,8 +102,8 @@ class SourcePieces:
             s = spans[i]
             a, b = max(start, s.file_offset), min(end, s.file_offset + s.length)
             if b > a:
-                out.append(piece_part("src", s.tensor, s.nbytes, s.stream_offset + a - s.file_offset,
-                                      data[a - start:b - start], file=file, file_offset=a))
+                out.append(digest_piece("src", s.tensor, s.nbytes, s.stream_offset + a - s.file_offset,
+                                        data[a - start:b - start], file=file, file_offset=a))
             i += 1
         return out
 
@@ -118,57 +119,22 @@ def target_place(shape: list[int], dtype: str, geometry: tuple[list[int] | None,
     return start * isz, prod(shape) * isz
 
 
-def _whole_blocks(offset: int, end: int, nbytes: int) -> tuple[int, int]:
-    """[lo, hi): the whole digest blocks inside bytes [offset, end) of an ``nbytes`` stream (empty: lo == hi).
-    The stream's last block may be short; it is whole when the piece reaches the stream's end."""
-    lo = -(-offset // _B) * _B
-    hi = end if end == nbytes else end // _B * _B
-    return lo, max(lo, hi)
-
-
-def _block_values(data: memoryview, base: int, a: int, b: int) -> list[int]:
-    """XXH3-64 of the blocks starting at stream positions a, a + 64 KiB, ... below b (``data`` starts at
-    ``base``; b is a block end)."""
-    h = xxhash.xxh3_64_intdigest
-    return [h(data[x - base:min(x + _B, b) - base]) for x in range(a, b, _B)]
-
-
-def piece_part(side: str, tensor: str, nbytes: int, offset: int, data: memoryview | bytes, *, file: str,
-               file_offset: int, values: list[int] | None = None) -> DigestPart:
-    """``digest_piece``'s part for ``data`` (bytes [offset, offset+len) of an ``nbytes`` stream, stored at
-    ``file_offset`` of ``file``), its whole blocks hashed in one comprehension, or given as ``values`` when the
-    caller already hashed them (``write_hashed``); the ragged ends go through ``digest_piece`` as edges."""
-    mv = memoryview(data).cast("B")
-    end = offset + len(mv)
-    lo, hi = _whole_blocks(offset, end, nbytes)
-    if not 0 <= offset <= end <= nbytes or lo == hi:  # digest_piece refuses the first, and is cheap for the second
-        return digest_piece(side, tensor, nbytes, offset, mv, file=file, file_offset=file_offset)
-    edges = [e for a, b in ((offset, lo), (hi, end)) if b > a
-             for e in digest_piece(side, tensor, nbytes, a, mv[a - offset:b - offset], file=file,
-                                   file_offset=file_offset + a - offset).edges]
-    blocks = values if values is not None else _block_values(mv, offset, lo, hi)
-    if len(blocks) != -(-(hi - lo) // _B):
-        raise ValueError(f"piece [{offset}, {end}) of tensor {tensor!r} holds {-(-(hi - lo) // _B)} whole blocks, "
-                         f"{len(blocks)} values given")
-    return DigestPart(side=side, tensor=tensor, first=lo // _B, blocks=blocks, edges=edges)
-
-
 def write_hashed(write: Callable[[memoryview], None], raw: memoryview, place: tuple[int, int] | None
                  ) -> tuple[str, list[int]]:
     """Pass ``raw`` (a target chunk at ``place``, see ``target_place``) to ``write`` in slices of about
     ``SLICE`` bytes cut at digest-block boundaries, hashing each slice just before it is written: returns the
-    chunk's XXH3-64 (hex) and the values of the whole digest blocks it holds (``piece_part``'s ``values``).
+    chunk's XXH3-64 (hex) and the values of the whole digest blocks it holds (``digest_piece``'s ``values``).
     ``write`` (a file sink, which hashes the file as well) then reads the slice from cache."""
     chunk = xxhash.xxh3_64()
     values: list[int] = []
     base = place[0] if place is not None else 0
     end = base + len(raw)
-    lo, hi = _whole_blocks(base, end, place[1]) if place is not None else (end, end)
+    lo, hi = whole_blocks(base, end, place[1]) if place is not None else (end, end)
     cuts = sorted({base, *range(lo, hi, SLICE), hi, end} if lo < hi else {*range(base, end, SLICE), end})
     for a, b in zip(cuts, cuts[1:]):
         piece = raw[a - base:b - base]
         chunk.update(piece)
         if lo <= a < hi:
-            values += _block_values(raw, base, a, b)
+            values += block_values(raw, base, a, b)
         write(piece)
     return chunk.hexdigest(), values

@@ -35,8 +35,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
-    CheckpointSummary, InvalidIndex, InvalidRequest, Manifest, NotFound, OpenSession, PayloadTooLarge, RankIndex,
-    ReadPlan, ReadRequest, RunSummary, SessionInfo, SessionStatus, UploadResult, check_file, plan_reads,
+    AdoptFile, CheckpointSummary, InvalidIndex, InvalidRequest, Manifest, NotFound, OpenSession, PayloadTooLarge,
+    RankIndex, ReadPlan, ReadRequest, RunSummary, SessionInfo, SessionStatus, UploadResult, check_file, plan_reads,
 )
 
 from .. import __version__
@@ -163,9 +163,13 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
         return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     # -- uploads ---------------------------------------------------------------
-    @app.post("/v1/checkpoints/{run}/{name}/sessions", response_model=SessionInfo, tags=["upload"])
+    @app.post("/v1/checkpoints/{run}/{name}/sessions", response_model=SessionInfo, tags=["upload"],
+              response_model_exclude_none=True)  # no `direct` key unless offered
     async def open_session(run: str, name: str, body: OpenSession) -> SessionInfo:
-        return await run_in_threadpool(sessions.open, run, name, body)
+        info = await run_in_threadpool(sessions.open, run, name, body)
+        if body.direct_writes and settings.direct_writes:
+            info.direct = await run_in_threadpool(sessions.direct_writes, run, name, info.session)
+        return info
 
     @app.put("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}", response_model=UploadResult,
              tags=["upload"])
@@ -200,6 +204,16 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
                     await pending
             await run_in_threadpool(sink.abort)
             raise
+
+    @app.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/adopt", response_model=UploadResult,
+              tags=["upload"])
+    async def adopt_file(run: str, name: str, sid: str, file: str, body: AdoptFile) -> UploadResult:
+        """Direct writes: take the file the rank wrote into the session's directory (``SessionInfo.direct``)
+        as the upload of ``file``, after hashing every byte of it as an upload is hashed."""
+        if not settings.direct_writes:
+            raise InvalidRequest(f"file {file!r}: direct writes are off on this service (CKPTD_DIRECT_WRITES); "
+                                 f"upload the file", file=file)
+        return await run_in_threadpool(sessions.adopt_file, run, name, sid, file, body)
 
     waiters: dict[str, asyncio.Event] = {}  # session id -> event set when one of its indexes arrives here
 

@@ -270,6 +270,7 @@ ROUTE_RULES: dict[str, Rule] = {
     # uploads: write:RUN
     "open_session": Rule("write"),
     "upload_file": Rule("write", body="stream"),
+    "adopt_file": Rule("write"),
     "put_index": Rule("write", body="index"),
     "session_status": Rule("write"),
     "abort_session": Rule("write"),

@@ -57,6 +57,10 @@ class Settings(BaseSettings):
         True, description="when the root is a local directory, give loading clients each data file's path so that "
         "ranks on this host (or on a shared filesystem mounted at the same path) read the bytes themselves, with "
         "the same block checks, instead of through HTTP")
+    direct_writes: bool = Field(
+        True, description="when the root is a local directory, let saving ranks that share this filesystem write "
+        "their data files into the session's directory themselves; the service hashes every byte of each file "
+        "before it accepts it (`POST .../files/{file}/adopt`), as it hashes an upload")
     max_header_bytes: int = Field(64 << 10, description="largest accepted request line plus headers (431 beyond)")
 
 

@@ -14,7 +14,9 @@ Keys are ``/``-separated paths relative to the storage root. Primitives:
 * :meth:`Storage.delete` and :meth:`Storage.delete_tree`.
 
 Optional: :meth:`Storage.local_path` (None unless the key is a file on this host) lets the
-service offer direct reads to clients that share its filesystem.
+service offer direct reads to clients that share its filesystem, and :meth:`Storage.adopt`
+(None where unsupported) takes a file such a client wrote beside a key as the key's content
+(direct writes), after the caller has hashed it through :meth:`Adopted.windows`.
 
 Errors from the backend surface as :class:`ckptd_schemas.StorageError`
 naming the key.
@@ -24,11 +26,11 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from ckptd_schemas import InvalidName, StorageError
 
-__all__ = ["Storage", "Writer", "check_key"]
+__all__ = ["Adopted", "Storage", "Writer", "check_key"]
 
 
 def check_key(key: str) -> str:
@@ -66,6 +68,21 @@ class Writer(ABC):
             self.commit()
         else:
             self.abort()
+
+
+class Adopted(Writer):
+    """A file a client wrote beside its key (direct writes): read once through :meth:`windows`
+    (the caller hashes each window), then :meth:`commit` makes it durable and visible at the key,
+    or :meth:`abort` deletes it. Nothing is written through it."""
+
+    size: int
+
+    @abstractmethod
+    def windows(self) -> Iterator[memoryview]:
+        """The file's bytes in order, in windows of a reused buffer (valid until the next one)."""
+
+    def write(self, data: bytes | memoryview) -> None:
+        raise TypeError("an adopted file is read and committed, not written")
 
 
 class Storage(ABC):
@@ -137,6 +154,11 @@ class Storage(ABC):
     def local_path(self, key: str) -> str | None:
         """An absolute path that opens ``key`` on this host, or None (an object store): offered to
         loading clients for direct reads (``ReadPlan.local_paths``)."""
+        return None
+
+    def adopt(self, key: str, staged: str) -> Adopted | None:
+        """The file named ``staged`` in ``key``'s directory, to become ``key`` on commit; None where the
+        backend has no such files (object stores). ``staged`` must already be a checked name."""
         return None
 
     def read_json(self, key: str) -> Any:

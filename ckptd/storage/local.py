@@ -6,12 +6,14 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 import uuid
 from pathlib import Path
+from typing import Iterator
 
-from ckptd_schemas import StorageError, StorageFull
+from ckptd_schemas import CkptdError, InvalidRequest, StorageError, StorageFull
 
-from .base import Storage, Writer, check_key
+from .base import Adopted, Storage, Writer, check_key
 
 __all__ = ["LocalStorage"]
 
@@ -115,6 +117,87 @@ class _LocalWriter(Writer):
             pass
 
 
+class _LocalAdopted(Adopted):
+    """A client's staged file, opened without following links; it must be a regular file with one
+    link (not a link to another file), and it is renamed into place only while the path still names
+    the inode that was hashed."""
+
+    WINDOW = 8 << 20
+
+    def __init__(self, staged: Path, final: Path, key: str, durable: bool) -> None:
+        self._staged, self._final, self._key, self._durable = staged, final, key, durable
+        try:
+            self._fd = os.open(staged, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ELOOP):
+                raise _storage_error("open", key, e) from e
+            what = "does not exist" if e.errno == errno.ENOENT else "is a symbolic link"
+            raise InvalidRequest(f"staged file {staged.name!r} for {key!r} {what}", key=key, staged=staged.name) from e
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(self._fd)
+            raise InvalidRequest(f"staged file {staged.name!r} for {key!r} is not a regular file with one link",
+                                 key=key, staged=staged.name)
+        self.size, self._inode = st.st_size, (st.st_dev, st.st_ino)
+        self._closed = False
+
+    def windows(self) -> Iterator[memoryview]:
+        buf = memoryview(bytearray(min(self.WINDOW, max(self.size, 1))))
+        offset = flushed = 0
+        try:
+            while offset < self.size:
+                n = os.preadv(self._fd, [buf[:min(len(buf), self.size - offset)]], offset)
+                if not n:
+                    raise InvalidRequest(f"staged file {self._staged.name!r} for {self._key!r} shrank to "
+                                         f"{offset} of {self.size} bytes while it was read", key=self._key)
+                yield buf[:n]
+                offset += n
+                if self._durable and _FADVISE and offset - flushed >= WRITEBACK_BYTES:  # as _LocalWriter
+                    with contextlib.suppress(OSError):
+                        os.posix_fadvise(self._fd, flushed, offset - flushed, os.POSIX_FADV_DONTNEED)
+                    flushed = offset
+        except OSError as e:
+            raise _storage_error("read", self._key, e) from e
+
+    def commit(self) -> None:
+        try:
+            if self._durable:
+                os.fsync(self._fd)
+            if os.fstat(self._fd).st_size != self.size:
+                raise InvalidRequest(f"staged file {self._staged.name!r} for {self._key!r} changed size while "
+                                     f"it was adopted", key=self._key)
+            os.replace(self._staged, self._final)
+            st = os.lstat(self._final)
+            if (st.st_dev, st.st_ino) != self._inode:  # the path was swapped under us: take nothing
+                self._final.unlink(missing_ok=True)
+                raise InvalidRequest(f"staged file {self._staged.name!r} for {self._key!r} was replaced while "
+                                     f"it was adopted", key=self._key)
+            if self._durable:
+                _fsync_dir(self._final.parent)
+        except OSError as e:
+            self.abort()
+            raise _storage_error("commit", self._key, e) from e
+        except CkptdError:
+            self.abort()
+            raise
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            os.close(self._fd)
+
+    def abort(self) -> None:
+        if self._closed:
+            return
+        with contextlib.suppress(OSError):
+            st = os.lstat(self._staged)
+            if (st.st_dev, st.st_ino) == self._inode:
+                self._staged.unlink()
+        self._close()
+
+
 class LocalStorage(Storage):
     """A directory on a local (POSIX) filesystem.
 
@@ -174,6 +257,10 @@ class LocalStorage(Storage):
 
     def local_path(self, key: str) -> str | None:
         return str(self._path(key))
+
+    def adopt(self, key: str, staged: str) -> Adopted:
+        final = self._path(key)
+        return _LocalAdopted(final.with_name(check_key(staged)), final, key, self.durable)
 
     def size(self, key: str) -> int | None:
         try:

@@ -5,7 +5,9 @@ Call order for one save attempt (each step idempotent, any replica may serve it)
 1. :meth:`SessionStore.open` - every rank, same session id: open-or-join.
 2. :meth:`SessionStore.begin_file` -> :class:`FileSink` - per data file: bytes are
    hashed while they stream; ``finish(declared)`` refuses a digest mismatch
-   and drops the partial file.
+   and drops the partial file. Or, for a rank on the service's filesystem
+   (:meth:`SessionStore.direct_writes` says where), :meth:`SessionStore.adopt_file`: the
+   rank wrote the file itself; every byte is hashed the same way before it is accepted.
 3. :meth:`SessionStore.put_index` - per rank, after its files: stores the
    rank's chunk index; the call that completes the set commits.
 4. :meth:`SessionStore.commit` - merge + validate -> manifest (durable) ->
@@ -18,15 +20,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
+import uuid
 from datetime import datetime, timezone
 
 from pydantic import ValidationError
 
 from ckptd_schemas import (
-    AlreadyCommitted, ChecksumMismatch, CkptdError, CommitFailed, Conflict, FileEntry, InvalidIndex,
-    OpenSession, RankIndex, SessionConflict, SessionInfo, SessionNotFound, SessionStatus, StorageError, UploadResult,
-    check_file, check_name, check_run, check_session, parse_ref,
+    AdoptFile, AlreadyCommitted, ChecksumMismatch, CkptdError, CommitFailed, Conflict, DirectWrites, FileEntry,
+    InvalidIndex, InvalidRequest, OpenSession, RankIndex, SessionConflict, SessionInfo, SessionNotFound,
+    SessionStatus, StorageError, UploadResult, check_file, check_name, check_run, check_session, check_staged,
+    parse_ref,
 )
 
 from ..storage import Storage, Writer
@@ -49,12 +54,13 @@ def _now() -> datetime:
 class FileSink:
     """One data file being received: hash while writing, commit only if the digest matches."""
 
-    def __init__(self, storage: Storage, key: str, digest_key: str, file: str, block_size: int) -> None:
+    def __init__(self, storage: Storage, key: str, digest_key: str, file: str, block_size: int,
+                 writer: Writer | None = None) -> None:
         self._storage = storage
         self._digest_key = digest_key
         self.file = file
         self._digest = StreamDigest(block_size)
-        self._writer: Writer = storage.open_write(key)
+        self._writer: Writer = writer if writer is not None else storage.open_write(key)
         self._done = False
 
     @property
@@ -64,6 +70,10 @@ class FileSink:
     def write(self, data: bytes | memoryview) -> None:
         self._digest.update(data)
         self._writer.write(data)
+
+    def hash(self, data: bytes | memoryview) -> None:
+        """Count bytes that are already in the writer (an adopted file)."""
+        self._digest.update(data)
 
     def write_parts(self, parts: list[bytes]) -> None:
         """Several pieces in one call (one ``writev`` on local disks): no copy into a batch buffer."""
@@ -156,6 +166,58 @@ class SessionStore:
         self._check_writable(run, name, sid)
         return FileSink(self.storage, Paths.file(run, name, sid, file), Paths.digest(run, name, sid, file),
                         file, self.block_size)
+
+    def direct_writes(self, run: str, name: str, sid: str) -> DirectWrites | None:
+        """Where a rank on this filesystem writes the session's data files itself; None on an object store.
+
+        The probe is a dot file in the session's directory holding a random token, created by the
+        first caller; a rank that reads the token back shares this filesystem, not just the path.
+        """
+        check_run(run), check_name(name), check_session(sid)
+        self._check_writable(run, name, sid)
+        key = f"{Paths.session(run, name, sid)}/.direct"
+        probe, files = self.storage.local_path(key), self.storage.local_path(Paths.file(run, name, sid, "x"))
+        if probe is None or files is None:
+            return None
+        token = uuid.uuid4().hex
+        if not self.storage.create_if_absent(key, token.encode()):
+            token = self.storage.read(key).decode()
+        os.makedirs(os.path.dirname(files), exist_ok=True)  # a local path: where uploads would create it
+        return DirectWrites(dir=os.path.dirname(files), probe=probe, token=token)
+
+    def adopt_file(self, run: str, name: str, sid: str, file: str, body: AdoptFile) -> UploadResult:
+        """Take the file a rank wrote as ``body.staged`` as the upload of ``file``: hash every byte, refuse
+        (and delete it) on a size or digest mismatch, else make it durable and rename it into place.
+
+        A repeat after success (the answer was lost) finds no staged file but the same digest
+        recorded, and answers as before.
+        """
+        check_run(run), check_name(name), check_session(sid), check_file(file), check_staged(file, body.staged)
+        self._check_writable(run, name, sid)
+        key = Paths.file(run, name, sid, file)
+        try:
+            staged = self.storage.adopt(key, body.staged)
+        except InvalidRequest:
+            entry = self._file_entry(run, name, sid, file)
+            if entry is not None and entry.size == body.size and entry.xxh3 == body.xxh3.lower():
+                return UploadResult(file=file, size=entry.size, xxh3=entry.xxh3)
+            raise
+        if staged is None:
+            raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) takes no direct writes; "
+                                 f"upload the file", file=file)
+        if staged.size != body.size:
+            staged.abort()
+            raise InvalidRequest(f"file {file!r}: the staged file has {staged.size} bytes, the client declared "
+                                 f"{body.size}; it was dropped", file=file)
+        sink = FileSink(self.storage, key, Paths.digest(run, name, sid, file), file, self.block_size, writer=staged)
+        try:
+            for window in staged.windows():
+                sink.hash(window)
+                crash_point("upload-mid-stream")  # hashed in part, not accepted: as a cut upload
+        except BaseException:
+            sink.abort()
+            raise
+        return sink.finish(body.xxh3)
 
     def _file_entry(self, run: str, name: str, sid: str, file: str) -> FileEntry | None:
         data = self.storage.read_json_or_none(Paths.digest(run, name, sid, file))
