@@ -77,7 +77,7 @@ def _get(d: dict, path: str) -> Any:
 # (suite, label, path into the suite's JSON, goal, direction): the table and the plot
 RATIOS: list[tuple[str, str, str, float | None, str]] = [
     ("save_load", "committed save vs dcp.save", "summary.save_throughput_ratio", 1.5, ">="),
-    ("save_load", "same, ranks write the files (direct_writes=True)", "summary.save_direct_throughput_ratio",
+    ("save_load", "same, every byte through HTTP (direct_writes=False)", "summary.save_http_throughput_ratio",
      None, ">="),
     ("save_load", "committed save vs the same bytes written + fsynced", "summary.ckptd_save_vs_raw", None, ">="),
     ("save_load", "stall / dcp.save time", "summary.stall_ratio", 0.1, "<="),

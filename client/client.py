@@ -67,14 +67,13 @@ class CheckpointClient:
             itself instead of through HTTP, verifying the same block digests; a file it cannot open,
             or bytes that fail their digests there but pass over HTTP, fall back to HTTP
             (``ckptd_client._files``). ``False``: always HTTP.
-        direct_writes: ``True``: when the service's root is a local directory that this host sees
-            (same host, or a shared filesystem mounted at the same path), ``save`` writes each data
-            file into the session's staging directory itself and the service adopts it after hashing
-            every byte, instead of receiving it over HTTP; a staging directory this host cannot
+        direct_writes: when the service's root is a local directory that this host sees (same host,
+            or a shared filesystem mounted at the same path), ``save`` writes each data file into the
+            session's staging directory itself and the service adopts it after hashing every byte,
+            instead of receiving it over HTTP: the service's CPU per byte falls about fivefold, so
+            one service keeps up with many ranks per host. A staging directory this host cannot
             write, or a file the service refuses there, falls back to HTTP
-            (``ckptd_client._staging``). It takes the service's receive work (about 5x less service
-            CPU per byte) onto the ranks; off by default because on the measured machine the
-            upload was the faster of the two (BENCHMARKS.md, Save and load).
+            (``ckptd_client._staging``). ``False``: always HTTP.
         share_replicas: in a distributed load, a region that several ranks of one host need (plain
             replicated tensors, ``Replicate`` DTensor copies) is read by one of them and sent to the
             others over torch.distributed, unless all of that host's ranks read the service's files
@@ -85,7 +84,7 @@ class CheckpointClient:
                  compression: str | CompressionPolicy | None = None, streams: int = 4,
                  file_bytes: int = 256 << 20, retry_seconds: float = 120.0, timeout: float = 300.0,
                  snapshot_bytes: int | None = None, direct_reads: bool = True,
-                 direct_writes: bool = False, share_replicas: bool = True) -> None:
+                 direct_writes: bool = True, share_replicas: bool = True) -> None:
         self.url = url or os.environ.get("CKPTD_URL", DEFAULT_URL)
         self.compression = compression
         self._codec = compression_of(compression)  # one policy per client: it learns across saves

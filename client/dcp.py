@@ -120,7 +120,7 @@ class CkptdStorageWriter(_Endpoint, StorageWriter):
 
     def __init__(self, url: str, ref: str, *, token: str | None = None,
                  compression: str | CompressionPolicy | None = None, file_bytes: int = 256 << 20,
-                 streams: int = 4, direct_writes: bool = False) -> None:
+                 streams: int = 4, direct_writes: bool = True) -> None:
         _Endpoint.__init__(self, url, ref, token, streams)
         self.compression, self.file_bytes = compression_of(compression), file_bytes
         self.direct_writes = direct_writes

@@ -49,7 +49,7 @@ def _verify(root: Path, ref: str) -> None:
 
 def test_save_writes_its_files_and_the_service_adopts_them(server):
     sd = make_state(3, mib=3.0)
-    with CheckpointClient(server.url, file_bytes=1 << 20, direct_writes=True) as c:
+    with CheckpointClient(server.url, file_bytes=1 << 20) as c:  # direct writes are the default
         c.save(sd, "w/1").wait()
         got = blank_like(sd)
         c.load(got, "w/1")
@@ -61,9 +61,9 @@ def test_save_writes_its_files_and_the_service_adopts_them(server):
     _verify(Path(server.root), "w/1")
 
 
-def test_direct_writes_are_off_unless_both_sides_want_them(server, tmp_path):
+def test_the_client_or_the_service_can_turn_direct_writes_off(server, tmp_path):
     sd = make_state(4)
-    with CheckpointClient(server.url) as c:  # the client's default: upload
+    with CheckpointClient(server.url, direct_writes=False) as c:
         c.save(sd, "w/2").wait()
     seen = _requests(server.url)
     assert seen.get("upload_file 200", 0) >= 1 and "adopt_file 200" not in seen, seen
@@ -142,7 +142,7 @@ def test_staging_dir_that_cannot_be_written_turns_itself_off(tmp_path):
 
 def test_dcp_writer_writes_directly_too(server):
     sd = {"w": torch.randn(257, 33), "b": torch.arange(40, dtype=torch.int64)}
-    with CheckpointClient(server.url, direct_writes=True) as c:
+    with CheckpointClient(server.url) as c:
         dcp.save(sd, storage_writer=c.dcp_writer("w/6"))
         got = {k: torch.zeros_like(v) for k, v in sd.items()}
         dcp.load(got, storage_reader=c.dcp_reader("w/6"))
