@@ -70,10 +70,11 @@ class CheckpointClient:
         direct_writes: when the service's root is a local directory that this host sees (same host,
             or a shared filesystem mounted at the same path), ``save`` writes each data file into the
             session's staging directory itself and the service adopts it after hashing every byte,
-            instead of receiving it over HTTP: the service's CPU per byte falls about fivefold, so
-            one service keeps up with many ranks per host. A staging directory this host cannot
-            write, or a file the service refuses there, falls back to HTTP
-            (``ckptd_client._staging``). ``False``: always HTTP.
+            instead of receiving it over HTTP: the service's CPU per saved byte falls about
+            fourfold, and on the measured machine this was the steadier of the two ways
+            (BENCHMARKS.md, Save and load). A staging directory this host cannot write, or a file
+            the service refuses there, falls back to HTTP (``ckptd_client._staging``). ``False``:
+            always HTTP.
         share_replicas: in a distributed load, a region that several ranks of one host need (plain
             replicated tensors, ``Replicate`` DTensor copies) is read by one of them and sent to the
             others over torch.distributed, unless all of that host's ranks read the service's files
