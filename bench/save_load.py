@@ -25,7 +25,9 @@ What one run does (see BENCHMARKS.md for the results and how to read them):
    A fourth entry writes the same shard bytes with ``write`` + ``fsync`` and
    nothing else: the floor under any durable save at that moment (this VM's
    disk swings between about 0.6 and 2 GB/s). The order of the four rotates
-   between repeats. Internal client steps are timed from the
+   between repeats, and each starts after an ``os.sync()`` and ``--settle``
+   seconds of quiet: on this VM a save that follows DCP's at once runs up to
+   2x slower, and the rotation keeps the same one after DCP. Internal client steps are timed from the
    outside by wrapping functions (no code in the client knows about this).
 4. Three gloo ranks (another world size) load every repeat's checkpoint into
    DTensors on a 3-mesh with ``dcp.load`` and ``CheckpointClient.load``, the
@@ -273,6 +275,12 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
         order = variants[r % 4:] + variants[:r % 4]
         rec: dict[str, Any] = {"order": list(order)}
         for which in order:
+            # Let the previous save's after-effects settle first (write-back at the host, memory it
+            # freed): on this VM a save that starts right after another is up to 2x slower, and in a
+            # fixed rotation the same variant would always be the one that follows DCP.
+            if rank == 0:
+                os.sync()
+            time.sleep(cfg.get("settle_s", 0.0))
             dist.barrier()
             cpu0 = _own_cpu()
             srv0 = _proc_cpu(cfg["server_pid"]) if rank == 0 else (0.0, 0.0)
@@ -729,6 +737,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "save_load.json")
     add_workdir_args(ap, "parent of the temporary work dir (server roots and DCP dir: one disk); default $TMPDIR")
+    ap.add_argument("--settle", type=float, default=2.0,
+                    help="seconds of quiet (after an os.sync) before each timed save, so that none of the four "
+                         "pays for the previous one's write-back")
     ap.add_argument("--snapshot-bytes", type=int, default=None,
                     help="CheckpointClient(snapshot_bytes=...) per saving rank: the reusable snapshot buffer")
     args = ap.parse_args(argv)
@@ -762,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = {"specs": specs, "extra": extra, "repeat": args.repeat, "url": main_srv.url,
                    "repl_specs": tensor_specs(args.mib / 4),
                    "server_pid": pids["main"], "dcp_dir": str(dcp_dir), "root": str(root),
-                   "snapshot_bytes": args.snapshot_bytes}
+                   "snapshot_bytes": args.snapshot_bytes, "settle_s": args.settle}
             budget = 180 + (args.repeat * nbytes + sum(map(state_bytes, other_specs.values()))) / MiB * 0.2
 
             save_records = run_ranks(save_job, 2, cfg, tmp=work, timeout=budget)
@@ -800,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
                 "config": {"mib": args.mib, "state_bytes": nbytes, "rss_state_mib": other_mibs,
                            "repeat": args.repeat, "save_world": 2, "load_world": 3, "tensors": specs,
                            "same_filesystem": same_disk, "workdir": str(work),
-                           "snapshot_bytes": args.snapshot_bytes,
+                           "snapshot_bytes": args.snapshot_bytes, "settle_s": args.settle,
                            "dcp": "dcp.save/dcp.load, FileSystemWriter defaults (sync_files=True, thread_count=1)",
                            "ckptd": "CheckpointClient defaults (streams=4, file_bytes=256 MiB, no compression); "
                                     "server LocalStorage durable (fsync)"},
