@@ -312,20 +312,20 @@ def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str
     return files, index
 
 
-def _stream(f: _File) -> Iterator[bytes | memoryview]:
-    for data, pad in f.parts:
-        view = memoryview(data)
-        for i in range(0, len(view), PIECE):
-            yield view[i:i + PIECE]
-        if pad:
-            yield _PAD[:pad]
-
-
 def _pieces(f: _File) -> Iterator[bytes | memoryview]:
+    """The file's bytes in order: each chunk's data, then its alignment padding."""
     for data, pad in f.parts:
         yield data
         if pad:
             yield _PAD[:pad]
+
+
+def _stream(f: _File) -> Iterator[bytes | memoryview]:
+    """The same bytes cut into HTTP body pieces of at most PIECE."""
+    for p in _pieces(f):
+        view = memoryview(p)
+        for i in range(0, len(view), PIECE):
+            yield view[i:i + PIECE]
 
 
 def open_session(transport: Transport, base: str, session: str, world: int, step: int | None, *,
