@@ -522,6 +522,7 @@ def profile_main(argv: list[str]) -> int:
     root, src, spec, out, jobs = argv
     import ckptd.reshard.executor as ex
     import ckptd.reshard.planner as planner
+    import ckptd.store.assemble as assemble
     import ckptd.store.hashing as hashing
     import ckptd.store.sessions as sessions
     from ckptd.cli.main import main as ckptd_main
@@ -550,7 +551,8 @@ def profile_main(argv: list[str]) -> int:
         if hasattr(ex, fn):
             setattr(ex, fn, timed(getattr(ex, fn), "digests"))
     ex.verify_fetch = timed(ex.verify_fetch, "verify_blocks")
-    ex.copy_into = timed(ex.copy_into, "assemble_copy")
+    for buf in (assemble._HostBuffer, assemble._TorchBuffer):  # the engine's copies (host on the CPU)
+        buf.copy = timed(buf.copy, "assemble_copy")
     ex.write_hashed = timed(ex.write_hashed, "write_hashed")  # chunk, tensor and file digests + writes (nested)
     CheckpointReader.read_range = timed(CheckpointReader.read_range, "read")
     LocalStorage.read = timed(LocalStorage.read, "storage_read")  # nested in "read"; also the target re-read

@@ -28,8 +28,10 @@ from typing import Callable, Iterator
 
 import zstandard
 
+from ckptd_schemas import Copy
+
 __all__ = ["DEFAULT_STORE_BW", "FRAME_BYTES", "SAMPLE_BYTES", "CompressionPolicy", "Measurement",
-           "compression_of", "measure_zstd", "split_frames"]
+           "compression_of", "measure_zstd", "source_bytes", "split_frames"]
 
 FRAME_BYTES = 4 << 20
 """Largest raw size of one compressed chunk: the most a ranged read decodes beyond what it needs."""
@@ -184,3 +186,24 @@ def split_frames(itemsize: int, box: Box | None, flat: tuple[int, int] | None,
     for r0 in range(0, sizes[0], rows):
         n = min(rows, sizes[0] - r0)
         yield r0 * row, n * row, ([offsets[0] + r0, *offsets[1:]], [n, *sizes[1:]]), None
+
+
+_LOCAL = threading.local()
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    """One decompressor per thread: a ZstdDecompressor must not be used by two threads at once
+    (loads decode frames on several fetch threads; a shared one corrupts its output)."""
+    d = getattr(_LOCAL, "dctx", None)
+    if d is None:
+        d = _LOCAL.dctx = zstandard.ZstdDecompressor()
+    return d
+
+
+def source_bytes(buf: bytes | bytearray | memoryview, c: Copy) -> memoryview:
+    """The raw bytes of ``c``'s source positions ``[pos0, pos0 + npos)``: a view into the verified fetch
+    ``buf`` when stored raw, the decoded frame (writable, its own memory) when stored as zstd."""
+    mv = memoryview(buf)[c.byte_start:c.byte_start + c.byte_length]
+    if c.codec == "zstd":
+        return memoryview(bytearray(_dctx().decompress(mv)))
+    return mv

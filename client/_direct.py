@@ -61,8 +61,7 @@ def direct_targets(copies: Iterable[Copy], dests: Sequence[Destination]) -> list
             view = dest.view(offsets, sizes)
             if not view.is_contiguous():
                 return None
-            rel = sum(o * s for o, s in zip(offsets, c.strides)) - c.base - c.pos0
-            lo = c.byte_start + rel * isz
+            lo = c.byte_start + c.source_offset(offsets) * isz
             out.append((lo, lo + n * isz, memoryview(view.detach().reshape(-1).view(torch.uint8).numpy())))
     out.sort(key=lambda t: t[0])
     if any(a[1] > b[0] for a, b in zip(out, out[1:])):

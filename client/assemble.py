@@ -11,52 +11,22 @@ from __future__ import annotations
 
 import io
 import pickle
-import threading
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import xxhash
-import zstandard
 
-from ckptd_schemas import ChecksumMismatch, Copy, Fetch, row_major_strides
+from ckptd_schemas import Copy, dest_region, verify_fetch
+
+from ._codec import source_bytes
 
 __all__ = ["Destination", "copy_into", "decode_object", "torch_dtype", "verify_fetch"]
-
-_LOCAL = threading.local()
-
-
-def _dctx() -> zstandard.ZstdDecompressor:
-    """One decompressor per thread: a ZstdDecompressor must not be used by two threads at once
-    (loads decode frames on several fetch threads; a shared one corrupts its output)."""
-    d = getattr(_LOCAL, "dctx", None)
-    if d is None:
-        d = _LOCAL.dctx = zstandard.ZstdDecompressor()
-    return d
-
 
 def torch_dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
     return dt
-
-
-def verify_fetch(buf: bytes | bytearray | memoryview, fetch: Fetch) -> None:
-    """Raise ChecksumMismatch unless every block of the fetched range matches its digest."""
-    mv = memoryview(buf)
-    size = fetch.end - fetch.start
-    if len(mv) != size:
-        raise ChecksumMismatch(f"file {fetch.file!r}: got {len(mv)} of {size} bytes at offset {fetch.start}",
-                               file=fetch.file)
-    for i, want in enumerate(fetch.blocks):
-        lo = i * fetch.block_size
-        got = xxhash.xxh3_64_hexdigest(mv[lo:lo + fetch.block_size])
-        if got != want:
-            start = fetch.start + lo
-            raise ChecksumMismatch(
-                f"file {fetch.file!r}: bytes [{start}, {start + min(fetch.block_size, size - lo)}) hash to {got}, "
-                f"manifest says {want}: the checkpoint is corrupt", file=fetch.file, offset=start)
 
 
 @dataclass
@@ -71,23 +41,15 @@ class Destination:
 
     def view(self, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
         dst = self.tensor
-        if self.flat_start is not None:
-            g = row_major_strides(self.global_shape)
-            s = dst.stride(0)
-            pos = sum(o * x for o, x in zip(offsets, g)) - self.flat_start
-            return dst.as_strided(list(sizes), [x * s for x in g], dst.storage_offset() + pos * s)
-        base = self.box_offsets or [0] * len(offsets)
-        rel = sum((o - b) * s for o, b, s in zip(offsets, base, dst.stride()))
-        return dst.as_strided(list(sizes), dst.stride(), dst.storage_offset() + rel)
+        strides, rel = dest_region(offsets, dst.stride(), global_shape=self.global_shape,
+                                   box_offsets=self.box_offsets, flat_start=self.flat_start)
+        return dst.as_strided(list(sizes), strides, dst.storage_offset() + rel)
 
 
 def _source(buf: bytearray | memoryview, c: Copy, device: torch.device | None) -> torch.Tensor:
     dtype = torch_dtype(c.dtype)
-    if c.codec == "zstd":
-        raw = bytearray(_dctx().decompress(bytes(memoryview(buf)[c.byte_start:c.byte_start + c.byte_length])))
-        src = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-    else:
-        src = torch.frombuffer(buf, dtype=dtype, offset=c.byte_start, count=c.npos)
+    raw = source_bytes(buf, c)
+    src = torch.frombuffer(raw, dtype=dtype) if len(raw) else torch.empty(0, dtype=dtype)
     if device is not None and src.device != device:
         src = src.to(device, non_blocking=False)
     return src
@@ -98,8 +60,7 @@ def copy_into(buf: bytearray | memoryview, c: Copy, dest: Destination) -> None:
     src = _source(buf, c, dest.tensor.device)
     with torch.no_grad():
         for offsets, sizes in c.regions:
-            rel = sum(o * s for o, s in zip(offsets, c.strides)) - c.base - c.pos0
-            view = src.as_strided(sizes, c.strides, src.storage_offset() + rel)
+            view = src.as_strided(sizes, c.strides, src.storage_offset() + c.source_offset(offsets))
             dest.view(offsets, sizes).copy_(view)
 
 

@@ -15,7 +15,7 @@ from .manifest import (
     RankInfo, TensorEntry, Topology,
 )
 from .names import LATEST, CheckpointRef, check_file, check_name, check_run, check_session, check_staged, parse_ref, staged_name
-from .readplan import Copy, Fetch, ReadPlan, ReadRequest, plan_reads
+from .readplan import Copy, Fetch, ReadPlan, ReadRequest, dest_region, plan_reads, verify_fetch
 
 __all__ = [
     *_errors_all,
@@ -24,6 +24,7 @@ __all__ = [
     "FlatChunk", "Location", "Manifest", "ObjectEntry", "OpenSession", "ParamGroup", "RankIndex", "RankInfo",
     "ReadPlan", "ReadRequest", "Region", "RunSummary", "SessionInfo", "SessionStatus", "TensorColumns", "TensorEntry",
     "Topology", "UploadResult",
-    "check_file", "check_name", "check_run", "check_session", "check_staged", "check_tiling", "flat_range_to_boxes",
-    "intersect_regions", "itemsize", "parse_ref", "plan_reads", "row_major_strides", "staged_name",
+    "check_file", "check_name", "check_run", "check_session", "check_staged", "check_tiling", "dest_region",
+    "flat_range_to_boxes", "intersect_regions", "itemsize", "parse_ref", "plan_reads", "row_major_strides",
+    "staged_name", "verify_fetch",
 ]

@@ -20,14 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import xxhash
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .dtypes import itemsize
-from .errors import StateDictMismatch
+from .errors import ChecksumMismatch, StateDictMismatch
 from .geometry import Box, Region, box_flat_span, intersect_regions, row_major_strides
 from .manifest import BoxChunk, FileEntry, Manifest, TensorEntry
 
-__all__ = ["Copy", "Fetch", "ReadPlan", "ReadRequest", "plan_reads"]
+__all__ = ["Copy", "Fetch", "ReadPlan", "ReadRequest", "dest_region", "plan_reads", "verify_fetch"]
 
 
 class _Body(BaseModel):
@@ -72,6 +73,25 @@ class Fetch(_Body):
     blocks: list[str] = Field(description="XXH3-64 of each block in [start, end)")
 
 
+def verify_fetch(buf: bytes | bytearray | memoryview, fetch: Fetch) -> None:
+    """Raise ChecksumMismatch unless every block of the fetched range matches its digest.
+
+    Call it on a fetch's bytes before any copy reads them: the copies trust what they are given."""
+    mv = memoryview(buf)
+    size = fetch.end - fetch.start
+    if len(mv) != size:
+        raise ChecksumMismatch(f"file {fetch.file!r}: got {len(mv)} of {size} bytes at offset {fetch.start}",
+                               file=fetch.file)
+    for i, want in enumerate(fetch.blocks):
+        lo = i * fetch.block_size
+        got = xxhash.xxh3_64_hexdigest(mv[lo:lo + fetch.block_size])
+        if got != want:
+            start = fetch.start + lo
+            raise ChecksumMismatch(
+                f"file {fetch.file!r}: bytes [{start}, {start + min(fetch.block_size, size - lo)}) hash to {got}, "
+                f"manifest says {want}: the checkpoint is corrupt", file=fetch.file, offset=start)
+
+
 class Copy(_Body):
     request: int
     tensor: str
@@ -86,6 +106,28 @@ class Copy(_Body):
     base: int
     chunk_xxh3: str
     regions: list[list[list[int]]] = Field(description="boxes as [offsets, sizes] in global coordinates")
+
+    def source_offset(self, offsets: Sequence[int]) -> int:
+        """Where the region starting at global ``offsets`` begins in the decoded source, in elements from
+        ``pos0`` (the source's element strides are ``strides``)."""
+        return sum(o * s for o, s in zip(offsets, self.strides)) - self.base - self.pos0
+
+
+def dest_region(offsets: Sequence[int], strides: Sequence[int], *, global_shape: Sequence[int],
+                box_offsets: Sequence[int] | None = None, flat_start: int | None = None) -> tuple[list[int], int]:
+    """(element strides, element offset) of the region at global ``offsets`` inside a destination buffer.
+
+    The destination holds either a box of the global tensor starting at ``box_offsets`` (its own
+    ``strides``, one per dimension) or, with ``flat_start``, the row-major flat range starting there
+    (``strides``: the buffer's one stride). Each backend (torch on any device, numpy on the host) makes its
+    view from these two numbers, so the arithmetic lives once.
+    """
+    if flat_start is not None:
+        g = row_major_strides(global_shape)
+        s = strides[0]
+        return [x * s for x in g], (sum(o * x for o, x in zip(offsets, g)) - flat_start) * s
+    base = box_offsets or [0] * len(offsets)
+    return list(strides), sum((o - b) * s for o, b, s in zip(offsets, base, strides))
 
 
 class ReadPlan(_Body):

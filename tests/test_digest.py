@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 import ckptd.reshard.executor as ex
 from ckptd.reshard.digest import tensor_digest
+from ckptd.store.assemble import HostEngine, TorchEngine
 from ckptd.reshard.pieces import SLICE, write_hashed
 from ckptd.reshard.planner import plan_reshard
 from ckptd.reshard.spec import parse_spec
@@ -219,20 +220,37 @@ def test_row_layouts_are_checked_from_the_units_bytes_without_a_second_pass(root
     assert tensor_digest(m, m.tensor("model.a"), read) == digests["model.a"]
 
 
-def test_a_wrong_byte_in_assembly_fails_the_job_and_commits_nothing(root, monkeypatch):
+class _Corrupting:
+    """An engine whose first target chunk comes out with one bit flipped, after the source was verified."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name, self.hit = inner, "corrupting", []
+
+    def running(self):
+        return self.inner.running()
+
+    def buffer(self, nbytes: int):
+        inner, hit = self.inner.buffer(nbytes), self.hit
+
+        class Buf:
+            begin, copy = inner.begin, inner.copy
+
+            def result(self, dtype: str):
+                raw = inner.result(dtype)
+                if not hit and len(raw):
+                    hit.append(1)
+                    raw[0] ^= 1
+                return raw
+        return Buf()
+
+
+@pytest.mark.parametrize("engine", [HostEngine, lambda: TorchEngine("cpu")], ids=["host", "torch-cpu"])
+def test_a_wrong_byte_in_assembly_fails_the_job_and_commits_nothing(root, engine):
     storage, reader, sessions = root
     write_tensors(sessions, "bad/src", _state(2), step=1)
-    real = ex.copy_into
-    hit = []
-
-    def corrupting(data, c, dest):
-        real(data, c, dest)
-        if not hit:  # one element of one target chunk goes wrong, after the source was verified
-            hit.append(1)
-            dest.tensor.view(-1)[:1].view(torch.uint8)[0] ^= 1
-
-    monkeypatch.setattr(ex, "copy_into", corrupting)
+    corrupting = _Corrupting(engine())
     plan = plan_reshard(reader.manifest("bad", "src"), parse_spec("fsdp2:dp=2"))
     with pytest.raises(IntegrityError, match="digests differ"):
-        ex.run_plan(reader, sessions, plan, "bad/out", uuid.uuid4().hex, device="cpu", jobs=2)
+        ex.run_plan(reader, sessions, plan, "bad/out", uuid.uuid4().hex, engine=corrupting, jobs=2)
+    hit = corrupting.hit
     assert hit and reader.marker("bad", "out") is None

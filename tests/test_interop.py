@@ -19,12 +19,13 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ckptd.interop.dcp_import import DcpImportError, RootTarget, import_dcp, inspect_dcp
-from ckptd.interop.export import INDEX_FILE, export_safetensors, export_torch, parse_size
+from ckptd.interop.export import INDEX_FILE, check_safetensors, export_safetensors, export_torch, parse_size
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
 from ckptd.store.offline import read_tensor, write_tensors
 from ckptd_client import CheckpointClient
 from ckptd_client.dcp import DCP_METADATA
+from ckptd_schemas import IntegrityError
 from support import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -284,6 +285,13 @@ def test_export_options_and_refusals(dirs, tmp_path):
     assert set(got) == set(want)
     for k, t in want.items():
         assert_same(got[k], t, k)
+    # The read-back check compares what is on disk with what was assembled: one flipped byte is named.
+    shard = tmp_path / "slabs" / res.files[0]
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match=rf"{res.files[0]}: tensor .* reads back with digest"):
+        check_safetensors(tmp_path / "slabs", res.files[:1], res.digests)
 
     res = export_safetensors(m, read, tmp_path / "bf16", dtype="bfloat16", max_shard_size=parse_size("1KB"))
     got = {}

@@ -16,6 +16,7 @@ from ckptd.reshard.executor import run_plan
 from ckptd.reshard.planner import plan_reshard
 from ckptd.reshard.spec import parse_spec
 from ckptd.storage import LocalStorage
+from ckptd.store.assemble import HostEngine, TorchEngine
 from ckptd.store import CheckpointReader, SessionStore
 from ckptd.store.offline import read_tensor, write_tensors
 from ckptd_schemas import CheckpointNotFound, IntegrityError, InvalidRequest
@@ -46,25 +47,28 @@ def _model(seed: int, rows: int) -> dict[str, torch.Tensor]:
     return t
 
 
-def _reshard(root, src: str, spec: str, **kw) -> str:
+def _reshard(root, src: str, spec: str, engine: str | None = None, **kw) -> str:
     storage, reader, sessions = root
     r = src.split("/")
     plan = plan_reshard(reader.manifest(*r), parse_spec(spec), **kw)
     out = f"{r[0]}/{uuid.uuid4().hex[:10]}"
-    run_plan(reader, sessions, plan, out, uuid.uuid4().hex, device="cpu", jobs=2)
+    run_plan(reader, sessions, plan, out, uuid.uuid4().hex, device="cpu", jobs=2,
+             engine={None: None, "host": HostEngine(), "torch": TorchEngine("cpu")}[engine])
     return out
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(a=st.sampled_from(SPECS), b=st.sampled_from(SPECS), rows=st.integers(2, 11), seed=st.integers(0, 99))
-def test_a_to_b_to_a_is_the_identity(root, a, b, rows, seed):
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(a=st.sampled_from(SPECS), b=st.sampled_from(SPECS), rows=st.integers(2, 11), seed=st.integers(0, 99),
+       engine=st.sampled_from(["host", "torch"]))
+def test_a_to_b_to_a_is_the_identity(root, a, b, rows, seed, engine):
+    """On either engine (the host's numpy, torch on the CPU: the GPU's code)."""
     storage, reader, sessions = root
     tensors = _model(seed, rows)
     src = f"rt/{uuid.uuid4().hex[:10]}"
     write_tensors(sessions, src, tensors, step=seed)
-    ref_a = _reshard(root, src, a)
-    ref_b = _reshard(root, ref_a, b)
-    ref_a2 = _reshard(root, ref_b, a)
+    ref_a = _reshard(root, src, a, engine)
+    ref_b = _reshard(root, ref_a, b, engine)
+    ref_a2 = _reshard(root, ref_b, a, engine)
     ma, ma2 = reader.manifest(*ref_a.split("/")), reader.manifest(*ref_a2.split("/"))
     assert [(t.name, t.digest) for t in ma.tensors] == [(t.name, t.digest) for t in ma2.tensors]
     # same layout -> same chunk geometry

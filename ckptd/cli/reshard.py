@@ -44,7 +44,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         from .reshard_remote import reshard_via_server
 
         return reshard_via_server(args)
-    from ..reshard.executor import pick_device, run_plan
+    from ..reshard.executor import plan_engine, run_plan
     from ..reshard.planner import plan_reshard
     from ..reshard.preview import preview
     from ..reshard.spec import parse_spec
@@ -60,7 +60,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     if args.dry_run:
         _print_preview(preview(plan), args.json)
         return 0
-    pick_device(args.device)
+    engine = plan_engine(plan, args.device)  # refused before any write (cuda without a GPU)
     out = args.out or f"{manifest.run}/{default_out_name(manifest.name, str(spec), args.dtype)}"
     parse_ref(out)
     if args.write_plan:
@@ -75,7 +75,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     advance, stop = progress_bar(plan.bytes_to_write, f"reshard -> {spec}", args.json)
     try:
         with Leases(storage).hold(manifest.run, manifest.name, "reshard"):  # gc spares the source meanwhile
-            res = run_plan(reader, sessions, plan, out, uuid.uuid4().hex, device=args.device, jobs=args.jobs,
+            res = run_plan(reader, sessions, plan, out, uuid.uuid4().hex, engine=engine, jobs=args.jobs,
                            progress=advance)
     finally:
         stop()
@@ -111,7 +111,8 @@ def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
                    "tp=2,dp=2, owner:dp=4,max-per-rank=5, pp=2, full")
     s.add_argument("--out", help="output ref (default RUN/NAME-<spec>)")
     s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where chunks are assembled and cast")
+                   help="where chunks are assembled and cast: cuda (torch), cpu (numpy; torch only to cast), "
+                        "auto (cuda when a GPU is present)")
     s.add_argument("--jobs", type=int, default=2, help="work units run in parallel")
     s.add_argument("--dtype", help="cast floating tensors, e.g. bfloat16")
     s.add_argument("--dry-run", action="store_true", help="print per-rank bytes and reads; write nothing")

@@ -10,13 +10,11 @@ reproduce).
 
 from __future__ import annotations
 
-import torch
-
-from ckptd_client.assemble import torch_dtype
 from ckptd_schemas import Manifest, TensorEntry, itemsize
 from ckptd_schemas.digest import DIGEST_BLOCK, StreamHasher
 from ckptd_schemas.dtypes import FLOATING as FLOATS
 
+from ..store.assemble import HostEngine, TorchEngine
 from ..store.offline import ReadFn, iter_slabs
 
 __all__ = ["ReadFn", "tensor_digest", "tensor_digests"]
@@ -24,13 +22,15 @@ __all__ = ["ReadFn", "tensor_digest", "tensor_digests"]
 
 def tensor_digest(manifest: Manifest, t: TensorEntry, read: ReadFn, *, cast: str | None = None,
                   slab_bytes: int = 32 << 20) -> str:
+    """The digest of ``t`` as stored, or cast to ``cast`` (floating tensors only): on the host engine,
+    torch only for a cast."""
+    out = cast if cast is not None and t.dtype in FLOATS else t.dtype
+    widest = max(itemsize(t.dtype), itemsize(out))
+    engine = HostEngine() if out == t.dtype else TorchEngine("cpu")
     h = StreamHasher()
-    out_dtype = torch_dtype(cast if cast is not None and t.dtype in FLOATS else t.dtype)
-    widest = max(itemsize(t.dtype), out_dtype.itemsize)
-    for buf in iter_slabs(manifest, t, read, slab_elems=max(DIGEST_BLOCK, slab_bytes // widest)):
-        if buf.dtype != out_dtype:
-            buf = buf.to(out_dtype)
-        h.update(memoryview(buf.view(torch.uint8).numpy()))
+    for _, raw in iter_slabs(manifest, t, read, slab_elems=max(DIGEST_BLOCK, slab_bytes // widest),
+                             buffer=engine.buffer(slab_bytes), dtype=out):
+        h.update(raw)
     return h.hexdigest()
 
 

@@ -33,18 +33,15 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
-import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict
 
-from ckptd_client.assemble import Destination, copy_into, torch_dtype, verify_fetch
 from ckptd_schemas import (
-    BoxChunk, CheckpointNotFound, Chunk, Fetch, FlatChunk, IntegrityError, InvalidRequest, Location, Manifest,
-    ObjectEntry, OpenSession, RankIndex, TensorEntry, check_name, check_run, itemsize, parse_ref,
+    BoxChunk, CheckpointNotFound, Chunk, Fetch, FlatChunk, IntegrityError, Location, Manifest, ObjectEntry,
+    OpenSession, RankIndex, TensorEntry, check_name, check_run, itemsize, parse_ref, verify_fetch,
 )
 from ckptd_schemas.digest import DigestPart, combine, digest_piece
 from ckptd_schemas.dtypes import FLOATING
@@ -53,25 +50,20 @@ from ..store import CheckpointReader, SessionStore
 from ..store.layout import Paths
 from ..store.merge import merge_indexes
 from .digest import tensor_digest
+from ..store.assemble import Engine, pick_engine
 from .pieces import SourcePieces, target_place, write_hashed
 from .planner import ALIGN, ReshardPlan, WorkUnit
 
-__all__ = ["ReshardResult", "UnitResult", "finalize", "open_target", "pick_device", "run_plan", "run_unit",
+__all__ = ["ReshardResult", "UnitResult", "finalize", "open_target", "plan_engine", "run_plan", "run_unit",
            "source_pieces"]
 
 log = logging.getLogger("ckptd.reshard")
 _PAD = bytes(ALIGN)
 
 
-def pick_device(device: str) -> torch.device:
-    """``auto`` -> cuda when available, else cpu; ``cuda`` without a GPU is refused."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InvalidRequest("--device cuda asked for, but no CUDA device is available", device=device)
-    if device not in ("cpu", "cuda"):
-        raise InvalidRequest(f"device must be auto, cpu or cuda, not {device!r}", device=device)
-    return torch.device(device)
+def plan_engine(plan: ReshardPlan, device: str) -> Engine:
+    """The engine for ``plan`` on ``device`` (``auto``, ``cpu``, ``cuda``): torch where the plan casts."""
+    return pick_engine(device, casts=plan.dtype is not None)
 
 
 class UnitResult(BaseModel):
@@ -114,7 +106,7 @@ def _cast(plan: ReshardPlan, dtype: str) -> bool:
 
 
 def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan, unit: WorkUnit, out_ref: str,
-             session: str, *, device: torch.device, progress: Callable[[int], None] | None = None,
+             session: str, *, engine: Engine, progress: Callable[[int], None] | None = None,
              pieces: SourcePieces | None = None) -> UnitResult:
     src = parse_ref(plan.source)
     out = parse_ref(out_ref)
@@ -125,16 +117,12 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     read_total = 0
     fetch_bytes, chunk_bytes = _largest(unit)
     fetches = _Fetches(reader, src.run, src.name, fetch_bytes)
-    staging = torch.empty(chunk_bytes, dtype=torch.uint8, device=device)  # one target chunk, reused chunk to chunk
+    staging = engine.buffer(chunk_bytes)  # one target chunk, reused chunk to chunk
     try:
         for pc in unit.chunks:
-            dtype = torch_dtype(pc.src_dtype)
-            nbytes = pc.numel * dtype.itemsize
-            buf = staging[:nbytes].view(dtype)
-            if pc.sizes is not None:
-                dest = Destination(buf.view(pc.sizes), _shape(reader, plan, pc.tensor), box_offsets=pc.offsets)
-            else:
-                dest = Destination(buf, _shape(reader, plan, pc.tensor), flat_start=pc.flat_start)
+            shape = _shape(reader, plan, pc.tensor)
+            staging.begin(pc.src_dtype, pc.numel, shape, sizes=pc.sizes, offsets=pc.offsets,
+                          flat_start=pc.flat_start)
             for i, f in enumerate(pc.reads.fetches):
                 data, n_read = fetches.get(f)
                 verify_fetch(data, f)
@@ -142,12 +130,10 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
                 read_total += n_read
                 for c in pc.reads.copies:
                     if c.fetch == i:
-                        copy_into(data, c, dest)
-            result = buf if pc.dtype == pc.src_dtype else buf.to(torch_dtype(pc.dtype))
-            host = result.cpu() if result.device.type != "cpu" else result
-            raw = memoryview(host.view(torch.uint8).numpy()) if host.numel() else memoryview(b"")
+                        staging.copy(data, c)
+            raw = staging.result(pc.dtype)
             assert sink.size == pc.file_offset, "work unit layout out of step with the plan"
-            place = target_place(_shape(reader, plan, pc.tensor), pc.dtype, (pc.offsets, pc.sizes, pc.flat_start))
+            place = target_place(shape, pc.dtype, (pc.offsets, pc.sizes, pc.flat_start))
             xxh3, values = write_hashed(sink.write, raw, place)
             pad = (-len(raw)) % ALIGN
             if pad:
@@ -379,39 +365,22 @@ def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     return digest
 
 
-@contextmanager
-def _one_intraop_thread(device: torch.device) -> Iterator[None]:
-    """On CPU, torch's intra-op threads are set to 1 while the units run, and restored after.
-
-    The units' own threads are the parallelism, and one memcpy-speed thread per copy outruns the disk. An
-    intra-op team, by contrast, makes each copy wait for its slowest thread: on 2 shared cores, 256 MiB of
-    8 MiB copies took 9 ms with 1 thread and, at random, 250 ms with 2. Threads that start while this is in
-    effect (the unit pool's) take the setting; the caller's thread gets its own value back.
-    """
-    if device.type != "cpu":
-        yield
-        return
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
-
-
 def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan, out_ref: str, session: str, *,
-             device: str = "auto", jobs: int = 1, progress: Callable[[int], None] | None = None) -> ReshardResult:
+             device: str = "auto", jobs: int = 1, progress: Callable[[int], None] | None = None,
+             engine: Engine | None = None) -> ReshardResult:
+    """Run every unit of ``plan`` (``jobs`` at a time) and commit ``out_ref``; on any error the output
+    session is aborted. ``engine`` overrides the one ``device`` picks (tests run torch on the CPU)."""
     t0 = time.monotonic()
-    dev = pick_device(device)
+    engine = engine or plan_engine(plan, device)
     open_target(sessions, plan, out_ref, session)
     try:
         pieces = source_pieces(reader, plan)
 
         def unit(u: WorkUnit) -> UnitResult:
-            return run_unit(reader, sessions, plan, u, out_ref, session, device=dev, progress=progress,
+            return run_unit(reader, sessions, plan, u, out_ref, session, engine=engine, progress=progress,
                             pieces=pieces)
 
-        with _one_intraop_thread(dev):
+        with engine.running():
             if jobs > 1 and len(plan.units) > 1:
                 with ThreadPoolExecutor(jobs, thread_name_prefix="ckptd-reshard") as pool:
                     results = list(pool.map(unit, plan.units))

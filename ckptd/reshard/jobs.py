@@ -28,7 +28,7 @@ from ckptd_schemas import AlreadyCommitted, CheckpointNotFound, CkptdError, pars
 
 from ..storage import Storage, open_storage
 from ..store import CheckpointReader, SessionStore
-from .executor import UnitResult, finalize, open_target, pick_device, run_unit
+from .executor import UnitResult, finalize, open_target, plan_engine, run_unit
 from ..store.leases import Leases
 from .models import JobStatus, ReshardRequest, now_utc, put_status, get_job
 from .planner import ReshardPlan, plan_reshard
@@ -162,7 +162,7 @@ def run_worker(uri: str, index: int, *, root: str | None = None) -> dict[str, An
     if (digest := committed()) is not None:  # a retried pod after the commit: nothing left to do
         return {"unit": index, "committed": digest}
     res = run_unit(reader, sessions, job.plan, job.plan.units[index], job.out, job.session,
-                   device=pick_device(job.device))
+                   engine=plan_engine(job.plan, job.device))
     fs, base = fsspec.url_to_fs(uri)
     fs.makedirs(f"{base}.units", exist_ok=True)
     fs.pipe_file(f"{base}.units/{index:06d}.json", res.model_dump_json().encode())

@@ -6,19 +6,21 @@ from __future__ import annotations
 
 import uuid
 from math import prod
-from typing import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
-import torch
 import xxhash
 
-from ckptd_client.assemble import Destination, copy_into, torch_dtype, verify_fetch
 from ckptd_schemas import (
     BoxChunk, CheckpointNotFound, Location, Manifest, OpenSession, RankIndex, ReadRequest, TensorEntry,
-    parse_ref, plan_reads,
+    parse_ref, plan_reads, verify_fetch,
 )
 
+from .assemble import ChunkBuffer
 from .reader import CheckpointReader
 from .sessions import SessionStore
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ReadFn", "iter_slabs", "read_tensor", "write_tensors"]
 
@@ -29,6 +31,7 @@ ReadFn = Callable[[str, int, int], bytes]  # (file, start, end) -> bytes of a da
 def write_tensors(sessions: SessionStore, ref: str, tensors: Mapping[str, torch.Tensor], *,
                   step: int | None = None) -> str:
     """Commit ``tensors`` (whole, CPU) as a one-rank checkpoint; return the manifest digest."""
+    import torch
     r = parse_ref(ref)
     sid = uuid.uuid4().hex
     sessions.open(r.run, r.name, OpenSession(session=sid, world_size=1, step=step))
@@ -57,6 +60,9 @@ def write_tensors(sessions: SessionStore, ref: str, tensors: Mapping[str, torch.
 
 def read_tensor(reader: CheckpointReader, ref: str, name: str) -> torch.Tensor:
     """One whole tensor of a committed checkpoint, assembled from any layout, verified."""
+    import torch
+
+    from ckptd_client.assemble import Destination, copy_into, torch_dtype
     r = parse_ref(ref)
     manifest = reader.manifest(r.run, r.name)
     t = manifest.tensor(name)
@@ -76,21 +82,24 @@ def read_tensor(reader: CheckpointReader, ref: str, name: str) -> torch.Tensor:
     return out
 
 
-def iter_slabs(manifest: Manifest, t: TensorEntry, read: ReadFn, *, slab_elems: int) -> Iterator[torch.Tensor]:
-    """The tensor's row-major flattening in 1-D slabs of at most ``slab_elems`` elements, each
-    assembled from whatever chunks hold it and block-verified: bounded memory for any layout."""
+def iter_slabs(manifest: Manifest, t: TensorEntry, read: ReadFn, *, slab_elems: int, buffer: ChunkBuffer,
+               dtype: str | None = None) -> Iterator[tuple[memoryview, memoryview]]:
+    """The tensor's row-major flattening in slabs of at most ``slab_elems`` elements, each assembled in
+    ``buffer`` from whatever chunks hold it and block-verified: bounded memory for any layout.
+
+    Yields (the slab's stored bytes, the same slab as ``dtype``), views valid until the next slab; a
+    ``dtype`` other than the stored one needs a buffer that casts (``TorchEngine``)."""
     numel = prod(t.shape)
-    dtype = torch_dtype(t.dtype)
     step = max(1, slab_elems)
     for start in range(0, numel, step):
         n = min(step, numel - start)
         plan = plan_reads(manifest, [ReadRequest(name=t.name, flat_start=start, flat_length=n)])
-        buf = torch.empty(n, dtype=dtype)
-        dest = Destination(buf, t.shape, flat_start=start)
+        buffer.begin(t.dtype, n, t.shape, flat_start=start)
         for i, f in enumerate(plan.fetches):
             data = bytearray(read(f.file, f.start, f.end))
             verify_fetch(data, f)
             for c in plan.copies:
                 if c.fetch == i:
-                    copy_into(data, c, dest)
-        yield buf
+                    buffer.copy(memoryview(data), c)
+        stored = buffer.result(t.dtype)
+        yield stored, (stored if dtype is None or dtype == t.dtype else buffer.result(dtype))
