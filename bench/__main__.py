@@ -85,6 +85,7 @@ RATIOS: list[tuple[str, str, str, float | None, str]] = [
     ("save_load", "load at another world size vs dcp.load", "summary.load_throughput_ratio", 1.5, ">="),
     ("save_load", "same, every byte through HTTP (direct_reads=False)", "summary.load_cold_http_throughput_ratio",
      None, ">="),
+    ("save_load", "cold load vs the same files read, nothing else", "summary.ckptd_cold_load_vs_raw", None, ">="),
     ("reshard", "reshard dp4->dp2 vs dcp.load", "summary.dp2_ratio_vs_dcp_load", 1.5, ">="),
     ("reshard", "reshard dp4->dp2 vs dcp.load+save", "summary.dp2_ratio_vs_dcp_load_save", None, ">="),
     ("reshard", "reshard full vs dcp_to_torch_save", "summary.full_ratio_vs_dcp_to_torch_save", 1.5, ">="),

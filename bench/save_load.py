@@ -32,10 +32,12 @@ What one run does (see BENCHMARKS.md for the results and how to read them):
 4. Three gloo ranks (another world size) load every repeat's checkpoint into
    DTensors on a 3-mesh with ``dcp.load`` and ``CheckpointClient.load``, the
    latter twice: with direct reads (the default: the ranks share the service's
-   host) and with ``direct_reads=False`` (every byte through HTTP). First cold
-   (pages of both checkpoints evicted with ``posix_fadvise(DONTNEED)`` before
-   each load), then warm. Every result is checked bit for bit against the
-   values saved.
+   host) and with ``direct_reads=False`` (every byte through HTTP). The same
+   ranks also read ckptd's files a third each with ``preadv`` and nothing else
+   (``raw_read``: the disk's floor under any load). First cold (pages of both
+   checkpoints evicted with ``posix_fadvise(DONTNEED)`` before each load), then
+   warm; the four ways rotate who goes first. Every result is checked bit for
+   bit against the values saved.
 5. A replicated state (plain tensors, a quarter of the size) that every rank
    loads whole, over HTTP and cold: once with ``share_replicas`` (one rank of
    the host fetches each tensor and sends it to the others) and once without;
@@ -131,6 +133,34 @@ def raw_write(sd: dict, path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def raw_read(root: Path, rank: int, world: int) -> int:
+    """The floor under any load of these files by ``world`` ranks: this rank's share of their bytes
+    (the ``rank``-th of ``world`` equal spans of the files laid end to end), ``preadv`` into one reused
+    buffer, nothing else (no plan, no digests, no copy into tensors). Returns the bytes read."""
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.parent.name == "files")
+    sizes = [p.stat().st_size for p in files]
+    total = sum(sizes)
+    lo, hi = rank * total // world, (rank + 1) * total // world
+    buf = memoryview(bytearray(8 * MiB))
+    at, got = 0, 0
+    for path, size in zip(files, sizes):
+        a, b = max(lo, at) - at, min(hi, at + size) - at
+        at += size
+        if a >= b:
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while a < b:
+                n = os.preadv(fd, [buf[:min(len(buf), b - a)]], a)
+                if n <= 0:
+                    break
+                a += n
+                got += n
+        finally:
+            os.close(fd)
+    return got
 
 
 def replicated_state(specs: list[tuple[str, int, int]], *, fill: bool) -> dict:
@@ -368,11 +398,11 @@ def load_job(rank: int, world: int, cfg: dict) -> dict:
             t.to_local().fill_(float("nan"))
 
     repeats = []
-    ways = ("dcp", "ckptd", "ckptd_http")
+    ways = ("dcp", "ckptd", "ckptd_http", "raw")  # raw: the read floor, ckptd's files read and nothing else
     for r in range(cfg["repeat"]):
         rec: dict[str, Any] = {}
         for cache in ("cold", "warm"):
-            order = ways[r % 3:] + ways[:r % 3]  # rotate who goes first
+            order = ways[r % 4:] + ways[:r % 4]  # rotate who goes first
             for which in order:
                 if cache == "cold":  # before each load its own files (ckptd's two ways read the same ones),
                     if rank == 0:  # so that every file is cached again when the warm loads start
@@ -380,14 +410,16 @@ def load_job(rank: int, world: int, cfg: dict) -> dict:
                                else Path(cfg["root"]) / "runs" / "bench" / str(r))
                         rec[f"evicted_bytes_{which}"] = evict([own])
                     dist.barrier()
-                into = into_dcp if which == "dcp" else into_ckptd
-                reset(into)
+                if which != "raw":  # the floor fills no tensors
+                    reset(into_dcp if which == "dcp" else into_ckptd)
                 dist.barrier()
                 cpu0 = _own_cpu()
                 srv0 = _proc_cpu(cfg["server_pid"]) if rank == 0 else (0.0, 0.0)
                 t0 = time.perf_counter()
                 if which == "dcp":
                     dcp.load(into_dcp, checkpoint_id=os.path.join(cfg["dcp_dir"], f"r{r}"))
+                elif which == "raw":
+                    raw_n = raw_read(Path(cfg["root"]) / "runs" / "bench" / str(r), rank, world)
                 else:
                     rep = (client if which == "ckptd" else http_client).load(into_ckptd, f"bench/{r}")
                     rec[f"{which}_{cache}_direct_fraction"] = rep.bytes_read_direct / max(1, rep.bytes_read)
@@ -395,11 +427,14 @@ def load_job(rank: int, world: int, cfg: dict) -> dict:
                 t = time.perf_counter() - t0
                 cpu = sum(b - a for a, b in zip(cpu0, _own_cpu()))
                 srv = sum(b - a for a, b in zip(srv0, _proc_cpu(cfg["server_pid"]))) if rank == 0 else 0.0
-                if which != "dcp":
+                if which not in ("dcp", "raw"):
                     rec[f"{which}_{cache}_phases"] = probe.take(t0)
                 cpu_sum, srv = _sum_over_ranks([cpu, srv])
                 rec[f"{which}_{cache}_load_s"] = _max_over_ranks([t])[0]
                 rec[f"{which}_{cache}_load_ranks_cpu_s"] = cpu_sum
+                if which == "raw":
+                    rec[f"raw_{cache}_bytes"] = _sum_over_ranks([float(raw_n)])[0]
+                    continue
                 if which != "dcp":
                     rec[f"{which}_{cache}_load_server_cpu_s"] = srv
                     check(into_ckptd, f"{which} load repeat {r} ({cache})")
@@ -619,6 +654,13 @@ def summarise(save: dict, load: dict, nbytes: int) -> dict:
                     f"ckptd_http_{cache}_load_ranks_cpu_s": _med([r[f"ckptd_http_{cache}_load_ranks_cpu_s"] for r in lr]),
                     f"ckptd_http_{cache}_load_server_cpu_s": _med(
                         [r[f"ckptd_http_{cache}_load_server_cpu_s"] for r in lr])})
+        # the same files read by the same ranks, nothing else, in the same rotation (the disk's floor)
+        out.update({f"raw_{cache}_load_s": _med([r[f"raw_{cache}_load_s"] for r in lr]),
+                    f"raw_{cache}_bytes": _med([r[f"raw_{cache}_bytes"] for r in lr]),
+                    f"ckptd_{cache}_load_vs_raw": _med([r[f"raw_{cache}_load_s"] / r[f"ckptd_{cache}_load_s"]
+                                                        for r in lr]),
+                    f"dcp_{cache}_load_vs_raw": _med([r[f"raw_{cache}_load_s"] / r[f"dcp_{cache}_load_s"]
+                                                      for r in lr])})
     out["load_throughput_ratio"] = out["load_cold_throughput_ratio"]
     rp = load["replicated"]  # plain tensors every rank loads, over HTTP: one fetch per host, or one per rank
     out["replicated_load"] = {**rp, "fetch_ratio": rp["each_rank"]["bytes_fetched"] / rp["shared"]["bytes_fetched"],
@@ -684,6 +726,9 @@ def markdown(res: dict) -> str:
         ("load at world size 3, cold page cache", f"{s['ckptd_cold_load_s']:.2f} s = "
          f"{s['ckptd_cold_load_gbps']:.2f} GB/s", f"{s['dcp_cold_load_s']:.2f} s = {s['dcp_cold_load_gbps']:.2f} GB/s",
          f"throughput ratio {s['load_cold_throughput_ratio']:.2f}", ">= 1.5"),
+        ("ckptd's files read by the 3 ranks, a third each, nothing else (the floor), cold", "",
+         f"{s['raw_cold_load_s']:.2f} s", f"ckptd reaches {s['ckptd_cold_load_vs_raw']:.2f} of it, "
+         f"DCP {s['dcp_cold_load_vs_raw']:.2f}", ""),
         ("load at world size 3, warm page cache", f"{s['ckptd_warm_load_s']:.2f} s = "
          f"{s['ckptd_warm_load_gbps']:.2f} GB/s", f"{s['dcp_warm_load_s']:.2f} s = {s['dcp_warm_load_gbps']:.2f} GB/s",
          f"throughput ratio {s['load_warm_throughput_ratio']:.2f}", ">= 1.5"),

@@ -43,6 +43,8 @@ def test_bench_save_load_runs_small(tmp_path):
     assert "put_file_span" not in s["save_phases_s"] and s["save_http_phases_s"]["put_file_span"] > 0
     assert "adopt_file_span" not in s["save_http_phases_s"] and s["save_http_throughput_ratio"] > 0
     assert s["raw_write_s"] > 0 and s["ckptd_save_vs_raw"] > 0
+    # the read floor reads every byte of ckptd's files once between the 3 ranks (at least the state)
+    assert s["raw_cold_bytes"] >= res["config"]["state_bytes"] and s["ckptd_cold_load_vs_raw"] > 0
     assert len(res["server_rss"]) == 3  # main + the two --rss-mib sizes (default mib/4 and mib*2)
     for server in res["server_rss"].values():
         assert server["load_peak"]["VmHWM"] > 0

@@ -293,6 +293,24 @@ def test_export_options_and_refusals(dirs, tmp_path):
     with pytest.raises(IntegrityError, match=rf"{res.files[0]}: tensor .* reads back with digest"):
         check_safetensors(tmp_path / "slabs", res.files[:1], res.digests)
 
+    # A write that fails on the writer thread (disk full) fails the export and leaves nothing behind.
+    from ckptd.storage import local
+
+    calls = []
+    real_write = local._LocalWriter.write
+
+    def failing(self, data):
+        calls.append(len(data))
+        if len(calls) == 3:
+            raise local.StorageFull("storage write failed: disk full", key="x")
+        return real_write(self, data)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(local._LocalWriter, "write", failing)
+        with pytest.raises(local.StorageFull, match="disk full"):
+            export_safetensors(m, read, tmp_path / "full", slab_bytes=24, max_shard_size=10**9)
+    assert 3 <= len(calls) <= 4 and not any((tmp_path / "full").iterdir())  # one more may be in flight
+
     res = export_safetensors(m, read, tmp_path / "bf16", dtype="bfloat16", max_shard_size=parse_size("1KB"))
     got = {}
     for f in res.files[:-1]:

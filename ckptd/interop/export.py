@@ -31,6 +31,7 @@ the same way.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -39,21 +40,23 @@ import struct
 import sys
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import xxhash
 
 from ckptd_client._names import DCP_METADATA, RESERVED
 from ckptd_schemas import (
-    ITEMSIZE, IntegrityError, InvalidRequest, Manifest, ObjectEntry, TensorEntry,
+    ITEMSIZE, Copy, IntegrityError, InvalidRequest, Manifest, ObjectEntry, TensorEntry,
 )
 from ckptd_schemas.digest import StreamHasher
 from ckptd_schemas.dtypes import FLOATING as FLOATS
 
-from ..store.assemble import HostEngine, TorchEngine
+from ..storage.local import LocalStorage, fsync_dir
+from ..store.assemble import ChunkBuffer, Engine, HostEngine, TorchEngine
 from ..store.offline import ReadFn, iter_slabs
 
 if TYPE_CHECKING:
@@ -133,16 +136,56 @@ def _select(manifest: Manifest, prefix: str | None, dtype: str | None) -> list[_
     return out
 
 
-def _stream(manifest: Manifest, o: _Out, read: ReadFn, write: Callable[[memoryview], None], *,
+class _Pipelined:
+    """A :class:`ChunkBuffer` that turns between two buffers, with one writer thread: slab k is read and
+    assembled while slab k-1 is being written, so the disk reads and writes at once (a serial export
+    waits for each in turn). ``begin`` takes the other buffer, after waiting for that buffer's own write
+    to finish; writes run in submission order. ``drain`` waits for every write and re-raises a failure.
+    """
+
+    def __init__(self, make: Callable[[], ChunkBuffer]) -> None:
+        self._bufs = [make(), make()]
+        self._writes: list[Future | None] = [None, None]
+        self._i = 1
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-export-write")
+
+    def begin(self, dtype: str, numel: int, global_shape: Sequence[int], **where: Any) -> None:
+        self._i ^= 1
+        self._wait(self._i)
+        self._bufs[self._i].begin(dtype, numel, global_shape, **where)
+
+    def copy(self, data: memoryview, c: Copy) -> None:
+        self._bufs[self._i].copy(data, c)
+
+    def result(self, dtype: str) -> memoryview:
+        return self._bufs[self._i].result(dtype)
+
+    def write(self, fn: Callable[[memoryview], None], raw: memoryview) -> None:
+        """Write ``raw`` (a view into the current buffer) with ``fn`` on the writer thread."""
+        self._writes[self._i] = self._pool.submit(fn, raw)
+
+    def _wait(self, i: int) -> None:
+        fut, self._writes[i] = self._writes[i], None
+        if fut is not None:
+            fut.result()
+
+    def drain(self) -> None:
+        try:
+            for i in (self._i ^ 1, self._i):  # the older write first
+                self._wait(i)
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+def _stream(manifest: Manifest, o: _Out, read: ReadFn, buffer: ChunkBuffer, write: Callable[[memoryview], None], *,
             slab_bytes: int, progress: Callable[[int], None] | None = None) -> str:
-    """Assemble ``o`` slab by slab (row-major), cast, write; return the XXH3-64 of the bytes written."""
+    """Assemble ``o`` slab by slab (row-major) in ``buffer`` (its stored bytes at most ``slab_bytes`` a
+    slab), cast, write; return the XXH3-64 of the bytes written."""
     t = o.src
     h = xxhash.xxh3_64()
     src_h = StreamHasher() if t.digest is not None else None  # the layout-independent digest, before any cast
     slab = max(1, slab_bytes // max(ITEMSIZE[t.dtype], ITEMSIZE[o.dtype]))
-    engine = HostEngine() if o.dtype == t.dtype else TorchEngine("cpu")
-    for stored, raw in iter_slabs(manifest, t, read, slab_elems=slab, buffer=engine.buffer(slab * ITEMSIZE[t.dtype]),
-                                  dtype=o.dtype):
+    for stored, raw in iter_slabs(manifest, t, read, slab_elems=slab, buffer=buffer, dtype=o.dtype):
         if src_h is not None:
             src_h.update(stored)
         h.update(raw)
@@ -157,18 +200,15 @@ def _stream(manifest: Manifest, o: _Out, read: ReadFn, write: Callable[[memoryvi
     return h.hexdigest()
 
 
+def _engine(dtype: str | None) -> Engine:
+    """numpy on the host (no torch import) unless the export casts."""
+    return HostEngine() if dtype is None else TorchEngine("cpu")
+
+
 def _durable(f: Any) -> None:
     """Flush and fsync an open file: an export is renamed into place only once its bytes are on disk."""
     f.flush()
     os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _shards(outs: list[_Out], max_shard_size: int) -> list[list[_Out]]:
@@ -290,10 +330,12 @@ def check_safetensors(out: Path, files: list[str], digests: dict[str, str], *, s
 
 
 def export_safetensors(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, max_shard_size: int = 5 * 10**9,
-                       dtype: str | None = None, prefix: str | None = None, slab_bytes: int = 64 << 20,
+                       dtype: str | None = None, prefix: str | None = None, slab_bytes: int = 32 << 20,
                        check: bool = True, progress: Callable[[int], None] | None = None,
                        check_progress: Callable[[int], None] | None = None) -> ExportResult:
-    """Write ``model-0000i-of-0000N.safetensors`` shards and ``model.safetensors.index.json`` under ``out``."""
+    """Write ``model-0000i-of-0000N.safetensors`` shards and ``model.safetensors.index.json`` under ``out``.
+
+    Memory held: two slabs of ``slab_bytes`` (one assembled while the other is written) and one read."""
     if sys.byteorder != "little":
         raise InvalidRequest("safetensors export needs a little-endian machine")
     t0 = time.monotonic()
@@ -310,29 +352,40 @@ def export_safetensors(manifest: Manifest, read: ReadFn, out: str | os.PathLike,
     _prepare_dir(root, names + [INDEX_FILE])
     digests: dict[str, str] = {}
     weight_map: dict[str, str] = {}
+    # Each file is written under a temporary name, handed to write-back every 32 MiB (so the fsync waits
+    # for the last window only, while the next slabs are still being read), fsynced and renamed.
+    disk = LocalStorage(root, durable=True)
+    engine = _engine(dtype)
     written: list[Path] = []
+    writer = None
     try:
         for fname, shard in zip(names, shards):
-            tmp = root / f".{fname}.partial"
-            written.append(tmp)
-            with open(tmp, "wb") as f:
-                f.write(_header(shard))
+            writer = disk.open_write(fname)
+            writer.write(_header(shard))
+            pipe = _Pipelined(lambda: engine.buffer(slab_bytes))
+            try:
                 for o in shard:
-                    digests[o.name] = _stream(manifest, o, read, f.write, slab_bytes=slab_bytes, progress=progress)
+                    digests[o.name] = _stream(manifest, o, read, pipe, lambda raw, w=writer.write: pipe.write(w, raw),
+                                              slab_bytes=slab_bytes, progress=progress)
                     weight_map[o.name] = fname
-                _durable(f)
-            os.replace(tmp, root / fname)
-            written[-1] = root / fname
+            except BaseException:
+                with contextlib.suppress(Exception):  # the writes in flight end before the file is removed
+                    pipe.drain()
+                raise
+            pipe.drain()
+            writer.commit()
+            written.append(root / fname)
         index = {"metadata": {"total_size": sum(o.nbytes for o in outs), "ckptd_source": manifest.ref},
                  "weight_map": dict(sorted(weight_map.items()))}
-        with open(root / INDEX_FILE, "w") as f:
-            f.write(json.dumps(index, indent=2) + "\n")
-            _durable(f)
-        _fsync_dir(root)
+        writer = disk.open_write(INDEX_FILE)
+        writer.write((json.dumps(index, indent=2) + "\n").encode())
+        writer.commit()
         written.append(root / INDEX_FILE)
         if check:
             check_safetensors(root, names, digests, slab_bytes=slab_bytes, progress=check_progress)
     except BaseException:
+        if writer is not None:
+            writer.abort()  # no-op once committed
         for p in written:
             p.unlink(missing_ok=True)
         raise
@@ -418,6 +471,7 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
     pending.sort(key=lambda p: rank_of.get(p[1].src.name if p[0] == "t" else p[1], len(rank_of)))
     sd: dict = {}
     digests: dict[str, str] = {}
+    buffer = _engine(dtype).buffer(slab_bytes)
     tmpdir = tempfile.mkdtemp(prefix=".ckptd-export-", dir=path.parent)
     partial = path.with_name(f".{path.name}.partial")
     try:
@@ -444,7 +498,7 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
                 flat.view(torch.uint8)[pos:pos + n].copy_(torch.frombuffer(raw, dtype=torch.uint8))
                 pos += n
 
-            digests[o.name] = _stream(manifest, o, read, write, slab_bytes=slab_bytes, progress=progress)
+            digests[o.name] = _stream(manifest, o, read, buffer, write, slab_bytes=slab_bytes, progress=progress)
             _set(sd, key_path(o.src.name), flat.view(o.src.shape))
         torch.save(sd, partial)
         del sd
@@ -467,7 +521,7 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
         with open(partial, "rb+") as f:
             _durable(f)
         os.replace(partial, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise

@@ -15,7 +15,7 @@ from ckptd_schemas import CkptdError, InvalidRequest, StorageError, StorageFull
 
 from .base import Adopted, Storage, Writer, check_key
 
-__all__ = ["LocalStorage"]
+__all__ = ["LocalStorage", "fsync_dir"]
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 #: A durable file's written bytes are handed to write-back in windows of this size (see
@@ -24,7 +24,8 @@ WRITEBACK_BYTES = 32 << 20
 _FADVISE = hasattr(os, "posix_fadvise")
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory: a rename or create in it is durable once this returns."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -101,7 +102,7 @@ class _LocalWriter(Writer):
             self._f.close()
             os.replace(self._tmp, self._final)
             if self._durable:
-                _fsync_dir(self._final.parent)
+                fsync_dir(self._final.parent)
         except OSError as e:
             self.abort()
             raise _storage_error("commit", self._key, e) from e
@@ -173,7 +174,7 @@ class _LocalAdopted(Adopted):
                 raise InvalidRequest(f"staged file {self._staged.name!r} for {self._key!r} was replaced while "
                                      f"it was adopted", key=self._key)
             if self._durable:
-                _fsync_dir(self._final.parent)
+                fsync_dir(self._final.parent)
         except OSError as e:
             self.abort()
             raise _storage_error("commit", self._key, e) from e
@@ -225,15 +226,15 @@ class LocalStorage(Storage):
                 if end is None:
                     return f.read()
                 want = end - start
-                buf = bytearray(want)
-                view = memoryview(buf)
-                got = 0
-                while got < want:
-                    n = f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-                return bytes(buf) if got == want else bytes(buf[:got])
+                data = f.read(want)  # unbuffered: one bytes object, read into in place (no second copy)
+                if 0 < len(data) < want:  # a short read (rare on regular files): read on to the end or EOF
+                    parts = [data]
+                    got = len(data)
+                    while got < want and (more := f.read(want - got)):
+                        parts.append(more)
+                        got += len(more)
+                    data = b"".join(parts)
+                return data
         except FileNotFoundError as e:
             raise StorageError(f"storage object {key!r} does not exist", key=key, errno=errno.ENOENT) from e
         except OSError as e:
@@ -296,7 +297,7 @@ class LocalStorage(Storage):
             except FileExistsError:
                 created = False
             if created and self.durable:
-                _fsync_dir(final.parent)
+                fsync_dir(final.parent)
             return created
         except OSError as e:
             raise _storage_error("create", key, e) from e

@@ -154,6 +154,8 @@ class _TorchBuffer:
 
     def copy(self, data: memoryview, c: Copy) -> None:
         from ckptd_client.assemble import copy_into
+        if data.readonly:  # torch.frombuffer wants writable memory (it warns otherwise)
+            data = memoryview(bytearray(data))
         copy_into(data, c, self.dest)
 
     def result(self, dtype: str) -> memoryview:

@@ -96,10 +96,10 @@ def iter_slabs(manifest: Manifest, t: TensorEntry, read: ReadFn, *, slab_elems: 
         plan = plan_reads(manifest, [ReadRequest(name=t.name, flat_start=start, flat_length=n)])
         buffer.begin(t.dtype, n, t.shape, flat_start=start)
         for i, f in enumerate(plan.fetches):
-            data = bytearray(read(f.file, f.start, f.end))
+            data = memoryview(read(f.file, f.start, f.end))  # no copy: the engine copies out of it
             verify_fetch(data, f)
             for c in plan.copies:
                 if c.fetch == i:
-                    buffer.copy(memoryview(data), c)
+                    buffer.copy(data, c)
         stored = buffer.result(t.dtype)
         yield stored, (stored if dtype is None or dtype == t.dtype else buffer.result(dtype))
