@@ -294,6 +294,21 @@ def test_errors_after_the_retries_are_storage_errors_naming_the_key(proxied, mon
     assert put.hits >= 2  # botocore's attempts (s3fs re-runs a call still throttled after them)
     put.times = 0
     assert time.monotonic() - t0 < 60
+    # A part that still fails after the retries, sent while the next block was being received: the write
+    # or the commit raises, naming the key, and the upload is aborted once its other parts are answered.
+    part = proxy.add(FaultRule(_on("PUT", "/f/big", query_has="partNumber=1"), status=500, code="InternalError",
+                               times=1000))
+    w = st.open_write("f/big")
+    with pytest.raises(StorageError, match="f/big"):
+        for _ in range(4):
+            w.write(os.urandom(5 * MiB))
+        w.commit()
+    assert part.hits >= 2 and st.pending_uploads("f") == [] and st.size("f/big") is None
+    slots = [st._in_flight.acquire(blocking=False) for _ in range(st.parts_in_flight)]
+    assert all(slots)  # every part's slot came back
+    for _ in slots:
+        st._in_flight.release()
+    part.times = 0
     cond = proxy.add(FaultRule(_on("PUT", "/f/COMMITTED"), status=500, code="InternalError", times=1000))
     with pytest.raises(StorageError, match="f/COMMITTED"):
         st.create_if_absent("f/COMMITTED", b"m")

@@ -9,9 +9,11 @@ How the storage primitives map onto S3 (no rename anywhere):
 
 * ``open_write``: the object is written in place. Up to one block
   (:data:`DEFAULT_BLOCK_SIZE`) a single PUT at commit; beyond it a streaming
-  multipart upload, one part per block, completed at commit. Nothing is
-  visible at the key before the PUT or the completion; ``abort`` aborts the
-  multipart upload.
+  multipart upload, one part per block, completed at commit. Parts go out
+  while the next block is received: up to ``S3Storage.parts_in_flight`` parts
+  of all of a storage's uploads at once (the memory they hold), on s3fs's
+  event loop. Nothing is visible at the key before the PUT or the completion;
+  ``abort`` waits for the parts in flight, then aborts the multipart upload.
 * ``create_if_absent``: one conditional PUT (``If-None-Match: *``); 412
   PreconditionFailed means another writer was first. A 409
   ConditionalRequestConflict (a concurrent conditional write in flight) is
@@ -33,9 +35,12 @@ Listings are never cached (another process or replica may have written since).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
+import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Iterator, Mapping
 
 from ckptd_schemas import StorageError
@@ -116,20 +121,46 @@ class _S3Writer(Writer):
         self._block = int(st.block_size)
         self._buf = bytearray()
         self._upload_id: str | None = None
-        self._parts: list[dict[str, Any]] = []
+        self._parts: list[tuple[int, Future]] = []  # (part number, its upload) in order
+        self._checked = 0  # parts before this one are known to have succeeded
         self._closed = False
 
     def _call(self, method: str, **kw: Any) -> dict:
         return self._st.fs.call_s3(method, Bucket=self._st.bucket, Key=self._s3key, **kw)
 
     def _upload_part(self, body: bytes) -> None:
+        """Send one part without waiting for it (at most ``parts_in_flight`` of the storage's at once);
+        a part that failed earlier is raised here, or at the latest by ``commit``."""
         if self._upload_id is None:
             self._upload_id = self._call("create_multipart_upload")["UploadId"]
+        while self._checked < len(self._parts) and self._parts[self._checked][1].done():
+            self._parts[self._checked][1].result()
+            self._checked += 1
         n = len(self._parts) + 1
-        out = self._call("upload_part", UploadId=self._upload_id, PartNumber=n, Body=body)
+        st = self._st
+        st._in_flight.acquire()  # bounds the memory of parts sent but not yet answered
+        try:
+            fut = asyncio.run_coroutine_threadsafe(
+                st.fs._call_s3("upload_part", Bucket=st.bucket, Key=self._s3key, UploadId=self._upload_id,
+                               PartNumber=n, Body=body), st.fs.loop)
+        except BaseException:
+            st._in_flight.release()
+            raise
+        fut.add_done_callback(lambda _: st._in_flight.release())
+        self._parts.append((n, fut))
+
+    def _completed_parts(self) -> list[dict[str, Any]]:
         # botocore sends (and S3 checks) a checksum of each part's body; the upload was created
         # without a checksum algorithm, so completion names parts by ETag only (as s3fs does).
-        self._parts.append({"PartNumber": n, "ETag": out["ETag"]})
+        return [{"PartNumber": n, "ETag": fut.result()["ETag"]} for n, fut in self._parts]
+
+    def _settle(self) -> None:
+        """Wait for every part in flight, failed or not (an abort must come after the last part)."""
+        for _, fut in self._parts:
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - the caller is aborting anyway
+                pass
 
     def part_size(self) -> int:
         """Size of the next part: the block size, doubled every 2,000 parts (S3 allows 10,000)."""
@@ -158,7 +189,7 @@ class _S3Writer(Writer):
                 if self._buf:
                     self._upload_part(bytes(self._buf))
                 self._call("complete_multipart_upload", UploadId=self._upload_id,
-                           MultipartUpload={"Parts": self._parts})
+                           MultipartUpload={"Parts": self._completed_parts()})
             self._closed = True
             self._buf = bytearray()
         except Exception as e:  # noqa: BLE001
@@ -171,6 +202,7 @@ class _S3Writer(Writer):
         self._closed = True
         self._buf = bytearray()
         if self._upload_id is not None:
+            self._settle()
             try:
                 self._call("abort_multipart_upload", UploadId=self._upload_id)
             except Exception:  # noqa: BLE001 - best effort; delete_tree and lifecycle rules reap leftovers
@@ -186,6 +218,7 @@ class S3Storage(FsspecStorage):
     """
 
     read_piece = 16 << 20  # one ranged GET per 16 MiB streamed out, not per MiB
+    parts_in_flight = 4  # multipart parts sent and not yet answered, all uploads together (memory: as many parts)
 
     def __init__(self, url: str, **storage_options: Any) -> None:
         opts: dict[str, Any] = {"default_block_size": DEFAULT_BLOCK_SIZE, "use_listings_cache": False,
@@ -200,6 +233,7 @@ class S3Storage(FsspecStorage):
         self.bucket, _, prefix = self.root.partition("/")
         self._prefix = prefix.strip("/")
         self.block_size = int(getattr(self.fs, "default_block_size", None) or DEFAULT_BLOCK_SIZE)
+        self._in_flight = threading.BoundedSemaphore(self.parts_in_flight)
         if self.block_size < 5 << 20:
             raise StorageError(f"{url}: S3 multipart parts are at least 5 MiB (block size {self.block_size})", key="")
 
