@@ -95,8 +95,10 @@ class LocalFiles:
     def _start(self, f: Fetch) -> int:
         fd = self._fd(f.file)
         assert fd is not None
-        if hasattr(os, "posix_fadvise"):  # queue the whole range now: the disk works while we hash
-            os.posix_fadvise(fd, f.start, f.end - f.start, os.POSIX_FADV_WILLNEED)
+        # No WILLNEED for the whole range: with several fetch threads per rank and several ranks, the
+        # queued ranges compete with the reads waited on; the kernel's sequential read-ahead (the file
+        # was opened SEQUENTIAL) keeps the disk busy while a piece is hashed. Without it a cold load at
+        # another world size took 0.285-0.316 s against 0.325-0.342 s (BENCHMARKS.md, Save and load).
         return fd
 
     def scatter(self, f: Fetch, targets: list[Target]) -> None:
