@@ -9,8 +9,9 @@ Call order for safetensors (:func:`export_safetensors`):
 2. per shard, write the header first (8-byte little-endian length, JSON with dtype, shape
    and data offsets, space padded to 8 bytes), then stream each tensor in row-major slabs
    of at most ``slab_bytes``: each slab is assembled from whatever chunks hold it (read
-   plan, block digests verified), cast, hashed (XXH3-64) and appended. Memory held: one
-   slab. Files are written under temporary names and renamed when complete;
+   plan, block digests verified), cast, hashed (XXH3-64) and appended by a writer thread
+   while the next slab is assembled. Memory held: two slabs. Files are written under
+   temporary names, handed to write-back as they grow, fsynced and renamed when complete;
 3. ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``);
 4. check: every shard is opened with ``safetensors.safe_open`` (which validates the header)
    and each tensor's bytes, read back where that header puts them, are hashed (XXH3-64) and
