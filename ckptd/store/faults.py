@@ -117,7 +117,13 @@ def configure(environ: Mapping[str, str] = os.environ) -> None:
     _fail = f"runs/{run}/" if run else None
 
 
+_dying = threading.Lock()
+
+
 def _kill(point: str, how: str) -> None:
+    # Taken and never released: when several threads draw a kill at once, one logs and kills, the
+    # others wait here for the signal, so the log names exactly one kill point per death.
+    _dying.acquire()
     os.write(2, f"ckptd fault: SIGKILL at {point} ({how})\n".encode())
     os.kill(os.getpid(), signal.SIGKILL)
 
