@@ -367,8 +367,10 @@ class _FullDiskFile:
         return getattr(self._f, name)
 
 
-def test_local_enospc_wrapped_file(tmp_path):
-    """ENOSPC from the OS-level file becomes StorageError('... disk full') and leaves no temp file."""
+def test_local_enospc_wrapped_file(tmp_path, monkeypatch):
+    """ENOSPC from the OS-level file becomes StorageError('... disk full') and leaves no temp file
+    (the buffered path; test_direct_io.py fills a real filesystem through the direct one)."""
+    monkeypatch.setenv("CKPTD_DIRECT_IO", "0")
     st = LocalStorage(tmp_path / "root")
     w = st.open_write("run/ck/data-0")
     real = getattr(w, "_f", None)
