@@ -4,6 +4,7 @@ printing its table."""
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import shutil
 import subprocess
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["add_workdir_args", "git_state", "work_dir", "write_report"]
+__all__ = ["add_workdir_args", "git_state", "installed_bytecode", "work_dir", "write_report"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,10 +43,23 @@ def add_workdir_args(ap: argparse.ArgumentParser,
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
 
 
+def installed_bytecode() -> bool:
+    """Compile ``ckptd/``, ``client/`` and ``schemas/`` to ``__pycache__`` (ignored by git), as ``pip install``
+    does for a wheel, so a timed ``ckptd ...`` process loads bytecode the way a deployed one does.
+
+    Why: this checkout is an editable install, and where ``PYTHONDONTWRITEBYTECODE=1`` is set (it is on the
+    benchmark machines, and in the Dockerfile, whose ``pip install`` compiles anyway) Python never writes
+    bytecode for it, so every timed process compiled ckptd's modules from source, a cost no installed
+    ckptd pays (BENCHMARKS.md, "Bytecode"). True when every file compiled."""
+    return all(compileall.compile_dir(REPO / d, quiet=1) for d in ("ckptd", "client", "schemas"))
+
+
 @contextmanager
 def work_dir(prefix: str, parent: Path | None = None, keep: bool = False) -> Iterator[Path]:
     """Yield a fresh directory ``tempfile.mkdtemp(prefix=prefix, dir=parent)`` (``parent`` is created first
-    when given; None: $TMPDIR) and remove it, with everything in it, on the way out unless ``keep``."""
+    when given; None: $TMPDIR) and remove it, with everything in it, on the way out unless ``keep``.
+    Every benchmark that times processes starts here, so this is also where :func:`installed_bytecode` runs."""
+    installed_bytecode()
     if parent:
         parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))

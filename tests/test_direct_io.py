@@ -93,6 +93,23 @@ def test_durable_false_and_switched_off_stay_buffered(tmp_path, monkeypatch):
     assert w._direct is None and st.read("f") == data  # type: ignore[attr-defined]
 
 
+def test_off_unless_asked(tmp_path, monkeypatch):
+    """The default is the page cache (BENCHMARKS.md, "Writes around the page cache"): only
+    ``CKPTD_DIRECT_IO=1`` (or true/yes/on) takes the direct path."""
+    data = os.urandom(2 * B + 5)
+    for value, direct in ((None, False), ("", False), ("0", False), ("off", False), ("1", True), ("ON", True)):
+        if value is None:
+            monkeypatch.delenv("CKPTD_DIRECT_IO", raising=False)
+        else:
+            monkeypatch.setenv("CKPTD_DIRECT_IO", value)
+        assert dio.enabled() is direct, value
+        st = LocalStorage(tmp_path / f"root-{value}")
+        w = st.open_write("f")
+        w.write(data)
+        w.commit()
+        assert (w._direct is not None) is direct and st.read("f") == data, value  # type: ignore[attr-defined]
+
+
 def test_pool_bound_and_buffers_returned(tmp_path):
     """With every buffer held by open writers, the next writer writes buffered; commit and abort give
     the buffers back, and a writer after that goes direct again."""

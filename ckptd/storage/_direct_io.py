@@ -1,11 +1,13 @@
 """Durable local writes that bypass the page cache (``O_DIRECT``), one write in flight behind the caller.
 
-Why: on the machines this runs on, a buffered write costs far more CPU than the bytes' copy. The
-kernel copies into the page cache, allocates and later reclaims those pages and writes them back;
-measured here, writing 1 GiB and fsyncing it took 1.6-1.8 s of CPU buffered against 0.1 s with
-``O_DIRECT`` plus a 0.27 s user-space copy into an aligned buffer. A save or a reshard that spends
-its two cores on that copy is slower than the disk. The page cache also gets nothing from a
-checkpoint's pages: the trainer does not read them back, and a later load evicts them first.
+Off unless ``CKPTD_DIRECT_IO=1``: measure before switching it on (BENCHMARKS.md, "Writes around the
+page cache"). Why it exists: a buffered write costs far more CPU than the bytes' copy. The kernel
+copies into the page cache, allocates and later reclaims those pages and writes them back; measured
+on one 2-core VM, writing 1 GiB and fsyncing it took 1.6-1.8 s of CPU buffered against 0.1 s with
+``O_DIRECT`` plus a 0.27 s user-space copy into an aligned buffer, and ``ckptd reshard`` used a quarter
+less CPU in the same wall time. Why it is off: on another 2-core VM, with a slower CPU, the same
+``ckptd reshard`` took 20-40 % longer with it than through the page cache, whose early write-back
+(``LocalStorage``) keeps more writes in flight than this module's one per file.
 
 How, for one file (:class:`DirectWrites`, owned by ``LocalStorage``'s writer):
 
@@ -44,8 +46,8 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def enabled() -> bool:
-    """Whether durable local writes try ``O_DIRECT`` (``CKPTD_DIRECT_IO``, default on; Linux only)."""
-    return bool(_O_DIRECT) and os.environ.get("CKPTD_DIRECT_IO", "1").lower() not in ("0", "false", "no", "off")
+    """Whether durable local writes try ``O_DIRECT`` (``CKPTD_DIRECT_IO=1``; default off; Linux only)."""
+    return bool(_O_DIRECT) and os.environ.get("CKPTD_DIRECT_IO", "0").lower() in ("1", "true", "yes", "on")
 
 
 class _Pool:
