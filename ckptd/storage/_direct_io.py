@@ -5,10 +5,10 @@ page cache"). Why it exists: a buffered write costs far more CPU than the bytes'
 copies into the page cache, allocates and later reclaims those pages and writes them back; measured
 on one 2-core VM (AMD EPYC), writing 1 GiB and fsyncing it took 1.6-1.8 s of CPU buffered against
 0.1 s with ``O_DIRECT`` plus a 0.27 s user-space copy into an aligned buffer, and ``ckptd reshard`` used
-a quarter less CPU in the same wall time. Why it is off: on another 2-core VM (Intel Xeon) it saved no
-CPU, left ``ckptd reshard`` where it was and made ``ckptd export``, one file written front to back,
-15 % slower: one write in flight per file keeps fewer writes at the disk than the page cache's early
-write-back (``LocalStorage``) does.
+a quarter less CPU in the same wall time. Why it is off: on another 2-core VM (Intel Xeon) it saved
+2-13 % of the CPU, left ``ckptd reshard``'s time where it was and made ``ckptd export``, one file
+written front to back, 10-15 % slower: one write in flight per file keeps fewer writes at the disk
+than the page cache's early write-back (``LocalStorage``) does.
 
 How, for one file (:class:`DirectWrites`, owned by ``LocalStorage``'s writer):
 
