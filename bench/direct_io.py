@@ -22,13 +22,11 @@ Each process: wall time, CPU (user + sys, ``wait4``) and, for the reshard, its o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from bench._disk import evict  # noqa: E402
 from bench._report import add_workdir_args, git_state, work_dir, write_report  # noqa: E402
+from bench.verify import run_cli  # noqa: E402
 from tests.support import ServerProcess  # noqa: E402
 
 PY = sys.executable
@@ -70,21 +69,12 @@ def save_source(root: Path, gib: float, log: Path) -> int:
 
 
 def timed(cmd: list[str], direct: str, timeout: float) -> dict:
-    """One process under ``CKPTD_DIRECT_IO=direct``: wall, CPU, and its last stdout line parsed as JSON."""
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "CKPTD_DIRECT_IO": direct},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    """One process under ``CKPTD_DIRECT_IO=direct``: wall, CPU, and its last JSON line."""
     try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        raise
-    wall = time.perf_counter() - t0
-    cpu = child_cpu()
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} (CKPTD_DIRECT_IO={direct}) exited {p.returncode}:\n{err.decode()[-2000:]}")
-    lines = out.decode().strip().splitlines()
-    return {"wall_s": wall, "cpu_s": cpu, "json": json.loads(lines[-1]) if lines else None}
+        rec = run_cli(cmd, timeout, env={"CKPTD_DIRECT_IO": direct})
+    finally:
+        cpu = child_cpu()  # reaped either way: a failed run's CPU is not the next one's
+    return {"wall_s": rec["wall_s"], "cpu_s": cpu, "json": rec["report"]}
 
 
 _reaped_cpu = 0.0

@@ -171,11 +171,11 @@ def cold_read(paths: list[Path], block: int) -> dict:
     return {"seconds": s, "bytes": n, "gbps": n / s / 1e9}
 
 
-def run_cli(cmd: list[str], timeout: float) -> dict:
-    """A subprocess: wall time, its own rusage (wait4), and its last JSON line."""
+def run_cli(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> dict:
+    """A subprocess (``env`` added to this one's): wall time and its last JSON line."""
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
