@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import resource
 import shutil
 import statistics
 import sys
@@ -37,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from bench._disk import evict  # noqa: E402
 from bench._report import add_workdir_args, git_state, work_dir, write_report  # noqa: E402
-from bench.verify import run_cli  # noqa: E402
+from bench.verify import _children_cpu as children_cpu, run_cli  # noqa: E402
 from tests.support import ServerProcess  # noqa: E402
 
 PY = sys.executable
@@ -69,25 +68,11 @@ def save_source(root: Path, gib: float, log: Path) -> int:
 
 
 def timed(cmd: list[str], direct: str, timeout: float) -> dict:
-    """One process under ``CKPTD_DIRECT_IO=direct``: wall, CPU, and its last JSON line."""
-    try:
-        rec = run_cli(cmd, timeout, env={"CKPTD_DIRECT_IO": direct})
-    finally:
-        cpu = child_cpu()  # reaped either way: a failed run's CPU is not the next one's
-    return {"wall_s": rec["wall_s"], "cpu_s": cpu, "json": rec["report"]}
-
-
-_reaped_cpu = 0.0
-
-
-def child_cpu() -> float:
-    """CPU seconds (user + sys) of the children reaped since the previous call: ``RUSAGE_CHILDREN`` grows by
-    each child when it is waited for, and these processes are the only children reaped in between."""
-    global _reaped_cpu
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    now = ru.ru_utime + ru.ru_stime
-    d, _reaped_cpu = now - _reaped_cpu, now
-    return d
+    """One process under ``CKPTD_DIRECT_IO=direct``: wall, CPU (``RUSAGE_CHILDREN`` before and after), and its
+    last JSON line."""
+    before = sum(children_cpu())
+    rec = run_cli(cmd, timeout, env={"CKPTD_DIRECT_IO": direct})
+    return {"wall_s": rec["wall_s"], "cpu_s": sum(children_cpu()) - before, "json": rec["report"]}
 
 
 def pairs(name: str, n: int, cmd_of: Any, cleanup: Any, files: list[Path], timeout: float) -> list[dict]:
@@ -150,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = save_source(root, args.gib, work / "server.log")
         files = [root]
         timeout = 120 + nbytes / (1 << 20) * 0.5
-        child_cpu()  # count from here: the server's CPU is not a measured process's
         reshard = pairs(
             "reshard", args.pairs,
             lambda d, i: [PY, "-m", "ckptd.cli.main", "reshard", REF, "--to", "fsdp2:dp=2", "--root", str(root),
