@@ -18,13 +18,29 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["ServerProcess", "assert_bits_equal", "blank_like", "free_port", "make_state", "run_ranks"]
+__all__ = ["BENCH_TIMEOUT_S", "ServerProcess", "assert_bits_equal", "blank_like", "free_port", "make_state",
+           "REPO", "run_bench", "run_ranks"]
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: How long a benchmark smoke run may take before it counts as hung. A guard, not a timing: the 0.01 GiB
+#: reshard benchmark takes 44 s alone on a 2-core VM and went past 110 s beside another xdist worker.
+BENCH_TIMEOUT_S = 600
+
+
+def run_bench(module: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``python -m <module> <args>`` from the repository root; fail with its output if it exits non-zero."""
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=BENCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
 
 
 def stop_process(proc: subprocess.Popen | None) -> None:

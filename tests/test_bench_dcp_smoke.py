@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support import BENCH_TIMEOUT_S, run_bench
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(BENCH_TIMEOUT_S + 60)
 def test_bench_dcp_io_runs_small(tmp_path):
     out = tmp_path / "dcp_io.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.dcp_io", "--gib", "0.01", "--repeat", "1", "--world", "2", "--out", str(out),
-         "--workdir", str(tmp_path / "work")],
-        cwd=REPO, capture_output=True, text=True, timeout=110)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_bench("bench.dcp_io", "--gib", "0.01", "--repeat", "1", "--world", "2", "--out", str(out),
+                     "--workdir", str(tmp_path / "work"))
     res = json.loads(out.read_text())
     s = res["summary"]
     for key in ("save_throughput_ratio", "load_throughput_ratio", "export_ratio", "export_ratio_no_check",

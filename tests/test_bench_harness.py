@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from support import REPO, run_bench
 
 
 def test_summary_and_plot_from_committed_results(tmp_path):
     for f in (REPO / "bench" / "results").glob("*.json"):
         if f.name != "summary.json":
             shutil.copy(f, tmp_path / f.name)
-    r = subprocess.run([sys.executable, "-m", "bench", "--summarize-only", "--results", str(tmp_path)],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    r = run_bench("bench", "--summarize-only", "--results", str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     rows = {(x["suite"], x["measure"]): x for x in summary["ratios"]}
     found = [x for x in rows.values() if isinstance(x["value"], (int, float))]

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support import BENCH_TIMEOUT_S, run_bench
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(BENCH_TIMEOUT_S + 60)
 def test_bench_manifest_runs_small(tmp_path):
     out = tmp_path / "manifest.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.manifest", "--ranks", "8", "--tensors", "12", "--repeat", "1",
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=110)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_bench("bench.manifest", "--ranks", "8", "--tensors", "12", "--repeat", "1",
+                     "--out", str(out))
     s = json.loads(out.read_text())["summary"]
     assert s["chunks"] == 96
     for key in ("commit_s", "commit_cold_s", "manifest_read_s", "dcp_global_plan_s", "commit_ratio_vs_dcp_global_plan"):

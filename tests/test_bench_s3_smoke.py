@@ -3,27 +3,21 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support import BENCH_TIMEOUT_S, run_bench
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(BENCH_TIMEOUT_S + 60)
 def test_bench_s3_runs_small(tmp_path):
     pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
     pytest.importorskip("s3fs", reason="s3fs is in the s3 extra")
     out = tmp_path / "s3.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.s3", "--mib", "4", "--repeat", "1", "--out", str(out),
-         "--workdir", str(tmp_path / "work")],
-        cwd=REPO, capture_output=True, text=True, timeout=170)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_bench("bench.s3", "--mib", "4", "--repeat", "1", "--out", str(out),
+                     "--workdir", str(tmp_path / "work"))
     res = json.loads(out.read_text())
     s = res["summary"]
     for key in ("save_throughput_ratio", "load_throughput_ratio", "dcp_save_s", "ckptd_save_s", "dcp_load_s",

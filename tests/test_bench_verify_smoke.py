@@ -4,25 +4,20 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support import BENCH_TIMEOUT_S, REPO, run_bench
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(BENCH_TIMEOUT_S + 60)
 def test_bench_verify_runs_small(tmp_path):
     out = tmp_path / "verify.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.verify", "--gib", "0.01", "--repeat", "1", "--blocks-mib", "1,4",
-         "--out", str(out), "--workdir", str(tmp_path / "work")],
-        cwd=REPO, capture_output=True, text=True, timeout=110)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_bench("bench.verify", "--gib", "0.01", "--repeat", "1", "--blocks-mib", "1,4",
+                     "--out", str(out), "--workdir", str(tmp_path / "work"))
     res = json.loads(out.read_text())
     s = res["summary"]
     for key in ("cold_read_gbps", "verify_cli_gbps", "verify_inproc_gbps", "verify_inproc_alt_gbps",
