@@ -9,7 +9,8 @@ Imports without the server's dependencies (FastAPI, uvicorn, s3fs)::
 
 The public names below are resolved on first use (PEP 562): tools that only
 need ``ckptd_client.assemble`` (the reshard workers, the CLI) then skip
-importing ``torch.distributed.tensor``, about half a second of start-up.
+importing ``torch.distributed.tensor``, about half a second of start-up, and
+those that only list, read and verify (``CatalogClient``) skip torch entirely.
 """
 
 from importlib import import_module
@@ -21,15 +22,16 @@ from ckptd_schemas.errors import __all__ as _errors
 if TYPE_CHECKING:
     from ._load import LoadReport
     from ._save import SaveHandle
+    from .catalog import CatalogClient
     from .client import CheckpointClient
     from .flat import FlatShard
     from .preempt import PreemptionGuard
     from .zero import flat_partition
 
-_LAZY = {"CheckpointClient": ".client", "FlatShard": ".flat", "LoadReport": "._load",
+_LAZY = {"CatalogClient": ".catalog", "CheckpointClient": ".client", "FlatShard": ".flat", "LoadReport": "._load",
          "PreemptionGuard": ".preempt", "SaveHandle": "._save", "flat_partition": ".zero"}
 
-__all__ = ["CheckpointClient", "FlatShard", "LoadReport", "PreemptionGuard", "SaveHandle", "flat_partition",
+__all__ = ["CatalogClient", "CheckpointClient", "FlatShard", "LoadReport", "PreemptionGuard", "SaveHandle", "flat_partition",
            *_errors]
 
 

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import uuid
 from typing import TYPE_CHECKING, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ckptd_schemas import (
-    CheckpointSummary, CommitFailed, InvalidName, Manifest, RunSummary, SessionStatus, parse_ref,
-)
+from ckptd_schemas import CommitFailed, InvalidName, SessionStatus, parse_ref
 
+from .catalog import CatalogClient
 from ._codec import CompressionPolicy, compression_of
 from ._dist import any_rank, broadcast_str, rank_and_world
 from ._http import Transport
@@ -24,9 +22,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointClient"]
 
-DEFAULT_URL = "http://127.0.0.1:8470"
-
-
 def _upload_then_release(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None,
                          **kw: object) -> SessionStatus:
     """The background save: the buffers go back inside the task, before its future completes, so a
@@ -37,7 +32,7 @@ def _upload_then_release(transport: Transport, base: str, session: str, snap: Sn
         snap.release()
 
 
-class CheckpointClient:
+class CheckpointClient(CatalogClient):
     """Save and load sharded state through a ckptd service.
 
     ``save`` and ``load`` are collective when torch.distributed is initialised:
@@ -86,14 +81,11 @@ class CheckpointClient:
                  file_bytes: int = 256 << 20, retry_seconds: float = 120.0, timeout: float = 300.0,
                  snapshot_bytes: int | None = None, direct_reads: bool = True,
                  direct_writes: bool = True, share_replicas: bool = True) -> None:
-        self.url = url or os.environ.get("CKPTD_URL", DEFAULT_URL)
+        super().__init__(url, token=token, retry_seconds=retry_seconds, timeout=timeout)
         self.compression = compression
         self._codec = compression_of(compression)  # one policy per client: it learns across saves
         self.streams = streams
         self.file_bytes = file_bytes
-        self._token = token or os.environ.get("CKPTD_TOKEN")
-        self._transport = Transport(self.url, token=self._token,
-                                    retry_seconds=retry_seconds, timeout=timeout)
         self._uploader = ThreadPoolExecutor(1, thread_name_prefix="ckptd-save")
         self._pending: list[SaveHandle] = []  # saves whose outcome nobody has seen yet
         self._lock = threading.Lock()
@@ -167,35 +159,6 @@ class CheckpointClient:
         return CkptdStorageReader(self.url, ref, token=self._token, streams=self.streams,
                                   direct_reads=self.direct_reads)
 
-    # -- queries -----------------------------------------------------------------
-    def manifest(self, ref: str) -> Manifest:
-        r = parse_ref(ref)
-        raw = self._transport.request("GET", f"/v1/checkpoints/{r.run}/{r.name}", sink=lambda x: x.read())
-        return Manifest.model_validate_json(raw)
-
-    def list_runs(self) -> list[RunSummary]:
-        return [RunSummary.model_validate(x) for x in self._transport.request("GET", "/v1/runs")]
-
-    def list_checkpoints(self, run: str) -> list[CheckpointSummary]:
-        return [CheckpointSummary.model_validate(x) for x in self._transport.request("GET", f"/v1/runs/{run}/checkpoints")]
-
-    def gc(self, run: str, *, keep_last: int, keep_every: int | None = None, dry_run: bool = False) -> dict:
-        """Retention on the service (admin scope): the same rules as ``ckptd gc``; returns the plan
-        (``keep`` with reasons, ``delete``, ``deleted``)."""
-        return self._transport.request("POST", f"/v1/runs/{run}/gc", json={
-            "keep_last": keep_last, "keep_every": keep_every, "dry_run": dry_run})
-
-    def verify(self, ref: str) -> dict:
-        """Ask the service to re-read and check every byte of ``ref`` in its worker process (as ``ckptd
-        verify`` does) and record the outcome; returns the record (``ok``, ``problems``, counts)."""
-        r = parse_ref(ref)
-        return self._transport.request("POST", f"/v1/checkpoints/{r.run}/{r.name}/verify")
-
-    def read_range(self, ref: str, file: str, start: int, end: int) -> bytes:
-        r = parse_ref(ref)
-        return self._transport.request("GET", f"/v1/checkpoints/{r.run}/{r.name}/files/{file}",
-                                       headers={"Range": f"bytes={start}-{end - 1}"}, sink=lambda x: x.read())
-
     # -- lifecycle -----------------------------------------------------------------
     def close(self, *, wait: bool = True) -> None:
         """Wait for the pending saves (raising the first error among them) and release connections."""
@@ -213,7 +176,7 @@ class CheckpointClient:
                     raise first
         finally:
             self._uploader.shutdown(wait=wait)
-            self._transport.close()
+            super().close()
             if self.snapshot_pool is not None:
                 self.snapshot_pool.close()
 

@@ -51,3 +51,16 @@ def test_exit_codes(saved, tmp_path):
     for cmd in ("serve", "ls", "show", "verify"):
         assert cmd in help_text
     assert "{serve,ls,show,verify,reshard,reshard-worker,import,export,gc}" in help_text
+
+
+def test_commands_through_a_server_import_no_torch(saved):
+    """ls, show, verify and gc through a service need HTTP and the schemas only (``CatalogClient``):
+    importing torch would cost each invocation more than verifying a small checkpoint does."""
+    code = ("import sys; from ckptd.cli.main import main; url = sys.argv[1]; "
+            "rcs = [main([*cmd, '--server', url]) for cmd in (['ls'], ['show', 'cli/7'], ['verify', 'cli/7'], "
+            "['gc', 'cli', '--keep-last', '1', '--dry-run'])]; "
+            "assert rcs == [0, 0, 0, 0], rcs; bad = {m.split('.')[0] for m in sys.modules} & {'torch', 'numpy'}; "
+            "assert not bad, bad")
+    out = subprocess.run([sys.executable, "-c", code, saved.url], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK cli/7" in out.stdout

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 from ckptd_schemas import CheckpointSummary, Manifest, RunSummary
+
+from .readahead import ReadAhead
 
 __all__ = ["Backend", "HttpBackend", "RootBackend", "open_backend"]
 
@@ -14,6 +17,7 @@ class Backend(Protocol):
     def list_checkpoints(self, run: str) -> list[CheckpointSummary]: ...
     def manifest(self, run: str, name: str) -> Manifest: ...
     def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes: ...
+    def close(self) -> None: ...
 
 
 class RootBackend:
@@ -35,12 +39,20 @@ class RootBackend:
     def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes:
         return self.reader.read_range(manifest.run, manifest.name, file, start, end)
 
+    def close(self) -> None:
+        pass
+
 
 class HttpBackend:
-    def __init__(self, url: str) -> None:
-        from ckptd_client import CheckpointClient
+    """Through a service: its data files are read a range per request, with read-ahead (see
+    :mod:`ckptd.cli.readahead`), one per checkpoint read."""
 
-        self.client = CheckpointClient(url, retry_seconds=5.0)
+    def __init__(self, url: str) -> None:
+        from ckptd_client import CatalogClient
+
+        self.client = CatalogClient(url, retry_seconds=5.0)
+        self._ahead: dict[str, ReadAhead] = {}
+        self._lock = threading.Lock()  # verify reads two files at once
 
     def list_runs(self) -> list[RunSummary]:
         return self.client.list_runs()
@@ -52,7 +64,18 @@ class HttpBackend:
         return self.client.manifest(f"{run}/{name}")
 
     def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes:
-        return self.client.read_range(manifest.ref, file, start, end)
+        ref = manifest.ref
+        with self._lock:
+            ahead = self._ahead.get(ref)
+            if ahead is None:
+                ahead = self._ahead[ref] = ReadAhead(lambda f, s, e: self.client.read_range(ref, f, s, e),
+                                                     {name: f.size for name, f in manifest.files.items()})
+        return ahead.read(file, start, end)
+
+    def close(self) -> None:
+        for ahead in self._ahead.values():
+            ahead.close()
+        self.client.close()
 
 
 def open_backend(root: str | None, server: str | None) -> Backend:

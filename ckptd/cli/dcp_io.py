@@ -91,6 +91,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 res = export_torch(manifest, read, args.out, **kw)
     finally:
         stop()
+        backend.close()
     if args.json:
         print(json.dumps({"ref": res.ref, "format": res.format, "out": res.out, "files": res.files,
                           "tensors": res.tensors, "objects": res.objects, "total_size": res.total_size,

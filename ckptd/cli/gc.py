@@ -11,10 +11,10 @@ __all__ = ["add_parsers"]
 
 def cmd_gc(args: argparse.Namespace) -> int:
     if args.server or (not args.root and os.environ.get("CKPTD_URL")):
-        from ckptd_client import CheckpointClient
+        from ckptd_client import CatalogClient
 
         server = args.server or os.environ["CKPTD_URL"]
-        plan = CheckpointClient(server, retry_seconds=5.0).gc(args.run, keep_last=args.keep_last,
+        plan = CatalogClient(server, retry_seconds=5.0).gc(args.run, keep_last=args.keep_last,
                                                               keep_every=args.keep_every, dry_run=args.dry_run)
     else:
         from ..storage import open_storage

@@ -120,22 +120,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     ref = parse_ref(args.ref)
     b = _backend(args)
-    if args.in_service:
-        if not isinstance(b, HttpBackend):
-            print("ckptd verify --in-service needs --server URL (or $CKPTD_URL)", file=sys.stderr)
-            return 2
-        rec = b.client.verify(str(ref))  # the service's worker reads and checks; this process only asks
-        report = VerifyReport(ref=rec["ref"], files=rec["files"], tensors=rec["tensors"], chunks=rec["chunks"],
-                              bytes_read=rec["bytes_read"], problems=rec["problems"])
-    else:
-        try:
-            m = b.manifest(ref.run, ref.name)
-        except IntegrityError as e:
-            print(f"FAIL {args.ref}: {e.message}")
-            return 1
-        progress, finish = progress_bar(m.total_bytes, f"verify {m.ref}", args.json)
-        report = verify_manifest(m, _Source(b, m), progress=progress)
-        finish()
+    try:
+        if args.in_service:
+            if not isinstance(b, HttpBackend):
+                print("ckptd verify --in-service needs --server URL (or $CKPTD_URL)", file=sys.stderr)
+                return 2
+            rec = b.client.verify(str(ref))  # the service's worker reads and checks; this process only asks
+            report = VerifyReport(ref=rec["ref"], files=rec["files"], tensors=rec["tensors"],
+                                  chunks=rec["chunks"], bytes_read=rec["bytes_read"], problems=rec["problems"])
+        else:
+            try:
+                m = b.manifest(ref.run, ref.name)
+            except IntegrityError as e:
+                print(f"FAIL {args.ref}: {e.message}")
+                return 1
+            progress, finish = progress_bar(m.total_bytes, f"verify {m.ref}", args.json)
+            report = verify_manifest(m, _Source(b, m), progress=progress)
+            finish()
+    finally:
+        b.close()
     if args.json:
         print(json.dumps({"ref": report.ref, "ok": report.ok, "files": report.files, "tensors": report.tensors,
                           "chunks": report.chunks, "bytes_read": report.bytes_read, "problems": report.problems}))

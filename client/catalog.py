@@ -1,0 +1,80 @@
+"""CatalogClient: what a tool asks a ckptd service without holding tensors.
+
+Listing runs and checkpoints, reading a manifest or a byte range of a data file, asking for a
+verification or a retention pass: none of it needs torch, and importing torch (with
+``torch.distributed``) costs a command-line tool about 1.5 s before its first request, more than
+``ckptd verify --server`` spent reading 256 MiB. So these calls live here, on the HTTP transport
+alone; :class:`ckptd_client.CheckpointClient` extends this class with ``save`` and ``load``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from ckptd_schemas import CheckpointSummary, Manifest, RunSummary, parse_ref
+
+from ._http import Transport
+
+__all__ = ["DEFAULT_URL", "CatalogClient"]
+
+DEFAULT_URL = "http://127.0.0.1:8470"
+
+
+class CatalogClient:
+    """Queries and byte reads against a ckptd service (or several replicas of one).
+
+    Args:
+        url: service URL (default ``$CKPTD_URL`` or ``http://127.0.0.1:8470``); several replicas of
+            one service (same storage root) as a list or comma-separated: calls go to the first and
+            move to the next when a connection cannot be made.
+        token: bearer token (default ``$CKPTD_TOKEN``).
+        retry_seconds: how long transient failures (connection errors, 5xx) are retried.
+        timeout: seconds one request may take.
+    """
+
+    def __init__(self, url: str | Sequence[str] | None = None, *, token: str | None = None,
+                 retry_seconds: float = 120.0, timeout: float = 300.0) -> None:
+        self.url = url or os.environ.get("CKPTD_URL", DEFAULT_URL)
+        self._token = token or os.environ.get("CKPTD_TOKEN")
+        self._transport = Transport(self.url, token=self._token, retry_seconds=retry_seconds, timeout=timeout)
+
+    def manifest(self, ref: str) -> Manifest:
+        r = parse_ref(ref)
+        raw = self._transport.request("GET", f"/v1/checkpoints/{r.run}/{r.name}", sink=lambda x: x.read())
+        return Manifest.model_validate_json(raw)
+
+    def list_runs(self) -> list[RunSummary]:
+        return [RunSummary.model_validate(x) for x in self._transport.request("GET", "/v1/runs")]
+
+    def list_checkpoints(self, run: str) -> list[CheckpointSummary]:
+        return [CheckpointSummary.model_validate(x)
+                for x in self._transport.request("GET", f"/v1/runs/{run}/checkpoints")]
+
+    def gc(self, run: str, *, keep_last: int, keep_every: int | None = None, dry_run: bool = False) -> dict:
+        """Retention on the service (admin scope): the same rules as ``ckptd gc``; returns the plan
+        (``keep`` with reasons, ``delete``, ``deleted``)."""
+        return self._transport.request("POST", f"/v1/runs/{run}/gc", json={
+            "keep_last": keep_last, "keep_every": keep_every, "dry_run": dry_run})
+
+    def verify(self, ref: str) -> dict:
+        """Ask the service to re-read and check every byte of ``ref`` in its worker process (as ``ckptd
+        verify`` does) and record the outcome; returns the record (``ok``, ``problems``, counts)."""
+        r = parse_ref(ref)
+        return self._transport.request("POST", f"/v1/checkpoints/{r.run}/{r.name}/verify")
+
+    def read_range(self, ref: str, file: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of one data file of a committed checkpoint, as stored (not checked)."""
+        r = parse_ref(ref)
+        return self._transport.request("GET", f"/v1/checkpoints/{r.run}/{r.name}/files/{file}",
+                                       headers={"Range": f"bytes={start}-{end - 1}"}, sink=lambda x: x.read())
+
+    def close(self) -> None:
+        """Release the connections."""
+        self._transport.close()
+
+    def __enter__(self) -> "CatalogClient":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
