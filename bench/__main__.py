@@ -86,6 +86,9 @@ RATIOS: list[tuple[str, str, str, float | None, str]] = [
     ("save_load", "committed save vs the same bytes written + fsynced", "summary.ckptd_save_vs_raw", None, ">="),
     ("save_load", "stall / dcp.save time", "summary.stall_ratio", 0.1, "<="),
     ("save_load", "stall / dcp.async_save blocking", "summary.stall_vs_async_ratio", 1.0, "<="),
+    ("save_load", "stall / the same shards copied, nothing else", "summary.stall_vs_copy_floor", None, "<="),
+    ("save_load", "that copy / dcp.save time (lowest stall ratio possible)", "summary.stall_ratio_possible", None,
+     "<="),
     ("save_load", "load at another world size vs dcp.load", "summary.load_throughput_ratio", 1.5, ">="),
     ("save_load", "same, every byte through HTTP (direct_reads=False)", "summary.load_cold_http_throughput_ratio",
      None, ">="),
@@ -107,6 +110,7 @@ RATIOS: list[tuple[str, str, str, float | None, str]] = [
     ("replicas", "two replicas vs one (save throughput)", "summary.two_over_one_throughput", None, ">="),
     ("verify", "ckptd verify vs cold sequential read", "summary.verify_ratio", 0.8, ">="),
     ("verify", "verify in the service's warm worker vs cold read", "summary.verify_service_ratio", 0.8, ">="),
+    ("verify", "ckptd verify --server (ranges over HTTP) vs cold read", "summary.verify_server_ratio", None, ">="),
     ("manifest", "commit, 1024 ranks x 500 tensors (seconds)", "summary.commit_s", 2.0, "<="),
     ("manifest", "commit vs DCP global plan, same layout", "summary.commit_ratio_vs_dcp_global_plan", None, ">="),
     # the default (page cache) against CKPTD_DIRECT_IO=1, interleaved: CKPTD_DIRECT_IO=1's time / the default's

@@ -22,6 +22,7 @@ def test_bench_save_load_runs_small(tmp_path):
                 "load_warm_throughput_ratio", "load_cold_http_throughput_ratio", "load_warm_http_throughput_ratio"):
         assert s[key] > 0, key
     assert s["disk_write_ceiling_gbps"] > 0 and s["save_ratio_possible"] > 0  # the bound on any save ratio
+    assert s["copy_floor_s"] > 0 and s["stall_ratio_possible"] > 0  # and on any stall
     rl = s["replicated_load"]  # over HTTP, the host's ranks fetch the replicated tensors once between them
     state = rl["shared"]["bytes_shared_in"] / 2  # each of the two other ranks receives every tensor
     assert state > 0 and rl["each_rank"]["bytes_shared_in"] == 0
