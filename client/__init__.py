@@ -28,11 +28,11 @@ if TYPE_CHECKING:
     from .preempt import PreemptionGuard
     from .zero import flat_partition
 
-_LAZY = {"CatalogClient": ".catalog", "CheckpointClient": ".client", "FlatShard": ".flat", "LoadReport": "._load",
-         "PreemptionGuard": ".preempt", "SaveHandle": "._save", "flat_partition": ".zero"}
+_LAZY = {"CatalogClient": ".catalog", "CheckpointClient": ".client", "FlatShard": ".flat",
+         "LoadReport": "._load", "PreemptionGuard": ".preempt", "SaveHandle": "._save", "flat_partition": ".zero"}
 
-__all__ = ["CatalogClient", "CheckpointClient", "FlatShard", "LoadReport", "PreemptionGuard", "SaveHandle", "flat_partition",
-           *_errors]
+__all__ = ["CatalogClient", "CheckpointClient", "FlatShard", "LoadReport", "PreemptionGuard", "SaveHandle",
+           "flat_partition", *_errors]
 
 
 def __getattr__(name: str) -> object:

@@ -2,7 +2,7 @@
 
 Listing runs and checkpoints, reading a manifest or a byte range of a data file, asking for a
 verification or a retention pass: none of it needs torch, and importing torch (with
-``torch.distributed``) costs a command-line tool about 1.5 s before its first request, more than
+``torch.distributed``) costs a command-line tool 1.5–3 s before its first request on the measured VMs, more than
 ``ckptd verify --server`` spent reading 256 MiB. So these calls live here, on the HTTP transport
 alone; :class:`ckptd_client.CheckpointClient` extends this class with ``save`` and ``load``.
 """

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointClient"]
 
+
 def _upload_then_release(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None,
                          **kw: object) -> SessionStatus:
     """The background save: the buffers go back inside the task, before its future completes, so a

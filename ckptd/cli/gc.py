@@ -14,8 +14,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         from ckptd_client import CatalogClient
 
         server = args.server or os.environ["CKPTD_URL"]
-        plan = CatalogClient(server, retry_seconds=5.0).gc(args.run, keep_last=args.keep_last,
-                                                              keep_every=args.keep_every, dry_run=args.dry_run)
+        with CatalogClient(server, retry_seconds=5.0) as client:
+            plan = client.gc(args.run, keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run)
     else:
         from ..storage import open_storage
         from ..store.retention import collect

@@ -25,6 +25,9 @@ Fetch = Callable[[str, int, int], bytes]
 
 
 class ReadAhead:
+    """Sequential reads of several files through ``fetch``, ``depth`` ranges ahead per file, on
+    ``workers`` threads shared by all files."""
+
     def __init__(self, fetch: Fetch, sizes: Mapping[str, int], *, depth: int = 3, workers: int = 4) -> None:
         self._fetch, self._sizes, self._depth = fetch, sizes, depth
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptd-read-ahead")
