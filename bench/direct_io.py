@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -36,6 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from bench._disk import evict  # noqa: E402
 from bench._report import add_workdir_args, git_state, work_dir, write_report  # noqa: E402
+from bench.save_load import describe_machine  # noqa: E402
 from bench.verify import _children_cpu as children_cpu, run_cli  # noqa: E402
 from tests.support import ServerProcess  # noqa: E402
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "command": "python -m bench.direct_io " + " ".join(sys.argv[1:] if argv is None else argv),
             "git": git_state(),
-            "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "cpu": _cpu_model()},
+            "machine": describe_machine(work),
             "config": {"gib": args.gib, "pairs": args.pairs, "state_bytes": nbytes},
             "runs": {"reshard": reshard, "export": export},
             "summary": {"reshard": summarise(reshard), "export": summarise(export)},
@@ -159,16 +159,6 @@ def main(argv: list[str] | None = None) -> int:
         }
         write_report(args.out, res, markdown(res))
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":
