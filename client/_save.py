@@ -30,7 +30,7 @@ import xxhash
 import zstandard
 
 from ckptd_schemas import (
-    BoxChunk, FlatChunk, Location, ObjectEntry, ParamGroup, RankIndex, SessionInfo,
+    AlreadyCommitted, BoxChunk, FlatChunk, Location, ObjectEntry, ParamGroup, RankIndex, SessionInfo,
     SessionStatus, TensorEntry, Unavailable, error_from_body,
 )
 
@@ -339,16 +339,25 @@ def open_session(transport: Transport, base: str, session: str, world: int, step
     return probe(info.direct) if direct_writes else None
 
 
+def _ours(e: AlreadyCommitted, session: str) -> bool:
+    """True when ``e`` says the checkpoint was committed by ``session`` itself, not by another save."""
+    return e.details.get("session") == session
+
+
 def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, *, compression: Compression,
                  file_bytes: int, streams: int, prefix: str | None = None,
-                 staging: StagingDir | None = None) -> RankIndex:
+                 staging: StagingDir | None = None, committed: threading.Event | None = None) -> RankIndex:
     """Pack the snapshot into files, stream them (several at once), return the rank's index.
 
     With ``staging`` (direct writes, ``ckptd_client._staging``), each file is written there and
     adopted by the service instead of uploaded, until a fallback turns that off.
     With a :class:`CompressionPolicy`, the upload's throughput is fed back to it: the next save
     decides against the store as it is now.
+    Once the service answers that this very session is committed (``committed`` is set, here or by the
+    caller), the remaining files are packed and hashed but not sent: the index still comes back whole,
+    for the service to compare with the one it committed.
     """
+    committed = committed if committed is not None else threading.Event()
     starts: list[float] = []  # the upload's rate, for the compression policy, runs from the first PUT
 
     def adopt(f: _File, staging: StagingDir) -> bool:
@@ -367,13 +376,23 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
             staging.discard(staged)
             raise
 
-    def put(f: _File) -> None:
+    def send(f: _File) -> None:
         starts.append(time.perf_counter())
         if staging is not None and staging.enabled and adopt(f, staging):
             return
         transport.request("PUT", f"{base}/sessions/{session}/files/{f.name}", content=lambda: _stream(f),
                           headers={"X-Ckptd-Xxh3": f.xxh3, "Content-Length": str(f.size),
                                    "Content-Type": "application/octet-stream"})
+
+    def put(f: _File) -> None:
+        if committed.is_set():
+            return
+        try:
+            send(f)
+        except AlreadyCommitted as e:
+            if not _ours(e, session):
+                raise
+            committed.set()
 
     # Each file's upload starts as soon as it is packed and hashed, while the next one is packed.
     with ThreadPoolExecutor(max(1, streams), thread_name_prefix="ckptd-upload") as pool:
@@ -387,7 +406,7 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
             raise
         for fut in sent:
             fut.result()  # the first failure, in file order
-    if isinstance(compression, CompressionPolicy) and starts:
+    if isinstance(compression, CompressionPolicy) and starts and not committed.is_set():  # a whole upload's rate
         compression.observe(sum(f.size for f in files), time.perf_counter() - min(starts))
     return index
 
@@ -407,11 +426,23 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
     A failure before the index is sent aborts the session (best effort): it cannot commit without
     this rank's index, so its staged files are deleted now instead of at the stale-session TTL, and
     the other ranks' waits end with the session gone instead of at their timeout.
+
+    Run again with the same ``session`` (a save resumed after a crash), the upload may find that
+    session already committed: the other ranks finished it with this rank's index from the earlier
+    attempt. The rank then sends nothing but its index, which the service answers with the committed
+    status when it equals the committed one, and refuses (``AlreadyCommitted``) when it differs.
     """
+    committed = threading.Event()
     try:
-        staging = open_session(transport, base, session, snap.world, step, direct_writes=direct_writes)
+        try:
+            staging = open_session(transport, base, session, snap.world, step, direct_writes=direct_writes)
+        except AlreadyCommitted as e:
+            if not _ours(e, session):
+                raise
+            staging = None
+            committed.set()
         index = upload_files(transport, base, session, snap, compression=compression, file_bytes=file_bytes,
-                             streams=streams, staging=staging)
+                             streams=streams, staging=staging, committed=committed)
     except Exception:
         with contextlib.suppress(Exception):
             transport.request("DELETE", f"{base}/sessions/{session}", retry=False)

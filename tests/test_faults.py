@@ -41,7 +41,7 @@ from ckptd_client import (
     AlreadyCommitted, CheckpointClient, CheckpointNotFound, StorageError, StorageFull, Unavailable,
 )
 from ckptd_client._http import Transport
-from ckptd_client._save import build_snapshot, upload_snapshot, wait_committed
+from ckptd_client._save import build_snapshot, open_session, upload_files, upload_snapshot, wait_committed
 from ckptd_schemas import SessionStatus
 from fault_proxy import CutProxy
 from support import ServerProcess, make_state, run_ranks
@@ -136,8 +136,9 @@ def test_randomized_server_kills_never_lose_or_half_show_a_checkpoint(tmp_path):
     1 or 2 ranks (threads, each its own connection) with several data files each. After each kill a
     restarted server must: still load the first checkpoint bit for bit; show the attempted one
     invisible (no marker, not listed, manifest 404) or complete (listed, re-verified, loads bit for
-    bit); commit a retry of the save (a new session, or the same one resumed) exactly once, or
-    refuse it as already committed with the marker untouched. A watcher checks all along that
+    bit); commit a retry of the save (a new session, or the same one resumed) exactly once; once
+    it is committed, answer a resumed session ``committed`` and refuse a new one as already
+    committed, the marker untouched either way. A watcher checks all along that
     whatever is listed verifies, and that no checkpoint is ever seen with two manifests.
     """
     seed = int(os.environ.get("CKPTD_FAULT_SEED") or random.SystemRandom().randrange(1 << 31))
@@ -239,7 +240,13 @@ def test_randomized_server_kills_never_lose_or_half_show_a_checkpoint(tmp_path):
 
                     # -- the retry commits exactly once -----------------------------------------------
                     retry_session = session if resume else uuid.uuid4().hex
-                    if marker is not None:
+                    if marker is not None and resume:  # the same save again: answered, not redone
+                        st = thread_ranks_save(server.url, ref, states, retry_session, retry_seconds=10,
+                                               file_bytes=LOOP_FILE_BYTES)
+                        assert st.state == "committed" and st.session == session
+                        assert st.manifest_xxh3 == json.loads(marker)["manifest_xxh3"]
+                        assert marker_of(root, LOOP_RUN, name) == marker, "the COMMITTED marker was rewritten"
+                    elif marker is not None:
                         with pytest.raises(AlreadyCommitted) as ei:
                             thread_ranks_save(server.url, ref, states, retry_session, retry_seconds=10,
                                               file_bytes=LOOP_FILE_BYTES)
@@ -415,6 +422,91 @@ def test_connection_cut_mid_stream_retried_and_committed_once(srv, tmp_path, cut
         assert_loads(direct, f"{RUN}/2", sd2)
         assert_loads(direct, f"{RUN}/1", SD1)
     assert_verifies(root, f"{RUN}/2")
+
+
+class _HookedTransport(Transport):
+    """A real transport that runs ``hook`` once, right after its first answer to ``when`` (a method and path
+    suffix): the moment another rank's request lands, set exactly."""
+
+    def __init__(self, url: str, when: tuple[str, str], hook, **kw) -> None:
+        super().__init__(url, **kw)
+        self._when, self._hook = when, hook
+
+    def request(self, method: str, path: str, **kw):
+        answer = super().request(method, path, **kw)
+        if self._hook is not None and method == self._when[0] and path.endswith(self._when[1]):
+            hook, self._hook = self._hook, None
+            hook()
+        return answer
+
+
+def test_a_resumed_rank_finds_its_session_committed_by_the_others_and_gets_committed(srv, tmp_path):  # noqa: F811
+    """A save resumed with its session after a crash: the other rank's retry commits the session (this
+    rank's index from the first attempt is in it) before, or while, this rank uploads again.
+
+    Whether the commit lands before its open or between two of its data files, the rank stops
+    sending, and its index, equal to the committed one, is answered ``committed`` with the marker
+    untouched. A rank that resumes the session with other data, or another session, is refused
+    with ``AlreadyCommitted``. (The randomized kill loop above met the second case: seed 2096531997.)
+    """
+    root = Path(srv.root)
+    srv.start()
+    world, ref = 2, f"{RUN}/2"
+    base = f"/v1/checkpoints/{RUN}/2"
+    states = [rank_state(r, world, 7) for r in range(world)]
+    snaps = [build_snapshot(sd, r, world) for r, sd in enumerate(states)]
+    kw = dict(compression=None, file_bytes=64 * KIB, streams=1)
+
+    def upload(rank: int, session: str, transport: Transport | None = None, snap=None) -> SessionStatus:
+        t = transport or Transport(srv.url, retry_seconds=10, timeout=60)
+        try:
+            return upload_snapshot(t, base, session, snap or snaps[rank], 2, **kw)
+        finally:
+            t.close()
+
+    # The first attempt: rank 0 sent everything, rank 1 its files but not its index (the crash).
+    assert upload(0, "s1").state == "open"
+    t1 = Transport(srv.url, retry_seconds=10, timeout=60)
+    try:
+        open_session(t1, base, "s1", world, 2)
+        upload_files(t1, base, "s1", snaps[1], **kw)
+    finally:
+        t1.close()
+    assert marker_of(root, RUN, "2") is None
+    sent: list[str] = []
+
+    class Counting(_HookedTransport):
+        def request(self, method: str, path: str, **kw_):
+            sent.append("file" if "/files/" in path else "index" if "/ranks/" in path
+                        else "open" if path.endswith("/sessions") else f"{method} {path}")
+            return super().request(method, path, **kw_)
+
+    # The retry: rank 0 opens again; rank 1's retry commits right after that, before rank 0's first file.
+    t0 = Counting(srv.url, ("POST", "/sessions"), lambda: sent.append(upload(1, "s1").state),
+                  retry_seconds=10, timeout=60)
+    st0 = upload(0, "s1", t0)
+    marker = marker_of(root, RUN, "2")
+    assert marker is not None and json.loads(marker)["session"] == "s1"
+    assert st0.state == "committed" and st0.manifest_xxh3 == json.loads(marker)["manifest_xxh3"]
+    assert sent == ["open", "committed", "file", "index"], sent  # one file refused, then only the index
+
+    # Run once more, after the commit: refused at open, the index alone answered.
+    sent.clear()
+    again = upload(0, "s1", Counting(srv.url, ("-", "-"), None, retry_seconds=10, timeout=60))
+    assert again.state == "committed" and again.manifest_xxh3 == st0.manifest_xxh3
+    assert sent == ["open", "index"], sent
+    # Other data under the same session, or another session: refused, nothing changed.
+    other = build_snapshot(rank_state(0, world, 8), 0, world)
+    with pytest.raises(AlreadyCommitted) as ei:
+        upload(0, "s1", snap=other)
+    assert ref in ei.value.message
+    with pytest.raises(AlreadyCommitted):
+        upload(1, "s2")
+    assert marker_of(root, RUN, "2") == marker
+    with CheckpointClient(srv.url, retry_seconds=10) as client:
+        assert_loads(client, ref, full_state(7))
+        assert_loads(client, f"{RUN}/1", SD1)
+    assert_verifies(root, ref)
 
 
 # -- 4. the disk fills up mid-write ---------------------------------------------------------------------
