@@ -35,8 +35,9 @@ import xxhash
 from ckptd.storage import LocalStorage, Storage, open_storage
 from ckptd.store import SessionStore
 from ckptd.store.faults import CRASH_POINTS
+from ckptd.store.layout import Paths
 from ckptd_client import CheckpointClient, FlatShard
-from ckptd_schemas import OpenSession, RankIndex
+from ckptd_schemas import AlreadyCommitted, OpenSession, RankIndex
 from fsdp_job import build, full_tensors, load_job, state, train_step
 from support import ServerProcess, assert_bits_equal, blank_like, run_ranks
 
@@ -267,6 +268,49 @@ def test_two_session_stores_racing_on_the_last_indexes_commit_once(tmp_path):
             assert after.state == "committed" and after.manifest_xxh3 == next(iter(digests))[1]
     assert len(created) == rounds
     print(f"{rounds} rounds: {len(tried)} attempts at COMMITTED, {len(created)} created")
+
+
+class _CommitInBetween(SessionStore):
+    """A store where, once, another request's index commits the session right after this request's
+    first look at the marker: the moment a rank's retried index loses the race to the commit."""
+
+    def __init__(self, storage: LocalStorage) -> None:
+        super().__init__(storage)
+        self.other: RankIndex | None = None  # armed by the test
+
+    def _check_writable(self, run: str, name: str, sid: str):
+        if self.other is not None:
+            other, self.other = self.other, None
+            assert self.put_index(run, name, sid, other).state == "committed"
+        return super()._check_writable(run, name, sid)
+
+
+def test_an_index_retry_that_loses_the_race_to_the_commit_is_answered_not_refused(tmp_path):
+    """Both indexes were stored before the replica died between them and the marker; the ranks retry
+    at the other replica at once. Rank 1's retry commits while rank 0's is past its first look at the
+    marker: rank 0 gets the committed status (CI's rehearsal of session 11 met this as a 409 in
+    ``test_replica_dying_at_a_crash_point_the_other_finishes[commit-before-marker]``). An index
+    that differs from the committed one is still refused, and the marker stays as it was."""
+    full = torch.randn(9, 4, generator=torch.Generator().manual_seed(3))
+    (d0, ix0), (d1, ix1) = _hand_index(0, 2, full), _hand_index(1, 2, full)
+    store = _CommitInBetween(LocalStorage(tmp_path, durable=False))
+    store.open(RUN, "5", OpenSession(session="s", world_size=2, step=5))
+    for r, data in enumerate((d0, d1)):
+        sink = store.begin_file(RUN, "5", "s", f"r{r}.bin")
+        sink.write(data)
+        sink.finish(xxhash.xxh3_64_hexdigest(data))
+    for r, ix in enumerate((ix0, ix1)):  # as the dead replica stored them
+        store.storage.put(Paths.rank_index(RUN, "5", "s", r), ix.model_dump_json().encode())
+    assert store.storage.read_json_or_none(Paths.marker(RUN, "5")) is None
+    store.other = ix1
+    st = store.put_index(RUN, "5", "s", ix0)
+    assert store.other is None, "the commit did not land in between"
+    marker = store.storage.read(Paths.marker(RUN, "5"))
+    assert st.state == "committed" and st.manifest_xxh3 == json.loads(marker)["manifest_xxh3"]
+    changed = ix0.model_copy(update={"coords": {"dp": 0}})
+    with pytest.raises(AlreadyCommitted):
+        store.put_index(RUN, "5", "s", changed)
+    assert store.storage.read(Paths.marker(RUN, "5")) == marker
 
 
 # -- 1. one FSDP2 checkpoint, ranks split over two replicas ----------------------------------------------

@@ -226,14 +226,18 @@ class SessionStore:
     # -- 3. rank index -----------------------------------------------------------------
     def put_index(self, run: str, name: str, sid: str, index: RankIndex) -> SessionStatus:
         check_run(run), check_name(name), check_session(sid)
-        m = self._marker(run, name)
-        if m is not None and m.session == sid:
-            # A retry of an index that is already part of this session's commit (the response was
-            # lost, e.g. the server died right after creating the marker): answer as before.
-            stored = self.storage.read_json_or_none(Paths.rank_index(run, name, sid, index.rank))
-            if stored is not None and RankIndex.model_validate(stored) == index:
-                return self.status(run, name, sid)
-        meta = self._check_writable(run, name, sid)
+        answer = self._committed_with(run, name, sid, index)
+        if answer is not None:
+            return answer
+        try:
+            meta = self._check_writable(run, name, sid)
+        except AlreadyCommitted:
+            # Committed since the check above, by another request of this session that brought the last
+            # index (ranks retrying at a restarted server or another replica race like this).
+            answer = self._committed_with(run, name, sid, index)
+            if answer is None:
+                raise
+            return answer
         if index.world_size != meta.world_size or index.rank >= meta.world_size:
             raise InvalidIndex(
                 f"rank {index.rank}: index says world size {index.world_size}, session {sid} has "
@@ -267,6 +271,20 @@ class SessionStore:
         self._indexes.put(key, raw, index)
         crash_point("index-written")
         return self.status(run, name, sid, raise_on_failure=True)
+
+    def _committed_with(self, run: str, name: str, sid: str, index: RankIndex) -> SessionStatus | None:
+        """The committed status, when session ``sid`` is committed with exactly ``index`` for its rank.
+
+        That is a retry of an index already part of the commit (its answer was lost, e.g. the server
+        died right after creating the marker), or one that raced the commit: answer as before.
+        """
+        m = self._marker(run, name)
+        if m is None or m.session != sid:
+            return None
+        stored = self.storage.read_json_or_none(Paths.rank_index(run, name, sid, index.rank))
+        if stored is None or RankIndex.model_validate(stored) != index:
+            return None
+        return self.status(run, name, sid)
 
     # -- status / commit ---------------------------------------------------------------
     def ranks_done(self, run: str, name: str, sid: str) -> list[int]:
