@@ -424,18 +424,22 @@ def test_connection_cut_mid_stream_retried_and_committed_once(srv, tmp_path, cut
     assert_verifies(root, f"{RUN}/2")
 
 
-class _HookedTransport(Transport):
-    """A real transport that runs ``hook`` once, right after its first answer to ``when`` (a method and path
-    suffix): the moment another rank's request lands, set exactly."""
+class _RecordingTransport(Transport):
+    """A real transport that logs the kind of each request it sends (open, file, index) in ``sent`` and,
+    given ``after_open``, runs it once right after the first open is answered: the moment another
+    rank's request lands, set exactly."""
 
-    def __init__(self, url: str, when: tuple[str, str], hook, **kw) -> None:
+    def __init__(self, url: str, sent: list[str], after_open=None, **kw) -> None:
         super().__init__(url, **kw)
-        self._when, self._hook = when, hook
+        self._sent, self._after_open = sent, after_open
 
     def request(self, method: str, path: str, **kw):
+        kind = ("file" if "/files/" in path else "index" if "/ranks/" in path
+                else "open" if path.endswith("/sessions") else f"{method} {path}")
+        self._sent.append(kind)
         answer = super().request(method, path, **kw)
-        if self._hook is not None and method == self._when[0] and path.endswith(self._when[1]):
-            hook, self._hook = self._hook, None
+        if kind == "open" and self._after_open is not None:
+            hook, self._after_open = self._after_open, None
             hook()
         return answer
 
@@ -474,16 +478,9 @@ def test_a_resumed_rank_finds_its_session_committed_by_the_others_and_gets_commi
         t1.close()
     assert marker_of(root, RUN, "2") is None
     sent: list[str] = []
-
-    class Counting(_HookedTransport):
-        def request(self, method: str, path: str, **kw_):
-            sent.append("file" if "/files/" in path else "index" if "/ranks/" in path
-                        else "open" if path.endswith("/sessions") else f"{method} {path}")
-            return super().request(method, path, **kw_)
-
     # The retry: rank 0 opens again; rank 1's retry commits right after that, before rank 0's first file.
-    t0 = Counting(srv.url, ("POST", "/sessions"), lambda: sent.append(upload(1, "s1").state),
-                  retry_seconds=10, timeout=60)
+    t0 = _RecordingTransport(srv.url, sent, lambda: sent.append(upload(1, "s1").state),
+                             retry_seconds=10, timeout=60)
     st0 = upload(0, "s1", t0)
     marker = marker_of(root, RUN, "2")
     assert marker is not None and json.loads(marker)["session"] == "s1"
@@ -492,7 +489,7 @@ def test_a_resumed_rank_finds_its_session_committed_by_the_others_and_gets_commi
 
     # Run once more, after the commit: refused at open, the index alone answered.
     sent.clear()
-    again = upload(0, "s1", Counting(srv.url, ("-", "-"), None, retry_seconds=10, timeout=60))
+    again = upload(0, "s1", _RecordingTransport(srv.url, sent, retry_seconds=10, timeout=60))
     assert again.state == "committed" and again.manifest_xxh3 == st0.manifest_xxh3
     assert sent == ["open", "index"], sent
     # Other data under the same session, or another session: refused, nothing changed.
