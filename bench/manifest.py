@@ -23,11 +23,14 @@ import argparse
 import gc
 import io
 import pickle
+import random
 import statistics
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+import xxhash
 
 from ckptd_schemas import BoxChunk, Location, Manifest, OpenSession, RankIndex, TensorEntry
 
@@ -39,15 +42,19 @@ ITEM = 2  # bfloat16
 
 
 def _index(rank: int, world: int, tensors: int, file: str) -> tuple[RankIndex, bytes]:
+    """One rank's index and its data file: each chunk's bytes distinct, with their true digest (the
+    commit re-hashes every chunk from the stored bytes)."""
     n = ROWS_PER_RANK * COLS * ITEM
+    data = random.Random(rank).randbytes(64 * tensors)
     entries = []
     for t in range(tensors):
-        loc = Location(file=file, offset=t * 64, length=n, raw_length=n, xxh3=f"{rank * tensors + t:016x}")
+        loc = Location(file=file, offset=t * 64, length=n, raw_length=n,
+                       xxh3=xxhash.xxh3_64_hexdigest(data[t * 64:t * 64 + n]))
         entries.append(TensorEntry(name=f"model.layers.{t}.weight", shape=[ROWS_PER_RANK * world, COLS],
                                    dtype="bfloat16", group="model", placement="(Shard(dim=0),)",
                                    chunks=[BoxChunk(rank=rank, offsets=[rank * ROWS_PER_RANK, 0],
                                                     sizes=[ROWS_PER_RANK, COLS], location=loc)]))
-    return RankIndex(rank=rank, world_size=world, tensors=entries, files=[file]), bytes(64 * tensors)
+    return RankIndex(rank=rank, world_size=world, tensors=entries, files=[file]), data
 
 
 def run_ckptd(root: Path, world: int, tensors: int, trial: int) -> dict:

@@ -16,6 +16,9 @@ so compressing costs its CPU time *plus* the upload of what is left::
 Compressed chunks are cut into frames of at most :data:`FRAME_BYTES` raw bytes
 (:func:`split_frames`), each its own chunk, so a ranged read fetches and decodes
 only the frames it overlaps instead of the whole shard.
+
+Every decode is bounded by the chunk's size, numel x itemsize (:func:`decode_frame`): a
+frame's own header is never trusted for how much memory to give it.
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ from typing import Callable, Iterator
 
 import zstandard
 
-from ckptd_schemas import Copy
+from ckptd_schemas import ChecksumMismatch, Copy, itemsize
 
 __all__ = ["DEFAULT_STORE_BW", "FRAME_BYTES", "SAMPLE_BYTES", "CompressionPolicy", "Measurement",
-           "compression_of", "measure_zstd", "source_bytes", "split_frames"]
+           "compression_of", "decode_frame", "measure_zstd", "source_bytes", "split_frames"]
 
 FRAME_BYTES = 4 << 20
 """Largest raw size of one compressed chunk: the most a ranged read decodes beyond what it needs."""
@@ -200,10 +203,43 @@ def _dctx() -> zstandard.ZstdDecompressor:
     return d
 
 
-def source_bytes(buf: bytes | bytearray | memoryview, c: Copy) -> memoryview:
+def decode_frame(frame: bytes | bytearray | memoryview, raw_length: int, what: str) -> bytearray:
+    """The zstd ``frame`` decoded into exactly ``raw_length`` bytes, never more.
+
+    Streamed into a buffer of ``raw_length`` + 1 bytes: a frame that decodes to more (a
+    decompression bomb, or a declared length that lies) costs at most that buffer, whatever its
+    header claims (``decompress(max_output_size=...)`` trusts the header's content size), and is
+    refused ``ChecksumMismatch`` naming ``what``; as is one that decodes to less or not at all.
+    """
+    out = bytearray(raw_length + 1)
+    view = memoryview(out)
+    got = 0
+    try:
+        reader = _dctx().stream_reader(frame, read_across_frames=False)
+        while got <= raw_length:
+            n = reader.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    except zstandard.ZstdError as e:
+        raise ChecksumMismatch(f"{what}: zstd frame does not decode: {e}", length=raw_length) from None
+    finally:
+        view.release()
+    if got != raw_length:
+        how = "more than" if got > raw_length else f"{got} bytes, not"
+        raise ChecksumMismatch(f"{what}: zstd frame decodes to {how} the {raw_length} bytes its chunk holds",
+                               length=raw_length)
+    del out[raw_length:]
+    return out
+
+
+def source_bytes(buf: bytes | bytearray | memoryview, c: Copy, file: str | None = None) -> memoryview:
     """The raw bytes of ``c``'s source positions ``[pos0, pos0 + npos)``: a view into the verified fetch
-    ``buf`` when stored raw, the decoded frame (writable, its own memory) when stored as zstd."""
+    ``buf`` when stored raw, the decoded frame (writable, its own memory) when stored as zstd, decoded
+    to at most the chunk's size (``npos`` x itemsize of its dtype; :func:`decode_frame`)."""
     mv = memoryview(buf)[c.byte_start:c.byte_start + c.byte_length]
     if c.codec == "zstd":
-        return memoryview(bytearray(_dctx().decompress(mv)))
+        where = f"file {file!r}, " if file else ""
+        what = f"tensor {c.tensor!r} ({where}chunk {c.chunk_xxh3} at byte {c.byte_start} of fetch {c.fetch})"
+        return memoryview(decode_frame(mv, c.npos * itemsize(c.dtype), what))
     return mv

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["any_rank", "barrier", "broadcast_str", "cpu_group", "distributed", "rank_and_world"]
+__all__ = ["any_rank", "any_ranks", "barrier", "broadcast_str", "cpu_group", "distributed", "rank_and_world"]
 
 
 def _active() -> bool:
@@ -59,8 +59,13 @@ def barrier() -> None:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank iff ``flag`` is true on some rank (identity without torch.distributed)."""
+    return any_ranks(flag)[0]
+
+
+def any_ranks(*flags: bool) -> tuple[bool, ...]:
+    """Each flag true on every rank iff it is true on some rank: one all-reduce for all of them."""
     if not _active() or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        return tuple(flags)
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
-    return bool(t.item())
+    return tuple(bool(x) for x in t.tolist())

@@ -18,7 +18,7 @@ from ckptd_schemas import CkptdError, Unavailable, error_from_body
 __all__ = ["Transport", "split_urls"]
 
 log = logging.getLogger("ckptd_client")
-RETRY_STATUS = {500, 502, 503, 504}
+RETRY_STATUS = {429, 500, 502, 503, 504}  # 429: over a limit of the service (e.g. a token's uploads at once)
 FAILOVER_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)  # the replica is not there: try the next
 
 
@@ -43,8 +43,10 @@ class Transport:
 
     Every call is idempotent on the service side, so transport errors and 5xx
     answers are retried with jittered exponential backoff until
-    ``retry_seconds`` have passed; 4xx answers (401 ``Unauthorized`` and 403
-    ``Forbidden`` included) raise the typed error at once.
+    ``retry_seconds`` have passed, as are 429 answers (``TooManyRequests``: this
+    token is over a limit of the service, e.g. its uploads at once); other 4xx
+    answers (401 ``Unauthorized`` and 403 ``Forbidden`` included) raise the
+    typed error at once.
 
     ``token`` (default ``$CKPTD_TOKEN``; ``""`` sends none) goes in an
     ``Authorization: Bearer`` header. Each call sends one ``X-Request-Id``, the

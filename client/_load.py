@@ -4,7 +4,10 @@ Call order inside :meth:`CheckpointClient.load`:
 
 1. fetch the manifest; match it against the flattened state dict (strict by
    default: a key missing on either side, a shape or a dtype mismatch raises,
-   naming the key);
+   naming the key). In a distributed load a rank may hold any subset of the
+   checkpoint: each rank's keys must exist in it, and the ranks' keys together
+   must cover it, checked in one collective (``_coverage``) that also lets every
+   rank raise when one fails;
 2. describe the regions this rank's tensors cover (DTensor boxes from their
    placements, FlatShard ranges, whole plain tensors) and ask the service for
    a read plan: coalesced, block-aligned byte ranges;
@@ -31,8 +34,11 @@ from typing import Any
 import httpx
 import xxhash
 
-from ckptd_schemas import ChecksumMismatch, Manifest, ObjectEntry, ReadPlan, ReadRequest, StateDictMismatch
+from ckptd_schemas import (
+    ChecksumMismatch, CorruptCheckpoint, Manifest, ObjectEntry, ReadPlan, ReadRequest, StateDictMismatch,
+)
 
+from ._coverage import agree_keys
 from ._direct import direct_targets, scatter
 from ._dist import distributed as _distributed
 from ._files import LocalFiles
@@ -40,7 +46,9 @@ from ._share import Sharing, agree, exchange, region_key, share_plan
 from ._flatten import Leaf, flatten_state_dict
 from ._http import Transport
 from ._layout import LocalPiece, dtype_name, local_piece
-from .assemble import Destination, copy_into, decode_object, verify_fetch
+from ._manifest import get_manifest
+from .assemble import Destination, copy_into, verify_fetch
+from .objects import SAFE, ObjectPolicy, decode_object
 
 from ._names import RESERVED
 
@@ -60,6 +68,9 @@ class LoadReport:
     bytes_read: int = 0
     bytes_read_direct: int = 0  # of bytes_read, read from the service's files on this host (not HTTP)
     bytes_shared_in: int = 0  # received from the rank of this host that read them (``_share``)
+    # strict loads: how many ranks' keys were checked to cover the checkpoint together (1: this
+    # rank alone, the whole checkpoint; N: any subset per rank, ``_coverage``); 0 without strict
+    coverage_ranks: int = 0
 
 
 def _check(leaf: Leaf, piece: LocalPiece, manifest: Manifest) -> None:
@@ -116,32 +127,47 @@ def _fetch_direct(transport: Transport, base: str, f: Any, targets: list) -> Non
                       sink=sink)
 
 
-def _load_object(transport: Transport, base: str, o: ObjectEntry) -> Any:
+def _load_object(transport: Transport, base: str, o: ObjectEntry, ref: str, policy: ObjectPolicy) -> Any:
+    """The object's value; its bytes are checked, then decoded without running code (``ckptd_client.objects``)."""
     if o.encoding == "json":
         return o.value
     loc = o.location
     assert loc is not None
-    data = transport.request("GET", f"{base}/files/{loc.file}",
-                             headers={"Range": f"bytes={loc.offset}-{loc.offset + loc.length - 1}"},
-                             sink=lambda r: r.read())
+    try:
+        data = transport.request("GET", f"{base}/files/{loc.file}",
+                                 headers={"Range": f"bytes={loc.offset}-{loc.offset + loc.length - 1}"},
+                                 sink=lambda r: r.read())
+    except ChecksumMismatch as e:  # the service found the file damaged (CorruptCheckpoint)
+        raise CorruptCheckpoint(f"object {o.name!r}: {e.message}", **{**e.details, "object": o.name}) from e
     if xxhash.xxh3_64_hexdigest(data) != loc.xxh3:
-        raise ChecksumMismatch(f"object {o.name!r} in file {loc.file!r} fails its checksum", file=loc.file)
-    return decode_object(o.encoding, data, o.name)
+        raise CorruptCheckpoint(f"object {o.name!r} in file {loc.file!r} fails its checksum", file=loc.file,
+                                object=o.name)
+    return decode_object(o, data, ref=ref, policy=policy)
 
 
 def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, rank: int, strict: bool,
-              streams: int, direct_reads: bool = True, share_replicas: bool = True) -> LoadReport:
-    share = share_replicas and _distributed()
+              streams: int, direct_reads: bool = True, share_replicas: bool = True,
+              objects: ObjectPolicy = SAFE) -> LoadReport:
+    together = _distributed()
+    share = share_replicas and together
+    manifest: Manifest | None = None
+    held: set[str] = set()
+    err: Exception | None = None
     try:
-        manifest, report, leaves, pieces, objects_by_name = _prepare(transport, run, name, state_dict, strict)
+        manifest, report, leaves, pieces, objects_by_name = _prepare(transport, run, name, state_dict, strict,
+                                                                     rank=rank, alone=not together)
+        held = {leaf.fqn for leaf in leaves}
         base = f"/v1/checkpoints/{run}/{manifest.name}"
         plan = _plan(transport, base, pieces, direct_reads) if pieces else None
     except Exception as e:
-        if share:
-            agree(e)  # the other ranks must not wait in the collectives below for this one
-        raise
-    if share:
-        agree(None)
+        err = e
+    if together and (share or strict):  # one collective: the other ranks must not wait below for a failed one
+        coverage = agree_keys(err, manifest, held, strict=strict)
+    else:
+        coverage = 1 if strict else 0
+    if err is not None:
+        raise err
+    report.coverage_ranks = coverage
     if pieces or share:  # a rank with nothing to read still takes part in the agreement
         _read_tensors(transport, base, manifest, pieces, plan, report, streams=streams,
                       direct_reads=direct_reads, share=share)
@@ -149,24 +175,38 @@ def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, ra
         if leaf.kind == "tensor" or leaf.fqn not in objects_by_name:
             continue
         entries = objects_by_name[leaf.fqn]
-        entry = next((o for o in entries if o.rank is None), None) or next(
-            (o for o in entries if o.rank == rank), None)
+        entry = _pick_object(entries, rank)
         if entry is None:
             if strict:
                 raise StateDictMismatch(f"object {leaf.fqn!r} was saved per rank for ranks "
                                         f"{[o.rank for o in entries][:8]}, not for rank {rank}", key=leaf.fqn)
             report.missing.append(leaf.fqn)
             continue
-        leaf.container[leaf.key] = _load_object(transport, base, entry)
+        leaf.container[leaf.key] = _load_object(transport, base, entry, manifest.ref, objects)
         report.objects.append(leaf.fqn)
     return report
 
 
-def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict: bool
+def _pick_object(entries: list[ObjectEntry], rank: int) -> ObjectEntry | None:
+    """The entry rank ``rank`` restores: the global one; else its own rank's; else the one value that
+    every rank which saved it saved (a key that only some ranks held, like a pipeline stage's). None
+    when the ranks that saved it saved different values, none of them this rank."""
+    entry = next((o for o in entries if o.rank is None), None) or next((o for o in entries if o.rank == rank), None)
+    if entry is None and len({(o.encoding, repr(o.value)) if o.location is None else (o.encoding, o.location.xxh3)
+                              for o in entries}) == 1:
+        entry = entries[0]
+    return entry
+
+
+def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict: bool, *, rank: int = 0,
+             alone: bool = True
              ) -> tuple[Manifest, LoadReport, list[Leaf], list[tuple[Leaf, LocalPiece]], dict[str, list[ObjectEntry]]]:
-    """Step 1: the manifest, matched against the state dict; the tensor pieces this rank fills."""
-    raw = transport.request("GET", f"/v1/checkpoints/{run}/{name}", sink=lambda r: r.read())
-    manifest = Manifest.model_validate_json(raw)
+    """Step 1: the manifest, matched against the state dict; the tensor pieces this rank fills.
+
+    With ``strict``, a key of the state dict that the checkpoint lacks (or holds only per rank, for
+    other ranks) fails this rank; a key of the checkpoint that the state dict lacks fails it only
+    when it loads ``alone``: otherwise ``_coverage.agree_keys`` checks that some rank holds it."""
+    manifest = Manifest.model_validate_json(get_manifest(transport, run, name))  # inline objects: checked
     report = LoadReport(ref=manifest.ref)
     leaves = flatten_state_dict(state_dict)
     tensor_leaves = [leaf for leaf in leaves if leaf.kind == "tensor"]
@@ -180,12 +220,21 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
     report.missing += sorted(leaf.fqn for leaf in leaves if leaf.kind != "tensor" and leaf.fqn not in objects_by_name)
     report.unexpected = sorted({t.name for t in manifest.tensors} - present)
     report.unexpected += sorted(set(objects_by_name) - present)
-    if strict and (report.missing or report.unexpected):
+    if strict and alone and (report.missing or report.unexpected):
         raise StateDictMismatch(
             f"state_dict and checkpoint {manifest.ref} differ: missing from the checkpoint "
             f"{report.missing[:8]}, missing from the state_dict {report.unexpected[:8]} "
             f"(load(..., strict=False) restores the common keys)",
             missing=report.missing[:64], unexpected=report.unexpected[:64])
+    if strict and report.missing:
+        raise StateDictMismatch(
+            f"rank {rank}: state_dict keys missing from checkpoint {manifest.ref}: {report.missing[:8]} "
+            f"(load(..., strict=False) restores the common keys)", missing=report.missing[:64], rank=rank)
+    for leaf in leaves:
+        entries = objects_by_name.get(leaf.fqn) if strict and leaf.kind != "tensor" else None
+        if entries and _pick_object(entries, rank) is None:
+            raise StateDictMismatch(f"object {leaf.fqn!r} was saved per rank for ranks "
+                                    f"{[o.rank for o in entries][:8]}, not for rank {rank}", key=leaf.fqn)
 
     pieces: list[tuple[Leaf, LocalPiece]] = []
     for leaf in tensor_leaves:
@@ -260,6 +309,16 @@ def local_files(plan: ReadPlan, manifest: Manifest) -> LocalFiles | None:
     return LocalFiles(plan.local_paths, {k: e.size for k, e in manifest.files.items()})
 
 
+def corrupt(e: ChecksumMismatch, f: Any, copies: list) -> CorruptCheckpoint:
+    """``e`` (a fetch of ``f`` that failed its digests, or that the service refused as corrupt) as a
+    :class:`CorruptCheckpoint` naming the tensors the fetch fills."""
+    tensors = sorted({c.tensor for c in copies})
+    shown = ", ".join(repr(t) for t in tensors[:8]) + (f" and {len(tensors) - 8} more" if len(tensors) > 8 else "")
+    return CorruptCheckpoint(f"{e.message} (bytes [{f.start}, {f.end}) of file {f.file!r}, read for "
+                             f"tensor{'s' if len(tensors) != 1 else ''} {shown or '(none)'})",
+                             **{**e.details, "file": f.file, "tensors": tensors[:64]})
+
+
 def execute(transport: Transport, base: str, plan: ReadPlan, dests: list[Destination], streams: int,
             files: LocalFiles | None = None) -> None:
     """Fetch every range of ``plan`` (``streams`` at a time; from ``files`` where usable, else over
@@ -279,8 +338,7 @@ def execute(transport: Transport, base: str, plan: ReadPlan, dests: list[Destina
         for c in copies:
             copy_into(buf, c, dests[c.request])
 
-    def run(i: int) -> None:
-        f, copies = plan.fetches[i], by_fetch.get(i, [])
+    def read(f: Any, copies: list) -> None:
         targets = direct_targets(copies, dests)
         if files is not None and files.usable(f.file):
             try:
@@ -291,6 +349,13 @@ def execute(transport: Transport, base: str, plan: ReadPlan, dests: list[Destina
                 files.disable()  # HTTP passed: this host's file at that path is not the service's
                 return
         fill(f, copies, targets, False)
+
+    def run(i: int) -> None:
+        f, copies = plan.fetches[i], by_fetch.get(i, [])
+        try:
+            read(f, copies)
+        except ChecksumMismatch as e:  # a damaged checkpoint, from the bytes or from the service (422)
+            raise corrupt(e, f, copies) from e
 
     if streams > 1 and len(plan.fetches) > 1:
         with ThreadPoolExecutor(min(streams, len(plan.fetches)), thread_name_prefix="ckptd-load") as pool:

@@ -5,7 +5,8 @@ Call order inside :meth:`CheckpointClient.save`:
 1. ``build_snapshot`` (caller's thread; this is the training stall): flatten
    the state dict, decide which chunks this rank writes (replicas once),
    copy them to host memory (into a leased :class:`SnapshotPool` slab when the client has one;
-   from CUDA on a side stream, synchronised before returning), encode objects.
+   from CUDA on a side stream, synchronised before returning), encode objects
+   (``ckptd_client.objects``: one that would need an unrestricted unpickler raises here).
 2. ``upload_snapshot`` (background thread): open-or-join the session, pack
    chunks into files (64-byte aligned), hash each chunk and file with XXH3,
    stream files with retries, then send the rank's index. The service commits
@@ -16,14 +17,12 @@ Call order inside :meth:`CheckpointClient.save`:
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import math
 import time
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import xxhash
@@ -38,6 +37,7 @@ from ._codec import FRAME_BYTES, CompressionPolicy, split_frames
 from ._flatten import flatten_state_dict, param_groups_of
 from ._http import Transport
 from ._layout import assign_replicated, dtype_name, local_piece, mesh_of
+from .objects import SAFE, ObjectPolicy, encode_object
 from ._pool import Lease, SnapshotPool
 from ._staging import FALL_BACK, StagingDir, probe
 
@@ -94,24 +94,6 @@ class Snapshot:
             self.lease = None
 
 
-def _json_clean(value: Any) -> bool:
-    """True when JSON round-trips the value exactly (no tuples, NaN, non-str keys, ...)."""
-    try:
-        return json.loads(json.dumps(value, allow_nan=False)) == value and _no_tuples(value)
-    except (TypeError, ValueError):
-        return False
-
-
-def _no_tuples(v: Any) -> bool:
-    if isinstance(v, tuple):
-        return False
-    if isinstance(v, list):
-        return all(_no_tuples(x) for x in v)
-    if isinstance(v, dict):
-        return all(_no_tuples(x) for x in v.values())
-    return not isinstance(v, float) or math.isfinite(v)
-
-
 def _describe(v: Any) -> Any:
     """A JSON description of a hyper-parameter for the manifest (the exact value is stored as an object)."""
     if isinstance(v, (list, tuple)):
@@ -125,12 +107,10 @@ def _describe(v: Any) -> Any:
     return repr(v)
 
 
-def _encode_object(fqn: str, value: Any) -> _Object:
-    if _json_clean(value):
-        return _Object(fqn, "json", value=value)
-    buf = io.BytesIO()
-    torch.save(value, buf)  # the encoding DCP uses for non-tensor values
-    return _Object(fqn, "torch", payload=buf.getvalue())
+def _encode_object(fqn: str, value: Any, policy: ObjectPolicy = SAFE) -> _Object:
+    """JSON, or torch.save bytes that load with ``weights_only=True`` (``ckptd_client.objects``)."""
+    enc = encode_object(fqn, value, policy)
+    return _Object(fqn, enc.encoding, value=enc.value, payload=enc.payload)
 
 
 def _to_host(src: torch.Tensor, lease: Lease | None, side: dict[torch.device, Any]) -> torch.Tensor:
@@ -154,17 +134,22 @@ def _to_host(src: torch.Tensor, lease: Lease | None, side: dict[torch.device, An
     return dst
 
 
-def build_snapshot(state_dict: dict, rank: int, world: int, pool: SnapshotPool | None = None) -> Snapshot:
+def build_snapshot(state_dict: dict, rank: int, world: int, pool: SnapshotPool | None = None, *,
+                   writers: Mapping[str, int] | None = None, objects: ObjectPolicy = SAFE) -> Snapshot:
     """Copy what this rank writes to host memory; afterwards training may mutate its tensors.
 
     With ``pool``, the copies go into its slab (leased until ``snap.release()``, which the uploader
-    calls); on failure here the lease is given back before raising.
+    calls); on failure here the lease is given back before raising. ``writers`` names the rank that
+    writes each plain tensor (``ReplicaWriters.owners``, agreed among the ranks that hold it);
+    without it every rank is assumed to hold the same plain tensors and the writers are balanced
+    over all ranks from names and sizes alone. ``objects`` decides how non-tensor values are stored
+    (an unsafe one raises ``UnsafeObject`` here, naming its key).
     """
     snap = Snapshot(rank, world, lease=pool.lease() if pool is not None else None)
     side: dict[torch.device, Any] = {}
     try:
         try:
-            _fill(snap, state_dict, rank, world, side)
+            _fill(snap, state_dict, rank, world, side, writers, objects)
         finally:  # training may change the sources once we return: the copies must be complete
             for stream in side.values():
                 stream.synchronize()
@@ -174,10 +159,11 @@ def build_snapshot(state_dict: dict, rank: int, world: int, pool: SnapshotPool |
     return snap
 
 
-def _fill(snap: Snapshot, state_dict: dict, rank: int, world: int, side: dict[torch.device, Any]) -> None:
+def _fill(snap: Snapshot, state_dict: dict, rank: int, world: int, side: dict[torch.device, Any],
+          writers: Mapping[str, int] | None = None, objects: ObjectPolicy = SAFE) -> None:
     leaves = flatten_state_dict(state_dict)
     pieces = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in leaves if leaf.kind == "tensor"}
-    owners = assign_replicated(
+    owners = writers if writers is not None else assign_replicated(
         [(n, p.numel * p.local.element_size()) for n, p in pieces.items() if p.replicated], world)
     snap.mesh, snap.coords = mesh_of([leaf.value for leaf in leaves], world)
     group_kinds: dict[str, set[str]] = {}
@@ -194,7 +180,7 @@ def _fill(snap: Snapshot, state_dict: dict, rank: int, world: int, side: dict[to
             box = (list(p.box.offsets), list(p.box.sizes)) if p.box is not None else None
             snap.chunks.setdefault(leaf.fqn, []).append(_Chunk(leaf.fqn, data, box, p.flat))
         else:
-            snap.objects.append(_encode_object(leaf.fqn, leaf.value))
+            snap.objects.append(_encode_object(leaf.fqn, leaf.value, objects))
     for owner, groups in param_groups_of(state_dict):
         for i, g in enumerate(groups):
             params = [p if isinstance(p, (int, str)) else repr(p) for p in g.get("params", [])]

@@ -4,13 +4,12 @@
 A :class:`ckptd_schemas.ReadPlan` lists fetches (byte ranges with block
 digests) and copies (which global boxes of which chunk land where). For each
 fetch: :func:`verify_fetch`, then for each of its copies :func:`copy_into`
-with a destination described by :class:`Destination`.
+with a destination described by :class:`Destination`. Non-tensor objects
+are decoded by :mod:`ckptd_client.objects`.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -20,7 +19,7 @@ from ckptd_schemas import Copy, dest_region, verify_fetch
 
 from ._codec import source_bytes
 
-__all__ = ["Destination", "copy_into", "decode_object", "torch_dtype", "verify_fetch"]
+__all__ = ["Destination", "copy_into", "torch_dtype", "verify_fetch"]
 
 def torch_dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
@@ -63,11 +62,3 @@ def copy_into(buf: bytearray | memoryview, c: Copy, dest: Destination) -> None:
             view = src.as_strided(sizes, c.strides, src.storage_offset() + c.source_offset(offsets))
             dest.view(offsets, sizes).copy_(view)
 
-
-def decode_object(encoding: str, data: bytes, name: str) -> object:
-    """A non-tensor value from its stored bytes (``torch``: torch.save, as DCP writes them)."""
-    if encoding == "torch":
-        return torch.load(io.BytesIO(data), weights_only=False)
-    if encoding == "pickle":
-        return pickle.loads(data)
-    raise ValueError(f"object {name!r}: unknown encoding {encoding!r}")

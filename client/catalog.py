@@ -15,6 +15,7 @@ from typing import Sequence
 from ckptd_schemas import CheckpointSummary, Manifest, RunSummary, parse_ref
 
 from ._http import Transport
+from ._manifest import get_manifest
 
 __all__ = ["DEFAULT_URL", "CatalogClient"]
 
@@ -40,9 +41,9 @@ class CatalogClient:
         self._transport = Transport(self.url, token=self._token, retry_seconds=retry_seconds, timeout=timeout)
 
     def manifest(self, ref: str) -> Manifest:
+        """The manifest of ``ref``, its bytes checked against the digest its marker names."""
         r = parse_ref(ref)
-        raw = self._transport.request("GET", f"/v1/checkpoints/{r.run}/{r.name}", sink=lambda x: x.read())
-        return Manifest.model_validate_json(raw)
+        return Manifest.model_validate_json(get_manifest(self._transport, r.run, r.name))
 
     def list_runs(self) -> list[RunSummary]:
         return [RunSummary.model_validate(x) for x in self._transport.request("GET", "/v1/runs")]

@@ -11,11 +11,13 @@ from ckptd_schemas import CommitFailed, InvalidName, SessionStatus, parse_ref
 
 from .catalog import CatalogClient
 from ._codec import CompressionPolicy, compression_of
-from ._dist import any_rank, broadcast_str, rank_and_world
+from ._dist import any_ranks, broadcast_str, rank_and_world
 from ._http import Transport
 from ._load import LoadReport, load_into
 from ._pool import SnapshotPool
 from ._save import SaveHandle, Snapshot, build_snapshot, upload_snapshot
+from .objects import ObjectPolicy, SafeGlobal
+from ._writers import ReplicaWriters, plain_tensors
 
 if TYPE_CHECKING:
     from .dcp import CkptdStorageReader, CkptdStorageWriter
@@ -75,13 +77,23 @@ class CheckpointClient(CatalogClient):
             replicated tensors, ``Replicate`` DTensor copies) is read by one of them and sent to the
             others over torch.distributed, unless all of that host's ranks read the service's files
             directly (the page cache already shares them). Must be the same on every rank.
+        safe_globals: classes and functions added, for this client, to the allow-list of
+            ``torch.load(weights_only=True)`` that non-tensor objects are saved for and loaded with
+            (as for ``torch.serialization.add_safe_globals``, which is honoured too). Only list what is
+            harmless to construct from untrusted data. See ``ckptd_client.objects`` and docs/security.md.
+        trust_objects: ``False`` (default): an object that needs an unrestricted unpickler (a ``pickle``
+            payload, or ``torch.save`` data naming anything outside the allow-list) is refused with
+            ``UnsafeObject`` naming its key, at save and at load, so loading never runs code from a
+            checkpoint. ``True`` loads and saves such objects anyway, with a ``TrustedObjectWarning``:
+            only for checkpoints whose writers are trusted like the training code itself.
     """
 
     def __init__(self, url: str | Sequence[str] | None = None, *, token: str | None = None,
                  compression: str | CompressionPolicy | None = None, streams: int = 4,
                  file_bytes: int = 256 << 20, retry_seconds: float = 120.0, timeout: float = 300.0,
                  snapshot_bytes: int | None = None, direct_reads: bool = True,
-                 direct_writes: bool = True, share_replicas: bool = True) -> None:
+                 direct_writes: bool = True, share_replicas: bool = True,
+                 safe_globals: Sequence[SafeGlobal] = (), trust_objects: bool = False) -> None:
         super().__init__(url, token=token, retry_seconds=retry_seconds, timeout=timeout)
         self.compression = compression
         self._codec = compression_of(compression)  # one policy per client: it learns across saves
@@ -94,6 +106,8 @@ class CheckpointClient(CatalogClient):
         self.direct_reads = direct_reads
         self.direct_writes = direct_writes
         self.share_replicas = share_replicas
+        self.objects = ObjectPolicy.of(trust_objects, safe_globals)  # warns once when trust_objects=True
+        self._writers = ReplicaWriters()  # who writes each plain tensor, kept while no rank's keys change
 
     # -- save ------------------------------------------------------------------
     def save(self, state_dict: dict, ref: str, *, step: int | None = None) -> SaveHandle:
@@ -114,14 +128,25 @@ class CheckpointClient(CatalogClient):
             if failed is not None:
                 self._pending.remove(failed)
         rank, world = rank_and_world()
+        try:
+            plain, signature = plain_tensors(state_dict, rank, world)
+            refused: Exception | None = None
+        except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+            plain, signature, refused = {}, "", e
         # Every rank raises, or none: a rank that raised alone would leave the others blocked in
-        # the session broadcast below.
-        if any_rank(failed is not None):
+        # the session broadcast below. The same all-reduce tells every rank whether some rank's
+        # plain tensors changed since their writers were last agreed (``_writers``).
+        stop, stale = any_ranks(failed is not None or refused is not None, self._writers.stale(signature))
+        if stop:
+            if refused is not None:
+                raise refused
             if failed is not None:
                 failed.wait()  # raises the stored failure
-            raise CommitFailed(f"an earlier save failed on another rank; {ref} was not started", ref=ref)
+            raise CommitFailed(f"an earlier save failed, or this state dict was refused, on another rank; "
+                               f"{ref} was not started", ref=ref)
         session = broadcast_str(uuid.uuid4().hex if rank == 0 else None)
-        snap = build_snapshot(state_dict, rank, world, self.snapshot_pool)
+        writers = self._writers.owners(plain, signature, refresh=stale, rank=rank, world=world)
+        snap = build_snapshot(state_dict, rank, world, self.snapshot_pool, writers=writers, objects=self.objects)
         base = f"/v1/checkpoints/{r.run}/{r.name}"
         try:
             future = self._uploader.submit(_upload_then_release, self._transport, base, session, snap, step,
@@ -137,12 +162,21 @@ class CheckpointClient(CatalogClient):
 
     # -- load ------------------------------------------------------------------
     def load(self, state_dict: dict, ref: str, *, strict: bool = True) -> LoadReport:
-        """Fill ``state_dict`` in place from ``ref`` (``RUN/latest`` allowed), at any world size."""
+        """Fill ``state_dict`` in place from ``ref`` (``RUN/latest`` allowed), at any world size.
+
+        ``strict`` (collective in a distributed load): every key of every rank's state dict must be
+        in the checkpoint with its shape and dtype, and the ranks' keys together must cover every
+        tensor and object of it; a rank may hold any subset (a pipeline stage, a ZeRO slice). A
+        failure raises on every rank, naming the keys; ``LoadReport.coverage_ranks`` says across how
+        many ranks coverage was checked (``ckptd_client._coverage``).
+
+        Objects are decoded without running code (``trust_objects``); a refused one raises ``UnsafeObject``.
+        """
         r = parse_ref(ref)
         rank, _ = rank_and_world()
         return load_into(self._transport, r.run, r.name, state_dict, rank=rank, strict=strict,
                          streams=self.streams, direct_reads=self.direct_reads,
-                         share_replicas=self.share_replicas)
+                         share_replicas=self.share_replicas, objects=self.objects)
 
     # -- torch.distributed.checkpoint ------------------------------------------------
     def dcp_writer(self, ref: str) -> "CkptdStorageWriter":
@@ -151,14 +185,14 @@ class CheckpointClient(CatalogClient):
 
         return CkptdStorageWriter(self.url, ref, token=self._token, compression=self._codec,
                                   file_bytes=self.file_bytes, streams=self.streams,
-                                  direct_writes=self.direct_writes)
+                                  direct_writes=self.direct_writes, objects=self.objects)
 
     def dcp_reader(self, ref: str) -> "CkptdStorageReader":
         """A DCP ``StorageReader``: ``dcp.load(sd, storage_reader=client.dcp_reader("gpt/latest"))``."""
         from .dcp import CkptdStorageReader
 
         return CkptdStorageReader(self.url, ref, token=self._token, streams=self.streams,
-                                  direct_reads=self.direct_reads)
+                                  direct_reads=self.direct_reads, objects=self.objects)
 
     # -- lifecycle -----------------------------------------------------------------
     def close(self, *, wait: bool = True) -> None:

@@ -24,7 +24,12 @@ or one synthesised from the manifest (so checkpoints saved by
 service for the byte ranges of exactly the regions DCP's planner wants (any
 world size), verifies them block by block and copies them in place. Every
 rank reads the checkpoint the coordinator resolved (``RUN/latest`` is pinned
-through the load plan).
+through the load plan). Nothing is unpickled without restriction: the stored
+metadata is loaded with ``weights_only=True`` and DCP's metadata classes
+allowed, and each object is decoded under the reader's object policy
+(``ckptd_client.objects``) and re-encoded before DCP's planner (which calls
+``torch.load(weights_only=False)``) sees it. The writer refuses, at save, an
+object that would need an unrestricted unpickler.
 """
 
 from __future__ import annotations
@@ -47,17 +52,19 @@ from torch.futures import Future
 import xxhash
 
 from ckptd_schemas import (
-    Box, ChecksumMismatch, CkptdError, InvalidName, InvalidRequest, Manifest, ObjectEntry, RankIndex, ReadPlan,
-    ReadRequest, StateDictMismatch, TensorEntry, parse_ref,
+    Box, ChecksumMismatch, CkptdError, IntegrityError, InvalidName, InvalidRequest, Manifest, ObjectEntry,
+    RankIndex, ReadPlan, ReadRequest, StateDictMismatch, TensorEntry, parse_ref,
 )
 
 from ._codec import CompressionPolicy, compression_of
 from ._http import Transport
 from ._layout import dtype_name
+from ._manifest import get_manifest
 from ._save import Snapshot, _Chunk, _Object, open_session, put_index, upload_files, wait_committed
 from ._load import execute, local_files
 from ._names import DCP_METADATA
-from .assemble import Destination, decode_object, torch_dtype
+from .assemble import Destination, torch_dtype
+from .objects import SAFE, ObjectPolicy, check_payload, load_dcp_metadata, reencode_for_dcp
 
 __all__ = ["DCP_METADATA", "CkptdStorageReader", "CkptdStorageWriter"]
 
@@ -120,10 +127,11 @@ class CkptdStorageWriter(_Endpoint, StorageWriter):
 
     def __init__(self, url: str, ref: str, *, token: str | None = None,
                  compression: str | CompressionPolicy | None = None, file_bytes: int = 256 << 20,
-                 streams: int = 4, direct_writes: bool = True) -> None:
+                 streams: int = 4, direct_writes: bool = True, objects: ObjectPolicy = SAFE) -> None:
         _Endpoint.__init__(self, url, ref, token, streams)
         self.compression, self.file_bytes = compression_of(compression), file_bytes
         self.direct_writes = direct_writes
+        self.objects = objects
         self.is_coordinator = False
         self.set_ref(None)
 
@@ -162,6 +170,7 @@ class CkptdStorageWriter(_Endpoint, StorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 data = planner.resolve_data(item)
                 payload = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data.read())
+                check_payload(fqn, payload, self.objects)  # loads with weights_only=True, or UnsafeObject now
                 snap.objects.append(_Object(fqn, "torch", payload=payload))
                 sizes.append((item.index, len(payload)))
                 continue
@@ -247,8 +256,8 @@ def _synthesise(manifest: Manifest) -> Metadata:
         md[t.name] = TensorStorageMetadata(
             properties=TensorProperties(dtype=torch_dtype(t.dtype)), size=torch.Size(t.shape),
             chunks=[ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes)) for b in boxes])
-    for o in manifest.objects:
-        if o.name != DCP_METADATA and (o.rank is None or o.rank == 0):
+    for o in manifest.objects:  # every object, also one that only some ranks saved (a pipeline stage's)
+        if o.name != DCP_METADATA:
             md[o.name] = BytesStorageMetadata()
     return Metadata(state_dict_metadata=md)
 
@@ -265,9 +274,10 @@ def _reconcile(md: Metadata, manifest: Manifest) -> Metadata:
 
 class CkptdStorageReader(_Endpoint, StorageReader):
     def __init__(self, url: str, ref: str, *, token: str | None = None, streams: int = 4,
-                 direct_reads: bool = True) -> None:
+                 direct_reads: bool = True, objects: ObjectPolicy = SAFE) -> None:
         _Endpoint.__init__(self, url, ref, token, streams)
         self.direct_reads = direct_reads
+        self.objects = objects
         self._manifest: Manifest | None = None
         self._rank: int | None = None
         self.set_ref(None)
@@ -286,9 +296,8 @@ class CkptdStorageReader(_Endpoint, StorageReader):
 
     def _get_manifest(self) -> Manifest:
         if self._manifest is None:
-            raw = self.transport.request("GET", self.base, sink=lambda r: r.read())
-            self._manifest = Manifest.model_validate_json(raw)
             r = parse_ref(self.ref)
+            self._manifest = Manifest.model_validate_json(get_manifest(self.transport, r.run, r.name))
             self.ref = f"{r.run}/{self._manifest.name}"  # pin RUN/latest to what it resolved to
         return self._manifest
 
@@ -297,28 +306,33 @@ class CkptdStorageReader(_Endpoint, StorageReader):
         if isinstance(ref, str) and ref != self.ref and not parse_ref(ref).is_latest:
             self.ref, self._manifest = ref, None
 
-    def _object_bytes(self, o: ObjectEntry) -> bytes:
-        if o.location is None:
-            buf = io.BytesIO()
-            torch.save(o.value, buf)
-            return buf.getvalue()
+    def _stored_bytes(self, o: ObjectEntry) -> bytes | None:
+        """The object's stored bytes, checksum verified (None for a JSON object)."""
         loc = o.location
+        if loc is None:
+            return None
         data = self.transport.request("GET", f"{self.base}/files/{loc.file}",
                                       headers={"Range": f"bytes={loc.offset}-{loc.offset + loc.length - 1}"},
                                       sink=lambda r: r.read())
         if xxhash.xxh3_64_hexdigest(data) != loc.xxh3:
             raise ChecksumMismatch(f"object {o.name!r} in file {loc.file!r} fails its checksum", file=loc.file)
-        if o.encoding == "torch":
-            return data
-        buf = io.BytesIO()
-        torch.save(decode_object(o.encoding, data, o.name), buf)
-        return buf.getvalue()
+        return data
+
+    def _object_bytes(self, o: ObjectEntry) -> bytes:
+        """torch.save bytes for DCP's planner (which unpickles them without restriction): decoded under
+        this reader's object policy first, so they hold nothing the policy refuses."""
+        return reencode_for_dcp(o, self._stored_bytes(o), ref=self.ref, policy=self.objects)
 
     def read_metadata(self) -> Metadata:
         m = self._get_manifest()
         stored = next((o for o in m.objects if o.name == DCP_METADATA), None)
         if stored is not None:
-            md = _reconcile(torch.load(io.BytesIO(self._object_bytes(stored)), weights_only=False), m)
+            data = self._stored_bytes(stored)
+            md = None if data is None else load_dcp_metadata(data, key=DCP_METADATA, ref=self.ref, policy=self.objects)
+            if not isinstance(md, Metadata):
+                raise IntegrityError(f"{self.ref}: object {DCP_METADATA!r} is not DCP metadata "
+                                     f"({type(md).__name__})", ref=self.ref, key=DCP_METADATA)
+            md = _reconcile(md, m)
         else:
             md = _synthesise(m)
         md.storage_meta = StorageMeta(checkpoint_id=self.ref)

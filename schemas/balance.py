@@ -1,13 +1,13 @@
 """Greedy balancing of whole items over ranks (LPT: largest first onto the least loaded).
 
-Pure and deterministic from names and sizes alone, so every rank (or the
-planner) computes the same assignment without communicating. Used for the
+Pure and deterministic from names and sizes (and, where given, which ranks hold each item),
+so every rank (or the planner) computes the same assignment from the same inputs. Used for the
 writers of replicated tensors and for whole-matrix ownership (``owner:``).
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from .errors import InvalidRequest
 
@@ -16,13 +16,16 @@ __all__ = ["lpt_assign"]
 
 def lpt_assign(items: Sequence[tuple[str, int]], bins: int, *, cap: int | None = None,
                counted: Mapping[str, int] | set[str] | None = None,
-               load: Sequence[int] | None = None) -> dict[str, int]:
+               load: Sequence[int] | None = None,
+               holders: Mapping[str, Collection[int]] | None = None) -> dict[str, int]:
     """Assign each ``(name, size)`` to one of ``bins`` ranks.
 
     ``cap`` limits how many counted things one rank may take: an item counts
     ``counted[name]`` (a mapping), 1 if it is in ``counted`` (a set) or 1 for
     every item (None). An assignment the cap makes impossible raises
-    InvalidRequest. ``load`` seeds the ranks' starting loads.
+    InvalidRequest. ``load`` seeds the ranks' starting loads. ``holders`` limits each item to
+    the ranks listed for it (an item not listed may go to any rank); with every rank listed for
+    every item the assignment is the same as without it.
     """
     def weight(name: str) -> int:
         if counted is None:
@@ -36,7 +39,10 @@ def lpt_assign(items: Sequence[tuple[str, int]], bins: int, *, cap: int | None =
     owner: dict[str, int] = {}
     for name, size in sorted(items, key=lambda x: (-x[1], x[0])):
         w = weight(name) if cap is not None else 0
-        choices = [r for r in range(bins) if counts[r] + w <= cap] if w else list(range(bins))  # type: ignore[operator]
+        allowed = sorted(holders[name]) if holders is not None and name in holders else range(bins)
+        choices = [r for r in allowed if counts[r] + w <= cap] if w else list(allowed)  # type: ignore[operator]
+        if not choices and not w:  # an empty holders entry
+            raise InvalidRequest(f"item {name!r} is held by no rank", item=name)
         if not choices:
             n = sum(weight(i) for i, _ in items)
             raise InvalidRequest(

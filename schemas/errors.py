@@ -13,7 +13,8 @@ identically on either side of the wire.
     ├── InvalidRequest                400 invalid_request
     │   ├── InvalidName               400 invalid_name        run, name, file or ref unsafe or malformed
     │   ├── InvalidIndex              422 invalid_index       a rank's index is inconsistent
-    │   └── StateDictMismatch         422 state_dict_mismatch load: keys, shapes or dtypes differ
+    │   ├── StateDictMismatch         422 state_dict_mismatch load: keys, shapes or dtypes differ
+    │   └── UnsafeObject              422 unsafe_object       an object only an unrestricted unpickler reads
     ├── NotFound                      404 not_found
     │   ├── CheckpointNotFound        404 checkpoint_not_found
     │   └── SessionNotFound           404 session_not_found
@@ -22,10 +23,15 @@ identically on either side of the wire.
     │   └── SessionConflict           409 session_conflict    e.g. world size disagrees
     ├── IntegrityError                422 integrity
     │   ├── ChecksumMismatch          422 checksum_mismatch   bytes differ from their digest
+    │   │   └── CorruptCheckpoint     422 corrupt_checkpoint  a committed file is missing, resized or fails
+    │   │                                                     its digests (names the file, and the tensors
+    │   │                                                     or object it fills on the client)
     │   ├── TilingError               422 tiling              chunks do not cover a tensor exactly once
     │   └── DcpImportError            422 dcp_import          a DCP directory is missing or truncated files
     ├── CommitFailed                  422 commit_failed       the session was refused at commit
-    ├── PayloadTooLarge               413 payload_too_large
+    ├── PayloadTooLarge               413 payload_too_large   a body, or the work it asks for, over a limit
+    ├── RequestTimeout                408 request_timeout     the request's body stalled (connection closed)
+    ├── TooManyRequests               429 too_many_requests   e.g. this token's concurrent uploads (retried)
     ├── Unavailable                   503 unavailable         server unreachable after retries
     └── StorageError                  503 storage             the storage backend failed (retried)
         └── StorageFull               507 storage_full        no space left: not retried, staging dropped
@@ -44,6 +50,7 @@ __all__ = [
     "ChecksumMismatch",
     "CkptdError",
     "CommitFailed",
+    "CorruptCheckpoint",
     "Conflict",
     "DcpImportError",
     "Forbidden",
@@ -53,14 +60,17 @@ __all__ = [
     "InvalidRequest",
     "NotFound",
     "PayloadTooLarge",
+    "RequestTimeout",
     "SessionConflict",
     "SessionNotFound",
     "StateDictMismatch",
     "StorageError",
     "StorageFull",
     "TilingError",
+    "TooManyRequests",
     "Unauthorized",
     "Unavailable",
+    "UnsafeObject",
     "error_from_body",
 ]
 
@@ -115,6 +125,14 @@ class StateDictMismatch(InvalidRequest):
     status = 422
 
 
+class UnsafeObject(InvalidRequest):
+    """A non-tensor object that only an unrestricted unpickler can rebuild (so loading it could run code):
+    refused at save and at load unless the client trusts objects; ``details`` name the key (and ref)."""
+
+    code = "unsafe_object"
+    status = 422
+
+
 class NotFound(CkptdError):
     code = "not_found"
     status = 404
@@ -150,6 +168,14 @@ class ChecksumMismatch(IntegrityError):
     code = "checksum_mismatch"
 
 
+class CorruptCheckpoint(ChecksumMismatch):
+    """A data file of a committed checkpoint is absent, of another size than its manifest says, or its
+    bytes fail their digests. Committed files never change, so waiting will not help: raised at once,
+    never retried. ``details``: ``file``, and on the client ``tensors`` (or ``object``) it would fill."""
+
+    code = "corrupt_checkpoint"
+
+
 class TilingError(IntegrityError):
     code = "tiling"
 
@@ -168,6 +194,20 @@ class CommitFailed(CkptdError):
 class PayloadTooLarge(CkptdError):
     code = "payload_too_large"
     status = 413
+
+
+class RequestTimeout(CkptdError):
+    """The request's body stopped arriving for longer than the service waits; the connection is closed."""
+
+    code = "request_timeout"
+    status = 408
+
+
+class TooManyRequests(CkptdError):
+    """Over a concurrency limit (e.g. a token's uploads at once): the client retries with backoff."""
+
+    code = "too_many_requests"
+    status = 429
 
 
 class Unavailable(CkptdError):
@@ -216,4 +256,6 @@ def error_from_body(body: Any, status: int) -> CkptdError:
         return InvalidRequest(f"request refused ({status}): {body}")
     if status == 404:
         return NotFound(f"not found: {body}")
+    if status == 429:
+        return TooManyRequests(f"too many requests (429): {body}")
     return CkptdError(f"server answered {status}: {body}")

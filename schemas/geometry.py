@@ -214,7 +214,8 @@ def check_tiling(
             elif prev[1] != digest:
                 raise TilingError(
                     f"tensor {tensor!r}: ranks {prev[0]} and {rank} both hold offsets {list(box.offsets)} "
-                    f"sizes {list(box.sizes)} with different contents",
+                    f"sizes {list(box.sizes)} with different contents (state that differs between ranks "
+                    f"needs a key per rank, or a DTensor whose placements say how it is split)",
                     tensor=tensor, ranks=sorted({prev[0], rank}),
                 )
     boxes = sorted(unique, key=lambda b: b.offsets)

@@ -17,7 +17,8 @@ from operator import add, le
 from typing import Annotated, Literal, Union
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, JsonValue, PrivateAttr, ValidationInfo, field_validator, model_validator,
+    BaseModel, ConfigDict, Field, JsonValue, PrivateAttr, SerializerFunctionWrapHandler, ValidationInfo,
+    field_validator, model_serializer, model_validator,
 )
 
 from .chunktable import HEX64, ChunkColumns, FileName, NonNeg, check_columns, columns_of
@@ -26,6 +27,7 @@ from .geometry import Box, Region
 
 __all__ = [
     "FORMAT_VERSION",
+    "AdoptedFile",
     "BoxChunk",
     "Chunk",
     "ChunkColumns",
@@ -239,13 +241,35 @@ class Topology(_Model):
         return self
 
 
+class AdoptedFile(_Model):
+    """A file a rank wrote itself (direct writes), as the service left it once it had hashed it and
+    made it read-only: the commit refuses the file unless it still finds it exactly so."""
+
+    inode: NonNeg
+    size: NonNeg
+    mode: NonNeg = Field(description="permission bits the service set (st_mode & 0o7777)")
+    mtime_ns: int
+    ctime_ns: int = Field(description="moves on every write, chmod, rename or utime; no process sets it back")
+
+
 class FileEntry(_Model):
-    """A data file: size, whole-file digest, and per-block digests for ranged reads."""
+    """A data file: size, whole-file digest, and per-block digests for ranged reads.
+
+    ``adopted`` is set in a session's digest record of a directly written file, never in a manifest
+    (the merge leaves it out: it describes one host's filesystem, not the checkpoint)."""
 
     size: NonNeg
     xxh3: Annotated[str, Field(pattern=HEX64)]
     block_size: Annotated[int, Field(ge=4096)]
     blocks: list[Annotated[str, Field(pattern=HEX64)]]
+    adopted: AdoptedFile | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unadopted(self, handler: SerializerFunctionWrapHandler) -> dict:
+        out = handler(self)
+        if out.get("adopted", 0) is None:  # manifests and HTTP uploads: the same bytes as without the field
+            del out["adopted"]
+        return out
 
     @model_validator(mode="after")
     def _block_count(self) -> "FileEntry":

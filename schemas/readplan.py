@@ -13,6 +13,12 @@ index ``g`` is at chunk position ``dot(g, strides) - base`` (box chunks use
 the chunk's own row-major strides, flat chunks the tensor's). The reader maps
 ``[pos0, pos0 + npos)`` of the chunk onto the fetched bytes and copies each
 box of ``regions`` with one strided view on each side.
+
+A plan's cost is not bounded by its request's size: a request of a dozen bytes
+naming a tensor of 1,024 chunks visits all of them, and repeating it repeats the
+work. A :class:`PlanBudget` bounds the chunks visited (counted up front, before
+any work) and the entries of the answer (copies and fetches, counted as they
+are made); over either, :func:`plan_reads` raises ``PayloadTooLarge``.
 """
 
 from __future__ import annotations
@@ -24,11 +30,11 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .dtypes import itemsize
-from .errors import ChecksumMismatch, StateDictMismatch
+from .errors import ChecksumMismatch, PayloadTooLarge, StateDictMismatch
 from .geometry import Box, Region, box_flat_span, intersect_regions, row_major_strides
 from .manifest import BoxChunk, FileEntry, Manifest, TensorEntry
 
-__all__ = ["Copy", "Fetch", "ReadPlan", "ReadRequest", "dest_region", "plan_reads", "verify_fetch"]
+__all__ = ["Copy", "Fetch", "PlanBudget", "ReadPlan", "ReadRequest", "dest_region", "plan_reads", "verify_fetch"]
 
 
 class _Body(BaseModel):
@@ -143,6 +149,44 @@ class ReadPlan(_Body):
         return sum(f.end - f.start for f in self.fetches)
 
 
+@dataclass(frozen=True)
+class PlanBudget:
+    """The most work one :func:`plan_reads` call may do.
+
+    ``max_chunks``: chunks visited, the sum over the requests of the chunk count of the tensor each
+    names (checked before planning); ``max_answer``: copies plus fetches in the plan (checked while
+    planning, before the answer's objects are built). ``setting`` names what raises them, for the
+    refusal's message.
+    """
+
+    max_chunks: int
+    max_answer: int
+    setting: str = ""
+
+    def refuse(self, what: str, needed: int, limit: int, *, at_least: bool = False) -> PayloadTooLarge:
+        hint = f"; split the request or raise {self.setting}" if self.setting else "; split the request"
+        count = f"more than {limit}" if at_least else str(needed)
+        return PayloadTooLarge(f"read plan: {count} {what}, over the limit of {limit} for a request of this "
+                               f"size{hint}", limit=limit, needed=needed, what=what)
+
+
+def _check_budget(manifest: Manifest, requests: Sequence[ReadRequest], budget: PlanBudget) -> None:
+    """Refuse, before any work, a request whose chunk visits exceed the budget (O(requests))."""
+    visits = 0
+    for req in requests:
+        t = manifest.tensor(req.name)
+        if t is not None:
+            visits += len(t.table) if t.table is not None else len(t.chunks)
+    if visits > budget.max_chunks:
+        raise budget.refuse("chunks visited (requests x chunks of each tensor named)", visits, budget.max_chunks)
+
+
+def _overlaps(c_offsets: Sequence[int], c_sizes: Sequence[int], want: Box) -> bool:
+    """Whether a box chunk meets the wanted box (the cheap test before :func:`intersect_regions`)."""
+    return all(max(a, b) < min(a + sa, b + sb)
+               for a, sa, b, sb in zip(c_offsets, c_sizes, want.offsets, want.sizes))
+
+
 @dataclass
 class _Span:
     file: str
@@ -166,13 +210,18 @@ def _check_request(t: TensorEntry, req: ReadRequest, region: Region) -> None:
                 f"tensor {t.name!r}: requested flat range [{s}, {s + n}) exceeds {total} elements", tensor=t.name)
 
 
-def plan_reads(manifest: Manifest, requests: Sequence[ReadRequest], *, coalesce_gap: int = 1 << 20) -> ReadPlan:
+def plan_reads(manifest: Manifest, requests: Sequence[ReadRequest], *, coalesce_gap: int = 1 << 20,
+               budget: PlanBudget | None = None) -> ReadPlan:
     """Plan the reads that fill ``requests`` from ``manifest`` (pure).
 
     Replicated chunks (identical regions on several ranks) are read once.
     Byte ranges of one file closer than ``coalesce_gap`` are merged, then
-    widened to the file's verification blocks.
+    widened to the file's verification blocks. With a ``budget``, a request
+    over it raises ``PayloadTooLarge`` (:class:`PlanBudget`).
     """
+    if budget is not None:
+        _check_budget(manifest, requests, budget)
+    max_answer = budget.max_answer if budget is not None else None
     spans: list[_Span] = []
     for ri, req in enumerate(requests):
         t = manifest.tensor(req.name)
@@ -188,6 +237,8 @@ def plan_reads(manifest: Manifest, requests: Sequence[ReadRequest], *, coalesce_
             if key in seen:
                 continue  # a replica of a region already planned
             seen.add(key)
+            if want.box is not None and isinstance(c, BoxChunk) and not _overlaps(c.offsets, c.sizes, want.box):
+                continue
             boxes = intersect_regions(t.shape, c.region, want)
             if not boxes:
                 continue
@@ -210,10 +261,13 @@ def plan_reads(manifest: Manifest, requests: Sequence[ReadRequest], *, coalesce_
                 pos0=pos0, npos=pos1 - pos0, strides=list(strides), base=base, chunk_xxh3=loc.xxh3,
                 regions=[[list(b.offsets), list(b.sizes)] for b in boxes],
             )]))
-    return _coalesce(manifest.files, spans, coalesce_gap)
+            if max_answer is not None and len(spans) > max_answer:
+                assert budget is not None
+                raise budget.refuse("copies in the answer", len(spans), max_answer, at_least=True)
+    return _coalesce(manifest.files, spans, coalesce_gap, budget)
 
 
-def _coalesce(files: dict[str, FileEntry], spans: list[_Span], gap: int) -> ReadPlan:
+def _coalesce(files: dict[str, FileEntry], spans: list[_Span], gap: int, budget: PlanBudget | None = None) -> ReadPlan:
     merged: list[_Span] = []
     for s in sorted(spans, key=lambda s: (s.file, s.start)):
         fe = files[s.file]
@@ -226,6 +280,8 @@ def _coalesce(files: dict[str, FileEntry], spans: list[_Span], gap: int) -> Read
             last.copies.extend(s.copies)
         else:
             merged.append(_Span(s.file, s.start, s.end, list(s.copies)))
+    if budget is not None and len(merged) + len(spans) > budget.max_answer:
+        raise budget.refuse("copies and fetches in the answer", len(merged) + len(spans), budget.max_answer)
     fetches: list[Fetch] = []
     copies: list[Copy] = []
     for i, s in enumerate(merged):

@@ -88,7 +88,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             if args.format == "safetensors":
                 res = export_safetensors(manifest, read, args.out, max_shard_size=max_shard, **kw)
             else:
-                res = export_torch(manifest, read, args.out, **kw)
+                res = export_torch(manifest, read, args.out, trust_objects=args.trust_objects, **kw)
     finally:
         stop()
         backend.close()
@@ -128,6 +128,9 @@ def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
     s.add_argument("--dtype", help="cast floating tensors, e.g. bfloat16")
     s.add_argument("--prefix", help="export only tensors whose name starts with PREFIX, without it (e.g. model.)")
     s.add_argument("--no-check", action="store_true", help="skip reading the export back and comparing digests")
+    s.add_argument("--trust-objects", action="store_true",
+                   help="torch format: unpickle objects that a safe load (torch.load weights_only=True) refuses; "
+                        "this runs any code the checkpoint's writers put there (docs/security.md)")
     s.add_argument("--json", action="store_true", help="print one JSON object; no progress bar")
     add_target(s)
     s.set_defaults(func=cmd_export)

@@ -131,7 +131,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         else:
             try:
                 m = b.manifest(ref.run, ref.name)
-            except IntegrityError as e:
+            except (IntegrityError, NotFound) as e:  # absent, or failing the visibility rule
                 print(f"FAIL {args.ref}: {e.message}")
                 return 1
             progress, finish = progress_bar(m.total_bytes, f"verify {m.ref}", args.json)

@@ -2,8 +2,9 @@
 
 Call order (:func:`import_dcp` does all of it):
 
-1. :func:`inspect_dcp` (reads nothing but ``.metadata`` and file sizes): DCP's own
-   ``FileSystemReader(DIR).read_metadata()``; every tensor chunk and object of the
+1. :func:`inspect_dcp` (reads nothing but ``.metadata`` and file sizes): the pickle DCP's
+   ``FileSystemReader(DIR).read_metadata()`` reads, unpickled with only DCP's metadata classes
+   allowed (``ckptd_client.objects.load_dcp_file_metadata``); every tensor chunk and object of the
    metadata must have a storage entry, every data file must exist and hold the bytes its
    entries point at. A missing ``.metadata``, a missing or truncated data file is refused
    with the files named (:class:`DcpImportError`, exit 1) before anything is written.
@@ -92,9 +93,10 @@ def _refuse(message: str, files: list[str]) -> DcpImportError:
 
 def inspect_dcp(path: str | os.PathLike) -> DcpDirectory:
     """Read and check a DCP directory's metadata and file sizes; raise :class:`DcpImportError` naming the files."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, \
         TensorStorageMetadata
+
+    from ckptd_client.objects import load_dcp_file_metadata
 
     root = Path(path)
     meta_path = root / METADATA_FILE
@@ -103,9 +105,10 @@ def inspect_dcp(path: str | os.PathLike) -> DcpDirectory:
     if not meta_path.is_file():
         raise _refuse(f"{meta_path} is missing: {root} is not a DCP checkpoint (or its save never finished); "
                       f"nothing was imported", [str(meta_path)])
-    try:
-        md = FileSystemReader(str(root)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged metadata file
+    try:  # not FileSystemReader.read_metadata: that unpickles without restriction
+        with open(meta_path, "rb") as f:
+            md = load_dcp_file_metadata(f)
+    except Exception as e:  # noqa: BLE001 - a damaged metadata file, or one naming classes DCP does not write
         raise _refuse(f"{meta_path} is unreadable ({type(e).__name__}: {e}); nothing was imported",
                       [str(meta_path)]) from e
     if not isinstance(md, Metadata) or not isinstance(getattr(md, "storage_data", None), dict):

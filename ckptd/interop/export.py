@@ -27,13 +27,15 @@ for checkpoints saved through DCP or imported from it; flat FQN keys otherwise),
 included, in one ``torch.save`` file. Each tensor is assembled slab by slab into its own
 memory-mapped temporary file, so the data lives in the page cache, not in the process's
 heap, while ``torch.save`` writes it; the file is then read back (``mmap=True``) and checked
-the same way.
+the same way. Objects, and DCP's metadata, are decoded without running code from the
+checkpoint (``ckptd_client.objects``: JSON, or ``torch.load(weights_only=True)`` under the
+allow-list); one that needs an unrestricted unpickler raises ``UnsafeObject`` unless
+``trust_objects`` (``ckptd export --trust-objects``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import re
@@ -62,6 +64,8 @@ from ..store.offline import ReadFn, iter_slabs
 
 if TYPE_CHECKING:
     import torch
+
+    from ckptd_client.objects import ObjectPolicy
 
 __all__ = ["ExportResult", "FLOATS", "ReadFn", "SAFETENSORS_DTYPES", "export_safetensors", "export_torch",
            "parse_size", "tensor_bytes"]
@@ -397,15 +401,15 @@ def export_safetensors(manifest: Manifest, read: ReadFn, out: str | os.PathLike,
 
 # -- torch.save --------------------------------------------------------------------------------------
 
-def _dcp_layout(manifest: Manifest, read: ReadFn) -> tuple[dict[str, tuple], list[str]] | None:
+def _dcp_layout(manifest: Manifest, read: ReadFn, policy: "ObjectPolicy") -> tuple[dict[str, tuple], list[str]] | None:
     """DCP's key paths (``fqn -> ("optim", "param_groups", 0, "lr")``) and key order, when the checkpoint
     carries DCP metadata (saved through ``client.dcp_writer`` or imported from a DCP directory)."""
-    import torch
+    from ckptd_client.objects import load_dcp_metadata
 
     stored = next((o for o in manifest.objects if o.name == DCP_METADATA and o.location is not None), None)
     if stored is None:
         return None
-    md = torch.load(io.BytesIO(_object_bytes(manifest, stored, read)), weights_only=False)
+    md = load_dcp_metadata(_object_bytes(manifest, stored, read), key=DCP_METADATA, ref=manifest.ref, policy=policy)
     pd = getattr(md, "planner_data", None)
     if not isinstance(pd, dict):
         return None
@@ -431,11 +435,17 @@ def _set(root: dict, path: tuple, value: Any) -> None:
 def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dtype: str | None = None,
                  prefix: str | None = None, slab_bytes: int = 64 << 20, check: bool = True,
                  progress: Callable[[int], None] | None = None,
-                 check_progress: Callable[[int], None] | None = None) -> ExportResult:
-    """One ``torch.save`` file of the state dict: tensors (optionally cast, prefix-filtered) and objects."""
+                 check_progress: Callable[[int], None] | None = None, trust_objects: bool = False) -> ExportResult:
+    """One ``torch.save`` file of the state dict: tensors (optionally cast, prefix-filtered) and objects.
+
+    An object that needs an unrestricted unpickler raises ``UnsafeObject`` (and nothing is written)
+    unless ``trust_objects``."""
     import torch
 
-    from ckptd_client.assemble import decode_object, torch_dtype
+    from ckptd_client.assemble import torch_dtype
+    from ckptd_client.objects import ObjectPolicy, decode_object, load_torch
+
+    policy = ObjectPolicy.of(trust_objects)
 
     t0 = time.monotonic()
     outs = _select(manifest, prefix, dtype)
@@ -444,7 +454,7 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
     if path.exists():
         raise InvalidRequest(f"{path} already exists: choose a new file", path=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    layout = _dcp_layout(manifest, read)
+    layout = _dcp_layout(manifest, read, policy)
     paths, order = layout if layout is not None else ({}, [])
     objects: dict[str, ObjectEntry] = {}
     for o in manifest.objects:  # a per-rank object: the lowest rank's value (DCP keeps one per key)
@@ -479,8 +489,8 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
         for i, (kind, item) in enumerate(pending):
             if kind == "o":
                 entry = objects[item]
-                value = entry.value if entry.encoding == "json" else decode_object(
-                    entry.encoding, _object_bytes(manifest, entry, read), entry.name)
+                value = decode_object(entry, None if entry.location is None else _object_bytes(manifest, entry, read),
+                                      ref=manifest.ref, policy=policy)
                 _set(sd, key_path(item), value)
                 continue
             o = item
@@ -504,7 +514,9 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
         torch.save(sd, partial)
         del sd
         if check:
-            back = torch.load(partial, mmap=True, weights_only=False)
+            # the file just written: its objects are the ones decoded above, under the same policy
+            back = (torch.load(partial, mmap=True, weights_only=False) if policy.trust
+                    else load_torch(partial, allowed=policy.allowed, mmap=True))
             for o in outs:
                 t = _get(back, key_path(o.src.name))
                 if not isinstance(t, torch.Tensor) or t.dtype != torch_dtype(o.dtype):

@@ -209,8 +209,9 @@ class _Fetches:
         if tail is not None and tail.start <= start < tail.start + tail.length:
             have = min(tail.start + tail.length, end) - start
             view[:have] = memoryview(tail.buf)[start - tail.start:start - tail.start + have]
-        got = self.reader.storage.read_into(key, start + have, view[have:]) if have < len(view) else 0
-        view = view[:have + got]  # a short read: verify_fetch reports it
+        got = len(view) - have
+        if got:  # all of it, or CorruptCheckpoint: the file is absent, resized or short on storage
+            self.reader.storage.read_committed_into(key, start + have, view[have:], size, file=f.file)
         keep = min(len(view), f.block_size)
         if f.file not in self.tails:
             self.tails[f.file] = _Tail(f.block_size)

@@ -52,7 +52,7 @@ def submit_job(storage: Storage, req: ReshardRequest) -> tuple[JobStatus, Reshar
     plan = plan_reshard(manifest, spec, dtype=req.dtype, min_units=req.jobs)
     out = req.out or f"{manifest.run}/{default_out_name(manifest.name, str(spec), req.dtype)}"
     o = parse_ref(out)
-    if reader.marker(o.run, o.name) is not None:
+    if reader.visibility.marker(o.run, o.name) is not None:  # taken, visible or not
         raise AlreadyCommitted(f"output {out} is already committed; committed checkpoints are immutable (pass another "
                                f"--out)", ref=out)
     job_id = uuid.uuid4().hex

@@ -12,6 +12,8 @@ Routes (all under ``/v1`` except probes)::
     GET    /v1/checkpoints/{run}/{name}                           manifest ({name} may be "latest")
     POST   /v1/checkpoints/{run}/{name}/read-plan                 byte ranges that fill given regions
     GET    /v1/checkpoints/{run}/{name}/files/{file}              file bytes (Range supported)
+    PUT    /v1/checkpoints/{run}/{name}/leases/{holder}           hold a read lease (a long load renews it)
+    DELETE /v1/checkpoints/{run}/{name}/leases/{holder}           release it
     GET    /healthz, /readyz, /metrics
 
 Who may call what (bearer tokens and scopes) is declared in ``auth.ROUTE_RULES``
@@ -23,7 +25,6 @@ HTTP metrics.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
@@ -36,7 +37,8 @@ from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
     AdoptFile, CheckpointSummary, InvalidIndex, InvalidRequest, Manifest, NotFound, OpenSession, PayloadTooLarge,
-    RankIndex, ReadPlan, ReadRequest, RunSummary, SessionInfo, SessionStatus, UploadResult, check_file, plan_reads,
+    RankIndex, ReadPlan, ReadRequest, RunSummary, SessionInfo, SessionStatus, UploadResult, check_file, check_session,
+    plan_reads,
 )
 
 from .. import __version__
@@ -44,9 +46,12 @@ from ..storage import Storage, open_storage
 from ..store import CheckpointReader
 from ..store.faults import crash_point
 from ..store.layout import Paths
+from ..store.sessions import CommitEvent
 from ..store.verification import VerifyRecord, read_record, verify_and_record
+from ..store.visibility import Visibility
 from .auth import ROUTE_RULES, AccessMiddleware, TokenStore, authorize, check_routes, iter_routes, principal_of
 from .errors import install_error_handlers
+from .limits import BodyIdleTimeout, UploadSlots, read_plan_budget
 from .logs import RequestContextMiddleware
 from .metrics import CONTENT_TYPE_LATEST, MeteredSessionStore, Metrics
 from .reshard_routes import reshard_router
@@ -117,15 +122,31 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     storage = storage or open_storage(settings.root)
     tokens = tokens or TokenStore.from_settings(settings)
     metrics = Metrics()
-    sessions = MeteredSessionStore(storage, metrics)
-    reader = CheckpointReader(storage)
+    uploads = UploadSlots(settings.max_uploads_per_principal)  # file uploads in progress, per token
+    visibility = Visibility(storage, on_invisible=metrics.observe_invisible)
+    reader = CheckpointReader(storage, visibility=visibility)
     jobs_router, close_jobs, workers = reshard_router(storage, settings, metrics)
-    verifying: collections.deque[tuple[str, str]] = collections.deque(maxlen=1024)  # recent after-commit checks
-    retention = RetentionPolicy(storage, settings)
+
+    def verify_in_worker(run: str, name: str) -> VerifyRecord:
+        return VerifyRecord.model_validate(workers().submit(verify_and_record, storage.url, run, name).result())
+
+    retention = RetentionPolicy(storage, settings, verify=verify_in_worker)
     read_leases = ReadLeases(storage, settings.read_lease_seconds)
+
+    def after_commit(ev: CommitEvent) -> None:
+        """Every commit that creates a marker here, on whichever path: verify (then retention, which
+        relies on that record), or retention alone."""
+        if settings.verify_after_commit:
+            fut = workers().submit(verify_and_record, storage.url, ev.run, ev.name)
+            fut.add_done_callback(lambda _: retention.after_commit(ev.run))
+        else:
+            retention.after_commit(ev.run)
+
+    sessions = MeteredSessionStore(storage, metrics, visibility=visibility, on_commit=[after_commit])
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # The sweep: commits complete sessions left without a marker, then reclaims stale staging.
         async def reclaim_loop() -> None:
             while True:
                 try:
@@ -175,7 +196,12 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
              tags=["upload"])
     async def upload_file(request: Request, run: str, name: str, sid: str, file: str,
                           x_ckptd_xxh3: str = Header(..., pattern=r"^[0-9a-fA-F]{16}$")) -> UploadResult:
-        sink = await run_in_threadpool(sessions.begin_file, run, name, sid, file)
+        release = uploads.acquire(principal_of(request).name, file)  # 429 past this token's uploads at once
+        try:
+            sink = await run_in_threadpool(sessions.begin_file, run, name, sid, file)
+        except BaseException:
+            release()
+            raise
         batch_limit = settings.write_batch_bytes
         pending: asyncio.Future | None = None
         parts: list[bytes] = []  # the body's pieces as uvicorn hands them over: batched, never copied
@@ -204,16 +230,22 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
                     await pending
             await run_in_threadpool(sink.abort)
             raise
+        finally:
+            release()
 
     @app.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/adopt", response_model=UploadResult,
               tags=["upload"])
-    async def adopt_file(run: str, name: str, sid: str, file: str, body: AdoptFile) -> UploadResult:
+    async def adopt_file(request: Request, run: str, name: str, sid: str, file: str, body: AdoptFile) -> UploadResult:
         """Direct writes: take the file the rank wrote into the session's directory (``SessionInfo.direct``)
         as the upload of ``file``, after hashing every byte of it as an upload is hashed."""
         if not settings.direct_writes:
             raise InvalidRequest(f"file {file!r}: direct writes are off on this service (CKPTD_DIRECT_WRITES); "
                                  f"upload the file", file=file)
-        return await run_in_threadpool(sessions.adopt_file, run, name, sid, file, body)
+        release = uploads.acquire(principal_of(request).name, file)  # an adopt hashes a whole file: a slot too
+        try:
+            return await run_in_threadpool(sessions.adopt_file, run, name, sid, file, body)
+        finally:
+            release()
 
     waiters: dict[str, asyncio.Event] = {}  # session id -> event set when one of its indexes arrives here
 
@@ -230,15 +262,9 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
         if index.rank != rank:
             raise InvalidRequest(f"index body is for rank {index.rank}, URL says rank {rank}", rank=rank)
         try:
-            status = await run_in_threadpool(sessions.put_index, run, name, sid, index)
+            return await run_in_threadpool(sessions.put_index, run, name, sid, index)
         finally:
             _wake(sid)
-        if status.state == "committed":
-            retention.after_commit(run)
-            if settings.verify_after_commit and (run, name) not in verifying:  # index retries: verify once
-                verifying.append((run, name))
-                workers().submit(verify_and_record, storage.url, run, name)
-        return status
 
     @app.get("/v1/checkpoints/{run}/{name}/sessions/{sid}", response_model=SessionStatus, tags=["upload"])
     async def session_status(run: str, name: str, sid: str,
@@ -277,24 +303,35 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
 
     @app.get("/v1/checkpoints/{run}/{name}", response_model=Manifest, tags=["read"])
     async def get_manifest(run: str, name: str) -> Response:
-        manifest = await run_in_threadpool(reader.manifest, run, name)
-        await run_in_threadpool(read_leases.touch, run, manifest.name)
-        raw = await run_in_threadpool(reader.manifest_bytes, run, manifest.name)
-        return Response(raw, media_type="application/json", headers={"X-Ckptd-Name": manifest.name})
+        """The manifest's bytes as stored, served only when they hash to the marker's digest (sent as
+        ``X-Ckptd-Manifest-Xxh3``, so a client checks what it received against what was committed)."""
+        c = await run_in_threadpool(reader.committed, run, name)
+        await run_in_threadpool(read_leases.touch, run, c.name)
+        raw = await run_in_threadpool(visibility.manifest_bytes, c)
+        return Response(raw, media_type="application/json",
+                        headers={"X-Ckptd-Name": c.name, "X-Ckptd-Manifest-Xxh3": c.digest,
+                                 "X-Ckptd-Lease-Seconds": f"{settings.read_lease_seconds:g}"})
 
     @app.post("/v1/checkpoints/{run}/{name}/read-plan", response_model=ReadPlan, tags=["read"],
               response_model_exclude_none=True)  # no local_paths key unless offered: older clients parse it
     async def read_plan(request: Request, run: str, name: str) -> ReadPlan:
         raw = await _read_body_limited(request, settings.max_index_bytes)
-        body = _parse_body(ReadPlanBody, raw, "read-plan request")
+        body = await run_in_threadpool(_parse_body, ReadPlanBody, raw, "read-plan request")  # off the event loop
         manifest = await run_in_threadpool(reader.manifest, run, name)
-        plan = await run_in_threadpool(plan_reads, manifest, body.requests)
+        await run_in_threadpool(read_leases.touch, run, manifest.name)
+        budget = read_plan_budget(len(raw), settings.read_plan_chunk_budget, settings.read_plan_answer_budget)
+        try:
+            plan = await run_in_threadpool(plan_reads, manifest, body.requests, budget=budget)
+        except PayloadTooLarge:
+            metrics.limit_refusals.labels("read_plan").inc()
+            raise
         if body.local_paths and settings.direct_reads:
             paths = {f.file: storage.local_path(Paths.file(run, manifest.name, manifest.session, f.file))
                      for f in plan.fetches}
             if all(paths.values()):
                 plan.local_paths = paths  # type: ignore[assignment]
-        return plan
+        raw_plan = await run_in_threadpool(plan.model_dump_json, exclude_none=True)  # a large answer: not on the loop
+        return Response(raw_plan, media_type="application/json")  # type: ignore[return-value]
 
     @app.post("/v1/checkpoints/{run}/{name}/verify", response_model=VerifyRecord, tags=["read"])
     async def verify_checkpoint(run: str, name: str) -> VerifyRecord:
@@ -318,7 +355,10 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     async def get_file(run: str, name: str, file: str, range: str | None = Header(None)) -> Response:
         check_file(file)
         key, size = await run_in_threadpool(reader.file_key, run, name, file)
+        await run_in_threadpool(read_leases.touch, run, key.split("/")[2])  # runs/RUN/NAME/...: the concrete name
         start, end = _parse_range(range, size)
+        # A committed file absent or resized on storage is corrupt: 422 before any byte is sent.
+        await run_in_threadpool(storage.check_committed, key, size, file=file)
         headers = {"Accept-Ranges": "bytes", "Content-Length": str(end - start)}
         status = 200
         if range:
@@ -326,23 +366,40 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
             headers["Content-Range"] = f"bytes {start}-{max(end - 1, start)}/{size}"
         piece = storage.read_piece  # per read and send: bounds the memory of one GET
         if end - start <= piece:
-            data = await run_in_threadpool(storage.read, key, start, end)
+            data = await run_in_threadpool(storage.read_committed, key, start, end, size, file=file)
             return Response(data, status_code=status, headers=headers, media_type="application/octet-stream")
 
         async def pieces() -> AsyncIterator[bytes]:
             pos = start
             while pos < end:
                 nxt = min(pos + piece, end)
-                yield await run_in_threadpool(storage.read, key, pos, nxt)
+                yield await run_in_threadpool(storage.read_committed, key, pos, nxt, size, file=file)
                 pos = nxt
 
         return StreamingResponse(pieces(), status_code=status, headers=headers,
                                  media_type="application/octet-stream")
 
+    @app.put("/v1/checkpoints/{run}/{name}/leases/{holder}", tags=["read"])
+    async def hold_lease(run: str, name: str, holder: str) -> dict:
+        """Lease a checkpoint for a reader that reads for longer than a lease (direct reads fetch no
+        byte through the service): renewed by the reader every third of ``seconds``; gc spares it."""
+        check_session(holder)  # the same safe-name rule as a session id
+        c = await run_in_threadpool(reader.committed, run, name)
+        await run_in_threadpool(read_leases.hold, run, c.name, holder)
+        return {"ref": c.ref, "holder": holder, "seconds": settings.read_lease_seconds}
+
+    @app.delete("/v1/checkpoints/{run}/{name}/leases/{holder}", status_code=204, tags=["read"])
+    async def release_lease(run: str, name: str, holder: str) -> Response:
+        check_session(holder)  # the same safe-name rule as a session id
+        c = await run_in_threadpool(reader.committed, run, name)
+        await run_in_threadpool(read_leases.release, run, c.name, holder)
+        return Response(status_code=204)
+
     app.include_router(jobs_router)
-    app.include_router(gc_router(storage, settings))
+    app.include_router(gc_router(storage, settings, verify_in_worker))
     check_routes(app)
     open_paths = {r.path for r in iter_routes(app.router) if ROUTE_RULES[r.name].access == "open"}
+    app.add_middleware(BodyIdleTimeout, seconds=settings.body_idle_timeout_seconds, metrics=metrics)
     app.add_middleware(AccessMiddleware, tokens=tokens, open_paths=open_paths, index_limit=settings.max_index_bytes,
                        routes=app.router.routes)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)  # outermost: ids and logs for 401s too

@@ -267,6 +267,8 @@ ROUTE_RULES: dict[str, Rule] = {
     "get_file": Rule("read"),
     "verify_checkpoint": Rule("read"),  # runs in a worker; the record it writes is derived, never the data
     "get_verification": Rule("read"),
+    "hold_lease": Rule("read"),  # a lease only keeps a checkpoint; it changes nothing else
+    "release_lease": Rule("read"),
     # uploads: write:RUN
     "open_session": Rule("write"),
     "upload_file": Rule("write", body="stream"),
@@ -435,6 +437,7 @@ class AccessMiddleware:
         async def reject(message: str, limit: int) -> None:
             nonlocal responded
             responded = True
+            state["ckptd_answered"] = True  # the disconnect the handler meets next is this answer's (limits)
             await _send_error(send, scope, PayloadTooLarge(message, limit=limit), [(b"connection", b"close")])
 
         async def guarded_send(msg: Message) -> None:

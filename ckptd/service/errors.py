@@ -2,7 +2,9 @@
 
 Every error body carries the request's id (``error.request_id``, also in the
 ``X-Request-Id`` header), and storage and integrity failures are counted in the
-app's metrics here.
+app's metrics here. A client that goes away before its request body is
+complete (``ClientDisconnect``) is one warning line and one count of
+``ckptd_client_disconnects_total``, answered 499 (to nobody), never a 500.
 """
 
 from __future__ import annotations
@@ -11,14 +13,18 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from ckptd_schemas import CkptdError, InvalidRequest, NotFound
+from ckptd_schemas import CkptdError, InvalidRequest, NotFound, TooManyRequests
+
+from .limits import was_answered
 
 __all__ = ["install_error_handlers"]
 
 log = logging.getLogger("ckptd.service")
+CLIENT_CLOSED = 499  # the client closed the connection before the answer (no one reads it)
 
 
 def _body(request: Request, err: CkptdError) -> dict:
@@ -42,7 +48,21 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status >= 500:
             log.warning("%s answered %d: %s", _op(request), exc.status, exc.message)
         headers = {"WWW-Authenticate": 'Bearer realm="ckptd", error="insufficient_scope"'} if exc.status == 403 else None
+        if isinstance(exc, TooManyRequests):
+            headers = {"Retry-After": "1"}
+            if metrics is not None:
+                metrics.limit_refusals.labels("uploads").inc()
         return JSONResponse(_body(request, exc), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        if not was_answered(request.scope):  # not a 408 or 413 the service sent itself
+            metrics = getattr(request.app.state, "metrics", None)
+            if metrics is not None:
+                metrics.client_disconnects.labels(_op(request)).inc()
+            log.warning("%s: the client disconnected before the request body was complete (%s %s)", _op(request),
+                        request.method, request.url.path[:200])
+        return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -20,7 +20,12 @@ ckptd_upload_sessions_open             gauge      sessions opened through this r
 ckptd_verify_failures_total{code}      counter    integrity refusals: uploads whose bytes differ from their
                                                   digest, commits refused at validation, corrupt manifests
 ckptd_storage_errors_total{op}         counter    storage backend failures, by route (or ``reclaim``)
+ckptd_invisible_checkpoints_total      counter    checkpoints found failing the visibility rule, by reason
+  {reason}                                        (each ref and reason once per replica; store.visibility)
 ckptd_auth_refusals_total{status}      counter    requests refused 401 or 403
+ckptd_client_disconnects_total{route}  counter    requests whose client went away before its body was complete
+ckptd_limit_refusals_total{limit}      counter    requests refused by a limit: read_plan (413), uploads (429),
+                                                  body_idle (408), header_timeout, connections (closed)
 ckptd_reshard_jobs_active              gauge      reshard jobs submitted here and queued or running
 ckptd_reshard_job_bytes_done{job}      gauge      bytes written so far by a job
 ckptd_reshard_job_bytes_planned{job}   gauge      bytes a job will write
@@ -73,10 +78,20 @@ class Metrics:
                                        "Integrity refusals: uploads whose bytes differ from their digest, commits "
                                        "refused at validation, manifests that do not match their marker.",
                                        ["code"], registry=r)
+        self.invisible = Counter("ckptd_invisible_checkpoints",
+                                 "Checkpoints found failing the visibility rule (a marker or manifest that does not "
+                                 "parse, match or agree), by reason; each ref and reason once.", ["reason"],
+                                 registry=r)
         self.storage_errors = Counter("ckptd_storage_errors", "Storage backend failures, by operation.", ["op"],
                                       registry=r)
         self.auth_refusals = Counter("ckptd_auth_refusals", "Requests refused for authentication (401) or "
                                      "scope (403).", ["status"], registry=r)
+        self.client_disconnects = Counter("ckptd_client_disconnects", "Requests whose client went away before "
+                                          "its body was complete (answered 499, logged once).", ["route"],
+                                          registry=r)
+        self.limit_refusals = Counter("ckptd_limit_refusals", "Requests or connections refused by a limit "
+                                      "(read_plan, uploads, body_idle, header_timeout, connections).", ["limit"],
+                                      registry=r)
         self.reshard_active = Gauge("ckptd_reshard_jobs_active", "Reshard jobs submitted here, queued or running.",
                                     registry=r)
         self.reshard_done = Gauge("ckptd_reshard_job_bytes_done", "Bytes a reshard job has written so far.", ["job"],
@@ -113,6 +128,10 @@ class Metrics:
             self.storage_errors.labels(op).inc()
         elif isinstance(exc, IntegrityError) and not getattr(exc, "_ckptd_metered", False):
             self.verify_failures.labels(exc.code).inc()
+
+    def observe_invisible(self, ref: str, reason: str, message: str) -> None:
+        """From :class:`~ckptd.store.visibility.Visibility`: a checkpoint failed the rule."""
+        self.invisible.labels(reason).inc()
 
     def session_open(self, sid: str, run: str, name: str) -> None:
         with self._lock:
@@ -187,13 +206,25 @@ class MeteredSessionStore(SessionStore):
         self.metrics.session_open(info.session, run, name)
         return info
 
-    def status(self, run: str, name: str, sid: str, *, raise_on_failure: bool = False) -> SessionStatus:
+    def status(self, run: str, name: str, sid: str) -> SessionStatus:
         try:
-            st = super().status(run, name, sid, raise_on_failure=raise_on_failure)
+            st = super().status(run, name, sid)
         except StorageError:
             raise
         except CkptdError:
             self.metrics.session_closed(sid)  # not found, refused, committed by another session
+            raise
+        if st.state != "open":
+            self.metrics.session_closed(sid)
+        return st
+
+    def put_index(self, run: str, name: str, sid: str, index: Any) -> SessionStatus:
+        try:
+            st = super().put_index(run, name, sid, index)
+        except StorageError:
+            raise
+        except CkptdError:
+            self.metrics.session_closed(sid)
             raise
         if st.state != "open":
             self.metrics.session_closed(sid)

@@ -5,9 +5,11 @@
 * Policy: with ``CKPTD_RETENTION_KEEP_LAST`` set, the run of every checkpoint
   that commits through this service is collected right after the commit (in
   the background; a failure is logged and changes nothing visible).
-* Read leases: serving a manifest leases that checkpoint for
-  ``CKPTD_READ_LEASE_SECONDS``, so gc does not delete it under a load that is
-  still fetching its files. Renewed at most every half lease per replica.
+* Read leases: serving a manifest, a read plan or file bytes leases that
+  checkpoint for ``CKPTD_READ_LEASE_SECONDS``, so gc does not delete it under a
+  load that is still fetching its files (renewed at most every half lease per
+  replica); a reader that fetches nothing through the service for a while
+  (direct reads) holds its own lease (``PUT .../leases/{holder}``) and renews it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ckptd_schemas import check_run
 from ..storage import Storage
 from ..store import SessionStore
 from ..store.leases import Leases
-from ..store.retention import collect
+from ..store.retention import Verifier, collect
 from .settings import Settings
 
 __all__ = ["GcRequest", "ReadLeases", "RetentionPolicy", "gc_router"]
@@ -41,7 +43,7 @@ class GcRequest(BaseModel):
     dry_run: bool = False
 
 
-def gc_router(storage: Storage, settings: Settings) -> APIRouter:
+def gc_router(storage: Storage, settings: Settings, verify: Verifier | None = None) -> APIRouter:
     router = APIRouter(tags=["retention"])
 
     @router.post("/v1/runs/{run}/gc")
@@ -50,7 +52,7 @@ def gc_router(storage: Storage, settings: Settings) -> APIRouter:
 
         def work() -> dict:
             plan = collect(storage, run, keep_last=body.keep_last, keep_every=body.keep_every,
-                           dry_run=body.dry_run).as_json()
+                           dry_run=body.dry_run, verify=verify).as_json()
             if not body.dry_run:
                 plan["reclaimed_sessions"] = SessionStore(storage).reclaim_stale(settings.stale_session_ttl)
             return plan
@@ -63,8 +65,8 @@ def gc_router(storage: Storage, settings: Settings) -> APIRouter:
 class RetentionPolicy:
     """Collects a run after each commit when the service has a retention policy; one pass per run at a time."""
 
-    def __init__(self, storage: Storage, settings: Settings) -> None:
-        self.storage, self.settings = storage, settings
+    def __init__(self, storage: Storage, settings: Settings, verify: Verifier | None = None) -> None:
+        self.storage, self.settings, self.verify = storage, settings, verify
         self._busy: set[str] = set()
         self._lock = threading.Lock()
 
@@ -84,7 +86,7 @@ class RetentionPolicy:
     def _collect(self, run: str) -> None:
         try:
             plan = collect(self.storage, run, keep_last=self.settings.retention_keep_last or 1,
-                           keep_every=self.settings.retention_keep_every)
+                           keep_every=self.settings.retention_keep_every, verify=self.verify)
             if plan.deleted:
                 log.info("retention: deleted %s from run %s", ", ".join(plan.deleted), run)
         except Exception:  # noqa: BLE001 - retention never breaks a save; the next commit tries again
@@ -114,3 +116,11 @@ class ReadLeases:
             if len(self._renewed) > 10_000:
                 self._renewed = {k: v for k, v in self._renewed.items() if now - v < self.seconds}
         self.leases.acquire(run, name, self.holder, ttl=self.seconds)
+
+    def hold(self, run: str, name: str, holder: str) -> None:
+        """A reader's own lease, for one lease period from now (the reader renews it)."""
+        if self.seconds > 0:
+            self.leases.acquire(run, name, f"client-{holder}", ttl=self.seconds)
+
+    def release(self, run: str, name: str, holder: str) -> None:
+        self.leases.release(run, name, f"client-{holder}")

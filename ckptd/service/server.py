@@ -1,4 +1,9 @@
-"""Run the service under uvicorn (uvloop + httptools when installed)."""
+"""Run the service under uvicorn (uvloop + httptools when installed).
+
+The httptools protocol is subclassed twice: the request head is bounded in bytes
+(:func:`_bounded_httptools`, 431) and in time, and the open connections in number
+(:func:`ckptd.service.connections.guard_protocol`).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import uvicorn
 
 from .app import create_app
 from .auth import AuthConfigError, TokenStore
+from .connections import guard_protocol
 from .logs import configure_logging
 from .settings import Settings
 
@@ -135,9 +141,13 @@ def serve(settings: Settings) -> None:
     http: Any = "h11"
     if importlib.util.find_spec("httptools"):
         try:
-            http = _bounded_httptools(settings.max_header_bytes)
+            http = guard_protocol(_bounded_httptools(settings.max_header_bytes), settings.header_timeout_seconds,
+                                  settings.max_connections, app.state.metrics)
         except (ImportError, AttributeError):  # an uvicorn without this protocol class: h11 has its own bound
             http = "h11"
+    if http == "h11":
+        log.warning("httptools is not installed: serving with h11, without the request-head deadline and the "
+                    "connection cap (CKPTD_HEADER_TIMEOUT_SECONDS, CKPTD_MAX_CONNECTIONS)")
     uvicorn.run(app, host=settings.host, port=settings.port, loop=loop, http=http, log_config=None,
                 log_level=settings.log_level.lower(), access_log=False, timeout_keep_alive=30,
                 h11_max_incomplete_event_size=settings.max_header_bytes)

@@ -62,6 +62,25 @@ class Settings(BaseSettings):
         "their data files into the session's directory themselves; the service hashes every byte of each file "
         "before it accepts it (`POST .../files/{file}/adopt`), as it hashes an upload")
     max_header_bytes: int = Field(64 << 10, description="largest accepted request line plus headers (431 beyond)")
+    header_timeout_seconds: float = Field(
+        30.0, ge=0, description="seconds a connection has to send a request's line and headers, from when it "
+        "opens or the request's first byte arrives; then it is closed (0 = no limit)")
+    body_idle_timeout_seconds: float = Field(
+        60.0, ge=0, description="seconds a request body may send nothing while the service waits for it; then it "
+        "is answered 408 and closed (0 = no limit)")
+    max_connections: int = Field(
+        4096, ge=16, description="open client connections at most, and never more than the file-descriptor limit "
+        "(`ulimit -n`) less an eighth of it; a new one beyond closes the longest-idle connection without a "
+        "request in progress (or itself, if every one is busy), so idle sockets cannot starve probes")
+    max_uploads_per_principal: int = Field(
+        64, ge=0, description="file uploads and adopts one token may have in progress at once; more are "
+        "refused 429, which clients retry (0 = no limit)")
+    read_plan_chunk_budget: int = Field(
+        1 << 20, ge=0, description="chunks a read plan may visit (requests x chunks of the tensor each names), "
+        "plus 16 per byte of its request; more is refused 413 before any work")
+    read_plan_answer_budget: int = Field(
+        1 << 16, ge=0, description="copies plus fetches a read plan may answer, plus 1 per byte of its request; "
+        "more is refused 413")
 
 
 # -- the README's configuration table -------------------------------------------------------------

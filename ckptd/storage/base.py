@@ -13,13 +13,21 @@ Keys are ``/``-separated paths relative to the storage root. Primitives:
   writer wins): the commit marker's primitive.
 * :meth:`Storage.delete` and :meth:`Storage.delete_tree`.
 
+Derived, overridden where a backend does better: :meth:`Storage.read_or_none` (one GET on
+object stores) and :meth:`Storage.stamp`, a token that changes whenever an object's bytes may
+have changed, so a reader can cache what it learned from an object's bytes (its digest) for as
+long as the stamp holds.
+
 Optional: :meth:`Storage.local_path` (None unless the key is a file on this host) lets the
 service offer direct reads to clients that share its filesystem, and :meth:`Storage.adopt`
 (None where unsupported) takes a file such a client wrote beside a key as the key's content
 (direct writes), after the caller has hashed it through :meth:`Adopted.windows`.
 
 Errors from the backend surface as :class:`ckptd_schemas.StorageError`
-naming the key.
+naming the key (transient: callers retry). Data files of committed checkpoints are read
+through :meth:`Storage.read_committed` and :meth:`Storage.check_committed`, which know the size
+the manifest gives: such a file absent, of another size or read short is damage, not a passing
+failure, and raises :class:`ckptd_schemas.CorruptCheckpoint` at once.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import json
 from abc import ABC, abstractmethod
 from typing import Any, Iterable, Iterator
 
-from ckptd_schemas import InvalidName, StorageError
+from ckptd_schemas import AdoptedFile, CorruptCheckpoint, InvalidName, StorageError
 
 __all__ = ["Adopted", "Storage", "Writer", "check_key"]
 
@@ -73,9 +81,13 @@ class Writer(ABC):
 class Adopted(Writer):
     """A file a client wrote beside its key (direct writes): read once through :meth:`windows`
     (the caller hashes each window), then :meth:`commit` makes it durable and visible at the key,
-    or :meth:`abort` deletes it. Nothing is written through it."""
+    or :meth:`abort` deletes it. Nothing is written through it.
+
+    After :meth:`commit`, ``taken`` says how the service left the file (made read-only where it
+    could; its inode, size and times), for the commit of the session to find it unchanged."""
 
     size: int
+    taken: AdoptedFile | None = None
 
     @abstractmethod
     def windows(self) -> Iterator[memoryview]:
@@ -150,6 +162,52 @@ class Storage(ABC):
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
+
+    def check_committed(self, key: str, size: int, **details: Any) -> None:
+        """Raise :class:`CorruptCheckpoint` unless ``key`` holds exactly ``size`` bytes (a data file of a
+        committed checkpoint, which never changes once committed)."""
+        stored = self.size(key)
+        if stored is None:
+            raise CorruptCheckpoint(f"committed file {key!r} is missing from storage", key=key, size=size, **details)
+        if stored != size:
+            raise CorruptCheckpoint(f"committed file {key!r} holds {stored} bytes, its manifest says {size}",
+                                    key=key, size=size, stored_size=stored, **details)
+
+    def read_committed(self, key: str, start: int, end: int, size: int, **details: Any) -> bytes:
+        """Bytes ``[start, end)`` of a committed data file of ``size`` bytes. Absent, resized or read
+        short: :class:`CorruptCheckpoint`; any other failure stays a (transient) :class:`StorageError`."""
+        try:
+            data = self.read(key, start, end)
+        except StorageError:
+            self.check_committed(key, size, **details)  # there, whole: the failure was the backend's
+            raise
+        if len(data) != end - start:
+            self.check_committed(key, size, **details)
+            raise CorruptCheckpoint(f"committed file {key!r} gave {len(data)} of the {end - start} bytes at "
+                                    f"{start}", key=key, size=size, **details)
+        return data
+
+    def read_committed_into(self, key: str, start: int, view: memoryview, size: int, **details: Any) -> None:
+        """:meth:`read_committed` into a caller's buffer: all of ``view`` is filled, or it raises."""
+        try:
+            got = self.read_into(key, start, view)
+        except StorageError:
+            self.check_committed(key, size, **details)
+            raise
+        if got != len(view):
+            self.check_committed(key, size, **details)
+            raise CorruptCheckpoint(f"committed file {key!r} gave {got} of the {len(view)} bytes at {start}",
+                                    key=key, size=size, **details)
+
+    def read_or_none(self, key: str) -> bytes | None:
+        """The whole object, or None when it is absent."""
+        return self.read(key) if self.exists(key) else None
+
+    def stamp(self, key: str) -> str | None:
+        """None when ``key`` is absent; else a token that changes whenever its bytes may have changed
+        (local files: inode, size, mtime and ctime; S3: ETag and size), or ``""`` where the backend
+        has none (the caller must then read the bytes to know)."""
+        return "" if self.exists(key) else None
 
     def local_path(self, key: str) -> str | None:
         """An absolute path that opens ``key`` on this host, or None (an object store): offered to

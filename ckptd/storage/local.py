@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import shutil
 import stat
+import sys
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-from ckptd_schemas import CkptdError, InvalidRequest, StorageError, StorageFull
+from ckptd_schemas import AdoptedFile, CkptdError, InvalidRequest, StorageError, StorageFull
 
 from . import _direct_io
 from .base import Adopted, Storage, Writer, check_key
@@ -23,6 +25,8 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 10
 #: ``_LocalWriter._early_writeback``).
 WRITEBACK_BYTES = 32 << 20
 _FADVISE = hasattr(os, "posix_fadvise")
+#: Mode of an adopted file: nobody may open it for writing without a chmod, which moves its ctime.
+READ_ONLY = 0o444
 
 
 def fsync_dir(path: Path) -> None:
@@ -38,6 +42,29 @@ def _storage_error(op: str, key: str, e: OSError) -> StorageError:
     if e.errno == errno.ENOSPC:
         return StorageFull(f"storage {op} of {key!r} failed: disk full", key=key, errno=e.errno)
     return StorageError(f"storage {op} of {key!r} failed: {e.strerror or e}", key=key, errno=e.errno)
+
+
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range() if sys.platform.startswith("linux") else None
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing a dirty range back without dropping its pages (``sync_file_range``); where that
+    call is missing, ``posix_fadvise(DONTNEED)``, which starts it too but drops the clean pages."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # advice only: errors are ignored
+    elif _FADVISE:
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 class _LocalWriter(Writer):
@@ -143,7 +170,8 @@ class _LocalWriter(Writer):
 class _LocalAdopted(Adopted):
     """A client's staged file, opened without following links; it must be a regular file with one
     link (not a link to another file), and it is renamed into place only while the path still names
-    the inode that was hashed."""
+    the inode that was hashed. The service then takes it over: read-only for everyone (where the
+    file is its own to chmod), and its inode, size, mode and times recorded (``taken``)."""
 
     WINDOW = 8 << 20
 
@@ -165,6 +193,9 @@ class _LocalAdopted(Adopted):
         self._closed = False
 
     def windows(self) -> Iterator[memoryview]:
+        # Write-back is started every WRITEBACK_BYTES, as _LocalWriter does, so the fsync at commit waits
+        # for the last window only; but the pages stay cached: the session's commit reads the file again
+        # (ckptd.store.commit_checks) and drops them from the cache once it has.
         buf = memoryview(bytearray(min(self.WINDOW, max(self.size, 1))))
         offset = flushed = 0
         try:
@@ -175,15 +206,16 @@ class _LocalAdopted(Adopted):
                                          f"{offset} of {self.size} bytes while it was read", key=self._key)
                 yield buf[:n]
                 offset += n
-                if self._durable and _FADVISE and offset - flushed >= WRITEBACK_BYTES:  # as _LocalWriter
-                    with contextlib.suppress(OSError):
-                        os.posix_fadvise(self._fd, flushed, offset - flushed, os.POSIX_FADV_DONTNEED)
+                if self._durable and offset - flushed >= WRITEBACK_BYTES:
+                    _start_writeback(self._fd, flushed, offset - flushed)
                     flushed = offset
         except OSError as e:
             raise _storage_error("read", self._key, e) from e
 
     def commit(self) -> None:
         try:
+            with contextlib.suppress(PermissionError):  # a file of another uid stays as it is, its times still recorded
+                os.fchmod(self._fd, READ_ONLY)
             if self._durable:
                 os.fsync(self._fd)
             if os.fstat(self._fd).st_size != self.size:
@@ -197,6 +229,9 @@ class _LocalAdopted(Adopted):
                                      f"it was adopted", key=self._key)
             if self._durable:
                 fsync_dir(self._final.parent)
+            st = os.fstat(self._fd)
+            self.taken = AdoptedFile(inode=st.st_ino, size=st.st_size, mode=stat.S_IMODE(st.st_mode),
+                                     mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns)
         except OSError as e:
             self.abort()
             raise _storage_error("commit", self._key, e) from e
@@ -284,6 +319,26 @@ class LocalStorage(Storage):
     def adopt(self, key: str, staged: str) -> Adopted:
         final = self._path(key)
         return _LocalAdopted(final.with_name(check_key(staged)), final, key, self.durable)
+
+    def stamp(self, key: str) -> str | None:
+        """Inode, size, mtime and ctime: ctime moves on every write, rename or ``utime``, and no
+        process can set it back."""
+        try:
+            st = self._path(key).stat()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise _storage_error("stat", key, e) from e
+        return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+    def read_or_none(self, key: str) -> bytes | None:
+        try:
+            with open(self._path(key), "rb", buffering=0) as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        except OSError as e:
+            raise _storage_error("read", key, e) from e
 
     def size(self, key: str) -> int | None:
         try:

@@ -298,6 +298,26 @@ class S3Storage(FsspecStorage):
             raise _wrap("stat", key, e) from e
         return int(out.get("ContentLength") or 0)
 
+    def stamp(self, key: str) -> str | None:
+        """ETag and size from one HEAD: any PUT of other bytes changes the ETag."""
+        k = self._s3key(key)
+        try:
+            out = self.fs.call_s3("head_object", Bucket=self.bucket, Key=k)
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001
+            raise _wrap("stat", key, e) from e
+        return f"{out.get('ETag', '')}:{int(out.get('ContentLength') or 0)}"
+
+    def read_or_none(self, key: str) -> bytes | None:
+        """One GET (no HEAD first)."""
+        try:
+            return self.fs.cat_file(self._path(key), start=0, end=None)
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001
+            raise _wrap("read", key, e) from e
+
     def read_json_or_none(self, key: str) -> Any:
         """One GET (no HEAD first): ``None`` when the object is absent."""
         import json

@@ -190,6 +190,12 @@ class _FaultStorage(Storage):
     def size(self, key: str) -> int | None:
         return self.inner.size(key)
 
+    def stamp(self, key: str) -> str | None:
+        return self.inner.stamp(key)
+
+    def read_or_none(self, key: str) -> bytes | None:
+        return self.inner.read_or_none(key)
+
     def list(self, prefix: str) -> list[str]:
         return self.inner.list(prefix)
 

@@ -14,8 +14,9 @@
 A session directory is the staging area of one save attempt: nothing outside
 it changes until the marker is created. The marker is created exactly once
 (first writer wins) and names the manifest by digest, so a checkpoint is
-visible iff its marker exists and matches its manifest (DESIGN §2); the same
-rule holds on local disks and on object stores, with no rename. Session
+visible iff its marker parses and names the digest of a manifest that parses
+and agrees with it (``visibility``, DESIGN §2); the same rule holds on local
+disks and on object stores, with no rename. Session
 directories that no marker names are reclaimed after a TTL.
 """
 
@@ -31,8 +32,12 @@ RUNS = "runs"
 
 
 class Marker(BaseModel):
+    """``COMMITTED``: binds the ref, the session, the manifest's digest and the step; what makes a
+    checkpoint visible is decided by :mod:`.visibility`."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    ref: str
     session: str
     manifest: str
     manifest_xxh3: str

@@ -68,10 +68,15 @@ def merge_indexes(
         return Manifest(
             run=run, name=name, step=step, session=session, created_at=created_at, derived_from=derived_from,
             topology=topology, tensors=tensors, objects=objects, param_groups=groups,
-            files={f: files[f] for f in sorted(owners)},
+            files={f: _as_committed(files[f]) for f in sorted(owners)},
         )
     except ValidationError as e:
         raise InvalidIndex(f"{run}/{name}: merged manifest is invalid: {e.errors()[0]['msg']}") from e
+
+
+def _as_committed(entry: FileEntry) -> FileEntry:
+    """The entry as a manifest holds it: without the session's record of an adopted file."""
+    return entry if entry.adopted is None else entry.model_copy(update={"adopted": None})
 
 
 def _merge_tensors(run: str, name: str, ranks: Sequence[RankIndex], owners: dict[str, int]) -> list[TensorEntry]:
@@ -215,6 +220,9 @@ def _merge_objects(ranks: Sequence[RankIndex], world_size: int) -> list[ObjectEn
 
 
 def _merge_param_groups(run: str, name: str, ranks: Sequence[RankIndex]) -> list[ParamGroup]:
+    """One description per (optimizer, group index). Ranks that hold different parameters of one
+    group (pipeline stages) describe it with the union of their parameters, in rank order; the
+    hyper-parameters must agree."""
     chosen: dict[tuple[str, int], tuple[int, ParamGroup]] = {}
     for ix in ranks:
         for g in ix.param_groups:
@@ -222,8 +230,12 @@ def _merge_param_groups(run: str, name: str, ranks: Sequence[RankIndex]) -> list
             prev = chosen.get(key)
             if prev is None:
                 chosen[key] = (ix.rank, g)
-            elif prev[1] != g:
+            elif prev[1].hyperparams != g.hyperparams:
                 raise InvalidIndex(
-                    f"{run}/{name}: param group {g.index} of {g.optimizer!r} differs between ranks "
-                    f"{prev[0]} and {ix.rank}", ranks=[prev[0], ix.rank])
+                    f"{run}/{name}: param group {g.index} of {g.optimizer!r} has different hyper-parameters "
+                    f"on ranks {prev[0]} and {ix.rank}", ranks=[prev[0], ix.rank])
+            elif prev[1].params != g.params:
+                have = set(prev[1].params)
+                params = prev[1].params + [p for p in g.params if p not in have]
+                chosen[key] = (prev[0], prev[1].model_copy(update={"params": params}))
     return [chosen[k][1] for k in sorted(chosen)]

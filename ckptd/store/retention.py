@@ -3,9 +3,11 @@
 The rules, each a guarantee tested in ``tests/test_retention.py``:
 
 1. Checkpoints are ordered by step number, as integers (never names as text),
-   then by commit time. Only committed checkpoints are counted or deleted; a
-   save in progress counts for nothing, so ``--keep-last 1`` keeps the
-   previous checkpoint until its successor has committed.
+   then by commit time; the step is the one marker and manifest agree on
+   (:mod:`.visibility`), so no single edited file reorders a run. Only visible
+   checkpoints are counted or deleted; a save in progress counts for nothing,
+   so ``--keep-last 1`` keeps the previous checkpoint until its successor has
+   committed.
 2. ``keep_last N`` keeps every checkpoint whose step is among the N newest
    steps (a resharded copy of a step counts with its step); ``keep_every K``
    also keeps every step that is a multiple of K.
@@ -13,26 +15,42 @@ The rules, each a guarantee tested in ``tests/test_retention.py``:
    is always kept, whatever the policy says.
 4. A leased checkpoint (being read, resharded or exported) is kept, and so is
    one without a step (there is no order to judge it by).
+5. The run always keeps its newest *verified* trainer checkpoint. Before
+   anything is deleted, ``collect`` establishes which one that is, newest
+   first: a recorded verification that still vouches for exactly the stored
+   bytes (:func:`~.verification.record_holds`), or a fresh verification. If
+   none verifies, nothing is deleted. A dry run reports which one it is and how
+   it was established.
 
 Call order: ``plan_retention`` (pure) decides; ``collect`` lists the run,
-reads leases, plans and, unless ``dry_run``, deletes: first the ``COMMITTED``
-marker (the checkpoint disappears atomically: a reader resolves it or gets
-404, never half a checkpoint), then its files. Leases are read again right
-before each marker goes, so a lease taken while gc runs still protects.
+reads leases, establishes the newest verified checkpoint, plans and, unless
+``dry_run``, deletes: first the ``COMMITTED`` marker (the checkpoint
+disappears atomically: a reader resolves it or gets 404, never half a
+checkpoint), then its files. Leases are read again right before each marker
+goes, so a lease taken while gc runs still protects.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
-from ckptd_schemas import CheckpointSummary, InvalidRequest, check_run
+from ckptd_schemas import CheckpointSummary, CkptdError, InvalidRequest, check_run
 
 from ..storage import Storage
 from .layout import Paths
 from .leases import Leases
-from .reader import CheckpointReader
+from .verification import VerifyRecord, read_record, record_holds, verify_committed
+from .visibility import Visibility
 
-__all__ = ["RetentionPlan", "collect", "plan_retention"]
+__all__ = ["RetentionPlan", "Verifier", "collect", "plan_retention"]
+
+log = logging.getLogger("ckptd.store")
+
+#: Verifies the visible checkpoint (run, name) and records the outcome: in this process
+#: (``verify_committed``) or in one of the service's workers.
+Verifier = Callable[[str, str], VerifyRecord]
 
 
 @dataclass
@@ -41,14 +59,20 @@ class RetentionPlan:
     keep: dict[str, str] = field(default_factory=dict)  # name -> why it stays
     delete: list[str] = field(default_factory=list)  # names, oldest first
     deleted: list[str] = field(default_factory=list)  # what collect() actually removed
+    newest_verified: str | None = None
+    verified_how: str | None = None  # "recorded verification of the stored bytes" or "verified now"
+    failed_verification: dict[str, str] = field(default_factory=dict)  # newer ones that did not verify: why
 
     def as_json(self) -> dict:
-        return {"run": self.run, "keep": self.keep, "delete": self.delete, "deleted": self.deleted}
+        return {"run": self.run, "keep": self.keep, "delete": self.delete, "deleted": self.deleted,
+                "newest_verified": self.newest_verified, "verified_how": self.verified_how,
+                "failed_verification": self.failed_verification}
 
 
 def plan_retention(run: str, ckpts: list[CheckpointSummary], *, keep_last: int, keep_every: int | None = None,
-                   leased: set[str] = frozenset()) -> RetentionPlan:
-    """Decide what goes. Pure: the committed checkpoints and the leased names in, a plan out."""
+                   leased: set[str] = frozenset(), newest_verified: str | None = None) -> RetentionPlan:
+    """Decide what goes. Pure: the visible checkpoints, the leased names and the newest verified
+    checkpoint in, a plan out."""
     if keep_last < 1:
         raise InvalidRequest(f"keep_last must be at least 1, not {keep_last}: the newest checkpoint always stays",
                              field="keep_last")
@@ -63,6 +87,8 @@ def plan_retention(run: str, ckpts: list[CheckpointSummary], *, keep_last: int, 
     for c in ordered:
         if c.name == latest:
             plan.keep[c.name] = "newest committed checkpoint"
+        elif c.name == newest_verified:
+            plan.keep[c.name] = "newest verified checkpoint"
         elif c.name in leased:
             plan.keep[c.name] = "leased"
         elif c.step is None:
@@ -77,14 +103,27 @@ def plan_retention(run: str, ckpts: list[CheckpointSummary], *, keep_last: int, 
 
 
 def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | None = None,
-            dry_run: bool = False) -> RetentionPlan:
-    """List the run's committed checkpoints, plan, and delete (marker first) unless ``dry_run``."""
+            dry_run: bool = False, verify: Verifier | None = None) -> RetentionPlan:
+    """List the run's visible checkpoints, establish the newest verified one (rule 5), plan, and
+    delete (marker first) unless ``dry_run``. ``verify`` defaults to verifying in this process."""
     check_run(run)
-    reader = CheckpointReader(storage)
+    vis = Visibility(storage)
     leases = Leases(storage)
-    ckpts = reader.list_checkpoints(run)
+    visible = vis.listing(run)
+    ckpts = [c.summary() for c in visible]
     leased = {c.name for c in ckpts if leases.active(run, c.name)}
     plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased)
+    if not plan.delete and not dry_run:
+        return plan
+    newest, how, failed = _newest_verified(storage, vis, visible, verify or (lambda r, n: verify_committed(storage, r, n)))
+    plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased,
+                          newest_verified=newest)
+    plan.newest_verified, plan.verified_how, plan.failed_verification = newest, how, failed
+    if newest is None:
+        for name in plan.delete:
+            plan.keep[name] = "no checkpoint of the run verifies: nothing is deleted"
+        plan.delete = []
+        log.warning("retention of run %s deleted nothing: no checkpoint of it verifies", run)
     if dry_run:
         return plan
     for name in plan.delete:
@@ -97,3 +136,24 @@ def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | Non
         plan.deleted.append(name)
     plan.delete = [n for n in plan.delete if n in plan.deleted]
     return plan
+
+
+def _newest_verified(storage: Storage, vis: Visibility, visible: list, verify: Verifier
+                     ) -> tuple[str | None, str | None, dict[str, str]]:
+    """The newest trainer checkpoint that verifies, how that was established, and why each newer one
+    did not. A record is relied on only while it vouches for exactly the stored bytes."""
+    failed: dict[str, str] = {}
+    trainer = [c for c in visible if c.derived_from is None and c.step is not None]
+    for c in reversed(trainer):  # newest first
+        try:
+            files = sorted(vis.manifest(c).files)
+            if record_holds(storage, c, read_record(storage, c.run, c.name), files):
+                return c.name, "recorded verification of the stored bytes", failed
+            rec = verify(c.run, c.name)
+        except CkptdError as e:
+            failed[c.name] = e.message
+            continue
+        if rec.ok and rec.manifest_xxh3 == c.digest:
+            return c.name, "verified now", failed
+        failed[c.name] = "; ".join(rec.problems[:3]) or "verification failed"
+    return None, None, failed

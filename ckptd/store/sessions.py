@@ -12,8 +12,14 @@ Call order for one save attempt (each step idempotent, any replica may serve it)
    rank's chunk index; the call that completes the set commits.
 4. :meth:`SessionStore.commit` - merge + validate -> manifest (durable) ->
    ``COMMITTED`` created once. Re-entrant: a crash anywhere before the marker
-   leaves the session invisible, and any later ``put_index`` or ``status``
-   call finishes the job.
+   leaves the session invisible, and the rank's retried ``put_index`` or the
+   sweep (:meth:`SessionStore.sweep`) finishes the job. The callbacks in
+   ``on_commit`` (the service's verify-after-commit, retention, metrics) run
+   after every commit that created a marker, whichever path committed.
+
+:meth:`SessionStore.status` only reads: a status poll or a metrics scrape never
+commits. Whether a ref is committed, and by which session, is asked of
+:class:`~.visibility.Visibility`, the one reader of markers.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Callable, Sequence
 
 from pydantic import ValidationError
 
@@ -40,15 +48,30 @@ from .gcpause import gc_paused
 from .hashing import BLOCK_SIZE, StreamDigest, xxh3_hex
 from .index_cache import IndexCache
 from .layout import Marker, Paths, SessionMeta
+from .commit_checks import check_commit
 from .merge import merge_indexes
+from .visibility import BadMarker, Visibility, manifest_file_name
 
-__all__ = ["FileSink", "SessionStore"]
+__all__ = ["CommitEvent", "FileSink", "SessionStore"]
 
 log = logging.getLogger("ckptd.store")
 
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
+
+
+@dataclass(frozen=True)
+class CommitEvent:
+    """A checkpoint this store just made visible (its marker created by this process)."""
+
+    run: str
+    name: str
+    session: str
+    manifest_xxh3: str
+    derived_from: str | None
+    files: int
+    bytes: int
 
 
 class FileSink:
@@ -92,7 +115,8 @@ class FileSink:
         self._writer.commit()
         self._done = True
         crash_point("upload-before-digest")
-        entry = FileEntry(size=self._digest.size, xxh3=digest, block_size=self._digest.block_size, blocks=blocks)
+        entry = FileEntry(size=self._digest.size, xxh3=digest, block_size=self._digest.block_size, blocks=blocks,
+                          adopted=getattr(self._writer, "taken", None))  # a directly written file, as taken over
         self._storage.put(self._digest_key, entry.model_dump_json().encode())
         return UploadResult(file=self.file, size=entry.size, xxh3=digest)
 
@@ -105,16 +129,37 @@ class FileSink:
 class SessionStore:
     """Upload sessions and commits over one :class:`Storage`."""
 
-    def __init__(self, storage: Storage, *, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, storage: Storage, *, block_size: int = BLOCK_SIZE, visibility: Visibility | None = None,
+                 on_commit: Sequence[Callable[[CommitEvent], None]] = ()) -> None:
         self.storage = wrap_storage(storage)  # itself, unless a test set a fault (faults.py)
         self.block_size = block_size
+        self.visibility = visibility or Visibility(self.storage)
+        self.on_commit = list(on_commit)
         self._orphans_seen: set[str] = set()
         self._indexes = IndexCache()
 
     # -- helpers ---------------------------------------------------------------
-    def _marker(self, run: str, name: str) -> Marker | None:
-        data = self.storage.read_json_or_none(Paths.marker(run, name))
-        return Marker.model_validate(data) if data is not None else None
+    def _taken(self, run: str, name: str) -> Marker | BadMarker | None:
+        """The ref's marker as the write side sees it: any marker, parsed or not, takes the ref."""
+        return self.visibility.marker(run, name)
+
+    def _committed_by(self, run: str, name: str, sid: str, m: Marker | BadMarker | None = None) -> Marker | None:
+        """The marker, when ``run/name`` is visible and was committed by session ``sid`` (``m``: the
+        marker as already read)."""
+        m = self._taken(run, name) if m is None else m
+        if not isinstance(m, Marker) or m.session != sid:
+            return None
+        c = self.visibility.check_marker(run, name, m)
+        return c.marker if c is not None else None
+
+    @staticmethod
+    def _taken_error(run: str, name: str, m: Marker | BadMarker) -> Conflict:
+        if isinstance(m, BadMarker):
+            return Conflict(f"{run}/{name} has a COMMITTED marker that does not parse ({m.reason}); the checkpoint "
+                            f"is invisible and its name cannot be reused (save under a new name)", ref=f"{run}/{name}")
+        return AlreadyCommitted(
+            f"checkpoint {run}/{name} is already committed (session {m.session}); committed checkpoints "
+            f"are immutable (save under a new name)", ref=f"{run}/{name}", session=m.session)
 
     def _meta(self, run: str, name: str, sid: str) -> SessionMeta:
         data = self.storage.read_json_or_none(Paths.session_meta(run, name, sid))
@@ -125,11 +170,9 @@ class SessionStore:
 
     def _check_writable(self, run: str, name: str, sid: str) -> SessionMeta:
         meta = self._meta(run, name, sid)
-        m = self._marker(run, name)
+        m = self._taken(run, name)
         if m is not None:
-            raise AlreadyCommitted(
-                f"checkpoint {run}/{name} is already committed (session {m.session}); committed checkpoints "
-                f"are immutable", ref=f"{run}/{name}", session=m.session)
+            raise self._taken_error(run, name, m)
         failed = self.storage.read_json_or_none(Paths.failed(run, name, sid))
         if failed is not None:
             raise SessionConflict(
@@ -140,11 +183,9 @@ class SessionStore:
     # -- 1. open ---------------------------------------------------------------
     def open(self, run: str, name: str, req: OpenSession) -> SessionInfo:
         check_run(run), check_name(name), check_session(req.session)
-        m = self._marker(run, name)
+        m = self._taken(run, name)
         if m is not None:
-            raise AlreadyCommitted(
-                f"checkpoint {run}/{name} is already committed; committed checkpoints are immutable "
-                f"(save under a new name)", ref=f"{run}/{name}", session=m.session)
+            raise self._taken_error(run, name, m)
         if req.derived_from is not None:
             parse_ref(req.derived_from)
         meta = SessionMeta(session=req.session, world_size=req.world_size, step=req.step, created_at=_now(),
@@ -270,7 +311,7 @@ class SessionStore:
         self.storage.put(key, raw)
         self._indexes.put(key, raw, index)
         crash_point("index-written")
-        return self.status(run, name, sid, raise_on_failure=True)
+        return self._commit_if_complete(run, name, sid, meta)
 
     def _committed_with(self, run: str, name: str, sid: str, index: RankIndex) -> SessionStatus | None:
         """The committed status, when session ``sid`` is committed with exactly ``index`` for its rank.
@@ -278,8 +319,7 @@ class SessionStore:
         That is a retry of an index already part of the commit (its answer was lost, e.g. the server
         died right after creating the marker), or one that raced the commit: answer as before.
         """
-        m = self._marker(run, name)
-        if m is None or m.session != sid:
+        if self._committed_by(run, name, sid) is None:
             return None
         stored = self.storage.read_json_or_none(Paths.rank_index(run, name, sid, index.rank))
         if stored is None or RankIndex.model_validate(stored) != index:
@@ -291,11 +331,14 @@ class SessionStore:
         return sorted(int(n.split(".")[0]) for n in self.storage.list(Paths.ranks(run, name, sid))
                       if n.endswith(".json") and n.split(".")[0].isdigit())
 
-    def status(self, run: str, name: str, sid: str, *, raise_on_failure: bool = False) -> SessionStatus:
-        """Where the session stands; commits it when complete (so retries after a crash finish it)."""
+    def status(self, run: str, name: str, sid: str) -> SessionStatus:
+        """Where the session stands. Only reads: a complete session that is not committed yet (its
+        last index arrived at a process that died before the marker) is finished by the rank's
+        retried index or by :meth:`sweep`, never by asking."""
         check_run(run), check_name(name), check_session(sid)
-        m = self._marker(run, name)
-        if m is not None and m.session == sid:
+        taken = self._taken(run, name)  # read once: a commit finishing meanwhile is seen on the next poll
+        m = self._committed_by(run, name, sid, taken) if taken is not None else None
+        if m is not None:
             meta = self._meta_or_none(run, name, sid)
             return SessionStatus(run=run, name=name, session=sid, state="committed",
                                  world_size=meta.world_size if meta else 0, ranks_done=[],
@@ -303,27 +346,24 @@ class SessionStore:
         meta = self._meta(run, name, sid)
         done = self.ranks_done(run, name, sid)
         base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=done)
-        if m is not None:
-            err = Conflict(f"{run}/{name} was committed by another session ({m.session})", session=m.session)
-            if raise_on_failure:
-                raise err
-            return SessionStatus(state="failed", error=err.to_body()["error"], **base)
+        if taken is not None:
+            return SessionStatus(state="failed", error=self._taken_error(run, name, taken).to_body()["error"], **base)
         failed = self.storage.read_json_or_none(Paths.failed(run, name, sid))
-        if failed is None and len(done) >= meta.world_size:
-            try:
-                digest = self.commit(run, name, sid, meta)
-                return SessionStatus(state="committed", manifest_xxh3=digest, **base)
-            except StorageError:
-                raise  # not a verdict on the session: the caller retries (503)
-            except CkptdError as e:
-                if raise_on_failure:
-                    raise
-                failed = e.to_body()
         if failed is not None:
-            if raise_on_failure:
-                raise CommitFailed(failed["error"]["message"], **failed["error"].get("details", {}))
             return SessionStatus(state="failed", error=failed["error"], **base)
         return SessionStatus(state="open", **base)
+
+    def _commit_if_complete(self, run: str, name: str, sid: str, meta: SessionMeta) -> SessionStatus:
+        """After an index is stored: commit when every rank's index is there; a refusal raises."""
+        done = self.ranks_done(run, name, sid)
+        base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=done)
+        if len(done) < meta.world_size:
+            return SessionStatus(state="open", **base)
+        failed = self.storage.read_json_or_none(Paths.failed(run, name, sid))
+        if failed is not None:
+            raise CommitFailed(failed["error"]["message"], **failed["error"].get("details", {}))
+        digest = self.commit(run, name, sid, meta)  # StorageError: not a verdict, the caller retries (503)
+        return SessionStatus(state="committed", manifest_xxh3=digest, **base)
 
     def _meta_or_none(self, run: str, name: str, sid: str) -> SessionMeta | None:
         try:
@@ -332,18 +372,27 @@ class SessionStore:
             return None
 
     def commit(self, run: str, name: str, sid: str, meta: SessionMeta | None = None) -> str:
-        """Merge, validate, write the manifest, create the marker; return the manifest digest."""
+        """Merge, validate, write the manifest, create the marker; return the manifest digest. When this
+        call created the marker, run the ``on_commit`` callbacks (a failing callback is logged: the
+        checkpoint is committed whatever they do)."""
         meta = meta or self._meta(run, name, sid)
         try:
-            return self._commit(run, name, sid, meta)
+            digest, event = self._commit(run, name, sid, meta)
         finally:
             self._indexes.drop_under(Paths.session(run, name, sid) + "/")
+        if event is not None:
+            for callback in self.on_commit:
+                try:
+                    callback(event)
+                except Exception:  # noqa: BLE001 - after the marker nothing may undo the commit
+                    log.exception("after-commit action %r for %s/%s failed", callback, run, name)
+        return digest
 
     def _read_index(self, key: str) -> RankIndex:
         raw = self.storage.read(key)
         return self._indexes.get(key, raw) or RankIndex.model_validate_json(raw)
 
-    def _commit(self, run: str, name: str, sid: str, meta: SessionMeta) -> str:
+    def _commit(self, run: str, name: str, sid: str, meta: SessionMeta) -> tuple[str, CommitEvent | None]:
         with gc_paused():  # 512,000 chunks allocate enough for the collector to run dozens of full passes
             try:
                 indexes = [self._read_index(Paths.rank_index(run, name, sid, r)) for r in range(meta.world_size)]
@@ -357,6 +406,7 @@ class SessionStore:
                 manifest = merge_indexes(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
                                          world_size=meta.world_size, indexes=indexes, files=files,
                                          derived_from=meta.derived_from)
+                check_commit(manifest, files, self.storage, lambda f: Paths.file(run, name, sid, f))  # the bytes
             except StorageError:
                 raise  # transient (or the store is down): the session stays open for a retry, not failed
             except (CkptdError, ValidationError) as e:
@@ -374,45 +424,94 @@ class SessionStore:
         if self.storage.size(mkey) != len(raw):
             self.storage.put(mkey, raw)
         crash_point("commit-before-marker")
-        marker = Marker(session=sid, manifest=mkey.rsplit("/", 1)[1], manifest_xxh3=digest, step=meta.step,
-                        derived_from=derived_from, committed_at=_now())
+        marker = Marker(ref=f"{run}/{name}", session=sid, manifest=manifest_file_name(digest), manifest_xxh3=digest,
+                        step=meta.step, derived_from=derived_from, committed_at=_now())
         if not self.storage.create_if_absent(Paths.marker(run, name), marker.model_dump_json().encode()):
-            existing = self._marker(run, name)
-            if existing is None or existing.session != sid:
+            existing = self._committed_by(run, name, sid)
+            if existing is None:
                 raise Conflict(f"{run}/{name} was committed by another session", ref=f"{run}/{name}")
-            return existing.manifest_xxh3
+            return existing.manifest_xxh3, None
         crash_point("commit-after-marker")
         log.info("committed %s/%s session %s (%d files, %d bytes)", run, name, sid, nfiles, nbytes)
-        return digest
+        return digest, CommitEvent(run=run, name=name, session=sid, manifest_xxh3=digest, derived_from=derived_from,
+                                   files=nfiles, bytes=nbytes)
 
-    # -- abort / reclaim -----------------------------------------------------------------
+    # -- abort / sweep -----------------------------------------------------------------
     def abort(self, run: str, name: str, sid: str) -> None:
         check_run(run), check_name(name), check_session(sid)
-        m = self._marker(run, name)
+        m = self._taken(run, name)
+        if isinstance(m, BadMarker):
+            raise Conflict(f"{run}/{name} has a COMMITTED marker that does not parse; its sessions are kept as "
+                           f"they are", ref=f"{run}/{name}")
         if m is not None and m.session == sid:
             raise AlreadyCommitted(f"{run}/{name} is committed; delete it with gc, not abort", ref=f"{run}/{name}")
         self.storage.delete_tree(Paths.session(run, name, sid))
 
     def reclaim_stale(self, ttl_seconds: float, *, now: float | None = None) -> list[str]:
-        """Delete session directories that no marker names and that are older than the TTL."""
+        """The sweep: commit sessions whose every index is stored but that have no marker (the process
+        that took the last index died before the marker), then delete session directories that no
+        marker names and that are older than the TTL. Return the reclaimed ``run/name/session``s.
+
+        Under a marker that does not parse, nothing is touched (the checkpoint is invisible, and its
+        data is kept for whoever looks into it). One run or checkpoint that cannot be read is logged
+        and skipped; the sweep goes on with the others.
+        """
         now = time.time() if now is None else now
-        removed = []
-        for run in self.storage.list(Paths.runs()):
-            for name in self.storage.list(Paths.run(run)):
-                m = self._marker(run, name)
-                for sid in self.storage.list(Paths.sessions(run, name)):
-                    if m is not None and m.session == sid:
-                        continue
-                    meta = self._meta_or_none(run, name, sid)
-                    if meta is not None and now - meta.created_at.timestamp() < ttl_seconds:
-                        continue
-                    key = f"{run}/{name}/{sid}"
-                    if meta is None and key not in self._orphans_seen:
-                        self._orphans_seen.add(key)  # maybe being opened right now: decide next sweep
-                        continue
-                    self._orphans_seen.discard(key)
-                    self.storage.delete_tree(Paths.session(run, name, sid))
-                    removed.append(f"{run}/{name}/{sid}")
+        removed: list[str] = []
+        for run in self.visibility.runs():
+            try:
+                names = self.visibility.names(run)
+            except CkptdError as e:
+                log.warning("sweep: run %s skipped: %s", run, e.message)
+                continue
+            for name in names:
+                try:
+                    removed += self._sweep_checkpoint(run, name, ttl_seconds, now)
+                except CkptdError as e:
+                    log.warning("sweep: %s/%s skipped: %s", run, name, e.message)
         if removed:
             log.info("reclaimed %d stale sessions", len(removed))
         return removed
+
+    def _sweep_checkpoint(self, run: str, name: str, ttl_seconds: float, now: float) -> list[str]:
+        m = self._taken(run, name)
+        if isinstance(m, BadMarker):
+            return []
+        removed = []
+        for sid in self.storage.list(Paths.sessions(run, name)):
+            if m is not None and m.session == sid:
+                continue
+            try:
+                check_session(sid)
+            except CkptdError:
+                continue  # not a session this store made: not ours to delete
+            meta = self._meta_or_none(run, name, sid)
+            if m is None and meta is not None and self._recover(run, name, sid, meta):
+                m = self._taken(run, name)
+                continue
+            if meta is not None and now - meta.created_at.timestamp() < ttl_seconds:
+                continue
+            key = f"{run}/{name}/{sid}"
+            if meta is None and key not in self._orphans_seen:
+                self._orphans_seen.add(key)  # maybe being opened right now: decide next sweep
+                continue
+            self._orphans_seen.discard(key)
+            self.storage.delete_tree(Paths.session(run, name, sid))
+            removed.append(key)
+        return removed
+
+    def _recover(self, run: str, name: str, sid: str, meta: SessionMeta) -> bool:
+        """Commit a session whose indexes are all stored and that was not refused; True if it committed."""
+        if len(self.ranks_done(run, name, sid)) < meta.world_size:
+            return False
+        if self.storage.read_json_or_none(Paths.failed(run, name, sid)) is not None:
+            return False
+        try:
+            self.commit(run, name, sid, meta)
+        except StorageError:
+            raise
+        except CkptdError as e:  # refused (recorded as FAILED), or committed by another session
+            log.info("sweep: session %s of %s/%s not committed: %s", sid, run, name, e.message)
+            return False
+        log.info("sweep: committed %s/%s session %s, complete but left without its marker", run, name, sid)
+        return True

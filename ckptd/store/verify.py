@@ -2,7 +2,9 @@
 
 Re-reads every byte of every file in order (bounded memory: one read buffer per file in flight),
 recomputes file and block digests, recomputes every chunk's digest and
-decodes it (zstd frames are decompressed and their length checked), and checks
+decodes it (zstd frames are decompressed as they are read, counted and dropped:
+a frame that decodes past its chunk's size, numel x itemsize, is stopped there
+and reported, so a decompression bomb costs one small buffer), and checks
 dtype, shape and exact tiling of every tensor. The bytes come from a
 :class:`ByteSource`: storage directly (``--root``) or the service over HTTP
 (``--server``), so ``ckptd verify`` never trusts the process that wrote them.
@@ -48,21 +50,50 @@ class VerifyReport:
         return not self.problems
 
 
+class _FrameTooLong(Exception):
+    pass
+
+
+class _DecodedCount:
+    """The sink of a chunk's streamed decode: counts the bytes, keeps none, and stops the decoder once
+    they pass the chunk's size (a frame that decodes to 1 GiB costs one ``write_size`` buffer)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.n = limit, 0
+
+    def write(self, data: bytes) -> int:
+        self.n += len(data)
+        if self.n > self.limit:
+            raise _FrameTooLong
+        return len(data)
+
+
+DECODE_WRITE_SIZE = 1 << 17  # bytes the decoder hands the counter at a time
+
+
 class _ChunkCheck:
     def __init__(self, what: str, loc: Location) -> None:
         self.what, self.loc = what, loc
         self.hash = xxhash.xxh3_64()
-        self.decoder = zstandard.ZstdDecompressor().decompressobj() if loc.codec == "zstd" else None
-        self.decoded = 0
+        self.count = _DecodedCount(loc.raw_length) if loc.codec == "zstd" else None
+        self.decoder = (zstandard.ZstdDecompressor().stream_writer(self.count, write_size=DECODE_WRITE_SIZE)
+                        if self.count is not None else None)
         self.error: str | None = None
+
+    @property
+    def decoded(self) -> int:
+        return self.count.n if self.count is not None else 0
 
     def feed(self, data: memoryview) -> None:
         self.hash.update(data)
         if self.decoder is not None and self.error is None:
             try:
-                self.decoded += len(self.decoder.decompress(bytes(data)))
+                self.decoder.write(data)
+            except _FrameTooLong:
+                self.error = (f"zstd frame in file {self.loc.file!r} at byte {self.loc.offset} decodes to more "
+                              f"than the {self.loc.raw_length} bytes its chunk holds (stopped there)")
             except zstandard.ZstdError as e:
-                self.error = f"zstd frame does not decode: {e}"
+                self.error = f"zstd frame in file {self.loc.file!r} at byte {self.loc.offset} does not decode: {e}"
 
     def problems(self) -> list[str]:
         out = []
@@ -72,7 +103,8 @@ class _ChunkCheck:
         if self.error:
             out.append(f"{self.what}: {self.error}")
         elif self.decoder is not None and self.decoded != self.loc.raw_length:
-            out.append(f"{self.what}: decodes to {self.decoded} bytes, expected {self.loc.raw_length}")
+            out.append(f"{self.what}: zstd frame in file {self.loc.file!r} at byte {self.loc.offset} decodes to "
+                       f"{self.decoded} bytes, expected {self.loc.raw_length}")
         return out
 
 

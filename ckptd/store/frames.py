@@ -1,0 +1,169 @@
+"""A zstd frame checked as its bytes pass, in bounded memory: the commit's codec check.
+
+:class:`FrameCheck` is fed a compressed chunk's stored bytes in order (``feed``), then asked
+``problem()``. It holds when the bytes are exactly one complete zstd frame, without a
+dictionary, whose header declares ``raw_length`` as its content size (a reader decodes the frame
+in one call sized by that header) and which decodes to exactly ``raw_length`` bytes.
+
+Two readers of the same bytes, so neither has to trust the other:
+
+* the frame's structure (header, then block headers, then the optional checksum; RFC 8878 §3.1.1)
+  is walked from the 3-byte block headers alone: where the frame ends, and whether bytes follow it;
+* a streaming decoder writes its output in pieces of at most :data:`WRITE_SIZE` bytes into a
+  counter that stops the decode once it passes ``raw_length``, so a frame that decodes to more than
+  it declares (or a decompression bomb: zstd can expand 4 bytes into 128 KiB) costs at most
+  ``raw_length + WRITE_SIZE`` bytes of output, all of it counted and dropped.
+"""
+
+from __future__ import annotations
+
+import zstandard
+
+__all__ = ["WRITE_SIZE", "FrameCheck"]
+
+WRITE_SIZE = 1 << 17
+_MAGIC = 0xFD2FB528
+_DICT_ID_BYTES = (0, 1, 2, 4)
+_FCS_BYTES = (0, 2, 4, 8)  # FCS_flag 0 means 1 byte when the frame is a single segment
+
+
+class _TooLong(Exception):
+    pass
+
+
+class _Counter:
+    """The decoder's output: counted, never kept."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.n = limit, 0
+
+    def write(self, data: bytes) -> int:
+        self.n += len(data)
+        if self.n > self.limit:
+            raise _TooLong
+        return len(data)
+
+
+class FrameCheck:
+    """One compressed chunk's bytes, fed in order; ``problem()`` says what is wrong, or None."""
+
+    def __init__(self, raw_length: int) -> None:
+        self.raw_length = raw_length
+        self._out = _Counter(raw_length)
+        self._decoder = zstandard.ZstdDecompressor().stream_writer(self._out, write_size=WRITE_SIZE,
+                                                                   write_return_read=True, closefd=False)
+        self._error: str | None = None
+        self._pos = 0             # bytes fed
+        self._state = "header"    # header -> block (-> checksum) -> done
+        self._want = 5            # bytes of the structure being collected (magic + frame header descriptor)
+        self._buf = bytearray()
+        self._skip = 0            # bytes of block content (or checksum) still to pass over
+        self._last = False
+        self._checksum = False
+        self._after = 0           # bytes fed after the end of the frame
+
+    # -- feeding ------------------------------------------------------------------------------
+    def feed(self, data: memoryview | bytes) -> None:
+        if self._error is not None:
+            return
+        view = memoryview(data)
+        used = self._walk(view)
+        if self._error is None and used:
+            self._decode(view[:used])
+
+    def _decode(self, view: memoryview) -> None:
+        try:
+            self._decoder.write(view)
+        except _TooLong:
+            self._error = f"zstd frame decodes to more than the {self.raw_length} bytes it should hold"
+        except zstandard.ZstdError as e:
+            self._error = f"zstd frame does not decode: {e}"
+
+    def _walk(self, view: memoryview) -> int:
+        """Advance the structure walk over ``view``; return how many of its bytes belong to the frame."""
+        i, n = 0, len(view)
+        while i < n and self._error is None:
+            if self._state == "done":
+                self._after += n - i
+                self._pos += n - i
+                return i
+            if self._skip:
+                take = min(self._skip, n - i)
+                self._skip -= take
+                i += take
+                self._pos += take
+                if not self._skip:
+                    self._skipped()
+                continue
+            take = min(self._want - len(self._buf), n - i)
+            self._buf += view[i:i + take]
+            i += take
+            self._pos += take
+            if len(self._buf) == self._want:
+                self._parse()
+        return i
+
+    def _parse(self) -> None:
+        buf = bytes(self._buf)
+        if self._state == "header":
+            if int.from_bytes(buf[:4], "little") != _MAGIC:
+                self._error = f"not a zstd frame (starts with {buf[:4].hex()})"
+                return
+            fhd = buf[4]
+            single = (fhd >> 5) & 1
+            if (fhd >> 3) & 1:
+                self._error = "zstd frame header has its reserved bit set"
+                return
+            size = (5 + (0 if single else 1) + _DICT_ID_BYTES[fhd & 3]
+                    + (_FCS_BYTES[fhd >> 6] or (1 if single else 0)))
+            if len(buf) < size:
+                self._want = size
+                return
+            try:
+                params = zstandard.get_frame_parameters(buf)
+            except zstandard.ZstdError as e:
+                self._error = f"zstd frame header does not parse: {e}"
+                return
+            if params.dict_id:
+                self._error = f"zstd frame needs dictionary {params.dict_id}"
+            elif params.content_size != self.raw_length:
+                said = "no content size" if params.content_size == zstandard.CONTENTSIZE_UNKNOWN else \
+                    f"content size {params.content_size}"
+                self._error = f"zstd frame header declares {said}, the chunk holds {self.raw_length} bytes"
+            self._checksum = bool(params.has_checksum)
+            self._state, self._want = "block", 3
+        else:  # a block header: bit 0 last block, bits 1-2 type, bits 3-23 size
+            h = int.from_bytes(buf, "little")
+            kind, size = (h >> 1) & 3, h >> 3
+            if kind == 3:
+                self._error = f"zstd block of reserved type at byte {self._pos - 3} of the frame"
+                return
+            self._last = bool(h & 1)
+            self._skip = 1 if kind == 1 else size  # RLE: one byte, repeated
+            if not self._skip:
+                self._skipped()
+        self._buf.clear()
+
+    def _skipped(self) -> None:
+        """The content of a block (or the checksum) has passed."""
+        if self._state == "checksum" or (self._last and not self._checksum):
+            self._state = "done"
+        elif self._last:
+            self._state, self._skip = "checksum", 4
+
+    # -- verdict ---------------------------------------------------------------------------------
+    def problem(self) -> str | None:
+        if self._error is None and self._state != "done":
+            self._error = f"zstd frame is incomplete: its {self._pos} bytes end inside the frame"
+        if self._error is None and self._after:
+            self._error = f"{self._after} bytes follow the end of the zstd frame"
+        if self._error is None:
+            try:
+                self._decoder.flush()
+            except _TooLong:
+                self._error = f"zstd frame decodes to more than the {self.raw_length} bytes it should hold"
+            except zstandard.ZstdError as e:
+                self._error = f"zstd frame does not decode: {e}"
+        if self._error is None and self._out.n != self.raw_length:
+            self._error = f"zstd frame decodes to {self._out.n} bytes, the chunk holds {self.raw_length}"
+        return self._error

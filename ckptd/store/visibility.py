@@ -1,0 +1,310 @@
+"""Which checkpoints exist: the visibility rule, decided here and nowhere else (DESIGN §2 item 4).
+
+A checkpoint ``RUN/NAME`` is **visible** if and only if
+
+1. its ``COMMITTED`` marker parses (:class:`~.layout.Marker`),
+2. the manifest it names (``manifest-<digest>.json`` in the session it names) exists, hashes to
+   the marker's ``manifest_xxh3`` and parses as a :class:`~ckptd_schemas.Manifest`,
+3. and marker and manifest agree on the ref, the session, the step and ``derived_from``.
+
+Every reader asks :class:`Visibility`: listing (``ckptd ls``, ``GET /v1/runs``), ``RUN/latest``,
+manifest and file reads, verification, retention, the stale-session sweep, reshard sources, and
+the write side's "is this ref committed, and by which session". A checkpoint that fails the rule is
+invisible: it is logged once (per ref and reason), reported to ``on_invisible`` (the service counts
+it in ``ckptd_invisible_checkpoints_total``) and never makes another checkpoint or run fail;
+``RUN/latest`` falls back to the newest visible trainer checkpoint. Checkpoints are ordered by the
+step that marker and manifest agree on, so a single edited file cannot reorder a run.
+
+Call order: :meth:`Visibility.marker` is the one reader of markers (the write side asks it whether
+a ref is taken); :meth:`Visibility.check` applies the rule to one ref; :meth:`Visibility.listing`,
+:meth:`Visibility.resolve` and :meth:`Visibility.manifest` are built on it.
+
+Cost: a check reads the marker and stats the manifest (:meth:`Storage.stamp`). The manifest's bytes
+are read, hashed and parsed only when its stamp is new; the verdict is cached by (key, stamp) and
+the parsed manifest by digest, never by name, so a manifest changed on storage is seen at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Callable, NamedTuple
+
+from pydantic import ValidationError
+
+from ckptd_schemas import (
+    LATEST, CheckpointNotFound, CheckpointSummary, CkptdError, InvalidName, Manifest, check_name, check_run,
+    check_session,
+)
+
+from ..storage import Storage
+from .gcpause import gc_paused
+from .hashing import xxh3_hex
+from .layout import Marker, Paths
+
+__all__ = ["BadMarker", "Committed", "Visibility", "manifest_file_name"]
+
+log = logging.getLogger("ckptd.store")
+
+#: Why a checkpoint is invisible (the label of ``ckptd_invisible_checkpoints_total``).
+REASONS = ("marker_malformed", "manifest_missing", "manifest_digest", "manifest_malformed", "disagrees")
+
+
+def manifest_file_name(digest: str) -> str:
+    return f"manifest-{digest}.json"
+
+
+class BadMarker(NamedTuple):
+    """A ``COMMITTED`` object that is there but does not parse: the ref is taken, and invisible."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A visible checkpoint: its marker, and where its (checked) manifest lives."""
+
+    run: str
+    name: str
+    marker: Marker
+    manifest_key: str
+
+    @property
+    def ref(self) -> str:
+        return f"{self.run}/{self.name}"
+
+    @property
+    def session(self) -> str:
+        return self.marker.session
+
+    @property
+    def step(self) -> int | None:
+        return self.marker.step
+
+    @property
+    def digest(self) -> str:
+        return self.marker.manifest_xxh3
+
+    @property
+    def derived_from(self) -> str | None:
+        return self.marker.derived_from
+
+    @property
+    def committed_at(self) -> datetime:
+        return self.marker.committed_at
+
+    def summary(self) -> CheckpointSummary:
+        m = self.marker
+        return CheckpointSummary(run=self.run, name=self.name, step=m.step, derived_from=m.derived_from,
+                                 session=m.session, committed_at=m.committed_at, manifest_xxh3=m.manifest_xxh3)
+
+
+def order_key(c: Committed) -> tuple:
+    """Oldest first: by step (as a number), then commit time, then name."""
+    return (c.step if c.step is not None else -1, c.committed_at, c.name)
+
+
+class _Invisible(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason, self.message = reason, message
+
+
+class Visibility:
+    """The visibility rule over one :class:`Storage`, with caches that never outlive the bytes."""
+
+    def __init__(self, storage: Storage, *, cache_size: int = 64,
+                 on_invisible: Callable[[str, str, str], None] | None = None) -> None:
+        self.storage = storage
+        self.on_invisible = on_invisible  # (ref, reason, message), once per ref and reason
+        # (manifest key, stamp) -> what those bytes say: (digest, run, name, session, step, derived_from)
+        self._verdicts: dict[tuple[str, str], tuple] = {}
+        self._manifests: OrderedDict[str, Manifest] = OrderedDict()  # digest -> parsed manifest
+        self._cache_size = cache_size
+        self._reported: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    # -- the one marker reader ----------------------------------------------------------------
+    def marker(self, run: str, name: str) -> Marker | BadMarker | None:
+        """None: no marker (the ref is free). :class:`BadMarker`: one is there but does not parse."""
+        raw = self.storage.read_or_none(Paths.marker(run, name))
+        if raw is None:
+            return None
+        try:
+            m = Marker.model_validate_json(raw)
+            check_session(m.session)
+        except (ValidationError, ValueError, CkptdError) as e:
+            first = e.errors()[0]["msg"] if isinstance(e, ValidationError) and e.errors() else str(e)
+            return BadMarker(f"COMMITTED marker does not parse: {first}"[:300])
+        return m
+
+    # -- the rule --------------------------------------------------------------------------------
+    def check(self, run: str, name: str) -> Committed | None:
+        """The visible checkpoint ``run/name`` (a concrete name), or None: absent or invisible."""
+        m = self.marker(run, name)
+        return None if m is None else self.check_marker(run, name, m)
+
+    def check_marker(self, run: str, name: str, m: Marker | BadMarker) -> Committed | None:
+        """:meth:`check` for a marker the caller has already read (one read, so no race between two)."""
+        try:
+            return self._check(run, name, m)
+        except _Invisible as e:
+            self._report(f"{run}/{name}", e.reason, e.message)
+            return None
+
+    def _check(self, run: str, name: str, m: Marker | BadMarker) -> Committed:
+        if isinstance(m, BadMarker):
+            raise _Invisible("marker_malformed", m.reason)
+        if m.ref != f"{run}/{name}":
+            raise _Invisible("disagrees", f"its COMMITTED marker names ref {m.ref!r}")
+        if m.manifest != manifest_file_name(m.manifest_xxh3):
+            raise _Invisible("disagrees", f"its COMMITTED marker names manifest {m.manifest!r}, not the file of "
+                                          f"digest {m.manifest_xxh3}")
+        key = f"{Paths.session(run, name, m.session)}/{m.manifest}"
+        stamp = self.storage.stamp(key)
+        if stamp is None:
+            raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names ({m.manifest}) is missing")
+        claim = (m.manifest_xxh3, run, name, m.session, m.step, m.derived_from)
+        if stamp:
+            with self._lock:
+                said = self._verdicts.get((key, stamp))
+            if said is not None and said[0] == m.manifest_xxh3:
+                if said != claim:
+                    raise _Invisible("disagrees", _disagreement(said, m))
+                return Committed(run, name, m, key)
+        manifest = self._load(run, name, m, key)
+        said = (m.manifest_xxh3, manifest.run, manifest.name, manifest.session, manifest.step, manifest.derived_from)
+        if stamp:  # taken before the read: a change during the read only makes the next check read again
+            with self._lock:
+                if len(self._verdicts) > 100_000:
+                    self._verdicts.clear()
+                self._verdicts[(key, stamp)] = said
+        if said != claim:
+            raise _Invisible("disagrees", _disagreement(said, m))
+        return Committed(run, name, m, key)
+
+    def _load(self, run: str, name: str, m: Marker, key: str) -> Manifest:
+        raw = self.storage.read_or_none(key)
+        if raw is None:
+            raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names ({m.manifest}) is missing")
+        if xxh3_hex(raw) != m.manifest_xxh3:
+            raise _Invisible("manifest_digest", f"its manifest does not hash to the digest its COMMITTED marker "
+                                                f"names ({m.manifest_xxh3})")
+        with self._lock:
+            cached = self._manifests.get(m.manifest_xxh3)
+        if cached is not None:
+            return cached
+        try:
+            with gc_paused():  # a 1,024-rank manifest is a million small objects
+                manifest = Manifest.model_validate_json(raw)
+        except ValidationError as e:
+            first = e.errors()[0] if e.errors() else {}
+            where = ".".join(str(p) for p in first.get("loc", ())) or "manifest"
+            raise _Invisible("manifest_malformed", f"its manifest does not parse at {where}: "
+                                                   f"{first.get('msg', 'invalid')}"[:300]) from None
+        with self._lock:
+            self._manifests[m.manifest_xxh3] = manifest
+            while len(self._manifests) > self._cache_size:
+                self._manifests.popitem(last=False)
+        return manifest
+
+    def _report(self, ref: str, reason: str, message: str) -> None:
+        with self._lock:
+            if (ref, reason) in self._reported:
+                return
+            if len(self._reported) > 100_000:
+                self._reported.clear()
+            self._reported.add((ref, reason))
+        log.warning("checkpoint %s is invisible: %s", ref, message)
+        if self.on_invisible is not None:
+            self.on_invisible(ref, reason, message)
+
+    # -- built on the rule ---------------------------------------------------------------------
+    def manifest(self, c: Committed) -> Manifest:
+        """The parsed manifest of a visible checkpoint, checked against its digest again whenever its
+        stamp changed; raises :class:`CheckpointNotFound` if it no longer holds. Agreement with the
+        marker needs no second look: it is a property of the bytes, which the digest fixes."""
+        stamp = self.storage.stamp(c.manifest_key)
+        if stamp:
+            with self._lock:
+                cached = self._manifests.get(c.digest)
+                said = self._verdicts.get((c.manifest_key, stamp))
+                if cached is not None and said is not None and said[0] == c.digest:
+                    self._manifests.move_to_end(c.digest)
+                    return cached
+        try:
+            if stamp is None:
+                raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names "
+                                                     f"({c.marker.manifest}) is missing")
+            manifest = self._load(c.run, c.name, c.marker, c.manifest_key)
+        except _Invisible as e:
+            self._report(c.ref, e.reason, e.message)
+            raise CheckpointNotFound(f"checkpoint {c.ref} is not visible: {e.message}", ref=c.ref) from None
+        return manifest
+
+    def manifest_bytes(self, c: Committed) -> bytes:
+        """The manifest's bytes as stored now, served only if they hash to the marker's digest."""
+        raw = self.storage.read_or_none(c.manifest_key)
+        if raw is None or xxh3_hex(raw) != c.digest:
+            reason = "manifest_missing" if raw is None else "manifest_digest"
+            msg = "its manifest is missing" if raw is None else "its manifest does not hash to its marker's digest"
+            self._report(c.ref, reason, msg)
+            raise CheckpointNotFound(f"checkpoint {c.ref} is not visible: {msg}", ref=c.ref)
+        return raw
+
+    def runs(self) -> list[str]:
+        """Run names under the root; entries that are not valid run names are skipped."""
+        return [r for r in self.storage.list(Paths.runs()) if _valid(check_run, r)]
+
+    def names(self, run: str) -> list[str]:
+        """Checkpoint names of ``run`` that could be checkpoints (valid names), visible or not."""
+        check_run(run)
+        return [n for n in self.storage.list(Paths.run(run)) if n != LATEST and _valid(check_name, n)]
+
+    def listing(self, run: str) -> list[Committed]:
+        """The visible checkpoints of ``run``, oldest first (:func:`order_key`)."""
+        out = [c for n in self.names(run) if (c := self.check(run, n)) is not None]
+        return sorted(out, key=order_key)
+
+    @staticmethod
+    def latest_of(visible: list[Committed]) -> Committed | None:
+        """What ``RUN/latest`` names: the newest visible trainer checkpoint (a step, no ``derived_from``)."""
+        trainer = [c for c in visible if c.derived_from is None and c.step is not None]
+        return max(trainer, key=order_key) if trainer else None
+
+    def resolve(self, run: str, name: str) -> Committed:
+        """The visible checkpoint ``run/name`` (``latest``: the newest visible trainer checkpoint)."""
+        check_run(run)
+        if name == LATEST:
+            latest = self.latest_of(self.listing(run))
+            if latest is None:
+                raise CheckpointNotFound(f"run {run!r} has no visible trainer checkpoint", ref=f"{run}/latest")
+            return latest
+        check_name(name)
+        m = self.marker(run, name)
+        if m is None:
+            raise CheckpointNotFound(f"checkpoint {run}/{name} does not exist or is not committed",
+                                     ref=f"{run}/{name}")
+        try:
+            return self._check(run, name, m)
+        except _Invisible as e:
+            self._report(f"{run}/{name}", e.reason, e.message)
+            raise CheckpointNotFound(f"checkpoint {run}/{name} is not visible: {e.message}", ref=f"{run}/{name}",
+                                     reason=e.reason) from None
+
+
+def _disagreement(said: tuple, m: Marker) -> str:
+    _, run, name, session, step, derived = said
+    return (f"its manifest says {run}/{name} session {session} step {step} derived from {derived}; its COMMITTED "
+            f"marker says {m.ref} session {m.session} step {m.step} derived from {m.derived_from}")
+
+
+def _valid(check: Callable[[str], object], value: str) -> bool:
+    try:
+        check(value)
+    except (InvalidName, ValueError):
+        return False
+    return True

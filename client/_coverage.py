@@ -1,0 +1,89 @@
+"""Strict loads across ranks: each rank's keys exist in the checkpoint, and all ranks' keys
+together cover it.
+
+A rank may hold any subset of a checkpoint: a pipeline stage its layers, a ZeRO partition at
+another dp size only the parameters its slice touches. So in a distributed load, strictness is
+a property of all ranks together, not of one rank.
+
+Call order inside ``load`` (every rank, collectively):
+
+1. each rank matches its own keys (``_load._prepare``): a key of its state dict that the
+   checkpoint lacks, a shape or dtype that differs, an object saved per rank for other ranks
+   only, fails that rank;
+2. :func:`agree_keys`: one ``all_gather_object`` of (that failure, the checkpoint the rank
+   resolved, a bitmap over the checkpoint's keys of those the rank holds). Every rank then
+   raises, or none: the failing rank its own error, the others a :class:`StateDictMismatch` (or
+   :class:`CkptdError` for other failures) naming the rank and its keys; with ``strict``, a key
+   of the checkpoint that no rank holds fails every rank, naming it. No rank is left waiting in
+   a later collective for a rank that stopped.
+
+Without ``strict`` the same collective only agrees on failures (what ``_share.agree`` does).
+"""
+
+from __future__ import annotations
+
+from ckptd_schemas import CkptdError, Manifest, StateDictMismatch
+
+from ._dist import cpu_group
+from ._names import RESERVED
+
+__all__ = ["agree_keys", "checkpoint_keys"]
+
+
+def checkpoint_keys(manifest: Manifest) -> list[str]:
+    """Every key a state dict can restore from ``manifest``: tensors and objects, sorted."""
+    names = {t.name for t in manifest.tensors}
+    names.update(o.name for o in manifest.objects if not o.name.startswith(RESERVED))
+    return sorted(names)
+
+
+def _bitmap(keys: list[str], held: set[str]) -> int:
+    """Bit i set iff this rank holds ``keys[i]`` (an int: the ranks' bitmaps are OR-ed at C speed)."""
+    bits = bytearray((len(keys) + 7) // 8)
+    for i, k in enumerate(keys):
+        if k in held:
+            bits[i >> 3] |= 1 << (i & 7)
+    return int.from_bytes(bits, "little")
+
+
+def _unset(keys: list[str], bits: int) -> list[str]:
+    raw = bits.to_bytes((len(keys) + 7) // 8, "little")
+    return [k for i, k in enumerate(keys) if not raw[i >> 3] & (1 << (i & 7))]
+
+
+def agree_keys(err: BaseException | None, manifest: Manifest | None, held: set[str], *, strict: bool) -> int:
+    """Collective (see the module docstring); returns the number of ranks whose keys were checked
+    to cover the checkpoint together (0 without ``strict``). Raises on every rank, or on none."""
+    import torch.distributed as dist
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    keys = checkpoint_keys(manifest) if manifest is not None else []
+    mine: dict = {"error": None if err is None else f"{type(err).__name__}: {err}",
+                  "mismatch": isinstance(err, StateDictMismatch),
+                  "ckpt": None if manifest is None else (manifest.ref, manifest.session),
+                  "bits": _bitmap(keys, held) if strict and manifest is not None else 0}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine, group=cpu_group())
+    failed = [(r, g) for r, g in enumerate(gathered) if g["error"] is not None]
+    if failed:
+        if err is not None:
+            raise err
+        r, g = failed[0]
+        kind = StateDictMismatch if g["mismatch"] else CkptdError
+        raise kind(f"load failed on rank {r} ({g['error']}); rank {me} stops as well", rank=r)
+    ckpts = {g["ckpt"] for g in gathered}
+    if len(ckpts) > 1:
+        raise CkptdError(f"the ranks resolved different checkpoints: {sorted(ckpts)[:4]}; "
+                         f"load a named checkpoint instead of RUN/latest while saves commit", checkpoints=len(ckpts))
+    if not strict or manifest is None:
+        return 0
+    union = 0
+    for g in gathered:
+        union |= g["bits"]
+    uncovered = _unset(keys, union)
+    if uncovered:
+        raise StateDictMismatch(
+            f"checkpoint {manifest.ref} has keys that no rank's state_dict holds (checked across {world} "
+            f"ranks): {uncovered[:8]}{' ...' if len(uncovered) > 8 else ''} "
+            f"(load(..., strict=False) restores the keys the ranks hold)", missing_on_all_ranks=uncovered[:64])
+    return world
