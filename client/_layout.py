@@ -15,14 +15,39 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ckptd_schemas import Box, InvalidRequest
 from ckptd_schemas.balance import lpt_assign
+from ckptd_schemas.dtypes import ITEMSIZE
 
 from .flat import FlatShard
 
-__all__ = ["LocalPiece", "assign_replicated", "dtype_name", "local_piece", "mesh_of"]
+__all__ = ["LocalPiece", "assign_replicated", "check_savable", "dtype_name", "local_piece", "mesh_of"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def check_savable(fqn: str, value: object) -> None:
+    """Raise :class:`InvalidRequest` naming ``fqn`` when its tensor has no dense bytes of a stored
+    dtype: sparse or other non-strided layouts, nested and quantized tensors, the meta device, or a
+    dtype the manifest cannot name (sub-byte ``uint1`` .. ``int7``). Anything else is saved bit for bit."""
+    t = value.local if isinstance(value, FlatShard) else value
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    if not isinstance(t, torch.Tensor):
+        return
+    kind = None
+    if t.is_nested:
+        kind = "a nested tensor"
+    elif t.layout != torch.strided:
+        kind = f"a {str(t.layout).removeprefix('torch.')} tensor (only dense, strided tensors are saved; .to_dense() first)"
+    elif t.is_quantized:
+        kind = f"a quantized tensor ({dtype_name(t.dtype)}; .dequantize() or .int_repr() first)"
+    elif t.is_meta:
+        kind = "on the meta device (it holds no data)"
+    elif dtype_name(t.dtype) not in ITEMSIZE:
+        kind = f"of dtype {dtype_name(t.dtype)}, which checkpoints cannot hold (stored dtypes: {', '.join(ITEMSIZE)})"
+    if kind is not None:
+        raise InvalidRequest(f"tensor {fqn!r} is {kind}", tensor=fqn, dtype=dtype_name(t.dtype))
 
 
 @dataclass
@@ -49,6 +74,7 @@ def _stable_hash(name: str) -> int:
 
 def local_piece(fqn: str, value: object) -> LocalPiece:
     """Describe a tensor leaf: DTensor (box from its placements), FlatShard, or plain (replicated)."""
+    check_savable(fqn, value)
     if isinstance(value, FlatShard):
         return LocalPiece(tuple(value.global_shape), value.local.dtype, value.local,
                           flat=(value.flat_offset, value.local.numel()), placement="flat")

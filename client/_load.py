@@ -19,6 +19,10 @@ Call order inside :meth:`CheckpointClient.load`:
    When the plan names the service's own file paths and this host can open
    them (same host, shared filesystem), the bytes are read from the files
    instead of over HTTP (``_files``), with the same checks and an HTTP retry.
+   The service sees none of those reads, so while they may happen (and while
+   the ranks of a distributed load wait for each other) the load holds a read
+   lease of its own (``read_lease``), renewed every third of the lease period,
+   so gc spares the checkpoint however long the load takes.
 4. in a distributed load, regions that several ranks of one host need
    (replicated tensors) are read by one of them and sent to the others
    (``_share``); every step that could leave a rank waiting is agreed first,
@@ -27,15 +31,19 @@ Call order inside :meth:`CheckpointClient.load`:
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import xxhash
 
 from ckptd_schemas import (
-    ChecksumMismatch, CorruptCheckpoint, Manifest, ObjectEntry, ReadPlan, ReadRequest, StateDictMismatch,
+    ChecksumMismatch, CkptdError, CorruptCheckpoint, Manifest, ObjectEntry, ReadPlan, ReadRequest, StateDictMismatch,
 )
 
 from ._coverage import agree_keys
@@ -52,7 +60,9 @@ from .objects import SAFE, ObjectPolicy, decode_object
 
 from ._names import RESERVED
 
-__all__ = ["LoadReport", "RESERVED", "execute", "load_into", "local_files"]
+__all__ = ["LoadReport", "RESERVED", "execute", "load_into", "local_files", "read_lease"]
+
+log = logging.getLogger("ckptd_client")
 
 
 
@@ -145,9 +155,54 @@ def _load_object(transport: Transport, base: str, o: ObjectEntry, ref: str, poli
     return decode_object(o, data, ref=ref, policy=policy)
 
 
+@contextlib.contextmanager
+def read_lease(transport: Transport, base: str) -> Iterator[None]:
+    """Hold a read lease on the checkpoint at ``base`` (a concrete name) for the block: taken at
+    once, renewed every third of the period the service grants, released at the end. The service
+    counts a read only when it serves one; a reader of its files (direct reads) or a rank waiting
+    for the others must say it is still reading. A service that grants no lease (leases off, or a
+    release without the route) leaves the load as it was."""
+    path = f"{base}/leases/{uuid.uuid4().hex}"
+    try:
+        answer = transport.request("PUT", path)
+        seconds = float(answer.get("seconds", 0)) if isinstance(answer, dict) else 0.0
+    except CkptdError as e:
+        log.debug("no read lease on %s: %s", base, e)
+        yield
+        return
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(seconds / 3):
+            try:
+                transport.request("PUT", path, retry=False)
+            except CkptdError as e:  # the next renewal tries again; the reads raise if it is gone
+                log.debug("read lease on %s not renewed: %s", base, e)
+
+    t = threading.Thread(target=renew, name="ckptd-read-lease", daemon=True) if seconds > 0 else None
+    if t is not None:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if t is not None:
+            t.join(timeout=5)
+        with contextlib.suppress(CkptdError):
+            transport.request("DELETE", path, retry=False)
+
+
 def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, rank: int, strict: bool,
               streams: int, direct_reads: bool = True, share_replicas: bool = True,
               objects: ObjectPolicy = SAFE) -> LoadReport:
+    with contextlib.ExitStack() as lease:
+        return _load_into(transport, run, name, state_dict, lease, rank=rank, strict=strict, streams=streams,
+                          direct_reads=direct_reads, share_replicas=share_replicas, objects=objects)
+
+
+def _load_into(transport: Transport, run: str, name: str, state_dict: dict, lease: contextlib.ExitStack, *,
+               rank: int, strict: bool, streams: int, direct_reads: bool, share_replicas: bool,
+               objects: ObjectPolicy) -> LoadReport:
     together = _distributed()
     share = share_replicas and together
     manifest: Manifest | None = None
@@ -159,6 +214,8 @@ def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, ra
         held = {leaf.fqn for leaf in leaves}
         base = f"/v1/checkpoints/{run}/{manifest.name}"
         plan = _plan(transport, base, pieces, direct_reads) if pieces else None
+        if together or (plan is not None and plan.local_paths):  # reads the service may not see
+            lease.enter_context(read_lease(transport, base))
     except Exception as e:
         err = e
     if together and (share or strict):  # one collective: the other ranks must not wait below for a failed one
@@ -170,7 +227,7 @@ def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, ra
     report.coverage_ranks = coverage
     if pieces or share:  # a rank with nothing to read still takes part in the agreement
         _read_tensors(transport, base, manifest, pieces, plan, report, streams=streams,
-                      direct_reads=direct_reads, share=share)
+                      direct_reads=direct_reads, share=share, lease=lease)
     for leaf in leaves:
         if leaf.kind == "tensor" or leaf.fqn not in objects_by_name:
             continue
@@ -262,7 +319,7 @@ def _key(leaf: Leaf, p: LocalPiece) -> Any:
 
 def _read_tensors(transport: Transport, base: str, manifest: Manifest, pieces: list[tuple[Leaf, LocalPiece]],
                   plan: ReadPlan | None, report: LoadReport, *, streams: int, direct_reads: bool,
-                  share: bool) -> None:
+                  share: bool, lease: contextlib.ExitStack | None = None) -> None:
     """Step 3 (and 4): agree who reads the regions shared within a host; fetch and verify; pass
     the shared regions along."""
     pieces_all = pieces
@@ -279,7 +336,8 @@ def _read_tensors(transport: Transport, base: str, manifest: Manifest, pieces: l
         err: Exception | None = None
         try:
             if plan is not None:
-                execute(transport, base, plan, [_destination(p) for _, p in pieces], streams, files)
+                execute(transport, base, plan, [_destination(p) for _, p in pieces], streams, files,
+                        lease=lease is None)
                 report.bytes_read = plan.bytes_to_read
         except Exception as e:
             err = e
@@ -320,9 +378,14 @@ def corrupt(e: ChecksumMismatch, f: Any, copies: list) -> CorruptCheckpoint:
 
 
 def execute(transport: Transport, base: str, plan: ReadPlan, dests: list[Destination], streams: int,
-            files: LocalFiles | None = None) -> None:
+            files: LocalFiles | None = None, *, lease: bool = True) -> None:
     """Fetch every range of ``plan`` (``streams`` at a time; from ``files`` where usable, else over
-    HTTP), verify it, and copy it into ``dests`` (indexed like the plan's requests)."""
+    HTTP), verify it, and copy it into ``dests`` (indexed like the plan's requests). Reading from
+    ``files``, it holds a read lease meanwhile (:func:`read_lease`) unless ``lease`` is False (the
+    caller holds one)."""
+    if files is not None and lease:
+        with read_lease(transport, base):
+            return execute(transport, base, plan, dests, streams, files, lease=False)
     by_fetch: dict[int, list] = {}
     for c in plan.copies:
         by_fetch.setdefault(c.fetch, []).append(c)

@@ -31,17 +31,23 @@ from ckptd_schemas.balance import lpt_assign
 
 from ._dist import cpu_group
 from ._flatten import flatten_state_dict
+from ._layout import check_savable
 
 __all__ = ["ReplicaWriters", "plain_tensors"]
 
 
 def plain_tensors(state_dict: dict, rank: int, world: int) -> tuple[dict[str, int], str]:
     """This rank's plain (replicated) tensors as ``{key: nbytes}``, and a digest of their keys,
-    shapes and dtypes with ``rank`` and ``world`` (the cache key of :class:`ReplicaWriters`)."""
+    shapes and dtypes with ``rank`` and ``world`` (the cache key of :class:`ReplicaWriters`).
+
+    Every tensor leaf is checked first (``check_savable``): one that cannot be saved raises
+    ``InvalidRequest`` naming its key here, where ``save`` makes every rank raise together."""
     sizes: dict[str, int] = {}
     h = hashlib.blake2b(f"{rank}/{world}".encode(), digest_size=16)
     for leaf in flatten_state_dict(state_dict):
         v = leaf.value
+        if leaf.kind == "tensor":
+            check_savable(leaf.fqn, v)
         if leaf.kind == "tensor" and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
             sizes[leaf.fqn] = v.numel() * v.element_size()
             h.update(f"\0{leaf.fqn}\0{tuple(v.shape)}\0{v.dtype}".encode())

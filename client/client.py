@@ -35,6 +35,20 @@ def _upload_then_release(transport: Transport, base: str, session: str, snap: Sn
         snap.release()
 
 
+def _reasons(err: BaseException | str | None, world: int) -> str:
+    """Collective (every rank of a failed save calls it): what each failing rank raised, named by rank."""
+    mine = None if err is None else err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+    if world == 1:
+        return str(mine)
+    import torch.distributed as dist
+
+    from ._dist import cpu_group
+
+    got: list = [None] * world
+    dist.all_gather_object(got, mine, group=cpu_group())
+    return "; ".join(f"rank {r}: {m}" for r, m in enumerate(got) if m is not None)
+
+
 class CheckpointClient(CatalogClient):
     """Save and load sharded state through a ckptd service.
 
@@ -138,15 +152,28 @@ class CheckpointClient(CatalogClient):
         # plain tensors changed since their writers were last agreed (``_writers``).
         stop, stale = any_ranks(failed is not None or refused is not None, self._writers.stale(signature))
         if stop:
+            why = _reasons(refused if refused is not None else failed and "an earlier save failed", world)
             if refused is not None:
                 raise refused
             if failed is not None:
                 failed.wait()  # raises the stored failure
-            raise CommitFailed(f"an earlier save failed, or this state dict was refused, on another rank; "
-                               f"{ref} was not started", ref=ref)
+            raise CommitFailed(f"{ref} was not started: {why}", ref=ref)
         session = broadcast_str(uuid.uuid4().hex if rank == 0 else None)
         writers = self._writers.owners(plain, signature, refresh=stale, rank=rank, world=world)
-        snap = build_snapshot(state_dict, rank, world, self.snapshot_pool, writers=writers, objects=self.objects)
+        try:
+            snap = build_snapshot(state_dict, rank, world, self.snapshot_pool, writers=writers,
+                                  objects=self.objects)
+            refused = None
+        except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+            refused = e
+        # An object refused while snapshotting (``UnsafeObject``) on one rank: every rank raises
+        # before any uploads, rather than the others waiting for a session that cannot commit.
+        if any_ranks(refused is not None)[0]:
+            why = _reasons(refused, world)
+            if refused is not None:
+                raise refused
+            snap.release()
+            raise CommitFailed(f"{ref} was not started: {why}", ref=ref)
         base = f"/v1/checkpoints/{r.run}/{r.name}"
         try:
             future = self._uploader.submit(_upload_then_release, self._transport, base, session, snap, step,

@@ -52,8 +52,8 @@ from torch.futures import Future
 import xxhash
 
 from ckptd_schemas import (
-    Box, ChecksumMismatch, CkptdError, IntegrityError, InvalidName, InvalidRequest, Manifest, ObjectEntry,
-    RankIndex, ReadPlan, ReadRequest, StateDictMismatch, TensorEntry, parse_ref,
+    Box, ChecksumMismatch, CkptdError, CorruptCheckpoint, IntegrityError, InvalidName, InvalidRequest, Manifest,
+    ObjectEntry, RankIndex, ReadPlan, ReadRequest, StateDictMismatch, TensorEntry, parse_ref,
 )
 
 from ._codec import CompressionPolicy, compression_of
@@ -311,11 +311,15 @@ class CkptdStorageReader(_Endpoint, StorageReader):
         loc = o.location
         if loc is None:
             return None
-        data = self.transport.request("GET", f"{self.base}/files/{loc.file}",
-                                      headers={"Range": f"bytes={loc.offset}-{loc.offset + loc.length - 1}"},
-                                      sink=lambda r: r.read())
+        try:
+            data = self.transport.request("GET", f"{self.base}/files/{loc.file}",
+                                          headers={"Range": f"bytes={loc.offset}-{loc.offset + loc.length - 1}"},
+                                          sink=lambda r: r.read())
+        except ChecksumMismatch as e:  # the service found the file damaged (absent, resized)
+            raise CorruptCheckpoint(f"object {o.name!r}: {e.message}", **{**e.details, "object": o.name}) from e
         if xxhash.xxh3_64_hexdigest(data) != loc.xxh3:
-            raise ChecksumMismatch(f"object {o.name!r} in file {loc.file!r} fails its checksum", file=loc.file)
+            raise CorruptCheckpoint(f"object {o.name!r} in file {loc.file!r} fails its checksum", file=loc.file,
+                                    object=o.name)
         return data
 
     def _object_bytes(self, o: ObjectEntry) -> bytes:

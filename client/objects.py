@@ -17,6 +17,13 @@ returned as it is; ``torch`` bytes are loaded with ``weights_only=True`` under t
 ``Metadata`` the same way, with DCP's metadata dataclasses allowed, and
 :func:`load_dcp_file_metadata` a DCP directory's ``.metadata`` file (``ckptd import dcp``).
 
+Before any restricted load, :func:`load_torch` refuses (:class:`UnsafeData`, reported as
+``UnsafeObject``) two kinds of data that only use allowed globals: a numpy dtype whose pickled state
+carries flags other than the ones numpy computes for it (an object dtype with its flags cleared
+turns raw bytes into object pointers during the load), checked by walking the pickle with stubs
+in place of every global; and a zip with compressed records (``torch.save`` writes none; torch
+inflates a record fully before checking its size).
+
 The allow-list is torch's own (tensors, storages, dtypes, ``torch.Size``, ``OrderedDict``, sets,
 ...), :func:`default_safe_globals` (numpy arrays, scalars and dtypes: ``np.random.get_state()``),
 anything registered with ``torch.serialization.add_safe_globals``, and a client's ``safe_globals``.
@@ -45,7 +52,8 @@ import torch
 from ckptd_schemas import IntegrityError, InvalidRequest, ObjectEntry, UnsafeObject
 
 __all__ = [
-    "Encoded", "ObjectPolicy", "SAFE", "SafeGlobal", "TrustedObjectWarning", "check_payload", "decode_object",
+    "Encoded", "ObjectPolicy", "SAFE", "SafeGlobal", "TrustedObjectWarning", "UnsafeData", "check_payload",
+    "decode_object",
     "default_safe_globals", "encode_object", "json_exact", "load_dcp_file_metadata", "load_dcp_metadata", "load_torch", "reencode_for_dcp",
 ]
 
@@ -184,8 +192,211 @@ def _unsafe_globals(data: bytes) -> list[str]:
         return []
 
 
+class UnsafeData(pickle.UnpicklingError):
+    """``torch.save`` data that the restricted loader must not read either: a numpy dtype whose stored flags
+    differ from the ones numpy gives it, or a compressed zip record (``torch.save`` writes none; one of a
+    few KB can inflate to gigabytes before torch checks its size)."""
+
+
+_DTYPE_FLAGS = 0x7F  # every flag but NPY_ALIGNED_STRUCT (0x80): object references, pointers, init, item access
+
+
+class _DtypeFactory:
+    """``numpy.dtype`` or a ``numpy.dtypes`` class as the pre-scan sees it: calling it records a stub."""
+
+    def __init__(self, make: Any) -> None:
+        self.make = make
+
+    def __call__(self, *args: Any, **kw: Any) -> "_DtypeStub":
+        if kw:
+            raise UnsafeData("a numpy dtype built with keyword arguments")
+        return _DtypeStub(self.make, args)
+
+
+class _DtypeStub:
+    """A numpy dtype as the pre-scan records it: how it was made, and the real dtype once checked."""
+
+    def __init__(self, make: Any, args: tuple) -> None:
+        self.make, self.args, self.real = make, args, None
+
+
+class _Stub:
+    """Anything else the pre-scan meets: accepts every call, item and state, builds nothing."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kw: Any) -> "_Stub":
+        return _Stub()
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def add(self, value: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+def _real_dtype(stub: Any, state: Any = None) -> Any:
+    """The dtype a stub and its pickled state describe; raises :class:`UnsafeData` when the state's flags
+    are not the ones numpy computes for that dtype (flags decide whether items are object pointers)."""
+    import numpy as np
+
+    if not isinstance(stub, _DtypeStub):
+        raise UnsafeData(f"a numpy dtype whose fields are {type(stub).__name__}, not numpy dtypes")
+    if stub.real is not None and state is None:
+        return stub.real
+    args = stub.args
+    if stub.make is np.dtype:
+        if not (1 <= len(args) <= 3 and isinstance(args[0], str) and all(type(a) is bool for a in args[1:])):
+            raise UnsafeData(f"numpy.dtype called with {len(args)} arguments of unexpected types")
+    elif args:
+        raise UnsafeData(f"{stub.make.__name__} called with arguments")
+    d = stub.make(*args)
+    expected = d.flags
+    if state is not None:
+        if not isinstance(state, tuple) or len(state) < 8:
+            raise UnsafeData("a numpy dtype state that is not numpy's")
+        state = list(state)
+        if state[2] is not None:  # subarray: (base, shape)
+            base, shape = state[2]
+            state[2] = (_real_dtype(base), shape)
+            expected = np.dtype((state[2][0], shape)).flags
+        if state[4] is not None:  # fields: {name: (dtype, offset[, title])}
+            state[4] = {k: (_real_dtype(v[0]), *v[1:]) for k, v in state[4].items()}
+            names = list(state[3])
+            expected = np.dtype({"names": names, "formats": [state[4][n][0] for n in names],
+                                 "offsets": [state[4][n][1] for n in names], "itemsize": state[5]}).flags
+        d.__setstate__(tuple(state))
+    if (d.flags ^ expected) & _DTYPE_FLAGS:
+        raise UnsafeData(f"a numpy dtype {d} stored with flags {d.flags}, where numpy gives it {expected}: its "
+                          f"items would be read as what they are not (raw bytes as object pointers, or objects "
+                          f"as raw bytes)")
+    stub.real = d
+    return d
+
+
+class _DtypeScan(pickle._Unpickler):  # type: ignore[name-defined]
+    """Walks a pickle with every global replaced by a stub, checking each numpy dtype's state as it is built.
+
+    ``weights_only=True`` lets a pickle make a numpy dtype and then set its state, whose flags numpy
+    takes as they are: an object dtype stored with its flags cleared makes an array (or a
+    ``multiarray.scalar``) whose raw bytes are read as object pointers, during the load itself. Nothing
+    from the pickle is called here except ``numpy.dtype`` with a string and booleans and the
+    ``numpy.dtypes`` classes without arguments."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
+    def find_class(self, module: str, name: str) -> Any:
+        import numpy as np
+
+        if module == "numpy" and name == "dtype":
+            return _DtypeFactory(np.dtype)
+        if module.split(".")[0] == "numpy":
+            found = getattr(getattr(np, "dtypes", None), name, None)
+            if isinstance(found, type) and issubclass(found, np.dtype):
+                return _DtypeFactory(found)
+        return _Stub
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _Stub()
+
+    def _make(self, make: Any, args: tuple) -> Any:
+        for a in args:  # a dtype handed to anything (an array, a scalar) must be one numpy would make
+            if isinstance(a, _DtypeStub):
+                _real_dtype(a)
+        if isinstance(make, _DtypeFactory):
+            return make(*args)
+        return _Stub()
+
+    def load_build(self) -> None:
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        if isinstance(inst, _DtypeStub):
+            _real_dtype(inst, state)
+
+    def load_reduce(self) -> None:
+        args = self.stack.pop()
+        self.stack[-1] = self._make(self.stack[-1], tuple(args))
+
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        self.stack[-1] = self._make(self.stack[-1], tuple(args))
+
+    def load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        args = self.stack.pop()
+        if kwargs:
+            raise UnsafeData("an object built with keyword arguments")
+        self.stack[-1] = self._make(self.stack[-1], tuple(args))
+
+    dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
+
+
+def _pickles(f: Any) -> Iterator[bytes]:
+    """The bytes of the pickles ``torch.load(f)`` unpickles: each ``data.pkl`` of a zip, else (the legacy
+    format) the stream itself, whose first pickles are read one after another."""
+    import os
+    import zipfile
+
+    if isinstance(f, (str, os.PathLike)):
+        with open(f, "rb") as fh:
+            yield from _pickles(fh)
+        return
+    pos = f.tell()
+    try:
+        if zipfile.is_zipfile(f):
+            f.seek(pos)
+            with zipfile.ZipFile(f) as z:
+                packed = [i.filename for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED]
+                if packed:
+                    raise UnsafeData(f"compressed zip records ({', '.join(packed[:3])}), which torch.save never "
+                                     f"writes: one could inflate to far more than its stored size")
+                for info in z.infolist():
+                    if info.filename == "data.pkl" or info.filename.endswith("/data.pkl"):
+                        with z.open(info) as member:
+                            yield member.read()
+        else:
+            f.seek(pos)
+            yield f.read()
+    finally:
+        f.seek(pos)
+
+
+def _check_data(f: Any) -> None:
+    """Refuse (:class:`UnsafeData`) compressed zip records, and numpy dtypes whose flags numpy would not give
+    them."""
+    for head in _pickles(f):
+        if b"numpy" not in head:
+            continue  # no numpy global is named: no dtype can be made
+        scan = io.BytesIO(head)
+        for _ in range(5):  # legacy format: magic, protocol, system info, the value, storage keys
+            if scan.tell() >= len(head):
+                break
+            try:
+                _DtypeScan(scan).load()
+            except UnsafeData:
+                raise
+            except Exception as e:  # noqa: BLE001 - numpy data the scan cannot follow is not loaded
+                raise UnsafeData(f"numpy data that cannot be checked ({type(e).__name__}: {e})") from None
+
+
 def load_torch(f: Any, *, allowed: Sequence[SafeGlobal], **kw: Any) -> Any:
-    """``torch.load(f, weights_only=True)`` with ``allowed`` added to the allow-list for this call."""
+    """``torch.load(f, weights_only=True)`` with ``allowed`` added to the allow-list for this call, after
+    checking that the data has no compressed record and that every numpy dtype in it is one numpy would
+    build (:class:`UnsafeData`)."""
+    _check_data(f)
     with _allowing(allowed):
         return torch.load(f, weights_only=True, **kw)
 
@@ -206,6 +417,8 @@ def _decode_torch(data: bytes, key: str, ref: str | None, policy: ObjectPolicy,
         return load_torch(io.BytesIO(data), allowed=policy.allowed + tuple(extra))
     except pickle.UnpicklingError as e:
         if not policy.trust:
+            if isinstance(e, UnsafeData):
+                raise _refusal(f"its torch.save data holds {e}", [], key, ref, "torch") from None
             raise _refusal("its torch.save data needs an unrestricted unpickler", _unsafe_globals(data), key,
                            ref, "torch") from None
         policy.warn(f"object {key!r}" + (f" of {ref}" if ref else "") + f" loaded with the unrestricted "
@@ -306,8 +519,8 @@ def check_payload(key: str, payload: bytes, policy: ObjectPolicy = SAFE, *, what
             raise UnsafeObject(
                 f"object {key!r}: {what} cannot be stored safely: loading it would need an unrestricted "
                 f"unpickler" + (f" (it names {', '.join(names)})" if names else "") + ". Store plain data "
-                f"(dicts, lists, numbers, strings, tensors), allow its classes with "
-                f"CheckpointClient(safe_globals=[...]) if they are safe to build from untrusted data, or pass "
-                f"trust_objects=True", key=key, globals=names) from None
+                "(dicts, lists, numbers, strings, tensors), allow its classes with "
+                "CheckpointClient(safe_globals=[...]) if they are safe to build from untrusted data, or pass "
+                "trust_objects=True", key=key, globals=names) from None
         policy.warn(f"object {key!r}: {what} is stored for the unrestricted unpickler (trust_objects=True); "
                     f"clients without trust_objects=True refuse to load it")

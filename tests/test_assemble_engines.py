@@ -22,7 +22,7 @@ from ckptd.store import CheckpointReader, SessionStore
 from ckptd.store.assemble import HostEngine, TorchEngine, pick_engine
 from ckptd.store.offline import iter_slabs, read_tensor, write_tensors
 from ckptd_client import CheckpointClient
-from ckptd_schemas import Copy, IntegrityError, InvalidRequest, ReadRequest, plan_reads
+from ckptd_schemas import Copy, IntegrityError, InvalidRequest
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.bool, torch.float64, torch.complex64,
           torch.float8_e4m3fn]

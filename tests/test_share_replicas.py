@@ -8,7 +8,6 @@ fails, every rank raises instead of waiting for it.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st

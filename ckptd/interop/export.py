@@ -61,6 +61,7 @@ from ckptd_schemas.dtypes import FLOATING as FLOATS
 from ..storage.local import LocalStorage, fsync_dir
 from ..store.assemble import ChunkBuffer, Engine, HostEngine, TorchEngine
 from ..store.offline import ReadFn, iter_slabs
+from ..store.reader import naming_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -190,7 +191,13 @@ def _stream(manifest: Manifest, o: _Out, read: ReadFn, buffer: ChunkBuffer, writ
     h = xxhash.xxh3_64()
     src_h = StreamHasher() if t.digest is not None else None  # the layout-independent digest, before any cast
     slab = max(1, slab_bytes // max(ITEMSIZE[t.dtype], ITEMSIZE[o.dtype]))
-    for stored, raw in iter_slabs(manifest, t, read, slab_elems=slab, buffer=buffer, dtype=o.dtype):
+    slabs = iter_slabs(manifest, t, read, slab_elems=slab, buffer=buffer, dtype=o.dtype)
+    while True:
+        with naming_tensor(t.name, manifest.ref):
+            got = next(slabs, None)
+        if got is None:
+            break
+        stored, raw = got
         if src_h is not None:
             src_h.update(stored)
         h.update(raw)

@@ -47,6 +47,7 @@ from ckptd_schemas.digest import DigestPart, combine, digest_piece
 from ckptd_schemas.dtypes import FLOATING
 
 from ..store import CheckpointReader, SessionStore
+from ..store.reader import naming_tensor
 from ..store.layout import Paths
 from ..store.merge import merge_indexes
 from .digest import tensor_digest
@@ -124,8 +125,9 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
             staging.begin(pc.src_dtype, pc.numel, shape, sizes=pc.sizes, offsets=pc.offsets,
                           flat_start=pc.flat_start)
             for i, f in enumerate(pc.reads.fetches):
-                data, n_read = fetches.get(f)
-                verify_fetch(data, f)
+                with naming_tensor(pc.tensor, plan.source):
+                    data, n_read = fetches.get(f)
+                    verify_fetch(data, f)
                 parts += pieces.parts(f.file, f.start, data)
                 read_total += n_read
                 for c in pc.reads.copies:

@@ -116,6 +116,23 @@ async def _read_body_limited(request: Request, limit: int) -> bytes:
     return bytes(buf)
 
 
+def _refuse_declared_digests(index: RankIndex) -> None:
+    """A rank's index may not declare a tensor's layout-independent digest (``TensorEntry.digest``).
+
+    Export and reshard check what they assemble against that digest, so a false one would make a
+    checkpoint that verifies fail there. Only the service's own conversions record it, computed from
+    the bytes they wrote; a client has no use for it, so the claim is refused rather than checked.
+    """
+    digests = index.tensor_table.digest
+    if digests is None:
+        return
+    named = [n for n, d in zip(index.tensor_table.name, digests) if d is not None]
+    if named:
+        raise InvalidIndex(f"index of rank {index.rank} declares the layout-independent digest of tensor "
+                           f"{named[0]!r}: only the service's own conversions record tensor digests",
+                           rank=index.rank, tensor=named[0])
+
+
 def create_app(settings: Settings | None = None, storage: Storage | None = None,
                tokens: TokenStore | None = None) -> FastAPI:
     settings = settings or Settings()
@@ -258,9 +275,11 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
              tags=["upload"])
     async def put_index(request: Request, run: str, name: str, sid: str, rank: int) -> SessionStatus:
         raw = await _read_body_limited(request, settings.max_index_bytes)
-        index = _parse_body(RankIndex, raw, f"index of rank {rank}", InvalidIndex, rank=rank)
+        index = await run_in_threadpool(_parse_body, RankIndex, raw, f"index of rank {rank}", InvalidIndex,
+                                        rank=rank)  # off the event loop: a large index parses for seconds
         if index.rank != rank:
             raise InvalidRequest(f"index body is for rank {index.rank}, URL says rank {rank}", rank=rank)
+        _refuse_declared_digests(index)
         try:
             return await run_in_threadpool(sessions.put_index, run, name, sid, index)
         finally:
@@ -373,6 +392,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
             pos = start
             while pos < end:
                 nxt = min(pos + piece, end)
+                await run_in_threadpool(read_leases.touch, run, key.split("/")[2])  # a long stream keeps its lease
                 yield await run_in_threadpool(storage.read_committed, key, pos, nxt, size, file=file)
                 pos = nxt
 

@@ -3,8 +3,11 @@
 Every error body carries the request's id (``error.request_id``, also in the
 ``X-Request-Id`` header), and storage and integrity failures are counted in the
 app's metrics here. A client that goes away before its request body is
-complete (``ClientDisconnect``) is one warning line and one count of
+complete (``ClientDisconnect``, also when FastAPI meets it reading a JSON body
+and raises its 400) is one warning line and one count of
 ``ckptd_client_disconnects_total``, answered 499 (to nobody), never a 500.
+A 413 closes the connection (``Connection: close``): the rest of a body that
+was refused for its size is never read.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ckptd_schemas import CkptdError, InvalidRequest, NotFound, TooManyRequests
+from ckptd_schemas import CkptdError, InvalidRequest, NotFound, PayloadTooLarge, TooManyRequests
 
 from .limits import was_answered
 
@@ -52,6 +55,8 @@ def install_error_handlers(app: FastAPI) -> None:
             headers = {"Retry-After": "1"}
             if metrics is not None:
                 metrics.limit_refusals.labels("uploads").inc()
+        if isinstance(exc, PayloadTooLarge):  # the rest of a refused body is not read: the connection ends here
+            headers = {"Connection": "close"}
         return JSONResponse(_body(request, exc), status_code=exc.status, headers=headers)
 
     @app.exception_handler(ClientDisconnect)
@@ -75,7 +80,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(_body(request, err), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        if isinstance(exc.__cause__, ClientDisconnect):  # FastAPI's 400 for a JSON body cut off mid-way
+            return await _client_gone(request, exc.__cause__)
         # Routing misses (404, 405) answer in the same typed body as every other error.
         path = request.url.path[:200]
         where = f"{request.method} {path!r}"

@@ -115,7 +115,9 @@ class ReadLeases:
             self._renewed[(run, name)] = now
             if len(self._renewed) > 10_000:
                 self._renewed = {k: v for k, v in self._renewed.items() if now - v < self.seconds}
-        self.leases.acquire(run, name, self.holder, ttl=self.seconds)
+        # Renewed at most every half lease, so each renewal runs one and a half leases: a read
+        # keeps the checkpoint for at least a whole lease after it, whenever the last renewal was.
+        self.leases.acquire(run, name, self.holder, ttl=1.5 * self.seconds)
 
     def hold(self, run: str, name: str, holder: str) -> None:
         """A reader's own lease, for one lease period from now (the reader renews it)."""

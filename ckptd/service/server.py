@@ -1,18 +1,22 @@
 """Run the service under uvicorn (uvloop + httptools when installed).
 
 The httptools protocol is subclassed twice: the request head is bounded in bytes
-(:func:`_bounded_httptools`, 431) and in time, and the open connections in number
-(:func:`ckptd.service.connections.guard_protocol`).
+(:func:`_bounded_httptools`, 431; a request the parser refuses is answered 400 in the
+service's error shape), and in time, responses the client does not read in time, and the
+open connections in number (:func:`ckptd.service.connections.guard_protocol`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import json
 import logging
 from typing import Any
 
 import uvicorn
+
+from ckptd_schemas import InvalidRequest
 
 from .app import create_app
 from .auth import AuthConfigError, TokenStore
@@ -56,6 +60,13 @@ def check_open_mode(settings: Settings, tokens: TokenStore) -> None:
             f"openly anyway.")
 
 
+def _malformed_response(msg: str) -> bytes:
+    """A 400 in the service's error shape for a request the HTTP parser refused (uvicorn's own is plain text)."""
+    body = json.dumps(InvalidRequest(f"malformed HTTP request: {msg}").to_body(), separators=(",", ":")).encode()
+    return (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (len(body), body))
+
+
 def _bounded_httptools(limit: int) -> Any:
     """uvicorn's httptools protocol with the request line plus headers bounded (httptools has no limit)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -90,8 +101,11 @@ def _bounded_httptools(limit: int) -> Any:
         def send_400_response(self, msg: str) -> None:  # a callback below raised: answer 431, not 400
             if self._ckptd_parsed > limit:
                 self._ckptd_refuse()
-            else:
-                super().send_400_response(msg)
+            elif not self.transport.is_closing():  # malformed HTTP: 400 in the one error shape, then close
+                cycle = getattr(self, "cycle", None)
+                if cycle is None or not cycle.response_started or cycle.response_complete:
+                    self.transport.write(_malformed_response(msg))
+                self.transport.close()
 
         def on_message_begin(self) -> None:
             self._ckptd_parsed, self._ckptd_in_body = 0, False
@@ -142,12 +156,13 @@ def serve(settings: Settings) -> None:
     if importlib.util.find_spec("httptools"):
         try:
             http = guard_protocol(_bounded_httptools(settings.max_header_bytes), settings.header_timeout_seconds,
-                                  settings.max_connections, app.state.metrics)
+                                  settings.max_connections, app.state.metrics,
+                                  send_timeout=settings.send_idle_timeout_seconds)
         except (ImportError, AttributeError):  # an uvicorn without this protocol class: h11 has its own bound
             http = "h11"
     if http == "h11":
         log.warning("httptools is not installed: serving with h11, without the request-head deadline and the "
-                    "connection cap (CKPTD_HEADER_TIMEOUT_SECONDS, CKPTD_MAX_CONNECTIONS)")
+                    "connection cap (CKPTD_HEADER_TIMEOUT_SECONDS, CKPTD_SEND_IDLE_TIMEOUT_SECONDS, CKPTD_MAX_CONNECTIONS)")
     uvicorn.run(app, host=settings.host, port=settings.port, loop=loop, http=http, log_config=None,
                 log_level=settings.log_level.lower(), access_log=False, timeout_keep_alive=30,
                 h11_max_incomplete_event_size=settings.max_header_bytes)

@@ -29,7 +29,10 @@ class Settings(BaseSettings):
     port: int = Field(8470, description="port to listen on")
     stale_session_ttl: float = Field(6 * 3600.0, description="seconds before an uncommitted session is reclaimed")
     reclaim_interval: float = Field(600.0, description="seconds between stale-session sweeps")
-    max_index_bytes: int = Field(256 << 20, description="largest accepted rank index or read-plan body")
+    max_index_bytes: int = Field(
+        64 << 20, description="largest accepted rank index or read-plan body (a one-rank index of 1,024 ranks x 500 "
+        "tensors, as `ckptd import dcp` sends, is about 26 MB; parsing and checking an index costs up to 20 times "
+        "its size in memory)")
     write_batch_bytes: int = Field(8 << 20, description="bytes gathered before each storage write")
     reshard_workers: int = Field(1, description="worker processes for reshard jobs")
     reshard_max_mbps: float = Field(256.0, description="bandwidth cap of one reshard job, MiB/s (0 = none)")
@@ -68,6 +71,10 @@ class Settings(BaseSettings):
     body_idle_timeout_seconds: float = Field(
         60.0, ge=0, description="seconds a request body may send nothing while the service waits for it; then it "
         "is answered 408 and closed (0 = no limit)")
+    send_idle_timeout_seconds: float = Field(
+        60.0, ge=0, description="seconds a response may wait for its client to read any of it (the socket's send "
+        "buffer full); then the connection is closed (0 = no limit). Over the connection cap, such connections "
+        "are closed before busy ones")
     max_connections: int = Field(
         4096, ge=16, description="open client connections at most, and never more than the file-descriptor limit "
         "(`ulimit -n`) less an eighth of it; a new one beyond closes the longest-idle connection without a "

@@ -44,7 +44,7 @@ from typing import Callable, Iterable, Mapping, Protocol
 
 import xxhash
 
-from ckptd_schemas import AdoptedFile, ChecksumMismatch, FileEntry, IntegrityError, Manifest, itemsize
+from ckptd_schemas import AdoptedFile, Box, ChecksumMismatch, FileEntry, IntegrityError, Manifest, Region, itemsize
 
 from ..storage import Storage
 from .frames import FrameCheck
@@ -156,14 +156,10 @@ def _rows(manifest: Manifest) -> tuple[_Rows, list[list[int]]]:
                     numel = sizes[0] if tab.is_flat(i) else prod(sizes)
                     rows.special[base + i] = _Special(raw_length=numel * isz)
         if len(set(tab.xxh3)) != n:  # two rows with one digest: maybe replicas of one region
-            regions: dict[tuple, list[int]] = {}
-            for i in range(n):
-                regions.setdefault((tab.is_flat(i), tab.offsets[i], tab.sizes[i], tab.xxh3[i]), []).append(base + i)
-            for members in regions.values():
-                if len(members) > 1:
-                    for i in members:
-                        rows.special.setdefault(i, _Special()).replica_of = len(groups)
-                    groups.append(members)
+            for members in _replicas(t.name, t.shape, tab, base):
+                for i in members:
+                    rows.special.setdefault(i, _Special()).replica_of = len(groups)
+                groups.append(members)
     for o in manifest.objects:
         if o.location is None:
             continue
@@ -178,6 +174,44 @@ def _rows(manifest: Manifest) -> tuple[_Rows, list[list[int]]]:
         if loc.codec != "raw":
             rows.special[i] = _Special(raw_length=loc.raw_length)
     return rows, groups
+
+
+def _replicas(name: str, shape: list[int], tab, base: int) -> list[list[int]]:
+    """The groups of rows (numbered from ``base``) that the tiling counts as replicas of one region.
+
+    The tiling (:func:`~ckptd_schemas.geometry.check_tiling`) takes two chunks under one digest as
+    replicas box by box, whatever their kind: a flat range and a box over the same elements are
+    replicas, and so would be a box and the part of a flat range it equals. So rows are grouped by
+    the boxes they cover, not by how their index writes them; rows of one digest whose boxes differ
+    but share one are refused (only a forged collision gives chunks of different sizes one digest).
+    """
+    by_digest: dict[str, list[int]] = {}
+    for i, d in enumerate(tab.xxh3):
+        by_digest.setdefault(d, []).append(i)
+    out = []
+    for d, same in by_digest.items():
+        if len(same) < 2:
+            continue
+        regions: dict[tuple[Box, ...], list[int]] = {}
+        for i in same:
+            region = Region(flat=(tab.offsets[i][0], tab.sizes[i][0])) if tab.is_flat(i) else \
+                Region(box=Box(tuple(tab.offsets[i]), tuple(tab.sizes[i])))
+            regions.setdefault(tuple(region.boxes(shape)), []).append(i)
+        if len(regions) > 1:
+            owner: dict[Box, tuple[Box, ...]] = {}
+            for key in regions:
+                for box in key:
+                    other = owner.setdefault(box, key)
+                    if other is not key:
+                        rows = regions[other] + regions[key]
+                        ranks = sorted({tab.rank[i] for i in rows}) if tab.rank is not None else []
+                        raise IntegrityError(
+                            f"refused at commit: tensor {name!r}: ranks {ranks} store different regions under one "
+                            f"digest {d} that share offsets {list(box.offsets)} sizes {list(box.sizes)}: only "
+                            f"chunks of the same elements can be replicas", tensor=name, ranks=ranks,
+                            file=tab.file[rows[0]])
+        out += [[base + i for i in members] for members in regions.values() if len(members) > 1]
+    return out
 
 
 # -- problems ------------------------------------------------------------------------------------------
@@ -380,3 +414,4 @@ def check_stored(manifest: Manifest, source: StoredBytes, *, adopted: Mapping[st
     if adopted and stat is not None:
         _raise_first(_adopted_problems(adopted, stat))
     return nbytes
+

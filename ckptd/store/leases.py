@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 import uuid
@@ -39,8 +40,19 @@ class Leases:
         now = time.time() if now is None else now
         out = []
         for entry in self.storage.list(f"leases/{run}/{name}"):
-            data = self.storage.read_json_or_none(f"leases/{run}/{name}/{entry}")
-            if data and float(data.get("expires_at", 0)) > now:
+            # A read that fails raises (gc then deletes nothing); an entry that is not a lease this
+            # store wrote (a directory, not JSON, no expiry) holds nothing.
+            key = f"leases/{run}/{name}/{entry}"
+            path = self.storage.local_path(key)
+            if path is not None and not os.path.isfile(path):
+                continue  # never opened: a FIFO there would block gc
+            raw = self.storage.read_or_none(key)
+            try:
+                data = json.loads(raw) if raw is not None else None
+                expires = float(data.get("expires_at", 0)) if isinstance(data, dict) else 0.0
+            except (ValueError, TypeError, OverflowError):
+                continue
+            if expires > now:
                 out.append(str(data.get("holder", entry)))
         return out
 

@@ -10,17 +10,32 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
-from ckptd_schemas import LATEST, CheckpointNotFound, CheckpointSummary, Manifest, RunSummary, check_file
+from ckptd_schemas import (
+    LATEST, CheckpointNotFound, CheckpointSummary, ChecksumMismatch, Manifest, RunSummary, check_file,
+)
 
 from ..storage import Storage
 from .layout import Marker, Paths
 from .visibility import Committed, Visibility
 
-__all__ = ["CheckpointReader"]
+__all__ = ["CheckpointReader", "naming_tensor"]
 
 MARKER_TTL = 2.0  # seconds a data read may reuse a concrete checkpoint's visibility check
+
+
+@contextmanager
+def naming_tensor(tensor: str, ref: str) -> Iterator[None]:
+    """Re-raise damaged bytes (the :class:`ChecksumMismatch` family: a file absent, resized, or failing
+    its digests) with the tensor they were read for, where the storage could name only the file."""
+    try:
+        yield
+    except ChecksumMismatch as e:
+        if "tensor" in e.details:
+            raise
+        raise type(e)(f"tensor {tensor!r} of {ref}: {e.message}", **{**e.details, "tensor": tensor}) from e
 
 
 class CheckpointReader:

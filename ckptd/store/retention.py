@@ -70,9 +70,11 @@ class RetentionPlan:
 
 
 def plan_retention(run: str, ckpts: list[CheckpointSummary], *, keep_last: int, keep_every: int | None = None,
-                   leased: set[str] = frozenset(), newest_verified: str | None = None) -> RetentionPlan:
+                   leased: set[str] = frozenset(), newest_verified: str | None = None,
+                   latest: str | None = None) -> RetentionPlan:
     """Decide what goes. Pure: the visible checkpoints, the leased names and the newest verified
-    checkpoint in, a plan out."""
+    checkpoint in, a plan out. ``latest``: what ``RUN/latest`` resolves to (``collect`` passes the
+    visibility rule's answer); without it, the newest trainer checkpoint by step, then commit time."""
     if keep_last < 1:
         raise InvalidRequest(f"keep_last must be at least 1, not {keep_last}: the newest checkpoint always stays",
                              field="keep_last")
@@ -83,7 +85,8 @@ def plan_retention(run: str, ckpts: list[CheckpointSummary], *, keep_last: int, 
     steps = sorted({c.step for c in ordered if c.step is not None})
     newest_steps = set(steps[-keep_last:])
     trainer = [c for c in ordered if c.step is not None and c.derived_from is None]
-    latest = trainer[-1].name if trainer else None
+    if latest is None:
+        latest = trainer[-1].name if trainer else None
     for c in ordered:
         if c.name == latest:
             plan.keep[c.name] = "newest committed checkpoint"
@@ -111,13 +114,15 @@ def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | Non
     leases = Leases(storage)
     visible = vis.listing(run)
     ckpts = [c.summary() for c in visible]
+    newest = vis.latest_of(visible)
+    latest = newest.name if newest is not None else None
     leased = {c.name for c in ckpts if leases.active(run, c.name)}
-    plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased)
+    plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased, latest=latest)
     if not plan.delete and not dry_run:
         return plan
     newest, how, failed = _newest_verified(storage, vis, visible, verify or (lambda r, n: verify_committed(storage, r, n)))
     plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased,
-                          newest_verified=newest)
+                          newest_verified=newest, latest=latest)
     plan.newest_verified, plan.verified_how, plan.failed_verification = newest, how, failed
     if newest is None:
         for name in plan.delete:

@@ -452,8 +452,9 @@ class SessionStore:
         that took the last index died before the marker), then delete session directories that no
         marker names and that are older than the TTL. Return the reclaimed ``run/name/session``s.
 
-        Under a marker that does not parse, nothing is touched (the checkpoint is invisible, and its
-        data is kept for whoever looks into it). One run or checkpoint that cannot be read is logged
+        Under a marker that fails the visibility rule (it does not parse, or names another ref, a
+        missing session or manifest), nothing is touched (the checkpoint is invisible, and its data is
+        kept for whoever looks into it). One run or checkpoint that cannot be read is logged
         and skipped; the sweep goes on with the others.
         """
         now = time.time() if now is None else now
@@ -475,8 +476,8 @@ class SessionStore:
 
     def _sweep_checkpoint(self, run: str, name: str, ttl_seconds: float, now: float) -> list[str]:
         m = self._taken(run, name)
-        if isinstance(m, BadMarker):
-            return []
+        if isinstance(m, BadMarker) or (m is not None and self.visibility.check_marker(run, name, m) is None):
+            return []  # a marker that fails the visibility rule: its checkpoint's data is kept as it is
         removed = []
         for sid in self.storage.list(Paths.sessions(run, name)):
             if m is not None and m.session == sid:

@@ -27,6 +27,9 @@ the parsed manifest by digest, never by name, so a manifest changed on storage i
 from __future__ import annotations
 
 import logging
+import os
+import re
+import stat as statmod
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -36,8 +39,8 @@ from typing import Callable, NamedTuple
 from pydantic import ValidationError
 
 from ckptd_schemas import (
-    LATEST, CheckpointNotFound, CheckpointSummary, CkptdError, InvalidName, Manifest, check_name, check_run,
-    check_session,
+    LATEST, CheckpointNotFound, CheckpointSummary, CkptdError, InvalidName, Manifest, StorageError, check_name,
+    check_run, check_session,
 )
 
 from ..storage import Storage
@@ -51,6 +54,12 @@ log = logging.getLogger("ckptd.store")
 
 #: Why a checkpoint is invisible (the label of ``ckptd_invisible_checkpoints_total``).
 REASONS = ("marker_malformed", "manifest_missing", "manifest_digest", "manifest_malformed", "disagrees")
+
+#: A ``COMMITTED`` marker is a few hundred bytes; a larger object there is not read, and the
+#: checkpoint is invisible.
+MAX_MARKER_BYTES = 64 << 10
+
+_DIGEST = re.compile(r"[0-9a-f]{16}")
 
 
 def manifest_file_name(digest: str) -> str:
@@ -71,6 +80,8 @@ class Committed:
     name: str
     marker: Marker
     manifest_key: str
+    #: the manifest's ``created_at`` (bound by its digest): orders checkpoints of one step
+    created_at: datetime | None = None
 
     @property
     def ref(self) -> str:
@@ -103,8 +114,11 @@ class Committed:
 
 
 def order_key(c: Committed) -> tuple:
-    """Oldest first: by step (as a number), then commit time, then name."""
-    return (c.step if c.step is not None else -1, c.committed_at, c.name)
+    """Oldest first: by step (as a number), then the manifest's creation time, then name. Each is
+    bound by the manifest's digest (the name by the path that marker and manifest agree on); the
+    marker's own ``committed_at`` is not, so an edit of the marker alone cannot reorder a run."""
+    created = c.created_at.timestamp() if c.created_at is not None else float("-inf")
+    return (c.step if c.step is not None else -1, created, c.name)
 
 
 class _Invisible(Exception):
@@ -120,7 +134,8 @@ class Visibility:
                  on_invisible: Callable[[str, str, str], None] | None = None) -> None:
         self.storage = storage
         self.on_invisible = on_invisible  # (ref, reason, message), once per ref and reason
-        # (manifest key, stamp) -> what those bytes say: (digest, run, name, session, step, derived_from)
+        # (manifest key, stamp) -> what those bytes say: (digest, run, name, session, step, derived_from,
+        # created_at)
         self._verdicts: dict[tuple[str, str], tuple] = {}
         self._manifests: OrderedDict[str, Manifest] = OrderedDict()  # digest -> parsed manifest
         self._cache_size = cache_size
@@ -130,16 +145,75 @@ class Visibility:
     # -- the one marker reader ----------------------------------------------------------------
     def marker(self, run: str, name: str) -> Marker | BadMarker | None:
         """None: no marker (the ref is free). :class:`BadMarker`: one is there but does not parse."""
-        raw = self.storage.read_or_none(Paths.marker(run, name))
-        if raw is None:
-            return None
+        raw = self._read_marker(Paths.marker(run, name))
+        if raw is None or isinstance(raw, BadMarker):
+            return raw
         try:
             m = Marker.model_validate_json(raw)
             check_session(m.session)
+            if not _DIGEST.fullmatch(m.manifest_xxh3):
+                raise ValueError(f"manifest_xxh3 {m.manifest_xxh3[:40]!r} is not an XXH3 digest (16 hex digits)")
         except (ValidationError, ValueError, CkptdError) as e:
             first = e.errors()[0]["msg"] if isinstance(e, ValidationError) and e.errors() else str(e)
             return BadMarker(f"COMMITTED marker does not parse: {first}"[:300])
         return m
+
+    def _read_marker(self, key: str) -> bytes | BadMarker | None:
+        """The marker's bytes; None when nothing is there. On a local root, anything there that is
+        not a regular file of marker size (a directory, a FIFO, a device, a symlink loop, a file
+        this process may not read) takes the ref and is a :class:`BadMarker`: it is never opened
+        (a FIFO would block the reader) and never read whole (a device never ends)."""
+        path = self.storage.local_path(key)
+        if path is not None:
+            st, why = _regular_file(path)
+            if why is not None:
+                return BadMarker(f"COMMITTED marker {why}")
+            if st is None:
+                return None
+            if st.st_size > MAX_MARKER_BYTES:
+                return BadMarker(f"COMMITTED marker holds {st.st_size} bytes, more than a marker's "
+                                 f"{MAX_MARKER_BYTES}")
+        try:
+            raw = self.storage.read_or_none(key)
+        except StorageError as e:
+            if path is None:
+                raise  # an object store's failure is the backend's: answered as such (503), not as invisible
+            return BadMarker(f"COMMITTED marker cannot be read: {e.message}"[:300])
+        if raw is None and path is not None and os.path.lexists(path):
+            return BadMarker("COMMITTED marker is not a regular file")
+        if raw is not None and len(raw) > MAX_MARKER_BYTES:
+            return BadMarker(f"COMMITTED marker holds {len(raw)} bytes, more than a marker's {MAX_MARKER_BYTES}")
+        return raw
+
+    def _manifest_stamp(self, key: str, m: Marker) -> str | None:
+        """The manifest's storage stamp (None: absent); on a local root, anything there that is not a
+        regular readable file is invisible's ``manifest_missing``, never opened."""
+        path = self.storage.local_path(key)
+        if path is not None:
+            st, why = _regular_file(path)
+            if why is not None:
+                raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names ({m.manifest}) {why}")
+            if st is None:
+                return None
+        try:
+            return self.storage.stamp(key)
+        except StorageError as e:
+            if path is None:
+                raise
+            raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names ({m.manifest}) "
+                                                 f"cannot be read: {e.message}") from None
+
+    def _read_manifest(self, key: str, m: Marker) -> bytes | None:
+        """The manifest's bytes (None: absent), read only from a regular file on a local root."""
+        if self._manifest_stamp(key, m) is None:
+            return None
+        try:
+            return self.storage.read_or_none(key)
+        except StorageError as e:
+            if self.storage.local_path(key) is None:
+                raise
+            raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names ({m.manifest}) "
+                                                 f"cannot be read: {e.message}") from None
 
     # -- the rule --------------------------------------------------------------------------------
     def check(self, run: str, name: str) -> Committed | None:
@@ -164,7 +238,7 @@ class Visibility:
             raise _Invisible("disagrees", f"its COMMITTED marker names manifest {m.manifest!r}, not the file of "
                                           f"digest {m.manifest_xxh3}")
         key = f"{Paths.session(run, name, m.session)}/{m.manifest}"
-        stamp = self.storage.stamp(key)
+        stamp = self._manifest_stamp(key, m)
         if stamp is None:
             raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names ({m.manifest}) is missing")
         claim = (m.manifest_xxh3, run, name, m.session, m.step, m.derived_from)
@@ -172,22 +246,23 @@ class Visibility:
             with self._lock:
                 said = self._verdicts.get((key, stamp))
             if said is not None and said[0] == m.manifest_xxh3:
-                if said != claim:
+                if said[:6] != claim:
                     raise _Invisible("disagrees", _disagreement(said, m))
-                return Committed(run, name, m, key)
+                return Committed(run, name, m, key, said[6])
         manifest = self._load(run, name, m, key)
-        said = (m.manifest_xxh3, manifest.run, manifest.name, manifest.session, manifest.step, manifest.derived_from)
+        said = (m.manifest_xxh3, manifest.run, manifest.name, manifest.session, manifest.step, manifest.derived_from,
+                manifest.created_at)
         if stamp:  # taken before the read: a change during the read only makes the next check read again
             with self._lock:
                 if len(self._verdicts) > 100_000:
                     self._verdicts.clear()
                 self._verdicts[(key, stamp)] = said
-        if said != claim:
+        if said[:6] != claim:
             raise _Invisible("disagrees", _disagreement(said, m))
-        return Committed(run, name, m, key)
+        return Committed(run, name, m, key, manifest.created_at)
 
     def _load(self, run: str, name: str, m: Marker, key: str) -> Manifest:
-        raw = self.storage.read_or_none(key)
+        raw = self._read_manifest(key, m)
         if raw is None:
             raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names ({m.manifest}) is missing")
         if xxh3_hex(raw) != m.manifest_xxh3:
@@ -212,6 +287,7 @@ class Visibility:
         return manifest
 
     def _report(self, ref: str, reason: str, message: str) -> None:
+        message = message if len(message) <= 500 else message[:500] + "..."
         with self._lock:
             if (ref, reason) in self._reported:
                 return
@@ -227,7 +303,11 @@ class Visibility:
         """The parsed manifest of a visible checkpoint, checked against its digest again whenever its
         stamp changed; raises :class:`CheckpointNotFound` if it no longer holds. Agreement with the
         marker needs no second look: it is a property of the bytes, which the digest fixes."""
-        stamp = self.storage.stamp(c.manifest_key)
+        try:
+            stamp = self._manifest_stamp(c.manifest_key, c.marker)
+        except _Invisible as e:
+            self._report(c.ref, e.reason, e.message)
+            raise CheckpointNotFound(f"checkpoint {c.ref} is not visible: {e.message}", ref=c.ref) from None
         if stamp:
             with self._lock:
                 cached = self._manifests.get(c.digest)
@@ -247,7 +327,11 @@ class Visibility:
 
     def manifest_bytes(self, c: Committed) -> bytes:
         """The manifest's bytes as stored now, served only if they hash to the marker's digest."""
-        raw = self.storage.read_or_none(c.manifest_key)
+        try:
+            raw = self._read_manifest(c.manifest_key, c.marker)
+        except _Invisible as e:
+            self._report(c.ref, e.reason, e.message)
+            raise CheckpointNotFound(f"checkpoint {c.ref} is not visible: {e.message}", ref=c.ref) from None
         if raw is None or xxh3_hex(raw) != c.digest:
             reason = "manifest_missing" if raw is None else "manifest_digest"
             msg = "its manifest is missing" if raw is None else "its manifest does not hash to its marker's digest"
@@ -297,9 +381,24 @@ class Visibility:
 
 
 def _disagreement(said: tuple, m: Marker) -> str:
-    _, run, name, session, step, derived = said
+    _, run, name, session, step, derived = said[:6]
     return (f"its manifest says {run}/{name} session {session} step {step} derived from {derived}; its COMMITTED "
             f"marker says {m.ref} session {m.session} step {m.step} derived from {m.derived_from}")
+
+
+def _regular_file(path: str) -> tuple[os.stat_result | None, str | None]:
+    """``(stat, None)`` for a regular file, ``(None, None)`` when nothing is there, ``(None, why)`` for
+    anything else (a directory, a FIFO, a symlink loop, a path this process may not stat): such an
+    object is never opened, since a FIFO would block the reader."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, None
+    except OSError as e:
+        return None, f"cannot be read: {e.strerror}"
+    if not statmod.S_ISREG(st.st_mode):
+        return None, "is not a regular file"
+    return st, None
 
 
 def _valid(check: Callable[[str], object], value: str) -> bool:
