@@ -33,17 +33,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import xxhash
 
 from ckptd_schemas import (
-    ChecksumMismatch, CkptdError, CorruptCheckpoint, Manifest, ObjectEntry, ReadPlan, ReadRequest, StateDictMismatch,
+    ChecksumMismatch, CorruptCheckpoint, Manifest, ObjectEntry, ReadPlan, ReadRequest, StateDictMismatch,
 )
 
 from ._coverage import agree_keys
@@ -54,6 +52,7 @@ from ._share import Sharing, agree, exchange, region_key, share_plan
 from ._flatten import Leaf, flatten_state_dict
 from ._http import Transport
 from ._layout import LocalPiece, dtype_name, local_piece
+from ._lease import read_lease
 from ._manifest import get_manifest
 from .assemble import Destination, copy_into, verify_fetch
 from .objects import SAFE, ObjectPolicy, decode_object
@@ -153,43 +152,6 @@ def _load_object(transport: Transport, base: str, o: ObjectEntry, ref: str, poli
         raise CorruptCheckpoint(f"object {o.name!r} in file {loc.file!r} fails its checksum", file=loc.file,
                                 object=o.name)
     return decode_object(o, data, ref=ref, policy=policy)
-
-
-@contextlib.contextmanager
-def read_lease(transport: Transport, base: str) -> Iterator[None]:
-    """Hold a read lease on the checkpoint at ``base`` (a concrete name) for the block: taken at
-    once, renewed every third of the period the service grants, released at the end. The service
-    counts a read only when it serves one; a reader of its files (direct reads) or a rank waiting
-    for the others must say it is still reading. A service that grants no lease (leases off, or a
-    release without the route) leaves the load as it was."""
-    path = f"{base}/leases/{uuid.uuid4().hex}"
-    try:
-        answer = transport.request("PUT", path)
-        seconds = float(answer.get("seconds", 0)) if isinstance(answer, dict) else 0.0
-    except CkptdError as e:
-        log.debug("no read lease on %s: %s", base, e)
-        yield
-        return
-    stop = threading.Event()
-
-    def renew() -> None:
-        while not stop.wait(seconds / 3):
-            try:
-                transport.request("PUT", path, retry=False)
-            except CkptdError as e:  # the next renewal tries again; the reads raise if it is gone
-                log.debug("read lease on %s not renewed: %s", base, e)
-
-    t = threading.Thread(target=renew, name="ckptd-read-lease", daemon=True) if seconds > 0 else None
-    if t is not None:
-        t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        if t is not None:
-            t.join(timeout=5)
-        with contextlib.suppress(CkptdError):
-            transport.request("DELETE", path, retry=False)
 
 
 def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, rank: int, strict: bool,

@@ -9,12 +9,14 @@ alone; :class:`ckptd_client.CheckpointClient` extends this class with ``save`` a
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from ckptd_schemas import CheckpointSummary, Manifest, RunSummary, parse_ref
 
 from ._http import Transport
+from ._lease import read_lease
 from ._manifest import get_manifest
 
 __all__ = ["DEFAULT_URL", "CatalogClient"]
@@ -69,6 +71,16 @@ class CatalogClient:
         r = parse_ref(ref)
         return self._transport.request("GET", f"/v1/checkpoints/{r.run}/{r.name}/files/{file}",
                                        headers={"Range": f"bytes={start}-{end - 1}"}, sink=lambda x: x.read())
+
+    @contextlib.contextmanager
+    def lease(self, ref: str) -> Iterator[str]:
+        """Hold a read lease on ``ref`` while the block runs, so retention keeps the checkpoint between
+        a tool's requests however long it pauses (the service renews a lease only on the reads it
+        serves). ``RUN/latest`` is resolved once, when the lease is taken; the block receives the
+        concrete ``RUN/NAME`` it holds (``ref`` itself where the service grants no lease)."""
+        r = parse_ref(ref)
+        with read_lease(self._transport, f"/v1/checkpoints/{r.run}/{r.name}") as held:
+            yield held or f"{r.run}/{r.name}"
 
     def close(self) -> None:
         """Release the connections."""

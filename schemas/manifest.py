@@ -280,7 +280,7 @@ class FileEntry(_Model):
 
 
 class Manifest(_Model):
-    """The global description of one committed checkpoint (DESIGN §1)."""
+    """The global description of one committed checkpoint (docs/design.md §1)."""
 
     format_version: Literal[1, 2] = FORMAT_VERSION
     run: str

@@ -1,4 +1,4 @@
-"""Crash safety of the commit protocol (DESIGN §2 items 4 and 6), over a real ``ckptd serve``.
+"""Crash safety of the commit protocol (docs/design.md §2 items 4 and 6), over a real ``ckptd serve``.
 
 Every test commits a good checkpoint first and ends by checking that it still
 loads bit for bit and that ``ckptd verify`` (its own process) passes on it.
@@ -82,7 +82,7 @@ def sessions_of(root: Path, name: str) -> list[str]:
 class VisibilityWatcher:
     """Polls the storage root from this process while the test crashes the server.
 
-    The invariant (DESIGN §2): whatever ``list_checkpoints`` shows at any moment
+    The invariant (docs/design.md §2): whatever ``list_checkpoints`` shows at any moment
     is committed and complete: its marker names a manifest with that digest and
     every byte verifies. Each newly visible checkpoint is verified in full once.
     """

@@ -1,4 +1,4 @@
-"""Several ``ckptd serve`` replicas on one storage root (DESIGN §6, §2 item 6).
+"""Several ``ckptd serve`` replicas on one storage root (docs/design.md §7, §2 item 6).
 
 Sessions, indexes, manifests and markers live in storage, so the ranks of one
 checkpoint may talk to different replicas: whichever replica stores the last

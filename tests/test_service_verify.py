@@ -1,5 +1,5 @@
 """The service verifies committed checkpoints in a worker process and records the outcome
-(DESIGN §2 item 5: "The service can run it after each commit and records the result").
+(docs/design.md §2 item 5: "The service can run it after each commit and records the result").
 
 Real ``ckptd serve`` processes; the records are read back over HTTP and checked against the
 checkpoint's manifest, and a corrupt byte is found and named.

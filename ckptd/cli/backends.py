@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from typing import ContextManager, Protocol
 
 from ckptd_schemas import CheckpointSummary, Manifest, RunSummary
 
@@ -17,6 +17,7 @@ class Backend(Protocol):
     def list_checkpoints(self, run: str) -> list[CheckpointSummary]: ...
     def manifest(self, run: str, name: str) -> Manifest: ...
     def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes: ...
+    def lease(self, manifest: Manifest, what: str) -> ContextManager[object]: ...
     def close(self) -> None: ...
 
 
@@ -38,6 +39,13 @@ class RootBackend:
 
     def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes:
         return self.reader.read_range(manifest.run, manifest.name, file, start, end)
+
+    def lease(self, manifest: Manifest, what: str) -> ContextManager[object]:
+        """Keep ``manifest``'s checkpoint from retention while a tool reads it (``what``: verify,
+        export...): a lease in the root, renewed by a thread, released at the end."""
+        from ..store.leases import Leases
+
+        return Leases(self.reader.storage).hold(manifest.run, manifest.name, what)
 
     def close(self) -> None:
         pass
@@ -71,6 +79,11 @@ class HttpBackend:
                 ahead = self._ahead[ref] = ReadAhead(lambda f, s, e: self.client.read_range(ref, f, s, e),
                                                      {name: f.size for name, f in manifest.files.items()})
         return ahead.read(file, start, end)
+
+    def lease(self, manifest: Manifest, what: str) -> ContextManager[object]:
+        """A read lease held through the service for the block: the service renews a lease only on
+        the reads it serves, and a tool may pause between two of them for longer than a lease."""
+        return self.client.lease(manifest.ref)
 
     def close(self) -> None:
         for ahead in self._ahead.values():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 
@@ -76,15 +75,10 @@ def cmd_export(args: argparse.Namespace) -> int:
                 for t in manifest.tensors if not args.prefix or t.name.startswith(args.prefix))
     # One bar for writing and, unless --no-check, reading every tensor back.
     advance, stop = progress_bar(total * (1 if args.no_check else 2), f"export {manifest.ref}", args.json)
-    lease = contextlib.nullcontext()
-    if not server:  # through a service, serving the manifest leased it already
-        from ..store.leases import Leases
-
-        lease = Leases(backend.reader.storage).hold(manifest.run, manifest.name, "export")
     try:
         kw = dict(dtype=args.dtype, prefix=args.prefix, check=not args.no_check, progress=advance,
                   check_progress=advance)
-        with lease:
+        with backend.lease(manifest, "export"):
             if args.format == "safetensors":
                 res = export_safetensors(manifest, read, args.out, max_shard_size=max_shard, **kw)
             else:

@@ -135,7 +135,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 print(f"FAIL {args.ref}: {e.message}")
                 return 1
             progress, finish = progress_bar(m.total_bytes, f"verify {m.ref}", args.json)
-            report = verify_manifest(m, _Source(b, m), progress=progress)
+            with b.lease(m, "verify"):
+                report = verify_manifest(m, _Source(b, m), progress=progress)
             finish()
     finally:
         b.close()

@@ -65,7 +65,9 @@ def submit_job(storage: Storage, req: ReshardRequest) -> tuple[JobStatus, Reshar
 
 
 def run_service_job(root: str, job_id: str, plan_json: str, request_json: str, max_bytes_per_s: float) -> None:
-    """Body of a service worker process: run the job, keep status and lease fresh."""
+    """Body of a service worker process: run the job, keep its status fresh, and hold the source's
+    lease (the one :func:`submit_job` took) by a renewing thread until the job ends, however long
+    a single read or write of it takes."""
     lower_priority()
     storage = open_storage(root)
     st = get_job(storage, job_id)
@@ -87,14 +89,14 @@ def run_service_job(root: str, job_id: str, plan_json: str, request_json: str, m
                 last[0] = time.monotonic()
                 put_status(storage, st.model_copy(update={"state": "running", "bytes_done": done[0],
                                                            "updated_at": now_utc()}))
-                leases.acquire(src.run, src.name, job_id, ttl=300)
 
     put_status(storage, st := st.model_copy(update={"state": "running", "updated_at": now_utc()}))
     try:
         from .executor import run_plan
 
-        res = run_plan(reader, sessions, plan, st.out, uuid.uuid4().hex, device=req.device, jobs=req.jobs,
-                       progress=progress)
+        with leases.hold(src.run, src.name, "reshard", holder=job_id):
+            res = run_plan(reader, sessions, plan, st.out, uuid.uuid4().hex, device=req.device, jobs=req.jobs,
+                           progress=progress)
         put_status(storage, st.model_copy(update={
             "state": "done", "bytes_done": st.bytes_total, "updated_at": now_utc(),
             "result": {"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units,
@@ -108,7 +110,7 @@ def run_service_job(root: str, job_id: str, plan_json: str, request_json: str, m
         put_status(storage, st.model_copy(update={"state": "failed", "updated_at": now_utc(),
                                                    "error": {"code": "internal", "message": str(e), "details": {}}}))
     finally:
-        leases.release(src.run, src.name, job_id)
+        leases.release(src.run, src.name, job_id)  # a job that failed before its hold began
 
 
 class _Throttle:

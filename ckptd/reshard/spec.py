@@ -1,4 +1,4 @@
-"""Layout specs: the CLI spelling of a target layout (DESIGN §3), parsed before any I/O.
+"""Layout specs: the CLI spelling of a target layout (docs/design.md §3), parsed before any I/O.
 
 Grammar::
 

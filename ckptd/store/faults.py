@@ -1,4 +1,4 @@
-"""Fault injection for the crash and fault tests (DESIGN §2 item 6). Inert unless a test sets it.
+"""Fault injection for the crash and fault tests (docs/design.md §2 item 6). Inert unless a test sets it.
 
 Named crash points: ``CKPTD_CRASH_AT=<point>`` in a server's environment makes
 that process SIGKILL itself when it reaches ``<point>``: the tests use it to

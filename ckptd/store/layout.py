@@ -15,7 +15,7 @@ A session directory is the staging area of one save attempt: nothing outside
 it changes until the marker is created. The marker is created exactly once
 (first writer wins) and names the manifest by digest, so a checkpoint is
 visible iff its marker parses and names the digest of a manifest that parses
-and agrees with it (``visibility``, DESIGN §2); the same rule holds on local
+and agrees with it (``visibility``, docs/design.md §2); the same rule holds on local
 disks and on object stores, with no rename. Session
 directories that no marker names are reclaimed after a TTL.
 """

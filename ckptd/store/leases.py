@@ -57,10 +57,12 @@ class Leases:
         return out
 
     @contextlib.contextmanager
-    def hold(self, run: str, name: str, what: str, *, ttl: float = 300.0) -> Iterator[str]:
+    def hold(self, run: str, name: str, what: str, *, ttl: float = 300.0,
+             holder: str | None = None) -> Iterator[str]:
         """Lease ``run/name`` for the duration of the block (``what``: reshard, export...), renewed every
-        ``ttl / 3`` seconds by a thread, released at the end; a crashed holder's lease expires."""
-        holder = f"{what}-{uuid.uuid4().hex[:12]}"
+        ``ttl / 3`` seconds by a thread, released at the end; a crashed holder's lease expires.
+        ``holder`` names the lease (a reshard job takes over the one its submission took)."""
+        holder = holder or f"{what}-{uuid.uuid4().hex[:12]}"
         self.acquire(run, name, holder, ttl=ttl)
         stop = threading.Event()
 

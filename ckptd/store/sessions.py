@@ -1,4 +1,4 @@
-"""Write side of the store: upload sessions and the commit (DESIGN §2).
+"""Write side of the store: upload sessions and the commit (docs/design.md §2).
 
 Call order for one save attempt (each step idempotent, any replica may serve it):
 

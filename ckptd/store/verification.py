@@ -1,4 +1,4 @@
-"""The service's own verification of committed checkpoints, and its record (DESIGN §2 item 5).
+"""The service's own verification of committed checkpoints, and its record (docs/design.md §2 item 5).
 
 ``ckptd verify`` checks a checkpoint in its own process. The service can do the same check after
 each commit (``CKPTD_VERIFY_AFTER_COMMIT``) or on request (``POST .../verify``), in one of its

@@ -1,4 +1,4 @@
-"""Independent verification of a committed checkpoint (DESIGN §2 item 5).
+"""Independent verification of a committed checkpoint (docs/design.md §2 item 5).
 
 Re-reads every byte of every file in order (bounded memory: one read buffer per file in flight),
 recomputes file and block digests, recomputes every chunk's digest and

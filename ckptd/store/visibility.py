@@ -1,4 +1,4 @@
-"""Which checkpoints exist: the visibility rule, decided here and nowhere else (DESIGN §2 item 4).
+"""Which checkpoints exist: the visibility rule, decided here and nowhere else (docs/design.md §2 item 4).
 
 A checkpoint ``RUN/NAME`` is **visible** if and only if
 

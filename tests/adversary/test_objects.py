@@ -100,7 +100,8 @@ PAYLOADS = {
 
 # -- the attacker: raw HTTP with a valid write token -----------------------------------------------------
 
-def plant(url: str, ref: str, objects: list[tuple[str, str, Any]], token: str = WRITER) -> None:
+def plant(url: str, ref: str, objects: list[tuple[str, str, Any]], token: str = WRITER,
+          step: int | None = None) -> None:
     """Commit ``ref`` holding tensor ``model.w`` and ``objects`` (name, encoding, bytes or JSON value)."""
     run, name = ref.split("/")
     base = f"{url}/v1/checkpoints/{run}/{name}"
@@ -122,7 +123,7 @@ def plant(url: str, ref: str, objects: list[tuple[str, str, Any]], token: str = 
     index = RankIndex(rank=0, world_size=1, tensors=[tensor], objects=entries, files=[fname])
     auth = {"Authorization": f"Bearer {token}"}
     with httpx.Client(headers=auth, timeout=30) as h:
-        h.post(f"{base}/sessions", json={"session": sid, "world_size": 1, "step": None}).raise_for_status()
+        h.post(f"{base}/sessions", json={"session": sid, "world_size": 1, "step": step}).raise_for_status()
         h.put(f"{base}/sessions/{sid}/files/{fname}", content=bytes(data),
               headers={"X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(bytes(data)),
                        "Content-Type": "application/octet-stream"}).raise_for_status()

@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 import zipfile
 from pathlib import Path
 
@@ -31,16 +30,14 @@ import httpx
 import numpy as np
 import pytest
 import torch
-import xxhash
 
 from ckptd.service.auth import hash_token
-from ckptd_schemas import BoxChunk, Location, ObjectEntry, RankIndex, TensorEntry
+from adversary.test_objects import plant
 from support import ServerProcess
 
 WRITER, VICTIM, ADMIN = "attacker-write-token-0123456789", "victim-write-token-0123456789", "admin-token-0123456789"
 TOKENS = (f"attacker sha256:{hash_token(WRITER)} write:gpt*\nvictim {VICTIM} write:gpt*\n"
           f"root {ADMIN} admin\n")
-W = torch.arange(4, dtype=torch.float32)
 
 # -- hand-written pickles (protocol 2, the opcodes torch's restricted unpickler reads) -----------------------
 
@@ -102,28 +99,7 @@ assert len(PAYLOADS["deflated-zip-bomb"]) < 256 << 10
 
 def _plant(url: str, ref: str, objects: list[tuple[str, bytes]]) -> None:
     """Commit ``ref``: tensor ``model.w`` and ``objects`` (name, torch.save bytes), as the attacker."""
-    run, name = ref.split("/")
-    base = f"{url}/v1/checkpoints/{run}/{name}"
-    sid, fname = uuid.uuid4().hex, "r000000-0000.bin"
-    data = bytearray(W.numpy().tobytes())
-    entries = []
-    for obj_name, payload in objects:
-        data += bytes((-len(data)) % 64)
-        entries.append(ObjectEntry(name=obj_name, encoding="torch", location=Location(
-            file=fname, offset=len(data), length=len(payload), raw_length=len(payload),
-            xxh3=xxhash.xxh3_64_hexdigest(payload))))
-        data += payload
-    tensor = TensorEntry(name="model.w", shape=[4], dtype="float32", group="model", chunks=[BoxChunk(
-        rank=0, offsets=[0], sizes=[4], location=Location(file=fname, offset=0, length=16, raw_length=16,
-                                                          xxh3=xxhash.xxh3_64_hexdigest(data[:16])))])
-    index = RankIndex(rank=0, world_size=1, tensors=[tensor], objects=entries, files=[fname])
-    with httpx.Client(headers={"Authorization": f"Bearer {WRITER}"}, timeout=30) as h:
-        h.post(f"{base}/sessions", json={"session": sid, "world_size": 1, "step": 1}).raise_for_status()
-        h.put(f"{base}/sessions/{sid}/files/{fname}", content=bytes(data),
-              headers={"X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(bytes(data))}).raise_for_status()
-        r = h.put(f"{base}/sessions/{sid}/ranks/0", content=index.model_dump_json(),
-                  headers={"Content-Type": "application/json"})
-        assert r.status_code == 200 and r.json()["state"] == "committed", r.text
+    plant(url, ref, [(name, "torch", payload) for name, payload in objects], token=WRITER, step=1)
 
 
 @pytest.fixture(scope="module")

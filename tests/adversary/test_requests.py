@@ -43,8 +43,9 @@ ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef"
 TOKENS = f"alice sha256:{hash_token(ALICE)} write:*;bob sha256:{hash_token(BOB)} write:*"
 
 
-def _server(tmp_path: Path, **env: str) -> ServerProcess:
-    base = {"CKPTD_TOKENS": TOKENS, "CKPTD_HEADER_TIMEOUT_SECONDS": "2", "CKPTD_BODY_IDLE_TIMEOUT_SECONDS": "2"}
+def _server(tmp_path: Path, tokens: str = TOKENS, **env: str) -> ServerProcess:
+    """A service over ``tmp_path/root`` with ``tokens`` and 2 s head and body deadlines."""
+    base = {"CKPTD_TOKENS": tokens, "CKPTD_HEADER_TIMEOUT_SECONDS": "2", "CKPTD_BODY_IDLE_TIMEOUT_SECONDS": "2"}
     return ServerProcess(tmp_path / "root", env={**base, **env}, log=tmp_path / "server.log")
 
 

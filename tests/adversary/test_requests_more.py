@@ -35,19 +35,15 @@ import httpx
 import xxhash
 
 from ckptd.service.auth import hash_token
+from adversary.test_requests import ALICE, _auth, _server as server_with_deadlines
 from support import ServerProcess
 
-ALICE, ROOT = "alice-token-0123456789abcdef", "root-token-0123456789abcdef"
+ROOT = "root-token-0123456789abcdef"
 TOKENS = f"alice sha256:{hash_token(ALICE)} write:*;root sha256:{hash_token(ROOT)} admin"
 
 
 def _server(tmp_path: Path, **env: str) -> ServerProcess:
-    base = {"CKPTD_TOKENS": TOKENS, "CKPTD_HEADER_TIMEOUT_SECONDS": "2", "CKPTD_BODY_IDLE_TIMEOUT_SECONDS": "2"}
-    return ServerProcess(tmp_path / "root", env={**base, **env}, log=tmp_path / "server.log")
-
-
-def _auth(token: str = ALICE) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
+    return server_with_deadlines(tmp_path, tokens=TOKENS, **env)
 
 
 def _chunk(offsets: list[int], sizes: list[int], offset: int, stored: bytes) -> dict:

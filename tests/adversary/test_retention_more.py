@@ -146,6 +146,36 @@ def test_an_http_range_streamed_for_longer_than_the_lease_keeps_its_checkpoint(t
         srv.stop()
 
 
+def test_a_tool_reading_through_the_service_keeps_its_checkpoint_between_ranges(tmp_path):
+    """A tool (``ckptd verify``/``export --server``) reads a range, pauses longer than the lease, reads
+    the next: ``CatalogClient.lease`` keeps the checkpoint it resolved from ``latest`` meanwhile, even
+    after a newer one commits, and gives it up when the block ends."""
+    from ckptd_client import CatalogClient
+
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": "1"}).start()
+    try:
+        with CheckpointClient(srv.url) as c:
+            c.save(_state(1), f"{RUN}/1").wait()
+            c.save(_state(2), f"{RUN}/2").wait()
+            with CatalogClient(srv.url) as cat:
+                m = cat.manifest(f"{RUN}/2")
+                (file,) = m.files
+                with cat.lease(f"{RUN}/latest") as held:
+                    assert held == f"{RUN}/2"
+                    first = cat.read_range(held, file, 0, 64)
+                    c.save(_state(3), f"{RUN}/3").wait()  # latest moves on; the lease stays on 2
+                    time.sleep(2.5)  # no read for 2.5 leases
+                    plan = _gc(srv)
+                    assert plan["keep"].get("2") == "leased" and "2" not in plan["deleted"], plan
+                    assert "1" in plan["deleted"], plan
+                    assert cat.read_range(held, file, 0, 64) == first
+                time.sleep(1.6)  # the last read's own lease lapses; the tool's was released with the block
+                assert "2" in _gc(srv)["deleted"]
+        assert _names(srv) == ["3"]
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("junk", ["list", "string-expiry", "directory", "garbage"])
 def test_a_junk_lease_breaks_no_gc(tmp_path, junk):
     srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": "0"}).start()
