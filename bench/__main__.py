@@ -29,9 +29,6 @@ verify   ``ckptd verify`` vs the disk's cold sequential   ``--gib`` = gib
          read bandwidth, same files
 manifest commit of 1,024 ranks x 500 tensors vs DCP's    fixed
          ``create_global_plan`` on the same layout
-direct_io ckptd's own default (page cache) vs             ``--gib`` = gib
-          ``CKPTD_DIRECT_IO=1``: reshard and export,
-          pairs of processes, interleaved
 ======== ================================================ ===========================
 """
 
@@ -66,7 +63,6 @@ SUITES: dict[str, tuple[Callable[[float], list[str]], bool]] = {  # name -> (siz
     "soak": (_size("--mib", 64), False),
     "verify": (_size("--gib", 1), True),
     "manifest": (lambda gib: [], True),  # fixed scale: 1,024 ranks x 500 tensors
-    "direct_io": (_size("--gib", 1), False),  # --pairs, not --repeat: interleaved pairs of processes
 }
 
 
@@ -113,9 +109,6 @@ RATIOS: list[tuple[str, str, str, float | None, str]] = [
     ("verify", "ckptd verify --server (ranges over HTTP) vs cold read", "summary.verify_server_ratio", None, ">="),
     ("manifest", "commit, 1024 ranks x 500 tensors (seconds)", "summary.commit_s", 2.0, "<="),
     ("manifest", "commit vs DCP global plan, same layout", "summary.commit_ratio_vs_dcp_global_plan", None, ">="),
-    # the default (page cache) against CKPTD_DIRECT_IO=1, interleaved: CKPTD_DIRECT_IO=1's time / the default's
-    ("direct_io", "reshard: O_DIRECT time / page-cache time", "summary.reshard.direct_over_default_wall", None, ">="),
-    ("direct_io", "export: O_DIRECT time / page-cache time", "summary.export.direct_over_default_wall", None, ">="),
 ]
 
 

@@ -6,7 +6,7 @@
    decompress throughput and ratio on fp32 weights (``torch.randn * 0.02``) and
    on the same values in bf16.
 2. Durable local writes: ``--mib`` MiB in 16 MiB writes, then ``fsync``.
-3. The policy (``ckptd_client._codec.CompressionPolicy``) for each dtype: the
+3. The policy (``ckptd_client.codec.CompressionPolicy``) for each dtype: the
    break-even store throughput ``speed * (1 - margin - ratio)`` below which
    compressing is faster, and what it chooses at the measured disk rate and at
    ``--slow-mbps`` (a remote store).
@@ -35,7 +35,7 @@ if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
 
 from ckptd_client import CheckpointClient  # noqa: E402
-from ckptd_client._codec import FRAME_BYTES, CompressionPolicy  # noqa: E402
+from ckptd_client.codec import FRAME_BYTES, CompressionPolicy  # noqa: E402
 from support import ServerProcess  # noqa: E402  (tests/support.py)
 
 MiB, MB = 1 << 20, 1e6

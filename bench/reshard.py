@@ -250,7 +250,7 @@ def disk_ceiling(work: Path, nbytes: int) -> dict:
                 os.close(fd)
 
         def write_direct(i: int) -> None:
-            # O_DIRECT from a page-aligned buffer, as ckptd's LocalStorage writes (ckptd/storage/_direct_io.py):
+            # O_DIRECT from a page-aligned buffer (around the page cache): one of the two ways to the floor
             # the disk's write rate without the page cache's CPU, so the ceiling is the better of both ways
             buf = mmap.mmap(-1, len(piece))
             buf[:] = piece

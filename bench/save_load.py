@@ -220,7 +220,7 @@ class Probe:
         import ckptd_client._load as cl
         import ckptd_client._save as cs
         import ckptd_client.client as cc
-        from ckptd_client._http import Transport
+        from ckptd_client.transport import Transport
 
         for mod, name, kind in ((cc, "build_snapshot", "snapshot"), (cc, "upload_snapshot", "upload_total"),
                                 (cs, "_pack", "pack_hash"), (cl, "_fetch", "fetch_verify"),

@@ -25,7 +25,7 @@ from __future__ import annotations
 from ckptd_schemas import CkptdError, Manifest, StateDictMismatch
 
 from ._dist import cpu_group
-from ._names import RESERVED
+from ckptd_schemas.names import RESERVED
 
 __all__ = ["agree_keys", "checkpoint_keys"]
 

@@ -16,7 +16,7 @@ from typing import Iterator
 
 from ckptd_schemas import CkptdError
 
-from ._http import Transport
+from .transport import Transport
 
 __all__ = ["read_lease"]
 

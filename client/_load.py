@@ -50,14 +50,14 @@ from ._dist import distributed as _distributed
 from ._files import LocalFiles
 from ._share import Sharing, agree, exchange, region_key, share_plan
 from ._flatten import Leaf, flatten_state_dict
-from ._http import Transport
+from .transport import Transport
 from ._layout import LocalPiece, dtype_name, local_piece
 from ._lease import read_lease
 from ._manifest import get_manifest
 from .assemble import Destination, copy_into, verify_fetch
 from .objects import SAFE, ObjectPolicy, decode_object
 
-from ._names import RESERVED
+from ckptd_schemas.names import RESERVED
 
 __all__ = ["LoadReport", "RESERVED", "execute", "load_into", "local_files", "read_lease"]
 

@@ -18,7 +18,7 @@ import xxhash
 
 from ckptd_schemas import CorruptCheckpoint
 
-from ._http import Transport
+from .transport import Transport
 
 __all__ = ["MANIFEST_DIGEST_HEADER", "get_manifest"]
 

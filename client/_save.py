@@ -29,17 +29,17 @@ import xxhash
 import zstandard
 
 from ckptd_schemas import (
-    AlreadyCommitted, BoxChunk, FlatChunk, Location, ObjectEntry, ParamGroup, RankIndex, SessionInfo,
-    SessionStatus, TensorEntry, Unavailable, error_from_body,
+    AlreadyCommitted, BoxChunk, FlatChunk, Location, ObjectEntry, ParamGroup, RankIndex, SessionStatus, TensorEntry,
 )
 
-from ._codec import FRAME_BYTES, CompressionPolicy, split_frames
+from .codec import FRAME_BYTES, CompressionPolicy, split_frames
 from ._flatten import flatten_state_dict, param_groups_of
-from ._http import Transport
+from .transport import Transport
 from ._layout import assign_replicated, dtype_name, local_piece, mesh_of
 from .objects import SAFE, ObjectPolicy, encode_object
 from ._pool import Lease, SnapshotPool
-from ._staging import FALL_BACK, StagingDir, probe
+from ._staging import FALL_BACK, StagingDir
+from .sessions import open_session, put_index, wait_committed
 
 __all__ = ["Compression", "SaveHandle", "Snapshot", "build_snapshot", "upload_snapshot"]
 
@@ -314,17 +314,6 @@ def _stream(f: _File) -> Iterator[bytes | memoryview]:
             yield view[i:i + PIECE]
 
 
-def open_session(transport: Transport, base: str, session: str, world: int, step: int | None, *,
-                 direct_writes: bool = False) -> StagingDir | None:
-    """Open or join the session; with ``direct_writes``, return the staging directory this rank may
-    write its files into (None when the service offers none or this host does not see it)."""
-    body = {"session": session, "world_size": world, "step": step}
-    if direct_writes:
-        body["direct_writes"] = True
-    info = SessionInfo.model_validate(transport.request("POST", f"{base}/sessions", json=body))
-    return probe(info.direct) if direct_writes else None
-
-
 def _ours(e: AlreadyCommitted, session: str) -> bool:
     """True when ``e`` says the checkpoint was committed by ``session`` itself, not by another save."""
     return e.details.get("session") == session
@@ -395,13 +384,6 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
     if isinstance(compression, CompressionPolicy) and starts and not committed.is_set():  # a whole upload's rate
         compression.observe(sum(f.size for f in files), time.perf_counter() - min(starts))
     return index
-
-
-def put_index(transport: Transport, base: str, session: str, index: RankIndex) -> SessionStatus:
-    body = index.model_dump_json().encode()
-    st = transport.request("PUT", f"{base}/sessions/{session}/ranks/{index.rank}", content=lambda: body,
-                           headers={"Content-Type": "application/json"})
-    return SessionStatus.model_validate(st)
 
 
 def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None, *,
@@ -475,18 +457,3 @@ class SaveHandle:
             status: SessionStatus = self._future.result(timeout=timeout)
             self._status = wait_committed(self._transport, self._base, self.ref, status, deadline)
             return self._status
-
-
-def wait_committed(transport: Transport, base: str, ref: str, status: SessionStatus,
-                   deadline: float | None) -> SessionStatus:
-    """Long-poll the session until it leaves ``open``; raise its typed error if it failed."""
-    while status.state == "open":
-        left = 10.0 if deadline is None else min(10.0, deadline - time.monotonic())
-        if left <= 0:
-            raise Unavailable(f"{ref}: not committed in time; ranks done: {status.ranks_done} of "
-                              f"{status.world_size}", ref=ref, session=status.session)
-        status = SessionStatus.model_validate(transport.request(
-            "GET", f"{base}/sessions/{status.session}", params={"wait": round(left, 1)}))
-    if status.state == "failed":
-        raise error_from_body({"error": status.error}, 422)
-    return status

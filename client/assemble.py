@@ -17,7 +17,7 @@ import torch
 
 from ckptd_schemas import Copy, dest_region, verify_fetch
 
-from ._codec import source_bytes
+from .codec import source_bytes
 
 __all__ = ["Destination", "copy_into", "torch_dtype", "verify_fetch"]
 

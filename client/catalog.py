@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 from ckptd_schemas import CheckpointSummary, Manifest, RunSummary, parse_ref
 
-from ._http import Transport
+from .transport import Transport
 from ._lease import read_lease
 from ._manifest import get_manifest
 
@@ -34,13 +34,15 @@ class CatalogClient:
         token: bearer token (default ``$CKPTD_TOKEN``).
         retry_seconds: how long transient failures (connection errors, 5xx) are retried.
         timeout: seconds one request may take.
+        retry_refused: retry a refused connection (a service restarting); False gives up at once.
     """
 
     def __init__(self, url: str | Sequence[str] | None = None, *, token: str | None = None,
-                 retry_seconds: float = 120.0, timeout: float = 300.0) -> None:
+                 retry_seconds: float = 120.0, timeout: float = 300.0, retry_refused: bool = True) -> None:
         self.url = url or os.environ.get("CKPTD_URL", DEFAULT_URL)
         self._token = token or os.environ.get("CKPTD_TOKEN")
-        self._transport = Transport(self.url, token=self._token, retry_seconds=retry_seconds, timeout=timeout)
+        self._transport = Transport(self.url, token=self._token, retry_seconds=retry_seconds, timeout=timeout,
+                                    retry_refused=retry_refused)
 
     def manifest(self, ref: str) -> Manifest:
         """The manifest of ``ref``, its bytes checked against the digest its marker names."""

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from ckptd_schemas import CommitFailed, InvalidName, SessionStatus, parse_ref
 
 from .catalog import CatalogClient
-from ._codec import CompressionPolicy, compression_of
+from .codec import CompressionPolicy, compression_of
 from ._dist import any_ranks, broadcast_str, rank_and_world
-from ._http import Transport
+from .transport import Transport
 from ._load import LoadReport, load_into
 from ._pool import SnapshotPool
 from ._save import SaveHandle, Snapshot, build_snapshot, upload_snapshot
@@ -63,7 +63,7 @@ class CheckpointClient(CatalogClient):
         compression: ``None`` (store raw), ``"zstd"`` (always), or ``"auto"``: per chunk, zstd level 1
             only where a timed sample says compressing plus uploading the smaller result beats uploading
             raw at this client's observed upload throughput (so raw on a fast local disk, zstd on a slow
-            remote store; see ``ckptd_client._codec``). A ``CompressionPolicy`` instance may be given
+            remote store; see ``ckptd_client.codec``). A ``CompressionPolicy`` instance may be given
             to set the assumed store throughput. Compressed chunks are stored as independently
             decodable frames of at most 4 MiB raw, so ranged reads decode only what they need.
         streams: concurrent HTTP streams per rank for uploads and ranged reads.

@@ -56,13 +56,14 @@ from ckptd_schemas import (
     ObjectEntry, RankIndex, ReadPlan, ReadRequest, StateDictMismatch, TensorEntry, parse_ref,
 )
 
-from ._codec import CompressionPolicy, compression_of
-from ._http import Transport
+from .codec import CompressionPolicy, compression_of
+from .transport import Transport
 from ._layout import dtype_name
 from ._manifest import get_manifest
-from ._save import Snapshot, _Chunk, _Object, open_session, put_index, upload_files, wait_committed
+from ._save import Snapshot, _Chunk, _Object, upload_files
+from .sessions import open_session, put_index, wait_committed
 from ._load import execute, local_files
-from ._names import DCP_METADATA
+from ckptd_schemas.names import DCP_METADATA
 from .assemble import Destination, torch_dtype
 from .objects import SAFE, ObjectPolicy, check_payload, load_dcp_metadata, reencode_for_dcp
 

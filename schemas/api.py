@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from .chunktable import HEX64, ChunkColumns, NonNeg, index_rows_valid
+from .chunks import HEX64, NonNeg
+from .chunktable import ChunkColumns, index_rows_valid
 from .dtypes import ITEMSIZE, DType
 from .manifest import Fqn, ObjectEntry, ParamGroup, TensorEntry
 from .names import SESSION_RE

@@ -19,22 +19,16 @@ from __future__ import annotations
 
 from math import prod
 from operator import add, le, mul
-from typing import Annotated, Literal, Sequence
+from typing import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .dtypes import ITEMSIZE
 from .geometry import Box, Region, check_tiling
-from .names import FILE_RE
+from .chunks import BoxChunk, Codec, FileName, FlatChunk, Hex64, Location, NonNeg
 
-__all__ = ["HEX64", "ChunkColumns", "Codec", "FileName", "NonNeg", "check_columns", "check_columns_tiling",
-           "columns_of", "index_rows_valid"]
+__all__ = ["ChunkColumns", "check_columns", "check_columns_tiling", "columns_of", "index_rows_valid"]
 
-HEX64 = r"^[0-9a-f]{16}$"
-NonNeg = Annotated[int, Field(ge=0, le=2**62)]
-FileName = Annotated[str, Field(pattern=FILE_RE.pattern.join("^$"))]
-Hex64 = Annotated[str, Field(pattern=HEX64)]
-Codec = Literal["raw", "zstd"]
 _COLUMNS = ("offsets", "sizes", "file", "offset", "length", "xxh3")
 
 
@@ -78,8 +72,6 @@ class ChunkColumns(BaseModel):
 
     def materialize(self, itemsize: int) -> list:
         """Chunk objects (``BoxChunk`` / ``FlatChunk``) for the rows, built without re-validation."""
-        from .manifest import BoxChunk, FlatChunk, Location  # the chunk models live with the manifest
-
         ranks = self.rank
         out = []
         for i in range(len(self)):
@@ -103,8 +95,6 @@ def columns_of(chunks: Sequence, dtype: str, *, name: str) -> dict:
     The inverse of :meth:`ChunkColumns.materialize`; refuses a ``raw_length``
     that is not ``numel * itemsize``, since the columns do not keep it.
     """
-    from .manifest import BoxChunk, FlatChunk
-
     itemsize = ITEMSIZE[dtype]
     cols: dict = {k: [] for k in ("rank", "flat", *_COLUMNS, "codec")}
     for c in chunks:

@@ -17,13 +17,13 @@ from operator import add, le
 from typing import Annotated, Literal, Union
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, JsonValue, PrivateAttr, SerializerFunctionWrapHandler, ValidationInfo,
+    Field, JsonValue, PrivateAttr, SerializerFunctionWrapHandler, ValidationInfo,
     field_validator, model_serializer, model_validator,
 )
 
-from .chunktable import HEX64, ChunkColumns, FileName, NonNeg, check_columns, columns_of
+from .chunks import HEX64, BoxChunk, Chunk, FileName, FlatChunk, Location, NonNeg, _Model
+from .chunktable import ChunkColumns, check_columns, columns_of
 from .dtypes import ITEMSIZE, DType, itemsize
-from .geometry import Box, Region
 
 __all__ = [
     "FORMAT_VERSION",
@@ -42,70 +42,8 @@ __all__ = [
     "Topology",
 ]
 
-FORMAT_VERSION = 2  # 2: chunks stored as columns (ckptd_schemas.chunktable); 1 (a list of chunk objects) is read
+FORMAT_VERSION = 2  # chunks stored as columns (ckptd_schemas.chunktable)
 Fqn = Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^[^\x00]+$")]
-
-
-class _Model(BaseModel):
-    # defer_build: validators are built on first use, so a process that reads one manifest (`ckptd verify`)
-    # does not build every model at import (a quarter of the CLI's start-up).
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
-
-
-class Location(_Model):
-    """Where a chunk's bytes are: a byte range of one data file of the checkpoint."""
-
-    file: FileName
-    offset: NonNeg
-    length: NonNeg = Field(description="stored (possibly compressed) byte length")
-    codec: Literal["raw", "zstd"] = "raw"
-    raw_length: NonNeg = Field(description="decoded byte length: numel * itemsize")
-    xxh3: Annotated[str, Field(pattern=HEX64)] = Field(description="XXH3-64 of the stored bytes")
-
-    @model_validator(mode="after")
-    def _raw_matches(self) -> "Location":
-        if self.codec == "raw" and self.length != self.raw_length:
-            raise ValueError(f"raw chunk in file {self.file!r}: length {self.length} != raw_length {self.raw_length}")
-        return self
-
-
-class BoxChunk(_Model):
-    """A piece of a tensor given by per-dimension offsets and sizes (DTensor shards, TP slices)."""
-
-    kind: Literal["box"] = "box"
-    rank: NonNeg = Field(description="rank that wrote the chunk")
-    offsets: list[NonNeg]
-    sizes: list[NonNeg]
-    location: Location
-
-    @property
-    def region(self) -> Region:
-        return Region(box=Box(tuple(self.offsets), tuple(self.sizes)))
-
-    @property
-    def numel(self) -> int:
-        return prod(self.sizes)
-
-
-class FlatChunk(_Model):
-    """Elements ``[start, start + length)`` of the tensor's row-major flattening (ZeRO, FSDP1)."""
-
-    kind: Literal["flat"] = "flat"
-    rank: NonNeg
-    start: NonNeg
-    length: NonNeg
-    location: Location
-
-    @property
-    def region(self) -> Region:
-        return Region(flat=(self.start, self.length))
-
-    @property
-    def numel(self) -> int:
-        return self.length
-
-
-Chunk = Annotated[Union[BoxChunk, FlatChunk], Field(discriminator="kind")]
 
 
 class TensorEntry(_Model):
@@ -113,7 +51,7 @@ class TensorEntry(_Model):
 
     The chunks are stored as columns (``table``, see :mod:`ckptd_schemas.chunktable`);
     ``chunks`` gives them as objects, built on first use. Constructing with
-    ``chunks=[...]`` (and reading a format-1 manifest, which stored that list)
+    ``chunks=[...]`` (in code, or a rank index that lists its chunks as objects)
     converts to columns.
     """
 
@@ -123,7 +61,7 @@ class TensorEntry(_Model):
     group: str = Field(description="state group, the first component of the name (model, optim, ...)")
     table: ChunkColumns | None = Field(default=None, description="the chunks, one column per field, with a rank column")
     chunks_in: list[Chunk] | None = Field(default=None, alias="chunks", exclude=True, description=(
-        "input only: the chunks as a list of objects (format 1), converted to table"))
+        "input only: the chunks as a list of objects, converted to table"))
     digest: Annotated[str, Field(pattern=HEX64)] | None = Field(
         default=None, description="layout-independent digest of the tensor's row-major bytes: XXH3-64 of the "
         "XXH3-64 values of its 64 KiB blocks (ckptd_schemas.digest)"
@@ -282,7 +220,7 @@ class FileEntry(_Model):
 class Manifest(_Model):
     """The global description of one committed checkpoint (docs/design.md §1)."""
 
-    format_version: Literal[1, 2] = FORMAT_VERSION
+    format_version: Literal[2] = FORMAT_VERSION
     run: str
     name: str
     step: NonNeg | None = None
@@ -314,7 +252,6 @@ class Manifest(_Model):
             if None in limit or not all(map(le, map(add, tab.offset, tab.length), limit)):
                 self._check_locations([(f"tensor {t.name!r}", c.location) for c in t.chunks])
         self._check_locations([(f"object {o.name!r}", o.location) for o in self.objects if o.location is not None])
-        self.__dict__["format_version"] = FORMAT_VERSION  # read as 1 or 2, held (and written) as 2
         return self
 
     def _check_locations(self, locs: list[tuple[str, Location]]) -> None:

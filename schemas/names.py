@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from .errors import InvalidName
 
-__all__ = ["CheckpointRef", "LATEST", "check_file", "check_name", "check_run", "check_session", "check_staged",
+__all__ = ["CheckpointRef", "DCP_METADATA", "LATEST", "RESERVED", "check_file", "check_name", "check_run", "check_session", "check_staged",
            "parse_ref", "staged_name"]
 
 RUN_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
@@ -20,6 +20,9 @@ FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 STAGED_RE = re.compile(r"\.(?P<file>" + FILE_RE.pattern + r")\.direct-[0-9a-f]{32}")
 LATEST = "latest"
+# Reserved object names: ckptd's own records inside a checkpoint.
+RESERVED = "__ckptd."  # prefix of every name below; never a state-dict key of the user's
+DCP_METADATA = RESERVED + "dcp_metadata"  # DCP's own Metadata, torch.save'd (CkptdStorageWriter)
 
 
 def _check(kind: str, value: str, pattern: re.Pattern[str], grammar: str) -> str:

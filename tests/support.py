@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -18,8 +20,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["BENCH_TIMEOUT_S", "ServerProcess", "assert_bits_equal", "blank_like", "free_port", "make_state",
-           "REPO", "run_bench", "run_ranks"]
+__all__ = ["BENCH_TIMEOUT_S", "TIME_SCALE", "ServerProcess", "assert_bits_equal", "blank_like", "free_port",
+           "make_state", "REPO", "run_bench", "run_ranks", "scaled"]
+
+#: One setting for every deadline of the tests: ``CKPTD_TEST_TIME_SCALE=2`` doubles them on a machine
+#: twice as slow (server start, rank groups, benchmark runs, and the tests that pass theirs through
+#: :func:`scaled`). Deadlines are guards against hangs, never assertions about speed.
+TIME_SCALE = float(os.environ.get("CKPTD_TEST_TIME_SCALE") or 1.0)
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` times :data:`TIME_SCALE`."""
+    return seconds * TIME_SCALE
 
 
 def free_port() -> int:
@@ -32,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: How long a benchmark smoke run may take before it counts as hung. A guard, not a timing: the 0.01 GiB
 #: reshard benchmark takes 44 s alone on a 2-core VM and went past 110 s beside another xdist worker.
-BENCH_TIMEOUT_S = 600
+BENCH_TIMEOUT_S = scaled(600)
 
 
 def run_bench(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -43,8 +55,31 @@ def run_bench(module: str, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
+_LIVE: set[subprocess.Popen] = set()  # servers started and not yet stopped, killed at exit
+# Run a command that is SIGKILLed when the process that started it dies, however it dies (Linux
+# PR_SET_PDEATHSIG, kept across exec): an interrupted or killed test run leaves no server behind.
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
+                    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def guarded(cmd: list[str]) -> list[str]:
+    """``cmd`` wrapped so that it dies with this process. The signal follows the thread that starts
+    it, so only a command started from the main thread is wrapped (the rest are stopped at exit)."""
+    if threading.current_thread() is not threading.main_thread() or not sys.platform.startswith("linux"):
+        return cmd
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+
+
+@atexit.register
+def _kill_live() -> None:
+    for proc in list(_LIVE):
+        if proc.poll() is None:
+            proc.kill()
+
+
 def stop_process(proc: subprocess.Popen | None) -> None:
     """SIGTERM, then SIGKILL after 10 s; nothing if it already exited."""
+    _LIVE.discard(proc)
     if proc is not None and proc.poll() is None:
         proc.terminate()
         try:
@@ -75,14 +110,16 @@ class ServerProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._logf = open(self.log, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ckptd.cli.main", "serve", "--root", self.root, "--port", str(self.port),
-             "--log-level", "warning", *self.args],
+            guarded([sys.executable, "-m", "ckptd.cli.main", "serve", "--root", self.root, "--port", str(self.port),
+                     "--log-level", "warning", *self.args]),
             env=full_env, stdout=self._logf, stderr=subprocess.STDOUT)
+        _LIVE.add(self.proc)
         if wait:
             self.wait_ready()
         return self
 
     def wait_ready(self, timeout: float = 30.0) -> None:
+        timeout = scaled(timeout)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
@@ -141,6 +178,7 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, out_
 def run_ranks(fn: Callable, world: int, *args: Any, tmp: Path, check: bool = True,
               timeout: float = 240.0) -> list[dict]:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo ranks; return each rank's record."""
+    timeout = scaled(timeout)
     out_dir = Path(tmp) / f"ranks-{time.monotonic_ns()}"
     out_dir.mkdir(parents=True)
     ctx = mp.start_processes(_rank_main, args=(world, free_port(), fn, args, str(out_dir)), nprocs=world,

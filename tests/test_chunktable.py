@@ -1,5 +1,5 @@
 """Chunks as columns (format 2): the whole-column checks agree with the per-chunk ones, the
-format round-trips, format 1 is still read, and the commit's helpers (index cache, GC pause)
+format round-trips, any other manifest format is refused, and the commit's helpers (index cache, GC pause)
 do what they promise.
 
 The reference for every fast path is the code it replaces: ``check_tiling`` over
@@ -220,15 +220,17 @@ def test_merge_refusals_name_tensor_and_ranks():
         _merge([ixs[0], gap, *ixs[2:]], world)
 
 
-def test_format_1_manifest_is_still_read():
+def test_a_manifest_of_another_format_is_refused():
+    """Format 2 (columns) is the only manifest format; a list-of-chunks manifest of format 1 is refused."""
     m = _merge([_index(r, 3) for r in range(3)], 3)
     doc = json.loads(m.model_dump_json())
     doc["format_version"] = 1
     for t, entry in zip(doc["tensors"], m.tensors):
         del t["table"]
         t["chunks"] = [json.loads(c.model_dump_json()) for c in entry.chunks]
-    old = Manifest.model_validate_json(json.dumps(doc))
-    assert old.format_version == 2 and old.tensors == m.tensors
+    with pytest.raises(ValidationError, match="format_version"):
+        Manifest.model_validate_json(json.dumps(doc))
+    assert Manifest.model_validate_json(m.model_dump_json()).tensors == m.tensors
 
 
 def test_index_cache_reuses_only_identical_bytes_and_stays_bounded():

@@ -30,7 +30,7 @@ def test_ls_show_verify_against_root_and_server(saved):
     root = saved.root
     for target in (["--root", root], ["--server", saved.url]):
         out = ckptd("ls", *target)
-        assert out.returncode == 0 and "cli\t1 checkpoints\tlatest=7" in out.stdout, out
+        assert out.returncode == 0 and "cli\t1 checkpoint\tlatest=7" in out.stdout, out
         out = ckptd("ls", "cli", "--json", *target)
         assert json.loads(out.stdout)[0]["step"] == 7
         out = ckptd("show", "cli/latest", *target)

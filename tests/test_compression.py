@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from ckptd_client import CheckpointClient, FlatShard
-from ckptd_client._codec import FRAME_BYTES, CompressionPolicy, Measurement, measure_zstd, split_frames
+from ckptd_client.codec import FRAME_BYTES, CompressionPolicy, Measurement, measure_zstd, split_frames
 from support import run_ranks
 
 MiB = 1 << 20

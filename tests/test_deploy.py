@@ -488,15 +488,15 @@ PLAN_PLACEHOLDER = "s3://ckptd/plans/PLAN.json"
 
 
 def _readme_sed() -> str:
-    """The README's command that fills in the Job template (without its ``| kubectl apply``)."""
-    readme = (REPO / "README.md").read_text()
+    """docs/deployment.md's command that fills in the Job template (without its ``| kubectl apply``)."""
+    readme = (REPO / "docs" / "deployment.md").read_text()
     m = re.search(r"^sed .*?deploy/k8s/reshard-job\.yaml", readme, re.M | re.S)
-    assert m, "README.md: no sed command filling in deploy/k8s/reshard-job.yaml"
+    assert m, "docs/deployment.md: no sed command filling in deploy/k8s/reshard-job.yaml"
     return m[0]
 
 
 def _filled_job(tmp_path: Path, plan: str, units: int, name: str) -> dict:
-    """The Job template filled in by the README's own command."""
+    """The Job template filled in by the command docs/deployment.md gives."""
     r = subprocess.run(["bash", "-c", _readme_sed()], cwd=REPO, capture_output=True, text=True, timeout=30,
                        env={**os.environ, "PLAN": plan, "UNITS": str(units), "JOB": name})
     assert r.returncode == 0, r.stderr
@@ -507,7 +507,7 @@ def _filled_job(tmp_path: Path, plan: str, units: int, name: str) -> dict:
 def test_readme_fills_in_the_reshard_job_template(tmp_path):
     text = (K8S / "reshard-job.yaml").read_text()
     for pattern in (r"^  name: ckptd-reshard$", r"^  completions: ", r"^  parallelism: "):
-        assert len(re.findall(pattern, text, re.M)) == 1, f"the README's sed relies on one line matching {pattern}"
+        assert len(re.findall(pattern, text, re.M)) == 1, f"the sed of docs/deployment.md relies on one line matching {pattern}"
     assert text.count(PLAN_PLACEHOLDER) == 1
     job = _filled_job(tmp_path, "s3://ckptd/plans/gpt-1000-dp4.json", 12, "reshard-gpt-1000-dp4")
     assert job["metadata"]["name"] == "reshard-gpt-1000-dp4"

@@ -40,11 +40,11 @@ from ckptd.store.verify import verify_manifest
 from ckptd_client import (
     AlreadyCommitted, CheckpointClient, CheckpointNotFound, StorageError, StorageFull, Unavailable,
 )
-from ckptd_client._http import Transport
+from ckptd_client.transport import Transport
 from ckptd_client._save import build_snapshot, open_session, upload_files, upload_snapshot, wait_committed
 from ckptd_schemas import SessionStatus
 from fault_proxy import CutProxy
-from support import ServerProcess, make_state, run_ranks
+from support import ServerProcess, make_state, run_ranks, scaled
 from test_crash import (
     RUN, SD1, SMALL_BATCH, VisibilityWatcher, _ReaderSource, assert_loads, assert_verifies, ckpt_dir, full_state,
     good_save_job, ls_names, marker_bytes, rank_state, sessions_of,
@@ -729,7 +729,7 @@ def test_failure_of_an_earlier_save_reported_though_a_later_one_succeeded(tmp_pa
     sd = {n: make_state(n) for n in range(1, 6)}
     for how in ("next-save", "close"):
         server.start()
-        client = CheckpointClient(server.url, retry_seconds=4)
+        client = CheckpointClient(server.url, retry_seconds=scaled(6))  # B's budget covers a server start
         try:
             server.kill()
             a = client.save(sd[1], f"{how}/1")

@@ -288,8 +288,8 @@ class _CommitInBetween(SessionStore):
 def test_an_index_retry_that_loses_the_race_to_the_commit_is_answered_not_refused(tmp_path):
     """Both indexes were stored before the replica died between them and the marker; the ranks retry
     at the other replica at once. Rank 1's retry commits while rank 0's is past its first look at the
-    marker: rank 0 gets the committed status (CI's rehearsal of session 11 met this as a 409 in
-    ``test_replica_dying_at_a_crash_point_the_other_finishes[commit-before-marker]``). An index
+    marker: rank 0 gets the committed status, not a 409 (the race
+    ``test_replica_dying_at_a_crash_point_the_other_finishes[commit-before-marker]`` can meet). An index
     that differs from the committed one is still refused, and the marker stays as it was."""
     full = torch.randn(9, 4, generator=torch.Generator().manual_seed(3))
     (d0, ix0), (d1, ix1) = _hand_index(0, 2, full), _hand_index(1, 2, full)

@@ -158,3 +158,21 @@ def test_a_one_rank_target_is_cut_into_units_for_parallel_workers(root):
     out = _reshard(root, "units/1", "full", min_units=4)
     for name, t in tensors.items():
         assert torch.equal(read_tensor(reader, out, name), t), name
+
+
+@pytest.mark.parametrize("spec", ["full", "fsdp2:dp=3", "zero3:dp=2,align=16", "tp=2", "owner:dp=3"])
+def test_the_dry_run_reads_what_the_run_reads(root, spec):
+    """``--dry-run``'s bytes to read are the bytes the conversion then reads, to the byte: neighbouring
+    target chunks share a verification block, read once (tensors of several 1 MiB blocks)."""
+    from ckptd.reshard.preview import preview
+
+    storage, reader, sessions = root
+    ref = f"dry{abs(hash(spec)) % 10**6}/1"
+    g = torch.Generator().manual_seed(3)
+    write_tensors(sessions, ref, {"model.w": torch.randn(700, 1024, generator=g),
+                                  "model.v": torch.randn(300, 777, generator=g), "model.b": torch.randn(333)}, step=1)
+    run, name = ref.split("/")
+    plan = plan_reshard(reader.manifest(run, name), parse_spec(spec), min_units=2)
+    planned = sum(n for *_, n in preview(plan).unit_reads)
+    res = run_plan(reader, sessions, plan, f"{run}/out", uuid.uuid4().hex, engine=HostEngine(), jobs=2)
+    assert planned == plan.bytes_to_read == res.bytes_read, (planned, res.bytes_read)

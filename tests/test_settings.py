@@ -1,4 +1,4 @@
-"""Settings: CKPTD_* environment variables, flags over them, and the README's generated table."""
+"""Settings: CKPTD_* environment variables, flags over them, and the generated table of docs/configuration.md."""
 
 from __future__ import annotations
 
@@ -10,30 +10,32 @@ import pytest
 
 from ckptd.cli.main import main
 from ckptd.service import server
-from ckptd.service.settings import Settings, env_name, markdown_table, serve_flags, update_readme
+from ckptd.cli.settings_table import markdown_table, serve_flags, update_readme
+from ckptd.service.settings import Settings, env_name
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+CONFIG_DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
-def test_readme_table_is_the_generated_one():
-    text = README.read_text(encoding="utf-8")
+def test_configuration_doc_table_is_the_generated_one():
+    text = CONFIG_DOC.read_text(encoding="utf-8")
     assert update_readme(text) == text, (
-        "README.md's configuration table differs from Settings: run "
-        "`python -m ckptd.service.settings --readme README.md`")
+        "docs/configuration.md's settings table differs from Settings: run "
+        "`python -m ckptd.cli.settings_table --write docs/configuration.md`")
 
 
 def test_generator_command_prints_and_rewrites(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "ckptd.service.settings", "--markdown"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "ckptd.cli.settings_table", "--markdown"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout == markdown_table()
-    stale = README.read_text(encoding="utf-8").replace("| `CKPTD_PORT` |", "| `CKPTD_PORT_OLD` |")
-    copy = tmp_path / "README.md"
+    stale = CONFIG_DOC.read_text(encoding="utf-8").replace("| `CKPTD_PORT` |", "| `CKPTD_PORT_OLD` |")
+    assert stale != CONFIG_DOC.read_text(encoding="utf-8")
+    copy = tmp_path / "configuration.md"
     copy.write_text(stale, encoding="utf-8")
-    r = subprocess.run([sys.executable, "-m", "ckptd.service.settings", "--readme", str(copy)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "ckptd.cli.settings_table", "--write", str(copy)], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert copy.read_text(encoding="utf-8") == README.read_text(encoding="utf-8")
+    assert copy.read_text(encoding="utf-8") == CONFIG_DOC.read_text(encoding="utf-8")
 
 
 def test_table_has_every_field_with_its_variable_flag_and_default():

@@ -369,8 +369,7 @@ class _FullDiskFile:
 
 def test_local_enospc_wrapped_file(tmp_path, monkeypatch):
     """ENOSPC from the OS-level file becomes StorageError('... disk full') and leaves no temp file
-    (the buffered path; test_direct_io.py fills a real filesystem through the direct one)."""
-    monkeypatch.setenv("CKPTD_DIRECT_IO", "0")
+    (test_local_enospc_real_tmpfs fills a real filesystem)."""
     st = LocalStorage(tmp_path / "root")
     w = st.open_write("run/ck/data-0")
     real = getattr(w, "_f", None)

@@ -8,11 +8,13 @@ from typing import ContextManager, Protocol
 from ckptd_schemas import CheckpointSummary, Manifest, RunSummary
 
 from .readahead import ReadAhead
+from .target import DEFAULT_ROOT, Target, open_root
 
 __all__ = ["Backend", "HttpBackend", "RootBackend", "open_backend"]
 
 
 class Backend(Protocol):
+    where: str  # the root or URL, for messages
     def list_runs(self) -> list[RunSummary]: ...
     def list_checkpoints(self, run: str) -> list[CheckpointSummary]: ...
     def manifest(self, run: str, name: str) -> Manifest: ...
@@ -22,11 +24,13 @@ class Backend(Protocol):
 
 
 class RootBackend:
+    """A storage root read directly; it must exist (read-only commands never create one)."""
+
     def __init__(self, root: str) -> None:
-        from ..storage import open_storage
         from ..store import CheckpointReader
 
-        self.reader = CheckpointReader(open_storage(root))
+        self.where = root
+        self.reader = CheckpointReader(open_root(root, create=False))
 
     def list_runs(self) -> list[RunSummary]:
         return self.reader.list_runs()
@@ -58,7 +62,8 @@ class HttpBackend:
     def __init__(self, url: str) -> None:
         from ckptd_client import CatalogClient
 
-        self.client = CatalogClient(url, retry_seconds=5.0)
+        self.where = url
+        self.client = CatalogClient(url, retry_seconds=5.0, retry_refused=False)
         self._ahead: dict[str, ReadAhead] = {}
         self._lock = threading.Lock()  # verify reads two files at once
 
@@ -91,7 +96,8 @@ class HttpBackend:
         self.client.close()
 
 
-def open_backend(root: str | None, server: str | None) -> Backend:
-    if server:
-        return HttpBackend(server)
-    return RootBackend(root or "./ckptd-data")
+def open_backend(target: Target) -> Backend:
+    """The backend for ``target`` (:func:`ckptd.cli.target.resolve_target` decides which)."""
+    if target.server:
+        return HttpBackend(target.server)
+    return RootBackend(target.root or DEFAULT_ROOT)

@@ -4,25 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from ckptd_schemas import parse_ref
+from ckptd_schemas.dtypes import FLOATING
 
 from .output import human, progress_bar
+from .target import open_root, resolve_target
 
 __all__ = ["add_parsers"]
 
-
-def _use_server(args: argparse.Namespace) -> str | None:
-    if args.server:
-        return args.server
-    if not args.root and os.environ.get("CKPTD_URL") and not os.environ.get("CKPTD_ROOT"):
-        return os.environ["CKPTD_URL"]
-    return None
-
-
-def _root(args: argparse.Namespace) -> str:
-    return args.root or os.environ.get("CKPTD_ROOT") or "./ckptd-data"
+CAST_DTYPES = sorted(FLOATING)  # what --dtype casts to, and which tensors it casts
 
 
 def cmd_import_dcp(args: argparse.Namespace) -> int:
@@ -30,14 +21,13 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
 
     r = parse_ref(args.ref)  # refused before any I/O
     src = inspect_dcp(args.dir)  # refuses a damaged directory, naming the files, before anything is written
-    server = _use_server(args)
-    if server:
-        target = HttpTarget(server)
+    where = resolve_target(args)
+    if where.server:
+        target = HttpTarget(where.server)
     else:
-        from ..storage import open_storage
         from ..store import SessionStore
 
-        target = RootTarget(SessionStore(open_storage(_root(args))))
+        target = RootTarget(SessionStore(open_root(where.root, create=True)))  # a write: a new root is made
     advance, stop = progress_bar(src.total_bytes, f"import {r}", args.json)
     try:
         res = import_dcp(src, str(r), target, progress=advance)
@@ -63,15 +53,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     ref = parse_ref(args.ref)
     max_shard = parse_size(args.max_shard_size)
-    server = _use_server(args)
-    backend = open_backend(None if server else _root(args), server)
+    backend = open_backend(resolve_target(args))
     manifest = backend.manifest(ref.run, ref.name)
 
     def read(file: str, start: int, end: int) -> bytes:
         return backend.read(manifest, file, start, end)
 
-    total = sum(tensor_bytes(t.shape, args.dtype if args.dtype and t.dtype in ("float64", "float32", "float16",
-                                                                               "bfloat16") else t.dtype)
+    total = sum(tensor_bytes(t.shape, args.dtype if args.dtype and t.dtype in CAST_DTYPES else t.dtype)
                 for t in manifest.tensors if not args.prefix or t.name.startswith(args.prefix))
     # One bar for writing and, unless --no-check, reading every tensor back.
     advance, stop = progress_bar(total * (1 if args.no_check else 2), f"export {manifest.ref}", args.json)
@@ -119,7 +107,7 @@ def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
                         "model.safetensors.index.json; torch: OUT is one file")
     s.add_argument("out", metavar="OUT", help="output directory (safetensors) or file (torch)")
     s.add_argument("--max-shard-size", default="5GB", help="safetensors shard size, e.g. 5GB, 500MB, 2GiB")
-    s.add_argument("--dtype", help="cast floating tensors, e.g. bfloat16")
+    s.add_argument("--dtype", choices=CAST_DTYPES, help="cast floating tensors to this dtype")
     s.add_argument("--prefix", help="export only tensors whose name starts with PREFIX, without it (e.g. model.)")
     s.add_argument("--no-check", action="store_true", help="skip reading the export back and comparing digests")
     s.add_argument("--trust-objects", action="store_true",

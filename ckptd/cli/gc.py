@@ -4,23 +4,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+
+from ckptd_schemas import NotFound
+
+from .target import open_root, resolve_target
 
 __all__ = ["add_parsers"]
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    if args.server or (not args.root and os.environ.get("CKPTD_URL")):
+    where = resolve_target(args)
+    if where.server:
         from ckptd_client import CatalogClient
 
-        server = args.server or os.environ["CKPTD_URL"]
-        with CatalogClient(server, retry_seconds=5.0) as client:
+        with CatalogClient(where.server, retry_seconds=5.0, retry_refused=False) as client:
+            if args.run not in {r.run for r in client.list_runs()}:
+                raise NotFound(f"no such run {args.run!r} at {where.server}", run=args.run)
             plan = client.gc(args.run, keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run)
     else:
-        from ..storage import open_storage
+        from ..store import CheckpointReader
         from ..store.retention import collect
 
-        storage = open_storage(args.root or os.environ.get("CKPTD_ROOT") or "./ckptd-data")
+        storage = open_root(where.root, create=False)
+        if args.run not in {r.run for r in CheckpointReader(storage).list_runs()}:
+            raise NotFound(f"no such run {args.run!r} in {where.root}", run=args.run)
         plan = collect(storage, args.run, keep_last=args.keep_last, keep_every=args.keep_every,
                        dry_run=args.dry_run).as_json()
         if not args.dry_run:

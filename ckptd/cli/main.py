@@ -11,32 +11,35 @@ import json
 import os
 import sys
 from math import prod
-from ckptd_schemas import CkptdError, IntegrityError, NotFound, Unavailable, parse_ref
+from ckptd_schemas import CkptdError, IntegrityError, NotFound, parse_ref
 
-from .backends import open_backend
+from .. import __version__
+from .backends import Backend, open_backend
 from .dcp_io import add_parsers as add_dcp_io_parsers
 from .gc import add_parsers as add_gc_parsers
-from .output import human, progress_bar
+from .output import human, plural, progress_bar
 from .reshard import add_parsers as add_reshard_parsers
+from .target import add_target, resolve_target
 
 __all__ = ["main"]
 
 
-def _add_target(p: argparse.ArgumentParser) -> None:
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--root", help="storage root (directory or fsspec URL); default $CKPTD_ROOT or ./ckptd-data")
-    g.add_argument("--server", help="URL of a running ckptd service (default $CKPTD_URL when set)")
+def _backend(args: argparse.Namespace) -> Backend:
+    return open_backend(resolve_target(args))
 
 
-def _backend(args: argparse.Namespace):
-    server = args.server or (None if args.root else os.environ.get("CKPTD_URL"))
-    return open_backend(args.root or os.environ.get("CKPTD_ROOT"), server)
+def _require_run(b: Backend, run: str) -> None:
+    """``ls RUN`` / ``gc RUN`` of a run that is not there says so (exit 1) instead of printing nothing."""
+    if run not in {r.run for r in b.list_runs()}:
+        raise NotFound(f"no such run {run!r} in {b.where}", run=run)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from ..service.server import AuthConfigError, serve
-        from ..service.settings import Settings
+        from pydantic import ValidationError
+
+        from ..service.server import AuthConfigError, ListenError, serve
+        from ..service.settings import Settings, env_name
     except ImportError as e:
         print(f"ckptd serve needs the server extra: pip install 'ckptd[server]' ({e})", file=sys.stderr)
         return 2
@@ -45,8 +48,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                    ("tokens_file", args.tokens_file), ("insecure_open", args.insecure_open))
                  if v is not None}
     try:
-        serve(Settings(**overrides))
-    except AuthConfigError as e:
+        settings = Settings(**overrides)
+    except ValidationError as e:
+        for err in e.errors():
+            field = str(err["loc"][0]) if err["loc"] else "?"
+            flag = f"--{field.replace('_', '-')}" if field in overrides else env_name(field)
+            print(f"ckptd serve: {flag}: {err['msg']} (got {err.get('input')!r})", file=sys.stderr)
+        return 2
+    try:
+        serve(settings)
+    except (AuthConfigError, ListenError) as e:
         print(f"ckptd serve: {e}", file=sys.stderr)
         return 2
     return 0
@@ -56,6 +67,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     b = _backend(args)
     if args.run:
         rows = b.list_checkpoints(args.run)
+        if not rows:
+            _require_run(b, args.run)
         if args.json:
             print(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
             return 0
@@ -68,7 +81,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps([r.model_dump(mode="json") for r in runs], indent=2))
         return 0
     for r in runs:
-        print(f"{r.run}\t{r.checkpoints} checkpoints\tlatest={r.latest}")
+        print(f"{r.run}\t{plural(r.checkpoints, 'checkpoint')}\tlatest={r.latest}")
     return 0
 
 
@@ -90,7 +103,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         g[0] += 1
         g[1] += sum(c.location.raw_length for c in t.chunks)
     for g, (n, nbytes) in sorted(groups.items()):
-        print(f"group      {g}: {n} tensors, {human(nbytes)}")
+        print(f"group      {g}: {plural(n, 'tensor')}, {human(nbytes)}")
     per_rank = [0] * topo.world_size
     matrices = [0] * topo.world_size
     for t in m.tensors:
@@ -100,8 +113,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if any(per_rank):
         peak, total = max(per_rank), sum(per_rank)
         mean = total / topo.world_size
-        print(f"per rank   max {human(peak)}, mean {human(mean)}, imbalance {peak / mean - 1:.1%}, "
-              f"padding {(topo.world_size * peak - total) / (topo.world_size * peak):.1%}")
+        print(f"per rank   max {human(peak)}, mean {human(mean)}, imbalance {peak / mean - 1:.1%}")
         if args.ranks or topo.world_size <= 8:
             for r, n in enumerate(per_rank):
                 print(f"  rank {r:<5} {human(n):>10}  {matrices[r]} whole matrices")
@@ -110,7 +122,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"optimizer  {pg.optimizer or '-'} group {pg.index}: {len(pg.params)} params, {hp}")
     if args.tensors:
         for t in m.tensors:
-            print(f"  {t.name}  {t.dtype}{t.shape}  {len(t.chunks)} chunks  {t.placement or ''}")
+            print(f"  {t.name}  {t.dtype}{t.shape}  {plural(len(t.chunks), 'chunk')}  {t.placement or ''}")
     return 0
 
 
@@ -144,10 +156,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(json.dumps({"ref": report.ref, "ok": report.ok, "files": report.files, "tensors": report.tensors,
                           "chunks": report.chunks, "bytes_read": report.bytes_read, "problems": report.problems}))
     elif report.ok:
-        print(f"OK {report.ref}: {report.files} files, {report.tensors} tensors, {report.chunks} chunks, "
+        print(f"OK {report.ref}: {plural(report.files, 'file')}, {plural(report.tensors, 'tensor')}, "
+              f"{plural(report.chunks, 'chunk')}, "
               f"{human(report.bytes_read)} re-read and re-hashed")
     else:
-        print(f"FAIL {report.ref}: {len(report.problems)} problems")
+        print(f"FAIL {report.ref}: {plural(len(report.problems), 'problem')}")
         for p in report.problems[:50]:
             print(f"  - {p}")
     return 0 if report.ok else 1
@@ -162,7 +175,10 @@ class _Source:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckptd", description="Distributed checkpoint and reshard service.")
+    p = argparse.ArgumentParser(prog="ckptd", description="Distributed checkpoint and reshard service.",
+                                epilog="Exit status: 0 success; 1 what was checked is wrong (corrupt, invalid, not "
+                                       "found); 2 usage or connection error.")
+    p.add_argument("--version", action="version", version=f"ckptd {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the HTTP service")
@@ -171,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, help="port (default 8470)")
     s.add_argument("--log-level", help="debug, info, warning")
     s.add_argument("--log-format", choices=["text", "json"], help="log lines as text (default) or JSON objects")
-    s.add_argument("--tokens-file", help="bearer tokens and their scopes (README: Authentication)")
+    s.add_argument("--tokens-file", help="bearer tokens and their scopes (docs/security.md, Tokens)")
     s.add_argument("--insecure-open", action="store_true", default=None,
                    help="serve without tokens on a non-loopback address")
     s.set_defaults(func=cmd_serve)
@@ -179,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("ls", help="list runs, or the committed checkpoints of RUN")
     s.add_argument("run", nargs="?")
     s.add_argument("--json", action="store_true")
-    _add_target(s)
+    add_target(s)
     s.set_defaults(func=cmd_ls)
 
     s = sub.add_parser("show", help="describe a checkpoint (RUN/NAME or RUN/latest)")
@@ -187,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the manifest")
     s.add_argument("--tensors", action="store_true", help="list every tensor")
     s.add_argument("--ranks", action="store_true", help="bytes per rank (always shown up to 8 ranks)")
-    _add_target(s)
+    add_target(s)
     s.set_defaults(func=cmd_show)
 
     s = sub.add_parser("verify", help="re-read and check every byte of a checkpoint (exit 1 if bad)")
@@ -195,31 +211,49 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--in-service", action="store_true",
                    help="with --server: the service's worker reads and checks, and records the outcome")
-    _add_target(s)
+    add_target(s)
     s.set_defaults(func=cmd_verify)
 
-    add_reshard_parsers(sub, _add_target)
-    add_dcp_io_parsers(sub, _add_target)
-    add_gc_parsers(sub, _add_target)
+    add_reshard_parsers(sub, add_target)
+    add_dcp_io_parsers(sub, add_target)
+    add_gc_parsers(sub, add_target)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; every failure is one line on stderr and an exit status, never a traceback
+    (``CKPTD_DEBUG=1`` adds the traceback of an unexpected one)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0) if e.code in (0, None) else 2
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe fails here, inside the handlers below, not at exit
+        return rc
     except (NotFound, IntegrityError) as e:
         print(f"ckptd: {e.message}", file=sys.stderr)
         return 1
-    except (Unavailable, CkptdError) as e:
+    except CkptdError as e:  # usage, connection, service refusals
         print(f"ckptd: {e.message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (| head): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except OSError as e:
+        where = f": {e.filename}" if e.filename else ""
+        print(f"ckptd: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - a bug of ckptd's: say so in one line, not a traceback
+        if os.environ.get("CKPTD_DEBUG"):
+            raise
+        print(f"ckptd: internal error: {type(e).__name__}: {e} (set CKPTD_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

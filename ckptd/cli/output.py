@@ -5,15 +5,21 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-__all__ = ["human", "progress_bar"]
+__all__ = ["human", "plural", "progress_bar"]
 
 
 def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    """A size in decimal units (kB = 1000 B), the units of the progress bars' columns too."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+        n /= 1000
     return str(n)
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 chunk``, ``2 chunks``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def progress_bar(total: int, label: str, quiet: bool) -> tuple[Callable[[int], None] | None, Callable[[], None]]:

@@ -10,17 +10,15 @@ from dataclasses import asdict
 
 from ckptd_schemas import parse_ref
 
+from .dcp_io import CAST_DTYPES
 from .output import human, progress_bar
+from .target import open_root, resolve_target
 
-__all__ = ["add_parsers", "default_out_name"]
-
-
-def default_out_name(name: str, spec: str, dtype: str | None) -> str:
-    slug = spec.replace(":", "-").replace("=", "").replace(",", "-")
-    return f"{name}-{slug}" + (f"-{dtype}" if dtype else "")
+__all__ = ["add_parsers"]
 
 
-def _print_preview(pv, as_json: bool) -> None:
+def print_preview(pv, as_json: bool) -> None:
+    """The dry run's table (the same through a service: ``reshard_remote`` rebuilds the preview)."""
     if as_json:
         print(json.dumps(asdict(pv)))
         return
@@ -30,7 +28,7 @@ def _print_preview(pv, as_json: bool) -> None:
     for r, row in enumerate(pv.per_rank):
         print(f"{r:<6} " + "  ".join(f"{human(row.get(k, 0)):>12}" for k in kinds)
               + f"  {human(sum(row.values())):>12}")
-    print(f"imbalance {pv.imbalance:.1%}  padding {pv.padding:.1%}")
+    print(f"imbalance {pv.imbalance:.1%}")
     note = " (gradients not saved: estimated as the weights' size)" if pv.grads_estimated else ""
     print(f"ZeRO estimates per rank: M_S2 ~ N*b_p + N*(b_g+b_o)/P = {human(pv.m_s2)};  "
           f"M_S3 ~ N*(b_p+b_g+b_o)/P = {human(pv.m_s3)}{note}")
@@ -40,25 +38,25 @@ def _print_preview(pv, as_json: bool) -> None:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    if args.server or (not args.root and os.environ.get("CKPTD_URL") and not os.environ.get("CKPTD_ROOT")):
+    where = resolve_target(args)
+    if where.server:
         from .reshard_remote import reshard_via_server
 
-        return reshard_via_server(args)
+        return reshard_via_server(args, where.server)
     from ..reshard.executor import plan_engine, run_plan
     from ..reshard.planner import plan_reshard
     from ..reshard.preview import preview
-    from ..reshard.spec import parse_spec
-    from ..storage import open_storage
+    from ..reshard.spec import default_out_name, parse_spec
     from ..store import CheckpointReader, SessionStore
 
     spec = parse_spec(args.to)  # refused before any I/O
     src = parse_ref(args.ref)
-    storage = open_storage(args.root or os.environ.get("CKPTD_ROOT") or "./ckptd-data")
+    storage = open_root(where.root, create=False)
     reader, sessions = CheckpointReader(storage), SessionStore(storage)
     manifest = reader.manifest(src.run, src.name)
     plan = plan_reshard(manifest, spec, dtype=args.dtype, min_units=args.jobs)
     if args.dry_run:
-        _print_preview(preview(plan), args.json)
+        print_preview(preview(plan), args.json)
         return 0
     engine = plan_engine(plan, args.device)  # refused before any write (cuda without a GPU)
     out = args.out or f"{manifest.run}/{default_out_name(manifest.name, str(spec), args.dtype)}"
@@ -83,7 +81,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units,
                           "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
-                          "seconds": round(res.seconds, 3), "imbalance": pv.imbalance, "padding": pv.padding,
+                          "seconds": round(res.seconds, 3), "imbalance": pv.imbalance,
                           "per_rank_bytes": [sum(r.values()) for r in pv.per_rank]}))
     else:
         rate = res.bytes_written / res.seconds if res.seconds else 0
@@ -91,8 +89,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
               f"{human(res.bytes_read)} read, {human(res.bytes_written)} written in {res.seconds:.2f}s "
               f"({human(rate)}/s); every tensor's digest matches the source")
         loads = [sum(r.values()) for r in pv.per_rank]
-        print(f"per rank: max {human(max(loads))}, min {human(min(loads))}, imbalance {pv.imbalance:.1%}, "
-              f"padding {pv.padding:.1%}")
+        print(f"per rank: max {human(max(loads))}, min {human(min(loads))}, imbalance {pv.imbalance:.1%}")
     return 0
 
 
@@ -114,7 +111,7 @@ def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
                    help="where chunks are assembled and cast: cuda (torch), cpu (numpy; torch only to cast), "
                         "auto (cuda when a GPU is present)")
     s.add_argument("--jobs", type=int, default=2, help="work units run in parallel")
-    s.add_argument("--dtype", help="cast floating tensors, e.g. bfloat16")
+    s.add_argument("--dtype", choices=CAST_DTYPES, help="cast floating tensors to this dtype")
     s.add_argument("--dry-run", action="store_true", help="print per-rank bytes and reads; write nothing")
     s.add_argument("--write-plan", metavar="URI", help="write the plan for `ckptd reshard-worker` pods and exit")
     s.add_argument("--json", action="store_true")

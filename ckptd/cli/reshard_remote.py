@@ -15,16 +15,17 @@ from .output import human
 __all__ = ["reshard_via_server"]
 
 
-def reshard_via_server(args: argparse.Namespace) -> int:
-    from ckptd_client._http import Transport
+def reshard_via_server(args: argparse.Namespace, url: str) -> int:
+    from ckptd_client.transport import Transport
 
-    url = args.server or os.environ["CKPTD_URL"]
-    t = Transport(url, retry_seconds=10.0, token=os.environ.get("CKPTD_TOKEN"))
+    t = Transport(url, retry_seconds=10.0, token=os.environ.get("CKPTD_TOKEN"), retry_refused=False)
     body = {"source": args.ref, "to": args.to, "out": args.out, "dtype": args.dtype, "device": args.device,
             "jobs": args.jobs}
     if args.dry_run:
-        pv = t.request("POST", "/v1/reshard/preview", json=body)
-        print(json.dumps(pv) if args.json else json.dumps(pv, indent=2))
+        from ..reshard.preview import Preview
+        from .reshard import print_preview
+
+        print_preview(Preview(**t.request("POST", "/v1/reshard/preview", json=body)), args.json)
         return 0
     job = t.request("POST", "/v1/reshard", json=body)
     bar = None

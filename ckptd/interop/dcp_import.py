@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 import xxhash
 
-from ckptd_client.dcp import DCP_METADATA
+from ckptd_schemas.names import DCP_METADATA
 from ckptd_schemas import (
     ITEMSIZE, BoxChunk, DcpImportError, Location, ObjectEntry, OpenSession, RankIndex, TensorEntry,
     parse_ref,
@@ -263,15 +263,16 @@ class HttpTarget:
     """A running ckptd service: the same protocol a trainer's save uses (one rank)."""
 
     def __init__(self, url: str, *, token: str | None = None) -> None:
-        from ckptd_client._http import Transport
+        from ckptd_client.transport import Transport
 
-        self.transport = Transport(url, token=token or os.environ.get("CKPTD_TOKEN"), retry_seconds=30.0)
+        self.transport = Transport(url, token=token or os.environ.get("CKPTD_TOKEN"), retry_seconds=30.0,
+                                   retry_refused=False)
         self.base = ""
         self.session = ""
         self.ref = ""
 
     def open(self, run: str, name: str, session: str, step: int | None) -> None:
-        from ckptd_client._save import open_session
+        from ckptd_client.sessions import open_session
 
         self.base, self.session, self.ref = f"/v1/checkpoints/{run}/{name}", session, f"{run}/{name}"
         open_session(self.transport, self.base, session, 1, step)
@@ -280,7 +281,7 @@ class HttpTarget:
         return _SpoolOut(self, file)
 
     def commit(self, index: RankIndex) -> str:
-        from ckptd_client._save import put_index, wait_committed
+        from ckptd_client.sessions import put_index, wait_committed
 
         status = put_index(self.transport, self.base, self.session, index)
         return wait_committed(self.transport, self.base, self.ref, status, time.monotonic() + 600).manifest_xxh3 or ""

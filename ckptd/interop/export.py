@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import xxhash
 
-from ckptd_client._names import DCP_METADATA, RESERVED
+from ckptd_schemas.names import DCP_METADATA, RESERVED
 from ckptd_schemas import (
     ITEMSIZE, Copy, IntegrityError, InvalidRequest, Manifest, ObjectEntry, TensorEntry,
 )

@@ -33,7 +33,7 @@ from ..store.leases import Leases
 from .models import JobStatus, ReshardRequest, now_utc, put_status, get_job
 from .planner import ReshardPlan, plan_reshard
 from .priority import lower_priority
-from .spec import parse_spec
+from .spec import default_out_name, parse_spec
 
 __all__ = ["JobStatus", "ReshardRequest", "WorkerJob", "get_job", "run_service_job", "run_worker", "submit_job",
            "write_job"]
@@ -43,8 +43,6 @@ log = logging.getLogger("ckptd.reshard")
 
 def submit_job(storage: Storage, req: ReshardRequest) -> tuple[JobStatus, ReshardPlan]:
     """Validate and plan (no data I/O), lease the source, record the job as queued."""
-    from ..cli.reshard import default_out_name
-
     spec = parse_spec(req.to)
     src = parse_ref(req.source)
     reader = CheckpointReader(storage)
@@ -107,8 +105,9 @@ def run_service_job(root: str, job_id: str, plan_json: str, request_json: str, m
                                                    "error": e.to_body()["error"]}))
     except Exception as e:  # noqa: BLE001 - recorded for the caller
         log.exception("reshard job %s failed", job_id)
+        err = CkptdError(f"internal error: {type(e).__name__}: {e}")
         put_status(storage, st.model_copy(update={"state": "failed", "updated_at": now_utc(),
-                                                   "error": {"code": "internal", "message": str(e), "details": {}}}))
+                                                   "error": err.to_body()["error"]}))
     finally:
         leases.release(src.run, src.name, job_id)  # a job that failed before its hold began
 

@@ -57,7 +57,18 @@ class WorkUnit(_M):
 
     @property
     def bytes_to_read(self) -> int:
-        return sum(c.reads.bytes_to_read for c in self.chunks)
+        """The bytes the executor reads from storage for this unit: every fetch, less what the previous
+        fetch of the same file kept (its last verification block, which neighbouring target chunks
+        share; ``ckptd.reshard.executor._Fetches``)."""
+        kept: dict[str, tuple[int, int]] = {}  # file -> the byte range of its last fetch's last block
+        total = 0
+        for c in self.chunks:
+            for f in c.reads.fetches:
+                tail = kept.get(f.file)
+                have = min(tail[1], f.end) - f.start if tail is not None and tail[0] <= f.start < tail[1] else 0
+                total += f.end - f.start - have
+                kept[f.file] = (f.end - min(f.end - f.start, f.block_size), f.end)
+        return total
 
 
 class ReshardPlan(_M):

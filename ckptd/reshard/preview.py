@@ -4,8 +4,7 @@ With weights, gradients and optimizer state of b_p, b_g, b_o bytes per
 parameter, N parameters and P data-parallel ranks, per-rank static state is
 about M_S2 = N*b_p + N*(b_g + b_o)/P (ZeRO-2) and M_S3 = N*(b_p + b_g + b_o)/P
 (ZeRO-3). The preview reports the bytes each target rank actually holds, per
-kind, the imbalance and padding of the assignment, and the bytes each work
-unit reads.
+kind, the imbalance of the assignment, and the bytes each work unit reads.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ class Preview:
     per_rank: list[dict[str, int]]       # kind -> bytes
     totals: dict[str, int]
     imbalance: float                     # max / mean - 1
-    padding: float                       # (P * max - total) / (P * max): unused capacity at the max rank
     m_s2: float
     m_s3: float
     grads_estimated: bool
@@ -56,6 +54,5 @@ def preview(plan: ReshardPlan) -> Preview:
     return Preview(
         spec=plan.target_spec, world_size=plan.world_size, per_rank=per_rank, totals=totals,
         imbalance=(peak / mean - 1) if mean else 0.0,
-        padding=((len(loads) * peak - total) / (len(loads) * peak)) if peak else 0.0,
         m_s2=w + (g + o) / P, m_s3=(w + g + o) / P, grads_estimated=grads_estimated,
         unit_reads=[(u.index, u.rank, u.file, u.bytes_to_read) for u in plan.units])

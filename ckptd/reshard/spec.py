@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ckptd_schemas import InvalidRequest
 
-__all__ = ["GRAMMAR", "LayoutSpec", "parse_spec"]
+__all__ = ["GRAMMAR", "LayoutSpec", "default_out_name", "parse_spec"]
 
 GRAMMAR = (
     "replicate[:dp=N] | full | fsdp2:dp=N | zero1:dp=N[,align=A] | zero2:dp=N[,align=A] | zero3:dp=N[,align=A] | "
@@ -120,3 +120,9 @@ def parse_spec(spec: str) -> LayoutSpec:
     if out.world_size > MAX_WORLD:
         raise _bad(s, f"world size {out.world_size} exceeds {MAX_WORLD}")
     return out
+
+
+def default_out_name(name: str, spec: str, dtype: str | None) -> str:
+    """The output name a conversion of checkpoint ``name`` to ``spec`` gets when none is given."""
+    slug = spec.replace(":", "-").replace("=", "").replace(",", "-")
+    return f"{name}-{slug}" + (f"-{dtype}" if dtype else "")

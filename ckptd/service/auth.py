@@ -38,7 +38,6 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import hmac
-import json
 import logging
 import os
 import re
@@ -51,6 +50,8 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ckptd_schemas import Forbidden, PayloadTooLarge, Unauthorized
+
+from .error_body import send_error
 
 __all__ = ["OPEN", "ROUTE_RULES", "AccessMiddleware", "AuthConfigError", "Principal", "Rule", "TokenStore",
            "authorize", "check_routes", "hash_token", "iter_routes", "parse_tokens", "principal_of"]
@@ -258,7 +259,7 @@ OPEN = Rule("open", run_param=None)
 ROUTE_RULES: dict[str, Rule] = {
     # probes, metrics and the API description: open
     "healthz": OPEN, "readyz": OPEN, "metrics": OPEN,
-    "openapi": OPEN, "swagger_ui_html": OPEN, "swagger_ui_redirect": OPEN, "redoc_html": OPEN,
+    "openapi": OPEN, "swagger_ui_html": OPEN, "swagger_ui_redirect": OPEN, "docs_asset": OPEN,
     # reads: read:RUN (write:RUN and admin include it)
     "list_runs": Rule("read", run_param=None),  # any token; only the runs it may read are listed
     "list_checkpoints": Rule("read"),
@@ -349,18 +350,6 @@ def _bearer(scope: Scope) -> str | None:
     return None
 
 
-async def _send_error(send: Send, scope: Scope, err: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = err.to_body()
-    rid = scope.get("state", {}).get("request_id")
-    if rid:
-        body["error"]["request_id"] = rid
-    raw = json.dumps(body, separators=(",", ":")).encode()
-    await send({"type": "http.response.start", "status": err.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
-                            *(headers or [])]})
-    await send({"type": "http.response.body", "body": raw})
-
-
 class AccessMiddleware:
     """401 before anything is routed or read; body limits by route once routed.
 
@@ -406,7 +395,7 @@ class AccessMiddleware:
             if principal is None:
                 msg = NO_TOKEN if token is None else "the bearer token is not valid"
                 self._match(scope)
-                await _send_error(send, scope, Unauthorized(msg),
+                await send_error(send, scope, Unauthorized(msg),
                                   [(b"www-authenticate", b'Bearer realm="ckptd"')])
                 return
             state["principal"] = principal
@@ -438,7 +427,7 @@ class AccessMiddleware:
             nonlocal responded
             responded = True
             state["ckptd_answered"] = True  # the disconnect the handler meets next is this answer's (limits)
-            await _send_error(send, scope, PayloadTooLarge(message, limit=limit), [(b"connection", b"close")])
+            await send_error(send, scope, PayloadTooLarge(message, limit=limit), [(b"connection", b"close")])
 
         async def guarded_send(msg: Message) -> None:
             if not responded:  # after a 413 the handler's own answer (to the disconnect) is dropped

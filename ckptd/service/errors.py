@@ -1,4 +1,7 @@
-"""The one place where exceptions become HTTP responses.
+"""The one place where exceptions raised while handling a request become HTTP responses.
+
+Their bodies, like those the access middleware and the HTTP protocol send, come from
+:mod:`ckptd.service.error_body`.
 
 Every error body carries the request's id (``error.request_id``, also in the
 ``X-Request-Id`` header), and storage and integrity failures are counted in the
@@ -22,6 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from ckptd_schemas import CkptdError, InvalidRequest, NotFound, PayloadTooLarge, TooManyRequests
 
+from .error_body import error_body
 from .limits import was_answered
 
 __all__ = ["install_error_handlers"]
@@ -31,11 +35,7 @@ CLIENT_CLOSED = 499  # the client closed the connection before the answer (no on
 
 
 def _body(request: Request, err: CkptdError) -> dict:
-    body = err.to_body()
-    rid = request.scope.get("state", {}).get("request_id")
-    if rid:
-        body["error"]["request_id"] = rid
-    return body
+    return error_body(err, request.scope.get("state", {}).get("request_id"))
 
 
 def _op(request: Request) -> str:

@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ckptd_schemas import PlanBudget, RequestTimeout, TooManyRequests
 
-from .auth import _send_error
+from .error_body import send_error
 
 __all__ = ["ANSWER_PER_BODY_BYTE", "CHUNKS_PER_BODY_BYTE", "BodyIdleTimeout", "UploadSlots", "mark_answered",
            "read_plan_budget", "was_answered"]
@@ -139,7 +139,7 @@ class BodyIdleTimeout:
                     err = RequestTimeout(f"the request body sent nothing for {self.seconds:g} s "
                                          f"(CKPTD_BODY_IDLE_TIMEOUT_SECONDS): connection closed",
                                          timeout_s=self.seconds)
-                    await _send_error(send, scope, err, [(b"connection", b"close")])
+                    await send_error(send, scope, err, [(b"connection", b"close")])
                 return {"type": "http.disconnect"}
             if msg["type"] != "http.request" or not msg.get("more_body", False):
                 body_done = True

@@ -10,23 +10,47 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
-import json
 import logging
+import socket
 from typing import Any
 
 import uvicorn
+from prometheus_client import disable_created_metrics
 
-from ckptd_schemas import InvalidRequest
+from ckptd_schemas import InvalidRequest, PayloadTooLarge
 
 from .app import create_app
 from .auth import AuthConfigError, TokenStore
 from .connections import guard_protocol
+from .error_body import raw_error_response
 from .logs import configure_logging
 from .settings import Settings
 
-__all__ = ["AuthConfigError", "check_open_mode", "is_loopback", "serve"]
+__all__ = ["AuthConfigError", "ListenError", "check_open_mode", "is_loopback", "listen", "serve"]
 
 log = logging.getLogger("ckptd.service")
+
+
+class ListenError(Exception):
+    """The service cannot listen on its address (port in use, address not on this host)."""
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``, bound here so that a busy port or a foreign address
+    is one clear :class:`ListenError` before anything else starts."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, OverflowError) as e:
+        raise ListenError(f"cannot listen on {host}:{port}: {e}") from e
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    return sock
 
 
 def is_loopback(host: str) -> bool:
@@ -55,26 +79,22 @@ def check_open_mode(settings: Settings, tokens: TokenStore) -> None:
     else:
         raise AuthConfigError(
             f"refusing to serve on {settings.host} without authentication: anyone who can reach {where} could "
-            f"read and write every checkpoint. Configure bearer tokens (CKPTD_TOKENS_FILE or CKPTD_TOKENS; README, "
-            f"'Authentication'), listen on 127.0.0.1, or pass --insecure-open (CKPTD_INSECURE_OPEN=1) to serve "
-            f"openly anyway.")
+            f"read and write every checkpoint. Configure bearer tokens (CKPTD_TOKENS_FILE or CKPTD_TOKENS; "
+            f"docs/security.md, 'Authentication'), listen on 127.0.0.1, or pass --insecure-open "
+            f"(CKPTD_INSECURE_OPEN=1) to serve openly anyway.")
 
 
 def _malformed_response(msg: str) -> bytes:
     """A 400 in the service's error shape for a request the HTTP parser refused (uvicorn's own is plain text)."""
-    body = json.dumps(InvalidRequest(f"malformed HTTP request: {msg}").to_body(), separators=(",", ":")).encode()
-    return (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n%s" % (len(body), body))
+    return raw_error_response(InvalidRequest(f"malformed HTTP request: {msg}"), reason="Bad Request")
 
 
 def _bounded_httptools(limit: int) -> Any:
     """uvicorn's httptools protocol with the request line plus headers bounded (httptools has no limit)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    body = (b'{"error": {"code": "payload_too_large", "message": "request line and headers exceed %d bytes", '
-            b'"details": {"limit": %d}}}' % (limit, limit))
-    response = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+    response = raw_error_response(PayloadTooLarge(f"request line and headers exceed {limit} bytes", limit=limit),
+                                  status=431, reason="Request Header Fields Too Large")
 
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
         _ckptd_head = 0  # bytes received since the current request began, while its head is incomplete
@@ -139,15 +159,10 @@ def serve(settings: Settings) -> None:
 
     Raises :class:`AuthConfigError` (before listening) when the tokens cannot be
     read, or when no token is configured on a non-loopback address without
-    ``insecure_open``.
+    ``insecure_open``; :class:`ListenError` when the address cannot be listened on.
     """
     configure_logging(settings.log_level, settings.log_format)
-    try:
-        from prometheus_client import disable_created_metrics
-
-        disable_created_metrics()  # no *_created series beside every counter and histogram
-    except ImportError:  # prometheus-client < 0.17
-        pass
+    disable_created_metrics()  # no *_created series beside every counter and histogram
     tokens = TokenStore.from_settings(settings)
     check_open_mode(settings, tokens)
     app = create_app(settings, tokens=tokens)
@@ -163,6 +178,13 @@ def serve(settings: Settings) -> None:
     if http == "h11":
         log.warning("httptools is not installed: serving with h11, without the request-head deadline and the "
                     "connection cap (CKPTD_HEADER_TIMEOUT_SECONDS, CKPTD_SEND_IDLE_TIMEOUT_SECONDS, CKPTD_MAX_CONNECTIONS)")
-    uvicorn.run(app, host=settings.host, port=settings.port, loop=loop, http=http, log_config=None,
-                log_level=settings.log_level.lower(), access_log=False, timeout_keep_alive=30,
-                h11_max_incomplete_event_size=settings.max_header_bytes)
+    sock = listen(settings.host, settings.port)
+    host, port = sock.getsockname()[:2]
+    log.info("ckptd listening on http://%s:%d (root %s)", f"[{host}]" if ":" in host else host, port, settings.root)
+    config = uvicorn.Config(app, loop=loop, http=http, log_config=None, log_level=settings.log_level.lower(),
+                            access_log=False, timeout_keep_alive=30,
+                            h11_max_incomplete_event_size=settings.max_header_bytes)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()

@@ -15,7 +15,6 @@ from typing import Callable, Iterator
 
 from ckptd_schemas import AdoptedFile, CkptdError, InvalidRequest, StorageError, StorageFull
 
-from . import _direct_io
 from .base import Adopted, Storage, Writer, check_key
 
 __all__ = ["LocalStorage", "fsync_dir"]
@@ -74,10 +73,6 @@ class _LocalWriter(Writer):
         self._durable = durable
         self._tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
         self._written = self._flushed = 0  # bytes written; bytes handed to write-back early
-        # durable files go around the page cache where the filesystem allows (see _direct_io): decided at
-        # the first write, when the process-wide buffer pool has buffers to spare
-        self._direct: _direct_io.DirectWrites | None = None
-        self._try_direct = durable and _direct_io.enabled()
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self._tmp, "wb", buffering=0)
@@ -96,17 +91,8 @@ class _LocalWriter(Writer):
             os.posix_fadvise(self._f.fileno(), self._flushed, self._written - self._flushed, os.POSIX_FADV_DONTNEED)
         self._flushed = self._written
 
-    def _direct_writes(self) -> _direct_io.DirectWrites | None:
-        if self._try_direct:
-            self._try_direct = False
-            self._direct = _direct_io.DirectWrites.open(self._f.fileno())
-        return self._direct
-
     def write(self, data: bytes | memoryview) -> None:
         try:
-            if (direct := self._direct_writes()) is not None:
-                direct.write(data)
-                return
             view = memoryview(data)
             total = len(view)
             while view:
@@ -120,10 +106,6 @@ class _LocalWriter(Writer):
     def write_parts(self, parts: list[bytes]) -> None:
         """``os.writev`` of the pieces (at most IOV_MAX at a time), finishing any short write."""
         try:
-            if (direct := self._direct_writes()) is not None:
-                for p in parts:
-                    direct.write(p)
-                return
             fd = self._f.fileno()
             for i in range(0, len(parts), _IOV_MAX):
                 group = parts[i:i + _IOV_MAX]
@@ -142,8 +124,6 @@ class _LocalWriter(Writer):
 
     def commit(self) -> None:
         try:
-            if self._direct is not None:
-                self._direct.finish()
             if self._durable:
                 os.fsync(self._f.fileno())
             self._f.close()
@@ -155,8 +135,6 @@ class _LocalWriter(Writer):
             raise _storage_error("commit", self._key, e) from e
 
     def abort(self) -> None:
-        if self._direct is not None:
-            self._direct.release()
         try:
             self._f.close()
         except OSError:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ckptd_client._codec import source_bytes
+from ckptd_client.codec import source_bytes
 from ckptd_schemas import Copy, IntegrityError, InvalidRequest, dest_region, itemsize, row_major_strides
 
 if TYPE_CHECKING:

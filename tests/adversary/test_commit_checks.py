@@ -1,6 +1,6 @@
 """Attacks on the commit: a writer with a valid token sends indexes and files that lie.
 
-The promise (README, Guarantees 3): the commit accepts nothing it has not checked itself, so no
+The promise (docs/guarantees.md §3): the commit accepts nothing it has not checked itself, so no
 checkpoint becomes visible that ``ckptd verify`` would reject. Each attack goes over raw HTTP
 (httpx) to a real ``ckptd serve``, and where it needs the filesystem, writes the session's files as
 a rank with direct writes would. Every refusal must be typed and name the tensor, rank or file; the

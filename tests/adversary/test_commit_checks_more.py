@@ -1,6 +1,6 @@
 """More attacks on the commit: indexes and files that lie in ways the first set does not try.
 
-The promise (README, Guarantees 3): the commit accepts nothing it has not checked itself. For every
+The promise (docs/guarantees.md §3): the commit accepts nothing it has not checked itself. For every
 attack here that the commit refuses, nothing is visible and the previous checkpoint still loads
 (``Env.assert_invisible``); for every one it accepts, ``ckptd verify --root`` exits 0 and the load
 gives exactly the bytes the index describes.

@@ -34,8 +34,8 @@ import xxhash
 import zstandard
 
 from ckptd.service.auth import hash_token
-from ckptd_client._codec import decode_frame
-from ckptd_client._http import Transport
+from ckptd_client.codec import decode_frame
+from ckptd_client.transport import Transport
 from ckptd_schemas import ChecksumMismatch
 from support import ServerProcess
 

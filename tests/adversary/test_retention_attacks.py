@@ -1,6 +1,6 @@
 """Attacks on retention: a corrupt newest checkpoint, and a reader slower than its lease.
 
-The promise (README, Retention): gc never leaves a run without its newest *verified* checkpoint,
+The promise (docs/retention.md): gc never leaves a run without its newest *verified* checkpoint,
 offline, through the service and as the service's own policy; a reader that is still reading
 keeps its checkpoint however long it reads.
 """

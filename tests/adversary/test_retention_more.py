@@ -1,7 +1,7 @@
 """More attacks on retention: readers that outlast their lease on every read path, junk leases, and
 the order gc and ``RUN/latest`` judge checkpoints by.
 
-The promise (README, Retention): a load in progress keeps its checkpoint however long it reads, on
+The promise (docs/retention.md): a load in progress keeps its checkpoint however long it reads, on
 every path (HTTP range reads, the client's direct reads of the service's files); gc never deletes
 a run's newest verified checkpoint and never fails on what it finds in the root; checkpoints are
 ordered by what marker and manifest agree on, never by something one edited file can change.

@@ -1,6 +1,6 @@
 """Attacks on the visibility rule: the storage root edited while the service runs.
 
-The promise (README, Guarantees 4): a checkpoint is visible if and only if its ``COMMITTED`` marker
+The promise (docs/guarantees.md §4): a checkpoint is visible if and only if its ``COMMITTED`` marker
 parses and names the digest of a manifest that parses and agrees with it on ref and step; one that
 fails is invisible, counted, and never breaks another checkpoint or run; ``RUN/latest`` falls back
 to the newest visible one; every manifest served matches its marker's digest when it is served.

@@ -1,7 +1,7 @@
 """More attacks on the visibility rule: odd objects where a marker or manifest should be, and junk
 beside the runs, while the service runs and its stale-session sweep goes on.
 
-The promise (README, Guarantees 4): one checkpoint that fails the rule is invisible, logged once,
+The promise (docs/guarantees.md §4): one checkpoint that fails the rule is invisible, logged once,
 counted, and never breaks ``GET /v1/runs``, ``GET /v1/runs/RUN/checkpoints``, ``RUN/latest``,
 ``ckptd ls``, gc or the sweep for the rest of the root; an invisible checkpoint's data is kept.
 """

@@ -13,13 +13,14 @@ from typing import Any, Callable, Iterable, Sequence
 
 import httpx
 
-from ckptd_schemas import CkptdError, Unavailable, error_from_body
+from ckptd_schemas import CkptdError, InvalidRequest, Unavailable, error_from_body
 
 __all__ = ["Transport", "split_urls"]
 
 log = logging.getLogger("ckptd_client")
 RETRY_STATUS = {429, 500, 502, 503, 504}  # 429: over a limit of the service (e.g. a token's uploads at once)
 FAILOVER_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)  # the replica is not there: try the next
+HOPELESS_ERRORS = (httpx.UnsupportedProtocol, httpx.InvalidURL, httpx.LocalProtocolError)  # retrying changes nothing
 
 
 @functools.cache
@@ -34,7 +35,15 @@ def split_urls(url: str | Sequence[str]) -> list[str]:
     urls = [u.strip().rstrip("/") for u in (url.split(",") if isinstance(url, str) else url)]
     urls = [u for u in urls if u]
     if not urls:
-        raise ValueError("no service URL given")
+        raise InvalidRequest("no service URL given", field="url")
+    for u in urls:
+        try:
+            parsed = httpx.URL(u)
+        except httpx.InvalidURL as e:
+            raise InvalidRequest(f"invalid service URL {u!r}: {e}", field="url", url=u) from e
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise InvalidRequest(f"invalid service URL {u!r}: it must start with http:// or https:// and name a "
+                                 f"host, e.g. http://127.0.0.1:8470", field="url", url=u)
     return urls
 
 
@@ -55,12 +64,18 @@ class Transport:
 
     With several URLs (replicas sharing one storage root), a connection that
     cannot be made moves every later call to the next URL (sticky failover).
+    A URL without an ``http(s)://`` scheme is refused at once (``InvalidRequest``),
+    and so is an error no retry can change; ``retry_refused=False`` (the CLI's
+    choice) also gives up at once when no replica accepts a connection, where a
+    trainer waits out a service restart. The first failure of a call is logged
+    as a warning, its retries at debug level.
     """
 
     def __init__(self, url: str | Sequence[str], *, timeout: float = 300.0, retry_seconds: float = 120.0,
-                 token: str | None = None) -> None:
+                 token: str | None = None, retry_refused: bool = True) -> None:
         self.urls = split_urls(url)
         self.retry_seconds = retry_seconds
+        self.retry_refused = retry_refused
         token = ((os.environ.get("CKPTD_TOKEN") if token is None else token) or "").strip()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._clients = [httpx.Client(base_url=u, timeout=httpx.Timeout(timeout, connect=10.0), headers=headers,
@@ -111,20 +126,27 @@ class Transport:
                     if resp.status_code not in RETRY_STATUS:
                         raise err
                     failure: Exception = err
+            except HOPELESS_ERRORS as e:
+                raise InvalidRequest(f"{method} {self.urls[active]}{path}: {e}", url=self.urls[active]) from e
             except httpx.TransportError as e:
                 failure = e
-                if len(self.urls) > 1 and isinstance(e, FAILOVER_ERRORS):
-                    self._fail_over(active)
+                if isinstance(e, FAILOVER_ERRORS):
+                    if len(self.urls) > 1:
+                        self._fail_over(active)
                     unreachable.add(active)
                     if len(unreachable) < len(self.urls):
                         continue  # another replica not tried yet: at once, no pause
+                    if not self.retry_refused:
+                        raise Unavailable(f"cannot connect to ckptd at {', '.join(self.urls)}: {e} (is `ckptd serve` "
+                                          f"running there?)", url=self.urls[active]) from e
             unreachable.clear()
             if time.monotonic() + delay > deadline:
                 if isinstance(failure, CkptdError):
                     raise failure
                 raise Unavailable(f"{method} {self.urls[active]}{path} failed after {attempt} attempts: "
                                   f"{type(failure).__name__}: {failure}", url=self.urls[active]) from failure
-            log.warning("%s %s failed (%s); retrying in %.1fs", method, path, failure, delay)
+            (log.warning if attempt == 1 else log.debug)(
+                "%s %s failed (%s); retrying for up to %.0fs", method, path, failure, deadline - time.monotonic())
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 5.0)
 

@@ -1,0 +1,183 @@
+"""Read routes: runs, checkpoints, manifests, read plans, file bytes, verification and read leases.
+
+All need the ``read`` scope on their run (``auth.ROUTE_RULES``; ``GET /v1/runs`` takes any token and
+lists only the runs it may read). Call order of a load::
+
+    GET    /v1/runs                                      runs (those the token may read)
+    GET    /v1/runs/{run}/checkpoints                    committed checkpoints of a run
+    GET    /v1/checkpoints/{run}/{name}                  manifest ({name} may be "latest")
+    POST   /v1/checkpoints/{run}/{name}/read-plan        byte ranges that fill given regions
+    GET    /v1/checkpoints/{run}/{name}/files/{file}     file bytes (Range supported)
+    PUT    /v1/checkpoints/{run}/{name}/leases/{holder}  hold a read lease (a long load renews it)
+    DELETE /v1/checkpoints/{run}/{name}/leases/{holder}  release it
+
+and, at any time::
+
+    POST   /v1/checkpoints/{run}/{name}/verify           re-read and check every byte, record the outcome
+    GET    /v1/checkpoints/{run}/{name}/verification     the last recorded verification
+
+Serving a manifest, a read plan or file bytes touches the checkpoint's read
+lease (``retention_routes.ReadLeases``), so gc spares it while it is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Header, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
+
+from ckptd_schemas import (
+    CheckpointSummary, InvalidRequest, Manifest, NotFound, PayloadTooLarge, ReadPlan, ReadRequest, RunSummary,
+    check_file, check_session, plan_reads,
+)
+
+from ..store.layout import Paths
+from ..store.verification import VerifyRecord, read_record, verify_and_record
+from .auth import principal_of
+from .bodies import parse_body, read_body_limited
+from .limits import read_plan_budget
+from .services import Services
+
+__all__ = ["ReadPlanBody", "read_router"]
+
+
+class ReadPlanBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    requests: list[ReadRequest]
+    local_paths: bool = False  # also answer with each file's path here (direct reads, see ReadPlan)
+
+
+def _parse_range(header: str | None, size: int) -> tuple[int, int]:
+    if not header:
+        return 0, size
+    try:
+        unit, spec = header.split("=", 1)
+        first, last = spec.split("-", 1)
+        if unit.strip() != "bytes" or "," in spec:
+            raise ValueError
+        if first == "":
+            n = int(last)
+            start, end = max(size - n, 0), size
+        else:
+            start = int(first)
+            end = min(int(last) + 1, size) if last else size
+    except ValueError:
+        raise InvalidRequest(f"unsupported Range header {header!r}: expected bytes=START-END") from None
+    if start < 0 or start > end or start >= size and size > 0:
+        raise InvalidRequest(f"Range {header!r} outside a file of {size} bytes", size=size)
+    return start, end
+
+
+def read_router(svc: Services) -> APIRouter:
+    router = APIRouter(tags=["read"])
+    settings, storage, metrics, reader = svc.settings, svc.storage, svc.metrics, svc.reader
+    visibility, read_leases, workers = svc.visibility, svc.read_leases, svc.workers
+
+    @router.get("/v1/runs", response_model=list[RunSummary])
+    async def list_runs(request: Request) -> list[RunSummary]:
+        principal = principal_of(request)
+        return [r for r in await run_in_threadpool(reader.list_runs) if principal.can_read(r.run)]
+
+    @router.get("/v1/runs/{run}/checkpoints", response_model=list[CheckpointSummary])
+    async def list_checkpoints(run: str) -> list[CheckpointSummary]:
+        return await run_in_threadpool(reader.list_checkpoints, run)
+
+    @router.get("/v1/checkpoints/{run}/{name}", response_model=Manifest)
+    async def get_manifest(run: str, name: str) -> Response:
+        """The manifest's bytes as stored, served only when they hash to the marker's digest (sent as
+        ``X-Ckptd-Manifest-Xxh3``, so a client checks what it received against what was committed)."""
+        c = await run_in_threadpool(reader.committed, run, name)
+        await run_in_threadpool(read_leases.touch, run, c.name)
+        raw = await run_in_threadpool(visibility.manifest_bytes, c)
+        return Response(raw, media_type="application/json",
+                        headers={"X-Ckptd-Name": c.name, "X-Ckptd-Manifest-Xxh3": c.digest,
+                                 "X-Ckptd-Lease-Seconds": f"{settings.read_lease_seconds:g}"})
+
+    @router.post("/v1/checkpoints/{run}/{name}/read-plan", response_model=ReadPlan,
+                 response_model_exclude_none=True)  # no local_paths key unless offered: older clients parse it
+    async def read_plan(request: Request, run: str, name: str) -> ReadPlan:
+        raw = await read_body_limited(request, settings.max_index_bytes)
+        body = await run_in_threadpool(parse_body, ReadPlanBody, raw, "read-plan request")  # off the event loop
+        manifest = await run_in_threadpool(reader.manifest, run, name)
+        await run_in_threadpool(read_leases.touch, run, manifest.name)
+        budget = read_plan_budget(len(raw), settings.read_plan_chunk_budget, settings.read_plan_answer_budget)
+        try:
+            plan = await run_in_threadpool(plan_reads, manifest, body.requests, budget=budget)
+        except PayloadTooLarge:
+            metrics.limit_refusals.labels("read_plan").inc()
+            raise
+        if body.local_paths and settings.direct_reads:
+            paths = {f.file: storage.local_path(Paths.file(run, manifest.name, manifest.session, f.file))
+                     for f in plan.fetches}
+            if all(paths.values()):
+                plan.local_paths = paths  # type: ignore[assignment]
+        raw_plan = await run_in_threadpool(plan.model_dump_json, exclude_none=True)  # a large answer: not on the loop
+        return Response(raw_plan, media_type="application/json")  # type: ignore[return-value]
+
+    @router.post("/v1/checkpoints/{run}/{name}/verify", response_model=VerifyRecord)
+    async def verify_checkpoint(run: str, name: str) -> VerifyRecord:
+        """Re-read and check every byte of a committed checkpoint in a worker process (as `ckptd verify`),
+        record the outcome and return it; 200 either way: ``ok`` says whether it holds."""
+        name, _ = await run_in_threadpool(reader.resolve, run, name)  # 404 before any work; the manifest is checked
+        rec = await asyncio.wrap_future(workers().submit(verify_and_record, storage.url, run, name))
+        return VerifyRecord.model_validate(rec)
+
+    @router.get("/v1/checkpoints/{run}/{name}/verification", response_model=VerifyRecord)
+    async def get_verification(run: str, name: str) -> VerifyRecord:
+        """The last verification the service recorded for this checkpoint (404 when there is none)."""
+        name, _ = await run_in_threadpool(reader.resolve, run, name)
+        rec = await run_in_threadpool(read_record, storage, run, name)
+        if rec is None:
+            raise NotFound(f"checkpoint {run}/{name} has not been verified by the service", ref=f"{run}/{name}")
+        return rec
+
+    @router.get("/v1/checkpoints/{run}/{name}/files/{file}", responses={206: {"description": "partial content"}})
+    async def get_file(run: str, name: str, file: str, range: str | None = Header(None)) -> Response:
+        check_file(file)
+        key, size = await run_in_threadpool(reader.file_key, run, name, file)
+        await run_in_threadpool(read_leases.touch, run, key.split("/")[2])  # runs/RUN/NAME/...: the concrete name
+        start, end = _parse_range(range, size)
+        # A committed file absent or resized on storage is corrupt: 422 before any byte is sent.
+        await run_in_threadpool(storage.check_committed, key, size, file=file)
+        headers = {"Accept-Ranges": "bytes", "Content-Length": str(end - start)}
+        status = 200
+        if range:
+            status = 206
+            headers["Content-Range"] = f"bytes {start}-{max(end - 1, start)}/{size}"
+        piece = storage.read_piece  # per read and send: bounds the memory of one GET
+        if end - start <= piece:
+            data = await run_in_threadpool(storage.read_committed, key, start, end, size, file=file)
+            return Response(data, status_code=status, headers=headers, media_type="application/octet-stream")
+
+        async def pieces() -> AsyncIterator[bytes]:
+            pos = start
+            while pos < end:
+                nxt = min(pos + piece, end)
+                await run_in_threadpool(read_leases.touch, run, key.split("/")[2])  # a long stream keeps its lease
+                yield await run_in_threadpool(storage.read_committed, key, pos, nxt, size, file=file)
+                pos = nxt
+
+        return StreamingResponse(pieces(), status_code=status, headers=headers,
+                                 media_type="application/octet-stream")
+
+    @router.put("/v1/checkpoints/{run}/{name}/leases/{holder}")
+    async def hold_lease(run: str, name: str, holder: str) -> dict:
+        """Lease a checkpoint for a reader that reads for longer than a lease (direct reads fetch no
+        byte through the service): renewed by the reader every third of ``seconds``; gc spares it."""
+        check_session(holder)  # the same safe-name rule as a session id
+        c = await run_in_threadpool(reader.committed, run, name)
+        await run_in_threadpool(read_leases.hold, run, c.name, holder)
+        return {"ref": c.ref, "holder": holder, "seconds": settings.read_lease_seconds}
+
+    @router.delete("/v1/checkpoints/{run}/{name}/leases/{holder}", status_code=204)
+    async def release_lease(run: str, name: str, holder: str) -> Response:
+        check_session(holder)  # the same safe-name rule as a session id
+        c = await run_in_threadpool(reader.committed, run, name)
+        await run_in_threadpool(read_leases.release, run, c.name, holder)
+        return Response(status_code=204)
+
+    return router

@@ -1,0 +1,35 @@
+"""What the route modules share: the objects ``create_app`` builds once per app.
+
+``create_app`` builds one ``Services`` and hands it to ``upload_routes.upload_router``
+and ``read_routes.read_router``; each reads what its routes need from it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from ..storage import Storage
+    from ..store import CheckpointReader
+    from ..store.visibility import Visibility
+    from .limits import UploadSlots
+    from .metrics import MeteredSessionStore, Metrics
+    from .retention_routes import ReadLeases
+    from .settings import Settings
+
+__all__ = ["Services"]
+
+
+@dataclass(frozen=True)
+class Services:
+    settings: Settings
+    storage: Storage
+    metrics: Metrics
+    visibility: Visibility
+    reader: CheckpointReader
+    sessions: MeteredSessionStore
+    uploads: UploadSlots  # file uploads in progress, per token
+    read_leases: ReadLeases
+    workers: Callable[[], ProcessPoolExecutor]  # the worker pool (started on first use), shared with reshard jobs

@@ -1,0 +1,164 @@
+"""Upload routes: a save's sessions, files and rank indexes (``write`` scope, ``auth.ROUTE_RULES``).
+
+Call order of a save::
+
+    POST   /v1/checkpoints/{run}/{name}/sessions                        open or join an upload session
+    PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}        stream a data file (X-Ckptd-Xxh3), or
+    POST   /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}/adopt  adopt a file written directly (direct writes)
+    PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/ranks/{r}        each rank's index; the last one commits
+    GET    /v1/checkpoints/{run}/{name}/sessions/{sid}?wait=S           session status (long poll)
+    DELETE /v1/checkpoints/{run}/{name}/sessions/{sid}                  abort
+
+A long poll of the status is woken at once when an index arrives at this
+process, and polls every 0.1 s otherwise (another replica may take the last index).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from ckptd_schemas import (
+    AdoptFile, InvalidIndex, InvalidRequest, OpenSession, RankIndex, SessionInfo, SessionStatus, UploadResult,
+)
+
+from ..store.faults import crash_point
+from .auth import principal_of
+from .bodies import parse_body, read_body_limited
+from .services import Services
+
+__all__ = ["upload_router"]
+
+
+def _refuse_declared_digests(index: RankIndex) -> None:
+    """A rank's index may not declare a tensor's layout-independent digest (``TensorEntry.digest``).
+
+    Export and reshard check what they assemble against that digest, so a false one would make a
+    checkpoint that verifies fail there. Only the service's own conversions record it, computed from
+    the bytes they wrote; a client has no use for it, so the claim is refused rather than checked.
+    """
+    digests = index.tensor_table.digest
+    if digests is None:
+        return
+    named = [n for n, d in zip(index.tensor_table.name, digests) if d is not None]
+    if named:
+        raise InvalidIndex(f"index of rank {index.rank} declares the layout-independent digest of tensor "
+                           f"{named[0]!r}: only the service's own conversions record tensor digests",
+                           rank=index.rank, tensor=named[0])
+
+
+def upload_router(svc: Services) -> APIRouter:
+    router = APIRouter(tags=["upload"])
+    settings, sessions, uploads = svc.settings, svc.sessions, svc.uploads
+
+    @router.post("/v1/checkpoints/{run}/{name}/sessions", response_model=SessionInfo,
+                 response_model_exclude_none=True)  # no `direct` key unless offered
+    async def open_session(run: str, name: str, body: OpenSession) -> SessionInfo:
+        info = await run_in_threadpool(sessions.open, run, name, body)
+        if body.direct_writes and settings.direct_writes:
+            info.direct = await run_in_threadpool(sessions.direct_writes, run, name, info.session)
+        return info
+
+    @router.put("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}", response_model=UploadResult)
+    async def upload_file(request: Request, run: str, name: str, sid: str, file: str,
+                          x_ckptd_xxh3: str = Header(..., pattern=r"^[0-9a-fA-F]{16}$")) -> UploadResult:
+        release = uploads.acquire(principal_of(request).name, file)  # 429 past this token's uploads at once
+        try:
+            sink = await run_in_threadpool(sessions.begin_file, run, name, sid, file)
+        except BaseException:
+            release()
+            raise
+        batch_limit = settings.write_batch_bytes
+        pending: asyncio.Future | None = None
+        parts: list[bytes] = []  # the body's pieces as uvicorn hands them over: batched, never copied
+        nbytes = 0
+        try:
+            async for piece in request.stream():
+                parts.append(piece)
+                nbytes += len(piece)
+                if nbytes >= batch_limit:
+                    if pending is not None:
+                        await pending
+                    pending = asyncio.ensure_future(run_in_threadpool(sink.write_parts, parts))
+                    parts, nbytes = [], 0
+                    crash_point("upload-mid-stream")
+            if pending is not None:
+                await pending
+            if parts:
+                await run_in_threadpool(sink.write_parts, parts)
+            declared = request.headers.get("content-length")
+            if declared is not None and int(declared) != sink.size:
+                raise InvalidRequest(f"file {file!r}: received {sink.size} of {declared} bytes", file=file)
+            return await run_in_threadpool(sink.finish, x_ckptd_xxh3)
+        except BaseException:
+            if pending is not None and not pending.done():
+                with contextlib.suppress(BaseException):
+                    await pending
+            await run_in_threadpool(sink.abort)
+            raise
+        finally:
+            release()
+
+    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/adopt", response_model=UploadResult)
+    async def adopt_file(request: Request, run: str, name: str, sid: str, file: str, body: AdoptFile) -> UploadResult:
+        """Direct writes: take the file the rank wrote into the session's directory (``SessionInfo.direct``)
+        as the upload of ``file``, after hashing every byte of it as an upload is hashed."""
+        if not settings.direct_writes:
+            raise InvalidRequest(f"file {file!r}: direct writes are off on this service (CKPTD_DIRECT_WRITES); "
+                                 f"upload the file", file=file)
+        release = uploads.acquire(principal_of(request).name, file)  # an adopt hashes a whole file: a slot too
+        try:
+            return await run_in_threadpool(sessions.adopt_file, run, name, sid, file, body)
+        finally:
+            release()
+
+    waiters: dict[str, asyncio.Event] = {}  # session id -> event set when one of its indexes arrives here
+
+    def _wake(sid: str) -> None:
+        event = waiters.pop(sid, None)
+        if event is not None:
+            event.set()
+
+    @router.put("/v1/checkpoints/{run}/{name}/sessions/{sid}/ranks/{rank}", response_model=SessionStatus)
+    async def put_index(request: Request, run: str, name: str, sid: str, rank: int) -> SessionStatus:
+        raw = await read_body_limited(request, settings.max_index_bytes)
+        index = await run_in_threadpool(parse_body, RankIndex, raw, f"index of rank {rank}", InvalidIndex,
+                                        rank=rank)  # off the event loop: a large index parses for seconds
+        if index.rank != rank:
+            raise InvalidRequest(f"index body is for rank {index.rank}, URL says rank {rank}", rank=rank)
+        _refuse_declared_digests(index)
+        try:
+            return await run_in_threadpool(sessions.put_index, run, name, sid, index)
+        finally:
+            _wake(sid)
+
+    @router.get("/v1/checkpoints/{run}/{name}/sessions/{sid}", response_model=SessionStatus)
+    async def session_status(run: str, name: str, sid: str,
+                             wait: float = Query(0.0, ge=0.0, le=60.0)) -> SessionStatus:
+        deadline = time.monotonic() + wait
+        event: asyncio.Event | None = None
+        try:
+            while True:
+                event = waiters.setdefault(sid, asyncio.Event())  # before reading: no lost wake-up
+                st = await run_in_threadpool(sessions.status, run, name, sid)
+                left = deadline - time.monotonic()
+                if st.state != "open" or left <= 0:
+                    return st
+                # Woken at once when an index arrives at this process; polled every 0.1 s otherwise
+                # (another replica may take the last index).
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(event.wait(), min(0.1, left))
+        finally:
+            if event is not None and waiters.get(sid) is event:
+                del waiters[sid]  # a waiter sharing it falls back to the 0.1 s poll
+
+    @router.delete("/v1/checkpoints/{run}/{name}/sessions/{sid}", status_code=204)
+    async def abort_session(run: str, name: str, sid: str) -> Response:
+        await run_in_threadpool(sessions.abort, run, name, sid)
+        return Response(status_code=204)
+
+    return router

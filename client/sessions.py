@@ -1,0 +1,53 @@
+"""The session protocol a writer speaks to a ckptd service, one request each.
+
+Call order for one rank of a save (``_save.upload_snapshot`` and the DCP writer run it; so does
+``ckptd import --server``): :func:`open_session` (open or join; a rank that will write its files
+into the service's staging directory gets that directory back), upload the files, then
+:func:`put_index` with the rank's index; the service commits when the last rank's index arrives,
+and :func:`wait_committed` long-polls until the session leaves ``open``, raising its typed error if
+the commit was refused.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ckptd_schemas import RankIndex, SessionInfo, SessionStatus, Unavailable, error_from_body
+
+from ._staging import StagingDir, probe
+from .transport import Transport
+
+__all__ = ["open_session", "put_index", "wait_committed"]
+
+
+def open_session(transport: Transport, base: str, session: str, world: int, step: int | None, *,
+                 direct_writes: bool = False) -> StagingDir | None:
+    """Open or join the session; with ``direct_writes``, return the staging directory this rank may
+    write its files into (None when the service offers none or this host does not see it)."""
+    body = {"session": session, "world_size": world, "step": step}
+    if direct_writes:
+        body["direct_writes"] = True
+    info = SessionInfo.model_validate(transport.request("POST", f"{base}/sessions", json=body))
+    return probe(info.direct) if direct_writes else None
+
+
+def put_index(transport: Transport, base: str, session: str, index: RankIndex) -> SessionStatus:
+    body = index.model_dump_json().encode()
+    st = transport.request("PUT", f"{base}/sessions/{session}/ranks/{index.rank}", content=lambda: body,
+                           headers={"Content-Type": "application/json"})
+    return SessionStatus.model_validate(st)
+
+
+def wait_committed(transport: Transport, base: str, ref: str, status: SessionStatus,
+                   deadline: float | None) -> SessionStatus:
+    """Long-poll the session until it leaves ``open``; raise its typed error if it failed."""
+    while status.state == "open":
+        left = 10.0 if deadline is None else min(10.0, deadline - time.monotonic())
+        if left <= 0:
+            raise Unavailable(f"{ref}: not committed in time; ranks done: {status.ranks_done} of "
+                              f"{status.world_size}", ref=ref, session=status.session)
+        status = SessionStatus.model_validate(transport.request(
+            "GET", f"{base}/sessions/{status.session}", params={"wait": round(left, 1)}))
+    if status.state == "failed":
+        raise error_from_body({"error": status.error}, 422)
+    return status
