@@ -3,7 +3,7 @@
 Every test commits a good checkpoint first and ends by checking that it still
 loads bit for bit and that ``ckptd verify`` (its own process) passes on it.
 Crashes are real: the server SIGKILLs itself at a named point of the protocol
-(``CKPTD_CRASH_AT``, ckptd/store/faults.py), the test SIGKILLs it at a random
+(``CKPTD_FAULTS=crash-at=POINT``, ckptd/store/faults.py), the test SIGKILLs it at a random
 moment, or a trainer rank dies with ``os._exit``. Nothing of ckptd is mocked.
 """
 
@@ -193,7 +193,7 @@ def test_server_killed_at_crash_point_then_restarted(srv, tmp_path, point):
     root, sd1 = Path(srv.root), SD1
     client = CheckpointClient(srv.url, retry_seconds=60, streams=2, file_bytes=1 << 20)
     try:
-        srv.start(env={"CKPTD_CRASH_AT": point})
+        srv.start(env={"CKPTD_FAULTS": f"crash-at={point}"})
         sd2 = make_state(2, mib=2.5)  # a 2.5 MiB data file: dozens of 64 KiB write batches
         with VisibilityWatcher(root) as watch:
             handle = client.save(sd2, f"{RUN}/2")
@@ -254,7 +254,7 @@ def test_index_retries_after_commit_are_answered_not_refused(srv, tmp_path):
     root, sd1 = Path(srv.root), SD1
     client = CheckpointClient(srv.url, retry_seconds=10)
     try:
-        srv.start(env={"CKPTD_CRASH_AT": "commit-after-marker"})
+        srv.start(env={"CKPTD_FAULTS": "crash-at=commit-after-marker"})
         full = torch.randn(5, 3, generator=torch.Generator().manual_seed(4))
         ranks = [_rank_index(0, full, 0, 2), _rank_index(1, full, 2, 5)]
         base = f"/v1/checkpoints/{RUN}/2/sessions/two"

@@ -169,7 +169,7 @@ def test_service_killed_while_adopting_then_restarted(tmp_path, point):
     there; the client's retry adopts it), or renamed into place before its digest was recorded (the
     retry finds no staged file and no digest, so the client uploads that file over HTTP). Either
     way the same save commits once, loads, verifies, and leaves no staged file."""
-    srv = ServerProcess(tmp_path / "root").start(env={"CKPTD_CRASH_AT": point})
+    srv = ServerProcess(tmp_path / "root").start(env={"CKPTD_FAULTS": f"crash-at={point}"})
     try:
         sd = make_state(7, mib=1.0)
         with CheckpointClient(srv.url, direct_writes=True, retry_seconds=60, streams=1) as c:

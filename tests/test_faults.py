@@ -2,11 +2,11 @@
 
 Each case runs real ``ckptd serve`` processes and real clients; faults are real
 too: SIGKILL (the server kills itself at a random kill point,
-``CKPTD_CRASH_RANDOM`` in ckptd/store/faults.py, or the test kills it after a
+``CKPTD_FAULTS=crash-random=...`` in ckptd/store/faults.py, or the test kills it after a
 random delay), trainer ranks that die, TCP connections cut by a proxy
 (tests/fault_proxy.py), a real full filesystem (a tmpfs the test mounts), and a
-storage backend made slow or unavailable for one run (``CKPTD_FAULT_STALL_RUN``,
-``CKPTD_FAULT_FAIL_RUN``). The named crash points, a random-moment kill during
+storage backend made slow or unavailable for one run (``CKPTD_FAULTS=stall=...``,
+``fail=...``). The named crash points, a random-moment kill during
 one large upload and a rank killed mid-upload are in tests/test_crash.py, whose
 helpers this file reuses.
 
@@ -132,7 +132,7 @@ COMMIT_POINTS = ["index-written", "commit-before-manifest", "commit-before-marke
 
 
 def _arm(ctl: Path, spec: str) -> None:
-    """Replace the server's kill control file (read by ``CKPTD_CRASH_RANDOM=@ctl``) in one rename."""
+    """Replace the server's kill control file (read by ``CKPTD_FAULTS=crash-random=@ctl``) in one rename."""
     tmp = ctl.with_name(ctl.name + ".new")
     tmp.write_text(spec)
     os.replace(tmp, ctl)
@@ -142,7 +142,7 @@ def _arm(ctl: Path, spec: str) -> None:
 def test_randomized_server_kills_never_lose_or_half_show_a_checkpoint(tmp_path):
     """50 saves, each with the server SIGKILLed at a random point, then restarted, checked and retried.
 
-    The server runs with ``CKPTD_CRASH_RANDOM=@<file>``; before most saves the test arms it with
+    The server runs with ``CKPTD_FAULTS=crash-random=@<file>``; before most saves the test arms it with
     ``<seed>:<p>[:<points>]``: at every kill point (every step of the protocol in
     ckptd/store/faults.py, and inside storage writes) the server draws and SIGKILLs itself with
     probability p; half of these runs draw at every point (p varies, so kills land from the first
@@ -160,7 +160,7 @@ def test_randomized_server_kills_never_lose_or_half_show_a_checkpoint(tmp_path):
     runs = int(os.environ.get("CKPTD_FAULT_RUNS", "50"))
     rng = random.Random(seed)
     root, ctl = tmp_path / "root", tmp_path / "kill-control"
-    server = ServerProcess(root, env={**SMALL_BATCH, "CKPTD_CRASH_RANDOM": f"@{ctl}"}, log=tmp_path / "server.log")
+    server = ServerProcess(root, env={**SMALL_BATCH, "CKPTD_FAULTS": f"crash-random=@{ctl}"}, log=tmp_path / "server.log")
     base_sd = make_state(1, mib=0.2)
     expected: dict[str, dict] = {}          # name -> the state it must load as
     outcomes: collections.Counter = collections.Counter()
@@ -191,7 +191,7 @@ def test_randomized_server_kills_never_lose_or_half_show_a_checkpoint(tmp_path):
                 delay = rng.uniform(0.0, 2.0 * save_time)
                 resume = rng.random() < 0.3
                 params = (f"run {i} of seed {seed}: ref {ref}, world {world}, "
-                          + (f"server kills itself at random points (CKPTD_CRASH_RANDOM={spec})" if spec
+                          + (f"server kills itself at random points (crash-random={spec})" if spec
                              else f"test SIGKILL after {delay:.3f}s")
                           + (", retry resumes the session" if resume else ", retry opens a new session"))
                 try:
@@ -602,10 +602,10 @@ def test_disk_full_mid_write_typed_error_staging_dropped_previous_loads(small_fs
 # -- 5. one run's storage slow, or unavailable, while other runs keep saving -----------------------------
 
 def test_one_runs_storage_slow_other_runs_keep_saving(tmp_path):
-    """Every object written under ``runs/slow/`` waits 0.6 s (``CKPTD_FAULT_STALL_RUN``): the slow run's
+    """Every object written under ``runs/slow/`` waits 0.6 s (``CKPTD_FAULTS=stall=slow:0.6``): the slow run's
     save takes many seconds, and other runs' saves commit meanwhile, while it is still open."""
     root = tmp_path / "root"
-    server = ServerProcess(root, env={**SMALL_BATCH, "CKPTD_FAULT_STALL_RUN": "slow:0.6"},
+    server = ServerProcess(root, env={**SMALL_BATCH, "CKPTD_FAULTS": "stall=slow:0.6"},
                         log=tmp_path / "server.log").start()
     slow_client = CheckpointClient(server.url, retry_seconds=30, streams=1, file_bytes=64 * KIB)
     fast_client = CheckpointClient(server.url, retry_seconds=30)
@@ -642,11 +642,11 @@ def test_one_runs_storage_slow_other_runs_keep_saving(tmp_path):
 
 
 def test_one_runs_storage_unavailable_typed_error_other_runs_keep_saving(tmp_path):
-    """Every write under ``runs/down/`` fails (``CKPTD_FAULT_FAIL_RUN``): its save raises the typed
+    """Every write under ``runs/down/`` fails (``fail=...``): its save raises the typed
     StorageError from wait() after the client's retries, nothing of it is visible, another run's
     saves commit meanwhile; once the backend is back, the same save commits."""
     root = tmp_path / "root"
-    server = ServerProcess(root, env={"CKPTD_FAULT_FAIL_RUN": "down"}, log=tmp_path / "server.log").start()
+    server = ServerProcess(root, env={"CKPTD_FAULTS": "fail=down"}, log=tmp_path / "server.log").start()
     down_client = CheckpointClient(server.url, retry_seconds=2)
     up_client = CheckpointClient(server.url, retry_seconds=10)
     try:
@@ -669,7 +669,7 @@ def test_one_runs_storage_unavailable_typed_error_other_runs_keep_saving(tmp_pat
             assert_loads(up_client, f"up/{name}", sd)
         print(f"\nthe other run's 2 saves committed in {up_done:.1f}s")
 
-        server.restart(env={"CKPTD_FAULT_FAIL_RUN": ""})  # the backend is back
+        server.restart(env={"CKPTD_FAULTS": ""})  # the backend is back
         assert down_client.save(down_sd, "down/1").wait(timeout=60).state == "committed"
         assert_loads(up_client, "down/1", down_sd)
         verify_in_process(root, "down", "1")
@@ -836,7 +836,7 @@ def test_fault_hooks_are_inert_unless_set(tmp_path, monkeypatch):
     try:
         faults.configure({})
         assert faults.wrap_storage(storage) is storage and SessionStore(storage).storage is storage
-        faults.configure({"CKPTD_FAULT_FAIL_RUN": "down", "CKPTD_FAULT_STALL_RUN": "slow:0.2"})
+        faults.configure({"CKPTD_FAULTS": "fail=down;stall=slow:0.2"})
         wrapped = SessionStore(storage).storage
         assert wrapped is not storage
         with pytest.raises(StorageError) as ei:
@@ -851,7 +851,7 @@ def test_fault_hooks_are_inert_unless_set(tmp_path, monkeypatch):
         # A file-armed random kill, (almost) never firing, drawing at the listed point only; the
         # generator is re-armed when the file is replaced.
         ctl = tmp_path / "ctl"
-        faults.configure({"CKPTD_CRASH_RANDOM": f"@{ctl}"})
+        faults.configure({"CKPTD_FAULTS": f"crash-random=@{ctl}"})
         faults.crash_point("index-written")  # no file: disarmed
         _arm(ctl, "7:1e-12:index-written")
         faults.crash_point("index-written")
@@ -861,5 +861,11 @@ def test_fault_hooks_are_inert_unless_set(tmp_path, monkeypatch):
         _arm(ctl, "")
         faults.crash_point("index-written")
         assert faults._random.calls == 0 and faults._random.probability == 0
+        # one switch: a mistyped clause is refused, not ignored
+        for typo in ("crash_at=index-written", "fail", "stal=slow:1"):
+            with pytest.raises(ValueError, match="CKPTD_FAULTS"):
+                faults.configure({"CKPTD_FAULTS": typo})
+        faults.configure({"CKPTD_FAULTS": "crash-at=index-written"})
+        assert faults._crash_at == "index-written" and faults._random is None
     finally:
         faults.configure()

@@ -616,7 +616,7 @@ def test_replica_dying_at_a_crash_point_the_other_finishes(tmp_path, point):
     commit points are reached on A); they fail over to B, which finishes the same session."""
     assert point in CRASH_POINTS
     root = tmp_path / "root"
-    a = ServerProcess(root, log=tmp_path / "a.log", env={"CKPTD_CRASH_AT": point,
+    a = ServerProcess(root, log=tmp_path / "a.log", env={"CKPTD_FAULTS": f"crash-at={point}",
                                                          "CKPTD_WRITE_BATCH_BYTES": str(16 << 10)})
     b = ServerProcess(root, log=tmp_path / "b.log")
     try:

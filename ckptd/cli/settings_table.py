@@ -11,7 +11,7 @@ table differs from the generated one.
 
 from __future__ import annotations
 
-from ..service.settings import Settings, env_name
+from ..service.settings import GROUPS, Settings, env_name
 
 __all__ = ["TABLE_BEGIN", "TABLE_END", "markdown_table", "serve_flags", "update_readme"]
 
@@ -53,15 +53,20 @@ def _default(value: object) -> str:
 
 
 def markdown_table() -> str:
-    """The configuration table, one row per :class:`Settings` field, in declaration order."""
+    """The configuration table: one table per group of :data:`~ckptd.service.settings.GROUPS`, one row per
+    :class:`Settings` field."""
     flags = serve_flags()
-    rows = ["| variable | `ckptd serve` flag | default | meaning |", "| --- | --- | --- | --- |"]
-    for name, field in Settings.model_fields.items():
-        default = field.get_default(call_default_factory=True)
-        meaning = (field.description or "").replace("|", "\\|").replace("\n", " ")
-        flag = f"`{flags[name]}`" if name in flags else ""
-        rows.append(f"| `{env_name(name)}` | {flag} | {_default(default)} | {meaning} |")
-    return "\n".join(rows) + "\n"
+    out: list[str] = []
+    for group, names in GROUPS.items():
+        out += [f"**{group}**", "", "| variable | `ckptd serve` flag | default | meaning |", "| --- | --- | --- | --- |"]
+        for name in names:
+            field = Settings.model_fields[name]
+            default = field.get_default(call_default_factory=True)
+            meaning = (field.description or "").replace("|", "\\|").replace("\n", " ")
+            flag = f"`{flags[name]}`" if name in flags else ""
+            out.append(f"| `{env_name(name)}` | {flag} | {_default(default)} | {meaning} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def update_readme(text: str) -> str:

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "env_name"]
+__all__ = ["GROUPS", "Settings", "env_name"]
 
 
 class Settings(BaseSettings):
@@ -82,6 +82,20 @@ class Settings(BaseSettings):
     read_plan_answer_budget: int = Field(
         1 << 16, ge=0, description="copies plus fetches a read plan may answer, plus 1 per byte of its request; "
         "more is refused 413")
+
+
+#: The settings by what they govern: the configuration table shows one group after another.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "Service": ("root", "host", "port", "log_level", "log_format"),
+    "Authentication": ("tokens_file", "tokens", "insecure_open"),
+    "Saving and loading": ("direct_writes", "direct_reads", "write_batch_bytes", "verify_after_commit",
+                           "stale_session_ttl", "reclaim_interval"),
+    "Retention and leases": ("retention_keep_last", "retention_keep_every", "read_lease_seconds"),
+    "Reshard jobs": ("reshard_workers", "reshard_max_mbps"),
+    "Request limits": ("max_index_bytes", "max_header_bytes", "header_timeout_seconds", "body_idle_timeout_seconds",
+                       "send_idle_timeout_seconds", "max_connections", "max_uploads_per_principal",
+                       "read_plan_chunk_budget", "read_plan_answer_budget"),
+}
 
 
 def env_name(name: str) -> str:

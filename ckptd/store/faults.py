@@ -1,29 +1,26 @@
 """Fault injection for the crash and fault tests (docs/design.md §2 item 6). Inert unless a test sets it.
 
-Named crash points: ``CKPTD_CRASH_AT=<point>`` in a server's environment makes
-that process SIGKILL itself when it reaches ``<point>``: the tests use it to
-kill the service between the protocol's steps, exactly where a real crash
-could land. Unset (always, outside tests) it costs one dict lookup.
+One switch, ``CKPTD_FAULTS``, read when this module is imported (or :func:`configure` is called):
+clauses separated by ``;``, each ``kind=value``:
 
-Read once, when this module is imported (or :func:`configure` is called):
+* ``crash-at=<point>``: the process SIGKILLs itself when it reaches the named crash point
+  (:data:`CRASH_POINTS`): the tests kill the service between the protocol's steps, exactly where
+  a real crash could land.
+* ``crash-random=<seed>:<probability>[:<point>,<point>...]``: every kill point the process passes
+  (the named crash points, and two inside storage writes: ``storage-write-partial``, half of a
+  write's bytes in the temp object, and ``storage-before-rename``, the object complete but not yet
+  in place), or only those listed, draws from a ``random.Random(seed)`` and SIGKILLs the process
+  with that probability. The point is written to stderr first (``ckptd fault: SIGKILL at <point> ...``).
+  ``crash-random=@<path>``: the same spec read from a file, re-read (and the generator re-seeded)
+  whenever the file is replaced; an empty or missing file kills nothing. A test then arms and
+  disarms one server process between saves.
+* ``stall=<run>:<seconds>``: every object the session store writes under ``runs/<run>/`` waits
+  ``seconds`` first (a slow backend for one run).
+* ``fail=<run>``: every such write raises :class:`~ckptd_schemas.StorageError` (a backend that is
+  unavailable for one run).
 
-* ``CKPTD_CRASH_RANDOM=<seed>:<probability>[:<point>,<point>...]``: every kill
-  point the process passes (the named crash points, and two inside storage
-  writes: ``storage-write-partial``, half of a write's bytes in the temp object,
-  and ``storage-before-rename``, the object complete but not yet in place), or
-  only those listed, draws from a ``random.Random(seed)`` and SIGKILLs the
-  process with that probability. The point is written to stderr first
-  (``ckptd fault: SIGKILL at <point> ...``).
-  ``CKPTD_CRASH_RANDOM=@<path>``: the same spec read from a file, re-read (and
-  the generator re-seeded) whenever the file is replaced; an empty or missing
-  file kills nothing. A test then arms and disarms one server process between saves.
-* ``CKPTD_FAULT_STALL_RUN=<run>:<seconds>``: every object the session store
-  writes under ``runs/<run>/`` waits ``seconds`` first (a slow backend for one run).
-* ``CKPTD_FAULT_FAIL_RUN=<run>``: every such write raises
-  :class:`~ckptd_schemas.StorageError` (a backend that is unavailable for one run).
-
-With none of them set, :func:`wrap_storage` returns the storage unchanged and
-the kill-point check is one global lookup.
+Unset (always, outside tests), :func:`wrap_storage` returns the storage unchanged and a crash
+point costs two global lookups.
 """
 
 from __future__ import annotations
@@ -98,23 +95,36 @@ class _RandomKill:
 
 
 _random: _RandomKill | None = None
+_crash_at: str | None = None
 _stall: tuple[str, float] | None = None   # (runs/<run>/ prefix, seconds)
 _fail: str | None = None                  # runs/<run>/ prefix
+KINDS = ("crash-at", "crash-random", "stall", "fail")
+
+
+def parse(spec: str) -> dict[str, str]:
+    """``"crash-at=index-written;fail=down"`` -> ``{"crash-at": "index-written", "fail": "down"}``;
+    an unknown kind or a clause without ``=`` raises ValueError (a typo must not pass silently)."""
+    out: dict[str, str] = {}
+    for clause in filter(None, (c.strip() for c in spec.split(";"))):
+        kind, eq, value = clause.partition("=")
+        if not eq or kind.strip() not in KINDS:
+            raise ValueError(f"CKPTD_FAULTS: {clause!r} is not one of {', '.join(k + '=...' for k in KINDS)}")
+        out[kind.strip()] = value.strip()
+    return out
 
 
 def configure(environ: Mapping[str, str] = os.environ) -> None:
-    """(Re)read the fault settings from ``environ``."""
-    global _random, _stall, _fail
-    spec = environ.get("CKPTD_CRASH_RANDOM")
-    _random = _RandomKill(spec) if spec else None
-    spec = environ.get("CKPTD_FAULT_STALL_RUN")
-    if spec:
-        run, _, seconds = spec.rpartition(":")
+    """(Re)read ``CKPTD_FAULTS`` from ``environ``."""
+    global _random, _crash_at, _stall, _fail
+    faults = parse(environ.get("CKPTD_FAULTS", ""))
+    _random = _RandomKill(faults["crash-random"]) if faults.get("crash-random") else None
+    _crash_at = faults.get("crash-at") or None
+    if faults.get("stall"):
+        run, _, seconds = faults["stall"].rpartition(":")
         _stall = (f"runs/{run}/", float(seconds))
     else:
         _stall = None
-    run = environ.get("CKPTD_FAULT_FAIL_RUN")
-    _fail = f"runs/{run}/" if run else None
+    _fail = f"runs/{faults['fail']}/" if faults.get("fail") else None
 
 
 _dying = threading.Lock()
@@ -133,8 +143,8 @@ def crash_point(name: str) -> None:
         call = _random.draw(name)
         if call is not None:
             _kill(name, f"random, draw {call}")
-    if os.environ.get("CKPTD_CRASH_AT") == name:
-        _kill(name, "CKPTD_CRASH_AT")
+    if _crash_at == name:
+        _kill(name, "crash-at")
 
 
 def _before_write(key: str) -> None:
