@@ -82,6 +82,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     for r in runs:
         print(f"{r.run}\t{plural(r.checkpoints, 'checkpoint')}\tlatest={r.latest}")
+    if not runs:
+        print(f"no runs in {b.where}", file=sys.stderr)
     return 0
 
 
