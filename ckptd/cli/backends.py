@@ -5,12 +5,12 @@ from __future__ import annotations
 import threading
 from typing import ContextManager, Protocol
 
-from ckptd_schemas import CheckpointSummary, Manifest, RunSummary
+from ckptd_schemas import CheckpointSummary, Manifest, NotFound, RunSummary
 
 from .readahead import ReadAhead
 from .target import DEFAULT_ROOT, Target, open_root
 
-__all__ = ["Backend", "HttpBackend", "RootBackend", "open_backend"]
+__all__ = ["Backend", "HttpBackend", "RootBackend", "open_backend", "require_run"]
 
 
 class Backend(Protocol):
@@ -101,3 +101,10 @@ def open_backend(target: Target) -> Backend:
     if target.server:
         return HttpBackend(target.server)
     return RootBackend(target.root or DEFAULT_ROOT)
+
+
+def require_run(b: Backend, run: str) -> None:
+    """A command about RUN (``ls RUN``, ``gc RUN``) of a run that is not there says so (exit 1)
+    instead of printing nothing."""
+    if run not in {r.run for r in b.list_runs()}:
+        raise NotFound(f"no such run {run!r} in {b.where}", run=run)

@@ -5,35 +5,29 @@ from __future__ import annotations
 import argparse
 import json
 
-from ckptd_schemas import NotFound
-
-from .target import open_root, resolve_target
+from .backends import HttpBackend, open_backend, require_run
+from .target import resolve_target
 
 __all__ = ["add_parsers"]
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    where = resolve_target(args)
-    if where.server:
-        from ckptd_client import CatalogClient
-
-        with CatalogClient(where.server, retry_seconds=5.0, retry_refused=False) as client:
-            if args.run not in {r.run for r in client.list_runs()}:
-                raise NotFound(f"no such run {args.run!r} at {where.server}", run=args.run)
-            plan = client.gc(args.run, keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run)
-    else:
-        from ..store import CheckpointReader
-        from ..store.retention import collect
-
-        storage = open_root(where.root, create=False)
-        if args.run not in {r.run for r in CheckpointReader(storage).list_runs()}:
-            raise NotFound(f"no such run {args.run!r} in {where.root}", run=args.run)
-        plan = collect(storage, args.run, keep_last=args.keep_last, keep_every=args.keep_every,
-                       dry_run=args.dry_run).as_json()
-        if not args.dry_run:
+    b = open_backend(resolve_target(args))
+    try:
+        require_run(b, args.run)
+        if isinstance(b, HttpBackend):
+            plan = b.client.gc(args.run, keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run)
+        else:
             from ..store import SessionStore
+            from ..store.retention import collect
 
-            plan["reclaimed_sessions"] = SessionStore(storage).reclaim_stale(args.stale_ttl)
+            storage = b.reader.storage
+            plan = collect(storage, args.run, keep_last=args.keep_last, keep_every=args.keep_every,
+                           dry_run=args.dry_run).as_json()
+            if not args.dry_run:
+                plan["reclaimed_sessions"] = SessionStore(storage).reclaim_stale(args.stale_ttl)
+    finally:
+        b.close()
     if args.json:
         print(json.dumps(plan, indent=2))
         return 0

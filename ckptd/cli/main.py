@@ -14,7 +14,7 @@ from math import prod
 from ckptd_schemas import CkptdError, IntegrityError, NotFound, parse_ref
 
 from .. import __version__
-from .backends import Backend, open_backend
+from .backends import Backend, open_backend, require_run
 from .dcp_io import add_parsers as add_dcp_io_parsers
 from .gc import add_parsers as add_gc_parsers
 from .output import human, plural, progress_bar
@@ -26,12 +26,6 @@ __all__ = ["main"]
 
 def _backend(args: argparse.Namespace) -> Backend:
     return open_backend(resolve_target(args))
-
-
-def _require_run(b: Backend, run: str) -> None:
-    """``ls RUN`` / ``gc RUN`` of a run that is not there says so (exit 1) instead of printing nothing."""
-    if run not in {r.run for r in b.list_runs()}:
-        raise NotFound(f"no such run {run!r} in {b.where}", run=run)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -68,7 +62,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.run:
         rows = b.list_checkpoints(args.run)
         if not rows:
-            _require_run(b, args.run)
+            require_run(b, args.run)
         if args.json:
             print(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
             return 0
