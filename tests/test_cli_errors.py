@@ -60,6 +60,7 @@ def root(tmp_path, monkeypatch):
     (["gc", "cli", "--keep-last", "1", "--dry-run", "--root", "{typo}"], 1, "no such root"),
     (["gc", "cli", "--keep-last", "1", "--root", "{typo}"], 1, "no such root"),
     (["gc", "nope", "--keep-last", "1", "--root", "{root}"], 1, "no such run 'nope'"),
+    (["gc", "nope", "--keep-last", "1", "--dry-run", "--root", "{root}"], 1, "no such run 'nope'"),
     (["export", "cli/7", "{out}", "--root", "{typo}"], 1, "no such root"),
     (["export", "cli/7", "{out}", "--dtype", "float7", "--root", "{root}"], 2, "invalid choice: 'float7'"),
     (["reshard", "cli/7", "--to", "fsdp2:dp=2", "--root", "{typo}"], 1, "no such root"),

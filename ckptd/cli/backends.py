@@ -17,6 +17,7 @@ class Backend(Protocol):
     where: str  # the root or URL, for messages
     def list_runs(self) -> list[RunSummary]: ...
     def list_checkpoints(self, run: str) -> list[CheckpointSummary]: ...
+    def run_names(self) -> list[str]: ...
     def manifest(self, run: str, name: str) -> Manifest: ...
     def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes: ...
     def lease(self, manifest: Manifest, what: str) -> ContextManager[object]: ...
@@ -37,6 +38,9 @@ class RootBackend:
 
     def list_checkpoints(self, run: str) -> list[CheckpointSummary]:
         return self.reader.list_checkpoints(run)
+
+    def run_names(self) -> list[str]:
+        return self.reader.visibility.runs()  # names only: no marker of any run is read
 
     def manifest(self, run: str, name: str) -> Manifest:
         return self.reader.manifest(run, name)
@@ -73,6 +77,9 @@ class HttpBackend:
     def list_checkpoints(self, run: str) -> list[CheckpointSummary]:
         return self.client.list_checkpoints(run)
 
+    def run_names(self) -> list[str]:
+        return [r.run for r in self.client.list_runs()]
+
     def manifest(self, run: str, name: str) -> Manifest:
         return self.client.manifest(f"{run}/{name}")
 
@@ -104,7 +111,7 @@ def open_backend(target: Target) -> Backend:
 
 
 def require_run(b: Backend, run: str) -> None:
-    """A command about RUN (``ls RUN``, ``gc RUN``) of a run that is not there says so (exit 1)
-    instead of printing nothing."""
-    if run not in {r.run for r in b.list_runs()}:
+    """A command about RUN (``ls RUN``, ``gc RUN``) that found nothing of it says so (exit 1) when
+    the run is not there, instead of printing nothing. Called only once the command found nothing."""
+    if run not in b.run_names():
         raise NotFound(f"no such run {run!r} in {b.where}", run=run)

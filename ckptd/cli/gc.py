@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .backends import HttpBackend, open_backend, require_run
+from .backends import HttpBackend, RootBackend, open_backend, require_run
 from .target import resolve_target
 
 __all__ = ["add_parsers"]
@@ -14,18 +14,19 @@ __all__ = ["add_parsers"]
 def cmd_gc(args: argparse.Namespace) -> int:
     b = open_backend(resolve_target(args))
     try:
-        require_run(b, args.run)
         if isinstance(b, HttpBackend):
             plan = b.client.gc(args.run, keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run)
         else:
-            from ..store import SessionStore
             from ..store.retention import collect
 
-            storage = b.reader.storage
-            plan = collect(storage, args.run, keep_last=args.keep_last, keep_every=args.keep_every,
+            plan = collect(b.reader.storage, args.run, keep_last=args.keep_last, keep_every=args.keep_every,
                            dry_run=args.dry_run).as_json()
-            if not args.dry_run:
-                plan["reclaimed_sessions"] = SessionStore(storage).reclaim_stale(args.stale_ttl)
+        if not plan["keep"] and not plan["delete"] and not plan["deleted"]:
+            require_run(b, args.run)  # nothing of it: say whether the run exists at all
+        if isinstance(b, RootBackend) and not args.dry_run:
+            from ..store import SessionStore
+
+            plan["reclaimed_sessions"] = SessionStore(b.reader.storage).reclaim_stale(args.stale_ttl)
     finally:
         b.close()
     if args.json:

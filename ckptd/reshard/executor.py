@@ -53,7 +53,7 @@ from ..store.merge import merge_indexes
 from .digest import tensor_digest
 from ..store.assemble import Engine, pick_engine
 from .pieces import SourcePieces, target_place, write_hashed
-from .planner import ALIGN, ReshardPlan, WorkUnit
+from .planner import ALIGN, ReshardPlan, WorkUnit, already_read, kept_block
 
 __all__ = ["ReshardResult", "UnitResult", "finalize", "open_target", "plan_engine", "run_plan", "run_unit",
            "source_pieces"]
@@ -206,18 +206,17 @@ class _Fetches:
         if len(self.buf) < end - start:  # only for a fetch the unit did not announce
             self.buf = bytearray(end - start)
         view = memoryview(self.buf)[:end - start]
-        have = 0
         tail = self.tails.get(f.file)
-        if tail is not None and tail.start <= start < tail.start + tail.length:
-            have = min(tail.start + tail.length, end) - start
+        have = already_read((tail.start, tail.start + tail.length) if tail is not None else None, start, end)
+        if have:
             view[:have] = memoryview(tail.buf)[start - tail.start:start - tail.start + have]
         got = len(view) - have
         if got:  # all of it, or CorruptCheckpoint: the file is absent, resized or short on storage
             self.reader.storage.read_committed_into(key, start + have, view[have:], size, file=f.file)
-        keep = min(len(view), f.block_size)
+        k0, _ = kept_block(start, end, f.block_size)
         if f.file not in self.tails:
             self.tails[f.file] = _Tail(f.block_size)
-        self.tails[f.file].keep(start + len(view) - keep, view[len(view) - keep:])
+        self.tails[f.file].keep(k0, view[k0 - start:])
         return view, got
 
 

@@ -17,7 +17,7 @@ from ckptd_schemas.dtypes import FLOATING as FLOATS, ITEMSIZE
 from .layouts import TargetLayout, build_layout, rank_bytes
 from .spec import LayoutSpec
 
-__all__ = ["PlannedChunk", "ReshardPlan", "WorkUnit", "plan_reshard"]
+__all__ = ["PlannedChunk", "ReshardPlan", "WorkUnit", "already_read", "kept_block", "plan_reshard"]
 
 ALIGN = 64
 
@@ -48,6 +48,19 @@ class PlannedChunk(_M):
         return self.flat_length or 0
 
 
+def kept_block(start: int, end: int, block_size: int) -> tuple[int, int]:
+    """The byte range of fetch ``[start, end)`` that a work unit keeps for the next fetch of the same
+    file: its last verification block, which neighbouring target chunks share."""
+    return end - min(end - start, block_size), end
+
+
+def already_read(kept: tuple[int, int] | None, start: int, end: int) -> int:
+    """How many leading bytes of fetch ``[start, end)`` the kept range holds (read once, not twice)."""
+    if kept is None or not kept[0] <= start < kept[1]:
+        return 0
+    return min(kept[1], end) - start
+
+
 class WorkUnit(_M):
     index: int
     rank: int
@@ -58,16 +71,13 @@ class WorkUnit(_M):
     @property
     def bytes_to_read(self) -> int:
         """The bytes the executor reads from storage for this unit: every fetch, less what the previous
-        fetch of the same file kept (its last verification block, which neighbouring target chunks
-        share; ``ckptd.reshard.executor._Fetches``)."""
-        kept: dict[str, tuple[int, int]] = {}  # file -> the byte range of its last fetch's last block
+        fetch of the same file kept (:func:`kept_block`, :func:`already_read`)."""
+        kept: dict[str, tuple[int, int]] = {}
         total = 0
         for c in self.chunks:
             for f in c.reads.fetches:
-                tail = kept.get(f.file)
-                have = min(tail[1], f.end) - f.start if tail is not None and tail[0] <= f.start < tail[1] else 0
-                total += f.end - f.start - have
-                kept[f.file] = (f.end - min(f.end - f.start, f.block_size), f.end)
+                total += f.end - f.start - already_read(kept.get(f.file), f.start, f.end)
+                kept[f.file] = kept_block(f.start, f.end, f.block_size)
         return total
 
 

@@ -124,7 +124,7 @@ def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | Non
     plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased,
                           newest_verified=newest, latest=latest)
     plan.newest_verified, plan.verified_how, plan.failed_verification = newest, how, failed
-    if newest is None:
+    if newest is None and plan.delete:  # something would go, but nothing newer is known good
         for name in plan.delete:
             plan.keep[name] = "no checkpoint of the run verifies: nothing is deleted"
         plan.delete = []
