@@ -1,42 +1,65 @@
-"""Connection-level limits, in uvicorn's httptools protocol: request heads that never complete,
-responses the client never reads, and idle sockets that would exhaust the process's file descriptors.
+"""Connection-level limits in front of uvicorn's HTTP protocol: request heads that never
+complete or never end, responses the client never reads, idle sockets that would exhaust the
+process's file descriptors, and parser errors answered in the service's error shape.
 
 uvicorn arms no timer on a new connection (its keep-alive timeout starts after a first
-response) and none while a request's head arrives, so a client that connects and sends
-nothing, or sends its headers one byte a minute, holds a socket and a descriptor forever.
-With the descriptors exhausted, accept() fails and ``/healthz`` goes unanswered.
-:func:`guard_protocol` subclasses the protocol with two limits:
+response) and none while a request's head arrives, and its httptools parser puts no bound on
+a head's size; so a client that connects and sends nothing, sends its headers one byte a
+minute, or sends one endless header, holds a socket, a descriptor and memory forever. With
+the descriptors exhausted, accept() fails and ``/healthz`` goes unanswered.
 
+:class:`ConnectionGuard` wraps each connection's protocol by composition
+(:class:`GuardedConnection`, an ``asyncio.Protocol`` that owns uvicorn's protocol, whichever
+uvicorn picks, and hands it the transport through a view) and learns where each request is
+from an ASGI middleware (:meth:`ConnectionGuard.track`); it relies on nothing of uvicorn but
+its ``http=`` protocol-class option and the ASGI scope's ``client``. Its limits:
+
+* a head bound: at most ``max_header_bytes`` from a request's first byte to the blank line
+  that ends its head; beyond, 431 in the service's error shape and the connection closed.
 * a head deadline: ``header_timeout`` seconds from the connection's opening (or from the
-  first byte of a later request on it) to the end of the request's headers; past it the
+  first byte of a later request on it) to the end of the request's head; past it the
   connection is closed. A body that stalls is :class:`ckptd.service.limits.BodyIdleTimeout`'s.
 * a send deadline: while a response waits for the client to read (the transport's write
   buffer is over its high-water mark, so uvicorn has paused the response), at most
-  ``send_timeout`` seconds; then the connection is aborted (its buffered bytes dropped). A
-  reader that never reads would otherwise hold its socket, a descriptor, a response coroutine
-  and up to one storage piece of buffered bytes forever.
-* a connection cap: at most :func:`connection_cap` connections (``max_connections``, and
-  never more than the descriptor limit less a reserve for storage files and the thread
-  pool). A connection over the cap closes the longest-idle connection that has no request
-  in progress (a head still arriving counts as idle); failing that, the one whose response
-  has waited longest for its client to read; or itself when every one is busy sending or
-  receiving. A probe that connects and sends its request at once is answered; idle sockets
-  and readers that stopped reading are shed.
+  ``send_timeout`` seconds; then the connection is aborted (its buffered bytes dropped).
+* a connection cap: at most :func:`connection_cap` connections. A connection over the cap
+  closes the longest-idle connection that has no request in progress (a head still arriving
+  counts as idle); failing that, the one whose response has waited longest for its client to
+  read; or itself when every one is busy sending or receiving.
+* parser errors: what the parser writes while it parses (its plain-text 400 for malformed
+  framing) is replaced by the service's JSON 400, or dropped when a response is mid-stream.
 
-Call order: ``serve`` builds the protocol class once (:func:`guard_protocol`) and hands it
-to uvicorn as ``http=``; uvicorn calls ``connection_made``, the parser callbacks and
-``connection_lost`` on each instance.
+Where each request's head and body begin and end is known from the connection's own
+``httptools`` parser (llhttp, tens of GB/s, so parsing the bytes a second time costs little),
+fed the same bytes as uvicorn's, with the same leniency; when it refuses the bytes, uvicorn's
+parser refuses them too and answers 400, and the guard stops tracking.
+
+Call order: ``serve`` builds one guard, passes ``guard.protocol(inner)`` to uvicorn as
+``http=`` and ``guard.track(app)`` as the app; uvicorn calls ``connection_made``,
+``data_received``, ``pause_writing`` ... on each :class:`GuardedConnection`, which calls the
+same on uvicorn's protocol; the middleware calls ``request_started``, ``body_done``,
+``responding`` and ``request_ended`` on the connection a request arrived on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import resource
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["connection_cap", "guard_protocol"]
+import httptools
+
+from ckptd_schemas import InvalidRequest, PayloadTooLarge
+
+from .error_body import raw_error_response
+
+__all__ = ["ConnectionGuard", "GuardedConnection", "connection_cap"]
 
 log = logging.getLogger("ckptd.service")
+
+_PARSER_400 = b"HTTP/1.1 400 "
 
 
 def connection_cap(max_connections: int) -> int:
@@ -47,104 +70,284 @@ def connection_cap(max_connections: int) -> int:
     return max(8, min(max_connections, soft - max(64, soft // 8)))
 
 
-def guard_protocol(base: type, header_timeout: float, max_connections: int, metrics: Any = None,
-                   send_timeout: float = 0.0) -> type:
-    """``base`` (uvicorn's httptools protocol, or a subclass) with the head and send deadlines and the cap."""
-    cap = connection_cap(max_connections)
+class ConnectionGuard:
+    """The limits and the open connections of one server (see the module docstring)."""
 
-    def refused(limit: str) -> None:
-        if metrics is not None:
-            metrics.limit_refusals.labels(limit).inc()
+    def __init__(self, header_timeout: float, send_timeout: float, max_header_bytes: int, max_connections: int,
+                 metrics: Any = None) -> None:
+        self.header_timeout, self.send_timeout = header_timeout, send_timeout
+        self.max_header_bytes, self.cap, self.metrics = max_header_bytes, connection_cap(max_connections), metrics
+        self.open: dict[tuple[str, int], GuardedConnection] = {}
+        self.too_large = raw_error_response(
+            PayloadTooLarge(f"request line and headers exceed {max_header_bytes} bytes", limit=max_header_bytes),
+            status=431, reason="Request Header Fields Too Large")
 
-    class GuardedProtocol(base):  # type: ignore[misc, valid-type]
-        _ckptd_head_timer: Any = None
-        _ckptd_idle_since = 0.0  # loop time since which no request has been in progress
-        _ckptd_send_timer: Any = None
-        _ckptd_paused_since: float | None = None  # loop time since which the client has not read enough
+    def protocol(self, inner: Callable[..., asyncio.Protocol]) -> Callable[..., asyncio.Protocol]:
+        """A protocol factory for uvicorn's ``http=``: each connection's ``inner`` (called with
+        uvicorn's keyword arguments) behind a :class:`GuardedConnection`."""
+        def make(**kwargs: Any) -> GuardedConnection:
+            return GuardedConnection(self, inner(**kwargs))
+        return make
 
-        def _ckptd_busy(self) -> bool:
-            cycle = getattr(self, "cycle", None)
-            return cycle is not None and not cycle.response_complete
+    def track(self, app: Any) -> Any:
+        """``app`` with each HTTP request reported to the connection it arrived on."""
+        guard = self
 
-        def _ckptd_arm(self) -> None:
-            if header_timeout and header_timeout > 0 and self._ckptd_head_timer is None:
-                self._ckptd_head_timer = self.loop.call_later(header_timeout, self._ckptd_head_expired)
+        async def tracked(scope: dict, receive: Callable, send: Callable) -> None:
+            client = scope.get("client") if scope.get("type") == "http" else None
+            conn = guard.open.get((str(client[0]), int(client[1]))) if client else None
+            if conn is None:
+                await app(scope, receive, send)
+                return
+            conn.request_started()
 
-        def _ckptd_disarm(self) -> None:
-            if self._ckptd_head_timer is not None:
-                self._ckptd_head_timer.cancel()
-                self._ckptd_head_timer = None
+            async def tracked_send(msg: dict) -> None:
+                if msg.get("type") == "http.response.start":
+                    conn.responding = True
+                await send(msg)
 
-        def _ckptd_head_expired(self) -> None:
-            self._ckptd_head_timer = None
-            if not self.transport.is_closing() and not self._ckptd_busy():
-                refused("header_timeout")
-                log.debug("closed a connection that sent no complete request head in %.0f s", header_timeout)
-                self.transport.close()
+            try:
+                await app(scope, receive, tracked_send)
+            finally:
+                conn.request_ended()
 
-        def _ckptd_send_expired(self) -> None:
-            self._ckptd_send_timer = None
-            if self._ckptd_paused_since is not None and not self.transport.is_closing():
-                refused("send_idle")
-                log.warning("closed a connection whose client read nothing of its response for %.0f s "
-                            "(CKPTD_SEND_IDLE_TIMEOUT_SECONDS)", send_timeout)
-                self.transport.abort()  # close() would wait for the unread bytes to drain
+        return tracked
 
-        def _ckptd_disarm_send(self) -> None:
-            self._ckptd_paused_since = None
-            if self._ckptd_send_timer is not None:
-                self._ckptd_send_timer.cancel()
-                self._ckptd_send_timer = None
+    def refused(self, limit: str) -> None:
+        if self.metrics is not None:
+            self.metrics.limit_refusals.labels(limit).inc()
 
-        def pause_writing(self) -> None:
-            if self._ckptd_paused_since is None:
-                self._ckptd_paused_since = self.loop.time()
-                if send_timeout and send_timeout > 0:
-                    self._ckptd_send_timer = self.loop.call_later(send_timeout, self._ckptd_send_expired)
-            super().pause_writing()
 
-        def resume_writing(self) -> None:
-            self._ckptd_disarm_send()
-            super().resume_writing()
+class GuardedConnection(asyncio.Protocol):
+    """One client connection: the guard's limits, then uvicorn's protocol ``inner``."""
 
-        def _ckptd_shed(self) -> None:
-            others = [c for c in self.connections
-                      if c is not self and isinstance(c, GuardedProtocol) and not c.transport.is_closing()]
-            idle = [c for c in others if not c._ckptd_busy()]
-            stalled = [c for c in others if c._ckptd_busy() and c._ckptd_paused_since is not None]
-            refused("connections")
-            if idle:
-                min(idle, key=lambda c: c._ckptd_idle_since).transport.close()
-            elif stalled:  # a response its client is not reading: its buffered bytes are dropped
-                min(stalled, key=lambda c: c._ckptd_paused_since).transport.abort()
-            else:
-                log.warning("%d connections open (the cap, CKPTD_MAX_CONNECTIONS or the descriptor limit), every "
-                            "one with a request in progress: a new connection was closed", cap)
-                self.transport.close()
+    def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol) -> None:
+        self.guard, self.inner = guard, inner
+        self.transport: Any = None
+        self.key: tuple[str, int] | None = None
+        self.loop = asyncio.get_running_loop()
+        self.framing: Any = httptools.HttpRequestParser(_Framing(self))
+        try:
+            self.framing.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn's parser
+        except AttributeError:
+            pass
+        self.in_body = False  # between a head's end and its message's end
+        self.head_bytes = 0  # bytes received since the current head began
+        self.parsed = 0  # request line and headers parsed so far
+        self.pending_heads = 0  # heads seen ending whose request the app has not started
+        self.in_app = 0  # requests the app is handling
+        self.responding = False  # a response has started and its request has not ended
+        self.refusing = False  # a head over the bound: bytes are dropped, 431 follows the requests before it
+        self.parsing = False  # inside inner.data_received: what it writes is the parser's
+        self.idle_since = self.loop.time()
+        self.paused_since: float | None = None
+        self.head_timer: asyncio.TimerHandle | None = None
+        self.send_timer: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self._ckptd_idle_since = self.loop.time()
-            self._ckptd_arm()
-            if len(self.connections) > cap:
-                self._ckptd_shed()
+    # -- asyncio.Protocol, forwarded to uvicorn's protocol -------------------------------------------------------
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._ckptd_disarm()
-            self._ckptd_disarm_send()
-            super().connection_lost(exc)
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            self.key = (str(peer[0]), int(peer[1]))
+            self.guard.open[self.key] = self
+        self.inner.connection_made(_TransportView(transport, self))
+        self._arm_head()
+        if len(self.guard.open) > self.guard.cap:
+            self._shed()
 
-        def on_message_begin(self) -> None:
-            self._ckptd_arm()  # a later request on a kept-alive connection: its head's deadline
-            super().on_message_begin()
+    def data_received(self, data: bytes) -> None:
+        if self.refusing:
+            return
+        if self.framing is not None and not self._track(data):
+            return
+        self.parsing = True
+        try:
+            self.inner.data_received(data)
+        finally:
+            self.parsing = False
 
-        def on_headers_complete(self) -> None:
-            self._ckptd_disarm()
-            super().on_headers_complete()
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
 
-        def on_response_complete(self) -> None:
-            self._ckptd_idle_since = self.loop.time()
-            super().on_response_complete()
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head()
+        self._disarm_send()
+        if self.key is not None and self.guard.open.get(self.key) is self:
+            del self.guard.open[self.key]
+        self.inner.connection_lost(exc)
 
-    GuardedProtocol.__name__ = GuardedProtocol.__qualname__ = f"Guarded{base.__name__}"
-    return GuardedProtocol
+    def pause_writing(self) -> None:
+        if self.paused_since is None:
+            self.paused_since = self.loop.time()
+            if self.guard.send_timeout > 0:
+                self.send_timer = self.loop.call_later(self.guard.send_timeout, self._send_expired)
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._disarm_send()
+        self.inner.resume_writing()
+
+    # -- reports from the middleware ---------------------------------------------------------------------------
+
+    def request_started(self) -> None:
+        self.pending_heads = max(0, self.pending_heads - 1)
+        self.in_app += 1
+
+    def request_ended(self) -> None:
+        self.in_app = max(0, self.in_app - 1)
+        self.responding = False
+        self.idle_since = self.loop.time()
+        if self.refusing and not self.in_app:
+            self._answer_too_large()
+
+    # -- the limits ------------------------------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        return bool(self.in_app or self.pending_heads)
+
+    def _track(self, data: bytes) -> bool:
+        """Feed ``data`` to the framing parser and count it against the head bound; False when refused."""
+        limit = self.guard.max_header_bytes
+        if not self.in_body:
+            self.head_bytes += len(data)
+        try:
+            self.framing.feed_data(data)
+        except httptools.HttpParserCallbackError:  # a request line or header over the bound
+            self._refuse_too_large()
+            return False
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            self.framing = None  # uvicorn's parser, fed the same bytes, answers them
+            return True
+        if not self.in_body and self.head_bytes > limit:  # one header still arriving
+            self._refuse_too_large()
+            return False
+        return True
+
+    def message_begun(self) -> None:
+        self.parsed, self.in_body = 0, False
+        self._arm_head()  # the first byte of a later request on a kept-alive connection
+
+    def head_part(self, size: int) -> None:
+        self.parsed += size
+        if self.parsed > self.guard.max_header_bytes:
+            raise ValueError("request head over the bound")
+
+    def head_ended(self) -> None:
+        self.in_body = True
+        self.pending_heads += 1
+        self._disarm_head()
+
+    def message_ended(self) -> None:
+        self.in_body, self.head_bytes = False, 0
+
+    def _refuse_too_large(self) -> None:
+        """Stop taking bytes; answer 431 and close now, or once the requests before it are answered."""
+        self.refusing = True
+        self.guard.refused("header_bytes")
+        log.warning("request head over %d bytes refused (431)", self.guard.max_header_bytes)
+        if not self.in_app and not self.pending_heads:
+            self._answer_too_large()
+
+    def _answer_too_large(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(self.guard.too_large)
+            self.transport.close()
+
+    def _arm_head(self) -> None:
+        timeout = self.guard.header_timeout
+        if timeout > 0 and self.head_timer is None:
+            self.head_timer = self.loop.call_later(timeout, self._head_expired)
+
+    def _disarm_head(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def _head_expired(self) -> None:
+        self.head_timer = None
+        if self.transport.is_closing():
+            return
+        if self.busy():  # a pipelined head behind a request in progress: its time counts once that is answered
+            self._arm_head()
+        else:
+            self.guard.refused("header_timeout")
+            log.debug("closed a connection that sent no complete request head in %.0f s", self.guard.header_timeout)
+            self.transport.close()
+
+    def _send_expired(self) -> None:
+        self.send_timer = None
+        if self.paused_since is not None and not self.transport.is_closing():
+            self.guard.refused("send_idle")
+            log.warning("closed a connection whose client read nothing of its response for %.0f s "
+                        "(CKPTD_SEND_IDLE_TIMEOUT_SECONDS)", self.guard.send_timeout)
+            self.transport.abort()  # close() would wait for the unread bytes to drain
+
+    def _disarm_send(self) -> None:
+        self.paused_since = None
+        if self.send_timer is not None:
+            self.send_timer.cancel()
+            self.send_timer = None
+
+    def _shed(self) -> None:
+        others = [c for c in self.guard.open.values() if c is not self and not c.transport.is_closing()]
+        idle = [c for c in others if not c.busy()]
+        stalled = [c for c in others if c.busy() and c.paused_since is not None]
+        self.guard.refused("connections")
+        if idle:
+            min(idle, key=lambda c: c.idle_since).transport.close()
+        elif stalled:  # a response its client is not reading: its buffered bytes are dropped
+            min(stalled, key=lambda c: c.paused_since or 0.0).transport.abort()
+        else:
+            log.warning("%d connections open (the cap, CKPTD_MAX_CONNECTIONS or the descriptor limit), every "
+                        "one with a request in progress: a new connection was closed", self.guard.cap)
+            self.transport.close()
+
+
+class _Framing:
+    """The framing parser's callbacks, reported to the connection."""
+
+    def __init__(self, conn: GuardedConnection) -> None:
+        self.conn = conn
+
+    def on_message_begin(self) -> None:
+        self.conn.message_begun()
+
+    def on_url(self, url: bytes) -> None:
+        self.conn.head_part(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.conn.head_part(len(name) + len(value) + 4)
+
+    def on_headers_complete(self) -> None:
+        self.conn.head_ended()
+
+    def on_message_complete(self) -> None:
+        self.conn.message_ended()
+
+
+class _TransportView:
+    """The transport as uvicorn's protocol sees it: the same, except that what the parser
+    writes while parsing (its own 400) becomes the service's error shape."""
+
+    def __init__(self, transport: Any, conn: GuardedConnection) -> None:
+        self._transport, self._conn = transport, conn
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._conn.parsing and bytes(data[:len(_PARSER_400)]) == _PARSER_400:
+            if self._conn.responding:
+                return  # a response is mid-stream: the parser's 400 would corrupt it; the close follows
+            data = raw_error_response(InvalidRequest(f"malformed HTTP request: {_reason(data)}"),
+                                      reason="Bad Request")
+        self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def _reason(response: bytes | bytearray | memoryview) -> str:
+    """The plain-text body of the parser's 400 (uvicorn's message), or a generic one."""
+    raw = bytes(response)
+    body = raw.partition(b"\r\n\r\n")[2].decode("ascii", "replace").strip()
+    return body[:200] or "the request could not be parsed"

@@ -35,7 +35,7 @@ import httpx
 import xxhash
 
 from ckptd.service.auth import hash_token
-from adversary.test_requests import ALICE, _auth, _server as server_with_deadlines
+from adversary.test_requests import ALICE, _auth, _open, _put_head, _server as server_with_deadlines
 from support import ServerProcess
 
 ROOT = "root-token-0123456789abcdef"
@@ -203,6 +203,72 @@ def test_malformed_framing_is_a_json_400_and_pipelined_requests_are_answered(tmp
         assert closed and len(answers) == 51 and all(st == 200 for st, _ in answers), got[-300:]
         assert [r["run"] for r in json.loads(answers[-1][1])] == ["gpt"]
         assert _healthz_ms(srv.url) < 1000
+    finally:
+        srv.stop()
+
+
+def _stream_header(s: socket.socket, total: int) -> bool:
+    """Send one header of ``total`` bytes in 8 KiB pieces; False when the server stopped taking them."""
+    try:
+        s.sendall(b"X-Endless: ")
+        for _ in range(total // 8192):
+            s.sendall(b"a" * 8192)
+    except (ConnectionResetError, BrokenPipeError):
+        return False
+    return True
+
+
+def test_every_head_on_a_kept_alive_connection_is_bounded_in_bytes_and_time(tmp_path):
+    """The head bound (431) and the head deadline hold for the second request on a connection as for the
+    first: after a request with a body the app read, after one without a body, and after one refused
+    without reading its body (whose rest is discarded, never counted as a head)."""
+    srv = _server(tmp_path).start()
+    try:
+        _open(srv.url, "gpt", "1", "s1")
+        small = b"abc"
+        cases = {
+            "after a body the app read": _put_head("gpt", "1", "s1", "a.bin", 3).replace(
+                b"0" * 16, xxhash.xxh3_64_hexdigest(small).encode()) + small,
+            "after a request without a body": b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n",
+        }
+        for what, first in cases.items():
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            s.sendall(first + b"GET /healthz HTTP/1.1\r\nHost: t\r\n")
+            _stream_header(s, 1 << 20)
+            got, closed = _read_all(s, 10)
+            s.close()
+            answers = _responses(got)
+            assert closed and [st for st, _ in answers] == [200, 431], f"{what}: {got[-300:]!r}"
+            assert json.loads(answers[-1][1])["error"]["code"] == "payload_too_large", what
+
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            s.sendall(first + b"GET /heal")  # a second head that never ends: closed by the deadline
+            t0 = time.monotonic()
+            got, closed = _read_all(s, 8)
+            s.close()
+            assert closed and [st for st, _ in _responses(got)] == [200], f"{what}: {got[-300:]!r}"
+            assert time.monotonic() - t0 < 6, what
+
+        # Refused without reading its body (no token): the client, still sending 4 MiB, is not reset; the endless
+        # header it sends after the body is refused 431.
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        s.sendall(_put_head("gpt", "1", "s1", "b.bin", 4 << 20).replace(f"Bearer {ALICE}".encode(), b"Bearer nope"))
+        sent = 0
+        try:
+            while sent < 4 << 20:
+                s.sendall(b"z" * 65536)
+                sent += 65536
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        assert sent == 4 << 20, "the connection was reset while the client sent the refused body"
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n")
+        _stream_header(s, 1 << 20)
+        got, closed = _read_all(s, 10)
+        s.close()
+        answers = _responses(got)
+        assert closed and [st for st, _ in answers] == [401, 431], got[-300:]
+        assert _healthz_ms(srv.url) < 1000
+        assert _metric(srv.url, 'ckptd_limit_refusals_total{limit="header_bytes"}') == 3
     finally:
         srv.stop()
 
