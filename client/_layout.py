@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ckptd_schemas import Box, InvalidRequest
 from ckptd_schemas.balance import lpt_assign
@@ -19,7 +19,7 @@ from ckptd_schemas.dtypes import ITEMSIZE
 
 from .flat import FlatShard
 
-__all__ = ["LocalPiece", "assign_replicated", "check_savable", "dtype_name", "local_piece", "mesh_of"]
+__all__ = ["LocalPiece", "assign_replicated", "check_savable", "dtype_name", "local_piece", "mesh_of", "shard_box"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -72,6 +72,35 @@ def _stable_hash(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
+def shard_box(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+              placements: Sequence[object]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The local shape and global offsets of the shard at mesh coordinate ``coord`` when every
+    placement is ``Shard`` or ``Replicate``; None for any other placement (``_StridedShard``, ...).
+
+    The same answer as torch's ``compute_local_shape_and_global_offset``, which materialises an
+    index tensor as long as each sharded dimension (an ``arange`` over 32 M elements costs about as
+    much as copying them): shards of ``Shard`` placements are contiguous ranges, so nesting them
+    adds offsets. A dimension cut to nothing sits at offset ``shape[dim]``, as torch reports it.
+    """
+    local, start = list(shape), [0] * len(shape)
+    empty = [False] * len(shape)
+    for mesh_dim, p in enumerate(placements):
+        if type(p) is Replicate:
+            continue
+        if type(p) is not Shard:
+            return None
+        d = p.dim if p.dim >= 0 else p.dim + len(shape)
+        n, k, i = local[d], mesh_shape[mesh_dim], coord[mesh_dim]
+        full = n // k if n % k == 0 else -(-n // k)  # torch.chunk's sizes
+        size = max(0, min(n, full * i + full) - full * i)
+        if size == 0:
+            empty[d] = True
+        else:
+            start[d] += full * i
+        local[d] = size
+    return tuple(local), tuple(shape[d] if empty[d] else start[d] for d in range(len(shape)))
+
+
 def local_piece(fqn: str, value: object) -> LocalPiece:
     """Describe a tensor leaf: DTensor (box from its placements), FlatShard, or plain (replicated)."""
     check_savable(fqn, value)
@@ -85,13 +114,17 @@ def local_piece(fqn: str, value: object) -> LocalPiece:
         if any(isinstance(p, Partial) for p in placements):
             raise InvalidRequest(f"tensor {fqn!r} is a Partial DTensor; reduce it before saving", tensor=fqn)
         shape = tuple(value.shape)
-        local_shape, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+        coord = mesh.get_coordinate()
+        known = coord is not None and shard_box(shape, tuple(mesh.shape), coord, placements)
+        if known:
+            local_shape, offsets = known
+        else:
+            local_shape, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
         with torch.no_grad():
             local = value.to_local()
         if tuple(local.shape) != tuple(local_shape):
             raise InvalidRequest(f"tensor {fqn!r}: local shard shape {tuple(local.shape)} does not match "
                                  f"placements {placements} (expected {tuple(local_shape)})", tensor=fqn)
-        coord = mesh.get_coordinate()
         writes = coord is not None
         h = _stable_hash(fqn)
         for dim, p in enumerate(placements):

@@ -30,6 +30,7 @@ import zstandard
 
 from ckptd_schemas import (
     AlreadyCommitted, BoxChunk, FlatChunk, Location, ObjectEntry, ParamGroup, RankIndex, SessionStatus, TensorEntry,
+    parse_ref,
 )
 
 from .codec import FRAME_BYTES, CompressionPolicy, split_frames
@@ -37,7 +38,8 @@ from ._flatten import flatten_state_dict, param_groups_of
 from .transport import Transport
 from ._layout import assign_replicated, dtype_name, local_piece, mesh_of
 from .objects import SAFE, ObjectPolicy, encode_object
-from ._pool import Lease, SnapshotPool
+from ._incremental import ChunkHistory, SaveDelta, chunk_key
+from ._pool import Lease, SnapshotPool, aligned
 from ._staging import FALL_BACK, StagingDir
 from .sessions import open_session, put_index, wait_committed
 
@@ -145,11 +147,11 @@ def build_snapshot(state_dict: dict, rank: int, world: int, pool: SnapshotPool |
     over all ranks from names and sizes alone. ``objects`` decides how non-tensor values are stored
     (an unsafe one raises ``UnsafeObject`` here, naming its key).
     """
-    snap = Snapshot(rank, world, lease=pool.lease() if pool is not None else None)
+    snap = Snapshot(rank, world)
     side: dict[torch.device, Any] = {}
     try:
         try:
-            _fill(snap, state_dict, rank, world, side, writers, objects)
+            _fill(snap, state_dict, rank, world, side, writers, objects, pool)
         finally:  # training may change the sources once we return: the copies must be complete
             for stream in side.values():
                 stream.synchronize()
@@ -160,11 +162,15 @@ def build_snapshot(state_dict: dict, rank: int, world: int, pool: SnapshotPool |
 
 
 def _fill(snap: Snapshot, state_dict: dict, rank: int, world: int, side: dict[torch.device, Any],
-          writers: Mapping[str, int] | None = None, objects: ObjectPolicy = SAFE) -> None:
+          writers: Mapping[str, int] | None = None, objects: ObjectPolicy = SAFE,
+          pool: SnapshotPool | None = None) -> None:
     leaves = flatten_state_dict(state_dict)
     pieces = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in leaves if leaf.kind == "tensor"}
     owners = writers if writers is not None else assign_replicated(
         [(n, p.numel * p.local.element_size()) for n, p in pieces.items() if p.replicated], world)
+    written = [p for n, p in pieces.items() if (owners.get(n) == rank if p.replicated else p.writes)]
+    if pool is not None:  # the slab, sized from what this save copies
+        snap.lease = pool.lease(sum(aligned(p.numel * p.local.element_size()) for p in written))
     snap.mesh, snap.coords = mesh_of([leaf.value for leaf in leaves], world)
     group_kinds: dict[str, set[str]] = {}
     for leaf in leaves:
@@ -216,13 +222,17 @@ class _File:
 
 
 def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str | None = None,
-          on_file: Callable[[_File], None] | None = None) -> tuple[list[_File], RankIndex]:
+          on_file: Callable[[_File], None] | None = None, reuse: Mapping[tuple, list] | None = None,
+          produced: dict[tuple, list] | None = None) -> tuple[list[_File], RankIndex]:
     """Lay the snapshot's chunks (compressed per the policy) and objects out in files of about
     ``file_bytes``, hashing each stored chunk and each file; return the files and the rank's index.
 
     ``on_file`` gets each file as soon as it is complete (hashed), before the next one is packed:
     the caller starts its upload there, so hashing and compressing file k+1 run while file k
-    streams out (the pipeline of a save).
+    streams out (the pipeline of a save). A chunk in ``reuse`` (incremental saves,
+    ``ckptd_client._incremental``) is not packed: its pieces, in files linked from the previous
+    checkpoint, go into the index as they are, and those files into its file list. ``produced``
+    receives every chunk's pieces as the index holds them.
     """
     files: list[_File] = []
     prefix = prefix or f"r{snap.rank:06d}"
@@ -254,9 +264,18 @@ def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str
     policy = compression if isinstance(compression, CompressionPolicy) else None
     cctx = zstandard.ZstdCompressor(level=1) if compression is not None else None
     entries = []
+    linked: dict[str, None] = {}
     for t in snap.tensors:
-        chunks = []
+        chunks: list = []
         for c in snap.chunks.get(t.name, []):
+            key = chunk_key(t.name, t.dtype, c.box, c.flat)
+            first = len(chunks)
+            if reuse is not None and key in reuse:
+                chunks += reuse[key]
+                linked.update(dict.fromkeys(p.location.file for p in reuse[key]))
+                if produced is not None:
+                    produced[key] = chunks[first:]
+                continue
             raw = _bytes_of(c.data)
             if cctx is None or (policy is not None and not policy.should_compress(raw)):
                 pieces = [(raw, c.box, c.flat, False)]
@@ -279,6 +298,8 @@ def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str
                 else:
                     assert flat is not None
                     chunks.append(FlatChunk(rank=snap.rank, start=flat[0], length=flat[1], location=loc))
+            if produced is not None:
+                produced[key] = chunks[first:]
         entries.append(t.model_copy(update={"chunks": chunks}))
     objects = []
     for o in snap.objects:
@@ -294,7 +315,7 @@ def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str
         finish(files[-1])
     index = RankIndex(rank=snap.rank, world_size=snap.world, coords=snap.coords, mesh=snap.mesh,
                       layouts=snap.layouts, tensors=entries, objects=objects, param_groups=snap.param_groups,
-                      files=[f.name for f in files])
+                      files=[f.name for f in files] + list(linked))
     return files, index
 
 
@@ -321,7 +342,8 @@ def _ours(e: AlreadyCommitted, session: str) -> bool:
 
 def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, *, compression: Compression,
                  file_bytes: int, streams: int, prefix: str | None = None,
-                 staging: StagingDir | None = None, committed: threading.Event | None = None) -> RankIndex:
+                 staging: StagingDir | None = None, committed: threading.Event | None = None,
+                 delta: SaveDelta | None = None) -> RankIndex:
     """Pack the snapshot into files, stream them (several at once), return the rank's index.
 
     With ``staging`` (direct writes, ``ckptd_client._staging``), each file is written there and
@@ -331,9 +353,14 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
     Once the service answers that this very session is committed (``committed`` is set, here or by the
     caller), the remaining files are packed and hashed but not sent: the index still comes back whole,
     for the service to compare with the one it committed.
+    With ``delta`` (incremental saves, ``ckptd_client._incremental``), chunks unchanged since this
+    rank's previous save to the run are linked, not written; ``delta.produced`` receives where every
+    chunk's pieces are, for the caller to remember once the index is accepted.
     """
     committed = committed if committed is not None else threading.Event()
     starts: list[float] = []  # the upload's rate, for the compression policy, runs from the first PUT
+    reuse = delta.link(transport, base, session, snap.rank) if delta is not None and not committed.is_set() \
+        else None
 
     def adopt(f: _File, staging: StagingDir) -> bool:
         staged = staging.write(f.name, f.size, _pieces(f))
@@ -374,7 +401,8 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
         sent: list[Future] = []
         try:
             files, index = _pack(snap, compression, file_bytes, prefix,
-                                 on_file=lambda f: sent.append(pool.submit(put, f)))
+                                 on_file=lambda f: sent.append(pool.submit(put, f)), reuse=reuse,
+                                 produced=delta.produced if delta is not None else None)
         except BaseException:
             for fut in sent:
                 fut.cancel()
@@ -388,7 +416,7 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
 
 def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None, *,
                     compression: Compression, file_bytes: int, streams: int,
-                    direct_writes: bool = False) -> SessionStatus:
+                    direct_writes: bool = False, history: ChunkHistory | None = None) -> SessionStatus:
     """Open-or-join, upload files, send the index; return the session status after it.
 
     A failure before the index is sent aborts the session (best effort): it cannot commit without
@@ -399,8 +427,13 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
     session already committed: the other ranks finished it with this rank's index from the earlier
     attempt. The rank then sends nothing but its index, which the service answers with the committed
     status when it equals the committed one, and refuses (``AlreadyCommitted``) when it differs.
+
+    With ``history`` (incremental saves), unchanged chunks are linked from the rank's previous save
+    to the run, and the history learns this save once the service accepted its index.
     """
     committed = threading.Event()
+    ref = parse_ref(base.removeprefix("/v1/checkpoints/"))
+    delta = history.begin(ref.run, ref.name, snap) if history is not None else None
     try:
         try:
             staging = open_session(transport, base, session, snap.world, step, direct_writes=direct_writes)
@@ -410,12 +443,15 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
             staging = None
             committed.set()
         index = upload_files(transport, base, session, snap, compression=compression, file_bytes=file_bytes,
-                             streams=streams, staging=staging, committed=committed)
+                             streams=streams, staging=staging, committed=committed, delta=delta)
     except Exception:
         with contextlib.suppress(Exception):
             transport.request("DELETE", f"{base}/sessions/{session}", retry=False)
         raise
-    return put_index(transport, base, session, index)
+    status = put_index(transport, base, session, index)
+    if history is not None and delta is not None:
+        history.remember(delta)
+    return status
 
 
 class SaveHandle:

@@ -15,6 +15,7 @@ from ._dist import any_ranks, broadcast_str, rank_and_world
 from .transport import Transport
 from ._load import LoadReport, load_into
 from ._pool import SnapshotPool
+from ._incremental import ChunkHistory
 from ._save import SaveHandle, Snapshot, build_snapshot, upload_snapshot
 from .objects import ObjectPolicy, SafeGlobal
 from ._writers import ReplicaWriters, plain_tensors
@@ -69,11 +70,23 @@ class CheckpointClient(CatalogClient):
         streams: concurrent HTTP streams per rank for uploads and ranged reads.
         file_bytes: target size of each uploaded data file.
         retry_seconds: how long transient failures (connection errors, 5xx) are retried.
-        snapshot_bytes: size of a host buffer kept for save snapshots (pinned when CUDA is available),
-            allocated and pre-faulted here, so that ``save()``'s stall is a copy without page faults;
-            size it to what this rank writes. ``None``: fresh memory per save, freed after its upload.
-            The buffer serves one save at a time: a save while the previous one still uploads, or
-            chunks that do not fit, use fresh memory (see ``ckptd_client._pool``). Freed by ``close()``.
+        snapshot_bytes: the host buffer that save snapshots are copied into, kept across saves so
+            that ``save()``'s stall is one copy without page faults (pinned when CUDA is available).
+            ``None`` (default): sized from what this rank copies at its first save, and again when
+            that changes (grown, or replaced by a smaller one once the state is under half of it),
+            at most ``snapshot_max_bytes``. A number: a buffer of that size, allocated here. ``0``:
+            no buffer, fresh memory per save, freed after its upload. The buffer serves one save at
+            a time: a save while the previous one still uploads, or chunks that do not fit, use
+            fresh memory (see ``ckptd_client._pool``). Freed by ``close()``.
+        snapshot_max_bytes: cap of the sized-from-the-save buffer; default ``$CKPTD_SNAPSHOT_MAX_BYTES``,
+            else half of this machine's memory (or its container's limit) over ``$LOCAL_WORLD_SIZE``.
+        incremental: a chunk this rank saved unchanged at its previous save to the same run (frozen
+            weights: a backbone under LoRA or adapters, embeddings) is not written again: the new
+            checkpoint links the file that holds it (a hard link on a local root, a copy inside the
+            store on S3; the service checks the link) and only changed chunks are sent. Unchanged
+            means the same tensor, dtype, region and 128-bit content digest (XXH3-128). Each
+            checkpoint stays complete on its own (``ckptd_client._incremental``). ``False``: every
+            save writes every chunk.
         direct_reads: when the service's root is a local directory that this host can open (same
             host, or a shared filesystem mounted at the same path), ``load`` reads the data files
             itself instead of through HTTP, verifying the same block digests; a file it cannot open,
@@ -105,8 +118,9 @@ class CheckpointClient(CatalogClient):
     def __init__(self, url: str | Sequence[str] | None = None, *, token: str | None = None,
                  compression: str | CompressionPolicy | None = None, streams: int = 4,
                  file_bytes: int = 256 << 20, retry_seconds: float = 120.0, timeout: float = 300.0,
-                 snapshot_bytes: int | None = None, direct_reads: bool = True,
-                 direct_writes: bool = True, share_replicas: bool = True,
+                 snapshot_bytes: int | None = None, snapshot_max_bytes: int | None = None,
+                 incremental: bool = True, direct_reads: bool = True, direct_writes: bool = True,
+                 share_replicas: bool = True,
                  safe_globals: Sequence[SafeGlobal] = (), trust_objects: bool = False) -> None:
         super().__init__(url, token=token, retry_seconds=retry_seconds, timeout=timeout)
         self.compression = compression
@@ -116,7 +130,11 @@ class CheckpointClient(CatalogClient):
         self._uploader = ThreadPoolExecutor(1, thread_name_prefix="ckptd-save")
         self._pending: list[SaveHandle] = []  # saves whose outcome nobody has seen yet
         self._lock = threading.Lock()
-        self.snapshot_pool = SnapshotPool(snapshot_bytes) if snapshot_bytes else None
+        if snapshot_bytes is not None and snapshot_bytes < 0:
+            raise ValueError(f"snapshot_bytes must be None, 0 or positive, not {snapshot_bytes}")
+        self.snapshot_pool = (SnapshotPool(snapshot_bytes or None, max_bytes=snapshot_max_bytes)
+                              if snapshot_bytes != 0 else None)
+        self.history = ChunkHistory() if incremental else None  # what this rank stored at its last save
         self.direct_reads = direct_reads
         self.direct_writes = direct_writes
         self.share_replicas = share_replicas
@@ -178,7 +196,8 @@ class CheckpointClient(CatalogClient):
         try:
             future = self._uploader.submit(_upload_then_release, self._transport, base, session, snap, step,
                                            compression=self._codec, file_bytes=self.file_bytes,
-                                           streams=self.streams, direct_writes=self.direct_writes)
+                                           streams=self.streams, direct_writes=self.direct_writes,
+                                           history=self.history)
         except BaseException:
             snap.release()
             raise

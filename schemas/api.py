@@ -15,6 +15,7 @@ from .names import SESSION_RE
 
 __all__ = [
     "AdoptFile",
+    "LinkFile",
     "CheckpointSummary",
     "DirectWrites",
     "OpenSession",
@@ -96,6 +97,20 @@ class AdoptFile(_Body):
     staged: Annotated[str, Field(max_length=200)]  # checked against the URL's file: names.check_staged
     size: Annotated[int, Field(ge=0)]
     xxh3: Annotated[str, Field(pattern=r"^[0-9a-fA-F]{16}$")]
+
+
+class LinkFile(_Body):
+    """Hold ``file`` of the earlier checkpoint ``checkpoint`` of the same run as a file of this session,
+    without sending its bytes (incremental saves). The URL's file must be
+    ``linked_name(checkpoint, file)``. The service links the stored file (a hard link on a local
+    root, a server-side copy on an object store) and records the source's digests for it; the
+    commit accepts chunks in it only at locations the source's manifest verified, or re-reads it.
+    """
+
+    model_config = ConfigDict(extra="forbid", defer_build=False)  # a FastAPI body
+
+    checkpoint: Annotated[str, Field(max_length=200)]  # checked: names.check_name
+    file: Annotated[str, Field(max_length=200)]  # checked: names.check_file
 
 
 class UploadResult(_Body):

@@ -194,19 +194,25 @@ class FileEntry(_Model):
     """A data file: size, whole-file digest, and per-block digests for ranged reads.
 
     ``adopted`` is set in a session's digest record of a directly written file, never in a manifest
-    (the merge leaves it out: it describes one host's filesystem, not the checkpoint)."""
+    (the merge leaves it out: it describes one host's filesystem, not the checkpoint). ``linked``
+    names the earlier checkpoint's file (``NAME/FILE``, same run) whose stored bytes this file is,
+    linked rather than written (incremental saves); it stays in the manifest, so that what a save
+    wrote and what it reused can be told apart."""
 
     size: NonNeg
     xxh3: Annotated[str, Field(pattern=HEX64)]
     block_size: Annotated[int, Field(ge=4096)]
     blocks: list[Annotated[str, Field(pattern=HEX64)]]
     adopted: AdoptedFile | None = None
+    linked: Annotated[str, Field(max_length=260, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")] \
+        | None = None
 
     @model_serializer(mode="wrap")
-    def _omit_unadopted(self, handler: SerializerFunctionWrapHandler) -> dict:
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
         out = handler(self)
-        if out.get("adopted", 0) is None:  # manifests and HTTP uploads: the same bytes as without the field
-            del out["adopted"]
+        for k in ("adopted", "linked"):  # absent, not null: the same bytes as without the fields
+            if out.get(k, 0) is None:
+                del out[k]
         return out
 
     @model_validator(mode="after")
@@ -281,3 +287,8 @@ class Manifest(_Model):
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
+
+    @property
+    def linked_bytes(self) -> int:
+        """Bytes of files held from earlier checkpoints of the run (incremental saves), not written."""
+        return sum(f.size for f in self.files.values() if f.linked is not None)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 from .errors import InvalidName
 
 __all__ = ["CheckpointRef", "DCP_METADATA", "LATEST", "RESERVED", "check_file", "check_name", "check_run", "check_session", "check_staged",
-           "parse_ref", "staged_name"]
+           "linked_name", "parse_ref", "staged_name"]
 
 RUN_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -51,6 +51,16 @@ def staged_name(file: str, nonce: str) -> str:
     """The name a rank writes a data file under before the service adopts it (direct writes): a dot
     name (never listed), unique per attempt (``nonce``: 32 hex digits)."""
     return f".{check_file(file)}.direct-{nonce}"
+
+
+def linked_name(checkpoint: str, file: str) -> str:
+    """The name under which a checkpoint holds ``file`` of the earlier ``checkpoint`` of its run,
+    linked rather than written again (incremental saves: ``POST .../files/<name>/link``). Derived
+    from both names, so the saver and the service agree on it without asking, two sources never
+    share it, and a link of a link stays as short."""
+    import xxhash
+
+    return f"ln-{xxhash.xxh3_64_hexdigest(f'{check_name(checkpoint)}/{check_file(file)}'.encode())}.bin"
 
 
 def check_staged(file: str, staged: str) -> str:

@@ -154,3 +154,40 @@ def test_owner_group_role_batches_same_role_same_shape_matrices_never_splitting_
     assert max(sum(n for (r, _), n in per.items() if r == k) for k in range(4)) <= 9
     for t in ts:
         check_tiling(t.name, t.shape, [(c.region, c.rank, "") for c in layout.chunks if c.tensor == t.name])
+
+
+@st.composite
+def _shardings(draw):
+    ndim = draw(st.integers(1, 3))
+    shape = [draw(st.integers(0, 11)) for _ in range(ndim)]
+    mesh = [draw(st.integers(1, 4)) for _ in range(draw(st.integers(1, 3)))]
+    placements = [draw(st.one_of(st.just("R"), st.integers(-ndim, ndim - 1))) for _ in mesh]
+    coord = [draw(st.integers(0, k - 1)) for k in mesh]
+    return shape, mesh, placements, coord
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=_shardings())
+def test_shard_box_agrees_with_torch_for_shard_and_replicate(case):
+    """The saver's shard geometry (no index tensors) equals torch's for every mesh coordinate,
+    uneven and empty shards and nested sharding of one dimension included."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from ckptd_client._layout import shard_box
+
+    shape, mesh, spec, coord = case
+    placements = [Replicate() if p == "R" else Shard(p % len(shape)) for p in spec]
+    want = _compute_local_shape_and_global_offset(shape, mesh, coord, placements)
+    assert shard_box(shape, mesh, coord, placements) == (tuple(want[0]), tuple(want[1]))
+    negative = [Replicate() if p == "R" else Shard(p) for p in spec]  # Shard(-1) names the last dimension
+    assert shard_box(shape, mesh, coord, negative) == (tuple(want[0]), tuple(want[1]))
+
+
+def test_shard_box_leaves_other_placements_to_torch():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ckptd_client._layout import shard_box
+
+    assert shard_box([8], [2, 2], [0, 1], [_StridedShard(0, split_factor=2), Shard(0)]) is None

@@ -396,3 +396,34 @@ def test_fsdp2_save_2_load_3_verify_and_reshard_on_s3(moto_s3, s3, tmp_path):
     assert "FAIL" in bad.stdout
     print(f"\ns3 e2e: save {t_saved - t0:.1f}s, verify+reshard+ls {t_cli - t_saved:.1f}s, "
           f"load x2 at 3 ranks {t_loaded - t_cli:.1f}s, total {time.monotonic() - t0:.1f}s")
+
+
+def test_incremental_saves_copy_unchanged_files_inside_the_store(moto_s3, s3, tmp_path):
+    """On S3 a link is a copy inside the store (no byte of the frozen part passes the rank or the
+    service); the later checkpoint loads bit for bit after the earlier one is deleted."""
+    from s3_server import aws_env
+    from support import ServerProcess, assert_bits_equal, blank_like
+
+    from ckptd_client import CheckpointClient
+
+    g = torch.Generator().manual_seed(3)
+    frozen = {f"layer{i}": torch.randn(256, 256, generator=g) for i in range(4)}
+    states = [{"model": {**frozen, "adapter": torch.full((1000,), float(s))}} for s in (1, 2)]
+    server = ServerProcess(s3.url, env=aws_env(moto_s3.endpoint), log=tmp_path / "server.log").start()
+    try:
+        client = CheckpointClient(server.url, file_bytes=MiB)
+        for s, sd in enumerate(states, start=1):
+            client.save(sd, f"inc/{s}").wait()
+        from ckptd_schemas import Manifest
+        import httpx
+
+        m = Manifest.model_validate_json(httpx.get(f"{server.url}/v1/checkpoints/inc/2").content)
+        frozen_bytes = sum(t.numel() * 4 for t in frozen.values())
+        assert m.linked_bytes >= frozen_bytes and m.total_bytes - m.linked_bytes < frozen_bytes / 4
+        s3.delete_tree("runs/inc/1")
+        got = blank_like(states[1])
+        client.load(got, "inc/2")
+        assert_bits_equal(got, states[1])
+        client.close()
+    finally:
+        server.stop()

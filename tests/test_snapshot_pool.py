@@ -188,6 +188,58 @@ def test_close_releases_the_pool(server):
     client.close()
     gc.collect()
     assert pool.closed and not pool.leased and slab() is None
-    plain = CheckpointClient(server.url)
-    assert plain.snapshot_pool is None  # the default keeps nothing between saves
+    plain = CheckpointClient(server.url, snapshot_bytes=0)
+    assert plain.snapshot_pool is None  # 0: nothing kept between saves
     plain.close()
+
+
+def _copied(sd: dict) -> int:
+    """The bytes one save of ``sd`` copies into the slab (one rank: every tensor, each aligned)."""
+    return sum(t.numel() * t.element_size() + (-t.numel() * t.element_size()) % ALIGN
+               for t in sd["model"].values())
+
+
+def test_the_default_client_sizes_its_slab_from_the_save_and_follows_the_state(server):
+    """No tuning argument: the first save allocates a slab of exactly what it copies, later saves
+    of the same state reuse it (no allocation, nothing outside it); a larger state gets a larger
+    slab, one under half of it a smaller one; a cap below the need leaves the rest to fresh memory."""
+    client = CheckpointClient(server.url)
+    pool = client.snapshot_pool
+    assert pool is not None and pool.sized and pool._slab is None  # nothing held before a save
+    small, large, tiny = make_state(11, mib=0.5), make_state(12, mib=1), make_state(13, mib=0.125)
+    for i in range(3):
+        client.save(small, f"auto/{i}").wait()
+    assert pool.capacity == _copied(small) and pool.stats.allocations == 1
+    assert (pool.stats.leases, pool.stats.fallback_bytes) == (3, 0)
+    assert pool.stats.pooled_bytes == 3 * sum(t.numel() * t.element_size() for t in small["model"].values())
+    client.save(large, "auto/large").wait()
+    assert pool.capacity == _copied(large) and pool.stats.allocations == 2
+    client.save(small, "auto/small-again").wait()  # over half of the slab: kept
+    assert pool.capacity == _copied(large) and pool.stats.allocations == 2
+    client.save(tiny, "auto/tiny").wait()  # under half: replaced by a smaller one
+    assert pool.capacity == _copied(tiny) and pool.stats.allocations == 3 and pool.stats.fallback_bytes == 0
+    for ref, sd in (("auto/2", small), ("auto/large", large), ("auto/tiny", tiny)):
+        assert_bits_equal(_load(client, ref, sd), sd)
+    slab = weakref.ref(pool._slab)
+    client.close()
+    gc.collect()
+    assert slab() is None
+
+    capped = CheckpointClient(server.url, snapshot_max_bytes=64 * KIB)
+    capped.save(small, "auto/capped").wait()
+    pool = capped.snapshot_pool
+    assert pool.capacity == 64 * KIB and pool.stats.fallback_bytes == small["model"]["w"].numel() * 4
+    assert_bits_equal(_load(capped, "auto/capped", small), small)
+    capped.close()
+
+
+def test_the_snapshot_cap_follows_the_environment_and_the_local_ranks(monkeypatch):
+    from ckptd_client._pool import default_max_bytes
+
+    monkeypatch.setenv("CKPTD_SNAPSHOT_MAX_BYTES", str(3 << 20))
+    assert default_max_bytes() == 3 << 20 and SnapshotPool().max_bytes == 3 << 20
+    monkeypatch.delenv("CKPTD_SNAPSHOT_MAX_BYTES")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    one = default_max_bytes()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert default_max_bytes() in (one // 8, one // 8 - 1) and 0 < one

@@ -93,6 +93,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"derived from {m.derived_from}")
     print(f"topology   world_size={topo.world_size} mesh={topo.mesh or '-'} layouts={topo.layouts or '-'}")
     print(f"files      {len(m.files)} ({human(m.total_bytes)})")
+    if m.linked_bytes:
+        sources = sorted({f.linked.split("/", 1)[0] for f in m.files.values() if f.linked is not None})
+        print(f"written    {human(m.total_bytes - m.linked_bytes)}; linked {human(m.linked_bytes)} unchanged "
+              f"from {', '.join(f'{m.run}/{s}' for s in sources)} (incremental)")
     groups: dict[str, list[int]] = {}
     for t in m.tensors:
         g = groups.setdefault(t.group, [0, 0])

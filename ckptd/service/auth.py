@@ -274,6 +274,7 @@ ROUTE_RULES: dict[str, Rule] = {
     "open_session": Rule("write"),
     "upload_file": Rule("write", body="stream"),
     "adopt_file": Rule("write"),
+    "link_file": Rule("write"),
     "put_index": Rule("write", body="index"),
     "session_status": Rule("write"),
     "abort_session": Rule("write"),

@@ -5,6 +5,7 @@ Call order of a save::
     POST   /v1/checkpoints/{run}/{name}/sessions                        open or join an upload session
     PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}        stream a data file (X-Ckptd-Xxh3), or
     POST   /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}/adopt  adopt a file written directly (direct writes)
+    POST   /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}/link   hold an earlier checkpoint's file (incremental)
     PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/ranks/{r}        each rank's index; the last one commits
     GET    /v1/checkpoints/{run}/{name}/sessions/{sid}?wait=S           session status (long poll)
     DELETE /v1/checkpoints/{run}/{name}/sessions/{sid}                  abort
@@ -23,7 +24,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
-    AdoptFile, InvalidIndex, InvalidRequest, OpenSession, RankIndex, SessionInfo, SessionStatus, UploadResult,
+    AdoptFile, InvalidIndex, InvalidRequest, LinkFile, OpenSession, RankIndex, SessionInfo, SessionStatus, UploadResult,
 )
 
 from ..store.faults import crash_point
@@ -115,6 +116,13 @@ def upload_router(svc: Services) -> APIRouter:
             return await run_in_threadpool(sessions.adopt_file, run, name, sid, file, body)
         finally:
             release()
+
+    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/link", response_model=UploadResult)
+    async def link_file(run: str, name: str, sid: str, file: str, body: LinkFile) -> UploadResult:
+        """Incremental saves: hold a file of an earlier visible checkpoint of the run (``body``) as this
+        session's ``file`` (``linked_name(body.checkpoint, body.file)``), linked in the store, not sent.
+        Refused 400 when the source is not visible or the store cannot link: the saver sends the bytes."""
+        return await run_in_threadpool(sessions.link_file, run, name, sid, file, body)
 
     waiters: dict[str, asyncio.Event] = {}  # session id -> event set when one of its indexes arrives here
 

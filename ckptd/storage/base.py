@@ -219,6 +219,13 @@ class Storage(ABC):
         backend has no such files (object stores). ``staged`` must already be a checked name."""
         return None
 
+    def link(self, src: str, dst: str) -> bool:
+        """Make ``dst`` hold ``src``'s bytes without this process reading them: a hard link on a local
+        root, a copy inside the store on an object store (incremental saves). False when it cannot:
+        no such ``src``, or a backend (or filesystem) with neither; the caller then has the bytes
+        sent. A repeat after success finds ``dst`` already the same file and is not an error."""
+        return False
+
     def read_json(self, key: str) -> Any:
         try:
             return json.loads(self.read(key))

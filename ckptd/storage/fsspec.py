@@ -139,6 +139,17 @@ class FsspecStorage(Storage):
             self.put(key, data)
             return True
 
+    def link(self, src: str, dst: str) -> bool:
+        if self._local is not None:
+            return self._local.link(src, dst)
+        try:
+            self.fs.copy(self._path(src), self._path(dst))  # S3: a server-side copy, no bytes through here
+        except FileNotFoundError:
+            return False
+        except Exception as e:  # noqa: BLE001
+            raise _wrap("link", dst, e) from e
+        return True
+
     def delete(self, key: str) -> None:
         path = self._path(key)
         try:

@@ -294,6 +294,25 @@ class LocalStorage(Storage):
     def local_path(self, key: str) -> str | None:
         return str(self._path(key))
 
+    def link(self, src: str, dst: str) -> bool:
+        source, target = self._path(src), self._path(dst)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(source, target, follow_symlinks=False)
+            except FileExistsError:
+                if not os.path.samefile(source, target):
+                    raise
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as e:
+            if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                return False  # another filesystem, or one without hard links: the bytes are sent instead
+            raise _storage_error("link", dst, e) from e
+        if self.durable:
+            fsync_dir(target.parent)
+        return True
+
     def adopt(self, key: str, staged: str) -> Adopted:
         final = self._path(key)
         return _LocalAdopted(final.with_name(check_key(staged)), final, key, self.durable)

@@ -21,6 +21,11 @@ chunks of one region with one declared digest) and before the manifest is writte
      core), and a reader takes whichever replica is nearest;
 3. step 1 again, so a write to an adopted file during the pass is seen.
 
+A file linked from an earlier checkpoint (incremental saves, ``FileEntry.linked``) is not read
+when every chunk placed in it sits where the source's manifest placed a chunk (same offset,
+length, digest and decoded length), none of them a replica: the source's commit checked those
+bytes, and the link is the same stored file. Otherwise it is read and checked like any other.
+
 Those are the checks of :mod:`ckptd.store.verify`, plus replicas by content and the adopted files'
 metadata. A failure raises a typed error (:class:`~ckptd_schemas.ChecksumMismatch` for a digest,
 :class:`~ckptd_schemas.IntegrityError` otherwise) naming the tensor, rank and file; the commit then
@@ -50,7 +55,8 @@ from ..storage import Storage
 from .frames import FrameCheck
 from .hashing import StreamDigest
 
-__all__ = ["JOBS", "READ_SIZE", "StorageFiles", "StoredBytes", "check_commit", "check_stored", "local_stat"]
+__all__ = ["JOBS", "READ_SIZE", "StorageFiles", "StoredBytes", "check_commit", "check_stored", "local_stat",
+           "verified_locations"]
 
 READ_SIZE = 4 << 20
 JOBS = 2
@@ -100,12 +106,28 @@ def local_stat(storage: Storage, key_of: Callable[[str], str]) -> Callable[[str]
 
 
 def check_commit(manifest: Manifest, entries: Mapping[str, FileEntry], storage: Storage,
-                  key_of: Callable[[str], str]) -> int:
+                  key_of: Callable[[str], str], verified: Mapping[str, set[tuple]] | None = None) -> int:
     """:func:`check_stored` over a session's files: ``entries`` are their digest records (with the
-    ``adopted`` record of each directly written file), ``key_of`` gives a file's storage key."""
+    ``adopted`` record of each directly written file), ``key_of`` gives a file's storage key,
+    ``verified`` the locations a linked file's source checked (:func:`verified_locations`)."""
     adopted = {f: e.adopted for f, e in entries.items() if e.adopted is not None}
     return check_stored(manifest, StorageFiles(storage, key_of), adopted=adopted,
-                        stat=local_stat(storage, key_of) if adopted else None)
+                        stat=local_stat(storage, key_of) if adopted else None, verified=verified)
+
+
+def verified_locations(manifest: Manifest) -> dict[str, set[tuple]]:
+    """Per file, the chunk and object locations ``manifest`` places in it, as the rows' keys that
+    :func:`check_stored` compares: (offset, length, XXH3, decoded length of a zstd row)."""
+    rows, _ = _rows(manifest)
+    out: dict[str, set[tuple]] = {}
+    for i, f in enumerate(rows.file):
+        out.setdefault(f, set()).add(_key(rows, i))
+    return out
+
+
+def _key(rows: "_Rows", i: int) -> tuple:
+    special = rows.special.get(i)
+    return rows.offset[i], rows.length[i], rows.xxh3[i], special.raw_length if special is not None else None
 
 
 # -- what to check -------------------------------------------------------------------------------------
@@ -362,8 +384,9 @@ def _check_file(fname: str, entry: FileEntry, members: list[int], rows: _Rows, s
 
 def check_stored(manifest: Manifest, source: StoredBytes, *, adopted: Mapping[str, AdoptedFile] | None = None,
                  stat: Callable[[str], os.stat_result | None] | None = None, jobs: int = JOBS,
-                 read_size: int = READ_SIZE) -> int:
-    """Raise the first problem (in file order) unless every check above holds; return the bytes read."""
+                 read_size: int = READ_SIZE, verified: Mapping[str, set[tuple]] | None = None) -> int:
+    """Raise the first problem (in file order) unless every check above holds; return the bytes read.
+    Files in ``verified`` whose rows are all among its locations (and none a replica) are not read."""
     adopted = {f: a for f, a in (adopted or {}).items() if f in manifest.files}
     if adopted and stat is not None:
         _raise_first(_adopted_problems(adopted, stat))
@@ -372,6 +395,13 @@ def check_stored(manifest: Manifest, source: StoredBytes, *, adopted: Mapping[st
     appends = {f: v.append for f, v in by_file.items()}
     for i, f in enumerate(rows.file):
         appends[f](i)
+    if verified:
+        for f, keys in verified.items():
+            members = by_file.get(f)
+            if members is not None and all(
+                    _key(rows, i) in keys and (rows.special.get(i) is None or rows.special[i].replica_of is None)
+                    for i in members):
+                del by_file[f]
     items = sorted(by_file.items())
 
     local = threading.local()  # one read buffer per thread, reused for all its files

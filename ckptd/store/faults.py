@@ -191,6 +191,10 @@ class _FaultStorage(Storage):
         _before_write(key)
         return self.inner.create_if_absent(key, data)
 
+    def link(self, src: str, dst: str) -> bool:
+        _before_write(dst)
+        return self.inner.link(src, dst)
+
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         return self.inner.read(key, start, end)
 

@@ -7,7 +7,9 @@ Call order for one save attempt (each step idempotent, any replica may serve it)
    hashed while they stream; ``finish(declared)`` refuses a digest mismatch
    and drops the partial file. Or, for a rank on the service's filesystem
    (:meth:`SessionStore.direct_writes` says where), :meth:`SessionStore.adopt_file`: the
-   rank wrote the file itself; every byte is hashed the same way before it is accepted.
+   rank wrote the file itself; every byte is hashed the same way before it is accepted. Or
+   :meth:`SessionStore.link_file` (incremental saves): a file of an earlier visible checkpoint
+   of the run, linked with its recorded digests; the commit checks the chunks placed in it.
 3. :meth:`SessionStore.put_index` - per rank, after its files: stores the
    rank's chunk index; the call that completes the set commits.
 4. :meth:`SessionStore.commit` - merge + validate -> manifest (durable) ->
@@ -37,9 +39,9 @@ from pydantic import ValidationError
 
 from ckptd_schemas import (
     AdoptFile, AlreadyCommitted, ChecksumMismatch, CkptdError, CommitFailed, Conflict, DirectWrites, FileEntry,
-    InvalidIndex, InvalidRequest, OpenSession, RankIndex, SessionConflict, SessionInfo, SessionNotFound,
-    SessionStatus, StorageError, UploadResult, check_file, check_name, check_run, check_session, check_staged,
-    parse_ref,
+    InvalidIndex, InvalidRequest, LinkFile, Manifest, OpenSession, RankIndex, SessionConflict, SessionInfo,
+    SessionNotFound, SessionStatus, StorageError, UploadResult, check_file, check_name, check_run, check_session,
+    check_staged, linked_name, parse_ref,
 )
 
 from ..storage import Storage, Writer
@@ -48,7 +50,7 @@ from .gcpause import gc_paused
 from .hashing import BLOCK_SIZE, StreamDigest, xxh3_hex
 from .index_cache import IndexCache
 from .layout import Marker, Paths, SessionMeta
-from .commit_checks import check_commit
+from .commit_checks import check_commit, verified_locations
 from .merge import merge_indexes
 from .visibility import BadMarker, Visibility, manifest_file_name
 
@@ -260,6 +262,40 @@ class SessionStore:
             raise
         return sink.finish(body.xxh3)
 
+    def link_file(self, run: str, name: str, sid: str, file: str, body: LinkFile) -> UploadResult:
+        """Hold ``body.file`` of the visible checkpoint ``run/body.checkpoint`` as this session's ``file``
+        (``linked_name`` of the two), without its bytes passing through here: the storage links it,
+        and the source manifest's record of it (size, digests) becomes the session's, marked
+        ``linked``. Refused (``InvalidRequest``, which the saver answers by sending the bytes) when
+        the source is not a visible checkpoint of the run holding that file, or the store cannot
+        link. The commit trusts chunks in the file only where the source's manifest placed chunks
+        it verified (:func:`~.commit_checks.check_commit`), and reads the file otherwise."""
+        check_run(run), check_name(name), check_session(sid), check_file(file)
+        check_name(body.checkpoint), check_file(body.file)
+        if file != linked_name(body.checkpoint, body.file):
+            raise InvalidRequest(f"file {file!r}: a link of {body.checkpoint}/{body.file} is named "
+                                 f"{linked_name(body.checkpoint, body.file)!r}", file=file)
+        if body.checkpoint == name:
+            raise InvalidRequest(f"file {file!r}: a checkpoint cannot link its own files", file=file)
+        self._check_writable(run, name, sid)
+        source = self.visibility.check(run, body.checkpoint)
+        entry = self.visibility.manifest(source).files.get(body.file) if source is not None else None
+        if source is None or entry is None:
+            raise InvalidRequest(f"file {file!r}: {run}/{body.checkpoint} is not a visible checkpoint holding "
+                                 f"{body.file!r}; send the bytes", file=file, source=f"{run}/{body.checkpoint}")
+        key = Paths.file(run, name, sid, file)
+        if not self.storage.link(Paths.file(run, body.checkpoint, source.session, body.file), key):
+            raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) cannot link "
+                                 f"{run}/{body.checkpoint}/{body.file}; send the bytes", file=file)
+        if self.storage.size(key) != entry.size:
+            self.storage.delete(key)
+            raise InvalidRequest(f"file {file!r}: the stored {run}/{body.checkpoint}/{body.file} is not the "
+                                 f"{entry.size} bytes its manifest records; send the bytes", file=file)
+        record = FileEntry(size=entry.size, xxh3=entry.xxh3, block_size=entry.block_size, blocks=entry.blocks,
+                           linked=f"{body.checkpoint}/{body.file}")
+        self.storage.put(Paths.digest(run, name, sid, file), record.model_dump_json().encode())
+        return UploadResult(file=file, size=entry.size, xxh3=entry.xxh3)
+
     def _file_entry(self, run: str, name: str, sid: str, file: str) -> FileEntry | None:
         data = self.storage.read_json_or_none(Paths.digest(run, name, sid, file))
         return FileEntry.model_validate(data) if data is not None else None
@@ -406,7 +442,8 @@ class SessionStore:
                 manifest = merge_indexes(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
                                          world_size=meta.world_size, indexes=indexes, files=files,
                                          derived_from=meta.derived_from)
-                check_commit(manifest, files, self.storage, lambda f: Paths.file(run, name, sid, f))  # the bytes
+                check_commit(manifest, files, self.storage, lambda f: Paths.file(run, name, sid, f),  # the bytes
+                             verified=self._linked_locations(run, files))
             except StorageError:
                 raise  # transient (or the store is down): the session stays open for a retry, not failed
             except (CkptdError, ValidationError) as e:
@@ -435,6 +472,26 @@ class SessionStore:
         log.info("committed %s/%s session %s (%d files, %d bytes)", run, name, sid, nfiles, nbytes)
         return digest, CommitEvent(run=run, name=name, session=sid, manifest_xxh3=digest, derived_from=derived_from,
                                    files=nfiles, bytes=nbytes)
+
+    def _linked_locations(self, run: str, files: dict[str, FileEntry]) -> dict[str, set[tuple]]:
+        """Per linked file, the locations its source's manifest verified, while that source is still the
+        visible checkpoint holding exactly these bytes (else the file is read at commit)."""
+        out: dict[str, set[tuple]] = {}
+        sources: dict[str, tuple[Manifest, dict[str, set[tuple]]] | None] = {}
+        for f, entry in files.items():
+            if entry.linked is None:
+                continue
+            src_name, src_file = entry.linked.split("/", 1)
+            if src_name not in sources:
+                c = self.visibility.check(run, src_name)
+                m = self.visibility.manifest(c) if c is not None else None
+                sources[src_name] = (m, verified_locations(m)) if m is not None else None
+            found = sources[src_name]
+            src = found[0].files.get(src_file) if found is not None else None
+            if found is not None and src is not None and \
+                    (src.size, src.xxh3, src.blocks) == (entry.size, entry.xxh3, entry.blocks):
+                out[f] = found[1].get(src_file, set())
+        return out
 
     # -- abort / sweep -----------------------------------------------------------------
     def abort(self, run: str, name: str, sid: str) -> None:

@@ -1,0 +1,208 @@
+"""Incremental saves: unchanged chunks are linked from the rank's previous checkpoint, not written.
+
+Through a real service on a local root: what a save writes and what it links; loads, verify and
+export of checkpoints that hold linked files, bit for bit, also after the checkpoints they
+linked from are deleted; the commit's check of chunks placed in linked files (a hostile index
+that places a chunk where its source verified none is refused); link refusals, which the saver
+answers by writing the bytes; and the opt-out.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import xxhash
+
+from ckptd_client import CheckpointClient
+from ckptd_schemas import Manifest, linked_name
+from support import ServerProcess, assert_bits_equal, blank_like
+
+MIB = 1 << 20
+
+
+def _state(step: int, frozen_mib: float = 2, trainable_kib: int = 64) -> dict:
+    """A frozen backbone (the same bytes at every step), an adapter and optimizer state that move."""
+    g = torch.Generator().manual_seed(0)
+    rows = int(frozen_mib * MIB / (4 * 256))
+    backbone = {f"layer{i}.weight": torch.randn(rows // 4, 256, generator=g) for i in range(4)}
+    t = torch.Generator().manual_seed(1000 + step)
+    n = trainable_kib * 1024 // 4
+    return {"model": {**backbone, "lora.A": torch.randn(n, generator=t), "lora.B": torch.randn(n, generator=t)},
+            "optim": {"lora.A.exp_avg": torch.randn(n, generator=t)}, "step": step}
+
+
+def _manifest(url: str, ref: str) -> Manifest:
+    run, name = ref.split("/")
+    return Manifest.model_validate_json(httpx.get(f"{url}/v1/checkpoints/{run}/{name}").content)
+
+
+def _written(m: Manifest) -> int:
+    return m.total_bytes - m.linked_bytes
+
+
+def _load(client: CheckpointClient, ref: str, like: dict) -> dict:
+    got = blank_like(like)
+    client.load(got, ref)
+    return got
+
+
+def _ckptd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptd.cli.main", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def unleased(tmp_path):
+    """A service whose manifest reads lease nothing, so that gc may delete what the test inspected."""
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": "0"}).start()
+    yield srv
+    srv.stop()
+
+
+def test_unchanged_chunks_are_linked_and_every_checkpoint_stays_whole(unleased, tmp_path):
+    server = unleased
+    client = CheckpointClient(server.url, file_bytes=MIB)  # several files, so linking is per file
+    states = [_state(s) for s in range(1, 5)]
+    for s, sd in enumerate(states, start=1):
+        client.save(sd, f"ft/{s}").wait()
+    first = _manifest(server.url, "ft/1")
+    assert first.linked_bytes == 0
+    frozen = sum(t.numel() * 4 for k, t in states[0]["model"].items() if k.startswith("layer"))
+    for s in range(2, 5):
+        m = _manifest(server.url, f"ft/{s}")
+        linked = {f: e.linked for f, e in m.files.items() if e.linked is not None}
+        assert linked and m.linked_bytes >= frozen, (s, m.linked_bytes, frozen)
+        assert _written(m) < 0.1 * _written(first), (s, _written(m), _written(first))
+        # each link names the previous checkpoint's file, under the name both sides derive
+        assert all(f == linked_name(src.split("/")[0], src.split("/")[1]) and src.startswith(f"{s - 1}/")
+                   for f, src in linked.items())
+    for s, sd in enumerate(states, start=1):
+        if s < 4:  # the newest is loaded after gc (a load leases what it reads, and gc keeps leased ones)
+            continue
+        assert_bits_equal(_load(client, f"ft/{s}", sd), sd, f"ft/{s}")
+
+    # The checkpoints linked from go away: the later ones still load, verify and export.
+    root = str(server.root)
+    r = _ckptd("gc", "ft", "--keep-last", "1", "--root", root)
+    assert r.returncode == 0 and "deleted ft/3" in r.stdout, r.stdout + r.stderr
+    listed = httpx.get(f"{server.url}/v1/runs/ft/checkpoints").json()
+    assert [c["name"] for c in listed] == ["4"]
+    assert_bits_equal(_load(client, "ft/4", states[3]), states[3], "ft/4 after gc")
+    r = _ckptd("verify", "ft/4", "--root", root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _ckptd("export", "ft/4", str(tmp_path / "exported"), "--root", root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    client.close()
+
+
+def test_every_step_of_an_incremental_run_loads_bit_for_bit(server):
+    client = CheckpointClient(server.url, file_bytes=MIB)
+    states = [_state(s) for s in range(1, 4)]
+    for s, sd in enumerate(states, start=1):
+        client.save(sd, f"bits/{s}").wait()
+    for s, sd in enumerate(states, start=1):
+        assert_bits_equal(_load(client, f"bits/{s}", sd), sd, f"bits/{s}")
+    client.close()
+
+
+def test_a_save_after_the_linked_checkpoint_is_gone_writes_everything_again(server):
+    client = CheckpointClient(server.url, file_bytes=MIB)
+    client.save(_state(1), "gone/1").wait()
+    shutil.rmtree(Path(server.root) / "runs" / "gone" / "1")  # deleted behind the service's back
+    client.save(_state(2), "gone/2").wait()
+    m = _manifest(server.url, "gone/2")
+    assert m.linked_bytes == 0
+    assert_bits_equal(_load(client, "gone/2", _state(2)), _state(2))
+    client.close()
+
+
+def test_opt_out_writes_every_chunk(server):
+    client = CheckpointClient(server.url, incremental=False)
+    for s in (1, 2):
+        client.save(_state(s), f"full/{s}").wait()
+    assert _manifest(server.url, "full/2").linked_bytes == 0
+    client.close()
+
+
+def test_links_are_checked(server):
+    """Refused: a name that is not the derived one, a source that is not a visible checkpoint of the
+    run, a file the source does not hold. And a chunk placed in a linked file where the source's
+    manifest verified nothing is checked by reading the file: a false digest is refused at commit."""
+    client = CheckpointClient(server.url, file_bytes=MIB, incremental=False)
+    client.save(_state(1), "chk/1").wait()
+    src = _manifest(server.url, "chk/1")
+    f0 = sorted(src.files)[0]
+    r = httpx.post(f"{server.url}/v1/checkpoints/chk/2/sessions", json={"session": "s1", "world_size": 1, "step": 2})
+    assert r.status_code == 200, r.text
+    base = f"{server.url}/v1/checkpoints/chk/2/sessions/s1/files"
+    bad = {
+        "another name": ("ln-0000000000000000.bin", {"checkpoint": "1", "file": f0}),
+        "no such checkpoint": (linked_name("9", f0), {"checkpoint": "9", "file": f0}),
+        "no such file": (linked_name("1", "nope.bin"), {"checkpoint": "1", "file": "nope.bin"}),
+        "a path": (linked_name("1", f0), {"checkpoint": "../other", "file": f0}),
+    }
+    for what, (name, body) in bad.items():
+        r = httpx.post(f"{base}/{name}/link", json=body)
+        assert r.status_code in (400, 422) and "error" in r.json(), (what, r.status_code, r.text)
+    name = linked_name("1", f0)
+    r = httpx.post(f"{base}/{name}/link", json={"checkpoint": "1", "file": f0})
+    assert r.status_code == 200 and r.json()["size"] == src.files[f0].size, r.text
+
+    # An index placing a 16-byte chunk at an offset of the linked file where the source placed none,
+    # declaring a digest its bytes do not have: the commit reads the file and refuses it.
+    stored = (Path(server.root) / "runs" / "chk" / "1" / "sessions" / src.session / "files" / f0).read_bytes()
+    real = xxhash.xxh3_64_hexdigest(stored[4:20])
+    for digest, ok in (("0" * 16 if real != "0" * 16 else "1" * 16, False), (real, True)):
+        index = {"rank": 0, "world_size": 1, "files": [name], "tensors": [
+            {"name": "w", "shape": [4], "dtype": "float32", "group": "model", "chunks": [
+                {"kind": "box", "rank": 0, "offsets": [0], "sizes": [4],
+                 "location": {"file": name, "offset": 4, "length": 16, "codec": "raw", "raw_length": 16,
+                              "xxh3": digest}}]}]}
+        sid = "s1" if not ok else "s2"
+        if ok:
+            r = httpx.post(f"{server.url}/v1/checkpoints/chk/3/sessions",
+                           json={"session": sid, "world_size": 1, "step": 3})
+            assert r.status_code == 200
+            r = httpx.post(f"{server.url}/v1/checkpoints/chk/3/sessions/{sid}/files/{name}/link",
+                           json={"checkpoint": "1", "file": f0})
+            assert r.status_code == 200
+        ref = "chk/2" if not ok else "chk/3"
+        r = httpx.put(f"{server.url}/v1/checkpoints/{ref}/sessions/{sid}/ranks/0", content=json.dumps(index),
+                      headers={"Content-Type": "application/json"}, timeout=60)
+        if ok:
+            assert r.status_code == 200 and r.json()["state"] == "committed", r.text
+        else:
+            assert r.status_code == 422 and r.json()["error"]["code"] == "checksum_mismatch", r.text
+    assert [c["name"] for c in httpx.get(f"{server.url}/v1/runs/chk/checkpoints").json()] == ["1", "3"]
+    client.close()
+
+
+@pytest.mark.parametrize("compression", ["zstd", None])
+def test_compressed_and_raw_chunks_link_alike(server, compression):
+    client = CheckpointClient(server.url, file_bytes=MIB, compression=compression)
+    for s in (1, 2):
+        client.save(_state(s), f"c{compression or 'raw'}/{s}".lower()).wait()
+    m = _manifest(server.url, f"c{compression or 'raw'}/2".lower())
+    assert m.linked_bytes > 0
+    assert_bits_equal(_load(client, f"c{compression or 'raw'}/2".lower(), _state(2)), _state(2))
+    client.close()
+
+
+def test_show_reports_bytes_written_and_linked(server):
+    client = CheckpointClient(server.url, file_bytes=MIB)
+    for s in (1, 2):
+        client.save(_state(s), f"show/{s}").wait()
+    client.close()
+    m = _manifest(server.url, "show/2")
+    r = _ckptd("show", "show/2", "--root", str(server.root))
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("written"))
+    assert "linked" in line and "from show/1" in line, r.stdout
+    r = _ckptd("show", "show/1", "--root", str(server.root))
+    assert not any(x.startswith("written") for x in r.stdout.splitlines()) and m.linked_bytes > 0
