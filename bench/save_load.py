@@ -314,8 +314,12 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
     probe = Probe()
     mesh = init_device_mesh("cpu", (world,))
     sd = make_state(cfg["specs"], mesh, fill=True)
-    client = CheckpointClient(cfg["url"], snapshot_bytes=cfg.get("snapshot_bytes"), direct_writes=True)
-    http_client = CheckpointClient(cfg["url"], snapshot_bytes=cfg.get("snapshot_bytes"), direct_writes=False)
+    # Every repeat saves the same bytes: incremental saves would link all of them from the previous
+    # repeat, so they are off here (bench.incremental measures them); these are full saves.
+    client = CheckpointClient(cfg["url"], snapshot_bytes=cfg.get("snapshot_bytes"), direct_writes=True,
+                              incremental=False)
+    http_client = CheckpointClient(cfg["url"], snapshot_bytes=cfg.get("snapshot_bytes"), direct_writes=False,
+                                   incremental=False)
     floor_buf = torch.zeros(_shard_bytes(sd), dtype=torch.uint8)  # zeroed: every page faulted in now
     variants = ("dcp", "ckptd", "raw", "ckptd_http")
     repeats = []

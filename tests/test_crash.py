@@ -235,6 +235,34 @@ def test_server_killed_at_crash_point_then_restarted(srv, tmp_path, point):
         client.close(wait=False)
 
 
+@pytest.mark.parametrize("point", ["index-written", "commit-before-marker", "commit-after-marker"])
+def test_an_incremental_save_killed_mid_commit_never_points_at_missing_bytes(fresh_srv, tmp_path, point):
+    """A save that links unchanged chunks from the previous checkpoint; the server dies mid-commit,
+    restarts, the save finishes. Then the checkpoint it linked from is deleted: the new one still
+    loads bit for bit and verifies (its links are its own files, never references to another)."""
+    root, srv = Path(fresh_srv.root), fresh_srv
+    srv.start()
+    client = CheckpointClient(srv.url, retry_seconds=60, streams=2, file_bytes=1 << 20)
+    try:
+        frozen = make_state(5, mib=2)["model"]
+        first = {"model": {**frozen, "adapter": torch.zeros(1000)}}
+        second = {"model": {**frozen, "adapter": torch.ones(1000)}}
+        client.save(first, f"{RUN}/1").wait(timeout=60)
+        srv.kill()
+        srv.start(env={**SMALL_BATCH, "CKPTD_FAULTS": f"crash-at={point}"})
+        handle = client.save(second, f"{RUN}/2")
+        assert srv.wait_exit(timeout=60) == -signal.SIGKILL
+        srv.start()
+        assert handle.wait(timeout=90).state == "committed"
+        m = client.manifest(f"{RUN}/2")
+        assert m.linked_bytes > 0, "the unchanged chunks were written again"
+        shutil.rmtree(ckpt_dir(root, "1"))
+        assert_loads(client, f"{RUN}/2", second)
+        assert_verifies(root, f"{RUN}/2")
+    finally:
+        client.close(wait=False)
+
+
 def _rank_index(rank: int, full: torch.Tensor, lo: int, hi: int) -> tuple[bytes, dict]:
     """File bytes and index of a rank holding rows [lo, hi) of ``model.w``, crafted by hand."""
     data = full[lo:hi].contiguous().numpy().tobytes()
