@@ -26,14 +26,13 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import xxhash
-import zstandard
 
 from ckptd_schemas import (
     AlreadyCommitted, BoxChunk, FlatChunk, Location, ObjectEntry, ParamGroup, RankIndex, SessionStatus, TensorEntry,
     parse_ref,
 )
 
-from .codec import FRAME_BYTES, CompressionPolicy, split_frames
+from .codec import FRAME_BYTES, CompressionPolicy, codec_for, encode, split_frames
 from ._flatten import flatten_state_dict, param_groups_of
 from .transport import Transport
 from ._layout import assign_replicated, dtype_name, local_piece, mesh_of
@@ -46,7 +45,8 @@ from .sessions import open_session, put_index, wait_committed
 __all__ = ["Compression", "SaveHandle", "Snapshot", "build_snapshot", "upload_snapshot"]
 
 Compression = str | CompressionPolicy | None
-"""``None`` (raw), ``"zstd"`` (always) or a :class:`CompressionPolicy` (per chunk, by measurement)."""
+"""``None`` (raw), ``"zstd"`` (always zstd), ``"planes"`` (always ``codec_for``'s codec: byte planes for
+multi-byte elements) or a :class:`CompressionPolicy` (per chunk, by measurement, with ``codec_for``'s codec)."""
 
 ALIGN = 64
 PIECE = 4 << 20
@@ -262,7 +262,6 @@ def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str
         return f.name, offset
 
     policy = compression if isinstance(compression, CompressionPolicy) else None
-    cctx = zstandard.ZstdCompressor(level=1) if compression is not None else None
     entries = []
     linked: dict[str, None] = {}
     for t in snap.tensors:
@@ -277,21 +276,22 @@ def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str
                     produced[key] = chunks[first:]
                 continue
             raw = _bytes_of(c.data)
-            if cctx is None or (policy is not None and not policy.should_compress(raw)):
+            isz = c.data.element_size()
+            if compression is None or (policy is not None and not policy.should_compress(raw, isz)):
                 pieces = [(raw, c.box, c.flat, False)]
             else:  # independently decodable frames: a ranged read decodes only the ones it overlaps
-                isz = c.data.element_size()
+                codec = "zstd" if compression == "zstd" else codec_for(isz)
                 pieces = [(raw[lo * isz:(lo + n) * isz], box, flat, True)
                           for lo, n, box, flat in split_frames(isz, c.box, c.flat, FRAME_BYTES)]
             for data, box, flat, compress in pieces:
                 stored: memoryview | bytes = data
                 if compress:
-                    packed = cctx.compress(data)  # type: ignore[union-attr]
-                    # "auto" keeps a frame raw when zstd did not shrink it after all
+                    packed = encode(data, codec, isz)
+                    # "auto" keeps a frame raw when it did not shrink after all
                     stored = data if policy is not None and len(packed) >= len(data) else packed
                 fname, off = place(stored)
                 loc = Location(file=fname, offset=off, length=len(stored),
-                               codec="raw" if stored is data else "zstd",
+                               codec="raw" if stored is data else codec,
                                raw_length=len(data), xxh3=xxhash.xxh3_64_hexdigest(stored))
                 if box is not None:
                     chunks.append(BoxChunk(rank=snap.rank, offsets=box[0], sizes=box[1], location=loc))

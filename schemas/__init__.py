@@ -1,10 +1,8 @@
 """ckptd_schemas: the manifest, API bodies, errors and pure geometry shared by
 the ckptd service and the ``ckptd_client`` trainer client. No I/O here."""
 
-from .api import (
-    AdoptFile, CheckpointSummary, LinkFile, DirectWrites, OpenSession, RankIndex, RunSummary, SessionInfo, SessionStatus,
-    TensorColumns, UploadResult,
-)
+from typing import TYPE_CHECKING, Any
+
 from .chunktable import ChunkColumns
 from .dtypes import ITEMSIZE, DType, itemsize
 from .errors import *  # noqa: F403
@@ -16,7 +14,33 @@ from .manifest import (
 )
 from .names import (LATEST, CheckpointRef, check_file, check_name, check_run, check_session, check_staged, linked_name,
                     parse_ref, staged_name)
-from .readplan import Copy, Fetch, PlanBudget, ReadPlan, ReadRequest, dest_region, plan_reads, verify_fetch
+
+if TYPE_CHECKING:
+    from .api import (
+        AdoptFile, CheckpointSummary, DirectWrites, LinkFile, OpenSession, RankIndex, RunSummary, SessionInfo,
+        SessionStatus, TensorColumns, UploadResult,
+    )
+    from .readplan import Copy, Fetch, PlanBudget, ReadPlan, ReadRequest, dest_region, plan_reads, verify_fetch
+
+# The HTTP bodies and the read plan are imported when first named: a process that only reads a
+# manifest (``ckptd verify``, ``ckptd show``) does not build their models (a tenth of its start-up).
+_LAZY = {
+    **dict.fromkeys(("AdoptFile", "CheckpointSummary", "DirectWrites", "LinkFile", "OpenSession", "RankIndex",
+                     "RunSummary", "SessionInfo", "SessionStatus", "TensorColumns", "UploadResult"), "api"),
+    **dict.fromkeys(("Copy", "Fetch", "PlanBudget", "ReadPlan", "ReadRequest", "dest_region", "plan_reads",
+                     "verify_fetch"), "readplan"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptd_schemas' has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     *_errors_all,

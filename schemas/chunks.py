@@ -20,7 +20,7 @@ HEX64 = r"^[0-9a-f]{16}$"
 NonNeg = Annotated[int, Field(ge=0, le=2**62)]
 FileName = Annotated[str, Field(pattern=FILE_RE.pattern.join("^$"))]
 Hex64 = Annotated[str, Field(pattern=HEX64)]
-Codec = Literal["raw", "zstd"]
+Codec = Literal["raw", "zstd", "blosc2"]
 
 
 class _Model(BaseModel):
@@ -35,7 +35,7 @@ class Location(_Model):
     file: FileName
     offset: NonNeg
     length: NonNeg = Field(description="stored (possibly compressed) byte length")
-    codec: Literal["raw", "zstd"] = "raw"
+    codec: Codec = Field("raw", description="raw; zstd (zstd-1); blosc2 (a Blosc2 chunk: byte planes, then zstd-1)")
     raw_length: NonNeg = Field(description="decoded byte length: numel * itemsize")
     xxh3: Annotated[str, Field(pattern=HEX64)] = Field(description="XXH3-64 of the stored bytes")
 

@@ -13,7 +13,8 @@ chunks of one region with one declared digest) and before the manifest is writte
    * its whole-file and block digests are recomputed and compared with the digest record;
    * every chunk's (and stored object's) XXH3-64 is recomputed from its stored bytes and compared
      with the one its index declares;
-   * every zstd chunk is walked and decoded in bounded memory (:class:`~ckptd.store.frames.FrameCheck`)
+   * every compressed chunk (zstd, blosc2) is walked and decoded in bounded memory
+     (:func:`~ckptd.store.frames.frame_check`)
      and must hold exactly ``numel x itemsize`` bytes of its tensor piece (the manifest's ``raw_length``);
    * replicas (the same region of a tensor under one digest, written by several ranks) are hashed
      with SHA-256 as well, and must be identical bytes: a writer can forge XXH3-64 collisions
@@ -52,7 +53,7 @@ import xxhash
 from ckptd_schemas import AdoptedFile, Box, ChecksumMismatch, FileEntry, IntegrityError, Manifest, Region, itemsize
 
 from ..storage import Storage
-from .frames import FrameCheck
+from .frames import frame_check
 from .hashing import StreamDigest
 
 __all__ = ["JOBS", "READ_SIZE", "StorageFiles", "StoredBytes", "check_commit", "check_stored", "local_stat",
@@ -117,7 +118,7 @@ def check_commit(manifest: Manifest, entries: Mapping[str, FileEntry], storage: 
 
 def verified_locations(manifest: Manifest) -> dict[str, set[tuple]]:
     """Per file, the chunk and object locations ``manifest`` places in it, as the rows' keys that
-    :func:`check_stored` compares: (offset, length, XXH3, decoded length of a zstd row)."""
+    :func:`check_stored` compares: (offset, length, XXH3, decoded length and codec of a compressed row)."""
     rows, _ = _rows(manifest)
     out: dict[str, set[tuple]] = {}
     for i, f in enumerate(rows.file):
@@ -127,7 +128,9 @@ def verified_locations(manifest: Manifest) -> dict[str, set[tuple]]:
 
 def _key(rows: "_Rows", i: int) -> tuple:
     special = rows.special.get(i)
-    return rows.offset[i], rows.length[i], rows.xxh3[i], special.raw_length if special is not None else None
+    if special is None or special.raw_length is None:
+        return rows.offset[i], rows.length[i], rows.xxh3[i], None, "raw"
+    return rows.offset[i], rows.length[i], rows.xxh3[i], special.raw_length, special.codec
 
 
 # -- what to check -------------------------------------------------------------------------------------
@@ -153,8 +156,9 @@ class _Rows:
 
 @dataclass
 class _Special:
-    raw_length: int | None = None     # set for zstd rows: the decoded length they must have
+    raw_length: int | None = None     # set for compressed rows: the decoded length they must have
     replica_of: int | None = None     # group id, for replicas
+    codec: str = "zstd"               # of a compressed row
 
 
 def _rows(manifest: Manifest) -> tuple[_Rows, list[list[int]]]:
@@ -176,7 +180,7 @@ def _rows(manifest: Manifest) -> tuple[_Rows, list[list[int]]]:
                 if codec != "raw":
                     sizes = tab.sizes[i]
                     numel = sizes[0] if tab.is_flat(i) else prod(sizes)
-                    rows.special[base + i] = _Special(raw_length=numel * isz)
+                    rows.special[base + i] = _Special(raw_length=numel * isz, codec=codec)
         if len(set(tab.xxh3)) != n:  # two rows with one digest: maybe replicas of one region
             for members in _replicas(t.name, t.shape, tab, base):
                 for i in members:
@@ -194,7 +198,7 @@ def _rows(manifest: Manifest) -> tuple[_Rows, list[list[int]]]:
         rows.owner.append(len(rows.whats) - 1)
         rows.rank.append(o.rank)
         if loc.codec != "raw":
-            rows.special[i] = _Special(raw_length=loc.raw_length)
+            rows.special[i] = _Special(raw_length=loc.raw_length, codec=loc.codec)
     return rows, groups
 
 
@@ -294,7 +298,8 @@ class _Stream:
         self.i = i
         self.xxh3 = xxhash.xxh3_64()
         self.sha = hashlib.sha256() if special is not None and special.replica_of is not None else None
-        self.frame = FrameCheck(special.raw_length) if special is not None and special.raw_length is not None else None
+        self.frame = (frame_check(special.codec, special.raw_length)
+                      if special is not None and special.raw_length is not None else None)
 
     def feed(self, data: memoryview) -> None:
         self.xxh3.update(data)

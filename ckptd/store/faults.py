@@ -18,6 +18,8 @@ clauses separated by ``;``, each ``kind=value``:
   ``seconds`` first (a slow backend for one run).
 * ``fail=<run>``: every such write raises :class:`~ckptd_schemas.StorageError` (a backend that is
   unavailable for one run).
+* ``throttle=<MB/s>``: the bytes of every storage write pass one shared link of that rate (a slow
+  remote store, for the compression benchmark): each write waits until the link has carried it.
 
 Unset (always, outside tests), :func:`wrap_storage` returns the storage unchanged and a crash
 point costs two global lookups.
@@ -98,7 +100,10 @@ _random: _RandomKill | None = None
 _crash_at: str | None = None
 _stall: tuple[str, float] | None = None   # (runs/<run>/ prefix, seconds)
 _fail: str | None = None                  # runs/<run>/ prefix
-KINDS = ("crash-at", "crash-random", "stall", "fail")
+_throttle: float | None = None             # bytes/s of the shared link
+_link_free = 0.0                           # monotonic time at which the link has carried every write so far
+_link = threading.Lock()
+KINDS = ("crash-at", "crash-random", "stall", "fail", "throttle")
 
 
 def parse(spec: str) -> dict[str, str]:
@@ -115,7 +120,7 @@ def parse(spec: str) -> dict[str, str]:
 
 def configure(environ: Mapping[str, str] = os.environ) -> None:
     """(Re)read ``CKPTD_FAULTS`` from ``environ``."""
-    global _random, _crash_at, _stall, _fail
+    global _random, _crash_at, _stall, _fail, _throttle
     faults = parse(environ.get("CKPTD_FAULTS", ""))
     _random = _RandomKill(faults["crash-random"]) if faults.get("crash-random") else None
     _crash_at = faults.get("crash-at") or None
@@ -125,6 +130,18 @@ def configure(environ: Mapping[str, str] = os.environ) -> None:
     else:
         _stall = None
     _fail = f"runs/{faults['fail']}/" if faults.get("fail") else None
+    _throttle = float(faults["throttle"]) * 1e6 if faults.get("throttle") else None
+
+
+def _carry(nbytes: int) -> None:
+    """Wait until the throttled link has carried ``nbytes`` after everything written before."""
+    global _link_free
+    if _throttle is None or nbytes <= 0:
+        return
+    with _link:
+        _link_free = max(time.monotonic(), _link_free) + nbytes / _throttle
+        until = _link_free
+    time.sleep(max(0.0, until - time.monotonic()))
 
 
 _dying = threading.Lock()
@@ -159,6 +176,7 @@ class _FaultWriter(Writer):
         self._inner = inner
 
     def write(self, data: bytes | memoryview) -> None:
+        _carry(len(data))
         if _random is not None and len(data) > 1:
             view = memoryview(data)
             half = len(view) // 2
@@ -222,7 +240,7 @@ class _FaultStorage(Storage):
 
 def wrap_storage(storage: Storage) -> Storage:
     """``storage`` itself, or a fault-injecting wrapper when a fault setting above is present."""
-    if _random is None and _stall is None and _fail is None:
+    if _random is None and _stall is None and _fail is None and _throttle is None:
         return storage
     return _FaultStorage(storage)
 

@@ -1,4 +1,7 @@
-"""A zstd frame checked as its bytes pass, in bounded memory: the commit's codec check.
+"""A compressed chunk checked as its bytes pass, in bounded memory: the commit's codec check.
+
+:func:`frame_check` gives the check for a chunk's codec: :class:`FrameCheck` for zstd,
+:class:`Blosc2Check` for blosc2 (byte planes; ``ckptd_client.codec``).
 
 :class:`FrameCheck` is fed a compressed chunk's stored bytes in order (``feed``), then asked
 ``problem()``. It holds when the bytes are exactly one complete zstd frame, without a
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import zstandard
 
-__all__ = ["WRITE_SIZE", "FrameCheck"]
+__all__ = ["WRITE_SIZE", "Blosc2Check", "FrameCheck", "frame_check"]
 
 WRITE_SIZE = 1 << 17
 _MAGIC = 0xFD2FB528
@@ -167,3 +170,32 @@ class FrameCheck:
         if self._error is None and self._out.n != self.raw_length:
             self._error = f"zstd frame decodes to {self._out.n} bytes, the chunk holds {self.raw_length}"
         return self._error
+
+
+class Blosc2Check:
+    """One blosc2 chunk's bytes, fed in order; ``problem()`` as :class:`FrameCheck`'s. A Blosc2 frame
+    is at most 4 MiB of raw data (``FRAME_BYTES``) plus its header: it is collected (refused as soon
+    as it is longer than any frame of ``raw_length`` bytes can be) and checked by
+    ``ckptd_client.codec.blosc2_problem``: header sizes first, then a decode into ``raw_length`` bytes."""
+
+    def __init__(self, raw_length: int) -> None:
+        from ckptd_client.codec import blosc2_problem
+
+        self.raw_length, self._check = raw_length, blosc2_problem
+        self._buf = bytearray()
+        self._too_long = False
+
+    def feed(self, data: memoryview | bytes) -> None:
+        if not self._too_long:
+            self._buf += data
+            self._too_long = len(self._buf) > self.raw_length + 64
+
+    def problem(self) -> str | None:
+        if self._too_long:
+            return f"Blosc2 frame is longer than any frame of {self.raw_length} bytes"
+        return self._check(self._buf, self.raw_length)
+
+
+def frame_check(codec: str, raw_length: int) -> "FrameCheck | Blosc2Check":
+    """The check of a chunk stored with ``codec`` (not raw) that must decode to ``raw_length`` bytes."""
+    return Blosc2Check(raw_length) if codec == "blosc2" else FrameCheck(raw_length)

@@ -22,6 +22,7 @@ import zstandard
 from ckptd_schemas import CkptdError, FileEntry, Location, Manifest
 from ckptd_schemas.chunktable import check_columns_tiling
 
+from .frames import Blosc2Check
 from .hashing import StreamDigest
 
 __all__ = ["ByteSource", "VerifyReport", "verify_manifest"]
@@ -76,6 +77,7 @@ class _ChunkCheck:
         self.what, self.loc = what, loc
         self.hash = xxhash.xxh3_64()
         self.count = _DecodedCount(loc.raw_length) if loc.codec == "zstd" else None
+        self.blosc2 = Blosc2Check(loc.raw_length) if loc.codec == "blosc2" else None
         self.decoder = (zstandard.ZstdDecompressor().stream_writer(self.count, write_size=DECODE_WRITE_SIZE)
                         if self.count is not None else None)
         self.error: str | None = None
@@ -86,6 +88,8 @@ class _ChunkCheck:
 
     def feed(self, data: memoryview) -> None:
         self.hash.update(data)
+        if self.blosc2 is not None:
+            self.blosc2.feed(data)
         if self.decoder is not None and self.error is None:
             try:
                 self.decoder.write(data)
@@ -100,6 +104,10 @@ class _ChunkCheck:
         if self.hash.hexdigest() != self.loc.xxh3:
             out.append(f"{self.what}: bytes [{self.loc.offset}, {self.loc.offset + self.loc.length}) of file "
                        f"{self.loc.file!r} hash to {self.hash.hexdigest()}, manifest says {self.loc.xxh3}")
+        if self.blosc2 is not None and self.error is None:
+            why = self.blosc2.problem()
+            if why is not None:
+                self.error = f"{why} (file {self.loc.file!r} at byte {self.loc.offset})"
         if self.error:
             out.append(f"{self.what}: {self.error}")
         elif self.decoder is not None and self.decoded != self.loc.raw_length:

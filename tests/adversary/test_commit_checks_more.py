@@ -117,6 +117,60 @@ def test_a_compressed_chunk_that_is_not_one_plain_frame_is_refused(env, case):
     env.assert_invisible("2", "s")
 
 
+def _blosc2_variant(case: str, piece: bytes) -> bytes:
+    import blosc2
+
+    good = blosc2.compress2(piece, codec=blosc2.Codec.ZSTD, clevel=1, typesize=4,
+                            filters=[blosc2.Filter.SHUFFLE], nthreads=1)
+    if case == "header-says-more":  # the header's raw size doubled: a reader would allocate by it
+        return blosc2.compress2(piece * 2, codec=blosc2.Codec.ZSTD, clevel=1, typesize=4,
+                                filters=[blosc2.Filter.SHUFFLE], nthreads=1)
+    if case == "trailing-bytes":
+        return good + b"\0\0\0\0"
+    if case == "truncated":
+        return good[:-3]
+    if case == "garbage":
+        return bytes(range(48))
+    raise AssertionError(case)
+
+
+BLOSC2_CASES = {
+    "header-says-more": "Blosc2 frame",
+    "trailing-bytes": "Blosc2 frame",
+    "truncated": "Blosc2 frame",
+    "garbage": "Blosc2 frame",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BLOSC2_CASES))
+def test_a_byte_plane_chunk_that_is_not_one_exact_blosc2_frame_is_refused(env, case):
+    """A blosc2 (byte-plane) chunk whose digest is right but whose frame is not exactly one Blosc2
+    chunk of the piece's size is refused at commit, before any header is trusted for memory."""
+    piece = _rows(0, 2)
+    frame = _blosc2_variant(case, piece)
+    env.open("2", "s", 1)
+    env.upload("2", "s", "r0.bin", frame + _rows(2, 4))
+    chunks = [_chunk(0, "r0.bin", frame, codec="blosc2", raw_length=len(piece), offsets=[0, 0], sizes=[2, 3]),
+              _chunk(0, "r0.bin", _rows(2, 4), offset=len(frame), offsets=[2, 0], sizes=[2, 3])]
+    r = env.put_index("2", "s", _index(0, 1, [_tensor(W, [4, 3], chunks)], ["r0.bin"]))
+    env.refused(r, "integrity", f"tensor '{W}' (rank 0)", "'r0.bin'", BLOSC2_CASES[case])
+    env.assert_invisible("2", "s")
+
+
+def test_an_honest_blosc2_chunk_commits_verifies_and_loads(env):
+    import blosc2
+
+    piece = _rows(0, 2)
+    frame = blosc2.compress2(piece, codec=blosc2.Codec.ZSTD, clevel=1, typesize=4,
+                             filters=[blosc2.Filter.SHUFFLE], nthreads=1)
+    env.open("2", "s", 1)
+    env.upload("2", "s", "r0.bin", frame + _rows(2, 4))
+    chunks = [_chunk(0, "r0.bin", frame, codec="blosc2", raw_length=len(piece), offsets=[0, 0], sizes=[2, 3]),
+              _chunk(0, "r0.bin", _rows(2, 4), offset=len(frame), offsets=[2, 0], sizes=[2, 3])]
+    r = env.put_index("2", "s", _index(0, 1, [_tensor(W, [4, 3], chunks)], ["r0.bin"]))
+    assert_committed_and_verified(env, r)
+
+
 # -- stored objects that lie ----------------------------------------------------------------------------
 
 def _object(name: str, file: str, stored: bytes, *, offset: int = 0, codec: str = "raw",
