@@ -61,9 +61,11 @@ class CheckpointClient(CatalogClient):
             one service (same storage root) as a list or comma-separated: calls go to the first and
             move to the next when a connection cannot be made.
         token: bearer token (default ``$CKPTD_TOKEN``).
-        compression: ``None`` (store raw), ``"zstd"`` (always), or ``"auto"``: per chunk, zstd level 1
-            only where a timed sample says compressing plus uploading the smaller result beats uploading
-            raw at this client's observed upload throughput (so raw on a fast local disk, zstd on a slow
+        compression: ``None`` (store raw), ``"planes"`` (always: byte planes, Blosc2 shuffle then
+            zstd-1, for elements of two bytes or more, zstd-1 for one-byte dtypes), ``"zstd"``
+            (always plain zstd-1), or ``"auto"``: per chunk, the ``"planes"`` codec only where a timed
+            sample says compressing plus uploading the smaller result beats uploading raw at this
+            client's observed upload throughput (so raw on a fast local disk, compressed on a slow
             remote store; see ``ckptd_client.codec``). A ``CompressionPolicy`` instance may be given
             to set the assumed store throughput. Compressed chunks are stored as independently
             decodable frames of at most 4 MiB raw, so ranged reads decode only what they need.

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import threading
-from typing import ContextManager, Protocol
+from typing import TYPE_CHECKING, ContextManager, Protocol
 
-from ckptd_schemas import CheckpointSummary, Manifest, NotFound, RunSummary
+from ckptd_schemas import Manifest, NotFound
+
+if TYPE_CHECKING:  # annotations only: the API bodies are not built for commands that never list
+    from ckptd_schemas import CheckpointSummary, RunSummary
 
 from .readahead import ReadAhead
 from .target import DEFAULT_ROOT, Target, open_root
