@@ -62,6 +62,19 @@ def any_rank(flag: bool) -> bool:
     return any_ranks(flag)[0]
 
 
+def agree(flags: tuple[bool, ...], token: bytes) -> tuple[tuple[bool, ...], bytes]:
+    """Each flag true on every rank iff it is true on some rank, and rank 0's ``token`` (a few bytes)
+    on every rank: one all-reduce of small integers, where ``any_ranks`` then ``broadcast_str``
+    would be two collectives and a pickle (a save's stall pays for each)."""
+    if not _active() or dist.get_world_size() == 1:
+        return tuple(flags), token
+    mine = list(token) if dist.get_rank() == 0 else [0] * len(token)
+    t = torch.tensor([1 if f else 0 for f in flags] + mine, dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
+    values = t.tolist()
+    return tuple(bool(x) for x in values[:len(flags)]), bytes(values[len(flags):])
+
+
 def any_ranks(*flags: bool) -> tuple[bool, ...]:
     """Each flag true on every rank iff it is true on some rank: one all-reduce for all of them."""
     if not _active() or dist.get_world_size() == 1:

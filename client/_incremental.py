@@ -5,13 +5,18 @@ every saver that writes them again pays for them at every step. Here each rank r
 save, a 128-bit content digest (XXH3-128) of every chunk it wrote and where that chunk's stored
 pieces are (file and locations in that checkpoint). At its next save to the same run:
 
-1. :meth:`ChunkHistory.begin` digests this save's chunks and picks those whose (tensor, dtype,
-   region) and digest equal the remembered ones. 128 bits: two different contents sharing one
-   digest takes about 2^64 tries to find on purpose, and never happens by chance.
-2. :meth:`SaveDelta.link` asks the service to link each earlier file holding such chunks into the new
-   session (``POST .../files/<linked_name>/link``): a hard link on a local root, a copy inside the
-   store on S3, so no byte of them passes through the rank or the service. A refused link (the
-   earlier checkpoint never committed, or was deleted since) leaves its chunks to be written as usual.
+1. In the save's stall, each chunk a rank holds on the CPU is digested in place
+   (:func:`digest_source`); those whose (tensor, dtype, region) and digest equal the remembered ones
+   (:meth:`ChunkHistory.candidates`) have their files linked into the new session at once
+   (:func:`link_early`: ``POST .../files/<linked_name>/link``, a hard link on a local root, a copy
+   inside the store on S3, so no byte of them passes through the rank or the service), and are then
+   not copied at all: the stall is a hash of the frozen part and a copy of the rest. Each request is
+   made once with a short timeout; whatever is not linked then is copied as usual. 128 bits: two
+   different contents sharing one digest takes about 2^64 tries to find on purpose, and never
+   happens by chance.
+2. In the upload, :meth:`ChunkHistory.begin` digests the copied chunks (GPU tensors among them) and
+   :meth:`SaveDelta.link` links what is unchanged among them the same way. A refused link (the
+   earlier checkpoint never committed, or was deleted since) leaves its chunks to be written.
 3. ``_pack`` places the linked chunks at their stored locations in the linked files
    (:func:`relocated`) and writes the rest; the rank index lists the linked files with its own.
 4. Once the index is accepted, :meth:`ChunkHistory.remember` keeps this save's digests and
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import xxhash
@@ -38,7 +43,7 @@ from ckptd_schemas import BoxChunk, CkptdError, FlatChunk, InvalidRequest, NotFo
 if TYPE_CHECKING:
     from .transport import Transport
 
-__all__ = ["ChunkHistory", "SaveDelta", "chunk_key", "link_files", "relocated"]
+__all__ = ["ChunkHistory", "SaveDelta", "chunk_key", "digest_source", "link_early", "link_files", "relocated"]
 
 log = logging.getLogger("ckptd_client")
 
@@ -57,6 +62,13 @@ class _Stored:
     pieces: list  # the index's BoxChunk / FlatChunk entries of the chunk, locations in files of ``name``
 
 
+@dataclass(frozen=True)
+class _Last:
+    run: str
+    name: str
+    chunks: dict[ChunkKey, _Stored]
+
+
 @dataclass
 class SaveDelta:
     """One save's side of it: its chunks' digests, the remembered pieces it may link (in files of
@@ -73,42 +85,54 @@ class SaveDelta:
         """Link the files holding the candidates into ``session``; returns the chunks to place in them."""
         if not self.candidates or self.source is None:
             return {}
-        files = {p.location.file for pieces in self.candidates.values() for p in pieces}
-        linked = link_files(transport, base, session, self.source, files)
-        reuse = {}
-        for key, pieces in self.candidates.items():
-            moved = relocated(pieces, linked, rank)
-            if moved is not None:
-                reuse[key] = moved
-        return reuse
+        return _relocate_all(self.candidates, link_files(transport, base, session, self.source,
+                                                         _files_of(self.candidates)), rank)
 
 
-@dataclass
 class ChunkHistory:
-    """What this rank stored at its last save: per chunk, its digest and stored pieces."""
+    """What this rank stored at its last save: per chunk, its digest and stored pieces. Read by the
+    next save's stall while the previous save's upload may :meth:`remember`: the state is one
+    object, replaced whole."""
 
-    run: str | None = None
-    name: str | None = None
-    chunks: dict[ChunkKey, _Stored] = field(default_factory=dict)
+    def __init__(self) -> None:
+        self._last: _Last | None = None
+
+    @property
+    def name(self) -> str | None:
+        last = self._last
+        return last.name if last is not None else None
+
+    def candidates(self, run: str, name: str, digests: dict[ChunkKey, bytes]) -> tuple[str | None, dict[ChunkKey, list]]:
+        """The checkpoint of the last save to ``run`` and, of ``digests``, the chunks stored unchanged in it
+        (nothing after a save to another run, or before any)."""
+        last = self._last
+        if last is None or last.run != run or last.name == name:
+            return None, {}
+        out = {}
+        for key, d in digests.items():
+            stored = last.chunks.get(key)
+            if stored is not None and stored.digest == d:
+                out[key] = stored.pieces
+        return (last.name if out else None), out
 
     def begin(self, run: str, name: str, snap: Any) -> SaveDelta:
-        """Digest ``snap``'s chunks (a ``Snapshot``) and pick those stored unchanged at the last save to
-        ``run`` (none after a save to another run, or before any)."""
-        digests = {chunk_key(t.name, t.dtype, c.box, c.flat): digest(_raw(c.data))
-                   for t in snap.tensors for c in snap.chunks.get(t.name, [])}
-        candidates = {}
-        if self.run == run and self.name is not None and self.name != name:
-            for key, d in digests.items():
-                stored = self.chunks.get(key)
-                if stored is not None and stored.digest == d:
-                    candidates[key] = stored.pieces
-        return SaveDelta(run, name, digests, candidates, self.name if candidates else None)
+        """Digest ``snap``'s chunks (a ``Snapshot``; those digested in the stall keep that digest) and
+        pick, among the chunks it copied, those stored unchanged at the last save to ``run``."""
+        digests: dict[ChunkKey, bytes] = {}
+        copied: dict[ChunkKey, bytes] = {}
+        for t in snap.tensors:
+            for c in snap.chunks.get(t.name, []):
+                key = chunk_key(t.name, t.dtype, c.box, c.flat)
+                digests[key] = c.digest if c.digest is not None else digest(_raw(c.data))
+                if c.reused is None:
+                    copied[key] = digests[key]
+        source, candidates = self.candidates(run, name, copied)
+        return SaveDelta(run, name, digests, candidates, source)
 
     def remember(self, delta: SaveDelta) -> None:
         """After a save whose index was accepted: its chunks' digests and where their pieces are."""
-        self.run, self.name = delta.run, delta.name
-        self.chunks = {k: _Stored(delta.digests[k], pieces) for k, pieces in delta.produced.items()
-                       if k in delta.digests}
+        self._last = _Last(delta.run, delta.name, {k: _Stored(delta.digests[k], pieces)
+                                                   for k, pieces in delta.produced.items() if k in delta.digests})
 
 
 def digest(data: memoryview) -> bytes:
@@ -119,7 +143,44 @@ def _raw(t: Any) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def link_files(transport: "Transport", base: str, session: str, source: str, files: set[str]) -> dict[str, str]:
+def digest_source(t: torch.Tensor) -> bytes | None:
+    """The digest of a tensor the rank holds, read in place: a contiguous CPU tensor; else None (a
+    GPU tensor is digested once copied to the host)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return digest(_raw(t.detach()))
+
+
+def _files_of(candidates: dict[ChunkKey, list]) -> set[str]:
+    return {p.location.file for pieces in candidates.values() for p in pieces}
+
+
+def _relocate_all(candidates: dict[ChunkKey, list], linked: dict[str, str], rank: int) -> dict[ChunkKey, list]:
+    reuse = {}
+    for key, pieces in candidates.items():
+        moved = relocated(pieces, linked, rank)
+        if moved is not None:
+            reuse[key] = moved
+    return reuse
+
+
+def link_early(open_session: Callable[[], Any], transport: "Transport", base: str, session: str, rank: int,
+               source: str, candidates: dict[ChunkKey, list], timeout: float) -> dict[ChunkKey, list]:
+    """In a save's stall: open the session (``open_session``) and link the files holding ``candidates``,
+    each request once and within ``timeout`` seconds; returns the chunks now held by the session, which
+    need no copy. A file the service refuses is left out; any other failure (the service slow or down)
+    returns nothing: those chunks are then copied and written as usual, and the stall never waits long."""
+    try:
+        open_session()
+        linked = link_files(transport, base, session, source, _files_of(candidates), retry=False, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - the slow path is always there
+        log.info("incremental save: nothing linked before the copy (%s: %s)", type(e).__name__, e)
+        return {}
+    return _relocate_all(candidates, linked, rank)
+
+
+def link_files(transport: "Transport", base: str, session: str, source: str, files: set[str], *,
+               retry: bool = True, timeout: float | None = None) -> dict[str, str]:
     """Link each of ``files`` (of checkpoint ``source``, same run) into the session; returns the ones
     the service linked, each to its name in the new checkpoint. A refusal (``InvalidRequest``,
     ``NotFound``) drops that file: its chunks are written instead."""
@@ -128,7 +189,7 @@ def link_files(transport: "Transport", base: str, session: str, source: str, fil
         name = linked_name(source, f)
         try:
             transport.request("POST", f"{base}/sessions/{session}/files/{name}/link",
-                              json={"checkpoint": source, "file": f})
+                              json={"checkpoint": source, "file": f}, retry=retry, timeout=timeout)
         except (InvalidRequest, NotFound) as e:
             log.info("incremental save: %s/%s not linked (%s); its chunks are written again", source, f,
                      e.message if isinstance(e, CkptdError) else e)

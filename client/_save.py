@@ -37,7 +37,7 @@ from ._flatten import flatten_state_dict, param_groups_of
 from .transport import Transport
 from ._layout import assign_replicated, dtype_name, local_piece, mesh_of
 from .objects import SAFE, ObjectPolicy, encode_object
-from ._incremental import ChunkHistory, SaveDelta, chunk_key
+from ._incremental import ChunkHistory, SaveDelta, chunk_key, digest_source
 from ._pool import Lease, SnapshotPool, aligned
 from ._staging import FALL_BACK, StagingDir
 from .sessions import open_session, put_index, wait_committed
@@ -56,10 +56,12 @@ _PAD = bytes(ALIGN)
 @dataclass
 class _Chunk:
     fqn: str
-    data: torch.Tensor            # contiguous CPU snapshot
+    data: torch.Tensor | None     # contiguous CPU snapshot; None when ``reused``
     box: tuple[list[int], list[int]] | None
     flat: tuple[int, int] | None
     payload: bytes | None = None  # compressed bytes (zstd)
+    digest: bytes | None = None   # XXH3-128 of its bytes, when taken in the stall (incremental saves)
+    reused: list | None = None    # its pieces in files already linked into the session: not copied
 
 
 @dataclass
@@ -85,7 +87,8 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(c.data.numel() * c.data.element_size() for cs in self.chunks.values() for c in cs)
+        return sum(c.data.numel() * c.data.element_size() for cs in self.chunks.values() for c in cs
+                   if c.data is not None)
 
     def release(self) -> None:
         """Drop the chunks and give the pool's slab back; call once the upload has ended (success or
@@ -137,7 +140,8 @@ def _to_host(src: torch.Tensor, lease: Lease | None, side: dict[torch.device, An
 
 
 def build_snapshot(state_dict: dict, rank: int, world: int, pool: SnapshotPool | None = None, *,
-                   writers: Mapping[str, int] | None = None, objects: ObjectPolicy = SAFE) -> Snapshot:
+                   writers: Mapping[str, int] | None = None, objects: ObjectPolicy = SAFE,
+                   link: Callable[[dict[tuple, bytes]], dict[tuple, list]] | None = None) -> Snapshot:
     """Copy what this rank writes to host memory; afterwards training may mutate its tensors.
 
     With ``pool``, the copies go into its slab (leased until ``snap.release()``, which the uploader
@@ -145,13 +149,15 @@ def build_snapshot(state_dict: dict, rank: int, world: int, pool: SnapshotPool |
     writes each plain tensor (``ReplicaWriters.owners``, agreed among the ranks that hold it);
     without it every rank is assumed to hold the same plain tensors and the writers are balanced
     over all ranks from names and sizes alone. ``objects`` decides how non-tensor values are stored
-    (an unsafe one raises ``UnsafeObject`` here, naming its key).
+    (an unsafe one raises ``UnsafeObject`` here, naming its key). ``link`` (incremental saves) is given
+    the digests of the chunks this rank holds on the CPU and returns those it linked into the session
+    from the previous checkpoint (``ckptd_client._incremental.link_early``): they are not copied.
     """
     snap = Snapshot(rank, world)
     side: dict[torch.device, Any] = {}
     try:
         try:
-            _fill(snap, state_dict, rank, world, side, writers, objects, pool)
+            _fill(snap, state_dict, rank, world, side, writers, objects, pool, link)
         finally:  # training may change the sources once we return: the copies must be complete
             for stream in side.values():
                 stream.synchronize()
@@ -163,14 +169,23 @@ def build_snapshot(state_dict: dict, rank: int, world: int, pool: SnapshotPool |
 
 def _fill(snap: Snapshot, state_dict: dict, rank: int, world: int, side: dict[torch.device, Any],
           writers: Mapping[str, int] | None = None, objects: ObjectPolicy = SAFE,
-          pool: SnapshotPool | None = None) -> None:
+          pool: SnapshotPool | None = None,
+          link: Callable[[dict[tuple, bytes]], dict[tuple, list]] | None = None) -> None:
     leaves = flatten_state_dict(state_dict)
     pieces = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in leaves if leaf.kind == "tensor"}
     owners = writers if writers is not None else assign_replicated(
         [(n, p.numel * p.local.element_size()) for n, p in pieces.items() if p.replicated], world)
-    written = [p for n, p in pieces.items() if (owners.get(n) == rank if p.replicated else p.writes)]
+    written = {n: p for n, p in pieces.items() if (owners.get(n) == rank if p.replicated else p.writes)
+               and p.numel > 0}
+    keys = {n: chunk_key(n, dtype_name(p.dtype), _box_of(p), p.flat) for n, p in written.items()}
+    digests: dict[tuple, bytes] = {}
+    reused: dict[tuple, list] = {}
+    if link is not None:  # unchanged since the previous save and linked now: hashed in place, not copied
+        digests = {keys[n]: d for n, p in written.items() if (d := digest_source(p.local)) is not None}
+        reused = link(digests) if digests else {}
     if pool is not None:  # the slab, sized from what this save copies
-        snap.lease = pool.lease(sum(aligned(p.numel * p.local.element_size()) for p in written))
+        snap.lease = pool.lease(sum(aligned(p.numel * p.local.element_size()) for n, p in written.items()
+                                    if keys[n] not in reused))
     snap.mesh, snap.coords = mesh_of([leaf.value for leaf in leaves], world)
     group_kinds: dict[str, set[str]] = {}
     for leaf in leaves:
@@ -179,12 +194,12 @@ def _fill(snap: Snapshot, state_dict: dict, rank: int, world: int, side: dict[to
             group_kinds.setdefault(leaf.group, set()).add(p.placement or "")
             snap.tensors.append(TensorEntry(name=leaf.fqn, shape=list(p.shape), dtype=dtype_name(p.dtype),
                                             group=leaf.group, chunks=[], placement=p.placement))
-            writes = owners.get(leaf.fqn) == rank if p.replicated else p.writes
-            if not writes or p.numel == 0:
+            if leaf.fqn not in written:
                 continue
-            data = _to_host(p.local.detach(), snap.lease, side)
-            box = (list(p.box.offsets), list(p.box.sizes)) if p.box is not None else None
-            snap.chunks.setdefault(leaf.fqn, []).append(_Chunk(leaf.fqn, data, box, p.flat))
+            key = keys[leaf.fqn]
+            data = None if key in reused else _to_host(p.local.detach(), snap.lease, side)
+            snap.chunks.setdefault(leaf.fqn, []).append(_Chunk(leaf.fqn, data, _box_of(p), p.flat,
+                                                               digest=digests.get(key), reused=reused.get(key)))
         else:
             snap.objects.append(_encode_object(leaf.fqn, leaf.value, objects))
     for owner, groups in param_groups_of(state_dict):
@@ -195,6 +210,10 @@ def _fill(snap: Snapshot, state_dict: dict, rank: int, world: int, side: dict[to
                 hyperparams={k: _describe(v) for k, v in sorted(g.items()) if k != "params"}))
     for g, kinds in group_kinds.items():
         snap.layouts[g] = _layout_name(kinds, snap.mesh, world)
+
+
+def _box_of(p: Any) -> tuple[list[int], list[int]] | None:
+    return (list(p.box.offsets), list(p.box.sizes)) if p.box is not None else None
 
 
 def _layout_name(kinds: set[str], mesh: dict[str, int], world: int) -> str:
@@ -269,9 +288,10 @@ def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str
         for c in snap.chunks.get(t.name, []):
             key = chunk_key(t.name, t.dtype, c.box, c.flat)
             first = len(chunks)
-            if reuse is not None and key in reuse:
-                chunks += reuse[key]
-                linked.update(dict.fromkeys(p.location.file for p in reuse[key]))
+            held = c.reused if c.reused is not None else reuse.get(key) if reuse is not None else None
+            if held is not None:
+                chunks += held
+                linked.update(dict.fromkeys(p.location.file for p in held))
                 if produced is not None:
                     produced[key] = chunks[first:]
                 continue

@@ -11,11 +11,12 @@ from ckptd_schemas import CommitFailed, InvalidName, SessionStatus, parse_ref
 
 from .catalog import CatalogClient
 from .codec import CompressionPolicy, compression_of
-from ._dist import any_ranks, broadcast_str, rank_and_world
+from ._dist import agree, any_ranks, rank_and_world
 from .transport import Transport
 from ._load import LoadReport, load_into
 from ._pool import SnapshotPool
-from ._incremental import ChunkHistory
+from ._incremental import ChunkHistory, link_early
+from .sessions import open_session
 from ._save import SaveHandle, Snapshot, build_snapshot, upload_snapshot
 from .objects import ObjectPolicy, SafeGlobal
 from ._writers import ReplicaWriters, plain_tensors
@@ -24,6 +25,11 @@ if TYPE_CHECKING:
     from .dcp import CkptdStorageReader, CkptdStorageWriter
 
 __all__ = ["CheckpointClient"]
+
+
+STALL_REQUEST_S = 0.5
+"""Timeout of each request a save makes before it returns (incremental saves link unchanged chunks
+then, so that they need no copy); past it the chunks are copied and sent as usual."""
 
 
 def _upload_then_release(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None,
@@ -168,9 +174,11 @@ class CheckpointClient(CatalogClient):
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
             plain, signature, refused = {}, "", e
         # Every rank raises, or none: a rank that raised alone would leave the others blocked in
-        # the session broadcast below. The same all-reduce tells every rank whether some rank's
-        # plain tensors changed since their writers were last agreed (``_writers``).
-        stop, stale = any_ranks(failed is not None or refused is not None, self._writers.stale(signature))
+        # the collectives below. The same all-reduce tells every rank whether some rank's plain
+        # tensors changed since their writers were last agreed (``_writers``), and gives every rank
+        # rank 0's session id.
+        (stop, stale), token = agree((failed is not None or refused is not None, self._writers.stale(signature)),
+                                     uuid.uuid4().bytes)
         if stop:
             why = _reasons(refused if refused is not None else failed and "an earlier save failed", world)
             if refused is not None:
@@ -178,11 +186,21 @@ class CheckpointClient(CatalogClient):
             if failed is not None:
                 failed.wait()  # raises the stored failure
             raise CommitFailed(f"{ref} was not started: {why}", ref=ref)
-        session = broadcast_str(uuid.uuid4().hex if rank == 0 else None)
+        session = token.hex()
         writers = self._writers.owners(plain, signature, refresh=stale, rank=rank, world=world)
+        base = f"/v1/checkpoints/{r.run}/{r.name}"
+        link = None
+        if self.history is not None:
+            def link(digests: dict) -> dict:
+                source, candidates = self.history.candidates(r.run, r.name, digests)  # type: ignore[union-attr]
+                if not candidates or source is None:
+                    return {}
+                return link_early(lambda: open_session(self._transport, base, session, world, step,
+                                                       retry=False, timeout=STALL_REQUEST_S),
+                                  self._transport, base, session, rank, source, candidates, STALL_REQUEST_S)
         try:
             snap = build_snapshot(state_dict, rank, world, self.snapshot_pool, writers=writers,
-                                  objects=self.objects)
+                                  objects=self.objects, link=link)
             refused = None
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
             refused = e
@@ -194,7 +212,6 @@ class CheckpointClient(CatalogClient):
                 raise refused
             snap.release()
             raise CommitFailed(f"{ref} was not started: {why}", ref=ref)
-        base = f"/v1/checkpoints/{r.run}/{r.name}"
         try:
             future = self._uploader.submit(_upload_then_release, self._transport, base, session, snap, step,
                                            compression=self._codec, file_bytes=self.file_bytes,

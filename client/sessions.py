@@ -21,13 +21,15 @@ __all__ = ["open_session", "put_index", "wait_committed"]
 
 
 def open_session(transport: Transport, base: str, session: str, world: int, step: int | None, *,
-                 direct_writes: bool = False) -> StagingDir | None:
+                 direct_writes: bool = False, retry: bool = True, timeout: float | None = None) -> StagingDir | None:
     """Open or join the session; with ``direct_writes``, return the staging directory this rank may
-    write its files into (None when the service offers none or this host does not see it)."""
+    write its files into (None when the service offers none or this host does not see it).
+    ``retry`` and ``timeout`` as for ``Transport.request`` (a save's stall opens it once, briefly)."""
     body = {"session": session, "world_size": world, "step": step}
     if direct_writes:
         body["direct_writes"] = True
-    info = SessionInfo.model_validate(transport.request("POST", f"{base}/sessions", json=body))
+    info = SessionInfo.model_validate(transport.request("POST", f"{base}/sessions", json=body, retry=retry,
+                                                        timeout=timeout))
     return probe(info.direct) if direct_writes else None
 
 

@@ -102,8 +102,10 @@ class Transport:
 
     def request(self, method: str, path: str, *, content: Callable[[], Iterable[bytes] | bytes] | None = None,
                 json: Any = None, headers: dict[str, str] | None = None, params: dict[str, Any] | None = None,
-                retry: bool = True, sink: Callable[[httpx.Response], Any] | None = None) -> Any:
-        """Send; return the parsed JSON body (or ``sink(response)`` when given)."""
+                retry: bool = True, sink: Callable[[httpx.Response], Any] | None = None,
+                timeout: float | None = None) -> Any:
+        """Send; return the parsed JSON body (or ``sink(response)`` when given). ``timeout``: seconds for
+        this request instead of the client's (a caller that must not wait long: a save's stall)."""
         deadline = time.monotonic() + (self.retry_seconds if retry else 0.0)
         delay = 0.1
         attempt = 0
@@ -115,7 +117,9 @@ class Transport:
             try:
                 body = content() if content is not None else None
                 with self._clients[active].stream(method, path, content=body, json=json, headers=headers,
-                                                  params=params) as resp:
+                                                  params=params,
+                                                  timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+                                                  ) as resp:
                     if resp.status_code < 400:
                         if sink is not None:
                             return sink(resp)

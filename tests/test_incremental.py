@@ -206,3 +206,49 @@ def test_show_reports_bytes_written_and_linked(server):
     assert "linked" in line and "from show/1" in line, r.stdout
     r = _ckptd("show", "show/1", "--root", str(server.root))
     assert not any(x.startswith("written") for x in r.stdout.splitlines()) and m.linked_bytes > 0
+
+
+def test_unchanged_cpu_chunks_are_linked_in_the_stall_and_never_copied(server):
+    """The frozen tensors are hashed in place and linked before save() returns: the snapshot copies
+    only what changed (the pool's counters), the slab shrinks to that, and the result is the same."""
+    client = CheckpointClient(server.url, file_bytes=MIB)
+    pool = client.snapshot_pool
+    states = [_state(s) for s in (1, 2, 3)]
+    frozen = sum(t.numel() * 4 for k, t in states[0]["model"].items() if k.startswith("layer"))
+    total = sum(t.numel() * t.element_size() for g in ("model", "optim") for t in states[0][g].values())
+    client.save(states[0], "stall/1").wait()
+    assert pool.stats.pooled_bytes == total
+    for s, sd in enumerate(states[1:], start=2):
+        before = pool.stats.pooled_bytes + pool.stats.fallback_bytes
+        client.save(sd, f"stall/{s}").wait()
+        copied = pool.stats.pooled_bytes + pool.stats.fallback_bytes - before
+        assert copied == total - frozen, (s, copied, total - frozen)
+    assert pool.capacity < total / 2  # sized down to what a save copies now
+    for s, sd in enumerate(states, start=1):
+        assert_bits_equal(_load(client, f"stall/{s}", sd), sd, f"stall/{s}")
+    client.close()
+
+
+def test_a_stall_link_that_fails_copies_instead(server, monkeypatch):
+    """Every link attempted in the stall fails (the service unreachable then): the save copies
+    everything, links the unchanged chunks from the upload instead, and the checkpoint is the same."""
+    import ckptd_client._incremental as inc
+
+    real = inc.link_files
+
+    def failing_in_the_stall(*a, **k):
+        if k.get("retry") is False:
+            raise RuntimeError("service gone")
+        return real(*a, **k)
+
+    client = CheckpointClient(server.url, file_bytes=MIB)
+    client.save(_state(1), "nolink/1").wait()
+    pool = client.snapshot_pool
+    before = pool.stats.pooled_bytes + pool.stats.fallback_bytes
+    monkeypatch.setattr(inc, "link_files", failing_in_the_stall)
+    client.save(_state(2), "nolink/2").wait()
+    total = sum(t.numel() * t.element_size() for g in ("model", "optim") for t in _state(2)[g].values())
+    assert pool.stats.pooled_bytes + pool.stats.fallback_bytes - before == total  # everything copied
+    assert _manifest(server.url, "nolink/2").linked_bytes > 0  # and linked from the upload
+    assert_bits_equal(_load(client, "nolink/2", _state(2)), _state(2))
+    client.close()

@@ -203,7 +203,7 @@ def test_the_default_client_sizes_its_slab_from_the_save_and_follows_the_state(s
     """No tuning argument: the first save allocates a slab of exactly what it copies, later saves
     of the same state reuse it (no allocation, nothing outside it); a larger state gets a larger
     slab, one under half of it a smaller one; a cap below the need leaves the rest to fresh memory."""
-    client = CheckpointClient(server.url)
+    client = CheckpointClient(server.url, incremental=False)  # full saves: every one copies everything
     pool = client.snapshot_pool
     assert pool is not None and pool.sized and pool._slab is None  # nothing held before a save
     small, large, tiny = make_state(11, mib=0.5), make_state(12, mib=1), make_state(13, mib=0.125)
@@ -225,7 +225,7 @@ def test_the_default_client_sizes_its_slab_from_the_save_and_follows_the_state(s
     gc.collect()
     assert slab() is None
 
-    capped = CheckpointClient(server.url, snapshot_max_bytes=64 * KIB)
+    capped = CheckpointClient(server.url, snapshot_max_bytes=64 * KIB, incremental=False)
     capped.save(small, "auto/capped").wait()
     pool = capped.snapshot_pool
     assert pool.capacity == 64 * KIB and pool.stats.fallback_bytes == small["model"]["w"].numel() * 4
