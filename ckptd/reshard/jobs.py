@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 from pydantic import BaseModel, ConfigDict
@@ -90,26 +90,42 @@ def run_service_job(root: str, job_id: str, plan_json: str, request_json: str, m
 
     put_status(storage, st := st.model_copy(update={"state": "running", "updated_at": now_utc()}))
     try:
-        from .executor import run_plan
-
         with leases.hold(src.run, src.name, "reshard", holder=job_id):
-            res = run_plan(reader, sessions, plan, st.out, uuid.uuid4().hex, device=req.device, jobs=req.jobs,
-                           progress=progress)
-        put_status(storage, st.model_copy(update={
-            "state": "done", "bytes_done": st.bytes_total, "updated_at": now_utc(),
-            "result": {"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units,
-                       "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
-                       "seconds": round(res.seconds, 3)}}))
-    except CkptdError as e:
-        put_status(storage, st.model_copy(update={"state": "failed", "updated_at": now_utc(),
-                                                   "error": e.to_body()["error"]}))
-    except Exception as e:  # noqa: BLE001 - recorded for the caller
-        log.exception("reshard job %s failed", job_id)
-        err = CkptdError(f"internal error: {type(e).__name__}: {e}")
-        put_status(storage, st.model_copy(update={"state": "failed", "updated_at": now_utc(),
-                                                   "error": err.to_body()["error"]}))
+            # The final status is written while the lease is held: a job seen queued or running
+            # always holds its source's lease.
+            put_status(storage, _finished(st, lambda: _run(reader, sessions, plan, st.out, req, progress), job_id))
+    except Exception as e:  # noqa: BLE001 - the lease could not be taken: recorded for the caller
+        put_status(storage, _failed(st, e, job_id))
     finally:
         leases.release(src.run, src.name, job_id)  # a job that failed before its hold began
+
+
+def _run(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan, out: str, req: ReshardRequest,
+         progress: Callable[[int], None]) -> Any:
+    from .executor import run_plan
+
+    return run_plan(reader, sessions, plan, out, uuid.uuid4().hex, device=req.device, jobs=req.jobs,
+                    progress=progress)
+
+
+def _finished(st: JobStatus, run: Callable[[], Any], job_id: str) -> JobStatus:
+    """The job's final status: done with its result, or failed with the error ``run`` raised."""
+    try:
+        res = run()
+    except Exception as e:  # noqa: BLE001 - recorded for the caller
+        return _failed(st, e, job_id)
+    return st.model_copy(update={
+        "state": "done", "bytes_done": st.bytes_total, "updated_at": now_utc(),
+        "result": {"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units,
+                   "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
+                   "seconds": round(res.seconds, 3)}})
+
+
+def _failed(st: JobStatus, e: Exception, job_id: str) -> JobStatus:
+    if not isinstance(e, CkptdError):
+        log.error("reshard job %s failed", job_id, exc_info=e)
+        e = CkptdError(f"internal error: {type(e).__name__}: {e}")
+    return st.model_copy(update={"state": "failed", "updated_at": now_utc(), "error": e.to_body()["error"]})
 
 
 class _Throttle:
