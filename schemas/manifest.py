@@ -193,8 +193,10 @@ class AdoptedFile(_Model):
 class FileEntry(_Model):
     """A data file: size, whole-file digest, and per-block digests for ranged reads.
 
-    ``adopted`` is set in a session's digest record of a directly written file, never in a manifest
-    (the merge leaves it out: it describes one host's filesystem, not the checkpoint). ``linked``
+    ``adopted`` is set in a session's digest record of a directly written file, and ``stamp`` (the
+    storage's ``content_stamp`` once the file was in place) in every digest record; neither is in a
+    manifest (the merge leaves them out: they describe one store's objects, not the checkpoint). A
+    later save links the file only while its stamp is unchanged. ``linked``
     names the earlier checkpoint's file (``NAME/FILE``, same run) whose stored bytes this file is,
     linked rather than written (incremental saves); it stays in the manifest, so that what a save
     wrote and what it reused can be told apart."""
@@ -204,13 +206,14 @@ class FileEntry(_Model):
     block_size: Annotated[int, Field(ge=4096)]
     blocks: list[Annotated[str, Field(pattern=HEX64)]]
     adopted: AdoptedFile | None = None
+    stamp: Annotated[str, Field(max_length=200)] | None = None
     linked: Annotated[str, Field(max_length=260, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")] \
         | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
         out = handler(self)
-        for k in ("adopted", "linked"):  # absent, not null: the same bytes as without the fields
+        for k in ("adopted", "stamp", "linked"):  # absent, not null: the same bytes as without the fields
             if out.get(k, 0) is None:
                 del out[k]
         return out

@@ -10,6 +10,7 @@ answers by writing the bytes; and the opt-out.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -251,4 +252,29 @@ def test_a_stall_link_that_fails_copies_instead(server, monkeypatch):
     assert pool.stats.pooled_bytes + pool.stats.fallback_bytes - before == total  # everything copied
     assert _manifest(server.url, "nolink/2").linked_bytes > 0  # and linked from the upload
     assert_bits_equal(_load(client, "nolink/2", _state(2)), _state(2))
+    client.close()
+
+
+def test_a_file_edited_in_the_root_after_its_commit_is_not_linked(server):
+    """Someone edits a committed data file in place (same size). The next save does not link it (its
+    stamp moved since the service stored it): the unchanged chunks are written again, and the new
+    checkpoint verifies and loads bit for bit although the old one is now damaged."""
+    client = CheckpointClient(server.url, file_bytes=MIB)
+    client.save(_state(1), "edit/1").wait()
+    m = _manifest(server.url, "edit/1")
+    files = sorted((Path(server.root) / "runs" / "edit" / "1" / "sessions" / m.session / "files").iterdir())
+    for path in files:
+        os.chmod(path, 0o644)
+        with open(path, "r+b") as f:  # one byte of each file flipped, in place
+            f.seek(100)
+            b = f.read(1)
+            f.seek(100)
+            f.write(bytes([b[0] ^ 0xFF]))
+    client.save(_state(2), "edit/2").wait()
+    assert _manifest(server.url, "edit/2").linked_bytes == 0
+    r = _ckptd("verify", "edit/2", "--root", str(server.root))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert_bits_equal(_load(client, "edit/2", _state(2)), _state(2))
+    r = _ckptd("verify", "edit/1", "--root", str(server.root))
+    assert r.returncode == 1  # the edit is there, and verify says so
     client.close()

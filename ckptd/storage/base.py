@@ -209,6 +209,12 @@ class Storage(ABC):
         has none (the caller must then read the bytes to know)."""
         return "" if self.exists(key) else None
 
+    def content_stamp(self, key: str) -> str | None:
+        """As :meth:`stamp`, but unmoved by what leaves the bytes alone: a link to the object or the
+        removal of another link (which move a local file's ctime). Used to tell, before an object
+        is linked into a new checkpoint, that its bytes are the ones its commit checked."""
+        return self.stamp(key)
+
     def local_path(self, key: str) -> str | None:
         """An absolute path that opens ``key`` on this host, or None (an object store): offered to
         loading clients for direct reads (``ReadPlan.local_paths``)."""

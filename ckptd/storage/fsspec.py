@@ -139,6 +139,9 @@ class FsspecStorage(Storage):
             self.put(key, data)
             return True
 
+    def content_stamp(self, key: str) -> str | None:
+        return self._local.content_stamp(key) if self._local is not None else self.stamp(key)
+
     def link(self, src: str, dst: str) -> bool:
         if self._local is not None:
             return self._local.link(src, dst)

@@ -328,6 +328,17 @@ class LocalStorage(Storage):
             raise _storage_error("stat", key, e) from e
         return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
+    def content_stamp(self, key: str) -> str | None:
+        """Inode, size and mtime: any write moves mtime (a writer that sets it back with ``utime`` is
+        not seen here; :meth:`stamp`'s ctime would see it, and moves on every link too)."""
+        try:
+            st = self._path(key).stat()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise _storage_error("stat", key, e) from e
+        return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
     def read_or_none(self, key: str) -> bytes | None:
         try:
             with open(self._path(key), "rb", buffering=0) as f:

@@ -225,6 +225,9 @@ class _FaultStorage(Storage):
     def stamp(self, key: str) -> str | None:
         return self.inner.stamp(key)
 
+    def content_stamp(self, key: str) -> str | None:
+        return self.inner.content_stamp(key)
+
     def read_or_none(self, key: str) -> bytes | None:
         return self.inner.read_or_none(key)
 

@@ -75,8 +75,9 @@ def merge_indexes(
 
 
 def _as_committed(entry: FileEntry) -> FileEntry:
-    """The entry as a manifest holds it: without the session's record of an adopted file."""
-    return entry if entry.adopted is None else entry.model_copy(update={"adopted": None})
+    """The entry as a manifest holds it: without the session's record of an adopted file and its stamp."""
+    return entry if entry.adopted is None and entry.stamp is None else \
+        entry.model_copy(update={"adopted": None, "stamp": None})
 
 
 def _merge_tensors(run: str, name: str, ranks: Sequence[RankIndex], owners: dict[str, int]) -> list[TensorEntry]:

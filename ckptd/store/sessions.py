@@ -82,7 +82,7 @@ class FileSink:
     def __init__(self, storage: Storage, key: str, digest_key: str, file: str, block_size: int,
                  writer: Writer | None = None) -> None:
         self._storage = storage
-        self._digest_key = digest_key
+        self._key, self._digest_key = key, digest_key
         self.file = file
         self._digest = StreamDigest(block_size)
         self._writer: Writer = writer if writer is not None else storage.open_write(key)
@@ -118,7 +118,8 @@ class FileSink:
         self._done = True
         crash_point("upload-before-digest")
         entry = FileEntry(size=self._digest.size, xxh3=digest, block_size=self._digest.block_size, blocks=blocks,
-                          adopted=getattr(self._writer, "taken", None))  # a directly written file, as taken over
+                          adopted=getattr(self._writer, "taken", None),  # a directly written file, as taken over
+                          stamp=self._storage.content_stamp(self._key))  # for a later save that links it
         self._storage.put(self._digest_key, entry.model_dump_json().encode())
         return UploadResult(file=self.file, size=entry.size, xxh3=digest)
 
@@ -283,16 +284,26 @@ class SessionStore:
         if source is None or entry is None:
             raise InvalidRequest(f"file {file!r}: {run}/{body.checkpoint} is not a visible checkpoint holding "
                                  f"{body.file!r}; send the bytes", file=file, source=f"{run}/{body.checkpoint}")
-        key = Paths.file(run, name, sid, file)
-        if not self.storage.link(Paths.file(run, body.checkpoint, source.session, body.file), key):
+        key, src_key = Paths.file(run, name, sid, file), Paths.file(run, body.checkpoint, source.session, body.file)
+        recorded = self._file_entry(run, body.checkpoint, source.session, body.file)
+        now = self.storage.content_stamp(src_key)
+        if not now or recorded is None or recorded.stamp != now:
+            raise InvalidRequest(f"file {file!r}: {run}/{body.checkpoint}/{body.file} is not as the service stored it "
+                                 f"(changed since, or stored without a record of it); send the bytes", file=file)
+        if not self.storage.link(src_key, key):
             raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) cannot link "
                                  f"{run}/{body.checkpoint}/{body.file}; send the bytes", file=file)
         if self.storage.size(key) != entry.size:
             self.storage.delete(key)
             raise InvalidRequest(f"file {file!r}: the stored {run}/{body.checkpoint}/{body.file} is not the "
                                  f"{entry.size} bytes its manifest records; send the bytes", file=file)
+        stamp = self.storage.content_stamp(key)
+        if self.storage.local_path(key) is not None and stamp != now:  # a hard link: the same file, or not this one
+            self.storage.delete(key)
+            raise InvalidRequest(f"file {file!r}: {run}/{body.checkpoint}/{body.file} changed while it was linked; "
+                                 f"send the bytes", file=file)
         record = FileEntry(size=entry.size, xxh3=entry.xxh3, block_size=entry.block_size, blocks=entry.blocks,
-                           linked=f"{body.checkpoint}/{body.file}")
+                           linked=f"{body.checkpoint}/{body.file}", stamp=stamp)
         self.storage.put(Paths.digest(run, name, sid, file), record.model_dump_json().encode())
         return UploadResult(file=file, size=entry.size, xxh3=entry.xxh3)
 
