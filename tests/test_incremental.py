@@ -152,6 +152,15 @@ def test_links_are_checked(server):
         r = httpx.post(f"{base}/{name}/link", json=body)
         assert r.status_code in (400, 422) and "error" in r.json(), (what, r.status_code, r.text)
     name = linked_name("1", f0)
+    # The link's name already taken by an upload of other bytes: refused 400 (not a retryable 503), nothing replaced
+    taken = b"not the source"
+    r = httpx.put(f"{base}/{name}", content=taken, headers={"X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(taken)})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{base}/{name}/link", json={"checkpoint": "1", "file": f0})
+    assert r.status_code == 400 and "send the bytes" in r.json()["error"]["message"], r.text
+    staged = Path(server.root) / "runs" / "chk" / "2" / "sessions" / "s1" / "files" / name
+    assert staged.read_bytes() == taken
+    staged.unlink()
     r = httpx.post(f"{base}/{name}/link", json={"checkpoint": "1", "file": f0})
     assert r.status_code == 200 and r.json()["size"] == src.files[f0].size, r.text
 

@@ -118,11 +118,15 @@ def upload_router(svc: Services) -> APIRouter:
             release()
 
     @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/link", response_model=UploadResult)
-    async def link_file(run: str, name: str, sid: str, file: str, body: LinkFile) -> UploadResult:
+    async def link_file(request: Request, run: str, name: str, sid: str, file: str, body: LinkFile) -> UploadResult:
         """Incremental saves: hold a file of an earlier visible checkpoint of the run (``body``) as this
         session's ``file`` (``linked_name(body.checkpoint, body.file)``), linked in the store, not sent.
         Refused 400 when the source is not visible or the store cannot link: the saver sends the bytes."""
-        return await run_in_threadpool(sessions.link_file, run, name, sid, file, body)
+        release = uploads.acquire(principal_of(request).name, file)  # on S3 a link is a copy: a slot, as an upload
+        try:
+            return await run_in_threadpool(sessions.link_file, run, name, sid, file, body)
+        finally:
+            release()
 
     waiters: dict[str, asyncio.Event] = {}  # session id -> event set when one of its indexes arrives here
 

@@ -302,7 +302,7 @@ class LocalStorage(Storage):
                 os.link(source, target, follow_symlinks=False)
             except FileExistsError:
                 if not os.path.samefile(source, target):
-                    raise
+                    return False  # the name holds another file (an upload under it): nothing is replaced
         except (FileNotFoundError, NotADirectoryError):
             return False
         except OSError as e:
