@@ -17,7 +17,7 @@ import httpx
 import torch
 
 from ckptd_client import CheckpointClient
-from support import ServerProcess, assert_bits_equal, blank_like
+from support import ServerProcess, assert_bits_equal, blank_like, scaled
 
 RUN = "ret"
 
@@ -108,9 +108,11 @@ def test_the_service_policy_keeps_the_newest_verified_checkpoint(tmp_path):
 
 
 def test_a_reader_slower_than_its_lease_keeps_its_checkpoint(tmp_path):
-    """Leases of 2 s; a reader fetches one range a second for 7 s through the service while gc with
-    ``--keep-last 1`` runs after every newer commit. Its checkpoint survives until it stops reading."""
-    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": "2"}).start()
+    """Leases of 4 s; a reader fetches one range a second (and a save and a gc later) for 7 rounds
+    through the service while gc with ``--keep-last 1`` runs after every newer commit. Its checkpoint
+    survives until it stops reading. (4 s, scaled: a round on a loaded 2-core machine can take 2 s.)"""
+    lease = scaled(4.0)
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": f"{lease:g}"}).start()
     try:
         with CheckpointClient(srv.url) as c:
             c.save(_state(1), f"{RUN}/1").wait()
@@ -124,7 +126,7 @@ def test_a_reader_slower_than_its_lease_keeps_its_checkpoint(tmp_path):
                 plan = httpx.post(f"{srv.url}/v1/runs/{RUN}/gc", json={"keep_last": 1}, timeout=60).json()
                 assert plan["keep"].get("1") == "leased", plan
                 time.sleep(1.0)
-            time.sleep(2.5)  # reading stopped: the lease lapses
+            time.sleep(1.5 * lease)  # reading stopped: the lease (a renewal lasts one and a half) lapses
             plan = httpx.post(f"{srv.url}/v1/runs/{RUN}/gc", json={"keep_last": 1}, timeout=60).json()
             assert "1" in plan["deleted"], plan
     finally:
