@@ -5,16 +5,17 @@ every saver that writes them again pays for them at every step. Here each rank r
 save, a 128-bit content digest (XXH3-128) of every chunk it wrote and where that chunk's stored
 pieces are (file and locations in that checkpoint). At its next save to the same run:
 
-1. In the save's stall, each chunk a rank holds on the CPU is digested in place
-   (:func:`digest_source`); those whose (tensor, dtype, region) and digest equal the remembered ones
-   (:meth:`ChunkHistory.candidates`) have their files linked into the new session at once
-   (:func:`link_early`: ``POST .../files/<linked_name>/link``, a hard link on a local root, a copy
-   inside the store on S3, so no byte of them passes through the rank or the service), and are then
-   not copied at all: the stall is a hash of the frozen part and a copy of the rest. Each request is
-   made once with a short timeout; whatever is not linked then is copied as usual. 128 bits: two
-   different contents sharing one digest takes about 2^64 tries to find on purpose, and never
-   happens by chance.
-2. In the upload, :meth:`ChunkHistory.begin` digests the copied chunks (GPU tensors among them) and
+1. In the save's stall, each chunk a rank holds on the CPU that did not change at the last save
+   (:meth:`ChunkHistory.stall_keys`) is digested in place (:func:`digest_source`); those whose
+   (tensor, dtype, region) and digest equal the remembered ones (:meth:`ChunkHistory.candidates`)
+   have their files linked into the new session at once (:func:`link_early`:
+   ``POST .../files/<linked_name>/link``, a hard link on a local root, a copy inside the store on
+   S3, so no byte of them passes through the rank or the service), and are then not copied at all:
+   the stall is a hash of the frozen part and a copy of the rest. Each request is made once with a
+   short timeout; whatever is not linked then is copied as usual. 128 bits: two different contents
+   sharing one digest takes about 2^64 tries to find on purpose, and never happens by chance.
+2. In the upload, :meth:`ChunkHistory.begin` digests the copied chunks (GPU tensors, and chunks that
+   changed at the last save, among them) and
    :meth:`SaveDelta.link` links what is unchanged among them the same way. A refused link (the
    earlier checkpoint never committed, or was deleted since) leaves its chunks to be written.
 3. ``_pack`` places the linked chunks at their stored locations in the linked files
@@ -60,6 +61,7 @@ def chunk_key(tensor: str, dtype: str, box: Any, flat: Any) -> ChunkKey:
 class _Stored:
     digest: bytes
     pieces: list  # the index's BoxChunk / FlatChunk entries of the chunk, locations in files of ``name``
+    changed: bool = False  # its bytes differed from the save before: not hashed in the next stall
 
 
 @dataclass(frozen=True)
@@ -97,10 +99,14 @@ class ChunkHistory:
     def __init__(self) -> None:
         self._last: _Last | None = None
 
-    @property
-    def name(self) -> str | None:
+    def stall_keys(self, run: str, name: str) -> frozenset[ChunkKey]:
+        """The chunks worth hashing in the stall of a save to ``run/name``: those of the last save to the
+        run that did not change at it. A chunk that changed then (trained weights, optimizer state)
+        most likely changed again: it is copied without a hash in the stall, and hashed in the upload."""
         last = self._last
-        return last.name if last is not None else None
+        if last is None or last.run != run or last.name == name:
+            return frozenset()
+        return frozenset(k for k, stored in last.chunks.items() if not stored.changed)
 
     def candidates(self, run: str, name: str, digests: dict[ChunkKey, bytes]) -> tuple[str | None, dict[ChunkKey, list]]:
         """The checkpoint of the last save to ``run`` and, of ``digests``, the chunks stored unchanged in it
@@ -130,9 +136,17 @@ class ChunkHistory:
         return SaveDelta(run, name, digests, candidates, source)
 
     def remember(self, delta: SaveDelta) -> None:
-        """After a save whose index was accepted: its chunks' digests and where their pieces are."""
-        self._last = _Last(delta.run, delta.name, {k: _Stored(delta.digests[k], pieces)
-                                                   for k, pieces in delta.produced.items() if k in delta.digests})
+        """After a save whose index was accepted: its chunks' digests, where their pieces are, and which
+        of them changed since the save before."""
+        last = self._last
+        before = last.chunks if last is not None and last.run == delta.run else {}
+        chunks = {}
+        for k, pieces in delta.produced.items():
+            if k in delta.digests:
+                previous = before.get(k)
+                chunks[k] = _Stored(delta.digests[k], pieces,
+                                    changed=previous is not None and previous.digest != delta.digests[k])
+        self._last = _Last(delta.run, delta.name, chunks)
 
 
 def digest(data: memoryview) -> bytes:

@@ -22,7 +22,7 @@ import time
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Container, Iterator, Mapping
 
 import torch
 import xxhash
@@ -141,7 +141,8 @@ def _to_host(src: torch.Tensor, lease: Lease | None, side: dict[torch.device, An
 
 def build_snapshot(state_dict: dict, rank: int, world: int, pool: SnapshotPool | None = None, *,
                    writers: Mapping[str, int] | None = None, objects: ObjectPolicy = SAFE,
-                   link: Callable[[dict[tuple, bytes]], dict[tuple, list]] | None = None) -> Snapshot:
+                   link: Callable[[dict[tuple, bytes]], dict[tuple, list]] | None = None,
+                   stall_keys: Container[tuple] = ()) -> Snapshot:
     """Copy what this rank writes to host memory; afterwards training may mutate its tensors.
 
     With ``pool``, the copies go into its slab (leased until ``snap.release()``, which the uploader
@@ -150,14 +151,15 @@ def build_snapshot(state_dict: dict, rank: int, world: int, pool: SnapshotPool |
     without it every rank is assumed to hold the same plain tensors and the writers are balanced
     over all ranks from names and sizes alone. ``objects`` decides how non-tensor values are stored
     (an unsafe one raises ``UnsafeObject`` here, naming its key). ``link`` (incremental saves) is given
-    the digests of the chunks this rank holds on the CPU and returns those it linked into the session
-    from the previous checkpoint (``ckptd_client._incremental.link_early``): they are not copied.
+    the digests of the chunks in ``stall_keys`` that this rank holds on the CPU and returns those it
+    linked into the session from the previous checkpoint (``ckptd_client._incremental.link_early``):
+    they are not copied.
     """
     snap = Snapshot(rank, world)
     side: dict[torch.device, Any] = {}
     try:
         try:
-            _fill(snap, state_dict, rank, world, side, writers, objects, pool, link)
+            _fill(snap, state_dict, rank, world, side, writers, objects, pool, link, stall_keys)
         finally:  # training may change the sources once we return: the copies must be complete
             for stream in side.values():
                 stream.synchronize()
@@ -170,7 +172,8 @@ def build_snapshot(state_dict: dict, rank: int, world: int, pool: SnapshotPool |
 def _fill(snap: Snapshot, state_dict: dict, rank: int, world: int, side: dict[torch.device, Any],
           writers: Mapping[str, int] | None = None, objects: ObjectPolicy = SAFE,
           pool: SnapshotPool | None = None,
-          link: Callable[[dict[tuple, bytes]], dict[tuple, list]] | None = None) -> None:
+          link: Callable[[dict[tuple, bytes]], dict[tuple, list]] | None = None,
+          stall_keys: Container[tuple] = ()) -> None:
     leaves = flatten_state_dict(state_dict)
     pieces = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in leaves if leaf.kind == "tensor"}
     owners = writers if writers is not None else assign_replicated(
@@ -181,7 +184,8 @@ def _fill(snap: Snapshot, state_dict: dict, rank: int, world: int, side: dict[to
     digests: dict[tuple, bytes] = {}
     reused: dict[tuple, list] = {}
     if link is not None:  # unchanged since the previous save and linked now: hashed in place, not copied
-        digests = {keys[n]: d for n, p in written.items() if (d := digest_source(p.local)) is not None}
+        digests = {keys[n]: d for n, p in written.items()
+                   if keys[n] in stall_keys and (d := digest_source(p.local)) is not None}
         reused = link(digests) if digests else {}
     if pool is not None:  # the slab, sized from what this save copies
         snap.lease = pool.lease(sum(aligned(p.numel * p.local.element_size()) for n, p in written.items()

@@ -190,7 +190,8 @@ class CheckpointClient(CatalogClient):
         writers = self._writers.owners(plain, signature, refresh=stale, rank=rank, world=world)
         base = f"/v1/checkpoints/{r.run}/{r.name}"
         link = None
-        if self.history is not None:
+        stall_keys = self.history.stall_keys(r.run, r.name) if self.history is not None else frozenset()
+        if stall_keys:
             def link(digests: dict) -> dict:
                 source, candidates = self.history.candidates(r.run, r.name, digests)  # type: ignore[union-attr]
                 if not candidates or source is None:
@@ -200,7 +201,7 @@ class CheckpointClient(CatalogClient):
                                   self._transport, base, session, rank, source, candidates, STALL_REQUEST_S)
         try:
             snap = build_snapshot(state_dict, rank, world, self.snapshot_pool, writers=writers,
-                                  objects=self.objects, link=link)
+                                  objects=self.objects, link=link, stall_keys=stall_keys)
             refused = None
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
             refused = e

@@ -4,8 +4,8 @@ Two stored codecs: ``"zstd"`` (zstd level 1 over the chunk's bytes) and ``"blosc
 chunk: the bytes split into byte planes, byte k of every element together, then zstd level 1;
 :func:`codec_for`). Floats compress poorly as a byte stream, their exponent bytes interleaved
 with near-random mantissa bytes; as planes, the exponent plane compresses and the others are
-stored nearly as they are: on a small trained model, 0.84 of raw for fp32 weights and 0.68 for
-bf16, against 0.92 and 0.77 for plain zstd, with decoding two to four times faster than zstd's
+stored nearly as they are: on a small trained model, 0.81 of raw for fp32 weights and 0.67 for
+bf16, against 0.90 and 0.75 for plain zstd, decoding as fast as zstd or up to 2.4 times faster
 (BENCHMARKS.md, Compression). Byte planes need elements of two bytes or more; one-byte dtypes
 use plain zstd.
 
@@ -41,11 +41,13 @@ import zstandard
 from ckptd_schemas import ChecksumMismatch, Copy, itemsize
 
 __all__ = ["CODECS", "DEFAULT_STORE_BW", "FRAME_BYTES", "SAMPLE_BYTES", "CompressionPolicy", "Measurement",
-           "blosc2_problem", "codec_for", "compression_of", "decode_frame", "encode", "measure", "measure_zstd",
+           "BLOSC2_OVERHEAD", "blosc2_problem", "codec_for", "compression_of", "decode_frame", "encode", "measure", "measure_zstd",
            "source_bytes", "split_frames"]
 
 CODECS = ("zstd", "blosc2")
 """The compressed codecs a chunk may be stored with (``"raw"`` besides)."""
+BLOSC2_OVERHEAD = 32
+"""The most a Blosc2 chunk adds to its data (``blosc2.MAX_OVERHEAD``): a longer frame is refused unread."""
 
 FRAME_BYTES = 4 << 20
 """Largest raw size of one compressed chunk: the most a ranged read decodes beyond what it needs."""
@@ -253,7 +255,7 @@ def blosc2_problem(frame: bytes | bytearray | memoryview, raw_length: int,
     import blosc2
 
     view = memoryview(frame)
-    if len(view) < 16 or len(view) > raw_length + blosc2.MAX_OVERHEAD:
+    if len(view) < 16 or len(view) > raw_length + BLOSC2_OVERHEAD:
         return f"Blosc2 frame of {len(view)} bytes cannot hold {raw_length} bytes"
     try:
         nbytes, cbytes, _ = blosc2.get_cbuffer_sizes(view)

@@ -100,7 +100,7 @@ class AdoptFile(_Body):
 
 
 class LinkFile(_Body):
-    """Hold ``file`` of the earlier checkpoint ``checkpoint`` of the same run as a file of this session,
+    """Hold ``file`` of the earlier checkpoint ``checkpoint`` of the same run as a file of the upload session,
     without sending its bytes (incremental saves). The URL's file must be
     ``linked_name(checkpoint, file)``. The service links the stored file (a hard link on a local
     root, a server-side copy on an object store) and records the source's digests for it; the

@@ -249,3 +249,11 @@ def test_each_file_is_handed_on_hashed_before_the_next_is_packed(compression):
         assert f.xxh3 == xxhash.xxh3_64_hexdigest(b"".join(bytes(p) for p in _stream(f)))
         later = [j for j, e in enumerate(log) if e == f"hash {i + 1}"]
         assert not later or log.index(f"done {i}") < later[0]  # handed on before file i+1 is hashed
+
+
+def test_the_blosc2_overhead_bound_is_the_library_s():
+    import blosc2
+
+    from ckptd_client.codec import BLOSC2_OVERHEAD
+
+    assert BLOSC2_OVERHEAD == blosc2.MAX_OVERHEAD

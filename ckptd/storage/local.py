@@ -317,27 +317,25 @@ class LocalStorage(Storage):
         final = self._path(key)
         return _LocalAdopted(final.with_name(check_key(staged)), final, key, self.durable)
 
-    def stamp(self, key: str) -> str | None:
-        """Inode, size, mtime and ctime: ctime moves on every write, rename or ``utime``, and no
-        process can set it back."""
+    def _stat(self, key: str) -> os.stat_result | None:
         try:
-            st = self._path(key).stat()
+            return self._path(key).stat()
         except FileNotFoundError:
             return None
         except OSError as e:
             raise _storage_error("stat", key, e) from e
-        return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+    def stamp(self, key: str) -> str | None:
+        """Inode, size, mtime and ctime: ctime moves on every write, rename or ``utime``, and no
+        process can set it back."""
+        st = self._stat(key)
+        return None if st is None else f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
     def content_stamp(self, key: str) -> str | None:
         """Inode, size and mtime: any write moves mtime (a writer that sets it back with ``utime`` is
         not seen here; :meth:`stamp`'s ctime would see it, and moves on every link too)."""
-        try:
-            st = self._path(key).stat()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise _storage_error("stat", key, e) from e
-        return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+        st = self._stat(key)
+        return None if st is None else f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
 
     def read_or_none(self, key: str) -> bytes | None:
         try:

@@ -179,16 +179,17 @@ class Blosc2Check:
     ``ckptd_client.codec.blosc2_problem``: header sizes first, then a decode into ``raw_length`` bytes."""
 
     def __init__(self, raw_length: int) -> None:
-        from ckptd_client.codec import blosc2_problem
+        from ckptd_client.codec import BLOSC2_OVERHEAD, blosc2_problem
 
         self.raw_length, self._check = raw_length, blosc2_problem
+        self._limit = raw_length + BLOSC2_OVERHEAD
         self._buf = bytearray()
         self._too_long = False
 
     def feed(self, data: memoryview | bytes) -> None:
         if not self._too_long:
             self._buf += data
-            self._too_long = len(self._buf) > self.raw_length + 64
+            self._too_long = len(self._buf) > self._limit
 
     def problem(self) -> str | None:
         if self._too_long:

@@ -264,7 +264,7 @@ class SessionStore:
         return sink.finish(body.xxh3)
 
     def link_file(self, run: str, name: str, sid: str, file: str, body: LinkFile) -> UploadResult:
-        """Hold ``body.file`` of the visible checkpoint ``run/body.checkpoint`` as this session's ``file``
+        """Hold ``body.file`` of the visible checkpoint ``run/body.checkpoint`` as the upload session's ``file``
         (``linked_name`` of the two), without its bytes passing through here: the storage links it,
         and the source manifest's record of it (size, digests) becomes the session's, marked
         ``linked``. Refused (``InvalidRequest``, which the saver answers by sending the bytes) when
