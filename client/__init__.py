@@ -26,13 +26,15 @@ if TYPE_CHECKING:
     from .client import CheckpointClient
     from .flat import FlatShard
     from .preempt import PreemptionGuard
+    from ._dist import solo
     from .zero import flat_partition
 
 _LAZY = {"CatalogClient": ".catalog", "CheckpointClient": ".client", "FlatShard": ".flat",
-         "LoadReport": "._load", "PreemptionGuard": ".preempt", "SaveHandle": "._save", "flat_partition": ".zero"}
+         "LoadReport": "._load", "PreemptionGuard": ".preempt", "SaveHandle": "._save", "flat_partition": ".zero",
+         "solo": "._dist"}
 
 __all__ = ["CatalogClient", "CheckpointClient", "FlatShard", "LoadReport", "PreemptionGuard", "SaveHandle",
-           "flat_partition", *_errors]
+           "flat_partition", "solo", *_errors]
 
 
 def __getattr__(name: str) -> object:

@@ -4,18 +4,42 @@ Every collective here moves CPU tensors or pickled objects, so it runs on a grou
 backend: the default group when it has one (gloo, or ``cpu:gloo,cuda:nccl``), else a gloo group
 made once for the default group (a trainer that called ``init_process_group("nccl")``), whose
 creation is itself collective: the first save or load, which every rank calls, makes it.
+
+:func:`solo` turns all of that off for the calls made inside it, on the thread that makes them: a
+trainer that saves from one rank only (Lightning's DDP calls its ``CheckpointIO`` on rank 0 alone)
+saves as rank 0 of a world of one, so that no collective waits for ranks that never call.
 """
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["any_rank", "any_ranks", "barrier", "broadcast_str", "cpu_group", "distributed", "rank_and_world"]
+__all__ = ["any_rank", "any_ranks", "barrier", "broadcast_str", "cpu_group", "distributed", "rank_and_world", "solo"]
+
+_SOLO: ContextVar[bool] = ContextVar("ckptd_solo", default=False)
+
+
+@contextlib.contextmanager
+def solo() -> Iterator[None]:
+    """Saves and loads made inside the block act as one process (rank 0 of 1, no collectives), even
+    when torch.distributed is initialised: for state that one rank holds whole and saves alone (DDP's
+    replicated weights saved from rank 0), or that each rank loads whole by itself. DTensor and
+    ``FlatShard`` state, which other ranks hold parts of, is not for a solo save. Per thread and per
+    ``contextvars`` context; the background upload of a save started inside needs no collectives."""
+    token = _SOLO.set(True)
+    try:
+        yield
+    finally:
+        _SOLO.reset(token)
 
 
 def _active() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return dist.is_available() and dist.is_initialized() and not _SOLO.get()
 
 
 _gloo: dict[int, object] = {}  # id of the default group -> a gloo group over the same ranks

@@ -440,8 +440,9 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
 
 def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None, *,
                     compression: Compression, file_bytes: int, streams: int,
-                    direct_writes: bool = False, history: ChunkHistory | None = None) -> SessionStatus:
-    """Open-or-join, upload files, send the index; return the session status after it.
+                    direct_writes: bool = False, history: ChunkHistory | None = None,
+                    parent: str | None = None) -> SessionStatus:
+    """Open-or-join (recording ``parent``), upload files, send the index; return the session status after it.
 
     A failure before the index is sent aborts the session (best effort): it cannot commit without
     this rank's index, so its staged files are deleted now instead of at the stale-session TTL, and
@@ -460,7 +461,8 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
     delta = history.begin(ref.run, ref.name, snap) if history is not None else None
     try:
         try:
-            staging = open_session(transport, base, session, snap.world, step, direct_writes=direct_writes)
+            staging = open_session(transport, base, session, snap.world, step, parent=parent,
+                                   direct_writes=direct_writes)
         except AlreadyCommitted as e:
             if not _ours(e, session):
                 raise

@@ -13,7 +13,7 @@ import contextlib
 import os
 from typing import Iterator, Sequence
 
-from ckptd_schemas import CheckpointSummary, Manifest, RunSummary, parse_ref
+from ckptd_schemas import CheckpointSummary, InvalidName, Manifest, RunSummary, parse_ref
 
 from .transport import Transport
 from ._lease import read_lease
@@ -56,11 +56,24 @@ class CatalogClient:
         return [CheckpointSummary.model_validate(x)
                 for x in self._transport.request("GET", f"/v1/runs/{run}/checkpoints")]
 
-    def gc(self, run: str, *, keep_last: int, keep_every: int | None = None, dry_run: bool = False) -> dict:
+    def gc(self, run: str, *, keep_last: int, keep_every: int | None = None, dry_run: bool = False,
+           drop_parents: bool = False) -> dict:
         """Retention on the service (admin scope): the same rules as ``ckptd gc``; returns the plan
-        (``keep`` with reasons, ``delete``, ``deleted``)."""
+        (``keep`` with reasons, ``delete``, ``deleted``). ``drop_parents`` also deletes checkpoints
+        that checkpoints of other runs name as their parent."""
         return self._transport.request("POST", f"/v1/runs/{run}/gc", json={
-            "keep_last": keep_last, "keep_every": keep_every, "dry_run": dry_run})
+            "keep_last": keep_last, "keep_every": keep_every, "dry_run": dry_run, "drop_parents": drop_parents})
+
+    def remove(self, ref: str, *, dry_run: bool = False) -> dict:
+        """Delete the checkpoint ``ref`` (write scope on its run) unless retention protects it: the
+        newest, the newest verified, a leased one, or the parent of another run's checkpoint. Returns
+        ``{"ref", "removed": bool, "reason"}``: ``reason`` is ``"removed"`` or why it stays; a protected
+        checkpoint is not an error. Raises ``CheckpointNotFound`` when ``ref`` is not visible."""
+        r = parse_ref(ref)
+        if r.is_latest:
+            raise InvalidName("remove names a checkpoint, not RUN/latest", ref=ref)
+        return self._transport.request("DELETE", f"/v1/checkpoints/{r.run}/{r.name}",
+                                       params={"dry_run": "true"} if dry_run else None)
 
     def verify(self, ref: str) -> dict:
         """Ask the service to re-read and check every byte of ``ref`` in its worker process (as ``ckptd

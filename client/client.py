@@ -150,16 +150,26 @@ class CheckpointClient(CatalogClient):
         self._writers = ReplicaWriters()  # who writes each plain tensor, kept while no rank's keys change
 
     # -- save ------------------------------------------------------------------
-    def save(self, state_dict: dict, ref: str, *, step: int | None = None) -> SaveHandle:
+    def save(self, state_dict: dict, ref: str, *, step: int | None = None, parent: str | None = None) -> SaveHandle:
         """Snapshot this rank's shards and return; the upload continues in the background.
 
         ``ref`` is ``RUN/NAME``; trainer saves use the step number as NAME, which
-        is also the default ``step``. Raises an earlier save's error if it
-        failed and nobody waited on it (each failure once).
+        is also the default ``step``. ``parent``: ``RUN/NAME`` of the checkpoint of
+        another run this run started from (a fine-tune of a pretrained checkpoint, a
+        job resumed under a new run name; ``client.load(...).ref`` names what a load
+        resolved to). It is recorded in the marker and the manifest, ``ckptd show``
+        prints the chain, and retention keeps the parent while this checkpoint is
+        visible. Raises an earlier save's error if it failed and nobody waited on it
+        (each failure once).
         """
         r = parse_ref(ref)
         if r.is_latest:
             raise InvalidName("cannot save to RUN/latest: name the checkpoint (e.g. its step)", ref=ref)
+        if parent is not None:
+            p = parse_ref(parent)
+            if p.is_latest or p.run == r.run:
+                raise InvalidName(f"parent {parent!r}: name a checkpoint of another run, not RUN/latest "
+                                  f"(client.load(...).ref gives the name a load resolved to)", ref=parent)
         if step is None and r.name.isdigit():
             step = int(r.name)
         with self._lock:
@@ -196,7 +206,7 @@ class CheckpointClient(CatalogClient):
                 source, candidates = self.history.candidates(r.run, r.name, digests)  # type: ignore[union-attr]
                 if not candidates or source is None:
                     return {}
-                return link_early(lambda: open_session(self._transport, base, session, world, step,
+                return link_early(lambda: open_session(self._transport, base, session, world, step, parent=parent,
                                                        retry=False, timeout=STALL_REQUEST_S),
                                   self._transport, base, session, rank, source, candidates, STALL_REQUEST_S)
         try:
@@ -217,7 +227,7 @@ class CheckpointClient(CatalogClient):
             future = self._uploader.submit(_upload_then_release, self._transport, base, session, snap, step,
                                            compression=self._codec, file_bytes=self.file_bytes,
                                            streams=self.streams, direct_writes=self.direct_writes,
-                                           history=self.history)
+                                           history=self.history, parent=parent)
         except BaseException:
             snap.release()
             raise
@@ -245,11 +255,12 @@ class CheckpointClient(CatalogClient):
                          share_replicas=self.share_replicas, objects=self.objects)
 
     # -- torch.distributed.checkpoint ------------------------------------------------
-    def dcp_writer(self, ref: str) -> "CkptdStorageWriter":
-        """A DCP ``StorageWriter``: ``dcp.save(sd, storage_writer=client.dcp_writer("gpt/1000"))``."""
+    def dcp_writer(self, ref: str, *, parent: str | None = None) -> "CkptdStorageWriter":
+        """A DCP ``StorageWriter``: ``dcp.save(sd, storage_writer=client.dcp_writer("gpt/1000"))``;
+        ``parent`` as for :meth:`save`, recorded by every checkpoint the writer saves."""
         from .dcp import CkptdStorageWriter
 
-        return CkptdStorageWriter(self.url, ref, token=self._token, compression=self._codec,
+        return CkptdStorageWriter(self.url, ref, token=self._token, compression=self._codec, parent=parent,
                                   file_bytes=self.file_bytes, streams=self.streams,
                                   direct_writes=self.direct_writes, objects=self.objects)
 

@@ -122,14 +122,16 @@ def _done(value: Any) -> Future:
 
 
 class CkptdStorageWriter(_Endpoint, StorageWriter):
-    """DCP ``StorageWriter``; ``compression`` and ``direct_writes`` as for :class:`CheckpointClient`
+    """DCP ``StorageWriter``; ``compression``, ``direct_writes`` and ``parent`` as for :class:`CheckpointClient`
     (``compression``: ``None``, ``"zstd"``, ``"auto"`` or a ``CompressionPolicy``, which then learns
     this writer's upload throughput)."""
 
     def __init__(self, url: str, ref: str, *, token: str | None = None,
                  compression: str | CompressionPolicy | None = None, file_bytes: int = 256 << 20,
-                 streams: int = 4, direct_writes: bool = True, objects: ObjectPolicy = SAFE) -> None:
+                 streams: int = 4, direct_writes: bool = True, objects: ObjectPolicy = SAFE,
+                 parent: str | None = None) -> None:
         _Endpoint.__init__(self, url, ref, token, streams)
+        self.parent = parent  # recorded by every checkpoint this writer saves (CheckpointClient.save's ``parent``)
         self.compression, self.file_bytes = compression_of(compression), file_bytes
         self.direct_writes = direct_writes
         self.objects = objects
@@ -190,7 +192,7 @@ class CkptdStorageWriter(_Endpoint, StorageWriter):
                     _Chunk(fqn, data, (list(td.chunk.offsets), list(td.chunk.sizes)), None))
             sizes.append((item.index, data.numel() * data.element_size()))
         staging = open_session(self.transport, self.base, pd.session, pd.world, _step_of(self.ref),
-                               direct_writes=self.direct_writes)
+                               parent=self.parent, direct_writes=self.direct_writes)
         index = upload_files(self.transport, self.base, pd.session, snap, compression=self.compression,
                              file_bytes=self.file_bytes, streams=self.streams, staging=staging)
         # DCP keeps one value per key (its planner dedups replicated items), so every object is global:

@@ -21,11 +21,15 @@ __all__ = ["open_session", "put_index", "wait_committed"]
 
 
 def open_session(transport: Transport, base: str, session: str, world: int, step: int | None, *,
-                 direct_writes: bool = False, retry: bool = True, timeout: float | None = None) -> StagingDir | None:
+                 parent: str | None = None, direct_writes: bool = False, retry: bool = True,
+                 timeout: float | None = None) -> StagingDir | None:
     """Open or join the session; with ``direct_writes``, return the staging directory this rank may
     write its files into (None when the service offers none or this host does not see it).
+    ``parent``: the checkpoint of another run this run started from (every rank sends the same).
     ``retry`` and ``timeout`` as for ``Transport.request`` (a save's stall opens it once, briefly)."""
-    body = {"session": session, "world_size": world, "step": step}
+    body: dict = {"session": session, "world_size": world, "step": step}
+    if parent is not None:
+        body["parent"] = parent
     if direct_writes:
         body["direct_writes"] = True
     info = SessionInfo.model_validate(transport.request("POST", f"{base}/sessions", json=body, retry=retry,

@@ -53,6 +53,9 @@ class OpenSession(_Body):
     world_size: Annotated[int, Field(ge=1, le=1 << 20)]
     step: Annotated[int, Field(ge=0)] | None = None
     derived_from: str | None = Field(None, max_length=300, description="source ref of a derived checkpoint")
+    parent: str | None = Field(None, max_length=300, description=(
+        "RUN/NAME of the visible checkpoint of another run this run started from (lineage across runs); "
+        "recorded in the marker and the manifest, and protected from retention while this checkpoint is visible"))
     direct_writes: bool = Field(False, description=(
         "the client can write its data files into the store itself when it shares the service's "
         "filesystem: the answer's `direct` says where (see AdoptFile)"))
@@ -256,6 +259,7 @@ class CheckpointSummary(_Body):
     name: str
     step: int | None
     derived_from: str | None
+    parent: str | None = None
     session: str
     committed_at: datetime
     manifest_xxh3: str

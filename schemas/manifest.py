@@ -236,6 +236,9 @@ class Manifest(_Model):
     session: str
     created_at: datetime
     derived_from: str | None = None
+    #: ``RUN/NAME`` of the checkpoint of another run this run started from (fine-tuning, a resumed job
+    #: under a new run name): lineage across runs, which retention protects (docs/retention.md)
+    parent: str | None = None
     topology: Topology
     tensors: list[TensorEntry]
     objects: list[ObjectEntry] = Field(default_factory=list)

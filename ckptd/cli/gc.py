@@ -1,9 +1,16 @@
-"""``ckptd gc RUN --keep-last N [--keep-every K] [--dry-run]``: retention (``ckptd.store.retention``)."""
+"""Retention (``ckptd.store.retention``) from the command line.
+
+``ckptd gc RUN --keep-last N [--keep-every K] [--dry-run] [--drop-parents]``: the run's policy.
+``ckptd rm RUN/NAME [--dry-run]``: one checkpoint, unless retention protects it (exit 1 then, with
+the reason).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+
+from ckptd_schemas import InvalidName, parse_ref
 
 from .backends import HttpBackend, RootBackend, open_backend, require_run
 from .target import resolve_target
@@ -15,12 +22,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     b = open_backend(resolve_target(args))
     try:
         if isinstance(b, HttpBackend):
-            plan = b.client.gc(args.run, keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run)
+            plan = b.client.gc(args.run, keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run,
+                               drop_parents=args.drop_parents)
         else:
             from ..store.retention import collect
 
             plan = collect(b.reader.storage, args.run, keep_last=args.keep_last, keep_every=args.keep_every,
-                           dry_run=args.dry_run).as_json()
+                           dry_run=args.dry_run, drop_parents=args.drop_parents).as_json()
         if not plan["keep"] and not plan["delete"] and not plan["deleted"]:
             require_run(b, args.run)  # nothing of it: say whether the run exists at all
         if isinstance(b, RootBackend) and not args.dry_run:
@@ -43,6 +51,29 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rm(args: argparse.Namespace) -> int:
+    ref = parse_ref(args.ref)
+    if ref.is_latest:
+        raise InvalidName("ckptd rm names a checkpoint, not RUN/latest", ref=args.ref)
+    b = open_backend(resolve_target(args))
+    try:
+        if isinstance(b, HttpBackend):
+            out = b.client.remove(str(ref), dry_run=args.dry_run)
+        else:
+            from ..store.retention import remove
+
+            out = remove(b.reader.storage, ref.run, ref.name, dry_run=args.dry_run).as_json()
+    finally:
+        b.close()
+    if args.json:
+        print(json.dumps(out))
+    elif out["reason"] in ("removed", "would be removed"):
+        print(f"{out['reason']} {out['ref']}")
+    else:
+        print(f"kept {out['ref']}: {out['reason']}")
+    return 0 if out["reason"] in ("removed", "would be removed") else 1
+
+
 def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
     s = sub.add_parser("gc", help="delete old committed checkpoints of a run (retention), reclaim stale staging")
     s.add_argument("run")
@@ -51,6 +82,15 @@ def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
     s.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
     s.add_argument("--stale-ttl", type=float, default=6 * 3600.0, metavar="S",
                    help="reclaim uncommitted staging older than S seconds (default 6 h)")
+    s.add_argument("--drop-parents", action="store_true",
+                   help="also delete checkpoints that checkpoints of other runs name as their parent")
     s.add_argument("--json", action="store_true")
     add_target(s)
     s.set_defaults(func=cmd_gc)
+
+    s = sub.add_parser("rm", help="delete one checkpoint unless retention protects it (exit 1 if kept)")
+    s.add_argument("ref", help="RUN/NAME")
+    s.add_argument("--dry-run", action="store_true", help="say whether it would go; delete nothing")
+    s.add_argument("--json", action="store_true")
+    add_target(s)
+    s.set_defaults(func=cmd_rm)

@@ -1,4 +1,4 @@
-"""``ckptd`` command line: serve, ls, show, verify, reshard, reshard-worker, import, export, gc.
+"""``ckptd`` command line: serve, ls, show, verify, reshard, reshard-worker, import, export, gc, rm.
 
 Exit codes: 0 success; 1 the thing checked is wrong (corrupt, invalid, not
 found); 2 usage or connection error.
@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from math import prod
-from ckptd_schemas import CkptdError, IntegrityError, NotFound, parse_ref
+from ckptd_schemas import CkptdError, IntegrityError, Manifest, NotFound, parse_ref
 
 from .. import __version__
 from .backends import Backend, open_backend, require_run
@@ -68,7 +68,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             return 0
         for r in rows:
             derived = f"  derived from {r.derived_from}" if r.derived_from else ""
-            print(f"{r.run}/{r.name}\tstep={r.step}\t{r.committed_at:%Y-%m-%d %H:%M:%S}{derived}")
+            parent = f"  parent {r.parent}" if r.parent else ""
+            print(f"{r.run}/{r.name}\tstep={r.step}\t{r.committed_at:%Y-%m-%d %H:%M:%S}{derived}{parent}")
         return 0
     runs = b.list_runs()
     if args.json:
@@ -81,9 +82,30 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_LINEAGE = 64  # parents followed by ``ckptd show``
+
+
+def lineage(backend: Backend, m: Manifest) -> list[str]:
+    """The chain of parents above ``m``, nearest first; a parent no longer visible ends it, marked so."""
+    chain: list[str] = []
+    seen = {m.ref}
+    parent = m.parent
+    while parent is not None and len(chain) < MAX_LINEAGE and parent not in seen:
+        seen.add(parent)
+        p = parse_ref(parent)
+        try:
+            parent = backend.manifest(p.run, p.name).parent
+        except NotFound:
+            chain.append(f"{p} (no longer visible)")
+            break
+        chain.append(str(p))
+    return chain
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     ref = parse_ref(args.ref)
-    m = _backend(args).manifest(ref.run, ref.name)
+    b = _backend(args)
+    m = b.manifest(ref.run, ref.name)
     if args.json:
         print(m.model_dump_json(indent=2))
         return 0
@@ -91,6 +113,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"checkpoint {m.ref}  step={m.step}  created={m.created_at:%Y-%m-%d %H:%M:%S}  session={m.session}")
     if m.derived_from:
         print(f"derived from {m.derived_from}")
+    if m.parent:
+        print(f"lineage    {' <- '.join([m.ref, *lineage(b, m)])}")
     print(f"topology   world_size={topo.world_size} mesh={topo.mesh or '-'} layouts={topo.layouts or '-'}")
     print(f"files      {len(m.files)} ({human(m.total_bytes)})")
     if m.linked_bytes:

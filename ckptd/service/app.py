@@ -21,6 +21,9 @@ under ``/v1`` except probes)::
     DELETE /v1/checkpoints/{run}/{name}/leases/{holder}                 read_routes: release it
     POST   /v1/reshard, /v1/reshard/preview; GET /v1/jobs/{job_id}      reshard_routes: reshard jobs
     POST   /v1/runs/{run}/gc                                            retention_routes: retention
+    DELETE /v1/checkpoints/{run}/{name}                                 retention_routes: remove one, if unprotected
+    GET    /v1/ui/...                                                   ui_routes: the web view's JSON (paged, read)
+    GET    /ui, /ui/static/{asset}                                      ui_static: the web view's shell (open, no data)
     GET    /healthz, /readyz, /metrics                                  here: probes
     GET    /openapi.json, /docs                                         docs: the API description, served offline
 
@@ -57,6 +60,9 @@ from .reshard_routes import reshard_router
 from .retention_routes import ReadLeases, RetentionPolicy, gc_router
 from .services import Services
 from .settings import Settings
+from .gc_log import GcLog
+from .ui_routes import ui_router
+from .ui_static import install_ui
 from .upload_routes import upload_router
 
 __all__ = ["create_app"]
@@ -78,7 +84,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     def verify_in_worker(run: str, name: str) -> VerifyRecord:
         return VerifyRecord.model_validate(workers().submit(verify_and_record, storage.url, run, name).result())
 
-    retention = RetentionPolicy(storage, settings, verify=verify_in_worker)
+    gc_log = GcLog()  # the last gc decisions, for the web view
+    retention = RetentionPolicy(storage, settings, verify=verify_in_worker, record=gc_log.record)
     read_leases = ReadLeases(storage, settings.read_lease_seconds)
 
     def after_commit(ev: CommitEvent) -> None:
@@ -139,7 +146,9 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     app.include_router(upload_router(services))
     app.include_router(read_router(services))
     app.include_router(jobs_router)
-    app.include_router(gc_router(storage, settings, verify_in_worker))
+    app.include_router(gc_router(storage, settings, verify_in_worker, record=gc_log.record))
+    app.include_router(ui_router(services, gc_log))
+    install_ui(app)
     install_docs(app, ROUTE_RULES)
     check_routes(app)
     open_paths = {r.path for r in iter_routes(app.router) if ROUTE_RULES[r.name].access == "open"}

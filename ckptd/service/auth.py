@@ -270,6 +270,12 @@ ROUTE_RULES: dict[str, Rule] = {
     "get_verification": Rule("read"),
     "hold_lease": Rule("read"),  # a lease only keeps a checkpoint; it changes nothing else
     "release_lease": Rule("read"),
+    # the web view (ui_routes, ui_static): its JSON is read:RUN like the reads above (/v1/ui/runs lists only the
+    # runs the token may read); its shell and assets are static files with no data, open
+    "ui_runs": Rule("read", run_param=None), "ui_checkpoints": Rule("read"), "ui_steps": Rule("read"),
+    "ui_checkpoint": Rule("read"), "ui_tensors": Rule("read"), "ui_objects": Rule("read"),
+    "ui_uploads": Rule("read"), "ui_jobs": Rule("read"), "ui_job_plan": Rule("read"), "ui_retention": Rule("read"),
+    "ui_shell": OPEN, "ui_asset": OPEN,
     # uploads: write:RUN
     "open_session": Rule("write"),
     "upload_file": Rule("write", body="stream"),
@@ -278,6 +284,8 @@ ROUTE_RULES: dict[str, Rule] = {
     "put_index": Rule("write", body="index"),
     "session_status": Rule("write"),
     "abort_session": Rule("write"),
+    # one checkpoint's removal, under retention's protections (a trainer's own "keep the best k")
+    "remove_checkpoint": Rule("write"),
     # reshard jobs (and future gc / import routes): admin
     "create_job": Rule("admin", run_param=None),
     "preview_job": Rule("admin", run_param=None),

@@ -2,6 +2,10 @@
 
 * ``POST /v1/runs/{run}/gc`` (admin): ``ckptd gc RUN --server``; the same rules
   as offline (``ckptd.store.retention``), then reclaims stale staging.
+* ``DELETE /v1/checkpoints/{run}/{name}`` (write): ``ckptd rm RUN/NAME --server``, a
+  trainer's own removal (Lightning's ``remove_checkpoint``); retention's protections
+  hold (the newest, the newest verified, leased ones, parents of other runs'
+  checkpoints): a protected checkpoint stays and the answer says why.
 * Policy: with ``CKPTD_RETENTION_KEEP_LAST`` set, the run of every checkpoint
   that commits through this service is collected right after the commit (in
   the background; a failure is logged and changes nothing visible).
@@ -18,6 +22,7 @@ import logging
 import threading
 import time
 import uuid
+from typing import Any, Callable
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,10 +33,10 @@ from ckptd_schemas import check_run
 from ..storage import Storage
 from ..store import SessionStore
 from ..store.leases import Leases
-from ..store.retention import Verifier, collect
+from ..store.retention import Verifier, collect, remove
 from .settings import Settings
 
-__all__ = ["GcRequest", "ReadLeases", "RetentionPolicy", "gc_router"]
+__all__ = ["GcRequest", "ReadLeases", "RemovalBody", "RetentionPolicy", "gc_router"]
 
 log = logging.getLogger("ckptd.service")
 
@@ -41,9 +46,24 @@ class GcRequest(BaseModel):
     keep_last: int = Field(ge=1, le=1_000_000, description="keep the N newest steps")
     keep_every: int | None = Field(None, ge=1, le=1_000_000_000, description="also keep multiples of K")
     dry_run: bool = False
+    drop_parents: bool = Field(False, description=(
+        "also delete checkpoints that a visible checkpoint of another run names as its parent"))
 
 
-def gc_router(storage: Storage, settings: Settings, verify: Verifier | None = None) -> APIRouter:
+class RemovalBody(BaseModel):
+    """The answer to ``DELETE /v1/checkpoints/{run}/{name}`` (``ckptd.store.retention.Removal``)."""
+
+    ref: str
+    removed: bool
+    reason: str = Field(description="'removed' ('would be removed' in a dry run), or why retention keeps it")
+
+
+#: Told every decision (run, ``RetentionPlan.as_json()``, who asked, dry run): ``gc_log.GcLog.record``.
+DecisionLog = Callable[[str, dict[str, Any], str, bool], None]
+
+
+def gc_router(storage: Storage, settings: Settings, verify: Verifier | None = None,
+              record: DecisionLog | None = None) -> APIRouter:
     router = APIRouter(tags=["retention"])
 
     @router.post("/v1/runs/{run}/gc")
@@ -52,12 +72,19 @@ def gc_router(storage: Storage, settings: Settings, verify: Verifier | None = No
 
         def work() -> dict:
             plan = collect(storage, run, keep_last=body.keep_last, keep_every=body.keep_every,
-                           dry_run=body.dry_run, verify=verify).as_json()
+                           dry_run=body.dry_run, verify=verify, drop_parents=body.drop_parents).as_json()
+            if record is not None:
+                record(run, plan, "POST /v1/runs/{run}/gc", body.dry_run)
             if not body.dry_run:
                 plan["reclaimed_sessions"] = SessionStore(storage).reclaim_stale(settings.stale_session_ttl)
             return plan
 
         return await run_in_threadpool(work)
+
+    @router.delete("/v1/checkpoints/{run}/{name}", response_model=RemovalBody)
+    async def remove_checkpoint(run: str, name: str, dry_run: bool = False) -> RemovalBody:
+        out = await run_in_threadpool(remove, storage, run, name, dry_run=dry_run, verify=verify)
+        return RemovalBody(**out.as_json())
 
     return router
 
@@ -65,8 +92,9 @@ def gc_router(storage: Storage, settings: Settings, verify: Verifier | None = No
 class RetentionPolicy:
     """Collects a run after each commit when the service has a retention policy; one pass per run at a time."""
 
-    def __init__(self, storage: Storage, settings: Settings, verify: Verifier | None = None) -> None:
-        self.storage, self.settings, self.verify = storage, settings, verify
+    def __init__(self, storage: Storage, settings: Settings, verify: Verifier | None = None,
+                 record: DecisionLog | None = None) -> None:
+        self.storage, self.settings, self.verify, self.record = storage, settings, verify, record
         self._busy: set[str] = set()
         self._lock = threading.Lock()
 
@@ -87,6 +115,8 @@ class RetentionPolicy:
         try:
             plan = collect(self.storage, run, keep_last=self.settings.retention_keep_last or 1,
                            keep_every=self.settings.retention_keep_every, verify=self.verify)
+            if self.record is not None:
+                self.record(run, plan.as_json(), "retention policy", False)
             if plan.deleted:
                 log.info("retention: deleted %s from run %s", ", ".join(plan.deleted), run)
         except Exception:  # noqa: BLE001 - retention never breaks a save; the next commit tries again

@@ -44,6 +44,7 @@ class Marker(BaseModel):
     step: int | None
     derived_from: str | None
     committed_at: datetime
+    parent: str | None = None  # lineage across runs (OpenSession.parent); absent in markers written before it
 
 
 class SessionMeta(BaseModel):
@@ -54,6 +55,7 @@ class SessionMeta(BaseModel):
     step: int | None
     created_at: datetime
     derived_from: str | None = None
+    parent: str | None = None
 
 
 class Paths:

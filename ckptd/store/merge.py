@@ -34,6 +34,7 @@ def merge_indexes(
     indexes: Sequence[RankIndex],
     files: dict[str, FileEntry],
     derived_from: str | None = None,
+    parent: str | None = None,
 ) -> Manifest:
     """Validate and merge; raise a typed error naming the tensor and ranks at fault."""
     by_rank = {ix.rank: ix for ix in indexes}
@@ -67,7 +68,7 @@ def merge_indexes(
                             ranks=[RankInfo(rank=ix.rank, coords=ix.coords) for ix in ranks], layouts=layouts)
         return Manifest(
             run=run, name=name, step=step, session=session, created_at=created_at, derived_from=derived_from,
-            topology=topology, tensors=tensors, objects=objects, param_groups=groups,
+            parent=parent, topology=topology, tensors=tensors, objects=objects, param_groups=groups,
             files={f: _as_committed(files[f]) for f in sorted(owners)},
         )
     except ValidationError as e:

@@ -21,6 +21,14 @@ The rules, each a guarantee tested in ``tests/test_retention.py``:
    bytes (:func:`~.verification.record_holds`), or a fresh verification. If
    none verifies, nothing is deleted. A dry run reports which one it is and how
    it was established.
+6. A checkpoint that a visible checkpoint of another run names as its ``parent`` (lineage across
+   runs: a fine-tune, a job resumed under a new run name) is kept, unless the call says
+   ``drop_parents``; the children are found from their own markers and manifests
+   (:class:`~.visibility.Visibility` decides which are visible), never from an index a root edit
+   could lose.
+
+``remove`` deletes one named checkpoint under the same rules 3-6 (the retention policy is the
+caller's: a trainer's own ``keep the best k``): a protected one stays, with the reason.
 
 Call order: ``plan_retention`` (pure) decides; ``collect`` lists the run,
 reads leases, establishes the newest verified checkpoint, plans and, unless
@@ -36,7 +44,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ckptd_schemas import CheckpointSummary, CkptdError, InvalidRequest, check_run
+from ckptd_schemas import CheckpointNotFound, CheckpointSummary, CkptdError, InvalidRequest, check_name, check_run
 
 from ..storage import Storage
 from .layout import Paths
@@ -44,7 +52,7 @@ from .leases import Leases
 from .verification import VerifyRecord, read_record, record_holds, verify_committed
 from .visibility import Visibility
 
-__all__ = ["RetentionPlan", "Verifier", "collect", "plan_retention"]
+__all__ = ["Removal", "RetentionPlan", "Verifier", "children_elsewhere", "collect", "plan_retention", "remove"]
 
 log = logging.getLogger("ckptd.store")
 
@@ -71,10 +79,13 @@ class RetentionPlan:
 
 def plan_retention(run: str, ckpts: list[CheckpointSummary], *, keep_last: int, keep_every: int | None = None,
                    leased: set[str] = frozenset(), newest_verified: str | None = None,
-                   latest: str | None = None) -> RetentionPlan:
-    """Decide what goes. Pure: the visible checkpoints, the leased names and the newest verified
-    checkpoint in, a plan out. ``latest``: what ``RUN/latest`` resolves to (``collect`` passes the
-    visibility rule's answer); without it, the newest trainer checkpoint by step, then commit time."""
+                   latest: str | None = None, children: dict[str, list[str]] | None = None,
+                   only: set[str] | None = None) -> RetentionPlan:
+    """Decide what goes. Pure: the visible checkpoints, the leased names, the newest verified
+    checkpoint and the children in other runs (name -> their refs) in, a plan out. ``latest``: what
+    ``RUN/latest`` resolves to (``collect`` passes the visibility rule's answer); without it, the
+    newest trainer checkpoint by step, then commit time. ``only``: the names the caller asks to
+    delete (``remove``); the others stay, and the step policy is not applied."""
     if keep_last < 1:
         raise InvalidRequest(f"keep_last must be at least 1, not {keep_last}: the newest checkpoint always stays",
                              field="keep_last")
@@ -87,13 +98,21 @@ def plan_retention(run: str, ckpts: list[CheckpointSummary], *, keep_last: int, 
     trainer = [c for c in ordered if c.step is not None and c.derived_from is None]
     if latest is None:
         latest = trainer[-1].name if trainer else None
+    children = children or {}
     for c in ordered:
+        if only is not None and c.name not in only:
+            continue
         if c.name == latest:
             plan.keep[c.name] = "newest committed checkpoint"
         elif c.name == newest_verified:
             plan.keep[c.name] = "newest verified checkpoint"
         elif c.name in leased:
             plan.keep[c.name] = "leased"
+        elif c.name in children:
+            plan.keep[c.name] = "parent of " + ", ".join(sorted(children[c.name])[:3]) + \
+                (f" and {len(children[c.name]) - 3} more" if len(children[c.name]) > 3 else "")
+        elif only is not None:
+            plan.delete.append(c.name)
         elif c.step is None:
             plan.keep[c.name] = "no step to order it by"
         elif c.step in newest_steps:
@@ -105,10 +124,27 @@ def plan_retention(run: str, ckpts: list[CheckpointSummary], *, keep_last: int, 
     return plan
 
 
+def children_elsewhere(vis: Visibility, run: str) -> dict[str, list[str]]:
+    """Per checkpoint name of ``run``, the visible checkpoints of other runs that name it as their
+    parent. Reads every other run's markers (and, once each, their manifests: the visibility rule);
+    retention is rare next to saves, and no index kept beside them could be trusted more."""
+    out: dict[str, list[str]] = {}
+    prefix = f"{run}/"
+    for other in vis.runs():
+        if other == run:
+            continue
+        for c in vis.listing(other):
+            if c.parent is not None and c.parent.startswith(prefix):
+                out.setdefault(c.parent[len(prefix):], []).append(c.ref)
+    return out
+
+
 def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | None = None,
-            dry_run: bool = False, verify: Verifier | None = None) -> RetentionPlan:
+            dry_run: bool = False, verify: Verifier | None = None, drop_parents: bool = False,
+            only: set[str] | None = None) -> RetentionPlan:
     """List the run's visible checkpoints, establish the newest verified one (rule 5), plan, and
-    delete (marker first) unless ``dry_run``. ``verify`` defaults to verifying in this process."""
+    delete (marker first) unless ``dry_run``. ``verify`` defaults to verifying in this process;
+    ``drop_parents`` lifts rule 6; ``only`` as for :func:`plan_retention`."""
     check_run(run)
     vis = Visibility(storage)
     leases = Leases(storage)
@@ -117,12 +153,15 @@ def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | Non
     newest = vis.latest_of(visible)
     latest = newest.name if newest is not None else None
     leased = {c.name for c in ckpts if leases.active(run, c.name)}
-    plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased, latest=latest)
+    plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased, latest=latest,
+                          only=only)
     if not plan.delete and not dry_run:
         return plan
+    # Only when something would go: the other runs' listings (rule 6) cost a read of every marker.
+    children = {} if drop_parents else children_elsewhere(vis, run)
     newest, how, failed = _newest_verified(storage, vis, visible, verify or (lambda r, n: verify_committed(storage, r, n)))
     plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased,
-                          newest_verified=newest, latest=latest)
+                          newest_verified=newest, latest=latest, children=children, only=only)
     plan.newest_verified, plan.verified_how, plan.failed_verification = newest, how, failed
     if newest is None and plan.delete:  # something would go, but nothing newer is known good
         for name in plan.delete:
@@ -141,6 +180,38 @@ def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | Non
         plan.deleted.append(name)
     plan.delete = [n for n in plan.delete if n in plan.deleted]
     return plan
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What :func:`remove` did: ``reason`` is ``"removed"`` (``"would be removed"`` in a dry run) or
+    why retention keeps the checkpoint."""
+
+    ref: str
+    removed: bool
+    reason: str
+
+    @property
+    def gone(self) -> bool:
+        """Removed, or would be in a dry run."""
+        return self.reason in ("removed", "would be removed")
+
+    def as_json(self) -> dict:
+        return {"ref": self.ref, "removed": self.removed, "reason": self.reason}
+
+
+def remove(storage: Storage, run: str, name: str, *, dry_run: bool = False, verify: Verifier | None = None,
+           drop_parents: bool = False) -> Removal:
+    """Delete the visible checkpoint ``run/name`` unless rules 3-6 keep it. Raises
+    :class:`~ckptd_schemas.CheckpointNotFound` when it is not visible."""
+    check_run(run), check_name(name)
+    if Visibility(storage).check(run, name) is None:
+        raise CheckpointNotFound(f"checkpoint {run}/{name} is not visible", ref=f"{run}/{name}")
+    plan = collect(storage, run, keep_last=1, dry_run=dry_run, verify=verify, drop_parents=drop_parents,
+                   only={name})
+    if name in (plan.delete if dry_run else plan.deleted):
+        return Removal(f"{run}/{name}", not dry_run, "would be removed" if dry_run else "removed")
+    return Removal(f"{run}/{name}", False, plan.keep.get(name, "no longer visible"))
 
 
 def _newest_verified(storage: Storage, vis: Visibility, visible: list, verify: Verifier

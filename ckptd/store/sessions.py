@@ -164,6 +164,10 @@ class SessionStore:
             f"checkpoint {run}/{name} is already committed (session {m.session}); committed checkpoints "
             f"are immutable (save under a new name)", ref=f"{run}/{name}", session=m.session)
 
+    def _meta_or_none(self, run: str, name: str, sid: str) -> SessionMeta | None:
+        data = self.storage.read_json_or_none(Paths.session_meta(run, name, sid))
+        return SessionMeta.model_validate(data) if data is not None else None
+
     def _meta(self, run: str, name: str, sid: str) -> SessionMeta:
         data = self.storage.read_json_or_none(Paths.session_meta(run, name, sid))
         if data is None:
@@ -191,18 +195,37 @@ class SessionStore:
             raise self._taken_error(run, name, m)
         if req.derived_from is not None:
             parse_ref(req.derived_from)
-        meta = SessionMeta(session=req.session, world_size=req.world_size, step=req.step, created_at=_now(),
-                           derived_from=req.derived_from)
         key = Paths.session_meta(run, name, req.session)
-        if not self.storage.create_if_absent(key, meta.model_dump_json().encode()):
-            meta = self._meta(run, name, req.session)
-            if meta.world_size != req.world_size or meta.step != req.step or meta.derived_from != req.derived_from:
-                raise SessionConflict(
-                    f"session {req.session} of {run}/{name} was opened with world size {meta.world_size} "
-                    f"and step {meta.step}; this request says world size {req.world_size} and step {req.step}",
-                    ref=f"{run}/{name}", session=req.session)
+        meta = self._meta_or_none(run, name, req.session)
+        if meta is None:
+            self._check_parent(run, req.parent)
+            meta = SessionMeta(session=req.session, world_size=req.world_size, step=req.step, created_at=_now(),
+                               derived_from=req.derived_from, parent=req.parent)
+            if not self.storage.create_if_absent(key, meta.model_dump_json().encode()):
+                meta = self._meta(run, name, req.session)
+        if (meta.world_size, meta.step, meta.derived_from, meta.parent) != \
+                (req.world_size, req.step, req.derived_from, req.parent):
+            raise SessionConflict(
+                f"session {req.session} of {run}/{name} was opened with world size {meta.world_size}, step "
+                f"{meta.step} and parent {meta.parent}; this request says world size {req.world_size}, step "
+                f"{req.step} and parent {req.parent}", ref=f"{run}/{name}", session=req.session)
         return SessionInfo(run=run, name=name, session=meta.session, world_size=meta.world_size,
                            step=meta.step, created_at=meta.created_at)
+
+    def _check_parent(self, run: str, parent: str | None) -> None:
+        """A parent names a checkpoint of another run, by name (not ``latest``: lineage records what was
+        loaded, which ``LoadReport.ref`` gives), visible when the session opens."""
+        if parent is None:
+            return
+        ref = parse_ref(parent)
+        if ref.is_latest:
+            raise InvalidRequest(f"parent {parent!r}: name the checkpoint the run started from (LoadReport.ref "
+                                 f"gives the name a load of RUN/latest resolved to)", field="parent")
+        if ref.run == run:
+            raise InvalidRequest(f"parent {parent!r} is a checkpoint of run {run} itself: a parent is a checkpoint "
+                                 f"of another run (the run's own history is its steps)", field="parent")
+        if self.visibility.check(ref.run, ref.name) is None:
+            raise InvalidRequest(f"parent {parent!r} is not a visible checkpoint", field="parent", ref=parent)
 
     # -- 2. data files ---------------------------------------------------------------
     def begin_file(self, run: str, name: str, sid: str, file: str) -> FileSink:
@@ -452,7 +475,7 @@ class SessionStore:
                         files[f] = entry
                 manifest = merge_indexes(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
                                          world_size=meta.world_size, indexes=indexes, files=files,
-                                         derived_from=meta.derived_from)
+                                         derived_from=meta.derived_from, parent=meta.parent)
                 check_commit(manifest, files, self.storage, lambda f: Paths.file(run, name, sid, f),  # the bytes
                              verified=self._linked_locations(run, files))
             except StorageError:
@@ -473,7 +496,7 @@ class SessionStore:
             self.storage.put(mkey, raw)
         crash_point("commit-before-marker")
         marker = Marker(ref=f"{run}/{name}", session=sid, manifest=manifest_file_name(digest), manifest_xxh3=digest,
-                        step=meta.step, derived_from=derived_from, committed_at=_now())
+                        step=meta.step, derived_from=derived_from, committed_at=_now(), parent=meta.parent)
         if not self.storage.create_if_absent(Paths.marker(run, name), marker.model_dump_json().encode()):
             existing = self._committed_by(run, name, sid)
             if existing is None:

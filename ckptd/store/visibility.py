@@ -5,7 +5,7 @@ A checkpoint ``RUN/NAME`` is **visible** if and only if
 1. its ``COMMITTED`` marker parses (:class:`~.layout.Marker`),
 2. the manifest it names (``manifest-<digest>.json`` in the session it names) exists, hashes to
    the marker's ``manifest_xxh3`` and parses as a :class:`~ckptd_schemas.Manifest`,
-3. and marker and manifest agree on the ref, the session, the step and ``derived_from``.
+3. and marker and manifest agree on the ref, the session, the step, ``derived_from`` and ``parent``.
 
 Every reader asks :class:`Visibility`: listing (``ckptd ls``, ``GET /v1/runs``), ``RUN/latest``,
 manifest and file reads, verification, retention, the stale-session sweep, reshard sources, and
@@ -104,12 +104,16 @@ class Committed:
         return self.marker.derived_from
 
     @property
+    def parent(self) -> str | None:
+        return self.marker.parent
+
+    @property
     def committed_at(self) -> datetime:
         return self.marker.committed_at
 
     def summary(self) -> CheckpointSummary:
         m = self.marker
-        return CheckpointSummary(run=self.run, name=self.name, step=m.step, derived_from=m.derived_from,
+        return CheckpointSummary(run=self.run, name=self.name, step=m.step, derived_from=m.derived_from, parent=m.parent,
                                  session=m.session, committed_at=m.committed_at, manifest_xxh3=m.manifest_xxh3)
 
 
@@ -241,23 +245,23 @@ class Visibility:
         stamp = self._manifest_stamp(key, m)
         if stamp is None:
             raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names ({m.manifest}) is missing")
-        claim = (m.manifest_xxh3, run, name, m.session, m.step, m.derived_from)
+        claim = (m.manifest_xxh3, run, name, m.session, m.step, m.derived_from, m.parent)
         if stamp:
             with self._lock:
                 said = self._verdicts.get((key, stamp))
             if said is not None and said[0] == m.manifest_xxh3:
-                if said[:6] != claim:
+                if said[:7] != claim:
                     raise _Invisible("disagrees", _disagreement(said, m))
-                return Committed(run, name, m, key, said[6])
+                return Committed(run, name, m, key, said[7])
         manifest = self._load(run, name, m, key)
         said = (m.manifest_xxh3, manifest.run, manifest.name, manifest.session, manifest.step, manifest.derived_from,
-                manifest.created_at)
+                manifest.parent, manifest.created_at)
         if stamp:  # taken before the read: a change during the read only makes the next check read again
             with self._lock:
                 if len(self._verdicts) > 100_000:
                     self._verdicts.clear()
                 self._verdicts[(key, stamp)] = said
-        if said[:6] != claim:
+        if said[:7] != claim:
             raise _Invisible("disagrees", _disagreement(said, m))
         return Committed(run, name, m, key, manifest.created_at)
 
@@ -381,9 +385,10 @@ class Visibility:
 
 
 def _disagreement(said: tuple, m: Marker) -> str:
-    _, run, name, session, step, derived = said[:6]
-    return (f"its manifest says {run}/{name} session {session} step {step} derived from {derived}; its COMMITTED "
-            f"marker says {m.ref} session {m.session} step {m.step} derived from {m.derived_from}")
+    _, run, name, session, step, derived, parent = said[:7]
+    return (f"its manifest says {run}/{name} session {session} step {step} derived from {derived} parent {parent}; "
+            f"its COMMITTED marker says {m.ref} session {m.session} step {m.step} derived from {m.derived_from} "
+            f"parent {m.parent}")
 
 
 def _regular_file(path: str) -> tuple[os.stat_result | None, str | None]:

@@ -1,0 +1,68 @@
+// Page 2: a run's checkpoints, one page at a time, on the run's step timeline, with lineage.
+import {get} from "./api.js";
+import {ago, bytes, enc, h, link, pager, table, when} from "./dom.js";
+import {lineage, timeline} from "./timeline.js";
+
+const LIMIT = 100;
+
+async function allSteps(run) {
+  const cols = {name: [], step: [], derived_from: []};
+  for (let offset = 0, total = 1; offset < total && offset < 50000; offset += 5000) {
+    const ans = await get(`runs/${enc(run)}/steps`, {offset, limit: 5000});
+    total = ans.total;
+    for (const k of Object.keys(cols)) cols[k].push(...ans.columns[k]);
+  }
+  return cols.name.map((name, i) => ({name, step: cols.step[i], derived_from: cols.derived_from[i]}));
+}
+
+function layout(st) {
+  const mesh = Object.entries(st.mesh).map(([k, v]) => `${k}=${v}`).join(",");
+  const groups = Object.entries(st.layouts).map(([g, l]) => `${g}: ${l}`).join("; ");
+  return [h("div", {}, `${st.world_size} rank${st.world_size === 1 ? "" : "s"}${mesh ? ` (${mesh})` : ""}`),
+          groups ? h("div", {class: "muted"}, groups) : null];
+}
+
+function verification(v) {
+  if (!v) return h("span", {class: "muted"}, "not verified");
+  return h("span", {class: v.ok ? "ok" : "bad", title: v.problems.join("\n") || when(v.verified_at)},
+           v.ok ? "✓ ok " : "✗ failed ", h("span", {class: "muted"}, ago(v.verified_at)));
+}
+
+export function checkpointRow(run, r) {
+  const st = r.stats;
+  const sizes = st ? [
+    h("td", {class: "num", title: `${bytes(st.file_bytes)} in files, ${bytes(st.linked_bytes)} of them linked`},
+      bytes(st.written_bytes)),
+    h("td", {class: "num"}, bytes(st.linked_bytes)),
+    h("td", {class: "num", title: `${st.chunks} chunks, ${st.compressed_chunks} compressed`},
+      `${bytes(st.logical_bytes)} → ${bytes(st.stored_bytes)}`),
+    h("td", {class: "num"}, st.files), h("td", {}, layout(st))]
+    : [h("td", {colspan: 5, class: "muted"}, "no longer visible")];
+  const lineageCell = [r.derived_from ? h("div", {}, "from ", r.derived_from) : null,
+                       r.parent ? h("div", {}, "parent ", r.parent) : null];
+  return h("tr", {dataset: {name: r.name, step: r.step ?? ""}},
+    h("td", {class: "num"}, r.step ?? "–"),
+    h("td", {}, link(`#/ckpt/${enc(run)}/${enc(r.name)}`, r.name)),
+    ...sizes,
+    h("td", {}, verification(r.verification)),
+    h("td", {}, r.leases.length ? r.leases.join(", ") : h("span", {class: "muted"}, "–")),
+    h("td", {}, lineageCell),
+    h("td", {title: when(r.committed_at)}, ago(r.committed_at)));
+}
+
+export async function runPage(view, params, run) {
+  const offset = Number(params.get("offset") || 0);
+  const [ans, steps] = await Promise.all([get(`runs/${enc(run)}/checkpoints`, {offset, limit: LIMIT}), allSteps(run)]);
+  const rows = ans.items.map((r) => checkpointRow(run, r));
+  view.replaceChildren(
+    h("h1", {}, `Run ${run}`),
+    h("p", {class: "tabs"}, link(`#/live/${enc(run)}`, "live: uploads, reshard jobs, gc"),
+      ans.latest ? link(`#/ckpt/${enc(run)}/${enc(ans.latest)}`, `latest: ${ans.latest}`) : null),
+    steps.some((c) => c.step !== null) ? timeline(steps, ans.items) : h("p", {class: "muted"}, "No step to draw."),
+    h("h2", {}, "Checkpoints"),
+    pager(ans, (o) => { location.hash = `#/run/${enc(run)}?offset=${o}`; }, "checkpoints"),
+    table(["step#", "name", "written#", "linked#", "logical → stored#", "files#", "world / layout", "verification",
+           "leases", "lineage", "committed"], rows, {id: "checkpoints"}),
+    h("h2", {}, "Lineage (this page)"),
+    lineage(run, ans.items));
+}

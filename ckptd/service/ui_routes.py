@@ -1,0 +1,371 @@
+"""The JSON the web view (``/ui``) reads: paged, read-only, under the API's tokens and scopes.
+
+Every route needs a token (``auth.ROUTE_RULES``: ``read`` on the run in the path; ``/v1/ui/runs``
+takes any token and lists only the runs it may read), and every list is paged (``offset``,
+``limit`` up to a maximum per route): the view never asks for a whole root or a whole manifest.
+What is visible is asked of the service's one :class:`~ckptd.store.visibility.Visibility`;
+nothing here decides it. Call order of the view::
+
+    GET /v1/ui/runs                                    runs page: runs, checkpoint counts, latest
+    GET /v1/ui/runs/{run}/checkpoints                  run page: one page of checkpoints with sizes,
+                                                       layout, verification, leases, lineage
+    GET /v1/ui/runs/{run}/steps                        run page: the step timeline (markers only, cheap)
+    GET /v1/ui/checkpoints/{run}/{name}                checkpoint page: topology, files, groups, lineage
+    GET /v1/ui/checkpoints/{run}/{name}/tensors        checkpoint page: tensors with chunks and rank segments
+    GET /v1/ui/checkpoints/{run}/{name}/objects        checkpoint page: objects
+    GET /v1/ui/runs/{run}/uploads                      live page: open upload sessions, per-rank progress
+    GET /v1/ui/runs/{run}/jobs                         live page: reshard jobs of the run, newest first
+    GET /v1/ui/runs/{run}/jobs/{job_id}/plan           live page: a job's plan (recomputed, pure planner)
+    GET /v1/ui/runs/{run}/retention                    live page: the last gc decisions and their reasons
+
+Cost: a run page lists the run (one marker read and one stat per checkpoint, as ``GET
+/v1/runs/{run}/checkpoints``) and parses only the manifests of the page it shows; their figures
+are cached by manifest digest (a digest fixes the bytes, so the cache never outlives them). The
+view takes no read lease: looking at a checkpoint does not keep it from gc.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from fastapi import APIRouter, Query, Request, Response
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from ckptd_schemas import (
+    CheckpointNotFound, CkptdError, Forbidden, Manifest, NotFound, check_run, check_session, parse_ref,
+)
+
+from ..store.layout import Paths, SessionMeta
+from ..store.leases import Leases
+from ..store.verification import VerifyRecord
+from ..store.visibility import Committed
+from .auth import principal_of
+from .gc_log import GcLog
+from .services import Services
+from .ui_views import manifest_stats, object_row, page, param_group_row, tensor_row
+
+__all__ = ["ui_router"]
+
+MAX_RUNS, MAX_CHECKPOINTS, MAX_STEPS, MAX_TENSORS, MAX_OBJECTS = 500, 500, 5000, 200, 500
+MAX_UPLOADS, MAX_JOBS, MAX_UNITS, MAX_DECISIONS = 100, 100, 200, 20
+STATS_CACHE = 20_000  # manifest digests whose figures are kept (a few hundred bytes each)
+LISTING_SECONDS = 2.0  # a run's listing is reused this long (the page's calls share one; a commit shows within it)
+_CLIENT_FILE = re.compile(r"r(\d{6})-\d{4}\.bin")  # the client's data file names: r<rank>-<n>.bin
+
+
+def _json(obj: Any) -> Response:
+    return Response(json.dumps(obj, separators=(",", ":"), default=str).encode(), media_type="application/json",
+                    headers={"Cache-Control": "no-store"})  # a token's view: never kept by a browser or proxy
+
+
+def _offset() -> Any:
+    return Query(0, ge=0, le=1 << 40, description="first item of the page")
+
+
+def _limit(maximum: int, default: int) -> Any:
+    return Query(default, ge=1, le=maximum, description=f"items per page (at most {maximum})")
+
+
+def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
+    router = APIRouter(tags=["ui"])
+    storage, visibility, reader, sessions = svc.storage, svc.visibility, svc.reader, svc.sessions
+    leases = Leases(storage)
+    stats: OrderedDict[str, dict[str, Any]] = OrderedDict()
+    listings: dict[str, tuple[float, list[Committed]]] = {}
+    run_locks: dict[str, threading.Lock] = {}
+    lock = threading.Lock()
+
+    def listed(run: str) -> list[Committed]:
+        """``visibility.listing(run)``, reused for :data:`LISTING_SECONDS`; calls that arrive together
+        for one run wait for one listing instead of each making their own."""
+        check_run(run)  # before it keys anything
+        with lock:
+            run_lock = run_locks.setdefault(run, threading.Lock())
+        with run_lock:
+            with lock:
+                hit = listings.get(run)
+            if hit is not None and time.monotonic() - hit[0] < LISTING_SECONDS:
+                return hit[1]
+            out = visibility.listing(run)
+            now = time.monotonic()
+            with lock:
+                listings[run] = (now, out)
+                if len(listings) > 256:  # forget the stale ones (and their locks)
+                    for r in [r for r, (t, _) in listings.items() if now - t >= LISTING_SECONDS]:
+                        del listings[r]
+                        run_locks.pop(r, None)
+            return out
+
+    def stats_of(c: Committed) -> dict[str, Any] | None:
+        """The figures of a visible checkpoint's manifest (cached by digest); None if it went meanwhile."""
+        with lock:
+            hit = stats.get(c.digest)
+            if hit is not None:
+                stats.move_to_end(c.digest)
+                return hit
+        try:
+            s = manifest_stats(visibility.manifest(c))
+        except CheckpointNotFound:
+            return None
+        with lock:
+            stats[c.digest] = s
+            while len(stats) > STATS_CACHE:
+                stats.popitem(last=False)
+        return s
+
+    def record_of(c: Committed) -> dict[str, Any] | None:
+        """The service's last verification of ``c``, if it is about the manifest committed there
+        (``verification.read_record``'s rule; ``c`` comes from the visibility check already made)."""
+        raw = storage.read_or_none(Paths.verification(c.run, c.name))
+        if raw is None:
+            return None
+        try:
+            rec = VerifyRecord.model_validate_json(raw)
+        except ValidationError:
+            return None
+        if rec.manifest_xxh3 != c.digest:
+            return None
+        return {"ok": rec.ok, "verified_at": rec.verified_at.isoformat(), "problems": rec.problems[:5],
+                "bytes_read": rec.bytes_read, "seconds": round(rec.seconds, 3)}
+
+    def leases_of(run: str, names: list[str]) -> dict[str, list[str]]:
+        held = set(storage.list(f"leases/{run}"))  # one listing; only checkpoints with lease files are read
+        return {n: leases.active(run, n) for n in names if n in held}
+
+    def row(c: Committed, held: dict[str, list[str]]) -> dict[str, Any]:
+        s = c.summary()
+        return {"name": c.name, "step": c.step, "derived_from": c.derived_from, "parent": getattr(s, "parent", None),
+                "session": c.session, "committed_at": c.committed_at.isoformat(), "manifest_xxh3": c.digest,
+                "stats": stats_of(c), "verification": record_of(c), "leases": held.get(c.name, [])}
+
+    # -- runs and checkpoints --------------------------------------------------------------------
+    @router.get("/v1/ui/runs", response_class=Response)
+    async def ui_runs(request: Request, offset: int = _offset(),
+                      limit: int = _limit(MAX_RUNS, 100)) -> Response:
+        """The runs the token may read, by name: checkpoint count, latest, newest step."""
+        principal = principal_of(request)
+
+        def work() -> dict:
+            runs = [r for r in visibility.runs() if principal.can_read(r)]
+            out = page(runs, offset, limit)
+            items = []
+            for run in out["items"]:
+                listing = listed(run)
+                latest = visibility.latest_of(listing)
+                items.append({"run": run, "checkpoints": len(listing), "latest": latest.name if latest else None,
+                              "newest_step": max((c.step for c in listing if c.step is not None), default=None),
+                              "last_commit": max((c.committed_at for c in listing), default=None)})
+            out["items"] = items
+            return out
+
+        return _json(await run_in_threadpool(work))
+
+    @router.get("/v1/ui/runs/{run}/checkpoints", response_class=Response)
+    async def ui_checkpoints(run: str, offset: int = _offset(),
+                             limit: int = _limit(MAX_CHECKPOINTS, 100),
+                             order: str = Query("desc", pattern="^(asc|desc)$")) -> Response:
+        """One page of the run's visible checkpoints (``desc``: newest first), each with its sizes,
+        layout, verification, leases and lineage."""
+        def work() -> dict:
+            listing = listed(run)
+            latest = visibility.latest_of(listing)
+            if order == "desc":
+                listing = listing[::-1]
+            out = page(listing, offset, limit, run=run, latest=latest.name if latest else None)
+            held = leases_of(run, [c.name for c in out["items"]])
+            out["items"] = [row(c, held) for c in out["items"]]
+            return out
+
+        return _json(await run_in_threadpool(work))
+
+    @router.get("/v1/ui/runs/{run}/steps", response_class=Response)
+    async def ui_steps(run: str, offset: int = _offset(),
+                       limit: int = _limit(MAX_STEPS, MAX_STEPS)) -> Response:
+        """The run's step timeline, oldest first, as columns (markers only: no manifest is parsed)."""
+        def work() -> dict:
+            out = page(listed(run), offset, limit)
+            cs = out.pop("items")
+            out["columns"] = {"name": [c.name for c in cs], "step": [c.step for c in cs],
+                              "derived_from": [c.derived_from for c in cs],
+                              "committed_at": [c.committed_at.isoformat() for c in cs]}
+            return out
+
+        return _json(await run_in_threadpool(work))
+
+    # -- one checkpoint ---------------------------------------------------------------------------
+    def manifest_of(run: str, name: str) -> tuple[Committed, Manifest]:
+        c = visibility.resolve(run, name)
+        return c, visibility.manifest(c)
+
+    @router.get("/v1/ui/checkpoints/{run}/{name}", response_class=Response)
+    async def ui_checkpoint(run: str, name: str) -> Response:
+        """One checkpoint: its row, topology, files (the first 200), param groups (the first 100),
+        and lineage (its sources, and the checkpoints of the run derived from it)."""
+        def work() -> dict:
+            c, m = manifest_of(run, name)
+            held = leases_of(run, [c.name])
+            derived = [d.name for d in listed(run) if d.derived_from == c.ref]
+            files = sorted(m.files.items())
+            topo = m.topology
+            return {**row(c, held), "run": run, "ref": c.ref, "derived": derived[:200],
+                    "topology": {"world_size": topo.world_size, "mesh": dict(topo.mesh), "layouts": dict(topo.layouts),
+                                 "ranks": [{"rank": r.rank, "coords": dict(r.coords)} for r in topo.ranks[:256]]},
+                    "files": [{"file": f, "size": e.size, "linked": e.linked, "xxh3": e.xxh3} for f, e in files[:200]],
+                    "param_groups": [param_group_row(g) for g in m.param_groups[:100]]}
+
+        return _json(await run_in_threadpool(work))
+
+    @router.get("/v1/ui/checkpoints/{run}/{name}/tensors", response_class=Response)
+    async def ui_tensors(run: str, name: str, offset: int = _offset(),
+                         limit: int = _limit(MAX_TENSORS, 50),
+                         q: str = Query("", max_length=200, description="only tensors whose name contains this")
+                         ) -> Response:
+        """One page of the manifest's tensors (in manifest order), each with its chunks and the part
+        of the tensor each rank holds."""
+        def work() -> dict:
+            _, m = manifest_of(run, name)
+            tensors = [t for t in m.tensors if q in t.name] if q else m.tensors
+            out = page(tensors, offset, limit, q=q)
+            out["items"] = [tensor_row(t) for t in out["items"]]
+            return out
+
+        return _json(await run_in_threadpool(work))
+
+    @router.get("/v1/ui/checkpoints/{run}/{name}/objects", response_class=Response)
+    async def ui_objects(run: str, name: str, offset: int = _offset(),
+                         limit: int = _limit(MAX_OBJECTS, 100)) -> Response:
+        """One page of the manifest's objects (JSON values cut short)."""
+        def work() -> dict:
+            _, m = manifest_of(run, name)
+            out = page(m.objects, offset, limit)
+            out["items"] = [object_row(o) for o in out["items"]]
+            return out
+
+        return _json(await run_in_threadpool(work))
+
+    # -- live: uploads, reshard jobs, gc ------------------------------------------------------------
+    def upload_of(run: str, name: str, sid: str) -> dict[str, Any] | None:
+        try:
+            st = sessions.status(run, name, sid)  # only reads
+        except CkptdError:
+            return None  # gone meanwhile, or not a session
+        meta_raw = storage.read_json_or_none(Paths.session_meta(run, name, sid))
+        meta = SessionMeta.model_validate(meta_raw) if meta_raw is not None else None
+        world = st.world_size
+        per_rank: dict[int, list[int]] = {}
+        other = 0
+        files_key = f"{Paths.session(run, name, sid)}/files"
+        for f in storage.list(files_key):
+            size = storage.size(f"{files_key}/{f}") or 0
+            mm = _CLIENT_FILE.fullmatch(f)
+            if mm is None or int(mm[1]) >= world:
+                other += 1
+                continue
+            acc = per_rank.setdefault(int(mm[1]), [0, 0])
+            acc[0] += 1
+            acc[1] += size
+        done = set(st.ranks_done)
+        ranks = [{"rank": r, "files": per_rank.get(r, [0, 0])[0], "bytes": per_rank.get(r, [0, 0])[1],
+                  "index": r in done} for r in range(min(world, 1024))]
+        return {"name": name, "session": sid, "state": st.state, "world_size": world, "ranks_done": len(done),
+                "step": meta.step if meta else None, "created_at": meta.created_at.isoformat() if meta else None,
+                "derived_from": meta.derived_from if meta else None, "ranks": ranks, "other_files": other,
+                "error": st.error}
+
+    @router.get("/v1/ui/runs/{run}/uploads", response_class=Response)
+    async def ui_uploads(run: str, offset: int = _offset(),
+                         limit: int = _limit(MAX_UPLOADS, 20)) -> Response:
+        """Upload sessions of checkpoints not committed yet (open, or refused at commit), with each
+        rank's progress: data files stored (by the client's file names, ``r<rank>-<n>.bin``) and
+        whether its index arrived."""
+        def work() -> dict:
+            found: list[tuple[str, str]] = []
+            for name in visibility.names(run):
+                if visibility.marker(run, name) is not None:
+                    continue  # committed (or taken): its sessions are no upload in progress
+                for sid in storage.list(Paths.sessions(run, name)):
+                    try:
+                        check_session(sid)
+                    except CkptdError:
+                        continue
+                    found.append((name, sid))
+            out = page(found, offset, limit)
+            out["items"] = [u for n, s in out["items"] if (u := upload_of(run, n, s)) is not None]
+            return out
+
+        return _json(await run_in_threadpool(work))
+
+    def jobs_of(run: str) -> list[Any]:
+        from ..reshard.models import get_job
+
+        out = []
+        for entry in storage.list("jobs"):
+            if not entry.endswith(".json"):
+                continue
+            try:
+                job = get_job(storage, entry[:-5])
+                if run in (parse_ref(job.source).run, parse_ref(job.out).run):
+                    out.append(job)
+            except (CkptdError, ValidationError, ValueError):
+                continue  # not a job record this service wrote
+        return sorted(out, key=lambda j: j.updated_at, reverse=True)
+
+    @router.get("/v1/ui/runs/{run}/jobs", response_class=Response)
+    async def ui_jobs(run: str, offset: int = _offset(), limit: int = _limit(MAX_JOBS, 20)
+                      ) -> Response:
+        """Reshard jobs whose source or output is in the run, most recently updated first."""
+        def work() -> dict:
+            out = page(jobs_of(run), offset, limit)
+            out["items"] = [j.model_dump(mode="json") for j in out["items"]]
+            return out
+
+        return _json(await run_in_threadpool(work))
+
+    @router.get("/v1/ui/runs/{run}/jobs/{job_id}/plan", response_class=Response)
+    async def ui_job_plan(request: Request, run: str, job_id: str,
+                          limit: int = Query(50, ge=1, le=MAX_UNITS, description="work units shown")) -> Response:
+        """A job's plan, recomputed by the pure planner from its source manifest and target spec (a
+        job record does not keep its plan): work units, bytes per target rank, imbalance."""
+        principal = principal_of(request)
+
+        def work() -> dict:
+            from ..reshard.models import get_job
+            from ..reshard.planner import plan_reshard
+            from ..reshard.preview import preview
+            from ..reshard.spec import parse_spec
+
+            job = get_job(storage, job_id)
+            src, out_ref = parse_ref(job.source), parse_ref(job.out)
+            if run not in (src.run, out_ref.run):
+                raise NotFound(f"reshard job {job_id!r} does not touch run {run!r}", job=job_id, run=run)
+            if not principal.can_read(src.run):
+                raise Forbidden(f"token {principal.name!r} may not read run {src.run!r}, the source of job {job_id}",
+                                token=principal.name, needs=f"read:{src.run}")
+            plan = plan_reshard(reader.manifest(src.run, src.name), parse_spec(job.spec))
+            p = preview(plan)
+            return {"job": job.id, "source": job.source, "out": job.out, "spec": plan.target_spec,
+                    "world_size": plan.world_size, "mesh": plan.mesh, "group_layouts": plan.group_layouts,
+                    "bytes_to_read": plan.bytes_to_read, "bytes_to_write": plan.bytes_to_write,
+                    "per_rank": p.per_rank, "imbalance": p.imbalance, "units_total": len(plan.units),
+                    "units": [{"index": u.index, "rank": u.rank, "file": u.file, "size": u.size,
+                               "chunks": len(u.chunks), "bytes_to_read": u.bytes_to_read}
+                              for u in plan.units[:limit]]}
+
+        return _json(await run_in_threadpool(work))
+
+    @router.get("/v1/ui/runs/{run}/retention", response_class=Response)
+    async def ui_retention(run: str, offset: int = _offset(),
+                           limit: int = _limit(MAX_DECISIONS, MAX_DECISIONS)) -> Response:
+        """The last gc decisions of the run this service made (``POST .../gc`` or its retention
+        policy), newest first: what each kept and why, what it deleted (memory only: since start)."""
+        check_run(run)
+        return _json(page(gc_log.recent(run), offset, limit))
+
+    return router
+
