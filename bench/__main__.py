@@ -64,6 +64,7 @@ SUITES: dict[str, tuple[Callable[[float], list[str]], bool]] = {  # name -> (siz
     "verify": (_size("--gib", 1), True),
     "manifest": (lambda gib: [], True),  # fixed scale: 1,024 ranks x 500 tensors
     "incremental": (_size("--mib", 512), False),
+    "ui": (lambda gib: [], True),  # fixed scale: a run of 2,000 checkpoints in headless Chromium
 }
 
 
@@ -113,6 +114,7 @@ RATIOS: list[tuple[str, str, str, float | None, str]] = [
     ("incremental", "later saves, 90% frozen: speed-up vs dcp.save", "summary.speedup_vs_dcp_median", 5.0, ">="),
     ("incremental", "later saves, 90% frozen: bytes written / dcp.save's", "summary.bytes_vs_dcp_median", 0.15,
      "<="),
+    ("ui", "web view: run page of 2,000 checkpoints rendered (ms, warm median)", "summary.warm_ms", 1000.0, "<="),
 ]
 
 

@@ -249,3 +249,21 @@ def assert_bits_equal(got: dict, want: dict, where: str = "") -> None:
                 f"{name} differs bitwise"
         else:
             assert g == w and type(g) is type(w), f"{name}: {g!r} != {w!r}"
+
+
+def example_block(path: Path, begin: str = "# ckptd: begin\n", end: str = "# ckptd: end") -> str:
+    """The lines of an example between its markers: what the README and docs quote."""
+    return path.read_text().split(begin, 1)[1].split(end, 1)[0]
+
+
+def run_example(example: Path, *args: str, url: str, ranks: int = 1, cwd: Path | None = None,
+                expect: str = "") -> subprocess.CompletedProcess:
+    """Run an example as a user would (``torchrun`` for several ranks) against the service at ``url``;
+    fail the test with its output unless it exits 0 and prints ``expect``."""
+    env = {**os.environ, "CKPTD_URL": url, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(example), *args] if ranks == 1 else \
+        [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(ranks),
+         "--master-port", str(free_port()), str(example), *args]
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=scaled(240))
+    assert out.returncode == 0 and expect in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+    return out

@@ -10,6 +10,7 @@ parent unprotected while its child is listed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -49,8 +50,8 @@ def _state(seed: int) -> dict:
     return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)}
 
 
-def _ckptd(srv, *args: str, token: str = ADMIN) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CKPTD_TOKEN": token}
+def _ckptd(srv, *args: str, token: str | None = ADMIN) -> subprocess.CompletedProcess:
+    env = {**os.environ, **({"CKPTD_TOKEN": token} if token else {})}
     return subprocess.run([sys.executable, "-m", "ckptd.cli.main", *args, "--server", srv.url],
                           capture_output=True, text=True, timeout=60, env=env)
 
@@ -82,78 +83,66 @@ def test_the_parent_is_recorded_in_the_manifest_the_listing_and_the_chain_shown(
     assert "parent pre/1" in ls.stdout
 
 
-def test_retention_keeps_a_parent_of_another_runs_checkpoint_until_told(tmp_path):
-    srv = ServerProcess(tmp_path / "root").start()
-    try:
-        with CheckpointClient(srv.url) as c:
-            for s in (1, 2, 3):
-                c.save(_state(s), f"pre/{s}").wait()
-            c.save(_state(9), "ft/1", parent="pre/1").wait()
-            plan = c.gc("pre", keep_last=1)
-            assert plan["deleted"] == ["2"]
-            assert plan["keep"]["1"] == "parent of ft/1"
-            # one checkpoint's removal: the same protections, the reason returned, not an error
-            assert c.remove("pre/1") == {"ref": "pre/1", "removed": False, "reason": "parent of ft/1"}
-            assert c.remove("pre/3")["reason"] == "newest committed checkpoint"
-            assert [x.name for x in c.list_checkpoints("pre")] == ["1", "3"]
-            # told to: the parent goes, and the child still loads (it holds its own bytes)
-            assert c.gc("pre", keep_last=1, drop_parents=True, dry_run=True)["delete"] == ["1"]
-            assert c.gc("pre", keep_last=1, drop_parents=True)["deleted"] == ["1"]
-            sd = _state(0)
-            c.load(sd, "ft/1")
-            assert torch.equal(sd["w"], _state(9)["w"])
-            out = _ckptd_plain(srv, "show", "ft/1")
-            assert "ft/1 <- pre/1 (no longer visible)" in out.stdout
-    finally:
-        srv.stop()
-
-
-def _ckptd_plain(srv, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptd.cli.main", *args, "--server", srv.url],
-                          capture_output=True, text=True, timeout=60)
-
-
-def test_a_parent_stays_protected_only_while_its_child_is_visible(tmp_path):
-    root = tmp_path / "root"
+@contextlib.contextmanager
+def family(root, pre_steps=(1, 2)):
+    """A fresh server (no tokens) on ``root`` holding pre/STEP for each step and ft/1 started from
+    pre/1; yields a client of it."""
     srv = ServerProcess(root).start()
     try:
         with CheckpointClient(srv.url) as c:
-            for s in (1, 2):
+            for s in pre_steps:
                 c.save(_state(s), f"pre/{s}").wait()
             c.save(_state(9), "ft/1", parent="pre/1").wait()
-            c.save(_state(8), "ft/2").wait()
-            assert c.remove("pre/1", dry_run=True)["reason"] == "parent of ft/1"
-            # the child goes (its own run's retention), and with it the protection
-            assert c.remove("ft/1")["reason"] == "removed"
-            assert c.remove("pre/1", dry_run=True) == {"ref": "pre/1", "removed": False, "reason": "would be removed"}
-            assert c.remove("pre/1")["removed"] is True
-            with pytest.raises(CheckpointNotFound):
-                c.remove("pre/1")
+            yield srv, c
     finally:
         srv.stop()
+
+
+def test_retention_keeps_a_parent_of_another_runs_checkpoint_until_told(tmp_path):
+    with family(tmp_path / "root", (1, 2, 3)) as (srv, c):
+        plan = c.gc("pre", keep_last=1)
+        assert plan["deleted"] == ["2"]
+        assert plan["keep"]["1"] == "parent of ft/1"
+        # one checkpoint's removal: the same protections, the reason returned, not an error
+        assert c.remove("pre/1") == {"ref": "pre/1", "removed": False, "reason": "parent of ft/1"}
+        assert c.remove("pre/3")["reason"] == "newest committed checkpoint"
+        assert [x.name for x in c.list_checkpoints("pre")] == ["1", "3"]
+        # told to: the parent goes, and the child still loads (it holds its own bytes)
+        assert c.gc("pre", keep_last=1, drop_parents=True, dry_run=True)["delete"] == ["1"]
+        assert c.gc("pre", keep_last=1, drop_parents=True)["deleted"] == ["1"]
+        sd = _state(0)
+        c.load(sd, "ft/1")
+        assert torch.equal(sd["w"], _state(9)["w"])
+        out = _ckptd(srv, "show", "ft/1", token=None)
+        assert "ft/1 <- pre/1 (no longer visible)" in out.stdout
+
+
+def test_a_parent_stays_protected_only_while_its_child_is_visible(tmp_path):
+    with family(tmp_path / "root") as (srv, c):
+        c.save(_state(8), "ft/2").wait()
+        assert c.remove("pre/1", dry_run=True)["reason"] == "parent of ft/1"
+        # the child goes (its own run's retention), and with it the protection
+        assert c.remove("ft/1")["reason"] == "removed"
+        assert c.remove("pre/1", dry_run=True) == {"ref": "pre/1", "removed": False, "reason": "would be removed"}
+        assert c.remove("pre/1")["removed"] is True
+        with pytest.raises(CheckpointNotFound):
+            c.remove("pre/1")
 
 
 def test_an_edited_parent_in_the_root_hides_the_child_rather_than_unprotecting_silently(tmp_path):
     root = tmp_path / "root"
-    srv = ServerProcess(root).start()
-    try:
-        with CheckpointClient(srv.url) as c:
-            for s in (1, 2):
-                c.save(_state(s), f"pre/{s}").wait()
-            c.save(_state(9), "ft/1", parent="pre/1").wait()
-            storage = LocalStorage(root, durable=False)
-            key = Paths.marker("ft", "1")
-            marker = json.loads(storage.read(key))
-            marker["parent"] = "pre/2"  # someone rewrites the lineage in the marker alone
-            storage.delete(key)
-            storage.put(key, json.dumps(marker).encode())
-            assert c.list_checkpoints("ft") == []  # marker and manifest disagree: not visible
-            with pytest.raises(CheckpointNotFound):
-                c.manifest("ft/1")
-            # pre/2 gains no protection from a child nobody can see; pre/1 lost its child too
-            assert c.gc("pre", keep_last=1, dry_run=True)["delete"] == ["1"]
-    finally:
-        srv.stop()
+    with family(root) as (srv, c):
+        storage = LocalStorage(root, durable=False)
+        key = Paths.marker("ft", "1")
+        marker = json.loads(storage.read(key))
+        marker["parent"] = "pre/2"  # someone rewrites the lineage in the marker alone
+        storage.delete(key)
+        storage.put(key, json.dumps(marker).encode())
+        assert c.list_checkpoints("ft") == []  # marker and manifest disagree: not visible
+        with pytest.raises(CheckpointNotFound):
+            c.manifest("ft/1")
+        # pre/2 gains no protection from a child nobody can see; pre/1 lost its child too
+        assert c.gc("pre", keep_last=1, dry_run=True)["delete"] == ["1"]
 
 
 def test_parents_that_are_not_a_named_visible_checkpoint_of_another_run_are_refused(chain):
@@ -205,14 +194,8 @@ def test_removal_needs_write_access_to_the_run_and_dropping_parents_needs_admin(
 
 def test_the_cli_on_a_root_applies_the_same_protection(tmp_path):
     root = tmp_path / "root"
-    srv = ServerProcess(root).start()
-    try:
-        with CheckpointClient(srv.url) as c:
-            for s in (1, 2):
-                c.save(_state(s), f"pre/{s}").wait()
-            c.save(_state(9), "ft/1", parent="pre/1").wait()
-    finally:
-        srv.stop()
+    with family(root):
+        pass
 
     def ckptd(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "ckptd.cli.main", *args, "--root", str(root)],

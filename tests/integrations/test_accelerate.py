@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from support import REPO, free_port, run_ranks
+from support import REPO, example_block, run_example, run_ranks
 
 pytest.importorskip("accelerate")
 
@@ -117,27 +114,17 @@ def test_one_process_saves_and_resumes(server, tmp_path):
 
 
 def test_the_docs_quote_the_example():
-    block = textwrap.dedent(_example_block(REPO / "examples" / "accelerate_ckptd.py")).strip()
+    block = textwrap.dedent(example_block(REPO / "examples" / "accelerate_ckptd.py")).strip()
     for doc in ("docs/integrations.md", "README.md"):  # both quote the example's lines as they run
         assert block in (REPO / doc).read_text(), f"{doc} quotes another block"
-
-
-def _example_block(path: Path) -> str:
-    return path.read_text().split("# ckptd: begin\n", 1)[1].split("# ckptd: end", 1)[0]
 
 
 @pytest.mark.slow
 def test_the_accelerate_example_saves_on_two_ranks_and_resumes_on_one(server, tmp_path):
     example = REPO / "examples" / "accelerate_ckptd.py"
-    assert 8 <= len(_example_block(example).strip().splitlines()) <= 12  # the lines the README quotes
-    env = {**os.environ, "CKPTD_URL": server.url, "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).with_name("torchrun")
-    run = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), str(example),
-                          "--save", "hf/8", "--steps", "8"], env=env, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert "saved hf/8 at step 8 from 2 ranks" in run.stdout, run.stdout[-2000:]
-    resumed = subprocess.run([sys.executable, str(example), "--load", "hf/latest", "--steps", "12"], env=env,
-                             capture_output=True, text=True, timeout=240)
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
-    assert "resumed hf/8 at step 8 on 1 rank" in resumed.stdout, resumed.stdout[-2000:]
+    assert 8 <= len(example_block(example).strip().splitlines()) <= 12  # the lines the README quotes
+    run_example(example, "--save", "hf/8", "--steps", "8", url=server.url, ranks=2,
+                expect="saved hf/8 at step 8 from 2 ranks")
+    resumed = run_example(example, "--load", "hf/latest", "--steps", "12", url=server.url,
+                          expect="resumed hf/8 at step 8 on 1 rank")
     assert "finished at step 12" in resumed.stdout, resumed.stdout[-2000:]

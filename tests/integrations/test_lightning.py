@@ -14,15 +14,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from support import REPO, free_port, run_ranks
+from support import REPO, example_block, run_example, run_ranks
 
 L = pytest.importorskip("lightning")
 
@@ -164,32 +162,19 @@ def test_ddp_on_two_ranks_resumes_on_one_with_the_same_losses(server, tmp_path):
 
 
 def test_the_docs_quote_the_example():
-    block = textwrap.dedent(_example_block(REPO / "examples" / "lightning_ckptd.py")).strip()
+    block = textwrap.dedent(example_block(REPO / "examples" / "lightning_ckptd.py")).strip()
     for doc in ("docs/integrations.md", "README.md"):  # both quote the example's lines as they run
         assert block in (REPO / doc).read_text(), f"{doc} quotes another block"
-
-
-def _example_block(path: Path) -> str:
-    text = path.read_text()
-    return text.split("# ckptd: begin\n", 1)[1].split("# ckptd: end", 1)[0]
 
 
 @pytest.mark.slow
 def test_the_lightning_example_saves_on_two_ranks_and_resumes_on_one(server, tmp_path):
     example = REPO / "examples" / "lightning_ckptd.py"
-    assert 8 <= len(_example_block(example).strip().splitlines()) <= 12  # the lines the README quotes
-    env = {**os.environ, "CKPTD_URL": server.url, "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).with_name("torchrun")
-    run = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), str(example),
-                          "--ckptd-run", "lit", "--epochs", "2"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=240)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert "finished at step 4 on 2 ranks" in run.stdout, run.stdout[-2000:]
-    resumed = subprocess.run([sys.executable, str(example), "--ckptd-run", "lit-resumed", "--epochs", "3",
-                              "--resume", "ckptd://lit/latest"], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=240)
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
-    assert "finished at step 6 on 1 ranks" in resumed.stdout, resumed.stdout[-2000:]
+    assert 8 <= len(example_block(example).strip().splitlines()) <= 12  # the lines the README quotes
+    run_example(example, "--ckptd-run", "lit", "--epochs", "2", url=server.url, ranks=2, cwd=tmp_path,
+                expect="finished at step 4 on 2 ranks")
+    run_example(example, "--ckptd-run", "lit-resumed", "--epochs", "3", "--resume", "ckptd://lit/latest",
+                url=server.url, cwd=tmp_path, expect="finished at step 6 on 1 ranks")
     with CheckpointClient(server.url) as client:
         assert sorted(c.name for c in client.list_checkpoints("lit")) == ["epoch0-step2", "epoch1-step4"]
         assert sorted(c.name for c in client.list_checkpoints("lit-resumed")) == ["epoch2-step6"]
