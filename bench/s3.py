@@ -19,7 +19,9 @@ What one run does (see bench/results/s3.md for the results and how to read them)
    * ``dcp.save(sd, storage_writer=FsspecWriter("s3://bucket/dcp/<r>", sync_files=False))``
      (s3fs picks the endpoint up from the environment; no storage options are passed);
    * ``CheckpointClient.save(sd, "bench/<r>")`` then ``handle.wait()`` (committed on
-     the server, in S3), timing also ``save()``'s return (the training stall).
+     the server, in S3), timing also ``save()``'s return (the training stall): the default
+     client, which uploads the data files straight into the bucket with presigned URLs;
+   * the same with ``direct_uploads=False`` (every byte through the service).
 
 5. ``--load-world`` gloo ranks (default 3: another world size) load every repeat's two
    checkpoints into NaN-filled DTensors on their mesh, in alternating order:
@@ -119,14 +121,16 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
     probe = Probe()
     mesh = init_device_mesh("cpu", (world,))
     sd = make_state(cfg["specs"], mesh, fill=True)
-    client = CheckpointClient(cfg["url"])
+    client = CheckpointClient(cfg["url"])  # the default: direct uploads into the bucket (presigned URLs)
+    through = CheckpointClient(cfg["url"], direct_uploads=False)  # every byte through the service
     warm = make_state(cfg["warmup_specs"], mesh, fill=True)
     dcp.save(warm, storage_writer=writer_cls(f"{cfg['dcp_url']}/warmup", sync_files=cfg["dcp_sync_files"]))
     client.save(warm, "bench/warmup").wait()
     del warm
     repeats = []
     for r in range(cfg["repeat"]):
-        order = ("dcp", "ckptd") if r % 2 == 0 else ("ckptd", "dcp")
+        variants = ("dcp", "ckptd", "ckptd_service")
+        order = variants[r % 3:] + variants[:r % 3]
         rec: dict[str, Any] = {"order": list(order)}
         for which in order:
             dist.barrier()
@@ -140,7 +144,8 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
                 dcp.save(sd, storage_writer=writer)
                 stall = 0.0
             else:
-                handle = client.save(sd, f"bench/{r}")
+                handle = (client.save(sd, f"bench/{r}") if which == "ckptd" else
+                          through.save(sd, f"bench/service-{r}"))
                 stall = time.perf_counter() - t0
                 handle.wait()
             dist.barrier()
@@ -157,11 +162,15 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
                 rec["ckptd_stall_s"] = stall_max
                 rec["ckptd_save_server_cpu_s"] = srv
                 rec["ckptd_phases"] = probe.take(t0)
+            elif which == "ckptd_service":
+                rec["ckptd_service_save_server_cpu_s"] = srv
+                probe.take(t0)  # its phases are not reported: only the default client's
             if rank == 0:
                 time.sleep(0.2)  # let moto finish logging the last requests (outside the timing)
                 rec[f"{which}_save_s3_requests"] = moto_requests(cfg["moto_log"], log0)[1]
         repeats.append(rec)
     client.close()
+    through.close()
     return {"repeats": repeats}
 
 
@@ -302,6 +311,8 @@ def summarise(save: dict, load: dict, nbytes: int) -> dict:
     out["ckptd_load_server_cpu_s"] = _med([r["ckptd_load_server_cpu_s"] for r in lr])
     out["ckptd_stall_s"] = _med([r["ckptd_stall_s"] for r in sr])
     out["save_throughput_ratio"] = out["dcp_save_s"] / out["ckptd_save_s"]
+    out["ckptd_service_save_s"] = _med([r["ckptd_service_save_s"] for r in sr])
+    out["save_service_throughput_ratio"] = out["dcp_save_s"] / out["ckptd_service_save_s"]
     out["load_throughput_ratio"] = out["dcp_load_s"] / out["ckptd_load_s"]
     out["stall_ratio"] = out["ckptd_stall_s"] / out["dcp_save_s"]
     skeys = ("stall", "snapshot", "open_session", "pack_hash", "put_file_span", "put_file_n", "body_sent_end",
@@ -336,6 +347,8 @@ def markdown(res: dict) -> str:
              "| --- | --- | --- | --- | --- | --- |",
              f"| save, committed (`save()` + `wait()`) vs `dcp.save` | {cell('ckptd', 'save')} | {cell('dcp', 'save')} "
              f"| {s['save_throughput_ratio']:.2f} | >= 1.0 | {'yes' if s['save_throughput_ratio'] >= 1 else 'no'} |",
+             f"| same, every byte through the service (`direct_uploads=False`) | "
+             f"{s['ckptd_service_save_s']:.2f} s | | {s['save_service_throughput_ratio']:.2f} | | |",
              f"| load at world size {cfg['load_world']} | {cell('ckptd', 'load')} | {cell('dcp', 'load')} "
              f"| {s['load_throughput_ratio']:.2f} | >= 1.0 | {'yes' if s['load_throughput_ratio'] >= 1 else 'no'} |",
              "", f"training stall (`save()` returns): {s['ckptd_stall_s']:.3f} s ({s['stall_ratio']:.3f} x dcp.save)",

@@ -93,7 +93,7 @@ def replicate(root: Path, run: str, seed: str, steps: list[int], derived_every: 
     from datetime import datetime, timezone
 
     from ckptd.storage import LocalStorage
-    from ckptd.store.hashing import xxh3_hex
+    from ckptd_schemas.filedigest import xxh3_hex
     from ckptd.store.layout import Paths
     from ckptd.store.visibility import Visibility, manifest_file_name
 

@@ -39,8 +39,9 @@ from ._layout import assign_replicated, dtype_name, local_piece, mesh_of
 from .objects import SAFE, ObjectPolicy, encode_object
 from ._incremental import ChunkHistory, SaveDelta, chunk_key, digest_source
 from ._pool import Lease, SnapshotPool, aligned
+from ._presigned import DirectUploads
 from ._staging import FALL_BACK, StagingDir
-from .sessions import open_session, put_index, wait_committed
+from .sessions import Opened, open_session, put_index, wait_committed
 
 __all__ = ["Compression", "SaveHandle", "Snapshot", "build_snapshot", "upload_snapshot"]
 
@@ -367,11 +368,12 @@ def _ours(e: AlreadyCommitted, session: str) -> bool:
 def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, *, compression: Compression,
                  file_bytes: int, streams: int, prefix: str | None = None,
                  staging: StagingDir | None = None, committed: threading.Event | None = None,
-                 delta: SaveDelta | None = None) -> RankIndex:
+                 delta: SaveDelta | None = None, direct: DirectUploads | None = None) -> RankIndex:
     """Pack the snapshot into files, stream them (several at once), return the rank's index.
 
     With ``staging`` (direct writes, ``ckptd_client._staging``), each file is written there and
-    adopted by the service instead of uploaded, until a fallback turns that off.
+    adopted by the service instead of uploaded, until a fallback turns that off; with ``direct``
+    (direct uploads, ``ckptd_client._presigned``), each is PUT straight into the object store.
     With a :class:`CompressionPolicy`, the upload's throughput is fed back to it: the next save
     decides against the store as it is now.
     Once the service answers that this very session is committed (``committed`` is set, here or by the
@@ -405,6 +407,8 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
     def send(f: _File) -> None:
         starts.append(time.perf_counter())
         if staging is not None and staging.enabled and adopt(f, staging):
+            return
+        if direct is not None and direct.enabled and direct.put(f.name, f.size, lambda: _pieces(f)):
             return
         transport.request("PUT", f"{base}/sessions/{session}/files/{f.name}", content=lambda: _stream(f),
                           headers={"X-Ckptd-Xxh3": f.xxh3, "Content-Length": str(f.size),
@@ -440,7 +444,7 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
 
 def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None, *,
                     compression: Compression, file_bytes: int, streams: int,
-                    direct_writes: bool = False, history: ChunkHistory | None = None,
+                    direct_writes: bool = False, direct_uploads: bool = False, history: ChunkHistory | None = None,
                     parent: str | None = None) -> SessionStatus:
     """Open-or-join (recording ``parent``), upload files, send the index; return the session status after it.
 
@@ -461,15 +465,21 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
     delta = history.begin(ref.run, ref.name, snap) if history is not None else None
     try:
         try:
-            staging = open_session(transport, base, session, snap.world, step, parent=parent,
-                                   direct_writes=direct_writes)
+            opened = open_session(transport, base, session, snap.world, step, parent=parent,
+                                  direct_writes=direct_writes, direct_uploads=direct_uploads)
         except AlreadyCommitted as e:
             if not _ours(e, session):
                 raise
-            staging = None
+            opened = Opened()
             committed.set()
-        index = upload_files(transport, base, session, snap, compression=compression, file_bytes=file_bytes,
-                             streams=streams, staging=staging, committed=committed, delta=delta)
+        direct = DirectUploads(transport, base, session, transport.timeout) if opened.presigned else None
+        try:
+            index = upload_files(transport, base, session, snap, compression=compression, file_bytes=file_bytes,
+                                 streams=streams, staging=opened.staging, committed=committed, delta=delta,
+                                 direct=direct)
+        finally:
+            if direct is not None:
+                direct.close()
     except Exception:
         with contextlib.suppress(Exception):
             transport.request("DELETE", f"{base}/sessions/{session}", retry=False)

@@ -108,6 +108,11 @@ class CheckpointClient(CatalogClient):
             (BENCHMARKS.md, Save and load). A staging directory this host cannot write, or a file
             the service refuses there, falls back to HTTP (``ckptd_client._staging``). ``False``:
             always HTTP.
+        direct_uploads: when the service's root is an object store (S3), ``save`` PUTs each data
+            file straight into it through a presigned URL with the file's SHA-256 signed in, and the
+            service, which no byte crosses, checks every byte at the commit
+            (``ckptd_client._presigned``); a presign, PUT or confirmation that fails falls back to
+            HTTP through the service. ``False``: always through the service.
         share_replicas: in a distributed load, a region that several ranks of one host need (plain
             replicated tensors, ``Replicate`` DTensor copies) is read by one of them and sent to the
             others over torch.distributed, unless all of that host's ranks read the service's files
@@ -128,6 +133,7 @@ class CheckpointClient(CatalogClient):
                  file_bytes: int = 256 << 20, retry_seconds: float = 120.0, timeout: float = 300.0,
                  snapshot_bytes: int | None = None, snapshot_max_bytes: int | None = None,
                  incremental: bool = True, direct_reads: bool = True, direct_writes: bool = True,
+                 direct_uploads: bool = True,
                  share_replicas: bool = True,
                  safe_globals: Sequence[SafeGlobal] = (), trust_objects: bool = False) -> None:
         super().__init__(url, token=token, retry_seconds=retry_seconds, timeout=timeout)
@@ -145,6 +151,7 @@ class CheckpointClient(CatalogClient):
         self.history = ChunkHistory() if incremental else None  # what this rank stored at its last save
         self.direct_reads = direct_reads
         self.direct_writes = direct_writes
+        self.direct_uploads = direct_uploads
         self.share_replicas = share_replicas
         self.objects = ObjectPolicy.of(trust_objects, safe_globals)  # warns once when trust_objects=True
         self._writers = ReplicaWriters()  # who writes each plain tensor, kept while no rank's keys change
@@ -227,7 +234,7 @@ class CheckpointClient(CatalogClient):
             future = self._uploader.submit(_upload_then_release, self._transport, base, session, snap, step,
                                            compression=self._codec, file_bytes=self.file_bytes,
                                            streams=self.streams, direct_writes=self.direct_writes,
-                                           history=self.history, parent=parent)
+                                           direct_uploads=self.direct_uploads, history=self.history, parent=parent)
         except BaseException:
             snap.release()
             raise

@@ -192,7 +192,7 @@ class CkptdStorageWriter(_Endpoint, StorageWriter):
                     _Chunk(fqn, data, (list(td.chunk.offsets), list(td.chunk.sizes)), None))
             sizes.append((item.index, data.numel() * data.element_size()))
         staging = open_session(self.transport, self.base, pd.session, pd.world, _step_of(self.ref),
-                               parent=self.parent, direct_writes=self.direct_writes)
+                               parent=self.parent, direct_writes=self.direct_writes).staging
         index = upload_files(self.transport, self.base, pd.session, snap, compression=self.compression,
                              file_bytes=self.file_bytes, streams=self.streams, staging=staging)
         # DCP keeps one value per key (its planner dedups replicated items), so every object is global:

@@ -11,20 +11,32 @@ the commit was refused.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from ckptd_schemas import RankIndex, SessionInfo, SessionStatus, Unavailable, error_from_body
 
 from ._staging import StagingDir, probe
 from .transport import Transport
 
-__all__ = ["open_session", "put_index", "wait_committed"]
+__all__ = ["Opened", "open_session", "put_index", "wait_committed"]
+
+
+@dataclass(frozen=True)
+class Opened:
+    """What a rank may do beyond sending its files through the service: write them into the service's
+    staging directory (``staging``: direct writes), or upload them to the object store with presigned
+    URLs (``presigned``: direct uploads)."""
+
+    staging: StagingDir | None = None
+    presigned: bool = False
 
 
 def open_session(transport: Transport, base: str, session: str, world: int, step: int | None, *,
-                 parent: str | None = None, direct_writes: bool = False, retry: bool = True,
-                 timeout: float | None = None) -> StagingDir | None:
-    """Open or join the session; with ``direct_writes``, return the staging directory this rank may
-    write its files into (None when the service offers none or this host does not see it).
+                 parent: str | None = None, direct_writes: bool = False, direct_uploads: bool = False,
+                 retry: bool = True, timeout: float | None = None) -> Opened:
+    """Open or join the session. With ``direct_writes``, the answer names the staging directory this
+    rank may write its files into (None when the service offers none or this host does not see it);
+    with ``direct_uploads``, whether the service gives presigned URLs into its object store.
     ``parent``: the checkpoint of another run this run started from (every rank sends the same).
     ``retry`` and ``timeout`` as for ``Transport.request`` (a save's stall opens it once, briefly)."""
     body: dict = {"session": session, "world_size": world, "step": step}
@@ -32,9 +44,11 @@ def open_session(transport: Transport, base: str, session: str, world: int, step
         body["parent"] = parent
     if direct_writes:
         body["direct_writes"] = True
+    if direct_uploads:
+        body["direct_uploads"] = True
     info = SessionInfo.model_validate(transport.request("POST", f"{base}/sessions", json=body, retry=retry,
                                                         timeout=timeout))
-    return probe(info.direct) if direct_writes else None
+    return Opened(staging=probe(info.direct) if direct_writes else None, presigned=bool(info.presigned))
 
 
 def put_index(transport: Transport, base: str, session: str, index: RankIndex) -> SessionStatus:

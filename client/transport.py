@@ -74,6 +74,7 @@ class Transport:
     def __init__(self, url: str | Sequence[str], *, timeout: float = 300.0, retry_seconds: float = 120.0,
                  token: str | None = None, retry_refused: bool = True) -> None:
         self.urls = split_urls(url)
+        self.timeout = timeout
         self.retry_seconds = retry_seconds
         self.retry_refused = retry_refused
         token = ((os.environ.get("CKPTD_TOKEN") if token is None else token) or "").strip()

@@ -17,16 +17,17 @@ from .names import (LATEST, CheckpointRef, check_file, check_name, check_run, ch
 
 if TYPE_CHECKING:
     from .api import (
-        AdoptFile, CheckpointSummary, DirectWrites, LinkFile, OpenSession, RankIndex, RunSummary, SessionInfo,
-        SessionStatus, TensorColumns, UploadResult,
+        AdoptFile, CheckpointSummary, ConfirmUpload, DirectWrites, LinkFile, OpenSession, PresignedUpload,
+        PresignUpload, RankIndex, RunSummary, SessionInfo, SessionStatus, TensorColumns, UploadResult,
     )
     from .readplan import Copy, Fetch, PlanBudget, ReadPlan, ReadRequest, dest_region, plan_reads, verify_fetch
 
 # The HTTP bodies and the read plan are imported when first named: a process that only reads a
 # manifest (``ckptd verify``, ``ckptd show``) does not build their models (a tenth of its start-up).
 _LAZY = {
-    **dict.fromkeys(("AdoptFile", "CheckpointSummary", "DirectWrites", "LinkFile", "OpenSession", "RankIndex",
-                     "RunSummary", "SessionInfo", "SessionStatus", "TensorColumns", "UploadResult"), "api"),
+    **dict.fromkeys(("AdoptFile", "CheckpointSummary", "ConfirmUpload", "DirectWrites", "LinkFile", "OpenSession",
+                     "PresignUpload", "PresignedUpload", "RankIndex", "RunSummary", "SessionInfo", "SessionStatus",
+                     "TensorColumns", "UploadResult"), "api"),
     **dict.fromkeys(("Copy", "Fetch", "PlanBudget", "ReadPlan", "ReadRequest", "dest_region", "plan_reads",
                      "verify_fetch"), "readplan"),
 }
@@ -45,9 +46,9 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     *_errors_all,
     "FORMAT_VERSION", "ITEMSIZE", "LATEST",
-    "AdoptFile", "AdoptedFile", "Box", "BoxChunk", "CheckpointRef", "CheckpointSummary", "Chunk", "ChunkColumns", "Copy", "DirectWrites", "DType", "Fetch", "FileEntry", "LinkFile",
-    "FlatChunk", "Location", "Manifest", "ObjectEntry", "OpenSession", "ParamGroup", "RankIndex", "RankInfo",
-    "PlanBudget", "ReadPlan", "ReadRequest", "Region", "RunSummary", "SessionInfo", "SessionStatus", "TensorColumns", "TensorEntry",
+    "AdoptFile", "AdoptedFile", "Box", "BoxChunk", "CheckpointRef", "CheckpointSummary", "Chunk", "ChunkColumns", "ConfirmUpload", "Copy", "DirectWrites", "DType", "Fetch", "FileEntry", "LinkFile",
+    "FlatChunk", "Location", "Manifest", "ObjectEntry", "OpenSession", "ParamGroup", "PresignUpload", "PresignedUpload", "RankIndex",
+    "RankInfo", "PlanBudget", "ReadPlan", "ReadRequest", "Region", "RunSummary", "SessionInfo", "SessionStatus", "TensorColumns", "TensorEntry",
     "Topology", "UploadResult",
     "check_file", "check_name", "check_run", "check_session", "check_staged", "check_tiling", "dest_region",
     "flat_range_to_boxes", "intersect_regions", "itemsize", "parse_ref", "plan_reads", "row_major_strides",

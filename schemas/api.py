@@ -17,8 +17,11 @@ __all__ = [
     "AdoptFile",
     "LinkFile",
     "CheckpointSummary",
+    "ConfirmUpload",
     "DirectWrites",
     "OpenSession",
+    "PresignUpload",
+    "PresignedUpload",
     "RankIndex",
     "RunSummary",
     "SessionInfo",
@@ -59,6 +62,9 @@ class OpenSession(_Body):
     direct_writes: bool = Field(False, description=(
         "the client can write its data files into the store itself when it shares the service's "
         "filesystem: the answer's `direct` says where (see AdoptFile)"))
+    direct_uploads: bool = Field(False, description=(
+        "the client can upload its data files straight to the object store with presigned URLs: the "
+        "answer's `presigned` says whether this service offers them (see PresignUpload)"))
 
 
 class DirectWrites(_Body):
@@ -86,6 +92,45 @@ class SessionInfo(_Body):
     created_at: datetime
     direct: DirectWrites | None = Field(None, description="present when the request asked for direct writes "
                                         "and the service's root is a local directory with direct writes on")
+    presigned: bool | None = Field(None, description="true when the request asked for direct uploads and the "
+                                   "service's root is an object store that takes presigned uploads")
+
+
+class PresignUpload(_Body):
+    """Ask for a presigned URL that uploads one data file of the session straight to the object store.
+
+    Call order: ``POST .../files/<file>/presign`` (this body) -> ``PUT`` the bytes to the answer's
+    ``url`` with exactly its ``headers`` (the store checks the SHA-256 it signed in: an object of other
+    bytes is refused where the store enforces additional checksums) -> ``POST .../files/<file>/confirm``
+    (:class:`ConfirmUpload`). No byte passes through the service; the commit reads every byte of the
+    file and checks it against the digests the confirmation declared before anything is visible.
+    """
+
+    model_config = ConfigDict(extra="forbid", defer_build=False)  # a FastAPI body
+
+    size: Annotated[int, Field(ge=0, le=5 << 30)]  # one PUT: S3 takes up to 5 GiB
+    sha256: Annotated[str, Field(pattern=r"^[A-Za-z0-9+/]{43}=$")]  # base64, as S3's x-amz-checksum-sha256
+
+
+class PresignedUpload(_Body):
+    url: str
+    headers: dict[str, str] = Field(description="send exactly these with the PUT (they are signed)")
+    expires_in: float = Field(description="seconds the URL stays valid")
+    block_size: int = Field(description="block size of the digest record the confirmation declares")
+
+
+class ConfirmUpload(_Body):
+    """The file uploaded with a presigned URL is in place: its size, SHA-256 (as presigned) and digest
+    record (whole-file XXH3 and per-block XXH3 in ``block_size`` blocks). The service checks the size
+    and, where the store keeps one, the checksum now; the commit checks every digest by reading it."""
+
+    model_config = ConfigDict(extra="forbid", defer_build=False)  # a FastAPI body
+
+    size: Annotated[int, Field(ge=0, le=5 << 30)]
+    sha256: Annotated[str, Field(pattern=r"^[A-Za-z0-9+/]{43}=$")]
+    xxh3: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+    block_size: Annotated[int, Field(ge=4096)]
+    blocks: Annotated[list[Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]], Field(max_length=1 << 20)]
 
 
 class AdoptFile(_Body):

@@ -21,7 +21,8 @@ def test_bench_s3_runs_small(tmp_path):
     res = json.loads(out.read_text())
     s = res["summary"]
     for key in ("save_throughput_ratio", "load_throughput_ratio", "dcp_save_s", "ckptd_save_s", "dcp_load_s",
-                "ckptd_load_s", "ckptd_stall_s", "ckptd_save_moto_cpu_s", "dcp_load_moto_cpu_s"):
+                "ckptd_load_s", "ckptd_stall_s", "ckptd_save_moto_cpu_s", "dcp_load_moto_cpu_s", "ckptd_service_save_s",
+                "save_service_throughput_ratio"):
         assert s[key] > 0, key
     # correctness: both loads bit for bit equal to the values saved and to each other, both checkpoints in S3
     assert s["correct"] == {"dcp_load_bit_exact": True, "ckptd_load_bit_exact": True, "loads_agree": True,

@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptd.store.hashing import StreamDigest, xxh3_hex
+from ckptd_schemas.filedigest import StreamDigest, xxh3_hex
 from ckptd_client._direct import direct_targets, scatter
 from ckptd_client.assemble import Destination, copy_into, verify_fetch
 from ckptd_schemas import (

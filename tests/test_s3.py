@@ -43,10 +43,12 @@ def s3(moto_s3, s3_env):
 
 def test_options_from_the_standard_aws_environment():
     assert s3_options_from_env({}) == {
-        "config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": DEFAULT_MAX_ATTEMPTS}}}
+        "config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": DEFAULT_MAX_ATTEMPTS},
+                          "signature_version": "s3v4"}}
     env = {"AWS_ENDPOINT_URL": "http://generic:9000", "AWS_MAX_ATTEMPTS": "4", "AWS_RETRY_MODE": "adaptive"}
     assert s3_options_from_env(env) == {"endpoint_url": "http://generic:9000",
-                                        "config_kwargs": {"retries": {"mode": "adaptive", "total_max_attempts": 4}}}
+                                        "config_kwargs": {"retries": {"mode": "adaptive", "total_max_attempts": 4},
+                                                          "signature_version": "s3v4"}}
     env["AWS_ENDPOINT_URL_S3"] = "http://s3-only:9000"  # the service-specific variable wins
     assert s3_options_from_env(env)["endpoint_url"] == "http://s3-only:9000"
     env["AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"] = "true"
@@ -107,7 +109,7 @@ def test_streaming_multipart_upload_larger_than_a_block(moto_s3, s3):
 def test_default_block_size_upload_through_the_service_path(s3):
     """A shard larger than the default block (32 MiB) streams through the protocol's FileSink."""
     from ckptd.store.sessions import FileSink
-    from ckptd.store.hashing import xxh3_hex
+    from ckptd_schemas.filedigest import xxh3_hex
 
     data = os.urandom(DEFAULT_BLOCK_SIZE + 3 * MiB + 1)
     sink = FileSink(s3, "run/ck/files/data-0", "run/ck/digests/data-0", "data-0", MiB)

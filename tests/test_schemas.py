@@ -22,7 +22,7 @@ import pytest
 from pydantic import ValidationError
 
 import ckptd_schemas
-from ckptd.store.hashing import StreamDigest, xxh3_hex
+from ckptd_schemas.filedigest import StreamDigest, xxh3_hex
 from ckptd.store.merge import merge_indexes
 from ckptd_schemas import (
     BoxChunk, CkptdError, FileEntry, FlatChunk, InvalidIndex, Location, Manifest, ObjectEntry, ParamGroup,

@@ -281,6 +281,8 @@ ROUTE_RULES: dict[str, Rule] = {
     "upload_file": Rule("write", body="stream"),
     "adopt_file": Rule("write"),
     "link_file": Rule("write"),
+    "presign_file": Rule("write"),  # a URL that writes one object of the session, with a signed size and SHA-256
+    "confirm_file": Rule("write"),
     "put_index": Rule("write", body="index"),
     "session_status": Rule("write"),
     "abort_session": Rule("write"),

@@ -58,6 +58,12 @@ class Settings(BaseSettings):
         True, description="when the root is a local directory, let saving ranks that share this filesystem write "
         "their data files into the session's directory themselves; the service hashes every byte of each file "
         "before it accepts it (`POST .../files/{file}/adopt`), as it hashes an upload")
+    direct_uploads: bool = Field(
+        True, description="when the root is an object store (S3), give saving ranks presigned URLs to upload their "
+        "data files to it straight (`POST .../files/{file}/presign`, then `.../confirm`); the commit reads and "
+        "checks every byte of each such file before the checkpoint is visible")
+    direct_upload_seconds: float = Field(
+        900.0, gt=0, le=7 * 86400, description="how long a presigned upload URL stays valid")
     max_header_bytes: int = Field(64 << 10, description="largest accepted request line plus headers (431 beyond)")
     header_timeout_seconds: float = Field(
         30.0, ge=0, description="seconds a connection has to send a request's line and headers, from when it "
@@ -88,8 +94,8 @@ class Settings(BaseSettings):
 GROUPS: dict[str, tuple[str, ...]] = {
     "Service": ("root", "host", "port", "log_level", "log_format"),
     "Authentication": ("tokens_file", "tokens", "insecure_open"),
-    "Saving and loading": ("direct_writes", "direct_reads", "write_batch_bytes", "verify_after_commit",
-                           "stale_session_ttl", "reclaim_interval"),
+    "Saving and loading": ("direct_writes", "direct_uploads", "direct_upload_seconds", "direct_reads",
+                           "write_batch_bytes", "verify_after_commit", "stale_session_ttl", "reclaim_interval"),
     "Retention and leases": ("retention_keep_last", "retention_keep_every", "read_lease_seconds"),
     "Reshard jobs": ("reshard_workers", "reshard_max_mbps"),
     "Request limits": ("max_index_bytes", "max_header_bytes", "header_timeout_seconds", "body_idle_timeout_seconds",

@@ -5,7 +5,8 @@ Call order of a save::
     POST   /v1/checkpoints/{run}/{name}/sessions                        open or join an upload session
     PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}        stream a data file (X-Ckptd-Xxh3), or
     POST   /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}/adopt  adopt a file written directly (direct writes)
-    POST   /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}/link   hold an earlier checkpoint's file (incremental)
+    POST   /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}/link   hold an earlier checkpoint's file (incremental), or
+    POST   .../files/{f}/presign, then PUT to the store, then .../confirm  upload to the object store (direct uploads)
     PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/ranks/{r}        each rank's index; the last one commits
     GET    /v1/checkpoints/{run}/{name}/sessions/{sid}?wait=S           session status (long poll)
     DELETE /v1/checkpoints/{run}/{name}/sessions/{sid}                  abort
@@ -24,7 +25,8 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
-    AdoptFile, InvalidIndex, InvalidRequest, LinkFile, OpenSession, RankIndex, SessionInfo, SessionStatus, UploadResult,
+    AdoptFile, ConfirmUpload, InvalidIndex, InvalidRequest, LinkFile, OpenSession, PresignedUpload, PresignUpload,
+    RankIndex, SessionInfo, SessionStatus, UploadResult,
 )
 
 from ..store.faults import crash_point
@@ -62,7 +64,25 @@ def upload_router(svc: Services) -> APIRouter:
         info = await run_in_threadpool(sessions.open, run, name, body)
         if body.direct_writes and settings.direct_writes:
             info.direct = await run_in_threadpool(sessions.direct_writes, run, name, info.session)
+        if body.direct_uploads and settings.direct_uploads and info.direct is None and sessions.storage.presigns:
+            info.presigned = True
         return info
+
+    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/presign", response_model=PresignedUpload)
+    async def presign_file(run: str, name: str, sid: str, file: str, body: PresignUpload) -> PresignedUpload:
+        """Direct uploads: a presigned URL through which the client PUTs ``file`` straight into the
+        object store (no byte through here); 400 where the store takes none (the client then uploads)."""
+        if not settings.direct_uploads:
+            raise InvalidRequest(f"file {file!r}: direct uploads are off on this service (CKPTD_DIRECT_UPLOADS); "
+                                 f"upload the file", file=file)
+        return await run_in_threadpool(sessions.presign_file, run, name, sid, file, body,
+                                       settings.direct_upload_seconds)
+
+    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/confirm", response_model=UploadResult)
+    async def confirm_file(run: str, name: str, sid: str, file: str, body: ConfirmUpload) -> UploadResult:
+        """Direct uploads: the file PUT with a presigned URL is in place; its size (and the store's SHA-256,
+        where kept) is checked now, and every byte against the declared digests at the commit."""
+        return await run_in_threadpool(sessions.confirm_file, run, name, sid, file, body)
 
     @router.put("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}", response_model=UploadResult)
     async def upload_file(request: Request, run: str, name: str, sid: str, file: str,

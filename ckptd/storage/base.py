@@ -232,6 +232,18 @@ class Storage(ABC):
         sent. A repeat after success finds ``dst`` already the same file and is not an error."""
         return False
 
+    presigns = False  # whether presign_put gives URLs (an object store that takes presigned uploads)
+
+    def presign_put(self, key: str, size: int, sha256: str, seconds: float) -> tuple[str, dict[str, str]] | None:
+        """A URL (and the headers to send with it) through which a client PUTs exactly ``size`` bytes
+        whose SHA-256 is ``sha256`` (base64) at ``key``, valid for ``seconds``; None where the store
+        takes no presigned uploads (then the client sends the bytes through the service)."""
+        return None
+
+    def stored_sha256(self, key: str) -> str | None:
+        """The SHA-256 (base64) the store verified and kept for ``key``'s object, where it keeps one."""
+        return None
+
     def read_json(self, key: str) -> Any:
         try:
             return json.loads(self.read(key))

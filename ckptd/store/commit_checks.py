@@ -54,7 +54,7 @@ from ckptd_schemas import AdoptedFile, Box, ChecksumMismatch, FileEntry, Integri
 
 from ..storage import Storage
 from .frames import frame_check
-from .hashing import StreamDigest
+from ckptd_schemas.filedigest import StreamDigest
 
 __all__ = ["JOBS", "READ_SIZE", "StorageFiles", "StoredBytes", "check_commit", "check_stored", "local_stat",
            "verified_locations"]

@@ -240,6 +240,17 @@ class _FaultStorage(Storage):
     def delete_tree(self, prefix: str) -> None:
         self.inner.delete_tree(prefix)
 
+    @property
+    def presigns(self) -> bool:  # type: ignore[override]
+        return self.inner.presigns
+
+    def presign_put(self, key: str, size: int, sha256: str, seconds: float) -> tuple[str, dict[str, str]] | None:
+        _before_write(key)
+        return self.inner.presign_put(key, size, sha256, seconds)
+
+    def stored_sha256(self, key: str) -> str | None:
+        return self.inner.stored_sha256(key)
+
 
 def wrap_storage(storage: Storage) -> Storage:
     """``storage`` itself, or a fault-injecting wrapper when a fault setting above is present."""

@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 from ckptd_schemas import RankIndex
 
-from .hashing import xxh3_hex
+from ckptd_schemas.filedigest import xxh3_hex
 
 __all__ = ["IndexCache"]
 

@@ -39,7 +39,8 @@ from pydantic import ValidationError
 
 from ckptd_schemas import (
     AdoptFile, AlreadyCommitted, ChecksumMismatch, CkptdError, CommitFailed, Conflict, DirectWrites, FileEntry,
-    InvalidIndex, InvalidRequest, LinkFile, Manifest, OpenSession, RankIndex, SessionConflict, SessionInfo,
+    ConfirmUpload, InvalidIndex, InvalidRequest, LinkFile, Manifest, OpenSession, PresignedUpload, PresignUpload,
+    RankIndex, SessionConflict, SessionInfo,
     SessionNotFound, SessionStatus, StorageError, UploadResult, check_file, check_name, check_run, check_session,
     check_staged, linked_name, parse_ref,
 )
@@ -47,7 +48,7 @@ from ckptd_schemas import (
 from ..storage import Storage, Writer
 from .faults import crash_point, wrap_storage
 from .gcpause import gc_paused
-from .hashing import BLOCK_SIZE, StreamDigest, xxh3_hex
+from ckptd_schemas.filedigest import BLOCK_SIZE, StreamDigest, xxh3_hex
 from .index_cache import IndexCache
 from .layout import Marker, Paths, SessionMeta
 from .commit_checks import check_commit, verified_locations
@@ -285,6 +286,47 @@ class SessionStore:
             sink.abort()
             raise
         return sink.finish(body.xxh3)
+
+    def presign_file(self, run: str, name: str, sid: str, file: str, body: PresignUpload,
+                     seconds: float) -> PresignedUpload:
+        """A presigned URL for the client to PUT ``file`` of the session straight into the object store
+        (exactly ``body.size`` bytes of SHA-256 ``body.sha256``). Refused (``InvalidRequest``, which the
+        client answers by sending the bytes here) where the store takes no presigned uploads."""
+        check_run(run), check_name(name), check_session(sid), check_file(file)
+        self._check_writable(run, name, sid)
+        signed = self.storage.presign_put(Paths.file(run, name, sid, file), body.size, body.sha256, seconds)
+        if signed is None:
+            raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) takes no presigned uploads; "
+                                 f"upload the file", file=file)
+        url, headers = signed
+        return PresignedUpload(url=url, headers=headers, expires_in=seconds, block_size=self.block_size)
+
+    def confirm_file(self, run: str, name: str, sid: str, file: str, body: ConfirmUpload) -> UploadResult:
+        """Take the object a client PUT with a presigned URL as the upload of ``file``: its size (and the
+        SHA-256 the store kept, where it keeps one) must be what ``body`` says, else the object is
+        deleted and the confirmation refused. ``body``'s digest record is recorded as the file's; it
+        is a claim until the commit reads every byte of the file and checks it (:mod:`.commit_checks`
+        compares the whole-file and block digests with this record), so nothing unchecked is visible."""
+        check_run(run), check_name(name), check_session(sid), check_file(file)
+        self._check_writable(run, name, sid)
+        if body.block_size != self.block_size or len(body.blocks) != -(-body.size // body.block_size):
+            raise InvalidRequest(f"file {file!r}: {len(body.blocks)} block digests of {body.block_size} bytes for "
+                                 f"{body.size} bytes; this service's blocks are {self.block_size} bytes",
+                                 file=file, field="blocks")
+        key = Paths.file(run, name, sid, file)
+        size = self.storage.size(key)
+        if size is None:
+            raise InvalidRequest(f"file {file!r}: nothing was uploaded at its presigned URL", file=file)
+        kept = self.storage.stored_sha256(key)
+        if size != body.size or (kept is not None and kept != body.sha256):
+            self.storage.delete(key)
+            what = f"{size} bytes" if size != body.size else f"SHA-256 {kept}"
+            raise InvalidRequest(f"file {file!r}: the store holds {what}, the client declared {body.size} bytes "
+                                 f"with SHA-256 {body.sha256}; the object was deleted", file=file)
+        entry = FileEntry(size=body.size, xxh3=body.xxh3, block_size=body.block_size, blocks=body.blocks,
+                          stamp=self.storage.content_stamp(key))
+        self.storage.put(Paths.digest(run, name, sid, file), entry.model_dump_json().encode())
+        return UploadResult(file=file, size=entry.size, xxh3=entry.xxh3)
 
     def link_file(self, run: str, name: str, sid: str, file: str, body: LinkFile) -> UploadResult:
         """Hold ``body.file`` of the visible checkpoint ``run/body.checkpoint`` as the upload session's ``file``

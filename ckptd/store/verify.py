@@ -23,7 +23,7 @@ from ckptd_schemas import CkptdError, FileEntry, Location, Manifest
 from ckptd_schemas.chunktable import check_columns_tiling
 
 from .frames import Blosc2Check
-from .hashing import StreamDigest
+from ckptd_schemas.filedigest import StreamDigest
 
 __all__ = ["ByteSource", "VerifyReport", "verify_manifest"]
 

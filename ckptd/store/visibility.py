@@ -45,7 +45,7 @@ from ckptd_schemas import (
 
 from ..storage import Storage
 from .gcpause import gc_paused
-from .hashing import xxh3_hex
+from ckptd_schemas.filedigest import xxh3_hex
 from .layout import Marker, Paths
 
 __all__ = ["BadMarker", "Committed", "Visibility", "manifest_file_name"]

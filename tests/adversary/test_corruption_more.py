@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptd.store.hashing import StreamDigest
+from ckptd_schemas.filedigest import StreamDigest
 from ckptd_client import CheckpointClient
 from ckptd_schemas import CorruptCheckpoint, FileEntry
 from support import REPO, ServerProcess

@@ -197,7 +197,7 @@ def _verify_rss(root: Path, ref: str) -> tuple[int, str, int]:
 def _plant(root: Path, run: str, name: str, stored: bytes) -> None:
     """Replace the one data file of a committed one-chunk checkpoint with ``stored`` on disk, and make its
     manifest and marker agree (digests of the new bytes), as a writer with access to the root could."""
-    from ckptd.store.hashing import StreamDigest
+    from ckptd_schemas.filedigest import StreamDigest
 
     ckpt = root / "runs" / run / name
     marker = json.loads((ckpt / "COMMITTED").read_text())

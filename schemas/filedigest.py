@@ -1,4 +1,7 @@
-"""Streaming XXH3-64 digests of a whole stream and of its fixed-size blocks."""
+"""Streaming XXH3-64 digests of a whole stream and of its fixed-size blocks: a data file's digest
+record (``FileEntry.xxh3`` and ``blocks``). The service computes it as bytes arrive; a client that
+uploads straight to the object store (presigned URLs) computes it too and the commit checks it
+against the stored bytes, so both sides use this one definition."""
 
 from __future__ import annotations
 
