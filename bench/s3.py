@@ -121,8 +121,10 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
     probe = Probe()
     mesh = init_device_mesh("cpu", (world,))
     sd = make_state(cfg["specs"], mesh, fill=True)
-    client = CheckpointClient(cfg["url"])  # the default: direct uploads into the bucket (presigned URLs)
-    through = CheckpointClient(cfg["url"], direct_uploads=False)  # every byte through the service
+    # Every repeat saves the same bytes: incremental saves would link all of them from the previous
+    # repeat (on S3, copies inside the store), so they are off here; these are full saves.
+    client = CheckpointClient(cfg["url"], incremental=False)  # default otherwise: direct uploads (presigned)
+    through = CheckpointClient(cfg["url"], incremental=False, direct_uploads=False)  # every byte via the service
     warm = make_state(cfg["warmup_specs"], mesh, fill=True)
     dcp.save(warm, storage_writer=writer_cls(f"{cfg['dcp_url']}/warmup", sync_files=cfg["dcp_sync_files"]))
     client.save(warm, "bench/warmup").wait()

@@ -96,41 +96,58 @@ class SessionInfo(_Body):
                                    "service's root is an object store that takes presigned uploads")
 
 
-class PresignUpload(_Body):
-    """Ask for a presigned URL that uploads one data file of the session straight to the object store.
+_SHA256 = Annotated[str, Field(pattern=r"^[A-Za-z0-9+/]{43}=$")]  # base64, as S3's x-amz-checksum-sha256
+MIN_PART_BYTES = 5 << 20  # S3's smallest part (but the last)
+MAX_PARTS = 10_000  # S3's most parts of one upload
 
-    Call order: ``POST .../files/<file>/presign`` (this body) -> ``PUT`` the bytes to the answer's
-    ``url`` with exactly its ``headers`` (the store checks the SHA-256 it signed in: an object of other
-    bytes is refused where the store enforces additional checksums) -> ``POST .../files/<file>/confirm``
-    (:class:`ConfirmUpload`). No byte passes through the service; the commit reads every byte of the
-    file and checks it against the digests the confirmation declared before anything is visible.
+
+class PresignUpload(_Body):
+    """Ask for presigned URLs that upload one data file of the session straight to the object store.
+
+    Call order: ``POST .../files/<file>/presign`` (this body: the file's size, its part size and the
+    SHA-256 of each part) -> ``PUT`` each part to its URL with exactly its headers (the store checks
+    the length and SHA-256 signed in: a part of other bytes is refused where the store enforces
+    additional checksums) -> ``POST .../files/<file>/confirm`` (:class:`ConfirmUpload`, with the
+    ETag the store answered each part's PUT with). No byte passes through the service; the commit
+    reads every byte of the file and checks it against the digests the confirmation declared before
+    anything is visible. One part is one PUT; more are one multipart upload.
     """
 
     model_config = ConfigDict(extra="forbid", defer_build=False)  # a FastAPI body
 
-    size: Annotated[int, Field(ge=0, le=5 << 30)]  # one PUT: S3 takes up to 5 GiB
-    sha256: Annotated[str, Field(pattern=r"^[A-Za-z0-9+/]{43}=$")]  # base64, as S3's x-amz-checksum-sha256
+    size: Annotated[int, Field(ge=0, le=5 << 40)]
+    part_size: Annotated[int, Field(ge=MIN_PART_BYTES, le=5 << 30)]
+    sha256: Annotated[list[_SHA256], Field(min_length=1, max_length=MAX_PARTS)]
+
+    @model_validator(mode="after")
+    def _parts(self) -> "PresignUpload":
+        want = max(1, -(-self.size // self.part_size))
+        if len(self.sha256) != want:
+            raise ValueError(f"{self.size} bytes in parts of {self.part_size} are {want} parts, "
+                             f"not {len(self.sha256)} SHA-256 values")
+        return self
 
 
 class PresignedUpload(_Body):
-    url: str
-    headers: dict[str, str] = Field(description="send exactly these with the PUT (they are signed)")
-    expires_in: float = Field(description="seconds the URL stays valid")
+    upload_id: str | None = Field(description="the multipart upload the parts belong to (None: one PUT)")
+    urls: list[str] = Field(description="one presigned URL per part, in order")
+    headers: list[dict[str, str]] = Field(description="per part: send exactly these with its PUT (they are signed)")
+    expires_in: float = Field(description="seconds the URLs stay valid")
     block_size: int = Field(description="block size of the digest record the confirmation declares")
 
 
-class ConfirmUpload(_Body):
-    """The file uploaded with a presigned URL is in place: its size, SHA-256 (as presigned) and digest
+class ConfirmUpload(PresignUpload):
+    """The file uploaded with presigned URLs is in place: what :class:`PresignUpload` said, the ETag of
+    each part's PUT (a multipart upload, which the service then completes), and the file's digest
     record (whole-file XXH3 and per-block XXH3 in ``block_size`` blocks). The service checks the size
     and, where the store keeps one, the checksum now; the commit checks every digest by reading it."""
 
-    model_config = ConfigDict(extra="forbid", defer_build=False)  # a FastAPI body
-
-    size: Annotated[int, Field(ge=0, le=5 << 30)]
-    sha256: Annotated[str, Field(pattern=r"^[A-Za-z0-9+/]{43}=$")]
+    upload_id: Annotated[str, Field(max_length=1024)] | None = None
+    etags: Annotated[list[Annotated[str, Field(max_length=200)]], Field(max_length=MAX_PARTS)] = Field(
+        default_factory=list)
     xxh3: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
     block_size: Annotated[int, Field(ge=4096)]
-    blocks: Annotated[list[Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]], Field(max_length=1 << 20)]
+    blocks: Annotated[list[Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]], Field(max_length=1 << 22)]
 
 
 class AdoptFile(_Body):

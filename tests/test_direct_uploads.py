@@ -77,6 +77,19 @@ def test_a_save_on_s3_goes_straight_to_the_store_and_loads_back(s3srv, moto_s3):
     assert out.returncode == 0 and out.stdout.startswith("OK direct/1"), out.stdout + out.stderr
 
 
+def test_a_file_of_several_parts_goes_up_as_one_multipart_upload(s3srv, monkeypatch):
+    monkeypatch.setattr(_presigned, "PART_BYTES", 5 * MiB)  # S3's smallest part: 13 MiB are 3 parts
+    g = torch.Generator().manual_seed(4)
+    sd = {"big": torch.randn(13 * MiB // 4, generator=g), "small": torch.randn(10, generator=g)}
+    with CheckpointClient(s3srv.url, file_bytes=64 * MiB, incremental=False) as c:
+        c.save(sd, "multi/1").wait()
+        got = blank_like(sd)
+        c.load(got, "multi/1")
+    assert_bits_equal(got, sd)
+    seen = _requests(s3srv)
+    assert seen.get("upload_file", 0) == 0 and seen.get("confirm_file") == 1, seen
+
+
 def test_bytes_other_than_declared_are_refused_at_the_commit_and_the_last_good_stays(s3srv, monkeypatch):
     good = _state(1)
     with CheckpointClient(s3srv.url, file_bytes=MiB, incremental=False) as c:
@@ -89,6 +102,8 @@ def test_bytes_other_than_declared_are_refused_at_the_commit_and_the_last_good_s
                 data[len(data) // 2] ^= 0xFF
                 content = bytes(data)
             return real_put(self, url, content=content, **kw)
+
+        monkeypatch.setattr(_presigned, "PART_BYTES", 5 * MiB)
 
         monkeypatch.setattr(_presigned.httpx.Client, "put", forged)
         with pytest.raises(ChecksumMismatch, match="refused at commit"):
@@ -112,17 +127,25 @@ def test_a_confirmation_the_store_contradicts_is_refused_and_the_object_deleted(
     assert info.status_code == 200 and info.json()["presigned"] is True, info.text
     data = b"x" * 5000
     file = f"{base}/{sid}/files/r000000-0000.bin"
-    signed = httpx.post(f"{file}/presign", json={"size": len(data), "sha256": _sha(data)}, timeout=10).json()
-    assert signed["headers"]["x-amz-checksum-sha256"] == _sha(data) and "X-Amz-Signature" in signed["url"]
-    assert httpx.put(signed["url"], content=data, headers=signed["headers"], timeout=10).status_code == 200
-    claim = {"size": len(data) + 1, "sha256": _sha(data), "xxh3": "0" * 16, "block_size": signed["block_size"],
-             "blocks": ["0" * 16]}
+    part = {"size": len(data), "part_size": 5 * MiB, "sha256": [_sha(data)]}
+    r = httpx.post(f"{file}/presign", json={**part, "sha256": [_sha(data)] * 2}, timeout=10)
+    assert r.status_code == 422 and "1 parts, not 2" in r.text, r.text
+    signed = httpx.post(f"{file}/presign", json=part, timeout=10).json()
+    assert signed["upload_id"] is None and len(signed["urls"]) == 1
+    assert signed["headers"][0]["x-amz-checksum-sha256"] == _sha(data) and "X-Amz-Signature" in signed["urls"][0]
+    assert "x-amz-checksum-sha256" in signed["urls"][0].split("X-Amz-SignedHeaders=")[1].split("&")[0]
+    assert httpx.put(signed["urls"][0], content=data, headers=signed["headers"][0], timeout=10).status_code == 200
+    claim = {**part, "size": len(data) + 5 * MiB, "sha256": [_sha(data)] * 2, "xxh3": "0" * 16,
+             "block_size": signed["block_size"], "blocks": ["0" * 16] * 6}
     r = httpx.post(f"{file}/confirm", json=claim, timeout=10)
     assert r.status_code == 400 and "the object was deleted" in r.json()["error"]["message"], r.text
-    r = httpx.post(f"{file}/confirm", json={**claim, "size": len(data)}, timeout=10)
+    ok = {**claim, **part, "blocks": ["0" * 16]}
+    r = httpx.post(f"{file}/confirm", json=ok, timeout=10)
     assert r.status_code == 400 and "nothing was uploaded" in r.json()["error"]["message"], r.text
-    r = httpx.post(f"{file}/confirm", json={**claim, "size": len(data), "blocks": []}, timeout=10)
+    r = httpx.post(f"{file}/confirm", json={**ok, "blocks": []}, timeout=10)
     assert r.status_code == 400 and "block digests" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{file}/confirm", json={**ok, "upload_id": "u", "etags": []}, timeout=10)
+    assert r.status_code == 400 and "0 ETags for 1 parts" in r.json()["error"]["message"], r.text
     httpx.delete(f"{base}/{sid}", timeout=10)
 
 
@@ -137,7 +160,7 @@ def test_presigns_are_refused_where_they_cannot_be_given(tmp_path):
         info = httpx.post(base, headers=h, json={"session": "d" * 32, "world_size": 1, "step": 1,
                                                  "direct_uploads": True}, timeout=10).json()
         assert info.get("presigned") is None
-        body = {"size": 3, "sha256": _sha(b"abc")}
+        body = {"size": 3, "part_size": 5 * MiB, "sha256": [_sha(b"abc")]}
         r = httpx.post(f"{base}/{'d' * 32}/files/r000000-0000.bin/presign", headers=h, json=body, timeout=10)
         assert r.status_code == 400 and "takes no presigned uploads" in r.json()["error"]["message"], r.text
         r = httpx.post(f"{base}/{'d' * 32}/files/r000000-0000.bin/presign", json=body, timeout=10,

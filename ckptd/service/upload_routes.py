@@ -79,10 +79,16 @@ def upload_router(svc: Services) -> APIRouter:
                                        settings.direct_upload_seconds)
 
     @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/confirm", response_model=UploadResult)
-    async def confirm_file(run: str, name: str, sid: str, file: str, body: ConfirmUpload) -> UploadResult:
-        """Direct uploads: the file PUT with a presigned URL is in place; its size (and the store's SHA-256,
-        where kept) is checked now, and every byte against the declared digests at the commit."""
-        return await run_in_threadpool(sessions.confirm_file, run, name, sid, file, body)
+    async def confirm_file(request: Request, run: str, name: str, sid: str, file: str,
+                           body: ConfirmUpload) -> UploadResult:
+        """Direct uploads: the file PUT with presigned URLs is in place (its parts are assembled now); its
+        size (and the store's SHA-256, where kept) is checked now, every byte against the declared
+        digests at the commit."""
+        release = uploads.acquire(principal_of(request).name, file)  # store requests on a writer's behalf: a slot
+        try:
+            return await run_in_threadpool(sessions.confirm_file, run, name, sid, file, body)
+        finally:
+            release()
 
     @router.put("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}", response_model=UploadResult)
     async def upload_file(request: Request, run: str, name: str, sid: str, file: str,

@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from ckptd_schemas import AdoptedFile, CorruptCheckpoint, InvalidName, StorageError
 
-__all__ = ["Adopted", "Storage", "Writer", "check_key"]
+__all__ = ["Adopted", "Presigned", "Storage", "Writer", "check_key"]
 
 
 def check_key(key: str) -> str:
@@ -95,6 +96,16 @@ class Adopted(Writer):
 
     def write(self, data: bytes | memoryview) -> None:
         raise TypeError("an adopted file is read and committed, not written")
+
+
+@dataclass(frozen=True)
+class Presigned:
+    """A presigned upload: one URL per part (with the headers signed into it), and the multipart
+    upload they belong to (None for a single PUT)."""
+
+    upload_id: str | None
+    urls: list[str]
+    headers: list[dict[str, str]]
 
 
 class Storage(ABC):
@@ -234,11 +245,17 @@ class Storage(ABC):
 
     presigns = False  # whether presign_put gives URLs (an object store that takes presigned uploads)
 
-    def presign_put(self, key: str, size: int, sha256: str, seconds: float) -> tuple[str, dict[str, str]] | None:
-        """A URL (and the headers to send with it) through which a client PUTs exactly ``size`` bytes
-        whose SHA-256 is ``sha256`` (base64) at ``key``, valid for ``seconds``; None where the store
-        takes no presigned uploads (then the client sends the bytes through the service)."""
+    def presign_put(self, key: str, size: int, part_size: int, sha256s: list[str],
+                    seconds: float) -> Presigned | None:
+        """URLs (and the headers to send with each) through which a client PUTs exactly ``size`` bytes
+        at ``key``: one part of ``part_size`` bytes per SHA-256 in ``sha256s`` (base64; the last part
+        shorter), valid for ``seconds``. None where the store takes no presigned uploads (then the
+        client sends the bytes through the service)."""
         return None
+
+    def complete_presigned(self, key: str, upload_id: str, etags: list[str], sha256s: list[str]) -> None:
+        """Assemble a multipart presigned upload from its parts (the ETags the store answered each PUT with)."""
+        raise StorageError(f"{self.url}: no presigned uploads", key=key)
 
     def stored_sha256(self, key: str) -> str | None:
         """The SHA-256 (base64) the store verified and kept for ``key``'s object, where it keeps one."""

@@ -36,6 +36,7 @@ Listings are never cached (another process or replica may have written since).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import threading
@@ -45,7 +46,7 @@ from typing import Any, Iterator, Mapping
 
 from ckptd_schemas import StorageError
 
-from .base import Writer
+from .base import Presigned, Writer
 from .fsspec import FsspecStorage, _wrap
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_ATTEMPTS", "S3Storage", "s3_options_from_env"]
@@ -312,21 +313,44 @@ class S3Storage(FsspecStorage):
             raise _wrap("stat", key, e) from e
         return f"{out.get('ETag', '')}:{int(out.get('ContentLength') or 0)}"
 
-    def presign_put(self, key: str, size: int, sha256: str, seconds: float) -> tuple[str, dict[str, str]]:
-        """A SigV4 presigned ``PutObject`` of ``key`` with ``Content-Length`` and ``x-amz-checksum-sha256``
-        signed in: S3 refuses a body of another length or SHA-256, and a URL used for another key,
-        method or header value."""
-        params = {"Bucket": self.bucket, "Key": self._s3key(key), "ContentLength": size, "ChecksumSHA256": sha256}
+    def presign_put(self, key: str, size: int, part_size: int, sha256s: list[str], seconds: float) -> Presigned:
+        """SigV4 presigned ``PutObject`` (one part) or ``UploadPart`` URLs of a multipart upload made with
+        ``ChecksumAlgorithm=SHA256``, each with its ``Content-Length`` and ``x-amz-checksum-sha256``
+        signed in: S3 refuses a part of another length or SHA-256, and a URL used for another key,
+        part, method or header value."""
+        k = self._s3key(key)
+        lengths = [min(part_size, size - i * part_size) for i in range(len(sha256s))] if size else [0]
 
-        async def presign() -> str:
+        async def presign() -> Presigned:
             s3 = await self.fs.get_s3(self.bucket)
-            return await s3.generate_presigned_url("put_object", Params=params, ExpiresIn=int(seconds))
+            if len(sha256s) == 1:
+                url = await s3.generate_presigned_url("put_object", ExpiresIn=int(seconds), Params={
+                    "Bucket": self.bucket, "Key": k, "ContentLength": size, "ChecksumSHA256": sha256s[0]})
+                return Presigned(None, [url], [{"Content-Length": str(size), "x-amz-checksum-sha256": sha256s[0]}])
+            upload = await s3.create_multipart_upload(Bucket=self.bucket, Key=k, ChecksumAlgorithm="SHA256")
+            uid = upload["UploadId"]
+            urls = [await s3.generate_presigned_url("upload_part", ExpiresIn=int(seconds), Params={
+                "Bucket": self.bucket, "Key": k, "UploadId": uid, "PartNumber": n, "ContentLength": length,
+                "ChecksumSHA256": sha}) for n, (length, sha) in enumerate(zip(lengths, sha256s), start=1)]
+            return Presigned(uid, urls, [{"Content-Length": str(length), "x-amz-checksum-sha256": sha}
+                                         for length, sha in zip(lengths, sha256s)])
 
         try:
-            url = asyncio.run_coroutine_threadsafe(presign(), self.fs.loop).result(60)
+            return asyncio.run_coroutine_threadsafe(presign(), self.fs.loop).result(120)
         except Exception as e:  # noqa: BLE001
             raise _wrap("presign", key, e) from e
-        return url, {"Content-Length": str(size), "x-amz-checksum-sha256": sha256}
+
+    def complete_presigned(self, key: str, upload_id: str, etags: list[str], sha256s: list[str]) -> None:
+        parts = [{"PartNumber": n, "ETag": etag, "ChecksumSHA256": sha}
+                 for n, (etag, sha) in enumerate(zip(etags, sha256s), start=1)]
+        try:
+            self.fs.call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self._s3key(key),
+                            UploadId=upload_id, MultipartUpload={"Parts": parts})
+        except Exception as e:  # noqa: BLE001
+            with contextlib.suppress(Exception):
+                self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self._s3key(key),
+                                UploadId=upload_id)
+            raise _wrap("complete", key, e) from e
 
     def stored_sha256(self, key: str) -> str | None:
         try:

@@ -244,9 +244,13 @@ class _FaultStorage(Storage):
     def presigns(self) -> bool:  # type: ignore[override]
         return self.inner.presigns
 
-    def presign_put(self, key: str, size: int, sha256: str, seconds: float) -> tuple[str, dict[str, str]] | None:
+    def presign_put(self, key: str, size: int, part_size: int, sha256s: list[str], seconds: float):  # noqa: ANN201
         _before_write(key)
-        return self.inner.presign_put(key, size, sha256, seconds)
+        return self.inner.presign_put(key, size, part_size, sha256s, seconds)
+
+    def complete_presigned(self, key: str, upload_id: str, etags: list[str], sha256s: list[str]) -> None:
+        _before_write(key)
+        self.inner.complete_presigned(key, upload_id, etags, sha256s)
 
     def stored_sha256(self, key: str) -> str | None:
         return self.inner.stored_sha256(key)

@@ -289,24 +289,26 @@ class SessionStore:
 
     def presign_file(self, run: str, name: str, sid: str, file: str, body: PresignUpload,
                      seconds: float) -> PresignedUpload:
-        """A presigned URL for the client to PUT ``file`` of the session straight into the object store
-        (exactly ``body.size`` bytes of SHA-256 ``body.sha256``). Refused (``InvalidRequest``, which the
-        client answers by sending the bytes here) where the store takes no presigned uploads."""
+        """Presigned URLs for the client to PUT ``file`` of the session straight into the object store,
+        part by part (each of the length and SHA-256 ``body`` gives). Refused (``InvalidRequest``, which
+        the client answers by sending the bytes here) where the store takes no presigned uploads."""
         check_run(run), check_name(name), check_session(sid), check_file(file)
         self._check_writable(run, name, sid)
-        signed = self.storage.presign_put(Paths.file(run, name, sid, file), body.size, body.sha256, seconds)
+        signed = self.storage.presign_put(Paths.file(run, name, sid, file), body.size, body.part_size,
+                                          body.sha256, seconds)
         if signed is None:
             raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) takes no presigned uploads; "
                                  f"upload the file", file=file)
-        url, headers = signed
-        return PresignedUpload(url=url, headers=headers, expires_in=seconds, block_size=self.block_size)
+        return PresignedUpload(upload_id=signed.upload_id, urls=signed.urls, headers=signed.headers,
+                               expires_in=seconds, block_size=self.block_size)
 
     def confirm_file(self, run: str, name: str, sid: str, file: str, body: ConfirmUpload) -> UploadResult:
-        """Take the object a client PUT with a presigned URL as the upload of ``file``: its size (and the
-        SHA-256 the store kept, where it keeps one) must be what ``body`` says, else the object is
-        deleted and the confirmation refused. ``body``'s digest record is recorded as the file's; it
-        is a claim until the commit reads every byte of the file and checks it (:mod:`.commit_checks`
-        compares the whole-file and block digests with this record), so nothing unchecked is visible."""
+        """Take the object a client PUT with presigned URLs as the upload of ``file`` (completing the
+        multipart upload of its parts first): its size (and the SHA-256 the store kept for a one-part
+        upload, where it keeps one) must be what ``body`` says, else the object is deleted and the
+        confirmation refused. ``body``'s digest record is recorded as the file's; it is a claim until
+        the commit reads every byte of the file and checks it (:mod:`.commit_checks` compares the
+        whole-file and block digests with this record), so nothing unchecked is visible."""
         check_run(run), check_name(name), check_session(sid), check_file(file)
         self._check_writable(run, name, sid)
         if body.block_size != self.block_size or len(body.blocks) != -(-body.size // body.block_size):
@@ -314,15 +316,24 @@ class SessionStore:
                                  f"{body.size} bytes; this service's blocks are {self.block_size} bytes",
                                  file=file, field="blocks")
         key = Paths.file(run, name, sid, file)
+        if body.upload_id is not None:
+            if len(body.etags) != len(body.sha256):
+                raise InvalidRequest(f"file {file!r}: {len(body.etags)} ETags for {len(body.sha256)} parts",
+                                     file=file, field="etags")
+            try:
+                self.storage.complete_presigned(key, body.upload_id, body.etags, body.sha256)
+            except StorageError as e:
+                raise InvalidRequest(f"file {file!r}: its parts could not be assembled: {e.message}",
+                                     file=file) from e
         size = self.storage.size(key)
         if size is None:
             raise InvalidRequest(f"file {file!r}: nothing was uploaded at its presigned URL", file=file)
-        kept = self.storage.stored_sha256(key)
-        if size != body.size or (kept is not None and kept != body.sha256):
+        kept = self.storage.stored_sha256(key) if body.upload_id is None else None
+        if size != body.size or (kept is not None and kept != body.sha256[0]):
             self.storage.delete(key)
             what = f"{size} bytes" if size != body.size else f"SHA-256 {kept}"
             raise InvalidRequest(f"file {file!r}: the store holds {what}, the client declared {body.size} bytes "
-                                 f"with SHA-256 {body.sha256}; the object was deleted", file=file)
+                                 f"with SHA-256 {body.sha256[0]}; the object was deleted", file=file)
         entry = FileEntry(size=body.size, xxh3=body.xxh3, block_size=body.block_size, blocks=body.blocks,
                           stamp=self.storage.content_stamp(key))
         self.storage.put(Paths.digest(run, name, sid, file), entry.model_dump_json().encode())
