@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["BENCH_TIMEOUT_S", "TIME_SCALE", "ServerProcess", "assert_bits_equal", "blank_like", "free_port",
-           "make_state", "REPO", "run_bench", "run_ranks", "scaled"]
+__all__ = ["BENCH_TIMEOUT_S", "TIME_SCALE", "ServerProcess", "assert_bits_equal", "assert_quoted", "blank_like",
+           "example_block", "free_port", "make_state", "REPO", "run_bench", "run_example", "run_ranks", "scaled"]
 
 #: One setting for every deadline of the tests: ``CKPTD_TEST_TIME_SCALE=2`` doubles them on a machine
 #: twice as slow (server start, rank groups, benchmark runs, and the tests that pass theirs through
@@ -267,3 +267,14 @@ def run_example(example: Path, *args: str, url: str, ranks: int = 1, cwd: Path |
     out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=scaled(240))
     assert out.returncode == 0 and expect in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
     return out
+
+
+def assert_quoted(example: Path, docs: tuple[str, ...] = ("docs/integrations.md", "README.md")) -> None:
+    """The example's marked lines (at most a dozen) appear, dedented, in each of ``docs``: the text
+    users copy is the text the example tests run."""
+    import textwrap
+
+    block = textwrap.dedent(example_block(example)).strip()
+    assert 8 <= len(block.splitlines()) <= 12, f"{example.name}: {len(block.splitlines())} marked lines"
+    for doc in docs:
+        assert block in (REPO / doc).read_text(), f"{doc} quotes another block than {example.name}"

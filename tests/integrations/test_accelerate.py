@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import os
 import random
-import textwrap
 
 import numpy as np
 import pytest
 import torch
 
-from support import REPO, example_block, run_example, run_ranks
+from support import REPO, assert_quoted, run_example, run_ranks
 
 pytest.importorskip("accelerate")
 
@@ -114,15 +113,12 @@ def test_one_process_saves_and_resumes(server, tmp_path):
 
 
 def test_the_docs_quote_the_example():
-    block = textwrap.dedent(example_block(REPO / "examples" / "accelerate_ckptd.py")).strip()
-    for doc in ("docs/integrations.md", "README.md"):  # both quote the example's lines as they run
-        assert block in (REPO / doc).read_text(), f"{doc} quotes another block"
+    assert_quoted(REPO / "examples" / "accelerate_ckptd.py")
 
 
 @pytest.mark.slow
 def test_the_accelerate_example_saves_on_two_ranks_and_resumes_on_one(server, tmp_path):
     example = REPO / "examples" / "accelerate_ckptd.py"
-    assert 8 <= len(example_block(example).strip().splitlines()) <= 12  # the lines the README quotes
     run_example(example, "--save", "hf/8", "--steps", "8", url=server.url, ranks=2,
                 expect="saved hf/8 at step 8 from 2 ranks")
     resumed = run_example(example, "--load", "hf/latest", "--steps", "12", url=server.url,

@@ -14,13 +14,12 @@
 from __future__ import annotations
 
 import os
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from support import REPO, example_block, run_example, run_ranks
+from support import REPO, assert_quoted, run_example, run_ranks
 
 L = pytest.importorskip("lightning")
 
@@ -162,15 +161,12 @@ def test_ddp_on_two_ranks_resumes_on_one_with_the_same_losses(server, tmp_path):
 
 
 def test_the_docs_quote_the_example():
-    block = textwrap.dedent(example_block(REPO / "examples" / "lightning_ckptd.py")).strip()
-    for doc in ("docs/integrations.md", "README.md"):  # both quote the example's lines as they run
-        assert block in (REPO / doc).read_text(), f"{doc} quotes another block"
+    assert_quoted(REPO / "examples" / "lightning_ckptd.py")
 
 
 @pytest.mark.slow
 def test_the_lightning_example_saves_on_two_ranks_and_resumes_on_one(server, tmp_path):
     example = REPO / "examples" / "lightning_ckptd.py"
-    assert 8 <= len(example_block(example).strip().splitlines()) <= 12  # the lines the README quotes
     run_example(example, "--ckptd-run", "lit", "--epochs", "2", url=server.url, ranks=2, cwd=tmp_path,
                 expect="finished at step 4 on 2 ranks")
     run_example(example, "--ckptd-run", "lit-resumed", "--epochs", "3", "--resume", "ckptd://lit/latest",
