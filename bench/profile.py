@@ -300,7 +300,7 @@ CATEGORIES: list[tuple[str, str, str]] = [
      r"\(site:(uvicorn|httpcore|h11|httpx|starlette|anyio|uvloop)/.*(sock\.send|sock\.recv|transport\.write|"
      r"sendall|recv_into)"),
     ("hashing (xxh3)", "leaf", r"\) .*(xxh|hexdigest|intdigest|\.update\()"),
-    ("digest bookkeeping (Python, per block)", "leaf", r"\((schemas/digest\.py|ckptd/store/hashing\.py)\)"),
+    ("digest bookkeeping (Python, per block)", "leaf", r"\((schemas/digest\.py|schemas/filedigest\.py)\)"),
     ("fsync", "leaf", r"fsync|fdatasync|sync_file_range"),
     ("file writes", "leaf", r"os\.write\b|os\.pwrite|\.write\(|writev|copy_file_range|sendfile|truncate|"
                             r"os\.replace|os\.rename|os\.link"),

@@ -545,7 +545,7 @@ def profile_main(argv: list[str]) -> int:
     import ckptd.reshard.executor as ex
     import ckptd.reshard.planner as planner
     import ckptd.store.assemble as assemble
-    import ckptd.store.hashing as hashing
+    import ckptd_schemas.filedigest as hashing
     import ckptd.store.sessions as sessions
     from ckptd.cli.main import main as ckptd_main
     from ckptd.store.reader import CheckpointReader

@@ -269,7 +269,8 @@ class CheckpointClient(CatalogClient):
 
         return CkptdStorageWriter(self.url, ref, token=self._token, compression=self._codec, parent=parent,
                                   file_bytes=self.file_bytes, streams=self.streams,
-                                  direct_writes=self.direct_writes, objects=self.objects)
+                                  direct_writes=self.direct_writes, direct_uploads=self.direct_uploads,
+                                  objects=self.objects)
 
     def dcp_reader(self, ref: str) -> "CkptdStorageReader":
         """A DCP ``StorageReader``: ``dcp.load(sd, storage_reader=client.dcp_reader("gpt/latest"))``."""

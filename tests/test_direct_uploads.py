@@ -77,6 +77,20 @@ def test_a_save_on_s3_goes_straight_to_the_store_and_loads_back(s3srv, moto_s3):
     assert out.returncode == 0 and out.stdout.startswith("OK direct/1"), out.stdout + out.stderr
 
 
+def test_the_dcp_writer_uploads_straight_to_the_store_too(s3srv):
+    import torch.distributed.checkpoint as dcp
+
+    sd = _state(5)["model"]
+    with CheckpointClient(s3srv.url) as c:
+        dcp.save(sd, storage_writer=c.dcp_writer("dcpw/1"), no_dist=True)
+        got = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(got, storage_reader=c.dcp_reader("dcpw/1"), no_dist=True)
+    assert_bits_equal(got, sd)
+    seen = _requests(s3srv)
+    # the data went straight to the store; only DCP's own metadata (a few KiB) through the service
+    assert seen.get("upload_file", 0) == 1 and seen.get("confirm_file", 0) >= 1, seen
+
+
 def test_a_file_of_several_parts_goes_up_as_one_multipart_upload(s3srv, monkeypatch):
     monkeypatch.setattr(_presigned, "PART_BYTES", 5 * MiB)  # S3's smallest part: 13 MiB are 3 parts
     g = torch.Generator().manual_seed(4)

@@ -43,7 +43,7 @@ from ckptd_schemas import (
 
 from ..store.layout import Paths, SessionMeta
 from ..store.leases import Leases
-from ..store.verification import VerifyRecord
+from ..store.verification import record_of
 from ..store.visibility import Committed
 from .auth import principal_of
 from .gc_log import GcLog
@@ -119,17 +119,10 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
                 stats.popitem(last=False)
         return s
 
-    def record_of(c: Committed) -> dict[str, Any] | None:
-        """The service's last verification of ``c``, if it is about the manifest committed there
-        (``verification.read_record``'s rule; ``c`` comes from the visibility check already made)."""
-        raw = storage.read_or_none(Paths.verification(c.run, c.name))
-        if raw is None:
-            return None
-        try:
-            rec = VerifyRecord.model_validate_json(raw)
-        except ValidationError:
-            return None
-        if rec.manifest_xxh3 != c.digest:
+    def verification_of(c: Committed) -> dict[str, Any] | None:
+        """The service's last verification of ``c``, if it is about the manifest committed there."""
+        rec = record_of(storage, c)
+        if rec is None:
             return None
         return {"ok": rec.ok, "verified_at": rec.verified_at.isoformat(), "problems": rec.problems[:5],
                 "bytes_read": rec.bytes_read, "seconds": round(rec.seconds, 3)}
@@ -139,10 +132,9 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
         return {n: leases.active(run, n) for n in names if n in held}
 
     def row(c: Committed, held: dict[str, list[str]]) -> dict[str, Any]:
-        s = c.summary()
-        return {"name": c.name, "step": c.step, "derived_from": c.derived_from, "parent": getattr(s, "parent", None),
+        return {"name": c.name, "step": c.step, "derived_from": c.derived_from, "parent": c.parent,
                 "session": c.session, "committed_at": c.committed_at.isoformat(), "manifest_xxh3": c.digest,
-                "stats": stats_of(c), "verification": record_of(c), "leases": held.get(c.name, [])}
+                "stats": stats_of(c), "verification": verification_of(c), "leases": held.get(c.name, [])}
 
     # -- runs and checkpoints --------------------------------------------------------------------
     @router.get("/v1/ui/runs", response_class=Response)

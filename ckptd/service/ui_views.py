@@ -66,7 +66,7 @@ def manifest_stats(m: Manifest) -> dict[str, Any]:
         "logical_bytes": logical, "stored_bytes": stored, "chunks": chunks, "compressed_chunks": compressed,
         "tensors": len(m.tensors), "objects": len(m.objects), "param_groups": len(m.param_groups),
         "world_size": m.topology.world_size, "mesh": dict(m.topology.mesh), "layouts": dict(m.topology.layouts),
-        "created_at": m.created_at.isoformat(), "parent": getattr(m, "parent", None),
+        "created_at": m.created_at.isoformat(), "parent": m.parent,
         "groups": groups, "rank_bytes": [rank_bytes.get(r, 0) for r in range(m.topology.world_size)],
     }
 

@@ -29,7 +29,7 @@ from .layout import Paths
 from .verify import VerifyReport, verify_manifest
 from .visibility import Committed, Visibility
 
-__all__ = ["VerifyRecord", "read_record", "record_holds", "verify_and_record", "verify_committed"]
+__all__ = ["VerifyRecord", "read_record", "record_holds", "record_of", "verify_and_record", "verify_committed"]
 
 MAX_PROBLEMS = 100
 
@@ -108,8 +108,13 @@ def read_record(storage: Storage, run: str, name: str) -> VerifyRecord | None:
     """The stored record of ``run/name`` (a resolved name, not ``latest``), if any, and only if it is
     about the manifest committed there (a record that does not parse counts as none)."""
     c = Visibility(storage).check(run, name)
-    raw = storage.read_or_none(Paths.verification(run, name))
-    if c is None or raw is None:
+    return record_of(storage, c) if c is not None else None
+
+
+def record_of(storage: Storage, c: Committed) -> VerifyRecord | None:
+    """:func:`read_record` for a checkpoint the caller's visibility check already found."""
+    raw = storage.read_or_none(Paths.verification(c.run, c.name))
+    if raw is None:
         return None
     try:
         rec = VerifyRecord.model_validate_json(raw)
