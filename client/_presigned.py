@@ -24,7 +24,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator
 
@@ -87,10 +86,8 @@ class DirectUploads:
     def __init__(self, transport: Transport, base: str, session: str, timeout: float) -> None:
         self.transport, self.base, self.session = transport, base, session
         self.enabled = True
-        self.bytes_uploaded = 0
         self._store = httpx.Client(timeout=timeout)  # no auth: the URL carries its own signature
         self._parts = ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="ckptd-part")
-        self._lock = threading.Lock()
 
     def put(self, file: str, size: int, pieces: Callable[[], Iterable[bytes | memoryview]]) -> bool:
         """Upload ``file`` (``pieces()`` gives its bytes, as often as asked) straight to the store;
@@ -120,8 +117,6 @@ class DirectUploads:
                 "xxh3": whole, "block_size": signed.block_size, "blocks": blocks})
         except FALL_BACK as e:
             return self._off(f"confirmation of {file}: {e.message}")
-        with self._lock:
-            self.bytes_uploaded += size
         return True
 
     def _put_part(self, url: str, headers: dict[str, str], part: list[memoryview]) -> tuple[str, str | None]:

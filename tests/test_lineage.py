@@ -131,7 +131,7 @@ def test_a_parent_stays_protected_only_while_its_child_is_visible(tmp_path):
 
 def test_an_edited_parent_in_the_root_hides_the_child_rather_than_unprotecting_silently(tmp_path):
     root = tmp_path / "root"
-    with family(root) as (srv, c):
+    with family(root, (1, 2, 3)) as (srv, c):
         storage = LocalStorage(root, durable=False)
         key = Paths.marker("ft", "1")
         marker = json.loads(storage.read(key))
@@ -142,7 +142,7 @@ def test_an_edited_parent_in_the_root_hides_the_child_rather_than_unprotecting_s
         with pytest.raises(CheckpointNotFound):
             c.manifest("ft/1")
         # pre/2 gains no protection from a child nobody can see; pre/1 lost its child too
-        assert c.gc("pre", keep_last=1, dry_run=True)["delete"] == ["1"]
+        assert c.gc("pre", keep_last=1, dry_run=True)["delete"] == ["1", "2"]
 
 
 def test_parents_that_are_not_a_named_visible_checkpoint_of_another_run_are_refused(chain):
@@ -185,6 +185,13 @@ def test_removal_needs_write_access_to_the_run_and_dropping_parents_needs_admin(
     assert httpx.delete(f"{chain.url}/v1/checkpoints/pre/1", timeout=10).status_code == 401
     r = delete(PRE_WRITER, "pre/1")
     assert r.status_code == 200 and r.json() == {"ref": "pre/1", "removed": False, "reason": "parent of ft/10"}
+    # naming a parent takes read access to its run: a writer of run pre cannot pin (or probe) run ft's
+    # checkpoints by naming them, and the refusal says nothing about whether they exist
+    for parent in ("ft/10", "ft/404"):
+        r = httpx.post(f"{chain.url}/v1/checkpoints/pre/77/sessions", timeout=10,
+                       headers={"Authorization": f"Bearer {PRE_WRITER}"},
+                       json={"session": "f" * 32, "world_size": 1, "step": 77, "parent": parent})
+        assert r.status_code == 403 and "may not read run ft" in r.text, r.text
     r = httpx.post(f"{chain.url}/v1/runs/pre/gc", headers={"Authorization": f"Bearer {PRE_WRITER}"},
                    json={"keep_last": 1, "drop_parents": True, "dry_run": True}, timeout=10)
     assert r.status_code == 403

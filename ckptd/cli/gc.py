@@ -65,13 +65,16 @@ def cmd_rm(args: argparse.Namespace) -> int:
             out = remove(b.reader.storage, ref.run, ref.name, dry_run=args.dry_run).as_json()
     finally:
         b.close()
+    from ..store.retention import Removal
+
+    gone = Removal(**out).gone
     if args.json:
         print(json.dumps(out))
-    elif out["reason"] in ("removed", "would be removed"):
+    elif gone:
         print(f"{out['reason']} {out['ref']}")
     else:
         print(f"kept {out['ref']}: {out['reason']}")
-    return 0 if out["reason"] in ("removed", "would be removed") else 1
+    return 0 if gone else 1
 
 
 def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:

@@ -25,8 +25,8 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
-    AdoptFile, ConfirmUpload, InvalidIndex, InvalidRequest, LinkFile, OpenSession, PresignedUpload, PresignUpload,
-    RankIndex, SessionInfo, SessionStatus, UploadResult,
+    AdoptFile, ConfirmUpload, Forbidden, InvalidIndex, InvalidRequest, LinkFile, OpenSession, PresignedUpload, PresignUpload,
+    RankIndex, SessionInfo, SessionStatus, UploadResult, parse_ref,
 )
 
 from ..store.faults import crash_point
@@ -60,7 +60,14 @@ def upload_router(svc: Services) -> APIRouter:
 
     @router.post("/v1/checkpoints/{run}/{name}/sessions", response_model=SessionInfo,
                  response_model_exclude_none=True)  # no `direct` key unless offered
-    async def open_session(run: str, name: str, body: OpenSession) -> SessionInfo:
+    async def open_session(request: Request, run: str, name: str, body: OpenSession) -> SessionInfo:
+        if body.parent is not None:
+            # A parent is kept from retention while this checkpoint is visible, and whether it exists is
+            # answered: naming one takes read access to its run (write on this run is not enough).
+            parent_run = parse_ref(body.parent).run
+            if not principal_of(request).can_read(parent_run):
+                raise Forbidden(f"parent {body.parent!r}: this token may not read run {parent_run}",
+                                field="parent", run=parent_run)
         info = await run_in_threadpool(sessions.open, run, name, body)
         if body.direct_writes and settings.direct_writes:
             info.direct = await run_in_threadpool(sessions.direct_writes, run, name, info.session)
@@ -69,14 +76,19 @@ def upload_router(svc: Services) -> APIRouter:
         return info
 
     @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/presign", response_model=PresignedUpload)
-    async def presign_file(run: str, name: str, sid: str, file: str, body: PresignUpload) -> PresignedUpload:
-        """Direct uploads: a presigned URL through which the client PUTs ``file`` straight into the
+    async def presign_file(request: Request, run: str, name: str, sid: str, file: str,
+                           body: PresignUpload) -> PresignedUpload:
+        """Direct uploads: presigned URLs through which the client PUTs ``file`` straight into the
         object store (no byte through here); 400 where the store takes none (the client then uploads)."""
         if not settings.direct_uploads:
             raise InvalidRequest(f"file {file!r}: direct uploads are off on this service (CKPTD_DIRECT_UPLOADS); "
                                  f"upload the file", file=file)
-        return await run_in_threadpool(sessions.presign_file, run, name, sid, file, body,
-                                       settings.direct_upload_seconds)
+        release = uploads.acquire(principal_of(request).name, file)  # a multipart upload created for it: a slot
+        try:
+            return await run_in_threadpool(sessions.presign_file, run, name, sid, file, body,
+                                           settings.direct_upload_seconds)
+        finally:
+            release()
 
     @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/confirm", response_model=UploadResult)
     async def confirm_file(request: Request, run: str, name: str, sid: str, file: str,

@@ -47,7 +47,7 @@ from typing import Callable
 from ckptd_schemas import CheckpointNotFound, CheckpointSummary, CkptdError, InvalidRequest, check_name, check_run
 
 from ..storage import Storage
-from .layout import Paths
+from .layout import Marker, Paths
 from .leases import Leases
 from .verification import VerifyRecord, read_record, record_holds, verify_committed
 from .visibility import Visibility
@@ -126,16 +126,21 @@ def plan_retention(run: str, ckpts: list[CheckpointSummary], *, keep_last: int, 
 
 def children_elsewhere(vis: Visibility, run: str) -> dict[str, list[str]]:
     """Per checkpoint name of ``run``, the visible checkpoints of other runs that name it as their
-    parent. Reads every other run's markers (and, once each, their manifests: the visibility rule);
-    retention is rare next to saves, and no index kept beside them could be trusted more."""
+    parent. Reads every other run's markers, and applies the visibility rule (which reads a
+    manifest) only to those whose marker names a parent in ``run``: a marker that says so when its
+    manifest does not makes its checkpoint invisible, so it protects nothing, and one that drops a
+    parent its manifest names does too. No index kept beside the markers could be trusted more."""
     out: dict[str, list[str]] = {}
     prefix = f"{run}/"
     for other in vis.runs():
         if other == run:
             continue
-        for c in vis.listing(other):
-            if c.parent is not None and c.parent.startswith(prefix):
-                out.setdefault(c.parent[len(prefix):], []).append(c.ref)
+        for name in vis.names(other):
+            m = vis.marker(other, name)
+            if not isinstance(m, Marker) or m.parent is None or not m.parent.startswith(prefix):
+                continue
+            if vis.check_marker(other, name, m) is not None:
+                out.setdefault(m.parent[len(prefix):], []).append(f"{other}/{name}")
     return out
 
 

@@ -165,10 +165,6 @@ class SessionStore:
             f"checkpoint {run}/{name} is already committed (session {m.session}); committed checkpoints "
             f"are immutable (save under a new name)", ref=f"{run}/{name}", session=m.session)
 
-    def _meta_or_none(self, run: str, name: str, sid: str) -> SessionMeta | None:
-        data = self.storage.read_json_or_none(Paths.session_meta(run, name, sid))
-        return SessionMeta.model_validate(data) if data is not None else None
-
     def _meta(self, run: str, name: str, sid: str) -> SessionMeta:
         data = self.storage.read_json_or_none(Paths.session_meta(run, name, sid))
         if data is None:
