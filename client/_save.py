@@ -521,11 +521,15 @@ class SaveHandle:
             return True
         return self._future.exception() is not None or self._future.result().state != "committed"
 
-    def wait(self, timeout: float | None = 1800.0) -> SessionStatus:
-        """Block until the checkpoint is committed (every rank done); raise the typed error otherwise."""
+    def wait(self, timeout: float | None = 1800.0, *, durable: bool = False) -> SessionStatus:
+        """Block until the checkpoint is committed (every rank done); raise the typed error otherwise.
+
+        ``durable=True``: also until it is durable. On a service with a durable tier (``ckptd serve
+        --durable``) a commit is local to the fast tier until the service has copied it there and
+        checked every byte; elsewhere the commit is durable already."""
         with self._lock:
             self._observed = True
             deadline = None if timeout is None else time.monotonic() + timeout
             status: SessionStatus = self._future.result(timeout=timeout)
-            self._status = wait_committed(self._transport, self._base, self.ref, status, deadline)
+            self._status = wait_committed(self._transport, self._base, self.ref, status, deadline, durable=durable)
             return self._status

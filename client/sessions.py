@@ -59,15 +59,27 @@ def put_index(transport: Transport, base: str, session: str, index: RankIndex) -
 
 
 def wait_committed(transport: Transport, base: str, ref: str, status: SessionStatus,
-                   deadline: float | None) -> SessionStatus:
-    """Long-poll the session until it leaves ``open``; raise its typed error if it failed."""
-    while status.state == "open":
+                   deadline: float | None, *, durable: bool = False) -> SessionStatus:
+    """Long-poll the session until it leaves ``open``; raise its typed error if it failed. With
+    ``durable``, until the committed checkpoint is durable too (on a service with a durable tier,
+    copied there and checked), raising the typed error if it cannot become durable."""
+    def settled(st: SessionStatus) -> bool:
+        return st.state == "failed" or (st.state == "committed" and (
+            not durable or st.durable is True or st.durable_error is not None))
+
+    while not settled(status):
         left = 10.0 if deadline is None else min(10.0, deadline - time.monotonic())
         if left <= 0:
-            raise Unavailable(f"{ref}: not committed in time; ranks done: {status.ranks_done} of "
+            what = "committed" if status.state == "open" else "durable"
+            raise Unavailable(f"{ref}: not {what} in time; ranks done: {status.ranks_done} of "
                               f"{status.world_size}", ref=ref, session=status.session)
+        params: dict = {"wait": round(left, 1)}
+        if durable:
+            params["durable"] = "true"
         status = SessionStatus.model_validate(transport.request(
-            "GET", f"{base}/sessions/{status.session}", params={"wait": round(left, 1)}))
+            "GET", f"{base}/sessions/{status.session}", params=params))
     if status.state == "failed":
         raise error_from_body({"error": status.error}, 422)
+    if durable and status.durable_error is not None:
+        raise error_from_body({"error": status.durable_error}, 422)
     return status

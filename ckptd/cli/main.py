@@ -37,7 +37,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"ckptd serve needs the server extra: pip install 'ckptd[server]' ({e})", file=sys.stderr)
         return 2
-    overrides = {k: v for k, v in (("root", args.root), ("host", args.host), ("port", args.port),
+    overrides = {k: v for k, v in (("root", args.root), ("durable", args.durable), ("host", args.host), ("port", args.port),
                                    ("log_level", args.log_level), ("log_format", args.log_format),
                                    ("tokens_file", args.tokens_file), ("insecure_open", args.insecure_open))
                  if v is not None}
@@ -207,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the HTTP service")
     s.add_argument("--root", help="storage root (default ./ckptd-data or $CKPTD_ROOT)")
+    s.add_argument("--durable", help="durable tier behind the root (s3://bucket/prefix or a directory): saves "
+                   "commit on the root, then are copied there and marked durable (or $CKPTD_DURABLE)")
     s.add_argument("--host", help="address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (default 8470)")
     s.add_argument("--log-level", help="debug, info, warning")

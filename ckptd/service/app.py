@@ -45,7 +45,9 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
 from ..storage import Storage, open_storage
+from ..storage.tiered import TieredStorage
 from ..store import CheckpointReader
+from ..store.durable import DurableCopier
 from ..store.sessions import CommitEvent
 from ..store.verification import VerifyRecord, verify_and_record
 from ..store.visibility import Visibility
@@ -73,7 +75,7 @@ log = logging.getLogger("ckptd.service")
 def create_app(settings: Settings | None = None, storage: Storage | None = None,
                tokens: TokenStore | None = None) -> FastAPI:
     settings = settings or Settings()
-    storage = storage or open_storage(settings.root)
+    storage = storage or open_storage(settings.storage_url())
     tokens = tokens or TokenStore.from_settings(settings)
     metrics = Metrics()
     uploads = UploadSlots(settings.max_uploads_per_principal)  # file uploads in progress, per token
@@ -97,9 +99,14 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
         else:
             retention.after_commit(ev.run)
 
-    sessions = MeteredSessionStore(storage, metrics, visibility=visibility, on_commit=[after_commit])
+    copier = None
+    if isinstance(storage, TieredStorage):  # --durable: a background copy of every commit to the durable tier
+        copier = DurableCopier(storage, keep_fast=settings.fast_keep_last, scan_seconds=settings.durable_scan_seconds)
+        metrics.watch_durable(copier)
+    on_commit = [after_commit] + ([copier.notify] if copier is not None else [])
+    sessions = MeteredSessionStore(storage, metrics, visibility=visibility, on_commit=on_commit)
     services = Services(settings=settings, storage=storage, metrics=metrics, visibility=visibility, reader=reader,
-                        sessions=sessions, uploads=uploads, read_leases=read_leases, workers=workers)
+                        sessions=sessions, uploads=uploads, read_leases=read_leases, workers=workers, durable=copier)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -114,11 +121,15 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
                 await asyncio.sleep(settings.reclaim_interval)
 
         task = asyncio.create_task(reclaim_loop())
+        if copier is not None:
+            copier.start()  # its first scan finds what a crash left committed locally only
         log.info("ckptd %s serving storage %s", __version__, storage.url)
         try:
             yield
         finally:
             task.cancel()
+            if copier is not None:
+                await run_in_threadpool(copier.stop)
             close_jobs()
 
     app = FastAPI(title="ckptd", version=__version__, lifespan=lifespan, dependencies=[Depends(authorize)],

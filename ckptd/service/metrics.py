@@ -31,6 +31,12 @@ ckptd_reshard_jobs_active              gauge      reshard jobs submitted here an
 ckptd_reshard_job_bytes_done{job}      gauge      bytes written so far by a job
 ckptd_reshard_job_bytes_planned{job}   gauge      bytes a job will write
 ckptd_reshard_jobs_finished_total      counter    reshard jobs finished, by state (done, failed)
+ckptd_durable_pending                  gauge      with a durable tier: committed checkpoints not durable yet
+ckptd_durable_lag_seconds              gauge      age of the oldest of them (0 when none): the lag between tiers
+ckptd_durable_seconds                  histogram  from a commit to its durable marker, per checkpoint copied here
+ckptd_durable_copies_total{outcome}    counter    checkpoints copied to the durable tier here (copied), or refused
+                                                  there because the fast copy does not match its manifest (refused)
+ckptd_durable_bytes_total              counter    bytes copied to the durable tier here
 =====================================  =========  ==========================================================
 """
 
@@ -47,6 +53,7 @@ from ckptd_schemas import CkptdError, Conflict, SessionStatus, StorageError
 
 from ..storage import Storage
 from ..store import SessionStore
+from ..store.durable import Copied, DurableCopier
 
 __all__ = ["CONTENT_TYPE_LATEST", "MeteredSessionStore", "Metrics"]
 
@@ -102,6 +109,13 @@ class Metrics:
                                      registry=r)
         self.reshard_finished = Counter("ckptd_reshard_jobs_finished", "Reshard jobs finished, by state.",
                                         ["state"], registry=r)
+        self.durable_seconds = Histogram("ckptd_durable_seconds", "From a commit to its durable marker, per "
+                                         "checkpoint copied to the durable tier here.", buckets=REQUEST_BUCKETS,
+                                         registry=r)
+        self.durable_copies = Counter("ckptd_durable_copies", "Checkpoints copied to the durable tier (copied), or "
+                                      "refused there: their fast copy does not match the manifest (refused).",
+                                      ["outcome"], registry=r)
+        self.durable_bytes = Counter("ckptd_durable_bytes", "Bytes copied to the durable tier.", registry=r)
         self._lock = threading.Lock()
         self._sessions: dict[str, tuple[str, str]] = {}  # sid -> (run, name)
         self._jobs: dict[str, float | None] = {}  # job id -> when seen finished (None: still active)
@@ -111,6 +125,22 @@ class Metrics:
         self.reshard_active.set_function(lambda: sum(1 for v in self._jobs.values() if v is None))
 
     # -- hooks -----------------------------------------------------------------------------------------
+    def watch_durable(self, copier: DurableCopier) -> None:
+        """The durable tier's gauges (read from ``copier`` at scrape time) and its copy counters."""
+        pending = Gauge("ckptd_durable_pending", "Committed checkpoints not durable yet.", registry=self.registry)
+        pending.set_function(lambda: len(copier.pending))
+        lag = Gauge("ckptd_durable_lag_seconds", "Age of the oldest committed checkpoint not durable yet (0: none).",
+                    registry=self.registry)
+        lag.set_function(copier.lag_seconds)
+
+        def copied(done: Copied) -> None:
+            self.durable_copies.labels("copied").inc()
+            self.durable_bytes.inc(done.bytes)
+            self.durable_seconds.observe(done.lag_seconds)
+
+        copier.on_copied = copied
+        copier.on_refused = lambda ref, err: self.durable_copies.labels("refused").inc()
+
     def observe_request(self, route: str, method: str, status: int, seconds: float, bytes_in: int,
                         bytes_out: int) -> None:
         self.requests.labels(route, method, str(status)).inc()

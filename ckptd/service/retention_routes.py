@@ -95,7 +95,8 @@ class RetentionPolicy:
     def __init__(self, storage: Storage, settings: Settings, verify: Verifier | None = None,
                  record: DecisionLog | None = None) -> None:
         self.storage, self.settings, self.verify, self.record = storage, settings, verify, record
-        self._busy: set[str] = set()
+        self._busy: set[str] = set()  # runs being collected
+        self._again: set[str] = set()  # of those, runs committed to meanwhile
         self._lock = threading.Lock()
 
     @property
@@ -103,13 +104,25 @@ class RetentionPolicy:
         return self.settings.retention_keep_last is not None
 
     def after_commit(self, run: str) -> None:
+        """Collect ``run`` in a thread; a commit while it runs has it collect once more after (its
+        listing may predate that commit)."""
         if not self.enabled:
             return
         with self._lock:
             if run in self._busy:
+                self._again.add(run)
                 return
             self._busy.add(run)
-        threading.Thread(target=self._collect, args=(run,), name=f"ckptd-gc-{run}", daemon=True).start()
+        threading.Thread(target=self._collect_while_asked, args=(run,), name=f"ckptd-gc-{run}", daemon=True).start()
+
+    def _collect_while_asked(self, run: str) -> None:
+        while True:
+            self._collect(run)
+            with self._lock:
+                if run not in self._again:
+                    self._busy.discard(run)
+                    return
+                self._again.discard(run)
 
     def _collect(self, run: str) -> None:
         try:
@@ -121,9 +134,6 @@ class RetentionPolicy:
                 log.info("retention: deleted %s from run %s", ", ".join(plan.deleted), run)
         except Exception:  # noqa: BLE001 - retention never breaks a save; the next commit tries again
             log.exception("retention of run %s failed", run)
-        finally:
-            with self._lock:
-                self._busy.discard(run)
 
 
 class ReadLeases:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     from ..storage import Storage
     from ..store import CheckpointReader
+    from ..store.durable import DurableCopier
     from ..store.visibility import Visibility
     from .limits import UploadSlots
     from .metrics import MeteredSessionStore, Metrics
@@ -33,3 +34,4 @@ class Services:
     uploads: UploadSlots  # file uploads in progress, per token
     read_leases: ReadLeases
     workers: Callable[[], ProcessPoolExecutor]  # the worker pool (started on first use), shared with reshard jobs
+    durable: DurableCopier | None = None  # the durable tier's copier (--durable), else None

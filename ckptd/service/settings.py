@@ -19,6 +19,18 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CKPTD_", extra="ignore")
 
     root: str = Field("./ckptd-data", description="storage root: a directory or an fsspec URL (s3://bucket/prefix)")
+    durable: str | None = Field(
+        None, description="durable tier behind the root (a directory or an fsspec URL such as s3://bucket/prefix): "
+        "saves commit on the root (the fast tier, e.g. local NVMe) and each committed checkpoint is then copied "
+        "here, every byte checked, and marked durable (docs/deployment.md, Fast tier); loads read the fast tier "
+        "first and fall back to this one")
+    fast_keep_last: int = Field(
+        2, ge=1, description="with a durable tier: the fast tier keeps each run's N newest checkpoints; older "
+        "ones leave it once durable (the durable tier follows the retention policy)")
+    durable_scan_seconds: float = Field(
+        10.0, gt=0, description="with a durable tier: seconds between scans for committed checkpoints not yet "
+        "durable (each commit here starts one at once; the scan finds other replicas' commits and what a crash "
+        "left)")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8470, ge=0, le=65535, description="port to listen on (0: any free port)")
     stale_session_ttl: float = Field(6 * 3600.0, description="seconds before an uncommitted session is reclaimed")
@@ -89,10 +101,14 @@ class Settings(BaseSettings):
         1 << 16, ge=0, description="copies plus fetches a read plan may answer, plus 1 per byte of its request; "
         "more is refused 413")
 
+    def storage_url(self) -> str:
+        """What the service opens: the root, or the root as the fast tier in front of ``durable``."""
+        return self.root if self.durable is None else f"tiered:{self.root}|{self.durable}"
+
 
 #: The settings by what they govern: the configuration table shows one group after another.
 GROUPS: dict[str, tuple[str, ...]] = {
-    "Service": ("root", "host", "port", "log_level", "log_format"),
+    "Service": ("root", "durable", "fast_keep_last", "durable_scan_seconds", "host", "port", "log_level", "log_format"),
     "Authentication": ("tokens_file", "tokens", "insecure_open"),
     "Saving and loading": ("direct_writes", "direct_uploads", "direct_upload_seconds", "direct_reads",
                            "write_batch_bytes", "verify_after_commit", "stale_session_ttl", "reclaim_interval"),

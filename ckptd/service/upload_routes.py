@@ -8,7 +8,8 @@ Call order of a save::
     POST   /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}/link   hold an earlier checkpoint's file (incremental), or
     POST   .../files/{f}/presign, then PUT to the store, then .../confirm  upload to the object store (direct uploads)
     PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/ranks/{r}        each rank's index; the last one commits
-    GET    /v1/checkpoints/{run}/{name}/sessions/{sid}?wait=S           session status (long poll)
+    GET    /v1/checkpoints/{run}/{name}/sessions/{sid}?wait=S           session status (long poll; &durable=true:
+                                                                        until durable, with a durable tier)
     DELETE /v1/checkpoints/{run}/{name}/sessions/{sid}                  abort
 
 A long poll of the status is woken at once when an index arrives at this
@@ -186,22 +187,38 @@ def upload_router(svc: Services) -> APIRouter:
         finally:
             _wake(sid)
 
+    def with_durability(st: SessionStatus) -> SessionStatus:
+        """A committed status says whether it is durable (``DurableCopier.state``; without a durable
+        tier, the root is the durable store)."""
+        if st.state == "committed" and st.manifest_xxh3 is not None:
+            if svc.durable is None:
+                st.durable = True
+            else:
+                found = svc.durable.state(st.run, st.name, st.manifest_xxh3)
+                st.durable, st.durable_error = found.durable, found.error
+        return st
+
     @router.get("/v1/checkpoints/{run}/{name}/sessions/{sid}", response_model=SessionStatus)
-    async def session_status(run: str, name: str, sid: str,
-                             wait: float = Query(0.0, ge=0.0, le=60.0)) -> SessionStatus:
+    async def session_status(run: str, name: str, sid: str, wait: float = Query(0.0, ge=0.0, le=60.0),
+                             durable: bool = Query(False)) -> SessionStatus:
+        """``wait``: long-poll that many seconds while the session is open (or, with ``durable``, while it
+        is committed and not yet durable)."""
         deadline = time.monotonic() + wait
         event: asyncio.Event | None = None
         try:
             while True:
                 event = waiters.setdefault(sid, asyncio.Event())  # before reading: no lost wake-up
-                st = await run_in_threadpool(sessions.status, run, name, sid)
+                st = await run_in_threadpool(lambda: with_durability(sessions.status(run, name, sid)))
                 left = deadline - time.monotonic()
-                if st.state != "open" or left <= 0:
+                settled = st.state == "failed" or (st.state == "committed" and (
+                    not durable or st.durable or st.durable_error is not None))
+                if settled or left <= 0:
                     return st
                 # Woken at once when an index arrives at this process; polled every 0.1 s otherwise
-                # (another replica may take the last index).
+                # (another replica may take the last index); the durable tier every 0.5 s (a read of
+                # its marker: requests to an object store).
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(event.wait(), min(0.1, left))
+                    await asyncio.wait_for(event.wait(), min(0.1 if st.state == "open" else 0.5, left))
         finally:
             if event is not None and waiters.get(sid) is event:
                 del waiters[sid]  # a waiter sharing it falls back to the 0.1 s poll

@@ -10,7 +10,13 @@ __all__ = ["Adopted", "LocalStorage", "Presigned", "Storage", "Writer", "check_k
 
 def open_storage(root: str, **options: object) -> Storage:
     """A plain path opens :class:`LocalStorage`; ``s3://`` (``s3a://``) :class:`~ckptd.storage.s3.S3Storage`;
-    any other ``scheme://`` URL :class:`~ckptd.storage.fsspec.FsspecStorage`."""
+    any other ``scheme://`` URL :class:`~ckptd.storage.fsspec.FsspecStorage`; ``tiered:FAST|DURABLE`` a
+    :class:`~ckptd.storage.tiered.TieredStorage` over the two (``ckptd serve --durable``)."""
+    if root.startswith("tiered:"):
+        from .tiered import TieredStorage, split_tiered
+
+        fast, durable = split_tiered(root)
+        return TieredStorage(open_storage(fast, **options), open_storage(durable))
     if root.startswith(("s3://", "s3a://")):
         from .s3 import S3Storage
 

@@ -1,0 +1,302 @@
+"""The durable tier: copy each committed checkpoint from the fast tier, verified (``ckptd serve --durable``).
+
+With a durable tier (:class:`~ckptd.storage.tiered.TieredStorage`), a save commits on the fast tier
+("committed locally"); this module makes it **durable**: the durable tier then holds the checkpoint
+visibly (its marker, its manifest, every data file) with the manifest digest of the fast tier's
+marker. :meth:`DurableCopier.state` decides whether a checkpoint is durable, and nothing else does;
+the durable tier alone is a complete ckptd root (``ckptd serve --root`` it, or ``ckptd ls --root``).
+
+Call order (:meth:`DurableCopier.start`, then one background thread per service):
+
+0. :meth:`DurableCopier.adopt`, at start, when the fast tier is new or emptied (it has no
+   ``TIERS.json`` naming this durable tier): the durable tier's markers are copied to it, so that
+   the fast tier alone knows every name taken (:mod:`ckptd.storage.tiered`); the service does not
+   start while the durable tier cannot be listed then.
+1. :meth:`DurableCopier.scan`, woken by every commit here (:meth:`DurableCopier.notify`) and every
+   ``scan_seconds`` otherwise (commits of other replicas and of reshard workers, and what a crash
+   left undone): each checkpoint visible on the fast tier and not durable is copied, oldest first.
+2. :meth:`DurableCopier.copy`: every data file is read from the fast tier, hashed (XXH3 and block
+   digests, as at upload) and written to the durable tier; a file whose bytes differ from the
+   manifest's digests refuses the copy (the fast copy is damaged: recorded in ``NOT_DURABLE.json``,
+   not retried for that manifest). Then ``SESSION.json``, the manifest (its bytes hash to the
+   marker's digest), and last the marker, created if absent, so the durable tier shows nothing
+   until everything it names is there.
+3. :meth:`DurableCopier.trim`: the fast tier keeps the ``keep_fast`` newest checkpoints of each run;
+   an older one's data leaves the fast tier once it is durable and not leased, and its marker stays
+   (it is then read from the durable tier, which keeps it under the run's retention policy; that
+   policy deletes from both tiers).
+
+A crash anywhere before the marker leaves the durable copy invisible and the fast copy intact; the
+next scan (at start, then periodically) copies it again, and each object write is whole, so a
+rewrite replaces what the crash left. Replicas sharing a fast root may copy the same checkpoint at
+once: the marker is created once, and the copies are the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Callable
+
+from ckptd_schemas import CkptdError, Conflict, CorruptCheckpoint, FileEntry, StorageError
+from ckptd_schemas.filedigest import StreamDigest
+
+from ..storage.tiered import TieredStorage
+from .faults import crash_point
+from .layout import Marker, Paths
+from .leases import Leases
+from .visibility import Committed, Visibility, order_key
+
+__all__ = ["DURABLE_CRASH_POINTS", "Copied", "DurableCopier", "DurableState"]
+
+log = logging.getLogger("ckptd.durable")
+
+DURABLE_CRASH_POINTS = (
+    "durable-mid-copy",       # some data files on the durable tier, not all
+    "durable-before-marker",  # every file and the manifest there, the marker not yet created
+)
+WINDOW = 16 << 20  # bytes per read and write while copying (one request per window on object stores)
+PARALLEL_FILES = 4  # files copied at once (object stores: one request each in flight)
+
+
+TIERS_KEY = "TIERS.json"  # on the fast tier: the durable tier whose markers it holds (adopt)
+
+
+def not_durable_key(run: str, name: str) -> str:
+    return f"{Paths.ckpt(run, name)}/NOT_DURABLE.json"
+
+
+@dataclass(frozen=True)
+class DurableState:
+    """Whether ``RUN/NAME`` (as committed with ``manifest_xxh3``) is durable, or why it cannot become so."""
+
+    durable: bool
+    error: dict | None = None  # the typed error body, when the copy was refused
+
+
+@dataclass(frozen=True)
+class Copied:
+    """One checkpoint made durable by this process."""
+
+    run: str
+    name: str
+    bytes: int
+    lag_seconds: float  # from its commit to its durable marker
+
+
+@dataclass
+class DurableCopier:
+    """Copies committed checkpoints of ``tiers.fast`` to ``tiers.durable`` (module docstring)."""
+
+    tiers: TieredStorage
+    keep_fast: int = 2
+    scan_seconds: float = 10.0
+    on_copied: Callable[[Copied], None] | None = None
+    on_refused: Callable[[str, CkptdError], None] | None = None
+    pending: dict[str, datetime] = field(default_factory=dict)  # ref -> committed_at, not durable yet
+
+    def __post_init__(self) -> None:
+        self.fast_vis, self.durable_vis = Visibility(self.tiers.fast), Visibility(self.tiers.durable)
+        self.leases = Leases(self.tiers)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # one scan at a time in this process
+
+    # -- the one rule ------------------------------------------------------------------------------
+    def state(self, run: str, name: str, manifest_xxh3: str) -> DurableState:
+        """Durable iff the durable tier shows ``run/name`` visible with this manifest digest."""
+        c = self.durable_vis.check(run, name)
+        if c is not None and c.digest == manifest_xxh3:
+            return DurableState(True)
+        refused = self.tiers.fast.read_or_none(not_durable_key(run, name))
+        if refused is not None:
+            rec = json.loads(refused)
+            if rec.get("manifest_xxh3") == manifest_xxh3:
+                return DurableState(False, rec["error"])
+        return DurableState(False)
+
+    def lag_seconds(self) -> float:
+        """Age of the oldest committed checkpoint not durable yet (0 when none)."""
+        oldest = min(self.pending.values(), default=None)
+        return 0.0 if oldest is None else max(0.0, (datetime.now(timezone.utc) - oldest).total_seconds())
+
+    # -- 0. adopt ----------------------------------------------------------------------------------
+    def adopt(self) -> int:
+        """Copy the durable tier's markers to a fast tier that does not hold them yet; return how many."""
+        fast = self.tiers.fast
+        stamp = json.dumps({"durable": self.tiers.durable.url}).encode()
+        if fast.read_or_none(TIERS_KEY) == stamp:
+            return 0
+        n = 0
+        for run in self.durable_vis.runs():
+            for name in self.durable_vis.names(run):
+                c = self.durable_vis.check(run, name)
+                if c is not None and fast.create_if_absent(Paths.marker(run, name), c.marker.model_dump_json().encode()):
+                    n += 1
+        fast.put(TIERS_KEY, stamp)
+        if n:
+            log.info("durable tier: the fast tier took %d checkpoint markers from %s", n, self.tiers.durable.url)
+        return n
+
+    # -- background thread -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Adopt (raises while the durable tier cannot be listed), then scan in the background."""
+        self.adopt()
+        self._thread = threading.Thread(target=self._loop, name="ckptd-durable", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def notify(self, *_: object) -> None:
+        """A commit happened here: scan now (an ``on_commit`` callback)."""
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                self.scan()
+            except Exception:  # noqa: BLE001 - a failed scan must not stop the copier; the next one retries
+                log.exception("durable tier: scan failed")
+            self._wake.wait(self.scan_seconds)
+
+    # -- 1. scan -----------------------------------------------------------------------------------
+    def scan(self) -> list[Copied]:
+        """Copy every fast-tier checkpoint that is not durable, then trim each run's fast copies."""
+        with self._lock:
+            todo: list[Committed] = []
+            runs = self.fast_vis.runs()
+            for run in runs:
+                try:
+                    todo += [c for c in self.on_fast(run) if not self._durable_or_refused(c)]
+                except CkptdError as e:
+                    log.warning("durable tier: run %s skipped: %s", run, e.message)
+            self.pending = {c.ref: c.committed_at for c in todo}
+            done = []
+            for c in sorted(todo, key=lambda c: c.committed_at):
+                if self._stop.is_set():
+                    break
+                try:
+                    done.append(self.copy(c))
+                except StorageError as e:  # transient: the next scan tries again
+                    log.warning("durable tier: copy of %s interrupted: %s", c.ref, e.message)
+                    continue
+                except CkptdError as e:
+                    self._refuse(c, e)
+                    continue
+                self.pending.pop(c.ref, None)
+            for run in runs:
+                try:
+                    self.trim(run)
+                except CkptdError as e:
+                    log.warning("durable tier: trim of run %s skipped: %s", run, e.message)
+            return done
+
+    def on_fast(self, run: str) -> list[Committed]:
+        """The run's checkpoints whose whole copy is on the fast tier (visible there), oldest first;
+        a checkpoint whose fast copy was dropped (its marker alone left) is not looked into."""
+        out = []
+        for name in self.fast_vis.names(run):
+            m = self.fast_vis.marker(run, name)
+            if isinstance(m, Marker) and self.tiers.fast.exists(Paths.manifest(run, name, m.session, m.manifest_xxh3)):
+                c = self.fast_vis.check_marker(run, name, m)
+                if c is not None:
+                    out.append(c)
+        return sorted(out, key=order_key)
+
+    def _durable_or_refused(self, c: Committed) -> bool:
+        st = self.state(c.run, c.name, c.digest)
+        return st.durable or st.error is not None
+
+    def _refuse(self, c: Committed, e: CkptdError) -> None:
+        log.error("durable tier: %s cannot be made durable: %s", c.ref, e.message)
+        rec = {"manifest_xxh3": c.digest, "error": e.to_body()["error"]}
+        self.tiers.fast.put(not_durable_key(c.run, c.name), json.dumps(rec).encode())
+        self.pending.pop(c.ref, None)
+        if self.on_refused is not None:
+            self.on_refused(c.ref, e)
+
+    # -- 2. copy -----------------------------------------------------------------------------------
+    def copy(self, c: Committed) -> Copied:
+        """Copy the visible fast-tier checkpoint ``c`` to the durable tier, data first, marker last."""
+        fast, durable = self.tiers.fast, self.tiers.durable
+        self._check_name_free(c)
+        manifest = self.fast_vis.manifest(c)
+        raw = self.fast_vis.manifest_bytes(c)
+        keys = {f: Paths.file(c.run, c.name, c.session, f) for f in manifest.files}
+        with ThreadPoolExecutor(PARALLEL_FILES, thread_name_prefix="ckptd-durable-copy") as pool:
+            list(pool.map(lambda f: self._copy_file(c, keys[f], manifest.files[f]), sorted(keys)))
+        meta = fast.read_or_none(Paths.session_meta(c.run, c.name, c.session))
+        if meta is not None:
+            durable.put(Paths.session_meta(c.run, c.name, c.session), meta)
+        durable.put(c.manifest_key, raw)
+        crash_point("durable-before-marker")
+        if fast.read_or_none(Paths.marker(c.run, c.name)) is None:
+            raise StorageError(f"{c.ref} left the fast tier while it was copied (removed by retention)",
+                               ref=c.ref)
+        if not durable.create_if_absent(Paths.marker(c.run, c.name), c.marker.model_dump_json().encode()):
+            self._check_name_free(c)  # created meanwhile: by another replica's copy of this checkpoint, or not
+        lag = max(0.0, (datetime.now(timezone.utc) - c.committed_at).total_seconds())
+        done = Copied(c.run, c.name, sum(e.size for e in manifest.files.values()) + len(raw), lag)
+        log.info("durable tier: %s is durable (%d bytes, %.2f s after its commit)", c.ref, done.bytes, lag)
+        if self.on_copied is not None:
+            self.on_copied(done)
+        return done
+
+    def _check_name_free(self, c: Committed) -> None:
+        """Refuse (``Conflict``) when the durable tier has a marker under ``c``'s name for another manifest:
+        its checkpoint is kept, and ``c`` stays on the fast tier only."""
+        there = self.durable_vis.marker(c.run, c.name)
+        if there is None or (isinstance(there, Marker) and there.manifest_xxh3 == c.digest):
+            return
+        what = f"manifest {there.manifest_xxh3}" if isinstance(there, Marker) else "a marker that does not parse"
+        raise Conflict(f"{c.ref}: the durable tier holds another checkpoint under this name ({what}); this one "
+                       f"(manifest {c.digest}) stays on the fast tier only", ref=c.ref)
+
+    def _copy_file(self, c: Committed, key: str, entry: FileEntry) -> None:
+        """Read ``key`` from the fast tier, hash it as it goes, write it to the durable tier; commit the
+        durable object only if the bytes are the ones the manifest records."""
+        digest = StreamDigest(entry.block_size)
+        buf = bytearray(min(WINDOW, max(entry.size, 1)))
+        w = self.tiers.durable.open_write(key)
+        try:
+            for start in range(0, entry.size, len(buf)):
+                view = memoryview(buf)[:min(len(buf), entry.size - start)]
+                self.tiers.fast.read_committed_into(key, start, view, entry.size, ref=c.ref)
+                digest.update(view)
+                w.write(view)
+            got, blocks = digest.finish()
+            if got != entry.xxh3 or blocks != entry.blocks:
+                raise CorruptCheckpoint(f"{c.ref}: file {key.rsplit('/', 1)[-1]!r} on the fast tier does not match "
+                                        f"its manifest (XXH3 {got}, manifest {entry.xxh3})", ref=c.ref, key=key)
+        except BaseException:
+            w.abort()
+            raise
+        w.commit()
+        crash_point("durable-mid-copy")
+
+    # -- 3. trim -----------------------------------------------------------------------------------
+    def trim(self, run: str) -> list[str]:
+        """Drop the fast copies (their data, not their markers) of the run's checkpoints beyond the
+        ``keep_fast`` newest, where durable and not leased; return their names."""
+        here = self.on_fast(run)
+        dropped = []
+        for c in here[:max(0, len(here) - self.keep_fast)]:
+            if not self.state(c.run, c.name, c.digest).durable or self.leases.active(run, c.name):
+                continue
+            self.tiers.fast.delete_tree(Paths.sessions(run, c.name))  # the marker stays: the name is taken
+            dropped.append(c.name)
+        if dropped:
+            log.info("durable tier: fast copies of %s/%s dropped (durable; the fast tier keeps the %d newest)",
+                     run, ",".join(dropped), self.keep_fast)
+        return dropped
+

@@ -1,0 +1,303 @@
+"""The fast tier and the durable tier (``ckptd serve --root FAST --durable DURABLE``).
+
+What must hold, each through a real ``ckptd serve``:
+
+* a save commits on the fast tier; ``wait(durable=True)`` returns once the durable tier holds it,
+  and the durable tier alone is a complete root: a service on it loads the checkpoint bit for bit;
+* losing the fast tier (its directory emptied while the service is down) loses no checkpoint that
+  was reported durable: every one lists, loads and keeps its name taken;
+* a crash of the service between the commit and the durable marker leaves the durable copy
+  invisible; the restarted service finishes it (its first scan);
+* a fast copy whose bytes no longer match its manifest never becomes durable: the copy is refused,
+  ``wait(durable=True)`` raises the typed error, the durable tier shows nothing under that name;
+* a durable tier that already holds another checkpoint under the name keeps it and refuses ours;
+* retention per tier: the fast tier keeps the newest N of each run and drops older copies only once
+  durable (they load from the durable tier); the run's policy deletes from both tiers;
+* the lag between tiers is in the metrics; an ``s3://`` durable tier (moto) works the same.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from ckptd.storage import LocalStorage, open_storage
+from ckptd.storage.tiered import TieredStorage
+from ckptd.store.durable import DurableCopier
+from ckptd.store.layout import Paths
+from ckptd.store.visibility import Visibility
+from ckptd_client import AlreadyCommitted, CheckpointClient, CorruptCheckpoint
+from ckptd_client.sessions import wait_committed
+from ckptd_client.transport import Transport
+from ckptd_schemas import SessionStatus
+from support import ServerProcess, assert_bits_equal, blank_like, scaled
+
+MiB = 1 << 20
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {f"w{i}": torch.randn(128, 256, generator=g) for i in range(4)}, "step": torch.tensor(seed)}
+
+
+def _server(tmp_path, durable: str, *, env: dict | None = None, name: str = "server") -> ServerProcess:
+    return ServerProcess(tmp_path / "fast", env={"CKPTD_DURABLE": durable, **(env or {})},
+                         log=tmp_path / f"{name}.log")
+
+
+def _markers(root) -> set[str]:
+    """``run/name`` of every COMMITTED marker under a local root."""
+    return {f"{p.parent.parent.name}/{p.parent.name}" for p in (root / "runs").glob("*/*/COMMITTED")}
+
+
+def _on_fast(tmp_path) -> set[str]:
+    """``run/name`` of every checkpoint whose data the fast tier holds."""
+    return {f"{p.parent.name}/{p.name}" for p in (tmp_path / "fast" / "runs").glob("*/*") if (p / "sessions").is_dir()}
+
+
+def _metric(srv: ServerProcess, name: str, **labels: str) -> float:
+    for fam in text_string_to_metric_families(httpx.get(f"{srv.url}/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise AssertionError(f"metric {name} {labels} not exported")
+
+
+def _load(url: str, ref: str, like: dict) -> dict:
+    got = blank_like(like)
+    with CheckpointClient(url) as c:
+        c.load(got, ref)
+    return got
+
+
+def test_a_save_commits_locally_then_becomes_durable_and_the_durable_tier_is_a_whole_root(tmp_path):
+    durable = tmp_path / "durable"
+    srv = _server(tmp_path, str(durable)).start()
+    try:
+        sd = _state(1)
+        with CheckpointClient(srv.url, incremental=False) as c:
+            st = c.save(sd, "t/1").wait(durable=True)
+        assert st.state == "committed" and st.durable is True and st.durable_error is None
+        assert _markers(durable) == {"t/1"}
+        assert _metric(srv, "ckptd_durable_copies_total", outcome="copied") == 1
+        assert _metric(srv, "ckptd_durable_bytes_total") > 4 * 128 * 256 * 4
+        assert _metric(srv, "ckptd_durable_pending") == 0
+        assert _metric(srv, "ckptd_durable_lag_seconds") == 0
+    finally:
+        srv.stop()
+    alone = ServerProcess(durable, log=tmp_path / "alone.log").start()  # the durable tier as a plain root
+    try:
+        assert_bits_equal(_load(alone.url, "t/latest", sd), sd)
+    finally:
+        alone.stop()
+    out = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "verify", "t/1", "--root", str(durable)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("OK t/1"), out.stdout + out.stderr
+
+
+def test_losing_the_fast_tier_loses_no_durable_checkpoint(tmp_path):
+    durable = tmp_path / "durable"
+    srv = _server(tmp_path, str(durable)).start()
+    states = {step: _state(step) for step in (1, 2, 3)}
+    with CheckpointClient(srv.url, incremental=False) as c:
+        for step, sd in states.items():
+            c.save(sd, f"t/{step}").wait(durable=True)
+    srv.kill()
+    shutil.rmtree(tmp_path / "fast")  # the node's NVMe is gone: a new, empty one in its place
+    srv.start()
+    try:
+        names = [x["name"] for x in httpx.get(f"{srv.url}/v1/runs/t/checkpoints", timeout=10).json()]
+        assert names == ["1", "2", "3"]
+        for step, sd in states.items():
+            assert_bits_equal(_load(srv.url, f"t/{step}", sd), sd, f"step {step}")
+        with CheckpointClient(srv.url, incremental=False) as c:
+            with pytest.raises(AlreadyCommitted):
+                c.save(_state(9), "t/2").wait()  # its name stays taken
+            st = c.save(_state(4), "t/4").wait(durable=True)  # and saving goes on
+        assert st.durable and _markers(durable) == {"t/1", "t/2", "t/3", "t/4"}
+        assert_bits_equal(_load(srv.url, "t/latest", _state(4)), _state(4))
+    finally:
+        srv.stop()
+
+
+def test_a_crash_before_the_durable_marker_is_finished_by_the_restarted_service(tmp_path):
+    durable = tmp_path / "durable"
+    srv = _server(tmp_path, str(durable), env={"CKPTD_FAULTS": "crash-at=durable-before-marker"}).start()
+    sd = _state(2)
+    c = CheckpointClient(srv.url, incremental=False, retry_seconds=2)
+    handle = c.save(sd, "t/1")
+    with pytest.raises(Exception):
+        handle.wait(durable=True, timeout=scaled(30))  # the service dies on its way to the durable marker
+    assert srv.wait_exit(timeout=scaled(30)) != 0
+    c.close()
+    assert _markers(tmp_path / "fast") == {"t/1"}  # committed locally ...
+    assert _markers(durable) == set()  # ... and nothing visible on the durable tier
+    assert (durable / "runs" / "t" / "1").is_dir()  # although its files were copied
+    srv.start(env={"CKPTD_FAULTS": ""})
+    try:
+        st = httpx.get(f"{srv.url}/v1/checkpoints/t/1/sessions/{handle.session}",
+                       params={"wait": 30, "durable": "true"}, timeout=60).json()
+        assert st["state"] == "committed" and st["durable"] is True, st
+        assert _markers(durable) == {"t/1"}
+    finally:
+        srv.stop()
+    assert_bits_equal(_load(ServerProcess(durable, log=tmp_path / "alone.log").start().url, "t/1", sd), sd)
+
+
+def test_a_damaged_fast_copy_never_becomes_durable(tmp_path):
+    durable = tmp_path / "durable"
+    srv = _server(tmp_path, str(durable), env={"CKPTD_FAULTS": "crash-at=durable-before-marker"}).start()
+    c = CheckpointClient(srv.url, incremental=False, retry_seconds=2)
+    handle = c.save(_state(3), "t/1")
+    with pytest.raises(Exception):
+        handle.wait(durable=True, timeout=scaled(30))
+    srv.wait_exit(timeout=scaled(30))
+    c.close()
+    data = sorted((tmp_path / "fast" / "runs" / "t" / "1" / "sessions").glob("*/files/*"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF  # one byte flipped on the fast tier after the commit checked it
+    data.write_bytes(bytes(raw))
+    srv.start(env={"CKPTD_FAULTS": ""})
+    try:
+        st = httpx.get(f"{srv.url}/v1/checkpoints/t/1/sessions/{handle.session}",
+                       params={"wait": 30, "durable": "true"}, timeout=60).json()
+        assert st["state"] == "committed" and st["durable"] is False, st
+        assert st["durable_error"]["code"] == "corrupt_checkpoint" and data.name in st["durable_error"]["message"]
+        transport = Transport(srv.url)  # the client's wait raises the typed error
+        try:
+            with pytest.raises(CorruptCheckpoint, match=data.name):
+                wait_committed(transport, "/v1/checkpoints/t/1", "t/1", SessionStatus.model_validate(st), None,
+                               durable=True)
+        finally:
+            transport.close()
+        assert _markers(durable) == set()
+        assert _metric(srv, "ckptd_durable_copies_total", outcome="refused") == 1
+        assert _metric(srv, "ckptd_durable_pending") == 0  # refused: not waiting any more
+    finally:
+        srv.stop()
+
+
+def test_a_name_the_durable_tier_holds_otherwise_is_not_overwritten(tmp_path):
+    """Two fast tiers behind one durable tier (a misconfiguration): the second ``t/1`` stays local."""
+    durable = tmp_path / "durable"
+    first = ServerProcess(tmp_path / "fast-a", env={"CKPTD_DURABLE": str(durable)}, log=tmp_path / "a.log").start()
+    try:
+        with CheckpointClient(first.url, incremental=False) as c:
+            c.save(_state(1), "t/1").wait(durable=True)
+    finally:
+        first.stop()
+    before = (durable / "runs" / "t" / "1" / "COMMITTED").read_bytes()
+    # A fast tier that does not see the durable one's t/1 when it commits its own.
+    tiers = TieredStorage(LocalStorage(tmp_path / "fast-b"), LocalStorage(tmp_path / "elsewhere"))
+    second = ServerProcess(tmp_path / "fast-b", env={"CKPTD_DURABLE": str(tmp_path / "elsewhere")},
+                           log=tmp_path / "b.log").start()
+    try:
+        with CheckpointClient(second.url, incremental=False) as c:
+            c.save(_state(2), "t/1").wait(durable=True)
+    finally:
+        second.stop()
+    shutil.rmtree(tmp_path / "elsewhere")
+    copier = DurableCopier(TieredStorage(tiers.fast, LocalStorage(durable)))
+    assert copier.scan() == []
+    c1 = Visibility(tiers.fast).check("t", "1")
+    st = copier.state("t", "1", c1.digest)
+    assert not st.durable and st.error["code"] == "conflict", st
+    assert (durable / "runs" / "t" / "1" / "COMMITTED").read_bytes() == before
+
+
+def test_the_fast_tier_keeps_the_newest_and_older_ones_load_from_the_durable_tier(tmp_path):
+    durable = tmp_path / "durable"
+    srv = _server(tmp_path, str(durable), env={"CKPTD_FAST_KEEP_LAST": "2"}).start()
+    try:
+        states = {step: _state(step) for step in (1, 2, 3, 4)}
+        with CheckpointClient(srv.url, incremental=False) as c:
+            for step, sd in states.items():
+                c.save(sd, f"t/{step}").wait(durable=True)
+        deadline = time.monotonic() + scaled(30)
+        while _on_fast(tmp_path) != {"t/3", "t/4"} and time.monotonic() < deadline:
+            time.sleep(0.1)  # trimmed by the scan that follows each copy
+        assert _on_fast(tmp_path) == {"t/3", "t/4"}
+        assert _markers(tmp_path / "fast") == _markers(durable) == {"t/1", "t/2", "t/3", "t/4"}  # names stay taken
+        for step, sd in states.items():
+            assert_bits_equal(_load(srv.url, f"t/{step}", sd), sd, f"step {step}")
+    finally:
+        srv.stop()
+
+
+def test_a_fast_copy_that_is_not_durable_is_never_trimmed(tmp_path):
+    """The durable tier unreachable: every checkpoint stays on the fast tier, and the lag shows it."""
+    durable = tmp_path / "durable"
+    srv = _server(tmp_path, str(durable), env={"CKPTD_FAST_KEEP_LAST": "1", "CKPTD_DURABLE_SCAN_SECONDS": "0.2"})
+    srv.start()
+    durable.rmdir()
+    durable.write_text("a file where the durable tier's directory was: every write there fails")
+    try:
+        with CheckpointClient(srv.url, incremental=False) as c:
+            for step in (1, 2, 3):
+                st = c.save(_state(step), f"t/{step}").wait()
+                assert st.state == "committed"
+            time.sleep(1.0)
+            assert _on_fast(tmp_path) == {"t/1", "t/2", "t/3"}
+            got = httpx.get(f"{srv.url}/v1/checkpoints/t/3/sessions/{st.session}", timeout=10).json()
+            assert got["durable"] is False and got["durable_error"] is None
+        assert _metric(srv, "ckptd_durable_pending") == 3
+        assert _metric(srv, "ckptd_durable_lag_seconds") >= 1.0
+    finally:
+        srv.stop()
+
+
+def test_a_new_fast_tier_does_not_start_without_the_durable_tier_s_names(tmp_path):
+    """An empty fast tier must first learn every name the durable tier holds: with the durable tier
+    unreachable, the service refuses to start rather than let a save reuse a committed name."""
+    durable = tmp_path / "durable"
+    durable.write_text("not a directory")
+    srv = _server(tmp_path, str(durable / "root"))
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        srv.start()
+    assert "Traceback" not in srv.log.read_text()
+
+
+def test_the_retention_policy_deletes_from_both_tiers(tmp_path):
+    durable = tmp_path / "durable"
+    srv = _server(tmp_path, str(durable), env={"CKPTD_RETENTION_KEEP_LAST": "2", "CKPTD_FAST_KEEP_LAST": "5"})
+    srv.start()
+    try:
+        with CheckpointClient(srv.url, incremental=False) as c:
+            for step in (1, 2, 3, 4):
+                c.save(_state(step), f"t/{step}").wait(durable=True)
+        deadline = time.monotonic() + scaled(30)
+        while (_markers(durable), _markers(tmp_path / "fast")) != ({"t/3", "t/4"},) * 2 and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _markers(durable) == _markers(tmp_path / "fast") == {"t/3", "t/4"}
+        assert not (durable / "runs" / "t" / "1" / "sessions").exists()
+    finally:
+        srv.stop()
+
+
+def test_an_s3_durable_tier(tmp_path, moto_s3, s3_env):
+    from s3_server import aws_env
+
+    url = moto_s3.url("tiers-durable")
+    srv = _server(tmp_path, url, env=aws_env(moto_s3.endpoint)).start()
+    try:
+        sd = _state(5)
+        with CheckpointClient(srv.url, incremental=False) as c:
+            assert c.save(sd, "s/1").wait(durable=True).durable
+        store = open_storage(url)
+        assert Visibility(store).check("s", "1") is not None
+        manifest = Visibility(store).manifest(Visibility(store).check("s", "1"))
+        for f, entry in manifest.files.items():
+            assert store.size(Paths.file("s", "1", manifest.session, f)) == entry.size
+        json.loads(store.read(Paths.marker("s", "1")))
+    finally:
+        srv.stop()
+        moto_s3.clear("tiers-durable")
