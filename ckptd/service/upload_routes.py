@@ -215,10 +215,10 @@ def upload_router(svc: Services) -> APIRouter:
                 if settled or left <= 0:
                     return st
                 # Woken at once when an index arrives at this process; polled every 0.1 s otherwise
-                # (another replica may take the last index); the durable tier every 0.5 s (a read of
+                # (another replica may take the last index); the durable tier every 0.25 s (a read of
                 # its marker: requests to an object store).
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(event.wait(), min(0.1 if st.state == "open" else 0.5, left))
+                    await asyncio.wait_for(event.wait(), min(0.1 if st.state == "open" else 0.25, left))
         finally:
             if event is not None and waiters.get(sid) is event:
                 del waiters[sid]  # a waiter sharing it falls back to the 0.1 s poll
