@@ -230,6 +230,10 @@ def test_the_fast_tier_keeps_the_newest_and_older_ones_load_from_the_durable_tie
             assert_bits_equal(_load(srv.url, f"t/{step}", sd), sd, f"step {step}")
     finally:
         srv.stop()
+    both = f"tiered:{tmp_path / 'fast'}|{durable}"  # the offline commands see the two tiers as the service does
+    out = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "verify", "t/1", "--root", both],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("OK t/1"), out.stdout + out.stderr
 
 
 def test_a_fast_copy_that_is_not_durable_is_never_trimmed(tmp_path):

@@ -63,12 +63,20 @@ def resolve_target(args: argparse.Namespace) -> Target:
 def open_root(root: str, *, create: bool) -> "Storage":
     """Open the storage root ``root``; with ``create=False`` a local directory must already exist."""
     from ..storage import open_storage
+    from ..storage.tiered import TIERED, split_tiered
 
-    if "://" not in root:
-        path = Path(root)
-        if not create and not path.is_dir():
+    if root.startswith(TIERED):  # a fast tier and its durable tier, as `ckptd serve --durable` sees them
+        try:
+            parts = split_tiered(root)
+        except ValueError as e:
+            raise InvalidRequest(str(e), root=root, field="root") from e
+    else:
+        parts = (root,)
+    for part in parts:
+        path = Path(part)
+        if "://" not in part and not create and not path.is_dir():
             what = "is not a directory" if path.exists() else "does not exist"
-            raise NotFound(f"no such root: {root} {what} (pass --root PATH or --server URL)", root=root)
+            raise NotFound(f"no such root: {part} {what} (pass --root PATH or --server URL)", root=part)
     try:
         return open_storage(root)
     except ImportError as e:
