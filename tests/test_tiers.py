@@ -236,6 +236,35 @@ def test_the_fast_tier_keeps_the_newest_and_older_ones_load_from_the_durable_tie
     assert out.returncode == 0 and out.stdout.startswith("OK t/1"), out.stdout + out.stderr
 
 
+def test_a_reshard_job_reads_a_dropped_fast_copy_and_its_output_becomes_durable(tmp_path):
+    """A worker process reopens both tiers (``tiered:FAST|DURABLE``): it reads a source whose data only
+    the durable tier holds, and its commit, made outside the service's process, is found by the scan."""
+    durable = tmp_path / "durable"
+    srv = _server(tmp_path, str(durable), env={"CKPTD_FAST_KEEP_LAST": "1", "CKPTD_DURABLE_SCAN_SECONDS": "0.3"})
+    srv.start()
+    try:
+        sd = _state(6)
+        with CheckpointClient(srv.url, incremental=False) as c:
+            c.save(sd, "t/1").wait(durable=True)
+            c.save(_state(7), "t/2").wait(durable=True)
+        deadline = time.monotonic() + scaled(30)
+        while "t/1" in _on_fast(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "t/1" not in _on_fast(tmp_path)
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            job = http.post("/v1/reshard", json={"source": "t/1", "to": "full", "out": "t-full/1"}).json()
+            while job["state"] not in ("done", "failed") and time.monotonic() < deadline + scaled(60):
+                time.sleep(0.2)
+                job = http.get(f"/v1/jobs/{job['id']}").json()
+        assert job["state"] == "done", job.get("error")
+        while "t-full/1" not in _markers(durable) and time.monotonic() < deadline + scaled(90):
+            time.sleep(0.1)
+        assert "t-full/1" in _markers(durable)
+        assert_bits_equal(_load(srv.url, "t-full/1", sd), sd)
+    finally:
+        srv.stop()
+
+
 def test_a_fast_copy_that_is_not_durable_is_never_trimmed(tmp_path):
     """The durable tier unreachable: every checkpoint stays on the fast tier, and the lag shows it."""
     durable = tmp_path / "durable"
