@@ -314,8 +314,9 @@ class SessionStatus(_Body):
     ranks_done: list[int]
     error: dict[str, Any] | None = None
     manifest_xxh3: str | None = None
-    #: once committed: whether the checkpoint is durable (on a service with a durable tier, copied there
-    #: and checked; otherwise the root is the durable store, and a commit is durable). None: not asked.
+    #: once committed, when asked (``?durable=true``): whether the checkpoint is durable (on a service with a
+    #: durable tier, copied there and checked; otherwise the root is the durable store, and a commit is
+    #: durable). None: not asked.
     durable: bool | None = None
     #: why the checkpoint cannot become durable (its fast copy does not match its manifest), as an error body
     durable_error: dict[str, Any] | None = None

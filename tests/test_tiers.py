@@ -279,8 +279,9 @@ def test_a_fast_copy_that_is_not_durable_is_never_trimmed(tmp_path):
                 assert st.state == "committed"
             time.sleep(1.0)
             assert _on_fast(tmp_path) == {"t/1", "t/2", "t/3"}
-            got = httpx.get(f"{srv.url}/v1/checkpoints/t/3/sessions/{st.session}", timeout=10).json()
-            assert got["durable"] is False and got["durable_error"] is None
+            got = httpx.get(f"{srv.url}/v1/checkpoints/t/3/sessions/{st.session}", params={"durable": "true"},
+                            timeout=10).json()
+            assert got["state"] == "committed" and got["durable"] is False and got["durable_error"] is None
         assert _metric(srv, "ckptd_durable_pending") == 3
         assert _metric(srv, "ckptd_durable_lag_seconds") >= 1.0
     finally:

@@ -201,14 +201,16 @@ def upload_router(svc: Services) -> APIRouter:
     @router.get("/v1/checkpoints/{run}/{name}/sessions/{sid}", response_model=SessionStatus)
     async def session_status(run: str, name: str, sid: str, wait: float = Query(0.0, ge=0.0, le=60.0),
                              durable: bool = Query(False)) -> SessionStatus:
-        """``wait``: long-poll that many seconds while the session is open (or, with ``durable``, while it
-        is committed and not yet durable)."""
+        """``wait``: long-poll that many seconds while the session is open. ``durable``: say whether a
+        committed checkpoint is durable, and long-poll while it is not yet."""
         deadline = time.monotonic() + wait
         event: asyncio.Event | None = None
         try:
             while True:
                 event = waiters.setdefault(sid, asyncio.Event())  # before reading: no lost wake-up
-                st = await run_in_threadpool(lambda: with_durability(sessions.status(run, name, sid)))
+                st = await run_in_threadpool(sessions.status, run, name, sid)
+                if durable:  # asked only: on an object store each answer is a read of the durable tier
+                    st = await run_in_threadpool(with_durability, st)
                 left = deadline - time.monotonic()
                 settled = st.state == "failed" or (st.state == "committed" and (
                     not durable or st.durable or st.durable_error is not None))
