@@ -128,6 +128,7 @@ def test_losing_the_fast_tier_loses_no_durable_checkpoint(tmp_path):
         srv.stop()
 
 
+@pytest.mark.slow
 def test_a_crash_before_the_durable_marker_is_finished_by_the_restarted_service(tmp_path):
     durable = tmp_path / "durable"
     srv = _server(tmp_path, str(durable), env={"CKPTD_FAULTS": "crash-at=durable-before-marker"}).start()
@@ -152,6 +153,7 @@ def test_a_crash_before_the_durable_marker_is_finished_by_the_restarted_service(
     assert_bits_equal(_load(ServerProcess(durable, log=tmp_path / "alone.log").start().url, "t/1", sd), sd)
 
 
+@pytest.mark.slow
 def test_a_damaged_fast_copy_never_becomes_durable(tmp_path):
     durable = tmp_path / "durable"
     srv = _server(tmp_path, str(durable), env={"CKPTD_FAULTS": "crash-at=durable-before-marker"}).start()
@@ -185,6 +187,7 @@ def test_a_damaged_fast_copy_never_becomes_durable(tmp_path):
         srv.stop()
 
 
+@pytest.mark.slow
 def test_a_name_the_durable_tier_holds_otherwise_is_not_overwritten(tmp_path):
     """Two fast tiers behind one durable tier (a misconfiguration): the second ``t/1`` stays local."""
     durable = tmp_path / "durable"
@@ -236,6 +239,7 @@ def test_the_fast_tier_keeps_the_newest_and_older_ones_load_from_the_durable_tie
     assert out.returncode == 0 and out.stdout.startswith("OK t/1"), out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_a_reshard_job_reads_a_dropped_fast_copy_and_its_output_becomes_durable(tmp_path):
     """A worker process reopens both tiers (``tiered:FAST|DURABLE``): it reads a source whose data only
     the durable tier holds, and its commit, made outside the service's process, is found by the scan."""
@@ -299,6 +303,7 @@ def test_a_new_fast_tier_does_not_start_without_the_durable_tier_s_names(tmp_pat
     assert "Traceback" not in srv.log.read_text()
 
 
+@pytest.mark.slow
 def test_the_retention_policy_deletes_from_both_tiers(tmp_path):
     durable = tmp_path / "durable"
     srv = _server(tmp_path, str(durable), env={"CKPTD_RETENTION_KEEP_LAST": "2", "CKPTD_FAST_KEEP_LAST": "5"})
@@ -317,6 +322,7 @@ def test_the_retention_policy_deletes_from_both_tiers(tmp_path):
         srv.stop()
 
 
+@pytest.mark.slow
 def test_an_s3_durable_tier(tmp_path, moto_s3, s3_env):
     from s3_server import aws_env
 
