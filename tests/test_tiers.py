@@ -292,6 +292,25 @@ def test_a_fast_copy_that_is_not_durable_is_never_trimmed(tmp_path):
         srv.stop()
 
 
+def test_markers_the_fast_tier_loses_while_it_runs_come_back(tmp_path):
+    durable = tmp_path / "durable"
+    srv = _server(tmp_path, str(durable), env={"CKPTD_DURABLE_SCAN_SECONDS": "0.1"}).start()
+    try:
+        states = {step: _state(step) for step in (1, 2)}
+        with CheckpointClient(srv.url, incremental=False) as c:
+            for step, sd in states.items():
+                c.save(sd, f"t/{step}").wait(durable=True)
+        shutil.rmtree(tmp_path / "fast" / "runs")  # someone empties the fast tier under the running service
+        deadline = time.monotonic() + scaled(30)
+        while _markers(tmp_path / "fast") != {"t/1", "t/2"} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _markers(tmp_path / "fast") == {"t/1", "t/2"}
+        for step, sd in states.items():
+            assert_bits_equal(_load(srv.url, f"t/{step}", sd), sd, f"step {step}")
+    finally:
+        srv.stop()
+
+
 def test_a_new_fast_tier_does_not_start_without_the_durable_tier_s_names(tmp_path):
     """An empty fast tier must first learn every name the durable tier holds: with the durable tier
     unreachable, the service refuses to start rather than let a save reuse a committed name."""
@@ -320,6 +339,38 @@ def test_the_retention_policy_deletes_from_both_tiers(tmp_path):
         assert not (durable / "runs" / "t" / "1" / "sessions").exists()
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_a_fast_tier_that_adopted_starts_and_saves_while_the_s3_durable_tier_is_down(tmp_path, moto_s3, s3_env):
+    from s3_server import aws_env
+    from support import free_port
+
+    url = moto_s3.url("tiers-down")
+    srv = _server(tmp_path, url, env=aws_env(moto_s3.endpoint)).start()
+    try:
+        with CheckpointClient(srv.url, incremental=False) as c:
+            assert c.save(_state(1), "t/1").wait(durable=True).durable
+        srv.stop()
+        down = {**aws_env(f"http://127.0.0.1:{free_port()}"), "AWS_MAX_ATTEMPTS": "1"}  # nothing listens there
+        srv.start(env=down)
+        with CheckpointClient(srv.url, incremental=False) as c:
+            st = c.save(_state(2), "t/2").wait()
+            assert st.state == "committed"
+            with pytest.raises(AlreadyCommitted):
+                c.save(_state(3), "t/1").wait()
+        got = httpx.get(f"{srv.url}/v1/checkpoints/t/2/sessions/{st.session}", params={"durable": "true"},
+                        timeout=30).json()
+        assert got["durable"] is False, got
+        assert_bits_equal(_load(srv.url, "t/2", _state(2)), _state(2))
+        srv.stop()
+        srv.start(env=aws_env(moto_s3.endpoint))  # back: the pending checkpoint becomes durable
+        got = httpx.get(f"{srv.url}/v1/checkpoints/t/2/sessions/{st.session}",
+                        params={"durable": "true", "wait": 30}, timeout=60).json()
+        assert got["durable"] is True, got
+    finally:
+        srv.stop()
+        moto_s3.clear("tiers-down")
 
 
 @pytest.mark.slow

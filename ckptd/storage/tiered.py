@@ -18,9 +18,10 @@ checkpoint is read from the durable tier through the same visibility rule and th
 Both copies of a key are the same verified bytes (the durable copy is hashed against the
 manifest as it is written), so which tier answers never changes what a reader gets.
 
-:meth:`delete` and :meth:`delete_tree` delete from the durable tier first, then the fast one
-(retention and ``rm`` remove a checkpoint everywhere; a failure on the durable tier leaves the
-fast copy, and the checkpoint, in place for the next attempt).
+:meth:`delete` and :meth:`delete_tree` of a whole checkpoint or its marker delete from the durable
+tier first, then the fast one (retention and ``rm`` remove a checkpoint everywhere; a failure on
+the durable tier leaves the fast copy, and the checkpoint, in place for the next attempt); every
+other delete (staging, sessions, leases) concerns the fast tier alone.
 
 The URL is ``tiered:FAST|DURABLE`` so that worker processes (verification, reshard jobs) reopen
 the same two tiers with :func:`ckptd.storage.open_storage`.
@@ -113,13 +114,23 @@ class TieredStorage(Storage):
             return self.durable.local_path(key)
         return self.fast.local_path(key)
 
-    # -- deletes: both tiers, the durable one first -------------------------------------------------
+    # -- deletes: a whole checkpoint, or its marker, from both tiers (the durable one first) ----------
+    @staticmethod
+    def _durable_too(key: str) -> bool:
+        """Whether a delete of ``key`` reaches the durable tier: a checkpoint's tree (``runs/RUN/NAME``)
+        or its marker, which retention and ``rm`` delete. The durable tier holds nothing else a delete
+        names (staging, aborted and stale sessions, leases and records live on the fast tier only)."""
+        parts = key.split("/")
+        return parts[0] == "runs" and (len(parts) in (2, 3) or (len(parts) == 4 and parts[3] == "COMMITTED"))
+
     def delete(self, key: str) -> None:
-        self.durable.delete(key)
+        if self._durable_too(key):
+            self.durable.delete(key)
         self.fast.delete(key)
 
     def delete_tree(self, prefix: str) -> None:
-        self.durable.delete_tree(prefix)
+        if self._durable_too(prefix):
+            self.durable.delete_tree(prefix)
         self.fast.delete_tree(prefix)
 
     # -- presigned uploads: only where the fast tier takes them --------------------------------------

@@ -8,10 +8,11 @@ the durable tier alone is a complete ckptd root (``ckptd serve --root`` it, or `
 
 Call order (:meth:`DurableCopier.start`, then one background thread per service):
 
-0. :meth:`DurableCopier.adopt`, at start, when the fast tier is new or emptied (it has no
-   ``TIERS.json`` naming this durable tier): the durable tier's markers are copied to it, so that
-   the fast tier alone knows every name taken (:mod:`ckptd.storage.tiered`); the service does not
-   start while the durable tier cannot be listed then.
+0. :meth:`DurableCopier.adopt`, at start and every ``ADOPT_EVERY`` scans: the markers of the
+   durable tier's checkpoints that the fast tier lacks (a new, emptied or partly lost fast tier)
+   are copied to it, so that the fast tier alone knows every name taken
+   (:mod:`ckptd.storage.tiered`). A fast tier that never adopted (no ``TIERS.json``) does not
+   start while the durable tier cannot be listed; one that did starts, and serves what it holds.
 1. :meth:`DurableCopier.scan`, woken by every commit here (:meth:`DurableCopier.notify`) and every
    ``scan_seconds`` otherwise (commits of other replicas and of reshard workers, and what a crash
    left undone): each checkpoint visible on the fast tier and not durable is copied, oldest first.
@@ -63,7 +64,8 @@ WINDOW = 16 << 20  # bytes per read and write while copying (one request per win
 PARALLEL_FILES = 4  # files copied at once (object stores: one request each in flight)
 
 
-TIERS_KEY = "TIERS.json"  # on the fast tier: the durable tier whose markers it holds (adopt)
+TIERS_KEY = "TIERS.json"  # on the fast tier, once it adopted the durable tier's markers
+ADOPT_EVERY = 30  # scans between two adoptions while running (5 minutes at the default scan interval)
 
 
 def not_durable_key(run: str, name: str) -> str:
@@ -106,11 +108,16 @@ class DurableCopier:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one scan at a time in this process
+        self._failing = False  # the last copy attempted was interrupted: further interruptions log quietly
 
     # -- the one rule ------------------------------------------------------------------------------
     def state(self, run: str, name: str, manifest_xxh3: str) -> DurableState:
-        """Durable iff the durable tier shows ``run/name`` visible with this manifest digest."""
-        c = self.durable_vis.check(run, name)
+        """Durable iff the durable tier shows ``run/name`` visible with this manifest digest (while it
+        cannot be read, not durable: a waiter keeps waiting)."""
+        try:
+            c = self.durable_vis.check(run, name)
+        except StorageError:
+            return DurableState(False)
         if c is not None and c.digest == manifest_xxh3:
             return DurableState(True)
         refused = self.tiers.fast.read_or_none(not_durable_key(run, name))
@@ -127,26 +134,35 @@ class DurableCopier:
 
     # -- 0. adopt ----------------------------------------------------------------------------------
     def adopt(self) -> int:
-        """Copy the durable tier's markers to a fast tier that does not hold them yet; return how many."""
-        fast = self.tiers.fast
-        stamp = json.dumps({"durable": self.tiers.durable.url}).encode()
-        if fast.read_or_none(TIERS_KEY) == stamp:
-            return 0
-        n = 0
+        """Copy to the fast tier every marker of a checkpoint visible on the durable tier that the fast
+        tier lacks; return how many. Reads of the fast tier and one listing of the durable tier's
+        names, plus the durable markers of names the fast tier lacks."""
+        fast, n = self.tiers.fast, 0
         for run in self.durable_vis.runs():
             for name in self.durable_vis.names(run):
+                if fast.exists(Paths.marker(run, name)):
+                    continue
                 c = self.durable_vis.check(run, name)
                 if c is not None and fast.create_if_absent(Paths.marker(run, name), c.marker.model_dump_json().encode()):
                     n += 1
-        fast.put(TIERS_KEY, stamp)
+        fast.put(TIERS_KEY, json.dumps({"durable": self.tiers.durable.url}).encode())
         if n:
-            log.info("durable tier: the fast tier took %d checkpoint markers from %s", n, self.tiers.durable.url)
+            log.warning("durable tier: the fast tier lacked %d checkpoint markers of %s and took them (a new or "
+                        "emptied fast tier)", n, self.tiers.durable.url)
         return n
 
     # -- background thread -----------------------------------------------------------------------
     def start(self) -> None:
-        """Adopt (raises while the durable tier cannot be listed), then scan in the background."""
-        self.adopt()
+        """Adopt, then scan in the background. Adopting may fail (the durable tier unreachable) only on a
+        fast tier that adopted this durable tier before: a new or emptied one raises, and the service
+        does not start."""
+        try:
+            self.adopt()
+        except StorageError as e:
+            if self.tiers.fast.read_or_none(TIERS_KEY) is None:
+                raise
+            log.warning("durable tier unreachable at start (%s); serving from the fast tier, which holds every "
+                        "name it committed; copies resume when it is back", e.message)
         self._thread = threading.Thread(target=self._loop, name="ckptd-durable", daemon=True)
         self._thread.start()
 
@@ -161,12 +177,16 @@ class DurableCopier:
         self._wake.set()
 
     def _loop(self) -> None:
+        scans = 0
         while not self._stop.is_set():
             self._wake.clear()
             try:
+                if scans % ADOPT_EVERY == ADOPT_EVERY - 1:
+                    self.adopt()  # markers the fast tier lost while running come back
                 self.scan()
             except Exception:  # noqa: BLE001 - a failed scan must not stop the copier; the next one retries
                 log.exception("durable tier: scan failed")
+            scans += 1
             self._wake.wait(self.scan_seconds)
 
     # -- 1. scan -----------------------------------------------------------------------------------
@@ -188,12 +208,16 @@ class DurableCopier:
                 try:
                     done.append(self.copy(c))
                 except StorageError as e:  # transient: the next scan tries again
-                    log.warning("durable tier: copy of %s interrupted: %s", c.ref, e.message)
+                    (log.debug if self._failing else log.warning)(
+                        "durable tier: copy of %s interrupted (retried every scan; logged again once a copy "
+                        "succeeded): %s", c.ref, e.message)
+                    self._failing = True
                     continue
                 except CkptdError as e:
                     self._refuse(c, e)
                     continue
                 self.pending.pop(c.ref, None)
+                self._failing = False
             for run in runs:
                 try:
                     self.trim(run)
