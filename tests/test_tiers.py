@@ -103,6 +103,33 @@ def test_a_save_commits_locally_then_becomes_durable_and_the_durable_tier_is_a_w
     assert out.returncode == 0 and out.stdout.startswith("OK t/1"), out.stdout + out.stderr
 
 
+def test_files_an_incremental_save_linked_are_linked_on_the_durable_tier_too(tmp_path):
+    durable = tmp_path / "durable"
+    srv = _server(tmp_path, str(durable)).start()
+    try:
+        one = _state(1)
+        two = {"model": dict(one["model"]), "step": torch.tensor(2)}
+        two["model"]["w0"] = one["model"]["w0"] + 1  # one tensor of four changed
+        with CheckpointClient(srv.url, file_bytes=128 << 10) as c:  # a file per tensor
+            c.save(one, "t/1").wait(durable=True)
+            first = _metric(srv, "ckptd_durable_bytes_total")
+            c.save(two, "t/2").wait(durable=True)
+            linked = c.manifest("t/2").linked_bytes
+        second = _metric(srv, "ckptd_durable_bytes_total") - first
+        assert linked >= 3 * 128 * 256 * 4  # the three unchanged tensors' files
+        assert second < first - linked + (64 << 10), (first, second, linked)  # only the new bytes were sent
+    finally:
+        srv.stop()
+    alone = ServerProcess(durable, log=tmp_path / "alone.log").start()
+    try:
+        assert_bits_equal(_load(alone.url, "t/2", two), two)
+    finally:
+        alone.stop()
+    out = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "verify", "t/2", "--root", str(durable)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_losing_the_fast_tier_loses_no_durable_checkpoint(tmp_path):
     durable = tmp_path / "durable"
     srv = _server(tmp_path, str(durable)).start()

@@ -17,7 +17,8 @@ Call order (:meth:`DurableCopier.start`, then one background thread per service)
    ``scan_seconds`` otherwise (commits of other replicas and of reshard workers, and what a crash
    left undone): each checkpoint visible on the fast tier and not durable is copied, oldest first.
 2. :meth:`DurableCopier.copy`: every data file is read from the fast tier, hashed (XXH3 and block
-   digests, as at upload) and written to the durable tier; a file whose bytes differ from the
+   digests, as at upload) and written to the durable tier (a file an incremental save linked from
+   a checkpoint that is durable with the same digests is linked inside the durable tier instead); a file whose bytes differ from the
    manifest's digests refuses the copy (the fast copy is damaged: recorded in ``NOT_DURABLE.json``,
    not retried for that manifest). Then ``SESSION.json``, the manifest (its bytes hash to the
    marker's digest), and last the marker, created if absent, so the durable tier shows nothing
@@ -257,8 +258,10 @@ class DurableCopier:
         manifest = self.fast_vis.manifest(c)
         raw = self.fast_vis.manifest_bytes(c)
         keys = {f: Paths.file(c.run, c.name, c.session, f) for f in manifest.files}
+        linked = self._durable_sources(c.run, manifest.files)
+        todo = sorted(f for f in keys if not (f in linked and durable.link(linked[f], keys[f])))
         with ThreadPoolExecutor(PARALLEL_FILES, thread_name_prefix="ckptd-durable-copy") as pool:
-            list(pool.map(lambda f: self._copy_file(c, keys[f], manifest.files[f]), sorted(keys)))
+            list(pool.map(lambda f: self._copy_file(c, keys[f], manifest.files[f]), todo))
         meta = fast.read_or_none(Paths.session_meta(c.run, c.name, c.session))
         if meta is not None:
             durable.put(Paths.session_meta(c.run, c.name, c.session), meta)
@@ -270,11 +273,31 @@ class DurableCopier:
         if not durable.create_if_absent(Paths.marker(c.run, c.name), c.marker.model_dump_json().encode()):
             self._check_name_free(c)  # created meanwhile: by another replica's copy of this checkpoint, or not
         lag = max(0.0, (datetime.now(timezone.utc) - c.committed_at).total_seconds())
-        done = Copied(c.run, c.name, sum(e.size for e in manifest.files.values()) + len(raw), lag)
+        done = Copied(c.run, c.name, sum(manifest.files[f].size for f in todo) + len(raw), lag)
         log.info("durable tier: %s is durable (%d bytes, %.2f s after its commit)", c.ref, done.bytes, lag)
         if self.on_copied is not None:
             self.on_copied(done)
         return done
+
+    def _durable_sources(self, run: str, files: dict[str, FileEntry]) -> dict[str, str]:
+        """Per file an incremental save linked (``FileEntry.linked``), the key of the same bytes on the
+        durable tier: the source checkpoint is durable and its manifest there records the file with the
+        same size and digests. Such a file is linked inside the durable tier (a copy inside the store on
+        S3), not sent again; where the link fails it is copied like any other."""
+        out: dict[str, str] = {}
+        sources: dict[str, tuple[str, dict[str, FileEntry]] | None] = {}
+        for f, entry in files.items():
+            if entry.linked is None:
+                continue
+            src_name, src_file = entry.linked.split("/", 1)
+            if src_name not in sources:
+                c = self.durable_vis.check(run, src_name)
+                sources[src_name] = (c.session, self.durable_vis.manifest(c).files) if c is not None else None
+            found = sources[src_name]
+            src = found[1].get(src_file) if found is not None else None
+            if src is not None and (src.size, src.xxh3, src.blocks) == (entry.size, entry.xxh3, entry.blocks):
+                out[f] = Paths.file(run, src_name, found[0], src_file)
+        return out
 
     def _check_name_free(self, c: Committed) -> None:
         """Refuse (``Conflict``) when the durable tier has a marker under ``c``'s name for another manifest:
