@@ -52,7 +52,7 @@ from ckptd_schemas.filedigest import BLOCK_SIZE, StreamDigest, xxh3_hex
 from .index_cache import IndexCache
 from .layout import Marker, Paths, SessionMeta
 from .commit_checks import check_commit, verified_locations
-from .merge import merge_indexes
+from .merge import ManifestFold
 from .visibility import BadMarker, Visibility, manifest_file_name
 
 __all__ = ["CommitEvent", "FileSink", "SessionStore"]
@@ -430,7 +430,7 @@ class SessionStore:
         self.storage.put(key, raw)
         self._indexes.put(key, raw, index)
         crash_point("index-written")
-        return self._commit_if_complete(run, name, sid, meta)
+        return self._commit_if_complete(run, name, sid, meta, index.rank)
 
     def _committed_with(self, run: str, name: str, sid: str, index: RankIndex) -> SessionStatus | None:
         """The committed status, when session ``sid`` is committed with exactly ``index`` for its rank.
@@ -472,9 +472,30 @@ class SessionStore:
             return SessionStatus(state="failed", error=failed["error"], **base)
         return SessionStatus(state="open", **base)
 
-    def _commit_if_complete(self, run: str, name: str, sid: str, meta: SessionMeta) -> SessionStatus:
-        """After an index is stored: commit when every rank's index is there; a refusal raises."""
-        done = self.ranks_done(run, name, sid)
+    def _commit_if_complete(self, run: str, name: str, sid: str, meta: SessionMeta, rank: int) -> SessionStatus:
+        """After rank ``rank``'s index is stored: commit when every rank's index is there; a refusal raises.
+
+        Listing every rank at every call costs O(ranks) each, O(ranks^2) over a session (and one
+        LIST request per 1,000 keys on an object store). Instead the process remembers below which
+        rank all indexes were found stored (:meth:`IndexCache.stored_below`) and probes upwards
+        from there for the first missing one: each rank is found once per process, each call makes
+        one failing probe. Only when the probes reach the world size does a listing decide, as
+        before, so any replica's call that stores the last index, a retried index or the sweep
+        commits, and a stale hint (a session aborted and opened again) costs a listing, never a
+        commit. The answer's ``ranks_done`` is what this call found: the ranks below the first
+        missing one and ``rank`` (:meth:`status` lists them all).
+        """
+        prefix = Paths.session(run, name, sid) + "/"
+        below = self._indexes.stored_below(prefix)
+        if below is not None:
+            while below < meta.world_size and self.storage.exists(Paths.rank_index(run, name, sid, below)):
+                below += 1
+        if below is None or below == meta.world_size:
+            done = self.ranks_done(run, name, sid)
+            below = next((i for i, r in enumerate(done) if i != r), len(done))
+        else:
+            done = [*range(below), *([rank] if rank > below else [])]
+        self._indexes.note_stored_below(prefix, below)
         base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=done)
         if len(done) < meta.world_size:
             return SessionStatus(state="open", **base)
@@ -508,23 +529,32 @@ class SessionStore:
         return digest
 
     def _read_index(self, key: str) -> RankIndex:
+        """The stored index, parsed (or as ``put_index`` parsed it, taken out of the cache)."""
         raw = self.storage.read(key)
-        return self._indexes.get(key, raw) or RankIndex.model_validate_json(raw)
+        return self._indexes.take(key, raw) or RankIndex.model_validate_json(raw)
+
+    def _merged(self, run: str, name: str, sid: str, meta: SessionMeta) -> tuple[Manifest, dict[str, FileEntry]]:
+        """The merged manifest and the digest records of its files. Indexes are read, folded
+        (:class:`~.merge.ManifestFold`) and dropped rank by rank: the commit holds the manifest
+        being built and one index, not every index."""
+        fold = ManifestFold(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
+                            world_size=meta.world_size, derived_from=meta.derived_from, parent=meta.parent)
+        files: dict[str, FileEntry] = {}
+        for r in range(meta.world_size):
+            ix = self._read_index(Paths.rank_index(run, name, sid, r))
+            for f in ix.files:
+                entry = self._file_entry(run, name, sid, f)
+                if entry is None:
+                    raise InvalidIndex(f"rank {ix.rank}: file {f!r} has no verified upload", file=f)
+                files[f] = entry
+            fold.add(ix)
+            del ix
+        return fold.manifest(files), files
 
     def _commit(self, run: str, name: str, sid: str, meta: SessionMeta) -> tuple[str, CommitEvent | None]:
         with gc_paused():  # 512,000 chunks allocate enough for the collector to run dozens of full passes
             try:
-                indexes = [self._read_index(Paths.rank_index(run, name, sid, r)) for r in range(meta.world_size)]
-                files: dict[str, FileEntry] = {}
-                for ix in indexes:
-                    for f in ix.files:
-                        entry = self._file_entry(run, name, sid, f)
-                        if entry is None:
-                            raise InvalidIndex(f"rank {ix.rank}: file {f!r} has no verified upload", file=f)
-                        files[f] = entry
-                manifest = merge_indexes(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
-                                         world_size=meta.world_size, indexes=indexes, files=files,
-                                         derived_from=meta.derived_from, parent=meta.parent)
+                manifest, files = self._merged(run, name, sid, meta)
                 check_commit(manifest, files, self.storage, lambda f: Paths.file(run, name, sid, f),  # the bytes
                              verified=self._linked_locations(run, files))
             except StorageError:
@@ -534,10 +564,10 @@ class SessionStore:
                 log.warning("commit of %s/%s session %s refused: %s", run, name, sid, err.message)
                 self.storage.put(Paths.failed(run, name, sid), json.dumps(err.to_body()).encode())
                 raise err
-            raw = manifest.model_dump_json().encode()
+            raw = manifest.__pydantic_serializer__.to_json(manifest)  # model_dump_json's bytes, without a str copy
             derived_from, nfiles, nbytes = manifest.derived_from, len(manifest.files), manifest.total_bytes
             # Freed here by reference counting, so the collector, back on, does not walk them first.
-            del manifest, indexes
+            del manifest, files
         crash_point("commit-before-manifest")
         digest = xxh3_hex(raw)
         mkey = Paths.manifest(run, name, sid, digest)
@@ -621,6 +651,10 @@ class SessionStore:
         removed = []
         for sid in self.storage.list(Paths.sessions(run, name)):
             if m is not None and m.session == sid:
+                # The committed session: only what writers killed mid-write left in it (temp files).
+                n = self.storage.reclaim_temps(Paths.session(run, name, sid), now - ttl_seconds)
+                if n:
+                    log.info("sweep: %d unfinished writes removed from committed %s/%s", n, run, name)
                 continue
             try:
                 check_session(sid)
