@@ -11,7 +11,9 @@ uneven rows). Per repeat, between barriers, in alternating order:
   file), on the same local disk as the fast tier;
 * ``CheckpointClient.save(sd, "bench/<r>")`` (defaults): the stall (``save()`` returning), the
   commit on the fast tier (``wait()``), and the durable copy (``wait(durable=True)``), each from the
-  barrier before the save.
+  barrier before the save;
+* the same save to a second ``ckptd serve`` without a durable tier on the same disk (what the
+  tier itself costs the commit).
 
 Ratios: ``commit_ratio`` = DCP's save time / ckptd's time to commit on the fast tier (the goal is
 0.9 or more: within 10 %); ``durable_s`` the time from the save to its durable marker on S3, and
@@ -51,20 +53,28 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     sd = make_state(cfg["specs"], mesh, fill=True)
     client = CheckpointClient(cfg["url"], incremental=False)  # the same bytes each repeat: full saves
+    plain = CheckpointClient(cfg["plain_url"], incremental=False)  # a service without a durable tier
     warm = make_state(tensor_specs(1), mesh, fill=True)
     dcp.save(warm, storage_writer=dcp.FileSystemWriter(f"{cfg['dcp_dir']}/warmup"))
     client.save(warm, "bench/warmup").wait(durable=True)
+    plain.save(warm, "bench/warmup").wait()
     del warm
     repeats = []
+    variants = ("dcp", "ckptd", "plain")
     for r in range(cfg["repeat"]):
         rec: dict[str, Any] = {}
-        for which in (("dcp", "ckptd") if r % 2 == 0 else ("ckptd", "dcp")):
+        for which in variants[r % 3:] + variants[:r % 3]:
             dist.barrier()
             t0 = time.perf_counter()
             if which == "dcp":
                 dcp.save(sd, storage_writer=dcp.FileSystemWriter(f"{cfg['dcp_dir']}/{r}"))
                 dist.barrier()
                 rec["dcp_save_s"] = _max_over_ranks([time.perf_counter() - t0])[0]
+                continue
+            if which == "plain":
+                plain.save(sd, f"bench/{r}").wait()
+                dist.barrier()
+                rec["plain_commit_s"] = _max_over_ranks([time.perf_counter() - t0])[0]
                 continue
             handle = client.save(sd, f"bench/{r}")
             stall = time.perf_counter() - t0
@@ -79,6 +89,7 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
                 _max_over_ranks([stall, commit, durable])
         repeats.append(rec)
     client.close()
+    plain.close()
     return {"repeats": repeats}
 
 
@@ -114,6 +125,7 @@ def summarise(repeats: list[dict], nbytes: int, floor_mb_s: float) -> dict:
     return {
         "dcp_save_s": med["dcp_save_s"], "ckptd_stall_s": med["ckptd_stall_s"],
         "ckptd_commit_s": med["ckptd_commit_s"], "commit_ratio": med["dcp_save_s"] / med["ckptd_commit_s"],
+        "plain_commit_s": med["plain_commit_s"], "plain_ratio": med["dcp_save_s"] / med["plain_commit_s"],
         "durable_s": med["ckptd_durable_s"], "lag_s": lag, "durable_mb_s": nbytes / lag / 1e6 if lag > 0 else None,
         "moto_put_mb_s": floor_mb_s, "durable_vs_put_floor": (nbytes / lag / 1e6) / floor_mb_s if lag > 0 else None,
     }
@@ -126,6 +138,8 @@ def markdown(res: dict) -> str:
         f"  dcp.save to local disk (FileSystemWriter):   {s['dcp_save_s']:.3f} s",
         f"  ckptd commit on the fast tier (wait()):      {s['ckptd_commit_s']:.3f} s  "
         f"(ratio {s['commit_ratio']:.2f}, goal >= {GOALS['commit_ratio']}); stall {s['ckptd_stall_s']:.3f} s",
+        f"  ckptd commit, same service without a durable tier: {s['plain_commit_s']:.3f} s  "
+        f"(ratio {s['plain_ratio']:.2f})",
         f"  ckptd durable on S3 (wait(durable=True)):    {s['durable_s']:.3f} s from the save, "
         f"{s['lag_s']:.3f} s after the commit ({s['durable_mb_s'] or 0:.0f} MB/s; moto's own PUT "
         f"{s['moto_put_mb_s']:.0f} MB/s)",
@@ -144,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     with work_dir("ckptd-bench-tiers-", args.workdir, args.keep) as work:
         t_start = time.perf_counter()
         moto = MotoServer(work / "moto.log", bucket=BUCKET)
-        server = alone = None
+        server = alone = plain = None
         try:
             specs = tensor_specs(args.mib)
             nbytes = state_bytes(specs)
@@ -157,10 +171,13 @@ def main(argv: list[str] | None = None) -> int:
             durable = f"s3://{BUCKET}/durable"
             server = ServerProcess(work / "fast", env={**moto.env, "CKPTD_DURABLE": durable},
                                    log=work / "server.log").start()
-            cfg = {"specs": specs, "repeat": args.repeat, "url": server.url, "dcp_dir": str(work / "dcp")}
+            plain = ServerProcess(work / "plain", log=work / "plain.log").start()
+            cfg = {"specs": specs, "repeat": args.repeat, "url": server.url, "plain_url": plain.url,
+                   "dcp_dir": str(work / "dcp")}
             repeats = run_ranks(save_job, args.world, cfg, tmp=work, timeout=600 + args.repeat * nbytes / MiB)
             repeats = repeats[0]["result"]["repeats"]
             server.stop()
+            plain.stop()
             alone = ServerProcess(durable, env=moto.env, log=work / "alone.log").start()
             check = run_ranks(check_job, args.world, {**cfg, "alone_url": alone.url}, tmp=work,
                               timeout=600)[0]["result"]
@@ -175,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             write_report(args.out, result, markdown(result))
             return 0 if check["bits_equal"] else 1
         finally:
-            for srv in (server, alone):
+            for srv in (server, alone, plain):
                 if srv is not None:
                     srv.stop()
             moto.stop()

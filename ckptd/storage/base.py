@@ -243,6 +243,12 @@ class Storage(ABC):
         sent. A repeat after success finds ``dst`` already the same file and is not an error."""
         return False
 
+    def reclaim_temps(self, prefix: str, older_than: float) -> int:
+        """Delete what writes that never committed left under ``prefix`` (a process killed mid-write),
+        last changed before ``older_than`` (epoch seconds); return how many. Nothing on object stores:
+        an unfinished multipart upload is invisible, and the store's lifecycle rules expire it."""
+        return 0
+
     presigns = False  # whether presign_put gives URLs (an object store that takes presigned uploads)
 
     def presign_put(self, key: str, size: int, part_size: int, sha256s: list[str],

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import shutil
 import stat
 import sys
@@ -64,6 +65,9 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
     elif _FADVISE:
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+_TEMP = re.compile(r"\..+\.tmp-[0-9a-f]{12}")  # what _LocalWriter and put() write before the rename
 
 
 class _LocalWriter(Writer):
@@ -354,6 +358,18 @@ class LocalStorage(Storage):
         except OSError as e:
             raise _storage_error("stat", key, e) from e
         return st.st_size if not os.path.isdir(self._path(key)) else 0
+
+    def reclaim_temps(self, prefix: str, older_than: float) -> int:
+        """The hidden ``.NAME.tmp-XXXXXXXXXXXX`` files a killed writer left under ``prefix``."""
+        n = 0
+        for dirpath, _, names in os.walk(self._path(prefix)):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                with contextlib.suppress(FileNotFoundError):
+                    if _TEMP.fullmatch(name) and os.lstat(path).st_mtime < older_than:
+                        os.unlink(path)
+                        n += 1
+        return n
 
     def list(self, prefix: str) -> list[str]:
         path = self._path(prefix) if prefix else self.root

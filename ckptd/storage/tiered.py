@@ -114,6 +114,9 @@ class TieredStorage(Storage):
             return self.durable.local_path(key)
         return self.fast.local_path(key)
 
+    def reclaim_temps(self, prefix: str, older_than: float) -> int:
+        return self.fast.reclaim_temps(prefix, older_than)  # the durable tier's writes are the copier's
+
     # -- deletes: a whole checkpoint, or its marker, from both tiers (the durable one first) ----------
     @staticmethod
     def _durable_too(key: str) -> bool:

@@ -240,6 +240,9 @@ class _FaultStorage(Storage):
     def delete_tree(self, prefix: str) -> None:
         self.inner.delete_tree(prefix)
 
+    def reclaim_temps(self, prefix: str, older_than: float) -> int:
+        return self.inner.reclaim_temps(prefix, older_than)
+
     @property
     def presigns(self) -> bool:  # type: ignore[override]
         return self.inner.presigns
