@@ -73,7 +73,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
 
-from support import ServerProcess, _rank_main, free_port, run_ranks  # noqa: E402  (tests/support.py)
+from support import ServerProcess, _rank_main, free_port, run_ranks, server_errors  # noqa: E402  (tests/support.py)
 
 MiB = 1 << 20
 WEIGHTS = (7, 3, 5, 2, 11, 1)  # relative tensor sizes: uneven on purpose
@@ -642,16 +642,6 @@ def _listing_problems(urls: dict[str, str], root: Path) -> list[str]:
     return problems
 
 
-def _server_errors(*servers: ServerProcess) -> list[str]:
-    """Lines of the replicas' logs that tell of a 5xx or an unhandled exception."""
-    bad = []
-    for s in servers:
-        text = s.log.read_text(errors="replace") if s.log.exists() else ""
-        bad += [f"{s.log.name}: {line}" for line in text.splitlines()
-                if "unhandled error" in line or "Traceback" in line or " 500 " in line or "ERROR" in line]
-    return bad
-
-
 def run_replicas(ranks: int, checkpoints: int, mib: float, kill_after: int, restart: bool, work: Path,
                  timeout: float) -> dict:
     """Start both replicas, the watcher (:class:`Fault`) and the memory sampler; run the ranks; let the
@@ -686,7 +676,7 @@ def run_replicas(ranks: int, checkpoints: int, mib: float, kill_after: int, rest
                                config={"ranks": ranks, "checkpoints": checkpoints, "mib": mib, "replicas": 2,
                                        "kill_after_step": kill_after, "restart": restart,
                                        "file_bytes": FILE_BYTES, "sweep_s": SWEEP_S, "ttl_s": TTL_S},
-                               errors=_server_errors(a, b))
+                               errors=server_errors(a, b))
     finally:
         a.kill(), b.kill()
 

@@ -153,6 +153,16 @@ class ServerProcess:
         return self.start(env=env)
 
 
+def server_errors(*servers: ServerProcess) -> list[str]:
+    """Lines of the servers' logs that tell of a 5xx or an unhandled exception."""
+    bad = []
+    for s in servers:
+        text = s.log.read_text(errors="replace") if s.log.exists() else ""
+        bad += [f"{s.log.name}: {line}" for line in text.splitlines()
+                if "unhandled error" in line or "Traceback" in line or " 500 " in line or "ERROR" in line]
+    return bad
+
+
 def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)

@@ -39,7 +39,7 @@ from ckptd.store.layout import Paths
 from ckptd_client import CheckpointClient, FlatShard
 from ckptd_schemas import AlreadyCommitted, OpenSession, RankIndex
 from fsdp_job import build, full_tensors, load_job, state, train_step
-from support import ServerProcess, assert_bits_equal, blank_like, run_ranks
+from support import ServerProcess, assert_bits_equal, blank_like, run_ranks, server_errors
 
 pytestmark = pytest.mark.slow
 
@@ -73,16 +73,6 @@ def replicas(request, tmp_path):
         a.kill(), b.kill()
         if moto is not None:
             moto.clear(storage._prefix)
-
-
-def server_errors(*servers: ServerProcess) -> list[str]:
-    """Lines of the servers' logs that tell of a 5xx or an unhandled exception."""
-    bad = []
-    for s in servers:
-        text = s.log.read_text(errors="replace") if s.log.exists() else ""
-        bad += [f"{s.log.name}: {line}" for line in text.splitlines()
-                if "unhandled error" in line or "Traceback" in line or " 500 " in line or "ERROR" in line]
-    return bad
 
 
 def ckpt_dir(root: Path, name: str) -> Path:

@@ -51,6 +51,7 @@ from ..storage.tiered import TieredStorage
 from .faults import crash_point
 from .layout import Marker, Paths
 from .leases import Leases
+from .linked import linked_sources
 from .visibility import Committed, Visibility, order_key
 
 __all__ = ["DURABLE_CRASH_POINTS", "Copied", "DurableCopier", "DurableState"]
@@ -280,24 +281,12 @@ class DurableCopier:
         return done
 
     def _durable_sources(self, run: str, files: dict[str, FileEntry]) -> dict[str, str]:
-        """Per file an incremental save linked (``FileEntry.linked``), the key of the same bytes on the
-        durable tier: the source checkpoint is durable and its manifest there records the file with the
-        same size and digests. Such a file is linked inside the durable tier (a copy inside the store on
-        S3), not sent again; where the link fails it is copied like any other."""
-        out: dict[str, str] = {}
-        sources: dict[str, tuple[str, dict[str, FileEntry]] | None] = {}
-        for f, entry in files.items():
-            if entry.linked is None:
-                continue
-            src_name, src_file = entry.linked.split("/", 1)
-            if src_name not in sources:
-                c = self.durable_vis.check(run, src_name)
-                sources[src_name] = (c.session, self.durable_vis.manifest(c).files) if c is not None else None
-            found = sources[src_name]
-            src = found[1].get(src_file) if found is not None else None
-            if src is not None and (src.size, src.xxh3, src.blocks) == (entry.size, entry.xxh3, entry.blocks):
-                out[f] = Paths.file(run, src_name, found[0], src_file)
-        return out
+        """Per file an incremental save linked from a checkpoint that is durable with the same digests,
+        the key of those bytes on the durable tier (:func:`~.linked.linked_sources`). Such a file is
+        linked inside the durable tier (a copy inside the store on S3), not sent again; where the link
+        fails it is copied like any other."""
+        return {f: Paths.file(run, src.checkpoint.name, src.checkpoint.session, src.file)
+                for f, src in linked_sources(self.durable_vis, run, files).items()}
 
     def _check_name_free(self, c: Committed) -> None:
         """Refuse (``Conflict``) when the durable tier has a marker under ``c``'s name for another manifest:

@@ -50,6 +50,7 @@ from .faults import crash_point, wrap_storage
 from .gcpause import gc_paused
 from ckptd_schemas.filedigest import BLOCK_SIZE, StreamDigest, xxh3_hex
 from .index_cache import IndexCache
+from .linked import linked_sources
 from .layout import Marker, Paths, SessionMeta
 from .commit_checks import check_commit, verified_locations
 from .merge import ManifestFold
@@ -589,21 +590,12 @@ class SessionStore:
     def _linked_locations(self, run: str, files: dict[str, FileEntry]) -> dict[str, set[tuple]]:
         """Per linked file, the locations its source's manifest verified, while that source is still the
         visible checkpoint holding exactly these bytes (else the file is read at commit)."""
+        verified: dict[str, dict[str, set[tuple]]] = {}
         out: dict[str, set[tuple]] = {}
-        sources: dict[str, tuple[Manifest, dict[str, set[tuple]]] | None] = {}
-        for f, entry in files.items():
-            if entry.linked is None:
-                continue
-            src_name, src_file = entry.linked.split("/", 1)
-            if src_name not in sources:
-                c = self.visibility.check(run, src_name)
-                m = self.visibility.manifest(c) if c is not None else None
-                sources[src_name] = (m, verified_locations(m)) if m is not None else None
-            found = sources[src_name]
-            src = found[0].files.get(src_file) if found is not None else None
-            if found is not None and src is not None and \
-                    (src.size, src.xxh3, src.blocks) == (entry.size, entry.xxh3, entry.blocks):
-                out[f] = found[1].get(src_file, set())
+        for f, src in linked_sources(self.visibility, run, files).items():
+            if src.checkpoint.name not in verified:
+                verified[src.checkpoint.name] = verified_locations(src.manifest)
+            out[f] = verified[src.checkpoint.name].get(src.file, set())
         return out
 
     # -- abort / sweep -----------------------------------------------------------------
