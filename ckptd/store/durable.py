@@ -131,7 +131,7 @@ class DurableCopier:
 
     def lag_seconds(self) -> float:
         """Age of the oldest committed checkpoint not durable yet (0 when none)."""
-        oldest = min(self.pending.values(), default=None)
+        oldest = min(list(self.pending.values()), default=None)  # a snapshot: the copier's thread changes it
         return 0.0 if oldest is None else max(0.0, (datetime.now(timezone.utc) - oldest).total_seconds())
 
     # -- 0. adopt ----------------------------------------------------------------------------------
