@@ -63,11 +63,7 @@ def wait_committed(transport: Transport, base: str, ref: str, status: SessionSta
     """Long-poll the session until it leaves ``open``; raise its typed error if it failed. With
     ``durable``, until the committed checkpoint is durable too (on a service with a durable tier,
     copied there and checked), raising the typed error if it cannot become durable."""
-    def settled(st: SessionStatus) -> bool:
-        return st.state == "failed" or (st.state == "committed" and (
-            not durable or st.durable is True or st.durable_error is not None))
-
-    while not settled(status):
+    while not status.settled(durable):
         left = 10.0 if deadline is None else min(10.0, deadline - time.monotonic())
         if left <= 0:
             what = "committed" if status.state == "open" else "durable"

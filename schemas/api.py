@@ -321,6 +321,12 @@ class SessionStatus(_Body):
     #: why the checkpoint cannot become durable (its fast copy does not match its manifest), as an error body
     durable_error: dict[str, Any] | None = None
 
+    def settled(self, durable: bool = False) -> bool:
+        """Whether a wait for this session is over: failed, or committed (with ``durable``: and durable,
+        or refused that). The service's long poll and the client's wait both end on it."""
+        return self.state == "failed" or (self.state == "committed" and (
+            not durable or self.durable is True or self.durable_error is not None))
+
 
 class CheckpointSummary(_Body):
     run: str

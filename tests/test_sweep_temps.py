@@ -3,8 +3,9 @@
 A replica SIGKILLed while it writes an upload, a digest record or a rank index leaves a hidden
 ``.NAME.tmp-XXXXXXXXXXXX`` file in the session; when the session is committed through another
 replica, the sweep (which never touches a committed session's data) deletes such files once they
-are older than the stale-session TTL. Files that are not unfinished writes (the direct-write
-probe, data, records) and recent temp files (a write in progress) stay; the checkpoint verifies.
+are older than the stale-session TTL, once a TTL has passed since the commit (no write comes into a
+committed session, so the sweep walks each one once). Files that are not unfinished writes (the
+direct-write probe, data, records) and recent temp files stay; the checkpoint verifies.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def test_the_sweep_removes_stale_temp_files_from_a_committed_session(tmp_path):
     finally:
         srv.stop()
     (session,) = (root / "runs" / "t" / "1" / "sessions").iterdir()
-    old = time.time() - 7200
+    now = time.time() + 3700  # the sweep runs a TTL (3,600 s) after the commit
+    old = now - 7200
     left = [session / "files" / ".r000000-0000.bin.tmp-0123456789ab", session / "digests" / ".r.bin.tmp-0a1b2c3d4e5f",
             session / "ranks" / ".0000000.json.tmp-ffffffffffff"]
     for p in left:
@@ -39,14 +41,21 @@ def test_the_sweep_removes_stale_temp_files_from_a_committed_session(tmp_path):
         os.utime(p, (old, old))
     recent = session / "files" / ".r000001-0000.bin.tmp-aaaaaaaaaaaa"  # a write in progress
     recent.write_bytes(b"being written")
+    os.utime(recent, (now - 60, now - 60))
     lookalike = session / "files" / ".notes.tmp-xyz"  # not a name a writer makes
     lookalike.write_bytes(b"someone else's")
     os.utime(lookalike, (old, old))
     kept = sorted(p for p in session.rglob("*") if p.is_file() and p not in left)
-    SessionStore(LocalStorage(root)).reclaim_stale(3600.0)
+    store = SessionStore(LocalStorage(root))
+    store.reclaim_stale(3600.0, now=now)
     assert not any(p.exists() for p in left)
     assert sorted(p for p in session.rglob("*") if p.is_file()) == kept
     assert recent.exists() and lookalike.exists()
+    later = session / "files" / ".r000002-0000.bin.tmp-bbbbbbbbbbbb"  # a committed session is walked once
+    later.write_bytes(b"x")
+    os.utime(later, (old, old))
+    store.reclaim_stale(3600.0, now=now + 600)
+    assert later.exists()
     out = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "verify", "t/1", "--root", str(root)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -78,6 +78,19 @@ def _load(url: str, ref: str, like: dict) -> dict:
     return got
 
 
+def _durable_alone_holds(tmp_path, durable, ref: str, want: dict, *, load: str | None = None) -> None:
+    """The durable tier as a plain root: a service on it loads ``load`` (default ``ref``) bit for bit, and
+    ``ckptd verify REF --root DURABLE`` passes."""
+    alone = ServerProcess(durable, log=tmp_path / "alone.log").start()
+    try:
+        assert_bits_equal(_load(alone.url, load or ref, want), want)
+    finally:
+        alone.stop()
+    out = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "verify", ref, "--root", str(durable)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith(f"OK {ref}"), out.stdout + out.stderr
+
+
 def test_a_save_commits_locally_then_becomes_durable_and_the_durable_tier_is_a_whole_root(tmp_path):
     durable = tmp_path / "durable"
     srv = _server(tmp_path, str(durable)).start()
@@ -93,14 +106,7 @@ def test_a_save_commits_locally_then_becomes_durable_and_the_durable_tier_is_a_w
         assert _metric(srv, "ckptd_durable_lag_seconds") == 0
     finally:
         srv.stop()
-    alone = ServerProcess(durable, log=tmp_path / "alone.log").start()  # the durable tier as a plain root
-    try:
-        assert_bits_equal(_load(alone.url, "t/latest", sd), sd)
-    finally:
-        alone.stop()
-    out = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "verify", "t/1", "--root", str(durable)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.startswith("OK t/1"), out.stdout + out.stderr
+    _durable_alone_holds(tmp_path, durable, "t/1", sd, load="t/latest")
 
 
 def test_files_an_incremental_save_linked_are_linked_on_the_durable_tier_too(tmp_path):
@@ -120,14 +126,7 @@ def test_files_an_incremental_save_linked_are_linked_on_the_durable_tier_too(tmp
         assert second < first - linked + (64 << 10), (first, second, linked)  # only the new bytes were sent
     finally:
         srv.stop()
-    alone = ServerProcess(durable, log=tmp_path / "alone.log").start()
-    try:
-        assert_bits_equal(_load(alone.url, "t/2", two), two)
-    finally:
-        alone.stop()
-    out = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "verify", "t/2", "--root", str(durable)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
+    _durable_alone_holds(tmp_path, durable, "t/2", two)
 
 
 def test_losing_the_fast_tier_loses_no_durable_checkpoint(tmp_path):
@@ -177,7 +176,7 @@ def test_a_crash_before_the_durable_marker_is_finished_by_the_restarted_service(
         assert _markers(durable) == {"t/1"}
     finally:
         srv.stop()
-    assert_bits_equal(_load(ServerProcess(durable, log=tmp_path / "alone.log").start().url, "t/1", sd), sd)
+    _durable_alone_holds(tmp_path, durable, "t/1", sd)
 
 
 @pytest.mark.slow

@@ -205,16 +205,16 @@ def upload_router(svc: Services) -> APIRouter:
         committed checkpoint is durable, and long-poll while it is not yet."""
         deadline = time.monotonic() + wait
         event: asyncio.Event | None = None
+        st: SessionStatus | None = None
         try:
             while True:
                 event = waiters.setdefault(sid, asyncio.Event())  # before reading: no lost wake-up
-                st = await run_in_threadpool(sessions.status, run, name, sid)
+                if st is None or st.state == "open":  # once committed, only its durability is asked again
+                    st = await run_in_threadpool(sessions.status, run, name, sid)
                 if durable:  # asked only: on an object store each answer is a read of the durable tier
                     st = await run_in_threadpool(with_durability, st)
                 left = deadline - time.monotonic()
-                settled = st.state == "failed" or (st.state == "committed" and (
-                    not durable or st.durable or st.durable_error is not None))
-                if settled or left <= 0:
+                if st.settled(durable) or left <= 0:
                     return st
                 # Woken at once when an index arrives at this process; polled every 0.1 s otherwise
                 # (another replica may take the last index); the durable tier every 0.25 s (a read of

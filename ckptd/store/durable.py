@@ -193,13 +193,21 @@ class DurableCopier:
 
     # -- 1. scan -----------------------------------------------------------------------------------
     def scan(self) -> list[Copied]:
-        """Copy every fast-tier checkpoint that is not durable, then trim each run's fast copies."""
+        """Copy every fast-tier checkpoint that is not durable, then trim each run's fast copies. Each
+        checkpoint's durable state is read once per scan, and serves both."""
         with self._lock:
+            here: dict[str, list[Committed]] = {}
+            durable: set[str] = set()
             todo: list[Committed] = []
-            runs = self.fast_vis.runs()
-            for run in runs:
+            for run in self.fast_vis.runs():
                 try:
-                    todo += [c for c in self.on_fast(run) if not self._durable_or_refused(c)]
+                    here[run] = self.on_fast(run)
+                    for c in here[run]:
+                        st = self.state(c.run, c.name, c.digest)
+                        if st.durable:
+                            durable.add(c.ref)
+                        elif st.error is None:
+                            todo.append(c)
                 except CkptdError as e:
                     log.warning("durable tier: run %s skipped: %s", run, e.message)
             self.pending = {c.ref: c.committed_at for c in todo}
@@ -218,11 +226,12 @@ class DurableCopier:
                 except CkptdError as e:
                     self._refuse(c, e)
                     continue
+                durable.add(c.ref)
                 self.pending.pop(c.ref, None)
                 self._failing = False
-            for run in runs:
+            for run, checkpoints in here.items():
                 try:
-                    self.trim(run)
+                    self.trim(run, checkpoints, durable)
                 except CkptdError as e:
                     log.warning("durable tier: trim of run %s skipped: %s", run, e.message)
             return done
@@ -238,10 +247,6 @@ class DurableCopier:
                 if c is not None:
                     out.append(c)
         return sorted(out, key=order_key)
-
-    def _durable_or_refused(self, c: Committed) -> bool:
-        st = self.state(c.run, c.name, c.digest)
-        return st.durable or st.error is not None
 
     def _refuse(self, c: Committed, e: CkptdError) -> None:
         log.error("durable tier: %s cannot be made durable: %s", c.ref, e.message)
@@ -321,13 +326,13 @@ class DurableCopier:
         crash_point("durable-mid-copy")
 
     # -- 3. trim -----------------------------------------------------------------------------------
-    def trim(self, run: str) -> list[str]:
+    def trim(self, run: str, here: list[Committed], durable: set[str]) -> list[str]:
         """Drop the fast copies (their data, not their markers) of the run's checkpoints beyond the
-        ``keep_fast`` newest, where durable and not leased; return their names."""
-        here = self.on_fast(run)
+        ``keep_fast`` newest, where durable (``durable``: the refs this scan found or made durable) and
+        not leased; ``here``: the run's checkpoints on the fast tier, oldest first. Return their names."""
         dropped = []
         for c in here[:max(0, len(here) - self.keep_fast)]:
-            if not self.state(c.run, c.name, c.digest).durable or self.leases.active(run, c.name):
+            if c.ref not in durable or self.leases.active(run, c.name):
                 continue
             self.tiers.fast.delete_tree(Paths.sessions(run, c.name))  # the marker stays: the name is taken
             dropped.append(c.name)

@@ -141,6 +141,7 @@ class SessionStore:
         self.visibility = visibility or Visibility(self.storage)
         self.on_commit = list(on_commit)
         self._orphans_seen: set[str] = set()
+        self._temps_reclaimed: set[str] = set()  # committed sessions the sweep cleared of temp files
         self._indexes = IndexCache()
 
     # -- helpers ---------------------------------------------------------------
@@ -643,10 +644,7 @@ class SessionStore:
         removed = []
         for sid in self.storage.list(Paths.sessions(run, name)):
             if m is not None and m.session == sid:
-                # The committed session: only what writers killed mid-write left in it (temp files).
-                n = self.storage.reclaim_temps(Paths.session(run, name, sid), now - ttl_seconds)
-                if n:
-                    log.info("sweep: %d unfinished writes removed from committed %s/%s", n, run, name)
+                self._reclaim_temps_once(run, name, m, ttl_seconds, now)
                 continue
             try:
                 check_session(sid)
@@ -666,6 +664,18 @@ class SessionStore:
             self.storage.delete_tree(Paths.session(run, name, sid))
             removed.append(key)
         return removed
+
+    def _reclaim_temps_once(self, run: str, name: str, m: Marker, ttl_seconds: float, now: float) -> None:
+        """In a committed session, delete what writers killed mid-write left (temp files), once per
+        process: a TTL after the commit every such file is older than the TTL, and none comes after
+        (the session takes no more writes), so later sweeps do not walk the session again."""
+        key = f"{run}/{name}/{m.session}"
+        if key in self._temps_reclaimed or now - m.committed_at.timestamp() < ttl_seconds:
+            return
+        n = self.storage.reclaim_temps(Paths.session(run, name, m.session), now - ttl_seconds)
+        self._temps_reclaimed.add(key)
+        if n:
+            log.info("sweep: %d unfinished writes removed from committed %s/%s", n, run, name)
 
     def _recover(self, run: str, name: str, sid: str, meta: SessionMeta) -> bool:
         """Commit a session whose indexes are all stored and that was not refused; True if it committed."""
