@@ -295,6 +295,31 @@ def test_a_reshard_job_reads_a_dropped_fast_copy_and_its_output_becomes_durable(
         srv.stop()
 
 
+def test_a_fast_copy_being_read_is_not_dropped_until_its_reader_lets_go(tmp_path):
+    """A slow reader holds a read lease (as a load that reads for long does): the fast tier keeps that
+    checkpoint's data past ``CKPTD_FAST_KEEP_LAST`` until the lease is released, then drops it."""
+    durable = tmp_path / "durable"
+    srv = _server(tmp_path, str(durable), env={"CKPTD_FAST_KEEP_LAST": "1", "CKPTD_DURABLE_SCAN_SECONDS": "0.2"})
+    srv.start()
+    try:
+        with CheckpointClient(srv.url, incremental=False) as c, httpx.Client(base_url=srv.url, timeout=30) as http:
+            c.save(_state(1), "t/1").wait(durable=True)
+            assert http.put("/v1/checkpoints/t/1/leases/slowreader").status_code == 200
+            for step in (2, 3):
+                c.save(_state(step), f"t/{step}").wait(durable=True)
+            deadline = time.monotonic() + scaled(30)
+            while "t/2" in _on_fast(tmp_path) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(1.0)  # several more scans
+            assert _on_fast(tmp_path) == {"t/1", "t/3"}  # t/2 dropped, the leased t/1 kept
+            assert http.delete("/v1/checkpoints/t/1/leases/slowreader").status_code in (200, 204)
+            while "t/1" in _on_fast(tmp_path) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _on_fast(tmp_path) == {"t/3"}
+    finally:
+        srv.stop()
+
+
 def test_a_fast_copy_that_is_not_durable_is_never_trimmed(tmp_path):
     """The durable tier unreachable: every checkpoint stays on the fast tier, and the lag shows it."""
     durable = tmp_path / "durable"
