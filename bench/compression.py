@@ -151,7 +151,7 @@ def end_to_end(work: Path, states: dict[str, torch.Tensor], repeat: int, throttl
                 for name, t in states.items():
                     key = f"{name}/{mode or 'raw'}"
                     ref = f"bench-{name.replace('_', '-')}-{mode or 'raw'}/{r}"
-                    with CheckpointClient(srv.url, compression=mode, direct_writes=False, incremental=False) as c:
+                    with CheckpointClient(srv.url, compression=mode, incremental=False) as c:
                         t0 = time.perf_counter()
                         c.save({"w": t}, ref).wait()
                         times.setdefault(key, []).append(time.perf_counter() - t0)

@@ -18,7 +18,10 @@ What one run does:
    (every default: incremental on) to ``RUN/<step>``, in alternating order, each after an
    ``os.sync()`` and ``--settle`` seconds of quiet, timed between barriers. Bytes written: the
    DCP directory's size; for ckptd the checkpoint's files less those linked from the previous
-   checkpoint (``Manifest.linked_bytes``).
+   checkpoint (``Manifest.linked_bytes``). Also recorded: the bytes the checkpoint keeps alive
+   (``ckptd_total_bytes``: its files, linked ones included) and, of the linked files, the bytes its
+   chunks reuse (``ckptd_unchanged_bytes``, ``Manifest.unchanged_bytes``); a linked file is at least
+   half reused, so the stale rest never outweighs what the link saves.
 4. Three gloo ranks load the last step with ckptd into DTensors on a 3-mesh and compare every
    element with the values saved (bit for bit).
 """
@@ -115,7 +118,7 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
         if rank == 0:
             m = Manifest.model_validate_json(httpx.get(f"{cfg['url']}/v1/checkpoints/inc/{step}").content)
             rec.update(ckptd_bytes=m.total_bytes - m.linked_bytes, ckptd_linked_bytes=m.linked_bytes,
-                       ckptd_total_bytes=m.total_bytes, dcp_bytes=_dir_bytes(Path(cfg["dcp_dir"]) / f"step{step}"))
+                       ckptd_total_bytes=m.total_bytes, ckptd_unchanged_bytes=m.unchanged_bytes, dcp_bytes=_dir_bytes(Path(cfg["dcp_dir"]) / f"step{step}"))
         steps.append(rec)
     client.close()
     return {"steps": steps}

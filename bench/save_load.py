@@ -316,9 +316,9 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
     sd = make_state(cfg["specs"], mesh, fill=True)
     # Every repeat saves the same bytes: incremental saves would link all of them from the previous
     # repeat, so they are off here (bench.incremental measures them); these are full saves.
-    client = CheckpointClient(cfg["url"], snapshot_bytes=cfg.get("snapshot_bytes"), direct_writes=True,
+    client = CheckpointClient(cfg["url"], snapshot_bytes=cfg.get("snapshot_bytes"),
                               incremental=False)
-    http_client = CheckpointClient(cfg["url"], snapshot_bytes=cfg.get("snapshot_bytes"), direct_writes=False,
+    http_client = CheckpointClient(cfg["url"], snapshot_bytes=cfg.get("snapshot_bytes"),
                                    incremental=False)
     floor_buf = torch.zeros(_shard_bytes(sd), dtype=torch.uint8)  # zeroed: every page faulted in now
     variants = ("dcp", "ckptd", "raw", "ckptd_http")

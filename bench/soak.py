@@ -26,7 +26,7 @@ processes are forked from one process that imported torch and the client once
 (:func:`run_forked`), hold flat-partitioned state (``FlatShard`` slices of six
 uneven tensors of ``--mib`` MiB in all, a replicated plain tensor, a JSON
 object) and save ``--checkpoints`` steps, each ``save()`` followed by
-``wait()``, every byte through HTTP (``direct_writes=False``) in files of 64
+``wait()``, every byte through HTTP in files of 64
 KiB. Each rank's client is ``CheckpointClient([A, B])`` (even ranks) or
 ``[B, A]`` (odd ranks). Once step ``--kill-after-step`` has committed, the
 parent SIGKILLs replica A at the first later step it finds mid-save (half its
@@ -326,7 +326,7 @@ def _replica_job(rank: int, world: int, urls: list[str], steps: int, mib: float,
     failovers = _FailoverLog()
     logging.getLogger("ckptd_client").addHandler(failovers)
     lat, done, sessions = [], [], []
-    with CheckpointClient(order, file_bytes=FILE_BYTES, direct_writes=False) as client:
+    with CheckpointClient(order, file_bytes=FILE_BYTES) as client:
         for step in range(1, steps + 1):
             sd = flat_state(rank, world, mib, step)
             t0 = time.perf_counter()

@@ -7,10 +7,10 @@ Imports without the server's dependencies (FastAPI, uvicorn, s3fs)::
     client.save(state_dict, "gpt/1000").wait()
     client.load(state_dict, "gpt/latest")
 
-The public names below are resolved on first use (PEP 562): tools that only
-need ``ckptd_client.assemble`` (the reshard workers, the CLI) then skip
-importing ``torch.distributed.tensor``, about half a second of start-up, and
-those that only list, read and verify (``CatalogClient``) skip torch entirely.
+The public names below are resolved on first use (PEP 562): a tool that
+imports one module of the package then skips importing
+``torch.distributed.tensor``, about half a second of start-up, and those that
+only list, read and verify (``CatalogClient``) skip torch entirely.
 """
 
 from importlib import import_module

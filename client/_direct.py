@@ -24,7 +24,7 @@ import xxhash
 
 from ckptd_schemas import ChecksumMismatch, Copy, Fetch
 
-from .assemble import Destination, torch_dtype
+from ckptd_schemas.format.assemble import Destination, torch_dtype
 
 __all__ = ["BlockVerifier", "direct_targets", "scatter"]
 

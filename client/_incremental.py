@@ -7,7 +7,8 @@ pieces are (file and locations in that checkpoint). At its next save to the same
 
 1. In the save's stall, each chunk a rank holds on the CPU that did not change at the last save
    (:meth:`ChunkHistory.stall_keys`) is digested in place (:func:`digest_source`); those whose
-   (tensor, dtype, region) and digest equal the remembered ones (:meth:`ChunkHistory.candidates`)
+   (tensor, dtype, region) and digest equal the remembered ones (:meth:`ChunkHistory.candidates`),
+   in files they fill at least half of (:func:`worth_linking`),
    have their files linked into the new session at once (:func:`link_early`:
    ``POST .../files/<linked_name>/link``, a hard link on a local root, a copy inside the store on
    S3, so no byte of them passes through the rank or the service), and are then not copied at all:
@@ -20,8 +21,18 @@ pieces are (file and locations in that checkpoint). At its next save to the same
    earlier checkpoint never committed, or was deleted since) leaves its chunks to be written.
 3. ``_pack`` places the linked chunks at their stored locations in the linked files
    (:func:`relocated`) and writes the rest; the rank index lists the linked files with its own.
-4. Once the index is accepted, :meth:`ChunkHistory.remember` keeps this save's digests and
-   locations for the next save.
+   Unchanged chunks written again (``SaveDelta.unchanged``: their file was not worth linking, or
+   its link was refused) are laid out first, in files of their own, which the next save can link
+   whole.
+4. Once the index is accepted, :meth:`ChunkHistory.remember` keeps this save's digests,
+   locations and file sizes for the next save.
+
+Links pay for themselves (:func:`worth_linking`): a linked file keeps all its bytes alive as long
+as the new checkpoint lives, so an earlier file is linked only when the chunks reused from it fill
+at least half of it; the stale rest then never outweighs what the link saves. One unchanged scalar
+beside a tensor that changes is written again (a few bytes) rather than pinning the whole earlier
+file at every save (twice the state kept, and on S3 a copy of the stale file at every save). The
+service refuses a commit that breaks the rule (``ckptd.store.reuse.check_reuse``).
 
 The service's commit accepts a chunk in a linked file only where the source checkpoint's manifest
 placed a chunk it verified, and reads the file otherwise (``ckptd.store.commit_checks``). A
@@ -33,8 +44,9 @@ need nothing else.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 import xxhash
@@ -44,11 +56,14 @@ from ckptd_schemas import BoxChunk, CkptdError, FlatChunk, InvalidRequest, NotFo
 if TYPE_CHECKING:
     from .transport import Transport
 
-__all__ = ["ChunkHistory", "SaveDelta", "chunk_key", "digest_source", "link_early", "link_files", "relocated"]
+__all__ = ["SLOT", "ChunkHistory", "SaveDelta", "chunk_key", "digest_source", "link_early", "link_files", "relocated",
+           "worth_linking"]
 
 log = logging.getLogger("ckptd_client")
 
 ChunkKey = tuple  # (tensor, dtype, ("box", offsets, sizes) | ("flat", start, length))
+SLOT = 64  # the alignment of stored chunks in a data file (``_save.ALIGN``)
+_OFFERED_KEPT = 16  # saves whose linked files' sizes are kept until they are remembered (or fail)
 
 
 def chunk_key(tensor: str, dtype: str, box: Any, flat: Any) -> ChunkKey:
@@ -69,6 +84,40 @@ class _Last:
     run: str
     name: str
     chunks: dict[ChunkKey, _Stored]
+    sizes: dict[str, int] = field(default_factory=dict)  # the checkpoint's files that hold the chunks: size
+
+
+def _slot(piece: Any) -> int:
+    """What a stored piece takes of its file: its bytes and the alignment padding after them, which is
+    what writing it again would take of a new file."""
+    n = piece.location.length
+    return n + (-n) % SLOT
+
+
+def worth_linking(candidates: Mapping[ChunkKey, list], sizes: Mapping[str, int],
+                  held: Mapping[str, int] | None = None) -> dict[ChunkKey, list]:
+    """The rule that makes links pay for themselves: of ``candidates`` (chunk -> its stored pieces in
+    files of the earlier checkpoint), those whose every file is filled at least half by the chunks
+    reused from it; the others are written again.
+
+    A file is filled by the slots (:func:`_slot`) of the kept candidates' pieces in it, plus
+    ``held[file]`` (slot bytes this save already placed in its link: those linked in the stall). A
+    linked file keeps all of its ``sizes[file]`` bytes alive, so at half full or more its stale bytes
+    never outnumber the bytes the link saves writing; a file of unknown size is never linked. Dropping
+    a chunk empties its other files too (a chunk's frames may span two files), so the rule is applied
+    until nothing more drops. Pure: the stall and the upload call it (:meth:`ChunkHistory.candidates`).
+    """
+    kept = dict(candidates)
+    while True:
+        filled = dict(held or {})
+        for pieces in kept.values():
+            for p in pieces:
+                filled[p.location.file] = filled.get(p.location.file, 0) + _slot(p)
+        short = {f for f, n in filled.items() if f not in sizes or 2 * n < sizes[f]}
+        left = {k: pieces for k, pieces in kept.items() if not any(p.location.file in short for p in pieces)}
+        if len(left) == len(kept):
+            return kept
+        kept = left
 
 
 @dataclass
@@ -82,6 +131,8 @@ class SaveDelta:
     candidates: dict[ChunkKey, list]
     source: str | None
     produced: dict[ChunkKey, list] = field(default_factory=dict)
+    unchanged: frozenset = frozenset()  # chunks whose digest the last save stored: written apart when not linked
+    written: dict[str, int] = field(default_factory=dict)  # filled by the upload: each file it wrote, its size
 
     def link(self, transport: "Transport", base: str, session: str, rank: int) -> dict[ChunkKey, list]:
         """Link the files holding the candidates into ``session``; returns the chunks to place in them."""
@@ -94,10 +145,14 @@ class SaveDelta:
 class ChunkHistory:
     """What this rank stored at its last save: per chunk, its digest and stored pieces. Read by the
     next save's stall while the previous save's upload may :meth:`remember`: the state is one
-    object, replaced whole."""
+    object, replaced whole. The sizes of the files offered for linking to each save in flight are kept
+    apart (``_offered``, under a lock) until that save is remembered: a linked file has the size of
+    the file it links, and the next save's rule needs it."""
 
     def __init__(self) -> None:
         self._last: _Last | None = None
+        self._offered: dict[tuple[str, str], dict[str, int]] = {}
+        self._lock = threading.Lock()
 
     def stall_keys(self, run: str, name: str) -> frozenset[ChunkKey]:
         """The chunks worth hashing in the stall of a save to ``run/name``: those of the last save to the
@@ -108,9 +163,12 @@ class ChunkHistory:
             return frozenset()
         return frozenset(k for k, stored in last.chunks.items() if not stored.changed)
 
-    def candidates(self, run: str, name: str, digests: dict[ChunkKey, bytes]) -> tuple[str | None, dict[ChunkKey, list]]:
+    def candidates(self, run: str, name: str, digests: dict[ChunkKey, bytes],
+                   placed: Iterable[list] = ()) -> tuple[str | None, dict[ChunkKey, list]]:
         """The checkpoint of the last save to ``run`` and, of ``digests``, the chunks stored unchanged in it
-        (nothing after a save to another run, or before any)."""
+        in files worth linking (:func:`worth_linking`; nothing after a save to another run, or before
+        any). ``placed``: pieces this save already placed in linked files (in the stall), which fill
+        their files too. The sizes of the files offered are kept for :meth:`remember`."""
         last = self._last
         if last is None or last.run != run or last.name == name:
             return None, {}
@@ -119,34 +177,65 @@ class ChunkHistory:
             stored = last.chunks.get(key)
             if stored is not None and stored.digest == d:
                 out[key] = stored.pieces
-        return (last.name if out else None), out
+        if not out:
+            return None, {}
+        names = {linked_name(last.name, f): f for f in last.sizes}
+        held: dict[str, int] = {}
+        for pieces in placed:
+            for p in pieces:
+                f = names.get(p.location.file)
+                if f is not None:
+                    held[f] = held.get(f, 0) + _slot(p)
+        out = worth_linking(out, last.sizes, held)
+        if not out:
+            return None, {}
+        with self._lock:
+            offered = self._offered.setdefault((run, name), {})
+            offered.update({linked_name(last.name, f): last.sizes[f] for f in _files_of(out)})
+            while len(self._offered) > _OFFERED_KEPT:  # saves that failed before they were remembered
+                del self._offered[next(iter(self._offered))]
+        return last.name, out
 
     def begin(self, run: str, name: str, snap: Any) -> SaveDelta:
         """Digest ``snap``'s chunks (a ``Snapshot``; those digested in the stall keep that digest) and
         pick, among the chunks it copied, those stored unchanged at the last save to ``run``."""
         digests: dict[ChunkKey, bytes] = {}
         copied: dict[ChunkKey, bytes] = {}
+        placed: list[list] = []
         for t in snap.tensors:
             for c in snap.chunks.get(t.name, []):
                 key = chunk_key(t.name, t.dtype, c.box, c.flat)
                 digests[key] = c.digest if c.digest is not None else digest(_raw(c.data))
                 if c.reused is None:
                     copied[key] = digests[key]
-        source, candidates = self.candidates(run, name, copied)
-        return SaveDelta(run, name, digests, candidates, source)
+                else:
+                    placed.append(c.reused)
+        last = self._last
+        same = last is not None and last.run == run and last.name != name
+        unchanged = frozenset(k for k, d in copied.items() if same and (s := last.chunks.get(k)) is not None
+                              and s.digest == d)
+        source, candidates = self.candidates(run, name, copied, placed)
+        return SaveDelta(run, name, digests, candidates, source, unchanged=unchanged)
 
     def remember(self, delta: SaveDelta) -> None:
         """After a save whose index was accepted: its chunks' digests, where their pieces are, and which
         of them changed since the save before."""
         last = self._last
         before = last.chunks if last is not None and last.run == delta.run else {}
+        with self._lock:
+            offered = self._offered.pop((delta.run, delta.name), {})
         chunks = {}
+        sizes: dict[str, int] = {}
         for k, pieces in delta.produced.items():
             if k in delta.digests:
                 previous = before.get(k)
                 chunks[k] = _Stored(delta.digests[k], pieces,
                                     changed=previous is not None and previous.digest != delta.digests[k])
-        self._last = _Last(delta.run, delta.name, chunks)
+                for p in pieces:  # a file of unknown size is never linked (worth_linking)
+                    size = delta.written.get(p.location.file, offered.get(p.location.file))
+                    if size is not None:
+                        sizes[p.location.file] = size
+        self._last = _Last(delta.run, delta.name, chunks, sizes)
 
 
 def digest(data: memoryview) -> bytes:

@@ -2,8 +2,11 @@
 
 Call order inside :meth:`CheckpointClient.load`:
 
-1. fetch the manifest; match it against the flattened state dict (strict by
-   default: a key missing on either side, a shape or a dtype mismatch raises,
+1. fetch the manifest (``RUN/latest``: the service resolves it to the newest
+   trainer checkpoint not known to be bad, and names the newer ones it skipped,
+   with why: ``LoadReport.skipped``, logged as a warning); match it against
+   the flattened state dict (strict by default: a key missing on either side,
+   a shape or a dtype mismatch raises,
    naming the key). In a distributed load a rank may hold any subset of the
    checkpoint: each rank's keys must exist in it, and the ranks' keys together
    must cover it, checked in one collective (``_coverage``) that also lets every
@@ -53,13 +56,15 @@ from ._flatten import Leaf, flatten_state_dict
 from .transport import Transport
 from ._layout import LocalPiece, dtype_name, local_piece
 from ._lease import read_lease
-from ._manifest import get_manifest
-from .assemble import Destination, copy_into, verify_fetch
-from .objects import SAFE, ObjectPolicy, decode_object
+from ._resolve import resolve_manifest
+from ckptd_schemas.api import SkippedCheckpoint
+from ckptd_schemas.format.assemble import Destination, copy_into
+from ckptd_schemas.format.objects import SAFE, ObjectPolicy, decode_object
+from ckptd_schemas.readplan import verify_fetch
 
 from ckptd_schemas.names import RESERVED
 
-__all__ = ["LoadReport", "RESERVED", "execute", "load_into", "local_files", "read_lease"]
+__all__ = ["LoadReport", "RESERVED", "execute", "load_into", "local_files", "read_lease", "resolve_manifest"]
 
 log = logging.getLogger("ckptd_client")
 
@@ -80,6 +85,9 @@ class LoadReport:
     # strict loads: how many ranks' keys were checked to cover the checkpoint together (1: this
     # rank alone, the whole checkpoint; N: any subset per rank, ``_coverage``); 0 without strict
     coverage_ranks: int = 0
+    # ``RUN/latest`` only: the newer trainer checkpoints the service skipped as known to be bad (their
+    # recorded verification failed), newest first, each with its ref and reason; ``ref`` is what loaded
+    skipped: list[SkippedCheckpoint] = field(default_factory=list)
 
 
 def _check(leaf: Leaf, piece: LocalPiece, manifest: Manifest) -> None:
@@ -137,7 +145,8 @@ def _fetch_direct(transport: Transport, base: str, f: Any, targets: list) -> Non
 
 
 def _load_object(transport: Transport, base: str, o: ObjectEntry, ref: str, policy: ObjectPolicy) -> Any:
-    """The object's value; its bytes are checked, then decoded without running code (``ckptd_client.objects``)."""
+    """The object's value; its bytes are checked, then decoded without running code
+    (``ckptd_schemas.format.objects``)."""
     if o.encoding == "json":
         return o.value
     loc = o.location
@@ -225,8 +234,12 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
     With ``strict``, a key of the state dict that the checkpoint lacks (or holds only per rank, for
     other ranks) fails this rank; a key of the checkpoint that the state dict lacks fails it only
     when it loads ``alone``: otherwise ``_coverage.agree_keys`` checks that some rank holds it."""
-    manifest = Manifest.model_validate_json(get_manifest(transport, run, name))  # inline objects: checked
-    report = LoadReport(ref=manifest.ref)
+    raw, skipped = resolve_manifest(transport, run, name)
+    manifest = Manifest.model_validate_json(raw)  # inline objects: checked
+    report = LoadReport(ref=manifest.ref, skipped=skipped)
+    if skipped and rank == 0:
+        log.warning("%s/%s resolved to %s, skipping %s", run, name, manifest.ref,
+                    "; ".join(f"{s.ref} ({s.reason})" for s in skipped))
     leaves = flatten_state_dict(state_dict)
     tensor_leaves = [leaf for leaf in leaves if leaf.kind == "tensor"]
     objects_by_name: dict[str, list[ObjectEntry]] = {}

@@ -29,16 +29,17 @@ from typing import Callable, Iterable, Iterator
 
 import httpx
 
-from ckptd_schemas import PresignedUpload
+from ckptd_schemas import ChecksumMismatch, Conflict, InvalidName, InvalidRequest, PresignedUpload
 from ckptd_schemas.filedigest import BLOCK_SIZE, StreamDigest
 
-from ._staging import FALL_BACK
 from .transport import Transport
 
 __all__ = ["PART_BYTES", "DirectUploads", "file_digests"]
 
 log = logging.getLogger("ckptd_client")
 
+#: Refusals of one file's direct upload (not of the session): that file goes through the service instead.
+FALL_BACK = (ChecksumMismatch, Conflict, InvalidRequest, InvalidName)
 #: Bytes per part of a multipart direct upload (S3: at least 5 MiB but the last, at most 10,000 parts);
 #: a file of at most this much is one PUT.
 PART_BYTES = 32 << 20

@@ -6,7 +6,7 @@ Call order inside :meth:`CheckpointClient.save`:
    the state dict, decide which chunks this rank writes (replicas once),
    copy them to host memory (into a leased :class:`SnapshotPool` slab when the client has one;
    from CUDA on a side stream, synchronised before returning), encode objects
-   (``ckptd_client.objects``: one that would need an unrestricted unpickler raises here).
+   (``ckptd_schemas.format.objects``: one that would need an unrestricted unpickler raises here).
 2. ``upload_snapshot`` (background thread): open-or-join the session, pack
    chunks into files (64-byte aligned), hash each chunk and file with XXH3,
    stream files with retries, then send the rank's index. The service commits
@@ -32,15 +32,15 @@ from ckptd_schemas import (
     parse_ref,
 )
 
-from .codec import FRAME_BYTES, CompressionPolicy, codec_for, encode, split_frames
+from ckptd_schemas.format.codec import FRAME_BYTES, codec_for, encode, split_frames
+from .codec import CompressionPolicy
 from ._flatten import flatten_state_dict, param_groups_of
 from .transport import Transport
 from ._layout import assign_replicated, dtype_name, local_piece, mesh_of
-from .objects import SAFE, ObjectPolicy, encode_object
+from ckptd_schemas.format.objects import SAFE, ObjectPolicy, encode_object
 from ._incremental import ChunkHistory, SaveDelta, chunk_key, digest_source
 from ._pool import Lease, SnapshotPool, aligned
 from ._presigned import DirectUploads
-from ._staging import FALL_BACK, StagingDir
 from .sessions import Opened, open_session, put_index, wait_committed
 
 __all__ = ["Compression", "SaveHandle", "Snapshot", "build_snapshot", "upload_snapshot"]
@@ -114,7 +114,7 @@ def _describe(v: Any) -> Any:
 
 
 def _encode_object(fqn: str, value: Any, policy: ObjectPolicy = SAFE) -> _Object:
-    """JSON, or torch.save bytes that load with ``weights_only=True`` (``ckptd_client.objects``)."""
+    """JSON, or torch.save bytes that load with ``weights_only=True`` (``ckptd_schemas.format.objects``)."""
     enc = encode_object(fqn, value, policy)
     return _Object(fqn, enc.encoding, value=enc.value, payload=enc.payload)
 
@@ -247,7 +247,7 @@ class _File:
 
 def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str | None = None,
           on_file: Callable[[_File], None] | None = None, reuse: Mapping[tuple, list] | None = None,
-          produced: dict[tuple, list] | None = None) -> tuple[list[_File], RankIndex]:
+          produced: dict[tuple, list] | None = None, apart: Container[tuple] = ()) -> tuple[list[_File], RankIndex]:
     """Lay the snapshot's chunks (compressed per the policy) and objects out in files of about
     ``file_bytes``, hashing each stored chunk and each file; return the files and the rank's index.
 
@@ -256,11 +256,14 @@ def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str
     streams out (the pipeline of a save). A chunk in ``reuse`` (incremental saves,
     ``ckptd_client._incremental``) is not packed: its pieces, in files linked from the previous
     checkpoint, go into the index as they are, and those files into its file list. ``produced``
-    receives every chunk's pieces as the index holds them.
+    receives every chunk's pieces as the index holds them. Chunks in ``apart`` (unchanged, yet written)
+    are laid out first, in files of their own, so that the next save may link those whole.
     """
     files: list[_File] = []
     prefix = prefix or f"r{snap.rank:06d}"
     hashes: list[Any] = []
+    kinds: list[bool] = []  # per file: holds ``apart`` chunks
+    alone = False
 
     def finish(f: _File) -> None:
         f.xxh3 = hashes[-1].hexdigest()
@@ -268,11 +271,12 @@ def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str
             on_file(f)
 
     def current(n: int) -> _File:
-        if not files or (files[-1].size and files[-1].size + n > file_bytes):
+        if not files or (files[-1].size and (files[-1].size + n > file_bytes or kinds[-1] != alone)):
             if files:
                 finish(files[-1])
             files.append(_File(f"{prefix}-{len(files):04d}.bin"))
             hashes.append(xxhash.xxh3_64())
+            kinds.append(alone)
         return files[-1]
 
     def place(data: memoryview | bytes) -> tuple[str, int]:
@@ -288,10 +292,13 @@ def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str
     policy = compression if isinstance(compression, CompressionPolicy) else None
     entries = []
     linked: dict[str, None] = {}
-    for t in snap.tensors:
+    order = sorted(snap.tensors, key=lambda t: not any(chunk_key(t.name, t.dtype, c.box, c.flat) in apart
+                                                       for c in snap.chunks.get(t.name, []))) if apart else snap.tensors
+    for t in order:
         chunks: list = []
         for c in snap.chunks.get(t.name, []):
             key = chunk_key(t.name, t.dtype, c.box, c.flat)
+            alone = key in apart
             first = len(chunks)
             held = c.reused if c.reused is not None else reuse.get(key) if reuse is not None else None
             if held is not None:
@@ -326,6 +333,9 @@ def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str
             if produced is not None:
                 produced[key] = chunks[first:]
         entries.append(t.model_copy(update={"chunks": chunks}))
+    where = {t.name: i for i, t in enumerate(snap.tensors)}
+    entries.sort(key=lambda e: where[e.name])  # the snapshot's order, whichever the layout's
+    alone = False
     objects = []
     for o in snap.objects:
         if o.encoding == "json":
@@ -367,13 +377,12 @@ def _ours(e: AlreadyCommitted, session: str) -> bool:
 
 def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, *, compression: Compression,
                  file_bytes: int, streams: int, prefix: str | None = None,
-                 staging: StagingDir | None = None, committed: threading.Event | None = None,
+                 committed: threading.Event | None = None,
                  delta: SaveDelta | None = None, direct: DirectUploads | None = None) -> RankIndex:
     """Pack the snapshot into files, stream them (several at once), return the rank's index.
 
-    With ``staging`` (direct writes, ``ckptd_client._staging``), each file is written there and
-    adopted by the service instead of uploaded, until a fallback turns that off; with ``direct``
-    (direct uploads, ``ckptd_client._presigned``), each is PUT straight into the object store.
+    With ``direct`` (direct uploads, ``ckptd_client._presigned``), each file is PUT straight into the
+    object store, until a fallback turns that off.
     With a :class:`CompressionPolicy`, the upload's throughput is fed back to it: the next save
     decides against the store as it is now.
     Once the service answers that this very session is committed (``committed`` is set, here or by the
@@ -388,26 +397,8 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
     reuse = delta.link(transport, base, session, snap.rank) if delta is not None and not committed.is_set() \
         else None
 
-    def adopt(f: _File, staging: StagingDir) -> bool:
-        staged = staging.write(f.name, f.size, _pieces(f))
-        if staged is None:
-            return False
-        try:
-            transport.request("POST", f"{base}/sessions/{session}/files/{f.name}/adopt",
-                              json={"staged": staged, "size": f.size, "xxh3": f.xxh3})
-            return True
-        except FALL_BACK as e:  # the staged file was refused, not the session: upload it instead
-            staging.discard(staged)
-            staging.disable(e.message)
-            return False
-        except BaseException:
-            staging.discard(staged)
-            raise
-
     def send(f: _File) -> None:
         starts.append(time.perf_counter())
-        if staging is not None and staging.enabled and adopt(f, staging):
-            return
         if direct is not None and direct.enabled and direct.put(f.name, f.size, lambda: _pieces(f)):
             return
         transport.request("PUT", f"{base}/sessions/{session}/files/{f.name}", content=lambda: _stream(f),
@@ -430,13 +421,16 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
         try:
             files, index = _pack(snap, compression, file_bytes, prefix,
                                  on_file=lambda f: sent.append(pool.submit(put, f)), reuse=reuse,
-                                 produced=delta.produced if delta is not None else None)
+                                 produced=delta.produced if delta is not None else None,
+                                 apart=delta.unchanged if delta is not None else ())
         except BaseException:
             for fut in sent:
                 fut.cancel()
             raise
         for fut in sent:
             fut.result()  # the first failure, in file order
+    if delta is not None:
+        delta.written = {f.name: f.size for f in files}
     if isinstance(compression, CompressionPolicy) and starts and not committed.is_set():  # a whole upload's rate
         compression.observe(sum(f.size for f in files), time.perf_counter() - min(starts))
     return index
@@ -444,7 +438,7 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
 
 def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None, *,
                     compression: Compression, file_bytes: int, streams: int,
-                    direct_writes: bool = False, direct_uploads: bool = False, history: ChunkHistory | None = None,
+                    direct_uploads: bool = False, history: ChunkHistory | None = None,
                     parent: str | None = None) -> SessionStatus:
     """Open-or-join (recording ``parent``), upload files, send the index; return the session status after it.
 
@@ -466,7 +460,7 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
     try:
         try:
             opened = open_session(transport, base, session, snap.world, step, parent=parent,
-                                  direct_writes=direct_writes, direct_uploads=direct_uploads)
+                                  direct_uploads=direct_uploads)
         except AlreadyCommitted as e:
             if not _ours(e, session):
                 raise
@@ -475,7 +469,7 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
         direct = DirectUploads(transport, base, session, transport.timeout) if opened.presigned else None
         try:
             index = upload_files(transport, base, session, snap, compression=compression, file_bytes=file_bytes,
-                                 streams=streams, staging=opened.staging, committed=committed, delta=delta,
+                                 streams=streams, committed=committed, delta=delta,
                                  direct=direct)
         finally:
             if direct is not None:

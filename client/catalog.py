@@ -1,7 +1,8 @@
 """CatalogClient: what a tool asks a ckptd service without holding tensors.
 
 Listing runs and checkpoints, reading a manifest or a byte range of a data file, asking for a
-verification or a retention pass: none of it needs torch, and importing torch (with
+verification or a retention pass, submitting a reshard job, uploading data files a tool already
+laid out (``ckptd import dcp --server``): none of it needs torch, and importing torch (with
 ``torch.distributed``) costs a command-line tool 1.5–3 s before its first request on the measured VMs, more than
 ``ckptd verify --server`` spent reading 256 MiB. So these calls live here, on the HTTP transport
 alone; :class:`ckptd_client.CheckpointClient` extends this class with ``save`` and ``load``.
@@ -11,15 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Sequence
+import time
+import uuid
+from typing import Callable, Iterable, Iterator, Sequence
 
-from ckptd_schemas import CheckpointSummary, InvalidName, Manifest, RunSummary, parse_ref
+from ckptd_schemas import (
+    CheckpointSummary, InvalidName, Manifest, RankIndex, RunSummary, SessionStatus, parse_ref,
+)
+from ckptd_schemas.api import SkippedCheckpoint
 
 from .transport import Transport
 from ._lease import read_lease
 from ._manifest import get_manifest
+from .sessions import open_session, put_index, wait_committed
 
-__all__ = ["DEFAULT_URL", "CatalogClient"]
+__all__ = ["DEFAULT_URL", "CatalogClient", "Upload"]
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 
@@ -48,6 +55,15 @@ class CatalogClient:
         """The manifest of ``ref``, its bytes checked against the digest its marker names."""
         r = parse_ref(ref)
         return Manifest.model_validate_json(get_manifest(self._transport, r.run, r.name))
+
+    def resolve(self, ref: str) -> tuple[Manifest, list[SkippedCheckpoint]]:
+        """:meth:`manifest`, and for ``RUN/latest`` the newer checkpoints the service skipped as known to
+        be bad (its ``X-Ckptd-Skipped`` header), newest first."""
+        from ._resolve import resolve_manifest
+
+        r = parse_ref(ref)
+        raw, skipped = resolve_manifest(self._transport, r.run, r.name)
+        return Manifest.model_validate_json(raw), skipped
 
     def list_runs(self) -> list[RunSummary]:
         return [RunSummary.model_validate(x) for x in self._transport.request("GET", "/v1/runs")]
@@ -97,6 +113,31 @@ class CatalogClient:
         with read_lease(self._transport, f"/v1/checkpoints/{r.run}/{r.name}") as held:
             yield held or f"{r.run}/{r.name}"
 
+    def reshard(self, source: str, to: str, *, out: str | None = None, dtype: str | None = None,
+                device: str = "auto", jobs: int = 2, preview: bool = False) -> dict:
+        """Submit a reshard job (``POST /v1/reshard``, as ``ckptd reshard --server``): ``source``
+        (``RUN/NAME`` or ``RUN/latest``) rewritten in the layout spec ``to`` as ``out`` (default
+        ``RUN/NAME-<spec>``), floating tensors cast to ``dtype``, on ``device`` (auto, cpu, cuda) with
+        ``jobs`` work units at once. Returns the job's status (``id``, ``state``, ``bytes_total``,
+        ...), which :meth:`job` follows. With ``preview``, nothing is written: returns the per-rank
+        bytes and reads the plan would take (``POST /v1/reshard/preview``)."""
+        body = {"source": source, "to": to, "out": out, "dtype": dtype, "device": device, "jobs": jobs}
+        return self._transport.request("POST", "/v1/reshard/preview" if preview else "/v1/reshard", json=body)
+
+    def job(self, job_id: str) -> dict:
+        """The status of reshard job ``job_id`` (``GET /v1/jobs/{id}``): ``state`` (queued, running,
+        done, failed), ``bytes_done`` of ``bytes_total``, then ``result`` or ``error``."""
+        return self._transport.request("GET", f"/v1/jobs/{job_id}")
+
+    def upload(self, ref: str, *, step: int | None = None, session: str | None = None) -> "Upload":
+        """Open a one-rank upload session on ``ref`` (``RUN/NAME``; write scope) for data files a tool
+        has already laid out, and return it (:class:`Upload`): the session protocol a trainer's save
+        speaks, without tensors. Nothing becomes visible until :meth:`Upload.commit`."""
+        r = parse_ref(ref)
+        if r.is_latest:
+            raise InvalidName("upload names a checkpoint, not RUN/latest", ref=ref)
+        return Upload(self._transport, r.run, r.name, session or uuid.uuid4().hex, step)
+
     def close(self) -> None:
         """Release the connections."""
         self._transport.close()
@@ -106,3 +147,37 @@ class CatalogClient:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+class Upload:
+    """One rank's upload session on a checkpoint (:meth:`CatalogClient.upload`), opened on creation.
+
+    Call order: :meth:`put_file` for each data file (each sent whole, with its XXH3-64 and size,
+    which the service checks), then :meth:`commit` with the rank's index, which names those files;
+    the service checks and commits the checkpoint. On any failure before that, :meth:`abort` drops
+    the session and its files: nothing becomes visible."""
+
+    def __init__(self, transport: Transport, run: str, name: str, session: str, step: int | None) -> None:
+        self._transport = transport
+        self.ref, self.session = f"{run}/{name}", session
+        self._base = f"/v1/checkpoints/{run}/{name}"
+        open_session(transport, self._base, session, 1, step)
+
+    def put_file(self, file: str, content: bytes | Callable[[], Iterable[bytes]], *, size: int, xxh3: str) -> None:
+        """Send the data file ``file`` of ``size`` bytes whose XXH3-64 is ``xxh3`` (hex). ``content``: the
+        bytes, or a function returning an iterable of its pieces (called again when a retry resends it)."""
+        body = content if callable(content) else (lambda: content)
+        self._transport.request("PUT", f"{self._base}/sessions/{self.session}/files/{file}", content=body,
+                                headers={"X-Ckptd-Xxh3": xxh3, "Content-Length": str(size),
+                                         "Content-Type": "application/octet-stream"})
+
+    def commit(self, index: RankIndex, *, timeout: float = 600.0) -> SessionStatus:
+        """Send the rank's index and wait up to ``timeout`` seconds for the commit; returns the session's
+        final status (``manifest_xxh3``: the committed manifest's digest), or raises the typed error
+        of a refused commit."""
+        status = put_index(self._transport, self._base, self.session, index)
+        return wait_committed(self._transport, self._base, self.ref, status, time.monotonic() + timeout)
+
+    def abort(self) -> None:
+        """Drop the session and the files it received (once, without retrying)."""
+        self._transport.request("DELETE", f"{self._base}/sessions/{self.session}", retry=False)

@@ -18,7 +18,7 @@ from ._pool import SnapshotPool
 from ._incremental import ChunkHistory, link_early
 from .sessions import open_session
 from ._save import SaveHandle, Snapshot, build_snapshot, upload_snapshot
-from .objects import ObjectPolicy, SafeGlobal
+from ckptd_schemas.format.objects import ObjectPolicy, SafeGlobal
 from ._writers import ReplicaWriters, plain_tensors
 
 if TYPE_CHECKING:
@@ -100,14 +100,6 @@ class CheckpointClient(CatalogClient):
             itself instead of through HTTP, verifying the same block digests; a file it cannot open,
             or bytes that fail their digests there but pass over HTTP, fall back to HTTP
             (``ckptd_client._files``). ``False``: always HTTP.
-        direct_writes: when the service's root is a local directory that this host sees (same host,
-            or a shared filesystem mounted at the same path), ``save`` writes each data file into the
-            session's staging directory itself and the service adopts it after hashing every byte,
-            instead of receiving it over HTTP: the service's CPU per saved byte falls about
-            fourfold, and on the measured machine this was the steadier of the two ways
-            (BENCHMARKS.md, Save and load). A staging directory this host cannot write, or a file
-            the service refuses there, falls back to HTTP (``ckptd_client._staging``). ``False``:
-            always HTTP.
         direct_uploads: when the service's root is an object store (S3), ``save`` PUTs each data
             file straight into it through a presigned URL with the file's SHA-256 signed in, and the
             service, which no byte crosses, checks every byte at the commit
@@ -132,7 +124,7 @@ class CheckpointClient(CatalogClient):
                  compression: str | CompressionPolicy | None = None, streams: int = 4,
                  file_bytes: int = 256 << 20, retry_seconds: float = 120.0, timeout: float = 300.0,
                  snapshot_bytes: int | None = None, snapshot_max_bytes: int | None = None,
-                 incremental: bool = True, direct_reads: bool = True, direct_writes: bool = True,
+                 incremental: bool = True, direct_reads: bool = True,
                  direct_uploads: bool = True,
                  share_replicas: bool = True,
                  safe_globals: Sequence[SafeGlobal] = (), trust_objects: bool = False) -> None:
@@ -150,7 +142,6 @@ class CheckpointClient(CatalogClient):
                               if snapshot_bytes != 0 else None)
         self.history = ChunkHistory() if incremental else None  # what this rank stored at its last save
         self.direct_reads = direct_reads
-        self.direct_writes = direct_writes
         self.direct_uploads = direct_uploads
         self.share_replicas = share_replicas
         self.objects = ObjectPolicy.of(trust_objects, safe_globals)  # warns once when trust_objects=True
@@ -233,8 +224,7 @@ class CheckpointClient(CatalogClient):
         try:
             future = self._uploader.submit(_upload_then_release, self._transport, base, session, snap, step,
                                            compression=self._codec, file_bytes=self.file_bytes,
-                                           streams=self.streams, direct_writes=self.direct_writes,
-                                           direct_uploads=self.direct_uploads, history=self.history, parent=parent)
+                                           streams=self.streams, direct_uploads=self.direct_uploads, history=self.history, parent=parent)
         except BaseException:
             snap.release()
             raise
@@ -269,7 +259,7 @@ class CheckpointClient(CatalogClient):
 
         return CkptdStorageWriter(self.url, ref, token=self._token, compression=self._codec, parent=parent,
                                   file_bytes=self.file_bytes, streams=self.streams,
-                                  direct_writes=self.direct_writes, direct_uploads=self.direct_uploads,
+                                  direct_uploads=self.direct_uploads,
                                   objects=self.objects)
 
     def dcp_reader(self, ref: str) -> "CkptdStorageReader":

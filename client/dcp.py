@@ -27,7 +27,7 @@ rank reads the checkpoint the coordinator resolved (``RUN/latest`` is pinned
 through the load plan). Nothing is unpickled without restriction: the stored
 metadata is loaded with ``weights_only=True`` and DCP's metadata classes
 allowed, and each object is decoded under the reader's object policy
-(``ckptd_client.objects``) and re-encoded before DCP's planner (which calls
+(``ckptd_schemas.format.objects``) and re-encoded before DCP's planner (which calls
 ``torch.load(weights_only=False)``) sees it. The writer refuses, at save, an
 object that would need an unrestricted unpickler.
 """
@@ -65,8 +65,8 @@ from ._save import Snapshot, _Chunk, _Object, upload_files
 from .sessions import open_session, put_index, wait_committed
 from ._load import execute, local_files
 from ckptd_schemas.names import DCP_METADATA
-from .assemble import Destination, torch_dtype
-from .objects import SAFE, ObjectPolicy, check_payload, load_dcp_metadata, reencode_for_dcp
+from ckptd_schemas.format.assemble import Destination, torch_dtype
+from ckptd_schemas.format.objects import SAFE, ObjectPolicy, check_payload, load_dcp_metadata, reencode_for_dcp
 
 __all__ = ["DCP_METADATA", "CkptdStorageReader", "CkptdStorageWriter"]
 
@@ -123,18 +123,18 @@ def _done(value: Any) -> Future:
 
 
 class CkptdStorageWriter(_Endpoint, StorageWriter):
-    """DCP ``StorageWriter``; ``compression``, ``direct_writes``, ``direct_uploads`` and ``parent`` as for
+    """DCP ``StorageWriter``; ``compression``, ``direct_uploads`` and ``parent`` as for
     :class:`CheckpointClient` (``compression``: ``None``, ``"zstd"``, ``"auto"`` or a
     ``CompressionPolicy``, which then learns this writer's upload throughput)."""
 
     def __init__(self, url: str, ref: str, *, token: str | None = None,
                  compression: str | CompressionPolicy | None = None, file_bytes: int = 256 << 20,
-                 streams: int = 4, direct_writes: bool = True, direct_uploads: bool = True,
+                 streams: int = 4, direct_uploads: bool = True,
                  objects: ObjectPolicy = SAFE, parent: str | None = None) -> None:
         _Endpoint.__init__(self, url, ref, token, streams)
         self.parent = parent  # recorded by every checkpoint this writer saves (CheckpointClient.save's ``parent``)
         self.compression, self.file_bytes = compression_of(compression), file_bytes
-        self.direct_writes, self.direct_uploads = direct_writes, direct_uploads
+        self.direct_uploads = direct_uploads
         self.objects = objects
         self.is_coordinator = False
         self.set_ref(None)
@@ -193,14 +193,12 @@ class CkptdStorageWriter(_Endpoint, StorageWriter):
                     _Chunk(fqn, data, (list(td.chunk.offsets), list(td.chunk.sizes)), None))
             sizes.append((item.index, data.numel() * data.element_size()))
         opened = open_session(self.transport, self.base, pd.session, pd.world, _step_of(self.ref),
-                              parent=self.parent, direct_writes=self.direct_writes,
-                              direct_uploads=self.direct_uploads)
+                              parent=self.parent, direct_uploads=self.direct_uploads)
         direct = DirectUploads(self.transport, self.base, pd.session, self.transport.timeout) \
             if opened.presigned else None
         try:
             index = upload_files(self.transport, self.base, pd.session, snap, compression=self.compression,
-                                 file_bytes=self.file_bytes, streams=self.streams, staging=opened.staging,
-                                 direct=direct)
+                                 file_bytes=self.file_bytes, streams=self.streams, direct=direct)
         finally:
             if direct is not None:
                 direct.close()

@@ -1,8 +1,8 @@
 """The session protocol a writer speaks to a ckptd service, one request each.
 
 Call order for one rank of a save (``_save.upload_snapshot`` and the DCP writer run it; so does
-``ckptd import --server``): :func:`open_session` (open or join; a rank that will write its files
-into the service's staging directory gets that directory back), upload the files, then
+``ckptd import --server``): :func:`open_session` (open or join; the answer says whether the
+service gives presigned URLs into its object store), upload the files, then
 :func:`put_index` with the rank's index; the service commits when the last rank's index arrives,
 and :func:`wait_committed` long-polls until the session leaves ``open``, raising its typed error if
 the commit was refused.
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from ckptd_schemas import RankIndex, SessionInfo, SessionStatus, Unavailable, error_from_body
 
-from ._staging import StagingDir, probe
 from .transport import Transport
 
 __all__ = ["Opened", "open_session", "put_index", "wait_committed"]
@@ -23,32 +22,26 @@ __all__ = ["Opened", "open_session", "put_index", "wait_committed"]
 
 @dataclass(frozen=True)
 class Opened:
-    """What a rank may do beyond sending its files through the service: write them into the service's
-    staging directory (``staging``: direct writes), or upload them to the object store with presigned
-    URLs (``presigned``: direct uploads)."""
+    """What a rank may do beyond sending its files through the service: upload them to the object store
+    with presigned URLs (``presigned``: direct uploads)."""
 
-    staging: StagingDir | None = None
     presigned: bool = False
 
 
 def open_session(transport: Transport, base: str, session: str, world: int, step: int | None, *,
-                 parent: str | None = None, direct_writes: bool = False, direct_uploads: bool = False,
+                 parent: str | None = None, direct_uploads: bool = False,
                  retry: bool = True, timeout: float | None = None) -> Opened:
-    """Open or join the session. With ``direct_writes``, the answer names the staging directory this
-    rank may write its files into (None when the service offers none or this host does not see it);
-    with ``direct_uploads``, whether the service gives presigned URLs into its object store.
+    """Open or join the session. With ``direct_uploads``, the answer says whether the service gives presigned URLs into its object store.
     ``parent``: the checkpoint of another run this run started from (every rank sends the same).
     ``retry`` and ``timeout`` as for ``Transport.request`` (a save's stall opens it once, briefly)."""
     body: dict = {"session": session, "world_size": world, "step": step}
     if parent is not None:
         body["parent"] = parent
-    if direct_writes:
-        body["direct_writes"] = True
     if direct_uploads:
         body["direct_uploads"] = True
     info = SessionInfo.model_validate(transport.request("POST", f"{base}/sessions", json=body, retry=retry,
                                                         timeout=timeout))
-    return Opened(staging=probe(info.direct) if direct_writes else None, presigned=bool(info.presigned))
+    return Opened(presigned=bool(info.presigned))
 
 
 def put_index(transport: Transport, base: str, session: str, index: RankIndex) -> SessionStatus:

@@ -9,15 +9,15 @@ from .errors import *  # noqa: F403
 from .errors import __all__ as _errors_all
 from .geometry import Box, Region, check_tiling, flat_range_to_boxes, intersect_regions, row_major_strides
 from .manifest import (
-    FORMAT_VERSION, AdoptedFile, BoxChunk, Chunk, FileEntry, FlatChunk, Location, Manifest, ObjectEntry, ParamGroup,
+    FORMAT_VERSION, BoxChunk, Chunk, FileEntry, FlatChunk, Location, Manifest, ObjectEntry, ParamGroup,
     RankInfo, TensorEntry, Topology,
 )
-from .names import (LATEST, CheckpointRef, check_file, check_name, check_run, check_session, check_staged, linked_name,
-                    parse_ref, staged_name)
+from .names import (LATEST, CheckpointRef, check_file, check_name, check_run, check_session, linked_name,
+                    parse_ref)
 
 if TYPE_CHECKING:
     from .api import (
-        AdoptFile, CheckpointSummary, ConfirmUpload, DirectWrites, LinkFile, OpenSession, PresignedUpload,
+        CheckpointSummary, ConfirmUpload, LinkFile, OpenSession, PresignedUpload,
         PresignUpload, RankIndex, RunSummary, SessionInfo, SessionStatus, TensorColumns, UploadResult,
     )
     from .readplan import Copy, Fetch, PlanBudget, ReadPlan, ReadRequest, dest_region, plan_reads, verify_fetch
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # The HTTP bodies and the read plan are imported when first named: a process that only reads a
 # manifest (``ckptd verify``, ``ckptd show``) does not build their models (a tenth of its start-up).
 _LAZY = {
-    **dict.fromkeys(("AdoptFile", "CheckpointSummary", "ConfirmUpload", "DirectWrites", "LinkFile", "OpenSession",
+    **dict.fromkeys(("CheckpointSummary", "ConfirmUpload", "LinkFile", "OpenSession",
                      "PresignUpload", "PresignedUpload", "RankIndex", "RunSummary", "SessionInfo", "SessionStatus",
                      "TensorColumns", "UploadResult"), "api"),
     **dict.fromkeys(("Copy", "Fetch", "PlanBudget", "ReadPlan", "ReadRequest", "dest_region", "plan_reads",
@@ -46,11 +46,11 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     *_errors_all,
     "FORMAT_VERSION", "ITEMSIZE", "LATEST",
-    "AdoptFile", "AdoptedFile", "Box", "BoxChunk", "CheckpointRef", "CheckpointSummary", "Chunk", "ChunkColumns", "ConfirmUpload", "Copy", "DirectWrites", "DType", "Fetch", "FileEntry", "LinkFile",
+    "Box", "BoxChunk", "CheckpointRef", "CheckpointSummary", "Chunk", "ChunkColumns", "ConfirmUpload", "Copy", "DType", "Fetch", "FileEntry", "LinkFile",
     "FlatChunk", "Location", "Manifest", "ObjectEntry", "OpenSession", "ParamGroup", "PresignUpload", "PresignedUpload", "RankIndex",
     "RankInfo", "PlanBudget", "ReadPlan", "ReadRequest", "Region", "RunSummary", "SessionInfo", "SessionStatus", "TensorColumns", "TensorEntry",
     "Topology", "UploadResult",
-    "check_file", "check_name", "check_run", "check_session", "check_staged", "check_tiling", "dest_region",
+    "check_file", "check_name", "check_run", "check_session", "check_tiling", "dest_region",
     "flat_range_to_boxes", "intersect_regions", "itemsize", "parse_ref", "plan_reads", "row_major_strides",
-    "linked_name", "staged_name", "verify_fetch",
+    "linked_name", "verify_fetch",
 ]

@@ -14,18 +14,18 @@ from .manifest import Fqn, ObjectEntry, ParamGroup, TensorEntry
 from .names import SESSION_RE
 
 __all__ = [
-    "AdoptFile",
     "LinkFile",
     "CheckpointSummary",
     "ConfirmUpload",
-    "DirectWrites",
     "OpenSession",
     "PresignUpload",
     "PresignedUpload",
     "RankIndex",
     "RunSummary",
+    "SKIPPED_HEADER",
     "SessionInfo",
     "SessionStatus",
+    "SkippedCheckpoint",
     "TensorColumns",
     "UploadResult",
 ]
@@ -59,28 +59,9 @@ class OpenSession(_Body):
     parent: str | None = Field(None, max_length=300, description=(
         "RUN/NAME of the visible checkpoint of another run this run started from (lineage across runs); "
         "recorded in the marker and the manifest, and protected from retention while this checkpoint is visible"))
-    direct_writes: bool = Field(False, description=(
-        "the client can write its data files into the store itself when it shares the service's "
-        "filesystem: the answer's `direct` says where (see AdoptFile)"))
     direct_uploads: bool = Field(False, description=(
         "the client can upload its data files straight to the object store with presigned URLs: the "
         "answer's `presigned` says whether this service offers them (see PresignUpload)"))
-
-
-class DirectWrites(_Body):
-    """Where a rank on the service's filesystem writes its data files itself (direct writes).
-
-    Call order: read ``probe``; only if it holds ``token`` is this the service's filesystem (another
-    host may have the same path). Write each data file into ``dir`` under a name
-    ``.<file>.direct-<32 hex>``, close it, then ``POST .../files/<file>/adopt`` (:class:`AdoptFile`):
-    the service hashes every byte of it, refuses and deletes it on a mismatch with the declared
-    digest, and otherwise makes it durable and renames it into place. Only then does the file exist
-    for the session, exactly as after an upload.
-    """
-
-    dir: str
-    probe: str
-    token: str
 
 
 class SessionInfo(_Body):
@@ -90,8 +71,6 @@ class SessionInfo(_Body):
     world_size: int
     step: int | None = None
     created_at: datetime
-    direct: DirectWrites | None = Field(None, description="present when the request asked for direct writes "
-                                        "and the service's root is a local directory with direct writes on")
     presigned: bool | None = Field(None, description="true when the request asked for direct uploads and the "
                                    "service's root is an object store that takes presigned uploads")
 
@@ -148,20 +127,6 @@ class ConfirmUpload(PresignUpload):
     xxh3: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
     block_size: Annotated[int, Field(ge=4096)]
     blocks: Annotated[list[Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]], Field(max_length=1 << 22)]
-
-
-class AdoptFile(_Body):
-    """Take a data file the client wrote into :attr:`DirectWrites.dir` as one upload of ``file``.
-
-    ``staged`` is the file's name in that directory (``.<file>.direct-<32 hex>``); ``size`` and
-    ``xxh3`` are what the client wrote. The service checks both before it accepts the file.
-    """
-
-    model_config = ConfigDict(extra="forbid", defer_build=False)  # a FastAPI body, like OpenSession
-
-    staged: Annotated[str, Field(max_length=200)]  # checked against the URL's file: names.check_staged
-    size: Annotated[int, Field(ge=0)]
-    xxh3: Annotated[str, Field(pattern=r"^[0-9a-fA-F]{16}$")]
 
 
 class LinkFile(_Body):
@@ -343,3 +308,18 @@ class RunSummary(_Body):
     run: str
     checkpoints: int
     latest: str | None
+
+
+#: Header of the answer to ``GET /v1/checkpoints/{run}/latest`` (the manifest ``latest`` resolved to,
+#: named in ``X-Ckptd-Name``) when newer trainer checkpoints were passed over as known to be bad: a
+#: JSON array (ASCII) of :class:`SkippedCheckpoint`, newest first, at most ``MAX_SKIPPED_SENT``.
+SKIPPED_HEADER = "X-Ckptd-Skipped"
+MAX_SKIPPED_SENT = 16
+
+
+class SkippedCheckpoint(_Body):
+    """A trainer checkpoint newer than the one ``RUN/latest`` resolved to, skipped because it is known
+    to be bad: its recorded verification of the manifest committed under that name failed."""
+
+    ref: str = Field(description="RUN/NAME of the skipped checkpoint")
+    reason: str = Field(description="why: 'verification failed at <time>: <first problem>'")

@@ -27,7 +27,6 @@ from .dtypes import ITEMSIZE, DType, itemsize
 
 __all__ = [
     "FORMAT_VERSION",
-    "AdoptedFile",
     "BoxChunk",
     "Chunk",
     "ChunkColumns",
@@ -179,25 +178,10 @@ class Topology(_Model):
         return self
 
 
-class AdoptedFile(_Model):
-    """A file a rank wrote itself (direct writes), as the service left it once it had hashed it and
-    made it read-only: the commit refuses the file unless it still finds it exactly so."""
-
-    inode: NonNeg
-    size: NonNeg
-    mode: NonNeg = Field(description="permission bits the service set (st_mode & 0o7777)")
-    mtime_ns: int
-    ctime_ns: int = Field(description="moves on every write, chmod, rename or utime; no process sets it back")
-
-
 class FileEntry(_Model):
     """A data file: size, whole-file digest, and per-block digests for ranged reads.
 
-    ``adopted`` is set in a session's digest record of a directly written file, and ``stamp`` (the
-    storage's ``content_stamp`` once the file was in place) in every digest record; neither is in a
-    manifest (the merge leaves them out: they describe one store's objects, not the checkpoint). A
-    later save links the file only while its stamp is unchanged. ``linked``
-    names the earlier checkpoint's file (``NAME/FILE``, same run) whose stored bytes this file is,
+    ``linked`` names the earlier checkpoint's file (``NAME/FILE``, same run) whose stored bytes this file is,
     linked rather than written (incremental saves); it stays in the manifest, so that what a save
     wrote and what it reused can be told apart."""
 
@@ -205,15 +189,13 @@ class FileEntry(_Model):
     xxh3: Annotated[str, Field(pattern=HEX64)]
     block_size: Annotated[int, Field(ge=4096)]
     blocks: list[Annotated[str, Field(pattern=HEX64)]]
-    adopted: AdoptedFile | None = None
-    stamp: Annotated[str, Field(max_length=200)] | None = None
     linked: Annotated[str, Field(max_length=260, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")] \
         | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
         out = handler(self)
-        for k in ("adopted", "stamp", "linked"):  # absent, not null: the same bytes as without the fields
+        for k in ("linked",):  # absent, not null: the same bytes as without the field
             if out.get(k, 0) is None:
                 del out[k]
         return out
@@ -298,3 +280,19 @@ class Manifest(_Model):
     def linked_bytes(self) -> int:
         """Bytes of files held from earlier checkpoints of the run (incremental saves), not written."""
         return sum(f.size for f in self.files.values() if f.linked is not None)
+
+    @property
+    def unchanged_bytes(self) -> int:
+        """Bytes of the chunks and stored objects placed in linked files (incremental saves): what the
+        save reused unchanged, as opposed to :attr:`linked_bytes`, the linked files' whole sizes (the
+        rest of a linked file is bytes no entry of this checkpoint refers to). What ``ckptd show`` and
+        the web view report as unchanged."""
+        linked = {name for name, f in self.files.items() if f.linked is not None}
+        if not linked:
+            return 0
+        n = 0
+        for t in self.tensors:
+            tab = t.table
+            if not linked.isdisjoint(tab.file):
+                n += sum(length for f, length in zip(tab.file, tab.length) if f in linked)
+        return n + sum(o.location.length for o in self.objects if o.location is not None and o.location.file in linked)

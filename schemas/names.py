@@ -11,14 +11,13 @@ from typing import NamedTuple
 
 from .errors import InvalidName
 
-__all__ = ["CheckpointRef", "DCP_METADATA", "LATEST", "RESERVED", "check_file", "check_name", "check_run", "check_session", "check_staged",
-           "linked_name", "parse_ref", "staged_name"]
+__all__ = ["CheckpointRef", "DCP_METADATA", "LATEST", "RESERVED", "check_file", "check_name", "check_run", "check_session",
+           "linked_name", "parse_ref"]
 
 RUN_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
-STAGED_RE = re.compile(r"\.(?P<file>" + FILE_RE.pattern + r")\.direct-[0-9a-f]{32}")
 LATEST = "latest"
 # Reserved object names: ckptd's own records inside a checkpoint.
 RESERVED = "__ckptd."  # prefix of every name below; never a state-dict key of the user's
@@ -47,12 +46,6 @@ def check_session(sid: str) -> str:
     return _check("session", sid, SESSION_RE, "[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
-def staged_name(file: str, nonce: str) -> str:
-    """The name a rank writes a data file under before the service adopts it (direct writes): a dot
-    name (never listed), unique per attempt (``nonce``: 32 hex digits)."""
-    return f".{check_file(file)}.direct-{nonce}"
-
-
 def linked_name(checkpoint: str, file: str) -> str:
     """The name under which a checkpoint holds ``file`` of the earlier ``checkpoint`` of its run,
     linked rather than written again (incremental saves: ``POST .../files/<name>/link``). Derived
@@ -61,15 +54,6 @@ def linked_name(checkpoint: str, file: str) -> str:
     import xxhash
 
     return f"ln-{xxhash.xxh3_64_hexdigest(f'{check_name(checkpoint)}/{check_file(file)}'.encode())}.bin"
-
-
-def check_staged(file: str, staged: str) -> str:
-    """``staged`` if it is a direct-write name for ``file`` (so it cannot point anywhere else)."""
-    m = STAGED_RE.fullmatch(staged) if isinstance(staged, str) else None
-    if m is None or m.group("file") != file:
-        raise InvalidName(f"invalid staged name {str(staged)[:200]!r} for file {file!r}: must be "
-                          f"'.{file}.direct-' and 32 hex digits", field="staged", value=str(staged)[:200])
-    return staged
 
 
 class CheckpointRef(NamedTuple):

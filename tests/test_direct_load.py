@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from ckptd_schemas.filedigest import StreamDigest, xxh3_hex
 from ckptd_client._direct import direct_targets, scatter
-from ckptd_client.assemble import Destination, copy_into, verify_fetch
+from ckptd_schemas.format.assemble import Destination, copy_into
+from ckptd_schemas.readplan import verify_fetch
 from ckptd_schemas import (
     BoxChunk, ChecksumMismatch, FileEntry, FlatChunk, Location, Manifest, ReadRequest, TensorEntry, Topology,
     plan_reads,

@@ -8,9 +8,10 @@ A real ``ckptd serve --root s3://...`` on the moto server the suite runs. What m
 * a writer that PUTs other bytes than it declared (moto, unlike S3, does not check the signed
   SHA-256, which makes this the worst case) is refused at the commit: nothing becomes visible, and the
   last good checkpoint stays what ``RUN/latest`` names and loads;
-* a confirmation whose size the store contradicts is refused and the object deleted; a presign on a
-  root that takes none, for a committed checkpoint, or with a read token, is refused; a client
-  against such a root sends its files through the service.
+* a confirmation that its presign or the store contradicts is refused; a presign on a root that
+  takes none, for a committed checkpoint, or with a read token, is refused; a client against such a
+  root sends its files through the service. Replayed URLs and second presigns are attacked in
+  ``tests/adversary/test_ingest_s3.py``.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def _sha(data: bytes) -> str:
     return base64.b64encode(hashlib.sha256(data).digest()).decode()
 
 
-def test_a_confirmation_the_store_contradicts_is_refused_and_the_object_deleted(s3srv, moto_s3):
+def test_a_confirmation_the_presign_or_the_store_contradicts_is_refused(s3srv, moto_s3):
     base = f"{s3srv.url}/v1/checkpoints/raw/1/sessions"
     sid = "c" * 32
     info = httpx.post(base, json={"session": sid, "world_size": 1, "step": 1, "direct_uploads": True}, timeout=10)
@@ -144,18 +145,21 @@ def test_a_confirmation_the_store_contradicts_is_refused_and_the_object_deleted(
     part = {"size": len(data), "part_size": 5 * MiB, "sha256": [_sha(data)]}
     r = httpx.post(f"{file}/presign", json={**part, "sha256": [_sha(data)] * 2}, timeout=10)
     assert r.status_code == 422 and "1 parts, not 2" in r.text, r.text
+    ok = {**part, "xxh3": "0" * 16, "block_size": 1 << 20, "blocks": ["0" * 16]}
+    r = httpx.post(f"{file}/confirm", json=ok, timeout=10)
+    assert r.status_code == 400 and "does not match the file's presign" in r.json()["error"]["message"], r.text
     signed = httpx.post(f"{file}/presign", json=part, timeout=10).json()
     assert signed["upload_id"] is None and len(signed["urls"]) == 1
     assert signed["headers"][0]["x-amz-checksum-sha256"] == _sha(data) and "X-Amz-Signature" in signed["urls"][0]
-    assert "x-amz-checksum-sha256" in signed["urls"][0].split("X-Amz-SignedHeaders=")[1].split("&")[0]
-    assert httpx.put(signed["urls"][0], content=data, headers=signed["headers"][0], timeout=10).status_code == 200
-    claim = {**part, "size": len(data) + 5 * MiB, "sha256": [_sha(data)] * 2, "xxh3": "0" * 16,
-             "block_size": signed["block_size"], "blocks": ["0" * 16] * 6}
-    r = httpx.post(f"{file}/confirm", json=claim, timeout=10)
-    assert r.status_code == 400 and "the object was deleted" in r.json()["error"]["message"], r.text
-    ok = {**claim, **part, "blocks": ["0" * 16]}
+    signed_headers = signed["urls"][0].split("X-Amz-SignedHeaders=")[1].split("&")[0]
+    assert "x-amz-checksum-sha256" in signed_headers and "if-none-match" in signed_headers, signed_headers
+    ok["block_size"] = signed["block_size"]
     r = httpx.post(f"{file}/confirm", json=ok, timeout=10)
     assert r.status_code == 400 and "nothing was uploaded" in r.json()["error"]["message"], r.text
+    assert httpx.put(signed["urls"][0], content=data, headers=signed["headers"][0], timeout=10).status_code == 200
+    claim = {**ok, "size": len(data) + 5 * MiB, "sha256": [_sha(data)] * 2, "blocks": ["0" * 16] * 6}
+    r = httpx.post(f"{file}/confirm", json=claim, timeout=10)
+    assert r.status_code == 400 and "does not match the file's presign" in r.json()["error"]["message"], r.text
     r = httpx.post(f"{file}/confirm", json={**ok, "blocks": []}, timeout=10)
     assert r.status_code == 400 and "block digests" in r.json()["error"]["message"], r.text
     r = httpx.post(f"{file}/confirm", json={**ok, "upload_id": "u", "etags": []}, timeout=10)
@@ -182,7 +186,7 @@ def test_presigns_are_refused_where_they_cannot_be_given(tmp_path):
         assert r.status_code == 403
         # a client asking for direct uploads there sends through the service, and commits
         sd = _state(3)
-        with CheckpointClient(srv.url, token=token, direct_writes=False) as c:
+        with CheckpointClient(srv.url, token=token) as c:
             c.save(sd, "loc/2").wait()
             got = blank_like(sd)
             c.load(got, "loc/2")

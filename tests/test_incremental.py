@@ -154,34 +154,40 @@ def test_links_are_checked(server):
     name = linked_name("1", f0)
     # The link's name already taken by an upload of other bytes: refused 400 (not a retryable 503), nothing replaced
     taken = b"not the source"
-    r = httpx.put(f"{base}/{name}", content=taken, headers={"X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(taken)})
+    r = httpx.post(f"{server.url}/v1/checkpoints/chk/2/sessions", json={"session": "s0", "world_size": 1, "step": 2})
+    other = f"{server.url}/v1/checkpoints/chk/2/sessions/s0/files"
+    r = httpx.put(f"{other}/{name}", content=taken, headers={"X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(taken)})
     assert r.status_code == 200, r.text
-    r = httpx.post(f"{base}/{name}/link", json={"checkpoint": "1", "file": f0})
+    r = httpx.post(f"{other}/{name}/link", json={"checkpoint": "1", "file": f0})
     assert r.status_code == 400 and "send the bytes" in r.json()["error"]["message"], r.text
-    staged = Path(server.root) / "runs" / "chk" / "2" / "sessions" / "s1" / "files" / name
+    staged = Path(server.root) / "runs" / "chk" / "2" / "sessions" / "s0" / "files" / name
     assert staged.read_bytes() == taken
-    staged.unlink()
     r = httpx.post(f"{base}/{name}/link", json={"checkpoint": "1", "file": f0})
     assert r.status_code == 200 and r.json()["size"] == src.files[f0].size, r.text
 
-    # An index placing a 16-byte chunk at an offset of the linked file where the source placed none,
-    # declaring a digest its bytes do not have: the commit reads the file and refuses it.
+    # An index placing a chunk at an offset of the linked file where the source placed none, declaring
+    # a digest its bytes do not have: the commit reads the file (as it reads every file) and refuses it.
     stored = (Path(server.root) / "runs" / "chk" / "1" / "sessions" / src.session / "files" / f0).read_bytes()
-    real = xxhash.xxh3_64_hexdigest(stored[4:20])
+    n = len(stored) - 4  # most of the file: a link must be at least half used (ckptd.store.reuse)
+    real = xxhash.xxh3_64_hexdigest(stored[4:])
     for digest, ok in (("0" * 16 if real != "0" * 16 else "1" * 16, False), (real, True)):
         index = {"rank": 0, "world_size": 1, "files": [name], "tensors": [
-            {"name": "w", "shape": [4], "dtype": "float32", "group": "model", "chunks": [
-                {"kind": "box", "rank": 0, "offsets": [0], "sizes": [4],
-                 "location": {"file": name, "offset": 4, "length": 16, "codec": "raw", "raw_length": 16,
+            {"name": "w", "shape": [n], "dtype": "uint8", "group": "model", "chunks": [
+                {"kind": "box", "rank": 0, "offsets": [0], "sizes": [n],
+                 "location": {"file": name, "offset": 4, "length": n, "codec": "raw", "raw_length": n,
                               "xxh3": digest}}]}]}
         sid = "s1" if not ok else "s2"
         if ok:
             r = httpx.post(f"{server.url}/v1/checkpoints/chk/3/sessions",
                            json={"session": sid, "world_size": 1, "step": 3})
             assert r.status_code == 200
-            r = httpx.post(f"{server.url}/v1/checkpoints/chk/3/sessions/{sid}/files/{name}/link",
-                           json={"checkpoint": "1", "file": f0})
-            assert r.status_code == 200
+            link = f"{server.url}/v1/checkpoints/chk/3/sessions/{sid}/files/{name}/link"
+            r = httpx.post(link, json={"checkpoint": "1", "file": f0})
+            # chk/2's link moved the file's ctime: chk/1's recorded verification no longer vouches for it
+            assert r.status_code == 400 and "send the bytes" in r.text, r.text
+            assert httpx.post(f"{server.url}/v1/checkpoints/chk/1/verify", timeout=60).json()["ok"]
+            r = httpx.post(link, json={"checkpoint": "1", "file": f0})  # verified again: linked
+            assert r.status_code == 200, r.text
         ref = "chk/2" if not ok else "chk/3"
         r = httpx.put(f"{server.url}/v1/checkpoints/{ref}/sessions/{sid}/ranks/0", content=json.dumps(index),
                       headers={"Content-Type": "application/json"}, timeout=60)
@@ -266,19 +272,21 @@ def test_a_stall_link_that_fails_copies_instead(server, monkeypatch):
 
 def test_a_file_edited_in_the_root_after_its_commit_is_not_linked(server):
     """Someone edits a committed data file in place (same size). The next save does not link it (its
-    stamp moved since the service stored it): the unchanged chunks are written again, and the new
-    checkpoint verifies and loads bit for bit although the old one is now damaged."""
+    stamp moved since the checkpoint's recorded verification): the unchanged chunks are written again,
+    and the new checkpoint verifies and loads bit for bit although the old one is now damaged. (An
+    edit between the link and the commit is refused by the commit's read: tests/adversary/test_ingest.py.)"""
     client = CheckpointClient(server.url, file_bytes=MIB)
     client.save(_state(1), "edit/1").wait()
     m = _manifest(server.url, "edit/1")
     files = sorted((Path(server.root) / "runs" / "edit" / "1" / "sessions" / m.session / "files").iterdir())
     for path in files:
-        os.chmod(path, 0o644)
+        st = path.stat()
         with open(path, "r+b") as f:  # one byte of each file flipped, in place
             f.seek(100)
             b = f.read(1)
             f.seek(100)
             f.write(bytes([b[0] ^ 0xFF]))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # its mtime set back: ctime still moved
     client.save(_state(2), "edit/2").wait()
     assert _manifest(server.url, "edit/2").linked_bytes == 0
     r = _ckptd("verify", "edit/2", "--root", str(server.root))
@@ -309,4 +317,68 @@ def test_chunks_that_keep_changing_are_not_hashed_in_the_stall(server, monkeypat
     for s, sd in enumerate(states):
         assert_bits_equal(_load(client, f"moving/{s}", sd), sd)
     assert all(_manifest(server.url, f"moving/{s}").linked_bytes == 0 for s in range(4))
+    client.close()
+
+
+def _stored_bytes(root: Path, m: Manifest) -> int:
+    """The bytes under the checkpoint's session directory, each inode once (a linked file is a hard link)."""
+    seen: dict[tuple[int, int], int] = {}
+    for p in (Path(root) / "runs" / m.run / m.name / "sessions" / m.session).rglob("*"):
+        if p.is_file():
+            st = p.stat()
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
+def test_one_unchanged_scalar_never_pins_the_earlier_file(server):
+    """The reported case: a large tensor that changes at every save beside a 4-byte scalar that never
+    does. Linking the earlier file for the scalar kept the whole earlier file alive at every save (the
+    checkpoint stored twice the state). Now the scalar is written again at the second save, apart
+    from the changed tensor, and from the third on its own file is linked: each checkpoint stores
+    about the state once, ``ckptd show`` and the web view report the scalar's 4 bytes as unchanged,
+    every manifest passes the commit's rule, and every step loads bit for bit."""
+    from ckptd.store.reuse import check_reuse
+
+    client = CheckpointClient(server.url)
+    states = [{"model": {"big": torch.randn(256 * 1024, generator=torch.Generator().manual_seed(s)),
+                         "scale": torch.tensor([0.5])}} for s in range(1, 5)]
+    state_bytes = (256 * 1024 + 1) * 4
+    for s, sd in enumerate(states, start=1):
+        client.save(sd, f"scalar/{s}").wait()
+    for s in range(1, 5):
+        m = _manifest(server.url, f"scalar/{s}")
+        check_reuse(m)
+        stored = _stored_bytes(server.root, m)
+        assert stored < 1.1 * state_bytes, (s, stored, state_bytes)  # pinned: about 2x from the second save on
+        assert m.unchanged_bytes == (4 if s >= 3 else 0), (s, m.unchanged_bytes)
+        assert m.linked_bytes == (64 if s >= 3 else 0), (s, m.linked_bytes)  # the scalar's slot, not the big file
+    r = _ckptd("show", "scalar/4", "--root", str(server.root))
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("written"))
+    assert "unchanged 4 B in 1 file (64 B) linked from scalar/3" in line, line
+    rows = httpx.get(f"{server.url}/v1/ui/runs/scalar/checkpoints", timeout=10).json()["items"]
+    assert {r["name"]: r["stats"]["unchanged_bytes"] for r in rows} == {"1": 0, "2": 0, "3": 4, "4": 4}
+    for s, sd in enumerate(states, start=1):
+        assert_bits_equal(_load(client, f"scalar/{s}", sd), sd, f"scalar/{s}")
+    client.close()
+
+
+def test_retention_deletes_the_source_of_a_link_and_the_newer_checkpoint_loads(unleased):
+    """Step 1 full, step 2 linking step 1's file; ``ckptd gc --keep-last 1`` deletes step 1: the bytes
+    step 2 uses stay (its link is its own hard link), and step 2 loads bit for bit and verifies."""
+    server = unleased
+    client = CheckpointClient(server.url)
+    states = [_state(1), _state(2)]
+    for s, sd in enumerate(states, start=1):
+        client.save(sd, f"keep/{s}").wait()
+    m = _manifest(server.url, "keep/2")
+    linked = [e.linked for e in m.files.values() if e.linked is not None]
+    assert linked and all(x.startswith("1/") for x in linked), m.files
+    r = _ckptd("gc", "keep", "--keep-last", "1", "--root", str(server.root))
+    assert r.returncode == 0 and "deleted keep/1" in r.stdout, r.stdout + r.stderr
+    assert [c["name"] for c in httpx.get(f"{server.url}/v1/runs/keep/checkpoints").json()] == ["2"]
+    assert not (Path(server.root) / "runs" / "keep" / "1" / "sessions").exists()
+    assert_bits_equal(_load(client, "keep/2", states[1]), states[1], "keep/2 after its source was deleted")
+    r = _ckptd("verify", "keep/2", "--root", str(server.root))
+    assert r.returncode == 0, r.stdout + r.stderr
     client.close()

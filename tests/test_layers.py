@@ -3,8 +3,11 @@
 ``ckptd_schemas`` (the format and the error types) imports neither other package;
 ``ckptd_client`` (what a trainer imports) never imports the service; ``ckptd`` (service,
 store, reshard, CLI) uses ``ckptd_client`` only through its public modules, never a
-``ckptd_client._private`` one; nothing below the CLI imports the CLI; and the modules of
-``ckptd_schemas`` form no import cycle. Every import counts, those inside functions too.
+``ckptd_client._private`` one, and of those only the catalog client (``CatalogClient``, for the
+``--server`` commands): the byte format both sides read (``ckptd_schemas.format``: codecs, frame
+checks, the copy kernel, safe objects) lives below both and imports neither; nothing below the CLI
+imports the CLI; and the modules of ``ckptd_schemas`` form no import cycle. Every import counts,
+those inside functions too.
 """
 
 from __future__ import annotations
@@ -64,6 +67,42 @@ def test_the_service_uses_only_public_client_modules():
     assert not bad, "ckptd imports private ckptd_client modules:\n" + "\n".join(bad)
 
 
+CATALOG = {"ckptd_client", "ckptd_client.CatalogClient", "ckptd_client.catalog"}
+"""What the service may import from ``ckptd_client``: the catalog client (``ckptd_client.catalog``
+and what it defines)."""
+
+
+def _beyond_the_catalog(mod: str) -> bool:
+    """True for an import of ``ckptd_client`` other than the catalog client."""
+    return mod.split(".")[0] == "ckptd_client" and not (mod in CATALOG or mod.startswith("ckptd_client.catalog."))
+
+
+def _service_beyond_the_catalog(rows: dict[str, list[tuple[Path, int, str]]]) -> list[str]:
+    return [f"{p.relative_to(REPO)}:{line} imports {mod}" for me, found in rows.items()
+            if me.split(".")[0] == "ckptd" for p, line, mod in found if _beyond_the_catalog(mod)]
+
+
+def _format_reaching_up(rows: dict[str, list[tuple[Path, int, str]]]) -> list[str]:
+    return [f"{p.relative_to(REPO)}:{line} imports {mod}" for me, found in rows.items()
+            if me == "ckptd_schemas.format" or me.startswith("ckptd_schemas.format.") for p, line, mod in found
+            if mod.split(".")[0] in ("ckptd", "ckptd_client")]
+
+
+def test_the_service_uses_only_the_catalog_client():
+    """The service judges stored bytes with ``ckptd_schemas.format``, never with trainer code: of
+    ``ckptd_client`` it uses only ``CatalogClient`` (the ``--server`` commands' HTTP client)."""
+    bad = _service_beyond_the_catalog(_all_imports())
+    assert not bad, "ckptd imports ckptd_client beyond CatalogClient:\n" + "\n".join(bad)
+
+
+def test_the_byte_format_imports_neither_client_nor_service():
+    rows = _all_imports()
+    assert {"ckptd_schemas.format.codec", "ckptd_schemas.format.frames", "ckptd_schemas.format.assemble",
+            "ckptd_schemas.format.objects"} <= set(rows)
+    bad = _format_reaching_up(rows)
+    assert not bad, "ckptd_schemas.format imports a package above it:\n" + "\n".join(bad)
+
+
 def test_dependencies_point_one_way():
     forbidden = {"ckptd_schemas": {"ckptd", "ckptd_client"}, "ckptd_client": {"ckptd"}}
     bad = [f"{p.relative_to(REPO)}:{line} imports {mod}" for me, rows in _all_imports().items()
@@ -103,6 +142,37 @@ def test_the_checks_see_what_they_look_for():
     because it parses nothing would pass forever)."""
     rows = _all_imports()
     assert ("ckptd_client.transport" in {mod for _, _, mod in rows["ckptd_client.catalog"]})
-    assert any(mod == "ckptd_client.codec.source_bytes" for _, _, mod in rows["ckptd.store.assemble"])
+    assert any(mod == "ckptd_schemas.format.codec.source_bytes" for _, _, mod in rows["ckptd.store.assemble"])
+    assert any(mod == "ckptd_schemas.format.assemble.copy_into"  # imported in a method
+               for _, _, mod in rows["ckptd.store.assemble"])
+    assert "ckptd_schemas.format.codec" in {mod for _, _, mod in rows["ckptd_schemas.format.frames"]}  # relative
     assert any(mod.startswith("ckptd.store") for _, _, mod in rows["ckptd.cli.backends"])  # imported in a method
+    assert any(mod == "ckptd_client.CatalogClient" for _, _, mod in rows["ckptd.cli.backends"])
     assert _private("ckptd_client._load") and not _private("ckptd_client.codec")
+
+
+def test_the_layer_rules_flag_what_they_forbid():
+    """The catalog-only and format rules, run over the imports the service and the frame check once had
+    (the service decoding with the trainer's codec and copy kernel), flag each of them and nothing else."""
+    store, frames = REPO / "ckptd" / "store" / "assemble.py", REPO / "schemas" / "format" / "frames.py"
+    backends, dcp = REPO / "ckptd" / "cli" / "backends.py", REPO / "ckptd" / "interop" / "dcp_import.py"
+    old = {
+        "ckptd.store.assemble": [(store, 33, "ckptd_client.codec"), (store, 33, "ckptd_client.codec.source_bytes"),
+                                 (store, 145, "ckptd_client.assemble.Destination")],
+        "ckptd.interop.dcp_import": [(dcp, 266, "ckptd_client.transport"), (dcp, 99, "ckptd_client.objects"),
+                                     (dcp, 20, "ckptd_client.catalog.Upload")],
+        "ckptd.cli.backends": [(backends, 70, "ckptd_client"), (backends, 70, "ckptd_client.CatalogClient"),
+                               (backends, 71, "ckptd_client.CheckpointClient")],
+        "ckptd_schemas.format.frames": [(frames, 182, "ckptd_client.codec"), (frames, 25, "ckptd_schemas.format.codec"),
+                                        (frames, 26, "ckptd.store.verify")],
+    }
+    assert _service_beyond_the_catalog(old) == [
+        "ckptd/store/assemble.py:33 imports ckptd_client.codec",
+        "ckptd/store/assemble.py:33 imports ckptd_client.codec.source_bytes",
+        "ckptd/store/assemble.py:145 imports ckptd_client.assemble.Destination",
+        "ckptd/interop/dcp_import.py:266 imports ckptd_client.transport",
+        "ckptd/interop/dcp_import.py:99 imports ckptd_client.objects",
+        "ckptd/cli/backends.py:71 imports ckptd_client.CheckpointClient",
+    ]
+    assert _format_reaching_up(old) == ["schemas/format/frames.py:182 imports ckptd_client.codec",
+                                        "schemas/format/frames.py:26 imports ckptd.store.verify"]

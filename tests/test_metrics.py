@@ -74,8 +74,8 @@ def test_metrics_after_a_real_save_and_load(tmp_path):
         assert total(before, "ckptd_upload_sessions_open") == 0
         assert total(before, "ckptd_commit_seconds_count") == 0
         sd = make_state(1, mib=1.0)
-        # direct_reads=False, direct_writes=False: every byte goes through the routes whose bytes this test counts
-        with CheckpointClient(srv.url, retry_seconds=30, direct_reads=False, direct_writes=False) as c:
+        # direct_reads=False: every byte goes through the routes whose bytes this test counts
+        with CheckpointClient(srv.url, retry_seconds=30, direct_reads=False) as c:
             c.save(sd, "m/5").wait()
             manifest = c.manifest("m/5")
             got = blank_like(sd)

@@ -178,7 +178,7 @@ def test_a_save_whose_upload_is_refused_aborts_its_session(env, monkeypatch):
             yield bytes([piece[0] ^ 1]) + bytes(piece[1:]) if i == 0 else piece
 
     monkeypatch.setattr(save_mod, "_stream", corrupted)
-    with CheckpointClient(env.srv.url, retry_seconds=5, direct_writes=False) as client:  # every byte over HTTP
+    with CheckpointClient(env.srv.url, retry_seconds=5) as client:  # every byte over HTTP
         handle = client.save(make_state(2), f"{env.run}/2")
         with pytest.raises(ChecksumMismatch):
             handle.wait(timeout=60)
@@ -186,95 +186,6 @@ def test_a_save_whose_upload_is_refused_aborts_its_session(env, monkeypatch):
     assert not sessions.exists() or not any(sessions.iterdir()), list(sessions.iterdir())
     assert "2" not in env.committed_names()
     monkeypatch.setattr(save_mod, "_stream", real)
-    env.assert_intact()
-
-
-# -- direct writes: staged files the service refuses ---------------------------------------------------
-
-def _open_direct(env: Env, name: str, sid: str) -> Path:
-    r = env.http.post(f"/v1/checkpoints/{env.run}/{name}/sessions",
-                      json={"session": sid, "world_size": 1, "direct_writes": True})
-    assert r.status_code == 200, r.text
-    d = r.json()["direct"]
-    assert Path(d["probe"]).read_text() == d["token"] and Path(d["dir"]) == env.session_dir(name, sid) / "files"
-    return Path(d["dir"])
-
-
-def _adopt(env: Env, name: str, sid: str, file: str, staged: str, size: int, digest: str) -> httpx.Response:
-    return env.http.post(f"/v1/checkpoints/{env.run}/{name}/sessions/{sid}/files/{file}/adopt",
-                         json={"staged": staged, "size": size, "xxh3": digest})
-
-
-STAGED = ".data.bin.direct-" + "ab" * 16
-
-
-@pytest.mark.parametrize("case", ["digest", "size", "missing", "symlink", "hardlink", "other-file", "traversal"])
-def test_direct_write_refusals_take_nothing(env, case):
-    """A staged file that is not what the client declared, or not a plain file of its own, is refused
-    with the file named; it is deleted when it was the client's own staged file, anything it points
-    at is untouched, and the session then still takes the right file."""
-    d = _open_direct(env, "2", "s1")
-    data = os.urandom((1 << 20) + 77)
-    digest, size, staged = xxhash.xxh3_64_hexdigest(data), len(data), STAGED
-    secret = env.box.parent / f"secret-{case}"   # outside the root
-    secret.write_bytes(data)
-    if case == "symlink":
-        (d / staged).symlink_to(secret)
-    elif case == "hardlink":
-        os.link(secret, d / staged)
-    elif case != "missing":
-        (d / staged).write_bytes(data)
-    if case == "digest":
-        digest = xxhash.xxh3_64_hexdigest(data + b"x")
-    elif case == "size":
-        size += 1
-    elif case == "other-file":
-        staged = ".other.bin.direct-" + "ab" * 16
-        (d / staged).write_bytes(data)
-    elif case == "traversal":
-        staged = "../../../../secret-traversal"
-    r = _adopt(env, "2", "s1", "data.bin", staged, size, digest)
-    status, code = {"digest": (422, "checksum_mismatch"), "other-file": (400, "invalid_name"),
-                    "traversal": (400, "invalid_name")}.get(case, (400, "invalid_request"))
-    err = env.error(r, status, code)
-    assert "data.bin" in err["message"], err
-    expected = {"digest": "dropped", "size": "dropped", "missing": "does not exist", "symlink": "symbolic link",
-                "hardlink": "one link", "other-file": "invalid staged name", "traversal": "invalid staged name"}
-    assert expected[case] in err["message"], err
-    assert secret.read_bytes() == data                            # never moved, never changed
-    left = files_in(d)
-    if case in ("digest", "size"):
-        assert left == [], left                                   # the client's staged file is gone
-    assert "data.bin" not in left and files_in(env.session_dir("2", "s1") / "digests") == []
-
-    # The session still takes the right file (twice: idempotent), and nothing else changed.
-    for f in left:
-        (d / f).unlink()
-    (d / STAGED).write_bytes(data)
-    for _ in range(2):
-        r = _adopt(env, "2", "s1", "data.bin", STAGED, len(data), xxhash.xxh3_64_hexdigest(data))
-        assert r.status_code == 200 and r.json() == {"file": "data.bin", "size": len(data),
-                                                     "xxh3": xxhash.xxh3_64_hexdigest(data)}, r.text
-    assert (d / "data.bin").read_bytes() == data and files_in(d) == ["data.bin"]
-    # A repeat that declares other bytes is not answered as a repeat.
-    r = _adopt(env, "2", "s1", "data.bin", STAGED, len(data), "0" * 16)
-    assert "does not exist" in env.error(r, 400, "invalid_request")["message"]
-    assert env.committed_names() == ["1"]
-    env.assert_intact()
-
-
-def test_direct_writes_into_a_committed_or_unknown_session_are_refused(env):
-    sid = files_in(env.root / "runs" / env.run / "1" / "sessions")[0]
-    before = tree(env.root / "runs" / env.run / "1")
-    err = env.error(env.http.post(f"/v1/checkpoints/{env.run}/1/sessions",
-                                  json={"session": sid, "world_size": 1, "direct_writes": True}), 409,
-                    "already_committed")
-    assert f"{env.run}/1" in err["message"]
-    r = _adopt(env, "1", sid, "late.bin", ".late.bin.direct-" + "ab" * 16, 4, "0" * 16)
-    env.error(r, 409, "already_committed")
-    r = _adopt(env, "9", "nosuch", "late.bin", ".late.bin.direct-" + "ab" * 16, 4, "0" * 16)
-    env.error(r, 404, "session_not_found")
-    assert tree(env.root / "runs" / env.run / "1") == before  # the committed session is untouched
     env.assert_intact()
 
 

@@ -5,7 +5,11 @@ What must hold, each through a real ``ckptd serve``:
 * a save commits on the fast tier; ``wait(durable=True)`` returns once the durable tier holds it,
   and the durable tier alone is a complete root: a service on it loads the checkpoint bit for bit;
 * losing the fast tier (its directory emptied while the service is down) loses no checkpoint that
-  was reported durable: every one lists, loads and keeps its name taken;
+  was reported durable: every one lists, loads and keeps its name taken; a fast tier that loses its
+  ``runs/`` while it runs never lets a save take a name the durable tier holds, and deletes reach the
+  durable tier only for the same checkpoint (session and manifest digest);
+* every byte reaches the durable tier through the one checker, an incremental save's linked files
+  included, even where their source on the durable tier was damaged;
 * a crash of the service between the commit and the durable marker leaves the durable copy
   invisible; the restarted service finishes it (its first scan);
 * a fast copy whose bytes no longer match its manifest never becomes durable: the copy is refused,
@@ -34,7 +38,7 @@ from ckptd.storage.tiered import TieredStorage
 from ckptd.store.durable import DurableCopier
 from ckptd.store.layout import Paths
 from ckptd.store.visibility import Visibility
-from ckptd_client import AlreadyCommitted, CheckpointClient, CorruptCheckpoint
+from ckptd_client import AlreadyCommitted, CheckpointClient, Conflict, CorruptCheckpoint
 from ckptd_client.sessions import wait_committed
 from ckptd_client.transport import Transport
 from ckptd_schemas import SessionStatus
@@ -109,7 +113,11 @@ def test_a_save_commits_locally_then_becomes_durable_and_the_durable_tier_is_a_w
     _durable_alone_holds(tmp_path, durable, "t/1", sd, load="t/latest")
 
 
-def test_files_an_incremental_save_linked_are_linked_on_the_durable_tier_too(tmp_path):
+def test_an_incremental_save_reaches_the_durable_tier_hashed_even_where_its_source_there_is_damaged(tmp_path):
+    """Step 2 links step 1's unchanged files on the fast tier. Step 1's copy on the durable tier is then
+    damaged (a byte flipped there); step 2's durable copy reads every byte from the fast tier through
+    the one checker, so it never takes the damaged durable bytes, and the durable tier alone verifies
+    and loads step 2."""
     durable = tmp_path / "durable"
     srv = _server(tmp_path, str(durable)).start()
     try:
@@ -118,15 +126,65 @@ def test_files_an_incremental_save_linked_are_linked_on_the_durable_tier_too(tmp
         two["model"]["w0"] = one["model"]["w0"] + 1  # one tensor of four changed
         with CheckpointClient(srv.url, file_bytes=128 << 10) as c:  # a file per tensor
             c.save(one, "t/1").wait(durable=True)
+            for f in sorted((durable / "runs" / "t" / "1" / "sessions").glob("*/files/*")):
+                raw = bytearray(f.read_bytes())
+                raw[len(raw) // 2] ^= 0xFF
+                f.write_bytes(bytes(raw))
             first = _metric(srv, "ckptd_durable_bytes_total")
-            c.save(two, "t/2").wait(durable=True)
-            linked = c.manifest("t/2").linked_bytes
-        second = _metric(srv, "ckptd_durable_bytes_total") - first
-        assert linked >= 3 * 128 * 256 * 4  # the three unchanged tensors' files
-        assert second < first - linked + (64 << 10), (first, second, linked)  # only the new bytes were sent
+            st = c.save(two, "t/2").wait(durable=True)
+            assert st.durable is True
+            assert c.manifest("t/2").linked_bytes >= 3 * 128 * 256 * 4  # the unchanged tensors' files, linked
+        assert _metric(srv, "ckptd_durable_bytes_total") - first >= 4 * 128 * 256 * 4  # every byte hashed and sent
     finally:
         srv.stop()
     _durable_alone_holds(tmp_path, durable, "t/2", two)
+
+
+def test_a_name_the_durable_tier_holds_is_taken_although_the_fast_tier_lost_it(tmp_path):
+    """The fast tier's ``runs/`` is deleted under the running service (before the copier takes the
+    durable markers back). A save under a name the durable tier holds is refused; the durable
+    checkpoint is untouched, and a save under a new name commits."""
+    durable = tmp_path / "durable"
+    srv = _server(tmp_path, str(durable), env={"CKPTD_DURABLE_SCAN_SECONDS": "3600"}).start()
+    try:
+        one = _state(1)
+        with CheckpointClient(srv.url, incremental=False, retry_seconds=2) as c:
+            c.save(one, "t/1").wait(durable=True)
+            before = (durable / "runs" / "t" / "1" / "COMMITTED").read_bytes()
+            shutil.rmtree(tmp_path / "fast" / "runs")
+            with pytest.raises((AlreadyCommitted, Conflict)):
+                c.save(_state(9), "t/1").wait(timeout=scaled(60))
+            assert (durable / "runs" / "t" / "1" / "COMMITTED").read_bytes() == before
+            assert not (tmp_path / "fast" / "runs" / "t" / "1" / "COMMITTED").exists()
+            c.save(_state(2), "t/2").wait(durable=True, timeout=scaled(60))
+    finally:
+        srv.stop()
+    _durable_alone_holds(tmp_path, durable, "t/1", one)
+
+
+def _marker(tier: LocalStorage, ref: str, session: str, digest: str) -> None:
+    run, name = ref.split("/")
+    tier.put(Paths.marker(run, name), json.dumps({"session": session, "manifest_xxh3": digest}).encode())
+    tier.put(f"{Paths.session(run, name, session)}/files/x.bin", b"data")
+
+
+def test_deletes_reach_the_durable_tier_only_for_the_same_checkpoint(tmp_path):
+    """A delete of ``t/5`` (retention, ``rm``) removes the durable copy only where the durable marker
+    names the fast one's session and manifest; another checkpoint under the name stays, whole."""
+    fast, durable = LocalStorage(tmp_path / "fast"), LocalStorage(tmp_path / "durable")
+    tiers = TieredStorage(fast, durable)
+    _marker(fast, "t/5", "s-new", "b" * 16)
+    _marker(durable, "t/5", "s-old", "a" * 16)
+    _marker(fast, "t/6", "s-six", "c" * 16)
+    _marker(durable, "t/6", "s-six", "c" * 16)
+    tiers.delete_tree(Paths.ckpt("t", "5"))
+    assert fast.read_or_none(Paths.marker("t", "5")) is None
+    assert json.loads(durable.read(Paths.marker("t", "5")))["session"] == "s-old"
+    assert durable.read(f"{Paths.session('t', '5', 's-old')}/files/x.bin") == b"data"
+    tiers.delete(Paths.marker("t", "6"))
+    assert durable.read_or_none(Paths.marker("t", "6")) is None  # the same checkpoint: gone from both
+    tiers.delete_tree(Paths.run("t"))  # a whole run: checkpoint by checkpoint
+    assert json.loads(durable.read(Paths.marker("t", "5")))["session"] == "s-old"
 
 
 def test_losing_the_fast_tier_loses_no_durable_checkpoint(tmp_path):

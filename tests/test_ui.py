@@ -3,7 +3,7 @@
 One server for the module, on a root filled through the public surface only: run ``alpha`` saved
 by 2 gloo ranks (DTensor ``Shard(0)`` and ``Shard(1)`` tensors, a replicated one, an object; the
 second save links its unchanged frozen tensor from the first), a reshard job of it to ``full``, a
-service verification, a gc dry run, a read lease, and an upload session left half done (rank 0's
+service verification, one checkpoint's verification record removed, a gc dry run, a read lease, and an upload session left half done (rank 0's
 file and index, rank 1's missing); run ``beta`` saved by one process. Tokens: ``admin``, a writer,
 and a reader scoped to ``alpha`` only.
 
@@ -85,6 +85,9 @@ def srv(tmp_path_factory):
                 assert time.monotonic() < deadline, st
                 time.sleep(0.2)
             assert st["state"] == "done", st
+            # every commit records its own check; a checkpoint without that record (a root written
+            # before records existed) shows as "not verified"
+            (tmp / "root" / "runs" / "alpha" / "20-full" / "VERIFIED.json").unlink()
             gc = c.post("/v1/runs/alpha/gc", json={"keep_last": 1, "dry_run": True}, headers=_h(ADMIN))
             assert gc.status_code == 200, gc.text
             # a save left half done: rank 0's data file and index are in, rank 1's are not
@@ -233,7 +236,7 @@ def test_run_page_shows_checkpoints_on_a_timeline_with_lineage(page_as):
     assert rows["20"][3] != "0 B" and rows["10"][3] == "0 B"  # linked: the frozen tensor, in the second save only
     assert "2 ranks" in rows["10"][6] and "1 rank" in rows["20-full"][6]
     assert rows["10"][7].startswith("✓ ok") and rows["20-full"][7] == "not verified"
-    assert rows["20"][7].startswith("✓ ok")  # the gc dry run verified it (the newest verified checkpoint)
+    assert rows["20"][7].startswith("✓ ok")  # recorded by its commit
     assert rows["10"][8] == "client-dash1"
     assert "from alpha/20" in rows["20-full"][9]
     assert "parent beta/5" in rows["20"][9]

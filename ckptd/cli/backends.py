@@ -9,6 +9,7 @@ from ckptd_schemas import Manifest, NotFound
 
 if TYPE_CHECKING:  # annotations only: the API bodies are not built for commands that never list
     from ckptd_schemas import CheckpointSummary, RunSummary
+    from ckptd_schemas.api import SkippedCheckpoint
 
 from .readahead import ReadAhead
 from .target import DEFAULT_ROOT, Target, open_root
@@ -22,6 +23,7 @@ class Backend(Protocol):
     def list_checkpoints(self, run: str) -> list[CheckpointSummary]: ...
     def run_names(self) -> list[str]: ...
     def manifest(self, run: str, name: str) -> Manifest: ...
+    def resolve(self, run: str, name: str) -> tuple[Manifest, list[SkippedCheckpoint]]: ...
     def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes: ...
     def lease(self, manifest: Manifest, what: str) -> ContextManager[object]: ...
     def close(self) -> None: ...
@@ -47,6 +49,15 @@ class RootBackend:
 
     def manifest(self, run: str, name: str) -> Manifest:
         return self.reader.manifest(run, name)
+
+    def resolve(self, run: str, name: str) -> tuple[Manifest, list[SkippedCheckpoint]]:
+        """:meth:`manifest`, and for ``latest`` the newer checkpoints skipped as known to be bad
+        (``Visibility.resolve_ref``: the service's rule, applied to the root)."""
+        from ckptd_schemas.api import SkippedCheckpoint
+
+        vis = self.reader.visibility
+        c, skipped = vis.resolve_ref(run, name)
+        return vis.manifest(c), [SkippedCheckpoint(ref=s.ref, reason=s.reason) for s in skipped]
 
     def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes:
         return self.reader.read_range(manifest.run, manifest.name, file, start, end)
@@ -85,6 +96,11 @@ class HttpBackend:
 
     def manifest(self, run: str, name: str) -> Manifest:
         return self.client.manifest(f"{run}/{name}")
+
+    def resolve(self, run: str, name: str) -> tuple[Manifest, list[SkippedCheckpoint]]:
+        """:meth:`manifest`, and for ``latest`` the newer checkpoints the service skipped as known to be
+        bad (``X-Ckptd-Skipped`` of the same answer)."""
+        return self.client.resolve(f"{run}/{name}")
 
     def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes:
         ref = manifest.ref

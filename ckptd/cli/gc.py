@@ -46,6 +46,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"{verb} {args.run}/{name}")
     for name, why in plan["keep"].items():
         print(f"keep   {args.run}/{name}  ({why})")
+    for name, why in plan.get("known_bad", {}).items():  # not counted by --keep-last; RUN/latest skips them
+        print(f"known bad {args.run}/{name}: {why}")
     for sid in plan.get("reclaimed_sessions", []):
         print(f"reclaimed stale staging {sid}")
     return 0

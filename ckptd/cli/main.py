@@ -105,22 +105,29 @@ def lineage(backend: Backend, m: Manifest) -> list[str]:
 def cmd_show(args: argparse.Namespace) -> int:
     ref = parse_ref(args.ref)
     b = _backend(args)
-    m = b.manifest(ref.run, ref.name)
+    m, skipped = b.resolve(ref.run, ref.name)  # RUN/latest: the newest not known to be bad, and what it skipped
     if args.json:
         print(m.model_dump_json(indent=2))
+        for s in skipped:  # stdout is the manifest alone
+            print(f"ckptd show: {args.ref} is {m.ref}: skipped {s.ref}: {s.reason}", file=sys.stderr)
         return 0
     topo = m.topology
     print(f"checkpoint {m.ref}  step={m.step}  created={m.created_at:%Y-%m-%d %H:%M:%S}  session={m.session}")
+    for s in skipped:
+        print(f"skipped    {s.ref}: {s.reason}")
     if m.derived_from:
         print(f"derived from {m.derived_from}")
     if m.parent:
         print(f"lineage    {' <- '.join([m.ref, *lineage(b, m)])}")
     print(f"topology   world_size={topo.world_size} mesh={topo.mesh or '-'} layouts={topo.layouts or '-'}")
     print(f"files      {len(m.files)} ({human(m.total_bytes)})")
-    if m.linked_bytes:
-        sources = sorted({f.linked.split("/", 1)[0] for f in m.files.values() if f.linked is not None})
-        print(f"written    {human(m.total_bytes - m.linked_bytes)}; linked {human(m.linked_bytes)} unchanged "
-              f"from {', '.join(f'{m.run}/{s}' for s in sources)} (incremental)")
+    if any(f.linked is not None for f in m.files.values()):
+        linked = [f for f in m.files.values() if f.linked is not None]
+        sources = sorted({f.linked.split("/", 1)[0] for f in linked})
+        # unchanged: the reused chunks' bytes, not the linked files' sizes (Manifest.unchanged_bytes)
+        print(f"written    {human(m.total_bytes - m.linked_bytes)}; unchanged {human(m.unchanged_bytes)} in "
+              f"{plural(len(linked), 'file')} ({human(m.linked_bytes)}) linked from "
+              f"{', '.join(f'{m.run}/{s}' for s in sources)} (incremental)")
     groups: dict[str, list[int]] = {}
     for t in m.tensors:
         g = groups.setdefault(t.group, [0, 0])

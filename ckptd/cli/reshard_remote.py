@@ -4,30 +4,36 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from ckptd_schemas import CkptdError, error_from_body
 
 from .output import human
 
+if TYPE_CHECKING:
+    from ckptd_client import CatalogClient
+
 __all__ = ["reshard_via_server"]
 
 
 def reshard_via_server(args: argparse.Namespace, url: str) -> int:
-    from ckptd_client.transport import Transport
+    from ckptd_client import CatalogClient
 
-    t = Transport(url, retry_seconds=10.0, token=os.environ.get("CKPTD_TOKEN"), retry_refused=False)
-    body = {"source": args.ref, "to": args.to, "out": args.out, "dtype": args.dtype, "device": args.device,
-            "jobs": args.jobs}
+    with CatalogClient(url, retry_seconds=10.0, retry_refused=False) as client:
+        return _follow(client, args)
+
+
+def _follow(client: "CatalogClient", args: argparse.Namespace) -> int:
+    spec = {"out": args.out, "dtype": args.dtype, "device": args.device, "jobs": args.jobs}
     if args.dry_run:
         from ..reshard.preview import Preview
         from .reshard import print_preview
 
-        print_preview(Preview(**t.request("POST", "/v1/reshard/preview", json=body)), args.json)
+        print_preview(Preview(**client.reshard(args.ref, args.to, preview=True, **spec)), args.json)
         return 0
-    job = t.request("POST", "/v1/reshard", json=body)
+    job = client.reshard(args.ref, args.to, **spec)
     bar = None
     if not args.json and sys.stderr.isatty():
         from rich.progress import BarColumn, DownloadColumn, Progress
@@ -40,7 +46,7 @@ def reshard_via_server(args: argparse.Namespace, url: str) -> int:
         while job["state"] in ("queued", "running"):
             time.sleep(pause)
             pause = min(pause * 2, 0.3)
-            job = t.request("GET", f"/v1/jobs/{job['id']}")
+            job = client.job(job["id"])
             if bar is not None:
                 bar.update(task, completed=job["bytes_done"])
     finally:

@@ -4,7 +4,7 @@ Call order (:func:`import_dcp` does all of it):
 
 1. :func:`inspect_dcp` (reads nothing but ``.metadata`` and file sizes): the pickle DCP's
    ``FileSystemReader(DIR).read_metadata()`` reads, unpickled with only DCP's metadata classes
-   allowed (``ckptd_client.objects.load_dcp_file_metadata``); every tensor chunk and object of the
+   allowed (``ckptd_schemas.format.objects.load_dcp_file_metadata``); every tensor chunk and object of the
    metadata must have a storage entry, every data file must exist and hold the bytes its
    entries point at. A missing ``.metadata``, a missing or truncated data file is refused
    with the files named (:class:`DcpImportError`, exit 1) before anything is written.
@@ -32,7 +32,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import torch
 import xxhash
@@ -42,6 +42,9 @@ from ckptd_schemas import (
     ITEMSIZE, BoxChunk, DcpImportError, Location, ObjectEntry, OpenSession, RankIndex, TensorEntry,
     parse_ref,
 )
+
+if TYPE_CHECKING:
+    from ckptd_client.catalog import Upload
 
 __all__ = ["DcpDirectory", "DcpImportError", "HttpTarget", "ImportResult", "RootTarget", "import_dcp",
            "inspect_dcp"]
@@ -96,7 +99,7 @@ def inspect_dcp(path: str | os.PathLike) -> DcpDirectory:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, \
         TensorStorageMetadata
 
-    from ckptd_client.objects import load_dcp_file_metadata
+    from ckptd_schemas.format.objects import load_dcp_file_metadata
 
     root = Path(path)
     meta_path = root / METADATA_FILE
@@ -246,10 +249,7 @@ class _SpoolOut:
     def finish(self) -> None:
         self._tmp.close()
         try:
-            self._target.transport.request(
-                "PUT", f"{self._target.base}/sessions/{self._target.session}/files/{self.file}",
-                content=self._pieces, headers={"X-Ckptd-Xxh3": self._h.hexdigest(), "Content-Length": str(self.size),
-                                               "Content-Type": "application/octet-stream"})
+            self._target.put_file(self.file, self._pieces, size=self.size, xxh3=self._h.hexdigest())
         finally:
             os.unlink(self._tmp.name)
 
@@ -260,38 +260,35 @@ class _SpoolOut:
 
 
 class HttpTarget:
-    """A running ckptd service: the same protocol a trainer's save uses (one rank)."""
+    """A running ckptd service: the same protocol a trainer's save uses (one rank), through
+    ``CatalogClient.upload``."""
 
     def __init__(self, url: str, *, token: str | None = None) -> None:
-        from ckptd_client.transport import Transport
+        from ckptd_client import CatalogClient
 
-        self.transport = Transport(url, token=token or os.environ.get("CKPTD_TOKEN"), retry_seconds=30.0,
-                                   retry_refused=False)
-        self.base = ""
-        self.session = ""
-        self.ref = ""
+        self.client = CatalogClient(url, token=token, retry_seconds=30.0, retry_refused=False)
+        self._upload: Upload | None = None
 
     def open(self, run: str, name: str, session: str, step: int | None) -> None:
-        from ckptd_client.sessions import open_session
-
-        self.base, self.session, self.ref = f"/v1/checkpoints/{run}/{name}", session, f"{run}/{name}"
-        open_session(self.transport, self.base, session, 1, step)
+        self._upload = self.client.upload(f"{run}/{name}", session=session, step=step)
 
     def begin_file(self, file: str) -> FileOut:
         return _SpoolOut(self, file)
 
-    def commit(self, index: RankIndex) -> str:
-        from ckptd_client.sessions import put_index, wait_committed
+    def put_file(self, file: str, content: Callable[[], Iterator[bytes]], *, size: int, xxh3: str) -> None:
+        assert self._upload is not None
+        self._upload.put_file(file, content, size=size, xxh3=xxh3)
 
-        status = put_index(self.transport, self.base, self.session, index)
-        return wait_committed(self.transport, self.base, self.ref, status, time.monotonic() + 600).manifest_xxh3 or ""
+    def commit(self, index: RankIndex) -> str:
+        assert self._upload is not None
+        return self._upload.commit(index, timeout=600.0).manifest_xxh3 or ""
 
     def abort(self) -> None:
-        if self.session:
-            self.transport.request("DELETE", f"{self.base}/sessions/{self.session}", retry=False)
+        if self._upload is not None:
+            self._upload.abort()
 
     def close(self) -> None:
-        self.transport.close()
+        self.client.close()
 
 
 # -- streaming --------------------------------------------------------------------------------------

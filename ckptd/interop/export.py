@@ -28,7 +28,7 @@ included, in one ``torch.save`` file. Each tensor is assembled slab by slab into
 memory-mapped temporary file, so the data lives in the page cache, not in the process's
 heap, while ``torch.save`` writes it; the file is then read back (``mmap=True``) and checked
 the same way. Objects, and DCP's metadata, are decoded without running code from the
-checkpoint (``ckptd_client.objects``: JSON, or ``torch.load(weights_only=True)`` under the
+checkpoint (``ckptd_schemas.format.objects``: JSON, or ``torch.load(weights_only=True)`` under the
 allow-list); one that needs an unrestricted unpickler raises ``UnsafeObject`` unless
 ``trust_objects`` (``ckptd export --trust-objects``).
 """
@@ -66,7 +66,7 @@ from ..store.reader import naming_tensor
 if TYPE_CHECKING:
     import torch
 
-    from ckptd_client.objects import ObjectPolicy
+    from ckptd_schemas.format.objects import ObjectPolicy
 
 __all__ = ["ExportResult", "FLOATS", "ReadFn", "SAFETENSORS_DTYPES", "export_safetensors", "export_torch",
            "parse_size", "tensor_bytes"]
@@ -411,7 +411,7 @@ def export_safetensors(manifest: Manifest, read: ReadFn, out: str | os.PathLike,
 def _dcp_layout(manifest: Manifest, read: ReadFn, policy: "ObjectPolicy") -> tuple[dict[str, tuple], list[str]] | None:
     """DCP's key paths (``fqn -> ("optim", "param_groups", 0, "lr")``) and key order, when the checkpoint
     carries DCP metadata (saved through ``client.dcp_writer`` or imported from a DCP directory)."""
-    from ckptd_client.objects import load_dcp_metadata
+    from ckptd_schemas.format.objects import load_dcp_metadata
 
     stored = next((o for o in manifest.objects if o.name == DCP_METADATA and o.location is not None), None)
     if stored is None:
@@ -449,8 +449,8 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
     unless ``trust_objects``."""
     import torch
 
-    from ckptd_client.assemble import torch_dtype
-    from ckptd_client.objects import ObjectPolicy, decode_object, load_torch
+    from ckptd_schemas.format.assemble import torch_dtype
+    from ckptd_schemas.format.objects import ObjectPolicy, decode_object, load_torch
 
     policy = ObjectPolicy.of(trust_objects)
 

@@ -6,7 +6,6 @@ under ``/v1`` except probes)::
 
     POST   /v1/checkpoints/{run}/{name}/sessions                        upload_routes: open or join an upload session
     PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}        upload_routes: stream a data file (X-Ckptd-Xxh3)
-    POST   /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}/adopt  upload_routes: adopt a directly written file
     PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/ranks/{r}        upload_routes: a rank's index; the last commits
     GET    /v1/checkpoints/{run}/{name}/sessions/{sid}?wait=S           upload_routes: session status (long poll)
     DELETE /v1/checkpoints/{run}/{name}/sessions/{sid}                  upload_routes: abort
@@ -30,7 +29,10 @@ under ``/v1`` except probes)::
 Who may call what (bearer tokens and scopes) is declared in ``auth.ROUTE_RULES``
 and enforced by ``auth.AccessMiddleware`` (401) and ``auth.authorize`` (403);
 ``logs.RequestContextMiddleware`` gives each request its id, access log line and
-HTTP metrics.
+HTTP metrics. Inside them, ``limits.PrincipalRequests`` bounds one token's requests
+in progress (429; probes are never counted) and ``limits.BodyTimeouts`` bounds each
+request body in time (408). The probes answer from the event loop alone
+(``/readyz`` adds one storage listing), behind no limit a token holder can fill.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI, Response
@@ -54,7 +57,7 @@ from ..store.visibility import Visibility
 from .auth import ROUTE_RULES, AccessMiddleware, TokenStore, authorize, check_routes, iter_routes
 from .docs import install_docs
 from .errors import install_error_handlers
-from .limits import BodyIdleTimeout, UploadSlots
+from .limits import BodyTimeouts, PrincipalRequests, UploadSlots
 from .logs import RequestContextMiddleware
 from .metrics import CONTENT_TYPE_LATEST, MeteredSessionStore, Metrics
 from .read_routes import read_router
@@ -128,6 +131,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
             yield
         finally:
             task.cancel()
+            probe_threads.shutdown(wait=False)
             if copier is not None:
                 await run_in_threadpool(copier.stop)
             close_jobs()
@@ -143,9 +147,12 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     async def healthz() -> dict:
         return {"status": "ok", "version": __version__}
 
+    # /readyz lists the storage on threads of its own: requests that fill the shared pool never delay it.
+    probe_threads = ThreadPoolExecutor(2, thread_name_prefix="ckptd-probe")
+
     @app.get("/readyz", tags=["probes"])
     async def readyz() -> dict:
-        await run_in_threadpool(storage.list, "runs")
+        await asyncio.get_running_loop().run_in_executor(probe_threads, storage.list, "runs")
         return {"status": "ready", "storage": storage.url}
 
     @app.get("/metrics", name="metrics", tags=["probes"], response_class=Response,
@@ -163,7 +170,12 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     install_docs(app, ROUTE_RULES)
     check_routes(app)
     open_paths = {r.path for r in iter_routes(app.router) if ROUTE_RULES[r.name].access == "open"}
-    app.add_middleware(BodyIdleTimeout, seconds=settings.body_idle_timeout_seconds, metrics=metrics)
+    # Innermost first: a body's time limits, then one token's requests at once (429), then who it is (401).
+    app.add_middleware(BodyTimeouts, idle_seconds=settings.body_idle_timeout_seconds,
+                       min_rate=settings.body_min_bytes_per_second, grace_seconds=settings.body_rate_grace_seconds,
+                       metrics=metrics)
+    app.add_middleware(PrincipalRequests, limit=settings.max_requests_per_principal, open_paths=open_paths,
+                       routes=app.router.routes, metrics=metrics)
     app.add_middleware(AccessMiddleware, tokens=tokens, open_paths=open_paths, index_limit=settings.max_index_bytes,
                        routes=app.router.routes)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)  # outermost: ids and logs for 401s too

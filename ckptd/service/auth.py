@@ -279,7 +279,6 @@ ROUTE_RULES: dict[str, Rule] = {
     # uploads: write:RUN
     "open_session": Rule("write"),
     "upload_file": Rule("write", body="stream"),
-    "adopt_file": Rule("write"),
     "link_file": Rule("write"),
     "presign_file": Rule("write"),  # a URL that writes one object of the session, with a signed size and SHA-256
     "confirm_file": Rule("write"),

@@ -18,14 +18,23 @@ its ``http=`` protocol-class option and the ASGI scope's ``client``. Its limits:
   that ends its head; beyond, 431 in the service's error shape and the connection closed.
 * a head deadline: ``header_timeout`` seconds from the connection's opening (or from the
   first byte of a later request on it) to the end of the request's head; past it the
-  connection is closed. A body that stalls is :class:`ckptd.service.limits.BodyIdleTimeout`'s.
+  connection is closed. A body that stalls or trickles is :class:`ckptd.service.limits.BodyTimeouts`'s.
 * a send deadline: while a response waits for the client to read (the transport's write
   buffer is over its high-water mark, so uvicorn has paused the response), at most
   ``send_timeout`` seconds; then the connection is aborted (its buffered bytes dropped).
 * a connection cap: at most :func:`connection_cap` connections. A connection over the cap
   closes the longest-idle connection that has no request in progress (a head still arriving
   counts as idle); failing that, the one whose response has waited longest for its client to
-  read; or itself when every one is busy sending or receiving.
+  read; failing that, the one whose request body is furthest behind ``min_body_rate`` (bytes
+  received less the rate times the seconds its body has taken, the seconds uvicorn paused
+  reading it not counted), answered 503 (``Unavailable``, ``Retry-After``) before it is closed:
+  a trickled body makes its connection busy, never unsheddable. When every other connection is
+  busy otherwise (each one a request whose body has arrived, such as a long poll: a token holds
+  at most ``CKPTD_MAX_REQUESTS_PER_PRINCIPAL`` of them), up to :data:`PROBE_CONNECTIONS` more are
+  kept for :data:`PROBE_PATHS` only (when all are taken, a new one replaces the one kept longest
+  without sending a request); any other request on one is answered 503 and closed, and a
+  probe's answer closes it. So ``/healthz`` and ``/readyz`` are answered under any load a token
+  holder can create, and only then is a new connection closed.
 * parser errors: what the parser writes while it parses (its plain-text 400 for malformed
   framing) is replaced by the service's JSON 400, or dropped when a response is mid-stream.
 
@@ -38,7 +47,8 @@ Call order: ``serve`` builds one guard, passes ``guard.protocol(inner)`` to uvic
 ``http=`` and ``guard.track(app)`` as the app; uvicorn calls ``connection_made``,
 ``data_received``, ``pause_writing`` ... on each :class:`GuardedConnection`, which calls the
 same on uvicorn's protocol; the middleware calls ``request_started``, ``body_done``,
-``responding`` and ``request_ended`` on the connection a request arrived on.
+``responding`` and ``request_ended`` on the connection a request arrived on; uvicorn's flow
+control calls ``pause_reading``/``resume_reading`` through the transport view, which reports them.
 """
 
 from __future__ import annotations
@@ -51,15 +61,24 @@ from typing import Any
 
 import httptools
 
-from ckptd_schemas import InvalidRequest, PayloadTooLarge
+from starlette.types import Scope, Send
 
-from .error_body import raw_error_response
+from ckptd_schemas import InvalidRequest, PayloadTooLarge, Unavailable
 
-__all__ = ["ConnectionGuard", "GuardedConnection", "connection_cap"]
+from .error_body import raw_error_response, send_error
+from .limits import mark_answered
+
+__all__ = ["PROBE_CONNECTIONS", "PROBE_PATHS", "ConnectionGuard", "GuardedConnection", "connection_cap"]
 
 log = logging.getLogger("ckptd.service")
 
 _PARSER_400 = b"HTTP/1.1 400 "
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+"""The requests a connection kept over the cap may carry."""
+PROBE_CONNECTIONS = 16
+"""Connections kept over the cap for probes when every other one is busy (within the descriptors
+:func:`connection_cap` leaves free)."""
+_REFERENCE_RATE = 1024.0  # bytes/s: orders the bodies to shed when no minimum rate is set
 
 
 def connection_cap(max_connections: int) -> int:
@@ -74,8 +93,9 @@ class ConnectionGuard:
     """The limits and the open connections of one server (see the module docstring)."""
 
     def __init__(self, header_timeout: float, send_timeout: float, max_header_bytes: int, max_connections: int,
-                 metrics: Any = None) -> None:
+                 metrics: Any = None, min_body_rate: float = 0.0) -> None:
         self.header_timeout, self.send_timeout = header_timeout, send_timeout
+        self.body_rate = min_body_rate if min_body_rate > 0 else _REFERENCE_RATE
         self.max_header_bytes, self.cap, self.metrics = max_header_bytes, connection_cap(max_connections), metrics
         self.open: dict[tuple[str, int], GuardedConnection] = {}
         self.too_large = raw_error_response(
@@ -99,19 +119,42 @@ class ConnectionGuard:
             if conn is None:
                 await app(scope, receive, send)
                 return
-            conn.request_started()
+            conn.request_started(scope)
+            probe_only = conn.probe_only
 
             async def tracked_send(msg: dict) -> None:
                 if msg.get("type") == "http.response.start":
                     conn.responding = True
+                    if probe_only:  # the probe's answer ends the connection: the room over the cap is for probes
+                        msg = {**msg, "headers": [*msg.get("headers", []), (b"connection", b"close")]}
                 await send(msg)
 
             try:
-                await app(scope, receive, tracked_send)
+                if probe_only and scope.get("path") not in PROBE_PATHS:
+                    await guard.refuse_over_cap(scope, tracked_send)
+                else:
+                    await app(scope, receive, tracked_send)
             finally:
                 conn.request_ended()
 
         return tracked
+
+    async def refuse_over_cap(self, scope: Scope, send: Send) -> None:
+        """503 for a request other than a probe on a connection kept over the cap for probes."""
+        self.refused("connections")
+        err = Unavailable(f"the service is at its connection cap ({self.cap} connections, CKPTD_MAX_CONNECTIONS or "
+                          f"the descriptor limit), every one busy: this connection was accepted for /healthz and "
+                          f"/readyz only; retry", limit=self.cap)
+        await send_error(send, scope, err, [(b"retry-after", b"1"), (b"connection", b"close")])
+
+    def shed_response(self, received: int, seconds: float) -> bytes:
+        """The raw 503 written to a connection whose request body is shed at the cap."""
+        err = Unavailable(f"the service is at its connection cap ({self.cap} connections, CKPTD_MAX_CONNECTIONS or "
+                          f"the descriptor limit), every one busy: this request's body, the furthest behind "
+                          f"({received} bytes in {seconds:.1f} s), was dropped to make room; retry",
+                          limit=self.cap, received=received)
+        raw = raw_error_response(err, reason="Service Unavailable")
+        return raw.replace(b"\r\n\r\n", b"\r\nretry-after: 1\r\n\r\n", 1)
 
     def refused(self, limit: str) -> None:
         if self.metrics is not None:
@@ -141,6 +184,13 @@ class GuardedConnection(asyncio.Protocol):
         self.parsing = False  # inside inner.data_received: what it writes is the parser's
         self.idle_since = self.loop.time()
         self.paused_since: float | None = None
+        self.probe_only = False  # kept over the cap: probes only, closed after one
+        self.scope: Scope | None = None  # the request the app is handling
+        self.body_started: float | None = None  # when the body now arriving began (its head ended)
+        self.body_bytes = 0  # bytes of that body received so far
+        self.body_paused = 0.0  # read_paused(now) when it began
+        self.read_paused_total = 0.0  # seconds uvicorn has paused reading this connection, finished pauses
+        self.read_paused_since: float | None = None
         self.head_timer: asyncio.TimerHandle | None = None
         self.send_timer: asyncio.TimerHandle | None = None
 
@@ -191,13 +241,15 @@ class GuardedConnection(asyncio.Protocol):
 
     # -- reports from the middleware ---------------------------------------------------------------------------
 
-    def request_started(self) -> None:
+    def request_started(self, scope: Scope | None = None) -> None:
         self.pending_heads = max(0, self.pending_heads - 1)
         self.in_app += 1
+        self.scope = scope
 
     def request_ended(self) -> None:
         self.in_app = max(0, self.in_app - 1)
         self.responding = False
+        self.scope = None
         self.idle_since = self.loop.time()
         if self.refusing and not self.in_app:
             self._answer_too_large()
@@ -206,6 +258,34 @@ class GuardedConnection(asyncio.Protocol):
 
     def busy(self) -> bool:
         return bool(self.in_app or self.pending_heads)
+
+    # -- flow control, reported by the transport view: seconds uvicorn does not read are not the client's
+
+    def reading_paused(self) -> None:
+        if self.read_paused_since is None:
+            self.read_paused_since = self.loop.time()
+
+    def reading_resumed(self) -> None:
+        if self.read_paused_since is not None:
+            self.read_paused_total += self.loop.time() - self.read_paused_since
+            self.read_paused_since = None
+
+    def read_paused(self, now: float) -> float:
+        return self.read_paused_total + (now - self.read_paused_since if self.read_paused_since is not None else 0.0)
+
+    def receiving_body(self) -> bool:
+        """A request whose body is still arriving, with no response begun."""
+        return self.in_body and self.body_started is not None and not self.responding and not self.refusing
+
+    def body_seconds(self, now: float) -> float:
+        """Seconds the body now arriving has taken, less those uvicorn paused reading it."""
+        if self.body_started is None:
+            return 0.0
+        return max(0.0, now - self.body_started - (self.read_paused(now) - self.body_paused))
+
+    def body_lead(self, now: float) -> float:
+        """Bytes the body is ahead of the guard's rate (negative: behind); the lowest is shed first."""
+        return self.body_bytes - self.guard.body_rate * self.body_seconds(now)
 
     def _track(self, data: bytes) -> bool:
         """Feed ``data`` to the framing parser and count it against the head bound; False when refused."""
@@ -238,9 +318,15 @@ class GuardedConnection(asyncio.Protocol):
         self.in_body = True
         self.pending_heads += 1
         self._disarm_head()
+        now = self.loop.time()
+        self.body_started, self.body_bytes, self.body_paused = now, 0, self.read_paused(now)
+
+    def body_part(self, size: int) -> None:
+        self.body_bytes += size
 
     def message_ended(self) -> None:
         self.in_body, self.head_bytes = False, 0
+        self.body_started = None
 
     def _refuse_too_large(self) -> None:
         """Stop taking bytes; answer 431 and close now, or once the requests before it are answered."""
@@ -291,18 +377,50 @@ class GuardedConnection(asyncio.Protocol):
             self.send_timer = None
 
     def _shed(self) -> None:
+        """Over the cap: close the least useful other connection for this one (module docstring: idle,
+        then a response not read, then the body furthest behind); failing that, keep this one for
+        probes, within :data:`PROBE_CONNECTIONS` (when they are all taken, in place of the one kept
+        longest without sending a request); failing that, close it."""
+        now = self.loop.time()
         others = [c for c in self.guard.open.values() if c is not self and not c.transport.is_closing()]
-        idle = [c for c in others if not c.busy()]
+        idle = [c for c in others if not c.busy() and not c.probe_only]  # a probe's head may be on its way
         stalled = [c for c in others if c.busy() and c.paused_since is not None]
-        self.guard.refused("connections")
+        bodies = [c for c in others if c.busy() and c.receiving_body()]
+        probes = [c for c in others if c.probe_only]
         if idle:
+            self.guard.refused("connections")
             min(idle, key=lambda c: c.idle_since).transport.close()
         elif stalled:  # a response its client is not reading: its buffered bytes are dropped
+            self.guard.refused("connections")
             min(stalled, key=lambda c: c.paused_since or 0.0).transport.abort()
+        elif bodies:
+            self.guard.refused("connections")
+            min(bodies, key=lambda c: (c.body_lead(now), c.body_started or 0.0)).drop_body(now)
+        elif len(probes) < PROBE_CONNECTIONS:
+            self.probe_only = True
+        elif waiting := [c for c in probes if not c.busy()]:  # the room for probes is full: of those that
+            self.guard.refused("connections")  # have sent no request, the longest idle makes room
+            min(waiting, key=lambda c: c.idle_since).transport.close()
+            self.probe_only = True
         else:
-            log.warning("%d connections open (the cap, CKPTD_MAX_CONNECTIONS or the descriptor limit), every "
-                        "one with a request in progress: a new connection was closed", self.guard.cap)
+            self.guard.refused("connections")
+            log.warning("%d connections open (the cap, CKPTD_MAX_CONNECTIONS or the descriptor limit) and %d more "
+                        "for probes, every one with a request in progress: a new connection was closed",
+                        self.guard.cap, PROBE_CONNECTIONS)
             self.transport.close()
+
+    def drop_body(self, now: float) -> None:
+        """Shed at the cap while its request body arrives: 503 (unless a response began), then closed.
+        The app then meets a disconnect, which is this answer's doing, not the client's."""
+        received, seconds = self.body_bytes, self.body_seconds(now)
+        log.warning("%d connections open (the cap, CKPTD_MAX_CONNECTIONS or the descriptor limit), every one with a "
+                    "request in progress: closed the one whose request body is furthest behind (%d bytes in %.1f s)",
+                    self.guard.cap, received, seconds)
+        if self.scope is not None:
+            mark_answered(self.scope)
+        if not self.responding:
+            self.transport.write(self.guard.shed_response(received, seconds))
+        self.transport.close()
 
 
 class _Framing:
@@ -323,6 +441,9 @@ class _Framing:
     def on_headers_complete(self) -> None:
         self.conn.head_ended()
 
+    def on_body(self, body: bytes) -> None:
+        self.conn.body_part(len(body))
+
     def on_message_complete(self) -> None:
         self.conn.message_ended()
 
@@ -341,6 +462,14 @@ class _TransportView:
             data = raw_error_response(InvalidRequest(f"malformed HTTP request: {_reason(data)}"),
                                       reason="Bad Request")
         self._transport.write(data)
+
+    def pause_reading(self) -> None:
+        self._conn.reading_paused()
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._conn.reading_resumed()
+        self._transport.resume_reading()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)

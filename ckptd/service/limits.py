@@ -1,25 +1,34 @@
-"""Per-request limits: no request may cost the service more than its size pays for.
+"""Per-request limits: no request may cost the service more than its size pays for, nor hold it longer
+than its bytes take to arrive.
 
-Three pieces, each used at one place of the request's life:
+Four pieces, each used at one place of the request's life (the middleware in the order a request
+meets them, after ``AccessMiddleware`` has named its principal):
 
-1. :class:`BodyIdleTimeout` (ASGI middleware, inside ``AccessMiddleware``):
-   while the app waits for the next piece of a request body, at most
-   ``body_idle_timeout_seconds``; then the request is answered 408
-   (``RequestTimeout``, ``Connection: close``) and the app sees the client
-   gone. Only the app's own waits count, so a slow storage write that pauses
-   reading never times a client out.
-2. :class:`UploadSlots` (in the ``upload_file`` and ``adopt_file`` handlers,
+1. :class:`PrincipalRequests` (ASGI middleware, inside ``AccessMiddleware``): at most
+   ``max_requests_per_principal`` requests of one token in progress at once, of every kind; the
+   next is answered 429 (``TooManyRequests``, ``Retry-After: 1``) before it is routed, which the
+   client retries with backoff. Open routes (probes, metrics, the API description) and requests
+   without a token are never counted, so one token's flood of slow requests holds neither
+   another token's requests nor ``/healthz`` back.
+2. :class:`BodyTimeouts` (ASGI middleware, inside :class:`PrincipalRequests`): while the app
+   waits for the next piece of a request body, at most ``body_idle_timeout_seconds``; and over
+   the whole body an average of ``body_min_bytes_per_second`` at least, after a grace of
+   ``body_rate_grace_seconds``. Past either the request is answered 408 (``RequestTimeout``,
+   ``Connection: close``) and the app sees the client gone. Only the app's own waits count, so
+   a slow storage write that pauses reading never times a client out.
+3. :class:`UploadSlots` (in the ``upload_file``, ``presign_file`` and ``confirm_file`` handlers,
    before any byte is stored): at most ``max_uploads_per_principal`` uploads
    of one token at once; the next is refused 429 (``TooManyRequests``), which
    the client retries with backoff. One token's uploads cannot take every
    worker thread, so another token's still run.
-3. :func:`read_plan_budget` (in the ``read_plan`` handler): the work a plan
+4. :func:`read_plan_budget` (in the ``read_plan`` handler): the work a plan
    may do, a constant plus a multiple of the request body's size
    (:class:`ckptd_schemas.PlanBudget`); over it the request is refused 413
    before the work is done.
 
 Connection-level limits (request heads that never complete, idle sockets
-exhausting file descriptors) are in :mod:`ckptd.service.connections`.
+exhausting file descriptors, the connection cap and which connection it sheds)
+are in :mod:`ckptd.service.connections`.
 """
 
 from __future__ import annotations
@@ -27,16 +36,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Sequence
 
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ckptd_schemas import PlanBudget, RequestTimeout, TooManyRequests
 
+from .auth import ANONYMOUS, Principal, iter_routes
 from .error_body import send_error
 
-__all__ = ["ANSWER_PER_BODY_BYTE", "CHUNKS_PER_BODY_BYTE", "BodyIdleTimeout", "UploadSlots", "mark_answered",
-           "read_plan_budget", "was_answered"]
+__all__ = ["ANSWER_PER_BODY_BYTE", "CHUNKS_PER_BODY_BYTE", "BodyTimeouts", "PrincipalRequests", "UploadSlots",
+           "mark_answered", "read_plan_budget", "was_answered"]
 
 log = logging.getLogger("ckptd.service")
 
@@ -106,41 +117,120 @@ class UploadSlots:
         return release
 
 
-class BodyIdleTimeout:
-    """Answer 408 and close when a request body stalls for ``seconds`` while the app waits for it."""
+class PrincipalRequests:
+    """At most ``limit`` requests of one principal (token) in progress at once, of every kind (0: no limit).
 
-    def __init__(self, app: ASGIApp, seconds: float, metrics: Any = None) -> None:
-        self.app, self.seconds, self.metrics = app, seconds, metrics
+    Call order: ``AccessMiddleware`` names the request's principal, then this counts the request from
+    here until the app has answered it (a streamed download until its last byte is sent); the next one
+    over the limit is answered 429 at once, unrouted and unread. Open routes (``open_paths``: probes,
+    metrics) and requests without a token are never counted, so no token's flood holds a probe back,
+    and one token's slow requests cannot take every connection and worker from the others.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int, open_paths: Collection[str] = (), routes: Sequence[Any] = (),
+                 metrics: Any = None) -> None:
+        self.app, self.limit, self.open_paths, self.routes, self.metrics = app, limit, open_paths, routes, metrics
+        self._active: dict[str, int] = {}  # one event loop: no lock
+
+    def active(self, principal: str) -> int:
+        return self._active.get(principal, 0)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.seconds or self.seconds <= 0:
+        principal = scope.get("state", {}).get("principal") if scope["type"] == "http" else None
+        if (self.limit <= 0 or not isinstance(principal, Principal) or principal is ANONYMOUS
+                or scope["path"] in self.open_paths):
             await self.app(scope, receive, send)
             return
-        body_done = False
-        responded = False
-        started = False
+        name = principal.name
+        n = self._active.get(name, 0)
+        if n >= self.limit:
+            await self._refuse(scope, send, name, n)
+            return
+        self._active[name] = n + 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            left = self._active[name] - 1
+            if left:
+                self._active[name] = left
+            else:
+                del self._active[name]
+
+    async def _refuse(self, scope: Scope, send: Send, name: str, n: int) -> None:
+        """429 in the error shape; the connection closes when a body follows (it is never read)."""
+        for route in iter_routes(self.routes):  # the access log and the metrics name the route
+            if route.matches(scope)[0] == Match.FULL:
+                scope["route"] = route
+                break
+        if self.metrics is not None:
+            self.metrics.limit_refusals.labels("requests").inc()
+        err = TooManyRequests(
+            f"token {name!r} already has {n} requests in progress, the limit (CKPTD_MAX_REQUESTS_PER_PRINCIPAL) is "
+            f"{self.limit}: {scope['method']} {scope['path'][:200]} was not accepted; retry once one finishes",
+            limit=self.limit, token=name, in_progress=n)
+        headers = [(b"retry-after", b"1")]
+        if any(k == b"transfer-encoding" or (k == b"content-length" and v.strip() not in (b"", b"0"))
+               for k, v in scope.get("headers", ())):
+            headers.append((b"connection", b"close"))
+        await send_error(send, scope, err, headers)
+
+
+class BodyTimeouts:
+    """Answer 408 and close when a request body stalls for ``idle_seconds``, or arrives slower than
+    ``min_rate`` bytes/s once ``grace_seconds`` of slack are spent (0 turns either off).
+
+    Only the app's own waits for the body count. The rate is a budget of seconds: a body starts
+    with ``grace_seconds``; every wait for it spends its length, every byte that arrives buys
+    ``1 / min_rate`` s back, and the budget never exceeds ``max(grace_seconds, idle_seconds)``.
+    So a body that arrives at speed may still pause for as long as the idle bound allows, while
+    one that trickles, from its start or after a fast start, is answered once it has fallen
+    ``grace_seconds`` behind: whatever its size, a body takes at most its length over
+    ``min_rate`` plus the grace.
+    """
+
+    def __init__(self, app: ASGIApp, idle_seconds: float, min_rate: float = 0.0, grace_seconds: float = 30.0,
+                 metrics: Any = None) -> None:
+        self.app, self.metrics = app, metrics
+        self.idle = idle_seconds if idle_seconds and idle_seconds > 0 else None
+        self.rate = min_rate if min_rate and min_rate > 0 else None
+        self.grace = max(0.0, grace_seconds)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (self.idle is None and self.rate is None):
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        idle, rate = self.idle, self.rate
+        ceiling = max(self.grace, idle or 0.0)
+        budget = self.grace  # seconds the body may still fall behind the minimum rate
+        received, waited = 0, 0.0
+        body_done = responded = started = False
 
         async def timed_receive() -> Message:
-            nonlocal body_done, responded
+            nonlocal body_done, responded, budget, received, waited
             if responded:
                 return {"type": "http.disconnect"}
             if body_done:  # after the body: the app waits for a disconnect, as long as it likes
                 return await receive()
+            by_rate = rate is not None and (idle is None or budget < idle)
+            t0 = loop.time()
             try:
-                msg = await asyncio.wait_for(receive(), self.seconds)
+                msg = await asyncio.wait_for(receive(), max(0.0, budget) if by_rate else idle)
             except asyncio.TimeoutError:
+                waited += loop.time() - t0
                 responded = True
                 mark_answered(scope)
-                route = getattr(scope.get("route"), "name", None) or "unmatched"
-                if self.metrics is not None:
-                    self.metrics.limit_refusals.labels("body_idle").inc()
-                log.warning("%s: request body idle for %.0f s, connection closed (408)", route, self.seconds)
                 if not started:
-                    err = RequestTimeout(f"the request body sent nothing for {self.seconds:g} s "
-                                         f"(CKPTD_BODY_IDLE_TIMEOUT_SECONDS): connection closed",
-                                         timeout_s=self.seconds)
-                    await send_error(send, scope, err, [(b"connection", b"close")])
+                    await send_error(send, scope, self._timeout(scope, by_rate, received, waited),
+                                     [(b"connection", b"close")])
                 return {"type": "http.disconnect"}
+            spent = loop.time() - t0
+            waited += spent
+            if msg["type"] == "http.request":
+                n = len(msg.get("body", b""))
+                received += n
+                if rate is not None:
+                    budget = min(budget - spent + n / rate, ceiling)
             if msg["type"] != "http.request" or not msg.get("more_body", False):
                 body_done = True
             return msg
@@ -154,3 +244,21 @@ class BodyIdleTimeout:
             await send(msg)
 
         await self.app(scope, timed_receive, guarded_send)
+
+    def _timeout(self, scope: Scope, by_rate: bool, received: int, waited: float) -> RequestTimeout:
+        """The 408 of a body past a bound (counted and logged here)."""
+        route = getattr(scope.get("route"), "name", None) or "unmatched"
+        if self.metrics is not None:
+            self.metrics.limit_refusals.labels("body_rate" if by_rate else "body_idle").inc()
+        if not by_rate:
+            log.warning("%s: request body idle for %.0f s, connection closed (408)", route, self.idle)
+            return RequestTimeout(f"the request body sent nothing for {self.idle:g} s "
+                                  f"(CKPTD_BODY_IDLE_TIMEOUT_SECONDS): connection closed", timeout_s=self.idle)
+        avg = received / waited if waited > 0 else 0.0
+        log.warning("%s: request body at %.0f bytes/s (%d bytes in %.1f s), under %g bytes/s: connection closed (408)",
+                    route, avg, received, waited, self.rate)
+        return RequestTimeout(
+            f"the request body arrived at {avg:.0f} bytes/s ({received} bytes in {waited:.1f} s), under the minimum "
+            f"of {self.rate:g} bytes/s (CKPTD_BODY_MIN_BYTES_PER_SECOND) once {self.grace:g} s of grace "
+            f"(CKPTD_BODY_RATE_GRACE_SECONDS) were spent: connection closed",
+            timeout_s=round(waited, 3), min_bytes_per_second=self.rate, received=received)

@@ -25,8 +25,9 @@ ckptd_invisible_checkpoints_total      counter    checkpoints found failing the 
 ckptd_auth_refusals_total{status}      counter    requests refused 401 or 403
 ckptd_client_disconnects_total{route}  counter    requests whose client went away before its body was complete
 ckptd_limit_refusals_total{limit}      counter    requests refused by a limit: read_plan (413), uploads (429),
-                                                  body_idle (408), header_bytes (431), header_timeout,
-                                                  send_idle, connections (closed)
+                                                  requests (429, a token's requests at once), body_idle and
+                                                  body_rate (408), header_bytes (431), header_timeout,
+                                                  send_idle, connections (shed or closed at the cap, 503)
 ckptd_reshard_jobs_active              gauge      reshard jobs submitted here and queued or running
 ckptd_reshard_job_bytes_done{job}      gauge      bytes written so far by a job
 ckptd_reshard_job_bytes_planned{job}   gauge      bytes a job will write
@@ -98,7 +99,8 @@ class Metrics:
                                           "its body was complete (answered 499, logged once).", ["route"],
                                           registry=r)
         self.limit_refusals = Counter("ckptd_limit_refusals", "Requests or connections refused by a limit "
-                                      "(read_plan, uploads, body_idle, header_bytes, header_timeout, send_idle, connections).",
+                                      "(read_plan, uploads, requests, body_idle, body_rate, header_bytes, "
+                                      "header_timeout, send_idle, connections).",
                                       ["limit"],
                                       registry=r)
         self.reshard_active = Gauge("ckptd_reshard_jobs_active", "Reshard jobs submitted here, queued or running.",

@@ -5,7 +5,10 @@ lists only the runs it may read). Call order of a load::
 
     GET    /v1/runs                                      runs (those the token may read)
     GET    /v1/runs/{run}/checkpoints                    committed checkpoints of a run
-    GET    /v1/checkpoints/{run}/{name}                  manifest ({name} may be "latest")
+    GET    /v1/checkpoints/{run}/{name}                  manifest ({name} may be "latest": the newest
+                                                         trainer checkpoint not known to be bad, named in
+                                                         X-Ckptd-Name; the newer ones it skipped, and why,
+                                                         in X-Ckptd-Skipped)
     POST   /v1/checkpoints/{run}/{name}/read-plan        byte ranges that fill given regions
     GET    /v1/checkpoints/{run}/{name}/files/{file}     file bytes (Range supported)
     PUT    /v1/checkpoints/{run}/{name}/leases/{holder}  hold a read lease (a long load renews it)
@@ -23,6 +26,7 @@ lease (``retention_routes.ReadLeases``), so gc spares it while it is read.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Header, Request, Response
@@ -34,6 +38,8 @@ from ckptd_schemas import (
     CheckpointSummary, InvalidRequest, Manifest, NotFound, PayloadTooLarge, ReadPlan, ReadRequest, RunSummary,
     check_file, check_session, plan_reads,
 )
+
+from ckptd_schemas.api import MAX_SKIPPED_SENT, SKIPPED_HEADER
 
 from ..store.layout import Paths
 from ..store.verification import VerifyRecord, read_record, verify_and_record
@@ -72,6 +78,26 @@ def _parse_range(header: str | None, size: int) -> tuple[int, int]:
     return start, end
 
 
+#: The most bytes of the ``X-Ckptd-Skipped`` header: a client reads a response head of 16 KiB or more.
+MAX_SKIPPED_HEADER_BYTES = 4096
+
+
+def _skipped_header(skipped: tuple) -> str:
+    """The skipped checkpoints (``Visibility.resolve_ref``) as the ``X-Ckptd-Skipped`` value: a JSON array,
+    ASCII (a header carries Latin-1 only, and a problem may name any tensor), newest first, as many
+    entries as fit in ``MAX_SKIPPED_HEADER_BYTES`` (the newest always: its reason is cut to fit)."""
+    out: list[dict] = []
+    for s in skipped[:MAX_SKIPPED_SENT]:
+        entry = s.as_json()
+        if not out:
+            entry["reason"] = entry["reason"][:MAX_SKIPPED_HEADER_BYTES // 8]
+        text = json.dumps([*out, entry], ensure_ascii=True, separators=(",", ":"))
+        if len(text) > MAX_SKIPPED_HEADER_BYTES and out:
+            break
+        out.append(entry)
+    return json.dumps(out, ensure_ascii=True, separators=(",", ":"))
+
+
 def read_router(svc: Services) -> APIRouter:
     router = APIRouter(tags=["read"])
     settings, storage, metrics, reader = svc.settings, svc.storage, svc.metrics, svc.reader
@@ -89,13 +115,19 @@ def read_router(svc: Services) -> APIRouter:
     @router.get("/v1/checkpoints/{run}/{name}", response_model=Manifest)
     async def get_manifest(run: str, name: str) -> Response:
         """The manifest's bytes as stored, served only when they hash to the marker's digest (sent as
-        ``X-Ckptd-Manifest-Xxh3``, so a client checks what it received against what was committed)."""
-        c = await run_in_threadpool(reader.committed, run, name)
+        ``X-Ckptd-Manifest-Xxh3``, so a client checks what it received against what was committed).
+
+        This answer is what resolves a ref for a load: ``X-Ckptd-Name`` names the checkpoint, and for
+        ``latest``, ``X-Ckptd-Skipped`` lists the newer trainer checkpoints skipped as known to be bad
+        (``SkippedCheckpoint``: ref and reason, newest first), decided by ``Visibility.resolve_ref``."""
+        c, skipped = await run_in_threadpool(visibility.resolve_ref, run, name)
         await run_in_threadpool(read_leases.touch, run, c.name)
         raw = await run_in_threadpool(visibility.manifest_bytes, c)
-        return Response(raw, media_type="application/json",
-                        headers={"X-Ckptd-Name": c.name, "X-Ckptd-Manifest-Xxh3": c.digest,
-                                 "X-Ckptd-Lease-Seconds": f"{settings.read_lease_seconds:g}"})
+        headers = {"X-Ckptd-Name": c.name, "X-Ckptd-Manifest-Xxh3": c.digest,
+                   "X-Ckptd-Lease-Seconds": f"{settings.read_lease_seconds:g}"}
+        if skipped:
+            headers[SKIPPED_HEADER] = _skipped_header(skipped)
+        return Response(raw, media_type="application/json", headers=headers)
 
     @router.post("/v1/checkpoints/{run}/{name}/read-plan", response_model=ReadPlan,
                  response_model_exclude_none=True)  # no local_paths key unless offered: older clients parse it

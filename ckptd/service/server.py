@@ -2,8 +2,9 @@
 
 Each connection's protocol, whichever uvicorn picks, sits behind
 :class:`ckptd.service.connections.ConnectionGuard`: request heads bounded in bytes (431) and
-in time, responses the client does not read in time, the open connections in number, and the
-parser's own 400 answered in the service's error shape.
+in time, responses the client does not read in time, the open connections in number (over the
+cap, an idle connection, an unread response or the slowest request body is shed, and room is
+kept for probes), and the parser's own 400 answered in the service's error shape.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def serve(settings: Settings) -> None:
     from uvicorn.protocols.http.auto import AutoHTTPProtocol  # httptools (a dependency of the server extra)
 
     guard = ConnectionGuard(settings.header_timeout_seconds, settings.send_idle_timeout_seconds,
-                            settings.max_header_bytes, settings.max_connections, app.state.metrics)
+                            settings.max_header_bytes, settings.max_connections, app.state.metrics,
+                            min_body_rate=settings.body_min_bytes_per_second)
     sock = listen(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     log.info("ckptd listening on http://%s:%d (root %s)", f"[{host}]" if ":" in host else host, port, settings.root)

@@ -66,10 +66,6 @@ class Settings(BaseSettings):
         True, description="when the root is a local directory, give loading clients each data file's path so that "
         "ranks on this host (or on a shared filesystem mounted at the same path) read the bytes themselves, with "
         "the same block checks, instead of through HTTP")
-    direct_writes: bool = Field(
-        True, description="when the root is a local directory, let saving ranks that share this filesystem write "
-        "their data files into the session's directory themselves; the service hashes every byte of each file "
-        "before it accepts it (`POST .../files/{file}/adopt`), as it hashes an upload")
     direct_uploads: bool = Field(
         True, description="when the root is an object store (S3), give saving ranks presigned URLs to upload their "
         "data files to it straight (`POST .../files/{file}/presign`, then `.../confirm`); the commit reads and "
@@ -83,16 +79,35 @@ class Settings(BaseSettings):
     body_idle_timeout_seconds: float = Field(
         60.0, ge=0, description="seconds a request body may send nothing while the service waits for it; then it "
         "is answered 408 and closed (0 = no limit)")
+    body_min_bytes_per_second: float = Field(
+        1024.0, ge=0, description="slowest average a request body may arrive at, counted over the time the "
+        "service waits for it (a storage write that pauses reading does not count); a body further behind it "
+        "than CKPTD_BODY_RATE_GRACE_SECONDS is answered 408 and closed, so a trickled body is shed within about "
+        "that grace. 1 KiB/s is far below any real upload, even 32 streams sharing 1 Mbit/s (0 = no minimum)")
+    body_rate_grace_seconds: float = Field(
+        30.0, ge=0, description="seconds a request body may fall behind CKPTD_BODY_MIN_BYTES_PER_SECOND (at its "
+        "start, or after a fast start); a body that has been arriving faster may pause for as long as "
+        "CKPTD_BODY_IDLE_TIMEOUT_SECONDS allows")
     send_idle_timeout_seconds: float = Field(
         60.0, ge=0, description="seconds a response may wait for its client to read any of it (the socket's send "
         "buffer full); then the connection is closed (0 = no limit). Over the connection cap, such connections "
         "are closed before busy ones")
     max_connections: int = Field(
         4096, ge=16, description="open client connections at most, and never more than the file-descriptor limit "
-        "(`ulimit -n`) less an eighth of it; a new one beyond closes the longest-idle connection without a "
-        "request in progress (or itself, if every one is busy), so idle sockets cannot starve probes")
+        "(`ulimit -n`) less an eighth of it. A new one beyond closes the longest-idle connection without a "
+        "request in progress; failing that, the one whose response has waited longest for its client to read; "
+        "failing that, the one whose request body is furthest behind CKPTD_BODY_MIN_BYTES_PER_SECOND (answered "
+        "503, which clients retry). When every one is busy otherwise, 16 connections more are kept for "
+        "`/healthz` and `/readyz` only (any other request on them is answered 503), so probes are answered "
+        "under any load")
+    max_requests_per_principal: int = Field(
+        2048, ge=0, description="requests of every kind one token may have in progress at once (probes, "
+        "metrics and requests without a token are not counted); more are refused 429, which clients retry. "
+        "A job's ranks share its token: a 1,024-rank save holds about 1,100 (one status long-poll per rank, "
+        "plus the uploads CKPTD_MAX_UPLOADS_PER_PRINCIPAL lets through); keep it under CKPTD_MAX_CONNECTIONS so "
+        "that one token cannot hold every connection (0 = no limit)")
     max_uploads_per_principal: int = Field(
-        64, ge=0, description="file uploads and adopts one token may have in progress at once; more are "
+        64, ge=0, description="file uploads one token may have in progress at once; more are "
         "refused 429, which clients retry (0 = no limit)")
     read_plan_chunk_budget: int = Field(
         1 << 20, ge=0, description="chunks a read plan may visit (requests x chunks of the tensor each names), "
@@ -110,12 +125,13 @@ class Settings(BaseSettings):
 GROUPS: dict[str, tuple[str, ...]] = {
     "Service": ("root", "durable", "fast_keep_last", "durable_scan_seconds", "host", "port", "log_level", "log_format"),
     "Authentication": ("tokens_file", "tokens", "insecure_open"),
-    "Saving and loading": ("direct_writes", "direct_uploads", "direct_upload_seconds", "direct_reads",
+    "Saving and loading": ("direct_uploads", "direct_upload_seconds", "direct_reads",
                            "write_batch_bytes", "verify_after_commit", "stale_session_ttl", "reclaim_interval"),
     "Retention and leases": ("retention_keep_last", "retention_keep_every", "read_lease_seconds"),
     "Reshard jobs": ("reshard_workers", "reshard_max_mbps"),
     "Request limits": ("max_index_bytes", "max_header_bytes", "header_timeout_seconds", "body_idle_timeout_seconds",
-                       "send_idle_timeout_seconds", "max_connections", "max_uploads_per_principal",
+                       "body_min_bytes_per_second", "body_rate_grace_seconds", "send_idle_timeout_seconds",
+                       "max_connections", "max_requests_per_principal", "max_uploads_per_principal",
                        "read_plan_chunk_budget", "read_plan_answer_budget"),
 }
 

@@ -13,7 +13,8 @@ tensor once, decoded (``numel x itemsize``; a replicated tensor is saved once, s
 save without replicas would write); ``stored_bytes`` is the chunks as stored (after compression);
 ``file_bytes`` is the data files (chunks, objects and alignment padding), of which
 ``linked_bytes`` were linked from an earlier checkpoint (incremental saves) and ``written_bytes``
-were actually written by this save.
+were actually written by this save; ``unchanged_bytes`` is what the save reused: the bytes of the
+chunks and objects in those linked files (``Manifest.unchanged_bytes``, as ``ckptd show`` reports).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def manifest_stats(m: Manifest) -> dict[str, Any]:
     total, linked = m.total_bytes, m.linked_bytes
     return {
         "files": len(m.files), "file_bytes": total, "linked_bytes": linked, "written_bytes": total - linked,
+        "unchanged_bytes": m.unchanged_bytes,
         "linked_files": sum(f.linked is not None for f in m.files.values()),
         "logical_bytes": logical, "stored_bytes": stored, "chunks": chunks, "compressed_chunks": compressed,
         "tensors": len(m.tensors), "objects": len(m.objects), "param_groups": len(m.param_groups),

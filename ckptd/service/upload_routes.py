@@ -4,7 +4,6 @@ Call order of a save::
 
     POST   /v1/checkpoints/{run}/{name}/sessions                        open or join an upload session
     PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}        stream a data file (X-Ckptd-Xxh3), or
-    POST   /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}/adopt  adopt a file written directly (direct writes)
     POST   /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}/link   hold an earlier checkpoint's file (incremental), or
     POST   .../files/{f}/presign, then PUT to the store, then .../confirm  upload to the object store (direct uploads)
     PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/ranks/{r}        each rank's index; the last one commits
@@ -26,7 +25,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
-    AdoptFile, ConfirmUpload, Forbidden, InvalidIndex, InvalidRequest, LinkFile, OpenSession, PresignedUpload, PresignUpload,
+    ConfirmUpload, Forbidden, InvalidIndex, InvalidRequest, LinkFile, OpenSession, PresignedUpload, PresignUpload,
     RankIndex, SessionInfo, SessionStatus, UploadResult, parse_ref,
 )
 
@@ -59,8 +58,7 @@ def upload_router(svc: Services) -> APIRouter:
     router = APIRouter(tags=["upload"])
     settings, sessions, uploads = svc.settings, svc.sessions, svc.uploads
 
-    @router.post("/v1/checkpoints/{run}/{name}/sessions", response_model=SessionInfo,
-                 response_model_exclude_none=True)  # no `direct` key unless offered
+    @router.post("/v1/checkpoints/{run}/{name}/sessions", response_model=SessionInfo)
     async def open_session(request: Request, run: str, name: str, body: OpenSession) -> SessionInfo:
         if body.parent is not None:
             # A parent is kept from retention while this checkpoint is visible, and whether it exists is
@@ -70,9 +68,7 @@ def upload_router(svc: Services) -> APIRouter:
                 raise Forbidden(f"parent {body.parent!r}: this token may not read run {parent_run}",
                                 field="parent", run=parent_run)
         info = await run_in_threadpool(sessions.open, run, name, body)
-        if body.direct_writes and settings.direct_writes:
-            info.direct = await run_in_threadpool(sessions.direct_writes, run, name, info.session)
-        if body.direct_uploads and settings.direct_uploads and info.direct is None and sessions.storage.presigns:
+        if body.direct_uploads and settings.direct_uploads and sessions.storage.presigns:
             info.presigned = True
         return info
 
@@ -140,19 +136,6 @@ def upload_router(svc: Services) -> APIRouter:
                     await pending
             await run_in_threadpool(sink.abort)
             raise
-        finally:
-            release()
-
-    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/adopt", response_model=UploadResult)
-    async def adopt_file(request: Request, run: str, name: str, sid: str, file: str, body: AdoptFile) -> UploadResult:
-        """Direct writes: take the file the rank wrote into the session's directory (``SessionInfo.direct``)
-        as the upload of ``file``, after hashing every byte of it as an upload is hashed."""
-        if not settings.direct_writes:
-            raise InvalidRequest(f"file {file!r}: direct writes are off on this service (CKPTD_DIRECT_WRITES); "
-                                 f"upload the file", file=file)
-        release = uploads.acquire(principal_of(request).name, file)  # an adopt hashes a whole file: a slot too
-        try:
-            return await run_in_threadpool(sessions.adopt_file, run, name, sid, file, body)
         finally:
             release()
 

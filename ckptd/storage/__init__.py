@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .base import Adopted, Presigned, Storage, Writer, check_key
+from .base import Presigned, Storage, Writer, check_key
 from .local import LocalStorage
 
-__all__ = ["Adopted", "LocalStorage", "Presigned", "Storage", "Writer", "check_key", "open_storage"]
+__all__ = ["LocalStorage", "Presigned", "Storage", "Writer", "check_key", "open_storage"]
 
 
 def open_storage(root: str, **options: object) -> Storage:

@@ -5,7 +5,10 @@ Keys are ``/``-separated paths relative to the storage root. Primitives:
 * :meth:`Storage.open_write` -> a :class:`Writer` whose bytes become visible at
   the key, whole and durable, only on :meth:`Writer.commit` (temp file +
   rename + fsync locally; single PUT or multipart completion on object
-  stores); :meth:`Writer.abort` leaves nothing behind.
+  stores); :meth:`Writer.abort` leaves nothing behind. With ``once=True`` the
+  commit creates the key only if it is absent (a hard link of the temp file
+  locally; ``If-None-Match: *`` on the PUT or the multipart completion on object
+  stores): a data file of a session is written once, and nothing replaces it.
 * :meth:`Storage.read` a byte range (:meth:`Storage.read_into` a caller's buffer, derived;
   local files override it to skip a copy); :meth:`Storage.size` (None if absent).
 * :meth:`Storage.list` the immediate children of a prefix.
@@ -19,9 +22,7 @@ have changed, so a reader can cache what it learned from an object's bytes (its 
 long as the stamp holds.
 
 Optional: :meth:`Storage.local_path` (None unless the key is a file on this host) lets the
-service offer direct reads to clients that share its filesystem, and :meth:`Storage.adopt`
-(None where unsupported) takes a file such a client wrote beside a key as the key's content
-(direct writes), after the caller has hashed it through :meth:`Adopted.windows`.
+service offer direct reads to clients that share its filesystem.
 
 Errors from the backend surface as :class:`ckptd_schemas.StorageError`
 naming the key (transient: callers retry). Data files of committed checkpoints are read
@@ -35,11 +36,11 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
-from ckptd_schemas import AdoptedFile, CorruptCheckpoint, InvalidName, StorageError
+from ckptd_schemas import CorruptCheckpoint, InvalidName, StorageError
 
-__all__ = ["Adopted", "Presigned", "Storage", "Writer", "check_key"]
+__all__ = ["Presigned", "Storage", "Writer", "check_key"]
 
 
 def check_key(key: str) -> str:
@@ -62,8 +63,9 @@ class Writer(ABC):
             self.write(p)
 
     @abstractmethod
-    def commit(self) -> None:
-        """Make the object durable and visible (replacing any previous one)."""
+    def commit(self) -> bool:
+        """Make the object durable and visible; True. A writer opened with ``once=True`` creates
+        the key only if it is absent: False (nothing written, the temp dropped) when it exists."""
 
     @abstractmethod
     def abort(self) -> None:
@@ -77,25 +79,6 @@ class Writer(ABC):
             self.commit()
         else:
             self.abort()
-
-
-class Adopted(Writer):
-    """A file a client wrote beside its key (direct writes): read once through :meth:`windows`
-    (the caller hashes each window), then :meth:`commit` makes it durable and visible at the key,
-    or :meth:`abort` deletes it. Nothing is written through it.
-
-    After :meth:`commit`, ``taken`` says how the service left the file (made read-only where it
-    could; its inode, size and times), for the commit of the session to find it unchanged."""
-
-    size: int
-    taken: AdoptedFile | None = None
-
-    @abstractmethod
-    def windows(self) -> Iterator[memoryview]:
-        """The file's bytes in order, in windows of a reused buffer (valid until the next one)."""
-
-    def write(self, data: bytes | memoryview) -> None:
-        raise TypeError("an adopted file is read and committed, not written")
 
 
 @dataclass(frozen=True)
@@ -118,7 +101,8 @@ class Storage(ABC):
 
     # -- primitives ---------------------------------------------------------
     @abstractmethod
-    def open_write(self, key: str) -> Writer: ...
+    def open_write(self, key: str, *, once: bool = False) -> Writer:
+        """A pending object at ``key``; ``once``: its commit never replaces an existing object."""
 
     @abstractmethod
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes: ...
@@ -220,20 +204,9 @@ class Storage(ABC):
         has none (the caller must then read the bytes to know)."""
         return "" if self.exists(key) else None
 
-    def content_stamp(self, key: str) -> str | None:
-        """As :meth:`stamp`, but unmoved by what leaves the bytes alone: a link to the object or the
-        removal of another link (which move a local file's ctime). Used to tell, before an object
-        is linked into a new checkpoint, that its bytes are the ones its commit checked."""
-        return self.stamp(key)
-
     def local_path(self, key: str) -> str | None:
         """An absolute path that opens ``key`` on this host, or None (an object store): offered to
         loading clients for direct reads (``ReadPlan.local_paths``)."""
-        return None
-
-    def adopt(self, key: str, staged: str) -> Adopted | None:
-        """The file named ``staged`` in ``key``'s directory, to become ``key`` on commit; None where the
-        backend has no such files (object stores). ``staged`` must already be a checked name."""
         return None
 
     def link(self, src: str, dst: str) -> bool:

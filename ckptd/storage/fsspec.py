@@ -52,12 +52,13 @@ class _FsspecWriter(Writer):
             self.abort()
             raise _wrap("write", self._key, e) from e
 
-    def commit(self) -> None:
+    def commit(self) -> bool:
         try:
             self._f.close()
             self._closed = True
             if not self._in_place:
                 self._fs.mv(self._path, self._final)
+            return True
         except Exception as e:  # noqa: BLE001
             self.abort()
             raise _wrap("commit", self._key, e) from e
@@ -77,6 +78,24 @@ class _FsspecWriter(Writer):
                 pass
 
 
+class _OnceWriter(Writer):
+    """``open_write(once=True)`` on a backend without a conditional create: the bytes are kept in
+    memory and created with :meth:`FsspecStorage.create_if_absent` (exactly once within this process)."""
+
+    def __init__(self, st: "FsspecStorage", key: str) -> None:
+        self._st, self._key, self._buf = st, key, bytearray()
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._buf += data
+
+    def commit(self) -> bool:
+        data, self._buf = bytes(self._buf), bytearray()
+        return self._st.create_if_absent(self._key, data)
+
+    def abort(self) -> None:
+        self._buf = bytearray()
+
+
 class FsspecStorage(Storage):
     """Storage rooted at an fsspec URL such as ``memory://ckpt`` or ``s3://bucket/prefix``."""
 
@@ -94,7 +113,11 @@ class FsspecStorage(Storage):
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
 
-    def open_write(self, key: str) -> Writer:
+    def open_write(self, key: str, *, once: bool = False) -> Writer:
+        if self._local is not None:
+            return self._local.open_write(key, once=once)
+        if once:  # no native conditional create here: exactly-once within this process only
+            return _OnceWriter(self, key)
         return _FsspecWriter(self.fs, self._path(key), key, self._in_place)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
@@ -138,9 +161,6 @@ class FsspecStorage(Storage):
                 return False
             self.put(key, data)
             return True
-
-    def content_stamp(self, key: str) -> str | None:
-        return self._local.content_stamp(key) if self._local is not None else self.stamp(key)
 
     def link(self, src: str, dst: str) -> bool:
         if self._local is not None:

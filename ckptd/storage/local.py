@@ -8,15 +8,14 @@ import errno
 import os
 import re
 import shutil
-import stat
 import sys
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
-from ckptd_schemas import AdoptedFile, CkptdError, InvalidRequest, StorageError, StorageFull
+from ckptd_schemas import StorageError, StorageFull
 
-from .base import Adopted, Storage, Writer, check_key
+from .base import Storage, Writer, check_key
 
 __all__ = ["LocalStorage", "fsync_dir"]
 
@@ -25,8 +24,6 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 10
 #: ``_LocalWriter._early_writeback``).
 WRITEBACK_BYTES = 32 << 20
 _FADVISE = hasattr(os, "posix_fadvise")
-#: Mode of an adopted file: nobody may open it for writing without a chmod, which moves its ctime.
-READ_ONLY = 0o444
 
 
 def fsync_dir(path: Path) -> None:
@@ -71,10 +68,11 @@ _TEMP = re.compile(r"\..+\.tmp-[0-9a-f]{12}")  # what _LocalWriter and put() wri
 
 
 class _LocalWriter(Writer):
-    def __init__(self, final: Path, key: str, durable: bool) -> None:
+    def __init__(self, final: Path, key: str, durable: bool, once: bool = False) -> None:
         self._final = final
         self._key = key
         self._durable = durable
+        self._once = once
         self._tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
         self._written = self._flushed = 0  # bytes written; bytes handed to write-back early
         try:
@@ -126,14 +124,23 @@ class _LocalWriter(Writer):
             self.abort()
             raise _storage_error("write", self._key, e) from e
 
-    def commit(self) -> None:
+    def commit(self) -> bool:
         try:
             if self._durable:
                 os.fsync(self._f.fileno())
             self._f.close()
-            os.replace(self._tmp, self._final)
+            if self._once:
+                try:
+                    os.link(self._tmp, self._final)  # atomic, fails if the key exists: never replaced
+                except FileExistsError:
+                    self.abort()
+                    return False
+                self._tmp.unlink()
+            else:
+                os.replace(self._tmp, self._final)
             if self._durable:
                 fsync_dir(self._final.parent)
+            return True
         except OSError as e:
             self.abort()
             raise _storage_error("commit", self._key, e) from e
@@ -147,95 +154,6 @@ class _LocalWriter(Writer):
             self._tmp.unlink(missing_ok=True)
         except OSError:
             pass
-
-
-class _LocalAdopted(Adopted):
-    """A client's staged file, opened without following links; it must be a regular file with one
-    link (not a link to another file), and it is renamed into place only while the path still names
-    the inode that was hashed. The service then takes it over: read-only for everyone (where the
-    file is its own to chmod), and its inode, size, mode and times recorded (``taken``)."""
-
-    WINDOW = 8 << 20
-
-    def __init__(self, staged: Path, final: Path, key: str, durable: bool) -> None:
-        self._staged, self._final, self._key, self._durable = staged, final, key, durable
-        try:
-            self._fd = os.open(staged, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            if e.errno not in (errno.ENOENT, errno.ELOOP):
-                raise _storage_error("open", key, e) from e
-            what = "does not exist" if e.errno == errno.ENOENT else "is a symbolic link"
-            raise InvalidRequest(f"staged file {staged.name!r} for {key!r} {what}", key=key, staged=staged.name) from e
-        st = os.fstat(self._fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            os.close(self._fd)
-            raise InvalidRequest(f"staged file {staged.name!r} for {key!r} is not a regular file with one link",
-                                 key=key, staged=staged.name)
-        self.size, self._inode = st.st_size, (st.st_dev, st.st_ino)
-        self._closed = False
-
-    def windows(self) -> Iterator[memoryview]:
-        # Write-back is started every WRITEBACK_BYTES, as _LocalWriter does, so the fsync at commit waits
-        # for the last window only; but the pages stay cached: the session's commit reads the file again
-        # (ckptd.store.commit_checks) and drops them from the cache once it has.
-        buf = memoryview(bytearray(min(self.WINDOW, max(self.size, 1))))
-        offset = flushed = 0
-        try:
-            while offset < self.size:
-                n = os.preadv(self._fd, [buf[:min(len(buf), self.size - offset)]], offset)
-                if not n:
-                    raise InvalidRequest(f"staged file {self._staged.name!r} for {self._key!r} shrank to "
-                                         f"{offset} of {self.size} bytes while it was read", key=self._key)
-                yield buf[:n]
-                offset += n
-                if self._durable and offset - flushed >= WRITEBACK_BYTES:
-                    _start_writeback(self._fd, flushed, offset - flushed)
-                    flushed = offset
-        except OSError as e:
-            raise _storage_error("read", self._key, e) from e
-
-    def commit(self) -> None:
-        try:
-            with contextlib.suppress(PermissionError):  # a file of another uid stays as it is, its times still recorded
-                os.fchmod(self._fd, READ_ONLY)
-            if self._durable:
-                os.fsync(self._fd)
-            if os.fstat(self._fd).st_size != self.size:
-                raise InvalidRequest(f"staged file {self._staged.name!r} for {self._key!r} changed size while "
-                                     f"it was adopted", key=self._key)
-            os.replace(self._staged, self._final)
-            st = os.lstat(self._final)
-            if (st.st_dev, st.st_ino) != self._inode:  # the path was swapped under us: take nothing
-                self._final.unlink(missing_ok=True)
-                raise InvalidRequest(f"staged file {self._staged.name!r} for {self._key!r} was replaced while "
-                                     f"it was adopted", key=self._key)
-            if self._durable:
-                fsync_dir(self._final.parent)
-            st = os.fstat(self._fd)
-            self.taken = AdoptedFile(inode=st.st_ino, size=st.st_size, mode=stat.S_IMODE(st.st_mode),
-                                     mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns)
-        except OSError as e:
-            self.abort()
-            raise _storage_error("commit", self._key, e) from e
-        except CkptdError:
-            self.abort()
-            raise
-        finally:
-            self._close()
-
-    def _close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            os.close(self._fd)
-
-    def abort(self) -> None:
-        if self._closed:
-            return
-        with contextlib.suppress(OSError):
-            st = os.lstat(self._staged)
-            if (st.st_dev, st.st_ino) == self._inode:
-                self._staged.unlink()
-        self._close()
 
 
 class LocalStorage(Storage):
@@ -253,8 +171,8 @@ class LocalStorage(Storage):
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
 
-    def open_write(self, key: str) -> Writer:
-        return _LocalWriter(self._path(key), key, self.durable)
+    def open_write(self, key: str, *, once: bool = False) -> Writer:
+        return _LocalWriter(self._path(key), key, self.durable, once)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         path = self._path(key)
@@ -317,10 +235,6 @@ class LocalStorage(Storage):
             fsync_dir(target.parent)
         return True
 
-    def adopt(self, key: str, staged: str) -> Adopted:
-        final = self._path(key)
-        return _LocalAdopted(final.with_name(check_key(staged)), final, key, self.durable)
-
     def _stat(self, key: str) -> os.stat_result | None:
         try:
             return self._path(key).stat()
@@ -334,12 +248,6 @@ class LocalStorage(Storage):
         process can set it back."""
         st = self._stat(key)
         return None if st is None else f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
-
-    def content_stamp(self, key: str) -> str | None:
-        """Inode, size and mtime: any write moves mtime (a writer that sets it back with ``utime`` is
-        not seen here; :meth:`stamp`'s ctime would see it, and moves on every link too)."""
-        st = self._stat(key)
-        return None if st is None else f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
 
     def read_or_none(self, key: str) -> bytes | None:
         try:

@@ -14,6 +14,8 @@ How the storage primitives map onto S3 (no rename anywhere):
   of all of a storage's uploads at once (the memory they hold), on s3fs's
   event loop. Nothing is visible at the key before the PUT or the completion;
   ``abort`` waits for the parts in flight, then aborts the multipart upload.
+* ``open_write(once=True)``: the same, with ``If-None-Match: *`` on the PUT or the
+  multipart completion: a 412 means the key exists, and nothing is written.
 * ``create_if_absent``: one conditional PUT (``If-None-Match: *``); 412
   PreconditionFailed means another writer was first. A 409
   ConditionalRequestConflict (a concurrent conditional write in flight) is
@@ -55,6 +57,8 @@ DEFAULT_BLOCK_SIZE = 32 << 20  # multipart part size (S3: at least 5 MiB, at mos
 _PARTS_PER_SIZE = 2000  # the part size doubles every 2,000 parts: 32 MiB blocks reach 1.9 TiB
 DEFAULT_MAX_ATTEMPTS = 10
 _CONFLICT_ATTEMPTS = 8  # 409 ConditionalRequestConflict on create_if_absent
+_COPY_ONE = 5 << 30  # the largest object one CopyObject copies
+_COPY_PART = 1 << 30  # bytes per UploadPartCopy beyond it
 # s3fs's own retry loop wraps botocore's: it re-runs a call whose botocore retries are spent
 # when the error is SlowDown, and re-reads a body cut off mid-stream (which botocore cannot).
 # Kept small: the attempts multiply.
@@ -118,8 +122,8 @@ class _S3Writer(Writer):
     its upload when it is garbage collected, so it is not used for writing.)
     """
 
-    def __init__(self, st: "S3Storage", key: str) -> None:
-        self._st, self._key = st, key
+    def __init__(self, st: "S3Storage", key: str, once: bool = False) -> None:
+        self._st, self._key, self._once = st, key, once
         self._s3key = st._s3key(key)
         self._block = int(st.block_size)
         self._buf = bytearray()
@@ -182,21 +186,25 @@ class _S3Writer(Writer):
             self.abort()
             raise _wrap("write", self._key, e) from e
 
-    def commit(self) -> None:
+    def commit(self) -> bool:
         if self._closed:
             raise StorageError(f"storage commit of {self._key!r} failed: the writer is closed", key=self._key)
+        cond = {"IfNoneMatch": "*"} if self._once else {}
         try:
             if self._upload_id is None:
-                self._call("put_object", Body=bytes(self._buf))
+                self._call("put_object", Body=bytes(self._buf), **cond)
             else:
                 if self._buf:
                     self._upload_part(bytes(self._buf))
                 self._call("complete_multipart_upload", UploadId=self._upload_id,
-                           MultipartUpload={"Parts": self._completed_parts()})
+                           MultipartUpload={"Parts": self._completed_parts()}, **cond)
             self._closed = True
             self._buf = bytearray()
+            return True
         except Exception as e:  # noqa: BLE001
             self.abort()
+            if self._once and _create_outcome(e) == "exists":
+                return False
             raise _wrap("commit", self._key, e) from e
 
     def abort(self) -> None:
@@ -269,8 +277,8 @@ class S3Storage(FsspecStorage):
         return err
 
     # -- primitives ---------------------------------------------------------------
-    def open_write(self, key: str) -> Writer:
-        return _S3Writer(self, key)
+    def open_write(self, key: str, *, once: bool = False) -> Writer:
+        return _S3Writer(self, key, once)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         path = self._path(key)
@@ -317,7 +325,10 @@ class S3Storage(FsspecStorage):
         """SigV4 presigned ``PutObject`` (one part) or ``UploadPart`` URLs of a multipart upload made with
         ``ChecksumAlgorithm=SHA256``, each with its ``Content-Length`` and ``x-amz-checksum-sha256``
         signed in: S3 refuses a part of another length or SHA-256, and a URL used for another key,
-        part, method or header value."""
+        part, method or header value. The ``PutObject`` URL also signs ``If-None-Match: *``: it creates
+        the object once, and a replay after that is refused (412) by the store; a multipart upload is
+        completed by the service, with ``If-None-Match: *`` too (:meth:`complete_presigned`), after
+        which its part URLs name an upload that no longer exists."""
         k = self._s3key(key)
         lengths = [min(part_size, size - i * part_size) for i in range(len(sha256s))] if size else [0]
 
@@ -325,8 +336,10 @@ class S3Storage(FsspecStorage):
             s3 = await self.fs.get_s3(self.bucket)
             if len(sha256s) == 1:
                 url = await s3.generate_presigned_url("put_object", ExpiresIn=int(seconds), Params={
-                    "Bucket": self.bucket, "Key": k, "ContentLength": size, "ChecksumSHA256": sha256s[0]})
-                return Presigned(None, [url], [{"Content-Length": str(size), "x-amz-checksum-sha256": sha256s[0]}])
+                    "Bucket": self.bucket, "Key": k, "ContentLength": size, "ChecksumSHA256": sha256s[0],
+                    "IfNoneMatch": "*"})
+                return Presigned(None, [url], [{"Content-Length": str(size), "x-amz-checksum-sha256": sha256s[0],
+                                                "If-None-Match": "*"}])
             upload = await s3.create_multipart_upload(Bucket=self.bucket, Key=k, ChecksumAlgorithm="SHA256")
             uid = upload["UploadId"]
             urls = [await s3.generate_presigned_url("upload_part", ExpiresIn=int(seconds), Params={
@@ -345,7 +358,7 @@ class S3Storage(FsspecStorage):
                  for n, (etag, sha) in enumerate(zip(etags, sha256s), start=1)]
         try:
             self.fs.call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self._s3key(key),
-                            UploadId=upload_id, MultipartUpload={"Parts": parts})
+                            UploadId=upload_id, MultipartUpload={"Parts": parts}, IfNoneMatch="*")
         except Exception as e:  # noqa: BLE001
             with contextlib.suppress(Exception):
                 self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self._s3key(key),
@@ -414,6 +427,40 @@ class S3Storage(FsspecStorage):
                     continue
                 raise _wrap("create", key, e) from e
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def link(self, src: str, dst: str) -> bool:
+        """A copy inside the store that creates ``dst`` once (``If-None-Match: *``): ``CopyObject`` up to
+        5 GiB, else ``UploadPartCopy`` of :data:`_COPY_PART` ranges and a conditional completion. False
+        when ``src`` is absent or ``dst`` already holds an object (nothing is replaced)."""
+        size = self.size(src)
+        if size is None:
+            return False
+        source = {"Bucket": self.bucket, "Key": self._s3key(src)}
+        k = self._s3key(dst)
+        try:
+            if size <= _COPY_ONE:
+                self.fs.call_s3("copy_object", Bucket=self.bucket, Key=k, CopySource=source, IfNoneMatch="*")
+                return True
+            uid = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=k)["UploadId"]
+            try:
+                parts = []
+                for n, lo in enumerate(range(0, size, _COPY_PART), start=1):
+                    out = self.fs.call_s3("upload_part_copy", Bucket=self.bucket, Key=k, UploadId=uid, PartNumber=n,
+                                          CopySource=source, CopySourceRange=f"bytes={lo}-{min(size, lo + _COPY_PART) - 1}")
+                    parts.append({"PartNumber": n, "ETag": out["CopyPartResult"]["ETag"]})
+                self.fs.call_s3("complete_multipart_upload", Bucket=self.bucket, Key=k, UploadId=uid,
+                                MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=k, UploadId=uid)
+                raise
+            return True
+        except FileNotFoundError:
+            return False
+        except Exception as e:  # noqa: BLE001
+            if _create_outcome(e) == "exists":
+                return False
+            raise _wrap("link", dst, e) from e
 
     def delete(self, key: str) -> None:
         k = self._s3key(key)

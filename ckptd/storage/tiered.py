@@ -8,9 +8,10 @@ there directly (``TieredStorage.durable``).
 
 The fast tier holds the marker of every checkpoint committed through it, for good: dropping a
 fast copy (``DurableCopier.trim``) removes its data and keeps its marker, and a new or emptied
-fast tier first takes the durable tier's markers (``DurableCopier.adopt``). So the fast tier alone
-answers which names are taken and which checkpoints exist (:meth:`list`, :meth:`create_if_absent`),
-and a save needs nothing from the durable tier.
+fast tier first takes the durable tier's markers (``DurableCopier.adopt``). The fast tier answers
+which checkpoints exist (:meth:`list`); a name is taken on both tiers at once: a marker is created
+on the fast tier only while the durable tier holds none under the name (:meth:`create_if_absent`),
+so a fast tier that lost its markers never lets a save reuse a durable name.
 
 A read of a key under ``runs/RUN/NAME/`` that the fast tier lacks goes to the durable tier when
 the fast tier holds that checkpoint's marker (its fast copy was dropped, or lost): such a
@@ -20,8 +21,10 @@ manifest as it is written), so which tier answers never changes what a reader ge
 
 :meth:`delete` and :meth:`delete_tree` of a whole checkpoint or its marker delete from the durable
 tier first, then the fast one (retention and ``rm`` remove a checkpoint everywhere; a failure on
-the durable tier leaves the fast copy, and the checkpoint, in place for the next attempt); every
-other delete (staging, sessions, leases) concerns the fast tier alone.
+the durable tier leaves the fast copy, and the checkpoint, in place for the next attempt), and only
+where both tiers hold the same checkpoint (session and manifest digest): a different checkpoint
+under the same name is never removed. Every other delete (staging, sessions, leases) concerns the
+fast tier alone.
 
 The URL is ``tiered:FAST|DURABLE`` so that worker processes (verification, reshard jobs) reopen
 the same two tiers with :func:`ckptd.storage.open_storage`.
@@ -29,11 +32,26 @@ the same two tiers with :func:`ckptd.storage.open_storage`.
 
 from __future__ import annotations
 
-from .base import Adopted, Presigned, Storage, Writer
+import json
+import logging
 
-__all__ = ["TIERED", "TieredStorage", "split_tiered"]
+from ckptd_schemas import StorageError
+
+from .base import Presigned, Storage, Writer
+
+__all__ = ["ADOPTED", "TIERED", "TieredStorage", "split_tiered"]
 
 TIERED = "tiered:"
+#: On the fast tier, inside ``runs/`` (so it goes with a lost ``runs/``): the fast tier holds every
+#: marker of the durable tier (written by ``DurableCopier.adopt``).
+ADOPTED = "runs/.adopted"
+
+log = logging.getLogger("ckptd.tiers")
+
+
+def _is_marker(key: str) -> bool:
+    parts = key.split("/")
+    return len(parts) == 4 and parts[0] == "runs" and parts[3] == "COMMITTED"
 
 
 def split_tiered(url: str) -> tuple[str, str]:
@@ -63,17 +81,28 @@ class TieredStorage(Storage):
         return self.durable if self.fast.size(key) is None and self._behind(key) else self.fast
 
     # -- writes, names and listings: the fast tier ---------------------------------------------------
-    def open_write(self, key: str) -> Writer:
-        return self.fast.open_write(key)
+    def open_write(self, key: str, *, once: bool = False) -> Writer:
+        return self.fast.open_write(key, once=once)
 
     def put(self, key: str, data: bytes) -> None:
         self.fast.put(key, data)
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
+        """On the fast tier; a checkpoint's marker only while the durable tier holds none under the name
+        either (a name is taken on every tier at once: a fast tier that lost its markers never lets a
+        save reuse a name the durable tier holds). While the durable tier cannot be asked, the fast tier
+        decides alone only if it holds every durable marker (:data:`ADOPTED`, written by the copier's
+        adoption into ``runs/``, goes with a lost ``runs/``); otherwise the create fails as transient."""
+        if _is_marker(key):
+            try:
+                if self.durable.exists(key):
+                    return False
+            except StorageError:
+                if not self.fast.exists(ADOPTED):
+                    raise StorageError(f"{key}: the durable tier cannot be asked whether the name is taken, and "
+                                       f"the fast tier has not taken the durable tier's markers since it was "
+                                       f"emptied; retried once either is back", key=key) from None
         return self.fast.create_if_absent(key, data)
-
-    def adopt(self, key: str, staged: str) -> Adopted | None:
-        return self.fast.adopt(key, staged)
 
     def link(self, src: str, dst: str) -> bool:
         """A link inside the fast tier; a source only the durable tier holds is sent again instead."""
@@ -104,9 +133,6 @@ class TieredStorage(Storage):
         d = self.durable.stamp(key)
         return None if d is None else f"durable:{d}"
 
-    def content_stamp(self, key: str) -> str | None:
-        return self.fast.content_stamp(key)  # what a link (fast tier only) relies on
-
     def local_path(self, key: str) -> str | None:
         """A fast-tier path (also for a key not written yet: direct writes create it there); for a key
         only the durable tier holds, its path if that is a local root."""
@@ -120,20 +146,62 @@ class TieredStorage(Storage):
     # -- deletes: a whole checkpoint, or its marker, from both tiers (the durable one first) ----------
     @staticmethod
     def _durable_too(key: str) -> bool:
-        """Whether a delete of ``key`` reaches the durable tier: a checkpoint's tree (``runs/RUN/NAME``)
-        or its marker, which retention and ``rm`` delete. The durable tier holds nothing else a delete
-        names (staging, aborted and stale sessions, leases and records live on the fast tier only)."""
+        """Whether a delete of ``key`` reaches the durable tier: a run's or a checkpoint's tree
+        (``runs/RUN``, ``runs/RUN/NAME``) or a marker, which retention and ``rm`` delete. The durable
+        tier holds nothing else a delete names (staging, aborted and stale sessions, leases and records
+        live on the fast tier only)."""
         parts = key.split("/")
         return parts[0] == "runs" and (len(parts) in (2, 3) or (len(parts) == 4 and parts[3] == "COMMITTED"))
 
+    def _identity(self, tier: Storage, run: str, name: str) -> tuple[str, str] | None:
+        """(session, manifest digest) of the marker ``tier`` holds for ``run/name``; None when it holds none
+        or one that does not parse."""
+        raw = tier.read_or_none(f"runs/{run}/{name}/COMMITTED")
+        try:
+            m = json.loads(raw) if raw is not None else None
+            return (str(m["session"]), str(m["manifest_xxh3"])) if isinstance(m, dict) else None
+        except (ValueError, KeyError):
+            return None
+
+    def _delete_durable(self, run: str, name: str, marker_only: bool) -> None:
+        """Delete ``run/name`` from the durable tier only where it is the same checkpoint as the fast
+        tier's (the same session and manifest digest): a durable checkpoint of another identity under
+        the name is never removed. Without a durable marker, what the durable tier holds under the
+        name is invisible there (an unfinished copy): the fast checkpoint's own session, or, when the
+        fast marker is gone too (a marker deleted before its tree), the whole name."""
+        fast = self._identity(self.fast, run, name)
+        there = self._identity(self.durable, run, name)
+        if fast is None and there is not None:
+            return  # not a checkpoint of the fast tier: nothing here decides for the durable tier
+        if there is None:
+            if not marker_only:
+                self.durable.delete_tree(f"runs/{run}/{name}" if fast is None else
+                                         f"runs/{run}/{name}/sessions/{fast[0]}")
+        elif there == fast:
+            if marker_only:
+                self.durable.delete(f"runs/{run}/{name}/COMMITTED")
+            else:
+                self.durable.delete_tree(f"runs/{run}/{name}")
+        else:
+            log.warning("tiers: %s/%s on the durable tier is another checkpoint (session %s, manifest %s) than on "
+                        "the fast tier (session %s, manifest %s); the durable one is kept", run, name, *there, *fast)
+
+    def _delete_everywhere(self, key: str) -> None:
+        parts = key.split("/")
+        if len(parts) == 2:  # a whole run: checkpoint by checkpoint
+            for name in self.fast.list(key):
+                self._delete_durable(parts[1], name, marker_only=False)
+        else:
+            self._delete_durable(parts[1], parts[2], marker_only=len(parts) == 4)
+
     def delete(self, key: str) -> None:
         if self._durable_too(key):
-            self.durable.delete(key)
+            self._delete_everywhere(key)
         self.fast.delete(key)
 
     def delete_tree(self, prefix: str) -> None:
         if self._durable_too(prefix):
-            self.durable.delete_tree(prefix)
+            self._delete_everywhere(prefix)
         self.fast.delete_tree(prefix)
 
     # -- presigned uploads: only where the fast tier takes them --------------------------------------

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ckptd_client.codec import source_bytes
 from ckptd_schemas import Copy, IntegrityError, InvalidRequest, dest_region, itemsize, row_major_strides
+from ckptd_schemas.format.codec import source_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -142,7 +142,7 @@ class _TorchBuffer:
 
     def begin(self, dtype: str, numel: int, global_shape: Sequence[int], *, sizes: Sequence[int] | None = None,
               offsets: Sequence[int] | None = None, flat_start: int | None = None) -> None:
-        from ckptd_client.assemble import Destination, torch_dtype
+        from ckptd_schemas.format.assemble import Destination, torch_dtype
         dt = torch_dtype(dtype)
         if numel * dt.itemsize > self.staging.numel():
             self.staging = self.torch.empty(numel * dt.itemsize, dtype=self.torch.uint8, device=self.device)
@@ -153,13 +153,13 @@ class _TorchBuffer:
             self.dest = Destination(self.buf, global_shape, flat_start=flat_start)
 
     def copy(self, data: memoryview, c: Copy) -> None:
-        from ckptd_client.assemble import copy_into
+        from ckptd_schemas.format.assemble import copy_into
         if data.readonly:  # torch.frombuffer wants writable memory (it warns otherwise)
             data = memoryview(bytearray(data))
         copy_into(data, c, self.dest)
 
     def result(self, dtype: str) -> memoryview:
-        from ckptd_client.assemble import torch_dtype
+        from ckptd_schemas.format.assemble import torch_dtype
         out = self.buf if self.buf.dtype == torch_dtype(dtype) else self.buf.to(torch_dtype(dtype))
         host = out.cpu() if out.device.type != "cpu" else out
         return memoryview(host.view(self.torch.uint8).numpy()) if host.numel() else memoryview(b"")

@@ -1,37 +1,36 @@
-"""The commit's own check of the stored bytes: nothing becomes visible that ``ckptd verify`` rejects.
+"""The one checker: the only code that decides "these stored bytes are what this manifest says".
 
-Called from one place, :meth:`SessionStore._commit <ckptd.store.sessions.SessionStore._commit>`,
-after :func:`~ckptd.store.merge.merge_indexes` (shapes, dtypes, bounds, tiling; replicas there are
-chunks of one region with one declared digest) and before the manifest is written:
+Every path that judges stored bytes asks :func:`judge`: the commit (:func:`check_commit`, called
+from :meth:`SessionStore._commit <ckptd.store.sessions.SessionStore._commit>` after the merge and
+before the manifest is written), ``ckptd verify`` and the service's verification
+(:func:`ckptd.store.verify.verify_manifest`), and the durable copy (:mod:`ckptd.store.durable`,
+which writes each window to the durable tier as it passes). Their verdicts cannot differ: it is
+the same code over the same bytes.
 
-1. every file a rank wrote itself (direct writes) is found as the service left it after hashing it:
-   same inode, size, mode, mtime and ctime (:class:`~ckptd_schemas.AdoptedFile`);
-2. every file is read once, in order (:data:`READ_SIZE` windows into one reused buffer per thread,
-   files :data:`JOBS` at a time; on a local root the pages are still cached from the upload or
-   the adoption, and are dropped from the cache once the file is checked), and, as its bytes pass:
+Each file is read once, in order (:data:`READ_SIZE` windows into one reused buffer per thread,
+files :data:`JOBS` at a time; on a local root the pages are dropped from the cache once the file
+is checked), and, as its bytes pass:
 
-   * its whole-file and block digests are recomputed and compared with the digest record;
-   * every chunk's (and stored object's) XXH3-64 is recomputed from its stored bytes and compared
-     with the one its index declares;
-   * every compressed chunk (zstd, blosc2) is walked and decoded in bounded memory
-     (:func:`~ckptd.store.frames.frame_check`)
-     and must hold exactly ``numel x itemsize`` bytes of its tensor piece (the manifest's ``raw_length``);
-   * replicas (the same region of a tensor under one digest, written by several ranks) are hashed
-     with SHA-256 as well, and must be identical bytes: a writer can forge XXH3-64 collisions
-     (it is not a cryptographic hash; a birthday search over 2^32 candidate chunks is hours on one
-     core), and a reader takes whichever replica is nearest;
-3. step 1 again, so a write to an adopted file during the pass is seen.
+* its whole-file and block digests are recomputed and compared with the file's record;
+* every chunk's (and stored object's) XXH3-64 is recomputed from its stored bytes and compared
+  with the one the manifest declares;
+* every compressed chunk (zstd, blosc2) is walked and decoded in bounded memory
+  (``frame_check``) and must hold exactly ``numel x itemsize`` bytes of its tensor piece
+  (the manifest's ``raw_length``);
+* replicas (the same region of a tensor under one digest, written by several ranks) are hashed
+  with SHA-256 as well, and must be identical bytes: a writer can forge XXH3-64 collisions
+  (it is not a cryptographic hash; a birthday search over 2^32 candidate chunks is hours on one
+  core), and a reader takes whichever replica is nearest.
 
-A file linked from an earlier checkpoint (incremental saves, ``FileEntry.linked``) is not read
-when every chunk placed in it sits where the source's manifest placed a chunk (same offset,
-length, digest and decoded length), none of them a replica: the source's commit checked those
-bytes, and the link is the same stored file. Otherwise it is read and checked like any other.
+With ``tiling=True`` (verify: the manifest is read back from storage) each tensor's chunks must
+also tile its shape exactly; the commit's merge checked that already (:mod:`.merge`).
 
-Those are the checks of :mod:`ckptd.store.verify`, plus replicas by content and the adopted files'
-metadata. A failure raises a typed error (:class:`~ckptd_schemas.ChecksumMismatch` for a digest,
-:class:`~ckptd_schemas.IntegrityError` otherwise) naming the tensor, rank and file; the commit then
-marks the session failed like any other refusal. Pure over a :class:`StoredBytes` source and a stat
-function, so it is tested without a service.
+Every file is read, whichever way it entered the session (streamed, uploaded by URL, linked
+from an earlier checkpoint): a record made once is never trusted later without the bytes.
+A problem names the tensor, rank and file (:class:`Problem`); the commit raises the first
+(:class:`~ckptd_schemas.ChecksumMismatch` for a digest, :class:`~ckptd_schemas.IntegrityError`
+otherwise) and marks the session failed like any other refusal; verify lists them all. Pure over
+a :class:`StoredBytes` source, so it is tested without a service.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import stat as stat_mod
 import threading
 from array import array
 from concurrent.futures import ThreadPoolExecutor
@@ -47,26 +45,31 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from math import prod
 from operator import itemgetter, le, sub
-from typing import Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import xxhash
 
-from ckptd_schemas import AdoptedFile, Box, ChecksumMismatch, FileEntry, IntegrityError, Manifest, Region, itemsize
+from ckptd_schemas import (
+    Box, ChecksumMismatch, CkptdError, FileEntry, IntegrityError, Manifest, Region, StorageError, itemsize,
+)
+from ckptd_schemas.chunktable import check_columns_tiling
 
 from ..storage import Storage
-from .frames import frame_check
+from ckptd_schemas.format.frames import frame_check
 from ckptd_schemas.filedigest import StreamDigest
 
-__all__ = ["JOBS", "READ_SIZE", "StorageFiles", "StoredBytes", "check_commit", "check_stored", "local_stat",
-           "verified_locations"]
+__all__ = ["JOBS", "READ_SIZE", "Problem", "StorageFiles", "StoredBytes", "Verdict", "check_commit", "judge"]
 
 READ_SIZE = 4 << 20
 JOBS = 2
-_EMPTY = xxhash.xxh3_64_hexdigest(b"")
 _hex = xxhash.xxh3_64_hexdigest
 
 
 class StoredBytes(Protocol):
+    """Where the checker reads a file's bytes. Optional: ``size(file)``, the stored size (a file longer
+    than its record is a problem too), and ``done(file, ok)``, called once each file is checked
+    (``ok``: no problem found in it), before the next file of its thread starts."""
+
     def read_into(self, file: str, start: int, view: memoryview) -> int: ...
 
 
@@ -79,8 +82,11 @@ class StorageFiles:
     def read_into(self, file: str, start: int, view: memoryview) -> int:
         return self.storage.read_into(self.key_of(file), start, view)
 
-    def done(self, file: str) -> None:
-        """The file is checked: drop its pages from a local page cache (uploads and adoptions leave
+    def size(self, file: str) -> int | None:
+        return self.storage.size(self.key_of(file))
+
+    def done(self, file: str, ok: bool) -> None:
+        """The file is checked (``ok``: no problem found in it): drop its pages from a local page cache (uploads leave
         them there for this pass), so a checkpoint does not push the trainer's working set out."""
         path = self.storage.local_path(self.key_of(file))
         if path is None or not hasattr(os, "posix_fadvise"):
@@ -93,47 +99,11 @@ class StorageFiles:
                 os.close(fd)
 
 
-def local_stat(storage: Storage, key_of: Callable[[str], str]) -> Callable[[str], os.stat_result | None] | None:
-    """``lstat`` of a session file on a local root (None when absent); None where files have no path."""
-    if storage.local_path(key_of("probe")) is None:
-        return None
-
-    def one(file: str) -> os.stat_result | None:
-        try:
-            return os.lstat(storage.local_path(key_of(file)))  # type: ignore[arg-type]
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-
-    return one
-
-
-def check_commit(manifest: Manifest, entries: Mapping[str, FileEntry], storage: Storage,
-                  key_of: Callable[[str], str], verified: Mapping[str, set[tuple]] | None = None) -> int:
-    """:func:`check_stored` over a session's files: ``entries`` are their digest records (with the
-    ``adopted`` record of each directly written file), ``key_of`` gives a file's storage key,
-    ``verified`` the locations a linked file's source checked (:func:`verified_locations`)."""
-    adopted = {f: e.adopted for f, e in entries.items() if e.adopted is not None}
-    # One read per window: an object store's (S3: 16 MiB, a ranged GET each) rather than 4 MiB.
-    return check_stored(manifest, StorageFiles(storage, key_of), adopted=adopted,
-                        stat=local_stat(storage, key_of) if adopted else None, verified=verified,
-                        read_size=max(READ_SIZE, storage.read_piece))
-
-
-def verified_locations(manifest: Manifest) -> dict[str, set[tuple]]:
-    """Per file, the chunk and object locations ``manifest`` places in it, as the rows' keys that
-    :func:`check_stored` compares: (offset, length, XXH3, decoded length and codec of a compressed row)."""
-    rows, _ = _rows(manifest)
-    out: dict[str, set[tuple]] = {}
-    for i, f in enumerate(rows.file):
-        out.setdefault(f, set()).add(_key(rows, i))
-    return out
-
-
-def _key(rows: "_Rows", i: int) -> tuple:
-    special = rows.special.get(i)
-    if special is None or special.raw_length is None:
-        return rows.offset[i], rows.length[i], rows.xxh3[i], None, "raw"
-    return rows.offset[i], rows.length[i], rows.xxh3[i], special.raw_length, special.codec
+def check_commit(manifest: Manifest, storage: Storage, key_of: Callable[[str], str]) -> int:
+    """:func:`judge` over a session's files (``key_of`` gives a file's storage key), reading in the
+    store's own piece size (S3: 16 MiB, a ranged GET each) where that is larger; raise the first
+    problem, or return the bytes read."""
+    return judge(manifest, StorageFiles(storage, key_of), read_size=max(READ_SIZE, storage.read_piece)).raise_first()
 
 
 # -- what to check -------------------------------------------------------------------------------------
@@ -246,50 +216,45 @@ def _replicas(name: str, shape: list[int], tab, base: int) -> list[list[int]]:
 # -- problems ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class _Problem:
+class Problem:
+    """One thing the stored bytes get wrong: the typed error to raise, its sentence, its details."""
+
     error: type[IntegrityError]
     message: str
     details: dict
 
+    def exception(self, prefix: str = "") -> IntegrityError:
+        return self.error(prefix + self.message, **{k: v for k, v in self.details.items() if v is not None})
 
-def _chunk_problem(rows: _Rows, i: int, got: str) -> _Problem:
+
+@dataclass
+class Verdict:
+    """What :func:`judge` found: every problem, in file order, and the bytes read."""
+
+    problems: list[Problem]
+    bytes_read: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def raise_first(self) -> int:
+        """Raise the first problem (the commit's refusal); the bytes read when there is none."""
+        if self.problems:
+            more = f" (and {len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
+            first = self.problems[0]
+            raise first.error(f"refused at commit: {first.message}{more}",
+                              **{k: v for k, v in first.details.items() if v is not None})
+        return self.bytes_read
+
+
+def _chunk_problem(rows: _Rows, i: int, got: str) -> Problem:
     lo, f = rows.offset[i], rows.file[i]
     kind, name = rows.whats[rows.owner[i]]
-    return _Problem(ChecksumMismatch,
+    return Problem(ChecksumMismatch,
                     f"{rows.what(i)}: bytes [{lo}, {lo + rows.length[i]}) of file {f!r} hash to {got}, its index "
                     f"says {rows.xxh3[i]}", {kind: name, "rank": rows.rank[i], "file": f, "offset": lo,
                                              "declared": rows.xxh3[i], "actual": got})
-
-
-def _raise_first(problems: list[_Problem]) -> None:
-    if not problems:
-        return
-    p = problems[0]
-    more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
-    raise p.error(f"refused at commit: {p.message}{more}", **{k: v for k, v in p.details.items() if v is not None})
-
-
-# -- adopted files ---------------------------------------------------------------------------------------
-
-def _adopted_problems(adopted: Mapping[str, AdoptedFile], stat: Callable[[str], os.stat_result | None]
-                      ) -> list[_Problem]:
-    out = []
-    for f, want in sorted(adopted.items()):
-        st = stat(f)
-        if st is None:
-            why = "is gone"
-        elif not stat_mod.S_ISREG(st.st_mode):
-            why = "is no longer a regular file"
-        else:
-            now = AdoptedFile(inode=st.st_ino, size=st.st_size, mode=stat_mod.S_IMODE(st.st_mode),
-                              mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns)
-            diff = [k for k in ("inode", "size", "mode", "mtime_ns", "ctime_ns") if getattr(now, k) != getattr(want, k)]
-            if not diff:
-                continue
-            why = "changed after the service hashed it (" + ", ".join(
-                f"{k} {getattr(want, k)} -> {getattr(now, k)}" for k in diff) + ")"
-        out.append(_Problem(IntegrityError, f"file {f!r}, written directly by its rank, {why}", {"file": f}))
-    return out
 
 
 # -- one file ------------------------------------------------------------------------------------------
@@ -313,9 +278,9 @@ class _Stream:
 
 
 def _check_file(fname: str, entry: FileEntry, members: Sequence[int], rows: _Rows, source: StoredBytes,
-                buf: memoryview) -> tuple[list[_Problem], dict[int, bytes], int]:
+                buf: memoryview, progress: Callable[[int], None] | None) -> tuple[list[Problem], dict[int, bytes], int]:
     """One file read in order once. Returns its problems, the SHA-256 of its replica rows, bytes read."""
-    problems: list[_Problem] = []
+    problems: list[Problem] = []
     shas: dict[int, bytes] = {}
     offs = itemgetter(*members)(rows.offset) if len(members) > 1 else tuple(rows.offset[i] for i in members)
     if not all(map(le, offs, offs[1:])):
@@ -331,11 +296,13 @@ def _check_file(fname: str, entry: FileEntry, members: Sequence[int], rows: _Row
     while pos < entry.size:
         n = source.read_into(fname, pos, buf[:min(len(buf), entry.size - pos)])
         if n <= 0:
-            problems.append(_Problem(IntegrityError, f"file {fname!r}: short read at byte {pos} of {entry.size}",
+            problems.append(Problem(IntegrityError, f"file {fname!r}: short read at byte {pos} of {entry.size}",
                                      {"file": fname}))
             return problems, shas, pos
         view, end = buf[:n], pos + n
         digest.update(view)
+        if progress is not None:
+            progress(n)
         for s in streams:  # rows begun in an earlier window
             i = s.i
             s.feed(view[:min(rows.offset[i] + rows.length[i], end) - pos])
@@ -372,7 +339,7 @@ def _check_file(fname: str, entry: FileEntry, members: Sequence[int], rows: _Row
             problems.append(_chunk_problem(rows, s.i, got))
         if s.frame is not None and (why := s.frame.problem()) is not None:
             kind, name = rows.whats[rows.owner[s.i]]
-            problems.append(_Problem(IntegrityError, f"{rows.what(s.i)}: file {fname!r} bytes [{rows.offset[s.i]}, "
+            problems.append(Problem(IntegrityError, f"{rows.what(s.i)}: file {fname!r} bytes [{rows.offset[s.i]}, "
                                      f"{rows.offset[s.i] + rows.length[s.i]}): {why}",
                                      {kind: name, "rank": rows.rank[s.i], "file": fname}))
         if s.sha is not None:
@@ -382,7 +349,7 @@ def _check_file(fname: str, entry: FileEntry, members: Sequence[int], rows: _Row
         bad = next((b for b, (x, y) in enumerate(zip(blocks, entry.blocks)) if x != y), None)
         where = "" if bad is None else \
             f" (bytes [{bad * entry.block_size}, {min((bad + 1) * entry.block_size, entry.size)}) differ)"
-        problems.append(_Problem(ChecksumMismatch, f"file {fname!r}: its {entry.size} bytes hash to {whole}, the "
+        problems.append(Problem(ChecksumMismatch, f"file {fname!r}: its {entry.size} bytes hash to {whole}, the "
                                  f"service recorded {entry.xxh3} when it received them{where}",
                                  {"file": fname, "declared": entry.xxh3, "actual": whole}))
     return problems, shas, pos
@@ -390,54 +357,70 @@ def _check_file(fname: str, entry: FileEntry, members: Sequence[int], rows: _Row
 
 # -- all of it -------------------------------------------------------------------------------------------
 
-def check_stored(manifest: Manifest, source: StoredBytes, *, adopted: Mapping[str, AdoptedFile] | None = None,
-                 stat: Callable[[str], os.stat_result | None] | None = None, jobs: int = JOBS,
-                 read_size: int = READ_SIZE, verified: Mapping[str, set[tuple]] | None = None) -> int:
-    """Raise the first problem (in file order) unless every check above holds; return the bytes read.
-    Files in ``verified`` whose rows are all among its locations (and none a replica) are not read."""
-    adopted = {f: a for f, a in (adopted or {}).items() if f in manifest.files}
-    if adopted and stat is not None:
-        _raise_first(_adopted_problems(adopted, stat))
+def judge(manifest: Manifest, source: StoredBytes, *, jobs: int = JOBS, read_size: int = READ_SIZE,
+          tiling: bool = False, progress: Callable[[int], None] | None = None,
+          storage_errors_are_problems: bool = False) -> Verdict:
+    """Every problem of the bytes ``source`` holds against ``manifest`` (module docstring), in file
+    order after the tiling's. A file that cannot be read whole is a problem of that file (damage: the
+    source raises :class:`~ckptd_schemas.IntegrityError`); a failing store (``StorageError``) is raised,
+    as transient, unless ``storage_errors_are_problems`` (a verification, which reports what it could
+    not read). ``progress`` is called with the size of every window read."""
+    problems: list[Problem] = []
+    if tiling:
+        for t in manifest.tensors:
+            try:
+                check_columns_tiling(t.name, t.shape, t.table)
+            except CkptdError as e:
+                problems.append(Problem(IntegrityError, e.message, {"tensor": t.name}))
     rows, groups = _rows(manifest)
     by_file: dict[str, Sequence[int]] = {f: array("q") for f in manifest.files}  # 8 bytes a row, not an int object
     appends = {f: v.append for f, v in by_file.items()}
     for i, f in enumerate(rows.file):
+        if f not in appends:
+            kind, name = rows.whats[rows.owner[i]]
+            problems.append(Problem(IntegrityError, f"{rows.what(i)} points at file {f!r}, which the manifest does "
+                                    f"not list", {kind: name, "file": f}))
+            continue
         appends[f](i)
-    if verified:
-        for f, keys in verified.items():
-            members = by_file.get(f)
-            if members is not None and all(
-                    _key(rows, i) in keys and (rows.special.get(i) is None or rows.special[i].replica_of is None)
-                    for i in members):
-                del by_file[f]
     items = sorted(by_file.items())
 
     local = threading.local()  # one read buffer per thread, reused for all its files
     done = getattr(source, "done", None)
+    stored_size = getattr(source, "size", None)
+    unreadable = (IntegrityError, StorageError) if storage_errors_are_problems else (IntegrityError,)
 
-    def one(item: tuple[str, Sequence[int]]) -> tuple[list[_Problem], dict[int, bytes], int]:
+    def one(item: tuple[str, Sequence[int]]) -> tuple[list[Problem], dict[int, bytes], int]:
         buf = getattr(local, "buf", None)
         if buf is None:
             buf = local.buf = memoryview(bytearray(read_size))
         fname, members = item
         try:
-            return _check_file(fname, manifest.files[fname], members, rows, source, buf)
-        finally:
+            out = _check_file(fname, manifest.files[fname], members, rows, source, buf, progress)
+            size = stored_size(fname) if stored_size is not None else None
+            if size is not None and size != manifest.files[fname].size:
+                out[0].append(Problem(IntegrityError, f"file {fname!r} holds {size} bytes, its record says "
+                                      f"{manifest.files[fname].size}", {"file": fname}))
+        except unreadable as e:
+            out = [Problem(IntegrityError, f"file {fname!r}: {e.message}", {"file": fname})], {}, 0
+        except BaseException:
             if done is not None:
-                done(fname)
+                done(fname, False)
+            raise
+        if done is not None:
+            done(fname, not out[0])
+        return out
 
     results: Iterable
     if jobs > 1 and len(items) > 1:
-        with ThreadPoolExecutor(min(jobs, len(items)), thread_name_prefix="ckptd-commit-check") as pool:
+        with ThreadPoolExecutor(min(jobs, len(items)), thread_name_prefix="ckptd-check") as pool:
             results = list(pool.map(one, items))
     else:
         results = [one(it) for it in items]
-    problems: list[_Problem] = []
     shas: dict[int, bytes] = {}
     nbytes = 0
-    for p, s, n in results:
+    for p, sh, n in results:
         problems += p
-        shas.update(s)
+        shas.update(sh)
         nbytes += n
     for members in groups:
         if len({shas.get(i) for i in members}) > 1:
@@ -445,11 +428,7 @@ def check_stored(manifest: Manifest, source: StoredBytes, *, adopted: Mapping[st
             kind, name = rows.whats[rows.owner[i]]
             ranks = sorted({rows.rank[m] for m in members if rows.rank[m] is not None})
             files = sorted({rows.file[m] for m in members})
-            problems.append(_Problem(IntegrityError, f"{kind} {name!r}: ranks {ranks} store one region as replicas "
-                                     f"with digest {rows.xxh3[i]}, but their bytes differ (files {files})",
-                                     {kind: name, "ranks": ranks, "file": files[0]}))
-    _raise_first(problems)
-    if adopted and stat is not None:
-        _raise_first(_adopted_problems(adopted, stat))
-    return nbytes
-
+            problems.append(Problem(IntegrityError, f"{kind} {name!r}: ranks {ranks} store one region as replicas "
+                                    f"with digest {rows.xxh3[i]}, but their bytes differ (files {files})",
+                                    {kind: name, "ranks": ranks, "file": files[0]}))
+    return Verdict(problems, nbytes)

@@ -16,10 +16,9 @@ Call order (:meth:`DurableCopier.start`, then one background thread per service)
 1. :meth:`DurableCopier.scan`, woken by every commit here (:meth:`DurableCopier.notify`) and every
    ``scan_seconds`` otherwise (commits of other replicas and of reshard workers, and what a crash
    left undone): each checkpoint visible on the fast tier and not durable is copied, oldest first.
-2. :meth:`DurableCopier.copy`: every data file is read from the fast tier, hashed (XXH3 and block
-   digests, as at upload) and written to the durable tier (a file an incremental save linked from
-   a checkpoint that is durable with the same digests is linked inside the durable tier instead); a file whose bytes differ from the
-   manifest's digests refuses the copy (the fast copy is damaged: recorded in ``NOT_DURABLE.json``,
+2. :meth:`DurableCopier.copy`: every data file is read from the fast tier once, judged by the one
+   checker (:func:`~.commit_checks.judge`, the commit's and ``ckptd verify``'s) and written to the
+   durable tier as it passes; any problem refuses the copy (the fast copy is damaged: recorded in ``NOT_DURABLE.json``,
    not retried for that manifest). Then ``SESSION.json``, the manifest (its bytes hash to the
    marker's digest), and last the marker, created if absent, so the durable tier shows nothing
    until everything it names is there.
@@ -39,19 +38,18 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable
 
-from ckptd_schemas import CkptdError, Conflict, CorruptCheckpoint, FileEntry, StorageError
-from ckptd_schemas.filedigest import StreamDigest
+from ckptd_schemas import CkptdError, Conflict, CorruptCheckpoint, Manifest, StorageError
 
-from ..storage.tiered import TieredStorage
+from ..storage import Writer
+from ..storage.tiered import ADOPTED, TieredStorage
 from .faults import crash_point
 from .layout import Marker, Paths
 from .leases import Leases
-from .linked import linked_sources
+from .commit_checks import StorageFiles, judge
 from .visibility import Committed, Visibility, order_key
 
 __all__ = ["DURABLE_CRASH_POINTS", "Copied", "DurableCopier", "DurableState"]
@@ -72,6 +70,44 @@ ADOPT_EVERY = 30  # scans between two adoptions while running (5 minutes at the 
 
 def not_durable_key(run: str, name: str) -> str:
     return f"{Paths.ckpt(run, name)}/NOT_DURABLE.json"
+
+
+class _Copies(StorageFiles):
+    """The checker's source for a durable copy: reads each file's windows from the fast tier, in order,
+    and writes them to the durable tier as they pass; a file's durable object is committed once the
+    checker found nothing wrong in it (:meth:`done`), and dropped otherwise. Nothing on the durable
+    tier counts before the marker, which :meth:`DurableCopier.copy` creates only when every file held."""
+
+    def __init__(self, tiers: TieredStorage, key_of: Callable[[str], str], manifest: Manifest, ref: str) -> None:
+        super().__init__(tiers.fast, key_of)
+        self.durable, self.sizes, self.ref = tiers.durable, {f: e.size for f, e in manifest.files.items()}, ref
+        self._writers: dict[str, Writer] = {}
+        self._lock = threading.Lock()
+
+    def _writer(self, file: str) -> Writer:
+        with self._lock:
+            w = self._writers.get(file)
+            if w is None:
+                w = self._writers[file] = self.durable.open_write(self.key_of(file))
+            return w
+
+    def read_into(self, file: str, start: int, view: memoryview) -> int:
+        # A fast file absent or resized is damage (CorruptCheckpoint: the copy is refused), not a pause.
+        self.storage.read_committed_into(self.key_of(file), start, view, self.sizes[file], ref=self.ref)
+        self._writer(file).write(view)
+        return len(view)
+
+    def done(self, file: str, ok: bool) -> None:
+        w = self._writer(file)  # an empty file has no window: its object is created here
+        if ok:
+            w.commit()
+            crash_point("durable-mid-copy")
+        else:
+            w.abort()
+
+    def abort(self) -> None:
+        for w in list(self._writers.values()):
+            w.abort()
 
 
 @dataclass(frozen=True)
@@ -148,6 +184,7 @@ class DurableCopier:
                 if c is not None and fast.create_if_absent(Paths.marker(run, name), c.marker.model_dump_json().encode()):
                     n += 1
         fast.put(TIERS_KEY, json.dumps({"durable": self.tiers.durable.url}).encode())
+        fast.put(ADOPTED, b"{}")  # inside runs/: gone with a lost runs/, which the next scan then adopts again
         if n:
             log.warning("durable tier: the fast tier lacked %d checkpoint markers of %s and took them (a new or "
                         "emptied fast tier)", n, self.tiers.durable.url)
@@ -183,8 +220,8 @@ class DurableCopier:
         while not self._stop.is_set():
             self._wake.clear()
             try:
-                if scans % ADOPT_EVERY == ADOPT_EVERY - 1:
-                    self.adopt()  # markers the fast tier lost while running come back
+                if scans % ADOPT_EVERY == ADOPT_EVERY - 1 or not self.tiers.fast.exists(ADOPTED):
+                    self.adopt()  # markers the fast tier lost while running come back (a lost runs/: at once)
                 self.scan()
             except Exception:  # noqa: BLE001 - a failed scan must not stop the copier; the next one retries
                 log.exception("durable tier: scan failed")
@@ -263,11 +300,7 @@ class DurableCopier:
         self._check_name_free(c)
         manifest = self.fast_vis.manifest(c)
         raw = self.fast_vis.manifest_bytes(c)
-        keys = {f: Paths.file(c.run, c.name, c.session, f) for f in manifest.files}
-        linked = self._durable_sources(c.run, manifest.files)
-        todo = sorted(f for f in keys if not (f in linked and durable.link(linked[f], keys[f])))
-        with ThreadPoolExecutor(PARALLEL_FILES, thread_name_prefix="ckptd-durable-copy") as pool:
-            list(pool.map(lambda f: self._copy_file(c, keys[f], manifest.files[f]), todo))
+        self._copy_files(c, manifest)
         meta = fast.read_or_none(Paths.session_meta(c.run, c.name, c.session))
         if meta is not None:
             durable.put(Paths.session_meta(c.run, c.name, c.session), meta)
@@ -279,19 +312,28 @@ class DurableCopier:
         if not durable.create_if_absent(Paths.marker(c.run, c.name), c.marker.model_dump_json().encode()):
             self._check_name_free(c)  # created meanwhile: by another replica's copy of this checkpoint, or not
         lag = max(0.0, (datetime.now(timezone.utc) - c.committed_at).total_seconds())
-        done = Copied(c.run, c.name, sum(manifest.files[f].size for f in todo) + len(raw), lag)
+        done = Copied(c.run, c.name, manifest.total_bytes + len(raw), lag)
         log.info("durable tier: %s is durable (%d bytes, %.2f s after its commit)", c.ref, done.bytes, lag)
         if self.on_copied is not None:
             self.on_copied(done)
         return done
 
-    def _durable_sources(self, run: str, files: dict[str, FileEntry]) -> dict[str, str]:
-        """Per file an incremental save linked from a checkpoint that is durable with the same digests,
-        the key of those bytes on the durable tier (:func:`~.linked.linked_sources`). Such a file is
-        linked inside the durable tier (a copy inside the store on S3), not sent again; where the link
-        fails it is copied like any other."""
-        return {f: Paths.file(run, src.checkpoint.name, src.checkpoint.session, src.file)
-                for f, src in linked_sources(self.durable_vis, run, files).items()}
+    def _copy_files(self, c: Committed, manifest: Manifest) -> None:
+        """Every data file read from the fast tier once, judged by the one checker (every chunk, frame,
+        replica and file digest, as at the commit and in ``ckptd verify``) while each window is written
+        to the durable tier; the durable objects are committed only when the checker found nothing
+        wrong, and none is left otherwise. Files that incremental saves linked are read and copied like
+        the others: the durable tier holds nothing that was not hashed on its way there."""
+        copies = _Copies(self.tiers, lambda f: Paths.file(c.run, c.name, c.session, f), manifest, c.ref)
+        try:
+            verdict = judge(manifest, copies, jobs=PARALLEL_FILES, read_size=WINDOW)
+        except BaseException:
+            copies.abort()
+            raise
+        if not verdict.ok:
+            first = verdict.problems[0]
+            raise CorruptCheckpoint(f"{c.ref}: its fast copy does not match its manifest: {first.message}",
+                                    ref=c.ref, **{k: v for k, v in first.details.items() if v is not None})
 
     def _check_name_free(self, c: Committed) -> None:
         """Refuse (``Conflict``) when the durable tier has a marker under ``c``'s name for another manifest:
@@ -302,28 +344,6 @@ class DurableCopier:
         what = f"manifest {there.manifest_xxh3}" if isinstance(there, Marker) else "a marker that does not parse"
         raise Conflict(f"{c.ref}: the durable tier holds another checkpoint under this name ({what}); this one "
                        f"(manifest {c.digest}) stays on the fast tier only", ref=c.ref)
-
-    def _copy_file(self, c: Committed, key: str, entry: FileEntry) -> None:
-        """Read ``key`` from the fast tier, hash it as it goes, write it to the durable tier; commit the
-        durable object only if the bytes are the ones the manifest records."""
-        digest = StreamDigest(entry.block_size)
-        buf = bytearray(min(WINDOW, max(entry.size, 1)))
-        w = self.tiers.durable.open_write(key)
-        try:
-            for start in range(0, entry.size, len(buf)):
-                view = memoryview(buf)[:min(len(buf), entry.size - start)]
-                self.tiers.fast.read_committed_into(key, start, view, entry.size, ref=c.ref)
-                digest.update(view)
-                w.write(view)
-            got, blocks = digest.finish()
-            if got != entry.xxh3 or blocks != entry.blocks:
-                raise CorruptCheckpoint(f"{c.ref}: file {key.rsplit('/', 1)[-1]!r} on the fast tier does not match "
-                                        f"its manifest (XXH3 {got}, manifest {entry.xxh3})", ref=c.ref, key=key)
-        except BaseException:
-            w.abort()
-            raise
-        w.commit()
-        crash_point("durable-mid-copy")
 
     # -- 3. trim -----------------------------------------------------------------------------------
     def trim(self, run: str, here: list[Committed], durable: set[str]) -> list[str]:

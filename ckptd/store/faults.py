@@ -186,9 +186,9 @@ class _FaultWriter(Writer):
         else:
             self._inner.write(data)
 
-    def commit(self) -> None:
+    def commit(self) -> bool:
         crash_point("storage-before-rename")
-        self._inner.commit()
+        return self._inner.commit()
 
     def abort(self) -> None:
         self._inner.abort()
@@ -201,9 +201,9 @@ class _FaultStorage(Storage):
         self.inner = inner
         self.url = inner.url
 
-    def open_write(self, key: str) -> Writer:
+    def open_write(self, key: str, *, once: bool = False) -> Writer:
         _before_write(key)
-        return _FaultWriter(self.inner.open_write(key))
+        return _FaultWriter(self.inner.open_write(key, once=once))
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
         _before_write(key)
@@ -224,9 +224,6 @@ class _FaultStorage(Storage):
 
     def stamp(self, key: str) -> str | None:
         return self.inner.stamp(key)
-
-    def content_stamp(self, key: str) -> str | None:
-        return self.inner.content_stamp(key)
 
     def read_or_none(self, key: str) -> bytes | None:
         return self.inner.read_or_none(key)

@@ -6,7 +6,8 @@
     runs/<run>/<name>/VERIFIED.json                     the service's last verification (store.verification)
     runs/<run>/<name>/sessions/<sid>/SESSION.json       upload session (open-or-join, create-if-absent)
     runs/<run>/<name>/sessions/<sid>/files/<file>       data streamed by ranks (staging)
-    runs/<run>/<name>/sessions/<sid>/digests/<file>     size, XXH3 and block digests of a verified file
+    runs/<run>/<name>/sessions/<sid>/digests/<file>     size, XXH3 and block digests of a file (created once)
+    runs/<run>/<name>/sessions/<sid>/presigned/<file>   the presign of a file uploaded by URL (created once)
     runs/<run>/<name>/sessions/<sid>/ranks/<rank>.json  a rank's index: its chunks; written last
     runs/<run>/<name>/sessions/<sid>/manifest-<xxh3>.json
     runs/<run>/<name>/sessions/<sid>/FAILED.json        why the commit was refused
@@ -100,6 +101,10 @@ class Paths:
     @classmethod
     def digest(cls, run: str, name: str, sid: str, file: str) -> str:
         return f"{cls.session(run, name, sid)}/digests/{file}"
+
+    @classmethod
+    def presign_claim(cls, run: str, name: str, sid: str, file: str) -> str:
+        return f"{cls.session(run, name, sid)}/presigned/{file}"
 
     @classmethod
     def ranks(cls, run: str, name: str, sid: str) -> str:

@@ -129,7 +129,7 @@ class ManifestFold:
             return Manifest(
                 **self._head, topology=topology, tensors=tensors, objects=self._objects(),
                 param_groups=[self._groups[k][1] for k in sorted(self._groups)],
-                files={f: _as_committed(files[f]) for f in sorted(self._owners)},
+                files={f: files[f] for f in sorted(self._owners)},
             )
         except ValidationError as e:
             raise InvalidIndex(f"{self.run}/{self.name}: merged manifest is invalid: {e.errors()[0]['msg']}") from e
@@ -191,12 +191,6 @@ class ManifestFold:
             else:
                 out.extend(entries)
         return sorted(out, key=lambda o: (o.name, -1 if o.rank is None else o.rank))
-
-
-def _as_committed(entry: FileEntry) -> FileEntry:
-    """The entry as a manifest holds it: without the session's record of an adopted file and its stamp."""
-    return entry if entry.adopted is None and entry.stamp is None else \
-        entry.model_copy(update={"adopted": None, "stamp": None})
 
 
 def _object_identity(o: ObjectEntry) -> tuple:

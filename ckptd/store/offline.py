@@ -62,7 +62,7 @@ def read_tensor(reader: CheckpointReader, ref: str, name: str) -> torch.Tensor:
     """One whole tensor of a committed checkpoint, assembled from any layout, verified."""
     import torch
 
-    from ckptd_client.assemble import Destination, copy_into, torch_dtype
+    from ckptd_schemas.format.assemble import Destination, copy_into, torch_dtype
     r = parse_ref(ref)
     manifest = reader.manifest(r.run, r.name)
     t = manifest.tensor(name)

@@ -69,7 +69,7 @@ class CheckpointReader:
         return self.visibility.resolve(run, name)
 
     def resolve(self, run: str, name: str) -> tuple[str, Marker]:
-        """The concrete name and marker for ``name`` (``latest`` = newest visible trainer checkpoint)."""
+        """The concrete name and marker for ``name`` (``latest``: the newest visible trainer checkpoint not known to be bad, ``Visibility.latest``)."""
         c = self.visibility.resolve(run, name)
         return c.name, c.marker
 

@@ -10,9 +10,16 @@ The rules, each a guarantee tested in ``tests/test_retention.py``:
    committed.
 2. ``keep_last N`` keeps every checkpoint whose step is among the N newest
    steps (a resharded copy of a step counts with its step); ``keep_every K``
-   also keeps every step that is a multiple of K.
-3. The newest committed trainer checkpoint (what ``RUN/latest`` resolves to)
-   is always kept, whatever the policy says.
+   also keeps every step that is a multiple of K. A checkpoint *known to be
+   bad* (its recorded verification of the manifest committed now failed:
+   :func:`~.verification.known_bad`) is not counted: the N steps are the
+   newest N held by a checkpoint not known to be bad, and a known-bad
+   checkpoint stays while fewer than N such steps are as new as it is (gc
+   never deletes more than it would if the record did not exist), but never
+   takes one of the N places.
+3. The newest committed trainer checkpoint is always kept, whatever the
+   policy says, and so is what ``RUN/latest`` resolves to (the newest not
+   known to be bad: :meth:`~.visibility.Visibility.latest`) when they differ.
 4. A leased checkpoint (being read, resharded or exported) is kept, and so is
    one without a step (there is no order to judge it by).
 5. The run always keeps its newest *verified* trainer checkpoint. Before
@@ -31,7 +38,9 @@ The rules, each a guarantee tested in ``tests/test_retention.py``:
 caller's: a trainer's own ``keep the best k``): a protected one stays, with the reason.
 
 Call order: ``plan_retention`` (pure) decides; ``collect`` lists the run,
-reads leases, establishes the newest verified checkpoint, plans and, unless
+reads leases and the records of the newest checkpoints (rule 2), establishes
+the newest verified checkpoint (whose fresh verifications are recorded, so the
+known-bad ones and ``RUN/latest`` are read again after it), plans and, unless
 ``dry_run``, deletes: first the ``COMMITTED`` marker (the checkpoint
 disappears atomically: a reader resolves it or gets 404, never half a
 checkpoint), then its files. Leases are read again right before each marker
@@ -42,7 +51,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 from ckptd_schemas import CheckpointNotFound, CheckpointSummary, CkptdError, InvalidRequest, check_name, check_run
 
@@ -50,7 +59,7 @@ from ..storage import Storage
 from .layout import Marker, Paths
 from .leases import Leases
 from .verification import VerifyRecord, read_record, record_holds, verify_committed
-from .visibility import Visibility
+from .visibility import Committed, Visibility
 
 __all__ = ["Removal", "RetentionPlan", "Verifier", "children_elsewhere", "collect", "plan_retention", "remove"]
 
@@ -70,42 +79,58 @@ class RetentionPlan:
     newest_verified: str | None = None
     verified_how: str | None = None  # "recorded verification of the stored bytes" or "verified now"
     failed_verification: dict[str, str] = field(default_factory=dict)  # newer ones that did not verify: why
+    latest: str | None = None  # what RUN/latest resolves to (``collect``: the visibility rule's answer)
+    known_bad: dict[str, str] = field(default_factory=dict)  # not counted by keep_last (rule 2): why
 
     def as_json(self) -> dict:
         return {"run": self.run, "keep": self.keep, "delete": self.delete, "deleted": self.deleted,
                 "newest_verified": self.newest_verified, "verified_how": self.verified_how,
-                "failed_verification": self.failed_verification}
+                "failed_verification": self.failed_verification, "latest": self.latest,
+                "known_bad": self.known_bad}
 
 
 def plan_retention(run: str, ckpts: list[CheckpointSummary], *, keep_last: int, keep_every: int | None = None,
                    leased: set[str] = frozenset(), newest_verified: str | None = None,
                    latest: str | None = None, children: dict[str, list[str]] | None = None,
-                   only: set[str] | None = None) -> RetentionPlan:
+                   only: set[str] | None = None, newest: str | None = None,
+                   known_bad: Mapping[str, str] | None = None) -> RetentionPlan:
     """Decide what goes. Pure: the visible checkpoints, the leased names, the newest verified
-    checkpoint and the children in other runs (name -> their refs) in, a plan out. ``latest``: what
-    ``RUN/latest`` resolves to (``collect`` passes the visibility rule's answer); without it, the
-    newest trainer checkpoint by step, then commit time. ``only``: the names the caller asks to
-    delete (``remove``); the others stay, and the step policy is not applied."""
+    checkpoint, the children in other runs (name -> their refs) and the checkpoints known to be bad
+    (name -> why) in, a plan out. ``newest``: the newest trainer checkpoint, ``latest``: what
+    ``RUN/latest`` resolves to (``collect`` passes the visibility rule's answers); without them, the
+    newest trainer checkpoint by step, then commit time (for ``latest``: the newest not known to be
+    bad). ``only``: the names the caller asks to delete (``remove``); the others stay, and the step
+    policy is not applied."""
     if keep_last < 1:
         raise InvalidRequest(f"keep_last must be at least 1, not {keep_last}: the newest checkpoint always stays",
                              field="keep_last")
     if keep_every is not None and keep_every < 1:
         raise InvalidRequest(f"keep_every must be at least 1, not {keep_every}", field="keep_every")
-    plan = RetentionPlan(run=run)
+    bad = dict(known_bad or {})
+    plan = RetentionPlan(run=run, known_bad={c.name: bad[c.name] for c in ckpts if c.name in bad})
     ordered = sorted(ckpts, key=lambda c: (c.step is None, c.step or 0, c.committed_at, c.name))
-    steps = sorted({c.step for c in ordered if c.step is not None})
+    # Rule 2: the N newest steps held by a checkpoint not known to be bad; a known-bad one takes no place.
+    steps = sorted({c.step for c in ordered if c.step is not None and c.name not in bad})
     newest_steps = set(steps[-keep_last:])
+    # A known-bad checkpoint stays while fewer than N good steps are as new as it is.
+    oldest_kept = steps[-keep_last] if len(steps) >= keep_last else None
     trainer = [c for c in ordered if c.step is not None and c.derived_from is None]
+    if newest is None:
+        newest = trainer[-1].name if trainer else None
     if latest is None:
-        latest = trainer[-1].name if trainer else None
+        latest = next((c.name for c in reversed(trainer) if c.name not in bad), None)
+    plan.latest = latest
     children = children or {}
     for c in ordered:
         if only is not None and c.name not in only:
             continue
-        if c.name == latest:
-            plan.keep[c.name] = "newest committed checkpoint"
+        if c.name == newest:
+            plan.keep[c.name] = "newest committed checkpoint" + (
+                " (known to be bad: RUN/latest skips it)" if c.name in bad else "")
         elif c.name == newest_verified:
             plan.keep[c.name] = "newest verified checkpoint"
+        elif c.name == latest:
+            plan.keep[c.name] = "what RUN/latest resolves to (the newer ones are known to be bad)"
         elif c.name in leased:
             plan.keep[c.name] = "leased"
         elif c.name in children:
@@ -115,7 +140,10 @@ def plan_retention(run: str, ckpts: list[CheckpointSummary], *, keep_last: int, 
             plan.delete.append(c.name)
         elif c.step is None:
             plan.keep[c.name] = "no step to order it by"
-        elif c.step in newest_steps:
+        elif c.name in bad and (oldest_kept is None or c.step >= oldest_kept):
+            plan.keep[c.name] = f"known to be bad, not counted among the last {keep_last} steps (kept until " \
+                                f"{keep_last} good steps are as new): {bad[c.name]}"
+        elif c.name not in bad and c.step in newest_steps:
             plan.keep[c.name] = f"among the last {keep_last} steps"
         elif keep_every is not None and c.step % keep_every == 0:
             plan.keep[c.name] = f"step is a multiple of {keep_every}"
@@ -155,18 +183,25 @@ def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | Non
     leases = Leases(storage)
     visible = vis.listing(run)
     ckpts = [c.summary() for c in visible]
-    newest = vis.latest_of(visible)
-    latest = newest.name if newest is not None else None
     leased = {c.name for c in ckpts if leases.active(run, c.name)}
-    plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased, latest=latest,
-                          only=only)
+
+    def facts() -> dict:  # rules 2 and 3 as the records say now
+        head = vis.latest(visible)
+        return {"known_bad": _known_bad_newest(vis, visible, keep_last),
+                "latest": head.checkpoint.name if head.checkpoint is not None else None,
+                "newest": head.newest.name if head.newest is not None else None}
+
+    plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased, only=only,
+                          **facts())
     if not plan.delete and not dry_run:
         return plan
     # Only when something would go: the other runs' listings (rule 6) cost a read of every marker.
     children = {} if drop_parents else children_elsewhere(vis, run)
     newest, how, failed = _newest_verified(storage, vis, visible, verify or (lambda r, n: verify_committed(storage, r, n)))
+    # The verifications just done are recorded: a checkpoint found bad now is known to be bad (and one
+    # found good again no longer is), so rules 2 and 3 are read again before anything is decided.
     plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased,
-                          newest_verified=newest, latest=latest, children=children, only=only)
+                          newest_verified=newest, children=children, only=only, **facts())
     plan.newest_verified, plan.verified_how, plan.failed_verification = newest, how, failed
     if newest is None and plan.delete:  # something would go, but nothing newer is known good
         for name in plan.delete:
@@ -217,6 +252,30 @@ def remove(storage: Storage, run: str, name: str, *, dry_run: bool = False, veri
     if name in (plan.delete if dry_run else plan.deleted):
         return Removal(f"{run}/{name}", not dry_run, "would be removed" if dry_run else "removed")
     return Removal(f"{run}/{name}", False, plan.keep.get(name, "no longer visible"))
+
+
+def _known_bad_newest(vis: Visibility, visible: list[Committed], keep_last: int) -> dict[str, str]:
+    """The checkpoints known to be bad (name -> why) among those rule 2 has to judge: every checkpoint
+    of a step from the newest down to the ``keep_last``-th newest step held by one not known to be
+    bad. Older ones cannot change the plan, so their records are not read."""
+    by_step: dict[int, list[Committed]] = {}
+    for c in visible:
+        if c.step is not None:
+            by_step.setdefault(c.step, []).append(c)
+    bad: dict[str, str] = {}
+    good_steps = 0
+    for step in sorted(by_step, reverse=True):
+        if good_steps >= keep_last:
+            break
+        held = False
+        for c in by_step[step]:
+            why = vis.known_bad(c)
+            if why is None:
+                held = True
+            else:
+                bad[c.name] = why
+        good_steps += held
+    return bad
 
 
 def _newest_verified(storage: Storage, vis: Visibility, visible: list, verify: Verifier

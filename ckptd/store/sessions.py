@@ -3,17 +3,19 @@
 Call order for one save attempt (each step idempotent, any replica may serve it):
 
 1. :meth:`SessionStore.open` - every rank, same session id: open-or-join.
-2. :meth:`SessionStore.begin_file` -> :class:`FileSink` - per data file: bytes are
-   hashed while they stream; ``finish(declared)`` refuses a digest mismatch
-   and drops the partial file. Or, for a rank on the service's filesystem
-   (:meth:`SessionStore.direct_writes` says where), :meth:`SessionStore.adopt_file`: the
-   rank wrote the file itself; every byte is hashed the same way before it is accepted. Or
-   :meth:`SessionStore.link_file` (incremental saves): a file of an earlier visible checkpoint
-   of the run, linked with its recorded digests; the commit checks the chunks placed in it.
+2. One ingest contract, three ways in, each ending as a write-once object of the session whose
+   digest record is created once (:func:`record_file`): :meth:`SessionStore.begin_file` ->
+   :class:`FileSink` (the bytes stream through here, hashed as they are written; a digest
+   mismatch is refused and the partial file dropped); :meth:`SessionStore.presign_file` then
+   :meth:`SessionStore.confirm_file` (a rank PUTs the file straight into an object store, through
+   URLs that create the object once); :meth:`SessionStore.link_file` (incremental saves: a file of
+   an earlier visible checkpoint of the run, linked). Whichever way a file came, the commit reads
+   and checks every byte of it (:mod:`.commit_checks`) after the last write anyone could make.
 3. :meth:`SessionStore.put_index` - per rank, after its files: stores the
    rank's chunk index; the call that completes the set commits.
 4. :meth:`SessionStore.commit` - merge + validate -> manifest (durable) ->
-   ``COMMITTED`` created once. Re-entrant: a crash anywhere before the marker
+   ``COMMITTED`` created once, then the commit's check recorded as the checkpoint's first
+   verification (:func:`~.verification.record_commit_check`). Re-entrant: a crash anywhere before the marker
    leaves the session invisible, and the rank's retried ``put_index`` or the
    sweep (:meth:`SessionStore.sweep`) finishes the job. The callbacks in
    ``on_commit`` (the service's verify-after-commit, retention, metrics) run
@@ -28,9 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
-import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable, Sequence
@@ -38,11 +38,11 @@ from typing import Callable, Sequence
 from pydantic import ValidationError
 
 from ckptd_schemas import (
-    AdoptFile, AlreadyCommitted, ChecksumMismatch, CkptdError, CommitFailed, Conflict, DirectWrites, FileEntry,
+    AlreadyCommitted, ChecksumMismatch, CkptdError, CommitFailed, Conflict, FileEntry,
     ConfirmUpload, InvalidIndex, InvalidRequest, LinkFile, Manifest, OpenSession, PresignedUpload, PresignUpload,
     RankIndex, SessionConflict, SessionInfo,
     SessionNotFound, SessionStatus, StorageError, UploadResult, check_file, check_name, check_run, check_session,
-    check_staged, linked_name, parse_ref,
+    linked_name, parse_ref,
 )
 
 from ..storage import Storage, Writer
@@ -50,10 +50,11 @@ from .faults import crash_point, wrap_storage
 from .gcpause import gc_paused
 from ckptd_schemas.filedigest import BLOCK_SIZE, StreamDigest, xxh3_hex
 from .index_cache import IndexCache
-from .linked import linked_sources
 from .layout import Marker, Paths, SessionMeta
-from .commit_checks import check_commit, verified_locations
+from .commit_checks import check_commit
+from .verification import CommitCheck as _CommitCheck, file_stamps, record_commit_check, record_vouches
 from .merge import ManifestFold
+from .reuse import check_reuse
 from .visibility import BadMarker, Visibility, manifest_file_name
 
 __all__ = ["CommitEvent", "FileSink", "SessionStore"]
@@ -79,15 +80,17 @@ class CommitEvent:
 
 
 class FileSink:
-    """One data file being received: hash while writing, commit only if the digest matches."""
+    """One data file being received: hashed while it is written to a temp object that only this
+    process holds, created at its key once (never replacing anything), recorded only if the digest
+    matches. A second upload of a file already stored answers as the first did when its bytes are the
+    same, and is refused when they differ: a stored file of a session is never written again."""
 
-    def __init__(self, storage: Storage, key: str, digest_key: str, file: str, block_size: int,
-                 writer: Writer | None = None) -> None:
+    def __init__(self, storage: Storage, key: str, digest_key: str, file: str, block_size: int) -> None:
         self._storage = storage
         self._key, self._digest_key = key, digest_key
         self.file = file
         self._digest = StreamDigest(block_size)
-        self._writer: Writer = writer if writer is not None else storage.open_write(key)
+        self._writer: Writer = storage.open_write(key, once=True)
         self._done = False
 
     @property
@@ -97,10 +100,6 @@ class FileSink:
     def write(self, data: bytes | memoryview) -> None:
         self._digest.update(data)
         self._writer.write(data)
-
-    def hash(self, data: bytes | memoryview) -> None:
-        """Count bytes that are already in the writer (an adopted file)."""
-        self._digest.update(data)
 
     def write_parts(self, parts: list[bytes]) -> None:
         """Several pieces in one call (one ``writev`` on local disks): no copy into a batch buffer."""
@@ -116,19 +115,42 @@ class FileSink:
                 f"file {self.file!r}: received {self._digest.size} bytes with XXH3 {digest}, "
                 f"client declared {declared_xxh3}; the partial file was dropped",
                 file=self.file, declared=declared_xxh3, actual=digest, size=self._digest.size)
-        self._writer.commit()
+        created = self._writer.commit()
         self._done = True
+        entry = FileEntry(size=self._digest.size, xxh3=digest, block_size=self._digest.block_size, blocks=blocks)
+        if not created and stored_digest(self._storage, self._key, entry.block_size) != (entry.size, digest, blocks):
+            raise Conflict(f"file {self.file!r} is already stored in this session with other bytes; a stored "
+                           f"file is never replaced (save again with a new session)", file=self.file)
         crash_point("upload-before-digest")
-        entry = FileEntry(size=self._digest.size, xxh3=digest, block_size=self._digest.block_size, blocks=blocks,
-                          adopted=getattr(self._writer, "taken", None),  # a directly written file, as taken over
-                          stamp=self._storage.content_stamp(self._key))  # for a later save that links it
-        self._storage.put(self._digest_key, entry.model_dump_json().encode())
+        record_file(self._storage, self._digest_key, self.file, entry)
         return UploadResult(file=self.file, size=entry.size, xxh3=digest)
 
     def abort(self) -> None:
         if not self._done:
             self._done = True
             self._writer.abort()
+
+
+def stored_digest(storage: Storage, key: str, block_size: int) -> tuple[int, str, list[str]]:
+    """(size, XXH3, block digests) of the object stored at ``key``, read and hashed here."""
+    digest = StreamDigest(block_size)
+    size = storage.size(key) or 0
+    for start in range(0, size, 16 << 20):
+        digest.update(storage.read(key, start, min(size, start + (16 << 20))))
+    whole, blocks = digest.finish()
+    return digest.size, whole, blocks
+
+
+def record_file(storage: Storage, key: str, file: str, entry: FileEntry) -> None:
+    """Create the digest record of a session's file once; a repeat with the same record is idempotent,
+    one with another is refused (``Conflict``): a file's record, like its bytes, is never replaced."""
+    raw = entry.model_dump_json().encode()
+    if storage.create_if_absent(key, raw):
+        return
+    stored = storage.read_json_or_none(key)
+    if stored is None or FileEntry.model_validate(stored) != entry:
+        raise Conflict(f"file {file!r} is already recorded in this session with other digests; a stored file is "
+                       f"never replaced (save again with a new session)", file=file)
 
 
 class SessionStore:
@@ -233,67 +255,26 @@ class SessionStore:
         return FileSink(self.storage, Paths.file(run, name, sid, file), Paths.digest(run, name, sid, file),
                         file, self.block_size)
 
-    def direct_writes(self, run: str, name: str, sid: str) -> DirectWrites | None:
-        """Where a rank on this filesystem writes the session's data files itself; None on an object store.
-
-        The probe is a dot file in the session's directory holding a random token, created by the
-        first caller; a rank that reads the token back shares this filesystem, not just the path.
-        """
-        check_run(run), check_name(name), check_session(sid)
-        self._check_writable(run, name, sid)
-        key = f"{Paths.session(run, name, sid)}/.direct"
-        probe, files = self.storage.local_path(key), self.storage.local_path(Paths.file(run, name, sid, "x"))
-        if probe is None or files is None:
-            return None
-        token = uuid.uuid4().hex
-        if not self.storage.create_if_absent(key, token.encode()):
-            token = self.storage.read(key).decode()
-        os.makedirs(os.path.dirname(files), exist_ok=True)  # a local path: where uploads would create it
-        return DirectWrites(dir=os.path.dirname(files), probe=probe, token=token)
-
-    def adopt_file(self, run: str, name: str, sid: str, file: str, body: AdoptFile) -> UploadResult:
-        """Take the file a rank wrote as ``body.staged`` as the upload of ``file``: hash every byte, refuse
-        (and delete it) on a size or digest mismatch, else make it durable and rename it into place.
-
-        A repeat after success (the answer was lost) finds no staged file but the same digest
-        recorded, and answers as before.
-        """
-        check_run(run), check_name(name), check_session(sid), check_file(file), check_staged(file, body.staged)
-        self._check_writable(run, name, sid)
-        key = Paths.file(run, name, sid, file)
-        try:
-            staged = self.storage.adopt(key, body.staged)
-        except InvalidRequest:
-            entry = self._file_entry(run, name, sid, file)
-            if entry is not None and entry.size == body.size and entry.xxh3 == body.xxh3.lower():
-                return UploadResult(file=file, size=entry.size, xxh3=entry.xxh3)
-            raise
-        if staged is None:
-            raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) takes no direct writes; "
-                                 f"upload the file", file=file)
-        if staged.size != body.size:
-            staged.abort()
-            raise InvalidRequest(f"file {file!r}: the staged file has {staged.size} bytes, the client declared "
-                                 f"{body.size}; it was dropped", file=file)
-        sink = FileSink(self.storage, key, Paths.digest(run, name, sid, file), file, self.block_size, writer=staged)
-        try:
-            for window in staged.windows():
-                sink.hash(window)
-                crash_point("upload-mid-stream")  # hashed in part, not accepted: as a cut upload
-        except BaseException:
-            sink.abort()
-            raise
-        return sink.finish(body.xxh3)
-
     def presign_file(self, run: str, name: str, sid: str, file: str, body: PresignUpload,
                      seconds: float) -> PresignedUpload:
         """Presigned URLs for the client to PUT ``file`` of the session straight into the object store,
-        part by part (each of the length and SHA-256 ``body`` gives). Refused (``InvalidRequest``, which
-        the client answers by sending the bytes here) where the store takes no presigned uploads."""
+        part by part (each of the length and SHA-256 ``body`` gives). A file is presigned once: the
+        claim (``body``) is created at :meth:`Paths.presign_claim` first, and a second presign of the
+        file is refused (``Conflict``), as is a presign of a file already stored. The URLs create the
+        object only while it is absent (``If-None-Match: *``, :meth:`Storage.presign_put`), so nothing
+        they allow can replace it once it exists. Refused (``InvalidRequest``, which the client answers
+        by sending the bytes here) where the store takes no presigned uploads."""
         check_run(run), check_name(name), check_session(sid), check_file(file)
         self._check_writable(run, name, sid)
-        signed = self.storage.presign_put(Paths.file(run, name, sid, file), body.size, body.part_size,
-                                          body.sha256, seconds)
+        if not self.storage.presigns:
+            raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) takes no presigned uploads; "
+                                 f"upload the file", file=file)
+        key = Paths.file(run, name, sid, file)
+        if self.storage.exists(key) or not self.storage.create_if_absent(
+                Paths.presign_claim(run, name, sid, file), body.model_dump_json().encode()):
+            raise Conflict(f"file {file!r} of session {sid} was already presigned or stored; a file is presigned "
+                           f"once (send it through the service, or save again with a new session)", file=file)
+        signed = self.storage.presign_put(key, body.size, body.part_size, body.sha256, seconds)
         if signed is None:
             raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) takes no presigned uploads; "
                                  f"upload the file", file=file)
@@ -302,17 +283,22 @@ class SessionStore:
 
     def confirm_file(self, run: str, name: str, sid: str, file: str, body: ConfirmUpload) -> UploadResult:
         """Take the object a client PUT with presigned URLs as the upload of ``file`` (completing the
-        multipart upload of its parts first): its size (and the SHA-256 the store kept for a one-part
-        upload, where it keeps one) must be what ``body`` says, else the object is deleted and the
-        confirmation refused. ``body``'s digest record is recorded as the file's; it is a claim until
-        the commit reads every byte of the file and checks it (:mod:`.commit_checks` compares the
-        whole-file and block digests with this record), so nothing unchecked is visible."""
+        multipart upload of its parts first, without replacing an object): the presign's claim must say
+        the same size and SHA-256s, and the store's object must have that size (and the SHA-256 the
+        store kept for a one-part upload, where it keeps one). ``body``'s digest record is recorded as
+        the file's, once; it is a claim until the commit reads every byte of the file and checks it
+        (:mod:`.commit_checks`), so nothing unchecked is visible."""
         check_run(run), check_name(name), check_session(sid), check_file(file)
         self._check_writable(run, name, sid)
         if body.block_size != self.block_size or len(body.blocks) != -(-body.size // body.block_size):
             raise InvalidRequest(f"file {file!r}: {len(body.blocks)} block digests of {body.block_size} bytes for "
                                  f"{body.size} bytes; this service's blocks are {self.block_size} bytes",
                                  file=file, field="blocks")
+        claim = self.storage.read_json_or_none(Paths.presign_claim(run, name, sid, file))
+        if claim is None or PresignUpload.model_validate(claim) != PresignUpload(
+                size=body.size, part_size=body.part_size, sha256=body.sha256):
+            raise InvalidRequest(f"file {file!r}: the confirmation does not match the file's presign (size, part "
+                                 f"size and SHA-256s)", file=file)
         key = Paths.file(run, name, sid, file)
         if body.upload_id is not None:
             if len(body.etags) != len(body.sha256):
@@ -328,23 +314,25 @@ class SessionStore:
             raise InvalidRequest(f"file {file!r}: nothing was uploaded at its presigned URL", file=file)
         kept = self.storage.stored_sha256(key) if body.upload_id is None else None
         if size != body.size or (kept is not None and kept != body.sha256[0]):
-            self.storage.delete(key)
             what = f"{size} bytes" if size != body.size else f"SHA-256 {kept}"
             raise InvalidRequest(f"file {file!r}: the store holds {what}, the client declared {body.size} bytes "
-                                 f"with SHA-256 {body.sha256[0]}; the object was deleted", file=file)
-        entry = FileEntry(size=body.size, xxh3=body.xxh3, block_size=body.block_size, blocks=body.blocks,
-                          stamp=self.storage.content_stamp(key))
-        self.storage.put(Paths.digest(run, name, sid, file), entry.model_dump_json().encode())
+                                 f"with SHA-256 {body.sha256[0]}", file=file)
+        entry = FileEntry(size=body.size, xxh3=body.xxh3, block_size=body.block_size, blocks=body.blocks)
+        record_file(self.storage, Paths.digest(run, name, sid, file), file, entry)
         return UploadResult(file=file, size=entry.size, xxh3=entry.xxh3)
 
     def link_file(self, run: str, name: str, sid: str, file: str, body: LinkFile) -> UploadResult:
         """Hold ``body.file`` of the visible checkpoint ``run/body.checkpoint`` as the upload session's ``file``
-        (``linked_name`` of the two), without its bytes passing through here: the storage links it,
-        and the source manifest's record of it (size, digests) becomes the session's, marked
-        ``linked``. Refused (``InvalidRequest``, which the saver answers by sending the bytes) when
-        the source is not a visible checkpoint of the run holding that file, or the store cannot
-        link. The commit trusts chunks in the file only where the source's manifest placed chunks
-        it verified (:func:`~.commit_checks.check_commit`), and reads the file otherwise."""
+        (``linked_name`` of the two), without its bytes passing through here: the storage links it
+        (a hard link, or a copy inside the store), creating the session's key once, and the source
+        manifest's record of it (size, digests) becomes the session's, marked ``linked``. Refused
+        (``InvalidRequest``, which the saver answers by sending the bytes) when the source is not a
+        visible checkpoint of the run holding that file, or the store cannot link. The record is a
+        claim like any other: the commit reads every byte of the file and checks it
+        (:mod:`.commit_checks`), since the source may have changed since its own commit. A source file
+        whose storage stamp moved since its checkpoint's last recorded verification (an edit, or a file
+        never verified here) is not linked at all: the saver sends the bytes, so a damaged earlier file
+        costs one file's upload, never a refused save."""
         check_run(run), check_name(name), check_session(sid), check_file(file)
         check_name(body.checkpoint), check_file(body.file)
         if file != linked_name(body.checkpoint, body.file):
@@ -359,26 +347,18 @@ class SessionStore:
             raise InvalidRequest(f"file {file!r}: {run}/{body.checkpoint} is not a visible checkpoint holding "
                                  f"{body.file!r}; send the bytes", file=file, source=f"{run}/{body.checkpoint}")
         key, src_key = Paths.file(run, name, sid, file), Paths.file(run, body.checkpoint, source.session, body.file)
-        recorded = self._file_entry(run, body.checkpoint, source.session, body.file)
-        now = self.storage.content_stamp(src_key)
-        if not now or recorded is None or recorded.stamp != now:
-            raise InvalidRequest(f"file {file!r}: {run}/{body.checkpoint}/{body.file} is not as the service stored it "
-                                 f"(changed since, or stored without a record of it); send the bytes", file=file)
+        if not record_vouches(self.storage, source, body.file, src_key):
+            raise InvalidRequest(f"file {file!r}: {run}/{body.checkpoint}/{body.file} is not as its last verification "
+                                 f"found it (changed since, or never verified here); send the bytes", file=file)
         if not self.storage.link(src_key, key):
             raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) cannot link "
                                  f"{run}/{body.checkpoint}/{body.file}; send the bytes", file=file)
         if self.storage.size(key) != entry.size:
-            self.storage.delete(key)
             raise InvalidRequest(f"file {file!r}: the stored {run}/{body.checkpoint}/{body.file} is not the "
                                  f"{entry.size} bytes its manifest records; send the bytes", file=file)
-        stamp = self.storage.content_stamp(key)
-        if self.storage.local_path(key) is not None and stamp != now:  # a hard link: the same file, or not this one
-            self.storage.delete(key)
-            raise InvalidRequest(f"file {file!r}: {run}/{body.checkpoint}/{body.file} changed while it was linked; "
-                                 f"send the bytes", file=file)
         record = FileEntry(size=entry.size, xxh3=entry.xxh3, block_size=entry.block_size, blocks=entry.blocks,
-                           linked=f"{body.checkpoint}/{body.file}", stamp=stamp)
-        self.storage.put(Paths.digest(run, name, sid, file), record.model_dump_json().encode())
+                           linked=f"{body.checkpoint}/{body.file}")
+        record_file(self.storage, Paths.digest(run, name, sid, file), file, record)
         return UploadResult(file=file, size=entry.size, xxh3=entry.xxh3)
 
     def _file_entry(self, run: str, name: str, sid: str, file: str) -> FileEntry | None:
@@ -557,8 +537,14 @@ class SessionStore:
         with gc_paused():  # 512,000 chunks allocate enough for the collector to run dozens of full passes
             try:
                 manifest, files = self._merged(run, name, sid, meta)
-                check_commit(manifest, files, self.storage, lambda f: Paths.file(run, name, sid, f),  # the bytes
-                             verified=self._linked_locations(run, files))
+                check_reuse(manifest)  # a linked file must be at least half used: references pay for themselves
+                key_of = lambda f: Paths.file(run, name, sid, f)  # noqa: E731
+                before = file_stamps(self.storage, key_of, sorted(files))
+                t0 = time.perf_counter()
+                nread = check_commit(manifest, self.storage, key_of)  # every byte, whichever way it entered
+                check = _CommitCheck(before, file_stamps(self.storage, key_of, sorted(files)), nread,
+                                     time.perf_counter() - t0, len(manifest.tensors),
+                                     sum(len(t.table) for t in manifest.tensors))
             except StorageError:
                 raise  # transient (or the store is down): the session stays open for a retry, not failed
             except (CkptdError, ValidationError) as e:
@@ -584,20 +570,10 @@ class SessionStore:
                 raise Conflict(f"{run}/{name} was committed by another session", ref=f"{run}/{name}")
             return existing.manifest_xxh3, None
         crash_point("commit-after-marker")
+        record_commit_check(self.storage, run, name, digest, check, nfiles)
         log.info("committed %s/%s session %s (%d files, %d bytes)", run, name, sid, nfiles, nbytes)
         return digest, CommitEvent(run=run, name=name, session=sid, manifest_xxh3=digest, derived_from=derived_from,
                                    files=nfiles, bytes=nbytes)
-
-    def _linked_locations(self, run: str, files: dict[str, FileEntry]) -> dict[str, set[tuple]]:
-        """Per linked file, the locations its source's manifest verified, while that source is still the
-        visible checkpoint holding exactly these bytes (else the file is read at commit)."""
-        verified: dict[str, dict[str, set[tuple]]] = {}
-        out: dict[str, set[tuple]] = {}
-        for f, src in linked_sources(self.visibility, run, files).items():
-            if src.checkpoint.name not in verified:
-                verified[src.checkpoint.name] = verified_locations(src.manifest)
-            out[f] = verified[src.checkpoint.name].get(src.file, set())
-        return out
 
     # -- abort / sweep -----------------------------------------------------------------
     def abort(self, run: str, name: str, sid: str) -> None:

@@ -15,9 +15,17 @@ it in ``ckptd_invisible_checkpoints_total``) and never makes another checkpoint 
 ``RUN/latest`` falls back to the newest visible trainer checkpoint. Checkpoints are ordered by the
 step that marker and manifest agree on, so a single edited file cannot reorder a run.
 
+``RUN/latest`` is decided here too (:meth:`Visibility.latest`): the newest visible trainer
+checkpoint **not known to be bad**. Known bad means its recorded verification of the manifest
+committed now failed (:func:`.verification.known_bad` reads the record; this module stays the one
+reader of markers). A checkpoint never verified, or verified about another manifest, is not known
+to be bad. The checkpoints passed over are returned with the reason (:class:`Skipped`), so a load
+and ``ckptd show`` can say why ``latest`` is not the newest one.
+
 Call order: :meth:`Visibility.marker` is the one reader of markers (the write side asks it whether
 a ref is taken); :meth:`Visibility.check` applies the rule to one ref; :meth:`Visibility.listing`,
-:meth:`Visibility.resolve` and :meth:`Visibility.manifest` are built on it.
+:meth:`Visibility.resolve` and :meth:`Visibility.manifest` are built on it; :meth:`Visibility.latest`
+on the listing, and :meth:`Visibility.resolve_ref` (``resolve`` with what ``latest`` skipped) on both.
 
 Cost: a check reads the marker and stats the manifest (:meth:`Storage.stamp`). The manifest's bytes
 are read, hashed and parsed only when its stamp is new; the verdict is cached by (key, stamp) and
@@ -48,7 +56,7 @@ from .gcpause import gc_paused
 from ckptd_schemas.filedigest import xxh3_hex
 from .layout import Marker, Paths
 
-__all__ = ["BadMarker", "Committed", "Visibility", "manifest_file_name"]
+__all__ = ["BadMarker", "Committed", "Latest", "Skipped", "Visibility", "manifest_file_name"]
 
 log = logging.getLogger("ckptd.store")
 
@@ -117,6 +125,30 @@ class Committed:
                                  session=m.session, committed_at=m.committed_at, manifest_xxh3=m.manifest_xxh3)
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """A trainer checkpoint newer than the one ``RUN/latest`` resolved to, passed over because it is
+    known to be bad; ``reason`` says why (``verification failed at ...: <first problem>``)."""
+
+    ref: str
+    reason: str
+
+    def as_json(self) -> dict:
+        return {"ref": self.ref, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Latest:
+    """What ``RUN/latest`` resolves to in one listing (:meth:`Visibility.latest`)."""
+
+    #: the newest visible trainer checkpoint not known to be bad (None: there is none)
+    checkpoint: Committed | None
+    #: the newer trainer checkpoints passed over as known to be bad, newest first
+    skipped: tuple[Skipped, ...] = ()
+    #: the newest visible trainer checkpoint, known to be bad or not (retention always keeps it)
+    newest: Committed | None = None
+
+
 def order_key(c: Committed) -> tuple:
     """Oldest first: by step (as a number), then the manifest's creation time, then name. Each is
     bound by the manifest's digest (the name by the path that marker and manifest agree on); the
@@ -135,9 +167,12 @@ class Visibility:
     """The visibility rule over one :class:`Storage`, with caches that never outlive the bytes."""
 
     def __init__(self, storage: Storage, *, cache_size: int = 64,
-                 on_invisible: Callable[[str, str, str], None] | None = None) -> None:
+                 on_invisible: Callable[[str, str, str], None] | None = None,
+                 known_bad: Callable[[Committed], str | None] | None = None) -> None:
         self.storage = storage
         self.on_invisible = on_invisible  # (ref, reason, message), once per ref and reason
+        # why a visible checkpoint is known to be bad (None: it is not); default: its verification record
+        self._known_bad = known_bad
         # (manifest key, stamp) -> what those bytes say: (digest, run, name, session, step, derived_from,
         # created_at)
         self._verdicts: dict[tuple[str, str], tuple] = {}
@@ -357,27 +392,60 @@ class Visibility:
         out = [c for n in self.names(run) if (c := self.check(run, n)) is not None]
         return sorted(out, key=order_key)
 
-    @staticmethod
-    def latest_of(visible: list[Committed]) -> Committed | None:
-        """What ``RUN/latest`` names: the newest visible trainer checkpoint (a step, no ``derived_from``)."""
-        trainer = [c for c in visible if c.derived_from is None and c.step is not None]
-        return max(trainer, key=order_key) if trainer else None
+    def known_bad(self, c: Committed) -> str | None:
+        """Why the visible checkpoint ``c`` is known to be bad, or None (:func:`.verification.known_bad`:
+        a recorded verification of the manifest committed now that failed)."""
+        if self._known_bad is not None:
+            return self._known_bad(c)
+        from .verification import known_bad  # that module builds on this one: imported at first use
+
+        return known_bad(self.storage, c)
+
+    def latest(self, visible: list[Committed]) -> Latest:
+        """What ``RUN/latest`` names among ``visible`` (a :meth:`listing`): the newest trainer checkpoint
+        (a step, no ``derived_from``) not known to be bad, and the newer ones skipped, with why.
+
+        Records are read newest first and only until one checkpoint is not known to be bad: one
+        read of ``VERIFIED.json`` when the newest is good."""
+        trainer = sorted((c for c in visible if c.derived_from is None and c.step is not None), key=order_key)
+        skipped: list[Skipped] = []
+        for c in reversed(trainer):
+            why = self.known_bad(c)
+            if why is None:
+                return Latest(c, tuple(skipped), trainer[-1])
+            skipped.append(Skipped(c.ref, why))
+        return Latest(None, tuple(skipped), trainer[-1] if trainer else None)
+
+    def latest_of(self, visible: list[Committed]) -> Committed | None:
+        """What ``RUN/latest`` names: the newest visible trainer checkpoint not known to be bad."""
+        return self.latest(visible).checkpoint
 
     def resolve(self, run: str, name: str) -> Committed:
-        """The visible checkpoint ``run/name`` (``latest``: the newest visible trainer checkpoint)."""
+        """The visible checkpoint ``run/name`` (``latest``: the newest visible trainer checkpoint not
+        known to be bad)."""
+        return self.resolve_ref(run, name)[0]
+
+    def resolve_ref(self, run: str, name: str) -> tuple[Committed, tuple[Skipped, ...]]:
+        """:meth:`resolve`, and for ``latest`` the newer checkpoints it skipped as known to be bad
+        (empty for a concrete name: a named checkpoint is served as asked, good or bad)."""
         check_run(run)
         if name == LATEST:
-            latest = self.latest_of(self.listing(run))
-            if latest is None:
+            latest = self.latest(self.listing(run))
+            if latest.checkpoint is None:
+                if latest.skipped:
+                    raise CheckpointNotFound(
+                        f"run {run!r} has no visible trainer checkpoint that is not known to be bad: "
+                        + "; ".join(f"{s.ref}: {s.reason}" for s in latest.skipped[:3]),
+                        ref=f"{run}/latest", skipped=[s.as_json() for s in latest.skipped[:16]])
                 raise CheckpointNotFound(f"run {run!r} has no visible trainer checkpoint", ref=f"{run}/latest")
-            return latest
+            return latest.checkpoint, latest.skipped
         check_name(name)
         m = self.marker(run, name)
         if m is None:
             raise CheckpointNotFound(f"checkpoint {run}/{name} does not exist or is not committed",
                                      ref=f"{run}/{name}")
         try:
-            return self._check(run, name, m)
+            return self._check(run, name, m), ()
         except _Invisible as e:
             self._report(f"{run}/{name}", e.reason, e.message)
             raise CheckpointNotFound(f"checkpoint {run}/{name} is not visible: {e.message}", ref=f"{run}/{name}",

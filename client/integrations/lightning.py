@@ -41,7 +41,7 @@ from ckptd_schemas import CheckpointNotFound, InvalidRequest, StateDictMismatch,
 
 from .._dist import solo
 from .._save import SaveHandle
-from ..assemble import torch_dtype
+from ckptd_schemas.format.assemble import torch_dtype
 from ..client import CheckpointClient
 
 __all__ = ["STRUCTURE_KEY", "SCHEME", "CkptdCheckpointIO", "name_for", "structure_of", "template_of"]

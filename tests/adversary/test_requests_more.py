@@ -284,7 +284,7 @@ def test_a_client_gone_mid_body_is_a_disconnect_on_every_json_route(tmp_path):
         assert r.status_code == 200, r.text
         routes = {"put_index": ("PUT", "/v1/checkpoints/gpt/2/sessions/s1/ranks/0", ALICE),
                   "read_plan": ("POST", "/v1/checkpoints/gpt/1/read-plan", ALICE),
-                  "adopt_file": ("POST", "/v1/checkpoints/gpt/2/sessions/s1/files/x.bin/adopt", ALICE),
+                  "link_file": ("POST", "/v1/checkpoints/gpt/2/sessions/s1/files/x.bin/link", ALICE),
                   "open_session": ("POST", "/v1/checkpoints/gpt/3/sessions", ALICE),
                   "create_job": ("POST", "/v1/reshard", ROOT)}
         for method, path, token in routes.values():
@@ -397,8 +397,7 @@ def test_hostile_json_on_every_json_route_is_a_4xx_in_the_error_shape(tmp_path):
                            b'{"rank": 0, "world_size": 1, "files": [], "tensors": X}'),
             "read plan": ("POST", f"{base}/1/read-plan", ALICE, b'{"requests": [{"name": "w", "offsets": [X], '
                                                                 b'"sizes": [1]}]}'),
-            "adopt": ("POST", f"{base}/1/sessions/s1/files/g.bin/adopt", ALICE,
-                      b'{"staged": "g.bin", "size": X, "xxh3": "0000000000000000"}'),
+            "link": ("POST", f"{base}/1/sessions/s1/files/g.bin/link", ALICE, b'{"checkpoint": X, "file": "g.bin"}'),
             "reshard": ("POST", f"{srv.url}/v1/reshard", ROOT, b'{"source": "gpt/1", "to": X}'),
             "reshard preview": ("POST", f"{srv.url}/v1/reshard/preview", ROOT, b'{"source": "gpt/1", "to": X}'),
         }

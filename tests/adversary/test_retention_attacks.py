@@ -52,9 +52,9 @@ def test_gc_keeps_the_newest_verified_checkpoint_when_the_newest_is_corrupt(tmp_
             for s, sd in states.items():
                 c.save(sd, f"{RUN}/{s}").wait()
         _flip_data_byte(root, "3")
-        # A dry run says which checkpoint is the newest verified one and how that was established.
-        # The first verifies step 2 and records it; the second relies on that record.
-        for target, how in ((["--root", str(root)], "verified now"),
+        # A dry run says which checkpoint is the newest verified one and how that was established: step 2's
+        # commit recorded its full check, whose stamps still hold (step 3's no longer do: it is read again).
+        for target, how in ((["--root", str(root)], "recorded verification of the stored bytes"),
                             (["--server", srv.url], "recorded verification of the stored bytes")):
             dry = _cli("gc", RUN, "--keep-last", "1", "--dry-run", "--json", *target)
             assert dry.returncode == 0, dry.stdout + dry.stderr
@@ -67,15 +67,14 @@ def test_gc_keeps_the_newest_verified_checkpoint_when_the_newest_is_corrupt(tmp_
         r = httpx.post(f"{srv.url}/v1/runs/{RUN}/gc", json={"keep_last": 1}, timeout=120)
         assert r.status_code == 200 and r.json()["deleted"] == ["1"], r.text
         assert _names(srv) == ["2", "3"]
-        # The record of that verification now vouches for step 2's bytes: a second gc reads nothing again.
+        # Nothing is left to delete: step 2 is what RUN/latest resolves to (step 3 is known to be bad).
         again = _cli("gc", RUN, "--keep-last", "1", "--json", "--root", str(root))
         plan = json.loads(again.stdout)
-        assert plan["newest_verified"] == "2" and plan["verified_how"] == "recorded verification of the stored bytes"
-        # ...until those bytes change: then the record no longer counts, and nothing verifies.
+        assert plan["latest"] == "2" and "3" in plan["known_bad"] and plan["deleted"] == [], again.stdout
+        # ...and once step 2's bytes change too, still nothing is deleted.
         _flip_data_byte(root, "2")
         plan = json.loads(_cli("gc", RUN, "--keep-last", "1", "--json", "--root", str(root)).stdout)
-        assert plan["newest_verified"] is None and plan["deleted"] == [] and set(plan["failed_verification"]) == {
-            "2", "3"}, plan
+        assert plan["deleted"] == [], plan
         assert _names(srv) == ["2", "3"]
     finally:
         srv.stop()

@@ -104,7 +104,7 @@ export async function checkpointPage(view, params, run, name) {
   filter.addEventListener("change", () => tensorsSection(run, c.name, tensorsBox, 0, filter.value));
   view.replaceChildren(
     h("h1", {}, `Checkpoint ${c.ref}`),
-    table(["step#", "name", "written#", "linked#", "logical → stored#", "files#", "world / layout", "verification",
+    table(["step#", "name", "written#", "unchanged#", "logical → stored#", "files#", "world / layout", "verification",
            "leases", "lineage", "committed"], [checkpointRow(run, c)], {id: "summary"}),
     h("h2", {}, "Details"),
     kv([["step", c.step ?? "–"], ["committed", when(c.committed_at)], ["session", c.session],

@@ -33,7 +33,9 @@ export function checkpointRow(run, r) {
   const sizes = st ? [
     h("td", {class: "num", title: `${bytes(st.file_bytes)} in files, ${bytes(st.linked_bytes)} of them linked`},
       bytes(st.written_bytes)),
-    h("td", {class: "num"}, bytes(st.linked_bytes)),
+    // unchanged: the reused chunks' bytes (Manifest.unchanged_bytes, as `ckptd show`), not the linked files' sizes
+    h("td", {class: "num", title: `in ${st.linked_files} linked file${st.linked_files === 1 ? "" : "s"} of ${bytes(st.linked_bytes)}`},
+      bytes(st.unchanged_bytes)),
     h("td", {class: "num", title: `${st.chunks} chunks, ${st.compressed_chunks} compressed`},
       `${bytes(st.logical_bytes)} → ${bytes(st.stored_bytes)}`),
     h("td", {class: "num"}, st.files), h("td", {}, layout(st))]
@@ -61,7 +63,7 @@ export async function runPage(view, params, run) {
     steps.some((c) => c.step !== null) ? timeline(steps, ans.items) : h("p", {class: "muted"}, "No step to draw."),
     h("h2", {}, "Checkpoints"),
     pager(ans, (o) => { location.hash = `#/run/${enc(run)}?offset=${o}`; }, "checkpoints"),
-    table(["step#", "name", "written#", "linked#", "logical → stored#", "files#", "world / layout", "verification",
+    table(["step#", "name", "written#", "unchanged#", "logical → stored#", "files#", "world / layout", "verification",
            "leases", "lineage", "committed"], rows, {id: "checkpoints"}),
     h("h2", {}, "Lineage (this page)"),
     lineage(run, ans.items));

@@ -1,5 +1,5 @@
 // The run page's pictures: the step timeline (every checkpoint of the run as a tick, the shown
-// page's checkpoints as bars of bytes written and linked) and the lineage graph.
+// page's checkpoints as bars of bytes written and reused unchanged) and the lineage graph.
 import {bytes, h, s} from "./dom.js";
 
 const W = 960;
@@ -21,13 +21,13 @@ export function timeline(steps, rows) {
              s("path", {class: "ticks derived", d: ticks(true) || "M0 0", stroke: "#b26a00", "stroke-width": 1}));
   for (const r of rows) {
     if (r.step === null || !r.stats) continue;
-    const written = r.stats.written_bytes, linked = r.stats.linked_bytes;
+    const written = r.stats.written_bytes, unchanged = r.stats.unchanged_bytes;
     const bw = Math.max(1, Math.min(4, (W - 60) / known.length)), cx = x(r.step) - bw / 2;
-    const hw = (written / peak) * 90, hl = (linked / peak) * 90;
+    const hw = (written / peak) * 90, hl = (unchanged / peak) * 90;
     const v = r.verification;
     const colour = v ? (v.ok ? "#1f8a4c" : "#c62828") : "#2a5db0";
     const g = s("g", {class: "ckpt", dataset: {step: r.step, name: r.name}},
-      s("title", {}, `${r.name} (step ${r.step}): ${bytes(written)} written, ${bytes(linked)} linked` +
+      s("title", {}, `${r.name} (step ${r.step}): ${bytes(written)} written, ${bytes(unchanged)} unchanged` +
                      (v ? `, verified ${v.ok ? "ok" : "FAILED"}` : ", not verified")),
       s("rect", {x: cx, y: base - hw, width: bw, height: Math.max(hw, 1), fill: colour}),
       s("rect", {x: cx, y: base - hw - hl, width: bw, height: hl, fill: "#9fb3d1"}));
@@ -35,7 +35,7 @@ export function timeline(steps, rows) {
   }
   svg.append(s("text", {x: 40, y: base + 34}, `step ${lo}`),
              s("text", {x: W - 20, y: base + 34, "text-anchor": "end"}, `step ${hi}`),
-             s("text", {x: 40, y: 12}, `${steps.length} checkpoints (ticks: trainer above, derived below); bars: this page's bytes written (dark: green verified, red failed, blue not verified) and linked (light), peak ${bytes(peak)}`));
+             s("text", {x: 40, y: 12}, `${steps.length} checkpoints (ticks: trainer above, derived below); bars: this page's bytes written (dark: green verified, red failed, blue not verified) and unchanged (light), peak ${bytes(peak)}`));
   return svg;
 }
 

@@ -1,7 +1,7 @@
 """A compressed chunk checked as its bytes pass, in bounded memory: the commit's codec check.
 
 :func:`frame_check` gives the check for a chunk's codec: :class:`FrameCheck` for zstd,
-:class:`Blosc2Check` for blosc2 (byte planes; ``ckptd_client.codec``).
+:class:`Blosc2Check` for blosc2 (byte planes; :mod:`ckptd_schemas.format.codec`).
 
 :class:`FrameCheck` is fed a compressed chunk's stored bytes in order (``feed``), then asked
 ``problem()``. It holds when the bytes are exactly one complete zstd frame, without a
@@ -21,6 +21,8 @@ Two readers of the same bytes, so neither has to trust the other:
 from __future__ import annotations
 
 import zstandard
+
+from .codec import BLOSC2_OVERHEAD, blosc2_problem
 
 __all__ = ["WRITE_SIZE", "Blosc2Check", "FrameCheck", "frame_check"]
 
@@ -176,11 +178,10 @@ class Blosc2Check:
     """One blosc2 chunk's bytes, fed in order; ``problem()`` as :class:`FrameCheck`'s. A Blosc2 frame
     is at most 4 MiB of raw data (``FRAME_BYTES``) plus its header: it is collected (refused as soon
     as it is longer than any frame of ``raw_length`` bytes can be) and checked by
-    ``ckptd_client.codec.blosc2_problem``: header sizes first, then a decode into ``raw_length`` bytes."""
+    :func:`ckptd_schemas.format.codec.blosc2_problem`: header sizes first, then a decode into ``raw_length``
+    bytes."""
 
     def __init__(self, raw_length: int) -> None:
-        from ckptd_client.codec import BLOSC2_OVERHEAD, blosc2_problem
-
         self.raw_length, self._check = raw_length, blosc2_problem
         self._limit = raw_length + BLOSC2_OVERHEAD
         self._buf = bytearray()

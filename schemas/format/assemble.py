@@ -1,25 +1,29 @@
-"""Assembly of tensors from fetched byte ranges: verify, decode, copy (shared by
-``CheckpointClient.load`` and the reshard executor, on any device).
+"""Assembly of tensors from fetched byte ranges with torch: verify, decode, copy (shared by
+``CheckpointClient.load``, the DCP reader and the service's torch engine, on any device).
 
 A :class:`ckptd_schemas.ReadPlan` lists fetches (byte ranges with block
 digests) and copies (which global boxes of which chunk land where). For each
-fetch: :func:`verify_fetch`, then for each of its copies :func:`copy_into`
-with a destination described by :class:`Destination`. Non-tensor objects
-are decoded by :mod:`ckptd_client.objects`.
+fetch: :func:`ckptd_schemas.verify_fetch`, then for each of its copies
+:func:`copy_into` with a destination described by :class:`Destination`; a
+compressed chunk is decoded by :func:`ckptd_schemas.format.codec.source_bytes`.
+Non-tensor objects are decoded by :mod:`ckptd_schemas.format.objects`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from ckptd_schemas import Copy, dest_region, verify_fetch
-
+from ..readplan import dest_region
 from .codec import source_bytes
 
-__all__ = ["Destination", "copy_into", "torch_dtype", "verify_fetch"]
+if TYPE_CHECKING:
+    from ..readplan import Copy
+
+__all__ = ["Destination", "copy_into", "torch_dtype"]
+
 
 def torch_dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
@@ -61,4 +65,3 @@ def copy_into(buf: bytearray | memoryview, c: Copy, dest: Destination) -> None:
         for offsets, sizes in c.regions:
             view = src.as_strided(sizes, c.strides, src.storage_offset() + c.source_offset(offsets))
             dest.view(offsets, sizes).copy_(view)
-

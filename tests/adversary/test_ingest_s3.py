@@ -1,0 +1,159 @@
+"""Attacks on direct uploads to an S3 root: a write capability must not outlive its purpose.
+
+A real ``ckptd serve --root s3://...`` on the suite's moto server. The promise (docs/guarantees.md
+§3): no key that a visible manifest references can be written again, through the service or
+through anything it handed out. A presigned ``PutObject`` URL signs ``If-None-Match: *`` (the store
+creates the object once), a multipart upload is completed by the service with ``If-None-Match: *``
+(its part URLs then name an upload that no longer exists), and a file is presigned once.
+
+Attacks, each with a valid write token over raw HTTP: the single-PUT URL replayed with its signed
+headers after the commit, with other bytes; a part URL of a multipart upload replayed after the
+commit; a second presign of a file (other bytes declared, and the same); a presign of a file already
+uploaded through the service. After each, the committed checkpoint still verifies and loads.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import subprocess
+import sys
+
+import httpx
+import pytest
+import xxhash
+
+from ckptd_client import CheckpointClient
+from ckptd_schemas.filedigest import StreamDigest
+from support import REPO, ServerProcess
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def s3srv(moto_s3, tmp_path_factory):
+    from s3_server import aws_env
+
+    url = moto_s3.url("ingest")
+    srv = ServerProcess(url, env=aws_env(moto_s3.endpoint), log=tmp_path_factory.mktemp("ingest") / "server.log")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _sha(data: bytes) -> str:
+    return base64.b64encode(hashlib.sha256(data).digest()).decode()
+
+
+class Save:
+    """One raw save of one file (``data``) as a uint8 tensor, through presigned URLs."""
+
+    def __init__(self, srv: ServerProcess, run: str, name: str, data: bytes, part: int = 5 * MiB) -> None:
+        self.http = httpx.Client(base_url=srv.url, timeout=60)
+        self.run, self.name, self.data, self.sid = run, name, data, "a" * 32
+        self.base = f"/v1/checkpoints/{run}/{name}/sessions"
+        r = self.http.post(self.base, json={"session": self.sid, "world_size": 1, "step": int(name),
+                                            "direct_uploads": True})
+        assert r.status_code == 200 and r.json()["presigned"] is True, r.text
+        self.file = f"{self.base}/{self.sid}/files/r0.bin"
+        self.parts = [data[i:i + part] for i in range(0, len(data), part)] or [b""]
+        self.claim = {"size": len(data), "part_size": part, "sha256": [_sha(p) for p in self.parts]}
+
+    def presign(self, claim: dict | None = None) -> httpx.Response:
+        return self.http.post(f"{self.file}/presign", json=claim or self.claim)
+
+    def put_all(self, signed: dict) -> list[str]:
+        etags = []
+        for url, headers, part in zip(signed["urls"], signed["headers"], self.parts):
+            r = httpx.put(url, content=part, headers=headers, timeout=60)
+            assert r.status_code == 200, r.text
+            etags.append(r.headers["ETag"])
+        return etags
+
+    def confirm(self, signed: dict, etags: list[str]) -> None:
+        d = StreamDigest(signed["block_size"])
+        d.update(self.data)
+        whole, blocks = d.finish()
+        r = self.http.post(f"{self.file}/confirm", json={
+            **self.claim, "upload_id": signed["upload_id"], "etags": etags if signed["upload_id"] else [],
+            "xxh3": whole, "block_size": signed["block_size"], "blocks": blocks})
+        assert r.status_code == 200, r.text
+
+    def commit(self) -> None:
+        n = len(self.data)
+        index = {"rank": 0, "world_size": 1, "files": ["r0.bin"], "tensors": [{
+            "name": "model.blob", "shape": [n], "dtype": "uint8", "group": "model", "chunks": [{
+                "kind": "box", "rank": 0, "offsets": [0], "sizes": [n],
+                "location": {"file": "r0.bin", "offset": 0, "length": n, "codec": "raw", "raw_length": n,
+                             "xxh3": xxhash.xxh3_64_hexdigest(self.data)}}]}]}
+        r = self.http.put(f"{self.base}/{self.sid}/ranks/0", json=index)
+        assert r.status_code == 200 and r.json()["state"] == "committed", r.text
+
+    def assert_intact(self, srv: ServerProcess) -> None:
+        """The checkpoint verifies (``ckptd verify --server``) and loads its own bytes."""
+        import torch
+
+        out = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "verify", f"{self.run}/{self.name}",
+                              "--server", srv.url], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        got = {"model": {"blob": torch.zeros(len(self.data), dtype=torch.uint8)}}
+        with CheckpointClient(srv.url) as c:
+            c.load(got, f"{self.run}/{self.name}")
+        assert bytes(got["model"]["blob"].numpy()) == self.data
+
+
+def test_a_presigned_put_replayed_after_the_commit_is_refused_by_the_store(s3srv):
+    data = bytes(range(256)) * 64
+    s = Save(s3srv, "replay", "1", data)
+    signed = s.presign().json()
+    assert signed["headers"][0]["If-None-Match"] == "*"
+    s.confirm(signed, s.put_all(signed))
+    s.commit()
+    other = bytes(reversed(data))
+    for body in (other, data):  # other bytes (the signed SHA-256 is moto's to check, not ours), and the same
+        r = httpx.put(signed["urls"][0], content=body, headers=signed["headers"][0], timeout=60)
+        assert r.status_code == 412, (r.status_code, r.text)
+    s.assert_intact(s3srv)
+
+
+def test_a_part_url_replayed_after_the_commit_writes_nothing(s3srv):
+    data = bytes(range(251)) * (11 * MiB // 251)  # 3 parts of 5 MiB: one multipart upload
+    s = Save(s3srv, "replay", "2", data)
+    signed = s.presign().json()
+    assert signed["upload_id"] is not None and len(signed["urls"]) == 3
+    s.confirm(signed, s.put_all(signed))
+    s.commit()
+    r = httpx.put(signed["urls"][1], content=s.parts[1], headers=signed["headers"][1], timeout=60)
+    assert r.status_code >= 400, (r.status_code, r.text)  # S3: 404 NoSuchUpload (moto answers 500)
+    s.assert_intact(s3srv)
+
+
+def test_a_file_is_presigned_once(s3srv):
+    data = b"y" * 4000
+    s = Save(s3srv, "twice", "1", data)
+    assert s.presign().status_code == 200
+    other = {**s.claim, "sha256": [_sha(b"z" * 4000)]}
+    for claim in (other, s.claim):
+        r = s.presign(claim)
+        assert r.status_code == 409 and "presigned once" in r.json()["error"]["message"], r.text
+    # a file uploaded through the service cannot be presigned afterwards either
+    up = s.http.put(f"{s.base}/{s.sid}/files/r1.bin", content=data,
+                    headers={"X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(data)})
+    assert up.status_code == 200, up.text
+    r = s.http.post(f"{s.base}/{s.sid}/files/r1.bin/presign", json=s.claim)
+    assert r.status_code == 409, r.text
+
+
+def test_an_upload_through_the_service_does_not_replace_a_presigned_object(s3srv):
+    """The URL's object is in place (not confirmed yet); a second way in, the service's own upload of
+    the same file with other bytes, is refused, and the presigned bytes are what the commit checks."""
+    data = b"q" * 3000
+    s = Save(s3srv, "twoways", "1", data)
+    signed = s.presign().json()
+    etags = s.put_all(signed)
+    other = b"r" * 3000
+    up = s.http.put(s.file, content=other, headers={"X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(other)})
+    assert up.status_code == 409, up.text
+    s.confirm(signed, etags)
+    s.commit()
+    s.assert_intact(s3srv)

@@ -1,0 +1,154 @@
+"""One checker: the commit and ``ckptd verify`` give the same verdict on the same stored bytes.
+
+Unit tests of :mod:`ckptd.store.commit_checks` over a real :class:`SessionStore` on a local
+directory (no service): a session's files are uploaded honestly (raw chunks, replicas written by
+two ranks, zstd frames, a stored object), then the stored bytes are damaged in one of many ways
+before the last index arrives (a byte flipped, the file truncated or extended, a frame rewritten
+without its content size, an empty frame appended, another frame or skippable frame after the
+chunk, two replicas' bytes swapped for other bytes). The commit's verdict (committed, or refused)
+must equal ``verify_manifest``'s over the merged manifest and the same bytes, for every damage
+hypothesis draws, and every damage must be refused by both.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import xxhash
+import zstandard
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from ckptd.storage import LocalStorage
+from ckptd.store.layout import Paths
+from ckptd.store.sessions import SessionStore
+from ckptd.store.verify import verify_manifest
+from ckptd_schemas import CkptdError, CorruptCheckpoint, OpenSession, RankIndex
+
+RAW = bytes(range(48))  # a 4 x 3 float32 tensor's bytes (any 48 bytes)
+PIECE = RAW[:24]
+
+
+def _h(b: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(b)
+
+
+def _frame(raw: bytes, *, content_size: bool = True) -> bytes:
+    return zstandard.ZstdCompressor(level=1, write_content_size=content_size).compress(raw)
+
+
+def _chunk(rank: int, file: str, stored: bytes, offset: int, codec: str = "raw", raw_length: int | None = None,
+           **region) -> dict:
+    return {"kind": "box", "rank": rank, **region,
+            "location": {"file": file, "offset": offset, "length": len(stored), "codec": codec,
+                         "raw_length": len(stored) if raw_length is None else raw_length, "xxh3": _h(stored)}}
+
+
+def _layout(frame: bytes | None = None) -> tuple[dict[str, bytes], list[dict]]:
+    """Two ranks: tensor ``model.w`` (4 x 3), rank 0 rows 0-1 as a zstd chunk (``frame``: one plain frame
+    of them by default) and rows 2-3 raw; tensor ``model.r`` (2) replicated on both ranks; rank 1 also
+    stores object ``sched``. Every digest is of the bytes placed."""
+    frame = _frame(PIECE) if frame is None else frame
+    rep = RAW[:8]
+    obj = b'{"lr": 0.1}'
+    f0 = frame + RAW[24:] + rep
+    f1 = rep + obj
+    w = {"name": "model.w", "shape": [4, 3], "dtype": "float32", "group": "model", "chunks": [
+        _chunk(0, "r0.bin", frame, 0, "zstd", 24, offsets=[0, 0], sizes=[2, 3]),
+        _chunk(0, "r0.bin", RAW[24:], len(frame), offsets=[2, 0], sizes=[2, 3])]}
+    r = [{"name": "model.r", "shape": [2], "dtype": "float32", "group": "model",
+          "chunks": [_chunk(rank, f, rep, off, offsets=[0], sizes=[2])]}
+         for rank, f, off in ((0, "r0.bin", len(frame) + 24), (1, "r1.bin", 0))]
+    i0 = {"rank": 0, "world_size": 2, "files": ["r0.bin"], "tensors": [w, r[0]]}
+    i1 = {"rank": 1, "world_size": 2, "files": ["r1.bin"], "tensors": [r[1]],
+          "objects": [{"name": "sched", "rank": 1, "encoding": "torch",
+                       "location": {"file": "r1.bin", "offset": len(rep), "length": len(obj), "codec": "raw",
+                                    "raw_length": len(obj), "xxh3": _h(obj)}}]}
+    return {"r0.bin": f0, "r1.bin": f1}, [i0, i1]
+
+
+#: zstd chunks that are not exactly one plain frame declaring its size (what ``verify`` once accepted)
+FRAMES = {
+    "no-content-size": lambda: _frame(PIECE, content_size=False),
+    "empty-frame-after": lambda: _frame(PIECE) + _frame(b""),
+    "skippable-after": lambda: _frame(PIECE) + struct.pack("<II", 0x184D2A50, 0),
+    "two-frames": lambda: _frame(PIECE[:12]) + _frame(PIECE[12:]),
+}
+
+
+def _damage(kind: str, at: int, files: dict[str, bytes]) -> dict[str, bytes]:
+    """``files`` as a root's editor left them after the upload; ``at`` picks the byte or file."""
+    if kind in FRAMES:
+        return _layout(FRAMES[kind]())[0]
+    out = dict(files)
+    name = sorted(out)[at % len(out)]
+    data = bytearray(out[name])
+    if kind == "flip":
+        data[at % len(data)] ^= 1 << (at % 8)
+    elif kind == "truncate":
+        del data[max(1, len(data) - 1 - at % 8):]
+    elif kind == "extend":
+        data += b"\0" * (1 + at % 8)
+    elif kind == "replica-swap":  # rank 1's replica holds other bytes of the same length
+        name, data = "r1.bin", bytearray(bytes(8)) + bytearray(files["r1.bin"][8:])
+    out[name] = bytes(data)
+    return out
+
+
+def _verdicts(tmp_path, uploaded: dict[str, bytes], indexes: list[dict],
+              stored: dict[str, bytes] | None = None) -> tuple[bool, bool, str]:
+    """(commit passed, verify passed, why): ``indexes`` committed over the ``uploaded`` files, which the
+    root's editor replaced with ``stored`` after the upload (when given)."""
+    store = SessionStore(LocalStorage(tmp_path))
+    store.open("run", "2", OpenSession(session="s", world_size=2, step=2))
+    for f, data in uploaded.items():
+        sink = store.begin_file("run", "2", "s", f)
+        sink.write(data)
+        sink.finish(_h(data))
+    for f, data in (stored or {}).items():
+        (tmp_path / Paths.file("run", "2", "s", f)).write_bytes(data)
+    store.put_index("run", "2", "s", RankIndex.model_validate(indexes[0]))
+    try:
+        store.put_index("run", "2", "s", RankIndex.model_validate(indexes[1]))
+        committed, why = True, ""
+    except CkptdError as e:
+        committed, why = False, e.message
+    manifest, _ = store._merged("run", "2", "s", store._meta("run", "2", "s"))  # both indexes are stored
+
+    class Source:  # as ``ckptd verify --root`` reads: a file of another size than recorded is damage
+        def read(self, file: str, start: int, end: int) -> bytes:
+            data = (tmp_path / Paths.file("run", "2", "s", file)).read_bytes()
+            if len(data) != manifest.files[file].size:
+                raise CorruptCheckpoint(f"file {file!r} holds {len(data)} bytes", file=file)
+            return data[start:end]
+
+    report = verify_manifest(manifest, Source())
+    return committed, report.ok, why + " | " + "; ".join(report.problems)
+
+
+def test_the_honest_layout_commits_and_verifies(tmp_path):
+    files, indexes = _layout()
+    assert _verdicts(tmp_path, files, indexes)[:2] == (True, True)
+
+
+DAMAGES = ["flip", "truncate", "extend", "replica-swap", *FRAMES]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(DAMAGES), at=st.integers(0, 10_000))
+def test_commit_and_verify_agree_on_every_damage(tmp_path_factory, kind, at):
+    """The index and the file records describe the honest bytes; the stored files are damaged."""
+    files, indexes = _layout()
+    committed, verified, why = _verdicts(tmp_path_factory.mktemp("d"), files, indexes, _damage(kind, at, files))
+    assert committed == verified, why
+    assert not committed, f"{kind} at {at} passed both: {why}"
+
+
+@pytest.mark.parametrize("kind", sorted(FRAMES))
+def test_frames_that_are_not_one_plain_frame_are_refused_by_both_even_with_true_digests(tmp_path, kind):
+    """The writer declares the digests of exactly the bytes it stored: only the frame check can
+    refuse them, and the commit and verify (one engine) both do."""
+    files, indexes = _layout(FRAMES[kind]())
+    committed, verified, why = _verdicts(tmp_path, files, indexes)
+    assert (committed, verified) == (False, False), why
+    assert "zstd" in why, why
