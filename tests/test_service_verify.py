@@ -30,6 +30,26 @@ def _wait_record(url: str, ref: str, timeout: float = 90.0) -> dict:
     raise AssertionError(f"no verification of {ref} recorded in {timeout}s")
 
 
+def test_the_commit_records_its_own_check_without_a_second_read(tmp_path):
+    """Without CKPTD_VERIFY_AFTER_COMMIT: the record is there the moment the save returns, about this
+    manifest, and counts every byte the commit read with the one checker."""
+    srv = ServerProcess(tmp_path / "root").start()
+    try:
+        with CheckpointClient(srv.url) as c:
+            c.save(make_state(1, mib=1.0), "c/1").wait()
+            m = c.manifest("c/1")
+        r = httpx.get(f"{srv.url}/v1/checkpoints/c/1/verification", timeout=10)
+        assert r.status_code == 200, r.text  # no wait: written before the marker was answered
+        rec = r.json()
+        marker = httpx.get(f"{srv.url}/v1/checkpoints/c/1", timeout=10)
+        assert rec["ok"] is True and rec["problems"] == [] and rec["ref"] == "c/1"
+        assert rec["bytes_read"] == m.total_bytes > 1 << 20 and rec["files"] == len(m.files)
+        assert rec["manifest_xxh3"] == xxhash.xxh3_64_hexdigest(marker.content)
+        assert set(rec["stamps"]) == set(m.files)  # nothing moved while it was read: the stamps vouch
+    finally:
+        srv.stop()
+
+
 def test_every_commit_is_verified_and_recorded(tmp_path):
     srv = ServerProcess(tmp_path / "root", env={"CKPTD_VERIFY_AFTER_COMMIT": "true"}).start()
     try:
