@@ -80,8 +80,6 @@ def _get(d: dict, path: str) -> Any:
 # (suite, label, path into the suite's JSON, goal, direction): the table and the plot
 RATIOS: list[tuple[str, str, str, float | None, str]] = [
     ("save_load", "committed save vs dcp.save", "summary.save_throughput_ratio", 1.5, ">="),
-    ("save_load", "same, every byte through HTTP (direct_writes=False)", "summary.save_http_throughput_ratio",
-     None, ">="),
     ("save_load", "committed save vs the same bytes written + fsynced", "summary.ckptd_save_vs_raw", 0.9, ">="),
     ("save_load", "stall / dcp.save time", "summary.stall_ratio", 0.1, "<="),
     ("save_load", "stall / dcp.async_save blocking", "summary.stall_vs_async_ratio", 0.5, "<="),

@@ -18,13 +18,10 @@ What one run does (see BENCHMARKS.md for the results and how to read them):
    ``Shard(0)``, with uneven row counts. Per repeat, between barriers, they run
    ``dcp.save`` (``FileSystemWriter`` defaults: ``sync_files=True``, one thread
    per rank) and ``CheckpointClient.save`` to a fresh ref, timing ``save()``'s
-   return (the training stall) and ``handle.wait()`` (committed), the latter
-   twice: with direct writes (the default: the ranks share the service's host,
-   write their data files into the session's directory, and the service hashes
-   and adopts them) and with ``direct_writes=False`` (every byte through HTTP).
-   A fourth entry writes the same shard bytes with ``write`` + ``fsync`` and
+   return (the training stall) and ``handle.wait()`` (committed: every byte
+   through the service, which hashes it as it stores it). A third entry writes the same shard bytes with ``write`` + ``fsync`` and
    nothing else: the floor under any durable save at that moment (this VM's
-   disk swings between about 0.6 and 2 GB/s). The order of the four rotates
+   disk swings between about 0.6 and 2 GB/s). The order of the three rotates
    between repeats, and each starts after an ``os.sync()`` and ``--settle``
    seconds of quiet: on this VM a save that follows DCP's at once runs up to
    2x slower, and the rotation keeps the same one after DCP. Internal client steps are timed from the
@@ -197,8 +194,6 @@ def _kind(method: str, path: str) -> str:
         return "open_session"
     if method == "PUT" and "/files/" in path:
         return "put_file"
-    if method == "POST" and path.endswith("/adopt"):
-        return "adopt_file"
     if method == "PUT" and "/ranks/" in path:
         return "put_index"
     if method == "GET" and "/sessions/" in path:
@@ -318,13 +313,11 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
     # repeat, so they are off here (bench.incremental measures them); these are full saves.
     client = CheckpointClient(cfg["url"], snapshot_bytes=cfg.get("snapshot_bytes"),
                               incremental=False)
-    http_client = CheckpointClient(cfg["url"], snapshot_bytes=cfg.get("snapshot_bytes"),
-                                   incremental=False)
     floor_buf = torch.zeros(_shard_bytes(sd), dtype=torch.uint8)  # zeroed: every page faulted in now
-    variants = ("dcp", "ckptd", "raw", "ckptd_http")
+    variants = ("dcp", "ckptd", "raw")
     repeats = []
     for r in range(cfg["repeat"]):
-        order = variants[r % 4:] + variants[:r % 4]
+        order = variants[r % 3:] + variants[:r % 3]
         rec: dict[str, Any] = {"order": list(order)}
         for which in order:
             # Let the previous save's after-effects settle first (write-back at the host, memory it
@@ -363,10 +356,7 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
                 rec["raw_write_s"] = _max_over_ranks([time.perf_counter() - t0])[0]
                 os.unlink(path)
             else:
-                c = client if which == "ckptd" else http_client
-                # one run directory for both ways: ext4 places a run's files near its directory, and on this
-                # VM's thin-provisioned disk a region written for the first time is several times slower
-                handle = c.save(sd, f"bench/{r}" if which == "ckptd" else f"bench/http-{r}")
+                handle = client.save(sd, f"bench/{r}")
                 t_stall = time.perf_counter() - t0
                 handle.wait()
                 t_own = time.perf_counter() - t0
@@ -385,7 +375,6 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
         repeats.append(rec)
     client.save(replicated_state(cfg["repl_specs"], fill=True), "bench/repl").wait()  # written once
     client.close()
-    http_client.close()
     del sd
     # One save of another size to a server that only ever sees that size (its peak RSS vs shard size).
     extra_s = {}
@@ -639,7 +628,6 @@ def summarise(save: dict, load: dict, nbytes: int) -> dict:
     dcp_save = _med([r["dcp_save_s"] for r in sr])
     stall = _med([r["ckptd_stall_s"] for r in sr])
     committed = _med([r["ckptd_committed_s"] for r in sr])
-    http = _med([r["ckptd_http_committed_s"] for r in sr])  # the same save with direct_writes=False
     out: dict[str, Any] = {
         "dcp_save_s": dcp_save, "ckptd_stall_s": stall, "ckptd_committed_s": committed,
         "ckptd_stall_worst_s": max(r["ckptd_stall_s"] for r in sr),
@@ -647,14 +635,10 @@ def summarise(save: dict, load: dict, nbytes: int) -> dict:
         "dcp_save_worst_s": max(r["dcp_save_s"] for r in sr),
         "dcp_save_gbps": gb / dcp_save, "ckptd_committed_gbps": gb / committed,
         "save_throughput_ratio": dcp_save / committed, "stall_ratio": stall / dcp_save,
-        "ckptd_http_committed_s": http, "ckptd_http_committed_gbps": gb / http,
         # the same bytes written and fsynced by the same 2 ranks, nothing else, in the same rotation
         "raw_write_s": _med([r["raw_write_s"] for r in sr]),
         "ckptd_save_vs_raw": _med([r["raw_write_s"] / r["ckptd_committed_s"] for r in sr]),
         "dcp_save_vs_raw": _med([r["raw_write_s"] / r["dcp_save_s"] for r in sr]),
-        "save_http_throughput_ratio": dcp_save / http,
-        "ckptd_http_save_vs_raw": _med([r["raw_write_s"] / r["ckptd_http_committed_s"] for r in sr]),
-        "ckptd_http_stall_s": _med([r["ckptd_http_stall_s"] for r in sr]),
         "dcp_async_block_s": _med([r["dcp_async_block_s"] for r in sr]),
         # both ranks copying their shards into pre-faulted memory at once, nothing else: the stall's floor
         "copy_floor_s": _med([r["copy_floor_s"] for r in sr]),
@@ -664,7 +648,7 @@ def summarise(save: dict, load: dict, nbytes: int) -> dict:
         # CPU seconds during the save (per rank: the larger rank's; server: the whole process)
         **{k: _med([r[k] for r in sr]) for k in (
             "dcp_rank_cpu_s", "dcp_rank_user_s", "dcp_rank_sys_s",
-            *(f"{w}_{x}" for w in ("ckptd", "ckptd_http") for x in (
+            *(f"ckptd_{x}" for x in (
                 "rank_cpu_s", "rank_user_s", "rank_sys_s", "server_cpu_s", "server_user_s", "server_sys_s")))},
     }
     for cache in ("cold", "warm"):
@@ -695,22 +679,20 @@ def summarise(save: dict, load: dict, nbytes: int) -> dict:
     out["replicated_load"] = {**rp, "fetch_ratio": rp["each_rank"]["bytes_fetched"] / rp["shared"]["bytes_fetched"],
                               "time_ratio": rp["each_rank"]["load_s"] / rp["shared"]["load_s"]}
     # Where ckptd's save time goes: median over repeats of each phase (seconds, the slower rank's).
-    keys = ("stall", "snapshot", "open_session", "pack_hash", "adopt_file_span", "adopt_file_n", "put_file_span",
+    keys = ("stall", "snapshot", "open_session", "pack_hash", "put_file_span",
             "put_file_n", "put_index", "put_index_end", "upload_total", "upload_total_end", "poll", "own_wait_return")
     for r in sr:
-        for p in r["ckptd_http_phases_by_rank"]:
+        for p in r["ckptd_phases_by_rank"]:
             if "put_file_end" in p and "body_sent_end" in p:
                 # last byte of the last file handed to httpx -> its PUT answered: the server's fsync + digest
                 p["server_file_tail"] = p["put_file_end"] - p["body_sent_end"]
     keys += ("server_file_tail",)
-    for w in ("ckptd", "ckptd_http"):
-        by_rank = [r[f"{w}_phases_by_rank"] for r in sr]
-        # last index answered (the commit) -> the last rank's wait() returns: how fast waiters learn of the commit
-        out[f"{w}_commit_seen_after_s"] = _med([max(p.get("own_wait_return", 0.0) for p in ps)
-                                                - max(p.get("put_index_end", 0.0) for p in ps) for ps in by_rank])
-        out["save_phases_s" if w == "ckptd" else "save_http_phases_s"] = {
-            k: _med([max(p.get(k, 0.0) for p in ps) for ps in by_rank]) for k in keys
-            if any(k in p for ps in by_rank for p in ps)}
+    by_rank = [r["ckptd_phases_by_rank"] for r in sr]
+    # last index answered (the commit) -> the last rank's wait() returns: how fast waiters learn of the commit
+    out["ckptd_commit_seen_after_s"] = _med([max(p.get("own_wait_return", 0.0) for p in ps)
+                                             - max(p.get("put_index_end", 0.0) for p in ps) for ps in by_rank])
+    out["save_phases_s"] = {k: _med([max(p.get(k, 0.0) for p in ps) for ps in by_rank]) for k in keys
+                            if any(k in p for ps in by_rank for p in ps)}
     lkeys = ("manifest", "read_plan", "get_range_span", "get_range_n", "fetch_verify", "fetch_copy_total")
     out["load_phases_s"] = {f"{w}_{c}": {k: _med([max(p.get(k, 0.0) for p in r[f"{w}_{c}_phases_by_rank"])
                                                  for r in lr]) for k in lkeys}
@@ -742,11 +724,8 @@ def markdown(res: dict) -> str:
         ("save, committed (ckptd `handle.wait()`) vs `dcp.save`", f"{s['ckptd_committed_s']:.2f} s = "
          f"{s['ckptd_committed_gbps']:.2f} GB/s", f"{s['dcp_save_s']:.2f} s = {s['dcp_save_gbps']:.2f} GB/s",
          f"throughput ratio {s['save_throughput_ratio']:.2f}", ">= 1.5"),
-        ("same, `direct_writes=False` (every byte through HTTP)",
-         f"{s['ckptd_http_committed_s']:.2f} s = {s['ckptd_http_committed_gbps']:.2f} GB/s",
-         f"{s['dcp_save_s']:.2f} s", f"throughput ratio {s['save_http_throughput_ratio']:.2f}", ""),
         ("the same bytes written + fsynced by the 2 ranks, nothing else (the floor)", "", f"{s['raw_write_s']:.2f} s",
-         f"ckptd reaches {s['ckptd_save_vs_raw']:.2f} of it ({s['ckptd_http_save_vs_raw']:.2f} over HTTP), "
+         f"ckptd reaches {s['ckptd_save_vs_raw']:.2f} of it, "
          f"DCP {s['dcp_save_vs_raw']:.2f}", ""),
         ("training stall (`save()` returns) vs `dcp.save`", f"{s['ckptd_stall_s']:.3f} s",
          f"{s['dcp_save_s']:.2f} s", f"stall ratio {s['stall_ratio']:.3f}", "<= 0.1"),
@@ -779,14 +758,12 @@ def markdown(res: dict) -> str:
         lines.append(f"| {key} | {r['state_mib']:.0f} MiB | {r['idle']['VmHWM'] / MiB:.0f} MiB | "
                      f"{r['after_save']['VmHWM'] / MiB:.0f} MiB | {r['upload_streams']['concurrent_uploads']} | "
                      f"{r['load_peak']['VmHWM'] / MiB:.0f} MiB |")
-    for label, key in (("direct writes", "save_phases_s"), ("HTTP", "save_http_phases_s")):
-        lines += ["", f"ckptd save phases, {label} (s, slower rank, median): " + ", ".join(
-            f"{k}={v:.3f}" for k, v in s[key].items())]
+    lines += ["", "ckptd save phases (s, slower rank, median): " + ", ".join(
+        f"{k}={v:.3f}" for k, v in s["save_phases_s"].items())]
     lines += ["", "CPU seconds during one save (user+sys; ranks: the busier rank, x2 for both): "
-              f"DCP ranks 2 x ({s['dcp_rank_user_s']:.2f}+{s['dcp_rank_sys_s']:.2f}); " + "; ".join(
-                  f"ckptd {label} ranks 2 x ({s[f'{w}_rank_user_s']:.2f}+{s[f'{w}_rank_sys_s']:.2f}), "
-                  f"server {s[f'{w}_server_user_s']:.2f}+{s[f'{w}_server_sys_s']:.2f}"
-                  for label, w in (("direct writes", "ckptd"), ("HTTP", "ckptd_http")))]
+              f"DCP ranks 2 x ({s['dcp_rank_user_s']:.2f}+{s['dcp_rank_sys_s']:.2f}); "
+              f"ckptd ranks 2 x ({s['ckptd_rank_user_s']:.2f}+{s['ckptd_rank_sys_s']:.2f}), "
+              f"server {s['ckptd_server_user_s']:.2f}+{s['ckptd_server_sys_s']:.2f}"]
     lines += ["CPU seconds during one load at world size 3 (all ranks summed): " + "; ".join(
         f"{c}: DCP {s[f'dcp_{c}_load_ranks_cpu_s']:.2f}, ckptd ranks {s[f'ckptd_{c}_load_ranks_cpu_s']:.2f} + "
         f"server {s[f'ckptd_{c}_load_server_cpu_s']:.2f} (HTTP: ranks {s[f'ckptd_http_{c}_load_ranks_cpu_s']:.2f} + "
@@ -870,7 +847,7 @@ def main(argv: list[str] | None = None) -> int:
                 rss[k]["load_peak"] = vm_status(pid)
             for s in servers:
                 s.stop()
-            save = _merge_rank_records(save_records, ("ckptd_phases", "ckptd_http_phases"))
+            save = _merge_rank_records(save_records, ("ckptd_phases",))
             load = _merge_rank_records(load_records, ("ckptd_cold_phases", "ckptd_warm_phases",
                                                       "ckptd_http_cold_phases", "ckptd_http_warm_phases"))
             same_disk = len({os.stat(p).st_dev for p in (dcp_dir, root, work)}) == 1

@@ -1,9 +1,12 @@
 """The service's own verification of committed checkpoints, and its record (docs/design.md §2 item 5).
 
-``ckptd verify`` checks a checkpoint in its own process. The service can do the same check after
-each commit (``CKPTD_VERIFY_AFTER_COMMIT``) or on request (``POST .../verify``), in one of its
-worker processes (the reshard pool: warm, at low priority), and records the outcome beside the
-marker as ``VERIFIED.json``. The record names the manifest digest it checked, so it can never be
+Every commit reads and checks every byte with the one checker (:mod:`.commit_checks`) and records
+that check as the checkpoint's first verification (:func:`record_commit_check`), beside the marker
+as ``VERIFIED.json``: a committed checkpoint shows as verified without a second read. ``ckptd
+verify`` runs the same checker in its own process; the service runs it again after each commit
+(``CKPTD_VERIFY_AFTER_COMMIT``: a re-read of what reached the disk) or on request (``POST
+.../verify``), in one of its worker processes (the reshard pool: warm, at low priority), and
+records the outcome in the same place. The record names the manifest digest it checked, so it can never be
 mistaken for the verification of another checkpoint under the same ref, and the stamp
 (:meth:`Storage.stamp`) of every data file as it was before and after the reading: while every
 stamp still holds, the record vouches for exactly the bytes now stored (:func:`record_holds`),
@@ -15,7 +18,7 @@ be bad** (:func:`known_bad`): ``RUN/latest`` skips it (:meth:`.visibility.Visibi
 retention does not count it among the newest it keeps. A checkpoint never verified, or whose record
 is about another manifest under the same name, is not known to be bad.
 
-Call order: :func:`verify_committed` checks and records in the calling process (``ckptd gc``
+Call order: the commit calls :func:`record_commit_check`; :func:`verify_committed` checks and records in the calling process (``ckptd gc``
 offline); the service submits :func:`verify_and_record` to a worker; readers call
 :func:`read_record`, retention :func:`record_holds`, and the visibility rule's ``latest``
 :func:`known_bad`.
