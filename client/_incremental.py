@@ -34,8 +34,9 @@ beside a tensor that changes is written again (a few bytes) rather than pinning 
 file at every save (twice the state kept, and on S3 a copy of the stale file at every save). The
 service refuses a commit that breaks the rule (``ckptd.store.reuse.check_reuse``).
 
-The service's commit accepts a chunk in a linked file only where the source checkpoint's manifest
-placed a chunk it verified, and reads the file otherwise (``ckptd.store.commit_checks``). A
+The service links a file only while the source checkpoint's verification record still vouches for
+it (its stamp unchanged; else the saver sends the bytes), and its commit reads and checks every
+linked byte like any other (``ckptd.store.checker``). A
 checkpoint holding linked files is complete on its own: its files are ordinary files of its
 session, so loading, verifying, resharding and exporting it, and deleting older checkpoints,
 need nothing else.

@@ -1,6 +1,6 @@
 """One checker: the commit and ``ckptd verify`` give the same verdict on the same stored bytes.
 
-Unit tests of :mod:`ckptd.store.commit_checks` over a real :class:`SessionStore` on a local
+Unit tests of :mod:`ckptd.store.checker` over a real :class:`SessionStore` on a local
 directory (no service): a session's files are uploaded honestly (raw chunks, replicas written by
 two ranks, zstd frames, a stored object), then the stored bytes are damaged in one of many ways
 before the last index arrives (a byte flipped, the file truncated or extended, a frame rewritten

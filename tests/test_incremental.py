@@ -2,8 +2,8 @@
 
 Through a real service on a local root: what a save writes and what it links; loads, verify and
 export of checkpoints that hold linked files, bit for bit, also after the checkpoints they
-linked from are deleted; the commit's check of chunks placed in linked files (a hostile index
-that places a chunk where its source verified none is refused); link refusals, which the saver
+linked from are deleted; the commit's check of chunks placed in linked files (every linked byte is
+read: a hostile index that places a false digest in one is refused); link refusals, which the saver
 answers by writing the bytes; and the opt-out.
 """
 
@@ -133,8 +133,8 @@ def test_opt_out_writes_every_chunk(server):
 
 def test_links_are_checked(server):
     """Refused: a name that is not the derived one, a source that is not a visible checkpoint of the
-    run, a file the source does not hold. And a chunk placed in a linked file where the source's
-    manifest verified nothing is checked by reading the file: a false digest is refused at commit."""
+    run, a file the source does not hold. And a chunk placed in a linked file is checked by reading
+    the file, as every file is: a false digest is refused at commit."""
     client = CheckpointClient(server.url, file_bytes=MIB, incremental=False)
     client.save(_state(1), "chk/1").wait()
     src = _manifest(server.url, "chk/1")

@@ -17,7 +17,7 @@ Call order (:meth:`DurableCopier.start`, then one background thread per service)
    ``scan_seconds`` otherwise (commits of other replicas and of reshard workers, and what a crash
    left undone): each checkpoint visible on the fast tier and not durable is copied, oldest first.
 2. :meth:`DurableCopier.copy`: every data file is read from the fast tier once, judged by the one
-   checker (:func:`~.commit_checks.judge`, the commit's and ``ckptd verify``'s) and written to the
+   checker (:func:`~.checker.judge`, the commit's and ``ckptd verify``'s) and written to the
    durable tier as it passes; any problem refuses the copy (the fast copy is damaged: recorded in ``NOT_DURABLE.json``,
    not retried for that manifest). Then ``SESSION.json``, the manifest (its bytes hash to the
    marker's digest), and last the marker, created if absent, so the durable tier shows nothing
@@ -49,7 +49,7 @@ from ..storage.tiered import ADOPTED, TieredStorage
 from .faults import crash_point
 from .layout import Marker, Paths
 from .leases import Leases
-from .commit_checks import StorageFiles, judge
+from .checker import StorageFiles, judge
 from .visibility import Committed, Visibility, order_key
 
 __all__ = ["DURABLE_CRASH_POINTS", "Copied", "DurableCopier", "DurableState"]

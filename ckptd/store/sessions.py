@@ -10,7 +10,7 @@ Call order for one save attempt (each step idempotent, any replica may serve it)
    :meth:`SessionStore.confirm_file` (a rank PUTs the file straight into an object store, through
    URLs that create the object once); :meth:`SessionStore.link_file` (incremental saves: a file of
    an earlier visible checkpoint of the run, linked). Whichever way a file came, the commit reads
-   and checks every byte of it (:mod:`.commit_checks`) after the last write anyone could make.
+   and checks every byte of it (:mod:`.checker`) after the last write anyone could make.
 3. :meth:`SessionStore.put_index` - per rank, after its files: stores the
    rank's chunk index; the call that completes the set commits.
 4. :meth:`SessionStore.commit` - merge + validate -> manifest (durable) ->
@@ -51,7 +51,7 @@ from .gcpause import gc_paused
 from ckptd_schemas.filedigest import BLOCK_SIZE, StreamDigest, xxh3_hex
 from .index_cache import IndexCache
 from .layout import Marker, Paths, SessionMeta
-from .commit_checks import check_commit
+from .checker import check_commit
 from .verification import CommitCheck as _CommitCheck, file_stamps, record_commit_check, record_vouches
 from .merge import ManifestFold
 from .reuse import check_reuse
@@ -287,7 +287,7 @@ class SessionStore:
         the same size and SHA-256s, and the store's object must have that size (and the SHA-256 the
         store kept for a one-part upload, where it keeps one). ``body``'s digest record is recorded as
         the file's, once; it is a claim until the commit reads every byte of the file and checks it
-        (:mod:`.commit_checks`), so nothing unchecked is visible."""
+        (:mod:`.checker`), so nothing unchecked is visible."""
         check_run(run), check_name(name), check_session(sid), check_file(file)
         self._check_writable(run, name, sid)
         if body.block_size != self.block_size or len(body.blocks) != -(-body.size // body.block_size):
@@ -329,7 +329,7 @@ class SessionStore:
         (``InvalidRequest``, which the saver answers by sending the bytes) when the source is not a
         visible checkpoint of the run holding that file, or the store cannot link. The record is a
         claim like any other: the commit reads every byte of the file and checks it
-        (:mod:`.commit_checks`), since the source may have changed since its own commit. A source file
+        (:mod:`.checker`), since the source may have changed since its own commit. A source file
         whose storage stamp moved since its checkpoint's last recorded verification (an edit, or a file
         never verified here) is not linked at all: the saver sends the bytes, so a damaged earlier file
         costs one file's upload, never a refused save."""

@@ -1,6 +1,6 @@
 """The service's own verification of committed checkpoints, and its record (docs/design.md §2 item 5).
 
-Every commit reads and checks every byte with the one checker (:mod:`.commit_checks`) and records
+Every commit reads and checks every byte with the one checker (:mod:`.checker`) and records
 that check as the checkpoint's first verification (:func:`record_commit_check`), beside the marker
 as ``VERIFIED.json``: a committed checkpoint shows as verified without a second read. ``ckptd
 verify`` runs the same checker in its own process; the service runs it again after each commit
@@ -102,7 +102,7 @@ def _stamps(storage: Storage, c: Committed, files: list[str]) -> dict[str, str |
 
 @dataclass(frozen=True)
 class CommitCheck:
-    """What the commit's full check (:func:`~.commit_checks.check_commit`) read: the files' stamps
+    """What the commit's full check (:func:`~.checker.check_commit`) read: the files' stamps
     before and after, the bytes, the time, the tensors and chunks."""
 
     before: dict[str, str | None]

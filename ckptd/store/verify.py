@@ -2,7 +2,7 @@
 
 ``ckptd verify`` (``--root`` and ``--server``), the service's verification after a commit or on
 request, gc's newest-verified rule and the benches all call :func:`verify_manifest`, which runs the
-one checker (:func:`ckptd.store.commit_checks.judge`, the commit's own) over the bytes a
+one checker (:func:`ckptd.store.checker.judge`, the commit's own) over the bytes a
 :class:`ByteSource` returns, with the tiling of every tensor checked too, and reports every
 problem instead of raising the first. The bytes come from storage directly (``--root``) or from
 the service over HTTP (``--server``), so ``ckptd verify`` never trusts the process that wrote them;
@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 
 from ckptd_schemas import Manifest
 
-from .commit_checks import READ_SIZE, judge
+from .checker import READ_SIZE, judge
 
 __all__ = ["ByteSource", "VerifyReport", "verify_manifest"]
 
