@@ -12,6 +12,7 @@ hypothesis draws, and every damage must be refused by both.
 
 from __future__ import annotations
 
+import mmap
 import struct
 
 import pytest
@@ -20,6 +21,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ckptd.storage import LocalStorage
+from ckptd.store.checker import StorageFiles
 from ckptd.store.layout import Paths
 from ckptd.store.sessions import SessionStore
 from ckptd.store.verify import verify_manifest
@@ -152,3 +154,45 @@ def test_frames_that_are_not_one_plain_frame_are_refused_by_both_even_with_true_
     committed, verified, why = _verdicts(tmp_path, files, indexes)
     assert (committed, verified) == (False, False), why
     assert "zstd" in why, why
+
+
+
+def _resident_pages(path: str) -> int:
+    """Pages of ``path`` in the page cache: ``mincore`` over a private mapping of it, never written."""
+    import ctypes
+    import os
+
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        try:
+            base = ctypes.c_char.from_buffer(m)
+            vec = (ctypes.c_ubyte * pages)()
+            rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(base)), ctypes.c_size_t(size), vec)
+            assert rc == 0, ctypes.get_errno()
+            n = sum(v & 1 for v in vec)
+            del base
+        finally:
+            m.close()
+    return n
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "posix_fadvise"), reason="no posix_fadvise here")
+def test_the_commit_keeps_linked_files_cached_and_drops_the_files_it_received(tmp_path):
+    """After a file is checked, its pages leave the page cache (a checkpoint does not push the trainer's
+    working set out), except a linked file's: every later save links it again and its commit reads it
+    again, from memory."""
+    storage = LocalStorage(tmp_path)
+    files = StorageFiles(storage, lambda f: f"s/{f}", keep_cached=frozenset({"linked.bin"}))
+    for f in ("new.bin", "linked.bin"):
+        storage.put(f"s/{f}", b"x" * (4 << 20))
+        with open(storage.local_path(f"s/{f}"), "rb") as fh:  # read: every page cached
+            while fh.read(1 << 20):
+                pass
+        assert _resident_pages(storage.local_path(f"s/{f}")) > 0
+        files.done(f, True)
+    every = (4 << 20) // mmap.PAGESIZE
+    assert _resident_pages(storage.local_path("s/linked.bin")) == every  # all kept
+    assert _resident_pages(storage.local_path("s/new.bin")) < every

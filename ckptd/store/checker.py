@@ -76,8 +76,8 @@ class StoredBytes(Protocol):
 class StorageFiles:
     """A session's files in a :class:`Storage`, by file name."""
 
-    def __init__(self, storage: Storage, key_of: Callable[[str], str]) -> None:
-        self.storage, self.key_of = storage, key_of
+    def __init__(self, storage: Storage, key_of: Callable[[str], str], keep_cached: frozenset[str] = frozenset()) -> None:
+        self.storage, self.key_of, self.keep_cached = storage, key_of, keep_cached
 
     def read_into(self, file: str, start: int, view: memoryview) -> int:
         return self.storage.read_into(self.key_of(file), start, view)
@@ -87,9 +87,11 @@ class StorageFiles:
 
     def done(self, file: str, ok: bool) -> None:
         """The file is checked (``ok``: no problem found in it): drop its pages from a local page cache (uploads leave
-        them there for this pass), so a checkpoint does not push the trainer's working set out."""
+        them there for this pass), so a checkpoint does not push the trainer's working set out. Files in
+        ``keep_cached`` (linked from an earlier checkpoint: the frozen part every later save links and
+        its commit reads again) keep their pages, so the next commit reads them from memory."""
         path = self.storage.local_path(self.key_of(file))
-        if path is None or not hasattr(os, "posix_fadvise"):
+        if path is None or file in self.keep_cached or not hasattr(os, "posix_fadvise"):
             return
         with contextlib.suppress(OSError):
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -103,7 +105,9 @@ def check_commit(manifest: Manifest, storage: Storage, key_of: Callable[[str], s
     """:func:`judge` over a session's files (``key_of`` gives a file's storage key), reading in the
     store's own piece size (S3: 16 MiB, a ranged GET each) where that is larger; raise the first
     problem, or return the bytes read."""
-    return judge(manifest, StorageFiles(storage, key_of), read_size=max(READ_SIZE, storage.read_piece)).raise_first()
+    linked = frozenset(f for f, e in manifest.files.items() if e.linked)
+    return judge(manifest, StorageFiles(storage, key_of, linked),
+                 read_size=max(READ_SIZE, storage.read_piece)).raise_first()
 
 
 # -- what to check -------------------------------------------------------------------------------------
