@@ -25,7 +25,8 @@ from ckptd.store.checker import StorageFiles
 from ckptd.store.layout import Paths
 from ckptd.store.sessions import SessionStore
 from ckptd.store.verify import verify_manifest
-from ckptd_schemas import CkptdError, CorruptCheckpoint, OpenSession, RankIndex
+from ckptd_schemas import ChecksumMismatch, CkptdError, CorruptCheckpoint, OpenSession, RankIndex
+from ckptd_schemas.format.codec import decode_frame
 
 RAW = bytes(range(48))  # a 4 x 3 float32 tensor's bytes (any 48 bytes)
 PIECE = RAW[:24]
@@ -154,6 +155,14 @@ def test_frames_that_are_not_one_plain_frame_are_refused_by_both_even_with_true_
     committed, verified, why = _verdicts(tmp_path, files, indexes)
     assert (committed, verified) == (False, False), why
     assert "zstd" in why, why
+    # and every reader (load, reshard, export decode through the same check) refuses the frame too
+    with pytest.raises(ChecksumMismatch, match="zstd"):
+        decode_frame(FRAMES[kind](), len(PIECE), "tensor 'model.w'")
+
+
+def test_readers_decode_the_frames_the_checker_accepts():
+    assert bytes(decode_frame(_frame(PIECE), len(PIECE), "tensor 'model.w'")) == PIECE
+    assert bytes(decode_frame(_frame(b""), 0, "tensor 'model.e'")) == b""  # an empty tensor's frame
 
 
 

@@ -59,15 +59,6 @@ def compressor() -> zstandard.ZstdCompressor:
     return c
 
 
-def _dctx() -> zstandard.ZstdDecompressor:
-    """One decompressor per thread: a ZstdDecompressor must not be used by two threads at once
-    (loads decode frames on several fetch threads; a shared one corrupts its output)."""
-    d = getattr(_LOCAL, "dctx", None)
-    if d is None:
-        d = _LOCAL.dctx = zstandard.ZstdDecompressor()
-    return d
-
-
 def codec_for(itemsize: int) -> str:
     """The codec a compressed chunk of elements of ``itemsize`` bytes is stored with: byte planes
     (``"blosc2"``) for two bytes or more, plain ``"zstd"`` for one."""
@@ -149,11 +140,11 @@ def decode_frame(frame: bytes | bytearray | memoryview, raw_length: int, what: s
     """The ``codec`` ``frame`` decoded into exactly ``raw_length`` bytes, never more.
 
     ``"blosc2"``: checked by :func:`blosc2_problem` while it decodes into the result. ``"zstd"``:
-
-    Streamed into a buffer of ``raw_length`` + 1 bytes: a frame that decodes to more (a
-    decompression bomb, or a declared length that lies) costs at most that buffer, whatever its
-    header claims (``decompress(max_output_size=...)`` trusts the header's content size), and is
-    refused ``ChecksumMismatch`` naming ``what``; as is one that decodes to less or not at all.
+    decoded by the commit's own check (:class:`~ckptd_schemas.format.frames.FrameCheck`, keeping its
+    output): exactly one plain frame declaring ``raw_length`` as its content size, decoding to exactly
+    that; output past it is never written (a decompression bomb costs one write piece). Anything else
+    is refused ``ChecksumMismatch`` naming ``what``, so readers (load, reshard, export) accept exactly
+    the frames the commit and ``ckptd verify`` accept.
     """
     if codec == "blosc2":
         out = bytearray(raw_length)
@@ -161,25 +152,14 @@ def decode_frame(frame: bytes | bytearray | memoryview, raw_length: int, what: s
         if why is not None:
             raise ChecksumMismatch(f"{what}: {why}", length=raw_length)
         return out
-    out = bytearray(raw_length + 1)
-    view = memoryview(out)
-    got = 0
-    try:
-        reader = _dctx().stream_reader(frame, read_across_frames=False)
-        while got <= raw_length:
-            n = reader.readinto(view[got:])
-            if not n:
-                break
-            got += n
-    except zstandard.ZstdError as e:
-        raise ChecksumMismatch(f"{what}: zstd frame does not decode: {e}", length=raw_length) from None
-    finally:
-        view.release()
-    if got != raw_length:
-        how = "more than" if got > raw_length else f"{got} bytes, not"
-        raise ChecksumMismatch(f"{what}: zstd frame decodes to {how} the {raw_length} bytes its chunk holds",
-                               length=raw_length)
-    del out[raw_length:]
+    from .frames import FrameCheck  # the commit's own check, here keeping what it decodes
+
+    out = bytearray(raw_length)
+    check = FrameCheck(raw_length, memoryview(out))
+    check.feed(frame)
+    why = check.problem()
+    if why is not None:
+        raise ChecksumMismatch(f"{what}: {why}", length=raw_length)
     return out
 
 

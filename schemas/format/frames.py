@@ -37,24 +37,31 @@ class _TooLong(Exception):
 
 
 class _Counter:
-    """The decoder's output: counted, never kept."""
+    """The decoder's output: counted, and kept only where ``out`` is given (a reader's buffer of the
+    chunk's ``limit`` bytes); output past the limit is never written anywhere."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit, self.n = limit, 0
+    def __init__(self, limit: int, out: memoryview | None = None) -> None:
+        self.limit, self.n, self.out = limit, 0, out
 
     def write(self, data: bytes) -> int:
+        start = self.n
         self.n += len(data)
         if self.n > self.limit:
             raise _TooLong
+        if self.out is not None:
+            self.out[start:self.n] = data
         return len(data)
 
 
 class FrameCheck:
-    """One compressed chunk's bytes, fed in order; ``problem()`` says what is wrong, or None."""
+    """One compressed chunk's bytes, fed in order; ``problem()`` says what is wrong, or None. With
+    ``out`` (``raw_length`` writable bytes) the decoded bytes are kept there: readers decode through
+    this same check (:func:`ckptd_schemas.format.codec.decode_frame`), so a frame the commit refuses
+    is refused by every reader too."""
 
-    def __init__(self, raw_length: int) -> None:
+    def __init__(self, raw_length: int, out: memoryview | None = None) -> None:
         self.raw_length = raw_length
-        self._out = _Counter(raw_length)
+        self._out = _Counter(raw_length, out)
         self._decoder = zstandard.ZstdDecompressor().stream_writer(self._out, write_size=WRITE_SIZE,
                                                                    write_return_read=True, closefd=False)
         self._error: str | None = None

@@ -221,8 +221,17 @@ def _plant(root: Path, run: str, name: str, stored: bytes) -> None:
 def test_zstd_bomb_keeps_verify_small_and_is_refused_by_the_decoder(tmp_path):
     bomb = _bomb()
     assert len(bomb) < 256 << 10
-    with pytest.raises(ChecksumMismatch, match="decodes to more than the 64 bytes"):
-        decode_frame(bomb, 64, "tensor 'model.b'")  # the load, reshard and export decoder
+    # the load, reshard and export decoder is the commit's frame check: no content size is refused
+    with pytest.raises(ChecksumMismatch, match="tensor 'model.b': zstd frame header declares no content size"):
+        decode_frame(bomb, 64, "tensor 'model.b'")
+    # a header that lies (64 bytes declared, 1 MiB inside) is refused without writing past 64 bytes
+    liar = bytearray(zstandard.ZstdCompressor(level=1, write_content_size=True).compress(bytes(1 << 20)))
+    assert zstandard.get_frame_parameters(bytes(liar)).content_size == 1 << 20 and liar[4] >> 6 == 2  # 4-byte size
+    at = 5 if (liar[4] >> 5) & 1 else 6  # after the window descriptor, unless the frame is a single segment
+    liar[at:at + 4] = (64).to_bytes(4, "little")
+    assert zstandard.get_frame_parameters(bytes(liar)).content_size == 64
+    with pytest.raises(ChecksumMismatch, match="decodes to more than the 64 bytes|does not decode"):
+        decode_frame(bytes(liar), 64, "tensor 'model.b'")
     tensor = {"name": "model.b", "shape": [16], "dtype": "float32", "group": "model"}  # 16 float32: 64 bytes
     srv = _server(tmp_path).start()
     try:
