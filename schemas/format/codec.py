@@ -31,6 +31,7 @@ import zstandard
 
 from ..dtypes import itemsize
 from ..errors import ChecksumMismatch
+from .frames import BLOSC2_OVERHEAD, FrameCheck, blosc2_problem
 
 if TYPE_CHECKING:
     from ..readplan import Copy
@@ -40,8 +41,6 @@ __all__ = ["BLOSC2_OVERHEAD", "CODECS", "FRAME_BYTES", "LEVEL", "blosc2_problem"
 
 CODECS = ("zstd", "blosc2")
 """The compressed codecs a chunk may be stored with (``"raw"`` besides)."""
-BLOSC2_OVERHEAD = 32
-"""The most a Blosc2 chunk adds to its data (``blosc2.MAX_OVERHEAD``): a longer frame is refused unread."""
 FRAME_BYTES = 4 << 20
 """Largest raw size of one compressed chunk: the most a ranged read decodes beyond what it needs."""
 LEVEL = 1
@@ -108,33 +107,6 @@ def split_frames(itemsize: int, box: Box | None, flat: tuple[int, int] | None,
         yield r0 * row, n * row, ([offsets[0] + r0, *offsets[1:]], [n, *sizes[1:]]), None
 
 
-def blosc2_problem(frame: bytes | bytearray | memoryview, raw_length: int,
-                   out: bytearray | None = None) -> str | None:
-    """What is wrong with a ``"blosc2"`` frame that must decode to ``raw_length`` bytes, or None.
-
-    Its header must declare exactly ``raw_length`` bytes and exactly the frame's own length (so
-    nothing follows it) before anything is decoded, and the decode goes into a buffer of
-    ``raw_length`` bytes (``out``, or a scratch one): no header is trusted for how much memory to
-    give it."""
-    import blosc2
-
-    view = memoryview(frame)
-    if len(view) < 16 or len(view) > raw_length + BLOSC2_OVERHEAD:
-        return f"Blosc2 frame of {len(view)} bytes cannot hold {raw_length} bytes"
-    try:
-        nbytes, cbytes, _ = blosc2.get_cbuffer_sizes(view)
-    except (ValueError, RuntimeError) as e:
-        return f"Blosc2 frame header does not parse: {e}"
-    if nbytes != raw_length or cbytes != len(view):
-        return (f"Blosc2 frame header says {nbytes} bytes in {cbytes}, its chunk holds {raw_length} bytes in "
-                f"{len(view)}")
-    try:
-        blosc2.decompress2(view, dst=out if out is not None else bytearray(raw_length), nthreads=1)
-    except (ValueError, RuntimeError) as e:
-        return f"Blosc2 frame does not decode: {e}"
-    return None
-
-
 def decode_frame(frame: bytes | bytearray | memoryview, raw_length: int, what: str,
                  codec: str = "zstd") -> bytearray:
     """The ``codec`` ``frame`` decoded into exactly ``raw_length`` bytes, never more.
@@ -152,8 +124,6 @@ def decode_frame(frame: bytes | bytearray | memoryview, raw_length: int, what: s
         if why is not None:
             raise ChecksumMismatch(f"{what}: {why}", length=raw_length)
         return out
-    from .frames import FrameCheck  # the commit's own check, here keeping what it decodes
-
     out = bytearray(raw_length)
     check = FrameCheck(raw_length, memoryview(out))
     check.feed(frame)

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import zstandard
 
-from .codec import BLOSC2_OVERHEAD, blosc2_problem
 
-__all__ = ["WRITE_SIZE", "Blosc2Check", "FrameCheck", "frame_check"]
+__all__ = ["BLOSC2_OVERHEAD", "WRITE_SIZE", "Blosc2Check", "FrameCheck", "blosc2_problem", "frame_check"]
+
+BLOSC2_OVERHEAD = 32
+"""The most a Blosc2 chunk adds to its data (``blosc2.MAX_OVERHEAD``): a longer frame is refused unread."""
 
 WRITE_SIZE = 1 << 17
 _MAGIC = 0xFD2FB528
@@ -185,7 +187,7 @@ class Blosc2Check:
     """One blosc2 chunk's bytes, fed in order; ``problem()`` as :class:`FrameCheck`'s. A Blosc2 frame
     is at most 4 MiB of raw data (``FRAME_BYTES``) plus its header: it is collected (refused as soon
     as it is longer than any frame of ``raw_length`` bytes can be) and checked by
-    :func:`ckptd_schemas.format.codec.blosc2_problem`: header sizes first, then a decode into ``raw_length``
+    :func:`blosc2_problem`: header sizes first, then a decode into ``raw_length``
     bytes."""
 
     def __init__(self, raw_length: int) -> None:
@@ -208,3 +210,30 @@ class Blosc2Check:
 def frame_check(codec: str, raw_length: int) -> "FrameCheck | Blosc2Check":
     """The check of a chunk stored with ``codec`` (not raw) that must decode to ``raw_length`` bytes."""
     return Blosc2Check(raw_length) if codec == "blosc2" else FrameCheck(raw_length)
+
+
+def blosc2_problem(frame: bytes | bytearray | memoryview, raw_length: int,
+                   out: bytearray | None = None) -> str | None:
+    """What is wrong with a ``"blosc2"`` frame that must decode to ``raw_length`` bytes, or None.
+
+    Its header must declare exactly ``raw_length`` bytes and exactly the frame's own length (so
+    nothing follows it) before anything is decoded, and the decode goes into a buffer of
+    ``raw_length`` bytes (``out``, or a scratch one): no header is trusted for how much memory to
+    give it."""
+    import blosc2
+
+    view = memoryview(frame)
+    if len(view) < 16 or len(view) > raw_length + BLOSC2_OVERHEAD:
+        return f"Blosc2 frame of {len(view)} bytes cannot hold {raw_length} bytes"
+    try:
+        nbytes, cbytes, _ = blosc2.get_cbuffer_sizes(view)
+    except (ValueError, RuntimeError) as e:
+        return f"Blosc2 frame header does not parse: {e}"
+    if nbytes != raw_length or cbytes != len(view):
+        return (f"Blosc2 frame header says {nbytes} bytes in {cbytes}, its chunk holds {raw_length} bytes in "
+                f"{len(view)}")
+    try:
+        blosc2.decompress2(view, dst=out if out is not None else bytearray(raw_length), nthreads=1)
+    except (ValueError, RuntimeError) as e:
+        return f"Blosc2 frame does not decode: {e}"
+    return None
