@@ -31,6 +31,9 @@ manifest commit of 1,024 ranks x 500 tensors vs DCP's    fixed
          ``create_global_plan`` on the same layout
 incremental 5 saves, 90% of the weights frozen, vs     ``--mib`` = 512 x gib
          ``dcp.save``: time and bytes written
+gpu      one device (cuda, else cpu): stall, save, load   ``--gib`` = gib
+         vs DCP and the D2H / write / read floors;
+         ``ckptd reshard --device cpu|cuda|auto``
 ======== ================================================ ===========================
 """
 
@@ -66,6 +69,7 @@ SUITES: dict[str, tuple[Callable[[float], list[str]], bool]] = {  # name -> (siz
     "manifest": (lambda gib: [], True),  # fixed scale: 1,024 ranks x 500 tensors
     "incremental": (_size("--mib", 512), False),
     "ui": (lambda gib: [], True),  # fixed scale: a run of 2,000 checkpoints in headless Chromium
+    "gpu": (_size("--gib", 1), True),  # one device: cuda when available, else the same code on the CPU
 }
 
 
@@ -117,6 +121,12 @@ RATIOS: list[tuple[str, str, str, float | None, str]] = [
     ("incremental", "later saves, 90% frozen: bytes written / dcp.save's", "summary.bytes_vs_dcp_median", 0.15,
      "<="),
     ("ui", "web view: run page of 2,000 checkpoints rendered (ms, warm median)", "summary.warm_ms", 1000.0, "<="),
+    ("gpu", "load into device tensors, cold, vs dcp.load", "summary.load_vs_dcp", 1.2, ">="),
+    ("gpu", "that load vs ckptd's files read cold, nothing else", "summary.load_vs_read_floor", 0.9, ">="),
+    ("gpu", "first save's stall (s; goal at 4 GiB)", "summary.first_stall_s", 0.5, "<="),
+    ("gpu", "later saves' stall / D2H copy into pinned memory", "summary.later_stall_vs_d2h", 1.1, "<="),
+    ("gpu", "reshard --device auto / cpu, whole process (worse dtype)", "summary.reshard_auto_vs_cpu_whole", None,
+     "<="),
 ]
 
 

@@ -19,6 +19,9 @@ Call order inside :meth:`CheckpointClient.load`:
    bands, raw, same dtype, CPU) the response is scattered straight into the
    destination tensors as it arrives (``_direct``); otherwise the fetch is
    buffered, decoded, and each overlap copied with one strided view per side.
+   Destinations on a device (CUDA) take the same two paths through a ``DeviceStager``
+   (``_direct``): a small ring of pinned host buffers, hashed there, copied asynchronously on a
+   side stream, so reads and host-to-device copies overlap; the caller's stream waits for it.
    When the plan names the service's own file paths and this host can open
    them (same host, shared filesystem), the bytes are read from the files
    instead of over HTTP (``_files``), with the same checks and an HTTP retry.
@@ -48,7 +51,7 @@ from ckptd_schemas import (
 )
 
 from ._coverage import agree_keys
-from ._direct import direct_targets, scatter
+from ._direct import BUFFER_BYTES, DeviceStager, PieceFill, direct_targets, scatter, staged_runs
 from ._dist import distributed as _distributed
 from ._files import LocalFiles
 from ._share import Sharing, agree, exchange, region_key, share_plan
@@ -139,6 +142,21 @@ def _fetch_direct(transport: Transport, base: str, f: Any, targets: list) -> Non
         got = scatter(resp.iter_bytes(), f, targets)
         if got != size:
             raise ChecksumMismatch(f"file {f.file!r}: got {got} of {size} bytes at offset {f.start}", file=f.file)
+
+    transport.request("GET", f"{base}/files/{f.file}", headers={"Range": f"bytes={f.start}-{f.end - 1}"},
+                      sink=sink)
+
+
+def _fetch_staged(transport: Transport, base: str, f: Any, runs: list, stager: DeviceStager) -> None:
+    """Stream the range through ``stager``'s ring into device destinations, verifying every block."""
+    size = f.end - f.start
+
+    def sink(resp: httpx.Response) -> None:
+        body = PieceFill(resp.iter_bytes(), f)
+        got = stager.stream(f, body, runs)
+        if got != size:
+            raise ChecksumMismatch(f"file {f.file!r}: got {got} of {size} bytes at offset {f.start}", file=f.file)
+        body.drain()
 
     transport.request("GET", f"{base}/files/{f.file}", headers={"Range": f"bytes={f.start}-{f.end - 1}"},
                       sink=sink)
@@ -352,20 +370,54 @@ def corrupt(e: ChecksumMismatch, f: Any, copies: list) -> CorruptCheckpoint:
                              **{**e.details, "file": f.file, "tensors": tensors[:64]})
 
 
+STAGE_CPU = False
+"""Route CPU destinations through :class:`DeviceStager` too (tests: the device path, run on the CPU).
+Off, a CPU load scatters into its tensors directly, as it always has."""
+
+
+def _stagers(plan: ReadPlan, dests: list[Destination], streams: int) -> dict[Any, DeviceStager]:
+    """One stager per device that destinations live on (not the host, unless ``STAGE_CPU``): a ring
+    of at most ``streams + 1`` buffers (2 to 4), none larger than the largest fetch."""
+    devices = {d.tensor.device for d in dests if d.tensor.device.type != "cpu" or STAGE_CPU}
+    if not devices:
+        return {}
+    biggest = max((f.end - f.start for f in plan.fetches), default=1)
+    size = min(BUFFER_BYTES, 1 << max(0, biggest - 1).bit_length())
+    return {dev: DeviceStager(dev, buffers=min(max(streams, 1), 3) + 1, buffer_bytes=size) for dev in devices}
+
+
 def execute(transport: Transport, base: str, plan: ReadPlan, dests: list[Destination], streams: int,
             files: LocalFiles | None = None, *, lease: bool = True) -> None:
     """Fetch every range of ``plan`` (``streams`` at a time; from ``files`` where usable, else over
     HTTP), verify it, and copy it into ``dests`` (indexed like the plan's requests). Reading from
     ``files``, it holds a read lease meanwhile (:func:`read_lease`) unless ``lease`` is False (the
-    caller holds one)."""
+    caller holds one). Destinations on a device (CUDA) are filled through a :class:`DeviceStager`
+    (pinned ring, side stream); when this returns, the caller's current stream is ordered after
+    every copy, as it was after the synchronous copies before."""
     if files is not None and lease:
         with read_lease(transport, base):
             return execute(transport, base, plan, dests, streams, files, lease=False)
     by_fetch: dict[int, list] = {}
     for c in plan.copies:
         by_fetch.setdefault(c.fetch, []).append(c)
+    stagers = _stagers(plan, dests, streams)
 
-    def fill(f: Any, copies: list, targets: list | None, from_files: bool) -> None:
+    def staged(copies: list) -> tuple[DeviceStager, list] | None:
+        """The stager and its runs when every copy of the fetch is a row band onto one staged device."""
+        devices = {dests[c.request].tensor.device for c in copies}
+        stager = stagers.get(next(iter(devices))) if len(devices) == 1 else None
+        runs = staged_runs(copies, dests, stager.device) if stager is not None else None
+        return None if runs is None else (stager, runs)  # type: ignore[return-value]
+
+    def fill(f: Any, copies: list, targets: list | None, onto: tuple[DeviceStager, list] | None,
+             from_files: bool) -> None:
+        if onto is not None:  # row bands onto a device: through the ring, no fetch-sized buffer
+            stager, runs = onto
+            if from_files:
+                _stream_file(files, f, runs, stager)  # type: ignore[arg-type]
+            else:
+                _fetch_staged(transport, base, f, runs, stager)
+            return
         if targets is not None:  # row bands into row bands: no buffer, no second copy
             if from_files:
                 files.scatter(f, targets)  # type: ignore[union-attr]
@@ -374,19 +426,25 @@ def execute(transport: Transport, base: str, plan: ReadPlan, dests: list[Destina
             return
         buf = files.fetch(f) if from_files else _fetch(transport, base, f)  # type: ignore[union-attr]
         for c in copies:
-            copy_into(buf, c, dests[c.request])
+            dest = dests[c.request]
+            stager = stagers.get(dest.tensor.device)
+            if stager is not None:
+                stager.copy_into(buf, c, dest)
+            else:
+                copy_into(buf, c, dest)
 
     def read(f: Any, copies: list) -> None:
-        targets = direct_targets(copies, dests)
+        onto = staged(copies) if stagers and copies else None
+        targets = direct_targets(copies, dests) if onto is None else None
         if files is not None and files.usable(f.file):
             try:
-                fill(f, copies, targets, True)
+                fill(f, copies, targets, onto, True)
                 return
             except ChecksumMismatch:
-                fill(f, copies, targets, False)  # raises if the service's bytes are bad too
+                fill(f, copies, targets, onto, False)  # raises if the service's bytes are bad too
                 files.disable()  # HTTP passed: this host's file at that path is not the service's
                 return
-        fill(f, copies, targets, False)
+        fill(f, copies, targets, onto, False)
 
     def run(i: int) -> None:
         f, copies = plan.fetches[i], by_fetch.get(i, [])
@@ -395,9 +453,28 @@ def execute(transport: Transport, base: str, plan: ReadPlan, dests: list[Destina
         except ChecksumMismatch as e:  # a damaged checkpoint, from the bytes or from the service (422)
             raise corrupt(e, f, copies) from e
 
-    if streams > 1 and len(plan.fetches) > 1:
-        with ThreadPoolExecutor(min(streams, len(plan.fetches)), thread_name_prefix="ckptd-load") as pool:
-            list(pool.map(run, range(len(plan.fetches))))
-    else:
-        for i in range(len(plan.fetches)):
-            run(i)
+    try:
+        if streams > 1 and len(plan.fetches) > 1:
+            with ThreadPoolExecutor(min(streams, len(plan.fetches)), thread_name_prefix="ckptd-load") as pool:
+                list(pool.map(run, range(len(plan.fetches))))
+        else:
+            for i in range(len(plan.fetches)):
+                run(i)
+    finally:
+        for stager in stagers.values():
+            stager.finish()
+
+
+def _stream_file(files: LocalFiles, f: Any, runs: list, stager: DeviceStager) -> None:
+    """The range from this host's file through ``stager``'s ring, each piece hashed as it lands
+    (``LocalFiles``' own reads, so its checks and byte count are the same as for a direct read)."""
+    fd = files._start(f)
+    at = 0
+
+    def fill(view: memoryview, check: Any) -> int:
+        nonlocal at
+        files._read(fd, f, at, view, check)  # fills the whole view or raises
+        at += len(view)
+        return len(view)
+
+    stager.stream(f, fill, runs)

@@ -125,6 +125,8 @@ def _to_host(src: torch.Tensor, lease: Lease | None, side: dict[torch.device, An
     A CUDA source is copied on a side stream (one per device, in ``side``), non-blocking into the
     pinned view, so the copy does not queue behind training kernels launched later; the caller
     synchronises ``side`` before training may touch its tensors again. (Untested here: no GPU.)
+    A chunk the slab has no allocated room for yet (a first save: the pool pins its segments in the
+    background after the upload) goes to fresh pageable memory: a staged, synchronous copy, no pinning.
     """
     dst = lease.take(src.shape, src.dtype) if lease is not None else torch.empty(src.shape, dtype=src.dtype)
     if not src.is_cuda:
@@ -188,9 +190,9 @@ def _fill(snap: Snapshot, state_dict: dict, rank: int, world: int, side: dict[to
         digests = {keys[n]: d for n, p in written.items()
                    if keys[n] in stall_keys and (d := digest_source(p.local)) is not None}
         reused = link(digests) if digests else {}
-    if pool is not None:  # the slab, sized from what this save copies
-        snap.lease = pool.lease(sum(aligned(p.numel * p.local.element_size()) for n, p in written.items()
-                                    if keys[n] not in reused))
+    if pool is not None:  # the slab, laid out for the chunks this save copies, in the order it copies them
+        sizes = [aligned(p.numel * p.local.element_size()) for n, p in written.items() if keys[n] not in reused]
+        snap.lease = pool.lease(sum(sizes), sizes=sizes)
     snap.mesh, snap.coords = mesh_of([leaf.value for leaf in leaves], world)
     group_kinds: dict[str, set[str]] = {}
     for leaf in leaves:

@@ -82,7 +82,10 @@ class CheckpointClient(CatalogClient):
             that ``save()``'s stall is one copy without page faults (pinned when CUDA is available).
             ``None`` (default): sized from what this rank copies at its first save, and again when
             that changes (grown, or replaced by a smaller one once the state is under half of it),
-            at most ``snapshot_max_bytes``. A number: a buffer of that size, allocated here. ``0``:
+            at most ``snapshot_max_bytes`` (with CUDA, pinning is not done in a save: the first save copies
+            into fresh memory and the buffer is pinned in a background thread after its upload, in
+            segments). A number: a buffer of that size, allocated here (with CUDA: from here on, in the
+            background). ``0``:
             no buffer, fresh memory per save, freed after its upload. The buffer serves one save at
             a time: a save while the previous one still uploads, or chunks that do not fit, use
             fresh memory (see ``ckptd_client._pool``). Freed by ``close()``.

@@ -14,7 +14,7 @@ from .dcp_io import CAST_DTYPES
 from .output import human, progress_bar
 from .target import open_root, resolve_target
 
-__all__ = ["add_parsers"]
+__all__ = ["add_parsers", "engine_line"]
 
 
 def print_preview(pv, as_json: bool) -> None:
@@ -37,13 +37,23 @@ def print_preview(pv, as_json: bool) -> None:
         print(f"  {u:>5}  {r:>5}  {f}  {human(n)}")
 
 
+def engine_line(device: str, reason: str, impl: str) -> str:
+    """The line ``ckptd reshard`` prints before converting: ``engine: cpu (auto: no dtype cast, the GPU buys
+    nothing; numpy)``. ``impl``: the engine's name (``host`` is numpy; ``torch-cpu``, ``torch-cuda``)."""
+    return f"engine: {device} ({reason}; {'numpy' if impl == 'host' else impl})"
+
+
 def cmd_reshard(args: argparse.Namespace) -> int:
+    """Offline (``--root``) or through a service (``--server``). Call order offline: parse the spec (refused
+    before any I/O), plan, then a dry run prints the preview and stops; otherwise choose the engine
+    (``plan_device``: refused before any write, and printed with its reason), then ``--write-plan`` writes
+    the plan for worker pods and stops, or ``run_plan`` converts and commits under a lease on the source."""
     where = resolve_target(args)
     if where.server:
         from .reshard_remote import reshard_via_server
 
         return reshard_via_server(args, where.server)
-    from ..reshard.executor import plan_engine, run_plan
+    from ..reshard.executor import plan_device, plan_engine, run_plan
     from ..reshard.planner import plan_reshard
     from ..reshard.preview import preview
     from ..reshard.spec import default_out_name, parse_spec
@@ -58,7 +68,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     if args.dry_run:
         print_preview(preview(plan), args.json)
         return 0
-    engine = plan_engine(plan, args.device)  # refused before any write (cuda without a GPU)
+    choice = plan_device(plan, args.device)  # --device auto: the CPU unless a large cast pays for the GPU
+    engine = plan_engine(plan, choice)  # refused before any write (cuda without a GPU)
     out = args.out or f"{manifest.run}/{default_out_name(manifest.name, str(spec), args.dtype)}"
     parse_ref(out)
     if args.write_plan:
@@ -70,6 +81,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         return 0
     from ..store.leases import Leases
 
+    if not args.json:  # before the work: which engine runs it, and why
+        print(engine_line(choice.device, choice.reason, engine.name), flush=True)
     advance, stop = progress_bar(plan.bytes_to_write, f"reshard -> {spec}", args.json)
     try:
         with Leases(storage).hold(manifest.run, manifest.name, "reshard"):  # gc spares the source meanwhile
@@ -82,7 +95,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         print(json.dumps({"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units,
                           "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
                           "seconds": round(res.seconds, 3), "imbalance": pv.imbalance,
-                          "per_rank_bytes": [sum(r.values()) for r in pv.per_rank]}))
+                          "per_rank_bytes": [sum(r.values()) for r in pv.per_rank],
+                          "engine": {"device": choice.device, "reason": choice.reason, "impl": engine.name}}))
     else:
         rate = res.bytes_written / res.seconds if res.seconds else 0
         print(f"committed {res.ref} ({spec}, derived from {manifest.ref}): {res.units} work units, "
@@ -109,7 +123,8 @@ def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
     s.add_argument("--out", help="output ref (default RUN/NAME-<spec>)")
     s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where chunks are assembled and cast: cuda (torch), cpu (numpy; torch only to cast), "
-                        "auto (cuda when a GPU is present)")
+                        "auto (the CPU, unless --dtype casts enough bytes for a present GPU to pay for its "
+                        "start-up; the command prints which engine ran and why)")
     s.add_argument("--jobs", type=int, default=2, help="work units run in parallel")
     s.add_argument("--dtype", choices=CAST_DTYPES, help="cast floating tensors to this dtype")
     s.add_argument("--dry-run", action="store_true", help="print per-rank bytes and reads; write nothing")

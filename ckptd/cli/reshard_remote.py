@@ -61,4 +61,8 @@ def _follow(client: "CatalogClient", args: argparse.Namespace) -> int:
     else:
         print(f"committed {res['ref']} ({job['spec']}, derived from {job['source']}): {res['units']} work units, "
               f"{human(res['bytes_written'])} written in {res['seconds']:.2f}s; every tensor's digest matches")
+        if "engine" in res:  # which engine the service's worker ran, and why (executor.choose_device)
+            from .reshard import engine_line
+
+            print(engine_line(res["engine"]["device"], res["engine"]["reason"], res["engine"]["impl"]))
     return 0

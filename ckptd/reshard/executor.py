@@ -1,8 +1,11 @@
 """The reshard executor: runs a plan's work units with bounded memory, then commits.
 
-Call order (``run_plan`` does all of it; ``ckptd reshard-worker`` does step 2
-for one unit):
+Call order (``run_plan`` does all of it; ``ckptd reshard-worker`` does steps 0
+and 2 for one unit):
 
+0. ``plan_device`` / ``plan_engine``: where chunks are assembled. ``--device
+   auto`` runs on the CPU unless the plan casts enough bytes for the GPU to
+   pay for its start-up (:func:`choose_device`, :data:`GPU_CAST_MIN_BYTES`).
 1. ``open_target``: open an upload session for the output ref (``derived_from``
    the source), exactly as a trainer save does.
 2. ``run_unit`` per work unit, in any order or process: for each target chunk,
@@ -34,14 +37,14 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 import xxhash
 from pydantic import BaseModel, ConfigDict
 
 from ckptd_schemas import (
-    BoxChunk, CheckpointNotFound, Chunk, Fetch, FlatChunk, IntegrityError, Location, Manifest, ObjectEntry,
-    OpenSession, RankIndex, TensorEntry, check_name, check_run, itemsize, parse_ref, verify_fetch,
+    BoxChunk, CheckpointNotFound, Chunk, Fetch, FlatChunk, IntegrityError, InvalidRequest, Location, Manifest,
+    ObjectEntry, OpenSession, RankIndex, TensorEntry, check_name, check_run, itemsize, parse_ref, verify_fetch,
 )
 from ckptd_schemas.digest import DigestPart, combine, digest_piece
 from ckptd_schemas.dtypes import FLOATING
@@ -51,20 +54,82 @@ from ..store.reader import naming_tensor
 from ..store.layout import Paths
 from ..store.merge import merge_indexes
 from .digest import tensor_digest
-from ..store.assemble import Engine, pick_engine
+from ..store.assemble import Engine, cuda_present, pick_engine
 from .pieces import SourcePieces, target_place, write_hashed
 from .planner import ALIGN, ReshardPlan, WorkUnit, already_read, kept_block
 
-__all__ = ["ReshardResult", "UnitResult", "finalize", "open_target", "plan_engine", "run_plan", "run_unit",
-           "source_pieces"]
+__all__ = ["GPU_CAST_MIN_BYTES", "DeviceChoice", "ReshardResult", "UnitResult", "cast_bytes", "choose_device",
+           "finalize", "open_target", "plan_device", "plan_engine", "run_plan", "run_unit", "source_pieces"]
 
 log = logging.getLogger("ckptd.reshard")
 _PAD = bytes(ALIGN)
 
+#: Source bytes a plan must cast (``--dtype``) before ``--device auto`` runs it on the GPU; below, or
+#: without a cast, ``auto`` runs it on the CPU. Measured once on one H200 (issue 30: ``ckptd reshard``
+#: 1 -> ``fsdp2:dp=4`` of a 4 GiB state, in process / whole process): without a cast the GPU took as long
+#: as the CPU in process (6.39 s vs 6.37 s) and its start-up (torch import, CUDA context) cost 4 s more
+#: as a whole process (11.2 s vs 7.2 s); with ``--dtype bfloat16`` it saved 1.29 s in process (6.79 s vs
+#: 8.08 s) and 1.1 s as a whole process (12.9 s vs 14.0 s), where the CPU's cast imports torch too.
+#: That cast (at most the whole 4 GiB) is the only one measured, and the GPU won it as a whole process by
+#: 8 % (single runs); so ``auto`` takes the GPU only from 4 GiB on, where the saving grows with the bytes
+#: and the start-up does not. A straight line through that one point would break even near 0.6 GiB: too
+#: thin to rely on. To be re-measured on a GPU: ``python -m bench.gpu`` reports
+#: ``reshard_gpu_break_even_cast_bytes``; set this from it.
+GPU_CAST_MIN_BYTES = 4 << 30
 
-def plan_engine(plan: ReshardPlan, device: str) -> Engine:
-    """The engine for ``plan`` on ``device`` (``auto``, ``cpu``, ``cuda``): torch where the plan casts."""
-    return pick_engine(device, casts=plan.dtype is not None)
+Device = Literal["cpu", "cuda"]
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """Where a plan's chunks are assembled and cast, and why (printed by ``ckptd reshard``, recorded in
+    service job results)."""
+    device: Device
+    reason: str
+    cast_bytes: int = 0
+
+
+def cast_bytes(plan: ReshardPlan) -> int:
+    """The source bytes ``plan`` converts to another dtype (0 without ``--dtype``)."""
+    return sum(pc.numel * itemsize(pc.src_dtype) for u in plan.units for pc in u.chunks if pc.src_dtype != pc.dtype)
+
+
+def choose_device(requested: str, cast: int, cuda: Callable[[], bool]) -> DeviceChoice:
+    """The one rule for ``--device`` (the CLI, service jobs and ``reshard-worker`` pods all come here).
+
+    ``cpu`` and ``cuda`` are taken as asked (``cuda`` without a GPU is refused later, by ``pick_engine``).
+    ``auto`` picks the CPU unless the GPU can pay for its start-up: without a cast the GPU's engine only
+    moves bytes, as fast as the CPU's, so it never can; with one, only when ``cast`` (source bytes to
+    convert) reaches :data:`GPU_CAST_MIN_BYTES` and a CUDA device is present. ``cuda`` is called only
+    then: probing for a GPU may import torch (1.5 s), which the CPU's byte-moving engine never needs.
+    """
+    if requested not in ("auto", "cpu", "cuda"):
+        raise InvalidRequest(f"device must be auto, cpu or cuda, not {requested!r}", device=requested)
+    if requested != "auto":
+        return DeviceChoice(requested, f"--device {requested}", cast)  # type: ignore[arg-type]
+    if cast == 0:
+        return DeviceChoice("cpu", "auto: no dtype cast, the GPU buys nothing", 0)
+    size = f"{cast / 2**30:.2f} GiB" if cast >= 2**30 // 100 else f"{cast / 2**20:.2f} MiB"
+    least = f"{GPU_CAST_MIN_BYTES / 2**30:g} GiB"
+    if cast < GPU_CAST_MIN_BYTES:
+        return DeviceChoice("cpu", f"auto: {size} to cast, under the {least} at which the GPU pays for its "
+                                   f"start-up", cast)
+    if not cuda():
+        return DeviceChoice("cpu", f"auto: {size} to cast, but no CUDA device", cast)
+    return DeviceChoice("cuda", f"auto: {size} to cast, at least the {least} at which the GPU pays for its start-up",
+                        cast)
+
+
+def plan_device(plan: ReshardPlan, device: str) -> DeviceChoice:
+    """:func:`choose_device` for ``plan`` on this machine."""
+    return choose_device(device, cast_bytes(plan), cuda_present)
+
+
+def plan_engine(plan: ReshardPlan, device: "str | DeviceChoice") -> Engine:
+    """The engine for ``plan`` on ``device`` (``auto``, ``cpu``, ``cuda``, or a choice already made): torch
+    where the plan casts or on the GPU, the host's numpy otherwise."""
+    choice = device if isinstance(device, DeviceChoice) else plan_device(plan, device)
+    return pick_engine(choice.device, casts=plan.dtype is not None)
 
 
 class UnitResult(BaseModel):
@@ -86,6 +151,9 @@ class ReshardResult:
     bytes_read: int
     bytes_written: int
     seconds: float
+    device: str = ""  # where the chunks were assembled: cpu or cuda
+    reason: str = ""  # why (DeviceChoice.reason)
+    engine: str = ""  # host (numpy), torch-cpu or torch-cuda
 
 
 def open_target(sessions: SessionStore, plan: ReshardPlan, out_ref: str, session: str) -> None:
@@ -371,9 +439,14 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
              device: str = "auto", jobs: int = 1, progress: Callable[[int], None] | None = None,
              engine: Engine | None = None) -> ReshardResult:
     """Run every unit of ``plan`` (``jobs`` at a time) and commit ``out_ref``; on any error the output
-    session is aborted. ``engine`` overrides the one ``device`` picks (tests run torch on the CPU)."""
+    session is aborted. ``engine`` overrides the one ``device`` picks (tests run torch on the CPU); the
+    result names the engine and why it ran (:func:`choose_device`)."""
     t0 = time.monotonic()
-    engine = engine or plan_engine(plan, device)
+    if engine is None:
+        choice = plan_device(plan, device)
+        engine = plan_engine(plan, choice)
+    else:
+        choice = DeviceChoice("cuda" if "cuda" in engine.name else "cpu", "engine given by the caller")
     open_target(sessions, plan, out_ref, session)
     try:
         pieces = source_pieces(reader, plan)
@@ -399,4 +472,5 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
         raise
     return ReshardResult(ref=out_ref, manifest_xxh3=digest, units=len(plan.units),
                          bytes_read=sum(r.bytes_read for r in results),
-                         bytes_written=sum(r.bytes_written for r in results), seconds=time.monotonic() - t0)
+                         bytes_written=sum(r.bytes_written for r in results), seconds=time.monotonic() - t0,
+                         device=choice.device, reason=choice.reason, engine=engine.name)

@@ -28,7 +28,7 @@ from ckptd_schemas import AlreadyCommitted, CheckpointNotFound, CkptdError, pars
 
 from ..storage import Storage, open_storage
 from ..store import CheckpointReader, SessionStore
-from .executor import UnitResult, finalize, open_target, plan_engine, run_unit
+from .executor import UnitResult, finalize, open_target, plan_device, plan_engine, run_unit
 from ..store.leases import Leases
 from .models import JobStatus, ReshardRequest, now_utc, put_status, get_job
 from .planner import ReshardPlan, plan_reshard
@@ -118,7 +118,8 @@ def _finished(st: JobStatus, run: Callable[[], Any], job_id: str) -> JobStatus:
         "state": "done", "bytes_done": st.bytes_total, "updated_at": now_utc(),
         "result": {"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units,
                    "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
-                   "seconds": round(res.seconds, 3)}})
+                   "seconds": round(res.seconds, 3),
+                   "engine": {"device": res.device, "reason": res.reason, "impl": res.engine}}})
 
 
 def _failed(st: JobStatus, e: Exception, job_id: str) -> JobStatus:
@@ -178,12 +179,14 @@ def run_worker(uri: str, index: int, *, root: str | None = None) -> dict[str, An
 
     if (digest := committed()) is not None:  # a retried pod after the commit: nothing left to do
         return {"unit": index, "committed": digest}
-    res = run_unit(reader, sessions, job.plan, job.plan.units[index], job.out, job.session,
-                   engine=plan_engine(job.plan, job.device))
+    choice = plan_device(job.plan, job.device)  # per pod: each may or may not have a GPU
+    engine = plan_engine(job.plan, choice)
+    res = run_unit(reader, sessions, job.plan, job.plan.units[index], job.out, job.session, engine=engine)
     fs, base = fsspec.url_to_fs(uri)
     fs.makedirs(f"{base}.units", exist_ok=True)
     fs.pipe_file(f"{base}.units/{index:06d}.json", res.model_dump_json().encode())
-    out: dict[str, Any] = {"unit": index, "file": res.file, "bytes_written": res.bytes_written}
+    out: dict[str, Any] = {"unit": index, "file": res.file, "bytes_written": res.bytes_written,
+                           "engine": {"device": choice.device, "reason": choice.reason, "impl": engine.name}}
     names = fs.ls(f"{base}.units", detail=False)
     if len(names) == len(job.plan.units):
         results = [UnitResult.model_validate_json(fs.cat_file(n)) for n in sorted(names)]
