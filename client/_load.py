@@ -85,9 +85,12 @@ class LoadReport:
     bytes_read: int = 0
     bytes_read_direct: int = 0  # of bytes_read, read from the service's files on this host (not HTTP)
     bytes_shared_in: int = 0  # received from the rank of this host that read them (``_share``)
-    # strict loads: how many ranks' keys were checked to cover the checkpoint together (1: this
-    # rank alone, the whole checkpoint; N: any subset per rank, ``_coverage``); 0 without strict
+    # how many ranks' keys were gathered to find what the checkpoint holds that none of them restored
+    # (1: this rank alone; N: a distributed load, ``_coverage``); 0 when nothing was checked
     coverage_ranks: int = 0
+    # the checkpoint's keys (tensors and objects) that no rank's state dict holds: a subset load
+    # (``load(..., cover=True)`` refuses one)
+    uncovered: list[str] = field(default_factory=list)
     # ``RUN/latest`` only: the newer trainer checkpoints the service skipped as known to be bad (their
     # recorded verification failed), newest first, each with its ref and reason; ``ref`` is what loaded
     skipped: list[SkippedCheckpoint] = field(default_factory=list)
@@ -182,15 +185,16 @@ def _load_object(transport: Transport, base: str, o: ObjectEntry, ref: str, poli
 
 
 def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, rank: int, strict: bool,
-              streams: int, direct_reads: bool = True, share_replicas: bool = True,
+              streams: int, cover: bool = False, direct_reads: bool = True, share_replicas: bool = True,
               objects: ObjectPolicy = SAFE) -> LoadReport:
     with contextlib.ExitStack() as lease:
-        return _load_into(transport, run, name, state_dict, lease, rank=rank, strict=strict, streams=streams,
+        return _load_into(transport, run, name, state_dict, lease, rank=rank, strict=strict, cover=cover,
+                          streams=streams,
                           direct_reads=direct_reads, share_replicas=share_replicas, objects=objects)
 
 
 def _load_into(transport: Transport, run: str, name: str, state_dict: dict, lease: contextlib.ExitStack, *,
-               rank: int, strict: bool, streams: int, direct_reads: bool, share_replicas: bool,
+               rank: int, strict: bool, cover: bool, streams: int, direct_reads: bool, share_replicas: bool,
                objects: ObjectPolicy) -> LoadReport:
     together = _distributed()
     share = share_replicas and together
@@ -199,7 +203,7 @@ def _load_into(transport: Transport, run: str, name: str, state_dict: dict, leas
     err: Exception | None = None
     try:
         manifest, report, leaves, pieces, objects_by_name = _prepare(transport, run, name, state_dict, strict,
-                                                                     rank=rank, alone=not together)
+                                                                     cover=cover, rank=rank, alone=not together)
         held = {leaf.fqn for leaf in leaves}
         base = f"/v1/checkpoints/{run}/{manifest.name}"
         plan = _plan(transport, base, pieces, direct_reads) if pieces else None
@@ -207,13 +211,15 @@ def _load_into(transport: Transport, run: str, name: str, state_dict: dict, leas
             lease.enter_context(read_lease(transport, base))
     except Exception as e:
         err = e
-    if together and (share or strict):  # one collective: the other ranks must not wait below for a failed one
-        coverage = agree_keys(err, manifest, held, strict=strict)
+    uncovered: list[str] = []
+    if together and (share or strict or cover):  # one collective: the other ranks must not wait below for a failed one
+        coverage, uncovered = agree_keys(err, manifest, held, cover=cover)
     else:
-        coverage = 1 if strict else 0
+        coverage = 1 if strict or cover else 0
     if err is not None:
         raise err
     report.coverage_ranks = coverage
+    report.uncovered = uncovered if together else list(report.unexpected)
     if pieces or share:  # a rank with nothing to read still takes part in the agreement
         _read_tensors(transport, base, manifest, pieces, plan, report, streams=streams,
                       direct_reads=direct_reads, share=share, lease=lease)
@@ -244,14 +250,14 @@ def _pick_object(entries: list[ObjectEntry], rank: int) -> ObjectEntry | None:
     return entry
 
 
-def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict: bool, *, rank: int = 0,
-             alone: bool = True
+def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict: bool, *, cover: bool = False,
+             rank: int = 0, alone: bool = True
              ) -> tuple[Manifest, LoadReport, list[Leaf], list[tuple[Leaf, LocalPiece]], dict[str, list[ObjectEntry]]]:
     """Step 1: the manifest, matched against the state dict; the tensor pieces this rank fills.
 
     With ``strict``, a key of the state dict that the checkpoint lacks (or holds only per rank, for
-    other ranks) fails this rank; a key of the checkpoint that the state dict lacks fails it only
-    when it loads ``alone``: otherwise ``_coverage.agree_keys`` checks that some rank holds it."""
+    other ranks) fails this rank. With ``cover``, a key of the checkpoint that the state dict lacks
+    fails it when it loads ``alone``; otherwise ``_coverage.agree_keys`` checks that some rank holds it."""
     raw, skipped = resolve_manifest(transport, run, name)
     manifest = Manifest.model_validate_json(raw)  # inline objects: checked
     report = LoadReport(ref=manifest.ref, skipped=skipped)
@@ -270,12 +276,11 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
     report.missing += sorted(leaf.fqn for leaf in leaves if leaf.kind != "tensor" and leaf.fqn not in objects_by_name)
     report.unexpected = sorted({t.name for t in manifest.tensors} - present)
     report.unexpected += sorted(set(objects_by_name) - present)
-    if strict and alone and (report.missing or report.unexpected):
+    if cover and alone and report.unexpected:
         raise StateDictMismatch(
-            f"state_dict and checkpoint {manifest.ref} differ: missing from the checkpoint "
-            f"{report.missing[:8]}, missing from the state_dict {report.unexpected[:8]} "
-            f"(load(..., strict=False) restores the common keys)",
-            missing=report.missing[:64], unexpected=report.unexpected[:64])
+            f"checkpoint {manifest.ref} has keys the state_dict does not hold: {report.unexpected[:8]}"
+            f"{' ...' if len(report.unexpected) > 8 else ''} (load(..., cover=False) restores the keys it holds)",
+            missing_on_all_ranks=report.unexpected[:64])
     if strict and report.missing:
         raise StateDictMismatch(
             f"rank {rank}: state_dict keys missing from checkpoint {manifest.ref}: {report.missing[:8]} "

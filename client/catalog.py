@@ -129,6 +129,25 @@ class CatalogClient:
         done, failed), ``bytes_done`` of ``bytes_total``, then ``result`` or ``error``."""
         return self._transport.request("GET", f"/v1/jobs/{job_id}")
 
+    def drill(self, source: str, to: Sequence[str], *, jobs: int = 1) -> dict:
+        """Submit a conversion drill (``POST /v1/drill``, admin scope, as ``ckptd drill --server``): the
+        service plans the conversion of ``source`` (``RUN/NAME`` or ``RUN/latest``) into each layout of
+        ``to`` (specs, or ``half`` / ``double``), assembles every target chunk and checks every tensor's
+        digest against the source's, writing only the record. Returns the job (``id``, ``state``), which
+        :meth:`drill_job` follows."""
+        return self._transport.request("POST", "/v1/drill", json={"source": source, "to": list(to), "jobs": jobs})
+
+    def drill_job(self, job_id: str) -> dict:
+        """The status of drill job ``job_id`` (``GET /v1/drills/{id}``): ``state`` (queued, running, done,
+        failed), then ``result`` (the record: ``ok``, per layout ``problems``) or ``error``."""
+        return self._transport.request("GET", f"/v1/drills/{job_id}")
+
+    def drill_record(self, ref: str) -> dict:
+        """The last drill recorded for checkpoint ``ref`` (``GET /v1/checkpoints/{run}/{name}/drill``, read
+        scope); ``NotFound`` when it has none for the manifest committed there."""
+        r = parse_ref(ref)
+        return self._transport.request("GET", f"/v1/checkpoints/{r.run}/{r.name}/drill")
+
     def upload(self, ref: str, *, step: int | None = None, session: str | None = None) -> "Upload":
         """Open a one-rank upload session on ``ref`` (``RUN/NAME``; write scope) for data files a tool
         has already laid out, and return it (:class:`Upload`): the session protocol a trainer's save

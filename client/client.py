@@ -237,20 +237,23 @@ class CheckpointClient(CatalogClient):
         return handle
 
     # -- load ------------------------------------------------------------------
-    def load(self, state_dict: dict, ref: str, *, strict: bool = True) -> LoadReport:
+    def load(self, state_dict: dict, ref: str, *, strict: bool = True, cover: bool = False) -> LoadReport:
         """Fill ``state_dict`` in place from ``ref`` (``RUN/latest`` allowed), at any world size.
 
         ``strict`` (collective in a distributed load): every key of every rank's state dict must be
-        in the checkpoint with its shape and dtype, and the ranks' keys together must cover every
-        tensor and object of it; a rank may hold any subset (a pipeline stage, a ZeRO slice). A
-        failure raises on every rank, naming the keys; ``LoadReport.coverage_ranks`` says across how
-        many ranks coverage was checked (``ckptd_client._coverage``).
+        in the checkpoint with its shape and dtype. A state dict may hold any subset of the checkpoint
+        (the model alone from a checkpoint that also holds optimizer state; a pipeline stage; a ZeRO
+        slice), as with DCP; ``LoadReport.uncovered`` lists the checkpoint's keys that no rank
+        restored. ``cover=True`` also requires the ranks' keys together to cover every tensor and
+        object of the checkpoint. A failure raises on every rank, naming the keys;
+        ``LoadReport.coverage_ranks`` says across how many ranks the keys were gathered
+        (``ckptd_client._coverage``).
 
         Objects are decoded without running code (``trust_objects``); a refused one raises ``UnsafeObject``.
         """
         r = parse_ref(ref)
         rank, _ = rank_and_world()
-        return load_into(self._transport, r.run, r.name, state_dict, rank=rank, strict=strict,
+        return load_into(self._transport, r.run, r.name, state_dict, rank=rank, strict=strict, cover=cover,
                          streams=self.streams, direct_reads=self.direct_reads,
                          share_replicas=self.share_replicas, objects=self.objects)
 

@@ -81,6 +81,8 @@ def _operations(app) -> list[tuple[str, str, str]]:
 def _body_for(name: str) -> dict:
     if name in ("create_job", "preview_job"):
         return {"json": {"source": "gpt/1", "to": "full"}}
+    if name == "create_drill":
+        return {"json": {"source": "gpt/1", "to": ["full"]}}
     if name == "run_gc":
         return {"json": {"keep_last": 1, "dry_run": True}}
     if name == "open_session":
@@ -108,7 +110,7 @@ def test_every_route_has_a_rule_and_the_expected_scope(app):
     assert api_ops <= walked, api_ops - walked
     for r in iter_routes(app.router):
         rule = ROUTE_RULES[r.name]
-        if r.path.startswith(("/v1/reshard", "/v1/jobs")) or r.path.endswith("/gc"):
+        if r.path.startswith(("/v1/reshard", "/v1/jobs", "/v1/drill")) or r.path.endswith("/gc"):
             assert rule.access == "admin", r.path
         elif "/sessions" in r.path or (r.path == "/v1/checkpoints/{run}/{name}" and r.methods == {"DELETE"}):
             assert rule.access == "write", r.path  # uploads, and a trainer's removal of one checkpoint

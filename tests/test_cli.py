@@ -50,7 +50,7 @@ def test_exit_codes(saved, tmp_path):
     help_text = ckptd("--help").stdout
     for cmd in ("serve", "ls", "show", "verify"):
         assert cmd in help_text
-    assert "{serve,ls,show,verify,reshard,reshard-worker,import,export,gc,rm}" in help_text
+    assert "{serve,ls,show,verify,reshard,reshard-worker,drill,import,export,gc,rm}" in help_text
 
 
 def test_commands_through_a_server_import_no_torch(saved):

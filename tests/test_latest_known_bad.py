@@ -200,9 +200,10 @@ def test_no_record_or_a_record_of_another_manifest_is_not_known_bad(tmp_path):
 
 
 def test_offline_gc_records_the_failure_and_every_offline_reader_skips_it(tmp_path):
-    """No service: ``ckptd gc --dry-run --root`` verifies the damaged newest checkpoint and records
-    the failure; from then on ``ckptd verify``, ``show``, ``ls`` and ``export`` of ``RUN/latest`` on
-    the root take step 2, and gc counts step 3 for nothing."""
+    """No service: ``ckptd gc --dry-run --root`` verifies the damaged newest checkpoint, plans as if
+    its failure were recorded, and records nothing; ``ckptd gc --root`` records it (and deletes step 1):
+    from then on ``ckptd verify``, ``show``, ``ls`` and ``export`` of ``RUN/latest`` on the root take
+    step 2, and gc counts step 3 for nothing."""
     srv = ServerProcess(tmp_path / "root").start()
     root = Path(srv.root)
     try:
@@ -219,6 +220,12 @@ def test_offline_gc_records_the_failure_and_every_offline_reader_skips_it(tmp_pa
     plan = json.loads(dry.stdout)
     assert plan["newest_verified"] == "2" and "3" in plan["failed_verification"], plan
     assert plan["latest"] == "2" and set(plan["known_bad"]) == {"3"} and plan["delete"] == ["1"], plan
+    assert not (root / "runs" / RUN / "3" / "VERIFIED.json").exists() or json.loads(
+        (root / "runs" / RUN / "3" / "VERIFIED.json").read_text())["ok"]  # the dry run recorded nothing
+    assert _cli("verify", f"{RUN}/latest", *target).stdout.startswith(f"FAIL {RUN}/3")  # nothing known yet
+
+    real = _cli("gc", RUN, "--keep-last", "1", "--json", *target)
+    assert json.loads(real.stdout)["deleted"] == ["1"], real.stdout + real.stderr
 
     after = _cli("verify", f"{RUN}/latest", *target)
     assert after.returncode == 0 and after.stdout.startswith(f"OK {RUN}/2"), after.stdout + after.stderr
@@ -233,9 +240,8 @@ def test_offline_gc_records_the_failure_and_every_offline_reader_skips_it(tmp_pa
     for shard in sorted((tmp_path / "out").glob("*.safetensors")):
         got |= load_file(shard)
     assert torch.equal(got["model.w"], states[2]["model"]["w"])
-
-    real = _cli("gc", RUN, "--keep-last", "1", "--json", *target)
-    assert json.loads(real.stdout)["deleted"] == ["1"], real.stdout + real.stderr
+    again = _cli("gc", RUN, "--keep-last", "1", "--json", *target)
+    assert json.loads(again.stdout)["deleted"] == [], again.stdout + again.stderr  # step 3 costs step 2 nothing
     assert _cli("show", f"{RUN}/latest", *target).stdout.startswith(f"checkpoint {RUN}/2 ")
 
 

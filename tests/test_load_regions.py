@@ -52,7 +52,10 @@ def test_strict_load_names_missing_and_mismatched_keys(client):
     with pytest.raises(StateDictMismatch, match="'c'"):
         client.load({"a": torch.zeros(3), "b": torch.zeros(2, 2), "c": torch.zeros(1)}, "strict/1")
     with pytest.raises(StateDictMismatch, match="'b'"):
-        client.load({"a": torch.zeros(3)}, "strict/1")
+        client.load({"a": torch.zeros(3)}, "strict/1", cover=True)
+    only_a = {"a": torch.zeros(3)}  # a subset loads by default, as with DCP, and says what it left
+    report = client.load(only_a, "strict/1")
+    assert torch.equal(only_a["a"], torch.ones(3)) and report.uncovered == ["b"] and report.coverage_ranks == 1
     with pytest.raises(StateDictMismatch, match=r"'b'.*shape"):
         client.load({"a": torch.zeros(3), "b": torch.zeros(4)}, "strict/1")
     with pytest.raises(StateDictMismatch, match=r"'a'.*dtype"):

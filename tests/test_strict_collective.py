@@ -1,10 +1,11 @@
 """Strictness is collective, and a refusal reaches every rank.
 
-``load(strict=True)`` on several ranks: every key of every rank must exist in the checkpoint, and
-the ranks' keys together must cover it; a rank may hold any subset. A key the checkpoint lacks, or
-a checkpoint key that no rank asks for (a tensor or an object), raises ``StateDictMismatch`` on
-every rank naming the key; no rank is left waiting, and the same ranks load again afterwards.
-``strict=False`` loads what matches and reports the rest.
+``load(strict=True)`` (the default) on several ranks: every key of every rank must exist in the
+checkpoint; a rank may hold any subset, and the ranks together may restore a subset of the checkpoint
+(reported as ``uncovered``). A key the checkpoint lacks raises ``StateDictMismatch`` on every rank
+naming the key, and with ``cover=True`` so does a checkpoint key that no rank asks for (a tensor or an
+object); no rank is left waiting, and the same ranks load again afterwards. ``strict=False`` loads
+what matches and reports the rest.
 
 ``save`` of a state dict that no checkpoint can hold (a sparse tensor, a sub-byte dtype), or of an
 object only an unrestricted unpickler rebuilds, on one rank: every rank raises, the others naming
@@ -39,13 +40,13 @@ def save_job(rank: int, world: int, url: str) -> None:
         c.save(sd, "strict/1").wait()
 
 
-def _attempt(c, sd: dict, strict: bool = True) -> dict:
+def _attempt(c, sd: dict, strict: bool = True, cover: bool = True) -> dict:
     try:
-        report = c.load(sd, "strict/1", strict=strict)
+        report = c.load(sd, "strict/1", strict=strict, cover=cover)
     except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
         return {"type": type(e).__name__, "message": str(e), "details": getattr(e, "details", {})}
     return {"type": None, "tensors": report.tensors, "objects": report.objects, "missing": report.missing,
-            "unexpected": report.unexpected, "coverage": report.coverage_ranks}
+            "unexpected": report.unexpected, "coverage": report.coverage_ranks, "uncovered": report.uncovered}
 
 
 def load_job(rank: int, world: int, url: str) -> dict:
@@ -79,10 +80,11 @@ def load_job(rank: int, world: int, url: str) -> dict:
         out["absent_key"] = _attempt(c, extra)
         out["unrequested_tensor"] = _attempt(c, subset([k for k in mine if k != "b"], objects=rank == 0))
         out["unrequested_object"] = _attempt(c, subset(mine, objects=False))
+        out["subset_by_default"] = _attempt(c, subset([k for k in mine if k != "b"], objects=False), cover=False)
         loose = subset([k for k in mine if k != "b"], objects=False)
         if rank == 2:
             loose["zzz"] = torch.zeros(2)
-        out["not_strict"] = _attempt(c, loose, strict=False)
+        out["not_strict"] = _attempt(c, loose, strict=False, cover=False)
         out["not_strict_equal"] = all(torch.equal(loose[k] if k != "dt" else loose[k].full_tensor(), v[k])
                                       for k in mine if k != "b")
         out["again"] = _attempt(c, subset(mine, objects=rank == 1))  # the ranks are still in step
@@ -99,6 +101,10 @@ def test_strict_load_is_collective_and_names_the_key_on_every_rank(server, tmp_p
         # a key no rank asks for, tensor or object: every rank, naming it
         for case, key in (("unrequested_tensor", "'b'"), ("unrequested_object", "'meta.epoch'")):
             assert rec[case]["type"] == "StateDictMismatch" and key in rec[case]["message"], (r, case, rec[case])
+        # without cover (the default) the same subset loads, and every rank learns what no rank restored
+        sd_ = rec["subset_by_default"]
+        assert sd_["type"] is None and sd_["coverage"] == 3, (r, sd_)
+        assert sd_["uncovered"] == ["b", "meta.epoch", "meta.name"], (r, sd_)
         # a key one rank asks for that the checkpoint lacks: every rank, naming the key (the others: the rank too)
         assert rec["absent_key"]["type"] == "StateDictMismatch", (r, rec["absent_key"])
         assert "'zzz'" in rec["absent_key"]["message"], (r, rec["absent_key"])

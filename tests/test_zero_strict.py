@@ -56,9 +56,10 @@ def save_job(rank: int, world: int, url: str) -> list[str]:
     return sorted(sd["model"])
 
 
-def load_job(rank: int, world: int, url: str, drop: str | None, extra_on: int | None) -> dict:
-    """Load this rank's dp=``world`` slice (strict default); compare it with the saved bytes. ``drop``:
-    a parameter no rank holds; ``extra_on``: the rank that holds a key the checkpoint lacks."""
+def load_job(rank: int, world: int, url: str, drop: str | None, extra_on: int | None, cover: bool = True) -> dict:
+    """Load this rank's dp=``world`` slice (strict default, ``cover``: the ranks together must restore every
+    key); compare it with the saved bytes. ``drop``: a parameter no rank holds; ``extra_on``: the rank that
+    holds a key the checkpoint lacks."""
     from ckptd_client import CheckpointClient
 
     _, part = _global_flat(world, seed=0)
@@ -71,7 +72,7 @@ def load_job(rank: int, world: int, url: str, drop: str | None, extra_on: int | 
         sd["model"]["l3.weight"] = torch.zeros(4)
     try:
         with CheckpointClient(url) as c:
-            report = c.load(sd, "zero/7")
+            report = c.load(sd, "zero/7", cover=cover)
     except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
         return {"type": type(e).__name__, "message": str(e), "details": getattr(e, "details", {})}
     want_w, _ = _global_flat(world, seed=0)
@@ -88,7 +89,7 @@ def load_job(rank: int, world: int, url: str, drop: str | None, extra_on: int | 
         assert torch.equal(got[~pad].view(torch.uint8), want[~pad].view(torch.uint8)), f"rank {rank} differs"
         assert bool((got[pad] == -1).all())
     return {"type": None, "tensors": report.tensors, "coverage": report.coverage_ranks,
-            "unexpected": report.unexpected}
+            "unexpected": report.unexpected, "uncovered": report.uncovered}
 
 
 def test_zero_partition_saved_at_dp2_loads_strictly_at_dp3(server, tmp_path):
@@ -103,13 +104,18 @@ def test_zero_partition_saved_at_dp2_loads_strictly_at_dp3(server, tmp_path):
     assert restored == {f"model.{n}" for n, _ in PARAMS} | {f"optim.exp_avg.{n}" for n, _ in PARAMS} | {"step"}
 
 
-def test_a_checkpoint_key_no_rank_holds_fails_on_every_rank(server, tmp_path):
+def test_a_checkpoint_key_no_rank_holds_fails_on_every_rank_when_cover_is_asked(server, tmp_path):
     run_ranks(save_job, 2, server.url, tmp=tmp_path)
     recs = [r["result"] for r in run_ranks(load_job, 3, server.url, "l2.bias", None, tmp=tmp_path)]
     for r in recs:
         assert r["type"] == "StateDictMismatch", r
         assert "no rank's state_dict holds" in r["message"] and "'model.l2.bias'" in r["message"], r
         assert r["details"]["missing_on_all_ranks"] == ["model.l2.bias", "optim.exp_avg.l2.bias"], r
+    # by default a subset loads (as with DCP), and every rank's report names what no rank restored
+    recs = [r["result"] for r in run_ranks(load_job, 3, server.url, "l2.bias", None, False, tmp=tmp_path)]
+    for r in recs:
+        assert r["type"] is None and r["coverage"] == 3, r
+        assert r["uncovered"] == ["model.l2.bias", "optim.exp_avg.l2.bias"], r
 
 
 def test_a_rank_key_missing_from_the_checkpoint_fails_on_every_rank(server, tmp_path):

@@ -48,6 +48,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"keep   {args.run}/{name}  ({why})")
     for name, why in plan.get("known_bad", {}).items():  # not counted by --keep-last; RUN/latest skips them
         print(f"known bad {args.run}/{name}: {why}")
+    if plan.get("newest_verified"):  # rule 5: what every deletion relied on
+        print(f"newest verified {args.run}/{plan['newest_verified']} ({plan.get('verified_how')})")
+    elif gone or plan.get("failed_verification"):
+        print(f"newest verified: none of {args.run} verifies")
+    for name, why in plan.get("failed_verification", {}).items():
+        print(f"does not verify {args.run}/{name}: {why}")
     for sid in plan.get("reclaimed_sessions", []):
         print(f"reclaimed stale staging {sid}")
     return 0

@@ -16,6 +16,7 @@ from ckptd_schemas import CkptdError, IntegrityError, Manifest, NotFound, parse_
 from .. import __version__
 from .backends import Backend, open_backend, require_run
 from .dcp_io import add_parsers as add_dcp_io_parsers
+from .drill import add_parsers as add_drill_parsers
 from .gc import add_parsers as add_gc_parsers
 from .output import human, plural, progress_bar
 from .reshard import add_parsers as add_reshard_parsers
@@ -248,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_verify)
 
     add_reshard_parsers(sub, add_target)
+    add_drill_parsers(sub, add_target)
     add_dcp_io_parsers(sub, add_target)
     add_gc_parsers(sub, add_target)
     return p

@@ -11,7 +11,10 @@ and 2 for one unit):
 2. ``run_unit`` per work unit, in any order or process: for each target chunk,
    fetch its source byte ranges (block digests verified), assemble it on the
    chosen device (cast there if asked), stream it into the unit's target file.
-   Memory held: one target chunk plus the fetches that fill it.
+   Memory held: one target chunk plus the fetches that fill it. The reading
+   half (:class:`ChunkAssembler`) is shared with ``ckptd drill``
+   (``ckptd.reshard.drill``), which assembles every target chunk the same way
+   and writes none.
 3. ``finalize``: build each target rank's index, and compare every tensor's
    layout-independent digest on the source and on the target; any difference
    aborts the session (nothing becomes visible). Otherwise the indexes go in
@@ -56,10 +59,11 @@ from ..store.merge import merge_indexes
 from .digest import tensor_digest
 from ..store.assemble import Engine, cuda_present, pick_engine
 from .pieces import SourcePieces, target_place, write_hashed
-from .planner import ALIGN, ReshardPlan, WorkUnit, already_read, kept_block
+from .planner import ALIGN, PlannedChunk, ReshardPlan, WorkUnit, already_read, kept_block
 
-__all__ = ["GPU_CAST_MIN_BYTES", "DeviceChoice", "ReshardResult", "UnitResult", "cast_bytes", "choose_device",
-           "finalize", "open_target", "plan_device", "plan_engine", "run_plan", "run_unit", "source_pieces"]
+__all__ = ["GPU_CAST_MIN_BYTES", "ChunkAssembler", "DeviceChoice", "ReshardResult", "UnitResult", "cast_bytes",
+           "choose_device", "finalize", "open_target", "plan_device", "plan_engine", "run_plan", "run_unit",
+           "source_pieces"]
 
 log = logging.getLogger("ckptd.reshard")
 _PAD = bytes(ALIGN)
@@ -174,34 +178,55 @@ def _cast(plan: ReshardPlan, dtype: str) -> bool:
     return plan.dtype is not None and dtype in FLOATING and plan.dtype != dtype
 
 
+class ChunkAssembler:
+    """The reading half of a work unit, shared by :func:`run_unit` and the drill (``ckptd.reshard.drill``):
+    fills one target chunk at a time from its source byte ranges, each fetch block-verified (a damaged one
+    raises naming the tensor), in buffers allocated once at the largest size ``chunks`` need.
+
+    While it reads, it collects the source tensors' digest parts (``pieces``) in :attr:`parts` and counts
+    the bytes read from storage in :attr:`bytes_read`. Not thread-safe: one per thread.
+    """
+
+    def __init__(self, reader: CheckpointReader, plan: ReshardPlan, chunks: list[PlannedChunk], *, engine: Engine,
+                 pieces: SourcePieces) -> None:
+        src = parse_ref(plan.source)
+        fetch_bytes, chunk_bytes = _largest(chunks)
+        self.source, self.pieces = plan.source, pieces
+        self.fetches = _Fetches(reader, src.run, src.name, fetch_bytes)
+        self.staging = engine.buffer(chunk_bytes)  # one target chunk, reused chunk to chunk
+        self.parts: list[DigestPart] = []
+        self.bytes_read = 0
+
+    def assemble(self, pc: PlannedChunk, shape: list[int]) -> memoryview:
+        """Target chunk ``pc`` of a tensor of global ``shape``, as ``pc.dtype``: a view valid until the next
+        call."""
+        self.staging.begin(pc.src_dtype, pc.numel, shape, sizes=pc.sizes, offsets=pc.offsets,
+                           flat_start=pc.flat_start)
+        for i, f in enumerate(pc.reads.fetches):
+            with naming_tensor(pc.tensor, self.source):
+                data, n_read = self.fetches.get(f)
+                verify_fetch(data, f)
+            self.parts += self.pieces.parts(f.file, f.start, data)
+            self.bytes_read += n_read
+            for c in pc.reads.copies:
+                if c.fetch == i:
+                    self.staging.copy(data, c)
+        return self.staging.result(pc.dtype)
+
+
 def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan, unit: WorkUnit, out_ref: str,
              session: str, *, engine: Engine, progress: Callable[[int], None] | None = None,
              pieces: SourcePieces | None = None) -> UnitResult:
-    src = parse_ref(plan.source)
     out = parse_ref(out_ref)
     pieces = pieces or source_pieces(reader, plan)
-    parts: list[DigestPart] = []
+    written: list[DigestPart] = []
     sink = sessions.begin_file(out.run, out.name, session, unit.file)
     chunks: list[tuple[str, Chunk]] = []
-    read_total = 0
-    fetch_bytes, chunk_bytes = _largest(unit)
-    fetches = _Fetches(reader, src.run, src.name, fetch_bytes)
-    staging = engine.buffer(chunk_bytes)  # one target chunk, reused chunk to chunk
+    chunk_source = ChunkAssembler(reader, plan, unit.chunks, engine=engine, pieces=pieces)
     try:
         for pc in unit.chunks:
             shape = _shape(reader, plan, pc.tensor)
-            staging.begin(pc.src_dtype, pc.numel, shape, sizes=pc.sizes, offsets=pc.offsets,
-                          flat_start=pc.flat_start)
-            for i, f in enumerate(pc.reads.fetches):
-                with naming_tensor(pc.tensor, plan.source):
-                    data, n_read = fetches.get(f)
-                    verify_fetch(data, f)
-                parts += pieces.parts(f.file, f.start, data)
-                read_total += n_read
-                for c in pc.reads.copies:
-                    if c.fetch == i:
-                        staging.copy(data, c)
-            raw = staging.result(pc.dtype)
+            raw = chunk_source.assemble(pc, shape)
             assert sink.size == pc.file_offset, "work unit layout out of step with the plan"
             place = target_place(shape, pc.dtype, (pc.offsets, pc.sizes, pc.flat_start))
             xxh3, values = write_hashed(sink.write, raw, place)
@@ -210,8 +235,8 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
                 sink.write(_PAD[:pad])
             loc = Location(file=unit.file, offset=pc.file_offset, length=len(raw), raw_length=len(raw), xxh3=xxh3)
             if place is not None:
-                parts.append(digest_piece("dst", pc.tensor, place[1], place[0], raw, file=unit.file,
-                                          file_offset=pc.file_offset, values=values))
+                written.append(digest_piece("dst", pc.tensor, place[1], place[0], raw, file=unit.file,
+                                            file_offset=pc.file_offset, values=values))
             if pc.sizes is not None:
                 chunk: Chunk = BoxChunk(rank=unit.rank, offsets=pc.offsets, sizes=pc.sizes, location=loc)
             else:
@@ -223,15 +248,15 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     except BaseException:
         sink.abort()
         raise
-    return UnitResult(index=unit.index, rank=unit.rank, file=unit.file, chunks=chunks, bytes_read=read_total,
-                      bytes_written=unit.size, digests=parts)
+    return UnitResult(index=unit.index, rank=unit.rank, file=unit.file, chunks=chunks,
+                      bytes_read=chunk_source.bytes_read, bytes_written=unit.size, digests=chunk_source.parts + written)
 
 
-def _largest(unit: WorkUnit) -> tuple[int, int]:
-    """(largest fetch, largest target chunk before any cast, at least 1) of a unit: its buffers are allocated
-    once at these sizes, not grown chunk by chunk (each growth faults in fresh pages)."""
-    fetch = max((f.end - f.start for pc in unit.chunks for f in pc.reads.fetches), default=0)
-    chunk = max((pc.numel * itemsize(pc.src_dtype) for pc in unit.chunks), default=0)
+def _largest(chunks: list[PlannedChunk]) -> tuple[int, int]:
+    """(largest fetch, largest target chunk before any cast, at least 1) of a unit's chunks: its buffers are
+    allocated once at these sizes, not grown chunk by chunk (each growth faults in fresh pages)."""
+    fetch = max((f.end - f.start for pc in chunks for f in pc.reads.fetches), default=0)
+    chunk = max((pc.numel * itemsize(pc.src_dtype) for pc in chunks), default=0)
     return fetch, max(chunk, 1)
 
 

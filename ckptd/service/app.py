@@ -19,6 +19,8 @@ under ``/v1`` except probes)::
     PUT    /v1/checkpoints/{run}/{name}/leases/{holder}                 read_routes: hold a read lease
     DELETE /v1/checkpoints/{run}/{name}/leases/{holder}                 read_routes: release it
     POST   /v1/reshard, /v1/reshard/preview; GET /v1/jobs/{job_id}      reshard_routes: reshard jobs
+    POST   /v1/drill; GET /v1/drills/{job_id}                           drill_routes: conversion drill jobs
+    GET    /v1/checkpoints/{run}/{name}/drill                           drill_routes: the last recorded drill
     POST   /v1/runs/{run}/gc                                            retention_routes: retention
     DELETE /v1/checkpoints/{run}/{name}                                 retention_routes: remove one, if unprotected
     GET    /v1/ui/...                                                   ui_routes: the web view's JSON (paged, read)
@@ -56,6 +58,7 @@ from ..store.verification import VerifyRecord, verify_and_record
 from ..store.visibility import Visibility
 from .auth import ROUTE_RULES, AccessMiddleware, TokenStore, authorize, check_routes, iter_routes
 from .docs import install_docs
+from .drill_routes import DrillPolicy, drill_router
 from .errors import install_error_handlers
 from .limits import BodyTimeouts, PrincipalRequests, UploadSlots
 from .logs import RequestContextMiddleware
@@ -106,7 +109,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     if isinstance(storage, TieredStorage):  # --durable: a background copy of every commit to the durable tier
         copier = DurableCopier(storage, keep_fast=settings.fast_keep_last, scan_seconds=settings.durable_scan_seconds)
         metrics.watch_durable(copier)
-    on_commit = [after_commit] + ([copier.notify] if copier is not None else [])
+    drills = DrillPolicy(storage, settings, workers, metrics)  # CKPTD_DRILL_EVERY: a drill every N commits of a run
+    on_commit = [after_commit, drills.after_commit] + ([copier.notify] if copier is not None else [])
     sessions = MeteredSessionStore(storage, metrics, visibility=visibility, on_commit=on_commit)
     services = Services(settings=settings, storage=storage, metrics=metrics, visibility=visibility, reader=reader,
                         sessions=sessions, uploads=uploads, read_leases=read_leases, workers=workers, durable=copier)
@@ -164,6 +168,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     app.include_router(upload_router(services))
     app.include_router(read_router(services))
     app.include_router(jobs_router)
+    app.include_router(drill_router(storage, workers, metrics))
     app.include_router(gc_router(storage, settings, verify_in_worker, record=gc_log.record))
     app.include_router(ui_router(services, gc_log))
     install_ui(app)

@@ -291,6 +291,10 @@ ROUTE_RULES: dict[str, Rule] = {
     "create_job": Rule("admin", run_param=None),
     "preview_job": Rule("admin", run_param=None),
     "job_status": Rule("admin", run_param=None),
+    # conversion drills (drill_routes): jobs are admin, as reshard jobs; the record is read:RUN, as a verification
+    "create_drill": Rule("admin", run_param=None),
+    "drill_status": Rule("admin", run_param=None),
+    "get_drill": Rule("read"),
     "run_gc": Rule("admin"),
 }
 

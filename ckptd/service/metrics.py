@@ -32,6 +32,9 @@ ckptd_reshard_jobs_active              gauge      reshard jobs submitted here an
 ckptd_reshard_job_bytes_done{job}      gauge      bytes written so far by a job
 ckptd_reshard_job_bytes_planned{job}   gauge      bytes a job will write
 ckptd_reshard_jobs_finished_total      counter    reshard jobs finished, by state (done, failed)
+ckptd_drills_total{result}             counter    conversion drills finished here (POST /v1/drill and the
+                                                  CKPTD_DRILL_EVERY policy): ok, or failed (a problem found,
+                                                  or the drill could not run)
 ckptd_durable_pending                  gauge      with a durable tier: committed checkpoints not durable yet
 ckptd_durable_lag_seconds              gauge      age of the oldest of them (0 when none): the lag between tiers
 ckptd_durable_seconds                  histogram  from a commit to its durable marker, per checkpoint copied here
@@ -111,6 +114,11 @@ class Metrics:
                                      registry=r)
         self.reshard_finished = Counter("ckptd_reshard_jobs_finished", "Reshard jobs finished, by state.",
                                         ["state"], registry=r)
+        self.drills = Counter("ckptd_drills", "Conversion drills finished here: ok (every tensor of every layout "
+                              "matches the source), or failed (a problem found, or the drill could not run).",
+                              ["result"], registry=r)
+        for result in ("ok", "failed"):  # both series from the first scrape, at 0
+            self.drills.labels(result)
         self.durable_seconds = Histogram("ckptd_durable_seconds", "From a commit to its durable marker, per "
                                          "checkpoint copied to the durable tier here.", buckets=REQUEST_BUCKETS,
                                          registry=r)
@@ -174,6 +182,10 @@ class Metrics:
     def session_closed(self, sid: str) -> None:
         with self._lock:
             self._sessions.pop(sid, None)
+
+    def observe_drill(self, ok: bool) -> None:
+        """A drill finished (from the worker's future, in this process)."""
+        self.drills.labels("ok" if ok else "failed").inc()
 
     def track_job(self, storage: Storage, job_id: str) -> None:
         with self._lock:

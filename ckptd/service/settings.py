@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["GROUPS", "Settings", "env_name"]
@@ -42,6 +42,18 @@ class Settings(BaseSettings):
     write_batch_bytes: int = Field(8 << 20, description="bytes gathered before each storage write")
     reshard_workers: int = Field(1, description="worker processes for reshard jobs")
     reshard_max_mbps: float = Field(256.0, description="bandwidth cap of one reshard job, MiB/s (0 = none)")
+    drill_every: int = Field(
+        0, ge=0, description="conversion drill policy: after every N commits of trainer checkpoints of a run "
+        "(counted by each replica since it started), drill the run's newest checkpoint (`RUN/latest`) into "
+        "CKPTD_DRILL_LAYOUTS in a worker process at low priority, as `ckptd drill` does, and record the outcome "
+        "(`GET .../drill`, `ckptd_drills_total`); a run whose previous drill is still running skips its turn "
+        "(0 = off)")
+    drill_layouts: str = Field(
+        "half,double,full", description="the layouts the drill policy converts to, comma-separated: layout specs "
+        "(`full`, `fsdp2:dp=4`, `zero3:dp=8,align=16`: a piece starting with `dp=`, `align=`, `max-per-rank=` or "
+        "`group=` continues the spec before it), or `half` / `double`: `fsdp2` at half (at least 1) or twice the "
+        "source's data-parallel degree D, the product of its mesh's `dp` and `dp_*` dimensions, or else its world "
+        "size over its `tp`, `pp`, `cp` and `ep` dimensions (docs/resharding.md, Conversion drills)")
     retention_keep_last: int | None = Field(
         None, ge=1, description="retention policy: after each commit keep the N newest steps of its run (unset: "
         "keep everything; `ckptd gc` still works)")
@@ -116,6 +128,23 @@ class Settings(BaseSettings):
         1 << 16, ge=0, description="copies plus fetches a read plan may answer, plus 1 per byte of its request; "
         "more is refused 413")
 
+    @field_validator("drill_layouts")
+    @classmethod
+    def _drill_layouts(cls, value: str) -> str:
+        from ckptd_schemas import InvalidRequest
+
+        from ..reshard.drill_layouts import check_layout, split_layouts
+
+        layouts = split_layouts(value)
+        if not layouts:
+            raise ValueError("names no layout")
+        for layout in layouts:
+            try:
+                check_layout(layout)
+            except InvalidRequest as e:  # its message names the grammar
+                raise ValueError(e.message) from None
+        return value
+
     def storage_url(self) -> str:
         """What the service opens: the root, or the root as the fast tier in front of ``durable``."""
         return self.root if self.durable is None else f"tiered:{self.root}|{self.durable}"
@@ -129,6 +158,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
                            "write_batch_bytes", "verify_after_commit", "stale_session_ttl", "reclaim_interval"),
     "Retention and leases": ("retention_keep_last", "retention_keep_every", "read_lease_seconds"),
     "Reshard jobs": ("reshard_workers", "reshard_max_mbps"),
+    "Conversion drills": ("drill_every", "drill_layouts"),
     "Request limits": ("max_index_bytes", "max_header_bytes", "header_timeout_seconds", "body_idle_timeout_seconds",
                        "body_min_bytes_per_second", "body_rate_grace_seconds", "send_idle_timeout_seconds",
                        "max_connections", "max_requests_per_principal", "max_uploads_per_principal",

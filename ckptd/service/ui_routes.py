@@ -13,7 +13,8 @@ nothing here decides it. Call order of the view::
     GET /v1/ui/checkpoints/{run}/{name}                checkpoint page: topology, files, groups, lineage
     GET /v1/ui/checkpoints/{run}/{name}/tensors        checkpoint page: tensors with chunks and rank segments
     GET /v1/ui/checkpoints/{run}/{name}/objects        checkpoint page: objects
-    GET /v1/ui/runs/{run}/uploads                      live page: open upload sessions, per-rank progress
+    GET /v1/ui/runs/{run}/uploads                      live page: open upload sessions, per-rank progress,
+                                                       bytes held, last activity, staleness
     GET /v1/ui/runs/{run}/jobs                         live page: reshard jobs of the run, newest first
     GET /v1/ui/runs/{run}/jobs/{job_id}/plan           live page: a job's plan (recomputed, pure planner)
     GET /v1/ui/runs/{run}/retention                    live page: the last gc decisions and their reasons
@@ -22,15 +23,21 @@ Cost: a run page lists the run (one marker read and one stat per checkpoint, as 
 /v1/runs/{run}/checkpoints``) and parses only the manifests of the page it shows; their figures
 are cached by manifest digest (a digest fixes the bytes, so the cache never outlives them). The
 view takes no read lease: looking at a checkpoint does not keep it from gc.
+
+A run that is not under the root (no directory of it) is answered ``404 not_found`` with
+``details.run`` by the run page's routes and the checkpoint routes ("no such run"), never an empty
+page; a run that exists with nothing visible yet answers an empty page.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
 from collections import OrderedDict
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
@@ -57,6 +64,9 @@ MAX_UPLOADS, MAX_JOBS, MAX_UNITS, MAX_DECISIONS = 100, 100, 200, 20
 STATS_CACHE = 20_000  # manifest digests whose figures are kept (a few hundred bytes each)
 LISTING_SECONDS = 2.0  # a run's listing is reused this long (the page's calls share one; a commit shows within it)
 _CLIENT_FILE = re.compile(r"r(\d{6})-\d{4}\.bin")  # the client's data file names: r<rank>-<n>.bin
+# what a writer leaves while it writes (or was killed writing): the hidden temp of a local root
+# (``ckptd.storage.local``: ``.NAME.tmp-XXXXXXXXXXXX``), renamed to NAME when the file is complete
+_PARTIAL_FILE = re.compile(r"\.(.+)\.tmp-[0-9a-f]{12}")
 
 
 def _json(obj: Any) -> Response:
@@ -75,6 +85,7 @@ def _limit(maximum: int, default: int) -> Any:
 def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
     router = APIRouter(tags=["ui"])
     storage, visibility, reader, sessions = svc.storage, svc.visibility, svc.reader, svc.sessions
+    session_ttl = svc.settings.stale_session_ttl
     leases = Leases(storage)
     stats: OrderedDict[str, dict[str, Any]] = OrderedDict()
     listings: dict[str, tuple[float, list[Committed]]] = {}
@@ -102,6 +113,13 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
                         run_locks.pop(r, None)
             return out
 
+    def no_such_run(run: str) -> NotFound | None:
+        """The 404 of a run that is not under the root (asked only once something came back empty)."""
+        check_run(run)
+        if run in visibility.runs():
+            return None
+        return NotFound(f"no such run {run!r}", run=run)
+
     def stats_of(c: Committed) -> dict[str, Any] | None:
         """The figures of a visible checkpoint's manifest (cached by digest); None if it went meanwhile."""
         with lock:
@@ -120,12 +138,16 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
         return s
 
     def verification_of(c: Committed) -> dict[str, Any] | None:
-        """The service's last verification of ``c``, if it is about the manifest committed there."""
+        """The stored verification record of ``c`` (``VERIFIED.json``: the commit's own check, ``POST
+        .../verify``, ``ckptd verify --in-service``, a gc's fresh check), if it is about the manifest
+        committed there; None when there is none (``ckptd verify --root`` reads and checks but records
+        nothing, so the view cannot know of it)."""
         rec = record_of(storage, c)
         if rec is None:
             return None
         return {"ok": rec.ok, "verified_at": rec.verified_at.isoformat(), "problems": rec.problems[:5],
-                "bytes_read": rec.bytes_read, "seconds": round(rec.seconds, 3)}
+                "problem_count": len(rec.problems), "bytes_read": rec.bytes_read, "seconds": round(rec.seconds, 3),
+                "files": rec.files, "tensors": rec.tensors, "chunks": rec.chunks}
 
     def leases_of(run: str, names: list[str]) -> dict[str, list[str]]:
         held = set(storage.list(f"leases/{run}"))  # one listing; only checkpoints with lease files are read
@@ -166,6 +188,8 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
         layout, verification, leases and lineage."""
         def work() -> dict:
             listing = listed(run)
+            if not listing and (err := no_such_run(run)) is not None:
+                raise err
             latest = visibility.latest_of(listing)
             if order == "desc":
                 listing = listing[::-1]
@@ -181,7 +205,10 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
                        limit: int = _limit(MAX_STEPS, MAX_STEPS)) -> Response:
         """The run's step timeline, oldest first, as columns (markers only: no manifest is parsed)."""
         def work() -> dict:
-            out = page(listed(run), offset, limit)
+            listing = listed(run)
+            if not listing and (err := no_such_run(run)) is not None:
+                raise err
+            out = page(listing, offset, limit)
             cs = out.pop("items")
             out["columns"] = {"name": [c.name for c in cs], "step": [c.step for c in cs],
                               "derived_from": [c.derived_from for c in cs],
@@ -192,7 +219,12 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
 
     # -- one checkpoint ---------------------------------------------------------------------------
     def manifest_of(run: str, name: str) -> tuple[Committed, Manifest]:
-        c = visibility.resolve(run, name)
+        try:
+            c = visibility.resolve(run, name)
+        except CheckpointNotFound:
+            if (err := no_such_run(run)) is not None:
+                raise err from None
+            raise
         return c, visibility.manifest(c)
 
     @router.get("/v1/ui/checkpoints/{run}/{name}", response_class=Response)
@@ -242,6 +274,64 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
         return _json(await run_in_threadpool(work))
 
     # -- live: uploads, reshard jobs, gc ------------------------------------------------------------
+    def held_by(run: str, name: str, sid: str, world: int) -> dict[str, Any]:
+        """What session ``sid`` holds on storage now, read through the storage the session store writes
+        (``sessions.storage``): its stored data files (every name; per rank by the client's names
+        ``r<rank>-<n>.bin``) and their sizes. On a local root also the writes not finished (the hidden
+        temps a writer fills until the file is complete, and leaves when its process is killed) and
+        the newest change of anything in the session (a data file, a digest, an index): its last
+        activity. An object store shows neither (an unfinished multipart upload is invisible there, and
+        its listing has no times): ``partial_bytes`` and ``last_activity`` are None."""
+        store = sessions.storage
+        session_key = Paths.session(run, name, sid)
+        files_key = f"{session_key}/files"
+        per_rank: dict[int, list[int]] = {}  # rank -> [files, bytes, unfinished bytes]
+        stored = [0, 0]  # files, bytes
+        other = [0, 0]  # files, bytes, of names that are no rank's
+        partial: list[int] | None = None  # unfinished writes, bytes (local roots only)
+        last: str | None = None
+
+        def rank_of(f: str) -> int | None:
+            mm = _CLIENT_FILE.fullmatch(f)
+            return int(mm[1]) if mm is not None and int(mm[1]) < world else None
+
+        def add(f: str, size: int) -> None:
+            stored[0] += 1
+            stored[1] += size
+            r = rank_of(f)
+            acc = other if r is None else per_rank.setdefault(r, [0, 0, 0])
+            acc[0] += 1
+            acc[1] += size
+
+        root = store.local_path(session_key)
+        if root is not None and os.path.isdir(root):
+            partial, newest = [0, 0], 0.0
+            files_dir = os.path.join(root, "files")
+            for dirpath, _, names in os.walk(root):
+                for f in names:
+                    try:
+                        st = os.lstat(os.path.join(dirpath, f))
+                    except OSError:
+                        continue  # gone meanwhile (a temp renamed, a session reclaimed)
+                    newest = max(newest, st.st_mtime)
+                    if dirpath != files_dir:
+                        continue
+                    if (pm := _PARTIAL_FILE.fullmatch(f)) is not None:
+                        partial[0] += 1
+                        partial[1] += st.st_size
+                        if (r := rank_of(pm[1])) is not None:
+                            per_rank.setdefault(r, [0, 0, 0])[2] += st.st_size
+                    elif not f.startswith("."):
+                        add(f, st.st_size)
+            if newest:
+                last = datetime.fromtimestamp(newest, timezone.utc).isoformat()
+        else:
+            for f in store.list(files_key):
+                add(f, store.size(f"{files_key}/{f}") or 0)
+        return {"files": stored[0], "bytes": stored[1], "other_files": other[0], "other_bytes": other[1],
+                "partial_files": partial[0] if partial else None, "partial_bytes": partial[1] if partial else None,
+                "last_activity": last, "per_rank": per_rank}
+
     def upload_of(run: str, name: str, sid: str) -> dict[str, Any] | None:
         try:
             st = sessions.status(run, name, sid)  # only reads
@@ -250,35 +340,34 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
         meta_raw = storage.read_json_or_none(Paths.session_meta(run, name, sid))
         meta = SessionMeta.model_validate(meta_raw) if meta_raw is not None else None
         world = st.world_size
-        per_rank: dict[int, list[int]] = {}
-        other = 0
-        files_key = f"{Paths.session(run, name, sid)}/files"
-        for f in storage.list(files_key):
-            size = storage.size(f"{files_key}/{f}") or 0
-            mm = _CLIENT_FILE.fullmatch(f)
-            if mm is None or int(mm[1]) >= world:
-                other += 1
-                continue
-            acc = per_rank.setdefault(int(mm[1]), [0, 0])
-            acc[0] += 1
-            acc[1] += size
+        held = held_by(run, name, sid, world)
+        per_rank = held.pop("per_rank")
         done = set(st.ranks_done)
-        ranks = [{"rank": r, "files": per_rank.get(r, [0, 0])[0], "bytes": per_rank.get(r, [0, 0])[1],
-                  "index": r in done} for r in range(min(world, 1024))]
+        ranks = [{"rank": r, "files": per_rank.get(r, [0, 0, 0])[0], "bytes": per_rank.get(r, [0, 0, 0])[1],
+                  "partial_bytes": per_rank.get(r, [0, 0, 0])[2], "index": r in done} for r in range(min(world, 1024))]
+        # stale as the service's sweep decides (SessionStore.reclaim_stale): opened longer ago than
+        # the TTL, so the next sweep deletes it (it never commits a session whose indexes are missing)
+        reclaim_at = meta.created_at + timedelta(seconds=session_ttl) if meta else None
+        stale = reclaim_at is not None and reclaim_at <= datetime.now(timezone.utc)
         return {"name": name, "session": sid, "state": st.state, "world_size": world, "ranks_done": len(done),
                 "step": meta.step if meta else None, "created_at": meta.created_at.isoformat() if meta else None,
-                "derived_from": meta.derived_from if meta else None, "ranks": ranks, "other_files": other,
-                "error": st.error}
+                "derived_from": meta.derived_from if meta else None, "ranks": ranks, **held,
+                "ttl_seconds": session_ttl, "reclaim_at": reclaim_at.isoformat() if reclaim_at else None,
+                "stale": stale, "error": st.error}
 
     @router.get("/v1/ui/runs/{run}/uploads", response_class=Response)
     async def ui_uploads(run: str, offset: int = _offset(),
                          limit: int = _limit(MAX_UPLOADS, 20)) -> Response:
         """Upload sessions of checkpoints not committed yet (open, or refused at commit), with each
         rank's progress: data files stored (by the client's file names, ``r<rank>-<n>.bin``) and
-        whether its index arrived."""
+        whether its index arrived; the bytes the session holds (stored, and on a local root not yet
+        finished), its last activity, and whether it is stale (opened longer ago than
+        ``CKPTD_STALE_SESSION_TTL``: the next sweep deletes it). ``run_exists`` is false for a run
+        that is not under the root (the live page then says so, unless a reshard job is to write it)."""
         def work() -> dict:
             found: list[tuple[str, str]] = []
-            for name in visibility.names(run):
+            names = visibility.names(run)
+            for name in names:
                 if visibility.marker(run, name) is not None:
                     continue  # committed (or taken): its sessions are no upload in progress
                 for sid in storage.list(Paths.sessions(run, name)):
@@ -287,7 +376,7 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
                     except CkptdError:
                         continue
                     found.append((name, sid))
-            out = page(found, offset, limit)
+            out = page(found, offset, limit, run_exists=bool(names) or no_such_run(run) is None)
             out["items"] = [u for n, s in out["items"] if (u := upload_of(run, n, s)) is not None]
             return out
 

@@ -4,6 +4,7 @@
 
     runs/<run>/<name>/COMMITTED                         marker: names session + manifest digest
     runs/<run>/<name>/VERIFIED.json                     the service's last verification (store.verification)
+    runs/<run>/<name>/DRILL.json                        the last conversion drill (reshard.drill)
     runs/<run>/<name>/sessions/<sid>/SESSION.json       upload session (open-or-join, create-if-absent)
     runs/<run>/<name>/sessions/<sid>/files/<file>       data streamed by ranks (staging)
     runs/<run>/<name>/sessions/<sid>/digests/<file>     size, XXH3 and block digests of a file (created once)
@@ -81,6 +82,10 @@ class Paths:
     @staticmethod
     def verification(run: str, name: str) -> str:
         return f"{RUNS}/{run}/{name}/VERIFIED.json"
+
+    @staticmethod
+    def drill(run: str, name: str) -> str:
+        return f"{RUNS}/{run}/{name}/DRILL.json"
 
     @staticmethod
     def sessions(run: str, name: str) -> str:

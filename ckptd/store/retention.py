@@ -58,7 +58,7 @@ from ckptd_schemas import CheckpointNotFound, CheckpointSummary, CkptdError, Inv
 from ..storage import Storage
 from .layout import Marker, Paths
 from .leases import Leases
-from .verification import VerifyRecord, read_record, record_holds, verify_committed
+from .verification import VerifyRecord, read_record, record_holds, verify_committed, verify_unrecorded
 from .visibility import Committed, Visibility
 
 __all__ = ["Removal", "RetentionPlan", "Verifier", "children_elsewhere", "collect", "plan_retention", "remove"]
@@ -177,7 +177,9 @@ def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | Non
             only: set[str] | None = None) -> RetentionPlan:
     """List the run's visible checkpoints, establish the newest verified one (rule 5), plan, and
     delete (marker first) unless ``dry_run``. ``verify`` defaults to verifying in this process;
-    ``drop_parents`` lifts rule 6; ``only`` as for :func:`plan_retention`."""
+    ``drop_parents`` lifts rule 6; ``only`` as for :func:`plan_retention`. A dry run only reads: it
+    verifies in this process without recording (``verify`` is not called), and a checkpoint it finds
+    bad counts as known to be bad for its plan, as the record a real run writes would make it."""
     check_run(run)
     vis = Visibility(storage)
     leases = Leases(storage)
@@ -185,10 +187,13 @@ def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | Non
     ckpts = [c.summary() for c in visible]
     leased = {c.name for c in ckpts if leases.active(run, c.name)}
 
-    def facts() -> dict:  # rules 2 and 3 as the records say now
+    found_bad: dict[str, str] = {}  # a dry run's verifications, which it does not record
+
+    def facts() -> dict:  # rules 2 and 3 as the records say now (a dry run: and as its own findings would)
         head = vis.latest(visible)
-        return {"known_bad": _known_bad_newest(vis, visible, keep_last),
-                "latest": head.checkpoint.name if head.checkpoint is not None else None,
+        good = vis.latest([c for c in visible if c.name not in found_bad]) if found_bad else head
+        return {"known_bad": {**_known_bad_newest(vis, visible, keep_last), **found_bad},
+                "latest": good.checkpoint.name if good.checkpoint is not None else None,
                 "newest": head.newest.name if head.newest is not None else None}
 
     plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased, only=only,
@@ -197,7 +202,14 @@ def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | Non
         return plan
     # Only when something would go: the other runs' listings (rule 6) cost a read of every marker.
     children = {} if drop_parents else children_elsewhere(vis, run)
-    newest, how, failed = _newest_verified(storage, vis, visible, verify or (lambda r, n: verify_committed(storage, r, n)))
+    if dry_run:
+        check: Verifier = lambda r, n: verify_unrecorded(storage, r, n)  # noqa: E731 - a dry run writes nothing
+    else:
+        check = verify or (lambda r, n: verify_committed(storage, r, n))
+    newest, how, failed = _newest_verified(storage, vis, visible, check)
+    if dry_run:
+        found_bad.update(failed)
+        how = "verified now, not recorded (dry run)" if how == "verified now" else how
     # The verifications just done are recorded: a checkpoint found bad now is known to be bad (and one
     # found good again no longer is), so rules 2 and 3 are read again before anything is decided.
     plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased,

@@ -44,7 +44,8 @@ from .verify import VerifyReport, verify_manifest
 from .visibility import Committed, Visibility
 
 __all__ = ["CommitCheck", "VerifyRecord", "file_stamps", "known_bad", "read_record", "record_commit_check",
-           "record_holds", "record_of", "record_vouches", "verify_and_record", "verify_committed"]
+           "record_holds", "record_of", "record_vouches", "verify_and_record", "verify_committed",
+           "verify_unrecorded"]
 
 log = logging.getLogger("ckptd.store")
 
@@ -130,6 +131,17 @@ def record_commit_check(storage: Storage, run: str, name: str, digest: str, chec
 
 def verify_committed(storage: Storage, run: str, name: str) -> VerifyRecord:
     """Verify the visible checkpoint ``run/name`` (``latest`` allowed) here, store the record, return it."""
+    rec, c = _verify_here(storage, run, name)
+    storage.put(Paths.verification(c.run, c.name), rec.model_dump_json().encode())
+    return rec
+
+
+def verify_unrecorded(storage: Storage, run: str, name: str) -> VerifyRecord:
+    """:func:`verify_committed` that writes nothing: what a dry run (``ckptd gc --dry-run``) may do."""
+    return _verify_here(storage, run, name)[0]
+
+
+def _verify_here(storage: Storage, run: str, name: str) -> tuple[VerifyRecord, Committed]:
     vis = Visibility(storage)
     t0 = time.perf_counter()
     c = vis.resolve(run, name)  # not visible: CheckpointNotFound, nothing recorded
@@ -151,8 +163,7 @@ def verify_committed(storage: Storage, run: str, name: str) -> VerifyRecord:
                        files=report.files, tensors=report.tensors, chunks=report.chunks,
                        bytes_read=report.bytes_read, seconds=time.perf_counter() - t0,
                        verified_at=datetime.now(timezone.utc), stamps={k: v for k, v in stamps.items() if v})
-    storage.put(Paths.verification(c.run, c.name), rec.model_dump_json().encode())
-    return rec
+    return rec, c
 
 
 def verify_and_record(root: str, run: str, name: str) -> dict:

@@ -16,6 +16,7 @@ export class ApiError extends Error {
     super(e.message || `HTTP ${status}`);
     this.status = status;
     this.code = e.code || "http";
+    this.details = e.details || {};
   }
 }
 

@@ -1,7 +1,7 @@
 // The view's router: #/ (runs), #/run/RUN, #/ckpt/RUN/NAME, #/live/RUN. Each page reads its data
 // from the /v1/ui JSON routes (api.js) and marks <main data-state="ready"> once rendered.
 import {token} from "./api.js";
-import {enc, h, link} from "./dom.js";
+import {enc, fill, h, link} from "./dom.js";
 import {checkpointPage} from "./checkpoint.js";
 import {livePage} from "./live.js";
 import {runPage} from "./run.js";
@@ -32,8 +32,8 @@ async function show() {
   if (cleanup) { cleanup(); cleanup = null; }
   const {parts, params} = route();
   const [page, run, name] = parts;
-  crumbs.replaceChildren(...[link("#/", "runs"), run ? [" / ", link(`#/run/${enc(run)}`, run)] : [],
-                             name ? [" / ", h("span", {}, name)] : [], page === "live" ? [" / live"] : []].flat());
+  fill(crumbs, link("#/", "runs"), run ? [" / ", link(`#/run/${enc(run)}`, run)] : [],
+       name ? [" / ", h("span", {}, name)] : [], page === "live" ? [" / live"] : []);
   view.dataset.state = "loading";
   performance.mark("ckptd-page-start");
   try {
@@ -51,8 +51,12 @@ async function show() {
   } catch (e) {
     if (mine !== generation) return;
     if (e.status === 401) return askToken(token.get() ? "The service did not accept this token." : "");
-    view.replaceChildren(h("h1", {}, "Cannot show this page"),
-      h("p", {class: "error", id: "error", "data-status": e.status || ""}, e.status ? `${e.status}: ${e.message}` : String(e)));
+    // a run that is not under the root: the routes answer 404 not_found naming it (details.run)
+    const noRun = e.status === 404 && e.code === "not_found" && e.details && e.details.run === run;
+    fill(view, h("h1", {id: noRun ? "no-such-run" : null}, noRun ? `no such run: ${run}` : "Cannot show this page"),
+      h("p", {class: "error", id: "error", "data-status": e.status || "", "data-code": e.code || ""},
+        e.status ? `${e.status}: ${e.message}` : String(e)),
+      noRun ? h("p", {}, link("#/", "the runs this token may read")) : null);
     view.dataset.state = "error";
   }
 }

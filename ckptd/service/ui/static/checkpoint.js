@@ -1,8 +1,8 @@
 // Page 3: one checkpoint: its figures, the manifest as a tree of tensors with each rank's part of
 // each tensor, objects, param groups and files.
 import {get} from "./api.js";
-import {bytes, enc, h, link, pager, rankColour, s, shape, table, when} from "./dom.js";
-import {checkpointRow} from "./run.js";
+import {bytes, enc, fill, h, link, pager, rankColour, s, shape, table, when} from "./dom.js";
+import {checkpointRow, verification} from "./run.js";
 
 const TENSORS = 50;
 
@@ -81,18 +81,35 @@ async function tensorsSection(run, name, box, offset, q) {
   const ranks = [...new Set(ans.items.flatMap((t) => t.ranks))].sort((a, b) => a - b);
   const legend = h("p", {class: "legend"}, ranks.slice(0, 64).map((r) => h("span", {},
     (() => { const sw = h("span", {class: "swatch"}); sw.style.background = rankColour(r); return sw; })(), `rank ${r}`)));
-  box.replaceChildren(
+  fill(box,
     pager(ans, (o) => tensorsSection(run, name, box, o, q), q ? `tensors matching “${q}”` : "tensors"),
     legend, tensorTree(ans.items));
+}
+
+/** The checkpoint's verification record (VERIFIED.json), as the service stored it, or why there is none. */
+function verificationSection(v) {
+  const kv = (pairs) => h("dl", {class: "kv", id: "verification"}, pairs.flatMap(([k, x]) => [h("dt", {}, k), h("dd", {}, x)]));
+  if (!v) {
+    return kv([["record", verification(null)],
+               ["why none", "No VERIFIED.json names this manifest: every commit records its own check, so this " +
+                "checkpoint was committed before records existed, or its record was removed. `ckptd verify --root` " +
+                "checks every byte but records nothing the service can see; `ckptd verify --in-service`, " +
+                "POST /v1/checkpoints/RUN/NAME/verify and gc's own checks record."]]);
+  }
+  const more = v.problem_count > v.problems.length ? ` (first ${v.problems.length} of ${v.problem_count})` : "";
+  return kv([["record", verification(v)], ["verified at", when(v.verified_at)],
+             ["checked", `${v.files} file${v.files === 1 ? "" : "s"}, ${v.tensors} tensor${v.tensors === 1 ? "" : "s"}, ` +
+                         `${v.chunks} chunk${v.chunks === 1 ? "" : "s"}: ${bytes(v.bytes_read)} read in ${v.seconds} s`],
+             ["problems", v.problems.length ? h("ul", {class: "problems"}, v.problems.map((p) => h("li", {}, p)), more) : "none"]]);
 }
 
 async function objectsSection(run, name, box, offset) {
   const ans = await get(`checkpoints/${enc(run)}/${enc(name)}/objects`, {offset, limit: 100});
   const rows = ans.items.map((o) => h("tr", {},
     h("td", {}, h("code", {}, o.name)), h("td", {class: "num"}, o.rank ?? "all"), h("td", {}, o.encoding),
-    h("td", {}, o.value !== null ? h("code", {}, o.value) : `${o.file} (${bytes(o.length)})`)));
-  box.replaceChildren(table(["object", "rank#", "encoding", "value"], rows, {id: "objects"}),
-                      pager(ans, (o) => objectsSection(run, name, box, o), "objects"));
+    h("td", {}, o.value !== null ? h("code", {}, o.value) : o.file ? `${o.file} (${bytes(o.length)})` : "–")));
+  fill(box, table(["object", "rank#", "encoding", "value"], rows, {id: "objects"}),
+       pager(ans, (o) => objectsSection(run, name, box, o), "objects"));
 }
 
 export async function checkpointPage(view, params, run, name) {
@@ -102,7 +119,7 @@ export async function checkpointPage(view, params, run, name) {
   const tensorsBox = h("div", {}), objectsBox = h("div", {});
   const filter = h("input", {type: "search", placeholder: "filter tensors by name", id: "tensor-filter"});
   filter.addEventListener("change", () => tensorsSection(run, c.name, tensorsBox, 0, filter.value));
-  view.replaceChildren(
+  fill(view,
     h("h1", {}, `Checkpoint ${c.ref}`),
     table(["step#", "name", "written#", "unchanged#", "logical → stored#", "files#", "world / layout", "verification",
            "leases", "lineage", "committed"], [checkpointRow(run, c)], {id: "summary"}),
@@ -114,9 +131,9 @@ export async function checkpointPage(view, params, run, name) {
         ["derived here", c.derived.length ? c.derived.map((d, i) => [i ? ", " : "", link(`#/ckpt/${enc(run)}/${enc(d)}`, d)]) : "–"],
         ["tensors / chunks", st ? `${st.tensors} / ${st.chunks}` : "–"],
         ["objects / param groups", st ? `${st.objects} / ${st.param_groups}` : "–"],
-        ["mesh", Object.entries(c.topology.mesh).map(([k, v]) => `${k}=${v}`).join(", ") || "–"],
-        ["verification problems", c.verification && c.verification.problems.length ? c.verification.problems.join("; ") : "–"]]),
-    h("h2", {}, "Per rank"), st ? rankChart(st.rank_bytes) : null,
+        ["mesh", Object.entries(c.topology.mesh).map(([k, v]) => `${k}=${v}`).join(", ") || "–"]]),
+    h("h2", {}, "Verification"), verificationSection(c.verification),
+    h("h2", {}, "Per rank"), st ? rankChart(st.rank_bytes) : h("p", {class: "muted"}, "–"),
     h("h2", {}, "Tensors"), filter, tensorsBox,
     h("h2", {}, "Objects"), objectsBox,
     h("h2", {}, "Param groups"),
@@ -127,6 +144,9 @@ export async function checkpointPage(view, params, run, name) {
     table(["file", "size#", "linked from", "xxh3"], c.files.map((f) => h("tr", {},
       h("td", {}, f.file), h("td", {class: "num"}, bytes(f.size)), h("td", {}, f.linked || "–"),
       h("td", {}, h("code", {}, f.xxh3)))), {id: "files"}),
-    st && st.files > c.files.length ? h("p", {class: "muted"}, `first ${c.files.length} of ${st.files} files`) : null);
+    // a note under the table, never the text "null" (fill(), not replaceChildren(), skips a null child)
+    h("p", {class: "muted", id: "files-note"}, st && st.files > c.files.length ? `first ${c.files.length} of ${st.files} files`
+      : `${c.files.length} file${c.files.length === 1 ? "" : "s"}, ${bytes(c.files.reduce((a, f) => a + f.size, 0))}` +
+        (c.files.some((f) => f.linked) ? `, ${c.files.filter((f) => f.linked).length} linked from earlier checkpoints` : "")));
   await Promise.all([tensorsSection(run, c.name, tensorsBox, 0, ""), objectsSection(run, c.name, objectsBox, 0)]);
 }

@@ -19,15 +19,39 @@ function build(el, attrs, children) {
 
 /** An HTML element: h("td", {class: "num"}, "12"). */
 export const h = (tag, attrs, ...children) => build(document.createElement(tag), attrs, children);
+/** el.replaceChildren(...children) without printing a null or false as text (replaceChildren()
+ * turns null into the text "null"): skipped as h() skips them; arrays are flattened. */
+export function fill(el, ...children) {
+  el.replaceChildren(...children.flat(Infinity).filter((c) => c !== null && c !== undefined && c !== false));
+  return el;
+}
+
 /** An SVG element. */
 export const s = (tag, attrs, ...children) => build(document.createElementNS(SVG, tag), attrs, children);
 
+/** A size as the CLI prints it (ckptd/cli/output.py, human()): decimal units (1 kB = 1000 B, then
+ * MB, GB, TB), whole bytes under 1 kB, else one decimal rounded as Python's format rounds (the
+ * exact value, halves to even). The view's one byte formatter: a page and `ckptd show` agree. */
 export function bytes(n) {
   if (n === null || n === undefined) return "–";
-  const units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-  let i = 0, v = n;
-  while (v >= 1024 && i < units.length - 1) { v /= 1024; i++; }
-  return i === 0 ? `${v} B` : `${v.toFixed(v < 10 ? 2 : v < 100 ? 1 : 0)} ${units[i]}`;
+  let v = Number(n);
+  for (const unit of ["B", "kB", "MB", "GB", "TB"]) {
+    if (Math.abs(v) < 1000 || unit === "TB") return unit === "B" ? `${Math.trunc(v)} B` : `${oneDecimal(v)} ${unit}`;
+    v /= 1000;
+  }
+  return String(v);
+}
+
+/** Python's f"{x:.1f}": toFixed(1) rounds the exact value too, but a tie (x = odd / 4, exact in
+ * binary) goes up there and to the even digit in Python. */
+function oneDecimal(x) {
+  const q = x * 4;  // exact: a power of two
+  if (Number.isInteger(q) && Math.abs(q) % 2 === 1) {
+    let m = Math.floor(x * 10);
+    if (Math.abs(m) % 2 === 1) m += 1;
+    return (m / 10).toFixed(1);
+  }
+  return x.toFixed(1);
 }
 
 export function when(iso) {
@@ -46,8 +70,35 @@ export function ago(iso) {
   return `${Math.round(sec / 86400)} d ago`;
 }
 
-/** The colour of a rank: well spread hues (golden angle), the same on every page. */
-export const rankColour = (r) => `hsl(${(r * 137.508) % 360}, 62%, 52%)`;
+/** The colour of a rank, the same on every page (per-chunk bars, bytes per rank, upload cards).
+ * The rank palette never uses the status colours' hues (ui.css: --ok green #1f8a4c at 145°, --bad
+ * red #c62828 at 0°, --warn amber #b26a00 at 36°): its hues are only 180°–320° (cyan, blue, violet,
+ * magenta) and 48°–66° (gold, yellow), 158° of hue, which successive ranks step through by the
+ * golden ratio (neighbours far apart), at three lightnesses. */
+export const RANK_HUES = [[180, 320], [48, 66]];
+export function rankColour(r) {
+  const span = RANK_HUES.reduce((a, [lo, hi]) => a + hi - lo, 0);
+  let at = ((r * 0.6180339887498949) % 1) * span;
+  let hue = RANK_HUES[0][0];
+  for (const [lo, hi] of RANK_HUES) {
+    if (at < hi - lo) { hue = lo + at; break; }
+    at -= hi - lo;
+  }
+  return `hsl(${hue.toFixed(2)}, 62%, ${[50, 40, 60][r % 3]}%)`;
+}
+
+/** What a checkpoint's verification record says, the same words on every page (run table,
+ * checkpoint page, timeline tooltip): "✓ ok", "✗ failed", or "no record". No record is not "not
+ * verified": `ckptd verify --root` checks every byte and records nothing the service can see. */
+export function verdict(v) {
+  if (!v) {
+    return {text: "no record", cls: "muted",
+            title: "no verification record (VERIFIED.json) for this manifest; `ckptd verify --root` records " +
+                   "nothing, `ckptd verify --in-service` and POST …/verify do"};
+  }
+  return {text: v.ok ? "✓ ok" : "✗ failed", cls: v.ok ? "ok" : "bad",
+          title: v.problems.length ? v.problems.join("\n") : `verified ${when(v.verified_at)}`};
+}
 
 export const link = (hash, text) => h("a", {href: hash}, text);
 export const enc = encodeURIComponent;

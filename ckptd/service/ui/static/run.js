@@ -1,6 +1,6 @@
 // Page 2: a run's checkpoints, one page at a time, on the run's step timeline, with lineage.
 import {get} from "./api.js";
-import {ago, bytes, enc, h, link, pager, table, when} from "./dom.js";
+import {ago, bytes, enc, fill, h, link, pager, table, verdict, when} from "./dom.js";
 import {lineage, timeline} from "./timeline.js";
 
 const LIMIT = 100;
@@ -22,10 +22,11 @@ function layout(st) {
           groups ? h("div", {class: "muted"}, groups) : null];
 }
 
-function verification(v) {
-  if (!v) return h("span", {class: "muted"}, "not verified");
-  return h("span", {class: v.ok ? "ok" : "bad", title: v.problems.join("\n") || when(v.verified_at)},
-           v.ok ? "✓ ok " : "✗ failed ", h("span", {class: "muted"}, ago(v.verified_at)));
+/** The verification cell: verdict() (the same words on every page) and how long ago. */
+export function verification(v) {
+  const d = verdict(v);
+  return h("span", {class: `verdict ${d.cls}`, title: d.title, dataset: {verdict: v ? (v.ok ? "ok" : "failed") : "none"}},
+           d.text, v ? [" ", h("span", {class: "muted"}, ago(v.verified_at))] : null);
 }
 
 export function checkpointRow(run, r) {
@@ -56,7 +57,7 @@ export async function runPage(view, params, run) {
   const offset = Number(params.get("offset") || 0);
   const [ans, steps] = await Promise.all([get(`runs/${enc(run)}/checkpoints`, {offset, limit: LIMIT}), allSteps(run)]);
   const rows = ans.items.map((r) => checkpointRow(run, r));
-  view.replaceChildren(
+  fill(view,
     h("h1", {}, `Run ${run}`),
     h("p", {class: "tabs"}, link(`#/live/${enc(run)}`, "live: uploads, reshard jobs, gc"),
       ans.latest ? link(`#/ckpt/${enc(run)}/${enc(ans.latest)}`, `latest: ${ans.latest}`) : null),

@@ -1,6 +1,6 @@
 // Page 1: the runs this token may read.
 import {get} from "./api.js";
-import {ago, enc, h, link, pager, table, when} from "./dom.js";
+import {ago, enc, fill, h, link, pager, table, when} from "./dom.js";
 
 export async function runsPage(view, params) {
   const offset = Number(params.get("offset") || 0);
@@ -12,7 +12,7 @@ export async function runsPage(view, params) {
     h("td", {class: "num"}, r.newest_step ?? "–"),
     h("td", {title: when(r.last_commit)}, r.last_commit ? ago(r.last_commit) : "–"),
     h("td", {}, link(`#/live/${enc(r.run)}`, "live"))));
-  view.replaceChildren(
+  fill(view,
     h("h1", {}, "Runs"),
     table(["run", "checkpoints#", "latest", "newest step#", "last commit", ""], rows, {id: "runs"}),
     pager(ans, (o) => { location.hash = `#/?offset=${o}`; }, "runs"));

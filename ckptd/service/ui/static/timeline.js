@@ -1,6 +1,6 @@
 // The run page's pictures: the step timeline (every checkpoint of the run as a tick, the shown
 // page's checkpoints as bars of bytes written and reused unchanged) and the lineage graph.
-import {bytes, h, s} from "./dom.js";
+import {bytes, h, s, verdict} from "./dom.js";
 
 const W = 960;
 
@@ -25,17 +25,17 @@ export function timeline(steps, rows) {
     const bw = Math.max(1, Math.min(4, (W - 60) / known.length)), cx = x(r.step) - bw / 2;
     const hw = (written / peak) * 90, hl = (unchanged / peak) * 90;
     const v = r.verification;
-    const colour = v ? (v.ok ? "#1f8a4c" : "#c62828") : "#2a5db0";
+    const colour = v ? (v.ok ? "#1f8a4c" : "#c62828") : "#2a5db0";  // ui.css --ok, --bad, --accent
     const g = s("g", {class: "ckpt", dataset: {step: r.step, name: r.name}},
       s("title", {}, `${r.name} (step ${r.step}): ${bytes(written)} written, ${bytes(unchanged)} unchanged` +
-                     (v ? `, verified ${v.ok ? "ok" : "FAILED"}` : ", not verified")),
+                     `, verification: ${verdict(v).text}`),
       s("rect", {x: cx, y: base - hw, width: bw, height: Math.max(hw, 1), fill: colour}),
       s("rect", {x: cx, y: base - hw - hl, width: bw, height: hl, fill: "#9fb3d1"}));
     svg.append(g);
   }
   svg.append(s("text", {x: 40, y: base + 34}, `step ${lo}`),
              s("text", {x: W - 20, y: base + 34, "text-anchor": "end"}, `step ${hi}`),
-             s("text", {x: 40, y: 12}, `${steps.length} checkpoints (ticks: trainer above, derived below); bars: this page's bytes written (dark: green verified, red failed, blue not verified) and unchanged (light), peak ${bytes(peak)}`));
+             s("text", {x: 40, y: 12}, `${steps.length} checkpoints (ticks: trainer above, derived below); bars: this page's bytes written (dark: green ✓ ok, red ✗ failed, blue no verification record) and unchanged (light), peak ${bytes(peak)}`));
   return svg;
 }
 
