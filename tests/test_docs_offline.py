@@ -47,7 +47,7 @@ def test_the_openapi_document_describes_errors_and_the_bearer_scheme(srv):
             for status in statuses - {"200", "201", "202", "204", "206"}:
                 body = op["responses"][status]["content"]["application/json"]["schema"]
                 assert body == {"$ref": "#/components/schemas/ErrorBody"}, (method, path, status)
-            if path in ("/healthz", "/readyz", "/metrics"):
+            if path in ("/", "/healthz", "/readyz", "/metrics"):
                 assert "security" not in op, path
             else:
                 assert op["security"] == [{"bearer": []}], (method, path)

@@ -50,6 +50,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             flag = f"--{field.replace('_', '-')}" if field in overrides else env_name(field)
             print(f"ckptd serve: {flag}: {err['msg']} (got {err.get('input')!r})", file=sys.stderr)
         return 2
+    for flag, where in (("--root", settings.root), ("--durable", settings.durable)):
+        if where and "://" not in where and os.path.exists(where) and not os.path.isdir(where):
+            print(f"ckptd serve: {flag} {where}: not a directory (a storage root is a directory or an fsspec URL)",
+                  file=sys.stderr)
+            return 2
     try:
         serve(settings)
     except (AuthConfigError, ListenError) as e:
@@ -64,13 +69,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows = b.list_checkpoints(args.run)
         if not rows:
             require_run(b, args.run)
+            if not args.json:  # the run exists (a save under way, or one that never committed)
+                print(f"run {args.run} has no committed checkpoint yet", file=sys.stderr)
         if args.json:
             print(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
             return 0
         for r in rows:
             derived = f"  derived from {r.derived_from}" if r.derived_from else ""
             parent = f"  parent {r.parent}" if r.parent else ""
-            print(f"{r.run}/{r.name}\tstep={r.step}\t{r.committed_at:%Y-%m-%d %H:%M:%S}{derived}{parent}")
+            step = f"step={r.step}" if r.step is not None else "no step"
+            print(f"{r.run}/{r.name}\t{step}\t{r.committed_at:%Y-%m-%d %H:%M:%S}{derived}{parent}")
         return 0
     runs = b.list_runs()
     if args.json:
@@ -113,7 +121,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(f"ckptd show: {args.ref} is {m.ref}: skipped {s.ref}: {s.reason}", file=sys.stderr)
         return 0
     topo = m.topology
-    print(f"checkpoint {m.ref}  step={m.step}  created={m.created_at:%Y-%m-%d %H:%M:%S}  session={m.session}")
+    print(f"checkpoint {m.ref}  {f'step={m.step}' if m.step is not None else 'no step'}  created={m.created_at:%Y-%m-%d %H:%M:%S}  session={m.session}")
     for s in skipped:
         print(f"skipped    {s.ref}: {s.reason}")
     if m.derived_from:
@@ -142,13 +150,15 @@ def cmd_show(args: argparse.Namespace) -> int:
         for c in t.chunks:
             per_rank[c.rank] += c.location.raw_length
             matrices[c.rank] += len(t.shape) >= 2 and c.numel == prod(t.shape)
+    owners = any(v.startswith("owner") for v in topo.layouts.values())  # said only of the owner layout
     if any(per_rank):
         peak, total = max(per_rank), sum(per_rank)
         mean = total / topo.world_size
         print(f"per rank   max {human(peak)}, mean {human(mean)}, imbalance {peak / mean - 1:.1%}")
         if args.ranks or topo.world_size <= 8:
             for r, n in enumerate(per_rank):
-                print(f"  rank {r:<5} {human(n):>10}  {matrices[r]} whole matrices")
+                owned = f"  owns {matrices[r]} whole {'matrix' if matrices[r] == 1 else 'matrices'}" if owners else ""
+                print(f"  rank {r:<5} {human(n):>10}{owned}")
     for pg in m.param_groups:
         hp = ", ".join(f"{k}={v}" for k, v in pg.hyperparams.items() if k in ("lr", "weight_decay", "betas", "eps"))
         print(f"optimizer  {pg.optimizer or '-'} group {pg.index}: {len(pg.params)} params, {hp}")

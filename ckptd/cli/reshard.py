@@ -8,7 +8,7 @@ import os
 import uuid
 from dataclasses import asdict
 
-from ckptd_schemas import parse_ref
+from ckptd_schemas import AlreadyCommitted, parse_ref
 
 from .dcp_io import CAST_DTYPES
 from .output import human, progress_bar
@@ -71,7 +71,10 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     choice = plan_device(plan, args.device)  # --device auto: the CPU unless a large cast pays for the GPU
     engine = plan_engine(plan, choice)  # refused before any write (cuda without a GPU)
     out = args.out or f"{manifest.run}/{default_out_name(manifest.name, str(spec), args.dtype)}"
-    parse_ref(out)
+    dst = parse_ref(out)
+    if reader.visibility.check(dst.run, dst.name) is not None:  # before any work: a committed name is never reused
+        raise AlreadyCommitted(f"{out} already exists (committed checkpoints are never replaced); "
+                               f"name another output with --out RUN/NAME", ref=out)
     if args.write_plan:
         from ..reshard.jobs import write_job
 

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from ckptd_schemas import CkptdError, error_from_body
+from ckptd_schemas import AlreadyCommitted, CkptdError, error_from_body
 
 from .output import human
 
@@ -22,7 +22,10 @@ def reshard_via_server(args: argparse.Namespace, url: str) -> int:
     from ckptd_client import CatalogClient
 
     with CatalogClient(url, retry_seconds=10.0, retry_refused=False) as client:
-        return _follow(client, args)
+        try:
+            return _follow(client, args)
+        except AlreadyCommitted as e:  # the output's name is taken: say how to choose another
+            raise AlreadyCommitted(f"{e.message}; name another output with --out RUN/NAME", **e.details) from None
 
 
 def _follow(client: "CatalogClient", args: argparse.Namespace) -> int:

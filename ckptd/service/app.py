@@ -25,7 +25,7 @@ under ``/v1`` except probes)::
     DELETE /v1/checkpoints/{run}/{name}                                 retention_routes: remove one, if unprotected
     GET    /v1/ui/...                                                   ui_routes: the web view's JSON (paged, read)
     GET    /ui, /ui/static/{asset}                                      ui_static: the web view's shell (open, no data)
-    GET    /healthz, /readyz, /metrics                                  here: probes
+    GET    /, /healthz, /readyz, /metrics                               here: where to go (/ui, /docs), probes
     GET    /openapi.json, /docs                                         docs: the API description, served offline
 
 Who may call what (bearer tokens and scopes) is declared in ``auth.ROUTE_RULES``
@@ -145,6 +145,11 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
                   openapi_url=None, docs_url=None, redoc_url=None)  # served offline by install_docs
     app.state.settings, app.state.storage, app.state.metrics, app.state.tokens = settings, storage, metrics, tokens
     install_error_handlers(app)
+
+    @app.get("/", tags=["probes"])
+    async def index() -> dict:
+        """Where to go from here: the web view, the API's documentation, the probes."""
+        return {"service": "ckptd", "version": __version__, "ui": "/ui", "docs": "/docs", "health": "/healthz"}
 
     # Probes stay on the app itself: install_docs finds the open routes among the app's own routes.
     @app.get("/healthz", tags=["probes"])

@@ -258,7 +258,7 @@ class Rule:
 OPEN = Rule("open", run_param=None)
 ROUTE_RULES: dict[str, Rule] = {
     # probes, metrics and the API description: open
-    "healthz": OPEN, "readyz": OPEN, "metrics": OPEN,
+    "index": OPEN, "healthz": OPEN, "readyz": OPEN, "metrics": OPEN,
     "openapi": OPEN, "swagger_ui_html": OPEN, "swagger_ui_redirect": OPEN, "docs_asset": OPEN,
     # reads: read:RUN (write:RUN and admin include it)
     "list_runs": Rule("read", run_param=None),  # any token; only the runs it may read are listed

@@ -1,0 +1,77 @@
+"""What a new user tripped on at the command line, each answered in one clear line.
+
+A root written offline (no service): ``ckptd ls`` of a checkpoint without a step, of a run whose only
+save never committed; ``ckptd show`` of a checkpoint that is not in the owner layout; a reshard into
+a name that is taken; ``ckptd serve --root`` of a file; and ``GET /`` of a real service.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+import torch
+
+from ckptd_schemas import OpenSession
+from support import ServerProcess
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_URL", "CKPTD_ROOT")}
+    return subprocess.run([sys.executable, "-m", "ckptd.cli.main", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def _root(tmp_path):
+    from ckptd.storage import open_storage
+    from ckptd.store import SessionStore
+    from ckptd.store.offline import write_tensors
+
+    path = tmp_path / "root"
+    sessions = SessionStore(open_storage(str(path)))
+    write_tensors(sessions, "cli/best", {"model.w": torch.arange(6.0).reshape(2, 3)})  # no step
+    write_tensors(sessions, "cli/7", {"model.w": torch.arange(6.0).reshape(2, 3)}, step=7)
+    sessions.open("open", "1", OpenSession(session="s-open", world_size=2, step=1))  # never committed
+    return path
+
+
+def test_ls_and_show_say_what_there_is_in_words(tmp_path):
+    root = str(_root(tmp_path))
+    ls = _cli("ls", "cli", "--root", root)
+    assert ls.returncode == 0 and "cli/best\tno step" in ls.stdout and "step=None" not in ls.stdout, ls.stdout
+    empty = _cli("ls", "open", "--root", root)
+    assert empty.returncode == 0 and empty.stdout == "", empty.stdout
+    assert empty.stderr.strip() == "run open has no committed checkpoint yet", empty.stderr
+    show = _cli("show", "cli/best", "--root", root)
+    assert show.returncode == 0 and "no step" in show.stdout and "step=None" not in show.stdout, show.stdout
+    assert "whole matri" not in show.stdout, show.stdout  # only the owner layout owns whole matrices
+
+
+def test_a_reshard_into_a_taken_name_says_to_choose_another_with_out(tmp_path):
+    root = str(_root(tmp_path))
+    first = _cli("reshard", "cli/7", "--to", "full", "--out", "cli/7-full", "--root", root)
+    assert first.returncode == 0, first.stderr
+    again = _cli("reshard", "cli/7", "--to", "full", "--out", "cli/7-full", "--root", root)
+    assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
+    assert "cli/7-full already exists" in again.stderr and "--out" in again.stderr, again.stderr
+
+
+def test_serve_on_a_file_is_one_line_and_exit_2(tmp_path):
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    out = _cli("serve", "--root", str(f), "--port", "9")
+    assert out.returncode == 2, out
+    assert out.stderr.strip().splitlines()[-1] == (f"ckptd serve: --root {f}: not a directory (a storage root is a "
+                                                   f"directory or an fsspec URL)"), out.stderr
+
+
+def test_the_service_root_points_to_the_view_and_the_docs(tmp_path):
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_TOKENS": "ops secret-admin-token-0000000000 admin"}).start()
+    try:
+        r = httpx.get(f"{srv.url}/", timeout=10)  # open, like the probes: it holds no data
+        assert r.status_code == 200 and r.json()["ui"] == "/ui" and r.json()["docs"] == "/docs", r.text
+        assert httpx.get(f"{srv.url}{r.json()['ui']}", timeout=10).status_code == 200
+    finally:
+        srv.stop()
