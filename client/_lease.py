@@ -24,13 +24,17 @@ log = logging.getLogger("ckptd_client")
 
 
 @contextlib.contextmanager
-def read_lease(transport: Transport, base: str) -> Iterator[str | None]:
+def read_lease(transport: Transport, base: str, holder: str | None = None) -> Iterator[str | None]:
     """Hold a read lease on the checkpoint at ``base`` (``/v1/checkpoints/RUN/NAME``) for the block:
     taken at once, renewed every third of the period the service grants, released at the end. A
     ``latest`` name is resolved by the service once, when the lease is taken, and the lease stays on
-    that checkpoint; the block receives its ``RUN/NAME``. A service that grants no lease (leases off,
-    or a release without the route) leaves the block as it was, receiving None."""
-    holder = uuid.uuid4().hex
+    that checkpoint; the block receives its ``RUN/NAME``. Every request of the block under the
+    checkpoint names the lease (``Transport.leased``), so the service renews it instead of leasing the
+    checkpoint on its own for a while after each read: once released, nothing of this read keeps the
+    checkpoint from ``rm`` or gc. A service that grants no lease (leases off, or a release without the
+    route) leaves the block as it was, receiving None. ``holder``: the name of the lease (a load names
+    it before it resolves ``latest``, so that its first read is under it too)."""
+    holder = holder or uuid.uuid4().hex
     try:
         answer = transport.request("PUT", f"{base}/leases/{holder}")
     except CkptdError as e:
@@ -54,7 +58,8 @@ def read_lease(transport: Transport, base: str) -> Iterator[str | None]:
     if t is not None:
         t.start()
     try:
-        yield ref
+        with transport.leased(f"/v1/checkpoints/{ref}", holder):
+            yield ref
     finally:
         stop.set()
         if t is not None:

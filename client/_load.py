@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -201,14 +202,17 @@ def _load_into(transport: Transport, run: str, name: str, state_dict: dict, leas
     manifest: Manifest | None = None
     held: set[str] = set()
     err: Exception | None = None
+    # One read lease for the whole load, released when it returns: named from the first request (the
+    # manifest of ``latest`` included), so the service never leases the checkpoint beyond this load.
+    holder = uuid.uuid4().hex
+    lease.enter_context(transport.leased(f"/v1/checkpoints/{run}/{name}", holder))
     try:
         manifest, report, leaves, pieces, objects_by_name = _prepare(transport, run, name, state_dict, strict,
                                                                      cover=cover, rank=rank, alone=not together)
         held = {leaf.fqn for leaf in leaves}
         base = f"/v1/checkpoints/{run}/{manifest.name}"
+        lease.enter_context(read_lease(transport, base, holder))  # renewed while it reads, released at the end
         plan = _plan(transport, base, pieces, direct_reads) if pieces else None
-        if together or (plan is not None and plan.local_paths):  # reads the service may not see
-            lease.enter_context(read_lease(transport, base))
     except Exception as e:
         err = e
     uncovered: list[str] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -9,13 +10,14 @@ import random
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import httpx
 
 from ckptd_schemas import CkptdError, InvalidRequest, Unavailable, error_from_body
+from ckptd_schemas.api import LEASE_HEADER
 
-__all__ = ["Transport", "split_urls"]
+__all__ = ["LEASE_HEADER", "Transport", "split_urls"]
 
 log = logging.getLogger("ckptd_client")
 RETRY_STATUS = {429, 500, 502, 503, 504}  # 429: over a limit of the service (e.g. a token's uploads at once)
@@ -85,6 +87,8 @@ class Transport:
                          for u in self.urls]
         self._active = 0
         self._lock = threading.Lock()
+        self._leases: list[tuple[str, str]] = []  # (path prefix, holder) of the read leases held now
+        self._lease_lock = threading.Lock()
 
     @property
     def url(self) -> str:
@@ -101,6 +105,29 @@ class Transport:
         for c in self._clients:
             c.close()
 
+    @contextlib.contextmanager
+    def leased(self, base: str, holder: str) -> Iterator[None]:
+        """For the block, every request under ``base`` (``/v1/checkpoints/RUN/NAME``) names ``holder``, the
+        read lease this client holds there (:data:`LEASE_HEADER`): the service renews that lease on each
+        read instead of leasing the checkpoint for a while on its own, so nothing of the read outlives
+        the holder's release (``ckptd_client._lease.read_lease``)."""
+        with self._lease_lock:
+            self._leases.append((base, holder))
+        try:
+            yield
+        finally:
+            with self._lease_lock:
+                self._leases.remove((base, holder))
+
+    def _holder_for(self, path: str) -> str | None:
+        if not self._leases:
+            return None
+        with self._lease_lock:
+            for base, holder in reversed(self._leases):
+                if path == base or path.startswith(base + "/"):
+                    return holder
+        return None
+
     def request(self, method: str, path: str, *, content: Callable[[], Iterable[bytes] | bytes] | None = None,
                 json: Any = None, headers: dict[str, str] | None = None, params: dict[str, Any] | None = None,
                 retry: bool = True, sink: Callable[[httpx.Response], Any] | None = None,
@@ -111,6 +138,9 @@ class Transport:
         delay = 0.1
         attempt = 0
         headers = {"X-Request-Id": uuid.uuid4().hex, **(headers or {})}
+        holder = self._holder_for(path)
+        if holder is not None:  # a read under this client's own lease: the service renews that one
+            headers.setdefault(LEASE_HEADER, holder)
         unreachable: set[int] = set()  # replicas refused since the last pause
         while True:
             attempt += 1

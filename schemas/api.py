@@ -22,6 +22,7 @@ __all__ = [
     "PresignedUpload",
     "RankIndex",
     "RunSummary",
+    "LEASE_HEADER",
     "SKIPPED_HEADER",
     "SessionInfo",
     "SessionStatus",
@@ -315,6 +316,11 @@ class RunSummary(_Body):
 #: JSON array (ASCII) of :class:`SkippedCheckpoint`, newest first, at most ``MAX_SKIPPED_SENT``.
 SKIPPED_HEADER = "X-Ckptd-Skipped"
 MAX_SKIPPED_SENT = 16
+
+#: Sent by a reader with each request made under its own read lease (the lease's holder name): the
+#: service renews that lease on the read instead of leasing the checkpoint for a while on its own, so
+#: a finished load (which releases its lease) leaves nothing that keeps the checkpoint from ``rm``.
+LEASE_HEADER = "X-Ckptd-Lease"
 
 
 class SkippedCheckpoint(_Body):

@@ -39,7 +39,7 @@ from ckptd_schemas import (
     check_file, check_session, plan_reads,
 )
 
-from ckptd_schemas.api import MAX_SKIPPED_SENT, SKIPPED_HEADER
+from ckptd_schemas.api import LEASE_HEADER, MAX_SKIPPED_SENT, SKIPPED_HEADER
 
 from ..store.layout import Paths
 from ..store.verification import VerifyRecord, read_record, verify_and_record
@@ -113,7 +113,7 @@ def read_router(svc: Services) -> APIRouter:
         return await run_in_threadpool(reader.list_checkpoints, run)
 
     @router.get("/v1/checkpoints/{run}/{name}", response_model=Manifest)
-    async def get_manifest(run: str, name: str) -> Response:
+    async def get_manifest(run: str, name: str, x_ckptd_lease: str | None = Header(None)) -> Response:
         """The manifest's bytes as stored, served only when they hash to the marker's digest (sent as
         ``X-Ckptd-Manifest-Xxh3``, so a client checks what it received against what was committed).
 
@@ -121,7 +121,7 @@ def read_router(svc: Services) -> APIRouter:
         ``latest``, ``X-Ckptd-Skipped`` lists the newer trainer checkpoints skipped as known to be bad
         (``SkippedCheckpoint``: ref and reason, newest first), decided by ``Visibility.resolve_ref``."""
         c, skipped = await run_in_threadpool(visibility.resolve_ref, run, name)
-        await run_in_threadpool(read_leases.touch, run, c.name)
+        await run_in_threadpool(read_leases.touch, run, c.name, x_ckptd_lease)
         raw = await run_in_threadpool(visibility.manifest_bytes, c)
         headers = {"X-Ckptd-Name": c.name, "X-Ckptd-Manifest-Xxh3": c.digest,
                    "X-Ckptd-Lease-Seconds": f"{settings.read_lease_seconds:g}"}
@@ -135,7 +135,7 @@ def read_router(svc: Services) -> APIRouter:
         raw = await read_body_limited(request, settings.max_index_bytes)
         body = await run_in_threadpool(parse_body, ReadPlanBody, raw, "read-plan request")  # off the event loop
         manifest = await run_in_threadpool(reader.manifest, run, name)
-        await run_in_threadpool(read_leases.touch, run, manifest.name)
+        await run_in_threadpool(read_leases.touch, run, manifest.name, request.headers.get(LEASE_HEADER))
         budget = read_plan_budget(len(raw), settings.read_plan_chunk_budget, settings.read_plan_answer_budget)
         try:
             plan = await run_in_threadpool(plan_reads, manifest, body.requests, budget=budget)
@@ -168,10 +168,12 @@ def read_router(svc: Services) -> APIRouter:
         return rec
 
     @router.get("/v1/checkpoints/{run}/{name}/files/{file}", responses={206: {"description": "partial content"}})
-    async def get_file(run: str, name: str, file: str, range: str | None = Header(None)) -> Response:
+    async def get_file(run: str, name: str, file: str, range: str | None = Header(None),
+                       x_ckptd_lease: str | None = Header(None)) -> Response:
         check_file(file)
         key, size = await run_in_threadpool(reader.file_key, run, name, file)
-        await run_in_threadpool(read_leases.touch, run, key.split("/")[2])  # runs/RUN/NAME/...: the concrete name
+        concrete = key.split("/")[2]  # runs/RUN/NAME/...: the concrete name
+        await run_in_threadpool(read_leases.touch, run, concrete, x_ckptd_lease)
         start, end = _parse_range(range, size)
         # A committed file absent or resized on storage is corrupt: 422 before any byte is sent.
         await run_in_threadpool(storage.check_committed, key, size, file=file)
@@ -189,7 +191,7 @@ def read_router(svc: Services) -> APIRouter:
             pos = start
             while pos < end:
                 nxt = min(pos + piece, end)
-                await run_in_threadpool(read_leases.touch, run, key.split("/")[2])  # a long stream keeps its lease
+                await run_in_threadpool(read_leases.touch, run, concrete, x_ckptd_lease)  # a long stream keeps it
                 yield await run_in_threadpool(storage.read_committed, key, pos, nxt, size, file=file)
                 pos = nxt
 

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
@@ -136,6 +137,9 @@ class RetentionPolicy:
             log.exception("retention of run %s failed", run)
 
 
+_HOLDER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a reader's lease name, as the lease routes take
+
+
 class ReadLeases:
     """Leases served checkpoints for a while; at most one storage write per checkpoint per half lease."""
 
@@ -145,16 +149,25 @@ class ReadLeases:
         self._renewed: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
 
-    def touch(self, run: str, name: str) -> None:
+    def touch(self, run: str, name: str, holder: str | None = None) -> None:
+        """A read of ``run/name``: renew the reader's own lease when the request names one
+        (``X-Ckptd-Lease``: released by the reader when it is done, so nothing of its read outlives
+        it), else this replica's lease on the checkpoint, which runs a while after the last read."""
         if self.seconds <= 0:
             return
+        if holder is not None and not _HOLDER.fullmatch(holder):
+            holder = None  # not a name a lease can have: as a read without one
         now = time.monotonic()
+        key = (run, name, holder or "")
         with self._lock:
-            if now - self._renewed.get((run, name), -1e18) < self.seconds / 2:
+            if now - self._renewed.get(key, -1e18) < self.seconds / 2:
                 return
-            self._renewed[(run, name)] = now
+            self._renewed[key] = now
             if len(self._renewed) > 10_000:
                 self._renewed = {k: v for k, v in self._renewed.items() if now - v < self.seconds}
+        if holder is not None:
+            self.hold(run, name, holder)
+            return
         # Renewed at most every half lease, so each renewal runs one and a half leases: a read
         # keeps the checkpoint for at least a whole lease after it, whenever the last renewal was.
         self.leases.acquire(run, name, self.holder, ttl=1.5 * self.seconds)

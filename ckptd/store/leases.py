@@ -37,6 +37,21 @@ class Leases:
         self.storage.delete(self._key(run, name, holder))
 
     def active(self, run: str, name: str, *, now: float | None = None) -> list[str]:
+        """The holders of the unexpired leases on ``run/name``."""
+        return [holder for holder, _ in self.holding(run, name, now=now)]
+
+    def describe(self, run: str, name: str) -> str:
+        """Why retention keeps a leased checkpoint: each holder and when its lease ends (``leased`` when
+        they are gone by now)."""
+        held = self.holding(run, name)
+        if not held:
+            return "leased"
+        return "leased by " + ", ".join(
+            f"{h} until {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t))} UTC" for h, t in held[:4]) + (
+            f" and {len(held) - 4} more" if len(held) > 4 else "")
+
+    def holding(self, run: str, name: str, *, now: float | None = None) -> list[tuple[str, float]]:
+        """(holder, expiry as a Unix time) of each unexpired lease on ``run/name``."""
         now = time.time() if now is None else now
         out = []
         for entry in self.storage.list(f"leases/{run}/{name}"):
@@ -53,7 +68,7 @@ class Leases:
             except (ValueError, TypeError, OverflowError):
                 continue
             if expires > now:
-                out.append(str(data.get("holder", entry)))
+                out.append((str(data.get("holder", entry)), expires))
         return out
 
     @contextlib.contextmanager

@@ -199,7 +199,7 @@ def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | Non
     plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased, only=only,
                           **facts())
     if not plan.delete and not dry_run:
-        return plan
+        return _name_holders(plan, leases, run)
     # Only when something would go: the other runs' listings (rule 6) cost a read of every marker.
     children = {} if drop_parents else children_elsewhere(vis, run)
     if dry_run:
@@ -215,6 +215,7 @@ def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | Non
     plan = plan_retention(run, ckpts, keep_last=keep_last, keep_every=keep_every, leased=leased,
                           newest_verified=newest, children=children, only=only, **facts())
     plan.newest_verified, plan.verified_how, plan.failed_verification = newest, how, failed
+    _name_holders(plan, leases, run)
     if newest is None and plan.delete:  # something would go, but nothing newer is known good
         for name in plan.delete:
             plan.keep[name] = "no checkpoint of the run verifies: nothing is deleted"
@@ -224,13 +225,21 @@ def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | Non
         return plan
     for name in plan.delete:
         if leases.active(run, name):  # leased since the listing: keep it
-            plan.keep[name] = "leased"
+            plan.keep[name] = leases.describe(run, name)
             continue
         storage.delete(Paths.marker(run, name))
         storage.delete_tree(Paths.ckpt(run, name))
         storage.delete_tree(f"leases/{run}/{name}")  # only expired ones are left
         plan.deleted.append(name)
     plan.delete = [n for n in plan.delete if n in plan.deleted]
+    return plan
+
+
+def _name_holders(plan: RetentionPlan, leases: Leases, run: str) -> RetentionPlan:
+    """Each checkpoint kept for its lease says who holds it and until when."""
+    for name, why in plan.keep.items():
+        if why == "leased":
+            plan.keep[name] = leases.describe(run, name)
     return plan
 
 

@@ -123,7 +123,7 @@ def test_a_reader_slower_than_its_lease_keeps_its_checkpoint(tmp_path):
                 assert r.status_code == 206, f"read {i}: {r.text[:200]}"
                 c.save(_state(2 + i), f"{RUN}/{2 + i}").wait()
                 plan = httpx.post(f"{srv.url}/v1/runs/{RUN}/gc", json={"keep_last": 1}, timeout=60).json()
-                assert plan["keep"].get("1") == "leased", plan
+                assert plan["keep"].get("1", "").startswith("leased"), plan
                 time.sleep(1.0)
             time.sleep(1.5 * lease)  # reading stopped: the lease (a renewal lasts one and a half) lapses
             plan = httpx.post(f"{srv.url}/v1/runs/{RUN}/gc", json={"keep_last": 1}, timeout=60).json()

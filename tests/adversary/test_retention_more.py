@@ -69,7 +69,7 @@ def test_reads_closer_together_than_the_lease_never_let_it_lapse(tmp_path):
         time.sleep(max(0.0, t0 + 2.4 - time.monotonic()))  # past the first read's lease, 1.5 s after the last read
         assert time.monotonic() - last < 1.9
         plan = _gc(srv)
-        assert plan["keep"].get("1") == "leased" and "1" not in plan["deleted"], plan
+        assert plan["keep"].get("1", "").startswith("leased") and "1" not in plan["deleted"], plan
         time.sleep(3.2)  # no read for longer than 1.5 leases: it lapses
         assert "1" in _gc(srv)["deleted"]
     finally:
@@ -112,7 +112,7 @@ def test_a_direct_read_load_slower_than_its_lease_keeps_its_checkpoint(tmp_path,
             t.join(30)
         assert "error" not in result, result.get("error")
         assert result["report"].bytes_read_direct > 0  # the bytes did come from the files
-        assert plan["keep"].get("1") == "leased", plan
+        assert plan["keep"].get("1", "").startswith("leased"), plan
         assert_bits_equal(out, want)
     finally:
         srv.stop()
@@ -141,7 +141,7 @@ def test_an_http_range_streamed_for_longer_than_the_lease_keeps_its_checkpoint(t
                         c.save(_state(2), f"{RUN}/2").wait()
                         plans.append(_gc(srv))
         assert got == size
-        assert plans and plans[0]["keep"].get("1") == "leased", plans
+        assert plans and plans[0]["keep"].get("1", "").startswith("leased"), plans
     finally:
         srv.stop()
 
@@ -166,7 +166,7 @@ def test_a_tool_reading_through_the_service_keeps_its_checkpoint_between_ranges(
                     c.save(_state(3), f"{RUN}/3").wait()  # latest moves on; the lease stays on 2
                     time.sleep(2.5)  # no read for 2.5 leases
                     plan = _gc(srv)
-                    assert plan["keep"].get("2") == "leased" and "2" not in plan["deleted"], plan
+                    assert plan["keep"].get("2", "").startswith("leased") and "2" not in plan["deleted"], plan
                     assert "1" in plan["deleted"], plan
                     assert cat.read_range(held, file, 0, 64) == first
                 time.sleep(1.6)  # the last read's own lease lapses; the tool's was released with the block

@@ -1,0 +1,63 @@
+"""A finished load does not pin its checkpoint; a lease that does names its holder and its end.
+
+A real ``ckptd serve`` with its default read leases. A load through the service (every byte over
+HTTP), a load that reads the service's files directly, and a load of ``RUN/latest`` each return,
+and right after it ``rm`` of that checkpoint removes it: the load's own lease named each of its
+requests and was released when it returned, and the service leased nothing on its own. A reader
+that holds a lease (as a load in progress does) keeps the checkpoint, and ``rm`` says who holds it
+and until when; a plain read without a lease (``curl``) still leases the checkpoint for a while.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import torch
+
+from ckptd_client import CheckpointClient
+from support import ServerProcess
+
+
+def _rm(url: str, ref: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptd.cli.main", "rm", ref, "--server", url],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _state(v: float) -> dict:
+    return {"model": {"w": torch.full((64, 64), v), "b": torch.arange(10.0) + v}}
+
+
+def test_a_finished_load_leaves_no_lease_and_a_held_one_names_its_holder(tmp_path):
+    srv = ServerProcess(tmp_path / "root").start()
+    try:
+        with CheckpointClient(srv.url, incremental=False) as c:
+            for step in (1, 2, 3, 4, 5):
+                c.save(_state(step), f"ev/{step}").wait()
+        for ref, kw in (("ev/1", {"direct_reads": False}), ("ev/2", {}), ("ev/latest", {"direct_reads": False})):
+            with CheckpointClient(srv.url, **kw) as c:
+                got = _state(0)
+                report = c.load(got, ref)
+            assert torch.equal(got["model"]["w"], _state(float(report.ref.split("/")[1]))["model"]["w"])
+            leases = list((tmp_path / "root" / "leases").rglob("*.json"))
+            assert leases == [], leases  # nothing of the load is left
+            if ref != "ev/latest":  # the newest is kept by retention's own rules
+                out = _rm(srv.url, ref)
+                assert out.returncode == 0 and out.stdout.strip() == f"removed {ref}", out.stdout + out.stderr
+
+        # a reader holding its own lease (a load in progress): kept, naming the holder and the end
+        assert httpx.put(f"{srv.url}/v1/checkpoints/ev/3/leases/evaluator-7", timeout=10).status_code == 200
+        out = _rm(srv.url, "ev/3")
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert out.stdout.startswith("kept ev/3: leased by client-evaluator-7 until ") and " UTC" in out.stdout, \
+            out.stdout
+        assert httpx.delete(f"{srv.url}/v1/checkpoints/ev/3/leases/evaluator-7", timeout=10).status_code == 204
+        assert _rm(srv.url, "ev/3").returncode == 0
+
+        # a read that names no lease still leases the checkpoint on the service's own account
+        assert httpx.get(f"{srv.url}/v1/checkpoints/ev/4", timeout=10).status_code == 200
+        out = _rm(srv.url, "ev/4")
+        assert out.returncode == 1 and "leased by reader-" in out.stdout, out.stdout + out.stderr
+    finally:
+        srv.stop()
