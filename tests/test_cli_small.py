@@ -75,3 +75,21 @@ def test_the_service_root_points_to_the_view_and_the_docs(tmp_path):
         assert httpx.get(f"{srv.url}{r.json()['ui']}", timeout=10).status_code == 200
     finally:
         srv.stop()
+
+
+def test_show_of_a_checkpoint_whose_parent_the_token_may_not_read_shows_it_as_such(tmp_path):
+    admin, reader = "small-admin-token-0123456789", "small-reader-token-0123456789"
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_TOKENS": f"ops {admin} admin;viewer {reader} read:ft"}).start()
+    try:
+        from ckptd_client import CheckpointClient
+
+        with CheckpointClient(srv.url, token=admin) as c:
+            c.save({"w": torch.ones(4)}, "pre/1").wait()
+            c.save({"w": torch.ones(4) * 2}, "ft/10", parent="pre/1").wait()
+        env = {**{k: v for k, v in os.environ.items() if k not in ("CKPTD_URL", "CKPTD_ROOT")}, "CKPTD_TOKEN": reader}
+        out = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "show", "ft/10", "--server", srv.url],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "lineage    ft/10 <- pre/1 (not readable with this token)" in out.stdout, out.stdout
+    finally:
+        srv.stop()

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from math import prod
-from ckptd_schemas import CkptdError, IntegrityError, Manifest, NotFound, parse_ref
+from ckptd_schemas import CkptdError, Forbidden, IntegrityError, Manifest, NotFound, parse_ref
 
 from .. import __version__
 from .backends import Backend, open_backend, require_run
@@ -106,6 +106,9 @@ def lineage(backend: Backend, m: Manifest) -> list[str]:
             parent = backend.manifest(p.run, p.name).parent
         except NotFound:
             chain.append(f"{p} (no longer visible)")
+            break
+        except Forbidden:  # another run, which this token may not read: the chain ends here, said so
+            chain.append(f"{p} (not readable with this token)")
             break
         chain.append(str(p))
     return chain
