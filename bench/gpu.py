@@ -29,7 +29,7 @@ What one run does, at world size 1 (one process, no process group), in one work 
    at which the GPU pays for its start-up (``reshard_gpu_break_even_cast_bytes``), the figure
    ``executor.GPU_CAST_MIN_BYTES`` is to be set from.
 
-Goals (issue 30): load >= 1.2x ``dcp.load`` and >= 0.9 of the cold-read floor; first stall <= 0.5 s at
+Goals: load >= 1.2x ``dcp.load`` and >= 0.9 of the cold-read floor; first stall <= 0.5 s at
 4 GiB; later stalls <= 1.1x the D2H floor; ``--device auto`` as a whole process never slower than ``cpu``.
 """
 

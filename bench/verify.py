@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.verify --gib 1 --repeat 3 --out bench/results/verify.json
 
-Goal (issue 7): ``ckptd verify`` >= 0.8 x the disk's cold sequential read bandwidth.
+Goal: ``ckptd verify`` >= 0.8 x the disk's cold sequential read bandwidth.
 
 What one run does (see BENCHMARKS.md, section "Verify", for the results and how to read them):
 

@@ -69,7 +69,7 @@ log = logging.getLogger("ckptd.reshard")
 _PAD = bytes(ALIGN)
 
 #: Source bytes a plan must cast (``--dtype``) before ``--device auto`` runs it on the GPU; below, or
-#: without a cast, ``auto`` runs it on the CPU. Measured once on one H200 (issue 30: ``ckptd reshard``
+#: without a cast, ``auto`` runs it on the CPU. Measured once on one H200 (``ckptd reshard``
 #: 1 -> ``fsdp2:dp=4`` of a 4 GiB state, in process / whole process): without a cast the GPU took as long
 #: as the CPU in process (6.39 s vs 6.37 s) and its start-up (torch import, CUDA context) cost 4 s more
 #: as a whole process (11.2 s vs 7.2 s); with ``--dtype bfloat16`` it saved 1.29 s in process (6.79 s vs
