@@ -5,12 +5,13 @@ cold read), each timed with nothing else in the way."""
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from bench._disk import parallel
 
 __all__ = [
     "COLS",
@@ -117,16 +118,6 @@ def d2h_floor(sd: dict, host: torch.Tensor, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def _parallel(fn: Callable[[int], None], n: int) -> float:
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return time.perf_counter() - t0
-
-
 def write_floor(host: torch.Tensor, work: Path, threads: int) -> float:
     """The floor under a durable save of these bytes: ``host`` cut in ``threads`` equal parts, each written
     to its own file (8 MiB writes) and fsynced by its own thread; seconds until the last fsync returns.
@@ -147,7 +138,7 @@ def write_floor(host: torch.Tensor, work: Path, threads: int) -> float:
             os.close(fd)
 
     try:
-        return _parallel(one, threads)
+        return parallel(one, threads)
     finally:
         for p in paths:
             p.unlink(missing_ok=True)
@@ -190,4 +181,4 @@ def read_floor(files: list[Path], threads: int) -> tuple[float, int]:
             finally:
                 os.close(fd)
 
-    return _parallel(one, threads), sum(got)
+    return parallel(one, threads), sum(got)

@@ -97,7 +97,7 @@ if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
 
 # reused from the save/load benchmark: the deterministic values, machine description, VmHWM
-from bench._disk import evict  # noqa: E402
+from bench._disk import evict, parallel  # noqa: E402
 from bench.save_load import _pattern, describe_machine, vm_status  # noqa: E402
 from support import ServerProcess, run_ranks  # noqa: E402  (tests/support.py)
 
@@ -224,15 +224,6 @@ def disk_ceiling(work: Path, nbytes: int) -> dict:
     (GB/s) with 2 and 4 threads."""
     piece = os.urandom(8 * MiB)
     out: dict[str, Any] = {"bytes": nbytes}
-
-    def parallel(fn: Callable[[int], None], n: int) -> float:
-        t0 = time.perf_counter()
-        ts = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        return time.perf_counter() - t0
 
     for n in (2, 4):
         per = nbytes // n

@@ -27,10 +27,11 @@ from ckptd_schemas import (
 BLOCK = 4096
 
 
-def _manifest(rows: int, cols: int, cuts: list[int], flat: bool, dtype: torch.dtype) -> tuple[Manifest, dict, torch.Tensor]:
-    """A [rows, cols] tensor saved as row bands (or the same bands as flat ranges), one file per band,
-    with 100 junk bytes before each band so that fetches have gaps to hash and skip."""
-    full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols).to(dtype)
+def banded_manifest(rows: int, cols: int, cuts: list[int], flat: bool, dtype: torch.dtype, scale: float = 1.0
+                    ) -> tuple[Manifest, dict, torch.Tensor]:
+    """A [rows, cols] tensor (``arange * scale``) saved as row bands (or the same bands as flat ranges), one
+    file per band, with 100 junk bytes before each band so that fetches have gaps to hash and skip."""
+    full = (torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) * scale).to(dtype)
     edges = [0, *cuts, rows]
     chunks, files, data = [], {}, {}
     for r, (lo, hi) in enumerate(zip(edges, edges[1:])):
@@ -66,7 +67,7 @@ def test_direct_scatter_equals_buffered_copy(data):
     cuts = sorted(set(data.draw(st.lists(st.integers(1, rows - 1), max_size=4))))
     flat = data.draw(st.booleans())
     dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64]))
-    m, files, full = _manifest(rows, cols, cuts, flat, dtype)
+    m, files, full = banded_manifest(rows, cols, cuts, flat, dtype)
     lo = data.draw(st.integers(0, rows - 1))
     hi = data.draw(st.integers(lo + 1, rows))
     plan = plan_reads(m, [ReadRequest(name="model.w", offsets=[lo, 0], sizes=[hi - lo, cols])])
@@ -87,7 +88,7 @@ def test_direct_scatter_equals_buffered_copy(data):
 
 
 def test_every_block_is_checked_on_the_stream_including_skipped_bytes():
-    m, files, _ = _manifest(64, 128, [20, 41], flat=False, dtype=torch.float32)
+    m, files, _ = banded_manifest(64, 128, [20, 41], flat=False, dtype=torch.float32)
     plan = plan_reads(m, [ReadRequest(name="model.w", offsets=[30, 0], sizes=[20, 128])])
     f = plan.fetches[0]
     blob = bytearray(files[f.file][f.start:f.end])
@@ -101,7 +102,7 @@ def test_every_block_is_checked_on_the_stream_including_skipped_bytes():
 
 
 def test_copies_that_need_a_buffer_are_refused():
-    m, _, _ = _manifest(16, 8, [8], flat=False, dtype=torch.float32)
+    m, _, _ = banded_manifest(16, 8, [8], flat=False, dtype=torch.float32)
     # a column slice of the destination is not contiguous: buffered path
     plan = plan_reads(m, [ReadRequest(name="model.w", offsets=[0, 2], sizes=[16, 4])])
     out = torch.zeros(16, 4)

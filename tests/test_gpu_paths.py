@@ -17,7 +17,6 @@ import gc
 import threading
 import time
 import weakref
-from datetime import datetime, timezone
 
 import pytest
 import torch
@@ -28,12 +27,11 @@ from ckptd_client._direct import DeviceStager, PieceFill, direct_targets, staged
 from ckptd_client._pool import SnapshotPool, aligned, placed_bytes, plan_segments
 from ckptd_client._save import build_snapshot
 from ckptd_schemas import (
-    BoxChunk, ChecksumMismatch, FileEntry, FlatChunk, Location, Manifest, ReadRequest, TensorEntry, Topology,
-    plan_reads,
+    ChecksumMismatch, Manifest, ReadRequest, plan_reads,
 )
-from ckptd_schemas.filedigest import StreamDigest, xxh3_hex
 from ckptd_schemas.format.assemble import Destination, copy_into
 from support import assert_bits_equal, blank_like, make_state
+from test_direct_load import banded_manifest
 
 KIB = 1 << 10
 BLOCK = 4096
@@ -53,29 +51,8 @@ def no_cuda(monkeypatch):
 # -- the ring on its own -------------------------------------------------------------------------------
 
 def _manifest(rows: int, cols: int, cuts: list[int], flat: bool, dtype: torch.dtype) -> tuple[Manifest, dict, torch.Tensor]:
-    """A [rows, cols] tensor saved as row bands (or flat ranges), one file per band, 100 junk bytes first."""
-    full = (torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) * 1.37).to(dtype)
-    edges = [0, *cuts, rows]
-    chunks, files, data = [], {}, {}
-    for r, (lo, hi) in enumerate(zip(edges, edges[1:])):
-        name = f"r{r:06d}-0000.bin"
-        band = full[lo:hi].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        blob = bytes(range(100)) + band
-        loc = Location(file=name, offset=100, length=len(band), raw_length=len(band), xxh3=xxh3_hex(band))
-        if flat:
-            chunks.append(FlatChunk(rank=r, start=lo * cols, length=(hi - lo) * cols, location=loc))
-        else:
-            chunks.append(BoxChunk(rank=r, offsets=[lo, 0], sizes=[hi - lo, cols], location=loc))
-        d = StreamDigest(BLOCK)
-        d.update(blob)
-        whole, blocks = d.finish()
-        files[name] = FileEntry(size=len(blob), xxh3=whole, block_size=BLOCK, blocks=blocks)
-        data[name] = blob
-    t = TensorEntry(name="model.w", shape=[rows, cols], dtype=str(dtype).removeprefix("torch."), group="model",
-                    chunks=chunks)
-    m = Manifest(run="r", name="1", session="s" * 8, created_at=datetime.now(timezone.utc),
-                 topology=Topology(world_size=len(chunks)), tensors=[t], files=files)
-    return m, data, full
+    """``test_direct_load``'s banded tensor, with values that are not whole numbers (bf16 rounds them)."""
+    return banded_manifest(rows, cols, cuts, flat, dtype, scale=1.37)
 
 
 def _cut(blob: bytes, step: int) -> list[bytes]:
