@@ -440,12 +440,16 @@ def test_the_retention_policy_deletes_from_both_tiers(tmp_path):
         with CheckpointClient(srv.url, incremental=False) as c:
             for step in (1, 2, 3, 4):
                 c.save(_state(step), f"t/{step}").wait(durable=True)
+        gone = durable / "runs" / "t" / "1" / "sessions"
+
+        def done() -> bool:  # markers go first, then the trees: wait for both
+            return (_markers(durable), _markers(tmp_path / "fast")) == ({"t/3", "t/4"},) * 2 and not gone.exists()
+
         deadline = time.monotonic() + scaled(30)
-        while (_markers(durable), _markers(tmp_path / "fast")) != ({"t/3", "t/4"},) * 2 and \
-                time.monotonic() < deadline:
+        while not done() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _markers(durable) == _markers(tmp_path / "fast") == {"t/3", "t/4"}
-        assert not (durable / "runs" / "t" / "1" / "sessions").exists()
+        assert not gone.exists()
     finally:
         srv.stop()
 

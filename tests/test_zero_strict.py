@@ -79,10 +79,11 @@ def load_job(rank: int, world: int, url: str, drop: str | None, extra_on: int | 
     want_m, _ = _global_flat(world, seed=1)
     sl = slice(rank * part, (rank + 1) * part)
     # the padding between parameters is not part of any parameter: it keeps the buffer's fill value
-    pad = torch.ones(world * part, dtype=torch.bool)
+    pad = torch.ones(world * part, dtype=torch.bool)  # and the dropped parameter: nothing restores it
     cursor = 0
-    for _, shape in PARAMS:
-        pad[cursor:cursor + prod(shape)] = False
+    for name, shape in PARAMS:
+        if name != drop:
+            pad[cursor:cursor + prod(shape)] = False
         cursor += -(-prod(shape) // ALIGN) * ALIGN
     pad = pad[sl]
     for got, want in ((weights, want_w[sl]), (moments, want_m[sl])):
