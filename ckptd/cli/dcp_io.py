@@ -49,12 +49,16 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from ..interop.export import export_safetensors, export_torch, parse_size, tensor_bytes
-    from .backends import open_backend
+    from .backends import RootBackend, open_backend
 
     ref = parse_ref(args.ref)
     max_shard = parse_size(args.max_shard_size)
     backend = open_backend(resolve_target(args))
     manifest = backend.manifest(ref.run, ref.name)
+    if isinstance(backend, RootBackend):  # the one checker's verdict on the source first (the service's own
+        from ..store.verification import require_verified  # record, usually: no second read)
+
+        require_verified(backend.reader.storage, manifest.run, manifest.name)
 
     def read(file: str, start: int, end: int) -> bytes:
         return backend.read(manifest, file, start, end)

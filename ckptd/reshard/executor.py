@@ -55,6 +55,7 @@ from ckptd_schemas.dtypes import FLOATING
 from ..store import CheckpointReader, SessionStore
 from ..store.reader import naming_tensor
 from ..store.layout import Paths
+from ..store.verification import require_verified
 from ..store.merge import merge_indexes
 from .digest import tensor_digest
 from ..store.assemble import Engine, cuda_present, pick_engine
@@ -472,6 +473,8 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
         engine = plan_engine(plan, choice)
     else:
         choice = DeviceChoice("cuda" if "cuda" in engine.name else "cpu", "engine given by the caller")
+    src = parse_ref(plan.source)
+    require_verified(reader.storage, src.run, src.name)  # the one checker's verdict on the source first
     open_target(sessions, plan, out_ref, session)
     try:
         pieces = source_pieces(reader, plan)

@@ -36,7 +36,7 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ckptd_schemas import CkptdError, StorageError
+from ckptd_schemas import CkptdError, CorruptCheckpoint, StorageError
 
 from ..storage import Storage, open_storage
 from .layout import Paths
@@ -44,8 +44,8 @@ from .verify import VerifyReport, verify_manifest
 from .visibility import Committed, Visibility
 
 __all__ = ["CommitCheck", "VerifyRecord", "file_stamps", "known_bad", "read_record", "record_commit_check",
-           "record_holds", "record_of", "record_vouches", "verify_and_record", "verify_committed",
-           "verify_unrecorded"]
+           "record_holds", "record_of", "record_vouches", "require_verified", "verify_and_record",
+           "verify_committed", "verify_unrecorded"]
 
 log = logging.getLogger("ckptd.store")
 
@@ -133,6 +133,26 @@ def verify_committed(storage: Storage, run: str, name: str) -> VerifyRecord:
     """Verify the visible checkpoint ``run/name`` (``latest`` allowed) here, store the record, return it."""
     rec, c = _verify_here(storage, run, name)
     storage.put(Paths.verification(c.run, c.name), rec.model_dump_json().encode())
+    return rec
+
+
+def require_verified(storage: Storage, run: str, name: str) -> VerifyRecord:
+    """The one checker's verdict on the visible checkpoint ``run/name`` before a conversion (reshard,
+    export) reads it as a source: its record while that still vouches for exactly the stored bytes
+    (usually the commit's own: no second read), else a verification now, recorded. Raises
+    :class:`~ckptd_schemas.CorruptCheckpoint` naming the problems when the stored bytes are not what
+    the manifest says, so nothing is converted from a checkpoint that ``ckptd verify`` rejects, even
+    where the conversion itself would not read the damaged bytes."""
+    vis = Visibility(storage)
+    c = vis.resolve(run, name)
+    rec = record_of(storage, c)
+    if record_holds(storage, c, rec, sorted(vis.manifest(c).files)):
+        return rec  # type: ignore[return-value]
+    rec = verify_committed(storage, c.run, c.name)
+    if not rec.ok:
+        raise CorruptCheckpoint(f"{c.ref} does not verify, so it is not converted: "
+                                f"{'; '.join(rec.problems[:3]) or 'verification failed'} (ckptd verify names every problem)",
+                                ref=c.ref)
     return rec
 
 
