@@ -134,8 +134,8 @@ class TieredStorage(Storage):
         return None if d is None else f"durable:{d}"
 
     def local_path(self, key: str) -> str | None:
-        """A fast-tier path (also for a key not written yet: direct writes create it there); for a key
-        only the durable tier holds, its path if that is a local root."""
+        """A fast-tier path (also for a key not written yet); for a key only the durable tier holds, its
+        path if that is a local root."""
         if self._holder(key) is self.durable:
             return self.durable.local_path(key)
         return self.fast.local_path(key)

@@ -150,9 +150,14 @@ def require_verified(storage: Storage, run: str, name: str) -> VerifyRecord:
         return rec  # type: ignore[return-value]
     rec = verify_committed(storage, c.run, c.name)
     if not rec.ok:
+        manifest = vis.manifest(c)
+        named = [f for f in manifest.files if any(f"'{f}'" in p for p in rec.problems)]
+        held = sorted({t.name for t in manifest.tensors for ch in t.chunks if ch.location.file in named})
+        where = f" (tensors stored there: {', '.join(repr(n) for n in held[:8])}{' ...' if len(held) > 8 else ''})" \
+            if held else ""
         raise CorruptCheckpoint(f"{c.ref} does not verify, so it is not converted: "
-                                f"{'; '.join(rec.problems[:3]) or 'verification failed'} (ckptd verify names every problem)",
-                                ref=c.ref)
+                                f"{'; '.join(rec.problems[:3]) or 'verification failed'}{where} "
+                                f"(ckptd verify names every problem)", ref=c.ref, tensors=held[:64], files=named[:64])
     return rec
 
 

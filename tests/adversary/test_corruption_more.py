@@ -127,7 +127,7 @@ def test_damaged_data_fails_typed_and_fast_on_every_read_path(srv, tmp_path, att
         out = p.stdout + p.stderr
         assert "Traceback" not in out and w.file in out, (args, out)
         if args[0] in ("export", "reshard"):
-            assert "tensor 'model.w'" in out, out
+            assert "tensor 'model.w'" in out or "tensors stored there: 'model.b', 'model.w'" in out, out
         if args[0] == "verify":
             assert not (Path(root) / "runs" / run / "1-fsdp2-dp2" / "COMMITTED").exists()
     assert not (tmp_path / "out.pt").exists()
