@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from bench._disk import parallel
+from bench._disk import parallel, read_span
 
 __all__ = [
     "COLS",
@@ -170,15 +170,6 @@ def read_floor(files: list[Path], threads: int) -> tuple[float, int]:
     def one(i: int) -> None:
         buf = memoryview(bytearray(8 * MiB))
         for path, a, b in work[i]:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                while a < b:
-                    n = os.preadv(fd, [buf[:min(len(buf), b - a)]], a)
-                    if n <= 0:
-                        break
-                    a += n
-                    got[i] += n
-            finally:
-                os.close(fd)
+            got[i] += read_span(path, a, b, buf)
 
     return parallel(one, threads), sum(got)

@@ -65,7 +65,7 @@ import xxhash
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from bench._disk import evict  # noqa: E402
+from bench._disk import evict, read_span  # noqa: E402
 from bench._report import add_workdir_args, work_dir, write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,16 +164,7 @@ def raw_read(root: Path, rank: int, world: int) -> int:
         at += size
         if a >= b:
             continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            while a < b:
-                n = os.preadv(fd, [buf[:min(len(buf), b - a)]], a)
-                if n <= 0:
-                    break
-                a += n
-                got += n
-        finally:
-            os.close(fd)
+        got += read_span(path, a, b, buf)
     return got
 
 
