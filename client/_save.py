@@ -16,7 +16,6 @@ Call order inside :meth:`CheckpointClient.save`:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 import threading
@@ -41,7 +40,7 @@ from ckptd_schemas.format.objects import SAFE, ObjectPolicy, encode_object
 from ._incremental import ChunkHistory, SaveDelta, chunk_key, digest_source
 from ._pool import Lease, SnapshotPool, aligned
 from ._presigned import DirectUploads
-from .sessions import Opened, open_session, put_index, wait_committed
+from .sessions import Opened, abort_session, open_session, put_index, wait_committed
 
 __all__ = ["Compression", "SaveHandle", "Snapshot", "build_snapshot", "upload_snapshot"]
 
@@ -477,8 +476,7 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
             if direct is not None:
                 direct.close()
     except Exception:
-        with contextlib.suppress(Exception):
-            transport.request("DELETE", f"{base}/sessions/{session}", retry=False)
+        abort_session(transport, base, session)
         raise
     status = put_index(transport, base, session, index)
     if history is not None and delta is not None:

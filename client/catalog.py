@@ -24,7 +24,7 @@ from ckptd_schemas.api import SkippedCheckpoint
 from .transport import Transport
 from ._lease import read_lease
 from ._manifest import get_manifest
-from .sessions import open_session, put_index, wait_committed
+from .sessions import abort_session, open_session, put_index, wait_committed
 
 __all__ = ["DEFAULT_URL", "CatalogClient", "Upload"]
 
@@ -199,4 +199,4 @@ class Upload:
 
     def abort(self) -> None:
         """Drop the session and the files it received (once, without retrying)."""
-        self._transport.request("DELETE", f"{self._base}/sessions/{self.session}", retry=False)
+        abort_session(self._transport, self._base, self.session, quiet=False)

@@ -34,6 +34,7 @@ object that would need an unrestricted unpickler.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import uuid
@@ -63,6 +64,7 @@ from ._manifest import get_manifest
 from ._presigned import DirectUploads
 from ._save import Snapshot, _Chunk, _Object, upload_files
 from .sessions import open_session, put_index, wait_committed
+from ._lease import read_lease
 from ._load import execute, local_files
 from ckptd_schemas.names import DCP_METADATA
 from ckptd_schemas.format.assemble import Destination, torch_dtype
@@ -290,11 +292,23 @@ class CkptdStorageReader(_Endpoint, StorageReader):
         self.objects = objects
         self._manifest: Manifest | None = None
         self._rank: int | None = None
+        self._lease: contextlib.ExitStack | None = None  # this rank's read lease, first request to end of read_data
         self.set_ref(None)
 
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_lease": None}
+
     def reset(self, checkpoint_id: Any = None) -> None:
+        self._release()
         self.set_ref(checkpoint_id)
         self._manifest = None
+
+    def _release(self) -> None:
+        """End this rank's read lease: the checkpoint is no longer pinned by this load (``rm`` and gc may
+        take it at once). DCP's reader has no closing call; ``read_data``, a rank's last, ends it."""
+        if self._lease is not None:
+            lease, self._lease = self._lease, None
+            lease.close()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -305,15 +319,24 @@ class CkptdStorageReader(_Endpoint, StorageReader):
             return False
 
     def _get_manifest(self) -> Manifest:
+        """The manifest, under one read lease this rank holds until its ``read_data`` returns: named from
+        the first request (the manifest of ``latest`` included), renewed while it reads, so the service
+        leases nothing on its own account beyond this load (``ckptd_client._lease.read_lease``)."""
         if self._manifest is None:
             r = parse_ref(self.ref)
+            if self._lease is None:
+                self._lease, holder = contextlib.ExitStack(), uuid.uuid4().hex
+                self._lease.enter_context(self.transport.leased(f"/v1/checkpoints/{r.run}/{r.name}", holder))
+                self._holder = holder
             self._manifest = Manifest.model_validate_json(get_manifest(self.transport, r.run, r.name))
             self.ref = f"{r.run}/{self._manifest.name}"  # pin RUN/latest to what it resolved to
+            self._lease.enter_context(read_lease(self.transport, self.base, self._holder))
         return self._manifest
 
     def _pin(self, ref: Any) -> None:
         """Use the checkpoint the coordinator resolved (``RUN/latest`` may move between ranks' reads)."""
         if isinstance(ref, str) and ref != self.ref and not parse_ref(ref).is_latest:
+            self._release()
             self.ref, self._manifest = ref, None
 
     def _stored_bytes(self, o: ObjectEntry) -> bytes | None:
@@ -365,6 +388,12 @@ class CkptdStorageReader(_Endpoint, StorageReader):
         return [dataclasses.replace(p, storage_data=self.ref) for p in plans]  # the coordinator's checkpoint
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        try:
+            return self._read_data(plan, planner)
+        finally:
+            self._release()  # the rank's last call: its lease ends with its reads
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self._pin(plan.storage_data)
         m = self._get_manifest()
         rank = self._rank if self._rank is not None else _dist_rank()

@@ -4,20 +4,23 @@ Call order for one rank of a save (``_save.upload_snapshot`` and the DCP writer 
 ``ckptd import --server``): :func:`open_session` (open or join; the answer says whether the
 service gives presigned URLs into its object store), upload the files, then
 :func:`put_index` with the rank's index; the service commits when the last rank's index arrives,
+(from opening until the session is committed, refused or gone the rank sends keep-alives: ``_keepalive``),
 and :func:`wait_committed` long-polls until the session leaves ``open``, raising its typed error if
 the commit was refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 from ckptd_schemas import RankIndex, SessionInfo, SessionStatus, Unavailable, error_from_body
 
+from ._keepalive import KEEPALIVE
 from .transport import Transport
 
-__all__ = ["Opened", "open_session", "put_index", "wait_committed"]
+__all__ = ["Opened", "abort_session", "open_session", "put_index", "wait_committed"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,10 @@ class Opened:
     with presigned URLs (``presigned``: direct uploads)."""
 
     presigned: bool = False
+
+
+def _path(base: str, session: str) -> str:
+    return f"{base}/sessions/{session}"
 
 
 def open_session(transport: Transport, base: str, session: str, world: int, step: int | None, *,
@@ -41,14 +48,24 @@ def open_session(transport: Transport, base: str, session: str, world: int, step
         body["direct_uploads"] = True
     info = SessionInfo.model_validate(transport.request("POST", f"{base}/sessions", json=body, retry=retry,
                                                         timeout=timeout))
+    if info.keepalive_seconds:  # until the session is committed, refused or gone (the keep-alive's answer says)
+        KEEPALIVE.hold(transport, _path(base, session), info.keepalive_seconds)
     return Opened(presigned=bool(info.presigned))
 
 
 def put_index(transport: Transport, base: str, session: str, index: RankIndex) -> SessionStatus:
     body = index.model_dump_json().encode()
-    st = transport.request("PUT", f"{base}/sessions/{session}/ranks/{index.rank}", content=lambda: body,
+    st = transport.request("PUT", f"{_path(base, session)}/ranks/{index.rank}", content=lambda: body,
                            headers={"Content-Type": "application/json"})
     return SessionStatus.model_validate(st)
+
+
+def abort_session(transport: Transport, base: str, session: str, *, quiet: bool = True) -> None:
+    """Delete the session's staging now (it cannot commit without this rank's index), once; with
+    ``quiet``, best effort (a failure is left to the service's sweep)."""
+    KEEPALIVE.release(transport, _path(base, session))
+    with contextlib.suppress(Exception) if quiet else contextlib.nullcontext():
+        transport.request("DELETE", _path(base, session), retry=False)
 
 
 def wait_committed(transport: Transport, base: str, ref: str, status: SessionStatus,

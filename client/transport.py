@@ -105,6 +105,10 @@ class Transport:
         for c in self._clients:
             c.close()
 
+    @property
+    def closed(self) -> bool:
+        return all(c.is_closed for c in self._clients)
+
     @contextlib.contextmanager
     def leased(self, base: str, holder: str) -> Iterator[None]:
         """For the block, every request under ``base`` (``/v1/checkpoints/RUN/NAME``) names ``holder``, the

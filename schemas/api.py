@@ -74,6 +74,10 @@ class SessionInfo(_Body):
     created_at: datetime
     presigned: bool | None = Field(None, description="true when the request asked for direct uploads and the "
                                    "service's root is an object store that takes presigned uploads")
+    keepalive_seconds: float | None = Field(
+        None, description="how often a rank that joined the session sends POST .../sessions/{session}/alive, from "
+        "opening it until it is committed, refused or gone; a session no rank was heard from for ten such "
+        "intervals is reclaimed")
 
 
 _SHA256 = Annotated[str, Field(pattern=r"^[A-Za-z0-9+/]{43}=$")]  # base64, as S3's x-amz-checksum-sha256

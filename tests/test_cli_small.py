@@ -93,3 +93,44 @@ def test_show_of_a_checkpoint_whose_parent_the_token_may_not_read_shows_it_as_su
         assert "lineage    ft/10 <- pre/1 (not readable with this token)" in out.stdout, out.stdout
     finally:
         srv.stop()
+
+
+def test_a_safetensors_export_holds_the_models_weights_unless_told_otherwise(tmp_path):
+    """A Hugging Face user expects the model's weights under the model's own names, not the optimizer's
+    moments: ``--format safetensors`` selects ``model.`` (stripped) by default; ``--prefix ''`` exports
+    every tensor; the torch format is the whole state dict; a checkpoint with no ``model.`` keys exports all."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from ckptd.storage import open_storage
+    from ckptd.store import SessionStore
+    from ckptd.store.offline import write_tensors
+
+    root = tmp_path / "root"
+    sessions = SessionStore(open_storage(str(root)))
+    w = torch.arange(6.0).reshape(2, 3)
+    write_tensors(sessions, "ft/1", {"model.w": w, "model.b": torch.ones(3),
+                                     "optim.state.w.exp_avg": torch.full((2, 3), 7.0)}, step=1)
+    write_tensors(sessions, "flat/1", {"w": w, "exp_avg": torch.zeros(2)}, step=1)
+
+    def keys(out) -> dict:
+        got: dict = {}
+        for shard in sorted(out.glob("*.safetensors")):
+            got |= load_file(shard)
+        return got
+
+    plain = _cli("export", "ft/1", str(tmp_path / "hf"), "--root", str(root))
+    assert plain.returncode == 0, plain.stderr
+    got = keys(tmp_path / "hf")
+    assert sorted(got) == ["b", "w"] and torch.equal(got["w"], w), sorted(got)
+    assert "the 2 tensors under 'model.'" in plain.stdout and "--prefix ''" in plain.stdout, plain.stdout
+    every = _cli("export", "ft/1", str(tmp_path / "all"), "--prefix", "", "--root", str(root), "--json")
+    assert every.returncode == 0 and json.loads(every.stdout)["prefix"] is None, every.stdout + every.stderr
+    assert sorted(keys(tmp_path / "all")) == ["model.b", "model.w", "optim.state.w.exp_avg"]
+    flat = _cli("export", "flat/1", str(tmp_path / "flat"), "--root", str(root), "--json")
+    assert flat.returncode == 0 and sorted(keys(tmp_path / "flat")) == ["exp_avg", "w"], flat.stdout + flat.stderr
+    whole = _cli("export", "ft/1", "--format", "torch", str(tmp_path / "ft.pt"), "--root", str(root))
+    assert whole.returncode == 0, whole.stderr
+    sd = torch.load(tmp_path / "ft.pt", weights_only=True)
+    assert sorted(sd) == ["model.b", "model.w", "optim.state.w.exp_avg"], list(sd)  # flat FQN keys, all of them

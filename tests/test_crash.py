@@ -481,7 +481,7 @@ def test_stale_staging_reclaimed_after_ttl_never_the_committed(fresh_srv, tmp_pa
         _open_and_stage(srv.url, "2", "abandoned2", os.urandom(7000))
         assert sessions_of(root, "1") == sorted(["abandoned1", committed])
 
-        store = SessionStore(LocalStorage(root))
+        store = SessionStore(LocalStorage(root), dead_after=86400)  # the TTL alone (test_dead_sessions: idle)
         assert store.reclaim_stale(3600) == []                       # younger than the TTL: kept
         assert store.reclaim_stale(3600, now=time.time() + 1800) == []
         removed = store.reclaim_stale(3600, now=time.time() + 7200)   # two hours later

@@ -239,7 +239,7 @@ def test_offline_gc_records_the_failure_and_every_offline_reader_skips_it(tmp_pa
     got: dict = {}
     for shard in sorted((tmp_path / "out").glob("*.safetensors")):
         got |= load_file(shard)
-    assert torch.equal(got["model.w"], states[2]["model"]["w"])
+    assert torch.equal(got["w"], states[2]["model"]["w"])  # the model's weights, by the model's own names
     again = _cli("gc", RUN, "--keep-last", "1", "--json", *target)
     assert json.loads(again.stdout)["deleted"] == [], again.stdout + again.stderr  # step 3 costs step 2 nothing
     assert _cli("show", f"{RUN}/latest", *target).stdout.startswith(f"checkpoint {RUN}/2 ")

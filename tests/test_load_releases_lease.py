@@ -2,6 +2,7 @@
 
 A real ``ckptd serve`` with its default read leases. A load through the service (every byte over
 HTTP), a load that reads the service's files directly, and a load of ``RUN/latest`` each return,
+and a ``dcp.load`` through ``dcp_reader`` each return,
 and right after it ``rm`` of that checkpoint removes it: the load's own lease named each of its
 requests and was released when it returned, and the service leased nothing on its own. A reader
 that holds a lease (as a load in progress does) keeps the checkpoint, and ``rm`` says who holds it
@@ -33,7 +34,7 @@ def test_a_finished_load_leaves_no_lease_and_a_held_one_names_its_holder(tmp_pat
     srv = ServerProcess(tmp_path / "root").start()
     try:
         with CheckpointClient(srv.url, incremental=False) as c:
-            for step in (1, 2, 3, 4, 5):
+            for step in (1, 2, 3, 4, 5, 6):
                 c.save(_state(step), f"ev/{step}").wait()
         for ref, kw in (("ev/1", {"direct_reads": False}), ("ev/2", {}), ("ev/latest", {"direct_reads": False})):
             with CheckpointClient(srv.url, **kw) as c:
@@ -45,6 +46,20 @@ def test_a_finished_load_leaves_no_lease_and_a_held_one_names_its_holder(tmp_pat
             if ref != "ev/latest":  # the newest is kept by retention's own rules
                 out = _rm(srv.url, ref)
                 assert out.returncode == 0 and out.stdout.strip() == f"removed {ref}", out.stdout + out.stderr
+
+        # dcp.load through the DCP reader: its rank's lease ends with its read_data (DCP has no closing call)
+        import torch.distributed.checkpoint as dcp
+
+        with CheckpointClient(srv.url) as c:
+            got = _state(0)
+            reader = c.dcp_reader("ev/5")  # still referenced: nothing ends its lease but the reader itself
+            dcp.load(got, storage_reader=reader, no_dist=True)
+            assert torch.equal(got["model"]["w"], _state(5.0)["model"]["w"])
+            leases = list((tmp_path / "root" / "leases").rglob("*.json"))
+            assert leases == [], leases
+            out = _rm(srv.url, "ev/5")
+            assert out.returncode == 0 and out.stdout.strip() == "removed ev/5", out.stdout + out.stderr
+            del reader
 
         # a reader holding its own lease (a load in progress): kept, naming the holder and the end
         assert httpx.put(f"{srv.url}/v1/checkpoints/ev/3/leases/evaluator-7", timeout=10).status_code == 200

@@ -59,6 +59,7 @@ UI_ROUTES = ["runs", "runs/alpha/checkpoints", "runs/alpha/steps", "checkpoints/
              "runs/alpha/jobs/abc123/plan", "runs/alpha/retention"]
 STALE_TTL = 6 * 3600  # the default CKPTD_STALE_SESSION_TTL
 PARTIAL = 300_000  # bytes of the stale session's unfinished write
+DEAD_AFTER = 300  # the default CKPTD_DEAD_SESSION_AFTER
 NO_TEXT = re.compile(r"\b(null|undefined|NaN)\b|\b[KMGT]iB\b")  # on no page
 
 
@@ -146,6 +147,18 @@ def srv(tmp_path_factory):
             meta = json.loads((sdir / "SESSION.json").read_text())
             meta["created_at"] = (datetime.now(timezone.utc) - timedelta(seconds=STALE_TTL + 3600)).isoformat()
             (sdir / "SESSION.json").write_text(json.dumps(meta))
+            # a save whose ranks stopped minutes ago: opened well within the TTL, but no writer heard
+            # from for longer than CKPTD_DEAD_SESSION_AFTER (its activity record says when one last was)
+            idle = "/v1/checkpoints/alpha/50/sessions/s-idle"
+            assert c.post("/v1/checkpoints/alpha/50/sessions", json={"session": "s-idle", "world_size": 2, "step": 50},
+                          headers=w).status_code == 200
+            _upload(c, f"{idle}/files/r000000-0000.bin", 0)
+            idir = tmp / "root" / "runs" / "alpha" / "50" / "sessions" / "s-idle"
+            meta = json.loads((idir / "SESSION.json").read_text())
+            meta["created_at"] = (datetime.now(timezone.utc) - timedelta(seconds=DEAD_AFTER + 120)).isoformat()
+            (idir / "SESSION.json").write_text(json.dumps(meta))
+            (idir / "ACTIVE.json").write_text(json.dumps(
+                {"at": (datetime.now(timezone.utc) - timedelta(seconds=DEAD_AFTER + 60)).isoformat()}))
         yield s
     finally:
         s.stop()
@@ -246,13 +259,18 @@ def test_an_unknown_run_is_a_typed_404_not_an_empty_page(srv):
 def test_a_session_shows_what_it_holds_its_last_activity_and_whether_it_is_stale(srv):
     items = httpx.get(f"{srv.url}/v1/ui/runs/alpha/uploads", headers=_h(READER), timeout=10).json()["items"]
     by = {u["name"]: u for u in items}
-    st, op = by["40"], by["30"]
+    st, op, idle = by["40"], by["30"], by["50"]
     assert st["stale"] is True and op["stale"] is False and st["ttl_seconds"] == STALE_TTL
+    assert (st["reclaim_reason"], op["reclaim_reason"], idle["reclaim_reason"]) == ("expired", "idle", "idle")
+    assert idle["stale"] is True and idle["dead_after_seconds"] == DEAD_AFTER
+    # the one rule: the last writer heard from (the upload, or the record) plus CKPTD_DEAD_SESSION_AFTER
+    assert datetime.fromisoformat(idle["reclaim_at"]) == \
+        datetime.fromisoformat(idle["last_activity"]) + timedelta(seconds=DEAD_AFTER)
     assert st["files"] == 1 and st["bytes"] == 1000 and st["partial_files"] == 1 and st["partial_bytes"] == PARTIAL
     assert [(r["files"], r["bytes"], r["partial_bytes"]) for r in st["ranks"]] == [(1, 1000, 0), (0, 0, PARTIAL)]
     for u in (st, op):
         age = datetime.now(timezone.utc) - datetime.fromisoformat(u["last_activity"])
-        assert timedelta(seconds=-5) < age < timedelta(seconds=scaled(600)), u  # the newest change, not the opening
+        assert timedelta(seconds=-5) < age < timedelta(seconds=scaled(600)), u  # the upload, not the opening
     assert datetime.fromisoformat(st["reclaim_at"]) < datetime.now(timezone.utc) < datetime.fromisoformat(op["reclaim_at"])
 
 
@@ -393,7 +411,7 @@ def test_checkpoint_page_shows_tensors_and_which_rank_holds_what(page_as, srv):
 def test_live_page_shows_uploads_jobs_and_gc_and_refreshes_without_a_reload(page_as, srv):
     page = page_as(READER, "/live/alpha")
     _ready(page)
-    assert sorted(c.get_attribute("data-name") for c in page.locator("#uploads .upload").all()) == ["30", "40"]
+    assert sorted(c.get_attribute("data-name") for c in page.locator("#uploads .upload").all()) == ["30", "40", "50"]
     card = page.locator("#uploads .upload[data-name='30']")
     assert "1 of 2 ranks done" in card.inner_text()
     assert card.locator("[data-state]").inner_text() == "open"
@@ -401,14 +419,20 @@ def test_live_page_shows_uploads_jobs_and_gc_and_refreshes_without_a_reload(page
     ranks = card.locator(".rank").all_inner_texts()
     assert ranks[0].startswith(f"rank 0: 1 file, {human(1000)}") and "index ✓" in ranks[0]
     assert ranks[1].startswith("rank 1: 0 files") and "index pending" in ranks[1]
-    assert re.search(r"last activity (just now|\d+ s ago|\d+ min ago)", card.locator(".holds").inner_text())
+    assert re.search(r"last writer activity (just now|\d+ s ago|\d+ min ago)", card.locator(".holds").inner_text())
     # the save whose ranks died: what it holds (rank 1's unfinished write too), and that it is stale
     dead = page.locator("#uploads .upload[data-name='40']")
     holds = dead.locator(".holds").inner_text()
     assert holds.startswith(f"holds {human(1000 + PARTIAL)}: 1 file of {human(1000)} stored, and {human(PARTIAL)} in "
-                            "1 unfinished write · last activity"), holds
+                            "1 unfinished write · last writer activity"), holds
     assert dead.locator("[data-state]").inner_text() == "open" and dead.locator("[data-stale]").inner_text() == "stale"
     assert "stale: opened more than the session TTL (6 h" in dead.inner_text()
+    assert dead.locator(".stale-note").get_attribute("data-reason") == "expired"
+    # the save whose ranks stopped: stale well before the TTL, and the page says why
+    stopped = page.locator("#uploads .upload[data-name='50']")
+    assert stopped.locator("[data-stale]").inner_text() == "stale"
+    assert stopped.locator(".stale-note").get_attribute("data-reason") == "idle"
+    assert "stale: no rank was heard from for 5 min (CKPTD_DEAD_SESSION_AFTER)" in stopped.inner_text()
     dranks = dead.locator(".rank").all_inner_texts()
     assert dranks[1].startswith(f"rank 1: 0 files, 0 B + {human(PARTIAL)} unfinished"), dranks
     job = page.locator("#jobs tbody tr")

@@ -48,7 +48,7 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ..interop.export import export_safetensors, export_torch, parse_size, tensor_bytes
+    from ..interop.export import default_prefix, export_safetensors, export_torch, parse_size, tensor_bytes
     from .backends import RootBackend, open_backend
 
     ref = parse_ref(args.ref)
@@ -63,12 +63,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     def read(file: str, start: int, end: int) -> bytes:
         return backend.read(manifest, file, start, end)
 
+    prefix = args.prefix if args.prefix is not None else default_prefix(manifest, args.format)
     total = sum(tensor_bytes(t.shape, args.dtype if args.dtype and t.dtype in CAST_DTYPES else t.dtype)
-                for t in manifest.tensors if not args.prefix or t.name.startswith(args.prefix))
+                for t in manifest.tensors if not prefix or t.name.startswith(prefix))
     # One bar for writing and, unless --no-check, reading every tensor back.
     advance, stop = progress_bar(total * (1 if args.no_check else 2), f"export {manifest.ref}", args.json)
     try:
-        kw = dict(dtype=args.dtype, prefix=args.prefix, check=not args.no_check, progress=advance,
+        kw = dict(dtype=args.dtype, prefix=prefix, check=not args.no_check, progress=advance,
                   check_progress=advance)
         with backend.lease(manifest, "export"):
             if args.format == "safetensors":
@@ -81,6 +82,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ref": res.ref, "format": res.format, "out": res.out, "files": res.files,
                           "tensors": res.tensors, "objects": res.objects, "total_size": res.total_size,
+                          "prefix": prefix or None, "tensors_in_checkpoint": len(manifest.tensors),
                           "nested": res.nested if res.format == "torch" else None, "checked": not args.no_check,
                           "seconds": round(res.seconds, 3)}))
     else:
@@ -89,8 +91,12 @@ def cmd_export(args: argparse.Namespace) -> int:
                 else f"one torch.save file ({'nested as DCP saved it' if res.nested else 'flat FQN keys'}, "
                      f"{res.objects} objects)")
         check = "read back: every tensor's digest matches the source" if not args.no_check else "not checked"
-        print(f"exported {res.ref} to {res.out}: {res.tensors} tensors, {human(res.total_size)}, {what}, in "
+        which = f"the {res.tensors} tensors under {prefix!r} (without it)" if prefix else f"{res.tensors} tensors"
+        print(f"exported {res.ref} to {res.out}: {which}, {human(res.total_size)}, {what}, in "
               f"{res.seconds:.2f}s; {check}")
+        if prefix and args.prefix is None and res.tensors < len(manifest.tensors):
+            print(f"  the other {len(manifest.tensors) - res.tensors} tensors (optimizer state, ...) are not in it: "
+                  f"--prefix '' exports every tensor, --format torch the whole state dict")
     return 0
 
 
@@ -112,7 +118,9 @@ def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
     s.add_argument("out", metavar="OUT", help="output directory (safetensors) or file (torch)")
     s.add_argument("--max-shard-size", default="5GB", help="safetensors shard size, e.g. 5GB, 500MB, 2GiB")
     s.add_argument("--dtype", choices=CAST_DTYPES, help="cast floating tensors to this dtype")
-    s.add_argument("--prefix", help="export only tensors whose name starts with PREFIX, without it (e.g. model.)")
+    s.add_argument("--prefix", help="export only tensors whose name starts with PREFIX, without it; safetensors "
+                                    "default: model. when the checkpoint has such tensors (the model's weights, "
+                                    "not its optimizer state); --prefix '' exports every tensor")
     s.add_argument("--no-check", action="store_true", help="skip reading the export back and comparing digests")
     s.add_argument("--trust-objects", action="store_true",
                    help="torch format: unpickle objects that a safe load (torch.load weights_only=True) refuses; "

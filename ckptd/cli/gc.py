@@ -12,6 +12,7 @@ import json
 
 from ckptd_schemas import InvalidName, parse_ref
 
+from ..store.activity import DEAD_SESSION_AFTER
 from .backends import HttpBackend, RootBackend, open_backend, require_run
 from .target import resolve_target
 
@@ -34,7 +35,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if isinstance(b, RootBackend) and not args.dry_run:
             from ..store import SessionStore
 
-            plan["reclaimed_sessions"] = SessionStore(b.reader.storage).reclaim_stale(args.stale_ttl)
+            plan["reclaimed_sessions"] = SessionStore(b.reader.storage, dead_after=args.dead_after).reclaim_stale(
+                args.stale_ttl)
     finally:
         b.close()
     if args.json:
@@ -92,7 +94,9 @@ def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
     s.add_argument("--keep-every", type=int, metavar="K", help="also keep every step that is a multiple of K")
     s.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
     s.add_argument("--stale-ttl", type=float, default=6 * 3600.0, metavar="S",
-                   help="reclaim uncommitted staging older than S seconds (default 6 h)")
+                   help="reclaim uncommitted staging older than S seconds, however active (default 6 h)")
+    s.add_argument("--dead-after", type=float, default=DEAD_SESSION_AFTER, metavar="S",
+                   help="reclaim uncommitted staging with no live writer for S seconds (default 300)")
     s.add_argument("--drop-parents", action="store_true",
                    help="also delete checkpoints that checkpoints of other runs name as their parent")
     s.add_argument("--json", action="store_true")

@@ -211,6 +211,7 @@ class RootTarget:
     def open(self, run: str, name: str, session: str, step: int | None) -> None:
         self.sessions.open(run, name, OpenSession(session=session, world_size=1, step=step))
         self._at = (run, name, session)
+        self.sessions.activity.hold(run, name, session)  # a large import writes for minutes
 
     def begin_file(self, file: str) -> FileOut:
         assert self._at is not None
@@ -218,10 +219,14 @@ class RootTarget:
 
     def commit(self, index: RankIndex) -> str:
         assert self._at is not None
-        return self.sessions.put_index(*self._at, index).manifest_xxh3 or ""
+        try:
+            return self.sessions.put_index(*self._at, index).manifest_xxh3 or ""
+        finally:
+            self.sessions.activity.release(*self._at)
 
     def abort(self) -> None:
         if self._at is not None:
+            self.sessions.activity.release(*self._at)
             self.sessions.abort(*self._at)
 
 

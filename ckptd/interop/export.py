@@ -68,8 +68,10 @@ if TYPE_CHECKING:
 
     from ckptd_schemas.format.objects import ObjectPolicy
 
-__all__ = ["ExportResult", "FLOATS", "ReadFn", "SAFETENSORS_DTYPES", "export_safetensors", "export_torch",
-           "parse_size", "tensor_bytes"]
+__all__ = ["ExportResult", "FLOATS", "MODEL_PREFIX", "ReadFn", "SAFETENSORS_DTYPES", "default_prefix",
+           "export_safetensors", "export_torch", "parse_size", "tensor_bytes"]
+
+MODEL_PREFIX = "model."  # the key a state dict of a model and its optimizer keeps the weights under
 
 INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {
@@ -123,6 +125,16 @@ class _Out:
 
 def tensor_bytes(shape: list[int], dtype: str) -> int:
     return prod(shape) * ITEMSIZE[dtype]
+
+
+def default_prefix(manifest: Manifest, fmt: str) -> str | None:
+    """What an export selects when not told: for safetensors, the model's weights (the tensors under
+    ``model.``, without it, as ``{"model": ..., "optim": ...}`` state dicts, DCP's examples and
+    torchtitan keep them) when the checkpoint has any; every tensor otherwise, and always for the
+    torch format (a whole state dict, to resume from)."""
+    if fmt == "safetensors" and any(t.name.startswith(MODEL_PREFIX) for t in manifest.tensors):
+        return MODEL_PREFIX
+    return None
 
 
 def _select(manifest: Manifest, prefix: str | None, dtype: str | None) -> list[_Out]:

@@ -476,22 +476,23 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     src = parse_ref(plan.source)
     require_verified(reader.storage, src.run, src.name)  # the one checker's verdict on the source first
     open_target(sessions, plan, out_ref, session)
+    out = parse_ref(out_ref)
     try:
-        pieces = source_pieces(reader, plan)
+        with sessions.activity.held(out.run, out.name, session):  # a unit may take minutes between writes
+            pieces = source_pieces(reader, plan)
 
-        def unit(u: WorkUnit) -> UnitResult:
-            return run_unit(reader, sessions, plan, u, out_ref, session, engine=engine, progress=progress,
-                            pieces=pieces)
+            def unit(u: WorkUnit) -> UnitResult:
+                return run_unit(reader, sessions, plan, u, out_ref, session, engine=engine, progress=progress,
+                                pieces=pieces)
 
-        with engine.running():
-            if jobs > 1 and len(plan.units) > 1:
-                with ThreadPoolExecutor(jobs, thread_name_prefix="ckptd-reshard") as pool:
-                    results = list(pool.map(unit, plan.units))
-            else:
-                results = [unit(u) for u in plan.units]
-        digest = finalize(reader, sessions, plan, results, out_ref, session, jobs=jobs)
+            with engine.running():
+                if jobs > 1 and len(plan.units) > 1:
+                    with ThreadPoolExecutor(jobs, thread_name_prefix="ckptd-reshard") as pool:
+                        results = list(pool.map(unit, plan.units))
+                else:
+                    results = [unit(u) for u in plan.units]
+            digest = finalize(reader, sessions, plan, results, out_ref, session, jobs=jobs)
     except BaseException:
-        out = parse_ref(out_ref)
         try:
             if sessions.status(out.run, out.name, session).state != "committed":
                 sessions.abort(out.run, out.name, session)

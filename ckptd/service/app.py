@@ -111,7 +111,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
         metrics.watch_durable(copier)
     drills = DrillPolicy(storage, settings, workers, metrics)  # CKPTD_DRILL_EVERY: a drill every N commits of a run
     on_commit = [after_commit, drills.after_commit] + ([copier.notify] if copier is not None else [])
-    sessions = MeteredSessionStore(storage, metrics, visibility=visibility, on_commit=on_commit)
+    sessions = MeteredSessionStore(storage, metrics, visibility=visibility, on_commit=on_commit,
+                                   dead_after=settings.dead_session_after)
     services = Services(settings=settings, storage=storage, metrics=metrics, visibility=visibility, reader=reader,
                         sessions=sessions, uploads=uploads, read_leases=read_leases, workers=workers, durable=copier)
 

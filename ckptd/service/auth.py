@@ -285,6 +285,7 @@ ROUTE_RULES: dict[str, Rule] = {
     "put_index": Rule("write", body="index"),
     "session_status": Rule("write"),
     "abort_session": Rule("write"),
+    "keep_session_alive": Rule("write"),
     # one checkpoint's removal, under retention's protections (a trainer's own "keep the best k")
     "remove_checkpoint": Rule("write"),
     # reshard jobs (and future gc / import routes): admin

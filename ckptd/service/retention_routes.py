@@ -77,7 +77,8 @@ def gc_router(storage: Storage, settings: Settings, verify: Verifier | None = No
             if record is not None:
                 record(run, plan, "POST /v1/runs/{run}/gc", body.dry_run)
             if not body.dry_run:
-                plan["reclaimed_sessions"] = SessionStore(storage).reclaim_stale(settings.stale_session_ttl)
+                plan["reclaimed_sessions"] = SessionStore(storage, dead_after=settings.dead_session_after).reclaim_stale(
+                    settings.stale_session_ttl)
             return plan
 
         return await run_in_threadpool(work)

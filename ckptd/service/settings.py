@@ -33,8 +33,11 @@ class Settings(BaseSettings):
         "left)")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8470, ge=0, le=65535, description="port to listen on (0: any free port)")
-    stale_session_ttl: float = Field(6 * 3600.0, description="seconds before an uncommitted session is reclaimed")
-    reclaim_interval: float = Field(600.0, description="seconds between stale-session sweeps")
+    stale_session_ttl: float = Field(6 * 3600.0, description="seconds after opening when an uncommitted session is reclaimed, however active")
+    dead_session_after: float = Field(
+        300.0, ge=1.0, description="seconds an uncommitted session may go without a live writer (a rank's write or "
+        "keep-alive) before the sweep aborts it and deletes its staged bytes")
+    reclaim_interval: float = Field(120.0, description="seconds between stale-session sweeps")
     max_index_bytes: int = Field(
         64 << 20, description="largest accepted rank index or read-plan body (a one-rank index of 1,024 ranks x 500 "
         "tensors, as `ckptd import dcp` sends, is about 26 MB; parsing and checking an index costs up to 20 times "
@@ -155,7 +158,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Service": ("root", "durable", "fast_keep_last", "durable_scan_seconds", "host", "port", "log_level", "log_format"),
     "Authentication": ("tokens_file", "tokens", "insecure_open"),
     "Saving and loading": ("direct_uploads", "direct_upload_seconds", "direct_reads",
-                           "write_batch_bytes", "verify_after_commit", "stale_session_ttl", "reclaim_interval"),
+                           "write_batch_bytes", "verify_after_commit", "stale_session_ttl", "dead_session_after",
+                           "reclaim_interval"),
     "Retention and leases": ("retention_keep_last", "retention_keep_every", "read_lease_seconds"),
     "Reshard jobs": ("reshard_workers", "reshard_max_mbps"),
     "Conversion drills": ("drill_every", "drill_layouts"),

@@ -37,7 +37,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
@@ -278,10 +278,9 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
         """What session ``sid`` holds on storage now, read through the storage the session store writes
         (``sessions.storage``): its stored data files (every name; per rank by the client's names
         ``r<rank>-<n>.bin``) and their sizes. On a local root also the writes not finished (the hidden
-        temps a writer fills until the file is complete, and leaves when its process is killed) and
-        the newest change of anything in the session (a data file, a digest, an index): its last
-        activity. An object store shows neither (an unfinished multipart upload is invisible there, and
-        its listing has no times): ``partial_bytes`` and ``last_activity`` are None."""
+        temps a writer fills until the file is complete, and leaves when its process is killed). An object
+        store does not show them (an unfinished multipart upload is invisible there): ``partial_bytes``
+        is None."""
         store = sessions.storage
         session_key = Paths.session(run, name, sid)
         files_key = f"{session_key}/files"
@@ -289,7 +288,6 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
         stored = [0, 0]  # files, bytes
         other = [0, 0]  # files, bytes, of names that are no rank's
         partial: list[int] | None = None  # unfinished writes, bytes (local roots only)
-        last: str | None = None
 
         def rank_of(f: str) -> int | None:
             mm = _CLIENT_FILE.fullmatch(f)
@@ -305,32 +303,30 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
 
         root = store.local_path(session_key)
         if root is not None and os.path.isdir(root):
-            partial, newest = [0, 0], 0.0
+            partial = [0, 0]
             files_dir = os.path.join(root, "files")
-            for dirpath, _, names in os.walk(root):
-                for f in names:
-                    try:
-                        st = os.lstat(os.path.join(dirpath, f))
-                    except OSError:
-                        continue  # gone meanwhile (a temp renamed, a session reclaimed)
-                    newest = max(newest, st.st_mtime)
-                    if dirpath != files_dir:
-                        continue
-                    if (pm := _PARTIAL_FILE.fullmatch(f)) is not None:
-                        partial[0] += 1
-                        partial[1] += st.st_size
-                        if (r := rank_of(pm[1])) is not None:
-                            per_rank.setdefault(r, [0, 0, 0])[2] += st.st_size
-                    elif not f.startswith("."):
-                        add(f, st.st_size)
-            if newest:
-                last = datetime.fromtimestamp(newest, timezone.utc).isoformat()
+            try:
+                names = os.listdir(files_dir)
+            except OSError:
+                names = []  # nothing stored yet, or reclaimed meanwhile
+            for f in names:
+                try:
+                    st = os.lstat(os.path.join(files_dir, f))
+                except OSError:
+                    continue  # gone meanwhile (a temp renamed, a session reclaimed)
+                if (pm := _PARTIAL_FILE.fullmatch(f)) is not None:
+                    partial[0] += 1
+                    partial[1] += st.st_size
+                    if (r := rank_of(pm[1])) is not None:
+                        per_rank.setdefault(r, [0, 0, 0])[2] += st.st_size
+                elif not f.startswith("."):
+                    add(f, st.st_size)
         else:
             for f in store.list(files_key):
                 add(f, store.size(f"{files_key}/{f}") or 0)
         return {"files": stored[0], "bytes": stored[1], "other_files": other[0], "other_bytes": other[1],
                 "partial_files": partial[0] if partial else None, "partial_bytes": partial[1] if partial else None,
-                "last_activity": last, "per_rank": per_rank}
+                "per_rank": per_rank}
 
     def upload_of(run: str, name: str, sid: str) -> dict[str, Any] | None:
         try:
@@ -345,15 +341,18 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
         done = set(st.ranks_done)
         ranks = [{"rank": r, "files": per_rank.get(r, [0, 0, 0])[0], "bytes": per_rank.get(r, [0, 0, 0])[1],
                   "partial_bytes": per_rank.get(r, [0, 0, 0])[2], "index": r in done} for r in range(min(world, 1024))]
-        # stale as the service's sweep decides (SessionStore.reclaim_stale): opened longer ago than
-        # the TTL, so the next sweep deletes it (it never commits a session whose indexes are missing)
-        reclaim_at = meta.created_at + timedelta(seconds=session_ttl) if meta else None
-        stale = reclaim_at is not None and reclaim_at <= datetime.now(timezone.utc)
+        # stale as the service's sweep decides (SessionStore.reclaim_of): no live writer for
+        # CKPTD_DEAD_SESSION_AFTER, or opened longer ago than the TTL, so the next sweep deletes it
+        # (it never commits a session whose indexes are missing)
+        reclaim = sessions.reclaim_of(run, name, sid, meta, session_ttl) if meta else None
+        stale = reclaim is not None and reclaim.at <= datetime.now(timezone.utc)
         return {"name": name, "session": sid, "state": st.state, "world_size": world, "ranks_done": len(done),
                 "step": meta.step if meta else None, "created_at": meta.created_at.isoformat() if meta else None,
                 "derived_from": meta.derived_from if meta else None, "ranks": ranks, **held,
-                "ttl_seconds": session_ttl, "reclaim_at": reclaim_at.isoformat() if reclaim_at else None,
-                "stale": stale, "error": st.error}
+                "last_activity": reclaim.last.isoformat() if reclaim else None,
+                "ttl_seconds": session_ttl, "dead_after_seconds": sessions.dead_after,
+                "reclaim_at": reclaim.at.isoformat() if reclaim else None,
+                "reclaim_reason": reclaim.reason if reclaim else None, "stale": stale, "error": st.error}
 
     @router.get("/v1/ui/runs/{run}/uploads", response_class=Response)
     async def ui_uploads(run: str, offset: int = _offset(),

@@ -208,6 +208,13 @@ def upload_router(svc: Services) -> APIRouter:
             if event is not None and waiters.get(sid) is event:
                 del waiters[sid]  # a waiter sharing it falls back to the 0.1 s poll
 
+    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/alive", status_code=204)
+    async def keep_session_alive(run: str, name: str, sid: str) -> Response:
+        """A rank that joined the session is alive (``SessionInfo.keepalive_seconds``): the sweep reclaims
+        a session only when no rank was heard from for ``CKPTD_DEAD_SESSION_AFTER``."""
+        await run_in_threadpool(sessions.keep_alive, run, name, sid)
+        return Response(status_code=204)
+
     @router.delete("/v1/checkpoints/{run}/{name}/sessions/{sid}", status_code=204)
     async def abort_session(run: str, name: str, sid: str) -> Response:
         await run_in_threadpool(sessions.abort, run, name, sid)

@@ -112,6 +112,10 @@ class Paths:
         return f"{cls.session(run, name, sid)}/presigned/{file}"
 
     @classmethod
+    def activity(cls, run: str, name: str, sid: str) -> str:
+        return f"{cls.session(run, name, sid)}/ACTIVE.json"
+
+    @classmethod
     def ranks(cls, run: str, name: str, sid: str) -> str:
         return f"{cls.session(run, name, sid)}/ranks"
 

@@ -49,6 +49,7 @@ from ..storage import Storage, Writer
 from .faults import crash_point, wrap_storage
 from .gcpause import gc_paused
 from ckptd_schemas.filedigest import BLOCK_SIZE, StreamDigest, xxh3_hex
+from .activity import DEAD_SESSION_AFTER, KEEPALIVE_PER_WINDOW, Reclaim, SessionActivity, reclaim_at
 from .index_cache import IndexCache
 from .layout import Marker, Paths, SessionMeta
 from .checker import check_commit
@@ -85,8 +86,10 @@ class FileSink:
     matches. A second upload of a file already stored answers as the first did when its bytes are the
     same, and is refused when they differ: a stored file of a session is never written again."""
 
-    def __init__(self, storage: Storage, key: str, digest_key: str, file: str, block_size: int) -> None:
+    def __init__(self, storage: Storage, key: str, digest_key: str, file: str, block_size: int,
+                 on_stored: Callable[[], None] = lambda: None) -> None:
         self._storage = storage
+        self._on_stored = on_stored
         self._key, self._digest_key = key, digest_key
         self.file = file
         self._digest = StreamDigest(block_size)
@@ -123,6 +126,7 @@ class FileSink:
                            f"file is never replaced (save again with a new session)", file=self.file)
         crash_point("upload-before-digest")
         record_file(self._storage, self._digest_key, self.file, entry)
+        self._on_stored()
         return UploadResult(file=self.file, size=entry.size, xxh3=digest)
 
     def abort(self) -> None:
@@ -157,13 +161,17 @@ class SessionStore:
     """Upload sessions and commits over one :class:`Storage`."""
 
     def __init__(self, storage: Storage, *, block_size: int = BLOCK_SIZE, visibility: Visibility | None = None,
-                 on_commit: Sequence[Callable[[CommitEvent], None]] = ()) -> None:
+                 on_commit: Sequence[Callable[[CommitEvent], None]] = (),
+                 dead_after: float = DEAD_SESSION_AFTER) -> None:
         self.storage = wrap_storage(storage)  # itself, unless a test set a fault (faults.py)
+        self.dead_after = dead_after  # seconds without a live writer before the sweep reclaims a session
+        self.activity = SessionActivity(self.storage, every=dead_after / KEEPALIVE_PER_WINDOW / 2)
         self.block_size = block_size
         self.visibility = visibility or Visibility(self.storage)
         self.on_commit = list(on_commit)
         self._orphans_seen: set[str] = set()
         self._temps_reclaimed: set[str] = set()  # committed sessions the sweep cleared of temp files
+        self._settled: dict[str, str] = {}  # run/name -> the marker's session, nothing else left to sweep
         self._indexes = IndexCache()
 
     # -- helpers ---------------------------------------------------------------
@@ -208,6 +216,15 @@ class SessionStore:
                 f"save again with a new session", ref=f"{run}/{name}", session=sid)
         return meta
 
+    def keep_alive(self, run: str, name: str, sid: str) -> None:
+        """A rank that joined the session says it is alive (between its writes, while one long write
+        streams, while it waits for the others): the sweep keeps the session while a rank is
+        (:mod:`.activity`). Every writer request that succeeds counts too; a refused one writes
+        nothing, not even this record."""
+        check_run(run), check_name(name), check_session(sid)
+        self._check_writable(run, name, sid)
+        self.activity.touch(run, name, sid)
+
     # -- 1. open ---------------------------------------------------------------
     def open(self, run: str, name: str, req: OpenSession) -> SessionInfo:
         check_run(run), check_name(name), check_session(req.session)
@@ -231,7 +248,8 @@ class SessionStore:
                 f"{meta.step} and parent {meta.parent}; this request says world size {req.world_size}, step "
                 f"{req.step} and parent {req.parent}", ref=f"{run}/{name}", session=req.session)
         return SessionInfo(run=run, name=name, session=meta.session, world_size=meta.world_size,
-                           step=meta.step, created_at=meta.created_at)
+                           step=meta.step, created_at=meta.created_at,
+                           keepalive_seconds=self.dead_after / KEEPALIVE_PER_WINDOW)
 
     def _check_parent(self, run: str, parent: str | None) -> None:
         """A parent names a checkpoint of another run, by name (not ``latest``: lineage records what was
@@ -253,7 +271,7 @@ class SessionStore:
         check_run(run), check_name(name), check_session(sid), check_file(file)
         self._check_writable(run, name, sid)
         return FileSink(self.storage, Paths.file(run, name, sid, file), Paths.digest(run, name, sid, file),
-                        file, self.block_size)
+                        file, self.block_size, on_stored=lambda: self.activity.touch(run, name, sid))
 
     def presign_file(self, run: str, name: str, sid: str, file: str, body: PresignUpload,
                      seconds: float) -> PresignedUpload:
@@ -278,6 +296,7 @@ class SessionStore:
         if signed is None:
             raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) takes no presigned uploads; "
                                  f"upload the file", file=file)
+        self.activity.touch(run, name, sid)
         return PresignedUpload(upload_id=signed.upload_id, urls=signed.urls, headers=signed.headers,
                                expires_in=seconds, block_size=self.block_size)
 
@@ -319,6 +338,7 @@ class SessionStore:
                                  f"with SHA-256 {body.sha256[0]}", file=file)
         entry = FileEntry(size=body.size, xxh3=body.xxh3, block_size=body.block_size, blocks=body.blocks)
         record_file(self.storage, Paths.digest(run, name, sid, file), file, entry)
+        self.activity.touch(run, name, sid)
         return UploadResult(file=file, size=entry.size, xxh3=entry.xxh3)
 
     def link_file(self, run: str, name: str, sid: str, file: str, body: LinkFile) -> UploadResult:
@@ -359,6 +379,7 @@ class SessionStore:
         record = FileEntry(size=entry.size, xxh3=entry.xxh3, block_size=entry.block_size, blocks=entry.blocks,
                            linked=f"{body.checkpoint}/{body.file}")
         record_file(self.storage, Paths.digest(run, name, sid, file), file, record)
+        self.activity.touch(run, name, sid)
         return UploadResult(file=file, size=entry.size, xxh3=entry.xxh3)
 
     def _file_entry(self, run: str, name: str, sid: str, file: str) -> FileEntry | None:
@@ -589,12 +610,15 @@ class SessionStore:
     def reclaim_stale(self, ttl_seconds: float, *, now: float | None = None) -> list[str]:
         """The sweep: commit sessions whose every index is stored but that have no marker (the process
         that took the last index died before the marker), then delete session directories that no
-        marker names and that are older than the TTL. Return the reclaimed ``run/name/session``s.
+        marker names and whose time is up (:func:`.activity.reclaim_at`: no live writer for
+        ``dead_after`` seconds, or opened longer ago than ``ttl_seconds``). Return the reclaimed
+        ``run/name/session``s.
 
         Under a marker that fails the visibility rule (it does not parse, or names another ref, a
         missing session or manifest), nothing is touched (the checkpoint is invisible, and its data is
         kept for whoever looks into it). One run or checkpoint that cannot be read is logged
-        and skipped; the sweep goes on with the others.
+        and skipped; the sweep goes on with the others. A checkpoint committed longer ago than the TTL
+        whose only session is its own is settled: later sweeps read its marker, not its sessions.
         """
         now = time.time() if now is None else now
         removed: list[str] = []
@@ -613,15 +637,22 @@ class SessionStore:
             log.info("reclaimed %d stale sessions", len(removed))
         return removed
 
+    def reclaim_of(self, run: str, name: str, sid: str, meta: SessionMeta, ttl_seconds: float) -> Reclaim:
+        """When the sweep reclaims this uncommitted session, and why (the web view shows it)."""
+        return reclaim_at(meta.created_at, self.activity.last(run, name, sid), ttl=ttl_seconds, idle=self.dead_after)
+
     def _sweep_checkpoint(self, run: str, name: str, ttl_seconds: float, now: float) -> list[str]:
         m = self._taken(run, name)
+        if isinstance(m, Marker) and self._settled.get(f"{run}/{name}") == m.session:
+            return []
         if isinstance(m, BadMarker) or (m is not None and self.visibility.check_marker(run, name, m) is None):
             return []  # a marker that fails the visibility rule: its checkpoint's data is kept as it is
-        removed = []
+        removed, others = [], False
         for sid in self.storage.list(Paths.sessions(run, name)):
             if m is not None and m.session == sid:
                 self._reclaim_temps_once(run, name, m, ttl_seconds, now)
                 continue
+            others = True
             try:
                 check_session(sid)
             except CkptdError:
@@ -630,7 +661,7 @@ class SessionStore:
             if m is None and meta is not None and self._recover(run, name, sid, meta):
                 m = self._taken(run, name)
                 continue
-            if meta is not None and now - meta.created_at.timestamp() < ttl_seconds:
+            if meta is not None and self.reclaim_of(run, name, sid, meta, ttl_seconds).at.timestamp() > now:
                 continue
             key = f"{run}/{name}/{sid}"
             if meta is None and key not in self._orphans_seen:
@@ -639,6 +670,8 @@ class SessionStore:
             self._orphans_seen.discard(key)
             self.storage.delete_tree(Paths.session(run, name, sid))
             removed.append(key)
+        if m is not None and not others and f"{run}/{name}/{m.session}" in self._temps_reclaimed:
+            self._settled[f"{run}/{name}"] = m.session
         return removed
 
     def _reclaim_temps_once(self, run: str, name: str, m: Marker, ttl_seconds: float, now: float) -> None:

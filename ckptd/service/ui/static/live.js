@@ -15,12 +15,13 @@ function duration(sec) {
 }
 
 /** What the session holds on storage: its stored data files and, on a local root, the writes not
- * finished (a rank killed mid-file leaves one); and when anything in it last changed. */
+ * finished (a rank killed mid-file leaves one); and when a writer was last heard from (a rank's write
+ * or keep-alive; the opening when none since). */
 function holdings(u) {
   const partial = u.partial_bytes ? `, and ${bytes(u.partial_bytes)} in ${plural(u.partial_files, "unfinished write")}` : "";
   const last = u.last_activity
-    ? h("span", {class: "last-activity", title: when(u.last_activity)}, `last activity ${ago(u.last_activity)}`)
-    : h("span", {class: "last-activity muted"}, "last activity unknown (this store keeps no times)");
+    ? h("span", {class: "last-activity", title: when(u.last_activity)}, `last writer activity ${ago(u.last_activity)}`)
+    : h("span", {class: "last-activity muted"}, "last activity unknown (no session record)");
   return h("div", {class: "holds", dataset: {bytes: u.bytes + (u.partial_bytes || 0)}},
     `holds ${bytes(u.bytes + (u.partial_bytes || 0))}: ${plural(u.files, "file")} of ${bytes(u.bytes)} stored${partial} · `, last);
 }
@@ -38,10 +39,13 @@ function uploadCard(u) {
       u.step !== null ? ` · step ${u.step}` : "",
       u.created_at ? h("span", {title: when(u.created_at)}, ` · opened ${ago(u.created_at)}`) : ""),
     holdings(u),
-    u.stale ? h("p", {class: "bad stale-note"},
-      `stale: opened more than the session TTL (${duration(u.ttl_seconds)}, CKPTD_STALE_SESSION_TTL) ago; ` +
+    u.stale ? h("p", {class: "bad stale-note", dataset: {reason: u.reclaim_reason}},
+      (u.reclaim_reason === "idle"
+        ? `stale: no rank was heard from for ${duration(u.dead_after_seconds)} (CKPTD_DEAD_SESSION_AFTER): its writers stopped; `
+        : `stale: opened more than the session TTL (${duration(u.ttl_seconds)}, CKPTD_STALE_SESSION_TTL) ago; `) +
       "the service's next sweep deletes it and what it holds, unless every rank's index is in (then it commits)")
-      : u.reclaim_at ? h("p", {class: "muted"}, `the service deletes it after ${when(u.reclaim_at)} unless it commits`) : null,
+      : u.reclaim_at ? h("p", {class: "muted", dataset: {reason: u.reclaim_reason}},
+        `the service deletes it after ${when(u.reclaim_at)} unless it commits or a rank is heard from`) : null,
     h("div", {class: "progress"}, `${u.ranks_done} of ${u.world_size} ranks done`,
       bar(u.ranks_done, u.world_size, `${u.ranks_done}/${u.world_size} rank indexes`)),
     h("div", {class: "ranks"}, ranks),

@@ -1,0 +1,264 @@
+"""A dead save is reclaimed within minutes, a slow one never is.
+
+A session is alive while a rank that joined it is heard from: its writes, and the keep-alives the
+client sends from opening the session until it is committed, refused or gone
+(``SessionInfo.keepalive_seconds``). With no live writer for ``CKPTD_DEAD_SESSION_AFTER`` seconds
+the sweep aborts the session and deletes its staged bytes, well before the 6-hour TTL; the TTL still
+bounds a writer that keeps a session alive without ever finishing it. One rule decides
+(``ckptd.store.activity.reclaim_at``): the sweep and the web view ask it.
+
+The end-to-end test runs real writer processes against ``ckptd serve``: one is SIGKILLed after
+staging a file, one stays alive (between writes, for several idle windows) and commits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import httpx
+import pytest
+import xxhash
+
+from ckptd.storage import LocalStorage
+from ckptd.store import SessionStore
+from ckptd.store.activity import reclaim_at
+from ckptd.store.layout import Paths
+from ckptd_schemas import OpenSession, RankIndex
+from support import REPO, ServerProcess, scaled
+
+DATA = bytes(range(250)) * 4  # 1,000 bytes: 250 float32 values
+
+
+def _index(rank: int = 0, world: int = 1) -> RankIndex:
+    """Rank ``rank``'s part of tensor ``model.x`` (250 float32 per rank), in its file ``r<rank>-0000.bin``."""
+    file = f"r{rank:06d}-0000.bin"
+    return RankIndex.model_validate({"rank": rank, "world_size": world, "files": [file], "tensors": [{
+        "name": "model.x", "shape": [250 * world], "dtype": "float32", "group": "model", "chunks": [{
+            "kind": "box", "rank": rank, "offsets": [250 * rank], "sizes": [250], "location": {
+                "file": file, "offset": 0, "length": len(DATA), "raw_length": len(DATA),
+                "xxh3": xxhash.xxh3_64_hexdigest(DATA)}}]}]})
+
+
+def _stage(store: SessionStore, name: str, sid: str, world: int = 1) -> None:
+    store.open("r", name, OpenSession(session=sid, world_size=world, step=1))
+    sink = store.begin_file("r", name, sid, "r000000-0000.bin")
+    sink.write(DATA)
+    sink.finish(xxhash.xxh3_64_hexdigest(DATA))
+
+
+def _set(root: Path, name: str, sid: str, *, opened_ago: float, active_ago: float | None) -> datetime:
+    """Move the session's opening and its last writer activity into the past; return 'now'."""
+    now = datetime.now(timezone.utc)
+    sdir = root / "runs" / "r" / name / "sessions" / sid
+    meta = json.loads((sdir / "SESSION.json").read_text())
+    meta["created_at"] = (now - timedelta(seconds=opened_ago)).isoformat()
+    (sdir / "SESSION.json").write_text(json.dumps(meta))
+    if active_ago is None:
+        (sdir / "ACTIVE.json").unlink(missing_ok=True)
+    else:
+        (sdir / "ACTIVE.json").write_text(json.dumps({"at": (now - timedelta(seconds=active_ago)).isoformat()}))
+    return now
+
+
+# -- the rule ------------------------------------------------------------------------------------------
+
+def test_the_rule_is_the_earlier_of_idle_and_expired():
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    r = reclaim_at(t0, None, ttl=3600, idle=300)
+    assert (r.at, r.reason, r.last) == (t0 + timedelta(seconds=300), "idle", t0)  # counted from the opening
+    r = reclaim_at(t0, t0 + timedelta(seconds=1000), ttl=3600, idle=300)
+    assert (r.at, r.reason) == (t0 + timedelta(seconds=1300), "idle")
+    r = reclaim_at(t0, t0 + timedelta(seconds=3500), ttl=3600, idle=300)  # alive, but the TTL bounds it
+    assert (r.at, r.reason) == (t0 + timedelta(seconds=3600), "expired")
+    r = reclaim_at(t0, t0 - timedelta(seconds=50), ttl=3600, idle=300)  # a record older than the opening
+    assert r.last == t0
+
+
+# -- the sweep, over a root ------------------------------------------------------------------------------
+
+def test_a_session_with_no_live_writer_is_reclaimed_long_before_the_ttl(tmp_path):
+    store = SessionStore(LocalStorage(tmp_path), dead_after=300)
+    _stage(store, "dead", "s-dead")
+    _stage(store, "slow", "s-slow")
+    _stage(store, "new", "s-new")
+    _set(tmp_path, "dead", "s-dead", opened_ago=900, active_ago=400)  # its ranks stopped 400 s ago
+    _set(tmp_path, "slow", "s-slow", opened_ago=900, active_ago=100)  # a rank heard from 100 s ago
+    now = _set(tmp_path, "new", "s-new", opened_ago=60, active_ago=None)  # just opened, no write recorded
+    removed = store.reclaim_stale(6 * 3600, now=now.timestamp())
+    assert removed == ["r/dead/s-dead"]
+    assert not (tmp_path / "runs" / "r" / "dead" / "sessions" / "s-dead").exists()
+    assert (tmp_path / "runs" / "r" / "slow" / "sessions" / "s-slow" / "files" / "r000000-0000.bin").exists()
+    # each goes once its writer was silent for the window (the new one: since its opening), not before
+    def at(seconds: float) -> list[str]:
+        return store.reclaim_stale(6 * 3600, now=(now + timedelta(seconds=seconds)).timestamp())
+
+    assert at(199) == []
+    assert at(201) == ["r/slow/s-slow"]
+    assert at(239) == []
+    assert at(241) == ["r/new/s-new"]
+
+
+def test_a_writer_that_keeps_a_session_alive_forever_is_still_bounded_by_the_ttl(tmp_path):
+    store = SessionStore(LocalStorage(tmp_path), dead_after=300)
+    _stage(store, "hog", "s-hog")
+    now = _set(tmp_path, "hog", "s-hog", opened_ago=6 * 3600 + 5, active_ago=1)
+    store.keep_alive("r", "hog", "s-hog")  # a valid token's keep-alive: accepted, but it cannot outlive the TTL
+    assert store.reclaim_stale(6 * 3600, now=now.timestamp()) == ["r/hog/s-hog"]
+
+
+def test_a_complete_session_whose_ranks_died_is_committed_not_deleted(tmp_path):
+    store = SessionStore(LocalStorage(tmp_path), dead_after=300)
+    _stage(store, "done", "s-done")
+    store.storage.put(Paths.rank_index("r", "done", "s-done", 0), _index().model_dump_json().encode())
+    now = _set(tmp_path, "done", "s-done", opened_ago=900, active_ago=800)
+    assert store.reclaim_stale(6 * 3600, now=now.timestamp()) == []
+    assert store.visibility.check("r", "done") is not None
+
+
+def test_an_in_process_writer_is_kept_alive_between_writes(tmp_path):
+    """A reshard job or an import writes through the store in the service's process, with no client to
+    send keep-alives: while it holds the session, a thread records activity."""
+    store = SessionStore(LocalStorage(tmp_path), dead_after=1.0)
+    _stage(store, "job", "s-job")
+    with store.activity.held("r", "job", "s-job"):
+        first = store.activity.last("r", "job", "s-job")
+        time.sleep(0.6)
+        assert store.activity.last("r", "job", "s-job") > first  # touched again with no write in between
+        assert store.reclaim_stale(3600, now=time.time() + 0.5) == []
+    time.sleep(1.2)
+    assert store.reclaim_stale(3600) == ["r/job/s-job"]
+
+
+def test_an_unreadable_activity_record_counts_as_none(tmp_path):
+    store = SessionStore(LocalStorage(tmp_path), dead_after=300)
+    _stage(store, "x", "s-x")
+    now = _set(tmp_path, "x", "s-x", opened_ago=30, active_ago=None)
+    (tmp_path / "runs" / "r" / "x" / "sessions" / "s-x" / "ACTIVE.json").write_text("{not json")
+    assert store.activity.last("r", "x", "s-x") is None
+    assert store.reclaim_stale(6 * 3600, now=now.timestamp()) == []  # counted from its opening: 30 s ago
+
+
+# -- end to end: writer processes against ckptd serve --------------------------------------------------
+
+WRITER = textwrap.dedent("""
+    import sys, time
+    from ckptd_client.transport import Transport
+    from ckptd_client.sessions import open_session, put_index
+    from ckptd_schemas import RankIndex
+    url, name, world, late, hold, linger, data_hex, xxh3, index_json = sys.argv[1:10]
+    data, index = bytes.fromhex(data_hex), RankIndex.model_validate_json(index_json)
+    t = Transport(url)
+    base = f"/v1/checkpoints/r/{name}"
+    time.sleep(float(late))  # a rank whose upload queue is longer: it joins late
+    open_session(t, base, "s-" + name, int(world), 1)
+    t.request("PUT", f"{base}/sessions/s-{name}/files/{index.files[0]}", content=lambda: data,
+              headers={"X-Ckptd-Xxh3": xxh3, "Content-Length": str(len(data)),
+                       "Content-Type": "application/octet-stream"})
+    print("staged", flush=True)
+    time.sleep(float(hold))  # a rank between writes: its keep-alives go on
+    print(put_index(t, base, "s-" + name, index).state, flush=True)
+    time.sleep(float(linger))  # done with its part, alive while the others catch up
+""")
+
+
+def _writer(url: str, name: str, *, rank: int = 0, world: int = 1, late: float = 0, hold: float = 0,
+            linger: float = 0, wait_staged: bool = True) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", WRITER, url, name, str(world), str(late), str(hold), str(linger),
+                          DATA.hex(), xxhash.xxh3_64_hexdigest(DATA), _index(rank, world).model_dump_json()],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    if wait_staged:
+        line = p.stdout.readline()
+        assert line.strip() == "staged", (line, p.stderr.read() if p.poll() is not None else "")
+    return p
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_save_is_reclaimed_within_the_window_and_a_live_one_commits(tmp_path):
+    dead_after = 3.0
+    root = tmp_path / "root"
+    srv = ServerProcess(root, log=tmp_path / "server.log",
+                        env={"CKPTD_DEAD_SESSION_AFTER": str(dead_after), "CKPTD_RECLAIM_INTERVAL": "0.5"}).start()
+    live = dead = first = second = None
+    try:
+        live = _writer(srv.url, "live", hold=4 * dead_after)  # silent but for keep-alives: four windows
+        dead = _writer(srv.url, "dead", hold=3600)
+        # two ranks of one save, the second joining three windows after the first sent its index
+        first = _writer(srv.url, "apart", rank=0, world=2, linger=6 * dead_after)
+        second = _writer(srv.url, "apart", rank=1, world=2, late=3 * dead_after, wait_staged=False)
+        ddir = root / "runs" / "r" / "dead" / "sessions" / "s-dead"
+        assert (ddir / "files" / "r000000-0000.bin").exists()
+        time.sleep(2 * dead_after)  # both alive through two windows: kept
+        assert ddir.exists()
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.wait()
+        killed = time.monotonic()
+        while ddir.exists():
+            assert time.monotonic() - killed < scaled(dead_after + 15), "a dead session was not reclaimed"
+            time.sleep(0.1)
+        took = time.monotonic() - killed
+        assert took > dead_after - 1.0, f"reclaimed {took:.1f} s after its writer died: it was not dead yet"
+        st = httpx.get(f"{srv.url}/v1/checkpoints/r/dead/sessions/s-dead", timeout=10)
+        assert st.status_code == 404 and st.json()["error"]["code"] == "session_not_found", st.text
+        # the live writer, silent but alive, commits after four windows
+        out, err = live.communicate(timeout=scaled(60))
+        assert live.returncode == 0 and out.strip() == "committed", err[-2000:]
+        assert httpx.get(f"{srv.url}/v1/checkpoints/r/live", timeout=10).status_code == 200
+        # the rank done first kept the session alive until the late one joined and committed it
+        out, err = second.communicate(timeout=scaled(60))
+        assert second.returncode == 0 and out.split() == ["staged", "committed"], out + err[-2000:]
+        assert first.stdout.readline().strip() == "open"  # its index, before the other rank's
+        assert httpx.get(f"{srv.url}/v1/checkpoints/r/apart", timeout=10).json()["topology"]["world_size"] == 2
+        # a keep-alive for a session that is gone, or committed, is told so (and ends the client's keep-alives)
+        gone = httpx.post(f"{srv.url}/v1/checkpoints/r/dead/sessions/s-dead/alive", timeout=10)
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found", gone.text
+        done = httpx.post(f"{srv.url}/v1/checkpoints/r/live/sessions/s-live/alive", timeout=10)
+        assert done.status_code == 409 and done.json()["error"]["code"] == "already_committed", done.text
+    finally:
+        for p in (live, dead, first, second):
+            if p is not None and p.poll() is None:
+                p.kill()
+        srv.stop()
+
+
+def test_the_client_keeps_a_session_alive_until_it_is_over_and_no_longer(tmp_path):
+    from ckptd_client._keepalive import KEEPALIVE
+    from ckptd_client.sessions import open_session, put_index
+    from ckptd_client.transport import Transport
+
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_DEAD_SESSION_AFTER": "2"}).start()
+    t = Transport(srv.url)
+    try:
+        def held(name: str) -> bool:
+            return f"/v1/checkpoints/r/{name}/sessions/s-{name}" in KEEPALIVE.held()
+
+        def gone(name: str) -> None:
+            deadline = time.monotonic() + scaled(10)
+            while held(name):
+                assert time.monotonic() < deadline, f"keep-alives of {name} never stopped"
+                time.sleep(0.05)
+
+        for name in ("c", "x"):
+            open_session(t, f"/v1/checkpoints/r/{name}", f"s-{name}", 1, 1)
+            assert held(name)
+        active = tmp_path / "root" / "runs" / "r" / "c" / "sessions" / "s-c" / "ACTIVE.json"
+        deadline = time.monotonic() + scaled(10)
+        while not active.exists():  # the keep-alive, before any write
+            assert time.monotonic() < deadline, "no keep-alive arrived"
+            time.sleep(0.05)
+        t.request("PUT", "/v1/checkpoints/r/c/sessions/s-c/files/r000000-0000.bin", content=lambda: DATA,
+                  headers={"X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(DATA), "Content-Length": str(len(DATA))})
+        assert put_index(t, "/v1/checkpoints/r/c", "s-c", _index()).state == "committed"
+        gone("c")  # the service answered 409 committed: nothing left to keep
+        t.close()
+        gone("x")  # its client closed: nobody here writes it any more
+    finally:
+        t.close()
+        srv.stop()
