@@ -205,6 +205,8 @@ def test_a_killed_save_is_reclaimed_within_the_window_and_a_live_one_commits(tmp
             time.sleep(0.1)
         took = time.monotonic() - killed
         assert took > dead_after - 1.0, f"reclaimed {took:.1f} s after its writer died: it was not dead yet"
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        assert "ckptd_sessions_reclaimed_total 1.0" in metrics, metrics[-3000:]
         st = httpx.get(f"{srv.url}/v1/checkpoints/r/dead/sessions/s-dead", timeout=10)
         assert st.status_code == 404 and st.json()["error"]["code"] == "session_not_found", st.text
         # the live writer, silent but alive, commits after four windows

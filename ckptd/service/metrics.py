@@ -17,6 +17,9 @@ ckptd_commit_seconds                   histogram  one commit: merge, validate, w
 ckptd_commits_total                    counter    checkpoints committed by this replica
 ckptd_upload_sessions_open             gauge      sessions opened through this replica, not yet committed,
                                                   failed or aborted
+ckptd_sessions_reclaimed_total         counter    uncommitted sessions the sweep here deleted with their staged
+                                                  bytes: no rank heard from for CKPTD_DEAD_SESSION_AFTER, or
+                                                  past CKPTD_STALE_SESSION_TTL
 ckptd_verify_failures_total{code}      counter    integrity refusals: uploads whose bytes differ from their
                                                   digest, commits refused at validation, corrupt manifests
 ckptd_storage_errors_total{op}         counter    storage backend failures, by route (or ``reclaim``)
@@ -83,6 +86,9 @@ class Metrics:
                                         "Time of one commit: merge and validate the indexes, write the manifest "
                                         "and the COMMITTED marker.", buckets=COMMIT_BUCKETS, registry=r)
         self.commits = Counter("ckptd_commits", "Checkpoints committed by this replica.", registry=r)
+        self.sessions_reclaimed = Counter("ckptd_sessions_reclaimed", "Uncommitted sessions the sweep here deleted "
+                                          "(no rank heard from for CKPTD_DEAD_SESSION_AFTER, or past the TTL).",
+                                          registry=r)
         self.sessions_open = Gauge("ckptd_upload_sessions_open",
                                    "Upload sessions opened through this replica and not yet committed, failed "
                                    "or aborted.", registry=r)
@@ -296,6 +302,7 @@ class MeteredSessionStore(SessionStore):
 
     def reclaim_stale(self, ttl_seconds: float, *, now: float | None = None) -> list[str]:
         removed = super().reclaim_stale(ttl_seconds, now=now)
+        self.metrics.sessions_reclaimed.inc(len(removed))
         for key in removed:
             self.metrics.session_closed(str(key).rsplit("/", 1)[-1])
         return removed
