@@ -179,7 +179,7 @@ def run(ranks: int, checkpoints: int, mib: float, work: Path, timeout: float) ->
     from ckptd.storage import LocalStorage
     from ckptd.store import CheckpointReader
     from ckptd.store.retention import collect
-    from ckptd.store.verify import verify_manifest
+    from ckptd.store.checker import verify_manifest
 
     root = work / "root"
     run_name = "soak"
@@ -614,7 +614,7 @@ def _verify_all(root: Path, steps: int) -> dict[str, bool | list]:
     """``verify`` of every step, reading the root directly: True, or its first problems."""
     from ckptd.storage import LocalStorage
     from ckptd.store import CheckpointReader
-    from ckptd.store.verify import verify_manifest
+    from ckptd.store.checker import verify_manifest
 
     reader = CheckpointReader(LocalStorage(root))
     out: dict[str, bool | list] = {}

@@ -23,7 +23,7 @@ What one run does (see BENCHMARKS.md, section "Verify", for the results and how 
      process (Python start-up and imports included: what a user waits for);
    * the same verification in this process (``verify_manifest`` on the CLI's own
      ``RootBackend``): verify without the process start-up; and again with
-     ``ckptd.store.verify.READ_SIZE`` set to ``--alt-read-mib`` for the duration
+     ``ckptd.store.checker.READ_SIZE`` set to ``--alt-read-mib`` for the duration
      (a what-if for the read size, code unchanged otherwise);
    * unless ``--no-server``, ``ckptd verify REF --server URL`` against a restarted
      service (the bytes over loopback HTTP), for reference; and ``POST
@@ -222,7 +222,7 @@ def verify_inproc(root: Path, nbytes: int, read_size: int | None = None) -> dict
     from ckptd.cli.backends import RootBackend
     from ckptd.cli.main import _Source
     from ckptd.store import verify as verify_mod
-    from ckptd.store.verify import verify_manifest
+    from ckptd.store.checker import verify_manifest
 
     if read_size is not None:  # what-if: the module constant, for this call only
         saved, verify_mod.READ_SIZE = verify_mod.READ_SIZE, read_size

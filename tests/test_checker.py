@@ -24,7 +24,7 @@ from ckptd.storage import LocalStorage
 from ckptd.store.checker import StorageFiles
 from ckptd.store.layout import Paths
 from ckptd.store.sessions import SessionStore
-from ckptd.store.verify import verify_manifest
+from ckptd.store.checker import verify_manifest
 from ckptd_schemas import ChecksumMismatch, CkptdError, CorruptCheckpoint, OpenSession, RankIndex
 from ckptd_schemas.format.codec import decode_frame
 

@@ -28,7 +28,7 @@ import xxhash
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
 from ckptd.store.faults import CRASH_POINTS
-from ckptd.store.verify import verify_manifest
+from ckptd.store.checker import verify_manifest
 from ckptd_client import CheckpointClient, CheckpointNotFound, FlatShard, Unavailable
 from support import ServerProcess, assert_bits_equal, blank_like, make_state, run_ranks
 

@@ -36,7 +36,7 @@ import pytest
 
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
-from ckptd.store.verify import verify_manifest
+from ckptd.store.checker import verify_manifest
 from ckptd_client import (
     AlreadyCommitted, CheckpointClient, CheckpointNotFound, StorageError, StorageFull, Unavailable,
 )

@@ -172,7 +172,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..store.verify import VerifyReport, verify_manifest
+    from ..store.checker import VerifyReport, verify_manifest
     from .backends import HttpBackend
 
     ref = parse_ref(args.ref)

@@ -1,11 +1,13 @@
-"""Terminal output helpers: sizes and progress bars (rich, only on a terminal)."""
+"""Terminal output helpers: sizes, progress bars (rich, only on a terminal), a reshard's preview and engine."""
 
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import asdict
 from typing import Callable
 
-__all__ = ["human", "plural", "progress_bar"]
+__all__ = ["engine_line", "human", "plural", "print_preview", "progress_bar"]
 
 
 def human(n: float) -> str:
@@ -33,3 +35,30 @@ def progress_bar(total: int, label: str, quiet: bool) -> tuple[Callable[[int], N
     bar.start()
     task = bar.add_task(label, total=total)
     return (lambda n: bar.advance(task, n)), bar.stop
+
+
+def print_preview(pv, as_json: bool) -> None:
+    """``ckptd reshard --dry-run``'s table (the same through a service: ``reshard_remote`` rebuilds the
+    preview from the service's answer)."""
+    if as_json:
+        print(json.dumps(asdict(pv)))
+        return
+    kinds = ["weights", "gradients", "optimizer", "other"]
+    print(f"target {pv.spec}: {pv.world_size} ranks")
+    print("rank   " + "  ".join(f"{k:>12}" for k in kinds) + f"  {'total':>12}")
+    for r, row in enumerate(pv.per_rank):
+        print(f"{r:<6} " + "  ".join(f"{human(row.get(k, 0)):>12}" for k in kinds)
+              + f"  {human(sum(row.values())):>12}")
+    print(f"imbalance {pv.imbalance:.1%}")
+    note = " (gradients not saved: estimated as the weights' size)" if pv.grads_estimated else ""
+    print(f"ZeRO estimates per rank: M_S2 ~ N*b_p + N*(b_g+b_o)/P = {human(pv.m_s2)};  "
+          f"M_S3 ~ N*(b_p+b_g+b_o)/P = {human(pv.m_s3)}{note}")
+    print("work units (unit, rank, file, bytes to read):")
+    for u, r, f, n in pv.unit_reads:
+        print(f"  {u:>5}  {r:>5}  {f}  {human(n)}")
+
+
+def engine_line(device: str, reason: str, impl: str) -> str:
+    """The line ``ckptd reshard`` prints before converting: ``engine: cpu (auto: no dtype cast, the GPU buys
+    nothing; numpy)``. ``impl``: the engine's name (``host`` is numpy; ``torch-cpu``, ``torch-cuda``)."""
+    return f"engine: {device} ({reason}; {'numpy' if impl == 'host' else impl})"

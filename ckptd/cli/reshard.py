@@ -6,41 +6,14 @@ import argparse
 import json
 import os
 import uuid
-from dataclasses import asdict
 
 from ckptd_schemas import AlreadyCommitted, parse_ref
 
 from .dcp_io import CAST_DTYPES
-from .output import human, progress_bar
+from .output import engine_line, human, print_preview, progress_bar
 from .target import open_root, resolve_target
 
-__all__ = ["add_parsers", "engine_line"]
-
-
-def print_preview(pv, as_json: bool) -> None:
-    """The dry run's table (the same through a service: ``reshard_remote`` rebuilds the preview)."""
-    if as_json:
-        print(json.dumps(asdict(pv)))
-        return
-    kinds = ["weights", "gradients", "optimizer", "other"]
-    print(f"target {pv.spec}: {pv.world_size} ranks")
-    print("rank   " + "  ".join(f"{k:>12}" for k in kinds) + f"  {'total':>12}")
-    for r, row in enumerate(pv.per_rank):
-        print(f"{r:<6} " + "  ".join(f"{human(row.get(k, 0)):>12}" for k in kinds)
-              + f"  {human(sum(row.values())):>12}")
-    print(f"imbalance {pv.imbalance:.1%}")
-    note = " (gradients not saved: estimated as the weights' size)" if pv.grads_estimated else ""
-    print(f"ZeRO estimates per rank: M_S2 ~ N*b_p + N*(b_g+b_o)/P = {human(pv.m_s2)};  "
-          f"M_S3 ~ N*(b_p+b_g+b_o)/P = {human(pv.m_s3)}{note}")
-    print("work units (unit, rank, file, bytes to read):")
-    for u, r, f, n in pv.unit_reads:
-        print(f"  {u:>5}  {r:>5}  {f}  {human(n)}")
-
-
-def engine_line(device: str, reason: str, impl: str) -> str:
-    """The line ``ckptd reshard`` prints before converting: ``engine: cpu (auto: no dtype cast, the GPU buys
-    nothing; numpy)``. ``impl``: the engine's name (``host`` is numpy; ``torch-cpu``, ``torch-cuda``)."""
-    return f"engine: {device} ({reason}; {'numpy' if impl == 'host' else impl})"
+__all__ = ["add_parsers"]
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ckptd_schemas import AlreadyCommitted, CkptdError, error_from_body
 
-from .output import human
+from .output import engine_line, human, print_preview
 
 if TYPE_CHECKING:
     from ckptd_client import CatalogClient
@@ -32,7 +32,6 @@ def _follow(client: "CatalogClient", args: argparse.Namespace) -> int:
     spec = {"out": args.out, "dtype": args.dtype, "device": args.device, "jobs": args.jobs}
     if args.dry_run:
         from ..reshard.preview import Preview
-        from .reshard import print_preview
 
         print_preview(Preview(**client.reshard(args.ref, args.to, preview=True, **spec)), args.json)
         return 0
@@ -65,7 +64,5 @@ def _follow(client: "CatalogClient", args: argparse.Namespace) -> int:
         print(f"committed {res['ref']} ({job['spec']}, derived from {job['source']}): {res['units']} work units, "
               f"{human(res['bytes_written'])} written in {res['seconds']:.2f}s; every tensor's digest matches")
         if "engine" in res:  # which engine the service's worker ran, and why (executor.choose_device)
-            from .reshard import engine_line
-
             print(engine_line(res["engine"]["device"], res["engine"]["reason"], res["engine"]["impl"]))
     return 0

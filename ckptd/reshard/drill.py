@@ -441,9 +441,6 @@ def run_drill_job(root: str, ref: str, layouts: list[str], jobs: int = 1, job_id
     a dict (it crosses the process boundary). With ``job_id``, the job's status is kept (running, then
     done with the record or failed with the error) and its lease taken over; the service's policy drills
     run without one. Raises what stopped the drill (the service counts it as failed)."""
-    from .priority import lower_priority
-
-    lower_priority()
     storage = open_storage(root)
     job = get_drill_job(storage, job_id) if job_id is not None else None
     if job is not None:

@@ -32,7 +32,6 @@ from .executor import UnitResult, finalize, open_target, plan_device, plan_engin
 from ..store.leases import Leases
 from .models import JobStatus, ReshardRequest, now_utc, put_status, get_job
 from .planner import ReshardPlan, plan_reshard
-from .priority import lower_priority
 from .spec import default_out_name, parse_spec
 
 __all__ = ["JobStatus", "ReshardRequest", "WorkerJob", "get_job", "run_service_job", "run_worker", "submit_job",
@@ -66,7 +65,6 @@ def run_service_job(root: str, job_id: str, plan_json: str, request_json: str, m
     """Body of a service worker process: run the job, keep its status fresh, and hold the source's
     lease (the one :func:`submit_job` took) by a renewing thread until the job ends, however long
     a single read or write of it takes."""
-    lower_priority()
     storage = open_storage(root)
     st = get_job(storage, job_id)
     plan = ReshardPlan.model_validate_json(plan_json)

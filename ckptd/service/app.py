@@ -65,6 +65,7 @@ from .logs import RequestContextMiddleware
 from .metrics import CONTENT_TYPE_LATEST, MeteredSessionStore, Metrics
 from .read_routes import read_router
 from .reshard_routes import reshard_router
+from .workers import Workers
 from .retention_routes import ReadLeases, RetentionPolicy, gc_router
 from .services import Services
 from .settings import Settings
@@ -87,7 +88,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     uploads = UploadSlots(settings.max_uploads_per_principal)  # file uploads in progress, per token
     visibility = Visibility(storage, on_invisible=metrics.observe_invisible)
     reader = CheckpointReader(storage, visibility=visibility)
-    jobs_router, close_jobs, workers = reshard_router(storage, settings, metrics)
+    workers = Workers(settings.reshard_workers)  # reshard jobs, verifications and drills: one pool
+    jobs_router = reshard_router(storage, settings, workers, metrics)
 
     def verify_in_worker(run: str, name: str) -> VerifyRecord:
         return VerifyRecord.model_validate(workers().submit(verify_and_record, storage.url, run, name).result())
@@ -139,7 +141,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
             probe_threads.shutdown(wait=False)
             if copier is not None:
                 await run_in_threadpool(copier.stop)
-            close_jobs()
+            workers.close()
 
     app = FastAPI(title="ckptd", version=__version__, lifespan=lifespan, dependencies=[Depends(authorize)],
                   description="Distributed checkpoint and reshard service for sharded PyTorch training.",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable
 
 from fastapi import APIRouter, Response
@@ -37,6 +37,7 @@ from ..reshard.drill_layouts import split_layouts
 from ..storage import Storage
 from ..store.sessions import CommitEvent
 from .settings import Settings
+from .workers import Workers
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -66,7 +67,7 @@ def _count(metrics: "Metrics", what: str) -> Callable[[Future], None]:
 class DrillPolicy:
     """``CKPTD_DRILL_EVERY``: an ``on_commit`` callback of the session store (module docstring)."""
 
-    def __init__(self, storage: Storage, settings: Settings, workers: Callable[[], ProcessPoolExecutor],
+    def __init__(self, storage: Storage, settings: Settings, workers: Workers,
                  metrics: "Metrics") -> None:
         self.storage, self.every, self.workers, self.metrics = storage, settings.drill_every, workers, metrics
         self.layouts = split_layouts(settings.drill_layouts)
@@ -104,7 +105,7 @@ class DrillPolicy:
         fut.add_done_callback(done)
 
 
-def drill_router(storage: Storage, workers: Callable[[], ProcessPoolExecutor], metrics: "Metrics") -> APIRouter:
+def drill_router(storage: Storage, workers: Workers, metrics: "Metrics") -> APIRouter:
     router = APIRouter(tags=["drill"])
 
     @router.post("/v1/drill", status_code=202, response_model=DrillJob)

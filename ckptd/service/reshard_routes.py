@@ -2,20 +2,15 @@
 
 All three need the ``admin`` scope (``auth.ROUTE_RULES``).
 
-Jobs run in a small pool of worker processes beside the upload handlers;
-each worker lowers its CPU and I/O priority and caps its bandwidth
+Jobs run in the service's pool of worker processes (:mod:`.workers`, at low CPU
+and I/O priority) beside the upload handlers, each capping its bandwidth
 (``CKPTD_RESHARD_MAX_MBPS``), so saves keep priority.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import threading
-import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Response
 from starlette.concurrency import run_in_threadpool
@@ -23,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from ..reshard.models import JobStatus, ReshardRequest
 from ..storage import Storage
 from .settings import Settings
+from .workers import Workers
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -30,40 +26,17 @@ if TYPE_CHECKING:
 __all__ = ["reshard_router"]
 
 
-def _exit_with_parent(parent: int) -> None:
-    """Worker initializer: a worker whose service died (even by SIGKILL) exits too."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="ckptd-parent-watch", daemon=True).start()
-
-
-def reshard_router(storage: Storage, settings: Settings, metrics: "Metrics | None" = None
-                   ) -> tuple[APIRouter, Callable[[], None], Callable[[], ProcessPoolExecutor]]:
-    """The routes, a ``close`` for the service's shutdown (stops the worker processes), and the
-    worker pool (started on first use), which the service's verifications share."""
+def reshard_router(storage: Storage, settings: Settings, workers: Workers, metrics: "Metrics | None" = None
+                   ) -> APIRouter:
+    """The routes; jobs run in the service's worker pool (:class:`~.workers.Workers`)."""
     router = APIRouter(tags=["reshard"])
-    pool: list[ProcessPoolExecutor] = []
-
-    def executor() -> ProcessPoolExecutor:
-        if not pool:
-            pool.append(ProcessPoolExecutor(settings.reshard_workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_exit_with_parent, initargs=(os.getpid(),)))
-        return pool[0]
-
-    def close() -> None:
-        if pool:
-            pool.pop().shutdown(wait=False, cancel_futures=True)
 
     @router.post("/v1/reshard", status_code=202, response_model=JobStatus)
     async def create_job(body: ReshardRequest, response: Response) -> JobStatus:
         from ..reshard.jobs import run_service_job, submit_job  # torch loads on first use, not at start-up
 
         st, plan = await run_in_threadpool(submit_job, storage, body)
-        executor().submit(run_service_job, storage.url, st.id, plan.model_dump_json(), body.model_dump_json(),
+        workers().submit(run_service_job, storage.url, st.id, plan.model_dump_json(), body.model_dump_json(),
                           settings.reshard_max_mbps * (1 << 20))
         if metrics is not None:
             metrics.track_job(storage, st.id)
@@ -92,4 +65,4 @@ def reshard_router(storage: Storage, settings: Settings, metrics: "Metrics | Non
 
         return await run_in_threadpool(get_job, storage, job_id)
 
-    return router, close, executor
+    return router

@@ -6,9 +6,8 @@ and ``read_routes.read_router``; each reads what its routes need from it.
 
 from __future__ import annotations
 
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..storage import Storage
@@ -19,6 +18,7 @@ if TYPE_CHECKING:
     from .metrics import MeteredSessionStore, Metrics
     from .retention_routes import ReadLeases
     from .settings import Settings
+    from .workers import Workers
 
 __all__ = ["Services"]
 
@@ -33,5 +33,5 @@ class Services:
     sessions: MeteredSessionStore
     uploads: UploadSlots  # file uploads in progress, per token
     read_leases: ReadLeases
-    workers: Callable[[], ProcessPoolExecutor]  # the worker pool (started on first use), shared with reshard jobs
+    workers: Workers  # the worker pool (started on first use): reshard jobs, verifications, drills
     durable: DurableCopier | None = None  # the durable tier's copier (--durable), else None

@@ -50,8 +50,8 @@ from ckptd_schemas import (
 
 from ..store.layout import Paths, SessionMeta
 from ..store.leases import Leases
-from ..store.verification import record_of
-from ..store.visibility import Committed
+from ..store.records import record_of
+from ..store.layout import Committed
 from .auth import principal_of
 from .gc_log import GcLog
 from .services import Services

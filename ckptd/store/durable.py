@@ -50,7 +50,8 @@ from .faults import crash_point
 from .layout import Marker, Paths
 from .leases import Leases
 from .checker import StorageFiles, judge
-from .visibility import Committed, Visibility, order_key
+from .layout import Committed
+from .visibility import Visibility, order_key
 
 __all__ = ["DURABLE_CRASH_POINTS", "Copied", "DurableCopier", "DurableState"]
 

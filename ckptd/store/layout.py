@@ -24,11 +24,14 @@ directories that no marker names are reclaimed after a TTL.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["Marker", "SessionMeta", "Paths"]
+from ckptd_schemas import CheckpointSummary
+
+__all__ = ["Committed", "Marker", "SessionMeta", "Paths"]
 
 RUNS = "runs"
 
@@ -130,3 +133,48 @@ class Paths:
     @classmethod
     def failed(cls, run: str, name: str, sid: str) -> str:
         return f"{cls.session(run, name, sid)}/FAILED.json"
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A visible checkpoint: its marker, and where its (checked) manifest lives."""
+
+    run: str
+    name: str
+    marker: Marker
+    manifest_key: str
+    #: the manifest's ``created_at`` (bound by its digest): orders checkpoints of one step
+    created_at: datetime | None = None
+
+    @property
+    def ref(self) -> str:
+        return f"{self.run}/{self.name}"
+
+    @property
+    def session(self) -> str:
+        return self.marker.session
+
+    @property
+    def step(self) -> int | None:
+        return self.marker.step
+
+    @property
+    def digest(self) -> str:
+        return self.marker.manifest_xxh3
+
+    @property
+    def derived_from(self) -> str | None:
+        return self.marker.derived_from
+
+    @property
+    def parent(self) -> str | None:
+        return self.marker.parent
+
+    @property
+    def committed_at(self) -> datetime:
+        return self.marker.committed_at
+
+    def summary(self) -> CheckpointSummary:
+        m = self.marker
+        return CheckpointSummary(run=self.run, name=self.name, step=m.step, derived_from=m.derived_from, parent=m.parent,
+                                 session=m.session, committed_at=m.committed_at, manifest_xxh3=m.manifest_xxh3)

@@ -19,7 +19,8 @@ from ckptd_schemas import (
 
 from ..storage import Storage
 from .layout import Marker, Paths
-from .visibility import Committed, Visibility
+from .layout import Committed
+from .visibility import Visibility
 
 __all__ = ["CheckpointReader", "naming_tensor"]
 

@@ -12,7 +12,7 @@ The rules, each a guarantee tested in ``tests/test_retention.py``:
    steps (a resharded copy of a step counts with its step); ``keep_every K``
    also keeps every step that is a multiple of K. A checkpoint *known to be
    bad* (its recorded verification of the manifest committed now failed:
-   :func:`~.verification.known_bad`) is not counted: the N steps are the
+   :func:`~.records.known_bad`) is not counted: the N steps are the
    newest N held by a checkpoint not known to be bad, and a known-bad
    checkpoint stays while fewer than N such steps are as new as it is (gc
    never deletes more than it would if the record did not exist), but never
@@ -25,7 +25,7 @@ The rules, each a guarantee tested in ``tests/test_retention.py``:
 5. The run always keeps its newest *verified* trainer checkpoint. Before
    anything is deleted, ``collect`` establishes which one that is, newest
    first: a recorded verification that still vouches for exactly the stored
-   bytes (:func:`~.verification.record_holds`), or a fresh verification. If
+   bytes (:func:`~.records.record_holds`), or a fresh verification. If
    none verifies, nothing is deleted. A dry run reports which one it is and how
    it was established.
 6. A checkpoint that a visible checkpoint of another run names as its ``parent`` (lineage across
@@ -58,8 +58,10 @@ from ckptd_schemas import CheckpointNotFound, CheckpointSummary, CkptdError, Inv
 from ..storage import Storage
 from .layout import Marker, Paths
 from .leases import Leases
-from .verification import VerifyRecord, read_record, record_holds, verify_committed, verify_unrecorded
-from .visibility import Committed, Visibility
+from .records import VerifyRecord, record_holds
+from .verification import read_record, verify_committed, verify_unrecorded
+from .layout import Committed
+from .visibility import Visibility
 
 __all__ = ["Removal", "RetentionPlan", "Verifier", "children_elsewhere", "collect", "plan_retention", "remove"]
 

@@ -15,7 +15,7 @@ Call order for one save attempt (each step idempotent, any replica may serve it)
    rank's chunk index; the call that completes the set commits.
 4. :meth:`SessionStore.commit` - merge + validate -> manifest (durable) ->
    ``COMMITTED`` created once, then the commit's check recorded as the checkpoint's first
-   verification (:func:`~.verification.record_commit_check`). Re-entrant: a crash anywhere before the marker
+   verification (:func:`~.records.record_commit_check`). Re-entrant: a crash anywhere before the marker
    leaves the session invisible, and the rank's retried ``put_index`` or the
    sweep (:meth:`SessionStore.sweep`) finishes the job. The callbacks in
    ``on_commit`` (the service's verify-after-commit, retention, metrics) run
@@ -53,7 +53,7 @@ from .activity import DEAD_SESSION_AFTER, KEEPALIVE_PER_WINDOW, Reclaim, Session
 from .index_cache import IndexCache
 from .layout import Marker, Paths, SessionMeta
 from .checker import check_commit
-from .verification import CommitCheck as _CommitCheck, file_stamps, record_commit_check, record_vouches
+from .records import CommitCheck as _CommitCheck, file_stamps, record_commit_check, record_vouches
 from .merge import ManifestFold
 from .reuse import check_reuse
 from .visibility import BadMarker, Visibility, manifest_file_name

@@ -1,82 +1,32 @@
-"""The service's own verification of committed checkpoints, and its record (docs/design.md §2 item 5).
+"""The service's own verification of committed checkpoints (docs/design.md §2 item 5).
 
-Every commit reads and checks every byte with the one checker (:mod:`.checker`) and records
-that check as the checkpoint's first verification (:func:`record_commit_check`), beside the marker
-as ``VERIFIED.json``: a committed checkpoint shows as verified without a second read. ``ckptd
-verify`` runs the same checker in its own process; the service runs it again after each commit
-(``CKPTD_VERIFY_AFTER_COMMIT``: a re-read of what reached the disk) or on request (``POST
-.../verify``), in one of its worker processes (the reshard pool: warm, at low priority), and
-records the outcome in the same place. The record names the manifest digest it checked, so it can never be
-mistaken for the verification of another checkpoint under the same ref, and the stamp
-(:meth:`Storage.stamp`) of every data file as it was before and after the reading: while every
-stamp still holds, the record vouches for exactly the bytes now stored (:func:`record_holds`),
-and retention may rely on it instead of reading everything again. The checkpoint itself
+``ckptd verify`` runs the one checker (:mod:`.checker`) in its own process; the service runs it
+again after each commit (``CKPTD_VERIFY_AFTER_COMMIT``: a re-read of what reached the disk) or on
+request (``POST .../verify``), in one of its worker processes (warm, at low priority), and records
+the outcome as the checkpoint's verification record (:mod:`.records`). The checkpoint itself
 (marker, manifest, data) is not touched.
 
-A record that failed (``ok`` false) for the manifest committed now makes the checkpoint **known to
-be bad** (:func:`known_bad`): ``RUN/latest`` skips it (:meth:`.visibility.Visibility.latest`) and
-retention does not count it among the newest it keeps. A checkpoint never verified, or whose record
-is about another manifest under the same name, is not known to be bad.
-
-Call order: the commit calls :func:`record_commit_check`; :func:`verify_committed` checks and records in the calling process (``ckptd gc``
-offline); the service submits :func:`verify_and_record` to a worker; readers call
-:func:`read_record`, retention :func:`record_holds`, and the visibility rule's ``latest``
-:func:`known_bad`.
+Call order: :func:`verify_committed` checks and records in the calling process (``ckptd gc``
+offline); the service submits :func:`verify_and_record` to a worker; conversions call
+:func:`require_verified` on their source; a dry run :func:`verify_unrecorded`; readers
+:func:`read_record`.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import stat as statmod
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Callable
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ckptd_schemas import CkptdError, CorruptCheckpoint, StorageError
 
 from ..storage import Storage, open_storage
-from .layout import Paths
-from .verify import VerifyReport, verify_manifest
-from .visibility import Committed, Visibility
+from .checker import VerifyReport, verify_manifest
+from .layout import Committed, Paths
+from .records import MAX_PROBLEMS, VerifyRecord, record_holds, record_of, stamps_of
+from .visibility import Visibility
 
-__all__ = ["CommitCheck", "VerifyRecord", "file_stamps", "known_bad", "read_record", "record_commit_check",
-           "record_holds", "record_of", "record_vouches", "require_verified", "verify_and_record",
-           "verify_committed", "verify_unrecorded"]
-
-log = logging.getLogger("ckptd.store")
-
-MAX_PROBLEMS = 100
-
-#: A record of ``MAX_PROBLEMS`` problems is a few tens of KiB; a larger object there is not read by
-#: :func:`known_bad` (it is not a record the service wrote).
-MAX_RECORD_BYTES = 1 << 20
-
-#: The most characters of a reason :func:`known_bad` gives.
-MAX_REASON = 300
-
-
-class VerifyRecord(BaseModel):
-    """What one verification of a committed checkpoint found."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    ref: str
-    manifest_xxh3: str
-    ok: bool
-    problems: list[str]
-    files: int
-    tensors: int
-    chunks: int
-    bytes_read: int
-    seconds: float
-    verified_at: datetime
-    stamps: dict[str, str] = Field(default_factory=dict,
-                                   description="each data file's storage stamp, unchanged while it was read; "
-                                               "empty when a file changed meanwhile or the store has no stamps")
+__all__ = ["VerifyRecord", "read_record", "require_verified", "verify_and_record", "verify_committed",
+           "verify_unrecorded"]
 
 
 class _StorageSource:
@@ -90,43 +40,6 @@ class _StorageSource:
         key, size = Paths.file(self.run, self.name, self.session, file), self.sizes[file]
         self.storage.check_committed(key, size, file=file)
         return self.storage.read_committed(key, start, end, size, file=file)
-
-
-def file_stamps(storage: Storage, key_of: Callable[[str], str], files: list[str]) -> dict[str, str | None]:
-    """Each file's storage stamp (:meth:`Storage.stamp`), by file name."""
-    return {f: storage.stamp(key_of(f)) for f in files}
-
-
-def _stamps(storage: Storage, c: Committed, files: list[str]) -> dict[str, str | None]:
-    return file_stamps(storage, lambda f: Paths.file(c.run, c.name, c.session, f), files)
-
-
-@dataclass(frozen=True)
-class CommitCheck:
-    """What the commit's full check (:func:`~.checker.check_commit`) read: the files' stamps
-    before and after, the bytes, the time, the tensors and chunks."""
-
-    before: dict[str, str | None]
-    after: dict[str, str | None]
-    bytes_read: int
-    seconds: float
-    tensors: int
-    chunks: int
-
-
-def record_commit_check(storage: Storage, run: str, name: str, digest: str, check: CommitCheck, files: int) -> None:
-    """Record the commit's check as the checkpoint's first verification: it read and checked every
-    byte with the one checker, so the checkpoint shows as verified (web view, gc, ``latest``) without
-    a second read. The stamps vouch for the bytes only when none moved during the check. A failure
-    to write the record is logged: the checkpoint is committed, and a later verification records."""
-    stamps = check.before if check.before == check.after and all(check.before.values()) else {}
-    rec = VerifyRecord(ref=f"{run}/{name}", manifest_xxh3=digest, ok=True, problems=[], files=files,
-                       tensors=check.tensors, chunks=check.chunks, bytes_read=check.bytes_read, seconds=check.seconds,
-                       verified_at=datetime.now(timezone.utc), stamps={k: v for k, v in stamps.items() if v})
-    try:
-        storage.put(Paths.verification(run, name), rec.model_dump_json().encode())
-    except CkptdError as e:
-        log.warning("the commit's check of %s/%s was not recorded: %s", run, name, e.message)
 
 
 def verify_committed(storage: Storage, run: str, name: str) -> VerifyRecord:
@@ -174,11 +87,11 @@ def _verify_here(storage: Storage, run: str, name: str) -> tuple[VerifyRecord, C
     stamps: dict[str, str | None] = {}
     try:
         manifest = vis.manifest(c)
-        before = _stamps(storage, c, sorted(manifest.files))
+        before = stamps_of(storage, c, sorted(manifest.files))
         report = verify_manifest(manifest, _StorageSource(storage, c.run, c.name, c.session,
                                                              {f: e.size for f, e in manifest.files.items()}),
                                  storage_errors_are_problems=False)
-        if before == _stamps(storage, c, sorted(manifest.files)) and all(before.values()):
+        if before == stamps_of(storage, c, sorted(manifest.files)) and all(before.values()):
             stamps = before
     except StorageError:
         raise  # the store failed, not the checkpoint: nothing is recorded (a failed record makes `latest` skip it)
@@ -194,9 +107,6 @@ def _verify_here(storage: Storage, run: str, name: str) -> tuple[VerifyRecord, C
 def verify_and_record(root: str, run: str, name: str) -> dict:
     """In a worker process: :func:`verify_committed` on the storage at ``root``; the record as a dict
     (it crosses the process boundary)."""
-    from ..reshard.priority import lower_priority
-
-    lower_priority()
     return verify_committed(open_storage(root), run, name).model_dump(mode="json")
 
 
@@ -205,74 +115,3 @@ def read_record(storage: Storage, run: str, name: str) -> VerifyRecord | None:
     about the manifest committed there (a record that does not parse counts as none)."""
     c = Visibility(storage).check(run, name)
     return record_of(storage, c) if c is not None else None
-
-
-def record_of(storage: Storage, c: Committed) -> VerifyRecord | None:
-    """:func:`read_record` for a checkpoint the caller's visibility check already found."""
-    raw = storage.read_or_none(Paths.verification(c.run, c.name))
-    return None if raw is None else _record_for(raw, c)
-
-
-def known_bad(storage: Storage, c: Committed) -> str | None:
-    """Why the visible checkpoint ``c`` is known to be bad, or None when it is not.
-
-    Known bad: its stored record (``VERIFIED.json``) is about the manifest committed there now (the
-    same digest) and found it bad (``ok`` false); the reason is ``verification failed at <time>:
-    <first problem>``. None (not known to be bad): no record, a record about another manifest (an
-    earlier checkpoint under the same name), one that found it good, one that does not parse, or,
-    on a local root, anything there that is not a regular readable file of record size (never
-    opened: a FIFO would block the reader). Called by :meth:`.visibility.Visibility.latest` on every
-    resolve of ``RUN/latest``, newest first, and by retention; an object store's failure to read is
-    the backend's (:class:`StorageError`, answered 503), as for markers."""
-    key = Paths.verification(c.run, c.name)
-    path = storage.local_path(key)
-    if path is not None:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        if not statmod.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
-            return None
-    try:
-        raw = storage.read_or_none(key)
-    except StorageError:
-        if path is None:
-            raise
-        return None
-    if raw is None or len(raw) > MAX_RECORD_BYTES:
-        return None
-    rec = _record_for(raw, c)
-    if rec is None or rec.ok:
-        return None
-    when = rec.verified_at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    first = rec.problems[0] if rec.problems else "no problem named"
-    reason = f"verification failed at {when}: {first}"
-    return reason if len(reason) <= MAX_REASON else reason[:MAX_REASON - 3] + "..."
-
-
-def _record_for(raw: bytes, c: Committed) -> VerifyRecord | None:
-    """The record in ``raw`` if it parses and is about ``c``'s manifest (its digest), else None."""
-    try:
-        rec = VerifyRecord.model_validate_json(raw)
-    except ValidationError:
-        return None
-    return rec if rec.manifest_xxh3 == c.digest else None
-
-
-def record_vouches(storage: Storage, c: Committed, file: str, key: str) -> bool:
-    """True when checkpoint ``c``'s recorded verification found it good and ``file`` (stored at ``key``)
-    still has the stamp it had then (inode, size, mtime and ctime locally: no writer sets ctime back;
-    ETag and size on S3): a file worth linking into a new save. The commit reads it again anyway."""
-    rec = record_of(storage, c)
-    if rec is None or not rec.ok:
-        return False
-    want = rec.stamps.get(file)
-    return bool(want) and storage.stamp(key) == want
-
-
-def record_holds(storage: Storage, c: Committed, rec: VerifyRecord | None, files: list[str]) -> bool:
-    """True when ``rec`` found checkpoint ``c`` good and vouches for exactly the bytes stored now: the
-    same manifest digest, and every data file's stamp unchanged since it was read."""
-    if rec is None or not rec.ok or rec.manifest_xxh3 != c.digest or sorted(rec.stamps) != sorted(files):
-        return False
-    return _stamps(storage, c, files) == rec.stamps

@@ -17,7 +17,7 @@ step that marker and manifest agree on, so a single edited file cannot reorder a
 
 ``RUN/latest`` is decided here too (:meth:`Visibility.latest`): the newest visible trainer
 checkpoint **not known to be bad**. Known bad means its recorded verification of the manifest
-committed now failed (:func:`.verification.known_bad` reads the record; this module stays the one
+committed now failed (:func:`.records.known_bad` reads the record; this module stays the one
 reader of markers). A checkpoint never verified, or verified about another manifest, is not known
 to be bad. The checkpoints passed over are returned with the reason (:class:`Skipped`), so a load
 and ``ckptd show`` can say why ``latest`` is not the newest one.
@@ -41,20 +41,20 @@ import stat as statmod
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Callable, NamedTuple
 
 from pydantic import ValidationError
 
 from ckptd_schemas import (
-    LATEST, CheckpointNotFound, CheckpointSummary, CkptdError, InvalidName, Manifest, StorageError, check_name,
+    LATEST, CheckpointNotFound, CkptdError, InvalidName, Manifest, StorageError, check_name,
     check_run, check_session,
 )
 
 from ..storage import Storage
 from .gcpause import gc_paused
 from ckptd_schemas.filedigest import xxh3_hex
-from .layout import Marker, Paths
+from .layout import Committed, Marker, Paths
+from .records import known_bad
 
 __all__ = ["BadMarker", "Committed", "Latest", "Skipped", "Visibility", "manifest_file_name"]
 
@@ -78,51 +78,6 @@ class BadMarker(NamedTuple):
     """A ``COMMITTED`` object that is there but does not parse: the ref is taken, and invisible."""
 
     reason: str
-
-
-@dataclass(frozen=True)
-class Committed:
-    """A visible checkpoint: its marker, and where its (checked) manifest lives."""
-
-    run: str
-    name: str
-    marker: Marker
-    manifest_key: str
-    #: the manifest's ``created_at`` (bound by its digest): orders checkpoints of one step
-    created_at: datetime | None = None
-
-    @property
-    def ref(self) -> str:
-        return f"{self.run}/{self.name}"
-
-    @property
-    def session(self) -> str:
-        return self.marker.session
-
-    @property
-    def step(self) -> int | None:
-        return self.marker.step
-
-    @property
-    def digest(self) -> str:
-        return self.marker.manifest_xxh3
-
-    @property
-    def derived_from(self) -> str | None:
-        return self.marker.derived_from
-
-    @property
-    def parent(self) -> str | None:
-        return self.marker.parent
-
-    @property
-    def committed_at(self) -> datetime:
-        return self.marker.committed_at
-
-    def summary(self) -> CheckpointSummary:
-        m = self.marker
-        return CheckpointSummary(run=self.run, name=self.name, step=m.step, derived_from=m.derived_from, parent=m.parent,
-                                 session=m.session, committed_at=m.committed_at, manifest_xxh3=m.manifest_xxh3)
 
 
 @dataclass(frozen=True)
@@ -393,13 +348,9 @@ class Visibility:
         return sorted(out, key=order_key)
 
     def known_bad(self, c: Committed) -> str | None:
-        """Why the visible checkpoint ``c`` is known to be bad, or None (:func:`.verification.known_bad`:
+        """Why the visible checkpoint ``c`` is known to be bad, or None (:func:`.records.known_bad`:
         a recorded verification of the manifest committed now that failed)."""
-        if self._known_bad is not None:
-            return self._known_bad(c)
-        from .verification import known_bad  # that module builds on this one: imported at first use
-
-        return known_bad(self.storage, c)
+        return self._known_bad(c) if self._known_bad is not None else known_bad(self.storage, c)
 
     def latest(self, visible: list[Committed]) -> Latest:
         """What ``RUN/latest`` names among ``visible`` (a :meth:`listing`): the newest trainer checkpoint
