@@ -34,7 +34,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd.storage import LocalStorage, open_storage
-from ckptd.storage.tiered import TieredStorage
+from ckptd.store.tiers import TieredStorage
 from ckptd.store.durable import DurableCopier
 from ckptd.store.layout import Paths
 from ckptd.store.visibility import Visibility
@@ -163,8 +163,15 @@ def test_a_name_the_durable_tier_holds_is_taken_although_the_fast_tier_lost_it(t
 
 
 def _marker(tier: LocalStorage, ref: str, session: str, digest: str) -> None:
+    from datetime import datetime, timezone
+
+    from ckptd.store.layout import Marker
+    from ckptd.store.visibility import manifest_file_name
+
     run, name = ref.split("/")
-    tier.put(Paths.marker(run, name), json.dumps({"session": session, "manifest_xxh3": digest}).encode())
+    marker = Marker(ref=ref, session=session, manifest=manifest_file_name(digest), manifest_xxh3=digest, step=None,
+                    derived_from=None, committed_at=datetime.now(timezone.utc))
+    tier.put(Paths.marker(run, name), marker.model_dump_json().encode())
     tier.put(f"{Paths.session(run, name, session)}/files/x.bin", b"data")
 
 

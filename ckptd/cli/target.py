@@ -62,8 +62,7 @@ def resolve_target(args: argparse.Namespace) -> Target:
 
 def open_root(root: str, *, create: bool) -> "Storage":
     """Open the storage root ``root``; with ``create=False`` a local directory must already exist."""
-    from ..storage import open_storage
-    from ..storage.tiered import TIERED, split_tiered
+    from ..store.tiers import TIERED, open_root as open_tiers, split_tiered
 
     if root.startswith(TIERED):  # a fast tier and its durable tier, as `ckptd serve --durable` sees them
         try:
@@ -78,7 +77,7 @@ def open_root(root: str, *, create: bool) -> "Storage":
             what = "is not a directory" if path.exists() else "does not exist"
             raise NotFound(f"no such root: {part} {what} (pass --root PATH or --server URL)", root=part)
     try:
-        return open_storage(root)
+        return open_tiers(root)
     except ImportError as e:
         scheme = root.split("://", 1)[0]
         raise InvalidRequest(f"no storage backend for {scheme}:// roots: {e} (install the fsspec package for "

@@ -56,7 +56,8 @@ from ckptd_schemas import (
 from ckptd_schemas.digest import StreamHasher, combine
 from ckptd_schemas.geometry import Box, Region, check_tiling
 
-from ..storage import Storage, open_storage
+from ..storage import Storage
+from ..store.tiers import open_root
 from ..store import CheckpointReader
 from ..store.layout import Paths
 from ..store.leases import Leases
@@ -441,7 +442,7 @@ def run_drill_job(root: str, ref: str, layouts: list[str], jobs: int = 1, job_id
     a dict (it crosses the process boundary). With ``job_id``, the job's status is kept (running, then
     done with the record or failed with the error) and its lease taken over; the service's policy drills
     run without one. Raises what stopped the drill (the service counts it as failed)."""
-    storage = open_storage(root)
+    storage = open_root(root)
     job = get_drill_job(storage, job_id) if job_id is not None else None
     if job is not None:
         _put_job(storage, job := job.model_copy(update={"state": "running", "updated_at": now_utc()}))

@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict
 
 from ckptd_schemas import AlreadyCommitted, CheckpointNotFound, CkptdError, parse_ref
 
-from ..storage import Storage, open_storage
+from ..storage import Storage
+from ..store.tiers import open_root
 from ..store import CheckpointReader, SessionStore
 from .executor import UnitResult, finalize, open_target, plan_device, plan_engine, run_unit
 from ..store.leases import Leases
@@ -65,7 +66,7 @@ def run_service_job(root: str, job_id: str, plan_json: str, request_json: str, m
     """Body of a service worker process: run the job, keep its status fresh, and hold the source's
     lease (the one :func:`submit_job` took) by a renewing thread until the job ends, however long
     a single read or write of it takes."""
-    storage = open_storage(root)
+    storage = open_root(root)
     st = get_job(storage, job_id)
     plan = ReshardPlan.model_validate_json(plan_json)
     req = ReshardRequest.model_validate_json(request_json)
@@ -167,7 +168,7 @@ def run_worker(uri: str, index: int, *, root: str | None = None) -> dict[str, An
         job = WorkerJob.model_validate_json(f.read())
     if not 0 <= index < len(job.plan.units):
         raise CheckpointNotFound(f"plan {uri} has units 0..{len(job.plan.units) - 1}, not {index}", index=index)
-    storage = open_storage(root or job.root)
+    storage = open_root(root or job.root)
     reader, sessions = CheckpointReader(storage), SessionStore(storage)
 
     def committed() -> str | None:  # the output's digest when this job's own session committed it

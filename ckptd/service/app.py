@@ -49,8 +49,8 @@ from fastapi import Depends, FastAPI, Response
 from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
-from ..storage import Storage, open_storage
-from ..storage.tiered import TieredStorage
+from ..storage import Storage
+from ..store.tiers import TieredStorage, open_root
 from ..store import CheckpointReader
 from ..store.durable import DurableCopier
 from ..store.sessions import CommitEvent
@@ -82,7 +82,7 @@ log = logging.getLogger("ckptd.service")
 def create_app(settings: Settings | None = None, storage: Storage | None = None,
                tokens: TokenStore | None = None) -> FastAPI:
     settings = settings or Settings()
-    storage = storage or open_storage(settings.storage_url())
+    storage = storage or open_root(settings.storage_url())
     tokens = tokens or TokenStore.from_settings(settings)
     metrics = Metrics()
     uploads = UploadSlots(settings.max_uploads_per_principal)  # file uploads in progress, per token

@@ -10,13 +10,8 @@ __all__ = ["LocalStorage", "Presigned", "Storage", "Writer", "check_key", "open_
 
 def open_storage(root: str, **options: object) -> Storage:
     """A plain path opens :class:`LocalStorage`; ``s3://`` (``s3a://``) :class:`~ckptd.storage.s3.S3Storage`;
-    any other ``scheme://`` URL :class:`~ckptd.storage.fsspec.FsspecStorage`; ``tiered:FAST|DURABLE`` a
-    :class:`~ckptd.storage.tiered.TieredStorage` over the two (``ckptd serve --durable``)."""
-    if root.startswith("tiered:"):
-        from .tiered import TieredStorage, split_tiered
-
-        fast, durable = split_tiered(root)
-        return TieredStorage(open_storage(fast, **options), open_storage(durable))
+    any other ``scheme://`` URL :class:`~ckptd.storage.fsspec.FsspecStorage`. (A service's root with a
+    durable tier, ``tiered:FAST|DURABLE``, is the store's: :func:`ckptd.store.tiers.open_root`.)"""
     if root.startswith(("s3://", "s3a://")):
         from .s3 import S3Storage
 

@@ -1,6 +1,6 @@
 """The durable tier: copy each committed checkpoint from the fast tier, verified (``ckptd serve --durable``).
 
-With a durable tier (:class:`~ckptd.storage.tiered.TieredStorage`), a save commits on the fast tier
+With a durable tier (:class:`~.tiers.TieredStorage`), a save commits on the fast tier
 ("committed locally"); this module makes it **durable**: the durable tier then holds the checkpoint
 visibly (its marker, its manifest, every data file) with the manifest digest of the fast tier's
 marker. :meth:`DurableCopier.state` decides whether a checkpoint is durable, and nothing else does;
@@ -11,7 +11,7 @@ Call order (:meth:`DurableCopier.start`, then one background thread per service)
 0. :meth:`DurableCopier.adopt`, at start and every ``ADOPT_EVERY`` scans: the markers of the
    durable tier's checkpoints that the fast tier lacks (a new, emptied or partly lost fast tier)
    are copied to it, so that the fast tier alone knows every name taken
-   (:mod:`ckptd.storage.tiered`). A fast tier that never adopted (no ``TIERS.json``) does not
+   (:mod:`.tiers`). A fast tier that never adopted (no ``TIERS.json``) does not
    start while the durable tier cannot be listed; one that did starts, and serves what it holds.
 1. :meth:`DurableCopier.scan`, woken by every commit here (:meth:`DurableCopier.notify`) and every
    ``scan_seconds`` otherwise (commits of other replicas and of reshard workers, and what a crash
@@ -45,7 +45,7 @@ from typing import Callable
 from ckptd_schemas import CkptdError, Conflict, CorruptCheckpoint, Manifest, StorageError
 
 from ..storage import Writer
-from ..storage.tiered import ADOPTED, TieredStorage
+from .tiers import ADOPTED, TieredStorage
 from .faults import crash_point
 from .layout import Marker, Paths
 from .leases import Leases

@@ -64,7 +64,22 @@ class SessionMeta(BaseModel):
 
 
 class Paths:
-    """Key builders; arguments must already be validated names."""
+    """Key builders; arguments must already be validated names. :meth:`parse` reads a key back."""
+
+    @staticmethod
+    def parse(key: str) -> tuple[str | None, str | None, str | None]:
+        """(run, checkpoint name, the rest) of a key under ``runs/`` (None where the key stops short);
+        (None, None, None) for a key outside ``runs/``."""
+        parts = key.split("/", 3)
+        if parts[0] != RUNS:
+            return None, None, None
+        parts += [None] * (4 - len(parts))  # type: ignore[list-item]
+        return parts[1], parts[2], parts[3]
+
+    @classmethod
+    def is_marker(cls, key: str) -> bool:
+        run, name, rest = cls.parse(key)
+        return run is not None and name is not None and rest == "COMMITTED"
 
     @staticmethod
     def runs() -> str:

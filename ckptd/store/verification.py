@@ -19,7 +19,8 @@ from datetime import datetime, timezone
 
 from ckptd_schemas import CkptdError, CorruptCheckpoint, StorageError
 
-from ..storage import Storage, open_storage
+from ..storage import Storage
+from .tiers import open_root
 from .checker import VerifyReport, verify_manifest
 from .layout import Committed, Paths
 from .records import MAX_PROBLEMS, VerifyRecord, record_holds, record_of, stamps_of
@@ -107,7 +108,7 @@ def _verify_here(storage: Storage, run: str, name: str) -> tuple[VerifyRecord, C
 def verify_and_record(root: str, run: str, name: str) -> dict:
     """In a worker process: :func:`verify_committed` on the storage at ``root``; the record as a dict
     (it crosses the process boundary)."""
-    return verify_committed(open_storage(root), run, name).model_dump(mode="json")
+    return verify_committed(open_root(root), run, name).model_dump(mode="json")
 
 
 def read_record(storage: Storage, run: str, name: str) -> VerifyRecord | None:

@@ -27,19 +27,22 @@ under the same name is never removed. Every other delete (staging, sessions, lea
 fast tier alone.
 
 The URL is ``tiered:FAST|DURABLE`` so that worker processes (verification, reshard jobs) reopen
-the same two tiers with :func:`ckptd.storage.open_storage`.
+the same two tiers with :func:`open_root`. The tiers are the store's: they know where a
+checkpoint's marker lies and what it says (:mod:`.layout`); the storage backends know keys only.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+
+from pydantic import ValidationError
 
 from ckptd_schemas import StorageError
 
-from .base import Presigned, Storage, Writer
+from ..storage import Presigned, Storage, Writer, open_storage
+from .layout import Marker, Paths
 
-__all__ = ["ADOPTED", "TIERED", "TieredStorage", "split_tiered"]
+__all__ = ["ADOPTED", "TIERED", "TieredStorage", "open_root", "split_tiered"]
 
 TIERED = "tiered:"
 #: On the fast tier, inside ``runs/`` (so it goes with a lost ``runs/``): the fast tier holds every
@@ -49,9 +52,13 @@ ADOPTED = "runs/.adopted"
 log = logging.getLogger("ckptd.tiers")
 
 
-def _is_marker(key: str) -> bool:
-    parts = key.split("/")
-    return len(parts) == 4 and parts[0] == "runs" and parts[3] == "COMMITTED"
+def open_root(url: str, **options: object) -> Storage:
+    """The root at ``url``: ``tiered:FAST|DURABLE`` is a :class:`TieredStorage` over the two (``ckptd serve
+    --durable``); anything else what :func:`ckptd.storage.open_storage` opens."""
+    if url.startswith(TIERED):
+        fast, durable = split_tiered(url)
+        return TieredStorage(open_storage(fast, **options), open_storage(durable))
+    return open_storage(url, **options)
 
 
 def split_tiered(url: str) -> tuple[str, str]:
@@ -73,8 +80,8 @@ class TieredStorage(Storage):
     def _behind(self, key: str) -> bool:
         """True when ``key`` lies under a checkpoint whose marker the fast tier holds: the durable tier
         may hold the key (the fast copy was dropped); under any other name it holds nothing visible."""
-        parts = key.split("/")
-        return len(parts) > 3 and parts[0] == "runs" and self.fast.exists(f"runs/{parts[1]}/{parts[2]}/COMMITTED")
+        run, name, rest = Paths.parse(key)
+        return rest is not None and self.fast.exists(Paths.marker(run, name))  # type: ignore[arg-type]
 
     def _holder(self, key: str) -> Storage:
         """The tier a read of ``key`` goes to: the fast one while it holds the key."""
@@ -93,7 +100,7 @@ class TieredStorage(Storage):
         save reuse a name the durable tier holds). While the durable tier cannot be asked, the fast tier
         decides alone only if it holds every durable marker (:data:`ADOPTED`, written by the copier's
         adoption into ``runs/``, goes with a lost ``runs/``); otherwise the create fails as transient."""
-        if _is_marker(key):
+        if Paths.is_marker(key):
             try:
                 if self.durable.exists(key):
                     return False
@@ -150,18 +157,18 @@ class TieredStorage(Storage):
         (``runs/RUN``, ``runs/RUN/NAME``) or a marker, which retention and ``rm`` delete. The durable
         tier holds nothing else a delete names (staging, aborted and stale sessions, leases and records
         live on the fast tier only)."""
-        parts = key.split("/")
-        return parts[0] == "runs" and (len(parts) in (2, 3) or (len(parts) == 4 and parts[3] == "COMMITTED"))
+        run, _, rest = Paths.parse(key)
+        return run is not None and (rest is None or Paths.is_marker(key))
 
     def _identity(self, tier: Storage, run: str, name: str) -> tuple[str, str] | None:
         """(session, manifest digest) of the marker ``tier`` holds for ``run/name``; None when it holds none
         or one that does not parse."""
-        raw = tier.read_or_none(f"runs/{run}/{name}/COMMITTED")
+        raw = tier.read_or_none(Paths.marker(run, name))
         try:
-            m = json.loads(raw) if raw is not None else None
-            return (str(m["session"]), str(m["manifest_xxh3"])) if isinstance(m, dict) else None
-        except (ValueError, KeyError):
+            m = Marker.model_validate_json(raw) if raw is not None else None
+        except ValidationError:
             return None
+        return (m.session, m.manifest_xxh3) if m is not None else None
 
     def _delete_durable(self, run: str, name: str, marker_only: bool) -> None:
         """Delete ``run/name`` from the durable tier only where it is the same checkpoint as the fast
@@ -175,24 +182,23 @@ class TieredStorage(Storage):
             return  # not a checkpoint of the fast tier: nothing here decides for the durable tier
         if there is None:
             if not marker_only:
-                self.durable.delete_tree(f"runs/{run}/{name}" if fast is None else
-                                         f"runs/{run}/{name}/sessions/{fast[0]}")
+                self.durable.delete_tree(Paths.ckpt(run, name) if fast is None else Paths.session(run, name, fast[0]))
         elif there == fast:
             if marker_only:
-                self.durable.delete(f"runs/{run}/{name}/COMMITTED")
+                self.durable.delete(Paths.marker(run, name))
             else:
-                self.durable.delete_tree(f"runs/{run}/{name}")
+                self.durable.delete_tree(Paths.ckpt(run, name))
         else:
             log.warning("tiers: %s/%s on the durable tier is another checkpoint (session %s, manifest %s) than on "
                         "the fast tier (session %s, manifest %s); the durable one is kept", run, name, *there, *fast)
 
     def _delete_everywhere(self, key: str) -> None:
-        parts = key.split("/")
-        if len(parts) == 2:  # a whole run: checkpoint by checkpoint
-            for name in self.fast.list(key):
-                self._delete_durable(parts[1], name, marker_only=False)
+        run, name, _ = Paths.parse(key)
+        if name is None:  # a whole run: checkpoint by checkpoint
+            for n in self.fast.list(key):
+                self._delete_durable(run, n, marker_only=False)  # type: ignore[arg-type]
         else:
-            self._delete_durable(parts[1], parts[2], marker_only=len(parts) == 4)
+            self._delete_durable(run, name, marker_only=Paths.is_marker(key))  # type: ignore[arg-type]
 
     def delete(self, key: str) -> None:
         if self._durable_too(key):
