@@ -13,11 +13,11 @@ imports one module of the package then skips importing
 only list, read and verify (``CatalogClient``) skip torch entirely.
 """
 
-from importlib import import_module
 from typing import TYPE_CHECKING
 
 from ckptd_schemas.errors import *  # noqa: F403
 from ckptd_schemas.errors import __all__ as _errors
+from ckptd_schemas.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from ._load import LoadReport
@@ -36,11 +36,4 @@ _LAZY = {"CatalogClient": ".catalog", "CheckpointClient": ".client", "FlatShard"
 __all__ = ["CatalogClient", "CheckpointClient", "FlatShard", "LoadReport", "PreemptionGuard", "SaveHandle",
            "flat_partition", "solo", *_errors]
 
-
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ckptd_client' has no attribute {name!r}")
-    value = getattr(import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY, globals())

@@ -1,12 +1,13 @@
 """ckptd_schemas: the manifest, API bodies, errors and pure geometry shared by
 the ckptd service and the ``ckptd_client`` trainer client. No I/O here."""
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .chunktable import ChunkColumns
 from .dtypes import ITEMSIZE, DType, itemsize
 from .errors import *  # noqa: F403
 from .errors import __all__ as _errors_all
+from .lazy import lazy_exports
 from .geometry import Box, Region, check_tiling, flat_range_to_boxes, intersect_regions, row_major_strides
 from .manifest import (
     FORMAT_VERSION, BoxChunk, Chunk, FileEntry, FlatChunk, Location, Manifest, ObjectEntry, ParamGroup,
@@ -27,21 +28,11 @@ if TYPE_CHECKING:
 _LAZY = {
     **dict.fromkeys(("CheckpointSummary", "ConfirmUpload", "LinkFile", "OpenSession",
                      "PresignUpload", "PresignedUpload", "RankIndex", "RunSummary", "SessionInfo", "SessionStatus",
-                     "TensorColumns", "UploadResult"), "api"),
+                     "TensorColumns", "UploadResult"), ".api"),
     **dict.fromkeys(("Copy", "Fetch", "PlanBudget", "ReadPlan", "ReadRequest", "dest_region", "plan_reads",
-                     "verify_fetch"), "readplan"),
+                     "verify_fetch"), ".readplan"),
 }
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ckptd_schemas' has no attribute {name!r}")
-    from importlib import import_module
-
-    value = getattr(import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = [
     *_errors_all,

@@ -4,7 +4,9 @@ The service's HTTP handlers and the CLI (with ``--root``) both call this
 layer; nothing here knows about HTTP.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ckptd_schemas.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .reader import CheckpointReader
@@ -12,16 +14,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointReader", "FileSink", "SessionStore"]
 
-_WHERE = {"CheckpointReader": "reader", "FileSink": "sessions", "SessionStore": "sessions"}
-
-
-def __getattr__(name: str) -> Any:
-    """Imported when first named: ``ckptd verify`` needs neither the write side nor the reader."""
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ckptd.store' has no attribute {name!r}")
-    from importlib import import_module
-
-    value = getattr(import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+# Imported when first named: ``ckptd verify`` needs neither the write side nor the reader.
+__getattr__ = lazy_exports(__name__, {"CheckpointReader": ".reader", "FileSink": ".sessions",
+                                      "SessionStore": ".sessions"}, globals())
