@@ -53,7 +53,7 @@ from ..storage import Storage
 from ..store.tiers import TieredStorage, open_root
 from ..store import CheckpointReader
 from ..store.durable import DurableCopier
-from ..store.sessions import CommitEvent
+from ..store.sessions import CommitEvent, SessionStore
 from ..store.verification import VerifyRecord, verify_and_record
 from ..store.visibility import Visibility
 from .auth import ROUTE_RULES, AccessMiddleware, TokenStore, authorize, check_routes, iter_routes
@@ -62,7 +62,7 @@ from .drill_routes import DrillPolicy, drill_router
 from .errors import install_error_handlers
 from .limits import BodyTimeouts, PrincipalRequests, UploadSlots
 from .logs import RequestContextMiddleware
-from .metrics import CONTENT_TYPE_LATEST, MeteredSessionStore, Metrics
+from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .read_routes import read_router
 from .reshard_routes import reshard_router
 from .workers import Workers
@@ -113,8 +113,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
         metrics.watch_durable(copier)
     drills = DrillPolicy(storage, settings, workers, metrics)  # CKPTD_DRILL_EVERY: a drill every N commits of a run
     on_commit = [after_commit, drills.after_commit] + ([copier.notify] if copier is not None else [])
-    sessions = MeteredSessionStore(storage, metrics, visibility=visibility, on_commit=on_commit,
-                                   dead_after=settings.dead_session_after)
+    sessions = SessionStore(storage, visibility=visibility, on_commit=on_commit, dead_after=settings.dead_session_after)
+    metrics.watch_sessions(sessions)  # commits, refusals, open and reclaimed sessions
     services = Services(settings=settings, storage=storage, metrics=metrics, visibility=visibility, reader=reader,
                         sessions=sessions, uploads=uploads, read_leases=read_leases, workers=workers, durable=copier)
 

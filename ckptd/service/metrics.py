@@ -2,7 +2,8 @@
 
 Instrumented at the service's edges: the request middleware (bytes, requests,
 latency), the error handler (storage errors, integrity refusals), a
-:class:`MeteredSessionStore` around the store core (commits, open sessions) and
+the store core's events (:class:`~ckptd.store.events.SessionEvents`: commits, refusals, open
+and reclaimed sessions) and
 the reshard routes (job progress, read from the job records at scrape time).
 No label carries a run or checkpoint name; route labels are handler names.
 
@@ -52,17 +53,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ckptd_schemas import CkptdError, Conflict, SessionStatus, StorageError
+from ckptd_schemas import CkptdError, StorageError
 
 from ..storage import Storage
-from ..store import SessionStore
 from ..store.durable import Copied, DurableCopier
+from ..store.events import SessionEvents
+from ..store.sessions import CommitEvent, SessionStore
 
-__all__ = ["CONTENT_TYPE_LATEST", "MeteredSessionStore", "Metrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
 log = logging.getLogger("ckptd.service")
 COMMIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -71,7 +72,7 @@ FINISHED_JOB_KEEP_SECONDS = 600.0  # a finished job's gauges stay this long, so 
 MAX_REFRESH = 1000  # sessions or jobs re-read per scrape at most
 
 
-class Metrics:
+class Metrics(SessionEvents):
     """The service's metrics in their own :class:`CollectorRegistry` (apps in one process do not collide)."""
 
     def __init__(self) -> None:
@@ -181,13 +182,33 @@ class Metrics:
         """From :class:`~ckptd.store.visibility.Visibility`: a checkpoint failed the rule."""
         self.invisible.labels(reason).inc()
 
-    def session_open(self, sid: str, run: str, name: str) -> None:
+    # -- the write side's events (SessionEvents: SessionStore calls these) ------------------------------
+    def watch_sessions(self, store: SessionStore) -> None:
+        """Observe ``store``: its events come here, and a scrape asks it which sessions are still open."""
+        store.events = self
+        self._session_store = store
+
+    def opened(self, run: str, name: str, sid: str) -> None:
         with self._lock:
             self._sessions[sid] = (run, name)
 
-    def session_closed(self, sid: str) -> None:
+    def committed(self, event: CommitEvent, seconds: float) -> None:
+        self.commit_seconds.observe(seconds)
+        self.commits.inc()
+        with self._lock:
+            self._sessions.pop(event.session, None)
+
+    def refused(self, run: str, name: str, sid: str, error: CkptdError) -> None:
+        self.verify_failures.labels(error.code).inc()
+        error._ckptd_metered = True  # type: ignore[attr-defined]  # counted once, here (observe_error skips it)
         with self._lock:
             self._sessions.pop(sid, None)
+
+    def reclaimed(self, keys: list[str]) -> None:
+        self.sessions_reclaimed.inc(len(keys))
+        with self._lock:
+            for key in keys:
+                self._sessions.pop(key.rsplit("/", 1)[-1], None)
 
     def observe_drill(self, ok: bool) -> None:
         """A drill finished (from the worker's future, in this process)."""
@@ -208,9 +229,14 @@ class Metrics:
         if store is not None:
             for sid, (run, name) in sessions:
                 try:
-                    store.status(run, name, sid)  # drops it from the gauge when no longer open
+                    still_open = store.status(run, name, sid).state == "open"
+                except StorageError:
+                    continue  # the store is unreachable: the next scrape asks again
                 except CkptdError:
-                    pass
+                    still_open = False  # aborted, reclaimed, or committed by another session
+                if not still_open:
+                    with self._lock:
+                        self._sessions.pop(sid, None)
         if self._job_storage is not None:
             from ..reshard.models import get_job
 
@@ -243,66 +269,3 @@ class Metrics:
         except Exception:  # noqa: BLE001 - a scrape answers with what it has
             log.exception("metrics refresh failed")
         return generate_latest(self.registry)
-
-
-class MeteredSessionStore(SessionStore):
-    """The store core, observed from the service: commit latency, refusals, sessions still open."""
-
-    def __init__(self, storage: Storage, metrics: Metrics, **kw: Any) -> None:
-        super().__init__(storage, **kw)
-        self.metrics = metrics
-        metrics._session_store = self
-
-    def open(self, run: str, name: str, req: Any) -> Any:
-        info = super().open(run, name, req)
-        self.metrics.session_open(info.session, run, name)
-        return info
-
-    def status(self, run: str, name: str, sid: str) -> SessionStatus:
-        try:
-            st = super().status(run, name, sid)
-        except StorageError:
-            raise
-        except CkptdError:
-            self.metrics.session_closed(sid)  # not found, refused, committed by another session
-            raise
-        if st.state != "open":
-            self.metrics.session_closed(sid)
-        return st
-
-    def put_index(self, run: str, name: str, sid: str, index: Any) -> SessionStatus:
-        try:
-            st = super().put_index(run, name, sid, index)
-        except StorageError:
-            raise
-        except CkptdError:
-            self.metrics.session_closed(sid)
-            raise
-        if st.state != "open":
-            self.metrics.session_closed(sid)
-        return st
-
-    def commit(self, run: str, name: str, sid: str, meta: Any = None) -> str:
-        t0 = time.perf_counter()
-        try:
-            digest = super().commit(run, name, sid, meta)
-        except (StorageError, Conflict):
-            raise
-        except CkptdError as e:
-            self.metrics.verify_failures.labels(e.code).inc()
-            e._ckptd_metered = True  # type: ignore[attr-defined]  # counted once, here
-            raise
-        self.metrics.commit_seconds.observe(time.perf_counter() - t0)
-        self.metrics.commits.inc()
-        return digest
-
-    def abort(self, run: str, name: str, sid: str) -> None:
-        super().abort(run, name, sid)
-        self.metrics.session_closed(sid)
-
-    def reclaim_stale(self, ttl_seconds: float, *, now: float | None = None) -> list[str]:
-        removed = super().reclaim_stale(ttl_seconds, now=now)
-        self.metrics.sessions_reclaimed.inc(len(removed))
-        for key in removed:
-            self.metrics.session_closed(str(key).rsplit("/", 1)[-1])
-        return removed

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from ..store.durable import DurableCopier
     from ..store.visibility import Visibility
     from .limits import UploadSlots
-    from .metrics import MeteredSessionStore, Metrics
+    from ..store import SessionStore
+    from .metrics import Metrics
     from .retention_routes import ReadLeases
     from .settings import Settings
     from .workers import Workers
@@ -30,7 +31,7 @@ class Services:
     metrics: Metrics
     visibility: Visibility
     reader: CheckpointReader
-    sessions: MeteredSessionStore
+    sessions: SessionStore
     uploads: UploadSlots  # file uploads in progress, per token
     read_leases: ReadLeases
     workers: Workers  # the worker pool (started on first use): reshard jobs, verifications, drills

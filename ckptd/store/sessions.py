@@ -50,6 +50,7 @@ from .faults import crash_point, wrap_storage
 from .gcpause import gc_paused
 from ckptd_schemas.filedigest import BLOCK_SIZE, StreamDigest, xxh3_hex
 from .activity import DEAD_SESSION_AFTER, KEEPALIVE_PER_WINDOW, Reclaim, SessionActivity, reclaim_at
+from .events import SessionEvents
 from .index_cache import IndexCache
 from .layout import Marker, Paths, SessionMeta
 from .checker import check_commit
@@ -162,19 +163,27 @@ class SessionStore:
 
     def __init__(self, storage: Storage, *, block_size: int = BLOCK_SIZE, visibility: Visibility | None = None,
                  on_commit: Sequence[Callable[[CommitEvent], None]] = (),
-                 dead_after: float = DEAD_SESSION_AFTER) -> None:
+                 dead_after: float = DEAD_SESSION_AFTER, events: SessionEvents | None = None) -> None:
         self.storage = wrap_storage(storage)  # itself, unless a test set a fault (faults.py)
         self.dead_after = dead_after  # seconds without a live writer before the sweep reclaims a session
         self.activity = SessionActivity(self.storage, every=dead_after / KEEPALIVE_PER_WINDOW / 2)
         self.block_size = block_size
         self.visibility = visibility or Visibility(self.storage)
         self.on_commit = list(on_commit)
+        self.events = events or SessionEvents()  # the service's metrics observe the write side here
         self._orphans_seen: set[str] = set()
         self._temps_reclaimed: set[str] = set()  # committed sessions the sweep cleared of temp files
         self._settled: dict[str, str] = {}  # run/name -> the marker's session, nothing else left to sweep
         self._indexes = IndexCache()
 
     # -- helpers ---------------------------------------------------------------
+    def _tell(self, hook: str, *args: object) -> None:
+        """Call an observer's hook (:mod:`.events`); what it raises is logged, never raised into the save."""
+        try:
+            getattr(self.events, hook)(*args)
+        except Exception:  # noqa: BLE001 - observing must not change the outcome
+            log.exception("session event %s: the observer failed", hook)
+
     def _taken(self, run: str, name: str) -> Marker | BadMarker | None:
         """The ref's marker as the write side sees it: any marker, parsed or not, takes the ref."""
         return self.visibility.marker(run, name)
@@ -247,6 +256,7 @@ class SessionStore:
                 f"session {req.session} of {run}/{name} was opened with world size {meta.world_size}, step "
                 f"{meta.step} and parent {meta.parent}; this request says world size {req.world_size}, step "
                 f"{req.step} and parent {req.parent}", ref=f"{run}/{name}", session=req.session)
+        self._tell("opened", run, name, meta.session)
         return SessionInfo(run=run, name=name, session=meta.session, world_size=meta.world_size,
                            step=meta.step, created_at=meta.created_at,
                            keepalive_seconds=self.dead_after / KEEPALIVE_PER_WINDOW)
@@ -519,11 +529,13 @@ class SessionStore:
         call created the marker, run the ``on_commit`` callbacks (a failing callback is logged: the
         checkpoint is committed whatever they do)."""
         meta = meta or self._meta(run, name, sid)
+        t0 = time.perf_counter()
         try:
             digest, event = self._commit(run, name, sid, meta)
         finally:
             self._indexes.drop_under(Paths.session(run, name, sid) + "/")
         if event is not None:
+            self._tell("committed", event, time.perf_counter() - t0)
             for callback in self.on_commit:
                 try:
                     callback(event)
@@ -572,6 +584,7 @@ class SessionStore:
                 err = e if isinstance(e, CkptdError) else InvalidIndex(f"{run}/{name}: {e}")
                 log.warning("commit of %s/%s session %s refused: %s", run, name, sid, err.message)
                 self.storage.put(Paths.failed(run, name, sid), json.dumps(err.to_body()).encode())
+                self._tell("refused", run, name, sid, err)
                 raise err
             raw = manifest.__pydantic_serializer__.to_json(manifest)  # model_dump_json's bytes, without a str copy
             derived_from, nfiles, nbytes = manifest.derived_from, len(manifest.files), manifest.total_bytes
@@ -635,6 +648,7 @@ class SessionStore:
                     log.warning("sweep: %s/%s skipped: %s", run, name, e.message)
         if removed:
             log.info("reclaimed %d stale sessions", len(removed))
+            self._tell("reclaimed", removed)
         return removed
 
     def reclaim_of(self, run: str, name: str, sid: str, meta: SessionMeta, ttl_seconds: float) -> Reclaim:

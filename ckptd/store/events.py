@@ -1,0 +1,34 @@
+"""What the write side tells an observer (the service's metrics), as hooks it calls.
+
+Call order: :meth:`SessionEvents.opened` when a session is opened or joined;
+:meth:`SessionEvents.committed` when this process made a checkpoint visible (its marker created
+here, with the commit's time); :meth:`SessionEvents.refused` when a commit was refused and the
+session recorded as failed; :meth:`SessionEvents.reclaimed` with what a sweep deleted. The base
+class does nothing; an observer overrides what it counts. A hook that raises is logged, never
+raised into the save: observing a commit must not change it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ckptd_schemas import CkptdError
+
+if TYPE_CHECKING:
+    from .sessions import CommitEvent
+
+__all__ = ["SessionEvents"]
+
+
+class SessionEvents:
+    def opened(self, run: str, name: str, sid: str) -> None:
+        """Session ``sid`` of ``run/name`` was opened or joined here."""
+
+    def committed(self, event: "CommitEvent", seconds: float) -> None:
+        """This process created the marker of ``event`` after ``seconds`` of merging and checking."""
+
+    def refused(self, run: str, name: str, sid: str, error: CkptdError) -> None:
+        """The commit of session ``sid`` was refused (recorded as failed) for ``error``."""
+
+    def reclaimed(self, keys: list[str]) -> None:
+        """A sweep deleted these uncommitted sessions (``run/name/session``)."""
