@@ -105,7 +105,7 @@ def _sessions(trial: int) -> dict[str, tuple[str, str]]:
 def populate(root: str, world: int, tensors: int, trial: int) -> None:
     """Step 1: both sessions' data files, and the cold session's indexes."""
     from ckptd.storage.local import LocalStorage
-    from ckptd.store.layout import Paths
+    from ckptd.store.paths import Paths
     from ckptd.store.sessions import SessionStore
     from ckptd_schemas import OpenSession
 
@@ -152,7 +152,7 @@ def warm(root: str, world: int, tensors: int, trial: int) -> dict:
 def cold(root: str, world: int, tensors: int, trial: int) -> dict:
     """Step 3: a fresh store commits the other session from storage alone; then the manifest is read back."""
     from ckptd.storage.local import LocalStorage
-    from ckptd.store.layout import Paths
+    from ckptd.store.paths import Paths
     from ckptd.store.sessions import SessionStore
     from ckptd_schemas import Manifest
 

@@ -94,7 +94,7 @@ def replicate(root: Path, run: str, seed: str, steps: list[int], derived_every: 
 
     from ckptd.storage import LocalStorage
     from ckptd_schemas.filedigest import xxh3_hex
-    from ckptd.store.layout import Paths
+    from ckptd.store.paths import Paths
     from ckptd.store.visibility import Visibility, manifest_file_name
 
     storage = LocalStorage(root, durable=False)

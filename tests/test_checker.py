@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ckptd.storage import LocalStorage
 from ckptd.store.checker import StorageFiles
-from ckptd.store.layout import Paths
+from ckptd.store.paths import Paths
 from ckptd.store.sessions import SessionStore
 from ckptd.store.checker import verify_manifest
 from ckptd_schemas import ChecksumMismatch, CkptdError, CorruptCheckpoint, OpenSession, RankIndex

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptd.storage.local import LocalStorage
-from ckptd.store.layout import Paths
+from ckptd.store.paths import Paths
 from ckptd.store.merge import merge_indexes
 from ckptd.store.sessions import SessionStore
 from ckptd_schemas import (

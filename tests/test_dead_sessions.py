@@ -30,7 +30,7 @@ import xxhash
 from ckptd.storage import LocalStorage
 from ckptd.store import SessionStore
 from ckptd.store.activity import reclaim_at
-from ckptd.store.layout import Paths
+from ckptd.store.paths import Paths
 from ckptd_schemas import OpenSession, RankIndex
 from support import REPO, ServerProcess, scaled
 

@@ -22,7 +22,7 @@ import torch
 
 from ckptd.service.auth import hash_token
 from ckptd.storage import LocalStorage
-from ckptd.store.layout import Paths
+from ckptd.store.paths import Paths
 from ckptd.store.retention import plan_retention
 from ckptd_client import CheckpointClient
 from ckptd_schemas import CheckpointNotFound, CheckpointSummary, InvalidName, InvalidRequest, SessionConflict

@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ckptd.storage import LocalStorage, open_storage
 from ckptd.store.tiers import TieredStorage
 from ckptd.store.durable import DurableCopier
-from ckptd.store.layout import Paths
+from ckptd.store.paths import Paths
 from ckptd.store.visibility import Visibility
 from ckptd_client import AlreadyCommitted, CheckpointClient, Conflict, CorruptCheckpoint
 from ckptd_client.sessions import wait_committed
@@ -165,7 +165,7 @@ def test_a_name_the_durable_tier_holds_is_taken_although_the_fast_tier_lost_it(t
 def _marker(tier: LocalStorage, ref: str, session: str, digest: str) -> None:
     from datetime import datetime, timezone
 
-    from ckptd.store.layout import Marker
+    from ckptd.store.paths import Marker
     from ckptd.store.visibility import manifest_file_name
 
     run, name = ref.split("/")

@@ -59,7 +59,7 @@ from ckptd_schemas.geometry import Box, Region, check_tiling
 from ..storage import Storage
 from ..store.tiers import open_root
 from ..store import CheckpointReader
-from ..store.layout import Paths
+from ..store.paths import Paths
 from ..store.leases import Leases
 from .digest import tensor_digest
 from .drill_layouts import check_layout, resolve_layout

@@ -54,7 +54,7 @@ from ckptd_schemas.dtypes import FLOATING
 
 from ..store import CheckpointReader, SessionStore
 from ..store.reader import naming_tensor
-from ..store.layout import Paths
+from ..store.paths import Paths
 from ..store.verification import require_verified
 from ..store.merge import merge_indexes
 from .digest import tensor_digest

@@ -41,7 +41,7 @@ from ckptd_schemas import (
 
 from ckptd_schemas.api import LEASE_HEADER, MAX_SKIPPED_SENT, SKIPPED_HEADER
 
-from ..store.layout import Paths
+from ..store.paths import Paths
 from ..store.verification import VerifyRecord, read_record, verify_and_record
 from .auth import principal_of
 from .bodies import parse_body, read_body_limited

@@ -48,10 +48,10 @@ from ckptd_schemas import (
     CheckpointNotFound, CkptdError, Forbidden, Manifest, NotFound, check_run, check_session, parse_ref,
 )
 
-from ..store.layout import Paths, SessionMeta
+from ..store.paths import Paths, SessionMeta
 from ..store.leases import Leases
 from ..store.records import record_of
-from ..store.layout import Committed
+from ..store.paths import Committed
 from .auth import principal_of
 from .gc_log import GcLog
 from .services import Services

@@ -29,7 +29,7 @@ from typing import Iterator
 from ckptd_schemas import CkptdError
 
 from ..storage import Storage
-from .layout import Paths
+from .paths import Paths
 
 __all__ = ["DEAD_SESSION_AFTER", "KEEPALIVE_PER_WINDOW", "Reclaim", "SessionActivity", "reclaim_at"]
 

@@ -47,10 +47,10 @@ from ckptd_schemas import CkptdError, Conflict, CorruptCheckpoint, Manifest, Sto
 from ..storage import Writer
 from .tiers import ADOPTED, TieredStorage
 from .faults import crash_point
-from .layout import Marker, Paths
+from .paths import Marker, Paths
 from .leases import Leases
 from .checker import StorageFiles, judge
-from .layout import Committed
+from .paths import Committed
 from .visibility import Visibility, order_key
 
 __all__ = ["DURABLE_CRASH_POINTS", "Copied", "DurableCopier", "DurableState"]

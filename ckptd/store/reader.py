@@ -18,8 +18,8 @@ from ckptd_schemas import (
 )
 
 from ..storage import Storage
-from .layout import Marker, Paths
-from .layout import Committed
+from .paths import Marker, Paths
+from .paths import Committed
 from .visibility import Visibility
 
 __all__ = ["CheckpointReader", "naming_tensor"]

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ckptd_schemas import CkptdError, StorageError
 
 from ..storage import Storage
-from .layout import Committed, Paths
+from .paths import Committed, Paths
 
 __all__ = ["CommitCheck", "MAX_PROBLEMS", "VerifyRecord", "file_stamps", "known_bad", "record_commit_check",
            "record_holds", "record_of", "record_vouches", "stamps_of"]

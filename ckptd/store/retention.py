@@ -56,11 +56,11 @@ from typing import Callable, Mapping
 from ckptd_schemas import CheckpointNotFound, CheckpointSummary, CkptdError, InvalidRequest, check_name, check_run
 
 from ..storage import Storage
-from .layout import Marker, Paths
+from .paths import Marker, Paths
 from .leases import Leases
 from .records import VerifyRecord, record_holds
 from .verification import read_record, verify_committed, verify_unrecorded
-from .layout import Committed
+from .paths import Committed
 from .visibility import Visibility
 
 __all__ = ["Removal", "RetentionPlan", "Verifier", "children_elsewhere", "collect", "plan_retention", "remove"]

@@ -52,7 +52,7 @@ from ckptd_schemas.filedigest import BLOCK_SIZE, StreamDigest, xxh3_hex
 from .activity import DEAD_SESSION_AFTER, KEEPALIVE_PER_WINDOW, Reclaim, SessionActivity, reclaim_at
 from .events import SessionEvents
 from .index_cache import IndexCache
-from .layout import Marker, Paths, SessionMeta
+from .paths import Marker, Paths, SessionMeta
 from .checker import check_commit
 from .records import CommitCheck as _CommitCheck, file_stamps, record_commit_check, record_vouches
 from .merge import ManifestFold

@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from ckptd_schemas import StorageError
 
 from ..storage import Presigned, Storage, Writer, open_storage
-from .layout import Marker, Paths
+from .paths import Marker, Paths
 
 __all__ = ["ADOPTED", "TIERED", "TieredStorage", "open_root", "split_tiered"]
 

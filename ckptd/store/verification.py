@@ -22,7 +22,7 @@ from ckptd_schemas import CkptdError, CorruptCheckpoint, StorageError
 from ..storage import Storage
 from .tiers import open_root
 from .checker import VerifyReport, verify_manifest
-from .layout import Committed, Paths
+from .paths import Committed, Paths
 from .records import MAX_PROBLEMS, VerifyRecord, record_holds, record_of, stamps_of
 from .visibility import Visibility
 

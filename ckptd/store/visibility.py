@@ -53,7 +53,7 @@ from ckptd_schemas import (
 from ..storage import Storage
 from .gcpause import gc_paused
 from ckptd_schemas.filedigest import xxh3_hex
-from .layout import Committed, Marker, Paths
+from .paths import Committed, Marker, Paths
 from .records import known_bad
 
 __all__ = ["BadMarker", "Committed", "Latest", "Skipped", "Visibility", "manifest_file_name"]

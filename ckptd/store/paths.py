@@ -1,11 +1,12 @@
-"""Where things live under the storage root, and the commit marker.
+"""Where things live under the storage root, and the small records there (marker, session).
 
 ::
 
     runs/<run>/<name>/COMMITTED                         marker: names session + manifest digest
-    runs/<run>/<name>/VERIFIED.json                     the service's last verification (store.verification)
+    runs/<run>/<name>/VERIFIED.json                     the last verification of it (store.records)
     runs/<run>/<name>/DRILL.json                        the last conversion drill (reshard.drill)
     runs/<run>/<name>/sessions/<sid>/SESSION.json       upload session (open-or-join, create-if-absent)
+    runs/<run>/<name>/sessions/<sid>/ACTIVE.json        when a writer was last heard from (store.activity)
     runs/<run>/<name>/sessions/<sid>/files/<file>       data streamed by ranks (staging)
     runs/<run>/<name>/sessions/<sid>/digests/<file>     size, XXH3 and block digests of a file (created once)
     runs/<run>/<name>/sessions/<sid>/presigned/<file>   the presign of a file uploaded by URL (created once)
@@ -19,7 +20,7 @@ it changes until the marker is created. The marker is created exactly once
 visible iff its marker parses and names the digest of a manifest that parses
 and agrees with it (``visibility``, docs/design.md §2); the same rule holds on local
 disks and on object stores, with no rename. Session
-directories that no marker names are reclaimed after a TTL.
+directories that no marker names are reclaimed once no writer is heard from, or after a TTL.
 """
 
 from __future__ import annotations
