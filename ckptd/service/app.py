@@ -53,6 +53,8 @@ from ..storage import Storage
 from ..store.tiers import TieredStorage, open_root
 from ..store import CheckpointReader
 from ..store.durable import DurableCopier
+from ..store.leases import ReadLeases
+from ..store.retention import RetentionPolicy
 from ..store.sessions import CommitEvent, SessionStore
 from ..store.verification import VerifyRecord, verify_and_record
 from ..store.visibility import Visibility
@@ -66,7 +68,7 @@ from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .read_routes import read_router
 from .reshard_routes import reshard_router
 from .workers import Workers
-from .retention_routes import ReadLeases, RetentionPolicy, gc_router
+from .retention_routes import gc_router
 from .services import Services
 from .settings import Settings
 from .gc_log import GcLog
@@ -95,7 +97,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
         return VerifyRecord.model_validate(workers().submit(verify_and_record, storage.url, run, name).result())
 
     gc_log = GcLog()  # the last gc decisions, for the web view
-    retention = RetentionPolicy(storage, settings, verify=verify_in_worker, record=gc_log.record)
+    retention = RetentionPolicy(storage, settings.retention_keep_last, settings.retention_keep_every,
+                                verify=verify_in_worker, record=gc_log.record)
     read_leases = ReadLeases(storage, settings.read_lease_seconds)
 
     def after_commit(ev: CommitEvent) -> None:

@@ -20,7 +20,7 @@ and, at any time::
     GET    /v1/checkpoints/{run}/{name}/verification     the last recorded verification
 
 Serving a manifest, a read plan or file bytes touches the checkpoint's read
-lease (``retention_routes.ReadLeases``), so gc spares it while it is read.
+lease (``store.leases.ReadLeases``), so gc spares it while it is read.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .limits import UploadSlots
     from ..store import SessionStore
     from .metrics import Metrics
-    from .retention_routes import ReadLeases
+    from ..store.leases import ReadLeases
     from .settings import Settings
     from .workers import Workers
 

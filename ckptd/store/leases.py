@@ -4,6 +4,12 @@ A lease is a small object ``leases/<run>/<name>/<holder>.json`` holding an
 expiry time; holders renew it while they work and release it when done.
 Retention (``ckptd gc``) skips any checkpoint with an unexpired lease. A
 crashed holder's lease simply expires.
+
+The service's reads lease what they serve (:class:`ReadLeases`): serving a manifest, a read plan
+or file bytes renews the lease the request names (``X-Ckptd-Lease``: a load's own, released when
+it returns), or else leases the checkpoint on this replica's account for
+``CKPTD_READ_LEASE_SECONDS``, so gc does not delete it under a load that is still fetching its
+files (renewed at most every half lease per replica).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import threading
 import time
 import uuid
@@ -18,7 +25,7 @@ from typing import Iterator
 
 from ..storage import Storage
 
-__all__ = ["Leases"]
+__all__ = ["Leases", "ReadLeases"]
 
 
 class Leases:
@@ -93,3 +100,47 @@ class Leases:
             stop.set()
             t.join(timeout=5)
             self.release(run, name, holder)
+
+
+_HOLDER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a reader's lease name, as the lease routes take
+
+
+class ReadLeases:
+    """Leases served checkpoints for a while; at most one storage write per checkpoint per half lease."""
+
+    def __init__(self, storage: Storage, seconds: float) -> None:
+        self.leases, self.seconds = Leases(storage), seconds  # CKPTD_READ_LEASE_SECONDS
+        self.holder = f"reader-{uuid.uuid4().hex[:12]}"  # this replica
+        self._renewed: dict[tuple[str, str], float] = {}
+        self._lock = threading.Lock()
+
+    def touch(self, run: str, name: str, holder: str | None = None) -> None:
+        """A read of ``run/name``: renew the reader's own lease when the request names one
+        (``X-Ckptd-Lease``: released by the reader when it is done, so nothing of its read outlives
+        it), else this replica's lease on the checkpoint, which runs a while after the last read."""
+        if self.seconds <= 0:
+            return
+        if holder is not None and not _HOLDER.fullmatch(holder):
+            holder = None  # not a name a lease can have: as a read without one
+        now = time.monotonic()
+        key = (run, name, holder or "")
+        with self._lock:
+            if now - self._renewed.get(key, -1e18) < self.seconds / 2:
+                return
+            self._renewed[key] = now
+            if len(self._renewed) > 10_000:
+                self._renewed = {k: v for k, v in self._renewed.items() if now - v < self.seconds}
+        if holder is not None:
+            self.hold(run, name, holder)
+            return
+        # Renewed at most every half lease, so each renewal runs one and a half leases: a read
+        # keeps the checkpoint for at least a whole lease after it, whenever the last renewal was.
+        self.leases.acquire(run, name, self.holder, ttl=1.5 * self.seconds)
+
+    def hold(self, run: str, name: str, holder: str) -> None:
+        """A reader's own lease, for one lease period from now (the reader renews it)."""
+        if self.seconds > 0:
+            self.leases.acquire(run, name, f"client-{holder}", ttl=self.seconds)
+
+    def release(self, run: str, name: str, holder: str) -> None:
+        self.leases.release(run, name, f"client-{holder}")

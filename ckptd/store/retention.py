@@ -50,20 +50,20 @@ goes, so a lease taken while gc runs still protects.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from ckptd_schemas import CheckpointNotFound, CheckpointSummary, CkptdError, InvalidRequest, check_name, check_run
 
 from ..storage import Storage
-from .paths import Marker, Paths
 from .leases import Leases
+from .paths import Committed, Marker, Paths
 from .records import VerifyRecord, record_holds
 from .verification import read_record, verify_committed, verify_unrecorded
-from .paths import Committed
 from .visibility import Visibility
 
-__all__ = ["Removal", "RetentionPlan", "Verifier", "children_elsewhere", "collect", "plan_retention", "remove"]
+__all__ = ["Removal", "RetentionPlan", "RetentionPolicy", "Verifier", "children_elsewhere", "collect", "plan_retention", "remove"]
 
 log = logging.getLogger("ckptd.store")
 
@@ -320,3 +320,54 @@ def _newest_verified(storage: Storage, vis: Visibility, visible: list, verify: V
             return c.name, "verified now", failed
         failed[c.name] = "; ".join(rec.problems[:3]) or "verification failed"
     return None, None, failed
+
+
+class RetentionPolicy:
+    """Collects a run after each commit when the service has a retention policy; one pass per run at a time."""
+
+    def __init__(self, storage: Storage, keep_last: int | None, keep_every: int | None = None,
+                 verify: Verifier | None = None,
+                 record: Callable[[str, dict, str, bool], None] | None = None) -> None:
+        """``keep_last`` None: no policy (``CKPTD_RETENTION_KEEP_LAST`` unset). ``record``: told every decision
+        (run, ``RetentionPlan.as_json()``, who asked, dry run)."""
+        self.storage, self.keep_last, self.keep_every = storage, keep_last, keep_every
+        self.verify, self.record = verify, record
+        self._busy: set[str] = set()  # runs being collected
+        self._again: set[str] = set()  # of those, runs committed to meanwhile
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.keep_last is not None
+
+    def after_commit(self, run: str) -> None:
+        """Collect ``run`` in a thread; a commit while it runs has it collect once more after (its
+        listing may predate that commit)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            if run in self._busy:
+                self._again.add(run)
+                return
+            self._busy.add(run)
+        threading.Thread(target=self._collect_while_asked, args=(run,), name=f"ckptd-gc-{run}", daemon=True).start()
+
+    def _collect_while_asked(self, run: str) -> None:
+        while True:
+            self._collect(run)
+            with self._lock:
+                if run not in self._again:
+                    self._busy.discard(run)
+                    return
+                self._again.discard(run)
+
+    def _collect(self, run: str) -> None:
+        try:
+            plan = collect(self.storage, run, keep_last=self.keep_last or 1, keep_every=self.keep_every,
+                           verify=self.verify)
+            if self.record is not None:
+                self.record(run, plan.as_json(), "retention policy", False)
+            if plan.deleted:
+                log.info("retention: deleted %s from run %s", ", ".join(plan.deleted), run)
+        except Exception:  # noqa: BLE001 - retention never breaks a save; the next commit tries again
+            log.exception("retention of run %s failed", run)
