@@ -23,6 +23,7 @@ import pytest
 from ckptd.storage import LocalStorage, Storage, open_storage
 from ckptd.storage.fsspec import FsspecStorage
 from ckptd.storage.s3 import S3Storage
+from ckptd.storage.s3 import S3Storage
 from ckptd_schemas import InvalidName, StorageError
 
 BACKENDS = ["local", "fsspec-file", "fsspec-memory", "s3"]
@@ -55,7 +56,7 @@ def raw_names(st: Storage, prefix: str) -> list[str]:
     if isinstance(st, LocalStorage):
         path = st.root.joinpath(*prefix.split("/")) if prefix else st.root
         return sorted(os.listdir(path)) if path.is_dir() else []
-    assert isinstance(st, FsspecStorage)
+    assert isinstance(st, (FsspecStorage, S3Storage))  # each with its fsspec filesystem (``fs``) and ``root``
     path = f"{st.root}/{prefix}" if prefix else st.root
     if not st.fs.exists(path):
         names = []

@@ -247,7 +247,14 @@ class Storage(ABC):
             raise StorageError(f"{self.url}/{key} is not valid JSON: {e}", key=key) from e
 
     def read_json_or_none(self, key: str) -> Any:
-        return self.read_json(key) if self.exists(key) else None
+        """The object parsed as JSON, or None when it is absent (one read: :meth:`read_or_none`)."""
+        raw = self.read_or_none(key)
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise StorageError(f"{self.url}/{key} is not valid JSON: {e}", key=key) from e
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

@@ -1,5 +1,6 @@
-"""Storage on any fsspec filesystem (``file://``, ``memory://``; ``s3://`` is
-:class:`ckptd.storage.s3.S3Storage`, a subclass, via :func:`ckptd.storage.open_storage`).
+"""Storage on any fsspec filesystem (``file://``, ``memory://``, ``gs://``...; ``s3://`` is
+:class:`ckptd.storage.s3.S3Storage`, its own backend over s3fs's client, via
+:func:`ckptd.storage.open_storage`).
 
 Object stores (no rename) write the object in place: it becomes visible only
 when the upload completes (single PUT or multipart completion), which is the

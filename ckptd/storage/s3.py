@@ -46,10 +46,11 @@ import time
 from concurrent.futures import Future
 from typing import Any, Iterator, Mapping
 
-from ckptd_schemas import StorageError
+from ckptd_schemas import CkptdError, StorageError
 
-from .base import Presigned, Writer
-from .fsspec import FsspecStorage, _wrap
+import fsspec
+
+from .base import Presigned, Storage, Writer, check_key
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_ATTEMPTS", "S3Storage", "s3_options_from_env"]
 
@@ -84,6 +85,23 @@ def s3_options_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     # presign with the legacy query signature, which signs neither the checksum nor the length).
     opts["config_kwargs"] = {"retries": {"mode": mode, "total_max_attempts": attempts}, "signature_version": "s3v4"}
     return opts
+
+
+def _wrap(op: str, key: str, e: BaseException) -> StorageError:
+    return StorageError(f"storage {op} of {key!r} failed: {type(e).__name__}: {e}", key=key)
+
+
+@contextlib.contextmanager
+def _s3_errors(op: str, key: str) -> Iterator[None]:
+    """The one error wrapper of every S3 call: a backend failure becomes :class:`StorageError` naming
+    the operation and key; a missing object (``FileNotFoundError``, which each call answers its own
+    way) and the project's own errors (an unsafe key's ``InvalidName``) pass as they are."""
+    try:
+        yield
+    except (FileNotFoundError, CkptdError):
+        raise
+    except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
+        raise _wrap(op, key, e) from e
 
 
 def _client_errors(e: BaseException) -> Iterator[tuple[str, int | None]]:
@@ -220,7 +238,7 @@ class _S3Writer(Writer):
                 pass
 
 
-class S3Storage(FsspecStorage):
+class S3Storage(Storage):
     """Storage rooted at ``s3://bucket[/prefix]``; see the module docstring for the mapping.
 
     ``storage_options`` go to :class:`s3fs.S3FileSystem` and override the
@@ -235,12 +253,12 @@ class S3Storage(FsspecStorage):
     def __init__(self, url: str, **storage_options: Any) -> None:
         opts: dict[str, Any] = {"default_block_size": DEFAULT_BLOCK_SIZE, "use_listings_cache": False,
                                 **s3_options_from_env(), **storage_options}
+        self.url = url.rstrip("/")
         try:
-            super().__init__(url, **opts)
+            self.fs, root = fsspec.url_to_fs(self.url, **opts)
         except ImportError as e:
             raise StorageError(f"{url}: S3 needs s3fs (pip install 'ckptd[s3]'): {e}", key="") from e
-        if not self._in_place:  # pragma: no cover - s3fs always registers s3/s3a
-            raise StorageError(f"{url}: not an S3 filesystem ({self.fs.protocol})", key="")
+        self.root = root.rstrip("/")
         self.fs.retries = _S3FS_RETRIES
         self.bucket, _, prefix = self.root.partition("/")
         self._prefix = prefix.strip("/")
@@ -250,6 +268,9 @@ class S3Storage(FsspecStorage):
             raise StorageError(f"{url}: S3 multipart parts are at least 5 MiB (block size {self.block_size})", key="")
 
     # -- helpers ------------------------------------------------------------------
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{check_key(key)}"
+
     def _s3key(self, key: str) -> str:
         """The S3 object key of a storage key (validated)."""
         return self._path(key).partition("/")[2]
@@ -300,26 +321,22 @@ class S3Storage(FsspecStorage):
                     return b""
             raise _wrap("read", key, e) from e
 
+    def _head(self, key: str, **kw: Any) -> dict | None:
+        """One HEAD of ``key``; None when it is absent."""
+        with _s3_errors("stat", key):
+            try:
+                return self.fs.call_s3("head_object", Bucket=self.bucket, Key=self._s3key(key), **kw)
+            except FileNotFoundError:
+                return None
+
     def size(self, key: str) -> int | None:
-        k = self._s3key(key)
-        try:
-            out = self.fs.call_s3("head_object", Bucket=self.bucket, Key=k)
-        except FileNotFoundError:
-            return None
-        except Exception as e:  # noqa: BLE001
-            raise _wrap("stat", key, e) from e
-        return int(out.get("ContentLength") or 0)
+        out = self._head(key)
+        return None if out is None else int(out.get("ContentLength") or 0)
 
     def stamp(self, key: str) -> str | None:
         """ETag and size from one HEAD: any PUT of other bytes changes the ETag."""
-        k = self._s3key(key)
-        try:
-            out = self.fs.call_s3("head_object", Bucket=self.bucket, Key=k)
-        except FileNotFoundError:
-            return None
-        except Exception as e:  # noqa: BLE001
-            raise _wrap("stat", key, e) from e
-        return f"{out.get('ETag', '')}:{int(out.get('ContentLength') or 0)}"
+        out = self._head(key)
+        return None if out is None else f"{out.get('ETag', '')}:{int(out.get('ContentLength') or 0)}"
 
     def presign_put(self, key: str, size: int, part_size: int, sha256s: list[str], seconds: float) -> Presigned:
         """SigV4 presigned ``PutObject`` (one part) or ``UploadPart`` URLs of a multipart upload made with
@@ -366,50 +383,27 @@ class S3Storage(FsspecStorage):
             raise _wrap("complete", key, e) from e
 
     def stored_sha256(self, key: str) -> str | None:
-        try:
-            out = self.fs.call_s3("head_object", Bucket=self.bucket, Key=self._s3key(key), ChecksumMode="ENABLED")
-        except FileNotFoundError:
-            return None
-        except Exception as e:  # noqa: BLE001
-            raise _wrap("stat", key, e) from e
-        return out.get("ChecksumSHA256")
+        out = self._head(key, ChecksumMode="ENABLED")
+        return None if out is None else out.get("ChecksumSHA256")
 
     def read_or_none(self, key: str) -> bytes | None:
         """One GET (no HEAD first)."""
-        try:
-            return self.fs.cat_file(self._path(key), start=0, end=None)
-        except FileNotFoundError:
-            return None
-        except Exception as e:  # noqa: BLE001
-            raise _wrap("read", key, e) from e
-
-    def read_json_or_none(self, key: str) -> Any:
-        """One GET (no HEAD first): ``None`` when the object is absent."""
-        import json
-
-        path = self._path(key)
-        try:
-            raw = self.fs.cat_file(path, start=0, end=None)
-        except FileNotFoundError:
-            return None
-        except Exception as e:  # noqa: BLE001
-            raise _wrap("read", key, e) from e
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise StorageError(f"{self.url}/{key} is not valid JSON: {e}", key=key) from e
+        with _s3_errors("read", key):
+            try:
+                return self.fs.cat_file(self._path(key), start=0, end=None)
+            except FileNotFoundError:
+                return None
 
     def list(self, prefix: str) -> list[str]:
         pfx = self._dir(prefix)
         names: set[str] = set()
-        try:
-            for page in self._walk(pfx, "/"):
-                names.update(c["Prefix"][len(pfx):].rstrip("/") for c in page.get("CommonPrefixes") or ())
-                names.update(o["Key"][len(pfx):] for o in page.get("Contents") or ())
-        except FileNotFoundError:
-            return []
-        except Exception as e:  # noqa: BLE001
-            raise _wrap("list", prefix, e) from e
+        with _s3_errors("list", prefix):
+            try:
+                for page in self._walk(pfx, "/"):
+                    names.update(c["Prefix"][len(pfx):].rstrip("/") for c in page.get("CommonPrefixes") or ())
+                    names.update(o["Key"][len(pfx):] for o in page.get("Contents") or ())
+            except FileNotFoundError:
+                return []
         return sorted(n for n in names if n and "/" not in n and not n.startswith(".") and ".tmp-" not in n)
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
@@ -463,13 +457,8 @@ class S3Storage(FsspecStorage):
             raise _wrap("link", dst, e) from e
 
     def delete(self, key: str) -> None:
-        k = self._s3key(key)
-        try:
-            self.fs.call_s3("delete_object", Bucket=self.bucket, Key=k)
-        except FileNotFoundError:
-            pass
-        except Exception as e:  # noqa: BLE001
-            raise _wrap("delete", key, e) from e
+        with _s3_errors("delete", key), contextlib.suppress(FileNotFoundError):
+            self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self._s3key(key))
 
     def delete_tree(self, prefix: str) -> None:
         k = self._s3key(prefix)
