@@ -6,8 +6,12 @@ store, reshard, CLI) uses ``ckptd_client`` only through its public modules, neve
 ``ckptd_client._private`` one, and of those only the catalog client (``CatalogClient``, for the
 ``--server`` commands): the byte format both sides read (``ckptd_schemas.format``: codecs, frame
 checks, the copy kernel, safe objects) lives below both and imports neither; nothing below the CLI
-imports the CLI; and the modules of ``ckptd_schemas`` form no import cycle. Every import counts,
-those inside functions too.
+imports the CLI; no module of the three packages takes part in an import cycle. Inside ``ckptd``
+the layers stand in one order, storage, store, then reshard and interop side by side, the
+service, the CLI, and a module imports only its own layer or those below; the storage backends
+know keys, not where a checkpoint's files lie; the service observes the store through its events,
+never by subclassing it. Every import counts, those inside functions and under ``TYPE_CHECKING``
+too. Each rule is also run over the imports that broke it once, and must flag exactly those.
 """
 
 from __future__ import annotations
@@ -117,24 +121,123 @@ def test_nothing_below_the_cli_imports_it():
     assert not bad, "\n".join(bad)
 
 
-def test_the_schema_modules_form_no_cycle():
-    rows = _all_imports()
-    mods = {m for m in rows if m.startswith("ckptd_schemas.")}
+def _cycles(rows: dict[str, list[tuple[Path, int, str]]]) -> list[str]:
+    """Every import cycle among the modules of ``rows``, as ``a -> b -> a``."""
+    mods = set(rows)
     graph = {m: {mod for _, _, mod in rows[m] if mod in mods and mod != m} for m in mods}
     state: dict[str, int] = {}
+    found: list[str] = []
 
     def visit(m: str, path: list[str]) -> None:
         state[m] = 1
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(n):] + [n]))
-            if n not in state:
+                found.append(" -> ".join(path[path.index(n):] + [n]))
+            elif n not in state:
                 visit(n, path + [n])
         state[m] = 2
 
     for m in sorted(mods):
         if m not in state:
             visit(m, [m])
+    return found
+
+
+def test_no_module_takes_part_in_an_import_cycle():
+    cycles = _cycles(_all_imports())
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+#: The layers of ``ckptd``, bottom up: a module imports only its own layer or those below.
+LAYERS = {"storage": 0, "store": 1, "reshard": 2, "interop": 2, "service": 3, "cli": 4}
+
+
+def _layer(mod: str) -> tuple[int, str] | None:
+    parts = mod.split(".")
+    if parts[0] != "ckptd" or len(parts) < 2 or parts[1] not in LAYERS:
+        return None
+    return LAYERS[parts[1]], parts[1]
+
+
+def _against_the_layers(rows: dict[str, list[tuple[Path, int, str]]]) -> list[str]:
+    bad = []
+    for me, found in rows.items():
+        mine = _layer(me)
+        for p, line, mod in found:
+            theirs = _layer(mod)
+            if mine is not None and theirs is not None and (theirs[0] > mine[0] or
+                                                            (theirs[0] == mine[0] and theirs[1] != mine[1])):
+                bad.append(f"{p.relative_to(REPO)}:{line} imports {mod}")
+    return bad
+
+
+def test_each_layer_imports_only_itself_and_those_below():
+    bad = _against_the_layers(_all_imports())
+    assert not bad, "imports against the layers (storage < store < reshard, interop < service < cli):\n" + \
+        "\n".join(bad)
+
+
+def _checkpoint_paths_in(path: Path) -> list[int]:
+    """Lines of ``path`` whose string literals spell a checkpoint's place: ``runs/...`` or ``COMMITTED``."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                node.value.startswith("runs/") or "/COMMITTED" in node.value or node.value == "COMMITTED"):
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_the_storage_backends_know_keys_not_checkpoints():
+    """Where a checkpoint's marker and files lie is the store's (``store/paths.py``); a backend that
+    spelled it would decide visibility on its own."""
+    bad = [f"{p.relative_to(REPO)}:{line}" for p in sorted((REPO / "ckptd" / "storage").rglob("*.py"))
+           for line in _checkpoint_paths_in(p)]
+    assert not bad, "storage modules spelling checkpoint paths:\n" + "\n".join(bad)
+
+
+def _store_subclasses(path: Path) -> list[tuple[int, str]]:
+    """(line, class name) of each class in ``path`` that subclasses ``SessionStore``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.ClassDef) and any(
+                (b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else "")
+                == "SessionStore" for b in node.bases):
+            out.append((node.lineno, node.name))
+    return out
+
+
+def test_the_service_observes_the_store_through_its_events():
+    bad = [f"{p.relative_to(REPO)}:{line} class {name}(SessionStore)" for p in sorted((REPO / "ckptd").rglob("*.py"))
+           if "store" not in p.relative_to(REPO / "ckptd").parts for line, name in _store_subclasses(p)]
+    assert not bad, "subclasses of SessionStore outside the store (use store.events.SessionEvents):\n" + "\n".join(bad)
+
+
+def test_the_structural_rules_flag_what_broke_them_once(tmp_path):
+    """The cycle, layer, storage and subclass rules, run over imports and code the tree once had (the
+    verification record read by the visibility rule it imported, the reshard CLI and its remote half
+    importing each other, the store lowering a worker's priority through the reshard package, a
+    storage backend that built marker keys, a metrics subclass of the session store), flag each."""
+    verification, visibility = REPO / "ckptd" / "store" / "verification.py", REPO / "ckptd" / "store" / "visibility.py"
+    reshard, remote = REPO / "ckptd" / "cli" / "reshard.py", REPO / "ckptd" / "cli" / "reshard_remote.py"
+    old = {
+        "ckptd.store.verification": [(verification, 44, "ckptd.store.visibility"),
+                                     (verification, 197, "ckptd.reshard.priority")],
+        "ckptd.store.visibility": [(visibility, 400, "ckptd.store.verification")],
+        "ckptd.cli.reshard": [(reshard, 53, "ckptd.cli.reshard_remote")],
+        "ckptd.cli.reshard_remote": [(remote, 38, "ckptd.cli.reshard")],
+        "ckptd.reshard.priority": [],
+    }
+    assert _cycles(old) == ["ckptd.cli.reshard -> ckptd.cli.reshard_remote -> ckptd.cli.reshard",
+                            "ckptd.store.verification -> ckptd.store.visibility -> ckptd.store.verification"]
+    assert _against_the_layers(old) == ["ckptd/store/verification.py:197 imports ckptd.reshard.priority"]
+    tiered = tmp_path / "tiered.py"
+    tiered.write_text('def behind(fast, parts):\n    return fast.exists(f"runs/{parts[1]}/{parts[2]}/COMMITTED")\n'
+                      'ADOPTED = "runs/.adopted"\nOK = "a key"\n')
+    assert _checkpoint_paths_in(tiered) == [2, 3]
+    metered = tmp_path / "metrics.py"
+    metered.write_text("from ..store import SessionStore\n\n\nclass MeteredSessionStore(SessionStore):\n    pass\n\n\n"
+                       "class Metrics:\n    pass\n")
+    assert _store_subclasses(metered) == [(4, "MeteredSessionStore")]
 
 
 def test_the_checks_see_what_they_look_for():

@@ -55,7 +55,8 @@ from ..store import CheckpointReader
 from ..store.durable import DurableCopier
 from ..store.leases import ReadLeases
 from ..store.retention import RetentionPolicy
-from ..store.sessions import CommitEvent, SessionStore
+from ..store.events import CommitEvent
+from ..store.sessions import SessionStore
 from ..store.verification import VerifyRecord, verify_and_record
 from ..store.visibility import Visibility
 from .auth import ROUTE_RULES, AccessMiddleware, TokenStore, authorize, check_routes, iter_routes

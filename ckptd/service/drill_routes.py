@@ -35,7 +35,7 @@ from ckptd_schemas import NotFound
 from ..reshard.drill import DrillJob, DrillRecord, DrillRequest
 from ..reshard.drill_layouts import split_layouts
 from ..storage import Storage
-from ..store.sessions import CommitEvent
+from ..store.events import CommitEvent
 from .settings import Settings
 from .workers import Workers
 

@@ -61,7 +61,8 @@ from ckptd_schemas import CkptdError, StorageError
 from ..storage import Storage
 from ..store.durable import Copied, DurableCopier
 from ..store.events import SessionEvents
-from ..store.sessions import CommitEvent, SessionStore
+from ..store.events import CommitEvent
+from ..store.sessions import SessionStore
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 

@@ -1,4 +1,5 @@
-"""What the write side tells an observer (the service's metrics), as hooks it calls.
+"""What the write side tells an observer (the service's metrics), as hooks it calls, and the event
+of a commit (:class:`CommitEvent`, which the ``on_commit`` callbacks receive too).
 
 Call order: :meth:`SessionEvents.opened` when a session is opened or joined;
 :meth:`SessionEvents.committed` when this process made a checkpoint visible (its marker created
@@ -10,21 +11,31 @@ raised into the save: observing a commit must not change it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from ckptd_schemas import CkptdError
 
-if TYPE_CHECKING:
-    from .sessions import CommitEvent
+__all__ = ["CommitEvent", "SessionEvents"]
 
-__all__ = ["SessionEvents"]
+
+@dataclass(frozen=True)
+class CommitEvent:
+    """A checkpoint this store just made visible (its marker created by this process)."""
+
+    run: str
+    name: str
+    session: str
+    manifest_xxh3: str
+    derived_from: str | None
+    files: int
+    bytes: int
 
 
 class SessionEvents:
     def opened(self, run: str, name: str, sid: str) -> None:
         """Session ``sid`` of ``run/name`` was opened or joined here."""
 
-    def committed(self, event: "CommitEvent", seconds: float) -> None:
+    def committed(self, event: CommitEvent, seconds: float) -> None:
         """This process created the marker of ``event`` after ``seconds`` of merging and checking."""
 
     def refused(self, run: str, name: str, sid: str, error: CkptdError) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable, Sequence
 
@@ -50,7 +49,7 @@ from .faults import crash_point, wrap_storage
 from .gcpause import gc_paused
 from ckptd_schemas.filedigest import BLOCK_SIZE, StreamDigest, xxh3_hex
 from .activity import DEAD_SESSION_AFTER, KEEPALIVE_PER_WINDOW, Reclaim, SessionActivity, reclaim_at
-from .events import SessionEvents
+from .events import CommitEvent, SessionEvents
 from .index_cache import IndexCache
 from .paths import Marker, Paths, SessionMeta
 from .checker import check_commit
@@ -59,26 +58,13 @@ from .merge import ManifestFold
 from .reuse import check_reuse
 from .visibility import BadMarker, Visibility, manifest_file_name
 
-__all__ = ["CommitEvent", "FileSink", "SessionStore"]
+__all__ = ["FileSink", "SessionStore"]
 
 log = logging.getLogger("ckptd.store")
 
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
-
-
-@dataclass(frozen=True)
-class CommitEvent:
-    """A checkpoint this store just made visible (its marker created by this process)."""
-
-    run: str
-    name: str
-    session: str
-    manifest_xxh3: str
-    derived_from: str | None
-    files: int
-    bytes: int
 
 
 class FileSink:
