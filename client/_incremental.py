@@ -198,19 +198,17 @@ class ChunkHistory:
         return last.name, out
 
     def begin(self, run: str, name: str, snap: Any) -> SaveDelta:
-        """Digest ``snap``'s chunks (a ``Snapshot``; those digested in the stall keep that digest) and
-        pick, among the chunks it copied, those stored unchanged at the last save to ``run``."""
+        """Digest ``snap``'s chunks (a ``Snapshot``, keyed by its plan; those digested in the stall keep
+        that digest) and pick, among the chunks it copied, those stored unchanged at the last save to ``run``."""
         digests: dict[ChunkKey, bytes] = {}
         copied: dict[ChunkKey, bytes] = {}
         placed: list[list] = []
-        for t in snap.tensors:
-            for c in snap.chunks.get(t.name, []):
-                key = chunk_key(t.name, t.dtype, c.box, c.flat)
-                digests[key] = c.digest if c.digest is not None else digest(_raw(c.data))
-                if c.reused is None:
-                    copied[key] = digests[key]
-                else:
-                    placed.append(c.reused)
+        for c in (c for cs in snap.chunks.values() for c in cs):
+            digests[c.key] = c.digest if c.digest is not None else digest(_raw(c.data))
+            if c.reused is None:
+                copied[c.key] = digests[c.key]
+            else:
+                placed.append(c.reused)
         last = self._last
         same = last is not None and last.run == run and last.name != name
         unchanged = frozenset(k for k, d in copied.items() if same and (s := last.chunks.get(k)) is not None

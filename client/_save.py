@@ -2,26 +2,27 @@
 
 Call order inside :meth:`CheckpointClient.save`:
 
-1. ``build_snapshot`` (caller's thread; this is the training stall): flatten
-   the state dict, decide which chunks this rank writes (replicas once),
-   copy them to host memory (into a leased :class:`SnapshotPool` slab when the client has one;
-   from CUDA on a side stream, synchronised before returning), encode objects
-   (``ckptd_schemas.format.objects``: one that would need an unrestricted unpickler raises here).
-2. ``upload_snapshot`` (background thread): open-or-join the session, pack
-   chunks into files (64-byte aligned), hash each chunk and file with XXH3,
-   stream files with retries, then send the rank's index. The service commits
-   when the last rank's index arrives. Then ``Snapshot.release`` (success or failure) gives the
-   slab back: nothing but the pool's declared slab outlives the upload.
+1. ``build_snapshot`` (caller's thread; this is the training stall): flatten the state dict once
+   and plan the save (``ckptd_client._saveplan.plan_save``: which chunks this rank writes, replicas
+   once, which it may reuse, their layout), then two steps driven by the plan: reuse (the reuse
+   candidates, hashed in place, that ``link`` linked into the session: not copied) and copy (the
+   rest, to host memory: into a leased :class:`SnapshotPool` slab when the client has one; from
+   CUDA on a side stream, synchronised before returning; objects encoded by
+   ``ckptd_schemas.format.objects``: one that would need an unrestricted unpickler raises here).
+2. ``upload_snapshot`` (background thread): open-or-join the session, execute the plan in
+   ``_pack`` (compress, lay out by the plan's ``Packer``: 64-byte aligned, files cut at
+   ``file_bytes``; hash each chunk and file with XXH3), stream files with retries, then send the
+   rank's index. The service commits when the last rank's index arrives. Then ``Snapshot.release``
+   (success or failure) gives the slab back: nothing but the pool's declared slab outlives the upload.
 """
 
 from __future__ import annotations
 
-import math
 import time
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Container, Iterator, Mapping
+from typing import Any, Callable, Container, Iterator, Mapping, Sequence
 
 import torch
 import xxhash
@@ -31,14 +32,15 @@ from ckptd_schemas import (
     parse_ref,
 )
 
-from ckptd_schemas.format.codec import FRAME_BYTES, codec_for, encode, split_frames
+from ckptd_schemas.format.codec import codec_for, encode
 from .codec import CompressionPolicy
-from ._flatten import flatten_state_dict, param_groups_of
+from ._flatten import Flattened, flatten
 from .transport import Transport
-from ._layout import assign_replicated, dtype_name, local_piece, mesh_of
+from ._layout import LocalPiece, dtype_name, local_piece
 from ckptd_schemas.format.objects import SAFE, ObjectPolicy, encode_object
-from ._incremental import ChunkHistory, SaveDelta, chunk_key, digest_source
+from ._incremental import ChunkHistory, ChunkKey, SaveDelta, chunk_key, digest_source
 from ._pool import Lease, SnapshotPool, aligned
+from ._saveplan import ALIGN, FILE_BYTES, Packer, PlannedChunk, SavePlan, file_prefix, plan_save, write_order
 from ._presigned import DirectUploads
 from .sessions import Opened, abort_session, open_session, put_index, wait_committed
 
@@ -48,8 +50,8 @@ Compression = str | CompressionPolicy | None
 """``None`` (raw), ``"zstd"`` (always zstd), ``"planes"`` (always ``codec_for``'s codec: byte planes for
 multi-byte elements) or a :class:`CompressionPolicy` (per chunk, by measurement, with ``codec_for``'s codec)."""
 
-ALIGN = 64
 PIECE = 4 << 20
+Link = Callable[[dict[tuple, bytes]], dict[tuple, list]]  # digests of chunks -> those linked, with their pieces
 _PAD = bytes(ALIGN)
 
 
@@ -59,9 +61,21 @@ class _Chunk:
     data: torch.Tensor | None     # contiguous CPU snapshot; None when ``reused``
     box: tuple[list[int], list[int]] | None
     flat: tuple[int, int] | None
-    payload: bytes | None = None  # compressed bytes (zstd)
     digest: bytes | None = None   # XXH3-128 of its bytes, when taken in the stall (incremental saves)
     reused: list | None = None    # its pieces in files already linked into the session: not copied
+    plan: PlannedChunk | None = None  # the plan's chunk; made from ``data`` for a chunk built without a plan
+
+    def __post_init__(self) -> None:
+        if self.plan is None:
+            assert self.data is not None
+            dtype = dtype_name(self.data.dtype)
+            self.plan = PlannedChunk(self.fqn, dtype, self.data.element_size(), tuple(self.data.shape), self.box,
+                                     self.flat, chunk_key(self.fqn, dtype, self.box, self.flat))
+
+    @property
+    def key(self) -> ChunkKey:
+        assert self.plan is not None
+        return self.plan.key
 
 
 @dataclass
@@ -84,6 +98,7 @@ class Snapshot:
     coords: dict[str, int] = field(default_factory=dict)
     layouts: dict[str, str] = field(default_factory=dict)
     lease: Lease | None = None    # the pool slab the chunks are views of, until release()
+    plan: SavePlan | None = None  # what ``build_snapshot`` planned (None for a snapshot built by hand)
 
     @property
     def nbytes(self) -> int:
@@ -97,19 +112,6 @@ class Snapshot:
         if self.lease is not None:
             self.lease.release()
             self.lease = None
-
-
-def _describe(v: Any) -> Any:
-    """A JSON description of a hyper-parameter for the manifest (the exact value is stored as an object)."""
-    if isinstance(v, (list, tuple)):
-        return [_describe(x) for x in v]
-    if v is None or isinstance(v, (bool, int, str)):
-        return v
-    if isinstance(v, float):
-        return v if math.isfinite(v) else str(v)
-    if isinstance(v, torch.Tensor) and v.numel() == 1:
-        return v.item()
-    return repr(v)
 
 
 def _encode_object(fqn: str, value: Any, policy: ObjectPolicy = SAFE) -> _Object:
@@ -141,10 +143,10 @@ def _to_host(src: torch.Tensor, lease: Lease | None, side: dict[torch.device, An
     return dst
 
 
-def build_snapshot(state_dict: dict, rank: int, world: int, pool: SnapshotPool | None = None, *,
+def build_snapshot(state_dict: dict | Flattened, rank: int, world: int, pool: SnapshotPool | None = None, *,
                    writers: Mapping[str, int] | None = None, objects: ObjectPolicy = SAFE,
-                   link: Callable[[dict[tuple, bytes]], dict[tuple, list]] | None = None,
-                   stall_keys: Container[tuple] = ()) -> Snapshot:
+                   link: Link | None = None, stall_keys: Container[tuple] = (),
+                   file_bytes: int = FILE_BYTES) -> Snapshot:
     """Copy what this rank writes to host memory; afterwards training may mutate its tensors.
 
     With ``pool``, the copies go into its slab (leased until ``snap.release()``, which the uploader
@@ -155,13 +157,19 @@ def build_snapshot(state_dict: dict, rank: int, world: int, pool: SnapshotPool |
     (an unsafe one raises ``UnsafeObject`` here, naming its key). ``link`` (incremental saves) is given
     the digests of the chunks in ``stall_keys`` that this rank holds on the CPU and returns those it
     linked into the session from the previous checkpoint (``ckptd_client._incremental.link_early``):
-    they are not copied.
+    they are not copied. ``file_bytes``: the plan's file size (``Snapshot.plan.files``). ``state_dict``
+    may come flattened already (``client.save`` flattens once, for the writers' agreement and this).
     """
-    snap = Snapshot(rank, world)
+    flat = state_dict if isinstance(state_dict, Flattened) else flatten(state_dict)
+    sources = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in flat.leaves if leaf.kind == "tensor"}
+    plan = plan_save(flat, sources, rank, world, writers=writers, stall_keys=stall_keys, file_bytes=file_bytes)
+    snap = Snapshot(rank, world, tensors=plan.tensors, param_groups=plan.param_groups, mesh=plan.mesh,
+                    coords=plan.coords, layouts=plan.layouts, plan=plan)
     side: dict[torch.device, Any] = {}
     try:
         try:
-            _fill(snap, state_dict, rank, world, side, writers, objects, pool, link, stall_keys)
+            digests, held = _reuse(plan, sources, link)
+            _copy(snap, plan, sources, digests, held, pool, side, objects)
         finally:  # training may change the sources once we return: the copies must be complete
             for stream in side.values():
                 stream.synchronize()
@@ -171,65 +179,29 @@ def build_snapshot(state_dict: dict, rank: int, world: int, pool: SnapshotPool |
     return snap
 
 
-def _fill(snap: Snapshot, state_dict: dict, rank: int, world: int, side: dict[torch.device, Any],
-          writers: Mapping[str, int] | None = None, objects: ObjectPolicy = SAFE,
-          pool: SnapshotPool | None = None,
-          link: Callable[[dict[tuple, bytes]], dict[tuple, list]] | None = None,
-          stall_keys: Container[tuple] = ()) -> None:
-    leaves = flatten_state_dict(state_dict)
-    pieces = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in leaves if leaf.kind == "tensor"}
-    owners = writers if writers is not None else assign_replicated(
-        [(n, p.numel * p.local.element_size()) for n, p in pieces.items() if p.replicated], world)
-    written = {n: p for n, p in pieces.items() if (owners.get(n) == rank if p.replicated else p.writes)
-               and p.numel > 0}
-    keys = {n: chunk_key(n, dtype_name(p.dtype), _box_of(p), p.flat) for n, p in written.items()}
-    digests: dict[tuple, bytes] = {}
-    reused: dict[tuple, list] = {}
-    if link is not None:  # unchanged since the previous save and linked now: hashed in place, not copied
-        digests = {keys[n]: d for n, p in written.items()
-                   if keys[n] in stall_keys and (d := digest_source(p.local)) is not None}
-        reused = link(digests) if digests else {}
-    if pool is not None:  # the slab, laid out for the chunks this save copies, in the order it copies them
-        sizes = [aligned(p.numel * p.local.element_size()) for n, p in written.items() if keys[n] not in reused]
+def _reuse(plan: SavePlan, sources: Mapping[str, LocalPiece],
+           link: Link | None) -> tuple[dict[tuple, bytes], dict[tuple, list]]:
+    """The plan's reuse candidates hashed in place, and those of them ``link`` linked into the session
+    (unchanged since the previous save): their pieces, which are not copied."""
+    if link is None or not plan.reuse:
+        return {}, {}
+    digests = {c.key: d for c in plan.chunks if c.candidate and (d := digest_source(sources[c.fqn].local)) is not None}
+    return digests, link(digests) if digests else {}
+
+
+def _copy(snap: Snapshot, plan: SavePlan, sources: Mapping[str, LocalPiece], digests: Mapping[tuple, bytes],
+          held: Mapping[tuple, list], pool: SnapshotPool | None, side: dict[torch.device, Any],
+          objects: ObjectPolicy) -> None:
+    """Copy the plan's chunks not ``held`` to host memory, in the plan's order (the slab laid out for
+    exactly those), and encode its objects."""
+    if pool is not None:
+        sizes = [aligned(c.nbytes) for c in plan.chunks if c.key not in held]
         snap.lease = pool.lease(sum(sizes), sizes=sizes)
-    snap.mesh, snap.coords = mesh_of([leaf.value for leaf in leaves], world)
-    group_kinds: dict[str, set[str]] = {}
-    for leaf in leaves:
-        if leaf.kind == "tensor":
-            p = pieces[leaf.fqn]
-            group_kinds.setdefault(leaf.group, set()).add(p.placement or "")
-            snap.tensors.append(TensorEntry(name=leaf.fqn, shape=list(p.shape), dtype=dtype_name(p.dtype),
-                                            group=leaf.group, chunks=[], placement=p.placement))
-            if leaf.fqn not in written:
-                continue
-            key = keys[leaf.fqn]
-            data = None if key in reused else _to_host(p.local.detach(), snap.lease, side)
-            snap.chunks.setdefault(leaf.fqn, []).append(_Chunk(leaf.fqn, data, _box_of(p), p.flat,
-                                                               digest=digests.get(key), reused=reused.get(key)))
-        else:
-            snap.objects.append(_encode_object(leaf.fqn, leaf.value, objects))
-    for owner, groups in param_groups_of(state_dict):
-        for i, g in enumerate(groups):
-            params = [p if isinstance(p, (int, str)) else repr(p) for p in g.get("params", [])]
-            snap.param_groups.append(ParamGroup(
-                optimizer=owner, index=i, params=params,
-                hyperparams={k: _describe(v) for k, v in sorted(g.items()) if k != "params"}))
-    for g, kinds in group_kinds.items():
-        snap.layouts[g] = _layout_name(kinds, snap.mesh, world)
-
-
-def _box_of(p: Any) -> tuple[list[int], list[int]] | None:
-    return (list(p.box.offsets), list(p.box.sizes)) if p.box is not None else None
-
-
-def _layout_name(kinds: set[str], mesh: dict[str, int], world: int) -> str:
-    if kinds == {"replicate"}:
-        return "replicate"
-    if kinds <= {"flat", "replicate"}:
-        return f"flat:dp={world}"
-    if kinds <= {"(Shard(dim=0),)", "replicate"} and len(mesh) == 1:
-        return f"fsdp2:dp={world}"
-    return "dtensor:" + ",".join(f"{k}={v}" for k, v in mesh.items()) if mesh else "mixed"
+    for c in plan.chunks:
+        data = None if c.key in held else _to_host(sources[c.fqn].local.detach(), snap.lease, side)
+        snap.chunks.setdefault(c.fqn, []).append(_Chunk(c.fqn, data, c.box, c.flat, digest=digests.get(c.key),
+                                                        reused=held.get(c.key), plan=c))
+    snap.objects = [_encode_object(o.fqn, o.value, objects) for o in plan.objects]
 
 
 # -- upload ----------------------------------------------------------------------------------------
@@ -249,8 +221,9 @@ class _File:
 def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str | None = None,
           on_file: Callable[[_File], None] | None = None, reuse: Mapping[tuple, list] | None = None,
           produced: dict[tuple, list] | None = None, apart: Container[tuple] = ()) -> tuple[list[_File], RankIndex]:
-    """Lay the snapshot's chunks (compressed per the policy) and objects out in files of about
-    ``file_bytes``, hashing each stored chunk and each file; return the files and the rank's index.
+    """Execute the plan: the snapshot's chunks (compressed per the policy), then its objects, laid
+    out by the plan's :class:`Packer` in files of about ``file_bytes``, hashing each stored piece and
+    each file; return the files and the rank's index.
 
     ``on_file`` gets each file as soon as it is complete (hashed), before the next one is packed:
     the caller starts its upload there, so hashing and compressing file k+1 run while file k
@@ -258,85 +231,47 @@ def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str
     ``ckptd_client._incremental``) is not packed: its pieces, in files linked from the previous
     checkpoint, go into the index as they are, and those files into its file list. ``produced``
     receives every chunk's pieces as the index holds them. Chunks in ``apart`` (unchanged, yet written)
-    are laid out first, in files of their own, so that the next save may link those whole.
+    are laid out first, in files of their own, so that the next save may link those whole
+    (``write_order``).
     """
+    packer = Packer(prefix or file_prefix(snap.rank), file_bytes)
     files: list[_File] = []
-    prefix = prefix or f"r{snap.rank:06d}"
     hashes: list[Any] = []
-    kinds: list[bool] = []  # per file: holds ``apart`` chunks
-    alone = False
 
     def finish(f: _File) -> None:
         f.xxh3 = hashes[-1].hexdigest()
         if on_file is not None:
             on_file(f)
 
-    def current(n: int) -> _File:
-        if not files or (files[-1].size and (files[-1].size + n > file_bytes or kinds[-1] != alone)):
+    def place(data: memoryview | bytes, alone: bool = False) -> tuple[str, int]:
+        at, opened = packer.place(len(data), alone)
+        if opened:
             if files:
                 finish(files[-1])
-            files.append(_File(f"{prefix}-{len(files):04d}.bin"))
+            files.append(_File(at.file))
             hashes.append(xxhash.xxh3_64())
-            kinds.append(alone)
-        return files[-1]
-
-    def place(data: memoryview | bytes) -> tuple[str, int]:
-        f = current(len(data))
-        offset = f.size
         pad = (-len(data)) % ALIGN
+        f = files[-1]
         f.parts.append((data, pad))
-        f.size += len(data) + pad
+        f.size = at.offset + len(data) + pad
         hashes[-1].update(data)  # right after the chunk's own hash: the same bytes, still in cache
         hashes[-1].update(_PAD[:pad])
-        return f.name, offset
+        return at.file, at.offset
 
-    policy = compression if isinstance(compression, CompressionPolicy) else None
-    entries = []
+    stored: dict[str, list] = {}
     linked: dict[str, None] = {}
-    order = sorted(snap.tensors, key=lambda t: not any(chunk_key(t.name, t.dtype, c.box, c.flat) in apart
-                                                       for c in snap.chunks.get(t.name, []))) if apart else snap.tensors
-    for t in order:
-        chunks: list = []
-        for c in snap.chunks.get(t.name, []):
-            key = chunk_key(t.name, t.dtype, c.box, c.flat)
-            alone = key in apart
-            first = len(chunks)
-            held = c.reused if c.reused is not None else reuse.get(key) if reuse is not None else None
-            if held is not None:
-                chunks += held
-                linked.update(dict.fromkeys(p.location.file for p in held))
-                if produced is not None:
-                    produced[key] = chunks[first:]
-                continue
-            raw = _bytes_of(c.data)
-            isz = c.data.element_size()
-            if compression is None or (policy is not None and not policy.should_compress(raw, isz)):
-                pieces = [(raw, c.box, c.flat, False)]
-            else:  # independently decodable frames: a ranged read decodes only the ones it overlaps
-                codec = "zstd" if compression == "zstd" else codec_for(isz)
-                pieces = [(raw[lo * isz:(lo + n) * isz], box, flat, True)
-                          for lo, n, box, flat in split_frames(isz, c.box, c.flat, FRAME_BYTES)]
-            for data, box, flat, compress in pieces:
-                stored: memoryview | bytes = data
-                if compress:
-                    packed = encode(data, codec, isz)
-                    # "auto" keeps a frame raw when it did not shrink after all
-                    stored = data if policy is not None and len(packed) >= len(data) else packed
-                fname, off = place(stored)
-                loc = Location(file=fname, offset=off, length=len(stored),
-                               codec="raw" if stored is data else codec,
-                               raw_length=len(data), xxh3=xxhash.xxh3_64_hexdigest(stored))
-                if box is not None:
-                    chunks.append(BoxChunk(rank=snap.rank, offsets=box[0], sizes=box[1], location=loc))
-                else:
-                    assert flat is not None
-                    chunks.append(FlatChunk(rank=snap.rank, start=flat[0], length=flat[1], location=loc))
-            if produced is not None:
-                produced[key] = chunks[first:]
-        entries.append(t.model_copy(update={"chunks": chunks}))
-    where = {t.name: i for i, t in enumerate(snap.tensors)}
-    entries.sort(key=lambda e: where[e.name])  # the snapshot's order, whichever the layout's
-    alone = False
+    for c in write_order((c for cs in snap.chunks.values() for c in cs), apart):
+        held = c.reused if c.reused is not None else reuse.get(c.key) if reuse is not None else None
+        if held is not None:
+            pieces = held
+            linked.update(dict.fromkeys(p.location.file for p in held))
+        else:
+            alone = c.key in apart
+            pieces = _store(c, compression, snap.rank, lambda data: place(data, alone))
+        stored.setdefault(c.fqn, []).extend(pieces)
+        if produced is not None:
+            produced[c.key] = pieces
+    entries = [t.model_copy(update={"chunks": stored.pop(t.name, [])}) for t in snap.tensors]
     objects = []
     for o in snap.objects:
         if o.encoding == "json":
@@ -353,6 +288,38 @@ def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str
                       layouts=snap.layouts, tensors=entries, objects=objects, param_groups=snap.param_groups,
                       files=[f.name for f in files] + list(linked))
     return files, index
+
+
+def _store(c: _Chunk, compression: Compression, rank: int,
+           place: Callable[[memoryview | bytes], tuple[str, int]]) -> list[BoxChunk | FlatChunk]:
+    """One chunk's pieces as the index holds them: stored raw whole, or compressed frame by frame
+    (the plan's ``frames``: independently decodable, so a ranged read decodes only those it overlaps)."""
+    assert c.data is not None and c.plan is not None
+    raw = _bytes_of(c.data)
+    isz = c.plan.itemsize
+    policy = compression if isinstance(compression, CompressionPolicy) else None
+    frames: Sequence[tuple[int, int, Any, Any]]
+    if compression is None or (policy is not None and not policy.should_compress(raw, isz)):
+        frames, codec = [(0, len(raw) // isz, c.box, c.flat)], None
+    else:
+        frames, codec = c.plan.frames(), "zstd" if compression == "zstd" else codec_for(isz)
+    pieces: list[BoxChunk | FlatChunk] = []
+    for lo, n, box, flat in frames:
+        data = raw[lo * isz:(lo + n) * isz]
+        stored: memoryview | bytes = data
+        if codec is not None:
+            packed = encode(data, codec, isz)
+            # "auto" keeps a frame raw when it did not shrink after all
+            stored = data if policy is not None and len(packed) >= len(data) else packed
+        fname, off = place(stored)
+        loc = Location(file=fname, offset=off, length=len(stored), codec="raw" if stored is data else codec,
+                       raw_length=len(data), xxh3=xxhash.xxh3_64_hexdigest(stored))
+        if box is not None:
+            pieces.append(BoxChunk(rank=rank, offsets=box[0], sizes=box[1], location=loc))
+        else:
+            assert flat is not None
+            pieces.append(FlatChunk(rank=rank, start=flat[0], length=flat[1], location=loc))
+    return pieces
 
 
 def _pieces(f: _File) -> Iterator[bytes | memoryview]:

@@ -30,13 +30,13 @@ from torch.distributed.tensor import DTensor
 from ckptd_schemas.balance import lpt_assign
 
 from ._dist import cpu_group
-from ._flatten import flatten_state_dict
+from ._flatten import Flattened
 from ._layout import check_savable
 
 __all__ = ["ReplicaWriters", "plain_tensors"]
 
 
-def plain_tensors(state_dict: dict, rank: int, world: int) -> tuple[dict[str, int], str]:
+def plain_tensors(flat: Flattened, rank: int, world: int) -> tuple[dict[str, int], str]:
     """This rank's plain (replicated) tensors as ``{key: nbytes}``, and a digest of their keys,
     shapes and dtypes with ``rank`` and ``world`` (the cache key of :class:`ReplicaWriters`).
 
@@ -44,7 +44,7 @@ def plain_tensors(state_dict: dict, rank: int, world: int) -> tuple[dict[str, in
     ``InvalidRequest`` naming its key here, where ``save`` makes every rank raise together."""
     sizes: dict[str, int] = {}
     h = hashlib.blake2b(f"{rank}/{world}".encode(), digest_size=16)
-    for leaf in flatten_state_dict(state_dict):
+    for leaf in flat.leaves:  # the save's one flattening (``_flatten.flatten``)
         v = leaf.value
         if leaf.kind == "tensor":
             check_savable(leaf.fqn, v)

@@ -19,6 +19,7 @@ from ._incremental import ChunkHistory, link_early
 from .sessions import open_session
 from ._save import SaveHandle, Snapshot, build_snapshot, upload_snapshot
 from ckptd_schemas.format.objects import ObjectPolicy, SafeGlobal
+from ._flatten import flatten
 from ._writers import ReplicaWriters, plain_tensors
 
 if TYPE_CHECKING:
@@ -180,10 +181,11 @@ class CheckpointClient(CatalogClient):
                 self._pending.remove(failed)
         rank, world = rank_and_world()
         try:
-            plain, signature = plain_tensors(state_dict, rank, world)
+            flat = flatten(state_dict)  # once per save: the writers' agreement and the snapshot's plan
+            plain, signature = plain_tensors(flat, rank, world)
             refused: Exception | None = None
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
-            plain, signature, refused = {}, "", e
+            flat, plain, signature, refused = None, {}, "", e
         # Every rank raises, or none: a rank that raised alone would leave the others blocked in
         # the collectives below. The same all-reduce tells every rank whether some rank's plain
         # tensors changed since their writers were last agreed (``_writers``), and gives every rank
@@ -211,8 +213,8 @@ class CheckpointClient(CatalogClient):
                                                        retry=False, timeout=STALL_REQUEST_S),
                                   self._transport, base, session, rank, source, candidates, STALL_REQUEST_S)
         try:
-            snap = build_snapshot(state_dict, rank, world, self.snapshot_pool, writers=writers,
-                                  objects=self.objects, link=link, stall_keys=stall_keys)
+            snap = build_snapshot(flat, rank, world, self.snapshot_pool, writers=writers,
+                                  objects=self.objects, link=link, stall_keys=stall_keys, file_bytes=self.file_bytes)
             refused = None
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
             refused = e
