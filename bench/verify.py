@@ -219,9 +219,9 @@ def verify_service(url: str, nbytes: int, timeout: float) -> dict:
 
 
 def verify_inproc(root: Path, nbytes: int, read_size: int | None = None) -> dict:
-    from ckptd.cli.backends import RootBackend
+    from ckptd.cli.root_backend import RootBackend
     from ckptd.cli.main import _Source
-    from ckptd.store import verify as verify_mod
+    from ckptd.store import checker as verify_mod
     from ckptd.store.checker import verify_manifest
 
     if read_size is not None:  # what-if: the module constant, for this call only
@@ -452,9 +452,9 @@ def _read_ahead_kb(path: Path) -> int | None:
 
 
 def _verify_read_size() -> int | None:
-    from ckptd.store import verify
+    from ckptd.store import checker
 
-    return getattr(verify, "READ_SIZE", None)
+    return getattr(checker, "READ_SIZE", None)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from ckptd.interop.dcp_import import DcpImportError, RootTarget, import_dcp, inspect_dcp
+from ckptd.cli.root_backend import RootBackend
+from ckptd.interop.dcp_import import DcpImportError, import_dcp, inspect_dcp
 from ckptd.interop.export import INDEX_FILE, check_safetensors, export_safetensors, export_torch, parse_size
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
@@ -257,9 +258,8 @@ def test_damaged_directories_are_refused_and_nothing_is_committed(dirs, tmp_path
     last = max((i for i in inspect_dcp(mangled).items if i.is_tensor), key=lambda i: i.offset)
     raw[last.offset:last.offset + last.length] = bytes(last.length)
     victim.write_bytes(bytes(raw))
-    sessions = SessionStore(LocalStorage(root))
     with pytest.raises(DcpImportError) as e:
-        import_dcp(mangled, "bad/5", RootTarget(sessions))
+        import_dcp(mangled, "bad/5", RootBackend(str(root), create=True).import_target())
     assert str(victim) in e.value.message and last.index.fqn in e.value.message
     _nothing_committed(root)
     assert ckptd("ls", "bad", "--root", str(root)).stdout == ""
@@ -268,7 +268,7 @@ def test_damaged_directories_are_refused_and_nothing_is_committed(dirs, tmp_path
 def test_export_options_and_refusals(dirs, tmp_path):
     base, _ = dirs
     storage = LocalStorage(tmp_path / "root")
-    import_dcp(base / "small", "small/11", RootTarget(SessionStore(storage)))
+    import_dcp(base / "small", "small/11", RootBackend(str(tmp_path / "root"), create=True).import_target())
     reader = CheckpointReader(storage)
     m = reader.manifest("small", "11")
 

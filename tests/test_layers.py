@@ -249,8 +249,8 @@ def test_the_checks_see_what_they_look_for():
     assert any(mod == "ckptd_schemas.format.assemble.copy_into"  # imported in a method
                for _, _, mod in rows["ckptd.store.assemble"])
     assert "ckptd_schemas.format.frames" in {mod for _, _, mod in rows["ckptd_schemas.format.codec"]}  # relative
-    assert any(mod.startswith("ckptd.store") for _, _, mod in rows["ckptd.cli.backends"])  # imported in a method
-    assert any(mod == "ckptd_client.CatalogClient" for _, _, mod in rows["ckptd.cli.backends"])
+    assert any(mod.startswith("ckptd.store") for _, _, mod in rows["ckptd.cli.root_backend"])  # imported in a method
+    assert any(mod == "ckptd_client.CatalogClient" for _, _, mod in rows["ckptd.cli.http_backend"])
     assert _private("ckptd_client._load") and not _private("ckptd_client.codec")
 
 

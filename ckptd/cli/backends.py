@@ -1,9 +1,19 @@
-"""What the CLI reads from: a storage root directly, or a running service over HTTP."""
+"""The one interface a command works through: a storage root directly, or a running service over HTTP.
+
+:class:`Backend` is every call a command makes: list, read a manifest and a byte range, lease what it
+reads, write an upload session (``ckptd import``), retention (``gc``, ``rm``), conversions (reshard,
+drill) and the checks around them. It is implemented once over a root (:mod:`.root_backend`: the
+store's own code in this process) and once over HTTP (:mod:`.http_backend`: ``CatalogClient``, the
+service's code in its process), and :func:`ckptd.cli.target.open_backend` alone chooses which. A
+command never asks which one it holds.
+
+Call order for a command: ``open_backend(resolve_target(args))``, the calls, ``close()``.
+"""
 
 from __future__ import annotations
 
-import threading
-from typing import TYPE_CHECKING, ContextManager, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
 
 from ckptd_schemas import Manifest, NotFound
 
@@ -11,14 +21,47 @@ if TYPE_CHECKING:  # annotations only: the API bodies are not built for commands
     from ckptd_schemas import CheckpointSummary, RunSummary
     from ckptd_schemas.api import SkippedCheckpoint
 
-from .readahead import ReadAhead
-from .target import DEFAULT_ROOT, Target, open_root
+    from ..interop.dcp_import import ImportTarget
 
-__all__ = ["Backend", "HttpBackend", "RootBackend", "open_backend", "require_run"]
+__all__ = ["Backend", "Bar", "ReshardOutcome", "ReshardRequest", "require_run"]
+
+class Bar(Protocol):
+    """A command's progress bar, started once the total is known (:class:`ckptd.cli.output.Bar`)."""
+
+    quiet: bool  # --json: nothing but the answer on stdout, no bar or note on stderr
+
+    def start(self, total: int) -> Callable[[int], None] | None: ...
+
+
+@dataclass(frozen=True)
+class ReshardRequest:
+    """``ckptd reshard REF --to SPEC [...]`` as the backend takes it."""
+
+    ref: str
+    to: str
+    out: str | None = None
+    dtype: str | None = None
+    device: str = "auto"
+    jobs: int = 2
+
+
+@dataclass
+class ReshardOutcome:
+    """What a conversion did (both backends fill it): the result as the service's job reports it, the
+    engine that ran and why, and, offline, the per-rank preview of the plan."""
+
+    result: dict[str, Any]
+    source: str
+    spec: str
+    engine: dict[str, str] | None = None
+    per_rank_bytes: list[int] = field(default_factory=list)
+    imbalance: float | None = None
 
 
 class Backend(Protocol):
     where: str  # the root or URL, for messages
+
+    # -- reads ------------------------------------------------------------------------------------
     def list_runs(self) -> list[RunSummary]: ...
     def list_checkpoints(self, run: str) -> list[CheckpointSummary]: ...
     def run_names(self) -> list[str]: ...
@@ -26,107 +69,49 @@ class Backend(Protocol):
     def resolve(self, run: str, name: str) -> tuple[Manifest, list[SkippedCheckpoint]]: ...
     def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes: ...
     def lease(self, manifest: Manifest, what: str) -> ContextManager[object]: ...
+
+    # -- checks -----------------------------------------------------------------------------------
+    def check_source(self, manifest: Manifest) -> None:
+        """Before a conversion reads ``manifest``'s checkpoint here: the one checker's verdict on it."""
+        ...
+
+    def verify_in_service(self, ref: str) -> dict[str, Any]:
+        """The service's own verification of ``ref`` (its worker reads and checks), as its record."""
+        ...
+
+    # -- writes -----------------------------------------------------------------------------------
+    def import_target(self) -> ImportTarget:
+        """An upload session for ``ckptd import`` (one rank; ``interop.dcp_import.ImportTarget``)."""
+        ...
+
+    def gc(self, run: str, *, keep_last: int, keep_every: int | None, dry_run: bool, drop_parents: bool,
+           stale_ttl: float, dead_after: float) -> dict[str, Any]:
+        """Retention's plan for ``run`` (``RetentionPlan.as_json()``), carried out unless ``dry_run``;
+        then stale staging reclaimed (``reclaimed_sessions``)."""
+        ...
+
+    def remove(self, run: str, name: str, *, dry_run: bool) -> dict[str, Any]:
+        """One checkpoint removed unless retention protects it (``Removal`` as JSON)."""
+        ...
+
+    # -- conversions ------------------------------------------------------------------------------
+    def reshard_preview(self, req: ReshardRequest) -> Any:
+        """The plan's per-rank preview (``reshard.preview.Preview``), writing nothing."""
+        ...
+
+    def write_plan(self, req: ReshardRequest, uri: str) -> dict[str, Any]:
+        """``--write-plan``: the plan written for ``ckptd reshard-worker`` pods; nothing converted."""
+        ...
+
+    def reshard(self, req: ReshardRequest, *, bar: Bar, announce: Callable[[str], None]) -> ReshardOutcome:
+        """Convert and commit; ``announce`` receives the engine line when it is known."""
+        ...
+
+    def drill(self, ref: str, layouts: list[str], *, jobs: int, bar: Bar) -> dict[str, Any]:
+        """The drill's record (``DrillRecord`` as JSON), recorded beside the checkpoint."""
+        ...
+
     def close(self) -> None: ...
-
-
-class RootBackend:
-    """A storage root read directly; it must exist (read-only commands never create one)."""
-
-    def __init__(self, root: str) -> None:
-        from ..store import CheckpointReader
-
-        self.where = root
-        self.reader = CheckpointReader(open_root(root, create=False))
-
-    def list_runs(self) -> list[RunSummary]:
-        return self.reader.list_runs()
-
-    def list_checkpoints(self, run: str) -> list[CheckpointSummary]:
-        return self.reader.list_checkpoints(run)
-
-    def run_names(self) -> list[str]:
-        return self.reader.visibility.runs()  # names only: no marker of any run is read
-
-    def manifest(self, run: str, name: str) -> Manifest:
-        return self.reader.manifest(run, name)
-
-    def resolve(self, run: str, name: str) -> tuple[Manifest, list[SkippedCheckpoint]]:
-        """:meth:`manifest`, and for ``latest`` the newer checkpoints skipped as known to be bad
-        (``Visibility.resolve_ref``: the service's rule, applied to the root)."""
-        from ckptd_schemas.api import SkippedCheckpoint
-
-        vis = self.reader.visibility
-        c, skipped = vis.resolve_ref(run, name)
-        return vis.manifest(c), [SkippedCheckpoint(ref=s.ref, reason=s.reason) for s in skipped]
-
-    def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes:
-        return self.reader.read_range(manifest.run, manifest.name, file, start, end)
-
-    def lease(self, manifest: Manifest, what: str) -> ContextManager[object]:
-        """Keep ``manifest``'s checkpoint from retention while a tool reads it (``what``: verify,
-        export...): a lease in the root, renewed by a thread, released at the end."""
-        from ..store.leases import Leases
-
-        return Leases(self.reader.storage).hold(manifest.run, manifest.name, what)
-
-    def close(self) -> None:
-        pass
-
-
-class HttpBackend:
-    """Through a service: its data files are read a range per request, with read-ahead (see
-    :mod:`ckptd.cli.readahead`), one per checkpoint read."""
-
-    def __init__(self, url: str) -> None:
-        from ckptd_client import CatalogClient
-
-        self.where = url
-        self.client = CatalogClient(url, retry_seconds=5.0, retry_refused=False)
-        self._ahead: dict[str, ReadAhead] = {}
-        self._lock = threading.Lock()  # verify reads two files at once
-
-    def list_runs(self) -> list[RunSummary]:
-        return self.client.list_runs()
-
-    def list_checkpoints(self, run: str) -> list[CheckpointSummary]:
-        return self.client.list_checkpoints(run)
-
-    def run_names(self) -> list[str]:
-        return [r.run for r in self.client.list_runs()]
-
-    def manifest(self, run: str, name: str) -> Manifest:
-        return self.client.manifest(f"{run}/{name}")
-
-    def resolve(self, run: str, name: str) -> tuple[Manifest, list[SkippedCheckpoint]]:
-        """:meth:`manifest`, and for ``latest`` the newer checkpoints the service skipped as known to be
-        bad (``X-Ckptd-Skipped`` of the same answer)."""
-        return self.client.resolve(f"{run}/{name}")
-
-    def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes:
-        ref = manifest.ref
-        with self._lock:
-            ahead = self._ahead.get(ref)
-            if ahead is None:
-                ahead = self._ahead[ref] = ReadAhead(lambda f, s, e: self.client.read_range(ref, f, s, e),
-                                                     {name: f.size for name, f in manifest.files.items()})
-        return ahead.read(file, start, end)
-
-    def lease(self, manifest: Manifest, what: str) -> ContextManager[object]:
-        """A read lease held through the service for the block: the service renews a lease only on
-        the reads it serves, and a tool may pause between two of them for longer than a lease."""
-        return self.client.lease(manifest.ref)
-
-    def close(self) -> None:
-        for ahead in self._ahead.values():
-            ahead.close()
-        self.client.close()
-
-
-def open_backend(target: Target) -> Backend:
-    """The backend for ``target`` (:func:`ckptd.cli.target.resolve_target` decides which)."""
-    if target.server:
-        return HttpBackend(target.server)
-    return RootBackend(target.root or DEFAULT_ROOT)
 
 
 def require_run(b: Backend, run: str) -> None:

@@ -9,7 +9,7 @@ from ckptd_schemas import parse_ref
 from ckptd_schemas.dtypes import FLOATING
 
 from .output import human, progress_bar
-from .target import open_root, resolve_target
+from .target import open_backend, resolve_target
 
 __all__ = ["add_parsers"]
 
@@ -17,24 +17,17 @@ CAST_DTYPES = sorted(FLOATING)  # what --dtype casts to, and which tensors it ca
 
 
 def cmd_import_dcp(args: argparse.Namespace) -> int:
-    from ..interop.dcp_import import HttpTarget, RootTarget, import_dcp, inspect_dcp
+    from ..interop.dcp_import import import_dcp, inspect_dcp
 
     r = parse_ref(args.ref)  # refused before any I/O
     src = inspect_dcp(args.dir)  # refuses a damaged directory, naming the files, before anything is written
-    where = resolve_target(args)
-    if where.server:
-        target = HttpTarget(where.server)
-    else:
-        from ..store import SessionStore
-
-        target = RootTarget(SessionStore(open_root(where.root, create=True)))  # a write: a new root is made
+    backend = open_backend(resolve_target(args), create=True)  # a write: a new root is made
     advance, stop = progress_bar(src.total_bytes, f"import {r}", args.json)
     try:
-        res = import_dcp(src, str(r), target, progress=advance)
+        res = import_dcp(src, str(r), backend.import_target(), progress=advance)
     finally:
         stop()
-        if isinstance(target, HttpTarget):
-            target.close()
+        backend.close()
     if args.json:
         print(json.dumps({"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "source": res.source,
                           "tensors": res.tensors, "chunks": res.chunks, "objects": res.objects, "files": res.files,
@@ -49,16 +42,11 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from ..interop.export import default_prefix, export_safetensors, export_torch, parse_size, tensor_bytes
-    from .backends import RootBackend, open_backend
-
     ref = parse_ref(args.ref)
     max_shard = parse_size(args.max_shard_size)
     backend = open_backend(resolve_target(args))
     manifest = backend.manifest(ref.run, ref.name)
-    if isinstance(backend, RootBackend):  # the one checker's verdict on the source first (the service's own
-        from ..store.verification import require_verified  # record, usually: no second read)
-
-        require_verified(backend.reader.storage, manifest.run, manifest.name)
+    backend.check_source(manifest)  # the one checker's verdict on the source first (its record, usually)
 
     def read(file: str, start: int, end: int) -> bytes:
         return backend.read(manifest, file, start, end)

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 from typing import Any
 
 from ckptd_schemas import parse_ref
 
-from .output import human, plural, progress_bar
-from .target import open_root, resolve_target
+from .output import Bar, human, plural
+from .target import open_backend, resolve_target
 
 __all__ = ["add_parsers", "print_record"]
 
@@ -29,45 +27,16 @@ def cmd_drill(args: argparse.Namespace) -> int:
     from ..reshard.drill_layouts import check_layout
 
     layouts = [check_layout(x) for x in args.to]  # refused before any I/O (exit 2, one line)
-    src = parse_ref(args.ref)
-    where = resolve_target(args)
-    if where.server:
-        rec = _drill_via_server(where.server, args.ref, layouts, args.jobs, args.json)
-    else:
-        from ..reshard.drill import drill_checkpoint, plan_drill
-        from ..store import CheckpointReader
-
-        storage = open_root(where.root, create=False)
-        manifest = CheckpointReader(storage).manifest(src.run, src.name)
-        plans = plan_drill(manifest, layouts)  # every layout planned before anything is read
-        total = sum(pc.nbytes for _, p in plans for u in p.units for pc in u.chunks)
-        advance, stop = progress_bar(total, f"drill {manifest.ref}", args.json)
-        try:
-            rec = drill_checkpoint(storage, manifest.ref, layouts, jobs=args.jobs, progress=advance,
-                                   plans=plans).model_dump(mode="json")
-        finally:
-            stop()
+    parse_ref(args.ref)
+    b = open_backend(resolve_target(args))
+    bar = Bar(f"drill {args.ref}", args.json)
+    try:
+        rec = b.drill(args.ref, layouts, jobs=args.jobs, bar=bar)
+    finally:
+        bar.stop()
+        b.close()
     print_record(rec, args.json)
     return 0 if rec["ok"] else 1
-
-
-def _drill_via_server(url: str, ref: str, layouts: list[str], jobs: int, quiet: bool) -> dict[str, Any]:
-    from ckptd_client import CatalogClient
-    from ckptd_schemas import CkptdError, error_from_body
-
-    with CatalogClient(url, retry_seconds=10.0, retry_refused=False) as client:
-        job = client.drill(ref, layouts, jobs=jobs)
-        if not quiet and sys.stderr.isatty():
-            print(f"drill job {job['id']} of {job['source']} queued", file=sys.stderr)
-        pause = 0.02  # short drills end quickly: poll fast first, then every 0.3 s
-        while job["state"] in ("queued", "running"):
-            time.sleep(pause)
-            pause = min(pause * 2, 0.3)
-            job = client.drill_job(job["id"])
-    if job["state"] == "failed":
-        err = error_from_body({"error": job["error"]}, 422)
-        raise err if isinstance(err, CkptdError) else CkptdError(str(job["error"]))
-    return job["result"]
 
 
 def print_record(rec: dict[str, Any], as_json: bool) -> None:

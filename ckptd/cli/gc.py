@@ -13,8 +13,8 @@ import json
 from ckptd_schemas import InvalidName, parse_ref
 
 from ..store.activity import DEAD_SESSION_AFTER
-from .backends import HttpBackend, RootBackend, open_backend, require_run
-from .target import resolve_target
+from .backends import require_run
+from .target import open_backend, resolve_target
 
 __all__ = ["add_parsers"]
 
@@ -22,21 +22,10 @@ __all__ = ["add_parsers"]
 def cmd_gc(args: argparse.Namespace) -> int:
     b = open_backend(resolve_target(args))
     try:
-        if isinstance(b, HttpBackend):
-            plan = b.client.gc(args.run, keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run,
-                               drop_parents=args.drop_parents)
-        else:
-            from ..store.retention import collect
-
-            plan = collect(b.reader.storage, args.run, keep_last=args.keep_last, keep_every=args.keep_every,
-                           dry_run=args.dry_run, drop_parents=args.drop_parents).as_json()
+        plan = b.gc(args.run, keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run,
+                    drop_parents=args.drop_parents, stale_ttl=args.stale_ttl, dead_after=args.dead_after)
         if not plan["keep"] and not plan["delete"] and not plan["deleted"]:
             require_run(b, args.run)  # nothing of it: say whether the run exists at all
-        if isinstance(b, RootBackend) and not args.dry_run:
-            from ..store import SessionStore
-
-            plan["reclaimed_sessions"] = SessionStore(b.reader.storage, dead_after=args.dead_after).reclaim_stale(
-                args.stale_ttl)
     finally:
         b.close()
     if args.json:
@@ -67,12 +56,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         raise InvalidName("ckptd rm names a checkpoint, not RUN/latest", ref=args.ref)
     b = open_backend(resolve_target(args))
     try:
-        if isinstance(b, HttpBackend):
-            out = b.client.remove(str(ref), dry_run=args.dry_run)
-        else:
-            from ..store.retention import remove
-
-            out = remove(b.reader.storage, ref.run, ref.name, dry_run=args.dry_run).as_json()
+        out = b.remove(ref.run, ref.name, dry_run=args.dry_run)
     finally:
         b.close()
     from ..store.retention import Removal
@@ -94,9 +78,11 @@ def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
     s.add_argument("--keep-every", type=int, metavar="K", help="also keep every step that is a multiple of K")
     s.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
     s.add_argument("--stale-ttl", type=float, default=6 * 3600.0, metavar="S",
-                   help="reclaim uncommitted staging older than S seconds, however active (default 6 h)")
+                   help="reclaim uncommitted staging older than S seconds, however active (default 6 h; "
+                        "through a service, its own CKPTD_STALE_SESSION_TTL)")
     s.add_argument("--dead-after", type=float, default=DEAD_SESSION_AFTER, metavar="S",
-                   help="reclaim uncommitted staging with no live writer for S seconds (default 300)")
+                   help="reclaim uncommitted staging with no live writer for S seconds (default 300; through a "
+                        "service, its own CKPTD_DEAD_SESSION_AFTER)")
     s.add_argument("--drop-parents", action="store_true",
                    help="also delete checkpoints that checkpoints of other runs name as their parent")
     s.add_argument("--json", action="store_true")

@@ -14,13 +14,13 @@ from math import prod
 from ckptd_schemas import CkptdError, Forbidden, IntegrityError, Manifest, NotFound, parse_ref
 
 from .. import __version__
-from .backends import Backend, open_backend, require_run
+from .backends import Backend, require_run
 from .dcp_io import add_parsers as add_dcp_io_parsers
 from .drill import add_parsers as add_drill_parsers
 from .gc import add_parsers as add_gc_parsers
 from .output import human, plural, progress_bar
 from .reshard import add_parsers as add_reshard_parsers
-from .target import add_target, resolve_target
+from .target import add_target, open_backend, resolve_target
 
 __all__ = ["main"]
 
@@ -173,16 +173,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..store.checker import VerifyReport, verify_manifest
-    from .backends import HttpBackend
 
     ref = parse_ref(args.ref)
     b = _backend(args)
     try:
         if args.in_service:
-            if not isinstance(b, HttpBackend):
-                print("ckptd verify --in-service needs --server URL (or $CKPTD_URL)", file=sys.stderr)
-                return 2
-            rec = b.client.verify(str(ref))  # the service's worker reads and checks; this process only asks
+            rec = b.verify_in_service(str(ref))  # the service's worker reads and checks; a root refuses
             report = VerifyReport(ref=rec["ref"], files=rec["files"], tensors=rec["tensors"],
                                   chunks=rec["chunks"], bytes_read=rec["bytes_read"], problems=rec["problems"])
         else:

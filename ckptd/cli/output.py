@@ -7,7 +7,7 @@ import sys
 from dataclasses import asdict
 from typing import Callable
 
-__all__ = ["engine_line", "human", "plural", "print_preview", "progress_bar"]
+__all__ = ["Bar", "engine_line", "human", "plural", "print_preview", "progress_bar"]
 
 
 def human(n: float) -> str:
@@ -38,7 +38,7 @@ def progress_bar(total: int, label: str, quiet: bool) -> tuple[Callable[[int], N
 
 
 def print_preview(pv, as_json: bool) -> None:
-    """``ckptd reshard --dry-run``'s table (the same through a service: ``reshard_remote`` rebuilds the
+    """``ckptd reshard --dry-run``'s table (the same through a service: ``HttpBackend`` rebuilds the
     preview from the service's answer)."""
     if as_json:
         print(json.dumps(asdict(pv)))
@@ -62,3 +62,21 @@ def engine_line(device: str, reason: str, impl: str) -> str:
     """The line ``ckptd reshard`` prints before converting: ``engine: cpu (auto: no dtype cast, the GPU buys
     nothing; numpy)``. ``impl``: the engine's name (``host`` is numpy; ``torch-cpu``, ``torch-cuda``)."""
     return f"engine: {device} ({reason}; {'numpy' if impl == 'host' else impl})"
+
+
+class Bar:
+    """A byte progress bar on stderr, started once its total is known (``start``), stopped by ``stop``;
+    nothing when ``quiet`` or not on a terminal (:func:`progress_bar`)."""
+
+    def __init__(self, label: str, quiet: bool) -> None:
+        self.label, self.quiet = label, quiet
+        self._stop: Callable[[], None] = lambda: None
+
+    def start(self, total: int) -> Callable[[int], None] | None:
+        self._stop()
+        advance, self._stop = progress_bar(total, self.label, self.quiet)
+        return advance
+
+    def stop(self) -> None:
+        self._stop()
+        self._stop = lambda: None

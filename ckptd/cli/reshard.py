@@ -5,81 +5,51 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import uuid
 
-from ckptd_schemas import AlreadyCommitted, parse_ref
-
+from .backends import ReshardRequest
 from .dcp_io import CAST_DTYPES
-from .output import engine_line, human, print_preview, progress_bar
-from .target import open_root, resolve_target
+from .output import Bar, engine_line, human, print_preview
+from .target import open_backend, resolve_target
 
 __all__ = ["add_parsers"]
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    """Offline (``--root``) or through a service (``--server``). Call order offline: parse the spec (refused
-    before any I/O), plan, then a dry run prints the preview and stops; otherwise choose the engine
-    (``plan_device``: refused before any write, and printed with its reason), then ``--write-plan`` writes
-    the plan for worker pods and stops, or ``run_plan`` converts and commits under a lease on the source."""
-    where = resolve_target(args)
-    if where.server:
-        from .reshard_remote import reshard_via_server
+    """Offline (``--root``: converted in this process) or through a service (``--server``: a job in its
+    workers), the same calls of the backend. Call order: a dry run prints the plan's preview and stops;
+    ``--write-plan`` writes the plan for worker pods and stops; otherwise the conversion, its engine
+    printed (with the reason) once chosen, then the result."""
+    from ..reshard.spec import parse_spec
 
-        return reshard_via_server(args, where.server)
-    from ..reshard.executor import plan_device, plan_engine, run_plan
-    from ..reshard.planner import plan_reshard
-    from ..reshard.preview import preview
-    from ..reshard.spec import default_out_name, parse_spec
-    from ..store import CheckpointReader, SessionStore
-
-    spec = parse_spec(args.to)  # refused before any I/O
-    src = parse_ref(args.ref)
-    storage = open_root(where.root, create=False)
-    reader, sessions = CheckpointReader(storage), SessionStore(storage)
-    manifest = reader.manifest(src.run, src.name)
-    plan = plan_reshard(manifest, spec, dtype=args.dtype, min_units=args.jobs)
-    if args.dry_run:
-        print_preview(preview(plan), args.json)
-        return 0
-    choice = plan_device(plan, args.device)  # --device auto: the CPU unless a large cast pays for the GPU
-    engine = plan_engine(plan, choice)  # refused before any write (cuda without a GPU)
-    out = args.out or f"{manifest.run}/{default_out_name(manifest.name, str(spec), args.dtype)}"
-    dst = parse_ref(out)
-    if reader.visibility.check(dst.run, dst.name) is not None:  # before any work: a committed name is never reused
-        raise AlreadyCommitted(f"{out} already exists (committed checkpoints are never replaced); "
-                               f"name another output with --out RUN/NAME", ref=out)
-    if args.write_plan:
-        from ..reshard.jobs import write_job
-
-        session = uuid.uuid4().hex
-        write_job(args.write_plan, plan, out, session, args.device, sessions)
-        print(json.dumps({"plan": args.write_plan, "units": len(plan.units), "out": out, "session": session}))
-        return 0
-    from ..store.leases import Leases
-
-    if not args.json:  # before the work: which engine runs it, and why
-        print(engine_line(choice.device, choice.reason, engine.name), flush=True)
-    advance, stop = progress_bar(plan.bytes_to_write, f"reshard -> {spec}", args.json)
+    parse_spec(args.to)  # refused before any I/O
+    req = ReshardRequest(ref=args.ref, to=args.to, out=args.out, dtype=args.dtype, device=args.device, jobs=args.jobs)
+    b = open_backend(resolve_target(args))
+    bar = Bar(f"reshard -> {args.to}", args.json)
     try:
-        with Leases(storage).hold(manifest.run, manifest.name, "reshard"):  # gc spares the source meanwhile
-            res = run_plan(reader, sessions, plan, out, uuid.uuid4().hex, engine=engine, jobs=args.jobs,
-                           progress=advance)
+        if args.dry_run:
+            print_preview(b.reshard_preview(req), args.json)
+            return 0
+        if args.write_plan:
+            print(json.dumps(b.write_plan(req, args.write_plan)))
+            return 0
+        done = b.reshard(req, bar=bar, announce=lambda line: None if args.json else print(line, flush=True))
     finally:
-        stop()
-    pv = preview(plan)
+        bar.stop()
+        b.close()
+    res = done.result
     if args.json:
-        print(json.dumps({"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units,
-                          "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
-                          "seconds": round(res.seconds, 3), "imbalance": pv.imbalance,
-                          "per_rank_bytes": [sum(r.values()) for r in pv.per_rank],
-                          "engine": {"device": choice.device, "reason": choice.reason, "impl": engine.name}}))
-    else:
-        rate = res.bytes_written / res.seconds if res.seconds else 0
-        print(f"committed {res.ref} ({spec}, derived from {manifest.ref}): {res.units} work units, "
-              f"{human(res.bytes_read)} read, {human(res.bytes_written)} written in {res.seconds:.2f}s "
-              f"({human(rate)}/s); every tensor's digest matches the source")
-        loads = [sum(r.values()) for r in pv.per_rank]
-        print(f"per rank: max {human(max(loads))}, min {human(min(loads))}, imbalance {pv.imbalance:.1%}")
+        extra = {"imbalance": done.imbalance, "per_rank_bytes": done.per_rank_bytes} if done.per_rank_bytes else {}
+        print(json.dumps({**res, **extra, **({"engine": done.engine} if done.engine else {})}))
+        return 0
+    rate = res["bytes_written"] / res["seconds"] if res["seconds"] else 0
+    print(f"committed {res['ref']} ({done.spec}, derived from {done.source}): {res['units']} work units, "
+          f"{human(res['bytes_read'])} read, {human(res['bytes_written'])} written in {res['seconds']:.2f}s "
+          f"({human(rate)}/s); every tensor's digest matches the source")
+    if done.per_rank_bytes:
+        loads = done.per_rank_bytes
+        print(f"per rank: max {human(max(loads))}, min {human(min(loads))}, imbalance {done.imbalance:.1%}")
+    elif done.engine:  # through a service: which engine its worker ran, and why (executor.choose_device)
+        print(engine_line(done.engine["device"], done.engine["reason"], done.engine["impl"]))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Where a command works: a storage root directly, or a running service. Decided here and nowhere else.
+"""Where a command works: a storage root directly, or a running service. Decided here and nowhere else:
+:func:`open_backend` gives the command its :class:`~.backends.Backend`, one interface for both.
 
 Precedence, the same for every command that reads or writes checkpoints:
 
@@ -7,10 +8,9 @@ Precedence, the same for every command that reads or writes checkpoints:
    sessions that a direct reader of the root would not);
 3. else ``$CKPTD_ROOT``, else ``./ckptd-data``.
 
-A root is opened by :func:`open_root`: commands that only read (``ls``, ``show``, ``verify``,
-``export``, ``gc --dry-run``...) pass ``create=False``, so a mistyped local path is refused as
-"no such root" instead of being created empty; a URL whose scheme has no installed fsspec
-backend is refused naming the package to install.
+A root is opened by :func:`ckptd.cli.root_backend.open_root`: commands that only read (``ls``,
+``show``, ``verify``, ``export``, ``gc --dry-run``...) open it read-only, so a mistyped local path
+is refused as "no such root" instead of being created empty.
 """
 
 from __future__ import annotations
@@ -18,15 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckptd_schemas import InvalidRequest, NotFound
 
 if TYPE_CHECKING:
-    from ..storage import Storage
+    from .backends import Backend
 
-__all__ = ["DEFAULT_ROOT", "Target", "add_target", "open_root", "resolve_target"]
+__all__ = ["DEFAULT_ROOT", "Target", "add_target", "open_backend", "resolve_target"]
 
 DEFAULT_ROOT = "./ckptd-data"
 
@@ -60,27 +58,13 @@ def resolve_target(args: argparse.Namespace) -> Target:
     return Target(root=os.environ.get("CKPTD_ROOT") or DEFAULT_ROOT)
 
 
-def open_root(root: str, *, create: bool) -> "Storage":
-    """Open the storage root ``root``; with ``create=False`` a local directory must already exist."""
-    from ..store.tiers import TIERED, open_root as open_tiers, split_tiered
+def open_backend(target: Target, *, create: bool = False) -> "Backend":
+    """The :class:`~.backends.Backend` for ``target``: over HTTP for a server, else over the root (opened
+    read-only unless ``create``: a command that writes, ``ckptd import``, makes a new root)."""
+    if target.server:
+        from .http_backend import HttpBackend
 
-    if root.startswith(TIERED):  # a fast tier and its durable tier, as `ckptd serve --durable` sees them
-        try:
-            parts = split_tiered(root)
-        except ValueError as e:
-            raise InvalidRequest(str(e), root=root, field="root") from e
-    else:
-        parts = (root,)
-    for part in parts:
-        path = Path(part)
-        if "://" not in part and not create and not path.is_dir():
-            what = "is not a directory" if path.exists() else "does not exist"
-            raise NotFound(f"no such root: {part} {what} (pass --root PATH or --server URL)", root=part)
-    try:
-        return open_tiers(root)
-    except ImportError as e:
-        scheme = root.split("://", 1)[0]
-        raise InvalidRequest(f"no storage backend for {scheme}:// roots: {e} (install the fsspec package for "
-                             f"{scheme!r}, e.g. pip install 's3fs' for s3://)", root=root, field="root") from e
-    except ValueError as e:  # fsspec: "Protocol not known"
-        raise InvalidRequest(f"cannot open root {root}: {e}", root=root, field="root") from e
+        return HttpBackend(target.server)
+    from .root_backend import RootBackend
+
+    return RootBackend(target.root or DEFAULT_ROOT, create=create)

@@ -8,9 +8,9 @@ Call order (:func:`import_dcp` does all of it):
    metadata must have a storage entry, every data file must exist and hold the bytes its
    entries point at. A missing ``.metadata``, a missing or truncated data file is refused
    with the files named (:class:`DcpImportError`, exit 1) before anything is written.
-2. Open an upload session (one rank) on the target: a storage root (``SessionStore``,
-   like :func:`ckptd.store.offline.write_tensors`) or a running service (HTTP, each data
-   file spooled to a temporary file, hashed, then streamed).
+2. Open an upload session (one rank) on the target (:class:`ImportTarget`, from the command's
+   backend, ``ckptd.cli.backends``): a storage root (the store's session code) or a running
+   service (HTTP, each data file spooled to a temporary file, hashed, then streamed).
 3. Stream item by item, file by file in offset order: DCP's own ``FileSystemReader.read_data``
    decodes each item (``torch.save`` per item, stream transforms included) into a buffer
    the size of that one item; the bytes are hashed (XXH3 per chunk; the store hashes each
@@ -27,26 +27,22 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import xxhash
 
 from ckptd_schemas.names import DCP_METADATA
 from ckptd_schemas import (
-    ITEMSIZE, BoxChunk, DcpImportError, Location, ObjectEntry, OpenSession, RankIndex, TensorEntry,
+    ITEMSIZE, BoxChunk, DcpImportError, Location, ObjectEntry, RankIndex, TensorEntry,
     parse_ref,
 )
 
-if TYPE_CHECKING:
-    from ckptd_client.catalog import Upload
-
-__all__ = ["DcpDirectory", "DcpImportError", "HttpTarget", "ImportResult", "RootTarget", "import_dcp",
+__all__ = ["DcpDirectory", "DcpImportError", "FileOut", "ImportResult", "ImportTarget", "import_dcp",
            "inspect_dcp"]
 
 METADATA_FILE = ".metadata"
@@ -177,123 +173,13 @@ class FileOut(Protocol):
 
 
 class ImportTarget(Protocol):
+    """Where an import writes: one upload session (one rank). ``ckptd.cli``'s backends give one over a
+    root (the store's own session code) and one through a service (``CatalogClient.upload``)."""
+
     def open(self, run: str, name: str, session: str, step: int | None) -> None: ...
     def begin_file(self, file: str) -> FileOut: ...
     def commit(self, index: RankIndex) -> str: ...
     def abort(self) -> None: ...
-
-
-class _SinkOut:
-    def __init__(self, sink: Any) -> None:
-        self._sink = sink
-
-    @property
-    def size(self) -> int:
-        return self._sink.size
-
-    def write(self, data: bytes | memoryview) -> None:
-        self._sink.write(data)
-
-    def finish(self) -> None:
-        self._sink.finish(None)
-
-    def abort(self) -> None:
-        self._sink.abort()
-
-
-class RootTarget:
-    """A storage root, through the store's own session and commit code."""
-
-    def __init__(self, sessions: Any) -> None:
-        self.sessions = sessions
-        self._at: tuple[str, str, str] | None = None
-
-    def open(self, run: str, name: str, session: str, step: int | None) -> None:
-        self.sessions.open(run, name, OpenSession(session=session, world_size=1, step=step))
-        self._at = (run, name, session)
-        self.sessions.activity.hold(run, name, session)  # a large import writes for minutes
-
-    def begin_file(self, file: str) -> FileOut:
-        assert self._at is not None
-        return _SinkOut(self.sessions.begin_file(*self._at, file))
-
-    def commit(self, index: RankIndex) -> str:
-        assert self._at is not None
-        try:
-            return self.sessions.put_index(*self._at, index).manifest_xxh3 or ""
-        finally:
-            self.sessions.activity.release(*self._at)
-
-    def abort(self) -> None:
-        if self._at is not None:
-            self.sessions.activity.release(*self._at)
-            self.sessions.abort(*self._at)
-
-
-class _SpoolOut:
-    """A data file spooled to a temporary file (hashed while written), then streamed to the service."""
-
-    PIECE = 4 << 20
-
-    def __init__(self, target: "HttpTarget", file: str) -> None:
-        self._target, self.file = target, file
-        self._tmp = tempfile.NamedTemporaryFile(prefix="ckptd-import-", suffix=".bin", delete=False)
-        self._h = xxhash.xxh3_64()
-        self.size = 0
-
-    def write(self, data: bytes | memoryview) -> None:
-        self._tmp.write(data)
-        self._h.update(data)
-        self.size += len(data)
-
-    def _pieces(self) -> Iterator[bytes]:
-        with open(self._tmp.name, "rb") as f:
-            while piece := f.read(self.PIECE):
-                yield piece
-
-    def finish(self) -> None:
-        self._tmp.close()
-        try:
-            self._target.put_file(self.file, self._pieces, size=self.size, xxh3=self._h.hexdigest())
-        finally:
-            os.unlink(self._tmp.name)
-
-    def abort(self) -> None:
-        self._tmp.close()
-        if os.path.exists(self._tmp.name):
-            os.unlink(self._tmp.name)
-
-
-class HttpTarget:
-    """A running ckptd service: the same protocol a trainer's save uses (one rank), through
-    ``CatalogClient.upload``."""
-
-    def __init__(self, url: str, *, token: str | None = None) -> None:
-        from ckptd_client import CatalogClient
-
-        self.client = CatalogClient(url, token=token, retry_seconds=30.0, retry_refused=False)
-        self._upload: Upload | None = None
-
-    def open(self, run: str, name: str, session: str, step: int | None) -> None:
-        self._upload = self.client.upload(f"{run}/{name}", session=session, step=step)
-
-    def begin_file(self, file: str) -> FileOut:
-        return _SpoolOut(self, file)
-
-    def put_file(self, file: str, content: Callable[[], Iterator[bytes]], *, size: int, xxh3: str) -> None:
-        assert self._upload is not None
-        self._upload.put_file(file, content, size=size, xxh3=xxh3)
-
-    def commit(self, index: RankIndex) -> str:
-        assert self._upload is not None
-        return self._upload.commit(index, timeout=600.0).manifest_xxh3 or ""
-
-    def abort(self) -> None:
-        if self._upload is not None:
-            self._upload.abort()
-
-    def close(self) -> None:
-        self.client.close()
 
 
 # -- streaming --------------------------------------------------------------------------------------
