@@ -68,7 +68,7 @@ def tensor_specs(mib: float, frozen: float) -> list[tuple[str, int, bool]]:
 def make_state(specs: list[tuple[str, int, bool]], mesh: Any, step: int, optimizer: bool, *, fill: bool) -> dict:
     """``{"model": ..., "optim": ...}`` of ``Shard(0)`` DTensors; trainable values move with ``step``."""
     def dtensor(index: int, rows: int, shift: float) -> DTensor:
-        from ckptd_client._layout import shard_box
+        from ckptd_client._placement import shard_box
 
         local_shape, offsets = shard_box((rows, COLS), tuple(mesh.shape), mesh.get_coordinate(), [Shard(0)])
         local = (_pattern(index, offsets[0], local_shape[0], COLS).add_(shift) if fill

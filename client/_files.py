@@ -23,7 +23,7 @@ from typing import Mapping
 
 from ckptd_schemas import ChecksumMismatch, Fetch
 
-from ._direct import BlockVerifier, Target
+from ._scatter import BlockVerifier, Target
 
 __all__ = ["LocalFiles", "READ_SIZE"]
 

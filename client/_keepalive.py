@@ -1,12 +1,12 @@
 """Keep-alives for the sessions this process joined, so the service tells a slow save from a dead one.
 
-Call order: :func:`~.sessions.open_session` holds the session (:meth:`KeepAlive.hold`) when the
+Call order: :func:`~.session_calls.open_session` holds the session (:meth:`KeepAlive.hold`) when the
 service asks for keep-alives (``SessionInfo.keepalive_seconds``); one daemon thread per process
 then sends ``POST .../sessions/{session}/alive`` at the interval the service gave, through a save
 queued behind another, a file that streams for minutes, an incremental save's links made in the
 stall long before its upload starts, and after this rank's index while other ranks are minutes
 behind. The service's typed answer once the session is committed, refused, aborted or reclaimed
-releases it (nothing is left to keep), as does an abort here (:func:`~.sessions.abort_session`).
+releases it (nothing is left to keep), as does an abort here (:func:`~.session_calls.abort_session`).
 A process that dies sends nothing more, and the service reclaims the session once no rank that
 joined it was heard from for ten intervals.
 """

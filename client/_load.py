@@ -17,10 +17,10 @@ Call order inside :meth:`CheckpointClient.load`:
 3. fetch the ranges in parallel and verify every block digest. Where every
    overlap of a fetch is a contiguous run on both sides (row bands into row
    bands, raw, same dtype, CPU) the response is scattered straight into the
-   destination tensors as it arrives (``_direct``); otherwise the fetch is
+   destination tensors as it arrives (``_scatter``); otherwise the fetch is
    buffered, decoded, and each overlap copied with one strided view per side.
    Destinations on a device (CUDA) take the same two paths through a ``DeviceStager``
-   (``_direct``): a small ring of pinned host buffers, hashed there, copied asynchronously on a
+   (``_scatter``): a small ring of pinned host buffers, hashed there, copied asynchronously on a
    side stream, so reads and host-to-device copies overlap; the caller's stream waits for it.
    When the plan names the service's own file paths and this host can open
    them (same host, shared filesystem), the bytes are read from the files
@@ -52,13 +52,13 @@ from ckptd_schemas import (
 )
 
 from ._coverage import agree_keys
-from ._direct import BUFFER_BYTES, DeviceStager, PieceFill, direct_targets, scatter, staged_runs
+from ._scatter import BUFFER_BYTES, DeviceStager, PieceFill, direct_targets, scatter, staged_runs
 from ._dist import distributed as _distributed
 from ._files import LocalFiles
 from ._share import Sharing, agree, exchange, region_key, share_plan
 from ._flatten import Leaf, flatten_state_dict
 from .transport import Transport
-from ._layout import LocalPiece, dtype_name, local_piece
+from ._placement import LocalPiece, dtype_name, local_piece
 from ._lease import read_lease
 from ._resolve import resolve_manifest
 from ckptd_schemas.api import SkippedCheckpoint
@@ -138,7 +138,7 @@ def _fetch(transport: Transport, base: str, f: Any) -> bytearray:
     return buf
 
 
-def _fetch_direct(transport: Transport, base: str, f: Any, targets: list) -> None:
+def _fetch_scattered(transport: Transport, base: str, f: Any, targets: list) -> None:
     """Stream the range straight into the destination tensors, verifying every block on the way."""
     size = f.end - f.start
 
@@ -431,7 +431,7 @@ def execute(transport: Transport, base: str, plan: ReadPlan, dests: list[Destina
             if from_files:
                 files.scatter(f, targets)  # type: ignore[union-attr]
             else:
-                _fetch_direct(transport, base, f, targets)
+                _fetch_scattered(transport, base, f, targets)
             return
         buf = files.fetch(f) if from_files else _fetch(transport, base, f)  # type: ignore[union-attr]
         for c in copies:

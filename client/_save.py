@@ -36,13 +36,13 @@ from ckptd_schemas.format.codec import codec_for, encode
 from .codec import CompressionPolicy
 from ._flatten import Flattened, flatten
 from .transport import Transport
-from ._layout import LocalPiece, dtype_name, local_piece
+from ._placement import LocalPiece, dtype_name, local_piece
 from ckptd_schemas.format.objects import SAFE, ObjectPolicy, encode_object
 from ._incremental import ChunkHistory, ChunkKey, SaveDelta, chunk_key, digest_source
 from ._pool import Lease, SnapshotPool, aligned
 from ._saveplan import ALIGN, FILE_BYTES, Packer, PlannedChunk, SavePlan, file_prefix, plan_save, write_order
 from ._presigned import DirectUploads
-from .sessions import Opened, abort_session, open_session, put_index, wait_committed
+from .session_calls import Opened, abort_session, open_session, put_index, wait_committed
 
 __all__ = ["Compression", "SaveHandle", "Snapshot", "build_snapshot", "upload_snapshot"]
 

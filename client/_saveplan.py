@@ -3,7 +3,7 @@
 Call order inside a save (``ckptd_client._save``):
 
 1. ``flatten`` the state dict once (``ckptd_client._flatten``) and describe each tensor leaf
-   (``ckptd_client._layout.local_piece``: the box or flat range this rank holds);
+   (``ckptd_client._placement.local_piece``: the box or flat range this rank holds);
 2. :func:`plan_save` (this module): the index's tensor entries, the chunks this rank writes (a
    replica by one rank: ``writers``, else ``assign_replicated``), the reuse candidates (chunks
    unchanged at the rank's last save to the run, ``stall_keys``, that can be hashed in place), the
@@ -32,7 +32,7 @@ from ckptd_schemas.format.codec import FRAME_BYTES, split_frames
 
 from ._flatten import Flattened
 from ._incremental import ChunkKey, chunk_key
-from ._layout import LocalPiece, assign_replicated, dtype_name, mesh_of
+from ._placement import LocalPiece, assign_replicated, dtype_name, mesh_of
 
 __all__ = ["ALIGN", "FILE_BYTES", "Packer", "Placement", "PlannedChunk", "PlannedFile", "PlannedObject", "SavePlan",
            "file_prefix", "plan_save", "write_order"]

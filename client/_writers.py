@@ -31,7 +31,7 @@ from ckptd_schemas.balance import lpt_assign
 
 from ._dist import cpu_group
 from ._flatten import Flattened
-from ._layout import check_savable
+from ._placement import check_savable
 
 __all__ = ["ReplicaWriters", "plain_tensors"]
 

@@ -24,7 +24,7 @@ from ckptd_schemas.api import SkippedCheckpoint
 from .transport import Transport
 from ._lease import read_lease
 from ._manifest import get_manifest
-from .sessions import abort_session, open_session, put_index, wait_committed
+from .session_calls import abort_session, open_session, put_index, wait_committed
 
 __all__ = ["DEFAULT_URL", "CatalogClient", "Upload"]
 

@@ -16,7 +16,7 @@ from .transport import Transport
 from ._load import LoadReport, load_into
 from ._pool import SnapshotPool
 from ._incremental import ChunkHistory, link_early
-from .sessions import open_session
+from .session_calls import open_session
 from ._save import SaveHandle, Snapshot, build_snapshot, upload_snapshot
 from ckptd_schemas.format.objects import ObjectPolicy, SafeGlobal
 from ._flatten import flatten

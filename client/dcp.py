@@ -59,11 +59,11 @@ from ckptd_schemas import (
 
 from .codec import CompressionPolicy, compression_of
 from .transport import Transport
-from ._layout import dtype_name
+from ._placement import dtype_name
 from ._manifest import get_manifest
 from ._presigned import DirectUploads
 from ._save import Snapshot, _Chunk, _Object, upload_files
-from .sessions import open_session, put_index, wait_committed
+from .session_calls import open_session, put_index, wait_committed
 from ._lease import read_lease
 from ._load import execute, local_files
 from ckptd_schemas.names import DCP_METADATA

@@ -151,7 +151,7 @@ def test_an_unreadable_activity_record_counts_as_none(tmp_path):
 WRITER = textwrap.dedent("""
     import sys, time
     from ckptd_client.transport import Transport
-    from ckptd_client.sessions import open_session, put_index
+    from ckptd_client.session_calls import open_session, put_index
     from ckptd_schemas import RankIndex
     url, name, world, late, hold, linger, data_hex, xxh3, index_json = sys.argv[1:10]
     data, index = bytes.fromhex(data_hex), RankIndex.model_validate_json(index_json)
@@ -232,7 +232,7 @@ def test_a_killed_save_is_reclaimed_within_the_window_and_a_live_one_commits(tmp
 
 def test_the_client_keeps_a_session_alive_until_it_is_over_and_no_longer(tmp_path):
     from ckptd_client._keepalive import KEEPALIVE
-    from ckptd_client.sessions import open_session, put_index
+    from ckptd_client.session_calls import open_session, put_index
     from ckptd_client.transport import Transport
 
     srv = ServerProcess(tmp_path / "root", env={"CKPTD_DEAD_SESSION_AFTER": "2"}).start()

@@ -1,4 +1,4 @@
-"""Loads that scatter fetched bytes straight into the destination (client/_direct.py) give exactly
+"""Loads that scatter fetched bytes straight into the destination (client/_scatter.py) give exactly
 what the buffered path (verify the whole fetch, then copy_into) gives, verify every block on the
 stream, and step aside for copies they cannot place directly.
 
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptd_schemas.filedigest import StreamDigest, xxh3_hex
-from ckptd_client._direct import direct_targets, scatter
+from ckptd_client._scatter import direct_targets, scatter
 from ckptd_schemas.format.assemble import Destination, copy_into
 from ckptd_schemas.readplan import verify_fetch
 from ckptd_schemas import (

@@ -20,7 +20,7 @@ import torch
 from ckptd_client import CheckpointClient
 from ckptd_client._files import LocalFiles
 from ckptd_client._flatten import flatten_state_dict
-from ckptd_client._layout import local_piece
+from ckptd_client._placement import local_piece
 from ckptd_client._load import _destination, _request, execute
 from ckptd_schemas import ChecksumMismatch, ReadPlan
 from support import ServerProcess, assert_bits_equal, blank_like, make_state

@@ -1,6 +1,6 @@
 """The GPU paths, run on the CPU with the same code (CI has no GPU):
 
-* load: ``DeviceStager`` (client/_direct.py) moves verified bytes to a device through a small ring of
+* load: ``DeviceStager`` (client/_scatter.py) moves verified bytes to a device through a small ring of
   reused host buffers; on CUDA they are pinned and copied on a side stream with an event per buffer.
   Here the ring runs with device "cpu": buffer reuse, runs split across buffers, fp32/bf16/int64,
   non-contiguous destinations, digest failures, and whole loads through a real service with CPU
@@ -23,7 +23,7 @@ import torch
 
 import ckptd_client._load as load_mod
 from ckptd_client import CheckpointClient, FlatShard
-from ckptd_client._direct import DeviceStager, PieceFill, direct_targets, staged_runs
+from ckptd_client._scatter import DeviceStager, PieceFill, direct_targets, staged_runs
 from ckptd_client._pool import SnapshotPool, aligned, placed_bytes, plan_segments
 from ckptd_client._save import build_snapshot
 from ckptd_schemas import (
@@ -156,7 +156,7 @@ def test_the_cuda_branch_orders_its_streams_and_events(monkeypatch):
     tensors): the side stream first waits for the caller's stream; every buffer records an event after
     its copies and is refilled only after waiting on it; buffers are pinned, made once; the copies are
     queued on the side stream; ``finish`` makes the caller's stream wait for the side stream."""
-    import ckptd_client._direct as direct_mod
+    import ckptd_client._scatter as direct_mod
 
     log: list[tuple] = []
     on_side = threading.local()

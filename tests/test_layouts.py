@@ -174,7 +174,7 @@ def test_shard_box_agrees_with_torch_for_shard_and_replicate(case):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    from ckptd_client._layout import shard_box
+    from ckptd_client._placement import shard_box
 
     shape, mesh, spec, coord = case
     placements = [Replicate() if p == "R" else Shard(p % len(shape)) for p in spec]
@@ -188,6 +188,6 @@ def test_shard_box_leaves_other_placements_to_torch():
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from ckptd_client._layout import shard_box
+    from ckptd_client._placement import shard_box
 
     assert shard_box([8], [2, 2], [0, 1], [_StridedShard(0, split_factor=2), Shard(0)]) is None

@@ -33,7 +33,7 @@ from ckptd.store import CheckpointReader, SessionStore
 from ckptd.store.offline import read_tensor, write_tensors
 from ckptd_client import CheckpointClient, flat_partition
 from ckptd_client._flatten import flatten_state_dict
-from ckptd_client._layout import local_piece
+from ckptd_client._placement import local_piece
 from ckptd_client.zero import partition_size
 from ckptd_schemas import FlatChunk, Manifest, ReadRequest, plan_reads
 from fsdp_job import LR, apply, build, full_tensors, save_job, state, train_step

@@ -19,7 +19,7 @@ import xxhash
 
 from ckptd_client._flatten import flatten
 from ckptd_client._incremental import chunk_key
-from ckptd_client._layout import LocalPiece, assign_replicated, local_piece
+from ckptd_client._placement import LocalPiece, assign_replicated, local_piece
 from ckptd_client._save import _pack, _pieces, build_snapshot
 from ckptd_client._saveplan import ALIGN, Packer, Placement, PlannedFile, plan_save, write_order
 from ckptd_client.flat import FlatShard

@@ -39,7 +39,7 @@ from ckptd.store.durable import DurableCopier
 from ckptd.store.paths import Paths
 from ckptd.store.visibility import Visibility
 from ckptd_client import AlreadyCommitted, CheckpointClient, Conflict, CorruptCheckpoint
-from ckptd_client.sessions import wait_committed
+from ckptd_client.session_calls import wait_committed
 from ckptd_client.transport import Transport
 from ckptd_schemas import SessionStatus
 from support import ServerProcess, assert_bits_equal, blank_like, scaled
