@@ -103,6 +103,12 @@ class SessionActivity:
                 except Exception:  # noqa: BLE001 - the store unreachable now: the next interval tries again
                     log.warning("session %s of %s/%s: activity not recorded", sid, run, name, exc_info=True)
 
+    def fresh(self, run: str, name: str, sid: str) -> bool:
+        """True when this process recorded the session's activity less than ``every`` seconds ago: a
+        keep-alive then needs no read or write of the store at all."""
+        with self._lock:
+            return time.monotonic() - self._written.get(Paths.activity(run, name, sid), -self.every) < self.every * 0.9
+
     def touch(self, run: str, name: str, sid: str) -> None:
         """Record that a writer of the session is alive now (at most one write per ``every`` seconds)."""
         key, now = Paths.activity(run, name, sid), time.monotonic()

@@ -217,6 +217,8 @@ class SessionStore:
         (:mod:`.activity`). Every writer request that succeeds counts too; a refused one writes
         nothing, not even this record."""
         check_run(run), check_name(name), check_session(sid)
+        if self.activity.fresh(run, name, sid):
+            return  # recorded moments ago by this process: a thousand ranks' keep-alives cost no request to the store
         self._check_writable(run, name, sid)
         self.activity.touch(run, name, sid)
 
