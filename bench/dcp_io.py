@@ -31,8 +31,9 @@ What one run does (see BENCHMARKS.md, section "DCP writer and safetensors export
    * the peer's pipeline in one process: ``dcp_to_torch_save(DIR, tmp.pt)``, ``torch.load``,
      the nested dict flattened to dotted names, ``safetensors.torch.save_file``, the
      intermediate ``.pt`` removed, then an ``fsync`` of the output, timed on its own;
-   * ``ckptd export REF --format safetensors OUT --root R`` (defaults: the export is read
-     back and every tensor's digest compared), and, for information, with ``--no-check``.
+   * ``ckptd export REF --format safetensors OUT --root R --prefix ''`` (every tensor, as the
+     peer; otherwise defaults: the export is read back and every tensor's digest compared), and,
+     for information, with ``--no-check``.
 
    Each op starts from the same state: the previous op's output deleted, ``sync``, its
    inputs evicted; the order rotates between repeats. Wall time and peak RSS (``ru_maxrss``
@@ -322,7 +323,9 @@ def ckptd_cli(*args: str) -> list[str]:
 
 
 def export_cmd(ref: str, out: Path, root: Path, *extra: str) -> list[str]:
-    return ckptd_cli("export", ref, "--format", "safetensors", str(out), "--root", str(root), "--json", *extra)
+    """Every tensor (``--prefix ''``), as the peer's pipeline writes the whole state dict."""
+    return ckptd_cli("export", ref, "--format", "safetensors", str(out), "--root", str(root), "--prefix", "", "--json",
+                     *extra)
 
 
 def read_output(files: list[Path], keep: list[str]) -> tuple[dict[str, list], dict[str, torch.Tensor]]:

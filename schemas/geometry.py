@@ -2,7 +2,7 @@
 
 No I/O and no torch: the planner, the service's read plans, the commit
 validation and the client's copies all reduce to these few functions, which
-are property-tested against brute force (``tests/test_geometry.py``).
+are property-tested against brute force (``tests/schemas/test_geometry.py``).
 
 Two kinds of region exist (docs/design.md §1): a *box* (per-dimension offsets and
 sizes, like DCP's ChunkStorageMetadata) and a *flat range* (start and length

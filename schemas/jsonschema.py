@@ -1,7 +1,7 @@
 """JSON Schema export of the manifest: ``python -m ckptd_schemas.jsonschema [OUT]``.
 
 The exported file (``schemas/manifest.schema.json``) is committed and kept in
-sync by ``tests/test_schemas.py``.
+sync by ``tests/schemas/test_schemas.py``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ default, description. After adding or changing a setting, regenerate it with::
 
     .venv/bin/python -m ckptd.cli.settings_table --write docs/configuration.md
 
-(``--markdown`` prints the table instead.) ``tests/test_settings.py`` fails while the document's
+(``--markdown`` prints the table instead.) ``tests/ckptd/service/test_settings.py`` fails while the document's
 table differs from the generated one.
 """
 

@@ -2,7 +2,7 @@
 
 Every function here places each element of every tensor in exactly one
 *written* chunk (replicas are written once, by a rank chosen to balance
-bytes), so a layout is also a valid checkpoint tiling. ``tests/test_layouts.py``
+bytes), so a layout is also a valid checkpoint tiling. ``tests/ckptd/reshard/test_layouts.py``
 checks that property for random shapes and every spec.
 """
 

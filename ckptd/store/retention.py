@@ -1,6 +1,6 @@
 """Retention: which committed checkpoints of a run may be deleted, and deleting them safely.
 
-The rules, each a guarantee tested in ``tests/test_retention.py``:
+The rules, each a guarantee tested in ``tests/ckptd/store/test_retention.py``:
 
 1. Checkpoints are ordered by step number, as integers (never names as text),
    then by commit time; the step is the one marker and manifest agree on

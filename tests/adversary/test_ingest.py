@@ -22,9 +22,7 @@ import pytest
 
 from ckptd_schemas import linked_name
 
-from adversary.test_commit_checks import (  # noqa: F401 - the fixtures are used by name
-    W, Env, _chunk, _index, _rows, _tensor, env, h, server,
-)
+from adversary.test_commit_checks import W, Env, _chunk, _index, _rows, _tensor, h
 
 
 def _stored_files(env: Env, name: str) -> dict[str, int]:

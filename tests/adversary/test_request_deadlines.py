@@ -32,8 +32,7 @@ from pathlib import Path
 import httpx
 import xxhash
 
-from adversary.test_requests import ALICE, BOB, _open, _put_head
-from adversary.test_requests_more import _commit
+from adversary.test_requests import ALICE, BOB, _commit_n, _open, _put_head
 from ckptd.service.auth import hash_token
 from ckptd_client.transport import Transport
 from support import ServerProcess, scaled
@@ -252,7 +251,7 @@ def test_one_tokens_flood_of_slow_requests_is_429_while_another_token_and_probes
     socks: list[socket.socket] = []
     try:
         data = os.urandom(8 << 20)
-        _commit(srv.url, "gpt", "0", data, 1)  # a file to download
+        _commit_n(srv.url, "gpt", "0", data, 1)  # a file to download
         _open(srv.url, "gpt", "1", "s1")  # a session to long-poll
         t0 = time.monotonic()
         for _ in range(4):  # alice: 4 status long-polls of 3 s

@@ -1,8 +1,11 @@
-"""Attacks on retention: a corrupt newest checkpoint, and a reader slower than its lease.
+"""Attacks on retention: a corrupt newest checkpoint, readers slower than their lease on every read
+path, junk leases, and the order gc and ``RUN/latest`` judge checkpoints by.
 
 The promise (docs/retention.md): gc never leaves a run without its newest *verified* checkpoint,
-offline, through the service and as the service's own policy; a reader that is still reading
-keeps its checkpoint however long it reads.
+offline, through the service and as the service's own policy, and never fails on what it finds in the
+root; a reader that is still reading keeps its checkpoint however long it reads, on every path (HTTP
+range reads, the client's direct reads of the service's files); checkpoints are ordered by what marker
+and manifest agree on, never by something one edited file can change.
 """
 
 from __future__ import annotations
@@ -10,14 +13,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
+import ckptd_client._files as client_files
 from ckptd_client import CheckpointClient
-from support import ServerProcess, assert_bits_equal, blank_like, scaled
+from support import ServerProcess, assert_bits_equal, blank_like, make_state, scaled
 
 RUN = "ret"
 
@@ -128,5 +134,208 @@ def test_a_reader_slower_than_its_lease_keeps_its_checkpoint(tmp_path):
             time.sleep(1.5 * lease)  # reading stopped: the lease (a renewal lasts one and a half) lapses
             plan = httpx.post(f"{srv.url}/v1/runs/{RUN}/gc", json={"keep_last": 1}, timeout=60).json()
             assert "1" in plan["deleted"], plan
+    finally:
+        srv.stop()
+
+
+# == readers that outlast their lease on every read path, junk leases, the order of checkpoints ==============
+
+
+def _rows_state(seed: int, rows: int = 64) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(rows, 64, generator=g)}
+
+
+def _gc(srv: ServerProcess, **body) -> dict:
+    r = httpx.post(f"{srv.url}/v1/runs/{RUN}/gc", json={"keep_last": 1, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _cli_60s(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptd.cli.main", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_reads_closer_together_than_the_lease_never_let_it_lapse(tmp_path):
+    """Leases of 2 s. Reads 0.9 s apart, then one 1.5 s later: at no moment was the checkpoint unread
+    for a whole lease period, so gc in that last gap must find it leased."""
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": "2"}).start()
+    try:
+        with CheckpointClient(srv.url) as c:
+            c.save(_rows_state(1), f"{RUN}/1").wait()
+            c.save(_rows_state(2), f"{RUN}/2").wait()
+        (file,) = httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/2", timeout=10).json()["files"]  # 1's has the same name
+
+        def read() -> float:
+            r = httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/1/files/{file}", headers={"Range": "bytes=0-99"},
+                          timeout=10)
+            assert r.status_code == 206, r.text[:200]
+            return time.monotonic()
+
+        t0 = read()
+        time.sleep(0.9)
+        last = read()
+        time.sleep(max(0.0, t0 + 2.4 - time.monotonic()))  # past the first read's lease, 1.5 s after the last read
+        assert time.monotonic() - last < 1.9
+        plan = _gc(srv)
+        assert plan["keep"].get("1", "").startswith("leased") and "1" not in plan["deleted"], plan
+        time.sleep(3.2)  # no read for longer than 1.5 leases: it lapses
+        assert "1" in _gc(srv)["deleted"]
+    finally:
+        srv.stop()
+
+
+def test_a_direct_read_load_slower_than_its_lease_keeps_its_checkpoint(tmp_path, monkeypatch):
+    """The client reads the service's files itself (direct reads), so the service sees no read while
+    it does. Leases of 1 s; the direct read takes 3 s while a newer checkpoint commits and gc runs.
+    The load finishes (its objects are fetched over HTTP afterwards) with the checkpoint's values."""
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": "1"}).start()
+    reading = threading.Event()
+    for meth in ("fetch", "scatter"):
+        orig = getattr(client_files.LocalFiles, meth)
+
+        def slow(self, *a, __orig=orig, **kw):
+            reading.set()
+            time.sleep(3.0)
+            return __orig(self, *a, **kw)
+
+        monkeypatch.setattr(client_files.LocalFiles, meth, slow)
+    try:
+        want = make_state(1, mib=0.05)
+        with CheckpointClient(srv.url) as c:
+            c.save(want, f"{RUN}/1").wait()
+            out, result = blank_like(want), {}
+
+            def load() -> None:
+                try:
+                    result["report"] = c.load(out, f"{RUN}/1")
+                except Exception as e:  # noqa: BLE001 - reported below
+                    result["error"] = e
+
+            t = threading.Thread(target=load)
+            t.start()
+            assert reading.wait(20)
+            time.sleep(1.5)  # longer than a lease since the read plan
+            c.save(make_state(2, mib=0.05), f"{RUN}/2").wait()
+            plan = _gc(srv)
+            t.join(30)
+        assert "error" not in result, result.get("error")
+        assert result["report"].bytes_read_direct > 0  # the bytes did come from the files
+        assert plan["keep"].get("1", "").startswith("leased"), plan
+        assert_bits_equal(out, want)
+    finally:
+        srv.stop()
+
+
+def test_an_http_range_streamed_for_longer_than_the_lease_keeps_its_checkpoint(tmp_path):
+    """One GET of a 24 MiB file, consumed slowly for about 6 s with leases of 1 s, while a newer
+    checkpoint commits and gc runs: every byte arrives and matches, and gc finds it leased."""
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": "1"}).start()
+    try:
+        big = _rows_state(1, rows=(24 << 20) // 256)
+        with CheckpointClient(srv.url) as c:
+            c.save(big, f"{RUN}/1").wait()
+            m = httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/1", timeout=10).json()
+            (file,) = m["files"]
+            size = m["files"][file]["size"]
+            got = 0
+            plans = []
+            with httpx.stream("GET", f"{srv.url}/v1/checkpoints/{RUN}/1/files/{file}", timeout=30) as r:
+                assert r.status_code == 200
+                t0 = time.monotonic()
+                for piece in r.iter_bytes(1 << 20):
+                    got += len(piece)
+                    time.sleep(0.25)
+                    if not plans and time.monotonic() - t0 > 2.5:
+                        c.save(_rows_state(2), f"{RUN}/2").wait()
+                        plans.append(_gc(srv))
+        assert got == size
+        assert plans and plans[0]["keep"].get("1", "").startswith("leased"), plans
+    finally:
+        srv.stop()
+
+
+def test_a_tool_reading_through_the_service_keeps_its_checkpoint_between_ranges(tmp_path):
+    """A tool (``ckptd verify``/``export --server``) reads a range, pauses longer than the lease, reads
+    the next: ``CatalogClient.lease`` keeps the checkpoint it resolved from ``latest`` meanwhile, even
+    after a newer one commits, and gives it up when the block ends."""
+    from ckptd_client import CatalogClient
+
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": "1"}).start()
+    try:
+        with CheckpointClient(srv.url) as c:
+            c.save(_rows_state(1), f"{RUN}/1").wait()
+            c.save(_rows_state(2), f"{RUN}/2").wait()
+            with CatalogClient(srv.url) as cat:
+                m = cat.manifest(f"{RUN}/2")
+                (file,) = m.files
+                with cat.lease(f"{RUN}/latest") as held:
+                    assert held == f"{RUN}/2"
+                    first = cat.read_range(held, file, 0, 64)
+                    c.save(_rows_state(3), f"{RUN}/3").wait()  # latest moves on; the lease stays on 2
+                    time.sleep(2.5)  # no read for 2.5 leases
+                    plan = _gc(srv)
+                    assert plan["keep"].get("2", "").startswith("leased") and "2" not in plan["deleted"], plan
+                    assert "1" in plan["deleted"], plan
+                    assert cat.read_range(held, file, 0, 64) == first
+                time.sleep(1.6)  # the last read's own lease lapses; the tool's was released with the block
+                assert "2" in _gc(srv)["deleted"]
+        assert _names(srv) == ["3"]
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("junk", ["list", "string-expiry", "directory", "garbage"])
+def test_a_junk_lease_breaks_no_gc(tmp_path, junk):
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": "0"}).start()
+    root = Path(srv.root)
+    try:
+        with CheckpointClient(srv.url) as c:
+            for s in (1, 2, 3):
+                c.save(_rows_state(s), f"{RUN}/{s}").wait()
+        lease = root / "leases" / RUN / "1" / "evil.json"
+        lease.parent.mkdir(parents=True)
+        if junk == "list":
+            lease.write_text("[1, 2]")
+        elif junk == "string-expiry":
+            lease.write_text(json.dumps({"holder": "x", "expires_at": "tomorrow"}))
+        elif junk == "directory":
+            lease.mkdir()
+        else:
+            lease.write_bytes(b"\xff\x00not json")
+        dry = _cli_60s("gc", RUN, "--keep-last", "1", "--dry-run", "--json", "--root", str(root))
+        assert dry.returncode == 0 and "Traceback" not in dry.stderr, dry.stdout + dry.stderr
+        assert json.loads(dry.stdout)["delete"] == ["1", "2"]
+        assert _gc(srv)["deleted"] == ["1", "2"] and _names(srv) == ["3"]
+    finally:
+        srv.stop()
+
+
+def test_latest_and_gc_order_same_step_checkpoints_by_what_the_manifest_binds(tmp_path):
+    """Two trainer checkpoints of step 5 under different names. Editing only the older one's marker
+    (``committed_at`` moved into the future) must not make it ``RUN/latest``: a marker field that the
+    manifest does not bind is not evidence of order."""
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": "0"}).start()
+    root = Path(srv.root)
+    try:
+        first, second = _rows_state(1), _rows_state(2)
+        with CheckpointClient(srv.url) as c:
+            c.save(first, f"{RUN}/first", step=5).wait()
+            time.sleep(0.05)
+            c.save(second, f"{RUN}/second", step=5).wait()
+        latest = httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/latest", timeout=10)
+        assert latest.headers["x-ckptd-name"] == "second"
+        marker = root / "runs" / RUN / "first" / "COMMITTED"
+        m = json.loads(marker.read_bytes())
+        m["committed_at"] = "2999-01-01T00:00:00Z"
+        marker.write_text(json.dumps(m))
+        latest = httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/latest", timeout=10)
+        assert latest.status_code == 200 and latest.headers["x-ckptd-name"] == "second", latest.headers
+        with CheckpointClient(srv.url) as c:
+            out = blank_like(second)
+            c.load(out, f"{RUN}/latest")
+            assert_bits_equal(out, second)
+        assert _gc(srv, dry_run=True)["keep"]["second"] == "newest committed checkpoint"
     finally:
         srv.stop()

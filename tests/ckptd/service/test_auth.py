@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -38,7 +37,7 @@ from ckptd.service.server import check_open_mode, is_loopback
 from ckptd.storage import LocalStorage
 from ckptd_client import CheckpointClient
 from ckptd_schemas import Forbidden, Unauthorized, error_from_body
-from support import ServerProcess, assert_bits_equal, blank_like, free_port, make_state
+from support import REPO, ServerProcess, assert_bits_equal, blank_like, free_port, make_state
 
 ADMIN, WRITER, READER, OTHER = ("admin-token-0123456789", "writer-token-0123456789", "reader-token-0123456789",
                                 "other-token-0123456789")
@@ -442,7 +441,7 @@ def test_deploy_tokens_secret_template_refuses_to_start(tmp_path):
     """The k8s Secret template's placeholder is not a valid tokens file: the service says so and stops."""
     import yaml
 
-    docs = list(yaml.safe_load_all((Path(__file__).resolve().parents[1] / "deploy/k8s/secret.yaml").read_text()))
+    docs = list(yaml.safe_load_all((REPO / "deploy/k8s/secret.yaml").read_text()))
     placeholder = next(d for d in docs if d and d["metadata"]["name"] == "ckptd-tokens")["stringData"]["tokens"]
     f = tmp_path / "tokens"
     f.write_text(placeholder)

@@ -151,31 +151,7 @@ def commit_first(client: CheckpointClient) -> dict:
 SD1 = make_state(1)  # the good checkpoint RUN/1 that every test starts from
 
 
-@pytest.fixture(scope="module")
-def good_root(tmp_path_factory) -> Path:
-    """A storage root holding RUN/1 = SD1, committed once per module by a real server.
-
-    Tests copy it (a committed checkpoint is plain files), which saves a server
-    start per test; starting ``ckptd serve`` costs seconds.
-    """
-    root = tmp_path_factory.mktemp("good") / "root"
-    srv = ServerProcess(root).start()
-    try:
-        with CheckpointClient(srv.url, retry_seconds=10) as client:
-            assert client.save(make_state(1), f"{RUN}/1").wait(timeout=60).state == "committed"
-    finally:
-        srv.stop()
-    return root
-
-
-@pytest.fixture
-def srv(tmp_path, good_root):
-    """A server (not started) over a root that already holds the committed RUN/1."""
-    shutil.copytree(good_root, tmp_path / "root")
-    s = ServerProcess(tmp_path / "root", env=SMALL_BATCH)
-    assert marker_bytes(tmp_path / "root", "1") is not None
-    yield s
-    s.kill()
+# The fixtures good_root and srv (a server over a root holding RUN/1 = SD1) are in tests/system/conftest.py.
 
 
 @pytest.fixture

@@ -37,9 +37,8 @@ import pytest
 import yaml
 
 from ckptd.service.settings import Settings, env_name
-from support import free_port
+from support import REPO, free_port
 
-REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 VENV_BIN = Path(sys.executable).parent

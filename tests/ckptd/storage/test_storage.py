@@ -23,7 +23,6 @@ import pytest
 from ckptd.storage import LocalStorage, Storage, open_storage
 from ckptd.storage.fsspec import FsspecStorage
 from ckptd.storage.s3 import S3Storage
-from ckptd.storage.s3 import S3Storage
 from ckptd_schemas import InvalidName, StorageError
 
 BACKENDS = ["local", "fsspec-file", "fsspec-memory", "s3"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -12,8 +11,9 @@ from ckptd.cli.main import main
 from ckptd.service import server
 from ckptd.cli.settings_table import markdown_table, serve_flags, update_readme
 from ckptd.service.settings import GROUPS, Settings, env_name
+from support import REPO
 
-CONFIG_DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+CONFIG_DOC = REPO / "docs" / "configuration.md"
 
 
 def test_configuration_doc_table_is_the_generated_one():

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from support import free_port
+from support import REPO, free_port
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 # A rank can abort at interpreter exit after destroy_process_group, in gloo's C++ teardown

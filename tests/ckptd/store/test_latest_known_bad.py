@@ -32,7 +32,7 @@ from ckptd_client import CheckpointClient
 from ckptd_schemas import CheckpointNotFound, ChecksumMismatch
 from support import ServerProcess, assert_bits_equal, blank_like, make_state
 
-from test_retention import ckpt_lists
+from .test_retention import ckpt_lists
 
 RUN = "kb"
 

@@ -20,7 +20,7 @@ import ast
 import functools
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from support import REPO
 PACKAGES = {"ckptd": REPO / "ckptd", "ckptd_client": REPO / "client", "ckptd_schemas": REPO / "schemas"}
 
 

@@ -34,7 +34,7 @@ import tomllib
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from support import REPO
 
 # the service's packages (pyproject's [server] extra, import names) and the S3 root's
 SERVER_IMPORTS = ("fastapi", "uvicorn", "starlette", "httptools", "pydantic_settings", "prometheus_client",

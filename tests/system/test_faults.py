@@ -7,7 +7,7 @@ random delay), trainer ranks that die, TCP connections cut by a proxy
 (tests/fault_proxy.py), a real full filesystem (a tmpfs the test mounts), and a
 storage backend made slow or unavailable for one run (``CKPTD_FAULTS=stall=...``,
 ``fail=...``). The named crash points, a random-moment kill during
-one large upload and a rank killed mid-upload are in tests/test_crash.py, whose
+one large upload and a rank killed mid-upload are in tests/system/test_crash.py, whose
 helpers this file reuses.
 
 Reproduce the randomized loop with ``CKPTD_FAULT_SEED=<seed>`` (printed on failure);
@@ -45,11 +45,10 @@ from ckptd_client._save import build_snapshot, open_session, upload_files, uploa
 from ckptd_schemas import SessionStatus
 from fault_proxy import CutProxy
 from support import ServerProcess, make_state, run_ranks, scaled
-from test_crash import (
+from .test_crash import (
     RUN, SD1, SMALL_BATCH, VisibilityWatcher, _ReaderSource, assert_loads, assert_verifies, ckpt_dir, full_state,
     good_save_job, ls_names, marker_bytes, rank_state, sessions_of,
 )
-from test_crash import good_root, srv  # noqa: F401 - fixtures: a server over a root holding RUN/1 = SD1
 
 KIB = 1 << 10
 
