@@ -264,3 +264,34 @@ def test_the_client_keeps_a_session_alive_until_it_is_over_and_no_longer(tmp_pat
     finally:
         t.close()
         srv.stop()
+
+
+def test_a_burst_of_keep_alives_costs_the_store_one_write(tmp_path):
+    """A thousand ranks' keep-alives within one recording interval: one write of the activity record
+    and no read at all after the first (the process remembers when it last recorded)."""
+    calls: list[str] = []
+
+    class Counting(LocalStorage):
+        def read_or_none(self, key: str):  # noqa: ANN201
+            calls.append(f"read {key}")
+            return super().read_or_none(key)
+
+        def put(self, key: str, data: bytes) -> None:
+            calls.append(f"put {key}")
+            super().put(key, data)
+
+    store = SessionStore(Counting(tmp_path), dead_after=300)
+    _stage(store, "big", "s-big")
+    calls.clear()
+    store.keep_alive("r", "big", "s-big")  # recorded moments ago by the upload: nothing to do
+    assert calls == []
+    store.activity._written.clear()  # this process has not recorded it (another replica did)
+    for _ in range(1000):
+        store.keep_alive("r", "big", "s-big")
+    writes = [c for c in calls if c.startswith("put")]
+    assert writes == [f"put {Paths.activity('r', 'big', 's-big')}"], writes
+    assert len(calls) < 10, calls  # the first keep-alive's checks (session, marker, refusal), then none
+    with pytest.raises(Exception) as e:  # a session that is not there is told so, and nothing is written
+        store.keep_alive("r", "big", "s-nope")
+    assert type(e.value).__name__ == "SessionNotFound"
+    assert not (tmp_path / "runs" / "r" / "big" / "sessions" / "s-nope").exists()
