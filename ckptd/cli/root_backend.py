@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager
 from ckptd_schemas import AlreadyCommitted, InvalidRequest, Manifest, NotFound, OpenSession, RankIndex, parse_ref
 
 from ..storage import Storage
-
 from .backends import Bar, ReshardOutcome, ReshardRequest
 
 if TYPE_CHECKING:
