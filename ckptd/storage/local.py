@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import re
 import shutil
-import sys
 import uuid
 from pathlib import Path
-from typing import Callable
 
 from ckptd_schemas import StorageError, StorageFull
 
@@ -39,29 +36,6 @@ def _storage_error(op: str, key: str, e: OSError) -> StorageError:
     if e.errno == errno.ENOSPC:
         return StorageFull(f"storage {op} of {key!r} failed: disk full", key=key, errno=e.errno)
     return StorageError(f"storage {op} of {key!r} failed: {e.strerror or e}", key=key, errno=e.errno)
-
-
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range() if sys.platform.startswith("linux") else None
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing a dirty range back without dropping its pages (``sync_file_range``); where that
-    call is missing, ``posix_fadvise(DONTNEED)``, which starts it too but drops the clean pages."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # advice only: errors are ignored
-    elif _FADVISE:
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 _TEMP = re.compile(r"\..+\.tmp-[0-9a-f]{12}")  # what _LocalWriter and put() write before the rename
