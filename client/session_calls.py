@@ -4,9 +4,9 @@ Call order for one rank of a save (``_save.upload_snapshot`` and the DCP writer 
 ``ckptd import --server``): :func:`open_session` (open or join; the answer says whether the
 service gives presigned URLs into its object store), upload the files, then
 :func:`put_index` with the rank's index; the service commits when the last rank's index arrives,
-(from opening until the session is committed, refused or gone the rank sends keep-alives: ``_keepalive``),
 and :func:`wait_committed` long-polls until the session leaves ``open``, raising its typed error if
-the commit was refused.
+the commit was refused. From the opening until the session is committed, refused or gone, the rank
+sends keep-alives (``_keepalive``); :func:`abort_session` stops them and drops the staging.
 """
 
 from __future__ import annotations

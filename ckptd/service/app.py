@@ -181,7 +181,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     app.include_router(read_router(services))
     app.include_router(jobs_router)
     app.include_router(drill_router(storage, workers, metrics))
-    app.include_router(gc_router(storage, settings, verify_in_worker, record=gc_log.record))
+    app.include_router(gc_router(storage, lambda: sessions.reclaim_stale(settings.stale_session_ttl),
+                                 verify_in_worker, record=gc_log.record))
     app.include_router(ui_router(services, gc_log))
     install_ui(app)
     install_docs(app, ROUTE_RULES)

@@ -29,9 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from ckptd_schemas import check_run
 
 from ..storage import Storage
-from ..store import SessionStore
 from ..store.retention import Verifier, collect, remove
-from .settings import Settings
 
 __all__ = ["DecisionLog", "GcRequest", "RemovalBody", "gc_router"]
 
@@ -59,8 +57,9 @@ class RemovalBody(BaseModel):
 DecisionLog = Callable[[str, dict[str, Any], str, bool], None]
 
 
-def gc_router(storage: Storage, settings: Settings, verify: Verifier | None = None,
+def gc_router(storage: Storage, sweep: Callable[[], list[str]], verify: Verifier | None = None,
               record: DecisionLog | None = None) -> APIRouter:
+    """The routes; ``sweep`` is the service's own stale-session sweep (its settings, its metrics)."""
     router = APIRouter(tags=["retention"])
 
     @router.post("/v1/runs/{run}/gc")
@@ -73,8 +72,7 @@ def gc_router(storage: Storage, settings: Settings, verify: Verifier | None = No
             if record is not None:
                 record(run, plan, "POST /v1/runs/{run}/gc", body.dry_run)
             if not body.dry_run:
-                plan["reclaimed_sessions"] = SessionStore(storage, dead_after=settings.dead_session_after).reclaim_stale(
-                    settings.stale_session_ttl)
+                plan["reclaimed_sessions"] = sweep()
             return plan
 
         return await run_in_threadpool(work)

@@ -7,10 +7,11 @@ often), mark it active. A rank done with its part keeps sending: the others may 
 (a longer upload queue), and the session dies only when every rank that joined it stopped. A
 status poll counts for nothing (it changes nothing).
 
-Call order: :meth:`SessionActivity.touch` on each writer request (``SessionStore._check_writable``
-and ``SessionStore.keep_alive``), and :meth:`SessionActivity.held` around a writer inside the
-service's process (a reshard job, an import), which has no client to send keep-alives; :meth:`SessionActivity.last` and :func:`reclaim_at` when the
-sweep (``SessionStore.reclaim_stale``) or the web view asks when a session goes. The record is one
+Call order: :meth:`SessionActivity.touch` once a writer request of the session succeeded (a refused
+one writes nothing) and on ``SessionStore.keep_alive``; :meth:`SessionActivity.held` around a writer
+inside the service's process (a reshard job, an import), which has no client to send keep-alives;
+:meth:`SessionActivity.last` and :func:`reclaim_at` when the sweep (``SessionStore.reclaim_stale``)
+or the web view asks when a session goes. The record is one
 small object per session (``Paths.activity``), written at most every ``every`` seconds by each
 process, so a thousand ranks' keep-alives cost a write per interval, not a thousand.
 """
@@ -67,7 +68,6 @@ class SessionActivity:
         self._written: dict[str, float] = {}  # session key -> monotonic time of this process's last write
         self._lock = threading.Lock()
         self._held: set[tuple[str, str, str]] = set()
-        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def hold(self, run: str, name: str, sid: str) -> None:
@@ -94,7 +94,8 @@ class SessionActivity:
             self.release(run, name, sid)
 
     def _keep(self) -> None:
-        while not self._wake.wait(self.every):
+        while True:
+            time.sleep(self.every)
             with self._lock:
                 held = list(self._held)
             for run, name, sid in held:
@@ -103,17 +104,22 @@ class SessionActivity:
                 except Exception:  # noqa: BLE001 - the store unreachable now: the next interval tries again
                     log.warning("session %s of %s/%s: activity not recorded", sid, run, name, exc_info=True)
 
+    def _recent(self, key: str, now: float) -> bool:
+        """This process wrote ``key``'s record less than (about) ``every`` seconds before ``now``; the
+        caller holds the lock. The margin keeps a thread that touches every ``every`` seconds writing."""
+        return now - self._written.get(key, -self.every) < self.every * 0.9
+
     def fresh(self, run: str, name: str, sid: str) -> bool:
-        """True when this process recorded the session's activity less than ``every`` seconds ago: a
-        keep-alive then needs no read or write of the store at all."""
+        """True when this process recorded the session's activity moments ago: a keep-alive then needs
+        no read or write of the store at all."""
         with self._lock:
-            return time.monotonic() - self._written.get(Paths.activity(run, name, sid), -self.every) < self.every * 0.9
+            return self._recent(Paths.activity(run, name, sid), time.monotonic())
 
     def touch(self, run: str, name: str, sid: str) -> None:
         """Record that a writer of the session is alive now (at most one write per ``every`` seconds)."""
         key, now = Paths.activity(run, name, sid), time.monotonic()
         with self._lock:
-            if now - self._written.get(key, -self.every) < self.every * 0.9:
+            if self._recent(key, now):
                 return
             self._written[key] = now
             if len(self._written) > 4096:  # sessions long gone: forget them

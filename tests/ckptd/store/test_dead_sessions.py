@@ -55,9 +55,14 @@ def _stage(store: SessionStore, name: str, sid: str, world: int = 1) -> None:
 
 
 def _set(root: Path, name: str, sid: str, *, opened_ago: float, active_ago: float | None) -> datetime:
-    """Move the session's opening and its last writer activity into the past; return 'now'."""
+    """Move the opening and the last writer activity of session ``sid`` of ``r/name`` into the past;
+    return 'now'."""
+    return _set_run(root, "r", name, sid, opened_ago=opened_ago, active_ago=active_ago)
+
+
+def _set_run(root: Path, run: str, name: str, sid: str, *, opened_ago: float, active_ago: float | None) -> datetime:
     now = datetime.now(timezone.utc)
-    sdir = root / "runs" / "r" / name / "sessions" / sid
+    sdir = root / "runs" / run / name / "sessions" / sid
     meta = json.loads((sdir / "SESSION.json").read_text())
     meta["created_at"] = (now - timedelta(seconds=opened_ago)).isoformat()
     (sdir / "SESSION.json").write_text(json.dumps(meta))
@@ -295,3 +300,39 @@ def test_a_burst_of_keep_alives_costs_the_store_one_write(tmp_path):
         store.keep_alive("r", "big", "s-nope")
     assert type(e.value).__name__ == "SessionNotFound"
     assert not (tmp_path / "runs" / "r" / "big" / "sessions" / "s-nope").exists()
+
+
+def test_gc_reclaims_dead_staging_offline_and_through_the_service(tmp_path):
+    """``ckptd gc`` sweeps too: through the service it runs the service's own sweep (its settings, its
+    metric), offline the same rule with ``--dead-after``. A session whose writer is still heard from stays."""
+    root = tmp_path / "root"
+    store = SessionStore(LocalStorage(root), dead_after=300)
+    probe = root / "runs" / "z" / "probe" / "sessions" / "s-probe"
+    store.open("z", "probe", OpenSession(session="s-probe", world_size=1, step=1))
+    _set_run(root, "z", "probe", "s-probe", opened_ago=1200, active_ago=900)
+    srv = ServerProcess(root, env={"CKPTD_RECLAIM_INTERVAL": "86400"}).start()  # one sweep at start, then gc's
+    try:
+        deadline = time.monotonic() + scaled(30)
+        while probe.exists():  # the start-up sweep is done (run r did not exist when it listed the runs)
+            assert time.monotonic() < deadline, "the start-up sweep never ran"
+            time.sleep(0.05)
+        _stage(store, "dead", "s-dead")
+        _stage(store, "live", "s-live")
+        _set(root, "dead", "s-dead", opened_ago=1200, active_ago=900)  # its writers stopped 15 minutes ago
+        _set(root, "live", "s-live", opened_ago=1200, active_ago=10)
+        out = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "gc", "r", "--keep-last", "1", "--server",
+                              srv.url, "--json"], capture_output=True, text=True, timeout=scaled(120), cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["reclaimed_sessions"] == ["r/dead/s-dead"], out.stdout
+        # counted by the service: the probe by its start-up sweep, the dead session by gc's (the same sweep)
+        assert "ckptd_sessions_reclaimed_total 2.0" in httpx.get(f"{srv.url}/metrics", timeout=10).text
+    finally:
+        srv.stop()
+    assert (root / "runs" / "r" / "live" / "sessions" / "s-live" / "files" / "r000000-0000.bin").exists()
+    _set(root, "live", "s-live", opened_ago=1200, active_ago=120)  # its writer stopped two minutes ago
+    offline = [sys.executable, "-m", "ckptd.cli.main", "gc", "r", "--keep-last", "1", "--root", str(root), "--json"]
+    out = subprocess.run(offline, capture_output=True, text=True, timeout=scaled(120), cwd=REPO)
+    assert out.returncode == 0 and json.loads(out.stdout)["reclaimed_sessions"] == [], out.stdout + out.stderr
+    out = subprocess.run(offline + ["--dead-after", "60"], capture_output=True, text=True, timeout=scaled(120),
+                         cwd=REPO)
+    assert out.returncode == 0 and json.loads(out.stdout)["reclaimed_sessions"] == ["r/live/s-live"], out.stdout
