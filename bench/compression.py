@@ -13,7 +13,7 @@
    throughput below which compressing is faster, and what it chooses at the disk's rate and at
    the throttled rate.
 5. End to end: ``CheckpointClient.save`` of each state through HTTP to a ``ckptd serve`` whose
-   storage writes pass one link of ``--throttle-mbps`` MB/s (``CKPTD_FAULTS=throttle=...``, a
+   storage writes pass one link of ``--throttle-mbps`` MB/s (``CKPTD_FAULTS=throttle=...``, tests/fault_server.py, a
    slow remote store), with ``None``, ``"zstd"``, ``"planes"`` and ``"auto"``: seconds to commit,
    bytes stored, codecs chosen (median of ``--repeat``, the order of the modes rotated).
 """

@@ -37,9 +37,7 @@ Call order inside :meth:`CheckpointClient.load`:
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +57,7 @@ from ._share import Sharing, agree, exchange, region_key, share_plan
 from ._flatten import Leaf, flatten_state_dict
 from .transport import Transport
 from ._placement import LocalPiece, dtype_name, local_piece
-from ._lease import read_lease
+from ._lease import LoadLease, read_lease
 from ._resolve import resolve_manifest
 from ckptd_schemas.api import SkippedCheckpoint
 from ckptd_schemas.format.assemble import Destination, copy_into
@@ -188,13 +186,12 @@ def _load_object(transport: Transport, base: str, o: ObjectEntry, ref: str, poli
 def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, rank: int, strict: bool,
               streams: int, cover: bool = False, direct_reads: bool = True, share_replicas: bool = True,
               objects: ObjectPolicy = SAFE) -> LoadReport:
-    with contextlib.ExitStack() as lease:
+    with LoadLease(transport, run, name) as lease:  # one read lease for the whole load, released when it returns
         return _load_into(transport, run, name, state_dict, lease, rank=rank, strict=strict, cover=cover,
-                          streams=streams,
-                          direct_reads=direct_reads, share_replicas=share_replicas, objects=objects)
+                          streams=streams, direct_reads=direct_reads, share_replicas=share_replicas, objects=objects)
 
 
-def _load_into(transport: Transport, run: str, name: str, state_dict: dict, lease: contextlib.ExitStack, *,
+def _load_into(transport: Transport, run: str, name: str, state_dict: dict, lease: LoadLease, *,
                rank: int, strict: bool, cover: bool, streams: int, direct_reads: bool, share_replicas: bool,
                objects: ObjectPolicy) -> LoadReport:
     together = _distributed()
@@ -202,16 +199,12 @@ def _load_into(transport: Transport, run: str, name: str, state_dict: dict, leas
     manifest: Manifest | None = None
     held: set[str] = set()
     err: Exception | None = None
-    # One read lease for the whole load, released when it returns: named from the first request (the
-    # manifest of ``latest`` included), so the service never leases the checkpoint beyond this load.
-    holder = uuid.uuid4().hex
-    lease.enter_context(transport.leased(f"/v1/checkpoints/{run}/{name}", holder))
     try:
         manifest, report, leaves, pieces, objects_by_name = _prepare(transport, run, name, state_dict, strict,
                                                                      cover=cover, rank=rank, alone=not together)
         held = {leaf.fqn for leaf in leaves}
         base = f"/v1/checkpoints/{run}/{manifest.name}"
-        lease.enter_context(read_lease(transport, base, holder))  # renewed while it reads, released at the end
+        lease.hold(base)  # renewed while it reads, released at the end
         plan = _plan(transport, base, pieces, direct_reads) if pieces else None
     except Exception as e:
         err = e
@@ -321,7 +314,7 @@ def _key(leaf: Leaf, p: LocalPiece) -> Any:
 
 def _read_tensors(transport: Transport, base: str, manifest: Manifest, pieces: list[tuple[Leaf, LocalPiece]],
                   plan: ReadPlan | None, report: LoadReport, *, streams: int, direct_reads: bool,
-                  share: bool, lease: contextlib.ExitStack | None = None) -> None:
+                  share: bool, lease: LoadLease | None = None) -> None:
     """Step 3 (and 4): agree who reads the regions shared within a host; fetch and verify; pass
     the shared regions along."""
     pieces_all = pieces

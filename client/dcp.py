@@ -34,7 +34,6 @@ object that would need an unrestricted unpickler.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import uuid
@@ -64,7 +63,7 @@ from ._manifest import get_manifest
 from ._presigned import DirectUploads
 from ._save import Snapshot, _Chunk, _Object, upload_files
 from .session_calls import open_session, put_index, wait_committed
-from ._lease import read_lease
+from ._lease import LoadLease
 from ._load import execute, local_files
 from ckptd_schemas.names import DCP_METADATA
 from ckptd_schemas.format.assemble import Destination, torch_dtype
@@ -292,7 +291,7 @@ class CkptdStorageReader(_Endpoint, StorageReader):
         self.objects = objects
         self._manifest: Manifest | None = None
         self._rank: int | None = None
-        self._lease: contextlib.ExitStack | None = None  # this rank's read lease, first request to end of read_data
+        self._lease: LoadLease | None = None  # this rank's read lease, first request to end of read_data
         self.set_ref(None)
 
     def __getstate__(self) -> dict:
@@ -321,16 +320,14 @@ class CkptdStorageReader(_Endpoint, StorageReader):
     def _get_manifest(self) -> Manifest:
         """The manifest, under one read lease this rank holds until its ``read_data`` returns: named from
         the first request (the manifest of ``latest`` included), renewed while it reads, so the service
-        leases nothing on its own account beyond this load (``ckptd_client._lease.read_lease``)."""
+        leases nothing on its own account beyond this load (``ckptd_client._lease.LoadLease``)."""
         if self._manifest is None:
             r = parse_ref(self.ref)
             if self._lease is None:
-                self._lease, holder = contextlib.ExitStack(), uuid.uuid4().hex
-                self._lease.enter_context(self.transport.leased(f"/v1/checkpoints/{r.run}/{r.name}", holder))
-                self._holder = holder
+                self._lease = LoadLease(self.transport, r.run, r.name)
             self._manifest = Manifest.model_validate_json(get_manifest(self.transport, r.run, r.name))
             self.ref = f"{r.run}/{self._manifest.name}"  # pin RUN/latest to what it resolved to
-            self._lease.enter_context(read_lease(self.transport, self.base, self._holder))
+            self._lease.hold(self.base)
         return self._manifest
 
     def _pin(self, ref: Any) -> None:

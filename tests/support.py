@@ -106,13 +106,21 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, env: dict[str, str] | None = None, wait: bool = True) -> "ServerProcess":
+        """Start the server; with ``CKPTD_FAULTS`` set (in ``env`` or the server's own environment) it is
+        tests/fault_server.py, the service with faults wrapped around its storage, else ``ckptd serve``."""
         full_env = {**os.environ, **self.env, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._logf = open(self.log, "ab")
-        self.proc = subprocess.Popen(
-            guarded([sys.executable, "-m", "ckptd.cli.main", "serve", "--root", self.root, "--port", str(self.port),
-                     "--log-level", "warning", *self.args]),
-            env=full_env, stdout=self._logf, stderr=subprocess.STDOUT)
+        if full_env.get("CKPTD_FAULTS"):
+            assert not self.args, "the fault server takes its settings from the environment, not flags"
+            # The repository first on the path: tests/ckptd (no __init__) must not stand in for the package.
+            full_env.update(CKPTD_ROOT=os.path.abspath(self.root), CKPTD_PORT=str(self.port), CKPTD_LOG_LEVEL="warning",
+                            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")])))
+            cmd = [sys.executable, str(REPO / "tests" / "fault_server.py")]
+        else:
+            cmd = [sys.executable, "-m", "ckptd.cli.main", "serve", "--root", self.root, "--port", str(self.port),
+                   "--log-level", "warning", *self.args]
+        self.proc = subprocess.Popen(guarded(cmd), env=full_env, stdout=self._logf, stderr=subprocess.STDOUT)
         _LIVE.add(self.proc)
         if wait:
             self.wait_ready()

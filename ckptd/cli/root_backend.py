@@ -23,12 +23,14 @@ if TYPE_CHECKING:
 
     from ..interop.dcp_import import FileOut
 
-__all__ = ["RootBackend", "open_root"]
+__all__ = ["RootBackend", "open_checked_root"]
 
 
-def open_root(root: str, *, create: bool) -> Storage:
-    """Open the storage root ``root``; with ``create=False`` a local directory must already exist."""
-    from ..store.tiers import TIERED, open_root as open_tiers, split_tiered
+def open_checked_root(root: str, *, create: bool) -> Storage:
+    """The storage root a command was given, opened by :func:`ckptd.store.tiers.open_root` once it is
+    checked: with ``create=False`` a local directory must already exist; a bad root is a typed error
+    naming it (``NotFound``, ``InvalidRequest``), never a traceback."""
+    from ..store.tiers import TIERED, open_root, split_tiered
 
     if root.startswith(TIERED):  # a fast tier and its durable tier, as `ckptd serve --durable` sees them
         try:
@@ -43,7 +45,7 @@ def open_root(root: str, *, create: bool) -> Storage:
             what = "is not a directory" if path.exists() else "does not exist"
             raise NotFound(f"no such root: {part} {what} (pass --root PATH or --server URL)", root=part)
     try:
-        return open_tiers(root)
+        return open_root(root)
     except ImportError as e:
         scheme = root.split("://", 1)[0]
         raise InvalidRequest(f"no storage backend for {scheme}:// roots: {e} (install the fsspec package for "
@@ -59,7 +61,7 @@ class RootBackend:
         from ..store import CheckpointReader
 
         self.where = root
-        self.reader = CheckpointReader(open_root(root, create=create))
+        self.reader = CheckpointReader(open_checked_root(root, create=create))
         self.storage = self.reader.storage
 
     # -- reads ------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ Precedence, the same for every command that reads or writes checkpoints:
    sessions that a direct reader of the root would not);
 3. else ``$CKPTD_ROOT``, else ``./ckptd-data``.
 
-A root is opened by :func:`ckptd.cli.root_backend.open_root`: commands that only read (``ls``,
+A root is opened by :func:`ckptd.cli.root_backend.open_checked_root`: commands that only read (``ls``,
 ``show``, ``verify``, ``export``, ``gc --dry-run``...) open it read-only, so a mistyped local path
 is refused as "no such root" instead of being created empty.
 """

@@ -17,6 +17,7 @@ import socket
 import uvicorn
 from prometheus_client import disable_created_metrics
 
+from ..storage import Storage
 from .app import create_app
 from .auth import AuthConfigError, TokenStore
 from .connections import ConnectionGuard
@@ -81,8 +82,9 @@ def check_open_mode(settings: Settings, tokens: TokenStore) -> None:
             f"(CKPTD_INSECURE_OPEN=1) to serve openly anyway.")
 
 
-def serve(settings: Settings) -> None:
-    """Configure logging, check the authentication setup, and run until stopped.
+def serve(settings: Settings, *, storage: Storage | None = None) -> None:
+    """Configure logging, check the authentication setup, and run until stopped, serving ``storage``
+    (by default the root of ``settings``; an embedding, or a test that wraps the backend, passes its own).
 
     Raises :class:`AuthConfigError` (before listening) when the tokens cannot be
     read, or when no token is configured on a non-loopback address without
@@ -92,7 +94,7 @@ def serve(settings: Settings) -> None:
     disable_created_metrics()  # no *_created series beside every counter and histogram
     tokens = TokenStore.from_settings(settings)
     check_open_mode(settings, tokens)
-    app = create_app(settings, tokens=tokens)
+    app = create_app(settings, storage, tokens=tokens)
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     from uvicorn.protocols.http.auto import AutoHTTPProtocol  # httptools (a dependency of the server extra)
 

@@ -29,7 +29,6 @@ from ckptd_schemas import (
     RankIndex, SessionInfo, SessionStatus, UploadResult, parse_ref,
 )
 
-from ..store.faults import crash_point
 from .auth import principal_of
 from .bodies import parse_body, read_body_limited
 from .services import Services
@@ -121,7 +120,6 @@ def upload_router(svc: Services) -> APIRouter:
                         await pending
                     pending = asyncio.ensure_future(run_in_threadpool(sink.write_parts, parts))
                     parts, nbytes = [], 0
-                    crash_point("upload-mid-stream")
             if pending is not None:
                 await pending
             if parts:

@@ -46,7 +46,6 @@ from ckptd_schemas import CkptdError, Conflict, CorruptCheckpoint, Manifest, Sto
 
 from ..storage import Writer
 from .tiers import ADOPTED, TieredStorage
-from .faults import crash_point
 from .paths import Marker, Paths
 from .leases import Leases
 from .checker import StorageFiles, judge
@@ -102,7 +101,6 @@ class _Copies(StorageFiles):
         w = self._writer(file)  # an empty file has no window: its object is created here
         if ok:
             w.commit()
-            crash_point("durable-mid-copy")
         else:
             w.abort()
 
@@ -306,7 +304,6 @@ class DurableCopier:
         if meta is not None:
             durable.put(Paths.session_meta(c.run, c.name, c.session), meta)
         durable.put(c.manifest_key, raw)
-        crash_point("durable-before-marker")
         if fast.read_or_none(Paths.marker(c.run, c.name)) is None:
             raise StorageError(f"{c.ref} left the fast tier while it was copied (removed by retention)",
                                ref=c.ref)

@@ -45,7 +45,6 @@ from ckptd_schemas import (
 )
 
 from ..storage import Storage, Writer
-from .faults import crash_point, wrap_storage
 from .gcpause import gc_paused
 from ckptd_schemas.filedigest import BLOCK_SIZE, StreamDigest, xxh3_hex
 from .activity import DEAD_SESSION_AFTER, KEEPALIVE_PER_WINDOW, Reclaim, SessionActivity, reclaim_at
@@ -111,7 +110,6 @@ class FileSink:
         if not created and stored_digest(self._storage, self._key, entry.block_size) != (entry.size, digest, blocks):
             raise Conflict(f"file {self.file!r} is already stored in this session with other bytes; a stored "
                            f"file is never replaced (save again with a new session)", file=self.file)
-        crash_point("upload-before-digest")
         record_file(self._storage, self._digest_key, self.file, entry)
         self._on_stored()
         return UploadResult(file=self.file, size=entry.size, xxh3=digest)
@@ -150,7 +148,7 @@ class SessionStore:
     def __init__(self, storage: Storage, *, block_size: int = BLOCK_SIZE, visibility: Visibility | None = None,
                  on_commit: Sequence[Callable[[CommitEvent], None]] = (),
                  dead_after: float = DEAD_SESSION_AFTER, events: SessionEvents | None = None) -> None:
-        self.storage = wrap_storage(storage)  # itself, unless a test set a fault (faults.py)
+        self.storage = storage
         self.dead_after = dead_after  # seconds without a live writer before the sweep reclaims a session
         self.activity = SessionActivity(self.storage, every=dead_after / KEEPALIVE_PER_WINDOW / 2)
         self.block_size = block_size
@@ -430,7 +428,6 @@ class SessionStore:
         key, raw = Paths.rank_index(run, name, sid, index.rank), index.model_dump_json().encode()
         self.storage.put(key, raw)
         self._indexes.put(key, raw, index)
-        crash_point("index-written")
         return self._commit_if_complete(run, name, sid, meta, index.rank)
 
     def _committed_with(self, run: str, name: str, sid: str, index: RankIndex) -> SessionStatus | None:
@@ -578,12 +575,10 @@ class SessionStore:
             derived_from, nfiles, nbytes = manifest.derived_from, len(manifest.files), manifest.total_bytes
             # Freed here by reference counting, so the collector, back on, does not walk them first.
             del manifest, files
-        crash_point("commit-before-manifest")
         digest = xxh3_hex(raw)
         mkey = Paths.manifest(run, name, sid, digest)
         if self.storage.size(mkey) != len(raw):
             self.storage.put(mkey, raw)
-        crash_point("commit-before-marker")
         marker = Marker(ref=f"{run}/{name}", session=sid, manifest=manifest_file_name(digest), manifest_xxh3=digest,
                         step=meta.step, derived_from=derived_from, committed_at=_now(), parent=meta.parent)
         if not self.storage.create_if_absent(Paths.marker(run, name), marker.model_dump_json().encode()):
@@ -591,7 +586,6 @@ class SessionStore:
             if existing is None:
                 raise Conflict(f"{run}/{name} was committed by another session", ref=f"{run}/{name}")
             return existing.manifest_xxh3, None
-        crash_point("commit-after-marker")
         record_commit_check(self.storage, run, name, digest, check, nfiles)
         log.info("committed %s/%s session %s (%d files, %d bytes)", run, name, sid, nfiles, nbytes)
         return digest, CommitEvent(run=run, name=name, session=sid, manifest_xxh3=digest, derived_from=derived_from,

@@ -3,7 +3,7 @@
 Every test commits a good checkpoint first and ends by checking that it still
 loads bit for bit and that ``ckptd verify`` (its own process) passes on it.
 Crashes are real: the server SIGKILLs itself at a named point of the protocol
-(``CKPTD_FAULTS=crash-at=POINT``, ckptd/store/faults.py), the test SIGKILLs it at a random
+(``CKPTD_FAULTS=crash-at=POINT``, tests/fault_server.py), the test SIGKILLs it at a random
 moment, or a trainer rank dies with ``os._exit``. Nothing of ckptd is mocked.
 """
 
@@ -27,7 +27,7 @@ import xxhash
 
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
-from ckptd.store.faults import CRASH_POINTS
+from fault_server import CRASH_POINTS
 from ckptd.store.checker import verify_manifest
 from ckptd_client import CheckpointClient, CheckpointNotFound, FlatShard, Unavailable
 from support import ServerProcess, assert_bits_equal, blank_like, make_state, run_ranks

@@ -2,7 +2,7 @@
 
 Each case runs real ``ckptd serve`` processes and real clients; faults are real
 too: SIGKILL (the server kills itself at a random kill point,
-``CKPTD_FAULTS=crash-random=...`` in ckptd/store/faults.py, or the test kills it after a
+``CKPTD_FAULTS=crash-random=...``, tests/fault_server.py, or the test kills it after a
 random delay), trainer ranks that die, TCP connections cut by a proxy
 (tests/fault_proxy.py), a real full filesystem (a tmpfs the test mounts), and a
 storage backend made slow or unavailable for one run (``CKPTD_FAULTS=stall=...``,
@@ -143,7 +143,7 @@ def test_randomized_server_kills_never_lose_or_half_show_a_checkpoint(tmp_path):
 
     The server runs with ``CKPTD_FAULTS=crash-random=@<file>``; before most saves the test arms it with
     ``<seed>:<p>[:<points>]``: at every kill point (every step of the protocol in
-    ckptd/store/faults.py, and inside storage writes) the server draws and SIGKILLs itself with
+    tests/fault_server.py, and inside storage writes) the server draws and SIGKILLs itself with
     probability p; half of these runs draw at every point (p varies, so kills land from the first
     byte on), half only at the commit steps (each rank's index, before the manifest, before and
     after the marker). The other runs are killed by the test after a random delay. Saves are by
@@ -825,45 +825,60 @@ def test_a_transient_storage_error_at_commit_leaves_the_session_open_for_the_ret
     assert not (tmp_path / "root/runs/flaky/1/sessions" / sid / "FAILED.json").exists()
 
 
-# -- the fault hooks themselves ------------------------------------------------------------------------------
+# -- the fault server's storage wrapper itself ------------------------------------------------------------------
 
-def test_fault_hooks_are_inert_unless_set(tmp_path, monkeypatch):
-    from ckptd.store import faults
+def test_the_fault_server_finds_each_protocol_step_in_the_storage_calls(tmp_path):
+    """tests/fault_server.py kills the service at the protocol's steps from outside it, by the keys the
+    store writes: one save through a wrapped store passes every named point once, in protocol order."""
+    from ckptd_schemas import OpenSession, RankIndex
+    from fault_server import CRASH_POINTS, FaultStorage, Faults
+    from xxhash import xxh3_64_hexdigest
+
+    faults, seen = Faults(""), []
+    faults.reached = seen.append  # record each point instead of dying there
+    store = SessionStore(FaultStorage(LocalStorage(tmp_path / "root", durable=False), faults))
+    sid = uuid.uuid4().hex
+    store.open("r", "1", OpenSession(session=sid, world_size=1, step=1))
+    sink = store.begin_file("r", "1", sid, "f.bin")
+    sink.write_parts([b"x" * 1000, b"y" * 1000])
+    sink.finish(xxh3_64_hexdigest(b"x" * 1000 + b"y" * 1000))
+    assert store.put_index("r", "1", sid, RankIndex(rank=0, world_size=1, files=["f.bin"])).state == "committed"
+    assert [p for p in seen if p in CRASH_POINTS] == list(CRASH_POINTS)
+
+
+def test_fault_settings_are_inert_unless_set(tmp_path):
+    from ckptd_schemas import StorageError
+    from fault_server import Faults, wrap
 
     storage = LocalStorage(tmp_path / "root", durable=False)
-    try:
-        faults.configure({})
-        assert faults.wrap_storage(storage) is storage and SessionStore(storage).storage is storage
-        faults.configure({"CKPTD_FAULTS": "fail=down;stall=slow:0.2"})
-        wrapped = SessionStore(storage).storage
-        assert wrapped is not storage
-        with pytest.raises(StorageError) as ei:
-            wrapped.put("runs/down/1/x", b"1")
-        assert "runs/down/1/x" in ei.value.message
-        t0 = time.monotonic()
-        wrapped.put("runs/slow/1/x", b"2")
-        assert time.monotonic() - t0 >= 0.2
-        wrapped.put("runs/other/1/x", b"3")  # other runs: untouched
-        assert [storage.read(f"runs/{r}/1/x") for r in ("slow", "other")] == [b"2", b"3"]
-        assert storage.size("runs/down/1/x") is None
-        # A file-armed random kill, (almost) never firing, drawing at the listed point only; the
-        # generator is re-armed when the file is replaced.
-        ctl = tmp_path / "ctl"
-        faults.configure({"CKPTD_FAULTS": f"crash-random=@{ctl}"})
-        faults.crash_point("index-written")  # no file: disarmed
-        _arm(ctl, "7:1e-12:index-written")
-        faults.crash_point("index-written")
-        assert faults._random.calls == 1 and faults._random.points == {"index-written"}
-        faults.crash_point("commit-before-marker")  # not listed: no draw
-        assert faults._random.calls == 1
-        _arm(ctl, "")
-        faults.crash_point("index-written")
-        assert faults._random.calls == 0 and faults._random.probability == 0
-        # one switch: a mistyped clause is refused, not ignored
-        for typo in ("crash_at=index-written", "fail", "stal=slow:1"):
-            with pytest.raises(ValueError, match="CKPTD_FAULTS"):
-                faults.configure({"CKPTD_FAULTS": typo})
-        faults.configure({"CKPTD_FAULTS": "crash-at=index-written"})
-        assert faults._crash_at == "index-written" and faults._random is None
-    finally:
-        faults.configure()
+    assert wrap(storage, Faults("")) is storage
+    wrapped = wrap(storage, Faults("fail=down;stall=slow:0.2"))
+    assert wrapped is not storage
+    with pytest.raises(StorageError) as ei:
+        wrapped.put("runs/down/1/x", b"1")
+    assert "runs/down/1/x" in ei.value.message
+    t0 = time.monotonic()
+    wrapped.put("runs/slow/1/x", b"2")
+    assert time.monotonic() - t0 >= 0.2
+    wrapped.put("runs/other/1/x", b"3")  # other runs: untouched
+    assert [storage.read(f"runs/{r}/1/x") for r in ("slow", "other")] == [b"2", b"3"]
+    assert storage.size("runs/down/1/x") is None
+    # A file-armed random kill, (almost) never firing, drawing at the listed point only; the
+    # generator is re-armed when the file is replaced.
+    ctl = tmp_path / "ctl"
+    faults = Faults(f"crash-random=@{ctl}")
+    faults.reached("index-written")  # no file: disarmed
+    _arm(ctl, "7:1e-12:index-written")
+    faults.reached("index-written")
+    assert faults.random.calls == 1 and faults.random.points == {"index-written"}
+    faults.reached("commit-before-marker")  # not listed: no draw
+    assert faults.random.calls == 1
+    _arm(ctl, "")
+    faults.reached("index-written")
+    assert faults.random.calls == 0 and faults.random.probability == 0
+    # one switch: a mistyped clause is refused, not ignored
+    for typo in ("crash_at=index-written", "fail", "stal=slow:1"):
+        with pytest.raises(ValueError, match="CKPTD_FAULTS"):
+            Faults(typo)
+    faults = Faults("crash-at=index-written")
+    assert faults.crash_at == "index-written" and faults.random is None

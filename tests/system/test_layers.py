@@ -10,7 +10,8 @@ imports the CLI; no module of the three packages takes part in an import cycle. 
 the layers stand in one order, storage, store, then reshard and interop side by side, the
 service, the CLI, and a module imports only its own layer or those below; the storage backends
 know keys, not where a checkpoint's files lie; the service observes the store through its events,
-never by subclassing it. Every import counts, those inside functions and under ``TYPE_CHECKING``
+never by subclassing it; the product carries no fault injection (the tests wrap it around the
+service). Every import counts, those inside functions and under ``TYPE_CHECKING``
 too. Each rule is also run over the imports that broke it once, and must flag exactly those.
 """
 
@@ -212,11 +213,35 @@ def test_the_service_observes_the_store_through_its_events():
     assert not bad, "subclasses of SessionStore outside the store (use store.events.SessionEvents):\n" + "\n".join(bad)
 
 
+def _self_kills(path: Path) -> list[int]:
+    """Lines of ``path`` that kill their own process (``os.kill(os.getpid(), ...)``, ``signal.raise_signal``,
+    ``os.abort``) or read the fault setting ``CKPTD_FAULTS``: fault injection, which the tests wrap around
+    the service (tests/fault_server.py) and the product never carries."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Constant) and node.value == "CKPTD_FAULTS":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name, args = node.func.attr, node.args
+            owner = node.func.value.id if isinstance(node.func.value, ast.Name) else ""
+            if (owner, name) in (("signal", "raise_signal"), ("os", "abort")) or name == "kill" and args \
+                    and isinstance(args[0], ast.Call) and getattr(args[0].func, "attr", "") == "getpid":
+                lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_the_product_carries_no_fault_injection():
+    bad = [f"{p.relative_to(REPO)}:{line}" for root in PACKAGES.values() for p in sorted(root.rglob("*.py"))
+           for line in _self_kills(p)]
+    assert not bad, "fault injection in the product (wrap it around the service in the tests):\n" + "\n".join(bad)
+
+
 def test_the_structural_rules_flag_what_broke_them_once(tmp_path):
     """The cycle, layer, storage and subclass rules, run over imports and code the tree once had (the
     verification record read by the visibility rule it imported, the reshard CLI and its remote half
     importing each other, the store lowering a worker's priority through the reshard package, a
-    storage backend that built marker keys, a metrics subclass of the session store), flag each."""
+    storage backend that built marker keys, a metrics subclass of the session store, the fault injection
+    the store once carried), flag each."""
     verification, visibility = REPO / "ckptd" / "store" / "verification.py", REPO / "ckptd" / "store" / "visibility.py"
     reshard, remote = REPO / "ckptd" / "cli" / "reshard.py", REPO / "ckptd" / "cli" / "reshard_remote.py"
     old = {
@@ -238,6 +263,11 @@ def test_the_structural_rules_flag_what_broke_them_once(tmp_path):
     metered.write_text("from ..store import SessionStore\n\n\nclass MeteredSessionStore(SessionStore):\n    pass\n\n\n"
                        "class Metrics:\n    pass\n")
     assert _store_subclasses(metered) == [(4, "MeteredSessionStore")]
+    faults = tmp_path / "faults.py"
+    faults.write_text('import os, signal\n\n\ndef configure(environ=os.environ):\n    return environ.get("CKPTD_FAULTS")\n\n\n'
+                      'def _kill(point):\n    os.kill(os.getpid(), signal.SIGKILL)\n\n\ndef stop(pid, writer):\n    os.kill(pid, 9)\n'
+                      '    writer.abort()\n    signal.raise_signal(9)\n')
+    assert _self_kills(faults) == [5, 9, 15]
 
 
 def test_the_checks_see_what_they_look_for():

@@ -34,7 +34,7 @@ import xxhash
 
 from ckptd.storage import LocalStorage, Storage, open_storage
 from ckptd.store import SessionStore
-from ckptd.store.faults import CRASH_POINTS
+from fault_server import CRASH_POINTS
 from ckptd.store.paths import Paths
 from ckptd_client import CheckpointClient, FlatShard
 from ckptd_schemas import AlreadyCommitted, OpenSession, RankIndex
