@@ -97,8 +97,8 @@ class LocalFiles:
         assert fd is not None
         # No WILLNEED for the whole range: with several fetch threads per rank and several ranks, the
         # queued ranges compete with the reads waited on; the kernel's sequential read-ahead (the file
-        # was opened SEQUENTIAL) keeps the disk busy while a piece is hashed. Without it a cold load at
-        # another world size took 0.285-0.316 s against 0.325-0.342 s (BENCHMARKS.md, Save and load).
+        # was opened SEQUENTIAL) keeps the disk busy while a piece is hashed. A cold load at another
+        # world size is faster without it (BENCHMARKS.md, Figures behind the code).
         return fd
 
     def scatter(self, f: Fetch, targets: list[Target]) -> None:

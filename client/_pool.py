@@ -14,7 +14,7 @@ slab is laid out once, at the first save, and the memory held between saves is w
 Segments: the slab is a list of segments (views are 64-byte aligned, each within one segment).
 Without ``background`` (the default without CUDA) it is one segment, allocated inside ``lease``.
 With ``background`` (the default with CUDA) pinning it inside the first save's stall is what made
-that stall long (2.44 s for 4 GiB on one H200, later stalls 0.08 s), so ``lease`` only lays the
+that stall long (many times the later stalls: BENCHMARKS.md, Figures behind the code), so ``lease`` only lays the
 segments out (at most ``segment_bytes`` each, or one chunk's size, packed first-fit in the chunks'
 order; pinned sizes are powers of two, which is what torch's pinned allocator rounds every pinned
 allocation up to anyway) and a background thread allocates them one by one while no save holds the

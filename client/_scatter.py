@@ -5,8 +5,9 @@ region of every copy is one contiguous run of the fetched bytes *and* one
 contiguous run of the destination's memory. For such a fetch the response is
 scattered as it arrives into those runs (the bytes between them are only
 hashed), and every block digest is checked on the stream. That saves the
-fetch-sized buffer (allocated and page-faulted per fetch: 30% of a loading
-rank's time in the profile) and one copy of every byte.
+fetch-sized buffer (allocated and page-faulted per fetch, a large share of a
+loading rank's time in the profile: BENCHMARKS.md, Figures behind the code) and
+one copy of every byte.
 
 Destinations on a device (CUDA) go through a :class:`DeviceStager`: the bytes are
 read, window by window, into a small ring of reused pinned host buffers, hashed

@@ -3,9 +3,10 @@
 Listing runs and checkpoints, reading a manifest or a byte range of a data file, asking for a
 verification or a retention pass, submitting a reshard job, uploading data files a tool already
 laid out (``ckptd import dcp --server``): none of it needs torch, and importing torch (with
-``torch.distributed``) costs a command-line tool 1.5–3 s before its first request on the measured VMs, more than
-``ckptd verify --server`` spent reading 256 MiB. So these calls live here, on the HTTP transport
-alone; :class:`ckptd_client.CheckpointClient` extends this class with ``save`` and ``load``.
+``torch.distributed``) costs a command-line tool more before its first request than ``ckptd verify
+--server`` spends reading 256 MiB (BENCHMARKS.md, Figures behind the code). So these calls live
+here, on the HTTP transport alone; :class:`ckptd_client.CheckpointClient` extends this class with
+``save`` and ``load``.
 """
 
 from __future__ import annotations

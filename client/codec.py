@@ -5,8 +5,8 @@ What a compressed chunk is (the ``"zstd"`` and ``"blosc2"`` codecs, frames of at
 :mod:`ckptd_schemas.format.codec`; its public names are re-exported here. This module holds the
 writer's choice.
 
-Either codec compresses at roughly 0.2-0.6 GB/s per core, while a local disk takes durable writes
-at over 1 GB/s: there compression only makes a save slower. On a slow store (remote S3) the bytes
+Either codec compresses more slowly per core than a local disk takes durable writes (BENCHMARKS.md,
+Compression): there compression only makes a save slower. On a slow store (remote S3) the bytes
 saved outweigh the CPU time. :class:`CompressionPolicy` decides per chunk from a timed run of
 the chunk's codec (:func:`codec_for`) on a sample of it and the observed upload throughput of
 this client.

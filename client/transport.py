@@ -28,7 +28,7 @@ HOPELESS_ERRORS = (httpx.UnsupportedProtocol, httpx.InvalidURL, httpx.LocalProto
 @functools.cache
 def _tls() -> Any:
     """One TLS context per process: httpx builds one per client otherwise, loading the CA bundle
-    each time (about 20 ms, paid by every client even for an ``http://`` URL)."""
+    each time, a cost every client paid even for an ``http://`` URL (BENCHMARKS.md, Figures behind the code)."""
     return httpx.create_ssl_context()
 
 

@@ -1,8 +1,8 @@
 """Chunks stored as columns: the on-disk form of a tensor's chunks (format 2).
 
 A manifest of 1,024 ranks x 500 tensors holds 512,000 chunks. As one object
-per chunk (format 1) it took pydantic about 8 us per chunk to parse, plus the
-garbage collector's passes over millions of objects; as columns (one list per
+per chunk (format 1) pydantic parsed it object by object, and the garbage
+collector passed over millions of objects; as columns (one list per
 field) the parse is a few list validations in pydantic-core, the checks below
 are C-speed ``map``/slice passes, and chunk objects are built only for the
 tensors a reader touches (:meth:`ChunkColumns.materialize`).

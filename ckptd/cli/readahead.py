@@ -2,8 +2,8 @@
 
 Why: ``ckptd verify --server`` and ``ckptd export --server`` read each data file front to back,
 one range at a time, and a range read over HTTP waits a round trip (and the service's own read)
-before its first byte: one request in flight read 0.27 GB/s on the measured VM, against 0.53
-with four (BENCHMARKS.md, Verify). The page cache's read-ahead does this for local files.
+before its first byte: four requests in flight read about twice as fast as one (BENCHMARKS.md,
+Verify). The page cache's read-ahead does this for local files.
 
 Call order: ``ahead = ReadAhead(fetch, sizes)``; ``ahead.read(file, start, end)`` any number of
 times, from any threads; ``ahead.close()``. A read that starts where the previous read of the same

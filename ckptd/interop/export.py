@@ -20,7 +20,7 @@ Call order for safetensors (:func:`export_safetensors`):
    :class:`ckptd_schemas.IntegrityError` naming the tensor and file; the outputs are removed.
 
 Without ``dtype`` the safetensors path assembles on the host engine (numpy) and never imports
-torch: ``ckptd export`` then starts in a fifth of the time (torch's import is 1.5 s here).
+torch, whose import is most of such a command's start (BENCHMARKS.md, Figures behind the code).
 
 ``torch`` format (:func:`export_torch`): the nested state dict (nested as DCP recorded it
 for checkpoints saved through DCP or imported from it; flat FQN keys otherwise), objects

@@ -70,16 +70,11 @@ log = logging.getLogger("ckptd.reshard")
 _PAD = bytes(ALIGN)
 
 #: Source bytes a plan must cast (``--dtype``) before ``--device auto`` runs it on the GPU; below, or
-#: without a cast, ``auto`` runs it on the CPU. Measured once on one H200 (``ckptd reshard``
-#: 1 -> ``fsdp2:dp=4`` of a 4 GiB state, in process / whole process): without a cast the GPU took as long
-#: as the CPU in process (6.39 s vs 6.37 s) and its start-up (torch import, CUDA context) cost 4 s more
-#: as a whole process (11.2 s vs 7.2 s); with ``--dtype bfloat16`` it saved 1.29 s in process (6.79 s vs
-#: 8.08 s) and 1.1 s as a whole process (12.9 s vs 14.0 s), where the CPU's cast imports torch too.
-#: That cast (at most the whole 4 GiB) is the only one measured, and the GPU won it as a whole process by
-#: 8 % (single runs); so ``auto`` takes the GPU only from 4 GiB on, where the saving grows with the bytes
-#: and the start-up does not. A straight line through that one point would break even near 0.6 GiB: too
-#: thin to rely on. To be re-measured on a GPU: ``python -m bench.gpu`` reports
-#: ``reshard_gpu_break_even_cast_bytes``; set this from it.
+#: without a cast, ``auto`` runs it on the CPU. Without a cast the GPU's engine only moves bytes, as fast
+#: as the CPU's, and its start-up (torch import, CUDA context) is pure cost; with one, the saving grows
+#: with the bytes and the start-up does not. 4 GiB is the one cast measured where the GPU won as a whole
+#: process (BENCHMARKS.md, Figures behind the code); ``python -m bench.gpu`` reports
+#: ``reshard_gpu_break_even_cast_bytes`` on a GPU: set this from it.
 GPU_CAST_MIN_BYTES = 4 << 30
 
 Device = Literal["cpu", "cuda"]
@@ -106,7 +101,8 @@ def choose_device(requested: str, cast: int, cuda: Callable[[], bool]) -> Device
     ``auto`` picks the CPU unless the GPU can pay for its start-up: without a cast the GPU's engine only
     moves bytes, as fast as the CPU's, so it never can; with one, only when ``cast`` (source bytes to
     convert) reaches :data:`GPU_CAST_MIN_BYTES` and a CUDA device is present. ``cuda`` is called only
-    then: probing for a GPU may import torch (1.5 s), which the CPU's byte-moving engine never needs.
+    then: probing for a GPU may import torch (seconds of start-up), which the CPU's byte-moving engine
+    never needs.
     """
     if requested not in ("auto", "cpu", "cuda"):
         raise InvalidRequest(f"device must be auto, cpu or cuda, not {requested!r}", device=requested)

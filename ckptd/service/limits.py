@@ -56,7 +56,8 @@ CHUNKS_PER_BODY_BYTE = 16
 names a tensor in about 40 bytes, and a rank's slice of a 1,024-rank tensor visits its 1,024 chunks."""
 ANSWER_PER_BODY_BYTE = 1
 """Copies plus fetches a read plan may answer per byte of its request, beyond the settings' constant
-(each costs the service about 3 KB and 50 us to build and 300 bytes to send)."""
+(each costs the service memory and time to build and bytes to send: BENCHMARKS.md, Figures behind
+the code)."""
 _ANSWERED = "ckptd_answered"  # scope state key: a middleware has answered the request itself
 
 

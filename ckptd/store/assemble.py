@@ -8,7 +8,7 @@ the same way. The two engines do exactly that and nothing else:
 * :class:`HostEngine` - numpy views over the unit's buffer, one strided copy
   per region. Bytes only, so any dtype (bf16 and fp8 included) moves as an
   unsigned integer of its width; it cannot cast. It needs no torch, whose import
-  is 1.5 s of a whole ``ckptd reshard --root`` run on a 2-core machine.
+  is a large part of a whole ``ckptd reshard --root`` run (BENCHMARKS.md, Figures behind the code).
 * :class:`TorchEngine` - the same copies with ``torch.as_strided`` on a device
   (``cuda``, or ``cpu`` so CI runs the GPU code), and casts (``--dtype``).
 
@@ -181,9 +181,10 @@ class TorchEngine:
         """On CPU, torch's intra-op threads are set to 1 while the units run, and restored after.
 
         The units' own threads are the parallelism, and one memcpy-speed thread per copy outruns the disk. An
-        intra-op team, by contrast, makes each copy wait for its slowest thread: on 2 shared cores, 256 MiB of
-        8 MiB copies took 9 ms with 1 thread and, at random, 250 ms with 2. Threads that start while this is
-        in effect (the unit pool's) take the setting; the caller's thread gets its own value back.
+        intra-op team, by contrast, makes each copy wait for its slowest thread: on shared cores a copy
+        took, at random, many times longer with 2 threads than with 1 (BENCHMARKS.md, Figures behind the
+        code). Threads that start while this is in effect (the unit pool's) take the setting; the caller's
+        thread gets its own value back.
         """
         if self.device.type != "cpu":
             yield
@@ -199,7 +200,7 @@ class TorchEngine:
 
 def cuda_present() -> bool:
     """Whether a CUDA (or ROCm) GPU can be used, without importing torch when no GPU driver is loaded:
-    importing torch costs 1.5 s of start-up, and without ``/dev/nvidiactl`` or ``/dev/kfd`` it would
+    importing torch costs seconds of start-up, and without ``/dev/nvidiactl`` or ``/dev/kfd`` it would
     answer no anyway."""
     if "torch" not in sys.modules and not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd")):
         return False

@@ -29,7 +29,8 @@ __all__ = ["IndexCache"]
 
 
 PARSED_PER_RAW = 3
-"""Memory of a parsed index per byte of its JSON (measured: 2.6 for 500 one-chunk tensors)."""
+"""Memory of a parsed index per byte of its JSON, rounded up from the measured ratio (BENCHMARKS.md,
+Figures behind the code)."""
 
 
 class IndexCache:

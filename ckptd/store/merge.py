@@ -202,7 +202,8 @@ class _TensorColumns:
     rank by rank), its description and one list per chunk column.
 
     ``add`` appends a rank's rows with whole-column C-speed passes (``itemgetter`` gathers of the
-    destination lists, ``map(list.append, ...)``): the whole merge takes about 2 us per chunk. Rows keep
+    destination lists, ``map(list.append, ...)``), not a Python loop per chunk (the merge's cost per chunk:
+    BENCHMARKS.md, Figures behind the code). Rows keep
     rank order, and within a rank their index's order; ``entries`` sorts each tensor's rows by
     (rank, flat, offsets), which they usually already are.
     """
