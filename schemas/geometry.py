@@ -74,10 +74,6 @@ class Box:
             for a, sa, b, sb in zip(self.offsets, self.sizes, other.offsets, other.sizes)
         )
 
-    def shifted(self, origin: Sequence[int]) -> "Box":
-        """This box in the coordinates of a box starting at ``origin``."""
-        return Box(tuple(o - g for o, g in zip(self.offsets, origin)), self.sizes)
-
 
 def is_row_major_contiguous(box: Box, shape: Sequence[int]) -> bool:
     """True when the box's elements are one run of the row-major flattening."""

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from ckptd_schemas import CorruptCheckpoint, InvalidName, StorageError
 
@@ -135,19 +135,6 @@ class Storage(ABC):
             w.abort()
             raise
         w.commit()
-
-    def put_stream(self, key: str, chunks: Iterable[bytes]) -> int:
-        n = 0
-        w = self.open_write(key)
-        try:
-            for c in chunks:
-                w.write(c)
-                n += len(c)
-        except BaseException:
-            w.abort()
-            raise
-        w.commit()
-        return n
 
     def read_into(self, key: str, start: int, view: memoryview) -> int:
         """Read up to ``len(view)`` bytes from ``start`` into ``view``; return how many arrived."""

@@ -88,9 +88,11 @@ def test_ranged_reads(storage):
     assert storage.read("f", 0, None) == data
 
 
-def test_put_stream_and_overwrite(storage):
+def test_streamed_writes_and_overwrite(storage):
     chunks = [os.urandom(1000) for _ in range(5)]
-    assert storage.put_stream("a/s", iter(chunks)) == 5000
+    with storage.open_write("a/s") as w:
+        for c in chunks:
+            w.write(c)
     assert storage.read("a/s") == b"".join(chunks)
     storage.put("a/s", b"second")  # commit replaces the previous object
     assert storage.read("a/s") == b"second"
@@ -208,17 +210,6 @@ def test_writer_context_manager(storage):
             raise RuntimeError("producer died")
     assert storage.size("cm/failed") is None
     assert raw_names(storage, "cm") == ["ok"]
-
-
-def test_put_stream_failure_leaves_nothing(storage):
-    def gen():
-        yield b"x" * 100
-        raise ValueError("source failed")
-
-    with pytest.raises(ValueError):
-        storage.put_stream("ps/obj", gen())
-    assert storage.size("ps/obj") is None
-    assert raw_names(storage, "ps") == []
 
 
 # -- create_if_absent ----------------------------------------------------------
