@@ -205,6 +205,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _handle(self) -> None:
         body = self._body()
+        if self.server.delay:
+            time.sleep(self.server.delay)  # a remote store's round trip
         path, _, query = self.path.partition("?")
         copy = " copy-source=" + self.headers["x-amz-copy-source"] if "x-amz-copy-source" in self.headers else ""
         self.server.log.append(f"{self.command} {self.path}{copy}")
@@ -264,14 +266,17 @@ class _ProxyServer(ThreadingHTTPServer):
     rules: list[FaultRule]
     log: list[str]
     lock: threading.Lock
+    delay: float
 
 
 class FaultProxy:
-    """A loopback HTTP proxy in front of :class:`MotoServer` that injects S3 errors by rule."""
+    """A loopback HTTP proxy in front of :class:`MotoServer` that injects S3 errors by rule, and
+    ``delay`` seconds before every request it forwards (a remote store's round trip)."""
 
-    def __init__(self, upstream: MotoServer) -> None:
+    def __init__(self, upstream: MotoServer, *, delay: float = 0.0) -> None:
         self._srv = _ProxyServer(("127.0.0.1", 0), _Handler)
         self._srv.upstream_port = upstream.port
+        self._srv.delay = delay
         self._srv.rules = []
         self._srv.log = []
         self._srv.lock = threading.Lock()

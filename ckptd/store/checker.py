@@ -10,8 +10,9 @@ which writes each window to the durable tier as it passes). Their verdicts canno
 the same code over the same bytes.
 
 Each file is read once, in order (:data:`READ_SIZE` windows into one reused buffer per thread,
-files :data:`JOBS` at a time; on a local root the pages are dropped from the cache once the file
-is checked), and, as its bytes pass:
+files :data:`JOBS` at a time, at a commit on a remote store :data:`REMOTE_JOBS`, each waiting
+on round trips; on a local root the pages are dropped from the cache once the file is checked),
+and, as its bytes pass:
 
 * its whole-file and block digests are recomputed and compared with the file's record;
 * every chunk's (and stored object's) XXH3-64 is recomputed from its stored bytes and compared
@@ -57,13 +58,15 @@ from ckptd_schemas import (
 from ckptd_schemas.chunktable import check_columns_tiling
 
 from ..storage import Storage
+from .inflight import is_remote
 from ckptd_schemas.format.frames import frame_check
 from ckptd_schemas.filedigest import StreamDigest
 
-__all__ = ["JOBS", "READ_SIZE", "Problem", "StorageFiles", "StoredBytes", "Verdict", "check_commit", "judge"]
+__all__ = ["JOBS", "READ_SIZE", "REMOTE_JOBS", "jobs_for", "Problem", "StorageFiles", "StoredBytes", "Verdict", "check_commit", "judge"]
 
 READ_SIZE = 4 << 20
-JOBS = 2
+JOBS = 2  # a second file's reads keep the device busy while the first one's windows are hashed
+REMOTE_JOBS = 8  # a commit on a remote store: files checked at once (8 read buffers of the store's piece)
 _hex = xxhash.xxh3_64_hexdigest
 
 
@@ -108,8 +111,15 @@ def check_commit(manifest: Manifest, storage: Storage, key_of: Callable[[str], s
     store's own piece size (S3: 16 MiB, a ranged GET each) where that is larger; raise the first
     problem, or return the bytes read."""
     linked = frozenset(f for f, e in manifest.files.items() if e.linked)
-    return judge(manifest, StorageFiles(storage, key_of, linked),
+    return judge(manifest, StorageFiles(storage, key_of, linked), jobs=jobs_for(manifest, storage, key_of),
                  read_size=max(READ_SIZE, storage.read_piece)).raise_first()
+
+
+def jobs_for(manifest: Manifest, storage: Storage, key_of: Callable[[str], str]) -> int:
+    """Files checked at once in ``storage``: :data:`JOBS`, or :data:`REMOTE_JOBS` on a remote store."""
+    files = iter(manifest.files)
+    first = next(files, None)
+    return REMOTE_JOBS if first is not None and is_remote(storage, key_of(first)) else JOBS
 
 
 # -- what to check -------------------------------------------------------------------------------------
@@ -473,7 +483,7 @@ class _Windows:
 
 
 def verify_manifest(
-    manifest: Manifest, source: ByteSource, *, progress: Callable[[int], None] | None = None, jobs: int = 2,
+    manifest: Manifest, source: ByteSource, *, progress: Callable[[int], None] | None = None, jobs: int = JOBS,
     storage_errors_are_problems: bool = True,
 ) -> VerifyReport:
     """Check every file, chunk and tensor of ``manifest`` against the bytes ``source`` returns, ``jobs``

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ckptd_schemas import CkptdError, StorageError
 
 from ..storage import Storage
+from .inflight import ordered_map, requests_in_flight
 from .paths import Committed, Paths
 
 __all__ = ["CommitCheck", "MAX_PROBLEMS", "VerifyRecord", "file_stamps", "known_bad", "record_commit_check",
@@ -71,8 +72,11 @@ class VerifyRecord(BaseModel):
 
 
 def file_stamps(storage: Storage, key_of: Callable[[str], str], files: list[str]) -> dict[str, str | None]:
-    """Each file's storage stamp (:meth:`Storage.stamp`), by file name."""
-    return {f: storage.stamp(key_of(f)) for f in files}
+    """Each file's storage stamp (:meth:`Storage.stamp`), by file name; on a remote store several at a
+    time (:mod:`.inflight`): a commit stamps every file before and after its check."""
+    keys = [key_of(f) for f in files]
+    n = requests_in_flight(storage, keys[0]) if len(keys) > 1 else 1
+    return dict(zip(files, ordered_map(storage.stamp, keys, n)))
 
 
 def stamps_of(storage: Storage, c: Committed, files: list[str]) -> dict[str, str | None]:

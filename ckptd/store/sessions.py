@@ -50,6 +50,7 @@ from ckptd_schemas.filedigest import BLOCK_SIZE, StreamDigest, xxh3_hex
 from .activity import DEAD_SESSION_AFTER, KEEPALIVE_PER_WINDOW, Reclaim, SessionActivity, reclaim_at
 from .events import CommitEvent, SessionEvents
 from .index_cache import IndexCache
+from .inflight import ordered_map, requests_in_flight
 from .paths import Marker, Paths, SessionMeta
 from .checker import check_commit
 from .records import CommitCheck as _CommitCheck, file_stamps, record_commit_check, record_vouches
@@ -536,19 +537,24 @@ class SessionStore:
     def _merged(self, run: str, name: str, sid: str, meta: SessionMeta) -> tuple[Manifest, dict[str, FileEntry]]:
         """The merged manifest and the digest records of its files. Indexes are read, folded
         (:class:`~.merge.ManifestFold`) and dropped rank by rank: the commit holds the manifest
-        being built and one index, not every index."""
+        being built and a few indexes, not every index. On a remote store the next ranks' indexes
+        and digest records are read while one is folded (:mod:`.inflight`)."""
         fold = ManifestFold(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
                             world_size=meta.world_size, derived_from=meta.derived_from, parent=meta.parent)
-        files: dict[str, FileEntry] = {}
-        for r in range(meta.world_size):
+
+        def read_rank(r: int) -> tuple[RankIndex, list[tuple[str, FileEntry | None]]]:
             ix = self._read_index(Paths.rank_index(run, name, sid, r))
-            for f in ix.files:
-                entry = self._file_entry(run, name, sid, f)
+            return ix, [(f, self._file_entry(run, name, sid, f)) for f in ix.files]
+
+        files: dict[str, FileEntry] = {}
+        n = requests_in_flight(self.storage, Paths.rank_index(run, name, sid, 0))
+        for ix, entries in ordered_map(read_rank, range(meta.world_size), n):
+            for f, entry in entries:
                 if entry is None:
                     raise InvalidIndex(f"rank {ix.rank}: file {f!r} has no verified upload", file=f)
                 files[f] = entry
             fold.add(ix)
-            del ix
+            del ix, entries
         return fold.manifest(files), files
 
     def _commit(self, run: str, name: str, sid: str, meta: SessionMeta) -> tuple[str, CommitEvent | None]:

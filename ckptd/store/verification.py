@@ -21,7 +21,7 @@ from ckptd_schemas import CkptdError, CorruptCheckpoint, StorageError
 
 from ..storage import Storage
 from .tiers import open_root
-from .checker import VerifyReport, verify_manifest
+from .checker import VerifyReport, jobs_for, verify_manifest
 from .paths import Committed, Paths
 from .records import MAX_PROBLEMS, VerifyRecord, record_holds, record_of, stamps_of
 from .visibility import Visibility
@@ -91,6 +91,7 @@ def _verify_here(storage: Storage, run: str, name: str) -> tuple[VerifyRecord, C
         before = stamps_of(storage, c, sorted(manifest.files))
         report = verify_manifest(manifest, _StorageSource(storage, c.run, c.name, c.session,
                                                              {f: e.size for f, e in manifest.files.items()}),
+                                 jobs=jobs_for(manifest, storage, lambda f: Paths.file(c.run, c.name, c.session, f)),
                                  storage_errors_are_problems=False)
         if before == stamps_of(storage, c, sorted(manifest.files)) and all(before.values()):
             stamps = before
