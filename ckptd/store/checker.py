@@ -62,7 +62,8 @@ from .inflight import is_remote
 from ckptd_schemas.format.frames import frame_check
 from ckptd_schemas.filedigest import StreamDigest
 
-__all__ = ["JOBS", "READ_SIZE", "REMOTE_JOBS", "jobs_for", "Problem", "StorageFiles", "StoredBytes", "Verdict", "check_commit", "judge"]
+__all__ = ["JOBS", "READ_SIZE", "REMOTE_JOBS", "Problem", "StorageFiles", "StoredBytes", "Verdict", "check_commit",
+           "jobs_for", "judge"]
 
 READ_SIZE = 4 << 20
 JOBS = 2  # a second file's reads keep the device busy while the first one's windows are hashed
