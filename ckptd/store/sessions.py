@@ -28,6 +28,7 @@ commits. Whether a ref is committed, and by which session, is asked of
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -548,13 +549,15 @@ class SessionStore:
 
         files: dict[str, FileEntry] = {}
         n = requests_in_flight(self.storage, Paths.rank_index(run, name, sid, 0))
-        for ix, entries in ordered_map(read_rank, range(meta.world_size), n):
-            for f, entry in entries:
-                if entry is None:
-                    raise InvalidIndex(f"rank {ix.rank}: file {f!r} has no verified upload", file=f)
-                files[f] = entry
-            fold.add(ix)
-            del ix, entries
+        # Closed on the way out, refusal included: the reads ahead stop and their threads end with it.
+        with contextlib.closing(ordered_map(read_rank, range(meta.world_size), n)) as ranks:
+            for ix, entries in ranks:
+                for f, entry in entries:
+                    if entry is None:
+                        raise InvalidIndex(f"rank {ix.rank}: file {f!r} has no verified upload", file=f)
+                    files[f] = entry
+                fold.add(ix)
+                del ix, entries
         return fold.manifest(files), files
 
     def _commit(self, run: str, name: str, sid: str, meta: SessionMeta) -> tuple[str, CommitEvent | None]:

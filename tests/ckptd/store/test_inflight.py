@@ -121,6 +121,37 @@ def test_a_commit_on_a_remote_store_reads_ahead_and_checks_several_files_at_once
     assert jobs_for(manifests[1], local, lambda f: f) == JOBS
 
 
+class _Replacing(_Remote):
+    """While the commit checks its first file, another file is put again with the same bytes: a new
+    object (new inode and ctime), as an outsider editing the root would leave it."""
+
+    replaced = False
+
+    def read_into(self, key: str, start: int, view: memoryview) -> int:
+        if not self.replaced and "/files/" in key:
+            self.replaced = True
+            other = key.rsplit("/", 1)[0] + ("/r1-1.bin" if not key.endswith("/r1-1.bin") else "/r0-0.bin")
+            LocalStorage.put(self, other, LocalStorage.read(self, other))
+        return super().read_into(key, start, view)
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_a_file_replaced_while_a_remote_commit_checks_it_leaves_a_record_that_vouches_for_nothing(tmp_path, replace):
+    """The stamps before and after the check, taken several at a time, still catch a file that changed in
+    between: the commit's record then vouches for no stored byte (a later link or conversion reads again)."""
+    from ckptd.store.records import record_holds, record_of
+
+    st = (_Replacing if replace else _Remote)(tmp_path / "root", durable=False)
+    _commit(SessionStore(st), 4)
+    vis = SessionStore(st).visibility
+    c = vis.resolve("r", "1")
+    rec = record_of(st, c)
+    assert rec is not None and rec.ok  # the bytes are right either way
+    assert record_holds(st, c, rec, sorted(vis.manifest(c).files)) is (not replace)
+    assert len(rec.stamps) == (0 if replace else 8)  # the commit's own before/after comparison saw the move
+    assert getattr(st, "replaced", False) is replace
+
+
 def test_stamps_on_s3_are_those_of_one_head_each(moto_s3, s3_env):
     st = open_storage(moto_s3.url("stamps"))
     try:
