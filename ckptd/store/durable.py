@@ -297,16 +297,21 @@ class DurableCopier:
         """Copy the visible fast-tier checkpoint ``c`` to the durable tier, data first, marker last."""
         fast, durable = self.tiers.fast, self.tiers.durable
         self._check_name_free(c)
-        manifest = self.fast_vis.manifest(c)
-        raw = self.fast_vis.manifest_bytes(c)
-        self._copy_files(c, manifest)
-        meta = fast.read_or_none(Paths.session_meta(c.run, c.name, c.session))
-        if meta is not None:
-            durable.put(Paths.session_meta(c.run, c.name, c.session), meta)
-        durable.put(c.manifest_key, raw)
-        if fast.read_or_none(Paths.marker(c.run, c.name)) is None:
-            raise StorageError(f"{c.ref} left the fast tier while it was copied (removed by retention)",
-                               ref=c.ref)
+        try:
+            manifest = self.fast_vis.manifest(c)
+            raw = self.fast_vis.manifest_bytes(c)
+            self._copy_files(c, manifest)
+            meta = fast.read_or_none(Paths.session_meta(c.run, c.name, c.session))
+            if meta is not None:
+                durable.put(Paths.session_meta(c.run, c.name, c.session), meta)
+            durable.put(c.manifest_key, raw)
+        except CkptdError:
+            if self._on_fast(c):
+                raise  # a damaged fast copy, a failing store: refused or retried as it says
+        if not self._on_fast(c):  # deleted (retention, rm) while it was copied: its files were read from under it
+            self._take_back(c)
+            raise StorageError(f"{c.ref} left the fast tier while it was copied (removed by retention); what the "
+                               f"copy wrote to the durable tier is removed", ref=c.ref)
         if not durable.create_if_absent(Paths.marker(c.run, c.name), c.marker.model_dump_json().encode()):
             self._check_name_free(c)  # created meanwhile: by another replica's copy of this checkpoint, or not
         lag = max(0.0, (datetime.now(timezone.utc) - c.committed_at).total_seconds())
@@ -315,6 +320,20 @@ class DurableCopier:
         if self.on_copied is not None:
             self.on_copied(done)
         return done
+
+    def _on_fast(self, c: Committed) -> bool:
+        """Whether the fast tier's marker still names ``c`` (the same session and manifest)."""
+        m = self.fast_vis.marker(c.run, c.name)
+        return isinstance(m, Marker) and m.session == c.session and m.manifest_xxh3 == c.digest
+
+    def _take_back(self, c: Committed) -> None:
+        """Remove what a copy of ``c`` wrote to the durable tier before its marker: no marker names it there,
+        so it is invisible and would stay behind for good. Under a durable marker naming ``c``'s session
+        (another replica finished the copy), nothing is removed: a durable checkpoint is never taken back
+        by a copier."""
+        there = self.durable_vis.marker(c.run, c.name)
+        if not (isinstance(there, Marker) and there.session == c.session):
+            self.tiers.durable.delete_tree(Paths.session(c.run, c.name, c.session))
 
     def _copy_files(self, c: Committed, manifest: Manifest) -> None:
         """Every data file read from the fast tier once, judged by the one checker (every chunk, frame,

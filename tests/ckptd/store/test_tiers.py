@@ -512,3 +512,59 @@ def test_an_s3_durable_tier(tmp_path, moto_s3, s3_env):
     finally:
         srv.stop()
         moto_s3.clear("tiers-durable")
+
+
+class _Hooked(LocalStorage):
+    """A local tier that runs ``hook`` once, just before the first read of a data file (``on="read"``)
+    or the first write of a manifest (``on="manifest"``) it serves."""
+
+    def __init__(self, root, on: str) -> None:
+        super().__init__(root, durable=False)
+        self.on, self.hook = on, None
+
+    def _fire(self) -> None:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+
+    def read_into(self, key: str, start: int, view: memoryview) -> int:
+        if self.on == "read" and "/files/" in key:
+            self._fire()
+        return super().read_into(key, start, view)
+
+    def open_write(self, key: str, *, once: bool = False):
+        if self.on == "manifest" and "/manifest-" in key:
+            self._fire()
+        return super().open_write(key, once=once)
+
+
+@pytest.mark.parametrize("when", ["while its files are read", "before its durable marker"])
+def test_a_checkpoint_deleted_while_it_is_copied_leaves_nothing_on_either_tier(tmp_path, when):
+    """Retention (or ``rm``) deletes a checkpoint while the durable copier copies it: the copy stops, takes
+    back what it wrote to the durable tier (no marker names it there: it would stay invisible for good)
+    and records nothing on the fast tier (no "not durable" record for a name that is gone). Another
+    checkpoint copied the same way becomes durable."""
+    import xxhash
+    from ckptd.store.sessions import SessionStore
+    from ckptd_schemas import OpenSession, RankIndex
+
+    fast = _Hooked(tmp_path / "fast", "read" if when.startswith("while") else "-")
+    durable = _Hooked(tmp_path / "durable", "manifest" if when.startswith("before") else "-")
+    tiers = TieredStorage(fast, durable)
+    store = SessionStore(tiers)
+    for name in ("1", "2"):
+        store.open("t", name, OpenSession(session=f"s{name}", world_size=1, step=int(name)))
+        data = f"checkpoint {name}".encode() * 1000
+        sink = store.begin_file("t", name, f"s{name}", "f.bin")
+        sink.write(data)
+        sink.finish(xxhash.xxh3_64_hexdigest(data))
+        assert store.put_index("t", name, f"s{name}", RankIndex(rank=0, world_size=1, files=["f.bin"])).state == "committed"
+    (fast if when.startswith("while") else durable).hook = lambda: (
+        tiers.delete(Paths.marker("t", "1")), tiers.delete_tree(Paths.ckpt("t", "1")))  # what retention does
+    copier = DurableCopier(tiers)
+    assert [(d.run, d.name) for d in copier.scan()] == [("t", "2")]
+    assert fast.hook is None and durable.hook is None  # the deletion happened, at the point named
+    assert not [p for p in (tmp_path / "durable" / "runs" / "t" / "1").rglob("*") if p.is_file()]
+    assert not (tmp_path / "fast" / "runs" / "t" / "1").exists()
+    assert _markers(tmp_path / "durable") == {"t/2"}
+    assert copier.scan() == []  # nothing left to retry either
