@@ -21,19 +21,11 @@ Call order inside ``load`` (every rank, collectively):
 
 from __future__ import annotations
 
-from ckptd_schemas import CkptdError, Manifest, StateDictMismatch
+from ckptd_schemas import CkptdError, StateDictMismatch
 
 from ._dist import cpu_group
-from ckptd_schemas.names import RESERVED
 
-__all__ = ["agree_keys", "checkpoint_keys"]
-
-
-def checkpoint_keys(manifest: Manifest) -> list[str]:
-    """Every key a state dict can restore from ``manifest``: tensors and objects, sorted."""
-    names = {t.name for t in manifest.tensors}
-    names.update(o.name for o in manifest.objects if not o.name.startswith(RESERVED))
-    return sorted(names)
+__all__ = ["agree_keys"]
 
 
 def _bitmap(keys: list[str], held: set[str]) -> int:
@@ -50,18 +42,18 @@ def _unset(keys: list[str], bits: int) -> list[str]:
     return [k for i, k in enumerate(keys) if not raw[i >> 3] & (1 << (i & 7))]
 
 
-def agree_keys(err: BaseException | None, manifest: Manifest | None, held: set[str], *,
+def agree_keys(err: BaseException | None, ckpt: tuple[str, str] | None, keys: list[str], held: set[str], *,
                cover: bool) -> tuple[int, list[str]]:
     """Collective (see the module docstring); returns the number of ranks whose keys were gathered
-    and the checkpoint's keys that none of them holds. Raises on every rank, or on none."""
+    and the checkpoint's keys that none of them holds. ``ckpt``: the checkpoint this rank resolved
+    (ref and session; None when it failed first), ``keys``: every key a state dict can restore from
+    it, sorted. Raises on every rank, or on none."""
     import torch.distributed as dist
 
     world, me = dist.get_world_size(), dist.get_rank()
-    keys = checkpoint_keys(manifest) if manifest is not None else []
     mine: dict = {"error": None if err is None else f"{type(err).__name__}: {err}",
                   "mismatch": isinstance(err, StateDictMismatch),
-                  "ckpt": None if manifest is None else (manifest.ref, manifest.session),
-                  "bits": _bitmap(keys, held) if manifest is not None else 0}
+                  "ckpt": ckpt, "bits": _bitmap(keys, held) if ckpt is not None else 0}
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine, group=cpu_group())
     failed = [(r, g) for r, g in enumerate(gathered) if g["error"] is not None]
@@ -75,7 +67,7 @@ def agree_keys(err: BaseException | None, manifest: Manifest | None, held: set[s
     if len(ckpts) > 1:
         raise CkptdError(f"the ranks resolved different checkpoints: {sorted(ckpts)[:4]}; "
                          f"load a named checkpoint instead of RUN/latest while saves commit", checkpoints=len(ckpts))
-    if manifest is None:
+    if ckpt is None:
         return 0, []
     union = 0
     for g in gathered:
@@ -83,7 +75,7 @@ def agree_keys(err: BaseException | None, manifest: Manifest | None, held: set[s
     uncovered = _unset(keys, union)
     if cover and uncovered:
         raise StateDictMismatch(
-            f"checkpoint {manifest.ref} has keys that no rank's state_dict holds (checked across {world} "
+            f"checkpoint {ckpt[0]} has keys that no rank's state_dict holds (checked across {world} "
             f"ranks): {uncovered[:8]}{' ...' if len(uncovered) > 8 else ''} "
             f"(load(..., cover=False) restores the keys the ranks hold)", missing_on_all_ranks=uncovered[:64])
     return world, uncovered

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import xxhash
@@ -58,6 +58,7 @@ from ._flatten import Leaf, flatten_state_dict
 from .transport import Transport
 from ._placement import LocalPiece, dtype_name, local_piece
 from ._lease import LoadLease, read_lease
+from ._loadtree import fetch_head, fetch_pieces
 from ._resolve import resolve_manifest
 from ckptd_schemas.api import SkippedCheckpoint
 from ckptd_schemas.format.assemble import Destination, copy_into
@@ -84,6 +85,9 @@ class LoadReport:
     bytes_read: int = 0
     bytes_read_direct: int = 0  # of bytes_read, read from the service's files on this host (not HTTP)
     bytes_shared_in: int = 0  # received from the rank of this host that read them (``_share``)
+    # metadata fetched before the bytes: the load tree's head and this rank's pieces of it (or, from a
+    # service or checkpoint without load trees, the whole manifest and the read plans)
+    metadata_bytes: int = 0
     # how many ranks' keys were gathered to find what the checkpoint holds that none of them restored
     # (1: this rank alone; N: a distributed load, ``_coverage``); 0 when nothing was checked
     coverage_ranks: int = 0
@@ -95,14 +99,12 @@ class LoadReport:
     skipped: list[SkippedCheckpoint] = field(default_factory=list)
 
 
-def _check(leaf: Leaf, piece: LocalPiece, manifest: Manifest) -> None:
-    t = manifest.tensor(leaf.fqn)
-    assert t is not None
-    if list(piece.shape) != t.shape:
-        raise StateDictMismatch(f"tensor {leaf.fqn!r}: checkpoint {manifest.ref} has shape {t.shape}, "
+def _check(leaf: Leaf, piece: LocalPiece, ref: str, shape: list[int], dtype: str) -> None:
+    if list(piece.shape) != list(shape):
+        raise StateDictMismatch(f"tensor {leaf.fqn!r}: checkpoint {ref} has shape {list(shape)}, "
                                 f"state_dict has {list(piece.shape)}", tensor=leaf.fqn)
-    if dtype_name(piece.dtype) != t.dtype:
-        raise StateDictMismatch(f"tensor {leaf.fqn!r}: checkpoint {manifest.ref} has dtype {t.dtype}, "
+    if dtype_name(piece.dtype) != dtype:
+        raise StateDictMismatch(f"tensor {leaf.fqn!r}: checkpoint {ref} has dtype {dtype}, "
                                 f"state_dict has {dtype_name(piece.dtype)}", tensor=leaf.fqn)
 
 
@@ -200,17 +202,19 @@ def _load_into(transport: Transport, run: str, name: str, state_dict: dict, leas
     held: set[str] = set()
     err: Exception | None = None
     try:
-        manifest, report, leaves, pieces, objects_by_name = _prepare(transport, run, name, state_dict, strict,
-                                                                     cover=cover, rank=rank, alone=not together)
+        found = _prepare(transport, run, name, state_dict, strict, cover=cover, rank=rank, alone=not together,
+                         direct_reads=direct_reads, hold=lease.hold)
+        manifest, report, leaves, pieces = found.manifest, found.report, found.leaves, found.pieces
+        objects_by_name = found.objects_by_name
         held = {leaf.fqn for leaf in leaves}
         base = f"/v1/checkpoints/{run}/{manifest.name}"
-        lease.hold(base)  # renewed while it reads, released at the end
-        plan = _plan(transport, base, pieces, direct_reads) if pieces else None
+        plan = found.plan(pieces) if pieces else None
     except Exception as e:
         err = e
     uncovered: list[str] = []
     if together and (share or strict or cover):  # one collective: the other ranks must not wait below for a failed one
-        coverage, uncovered = agree_keys(err, manifest, held, cover=cover)
+        coverage, uncovered = agree_keys(err, None if manifest is None else (manifest.ref, manifest.session),
+                                         found.keys if manifest is not None else [], held, cover=cover)
     else:
         coverage = 1 if strict or cover else 0
     if err is not None:
@@ -218,8 +222,8 @@ def _load_into(transport: Transport, run: str, name: str, state_dict: dict, leas
     report.coverage_ranks = coverage
     report.uncovered = uncovered if together else list(report.unexpected)
     if pieces or share:  # a rank with nothing to read still takes part in the agreement
-        _read_tensors(transport, base, manifest, pieces, plan, report, streams=streams,
-                      direct_reads=direct_reads, share=share, lease=lease)
+        _read_tensors(transport, base, manifest, pieces, plan, report, streams=streams, share=share, lease=lease,
+                      replan=found.plan)
     for leaf in leaves:
         if leaf.kind == "tensor" or leaf.fqn not in objects_by_name:
             continue
@@ -247,64 +251,117 @@ def _pick_object(entries: list[ObjectEntry], rank: int) -> ObjectEntry | None:
     return entry
 
 
-def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict: bool, *, cover: bool = False,
-             rank: int = 0, alone: bool = True
-             ) -> tuple[Manifest, LoadReport, list[Leaf], list[tuple[Leaf, LocalPiece]], dict[str, list[ObjectEntry]]]:
-    """Step 1: the manifest, matched against the state dict; the tensor pieces this rank fills.
+@dataclass
+class _Prepared:
+    """What step 1 found: the checkpoint's manifest (all of it, or only the pieces this rank needs,
+    each checked against the load tree's head), and how this rank's reads are planned."""
 
-    With ``strict``, a key of the state dict that the checkpoint lacks (or holds only per rank, for
-    other ranks) fails this rank. With ``cover``, a key of the checkpoint that the state dict lacks
-    fails it when it loads ``alone``; otherwise ``_coverage.agree_keys`` checks that some rank holds it."""
-    raw, skipped = resolve_manifest(transport, run, name)
-    manifest = Manifest.model_validate_json(raw)  # inline objects: checked
-    report = LoadReport(ref=manifest.ref, skipped=skipped)
+    manifest: Manifest
+    report: LoadReport
+    leaves: list[Leaf]
+    pieces: list[tuple[Leaf, LocalPiece]]
+    objects_by_name: dict[str, list[ObjectEntry]]
+    plan: Callable[[list[tuple[Leaf, LocalPiece]]], ReadPlan]
+    keys: list[str]  # every key a state dict can restore from the checkpoint, sorted
+
+
+def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict: bool, *, cover: bool = False,
+             rank: int = 0, alone: bool = True, direct_reads: bool = True,
+             hold: Callable[[str], None] | None = None) -> _Prepared:
+    """Step 1: what the checkpoint holds, matched against the state dict; the tensor pieces this rank
+    fills, and how their reads are planned.
+
+    Through the checkpoint's load tree where the service offers one (``_loadtree``: the head, then
+    this rank's pieces, each checked; the reads planned here), else the whole manifest (the service
+    plans the reads). With ``strict``, a key of the state dict that the checkpoint lacks (or holds
+    only per rank, for other ranks) fails this rank. With ``cover``, a key of the checkpoint that the
+    state dict lacks fails it when it loads ``alone``; otherwise ``_coverage.agree_keys`` checks that
+    some rank holds it. ``hold(base)`` takes the load's read lease on the checkpoint ``name`` resolved
+    to, before any request names it."""
+    found = fetch_head(transport, run, name)
+    manifest: Manifest | None = None
+    if found is None:
+        raw, skipped = resolve_manifest(transport, run, name)
+        manifest = Manifest.model_validate_json(raw)  # inline objects: checked
+        ref, concrete = manifest.ref, manifest.name
+        shapes = {t.name: (t.shape, t.dtype) for t in manifest.tensors}
+        object_names = {o.name for o in manifest.objects}
+    else:
+        head, skipped = found.head, found.skipped
+        ref, concrete = head.ref, found.name
+        shapes = {n: (t["shape"], t["dtype"]) for n, t in head.tensors().items()}
+        object_names = set(head.objects())
+    object_names = {n for n in object_names if not n.startswith(RESERVED)}  # ckptd's own records (DCP metadata)
+    report = LoadReport(ref=ref, skipped=skipped, metadata_bytes=len(raw) if found is None else len(found.head.raw))
     if skipped and rank == 0:
-        log.warning("%s/%s resolved to %s, skipping %s", run, name, manifest.ref,
+        log.warning("%s/%s resolved to %s, skipping %s", run, name, ref,
                     "; ".join(f"{s.ref} ({s.reason})" for s in skipped))
     leaves = flatten_state_dict(state_dict)
     tensor_leaves = [leaf for leaf in leaves if leaf.kind == "tensor"]
-    objects_by_name: dict[str, list[ObjectEntry]] = {}
-    for o in manifest.objects:
-        if not o.name.startswith(RESERVED):  # ckptd's own records, e.g. DCP metadata
-            objects_by_name.setdefault(o.name, []).append(o)
 
     present = {leaf.fqn for leaf in leaves}
-    report.missing = sorted(leaf.fqn for leaf in tensor_leaves if manifest.tensor(leaf.fqn) is None)
-    report.missing += sorted(leaf.fqn for leaf in leaves if leaf.kind != "tensor" and leaf.fqn not in objects_by_name)
-    report.unexpected = sorted({t.name for t in manifest.tensors} - present)
-    report.unexpected += sorted(set(objects_by_name) - present)
+    report.missing = sorted(leaf.fqn for leaf in tensor_leaves if leaf.fqn not in shapes)
+    report.missing += sorted(leaf.fqn for leaf in leaves if leaf.kind != "tensor" and leaf.fqn not in object_names)
+    report.unexpected = sorted(set(shapes) - present)
+    report.unexpected += sorted(object_names - present)
     if cover and alone and report.unexpected:
         raise StateDictMismatch(
-            f"checkpoint {manifest.ref} has keys the state_dict does not hold: {report.unexpected[:8]}"
+            f"checkpoint {ref} has keys the state_dict does not hold: {report.unexpected[:8]}"
             f"{' ...' if len(report.unexpected) > 8 else ''} (load(..., cover=False) restores the keys it holds)",
             missing_on_all_ranks=report.unexpected[:64])
     if strict and report.missing:
         raise StateDictMismatch(
-            f"rank {rank}: state_dict keys missing from checkpoint {manifest.ref}: {report.missing[:8]} "
+            f"rank {rank}: state_dict keys missing from checkpoint {ref}: {report.missing[:8]} "
             f"(load(..., strict=False) restores the common keys)", missing=report.missing[:64], rank=rank)
-    for leaf in leaves:
-        entries = objects_by_name.get(leaf.fqn) if strict and leaf.kind != "tensor" else None
-        if entries and _pick_object(entries, rank) is None:
-            raise StateDictMismatch(f"object {leaf.fqn!r} was saved per rank for ranks "
-                                    f"{[o.rank for o in entries][:8]}, not for rank {rank}", key=leaf.fqn)
 
     pieces: list[tuple[Leaf, LocalPiece]] = []
     for leaf in tensor_leaves:
-        if manifest.tensor(leaf.fqn) is None:
+        if leaf.fqn not in shapes:
             continue
         piece = local_piece(leaf.fqn, leaf.value)
-        _check(leaf, piece, manifest)
+        _check(leaf, piece, ref, *shapes[leaf.fqn])
         if piece.numel:
             pieces.append((leaf, piece))
         report.tensors.append(leaf.fqn)
-    return manifest, report, leaves, pieces, objects_by_name
+
+    base = f"/v1/checkpoints/{run}/{concrete}"
+    if hold is not None:
+        hold(base)  # renewed while the load reads, released at the end
+    restores = [leaf.fqn for leaf in leaves if leaf.kind != "tensor" and leaf.fqn in object_names]
+    if manifest is None:
+        assert found is not None
+        got = fetch_pieces(transport, base, found.head, [_request(leaf.fqn, p) for leaf, p in pieces], restores,
+                           rank, local_paths=direct_reads)
+        manifest = got.manifest
+        report.metadata_bytes += got.answer_bytes
+        objects_by_name = {n: [o] if o is not None else [] for n, o in got.objects.items()}
+
+        def plan(ps: list[tuple[Leaf, LocalPiece]]) -> ReadPlan:
+            return got.plan([_request(leaf.fqn, p) for leaf, p in ps])
+    else:
+        objects_by_name = {}
+        for o in manifest.objects:
+            if o.name in object_names:
+                objects_by_name.setdefault(o.name, []).append(o)
+
+        def plan(ps: list[tuple[Leaf, LocalPiece]]) -> ReadPlan:
+            raw_plan = _plan(transport, base, ps, direct_reads)
+            report.metadata_bytes += len(raw_plan)
+            return ReadPlan.model_validate_json(raw_plan)
+    for leaf in leaves:
+        entries = objects_by_name.get(leaf.fqn) if strict and leaf.kind != "tensor" else None
+        if entries is not None and _pick_object(entries, rank) is None:
+            raise StateDictMismatch(f"object {leaf.fqn!r} was saved per rank for ranks "
+                                    f"{[o.rank for o in entries][:8]}, not for rank {rank}", key=leaf.fqn)
+    return _Prepared(manifest, report, leaves, pieces, objects_by_name, plan, sorted({*shapes, *object_names}))
 
 
-def _plan(transport: Transport, base: str, pieces: list[tuple[Leaf, LocalPiece]], direct_reads: bool) -> ReadPlan:
+def _plan(transport: Transport, base: str, pieces: list[tuple[Leaf, LocalPiece]], direct_reads: bool) -> bytes:
+    """The service's read plan for ``pieces`` (its JSON)."""
     body: dict[str, Any] = {"requests": [_request(leaf.fqn, p).model_dump(exclude_none=True) for leaf, p in pieces]}
     if direct_reads:
         body["local_paths"] = True
-    return ReadPlan.model_validate(transport.request("POST", f"{base}/read-plan", json=body))
+    return transport.request("POST", f"{base}/read-plan", json=body, sink=lambda r: r.read())
 
 
 def _key(leaf: Leaf, p: LocalPiece) -> Any:
@@ -313,8 +370,8 @@ def _key(leaf: Leaf, p: LocalPiece) -> Any:
 
 
 def _read_tensors(transport: Transport, base: str, manifest: Manifest, pieces: list[tuple[Leaf, LocalPiece]],
-                  plan: ReadPlan | None, report: LoadReport, *, streams: int, direct_reads: bool,
-                  share: bool, lease: LoadLease | None = None) -> None:
+                  plan: ReadPlan | None, report: LoadReport, *, streams: int, share: bool,
+                  replan: Callable[[list[tuple[Leaf, LocalPiece]]], ReadPlan], lease: LoadLease | None = None) -> None:
     """Step 3 (and 4): agree who reads the regions shared within a host; fetch and verify; pass
     the shared regions along."""
     pieces_all = pieces
@@ -326,7 +383,7 @@ def _read_tensors(transport: Transport, base: str, manifest: Manifest, pieces: l
             sharing = share_plan({_key(leaf, p): p.numel * p.local.element_size() for leaf, p in pieces}, direct)
             if sharing.skip:  # another rank of this host reads these for us
                 pieces_read = [(leaf, p) for leaf, p in pieces if _key(leaf, p) not in sharing.skip]
-                plan = _plan(transport, base, pieces_read, direct_reads) if pieces_read else None
+                plan = replan(pieces_read) if pieces_read else None
                 pieces = pieces_read
         err: Exception | None = None
         try:

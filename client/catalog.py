@@ -57,6 +57,16 @@ class CatalogClient:
         r = parse_ref(ref)
         return Manifest.model_validate_json(get_manifest(self._transport, r.run, r.name))
 
+    def load_tree_root(self, ref: str) -> str | None:
+        """The root of ``ref``'s load tree as its marker names it, its head checked against it (None: the
+        checkpoint, or the service, has none); ``CorruptCheckpoint`` when the service finds the manifest's
+        tree is not the one its marker names."""
+        from ._loadtree import fetch_head
+
+        r = parse_ref(ref)
+        found = fetch_head(self._transport, r.run, r.name)
+        return None if found is None else found.head.root
+
     def resolve(self, ref: str) -> tuple[Manifest, list[SkippedCheckpoint]]:
         """:meth:`manifest`, and for ``RUN/latest`` the newer checkpoints the service skipped as known to
         be bad (its ``X-Ckptd-Skipped`` header), newest first."""

@@ -68,16 +68,26 @@ def abort_session(transport: Transport, base: str, session: str, *, quiet: bool 
         transport.request("DELETE", _path(base, session), retry=False)
 
 
+def _ranks(done: list[int]) -> str:
+    return f"{len(done)} ({done[:16]}{' ...' if len(done) > 16 else ''})"
+
+
 def wait_committed(transport: Transport, base: str, ref: str, status: SessionStatus,
                    deadline: float | None, *, durable: bool = False) -> SessionStatus:
-    """Long-poll the session until it leaves ``open``; raise its typed error if it failed. With
+    """Long-poll the session until it leaves ``open``; raise its typed error if it failed (the answers
+    of a long poll are shared by every waiting rank and list no ranks; past the deadline one plain
+    read says which ranks were done). With
     ``durable``, until the committed checkpoint is durable too (on a service with a durable tier,
     copied there and checked), raising the typed error if it cannot become durable."""
     while not status.settled(durable):
         left = 10.0 if deadline is None else min(10.0, deadline - time.monotonic())
         if left <= 0:
             what = "committed" if status.state == "open" else "durable"
-            raise Unavailable(f"{ref}: not {what} in time; ranks done: {status.ranks_done} of "
+            if status.state == "open":  # a long poll's answer lists no ranks: one read that does
+                with contextlib.suppress(Exception):
+                    status = SessionStatus.model_validate(transport.request(
+                        "GET", f"{base}/sessions/{status.session}", retry=False))
+            raise Unavailable(f"{ref}: not {what} in time; ranks done: {_ranks(status.ranks_done)} of "
                               f"{status.world_size}", ref=ref, session=status.session)
         params: dict = {"wait": round(left, 1)}
         if durable:

@@ -23,6 +23,7 @@ __all__ = [
     "RankIndex",
     "RunSummary",
     "LEASE_HEADER",
+    "LOAD_TREE_HEADER",
     "SKIPPED_HEADER",
     "SessionInfo",
     "SessionStatus",
@@ -325,6 +326,10 @@ MAX_SKIPPED_SENT = 16
 #: service renews that lease on the read instead of leasing the checkpoint for a while on its own, so
 #: a finished load (which releases its lease) leaves nothing that keeps the checkpoint from ``rm``.
 LEASE_HEADER = "X-Ckptd-Lease"
+
+#: Header of the answer to ``GET /v1/checkpoints/{run}/{name}/load-tree``: the load tree's root as the
+#: checkpoint's ``COMMITTED`` marker names it (``ckptd_schemas.loadtree``), which the head's bytes hash to.
+LOAD_TREE_HEADER = "X-Ckptd-Load-Tree"
 
 
 class SkippedCheckpoint(_Body):

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from .chunks import HEX64, BoxChunk, Chunk, FileName, FlatChunk, Location, NonNeg, _Model
+from .chunkindex import ChunkIndex
 from .chunktable import ChunkColumns, check_columns, columns_of
 from .dtypes import ITEMSIZE, DType, itemsize
 
@@ -67,6 +68,7 @@ class TensorEntry(_Model):
     )
     placement: str | None = Field(default=None, description="source layout hint, e.g. DTensor placements")
     _chunks: list[Chunk] | None = PrivateAttr(default=None)
+    _index: ChunkIndex | None = PrivateAttr(default=None)
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -111,6 +113,16 @@ class TensorEntry(_Model):
             self._chunks = self.table.materialize(itemsize(self.dtype))
         return self._chunks
 
+    @property
+    def index(self) -> ChunkIndex:
+        """The chunks' interval index (:mod:`ckptd_schemas.chunkindex`), built on first use, kept with
+        the entry (a manifest cached by digest keeps it for every read plan of that checkpoint)."""
+        private = self.__pydantic_private__  # directly: a read plan asks once per region
+        index = private["_index"]
+        if index is None:
+            index = private["_index"] = ChunkIndex(self.shape, self.table)
+        return index
+
     def model_copy(self, *, update: dict | None = None, deep: bool = False) -> "TensorEntry":
         """As pydantic's, and ``update={"chunks": [...]}`` replaces the table."""
         if update and "chunks" in update:
@@ -119,7 +131,7 @@ class TensorEntry(_Model):
             cols = columns_of(update.pop("chunks"), dtype, name=self.name)
             update["table"] = ChunkColumns(**cols)
         out = super().model_copy(update=update, deep=deep)
-        out._chunks = None
+        out._chunks = out._index = None
         return out
 
     def __eq__(self, other: object) -> bool:  # fields only: the chunk cache is not part of the value
@@ -268,9 +280,11 @@ class Manifest(_Model):
         return f"{self.run}/{self.name}"
 
     def tensor(self, name: str) -> TensorEntry | None:
-        if self._by_name is None:
-            self._by_name = {t.name: t for t in self.tensors}
-        return self._by_name.get(name)
+        private = self.__pydantic_private__  # directly: pydantic's attribute fallback costs ~5 us a call
+        by_name = private["_by_name"]
+        if by_name is None:
+            by_name = private["_by_name"] = {t.name: t for t in self.tensors}
+        return by_name.get(name)
 
     @property
     def total_bytes(self) -> int:

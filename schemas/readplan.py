@@ -14,16 +14,20 @@ the chunk's own row-major strides, flat chunks the tensor's). The reader maps
 ``[pos0, pos0 + npos)`` of the chunk onto the fetched bytes and copies each
 box of ``regions`` with one strided view on each side.
 
-A plan's cost is not bounded by its request's size: a request of a dozen bytes
-naming a tensor of 1,024 chunks visits all of them, and repeating it repeats the
-work. A :class:`PlanBudget` bounds the chunks visited (counted up front, before
-any work) and the entries of the answer (copies and fetches, counted as they
+A region finds the chunks it meets through its tensor's interval index
+(:mod:`ckptd_schemas.chunkindex`, built once per parsed manifest): O(log n) and
+the candidates, so a rank's plan costs what it reads, not the world size. A
+plan's cost is still not bounded by its request's size (a dozen bytes asking
+for a whole tensor of 100,000 chunks meet all of them): a :class:`PlanBudget`
+bounds the candidates visited (counted before any work, two bisections per
+region) and the entries of the answer (copies and fetches, counted as they
 are made); over either, :func:`plan_reads` raises ``PayloadTooLarge``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
 from typing import Sequence
 
 import xxhash
@@ -32,9 +36,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .dtypes import itemsize
 from .errors import ChecksumMismatch, PayloadTooLarge, StateDictMismatch
 from .geometry import Box, Region, box_flat_span, intersect_regions, row_major_strides
-from .manifest import BoxChunk, FileEntry, Manifest, TensorEntry
+from .manifest import FileEntry, Manifest, TensorEntry
 
-__all__ = ["Copy", "Fetch", "PlanBudget", "ReadPlan", "ReadRequest", "dest_region", "plan_reads", "verify_fetch"]
+__all__ = ["Copy", "Fetch", "PlanBudget", "ReadPlan", "ReadRequest", "dest_region", "plan_reads", "verify_fetch",
+           "wanted_region"]
 
 
 class _Body(BaseModel):
@@ -153,8 +158,8 @@ class ReadPlan(_Body):
 class PlanBudget:
     """The most work one :func:`plan_reads` call may do.
 
-    ``max_chunks``: chunks visited, the sum over the requests of the chunk count of the tensor each
-    names (checked before planning); ``max_answer``: copies plus fetches in the plan (checked while
+    ``max_chunks``: chunks visited, the sum over the requests of the candidates each region's
+    interval index returns (checked before planning); ``max_answer``: copies plus fetches in the plan (checked while
     planning, before the answer's objects are built). ``setting`` names what raises them, for the
     refusal's message.
     """
@@ -163,22 +168,17 @@ class PlanBudget:
     max_answer: int
     setting: str = ""
 
+    def check_visits(self, wanted: Sequence[tuple[TensorEntry, Region]]) -> None:
+        """Refuse, before any work, regions whose candidates (two bisections each) exceed ``max_chunks``."""
+        visits = sum(t.index.count(want) for t, want in wanted)
+        if visits > self.max_chunks:
+            raise self.refuse("chunks visited (the chunks each requested region may meet)", visits, self.max_chunks)
+
     def refuse(self, what: str, needed: int, limit: int, *, at_least: bool = False) -> PayloadTooLarge:
         hint = f"; split the request or raise {self.setting}" if self.setting else "; split the request"
         count = f"more than {limit}" if at_least else str(needed)
         return PayloadTooLarge(f"read plan: {count} {what}, over the limit of {limit} for a request of this "
                                f"size{hint}", limit=limit, needed=needed, what=what)
-
-
-def _check_budget(manifest: Manifest, requests: Sequence[ReadRequest], budget: PlanBudget) -> None:
-    """Refuse, before any work, a request whose chunk visits exceed the budget (O(requests))."""
-    visits = 0
-    for req in requests:
-        t = manifest.tensor(req.name)
-        if t is not None:
-            visits += len(t.table) if t.table is not None else len(t.chunks)
-    if visits > budget.max_chunks:
-        raise budget.refuse("chunks visited (requests x chunks of each tensor named)", visits, budget.max_chunks)
 
 
 def _overlaps(c_offsets: Sequence[int], c_sizes: Sequence[int], want: Box) -> bool:
@@ -193,6 +193,16 @@ class _Span:
     start: int
     end: int
     copies: list[dict] = field(default_factory=list)
+
+
+def wanted_region(manifest: Manifest, req: ReadRequest) -> tuple[TensorEntry, Region]:
+    """The tensor a request names and the region it asks for, checked against the tensor's shape."""
+    t = manifest.tensor(req.name)
+    if t is None:
+        raise StateDictMismatch(f"tensor {req.name!r} is not in checkpoint {manifest.ref}", tensor=req.name)
+    want = req.region(t.shape)
+    _check_request(t, req, want)
+    return t, want
 
 
 def _check_request(t: TensorEntry, req: ReadRequest, region: Region) -> None:
@@ -214,51 +224,54 @@ def plan_reads(manifest: Manifest, requests: Sequence[ReadRequest], *, coalesce_
                budget: PlanBudget | None = None) -> ReadPlan:
     """Plan the reads that fill ``requests`` from ``manifest`` (pure).
 
-    Replicated chunks (identical regions on several ranks) are read once.
-    Byte ranges of one file closer than ``coalesce_gap`` are merged, then
-    widened to the file's verification blocks. With a ``budget``, a request
-    over it raises ``PayloadTooLarge`` (:class:`PlanBudget`).
+    The chunks a region meets are found through the tensor's interval index
+    (:attr:`TensorEntry.index`: O(log n) and the candidates, no object per chunk); replicated
+    chunks (identical regions on several ranks) are read once. Byte ranges of one file closer than
+    ``coalesce_gap`` are merged, then widened to the file's verification blocks. With a
+    ``budget``, a request over it raises ``PayloadTooLarge`` (:class:`PlanBudget`): the candidates
+    it would visit are counted before any work, the answer's entries as they are made.
     """
+    wanted = [wanted_region(manifest, req) for req in requests]
     if budget is not None:
-        _check_budget(manifest, requests, budget)
+        budget.check_visits(wanted)
     max_answer = budget.max_answer if budget is not None else None
     spans: list[_Span] = []
-    for ri, req in enumerate(requests):
-        t = manifest.tensor(req.name)
-        if t is None:
-            raise StateDictMismatch(f"tensor {req.name!r} is not in checkpoint {manifest.ref}", tensor=req.name)
-        want = req.region(t.shape)
-        _check_request(t, req, want)
+    for ri, (t, want) in enumerate(wanted):
+        rows = t.index.candidates(want)
         size = itemsize(t.dtype)
         gstrides = row_major_strides(t.shape)
-        seen: set[tuple] = set()
-        for c in t.chunks:
-            key = (tuple(c.offsets), tuple(c.sizes)) if isinstance(c, BoxChunk) else (c.start, c.length)
-            if key in seen:
-                continue  # a replica of a region already planned
-            seen.add(key)
-            if want.box is not None and isinstance(c, BoxChunk) and not _overlaps(c.offsets, c.sizes, want.box):
+        tab = t.table
+        assert tab is not None
+        for i in rows:
+            offs, sizes = tab.offsets[i], tab.sizes[i]
+            flat = tab.is_flat(i)
+            if flat:
+                region = Region(flat=(offs[0], sizes[0]))
+            elif want.box is not None and not _overlaps(offs, sizes, want.box):
                 continue
-            boxes = intersect_regions(t.shape, c.region, want)
+            else:
+                region = Region(box=Box(tuple(offs), tuple(sizes)))
+            boxes = intersect_regions(t.shape, region, want)
             if not boxes:
                 continue
-            if isinstance(c, BoxChunk):
-                strides, base = row_major_strides(c.sizes), sum(o * s for o, s in zip(c.offsets, row_major_strides(c.sizes)))
+            if flat:
+                strides, base, numel = gstrides, offs[0], sizes[0]
             else:
-                strides, base = gstrides, c.start
+                strides = row_major_strides(sizes)
+                base, numel = sum(o * s for o, s in zip(offs, strides)), prod(sizes)
             spans_pos = [box_flat_span(b, strides, base) for b in boxes]
             pos0 = min(s for s, _ in spans_pos)
             pos1 = max(e for _, e in spans_pos)
-            loc = c.location
-            if loc.codec == "raw":
-                start, end = loc.offset + pos0 * size, loc.offset + pos1 * size
+            codec, at, length = tab.codec_of(i), tab.offset[i], tab.length[i]
+            if codec == "raw":
+                start, end = at + pos0 * size, at + pos1 * size
             else:
-                start, end = loc.offset, loc.offset + loc.length
-                pos0, pos1 = 0, c.numel
-            spans.append(_Span(loc.file, start, end, [dict(
-                request=ri, tensor=t.name, dtype=t.dtype, codec=loc.codec, byte_start=start,
-                byte_length=(pos1 - pos0) * size if loc.codec == "raw" else loc.length,
-                pos0=pos0, npos=pos1 - pos0, strides=list(strides), base=base, chunk_xxh3=loc.xxh3,
+                start, end = at, at + length
+                pos0, pos1 = 0, numel
+            spans.append(_Span(tab.file[i], start, end, [dict(
+                request=ri, tensor=t.name, dtype=t.dtype, codec=codec, byte_start=start,
+                byte_length=(pos1 - pos0) * size if codec == "raw" else length,
+                pos0=pos0, npos=pos1 - pos0, strides=list(strides), base=base, chunk_xxh3=tab.xxh3[i],
                 regions=[[list(b.offsets), list(b.sizes)] for b in boxes],
             )]))
             if max_answer is not None and len(spans) > max_answer:

@@ -79,6 +79,11 @@ class Backend(Protocol):
         """The service's own verification of ``ref`` (its worker reads and checks), as its record."""
         ...
 
+    def load_tree_problem(self, manifest: Manifest) -> str | None:
+        """Why ``manifest``'s load tree is not the one its checkpoint's marker names (loading ranks check
+        their pieces against that root); None when it is, or when the marker names none."""
+        ...
+
     # -- writes -----------------------------------------------------------------------------------
     def import_target(self) -> ImportTarget:
         """An upload session for ``ckptd import`` (one rank; ``interop.dcp_import.ImportTarget``)."""

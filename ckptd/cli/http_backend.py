@@ -81,6 +81,21 @@ class HttpBackend:
         """Nothing here: each chunk read over HTTP is checked as it arrives, and the service's own
         conversions check their source (a full pre-check would read every byte twice over the network)."""
 
+    def load_tree_problem(self, manifest: Manifest) -> str | None:
+        """The service checks the tree against the marker; this process checks it against the manifest
+        it verified."""
+        from ckptd_schemas import CorruptCheckpoint
+        from ckptd_schemas.loadtree import load_tree_root
+
+        try:
+            named = self.client.load_tree_root(manifest.ref)
+        except CorruptCheckpoint as e:
+            return e.message
+        mine = load_tree_root(manifest)
+        if named is not None and named != mine:
+            return f"checkpoint {manifest.ref}: its marker names load tree {named}, its manifest's is {mine}"
+        return None
+
     def verify_in_service(self, ref: str) -> dict[str, Any]:
         return self.client.verify(ref)  # the service's worker reads and checks; this process only asks
 

@@ -190,6 +190,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             progress, finish = progress_bar(m.total_bytes, f"verify {m.ref}", args.json)
             with b.lease(m, "verify"):
                 report = verify_manifest(m, _Source(b, m), progress=progress)
+                problem = b.load_tree_problem(m)  # what loading ranks check their pieces against
+                if problem is not None:
+                    report.problems.append(problem)
             finish()
     finally:
         b.close()

@@ -89,7 +89,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     tokens = tokens or TokenStore.from_settings(settings)
     metrics = Metrics()
     uploads = UploadSlots(settings.max_uploads_per_principal)  # file uploads in progress, per token
-    visibility = Visibility(storage, on_invisible=metrics.observe_invisible)
+    visibility = Visibility(storage, cache_bytes=settings.manifest_cache_bytes,
+                            on_invisible=metrics.observe_invisible)
     reader = CheckpointReader(storage, visibility=visibility)
     workers = Workers(settings.reshard_workers)  # reshard jobs, verifications and drills: one pool
     jobs_router = reshard_router(storage, settings, workers, metrics)

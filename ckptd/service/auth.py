@@ -265,6 +265,8 @@ ROUTE_RULES: dict[str, Rule] = {
     "list_checkpoints": Rule("read"),
     "get_manifest": Rule("read"),
     "read_plan": Rule("read", body="index"),
+    "get_load_tree": Rule("read"),
+    "load_tree_pieces": Rule("read", body="index"),
     "get_file": Rule("read"),
     "verify_checkpoint": Rule("read"),  # runs in a worker; the record it writes is derived, never the data
     "get_verification": Rule("read"),

@@ -53,7 +53,8 @@ log = logging.getLogger("ckptd.service")
 
 CHUNKS_PER_BODY_BYTE = 16
 """Chunk visits a read plan may make per byte of its request, beyond the settings' constant: a request
-names a tensor in about 40 bytes, and a rank's slice of a 1,024-rank tensor visits its 1,024 chunks."""
+names a region in about 40 bytes, and a region visits the chunks it may meet (its tensor's interval
+index): one or two for a rank's slice at any world size, every chunk for a whole tensor."""
 ANSWER_PER_BODY_BYTE = 1
 """Copies plus fetches a read plan may answer per byte of its request, beyond the settings' constant
 (each costs the service memory and time to build and bytes to send: BENCHMARKS.md, Figures behind

@@ -9,6 +9,12 @@ lists only the runs it may read). Call order of a load::
                                                          trainer checkpoint not known to be bad, named in
                                                          X-Ckptd-Name; the newer ones it skipped, and why,
                                                          in X-Ckptd-Skipped)
+    GET    /v1/checkpoints/{run}/{name}/load-tree        the head of its load tree (X-Ckptd-Load-Tree: the
+                                                         root its marker names; "latest" as above)
+    POST   /v1/checkpoints/{run}/{name}/load-tree        a rank's pieces of it: chunk rows, files, objects,
+                                                         each with its path to the head; the rank plans its
+                                                         reads itself (a manifest is read instead from a
+                                                         service or checkpoint without load trees)
     POST   /v1/checkpoints/{run}/{name}/read-plan        byte ranges that fill given regions
     GET    /v1/checkpoints/{run}/{name}/files/{file}     file bytes (Range supported)
     PUT    /v1/checkpoints/{run}/{name}/leases/{holder}  hold a read lease (a long load renews it)
@@ -31,7 +37,7 @@ from typing import AsyncIterator
 
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
@@ -39,7 +45,7 @@ from ckptd_schemas import (
     check_file, check_session, plan_reads,
 )
 
-from ckptd_schemas.api import LEASE_HEADER, MAX_SKIPPED_SENT, SKIPPED_HEADER
+from ckptd_schemas.api import LEASE_HEADER, LOAD_TREE_HEADER, MAX_SKIPPED_SENT, SKIPPED_HEADER
 
 from ..store.paths import Paths
 from ..store.verification import VerifyRecord, read_record, verify_and_record
@@ -48,7 +54,15 @@ from .bodies import parse_body, read_body_limited
 from .limits import read_plan_budget
 from .services import Services
 
-__all__ = ["ReadPlanBody", "read_router"]
+__all__ = ["LoadTreeBody", "ReadPlanBody", "read_router"]
+
+
+class LoadTreeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    requests: list[ReadRequest] = []
+    objects: list[str] = []  # the object names the rank restores
+    rank: int = Field(0, ge=0)
+    local_paths: bool = False  # also answer with each file's path here (direct reads)
 
 
 class ReadPlanBody(BaseModel):
@@ -149,6 +163,45 @@ def read_router(svc: Services) -> APIRouter:
                 plan.local_paths = paths  # type: ignore[assignment]
         raw_plan = await run_in_threadpool(plan.model_dump_json, exclude_none=True)  # a large answer: not on the loop
         return Response(raw_plan, media_type="application/json")  # type: ignore[return-value]
+
+    @router.get("/v1/checkpoints/{run}/{name}/load-tree", responses={200: {"content": {"application/json": {}}}})
+    async def get_load_tree(run: str, name: str, x_ckptd_lease: str | None = Header(None)) -> Response:
+        """The head of the checkpoint's load tree (``ckptd_schemas.loadtree``: identity, tensors' names,
+        shapes and dtypes, the objects' directory, the roots of the trees of chunk rows, files and
+        objects), whose bytes hash to the root its marker names, sent as ``X-Ckptd-Load-Tree``. ``{name}``
+        may be ``latest``, resolved as for the manifest (``X-Ckptd-Name``, ``X-Ckptd-Skipped``)."""
+        c, skipped = await run_in_threadpool(visibility.resolve_ref, run, name)
+        await run_in_threadpool(read_leases.touch, run, c.name, x_ckptd_lease)
+        tree = await run_in_threadpool(visibility.load_tree, c)
+        headers = {"X-Ckptd-Name": c.name, LOAD_TREE_HEADER: c.marker.load_tree or "",
+                   "X-Ckptd-Lease-Seconds": f"{settings.read_lease_seconds:g}"}
+        if skipped:
+            headers[SKIPPED_HEADER] = _skipped_header(skipped)
+        return Response(tree.head, media_type="application/json", headers=headers)
+
+    @router.post("/v1/checkpoints/{run}/{name}/load-tree")
+    async def load_tree_pieces(request: Request, run: str, name: str) -> Response:
+        """What one loading rank needs of the checkpoint, each piece with the sibling digests that lead to
+        the head's root: the chunk rows its regions' interval indexes find, the files they lie in, the
+        entries that decide the objects it restores (``LoadTree.answer``); with ``local_paths``, each
+        file's path on a local root (direct reads). Budgeted as a read plan."""
+        raw = await read_body_limited(request, settings.max_index_bytes)
+        body = await run_in_threadpool(parse_body, LoadTreeBody, raw, "load-tree request")
+        c = await run_in_threadpool(reader.committed, run, name)
+        await run_in_threadpool(read_leases.touch, run, c.name, request.headers.get(LEASE_HEADER))
+        tree = await run_in_threadpool(visibility.load_tree, c)
+        budget = read_plan_budget(len(raw), settings.read_plan_chunk_budget, settings.read_plan_answer_budget)
+        try:
+            answer = await run_in_threadpool(tree.answer, body.requests, body.objects, body.rank, budget)
+        except PayloadTooLarge:
+            metrics.limit_refusals.labels("read_plan").inc()
+            raise
+        if body.local_paths and settings.direct_reads and answer["files"]:
+            paths = {f: storage.local_path(Paths.file(run, c.name, c.marker.session, f)) for f in answer["files"]}
+            if all(paths.values()):
+                answer["local_paths"] = paths
+        data = await run_in_threadpool(json.dumps, answer, separators=(",", ":"))
+        return Response(data, media_type="application/json")
 
     @router.post("/v1/checkpoints/{run}/{name}/verify", response_model=VerifyRecord)
     async def verify_checkpoint(run: str, name: str) -> VerifyRecord:

@@ -124,8 +124,13 @@ class Settings(BaseSettings):
     max_uploads_per_principal: int = Field(
         64, ge=0, description="file uploads one token may have in progress at once; more are "
         "refused 429, which clients retry (0 = no limit)")
+    manifest_cache_bytes: int = Field(
+        1 << 30, ge=0, description="memory the parsed manifests kept for reads may take (about 6 bytes per byte of "
+        "manifest JSON, their read-plan indexes included); the least recently read go first, the one in use "
+        "always stays")
     read_plan_chunk_budget: int = Field(
-        1 << 20, ge=0, description="chunks a read plan may visit (requests x chunks of the tensor each names), "
+        1 << 20, ge=0, description="chunks a read plan may visit (the chunks each requested region may meet, found "
+        "through the tensor's interval index), "
         "plus 16 per byte of its request; more is refused 413 before any work")
     read_plan_answer_budget: int = Field(
         1 << 16, ge=0, description="copies plus fetches a read plan may answer, plus 1 per byte of its request; "
@@ -158,7 +163,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Service": ("root", "durable", "fast_keep_last", "durable_scan_seconds", "host", "port", "log_level", "log_format"),
     "Authentication": ("tokens_file", "tokens", "insecure_open"),
     "Saving and loading": ("direct_uploads", "direct_upload_seconds", "direct_reads",
-                           "write_batch_bytes", "verify_after_commit", "stale_session_ttl", "dead_session_after",
+                           "write_batch_bytes", "manifest_cache_bytes", "verify_after_commit", "stale_session_ttl", "dead_session_after",
                            "reclaim_interval"),
     "Retention and leases": ("retention_keep_last", "retention_keep_every", "read_lease_seconds"),
     "Reshard jobs": ("reshard_workers", "reshard_max_mbps"),

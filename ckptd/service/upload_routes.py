@@ -11,15 +11,16 @@ Call order of a save::
                                                                         until durable, with a durable tier)
     DELETE /v1/checkpoints/{run}/{name}/sessions/{sid}                  abort
 
-A long poll of the status is woken at once when an index arrives at this
-process, and polls every 0.1 s otherwise (another replica may take the last index).
+The ranks long-polling a session's status share one watch of it in each process
+(``session_watch``): its state is read every 0.1 s (another replica may take the
+last index) without listing the ranks, and at once when an index stored here
+settles it; the settled answer is built once for every waiter.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
@@ -32,6 +33,7 @@ from ckptd_schemas import (
 from .auth import principal_of
 from .bodies import parse_body, read_body_limited
 from .services import Services
+from .session_watch import SessionWatches
 
 __all__ = ["upload_router"]
 
@@ -148,13 +150,6 @@ def upload_router(svc: Services) -> APIRouter:
         finally:
             release()
 
-    waiters: dict[str, asyncio.Event] = {}  # session id -> event set when one of its indexes arrives here
-
-    def _wake(sid: str) -> None:
-        event = waiters.pop(sid, None)
-        if event is not None:
-            event.set()
-
     @router.put("/v1/checkpoints/{run}/{name}/sessions/{sid}/ranks/{rank}", response_model=SessionStatus)
     async def put_index(request: Request, run: str, name: str, sid: str, rank: int) -> SessionStatus:
         raw = await read_body_limited(request, settings.max_index_bytes)
@@ -163,10 +158,13 @@ def upload_router(svc: Services) -> APIRouter:
         if index.rank != rank:
             raise InvalidRequest(f"index body is for rank {index.rank}, URL says rank {rank}", rank=rank)
         _refuse_declared_digests(index)
+        st: SessionStatus | None = None
         try:
-            return await run_in_threadpool(sessions.put_index, run, name, sid, index)
+            st = await run_in_threadpool(sessions.put_index, run, name, sid, index)
+            return st
         finally:
-            _wake(sid)
+            if st is None or st.state != "open":  # committed, or refused: the session's waiters read it now
+                watches.wake(sid)
 
     def with_durability(st: SessionStatus) -> SessionStatus:
         """A committed status says whether it is durable (``DurableCopier.state``; without a durable
@@ -179,32 +177,20 @@ def upload_router(svc: Services) -> APIRouter:
                 st.durable, st.durable_error = found.durable, found.error
         return st
 
+    watches = SessionWatches(lambda run, name, sid: sessions.status(run, name, sid, list_ranks=False),
+                             with_durability)
+
     @router.get("/v1/checkpoints/{run}/{name}/sessions/{sid}", response_model=SessionStatus)
     async def session_status(run: str, name: str, sid: str, wait: float = Query(0.0, ge=0.0, le=60.0),
                              durable: bool = Query(False)) -> SessionStatus:
         """``wait``: long-poll that many seconds while the session is open. ``durable``: say whether a
-        committed checkpoint is durable, and long-poll while it is not yet."""
-        deadline = time.monotonic() + wait
-        event: asyncio.Event | None = None
-        st: SessionStatus | None = None
-        try:
-            while True:
-                event = waiters.setdefault(sid, asyncio.Event())  # before reading: no lost wake-up
-                if st is None or st.state == "open":  # once committed, only its durability is asked again
-                    st = await run_in_threadpool(sessions.status, run, name, sid)
-                if durable:  # asked only: on an object store each answer is a read of the durable tier
-                    st = await run_in_threadpool(with_durability, st)
-                left = deadline - time.monotonic()
-                if st.settled(durable) or left <= 0:
-                    return st
-                # Woken at once when an index arrives at this process; polled every 0.1 s otherwise
-                # (another replica may take the last index); the durable tier every 0.25 s (a read of
-                # its marker: requests to an object store).
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(event.wait(), min(0.1 if st.state == "open" else 0.25, left))
-        finally:
-            if event is not None and waiters.get(sid) is event:
-                del waiters[sid]  # a waiter sharing it falls back to the 0.1 s poll
+        committed checkpoint is durable, and long-poll while it is not yet. A long poll's answer is
+        shared by every rank waiting on the session (``session_watch``) and lists no ranks
+        (``ranks_done`` empty); without ``wait`` the ranks whose index is stored are listed."""
+        if wait > 0:
+            return await watches.wait(run, name, sid, seconds=wait, durable=durable)
+        st = await run_in_threadpool(sessions.status, run, name, sid)
+        return await run_in_threadpool(with_durability, st) if durable else st
 
     @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/alive", status_code=204)
     async def keep_session_alive(run: str, name: str, sid: str) -> Response:

@@ -51,6 +51,9 @@ class Marker(BaseModel):
     derived_from: str | None
     committed_at: datetime
     parent: str | None = None  # lineage across runs (OpenSession.parent); absent in markers written before it
+    #: the root of the manifest's load tree (``ckptd_schemas.loadtree``): what a loading rank checks each
+    #: piece of its metadata against; absent in markers written before it (those loads read the manifest)
+    load_tree: str | None = None
 
 
 class SessionMeta(BaseModel):

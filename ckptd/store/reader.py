@@ -25,6 +25,7 @@ from .visibility import Visibility
 __all__ = ["CheckpointReader", "naming_tensor"]
 
 MARKER_TTL = 2.0  # seconds a data read may reuse a concrete checkpoint's visibility check
+MAX_CHECKED = 256  # concrete checkpoints whose last check data reads remember
 
 
 @contextmanager
@@ -40,12 +41,13 @@ def naming_tensor(tensor: str, ref: str) -> Iterator[None]:
 
 
 class CheckpointReader:
-    def __init__(self, storage: Storage, *, cache_size: int = 64, visibility: Visibility | None = None,
+    def __init__(self, storage: Storage, *, visibility: Visibility | None = None,
                  on_invisible: Callable[[str, str, str], None] | None = None) -> None:
         self.storage = storage
-        self.visibility = visibility or Visibility(storage, cache_size=cache_size, on_invisible=on_invisible)
-        self._checked: dict[tuple[str, str], tuple[float, Manifest]] = {}
-        self._cache_size = cache_size
+        self.visibility = visibility or Visibility(storage, on_invisible=on_invisible)
+        # (run, name) -> when its manifest was checked, and that manifest's digest (the parsed manifest
+        # stays in the visibility's cache, which bounds its memory)
+        self._checked: dict[tuple[str, str], tuple[float, str]] = {}
         self._lock = threading.Lock()
 
     # -- what is visible ----------------------------------------------------------------------
@@ -88,11 +90,14 @@ class CheckpointReader:
         with self._lock:
             hit = self._checked.get((run, name))
         if hit is not None and now - hit[0] < MARKER_TTL:
-            return hit[1]
-        manifest = self.manifest(run, name)
+            manifest = self.visibility.cached(hit[1])
+            if manifest is not None:
+                return manifest
+        c = self.committed(run, name)
+        manifest = self.visibility.manifest(c)
         with self._lock:
-            self._checked[(run, name)] = (now, manifest)
-            if len(self._checked) > 4 * self._cache_size:
+            self._checked[(run, name)] = (now, c.digest)
+            if len(self._checked) > MAX_CHECKED:
                 self._checked.pop(next(iter(self._checked)))
         return manifest
 

@@ -48,6 +48,7 @@ from ckptd_schemas import (
 from ..storage import Storage, Writer
 from .gcpause import gc_paused
 from ckptd_schemas.filedigest import BLOCK_SIZE, StreamDigest, xxh3_hex
+from ckptd_schemas.loadtree import load_tree_root
 from .activity import DEAD_SESSION_AFTER, KEEPALIVE_PER_WINDOW, Reclaim, SessionActivity, reclaim_at
 from .events import CommitEvent, SessionEvents
 from .index_cache import IndexCache
@@ -450,10 +451,12 @@ class SessionStore:
         return sorted(int(n.split(".")[0]) for n in self.storage.list(Paths.ranks(run, name, sid))
                       if n.endswith(".json") and n.split(".")[0].isdigit())
 
-    def status(self, run: str, name: str, sid: str) -> SessionStatus:
+    def status(self, run: str, name: str, sid: str, *, list_ranks: bool = True) -> SessionStatus:
         """Where the session stands. Only reads: a complete session that is not committed yet (its
         last index arrived at a process that died before the marker) is finished by the rank's
-        retried index or by :meth:`sweep`, never by asking."""
+        retried index or by :meth:`sweep`, never by asking. Without ``list_ranks`` an open or failed
+        session's ``ranks_done`` is left empty: a few reads whatever the world size (what a waiting
+        rank needs), where listing the ranks is O(world size)."""
         check_run(run), check_name(name), check_session(sid)
         taken = self._taken(run, name)  # read once: a commit finishing meanwhile is seen on the next poll
         m = self._committed_by(run, name, sid, taken) if taken is not None else None
@@ -463,7 +466,7 @@ class SessionStore:
                                  world_size=meta.world_size if meta else 0, ranks_done=[],
                                  manifest_xxh3=m.manifest_xxh3)
         meta = self._meta(run, name, sid)
-        done = self.ranks_done(run, name, sid)
+        done = self.ranks_done(run, name, sid) if list_ranks else []
         base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=done)
         if taken is not None:
             return SessionStatus(state="failed", error=self._taken_error(run, name, taken).to_body()["error"], **base)
@@ -582,14 +585,21 @@ class SessionStore:
                 raise err
             raw = manifest.__pydantic_serializer__.to_json(manifest)  # model_dump_json's bytes, without a str copy
             derived_from, nfiles, nbytes = manifest.derived_from, len(manifest.files), manifest.total_bytes
+            says = (manifest.run, manifest.name, manifest.session, manifest.step, manifest.derived_from,
+                    manifest.parent, manifest.created_at)
+            tree = load_tree_root(manifest)  # what each loading rank checks its pieces against
             # Freed here by reference counting, so the collector, back on, does not walk them first.
             del manifest, files
         digest = xxh3_hex(raw)
         mkey = Paths.manifest(run, name, sid, digest)
         if self.storage.size(mkey) != len(raw):
             self.storage.put(mkey, raw)
+            # what these bytes say, known without reading them back: the first status of a commit of
+            # 10,000 ranks does not parse its manifest again
+            self.visibility.note_written(mkey, digest, says)
         marker = Marker(ref=f"{run}/{name}", session=sid, manifest=manifest_file_name(digest), manifest_xxh3=digest,
-                        step=meta.step, derived_from=derived_from, committed_at=_now(), parent=meta.parent)
+                        step=meta.step, derived_from=derived_from, committed_at=_now(), parent=meta.parent,
+                        load_tree=tree)
         if not self.storage.create_if_absent(Paths.marker(run, name), marker.model_dump_json().encode()):
             existing = self._committed_by(run, name, sid)
             if existing is None:

@@ -93,6 +93,11 @@ def _verify_here(storage: Storage, run: str, name: str) -> tuple[VerifyRecord, C
                                                              {f: e.size for f, e in manifest.files.items()}),
                                  jobs=jobs_for(manifest, storage, lambda f: Paths.file(c.run, c.name, c.session, f)),
                                  storage_errors_are_problems=False)
+        if c.marker.load_tree is not None:  # what loading ranks check their pieces against
+            try:
+                vis.load_tree(c)
+            except CorruptCheckpoint as e:
+                report.problems.append(e.message)
         if before == stamps_of(storage, c, sorted(manifest.files)) and all(before.values()):
             stamps = before
     except StorageError:

@@ -46,9 +46,10 @@ from typing import Callable, NamedTuple
 from pydantic import ValidationError
 
 from ckptd_schemas import (
-    LATEST, CheckpointNotFound, CkptdError, InvalidName, Manifest, StorageError, check_name,
-    check_run, check_session,
+    LATEST, CheckpointNotFound, CkptdError, CorruptCheckpoint, InvalidName, Manifest, NotFound, StorageError,
+    check_name, check_run, check_session,
 )
+from ckptd_schemas.loadtree import LoadTree
 
 from ..storage import Storage
 from .gcpause import gc_paused
@@ -68,6 +69,13 @@ REASONS = ("marker_malformed", "manifest_missing", "manifest_digest", "manifest_
 MAX_MARKER_BYTES = 64 << 10
 
 _DIGEST = re.compile(r"[0-9a-f]{16}")
+
+#: Memory of a parsed manifest per byte of its JSON, its interval indexes and load tree included, as the
+#: cache counts it (about 5 measured for the parsed manifest alone: BENCHMARKS.md, Figures behind the
+#: code; an index and a tree add about 56 bytes a chunk, of 60 to 100 bytes of JSON).
+MEMORY_PER_MANIFEST_BYTE = 6
+#: What the parsed manifests a :class:`Visibility` keeps may take, as counted above.
+DEFAULT_CACHE_BYTES = 1 << 30
 
 
 def manifest_file_name(digest: str) -> str:
@@ -121,7 +129,7 @@ class _Invisible(Exception):
 class Visibility:
     """The visibility rule over one :class:`Storage`, with caches that never outlive the bytes."""
 
-    def __init__(self, storage: Storage, *, cache_size: int = 64,
+    def __init__(self, storage: Storage, *, cache_bytes: int = DEFAULT_CACHE_BYTES,
                  on_invisible: Callable[[str, str, str], None] | None = None,
                  known_bad: Callable[[Committed], str | None] | None = None) -> None:
         self.storage = storage
@@ -131,8 +139,9 @@ class Visibility:
         # (manifest key, stamp) -> what those bytes say: (digest, run, name, session, step, derived_from,
         # created_at)
         self._verdicts: dict[tuple[str, str], tuple] = {}
-        self._manifests: OrderedDict[str, Manifest] = OrderedDict()  # digest -> parsed manifest
-        self._cache_size = cache_size
+        # digest -> [parsed manifest, its estimated memory, its load tree once built]: least recently used first
+        self._manifests: OrderedDict[str, list] = OrderedDict()
+        self._cache_bytes, self._cached_bytes = cache_bytes, 0
         self._reported: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
 
@@ -255,6 +264,19 @@ class Visibility:
             raise _Invisible("disagrees", _disagreement(said, m))
         return Committed(run, name, m, key, manifest.created_at)
 
+    def note_written(self, key: str, digest: str, says: tuple) -> None:
+        """The commit wrote the manifest ``key`` (bytes of ``digest``) and knows what it says (run,
+        name, session, step, ``derived_from``, ``parent``, created_at): remember the verdict for its
+        stamp now, as a check that read it would. A change of the bytes changes the stamp, and the
+        next check reads them."""
+        try:
+            stamp = self.storage.stamp(key)
+        except StorageError:
+            return
+        if stamp:
+            with self._lock:
+                self._verdicts[(key, stamp)] = (digest, *says)
+
     def _load(self, run: str, name: str, m: Marker, key: str) -> Manifest:
         raw = self._read_manifest(key, m)
         if raw is None:
@@ -262,8 +284,7 @@ class Visibility:
         if xxh3_hex(raw) != m.manifest_xxh3:
             raise _Invisible("manifest_digest", f"its manifest does not hash to the digest its COMMITTED marker "
                                                 f"names ({m.manifest_xxh3})")
-        with self._lock:
-            cached = self._manifests.get(m.manifest_xxh3)
+        cached = self.cached(m.manifest_xxh3)
         if cached is not None:
             return cached
         try:
@@ -274,11 +295,29 @@ class Visibility:
             where = ".".join(str(p) for p in first.get("loc", ())) or "manifest"
             raise _Invisible("manifest_malformed", f"its manifest does not parse at {where}: "
                                                    f"{first.get('msg', 'invalid')}"[:300]) from None
-        with self._lock:
-            self._manifests[m.manifest_xxh3] = manifest
-            while len(self._manifests) > self._cache_size:
-                self._manifests.popitem(last=False)
+        self._keep(m.manifest_xxh3, manifest, MEMORY_PER_MANIFEST_BYTE * len(raw))
         return manifest
+
+    def cached(self, digest: str) -> Manifest | None:
+        """The parsed manifest of that digest if the cache holds it (no I/O): only for a digest a
+        marker named just now, since the cache keeps no verdict."""
+        with self._lock:
+            hit = self._manifests.get(digest)
+            if hit is None:
+                return None
+            self._manifests.move_to_end(digest)
+            return hit[0]
+
+    def _keep(self, digest: str, manifest: Manifest, cost: int) -> None:
+        """Cache a parsed manifest; evict the least recently used ones past ``cache_bytes`` (the newest
+        one stays even when it alone is larger: it is in use)."""
+        with self._lock:
+            old = self._manifests.pop(digest, None)
+            self._cached_bytes += cost - (old[1] if old is not None else 0)
+            self._manifests[digest] = [manifest, cost, None]
+            while self._cached_bytes > self._cache_bytes and len(self._manifests) > 1:
+                _, (_, freed, _) = self._manifests.popitem(last=False)
+                self._cached_bytes -= freed
 
     def _report(self, ref: str, reason: str, message: str) -> None:
         message = message if len(message) <= 500 else message[:500] + "..."
@@ -304,10 +343,10 @@ class Visibility:
             raise CheckpointNotFound(f"checkpoint {c.ref} is not visible: {e.message}", ref=c.ref) from None
         if stamp:
             with self._lock:
-                cached = self._manifests.get(c.digest)
                 said = self._verdicts.get((c.manifest_key, stamp))
-                if cached is not None and said is not None and said[0] == c.digest:
-                    self._manifests.move_to_end(c.digest)
+            if said is not None and said[0] == c.digest:
+                cached = self.cached(c.digest)
+                if cached is not None:
                     return cached
         try:
             if stamp is None:
@@ -318,6 +357,28 @@ class Visibility:
             self._report(c.ref, e.reason, e.message)
             raise CheckpointNotFound(f"checkpoint {c.ref} is not visible: {e.message}", ref=c.ref) from None
         return manifest
+
+    def load_tree(self, c: Committed) -> LoadTree:
+        """The load tree of a visible checkpoint's manifest (built once per parsed manifest), which must
+        have the root its marker names: ``NotFound`` when the marker names none (a checkpoint committed
+        before load trees: readers read its manifest), ``CorruptCheckpoint`` when it names another."""
+        if c.marker.load_tree is None:
+            raise NotFound(f"checkpoint {c.ref} has no load tree (its marker names none): read its manifest",
+                           ref=c.ref)
+        manifest = self.manifest(c)
+        with self._lock:
+            entry = self._manifests.get(c.digest)
+            tree = entry[2] if entry is not None and entry[0] is manifest else None
+        if tree is None:
+            tree = LoadTree(manifest)
+            with self._lock:
+                entry = self._manifests.get(c.digest)
+                if entry is not None and entry[0] is manifest:
+                    entry[2] = tree  # kept, and evicted, with its manifest
+        if tree.root != c.marker.load_tree:
+            raise CorruptCheckpoint(f"checkpoint {c.ref}: its manifest's load tree is {tree.root}, its COMMITTED "
+                                    f"marker names {c.marker.load_tree}", ref=c.ref, file="COMMITTED")
+        return tree
 
     def manifest_bytes(self, c: Committed) -> bytes:
         """The manifest's bytes as stored now, served only if they hash to the marker's digest."""

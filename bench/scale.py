@@ -1,0 +1,349 @@
+"""Scale: R simulated ranks against one real ``ckptd serve``, beside DCP's own planner and metadata.
+
+    .venv/bin/python -m bench.scale --ranks 64,1024 --tensors 200 --out bench/results/scale.json
+    .venv/bin/python -m bench.scale --ranks 10000 --tensors 200 --sample 8 --out bench/results/scale-10000.json
+
+Every rank holds one FSDP row band (2 rows x 8 bf16 columns) of each of T tensors: tiny bytes, so
+that metadata is all the work. The ranks are simulated in this one process over real HTTP with the
+documented wire protocol (``docs/http-api.md``): open or join the session, upload the rank's data
+file with its digest, put its index; the service is a real ``ckptd serve`` on 127.0.0.1 (its own
+process: its CPU seconds and peak RSS are read from ``/proc``). Per world size:
+
+1. **save** twice, each a fresh checkpoint: once where every rank, its index sent, long-polls the
+   session's status until it commits (what ``CheckpointClient.save(...).wait()`` does), once where
+   no rank waits and the harness reads the status once a second. The service's CPU seconds of
+   each, and their ratio (the waits' cost). The commit's own CPU (last index to marker) is the
+   service's CPU during the last ``put_index``.
+2. **resume**: ``--sample`` ranks spread over the world each do what a loading rank does before it
+   reads bytes (``ckptd_client._loadtree``): fetch the load tree's head (hashed against the
+   marker's root), its pieces for the rank's T bands (each checked against the head), plan the
+   reads here. Per rank: bytes fetched, client CPU, service CPU (ranks one after another, so each
+   delta is the rank's own). The resume of every rank is the sample's mean times R:
+   **extrapolated**, and said so. ``--manifest-sample`` of them also load the way a checkpoint
+   without a load tree is loaded (the whole manifest, the service's read plan), for the ratio.
+3. **reshard planning** R -> R/2 (``fsdp2``) in a fresh process over the committed root: seconds,
+   peak RSS, the plan's JSON bytes; skipped above ``--reshard-max-ranks`` (said so).
+4. **DCP**: ``DefaultSavePlanner.create_global_plan`` over the same R local plans plus pickling the
+   ``Metadata`` (its coordinator), and one loading rank's share (unpickle the whole ``.metadata`` and
+   ``create_read_items_for_chunk_list`` for its T bands), each in a fresh process; skipped above
+   ``--dcp-max-ranks`` (the output says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import xxhash
+
+from ._report import write_report
+from .manifest import COLS, ROWS_PER_RANK, _rank, run_dcp
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO / "tests") not in sys.path:
+    sys.path.insert(0, str(REPO / "tests"))
+
+from support import ServerProcess  # noqa: E402  (tests/support.py)
+
+RUN = "scale"
+UPLOADS_AT_ONCE = 32  # ranks uploading at one time (every rank waits at once)
+
+
+def _proc_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak(pid: int) -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+# -- save ------------------------------------------------------------------------------------------
+
+async def _save(url: str, pid: int, name: str, world: int, tensors: int, *, wait: bool) -> dict:
+    """Every rank saves ``RUN/name``; with ``wait``, each long-polls until the commit. The last rank
+    sends its index once every other rank's is stored, so that the service's CPU during that one
+    request is the commit's (last index to marker), with the other ranks' waits beside it."""
+    base = f"/v1/checkpoints/{RUN}/{name}"
+    sid = f"scale-{name}"
+    gate = asyncio.Semaphore(UPLOADS_AT_ONCE)
+    others_in = asyncio.Event()
+    stored = 0
+    commit: dict = {}
+    limits = httpx.Limits(max_connections=world + UPLOADS_AT_ONCE + 8, max_keepalive_connections=world + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
+        (await c.post(f"{base}/sessions", json={"session": sid, "world_size": world, "step": 1})).raise_for_status()
+
+        async def rank(r: int) -> None:
+            nonlocal stored
+            file, data, body = _rank(r, world, tensors)
+            async with gate:
+                (await c.post(f"{base}/sessions", json={"session": sid, "world_size": world, "step": 1})
+                 ).raise_for_status()
+                (await c.put(f"{base}/sessions/{sid}/files/{file}", content=data,
+                             headers={"X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(data)})).raise_for_status()
+            last = r == world - 1
+            if last:
+                await others_in.wait()
+                await asyncio.sleep(0.5)  # the waiters' polls settle
+                cpu0 = _proc_cpu(pid)
+            async with gate:
+                st = await c.put(f"{base}/sessions/{sid}/ranks/{r}", content=body,
+                                 headers={"Content-Type": "application/json"})
+            st.raise_for_status()
+            if last:
+                assert st.json()["state"] == "committed", st.text[:300]
+                commit["cpu"] = _proc_cpu(pid) - cpu0
+            else:
+                stored += 1
+                if stored == world - 1:
+                    others_in.set()
+            while wait:
+                st = await c.get(f"{base}/sessions/{sid}", params={"wait": 30})
+                st.raise_for_status()
+                if st.json()["state"] != "open":
+                    assert st.json()["state"] == "committed", st.text[:500]
+                    return
+
+        if world == 1:
+            others_in.set()
+        cpu0, t0 = _proc_cpu(pid), time.perf_counter()
+        await asyncio.gather(*(rank(r) for r in range(world)))
+        return {"service_cpu_s": _proc_cpu(pid) - cpu0, "wall_s": time.perf_counter() - t0,
+                "commit_cpu_s": commit["cpu"]}
+
+
+# -- resume ----------------------------------------------------------------------------------------
+
+def _resume_rank(c: httpx.Client, pid: int, name: str, rank: int, world: int, tensors: int) -> dict:
+    """What one loading rank does before it reads bytes (``ckptd_client._loadtree``), timed on both
+    sides: the load tree's head (hashed against the marker's root), its pieces for the rank's T bands
+    (each checked against the head), its read plan made here, every element covered."""
+    from ckptd_schemas import ReadRequest, plan_reads
+    from ckptd_schemas.api import LOAD_TREE_HEADER
+    from ckptd_schemas.loadtree import LoadHead, check_covered, verify_answer
+
+    cpu0, own0 = _proc_cpu(pid), time.process_time()
+    r = c.get(f"/v1/checkpoints/{RUN}/{name}/load-tree")
+    r.raise_for_status()
+    head = LoadHead.parse(r.content, r.headers[LOAD_TREE_HEADER])
+    reqs = [ReadRequest(name=n, offsets=[rank * ROWS_PER_RANK, 0], sizes=[ROWS_PER_RANK, COLS])
+            for n in head.tensors()]
+    p = c.post(f"/v1/checkpoints/{RUN}/{name}/load-tree",
+               json={"requests": [q.model_dump(exclude_none=True) for q in reqs], "rank": rank})
+    out = {"plan_status": p.status_code, "metadata_bytes": len(r.content) + len(p.content),
+           "head_bytes": len(r.content), "answer_bytes": len(p.content)}
+    if p.status_code == 200:
+        part, _ = verify_answer(head, json.loads(p.content), reqs, rank)
+        plan = plan_reads(part, reqs)
+        check_covered(plan, reqs, part)
+        assert len(plan.copies) == tensors, len(plan.copies)
+    out.update(client_cpu_s=time.process_time() - own0, service_cpu_s=_proc_cpu(pid) - cpu0)
+    return out
+
+
+def _resume_rank_manifest(c: httpx.Client, pid: int, name: str, rank: int, tensors: int) -> dict:
+    """The same through the whole manifest and the service's read plan (a checkpoint without a load
+    tree): the path every rank took before load trees."""
+    from ckptd_schemas import Manifest, ReadPlan
+
+    cpu0, own0 = _proc_cpu(pid), time.process_time()
+    r = c.get(f"/v1/checkpoints/{RUN}/{name}")
+    r.raise_for_status()
+    assert xxhash.xxh3_64_hexdigest(r.content) == r.headers["X-Ckptd-Manifest-Xxh3"]
+    manifest = Manifest.model_validate_json(r.content)
+    reqs = [{"name": t.name, "offsets": [rank * ROWS_PER_RANK, 0], "sizes": [ROWS_PER_RANK, COLS]}
+            for t in manifest.tensors]
+    p = c.post(f"/v1/checkpoints/{RUN}/{name}/read-plan", json={"requests": reqs})
+    if p.status_code == 200:
+        assert len(ReadPlan.model_validate_json(p.content).copies) == tensors
+    return {"metadata_bytes": len(r.content) + len(p.content), "client_cpu_s": time.process_time() - own0,
+            "service_cpu_s": _proc_cpu(pid) - cpu0, "plan_status": p.status_code}
+
+
+def _resume(url: str, pid: int, name: str, world: int, tensors: int, sample: int, manifest_sample: int) -> dict:
+    ranks = sorted({round(i * (world - 1) / max(1, sample - 1)) for i in range(sample)})
+    _reset_peak(pid)
+    with httpx.Client(base_url=url, timeout=600) as c:
+        per = [_resume_rank(c, pid, name, r, world, tensors) for r in ranks]
+        peak = _peak_rss(pid)
+        old = [_resume_rank_manifest(c, pid, name, r, tensors) for r in ranks[:manifest_sample]]
+    mean = {k: statistics.mean(p[k] for p in per) for k in ("metadata_bytes", "client_cpu_s", "service_cpu_s")}
+    out = {"sampled_ranks": ranks, "plan_status": sorted({p["plan_status"] for p in per}),
+           "rank_metadata_bytes": mean["metadata_bytes"], "rank_head_bytes": per[0]["head_bytes"],
+           "rank_client_cpu_s": mean["client_cpu_s"], "rank_service_cpu_s": mean["service_cpu_s"],
+           "resume_all_service_cpu_s_extrapolated": mean["service_cpu_s"] * world,
+           "resume_all_served_bytes_extrapolated": mean["metadata_bytes"] * world,
+           "resume_service_peak_rss": peak}
+    if old:
+        out.update({f"manifest_path_{k}": statistics.mean(o[k] for o in old)
+                    for k in ("metadata_bytes", "client_cpu_s", "service_cpu_s")})
+        out["manifest_path_plan_status"] = sorted({o["plan_status"] for o in old})
+    return out
+
+
+# -- reshard planning and DCP, each in a fresh process ---------------------------------------------------
+
+def _plan_reshard(root: str, name: str, target: int) -> dict:
+    from ckptd.reshard.planner import plan_reshard
+    from ckptd.reshard.spec import parse_spec
+    from ckptd.storage.local import LocalStorage
+    from ckptd.store.reader import CheckpointReader
+
+    t0 = time.perf_counter()
+    manifest = CheckpointReader(LocalStorage(Path(root))).manifest(RUN, name)
+    read_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    plan = plan_reshard(manifest, parse_spec(f"fsdp2:dp={target}"))
+    plan_s = time.perf_counter() - t0
+    size = len(plan.model_dump_json())
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return {"reshard_manifest_read_s": read_s, "reshard_plan_s": plan_s, "reshard_plan_bytes": size,
+            "reshard_units": len(plan.units), "reshard_peak_rss": peak}
+
+
+def _dcp_load_rank(world: int, tensors: int, rank: int) -> dict:
+    """One DCP loading rank's metadata work: unpickle the whole ``.metadata``, plan its T bands."""
+    import io
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    props = TensorProperties(dtype=torch.bfloat16)
+    size = torch.Size([ROWS_PER_RANK * world, COLS])
+    md = Metadata(state_dict_metadata={
+        f"model.layers.{t}.weight": TensorStorageMetadata(props, size, [
+            ChunkStorageMetadata(offsets=torch.Size([r * ROWS_PER_RANK, 0]), sizes=torch.Size([ROWS_PER_RANK, COLS]))
+            for r in range(world)]) for t in range(tensors)})
+    buf = io.BytesIO()
+    pickle.dump(md, buf)
+    raw = buf.getvalue()
+    del md
+    t0 = time.process_time()
+    md = pickle.loads(raw)
+    mine = [ChunkStorageMetadata(offsets=torch.Size([rank * ROWS_PER_RANK, 0]), sizes=torch.Size([ROWS_PER_RANK, COLS]))]
+    items = [item for fqn, tmd in md.state_dict_metadata.items()
+             for item in create_read_items_for_chunk_list(fqn, tmd, mine)]
+    assert len(items) == tensors
+    return {"dcp_rank_metadata_bytes": len(raw), "dcp_rank_cpu_s": time.process_time() - t0}
+
+
+def _fresh(fn: Callable, *args: object) -> dict:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result() or {}
+
+
+# -- one world size ---------------------------------------------------------------------------------
+
+def run_world(world: int, tensors: int, sample: int, manifest_sample: int, dcp: bool, reshard_max: int,
+              work: Path) -> dict:
+    root = work / f"root-{world}"
+    env = {"CKPTD_MAX_CONNECTIONS": str(max(4096, 2 * world + 256)),
+           "CKPTD_MAX_REQUESTS_PER_PRINCIPAL": "0", "CKPTD_MAX_UPLOADS_PER_PRINCIPAL": "0",
+           "CKPTD_VERIFY_AFTER_COMMIT": "false"}
+    srv = ServerProcess(root, env=env, log=work / f"server-{world}.log").start()
+    pid = srv.proc.pid  # type: ignore[union-attr]
+    out: dict = {"ranks": world, "tensors": tensors, "chunks": world * tensors}
+    try:
+        asyncio.run(_save(srv.url, pid, "warmup", min(world, 8), 2, wait=True))  # the service's first save
+        quiet = asyncio.run(_save(srv.url, pid, "nowait", world, tensors, wait=False))
+        waited = asyncio.run(_save(srv.url, pid, "waited", world, tensors, wait=True))
+        out.update({"save_nowait_service_cpu_s": quiet["service_cpu_s"], "save_nowait_wall_s": quiet["wall_s"],
+                    "save_waited_service_cpu_s": waited["service_cpu_s"], "save_waited_wall_s": waited["wall_s"],
+                    "commit_service_cpu_s": quiet["commit_cpu_s"],
+                    "waits_cpu_ratio": waited["service_cpu_s"] / quiet["service_cpu_s"]})
+        out.update(_resume(srv.url, pid, "waited", world, tensors, sample, manifest_sample))
+    finally:
+        srv.stop()
+    if world <= reshard_max:
+        out.update(_fresh(_plan_reshard, str(root), "waited", max(1, world // 2)))
+    else:
+        out["reshard_skipped"] = f"{world} ranks > --reshard-max-ranks {reshard_max}"
+    if dcp:
+        got = _fresh(run_dcp, world, tensors)
+        out.update(dcp_global_plan_s=got["global_plan_s"], dcp_metadata_bytes=got["metadata_bytes"])
+        out.update(_fresh(_dcp_load_rank, world, tensors, world // 2))
+        out["commit_vs_dcp_coordinator"] = (out["commit_service_cpu_s"] or 0) / got["global_plan_s"]
+        out["rank_metadata_vs_dcp"] = out["rank_metadata_bytes"] / out["dcp_rank_metadata_bytes"]
+        out["rank_cpu_vs_dcp"] = (out["rank_client_cpu_s"] + out["rank_service_cpu_s"]) / out["dcp_rank_cpu_s"]
+    else:
+        out["dcp_skipped"] = f"{world} ranks > --dcp-max-ranks"
+    return out
+
+
+def _table(rows: list[dict]) -> str:
+    mb = 1e6
+    head = ("| ranks x tensors | commit, service CPU-s (DCP coordinator s) | save's waits: service CPU with / "
+            "without | one loading rank: metadata fetched, CPU-s client + service (whole manifest) | DCP rank: "
+            "metadata, CPU-s | resume of every rank: service CPU-s (extrapolated), peak RSS | reshard R -> R/2 "
+            "planned: s, peak RSS, plan |\n" + "| --- " * 7 + "|\n")
+    lines = []
+    for r in rows:
+        dcp_coord = f"{r['dcp_global_plan_s']:.2f} s" if "dcp_global_plan_s" in r else "skipped"
+        dcp_rank = (f"{r['dcp_rank_metadata_bytes'] / mb:.1f} MB, {r['dcp_rank_cpu_s']:.3f}"
+                    if "dcp_rank_cpu_s" in r else "skipped")
+        old = (f" ({r['manifest_path_metadata_bytes'] / mb:.1f} MB, "
+               f"{r['manifest_path_client_cpu_s'] + r['manifest_path_service_cpu_s']:.2f})"
+               if "manifest_path_metadata_bytes" in r else "")
+        lines.append(
+            f"| {r['ranks']:,} x {r['tensors']} | {r['commit_service_cpu_s'] or 0:.2f} ({dcp_coord}) | "
+            f"{r['save_waited_service_cpu_s']:.1f} / {r['save_nowait_service_cpu_s']:.1f} "
+            f"({r['waits_cpu_ratio']:.2f}x) | {r['rank_metadata_bytes'] / mb:.3f} MB, "
+            f"{r['rank_client_cpu_s'] + r['rank_service_cpu_s']:.3f}{old} | {dcp_rank} | "
+            f"{r['resume_all_service_cpu_s_extrapolated']:.1f}, {r['resume_service_peak_rss'] / mb:.0f} MB | "
+            + (f"{r['reshard_plan_s']:.1f} s, {r['reshard_peak_rss'] / mb:.0f} MB, {r['reshard_plan_bytes'] / mb:.1f} MB |"
+               if "reshard_plan_s" in r else "skipped |"))
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", default="64,1024", help="world sizes, comma-separated")
+    ap.add_argument("--tensors", type=int, default=200)
+    ap.add_argument("--sample", type=int, default=8, help="loading ranks measured per world size")
+    ap.add_argument("--manifest-sample", type=int, default=2,
+                    help="of the sampled ranks, how many also load through the whole manifest (the old path)")
+    ap.add_argument("--dcp-max-ranks", type=int, default=10_000)
+    ap.add_argument("--reshard-max-ranks", type=int, default=4096,
+                    help="plan the reshard R -> R/2 up to this world size (its plan is held whole in memory)")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale.json")
+    args = ap.parse_args(argv)
+    rows, t0 = [], time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ckptd-scale-") as tmp:
+        for world in (int(x) for x in args.ranks.split(",")):
+            row = run_world(world, args.tensors, args.sample, args.manifest_sample, world <= args.dcp_max_ranks,
+                            args.reshard_max_ranks, Path(tmp))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    write_report(args.out, {"rows": rows, "command": " ".join(sys.argv), "summary": rows[-1],
+                            "wall_s": time.perf_counter() - t0}, _table(rows))
+
+
+if __name__ == "__main__":
+    main()

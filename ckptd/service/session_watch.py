@@ -1,0 +1,130 @@
+"""Every rank waiting for a save's commit shares one watch of its session in this process.
+
+A save of R ranks has R long polls of ``GET .../sessions/{sid}?wait=S`` open until it commits. Each
+re-reading the session's state on every index arrival and every 0.1 s, and listing its ranks each
+time, cost the service O(R) per poll and O(R²) per event; right after the commit every waiter
+checked the new checkpoint at once. Here a session has at most one poller per process, whatever
+the number of waiters:
+
+* :meth:`SessionWatches.wait` joins (or starts) the watch of a session and waits for it to settle
+  (committed or failed; with ``durable``, durable or refused), or for the caller's deadline;
+* the watch reads the session's **state** (``SessionStore.status(..., list_ranks=False)``: the
+  marker, the session's record and its failure record, O(1) reads, no listing), every
+  ``interval`` seconds (another replica may commit the session) or at once when :meth:`wake` says
+  this process just stored an index that settled it;
+* the answer is built once and shared: every waiter gets the same :class:`SessionStatus` (it names
+  no ranks: ``ranks_done`` is empty; a status read without ``wait`` lists them);
+* the watch ends when its last waiter leaves.
+
+A read that fails (the session is gone: 404) fails every waiter with that error, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from starlette.concurrency import run_in_threadpool
+
+from ckptd_schemas import SessionStatus
+
+__all__ = ["SessionWatches"]
+
+#: Seconds between two reads of an open session's state by its watch.
+OPEN_INTERVAL = 0.1
+#: Seconds between two reads of a committed session's durability (a read of the durable tier).
+DURABLE_INTERVAL = 0.25
+
+Key = tuple[str, str, str, bool]  # run, name, session, durable
+
+
+@dataclass
+class _Watch:
+    durable: bool = False
+    waiters: int = 0
+    status: SessionStatus | None = None
+    error: BaseException | None = None
+    first_read: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())  # settled
+    woken: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+
+    @property
+    def settled(self) -> bool:
+        return self.error is not None or (self.status is not None and self.status.settled(self.durable))
+
+
+class SessionWatches:
+    """The watches of this process's waiting sessions (see the module's docstring).
+
+    ``read_state(run, name, sid)`` reads a session's state without listing its ranks;
+    ``with_durability(status)`` adds whether a committed checkpoint is durable. Both run in a
+    worker thread, one at a time per watch.
+    """
+
+    def __init__(self, read_state: Callable[[str, str, str], SessionStatus],
+                 with_durability: Callable[[SessionStatus], SessionStatus]) -> None:
+        self._read_state, self._with_durability = read_state, with_durability
+        self._watches: dict[Key, _Watch] = {}
+
+    @property
+    def watching(self) -> int:
+        """Sessions watched now (one poller each)."""
+        return len(self._watches)
+
+    async def wait(self, run: str, name: str, sid: str, *, seconds: float, durable: bool) -> SessionStatus:
+        """The session's status once it settles, or the last one read when ``seconds`` pass."""
+        key = (run, name, sid, durable)
+        watch = self._watches.get(key)
+        if watch is None:
+            watch = self._watches[key] = _Watch(durable=durable)
+            watch.task = asyncio.create_task(self._poll(key, watch))
+        watch.waiters += 1
+        try:
+            # woken once: when the session settles or its read fails, not at every read of an open one
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(watch.done), seconds)
+            if watch.error is not None:
+                raise watch.error
+            if watch.status is None:  # out of time before the first read ended: wait for that read
+                await watch.first_read.wait()
+                if watch.error is not None:
+                    raise watch.error
+            assert watch.status is not None
+            return watch.status
+        finally:
+            watch.waiters -= 1
+            if watch.waiters == 0 and self._watches.get(key) is watch:
+                del self._watches[key]
+                if watch.task is not None and not watch.task.done():
+                    watch.task.cancel()
+
+    def wake(self, sid: str) -> None:
+        """This process just stored an index of session ``sid`` that settled it: read its state now."""
+        for (_, _, s, _), watch in list(self._watches.items()):
+            if s == sid:
+                watch.woken.set()
+
+    async def _poll(self, key: Key, watch: _Watch) -> None:
+        run, name, sid, durable = key
+        while True:
+            watch.woken.clear()  # before the read: a wake during it reads again at once
+            try:
+                st = watch.status
+                if st is None or st.state == "open":  # once committed, only its durability is read again
+                    st = await run_in_threadpool(self._read_state, run, name, sid)
+                if durable:
+                    st = await run_in_threadpool(self._with_durability, st)
+                watch.status = st
+            except Exception as e:  # noqa: BLE001 - handed to every waiter, which raises it
+                watch.error = e
+            watch.first_read.set()
+            if watch.settled:
+                watch.done.set_result(None)
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(watch.woken.wait(),
+                                       OPEN_INTERVAL if watch.status is None or watch.status.state == "open"
+                                       else DURABLE_INTERVAL)

@@ -1,0 +1,130 @@
+"""A load through the checkpoint's load tree, against a real ``ckptd serve``: what one rank fetches before
+its bytes stays flat from 16 to 256 ranks (the whole manifest grows 16x), every value arrives, and
+the tree is held to its marker: a marker naming another root fails the load typed and fails ``ckptd
+verify``, a marker naming none is loaded through the manifest as before.
+
+The saves are simulated ranks on the wire protocol (open the session, upload the rank's file with
+its digest, put its index), each rank one row band of every tensor; the load is the real client, one
+rank's bands as ``FlatShard`` views."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import xxhash
+
+from ckptd_client import CheckpointClient, FlatShard
+from ckptd_schemas import CorruptCheckpoint
+from support import ServerProcess
+
+TENSORS, ROWS, COLS = 6, 2, 8
+BAND = ROWS * COLS * 4  # float32 bytes of one rank's band of one tensor
+
+
+def _value(world: int, t: int) -> torch.Tensor:
+    return torch.arange(ROWS * world * COLS, dtype=torch.float32).reshape(ROWS * world, COLS) * (t + 1) + world
+
+
+def _save(url: str, name: str, world: int) -> None:
+    base = f"{url}/v1/checkpoints/tree/{name}"
+    sid = f"s-{name}"
+    with httpx.Client(timeout=60) as c:
+        for r in range(world):
+            assert c.post(f"{base}/sessions", json={"session": sid, "world_size": world, "step": world}
+                          ).status_code == 200
+            data = b"".join(_value(world, t)[r * ROWS:(r + 1) * ROWS].numpy().tobytes() for t in range(TENSORS))
+            file = f"r{r:05d}.bin"
+            assert c.put(f"{base}/sessions/{sid}/files/{file}", content=data,
+                         headers={"X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(data)}).status_code == 200
+            index = {"rank": r, "world_size": world,  "files": [file], "objects": [
+                {"name": "rng", "rank": r, "encoding": "json", "value": r}], "tensors": [
+                {"name": f"model.w{t}", "shape": [ROWS * world, COLS], "dtype": "float32", "group": "model",
+                 "chunks": [{"kind": "box", "rank": r, "offsets": [r * ROWS, 0], "sizes": [ROWS, COLS],
+                             "location": {"file": file, "offset": t * BAND, "length": BAND, "raw_length": BAND,
+                                          "xxh3": xxhash.xxh3_64_hexdigest(data[t * BAND:(t + 1) * BAND])}}]}
+                for t in range(TENSORS)]}
+            st = c.put(f"{base}/sessions/{sid}/ranks/{r}", json=index)
+            assert st.status_code == 200, st.text
+    assert st.json()["state"] == "committed"
+
+
+def _rank_state(world: int, rank: int) -> dict:
+    n = ROWS * COLS
+    return {"model": {f"w{t}": FlatShard(torch.zeros(n), (ROWS * world, COLS), rank * n) for t in range(TENSORS)},
+            "rng": None}
+
+
+def _load(url: str, name: str, world: int, rank: int):
+    sd = _rank_state(world, rank)
+    with CheckpointClient(url) as client:
+        report = client.load(sd, f"tree/{name}")  # this process is rank 0: it restores rank 0's "rng"
+    for t in range(TENSORS):
+        want = _value(world, t)[rank * ROWS:(rank + 1) * ROWS].reshape(-1)
+        assert torch.equal(sd["model"][f"w{t}"].local, want), t
+    assert sd["rng"] == 0
+    return report
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree") / "root"
+    srv = ServerProcess(root, log=root.parent / "server.log").start()
+    try:
+        _save(srv.url, "small", 16)
+        _save(srv.url, "large", 256)
+        yield srv, root
+    finally:
+        srv.stop()
+
+
+def test_what_one_rank_fetches_is_flat_in_the_world_size(served) -> None:
+    srv, _ = served
+    small = _load(srv.url, "small", 16, 7)
+    large = _load(srv.url, "large", 256, 7)
+    manifests = {n: len(httpx.get(f"{srv.url}/v1/checkpoints/tree/{n}", timeout=30).content) for n in ("small", "large")}
+    assert manifests["large"] > 12 * manifests["small"]  # the whole manifest grows with the ranks...
+    assert large.metadata_bytes < 1.5 * small.metadata_bytes, (small.metadata_bytes, large.metadata_bytes)
+    assert large.metadata_bytes < manifests["large"] / 10  # ...what a rank fetches does not
+    assert _load(srv.url, "large", 256, 255).metadata_bytes < 1.5 * small.metadata_bytes
+
+
+def _marker(root: Path, name: str) -> Path:
+    return root / "runs" / "tree" / name / "COMMITTED"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptd.cli.main", *args], capture_output=True, text=True, timeout=180)
+
+
+def test_a_marker_naming_another_tree_fails_the_load_and_verify(served, tmp_path) -> None:
+    srv, root = served
+    _save(srv.url, "edited", 4)
+    path = _marker(root, "edited")
+    marker = json.loads(path.read_bytes())
+    marker["load_tree"] = "0" * 32
+    path.write_text(json.dumps(marker))
+    with pytest.raises(CorruptCheckpoint, match="load tree"):
+        _load(srv.url, "edited", 4, 1)
+    out = _cli("verify", "tree/edited", "--root", str(root))
+    assert out.returncode == 1 and "load tree" in out.stdout + out.stderr, out.stdout + out.stderr
+    out = _cli("verify", "tree/edited", "--server", srv.url)
+    assert out.returncode == 1 and "load tree" in out.stdout + out.stderr, out.stdout + out.stderr
+    _load(srv.url, "small", 16, 3)  # another checkpoint of the run still loads
+
+
+def test_a_marker_without_a_tree_is_loaded_through_its_manifest(served) -> None:
+    srv, root = served
+    _save(srv.url, "old", 4)
+    path = _marker(root, "old")
+    marker = json.loads(path.read_bytes())
+    del marker["load_tree"]
+    path.write_text(json.dumps(marker))
+    report = _load(srv.url, "old", 4, 2)
+    manifest = len(httpx.get(f"{srv.url}/v1/checkpoints/tree/old", timeout=30).content)
+    assert report.metadata_bytes > manifest  # the manifest, then the service's read plan
