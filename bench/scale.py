@@ -58,6 +58,7 @@ from support import ServerProcess  # noqa: E402  (tests/support.py)
 
 RUN = "scale"
 UPLOADS_AT_ONCE = 32  # ranks uploading at one time (every rank waits at once)
+RANKS_PER_CLIENT = 32
 
 
 def _proc_cpu(pid: int) -> float:
@@ -91,12 +92,16 @@ async def _save(url: str, pid: int, name: str, world: int, tensors: int, *, wait
     others_in = asyncio.Event()
     stored = 0
     commit: dict = {}
-    limits = httpx.Limits(max_connections=world + UPLOADS_AT_ONCE + 8, max_keepalive_connections=world + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
+    # A client per RANKS_PER_CLIENT ranks, as ranks have their own: one pool of a thousand connections
+    # costs its owner O(connections) per response (httpcore), which would time the harness, not the service.
+    clients = [httpx.AsyncClient(base_url=url, timeout=600) for _ in range(-(-world // RANKS_PER_CLIENT))]
+    try:
+        c = clients[0]
         (await c.post(f"{base}/sessions", json={"session": sid, "world_size": world, "step": 1})).raise_for_status()
 
         async def rank(r: int) -> None:
             nonlocal stored
+            c = clients[r // RANKS_PER_CLIENT]
             file, data, body = _rank(r, world, tensors)
             async with gate:
                 (await c.post(f"{base}/sessions", json={"session": sid, "world_size": world, "step": 1})
@@ -132,6 +137,9 @@ async def _save(url: str, pid: int, name: str, world: int, tensors: int, *, wait
         await asyncio.gather(*(rank(r) for r in range(world)))
         return {"service_cpu_s": _proc_cpu(pid) - cpu0, "wall_s": time.perf_counter() - t0,
                 "commit_cpu_s": commit["cpu"]}
+    finally:
+        for client in clients:
+            await client.aclose()
 
 
 # -- resume ----------------------------------------------------------------------------------------

@@ -31,8 +31,9 @@ from ..store.tiers import open_root
 from ..store import CheckpointReader, SessionStore
 from .executor import UnitResult, finalize, open_target, plan_device, plan_engine, run_unit
 from ..store.leases import Leases
-from .models import JobStatus, ReshardRequest, now_utc, put_status, get_job
+from .models import JobStatus, ReshardRequest, get_job, now_utc, put_plan_summary, put_status
 from .planner import ReshardPlan, plan_reshard
+from .preview import plan_summary
 from .spec import default_out_name, parse_spec
 
 __all__ = ["JobStatus", "ReshardRequest", "WorkerJob", "get_job", "run_service_job", "run_worker", "submit_job",
@@ -58,6 +59,7 @@ def submit_job(storage: Storage, req: ReshardRequest) -> tuple[JobStatus, Reshar
     now = now_utc()
     st = JobStatus(id=job_id, state="queued", source=manifest.ref, out=out, spec=str(spec),
                    bytes_total=plan.bytes_to_write, created_at=now, updated_at=now)
+    put_plan_summary(storage, job_id, plan_summary(plan))  # the web view reads it; nothing plans the job again
     put_status(storage, st)
     return st, plan
 

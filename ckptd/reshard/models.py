@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -11,7 +12,7 @@ from ckptd_schemas import NotFound
 
 from ..storage import Storage
 
-__all__ = ["JobStatus", "ReshardRequest", "get_job", "now_utc", "put_status"]
+__all__ = ["JobStatus", "ReshardRequest", "get_job", "get_plan_summary", "now_utc", "put_plan_summary", "put_status"]
 
 
 class ReshardRequest(BaseModel):
@@ -49,6 +50,25 @@ def _job_key(job_id: str) -> str:
 
 def put_status(storage: Storage, st: JobStatus) -> None:
     storage.put(_job_key(st.id), st.model_dump_json().encode())
+
+
+def _plan_key(job_id: str) -> str:
+    return f"jobs/{job_id}.plan.json"
+
+
+def put_plan_summary(storage: Storage, job_id: str, summary: dict) -> None:
+    """What a job's plan is (``preview.plan_summary``), recorded once when the job is planned: readers
+    (the web view) read it, and never make the service plan the job again."""
+    storage.put(_plan_key(job_id), json.dumps(summary, separators=(",", ":")).encode())
+
+
+def get_plan_summary(storage: Storage, job_id: str) -> dict:
+    get_job(storage, job_id)  # the same refusals for an unknown or malformed id
+    data = storage.read_json_or_none(_plan_key(job_id))
+    if data is None:
+        raise NotFound(f"reshard job {job_id!r} has no recorded plan (planned before plans were recorded)",
+                       job=job_id)
+    return data
 
 
 def get_job(storage: Storage, job_id: str) -> JobStatus:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .planner import ReshardPlan
 
-__all__ = ["Preview", "preview"]
+__all__ = ["Preview", "plan_summary", "preview"]
 
 KIND = {"model": "weights", "grad": "gradients", "grads": "gradients", "optim": "optimizer"}
 
@@ -56,3 +56,15 @@ def preview(plan: ReshardPlan) -> Preview:
         imbalance=(peak / mean - 1) if mean else 0.0,
         m_s2=w + (g + o) / P, m_s3=(w + g + o) / P, grads_estimated=grads_estimated,
         unit_reads=[(u.index, u.rank, u.file, u.bytes_to_read) for u in plan.units])
+
+
+def plan_summary(plan: ReshardPlan) -> dict:
+    """What the web view shows of a job's plan: target layout, bytes, per-rank loads and every work
+    unit (recorded with the job: ``models.put_plan_summary``)."""
+    p = preview(plan)
+    return {"source": plan.source, "spec": plan.target_spec, "world_size": plan.world_size, "mesh": plan.mesh,
+            "group_layouts": plan.group_layouts, "bytes_to_read": plan.bytes_to_read,
+            "bytes_to_write": plan.bytes_to_write, "per_rank": p.per_rank, "imbalance": p.imbalance,
+            "units_total": len(plan.units),
+            "units": [{"index": u.index, "rank": u.rank, "file": u.file, "size": u.size, "chunks": len(u.chunks),
+                       "bytes_to_read": u.bytes_to_read} for u in plan.units]}

@@ -386,7 +386,7 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
 
         out = []
         for entry in storage.list("jobs"):
-            if not entry.endswith(".json"):
+            if not entry.endswith(".json") or entry.endswith(".plan.json"):  # a job's recorded plan
                 continue
             try:
                 job = get_job(storage, entry[:-5])
@@ -410,15 +410,12 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
     @router.get("/v1/ui/runs/{run}/jobs/{job_id}/plan", response_class=Response)
     async def ui_job_plan(request: Request, run: str, job_id: str,
                           limit: int = Query(50, ge=1, le=MAX_UNITS, description="work units shown")) -> Response:
-        """A job's plan, recomputed by the pure planner from its source manifest and target spec (a
-        job record does not keep its plan): work units, bytes per target rank, imbalance."""
+        """A job's plan as recorded when the job was planned (``reshard.models.get_plan_summary``; nothing
+        plans it again): work units, bytes per target rank, imbalance."""
         principal = principal_of(request)
 
         def work() -> dict:
-            from ..reshard.models import get_job
-            from ..reshard.planner import plan_reshard
-            from ..reshard.preview import preview
-            from ..reshard.spec import parse_spec
+            from ..reshard.models import get_job, get_plan_summary
 
             job = get_job(storage, job_id)
             src, out_ref = parse_ref(job.source), parse_ref(job.out)
@@ -427,15 +424,9 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
             if not principal.can_read(src.run):
                 raise Forbidden(f"token {principal.name!r} may not read run {src.run!r}, the source of job {job_id}",
                                 token=principal.name, needs=f"read:{src.run}")
-            plan = plan_reshard(reader.manifest(src.run, src.name), parse_spec(job.spec))
-            p = preview(plan)
-            return {"job": job.id, "source": job.source, "out": job.out, "spec": plan.target_spec,
-                    "world_size": plan.world_size, "mesh": plan.mesh, "group_layouts": plan.group_layouts,
-                    "bytes_to_read": plan.bytes_to_read, "bytes_to_write": plan.bytes_to_write,
-                    "per_rank": p.per_rank, "imbalance": p.imbalance, "units_total": len(plan.units),
-                    "units": [{"index": u.index, "rank": u.rank, "file": u.file, "size": u.size,
-                               "chunks": len(u.chunks), "bytes_to_read": u.bytes_to_read}
-                              for u in plan.units[:limit]]}
+            summary = get_plan_summary(storage, job_id)
+            return {"job": job.id, "source": job.source, "out": job.out,
+                    **{k: v for k, v in summary.items() if k != "units"}, "units": summary["units"][:limit]}
 
         return _json(await run_in_threadpool(work))
 

@@ -211,6 +211,33 @@ def test_a_service_job_converts_while_4_ranks_keep_saving(server, reader, traine
     http.close()
 
 
+def test_a_jobs_plan_is_read_as_recorded_never_planned_again(server, reader, trained):
+    """The web view's plan of a job is the one recorded when the job was planned: with the source's
+    manifest moved away (a planner would need it), the view still answers, the same."""
+    http = httpx.Client(base_url=server.url, timeout=60)
+    r = http.post("/v1/reshard", json={"source": "train/2", "to": "fsdp2:dp=3", "out": "train/2-planned"})
+    assert r.status_code == 202, r.text
+    job = r.json()
+    deadline = time.monotonic() + 120
+    while job["state"] in ("queued", "running"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.1)
+        job = http.get(f"/v1/jobs/{job['id']}").json()
+    assert job["state"] == "done", job
+    url = f"/v1/ui/runs/train/jobs/{job['id']}/plan"
+    first = http.get(url)
+    assert first.status_code == 200 and first.json()["world_size"] == 3 and first.json()["units_total"] >= 3
+    manifest = next((Path(server.root) / "runs" / "train" / "2" / "sessions").glob("*/manifest-*.json"))
+    aside = manifest.with_name("aside")
+    manifest.rename(aside)
+    try:
+        again = http.get(url)
+    finally:
+        aside.rename(manifest)
+    assert again.status_code == 200 and again.json() == first.json()
+    http.close()
+
+
 def test_cli_reshard_against_the_server_end_to_end(server, reader, trained):
     out = _ckptd("reshard", "train/2", "--to", "zero3:dp=3,align=16", "--server", server.url, "--json")
     assert out.returncode == 0, out.stderr
