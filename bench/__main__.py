@@ -31,6 +31,9 @@ manifest commit of 1,024 ranks x 500 tensors vs DCP's    fixed
          ``create_global_plan`` on the same layout
 incremental 5 saves, 90% of the weights frozen, vs     ``--mib`` = 512 x gib
          ``dcp.save``: time and bytes written
+scale    64 to 10,000 simulated ranks x 200 tensors on    fixed
+         the wire protocol: commit, the save's waits, one
+         loading rank, reshard planning vs DCP's planner
 gpu      one device (cuda, else cpu): stall, save, load   ``--gib`` = gib
          vs DCP and the D2H / write / read floors;
          ``ckptd reshard --device cpu|cuda|auto``
@@ -69,6 +72,7 @@ SUITES: dict[str, tuple[Callable[[float], list[str]], bool]] = {  # name -> (siz
     "manifest": (lambda gib: [], True),  # fixed scale: 1,024 ranks x 500 tensors
     "incremental": (_size("--mib", 512), False),
     "ui": (lambda gib: [], True),  # fixed scale: a run of 2,000 checkpoints in headless Chromium
+    "scale": (lambda gib: ["--ranks", "64,1024,4096,10000"], False),  # simulated ranks: fixed scale
     "gpu": (_size("--gib", 1), True),  # one device: cuda when available, else the same code on the CPU
 }
 
@@ -117,6 +121,12 @@ RATIOS: list[tuple[str, str, str, float | None, str]] = [
     ("verify", "ckptd verify --server (ranges over HTTP) vs cold read", "summary.verify_server_ratio", None, ">="),
     ("manifest", "commit, 1024 ranks x 500 tensors (seconds)", "summary.commit_s", 2.0, "<="),
     ("manifest", "commit vs DCP global plan, same layout", "summary.commit_ratio_vs_dcp_global_plan", None, ">="),
+    ("scale", "largest world: one loading rank's metadata fetched (MB)", "summary.rank_metadata_mb", 1.0, "<="),
+    ("scale", "largest world: one loading rank's CPU-s, client + service", "summary.rank_cpu_s", 0.05, "<="),
+    ("scale", "largest world: commit's service CPU / DCP's coordinator", "summary.commit_vs_dcp_coordinator", 0.25,
+     "<="),
+    ("scale", "largest world: save's service CPU with the ranks' waits / without", "summary.waits_cpu_ratio", 1.1,
+     "<="),
     ("incremental", "later saves, 90% frozen: speed-up vs dcp.save", "summary.speedup_vs_dcp_median", 5.0, ">="),
     ("incremental", "later saves, 90% frozen: bytes written / dcp.save's", "summary.bytes_vs_dcp_median", 0.15,
      "<="),

@@ -2,18 +2,22 @@
 
 Call order inside :meth:`CheckpointClient.load`:
 
-1. fetch the manifest (``RUN/latest``: the service resolves it to the newest
-   trainer checkpoint not known to be bad, and names the newer ones it skipped,
-   with why: ``LoadReport.skipped``, logged as a warning); match it against
-   the flattened state dict (strict by default: a key missing on either side,
-   a shape or a dtype mismatch raises,
-   naming the key). In a distributed load a rank may hold any subset of the
-   checkpoint: each rank's keys must exist in it, and the ranks' keys together
-   must cover it, checked in one collective (``_coverage``) that also lets every
-   rank raise when one fails;
+1. fetch the head of the checkpoint's load tree, checked against the root its
+   marker names (``_loadtree``; from a service or checkpoint without load trees,
+   the whole manifest, checked against its digest). ``RUN/latest``: the service
+   resolves it to the newest trainer checkpoint not known to be bad, and names
+   the newer ones it skipped, with why: ``LoadReport.skipped``, logged as a
+   warning. Match it against the flattened state dict (strict by default: a key
+   missing on either side, a shape or a dtype mismatch raises, naming the key).
+   In a distributed load a rank may hold any subset of the checkpoint: each
+   rank's keys must exist in it, and the ranks' keys together must cover it,
+   checked in one collective (``_coverage``) that also lets every rank raise
+   when one fails;
 2. describe the regions this rank's tensors cover (DTensor boxes from their
-   placements, FlatShard ranges, whole plain tensors) and ask the service for
-   a read plan: coalesced, block-aligned byte ranges;
+   placements, FlatShard ranges, whole plain tensors), fetch the load tree's
+   pieces they need (chunk rows, files, the objects it restores), check each,
+   and plan the reads here: coalesced, block-aligned byte ranges (without a load
+   tree, the service plans them from the manifest);
 3. fetch the ranges in parallel and verify every block digest. Where every
    overlap of a fetch is a contiguous run on both sides (row bands into row
    bands, raw, same dtype, CPU) the response is scattered straight into the

@@ -68,6 +68,12 @@ def abort_session(transport: Transport, base: str, session: str, *, quiet: bool 
         transport.request("DELETE", _path(base, session), retry=False)
 
 
+#: How long one status request of a waiting rank may wait (the service allows up to ``MAX_WAIT_SECONDS``):
+#: a save of 10,000 ranks takes minutes, and each poll that ends before the commit costs the service a
+#: request per rank (10 s polls doubled its CPU at 10,000 ranks: BENCHMARKS.md, Ten thousand ranks).
+LONG_POLL_SECONDS = 240.0
+
+
 def _ranks(done: list[int]) -> str:
     return f"{len(done)} ({done[:16]}{' ...' if len(done) > 16 else ''})"
 
@@ -79,8 +85,9 @@ def wait_committed(transport: Transport, base: str, ref: str, status: SessionSta
     read says which ranks were done). With
     ``durable``, until the committed checkpoint is durable too (on a service with a durable tier,
     copied there and checked), raising the typed error if it cannot become durable."""
+    longest = max(1.0, min(LONG_POLL_SECONDS, transport.timeout - 30.0))  # answered before the read timeout
     while not status.settled(durable):
-        left = 10.0 if deadline is None else min(10.0, deadline - time.monotonic())
+        left = longest if deadline is None else min(longest, deadline - time.monotonic())
         if left <= 0:
             what = "committed" if status.state == "open" else "durable"
             if status.state == "open":  # a long poll's answer lists no ranks: one read that does

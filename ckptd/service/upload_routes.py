@@ -35,7 +35,11 @@ from .bodies import parse_body, read_body_limited
 from .services import Services
 from .session_watch import SessionWatches
 
-__all__ = ["upload_router"]
+__all__ = ["MAX_WAIT_SECONDS", "upload_router"]
+
+#: The longest a status request may wait for its session to settle: long enough that a rank waits for a
+#: save of 10,000 ranks in one request (each request is about a millisecond of the service's CPU).
+MAX_WAIT_SECONDS = 600.0
 
 
 def _refuse_declared_digests(index: RankIndex) -> None:
@@ -181,7 +185,7 @@ def upload_router(svc: Services) -> APIRouter:
                              with_durability)
 
     @router.get("/v1/checkpoints/{run}/{name}/sessions/{sid}", response_model=SessionStatus)
-    async def session_status(run: str, name: str, sid: str, wait: float = Query(0.0, ge=0.0, le=60.0),
+    async def session_status(run: str, name: str, sid: str, wait: float = Query(0.0, ge=0.0, le=MAX_WAIT_SECONDS),
                              durable: bool = Query(False)) -> SessionStatus:
         """``wait``: long-poll that many seconds while the session is open. ``durable``: say whether a
         committed checkpoint is durable, and long-poll while it is not yet. A long poll's answer is
