@@ -84,7 +84,7 @@ def _limit(maximum: int, default: int) -> Any:
 
 def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
     router = APIRouter(tags=["ui"])
-    storage, visibility, reader, sessions = svc.storage, svc.visibility, svc.reader, svc.sessions
+    storage, visibility, sessions = svc.storage, svc.visibility, svc.sessions
     session_ttl = svc.settings.stale_session_ttl
     leases = Leases(storage)
     stats: OrderedDict[str, dict[str, Any]] = OrderedDict()

@@ -34,6 +34,7 @@ the parsed manifest by digest, never by name, so a manifest changed on storage i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -41,7 +42,7 @@ import stat as statmod
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 from pydantic import ValidationError
 
@@ -144,6 +145,7 @@ class Visibility:
         self._cache_bytes, self._cached_bytes = cache_bytes, 0
         self._reported: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+        self._flights: dict[tuple, list] = {}  # key -> [lock, callers]: work done once for concurrent callers
 
     # -- the one marker reader ----------------------------------------------------------------
     def marker(self, run: str, name: str) -> Marker | BadMarker | None:
@@ -287,16 +289,36 @@ class Visibility:
         cached = self.cached(m.manifest_xxh3)
         if cached is not None:
             return cached
-        try:
-            with gc_paused():  # a 1,024-rank manifest is a million small objects
-                manifest = Manifest.model_validate_json(raw)
-        except ValidationError as e:
-            first = e.errors()[0] if e.errors() else {}
-            where = ".".join(str(p) for p in first.get("loc", ())) or "manifest"
-            raise _Invisible("manifest_malformed", f"its manifest does not parse at {where}: "
-                                                   f"{first.get('msg', 'invalid')}"[:300]) from None
-        self._keep(m.manifest_xxh3, manifest, MEMORY_PER_MANIFEST_BYTE * len(raw))
+        with self._one_at_a_time(("manifest", m.manifest_xxh3)):  # 10,000 ranks resuming at once: one parse
+            cached = self.cached(m.manifest_xxh3)
+            if cached is not None:
+                return cached
+            try:
+                with gc_paused():  # a 1,024-rank manifest is a million small objects
+                    manifest = Manifest.model_validate_json(raw)
+            except ValidationError as e:
+                first = e.errors()[0] if e.errors() else {}
+                where = ".".join(str(p) for p in first.get("loc", ())) or "manifest"
+                raise _Invisible("manifest_malformed", f"its manifest does not parse at {where}: "
+                                                       f"{first.get('msg', 'invalid')}"[:300]) from None
+            self._keep(m.manifest_xxh3, manifest, MEMORY_PER_MANIFEST_BYTE * len(raw))
         return manifest
+
+    @contextlib.contextmanager
+    def _one_at_a_time(self, key: tuple) -> Iterator[None]:
+        """Run the body for one caller per ``key`` at a time: the others wait for it, then find its
+        result in the cache instead of computing it again."""
+        with self._lock:
+            entry = self._flights.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._flights[key]
 
     def cached(self, digest: str) -> Manifest | None:
         """The parsed manifest of that digest if the cache holds it (no I/O): only for a digest a
@@ -366,15 +388,22 @@ class Visibility:
             raise NotFound(f"checkpoint {c.ref} has no load tree (its marker names none): read its manifest",
                            ref=c.ref)
         manifest = self.manifest(c)
-        with self._lock:
-            entry = self._manifests.get(c.digest)
-            tree = entry[2] if entry is not None and entry[0] is manifest else None
-        if tree is None:
-            tree = LoadTree(manifest)
+
+        def kept() -> LoadTree | None:
             with self._lock:
                 entry = self._manifests.get(c.digest)
-                if entry is not None and entry[0] is manifest:
-                    entry[2] = tree  # kept, and evicted, with its manifest
+                return entry[2] if entry is not None and entry[0] is manifest else None
+
+        tree = kept()
+        if tree is None:
+            with self._one_at_a_time(("load tree", c.digest)):  # every rank's first request at once: one build
+                tree = kept()
+                if tree is None:
+                    tree = LoadTree(manifest)
+                    with self._lock:
+                        entry = self._manifests.get(c.digest)
+                        if entry is not None and entry[0] is manifest:
+                            entry[2] = tree  # kept, and evicted, with its manifest
         if tree.root != c.marker.load_tree:
             raise CorruptCheckpoint(f"checkpoint {c.ref}: its manifest's load tree is {tree.root}, its COMMITTED "
                                     f"marker names {c.marker.load_tree}", ref=c.ref, file="COMMITTED")

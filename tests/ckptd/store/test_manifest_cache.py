@@ -6,6 +6,7 @@ holds no manifest of its own that would outlive the bound."""
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 
 import torch
@@ -69,3 +70,37 @@ def test_data_reads_hold_no_manifest_past_the_cache(tmp_path) -> None:
     assert gone() is None, "a data read's shortcut kept an evicted manifest alive"
     key, size = reader.file_key("c", "1", file)  # and a read of it still works, reading it again
     assert size > 0 and key.endswith(file)
+
+
+def test_ranks_asking_at_once_make_one_parse_and_one_tree(tmp_path, monkeypatch) -> None:
+    """Every rank of a resume asks for the same checkpoint's load tree at once: the manifest is parsed
+    once and its tree built once, the other callers wait and take them from the cache."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptd.store import visibility as vis_module
+    from ckptd_schemas import Manifest
+
+    storage = _root(tmp_path, 1)
+    vis = Visibility(storage)
+    c = vis.resolve("c", "1")
+    calls = {"parse": 0, "tree": 0}
+    parse, tree = Manifest.model_validate_json, vis_module.LoadTree
+
+    def counted_parse(raw, *a, **kw):
+        calls["parse"] += 1
+        time.sleep(0.05)  # a parse that takes a while, as a large one does
+        return parse(raw, *a, **kw)
+
+    class CountedTree(tree):  # type: ignore[misc, valid-type]
+        def __init__(self, m) -> None:
+            calls["tree"] += 1
+            time.sleep(0.05)
+            super().__init__(m)
+
+    fresh = Visibility(storage)
+    monkeypatch.setattr(Manifest, "model_validate_json", staticmethod(counted_parse))
+    monkeypatch.setattr(vis_module, "LoadTree", CountedTree)
+    with ThreadPoolExecutor(16) as pool:
+        roots = list(pool.map(lambda _: fresh.load_tree(fresh.resolve("c", "1")).root, range(32)))
+    assert set(roots) == {c.marker.load_tree}
+    assert calls == {"parse": 1, "tree": 1}, calls
