@@ -209,6 +209,8 @@ class LoadTree:
                           (names, len(self.objects), self.object_levels[-1]))
         self.root = xxhash.xxh3_128_hexdigest(self.head)
         self._object_names = {e[0]: e for e in names}
+        # per object name saved per rank, its ranks in order (a rank's entry found by bisection)
+        self._object_ranks = {e[0]: [o.rank for o in self.objects[e[1]:e[1] + e[2]]] for e in names if not e[3]}
         self._tensor_pos = {t.name: i for i, t in enumerate(m.tensors)}
 
     def answer(self, requests: Sequence[ReadRequest], objects: Iterable[str], rank: int,
@@ -240,7 +242,7 @@ class LoadTree:
             e = self._object_names.get(name)
             if e is None:
                 continue
-            picks = set(_object_picks(self.objects, e[1], e[2], e[3], e[4], rank))
+            picks = set(_object_picks(self._object_ranks.get(name, []), e[1], e[3], e[4], rank))
             for i in picks:
                 o = self.objects[i]
                 if o.location is not None:
@@ -255,12 +257,12 @@ class LoadTree:
         return {"root": self.root, "tensors": out_tensors, "files": out_files, "objects": out_objects}
 
 
-def _object_picks(objects: Sequence[ObjectEntry], first: int, count: int, is_global: bool, uniform: bool,
-                  rank: int) -> list[int]:
-    """Positions of the entries that decide which one ``rank`` restores (see :meth:`LoadTree.answer`)."""
+def _object_picks(ranks: Sequence[int | None], first: int, is_global: bool, uniform: bool, rank: int) -> list[int]:
+    """Positions of the entries that decide which one ``rank`` restores (see :meth:`LoadTree.answer`):
+    ``ranks`` are the ranks of the name's entries, in order, from position ``first`` (O(log R))."""
     if is_global:
         return [first]
-    ranks = [objects[i].rank for i in range(first, first + count)]
+    count = len(ranks)
     j = bisect_left(ranks, rank)  # type: ignore[arg-type]
     if j < count and ranks[j] == rank:
         return [first + j]
