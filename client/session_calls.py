@@ -70,7 +70,7 @@ def abort_session(transport: Transport, base: str, session: str, *, quiet: bool 
 
 #: How long one status request of a waiting rank may wait (the service allows up to ``MAX_WAIT_SECONDS``):
 #: a save of 10,000 ranks takes minutes, and each poll that ends before the commit costs the service a
-#: request per rank (10 s polls doubled its CPU at 10,000 ranks: BENCHMARKS.md, Ten thousand ranks).
+#: request per rank (polls of 30 s doubled its CPU at 10,000 ranks: BENCHMARKS.md, Ten thousand ranks).
 LONG_POLL_SECONDS = 240.0
 
 

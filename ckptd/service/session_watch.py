@@ -1,10 +1,10 @@
 """Every rank waiting for a save's commit shares one watch of its session in this process.
 
-A save of R ranks has R long polls of ``GET .../sessions/{sid}?wait=S`` open until it commits. Each
-re-reading the session's state on every index arrival and every 0.1 s, and listing its ranks each
-time, cost the service O(R) per poll and O(R²) per event; right after the commit every waiter
-checked the new checkpoint at once. Here a session has at most one poller per process, whatever
-the number of waiters:
+A save of R ranks has R long polls of ``GET .../sessions/{sid}?wait=S`` open until it commits. If
+each re-read the session's state on every index arrival and every 0.1 s, listing its ranks each
+time, they would cost the service O(R) per poll and O(R²) per event, and right after the commit
+every waiter would check the new checkpoint at once. Here a session has at most one poller per
+process, whatever the number of waiters:
 
 * :meth:`SessionWatches.wait` joins (or starts) the watch of a session and waits for it to settle
   (committed or failed; with ``durable``, durable or refused), or for the caller's deadline;
