@@ -249,8 +249,7 @@ def _pick_object(entries: list[ObjectEntry], rank: int) -> ObjectEntry | None:
     every rank which saved it saved (a key that only some ranks held, like a pipeline stage's). None
     when the ranks that saved it saved different values, none of them this rank."""
     entry = next((o for o in entries if o.rank is None), None) or next((o for o in entries if o.rank == rank), None)
-    if entry is None and len({(o.encoding, repr(o.value)) if o.location is None else (o.encoding, o.location.xxh3)
-                              for o in entries}) == 1:
+    if entry is None and len({o.value_key() for o in entries}) == 1:
         entry = entries[0]
     return entry
 

@@ -14,10 +14,10 @@ digest, carries it; :attr:`TensorEntry.index`) over its columns, with no object 
   the one a plan reads;
 * the intervals are sorted by ``lo`` with a running maximum of ``hi``: the chunks meeting
   ``[a, b)`` lie between the first row whose running maximum exceeds ``a`` and the last row whose
-  ``lo`` is below ``b`` (two bisections); rows in between whose own ``hi`` is not above ``a``
-  (nested intervals, rare in a tiling) are skipped.
+  ``lo`` is below ``b`` (two bisections). Rows in between whose own interval ends before ``a``
+  (nested intervals, rare in a tiling) are candidates the caller's exact intersection drops.
 
-A table that mixes box and flat chunks is not indexed: every row is a candidate (correct, O(n)).
+A table that mixes box and flat chunks is not indexed: every distinct chunk is a candidate (O(n)).
 The answer is candidates, not intersections: the caller intersects exactly
 (:func:`ckptd_schemas.geometry.intersect_regions`). Pure: no I/O, no torch. Memory: three
 8-byte columns per distinct chunk.
@@ -40,11 +40,11 @@ __all__ = ["ChunkIndex"]
 class ChunkIndex:
     """Candidate chunks (row numbers of the table) for a region; see the module's docstring."""
 
-    __slots__ = ("shape", "axis", "flat", "rows", "lo", "reach", "n_rows")
+    __slots__ = ("shape", "axis", "flat", "rows", "lo", "reach")
 
     def __init__(self, shape: Sequence[int], table: ChunkColumns) -> None:
         self.shape = tuple(shape)
-        n = self.n_rows = len(table)
+        n = len(table)
         flat_col = table.flat
         all_flat = flat_col is not None and n > 0 and all(flat_col)
         mixed = flat_col is not None and not all_flat and any(flat_col)

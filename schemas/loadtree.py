@@ -111,6 +111,8 @@ def _row_leaves(t: ChunkColumns) -> list[bytes]:
 
 
 def _row_leaf(row: Sequence[Any]) -> bytes:
+    """One row's leaf, as :func:`_row_leaves` makes it for a whole table (the rank's side; the tests'
+    answers, checked against the service's trees, hold the two to one encoding)."""
     offsets, sizes, file, offset, length, codec, xxh3, rank, flat = row
     return _leaf("|".join([repr(tuple(offsets)), repr(tuple(sizes)), file, str(offset), str(length), codec, xxh3,
                            str(rank), "1" if flat else "0"]).encode())
@@ -124,10 +126,6 @@ def _object_order(objects: Sequence[ObjectEntry]) -> list[ObjectEntry]:
     return sorted(objects, key=lambda o: (o.name, -1 if o.rank is None else o.rank))
 
 
-def _object_key(o: ObjectEntry) -> tuple:
-    return (o.encoding, json.dumps(o.value, sort_keys=True)) if o.location is None else (o.encoding, o.location.xxh3)
-
-
 # -- the head --------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -136,6 +134,7 @@ class LoadHead:
 
     raw: bytes
     doc: dict
+    root: str  # what ``raw`` hashes to: the root the marker names
 
     @classmethod
     def parse(cls, raw: bytes, root: str) -> "LoadHead":
@@ -147,11 +146,7 @@ class LoadHead:
         doc = json.loads(raw)
         if doc.get("format") != TREE_FORMAT:
             raise CorruptCheckpoint(f"unknown load tree format {doc.get('format')!r}", file="load tree")
-        return cls(raw, doc)
-
-    @property
-    def root(self) -> str:
-        return xxhash.xxh3_128_hexdigest(self.raw)
+        return cls(raw, doc, got)
 
     @property
     def ref(self) -> str:
@@ -203,7 +198,7 @@ class LoadTree:
                 names.append([o.name, i, 0, o.rank is None, True])
             entry = names[-1]
             entry[2] += 1
-            entry[4] = entry[4] and _object_key(o) == _object_key(self.objects[entry[1]])
+            entry[4] = entry[4] and o.value_key() == self.objects[entry[1]].value_key()
         self.head = _head(m, [(len(t.table), lv[-1]) for t, lv in zip(m.tensors, self.tensor_levels)],
                           (len(self.file_names), self.file_levels[-1]),
                           (names, len(self.objects), self.object_levels[-1]))
@@ -344,7 +339,7 @@ def check_covered(plan: ReadPlan, requests: Sequence[ReadRequest], manifest: Man
         covered[c.request] += sum(prod(sizes) for _, sizes in c.regions)
     for req, got in zip(requests, covered):
         t = manifest.tensor(req.name)
-        want = region_numel(req, t.shape) if t is not None else 0
+        want = req.region(t.shape).numel if t is not None else 0
         if got != want:
             raise CorruptCheckpoint(f"tensor {req.name!r}: the chunks the service answered hold {got} of the "
                                     f"{want} elements asked", tensor=req.name)
@@ -408,8 +403,3 @@ def _object_picks_of(d: dict, checked: dict[int, ObjectEntry], rank: int, name: 
             raise CorruptCheckpoint(f"object {name!r}: the answer lacks the entry every rank saved", object=name)
         return first
     return None
-
-
-def region_numel(req: ReadRequest, shape: Sequence[int]) -> int:
-    r = req.region(shape)
-    return prod(r.box.sizes) if r.box is not None else r.flat[1]  # type: ignore[index]

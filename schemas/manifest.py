@@ -157,6 +157,11 @@ class ObjectEntry(_Model):
                              f"inline value")
         return self
 
+    def value_key(self) -> tuple:
+        """What two entries of one object share when they hold the same value (a load restores the one
+        value that every rank which saved it saved: ``ckptd_client._load``, ``loadtree``)."""
+        return (self.encoding, repr(self.value)) if self.location is None else (self.encoding, self.location.xxh3)
+
 
 class ParamGroup(_Model):
     """One optimizer param group: its parameters and hyper-parameters."""

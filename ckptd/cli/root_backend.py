@@ -105,16 +105,10 @@ class RootBackend:
         require_verified(self.storage, manifest.run, manifest.name)
 
     def load_tree_problem(self, manifest: Manifest) -> str | None:
-        from ckptd_schemas import CorruptCheckpoint
+        from ..store.verification import load_tree_problem
 
         vis = self.reader.visibility
-        try:
-            vis.load_tree(vis.resolve(manifest.run, manifest.name))
-        except CorruptCheckpoint as e:
-            return e.message
-        except NotFound:
-            return None
-        return None
+        return load_tree_problem(vis, vis.resolve(manifest.run, manifest.name))
 
     def verify_in_service(self, ref: str) -> dict[str, Any]:
         raise InvalidRequest("ckptd verify --in-service needs --server URL (or $CKPTD_URL)", field="in_service")

@@ -12,8 +12,9 @@ process, whatever the number of waiters:
   marker, the session's record and its failure record, O(1) reads, no listing), every
   ``interval`` seconds (another replica may commit the session) or at once when :meth:`wake` says
   this process just stored an index that settled it;
-* the answer is built once and shared: every waiter gets the same JSON of one :class:`SessionStatus`
-  (it names no ranks: ``ranks_done`` is empty; a status read without ``wait`` lists them);
+* the answer is built once and shared: every waiter gets the same :class:`SessionStatus` (it names
+  no ranks: ``ranks_done`` is empty; a status read without ``wait`` lists them). Serializing it once
+  for every waiter measured no gain (1.11x and 1.12x at 10,000 ranks), so each response is its own;
 * the watch ends when its last waiter leaves.
 
 A read that fails (the session is gone: 404) fails every waiter with that error, once.
@@ -46,17 +47,10 @@ class _Watch:
     waiters: int = 0
     status: SessionStatus | None = None
     error: BaseException | None = None
-    body: bytes | None = None  # the status's JSON, built by the first waiter that answers with it
     first_read: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())  # settled
     woken: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
-
-    def answer(self) -> bytes:
-        if self.body is None:
-            assert self.status is not None
-            self.body = self.status.model_dump_json().encode()
-        return self.body
 
     @property
     def settled(self) -> bool:
@@ -81,9 +75,9 @@ class SessionWatches:
         """Sessions watched now (one poller each)."""
         return len(self._watches)
 
-    async def wait(self, run: str, name: str, sid: str, *, seconds: float, durable: bool) -> bytes:
-        """The session's status once it settles, or the last one read when ``seconds`` pass, as the JSON
-        of the answer (serialized once per status read, whatever the number of waiters)."""
+    async def wait(self, run: str, name: str, sid: str, *, seconds: float, durable: bool) -> SessionStatus:
+        """The session's status once it settles, or the last one read when ``seconds`` pass (one object
+        per read of the state, whatever the number of waiters)."""
         key = (run, name, sid, durable)
         watch = self._watches.get(key)
         if watch is None:
@@ -101,7 +95,7 @@ class SessionWatches:
                 if watch.error is not None:
                     raise watch.error
             assert watch.status is not None
-            return watch.answer()
+            return watch.status
         finally:
             watch.waiters -= 1
             if watch.waiters == 0 and self._watches.get(key) is watch:
@@ -125,7 +119,7 @@ class SessionWatches:
                     st = await run_in_threadpool(self._read_state, run, name, sid)
                 if durable:
                     st = await run_in_threadpool(self._with_durability, st)
-                watch.status, watch.body = st, None
+                watch.status = st
             except Exception as e:  # noqa: BLE001 - handed to every waiter, which raises it
                 watch.error = e
             watch.first_read.set()

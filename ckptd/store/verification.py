@@ -26,8 +26,8 @@ from .paths import Committed, Paths
 from .records import MAX_PROBLEMS, VerifyRecord, record_holds, record_of, stamps_of
 from .visibility import Visibility
 
-__all__ = ["VerifyRecord", "read_record", "require_verified", "verify_and_record", "verify_committed",
-           "verify_unrecorded"]
+__all__ = ["VerifyRecord", "load_tree_problem", "read_record", "require_verified", "verify_and_record",
+           "verify_committed", "verify_unrecorded"]
 
 
 class _StorageSource:
@@ -75,6 +75,18 @@ def require_verified(storage: Storage, run: str, name: str) -> VerifyRecord:
     return rec
 
 
+def load_tree_problem(vis: Visibility, c: Committed) -> str | None:
+    """Why ``c``'s manifest does not have the load tree its marker names (loading ranks check their
+    pieces against that root), or None: it has, or the marker names none. Every verification asks."""
+    if c.marker.load_tree is None:
+        return None
+    try:
+        vis.load_tree(c)
+    except CorruptCheckpoint as e:
+        return e.message
+    return None
+
+
 def verify_unrecorded(storage: Storage, run: str, name: str) -> VerifyRecord:
     """:func:`verify_committed` that writes nothing: what a dry run (``ckptd gc --dry-run``) may do."""
     return _verify_here(storage, run, name)[0]
@@ -93,11 +105,9 @@ def _verify_here(storage: Storage, run: str, name: str) -> tuple[VerifyRecord, C
                                                              {f: e.size for f, e in manifest.files.items()}),
                                  jobs=jobs_for(manifest, storage, lambda f: Paths.file(c.run, c.name, c.session, f)),
                                  storage_errors_are_problems=False)
-        if c.marker.load_tree is not None:  # what loading ranks check their pieces against
-            try:
-                vis.load_tree(c)
-            except CorruptCheckpoint as e:
-                report.problems.append(e.message)
+        problem = load_tree_problem(vis, c)
+        if problem is not None:
+            report.problems.append(problem)
         if before == stamps_of(storage, c, sorted(manifest.files)) and all(before.values()):
             stamps = before
     except StorageError:

@@ -191,6 +191,40 @@ def test_exploding_read_plan_is_refused_fast_while_healthz_answers(tmp_path):
         srv.stop()
 
 
+def test_a_load_tree_request_is_budgeted_and_answers_only_what_the_checkpoint_holds(tmp_path):
+    """The per-rank metadata route with a valid token: the same amplification (4,900 whole-tensor
+    requests against a 1,024-chunk tensor) is refused 413 before any work; a tensor the checkpoint
+    lacks or a region outside its shape is a typed 4xx; object names it lacks, and a thousand
+    repeats of one, answer only its own entries; a rank's band is one row whatever it asks."""
+    srv = _server(tmp_path).start()
+    try:
+        n = 1024
+        data = b"".join(i.to_bytes(4, "little") for i in range(n))
+        chunks = [_chunk([i], [1], 4 * i, data[4 * i:4 * i + 4], 4) for i in range(n)]
+        r = _commit(srv.url, "gpt", "1", data, [{"name": "w", "shape": [n], "dtype": "int32", "group": "model",
+                                                 "chunks": chunks}])
+        assert r.status_code == 200 and r.json()["state"] == "committed", r.text
+        url = f"{srv.url}/v1/checkpoints/gpt/1/load-tree"
+        head = httpx.get(url, headers=_auth(BOB), timeout=30)
+        assert head.status_code == 200 and head.headers["X-Ckptd-Load-Tree"]
+        attack = json.dumps({"requests": [{"name": "w"}] * 4900}).encode()
+        r = httpx.post(url, content=attack, headers={**_auth(BOB), "Content-Type": "application/json"}, timeout=30)
+        assert r.status_code == 413 and "chunks visited" in r.json()["error"]["message"], r.text[:300]
+        r = httpx.post(url, json={"requests": [{"name": "nope"}]}, headers=_auth(BOB), timeout=30)
+        assert 400 <= r.status_code < 500 and "nope" in r.json()["error"]["message"], r.text[:300]
+        r = httpx.post(url, json={"requests": [{"name": "w", "offsets": [n], "sizes": [1]}]}, headers=_auth(BOB),
+                       timeout=30)
+        assert 400 <= r.status_code < 500 and r.json()["error"]["code"] == "state_dict_mismatch", r.text[:300]
+        r = httpx.post(url, json={"requests": [{"name": "w", "offsets": [7], "sizes": [1]}],
+                                  "objects": ["missing"] + ["w"] * 1000, "rank": 5}, headers=_auth(BOB), timeout=30)
+        assert r.status_code == 200, r.text[:300]
+        answer = r.json()
+        assert list(answer["tensors"]["w"]["rows"]) == ["7"] and answer["objects"] == {}
+        assert list(answer["files"]) == ["f.bin"]
+    finally:
+        srv.stop()
+
+
 # -- decompression bombs --------------------------------------------------------------------------------
 
 def _bomb(raw: int = 1 << 30) -> bytes:

@@ -8,7 +8,6 @@ none of their answers lists the ranks (an O(world size) read and answer per poll
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 
@@ -42,7 +41,7 @@ class _Session:
 def test_two_hundred_waiters_cost_the_reads_of_one() -> None:
     session = _Session()
 
-    async def main() -> tuple[list[bytes], float]:
+    async def main() -> tuple[list[SessionStatus], float]:
         watches = SessionWatches(session.read, lambda st: st)
         t0 = time.monotonic()
         waiters = [asyncio.create_task(watches.wait("r", "1", "s", seconds=scaled(30), durable=False))
@@ -54,7 +53,7 @@ def test_two_hundred_waiters_cost_the_reads_of_one() -> None:
         return out, time.monotonic() - t0
 
     answers, elapsed = asyncio.run(main())
-    assert all(json.loads(a)["state"] == "committed" for a in answers)
+    assert all(a.state == "committed" for a in answers)
     assert len({id(a) for a in answers}) == 1, "each waiter got an answer built for it"
     # one read per interval of the one watch (a slow machine reads less often, never more)
     assert session.reads <= elapsed / session_watch.OPEN_INTERVAL + 3, (session.reads, elapsed)
@@ -64,7 +63,7 @@ def test_an_index_that_settles_the_session_wakes_its_waiters_at_once(monkeypatch
     monkeypatch.setattr(session_watch, "OPEN_INTERVAL", 3600.0)  # no timed read: only the wake can tell them
     session = _Session()
 
-    async def main() -> list[bytes]:
+    async def main() -> list[SessionStatus]:
         watches = SessionWatches(session.read, lambda st: st)
         waiters = [asyncio.create_task(watches.wait("r", "1", "s", seconds=scaled(20), durable=False))
                    for _ in range(5)]
@@ -76,7 +75,7 @@ def test_an_index_that_settles_the_session_wakes_its_waiters_at_once(monkeypatch
         watches.wake("s")
         return await asyncio.gather(*waiters)
 
-    assert [json.loads(a)["state"] for a in asyncio.run(main())] == ["committed"] * 5
+    assert [a.state for a in asyncio.run(main())] == ["committed"] * 5
     assert session.reads == 2
 
 
@@ -97,10 +96,10 @@ def test_a_session_that_is_gone_fails_every_waiter_with_its_error() -> None:
 def test_a_waiter_past_its_deadline_gets_the_open_status() -> None:
     session = _Session()
 
-    async def main() -> bytes:
+    async def main() -> SessionStatus:
         return await SessionWatches(session.read, lambda st: st).wait("r", "1", "s", seconds=0.3, durable=False)
 
-    assert json.loads(asyncio.run(main()))["state"] == "open"
+    assert asyncio.run(main()).state == "open"
 
 
 @pytest.mark.slow
