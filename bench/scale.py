@@ -24,8 +24,12 @@ process: its CPU seconds and peak RSS are read from ``/proc``). Per world size:
    its load tree (measured apart: once per checkpoint and service process). The resume of every rank
    is that first rank's cost plus the sample's mean times R: **extrapolated**, and said so. ``--manifest-sample`` of them also load the way a checkpoint
    without a load tree is loaded (the whole manifest, the service's read plan), for the ratio.
-3. **reshard planning** R -> R/2 (``fsdp2``) in a fresh process over the committed root: seconds,
-   peak RSS, the plan's JSON bytes; skipped above ``--reshard-max-ranks`` (said so).
+3. **reshard planning** R -> R/2 (``fsdp2``) as a job runs it, over the committed root: the service's
+   part in a fresh process (the outline: units cut from the layout, no read planned; CPU-s, peak RSS,
+   the recorded summary's bytes), then ``--reshard-workers`` fresh processes at once, each reading the
+   manifest, cutting the units and planning its share's reads one unit at a time (wall s, CPU-s and
+   peak RSS of each; every target chunk is planned once in all, which the row checks); the job file a
+   worker receives is measured too. Skipped above ``--reshard-max-ranks`` (said so).
 4. **DCP**: ``DefaultSavePlanner.create_global_plan`` over the same R local plans plus pickling the
    ``Metadata`` (its coordinator), and one loading rank's share (unpickle the whole ``.metadata`` and
    ``create_read_items_for_chunk_list`` for its T bands), each in a fresh process; skipped above
@@ -220,23 +224,68 @@ def _resume(url: str, pid: int, name: str, world: int, tensors: int, sample: int
 
 # -- reshard planning and DCP, each in a fresh process ---------------------------------------------------
 
-def _plan_reshard(root: str, name: str, target: int) -> dict:
-    from ckptd.reshard.planner import plan_reshard
+def _peak() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _outline_job(root: str, name: str, target: int) -> dict:
+    """What the service does for ``POST /v1/reshard`` (``reshard.jobs.submit_job``): read the manifest, cut
+    the units from the target layout (no read planned), record the outline's summary."""
+    from ckptd.reshard.planner import outline_reshard
+    from ckptd.reshard.preview import plan_summary
     from ckptd.reshard.spec import parse_spec
     from ckptd.storage.local import LocalStorage
     from ckptd.store.reader import CheckpointReader
 
-    t0 = time.perf_counter()
+    c0 = time.process_time()
     manifest = CheckpointReader(LocalStorage(Path(root))).manifest(RUN, name)
-    read_s = time.perf_counter() - t0
+    outline = outline_reshard(manifest, parse_spec(f"fsdp2:dp={target}"))
+    summary = len(json.dumps(plan_summary(outline), separators=(",", ":")))
+    return {"reshard_outline_cpu_s": time.process_time() - c0, "reshard_outline_peak_rss": _peak(),
+            "reshard_summary_bytes": summary, "reshard_units": len(outline.cuts)}
+
+
+def _plan_share(root: str, name: str, target: int, share: int, shares: int) -> dict:
+    """One worker (``ckptd reshard-worker``, or a service job's process): read the manifest, cut the units,
+    plan the reads of its share one unit at a time (as it would run them; the bytes are not moved here)."""
+    from ckptd.reshard.planner import outline_reshard
+    from ckptd.reshard.spec import parse_spec
+    from ckptd.storage.local import LocalStorage
+    from ckptd.store.reader import CheckpointReader
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    manifest = CheckpointReader(LocalStorage(Path(root))).manifest(RUN, name)
+    outline = outline_reshard(manifest, parse_spec(f"fsdp2:dp={target}"))
+    cut_s = time.process_time() - c0
+    chunks = fetches = 0
+    for cut in outline.share_of(share, shares):
+        unit = outline.unit(cut)
+        chunks += len(unit.chunks)
+        fetches += sum(len(pc.reads.fetches) for pc in unit.chunks)
+    return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "cut_cpu_s": cut_s,
+            "chunks": chunks, "fetches": fetches, "peak_rss": _peak()}
+
+
+def _plan_reshard(root: str, name: str, target: int, workers: int) -> dict:
+    """Reshard planning R -> R/2 as a job runs it: the service's outline (fresh process), then ``workers``
+    processes at once, each planning its share; every target chunk planned exactly once overall."""
+    from ckptd.reshard.jobs import WorkerJob
+
+    out = _fresh(_outline_job, root, name, target)
     t0 = time.perf_counter()
-    plan = plan_reshard(manifest, parse_spec(f"fsdp2:dp={target}"))
-    plan_s = time.perf_counter() - t0
-    size = len(plan.model_dump_json())
-    with open("/proc/self/status") as f:
-        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    return {"reshard_manifest_read_s": read_s, "reshard_plan_s": plan_s, "reshard_plan_bytes": size,
-            "reshard_units": len(plan.units), "reshard_peak_rss": peak}
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        got = list(pool.map(_plan_share, *zip(*[(root, name, target, i, workers) for i in range(workers)])))
+    doc = WorkerJob(root=root, out=f"{RUN}/{name}-dp{target}", session="0" * 32, device="auto",
+                    source=f"{RUN}/{name}", source_session="0" * 32, to=f"fsdp2:dp={target}", workers=workers)
+    out.update({"reshard_workers": workers, "reshard_plan_wall_s": time.perf_counter() - t0,
+                "reshard_worker_wall_s": max(g["wall_s"] for g in got),
+                "reshard_worker_cpu_s": [round(g["cpu_s"], 2) for g in got],
+                "reshard_worker_cut_cpu_s": max(g["cut_cpu_s"] for g in got),
+                "reshard_worker_peak_rss": max(g["peak_rss"] for g in got),
+                "reshard_chunks_planned": sum(g["chunks"] for g in got),
+                "reshard_job_doc_bytes": len(doc.model_dump_json())})
+    return out
 
 
 def _dcp_load_rank(world: int, tensors: int, rank: int) -> dict:
@@ -277,7 +326,7 @@ def _fresh(fn: Callable, *args: object) -> dict:
 # -- one world size ---------------------------------------------------------------------------------
 
 def run_world(world: int, tensors: int, sample: int, manifest_sample: int, dcp: bool, reshard_max: int,
-              work: Path) -> dict:
+              work: Path, reshard_workers: int = 2) -> dict:
     root = work / f"root-{world}"
     env = {"CKPTD_MAX_CONNECTIONS": str(max(4096, 2 * world + 256)),
            "CKPTD_MAX_REQUESTS_PER_PRINCIPAL": "0", "CKPTD_MAX_UPLOADS_PER_PRINCIPAL": "0",
@@ -297,7 +346,7 @@ def run_world(world: int, tensors: int, sample: int, manifest_sample: int, dcp: 
     finally:
         srv.stop()
     if world <= reshard_max:
-        out.update(_fresh(_plan_reshard, str(root), "waited", max(1, world // 2)))
+        out.update(_plan_reshard(str(root), "waited", max(1, world // 2), reshard_workers))
     else:
         out["reshard_skipped"] = f"{world} ranks > --reshard-max-ranks {reshard_max}"
     if dcp:
@@ -317,8 +366,8 @@ def _table(rows: list[dict]) -> str:
     head = ("| ranks x tensors | commit, service CPU-s (DCP coordinator s) | save's waits: service CPU with / "
             "without | one loading rank: metadata fetched, CPU-s client + service (whole manifest) | DCP rank: "
             "metadata, CPU-s | resume of every rank: service CPU-s (extrapolated; the first rank's parse and tree build "
-            "once), peak RSS | reshard R -> R/2 "
-            "planned: s, peak RSS, plan |\n" + "| --- " * 7 + "|\n")
+            "once), peak RSS | reshard R -> R/2: the service's outline CPU-s, RSS; W workers at once: wall s, "
+            "each one's peak RSS |\n" + "| --- " * 7 + "|\n")
     lines = []
     for r in rows:
         dcp_coord = f"{r['dcp_global_plan_s']:.2f} s" if "dcp_global_plan_s" in r else "skipped"
@@ -334,8 +383,9 @@ def _table(rows: list[dict]) -> str:
             f"{r['rank_client_cpu_s'] + r['rank_service_cpu_s']:.3f}{old} | {dcp_rank} | "
             f"{r['resume_all_service_cpu_s_extrapolated']:.1f} ({r.get('first_rank_service_cpu_s', 0):.1f} of it once), "
             f"{r['resume_service_peak_rss'] / mb:.0f} MB | "
-            + (f"{r['reshard_plan_s']:.1f} s, {r['reshard_peak_rss'] / mb:.0f} MB, {r['reshard_plan_bytes'] / mb:.1f} MB |"
-               if "reshard_plan_s" in r else "skipped |"))
+            + (f"{r['reshard_outline_cpu_s']:.1f}, {r['reshard_outline_peak_rss'] / mb:.0f} MB; "
+               f"W={r['reshard_workers']}: {r['reshard_plan_wall_s']:.1f} s, {r['reshard_worker_peak_rss'] / mb:.0f} MB |"
+               if "reshard_plan_wall_s" in r else "skipped |"))
     return head + "\n".join(lines) + "\n"
 
 
@@ -347,15 +397,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--manifest-sample", type=int, default=2,
                     help="of the sampled ranks, how many also load through the whole manifest (the old path)")
     ap.add_argument("--dcp-max-ranks", type=int, default=10_000)
-    ap.add_argument("--reshard-max-ranks", type=int, default=4096,
-                    help="plan the reshard R -> R/2 up to this world size (its plan is held whole in memory)")
+    ap.add_argument("--reshard-max-ranks", type=int, default=10_000,
+                    help="plan the reshard R -> R/2 up to this world size")
+    ap.add_argument("--reshard-workers", type=int, default=os.cpu_count() or 2,
+                    help="worker processes that plan the reshard's shares at once (default: one per CPU)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale.json")
     args = ap.parse_args(argv)
     rows, t0 = [], time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ckptd-scale-") as tmp:
         for world in (int(x) for x in args.ranks.split(",")):
             row = run_world(world, args.tensors, args.sample, args.manifest_sample, world <= args.dcp_max_ranks,
-                            args.reshard_max_ranks, Path(tmp))
+                            args.reshard_max_ranks, Path(tmp), args.reshard_workers)
             rows.append(row)
             print(json.dumps(row), flush=True)
     last = rows[-1]

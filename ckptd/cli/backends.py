@@ -43,6 +43,13 @@ class ReshardRequest:
     dtype: str | None = None
     device: str = "auto"
     jobs: int = 2
+    workers: int | None = None  # --write-plan: the pods that share the units (None: DEFAULT_WORKERS at most)
+
+
+#: ``--write-plan`` without ``--workers``: one pod per work unit, up to this many. Each pod cuts the whole
+#: job's units again from the source manifest (O(target chunks)), so pods beyond a few dozen add that cost
+#: more than they take work away.
+DEFAULT_WORKERS = 32
 
 
 @dataclass

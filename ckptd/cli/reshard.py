@@ -22,7 +22,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     from ..reshard.spec import parse_spec
 
     parse_spec(args.to)  # refused before any I/O
-    req = ReshardRequest(ref=args.ref, to=args.to, out=args.out, dtype=args.dtype, device=args.device, jobs=args.jobs)
+    req = ReshardRequest(ref=args.ref, to=args.to, out=args.out, dtype=args.dtype, device=args.device, jobs=args.jobs,
+                         workers=args.workers)
     b = open_backend(resolve_target(args))
     bar = Bar(f"reshard -> {args.to}", args.json)
     try:
@@ -74,7 +75,9 @@ def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
     s.add_argument("--jobs", type=int, default=2, help="work units run in parallel")
     s.add_argument("--dtype", choices=CAST_DTYPES, help="cast floating tensors to this dtype")
     s.add_argument("--dry-run", action="store_true", help="print per-rank bytes and reads; write nothing")
-    s.add_argument("--write-plan", metavar="URI", help="write the plan for `ckptd reshard-worker` pods and exit")
+    s.add_argument("--write-plan", metavar="URI", help="write the job for `ckptd reshard-worker` pods and exit")
+    s.add_argument("--workers", type=int, metavar="N", help="with --write-plan: the pods that share the work units "
+                   "(indexes 0..N-1; default one per unit, at most 32)")
     s.add_argument("--json", action="store_true")
     add_target(s)
     s.set_defaults(func=cmd_reshard)

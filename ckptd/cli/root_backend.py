@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager
 from ckptd_schemas import AlreadyCommitted, InvalidRequest, Manifest, NotFound, OpenSession, RankIndex, parse_ref
 
 from ..storage import Storage
-from .backends import Bar, ReshardOutcome, ReshardRequest
+from .backends import DEFAULT_WORKERS, Bar, ReshardOutcome, ReshardRequest
 
 if TYPE_CHECKING:
     from ckptd_schemas import CheckpointSummary, RunSummary
@@ -136,19 +136,20 @@ class RootBackend:
         return remove(self.storage, run, name, dry_run=dry_run).as_json()
 
     # -- conversions ------------------------------------------------------------------------------
-    def _plan(self, req: ReshardRequest) -> tuple[Any, Manifest, Any]:
-        from ..reshard.planner import plan_reshard
+    def _outline(self, req: ReshardRequest) -> tuple[Any, Manifest, Any]:
+        """The conversion cut into units (``outline_reshard``: no read planned yet), its source and spec."""
+        from ..reshard.planner import outline_reshard
         from ..reshard.spec import parse_spec
 
         spec = parse_spec(req.to)  # refused before any I/O
         src = parse_ref(req.ref)
         manifest = self.reader.manifest(src.run, src.name)
-        return plan_reshard(manifest, spec, dtype=req.dtype, min_units=req.jobs), manifest, spec
+        return outline_reshard(manifest, spec, dtype=req.dtype, min_units=req.jobs), manifest, spec
 
     def reshard_preview(self, req: ReshardRequest) -> Any:
         from ..reshard.preview import preview
 
-        return preview(self._plan(req)[0])
+        return preview(self._outline(req)[0].plan())
 
     def reshard_out(self, req: ReshardRequest, manifest: Manifest, spec: Any) -> str:
         """The output's name, refused before any work when it is taken (a committed name is never reused)."""
@@ -167,11 +168,12 @@ class RootBackend:
         from ..reshard.jobs import write_job
         from ..store import SessionStore
 
-        plan, manifest, spec = self._plan(req)
-        plan_engine(plan, plan_device(plan, req.device))  # refused before any write (cuda without a GPU)
+        outline, manifest, spec = self._outline(req)
+        plan_engine(outline, plan_device(outline, req.device))  # refused before any write (cuda without a GPU)
         out, session = self.reshard_out(req, manifest, spec), uuid.uuid4().hex
-        write_job(uri, plan, out, session, req.device, SessionStore(self.storage))
-        return {"plan": uri, "units": len(plan.units), "out": out, "session": session}
+        workers = max(1, min(req.workers or DEFAULT_WORKERS, len(outline.cuts)))
+        write_job(uri, outline, req.to, req.jobs, workers, out, session, req.device, SessionStore(self.storage))
+        return {"plan": uri, "workers": workers, "units": len(outline.cuts), "out": out, "session": session}
 
     def reshard(self, req: ReshardRequest, *, bar: Bar, announce: Callable[[str], None]) -> ReshardOutcome:
         """Plan, choose the engine (``plan_device``: refused before any write, announced with its reason),
@@ -183,7 +185,7 @@ class RootBackend:
         from ..store.leases import Leases
         from .output import engine_line
 
-        plan, manifest, spec = self._plan(req)
+        plan, manifest, spec = self._outline(req)
         choice = plan_device(plan, req.device)  # --device auto: the CPU unless a large cast pays for the GPU
         engine = plan_engine(plan, choice)  # refused before any write (cuda without a GPU)
         out = self.reshard_out(req, manifest, spec)
@@ -192,7 +194,7 @@ class RootBackend:
         with Leases(self.storage).hold(manifest.run, manifest.name, "reshard"):  # gc spares the source meanwhile
             res = run_plan(self.reader, SessionStore(self.storage), plan, out, uuid.uuid4().hex, engine=engine,
                            jobs=req.jobs, progress=progress)
-        pv = preview(plan)
+        pv = preview(plan.plan(reads=False))
         result = {"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units,
                   "bytes_read": res.bytes_read, "bytes_written": res.bytes_written, "seconds": round(res.seconds, 3)}
         return ReshardOutcome(result=result, source=manifest.ref, spec=str(spec),

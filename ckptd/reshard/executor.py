@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -60,7 +61,7 @@ from ..store.merge import merge_indexes
 from .digest import tensor_digest
 from ..store.assemble import Engine, cuda_present, pick_engine
 from .pieces import SourcePieces, target_place, write_hashed
-from .planner import ALIGN, PlannedChunk, ReshardPlan, WorkUnit, already_read, kept_block
+from .planner import ALIGN, PlannedChunk, ReshardOutline, ReshardPlan, WorkUnit, already_read, kept_block
 
 __all__ = ["GPU_CAST_MIN_BYTES", "ChunkAssembler", "DeviceChoice", "ReshardResult", "UnitResult", "cast_bytes",
            "choose_device", "finalize", "open_target", "plan_device", "plan_engine", "run_plan", "run_unit",
@@ -89,8 +90,13 @@ class DeviceChoice:
     cast_bytes: int = 0
 
 
-def cast_bytes(plan: ReshardPlan) -> int:
+Planned = ReshardPlan | ReshardOutline  # a plan with its reads, or the units cut and their reads left to the run
+
+
+def cast_bytes(plan: Planned) -> int:
     """The source bytes ``plan`` converts to another dtype (0 without ``--dtype``)."""
+    if isinstance(plan, ReshardOutline):
+        return sum(tc.numel * itemsize(src) for c in plan.cuts for tc, src, dtype, _, _ in c.chunks if src != dtype)
     return sum(pc.numel * itemsize(pc.src_dtype) for u in plan.units for pc in u.chunks if pc.src_dtype != pc.dtype)
 
 
@@ -121,16 +127,17 @@ def choose_device(requested: str, cast: int, cuda: Callable[[], bool]) -> Device
                         cast)
 
 
-def plan_device(plan: ReshardPlan, device: str) -> DeviceChoice:
+def plan_device(plan: Planned, device: str) -> DeviceChoice:
     """:func:`choose_device` for ``plan`` on this machine."""
     return choose_device(device, cast_bytes(plan), cuda_present)
 
 
-def plan_engine(plan: ReshardPlan, device: "str | DeviceChoice") -> Engine:
+def plan_engine(plan: Planned, device: "str | DeviceChoice") -> Engine:
     """The engine for ``plan`` on ``device`` (``auto``, ``cpu``, ``cuda``, or a choice already made): torch
     where the plan casts or on the GPU, the host's numpy otherwise."""
     choice = device if isinstance(device, DeviceChoice) else plan_device(plan, device)
-    return pick_engine(choice.device, casts=plan.dtype is not None)
+    casts = (plan.header["dtype"] if isinstance(plan, ReshardOutline) else plan.dtype) is not None
+    return pick_engine(choice.device, casts=casts)
 
 
 class UnitResult(BaseModel):
@@ -457,37 +464,43 @@ def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     return digest
 
 
-def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan, out_ref: str, session: str, *,
+def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: Planned, out_ref: str, session: str, *,
              device: str = "auto", jobs: int = 1, progress: Callable[[int], None] | None = None,
              engine: Engine | None = None) -> ReshardResult:
     """Run every unit of ``plan`` (``jobs`` at a time) and commit ``out_ref``; on any error the output
-    session is aborted. ``engine`` overrides the one ``device`` picks (tests run torch on the CPU); the
-    result names the engine and why it ran (:func:`choose_device`)."""
+    session is aborted. Given an outline, each unit's reads are planned by the thread that runs it, as it
+    starts it: the run holds the reads of ``jobs`` units at a time, not the whole job's. ``engine``
+    overrides the one ``device`` picks (tests run torch on the CPU); the result names the engine and why
+    it ran (:func:`choose_device`)."""
     t0 = time.monotonic()
     if engine is None:
         choice = plan_device(plan, device)
         engine = plan_engine(plan, choice)
     else:
         choice = DeviceChoice("cuda" if "cuda" in engine.name else "cpu", "engine given by the caller")
-    src = parse_ref(plan.source)
+    if isinstance(plan, ReshardOutline):
+        header, todo = plan.plan(reads=False), [partial(plan.unit, c) for c in plan.cuts]
+    else:
+        header, todo = plan, [(lambda u=u: u) for u in plan.units]
+    src = parse_ref(header.source)
     require_verified(reader.storage, src.run, src.name)  # the one checker's verdict on the source first
-    open_target(sessions, plan, out_ref, session)
+    open_target(sessions, header, out_ref, session)
     out = parse_ref(out_ref)
     try:
         with sessions.activity.held(out.run, out.name, session):  # a unit may take minutes between writes
-            pieces = source_pieces(reader, plan)
+            pieces = source_pieces(reader, header)
 
-            def unit(u: WorkUnit) -> UnitResult:
-                return run_unit(reader, sessions, plan, u, out_ref, session, engine=engine, progress=progress,
+            def unit(make: Callable[[], WorkUnit]) -> UnitResult:
+                return run_unit(reader, sessions, header, make(), out_ref, session, engine=engine, progress=progress,
                                 pieces=pieces)
 
             with engine.running():
-                if jobs > 1 and len(plan.units) > 1:
+                if jobs > 1 and len(todo) > 1:
                     with ThreadPoolExecutor(jobs, thread_name_prefix="ckptd-reshard") as pool:
-                        results = list(pool.map(unit, plan.units))
+                        results = list(pool.map(unit, todo))
                 else:
-                    results = [unit(u) for u in plan.units]
-            digest = finalize(reader, sessions, plan, results, out_ref, session, jobs=jobs)
+                    results = [unit(u) for u in todo]
+            digest = finalize(reader, sessions, header, results, out_ref, session, jobs=jobs)
     except BaseException:
         try:
             if sessions.status(out.run, out.name, session).state != "committed":
@@ -495,7 +508,7 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
         except Exception:  # noqa: BLE001 - best effort cleanup; the session stays invisible anyway
             pass
         raise
-    return ReshardResult(ref=out_ref, manifest_xxh3=digest, units=len(plan.units),
+    return ReshardResult(ref=out_ref, manifest_xxh3=digest, units=len(todo),
                          bytes_read=sum(r.bytes_read for r in results),
                          bytes_written=sum(r.bytes_written for r in results), seconds=time.monotonic() - t0,
                          device=choice.device, reason=choice.reason, engine=engine.name)

@@ -1,16 +1,20 @@
 """Reshard jobs: the service's background conversions and Kubernetes work units.
 
-Service jobs (``POST /v1/reshard``): :func:`submit_job` validates, leases the
-source, records ``jobs/<id>.json`` in storage and hands the job to a worker
-process, which runs :func:`run_service_job` at low CPU and I/O priority with a
-bandwidth cap, so trainer uploads keep priority. Status lives in storage, so
-any replica answers ``GET /v1/jobs/<id>``.
+Service jobs (``POST /v1/reshard``): :func:`submit_job` validates, cuts the job into
+units (:func:`~.planner.outline_reshard`: from the target layout alone, no read
+planned), leases the source, records ``jobs/<id>.json`` and the outline's summary in
+storage and hands the job to a worker process, which runs :func:`run_service_job` at
+low CPU and I/O priority with a bandwidth cap, so trainer uploads keep priority; the
+worker plans each unit's reads as it runs it. Status lives in storage, so any replica
+answers ``GET /v1/jobs/<id>``.
 
-Kubernetes (``ckptd reshard --write-plan URI`` then one ``ckptd
-reshard-worker --plan URI --index I`` per pod): :func:`write_job` stores the
-plan and opens the output session; each worker runs one unit and records its
-result beside the plan; whichever worker sees every result finalizes (the
-commit is idempotent, so two finalizers are harmless).
+Kubernetes (``ckptd reshard --write-plan URI --workers N`` then ``ckptd reshard-worker
+--plan URI --index I`` for I in 0..N-1, one pod each): :func:`write_job` stores which
+conversion (:class:`WorkerJob`, a few hundred bytes at any world size) and opens the
+output session; each worker cuts the units again, plans and runs its share (units
+``i % N == I``) and records its results beside the job; whichever worker sees every
+share recorded finalizes (the commit is idempotent, so two finalizers are harmless).
+No process ever plans the reads of the whole job.
 """
 
 from __future__ import annotations
@@ -22,17 +26,17 @@ import uuid
 from typing import Any, Callable
 
 import fsspec
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from ckptd_schemas import AlreadyCommitted, CheckpointNotFound, CkptdError, parse_ref
+from ckptd_schemas import AlreadyCommitted, CheckpointNotFound, CkptdError, Conflict, parse_ref
 
 from ..storage import Storage
 from ..store.tiers import open_root
 from ..store import CheckpointReader, SessionStore
-from .executor import UnitResult, finalize, open_target, plan_device, plan_engine, run_unit
+from .executor import UnitResult, finalize, open_target, plan_device, plan_engine, run_unit, source_pieces
 from ..store.leases import Leases
-from .models import JobStatus, ReshardRequest, get_job, now_utc, put_plan_summary, put_status
-from .planner import ReshardPlan, plan_reshard
+from .models import JobStatus, ReshardRequest, get_job, get_plan_summary, now_utc, put_plan_summary, put_status
+from .planner import ReshardOutline, outline_reshard
 from .preview import plan_summary
 from .spec import default_out_name, parse_spec
 
@@ -42,13 +46,14 @@ __all__ = ["JobStatus", "ReshardRequest", "WorkerJob", "get_job", "run_service_j
 log = logging.getLogger("ckptd.reshard")
 
 
-def submit_job(storage: Storage, req: ReshardRequest) -> tuple[JobStatus, ReshardPlan]:
-    """Validate and plan (no data I/O), lease the source, record the job as queued."""
+def submit_job(storage: Storage, req: ReshardRequest) -> JobStatus:
+    """Validate and cut the job into units (no read planned, no data I/O: the worker plans each unit's
+    reads as it runs it), lease the source, record the job as queued with its outline's summary."""
     spec = parse_spec(req.to)
     src = parse_ref(req.source)
     reader = CheckpointReader(storage)
     manifest = reader.manifest(src.run, src.name)
-    plan = plan_reshard(manifest, spec, dtype=req.dtype, min_units=req.jobs)
+    outline = outline_reshard(manifest, spec, dtype=req.dtype, min_units=req.jobs)
     out = req.out or f"{manifest.run}/{default_out_name(manifest.name, str(spec), req.dtype)}"
     o = parse_ref(out)
     if reader.visibility.marker(o.run, o.name) is not None:  # taken, visible or not
@@ -58,19 +63,30 @@ def submit_job(storage: Storage, req: ReshardRequest) -> tuple[JobStatus, Reshar
     Leases(storage).acquire(manifest.run, manifest.name, job_id, ttl=300)
     now = now_utc()
     st = JobStatus(id=job_id, state="queued", source=manifest.ref, out=out, spec=str(spec),
-                   bytes_total=plan.bytes_to_write, created_at=now, updated_at=now)
-    put_plan_summary(storage, job_id, plan_summary(plan))  # the web view reads it; nothing plans the job again
+                   bytes_total=outline.bytes_to_write, created_at=now, updated_at=now)
+    put_plan_summary(storage, job_id, plan_summary(outline))  # the web view reads it; nothing plans the job again
     put_status(storage, st)
-    return st, plan
+    return st
 
 
-def run_service_job(root: str, job_id: str, plan_json: str, request_json: str, max_bytes_per_s: float) -> None:
+def _outline_of(reader: CheckpointReader, source: str, session: str, to: str, dtype: str | None,
+                min_units: int) -> ReshardOutline:
+    """The job's outline, cut again where it runs from the same source checkpoint (its session checked: a
+    name deleted and committed again is another checkpoint, and the job refuses it)."""
+    src = parse_ref(source)
+    manifest = reader.manifest(src.run, src.name)
+    if manifest.session != session:
+        raise Conflict(f"reshard source {source} is another checkpoint (session {manifest.session}) than the job "
+                       f"was planned from (session {session})", ref=source)
+    return outline_reshard(manifest, parse_spec(to), dtype=dtype, min_units=min_units)
+
+
+def run_service_job(root: str, job_id: str, request_json: str, max_bytes_per_s: float) -> None:
     """Body of a service worker process: run the job, keep its status fresh, and hold the source's
     lease (the one :func:`submit_job` took) by a renewing thread until the job ends, however long
     a single read or write of it takes."""
     storage = open_root(root)
     st = get_job(storage, job_id)
-    plan = ReshardPlan.model_validate_json(plan_json)
     req = ReshardRequest.model_validate_json(request_json)
     reader, sessions = CheckpointReader(storage), SessionStore(storage)
     src = parse_ref(st.source)
@@ -89,19 +105,24 @@ def run_service_job(root: str, job_id: str, plan_json: str, request_json: str, m
                 put_status(storage, st.model_copy(update={"state": "running", "bytes_done": done[0],
                                                            "updated_at": now_utc()}))
 
+    def run() -> Any:
+        session = get_plan_summary(storage, job_id)["source_session"]
+        outline = _outline_of(reader, st.source, session, req.to, req.dtype, req.jobs)
+        return _run(reader, sessions, outline, st.out, req, progress)
+
     put_status(storage, st := st.model_copy(update={"state": "running", "updated_at": now_utc()}))
     try:
         with leases.hold(src.run, src.name, "reshard", holder=job_id):
             # The final status is written while the lease is held: a job seen queued or running
             # always holds its source's lease.
-            put_status(storage, _finished(st, lambda: _run(reader, sessions, plan, st.out, req, progress), job_id))
+            put_status(storage, _finished(st, run, job_id))
     except Exception as e:  # noqa: BLE001 - the lease could not be taken: recorded for the caller
         put_status(storage, _failed(st, e, job_id))
     finally:
         leases.release(src.run, src.name, job_id)  # a job that failed before its hold began
 
 
-def _run(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan, out: str, req: ReshardRequest,
+def _run(reader: CheckpointReader, sessions: SessionStore, plan: ReshardOutline, out: str, req: ReshardRequest,
          progress: Callable[[int], None]) -> Any:
     from .executor import run_plan
 
@@ -150,26 +171,45 @@ class _Throttle:
 # -- Kubernetes Indexed Job ---------------------------------------------------------------------
 
 class WorkerJob(BaseModel):
+    """What ``--write-plan`` stores for ``ckptd reshard-worker`` pods: which conversion, not its plan (a few
+    hundred bytes at any world size). Each worker cuts the units again from the source and plans the reads
+    of its own share only (``index`` of ``workers``: units ``i`` with ``i % workers == index``)."""
+
     model_config = ConfigDict(extra="forbid")
     root: str
     out: str
     session: str
     device: str
-    plan: ReshardPlan
+    source: str
+    source_session: str
+    to: str
+    dtype: str | None = None
+    min_units: int = 1
+    workers: int = Field(ge=1)
 
 
-def write_job(uri: str, plan: ReshardPlan, out: str, session: str, device: str, sessions: SessionStore) -> None:
-    open_target(sessions, plan, out, session)
-    doc = WorkerJob(root=sessions.storage.url, out=out, session=session, device=device, plan=plan)
+def write_job(uri: str, outline: ReshardOutline, req_to: str, min_units: int, workers: int, out: str, session: str,
+              device: str, sessions: SessionStore) -> WorkerJob:
+    """Open the output session and store the job for ``workers`` pods at ``uri``."""
+    open_target(sessions, outline.plan(reads=False), out, session)
+    h = outline.header
+    doc = WorkerJob(root=sessions.storage.url, out=out, session=session, device=device, source=h["source"],
+                    source_session=h["source_session"], to=req_to, dtype=h["dtype"], min_units=min_units,
+                    workers=workers)
     with fsspec.open(uri, "w") as f:
         f.write(doc.model_dump_json())
+    return doc
 
 
 def run_worker(uri: str, index: int, *, root: str | None = None) -> dict[str, Any]:
+    """Worker ``index`` of the job at ``uri``: cut the units, plan and run its share one unit at a time,
+    record its results beside the job (``URI.units/INDEX.json``, all of them in one write, so a retried pod
+    replaces them whole); the worker that finds every share recorded commits (idempotent: two finalizers
+    are harmless)."""
     with fsspec.open(uri, "r") as f:
         job = WorkerJob.model_validate_json(f.read())
-    if not 0 <= index < len(job.plan.units):
-        raise CheckpointNotFound(f"plan {uri} has units 0..{len(job.plan.units) - 1}, not {index}", index=index)
+    if not 0 <= index < job.workers:
+        raise CheckpointNotFound(f"plan {uri} has workers 0..{job.workers - 1}, not {index}", index=index)
     storage = open_root(root or job.root)
     reader, sessions = CheckpointReader(storage), SessionStore(storage)
 
@@ -179,20 +219,27 @@ def run_worker(uri: str, index: int, *, root: str | None = None) -> dict[str, An
         return m.manifest_xxh3 if m is not None and m.session == job.session else None
 
     if (digest := committed()) is not None:  # a retried pod after the commit: nothing left to do
-        return {"unit": index, "committed": digest}
-    choice = plan_device(job.plan, job.device)  # per pod: each may or may not have a GPU
-    engine = plan_engine(job.plan, choice)
-    res = run_unit(reader, sessions, job.plan, job.plan.units[index], job.out, job.session, engine=engine)
+        return {"worker": index, "committed": digest}
+    outline = _outline_of(reader, job.source, job.source_session, job.to, job.dtype, job.min_units)
+    header = outline.plan(reads=False)
+    choice = plan_device(outline, job.device)  # per pod: each may or may not have a GPU
+    engine = plan_engine(outline, choice)
+    mine = outline.share_of(index, job.workers)
+    pieces = source_pieces(reader, header)
+    with engine.running():
+        results = [run_unit(reader, sessions, header, outline.unit(c), job.out, job.session, engine=engine,
+                            pieces=pieces) for c in mine]
     fs, base = fsspec.url_to_fs(uri)
     fs.makedirs(f"{base}.units", exist_ok=True)
-    fs.pipe_file(f"{base}.units/{index:06d}.json", res.model_dump_json().encode())
-    out: dict[str, Any] = {"unit": index, "file": res.file, "bytes_written": res.bytes_written,
+    fs.pipe_file(f"{base}.units/{index:06d}.json", _Results(results=results).model_dump_json().encode())
+    out: dict[str, Any] = {"worker": index, "units": [r.index for r in results],
+                           "bytes_written": sum(r.bytes_written for r in results),
                            "engine": {"device": choice.device, "reason": choice.reason, "impl": engine.name}}
     names = fs.ls(f"{base}.units", detail=False)
-    if len(names) == len(job.plan.units):
-        results = [UnitResult.model_validate_json(fs.cat_file(n)) for n in sorted(names)]
+    if len(names) == job.workers:
+        every = [r for n in sorted(names) for r in _Results.model_validate_json(fs.cat_file(n)).results]
         try:
-            out["committed"] = finalize(reader, sessions, job.plan, results, job.out, job.session)
+            out["committed"] = finalize(reader, sessions, header, every, job.out, job.session)
         except AlreadyCommitted:  # two workers finished together and the other one committed first
             if (digest := committed()) is None:
                 raise
@@ -200,3 +247,6 @@ def run_worker(uri: str, index: int, *, root: str | None = None) -> dict[str, An
     return out
 
 
+class _Results(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    results: list[UnitResult]

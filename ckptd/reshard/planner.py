@@ -9,15 +9,19 @@ threads, processes or one Kubernetes pod each (``ckptd reshard-worker``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from ckptd_schemas import DType, Manifest, ReadPlan, ReadRequest, itemsize, plan_reads
 from ckptd_schemas.dtypes import FLOATING as FLOATS, ITEMSIZE
 
-from .layouts import TargetLayout, build_layout, rank_bytes
+from .layouts import TargetChunk, TargetLayout, build_layout, rank_bytes
 from .spec import LayoutSpec
 
-__all__ = ["PlannedChunk", "ReshardPlan", "WorkUnit", "already_read", "kept_block", "plan_reshard"]
+__all__ = ["PlannedChunk", "ReshardOutline", "ReshardPlan", "UnitCut", "WorkUnit", "already_read", "kept_block",
+           "outline_reshard", "plan_reshard"]
 
 ALIGN = 64
 
@@ -93,6 +97,7 @@ class ReshardPlan(_M):
     placements: dict[str, str]
     dtype: DType | None = Field(None, description="cast floating tensors to this dtype")
     units: list[WorkUnit]
+    units_total: int = Field(0, description="units of the whole conversion (a share's plan holds some of them)")
     rank_bytes: list[dict[str, int]]
 
     @property
@@ -108,13 +113,69 @@ def _out_dtype(src: str, cast: str | None) -> str:
     return cast if cast is not None and src in FLOATS else src
 
 
-def plan_reshard(manifest: Manifest, spec: LayoutSpec, *, dtype: str | None = None,
-                 file_bytes: int = 1 << 30, min_units: int = 1, layout: TargetLayout | None = None) -> ReshardPlan:
-    """Plan the conversion of ``manifest`` to ``spec`` (optionally casting floats to ``dtype``).
+@dataclass(frozen=True)
+class UnitCut:
+    """A work unit before its reads are planned: which target chunks it writes, where in its file, at what
+    dtype. Cut from the layout alone (no source chunk is looked at), so cutting every unit of a job is
+    cheap, and planning the reads (:meth:`ReshardOutline.unit`) is left to the worker that runs it."""
+
+    index: int
+    rank: int
+    file: str
+    size: int
+    chunks: tuple[tuple[TargetChunk, str, str, int, int], ...]  # (chunk, source dtype, dtype, file offset, nbytes)
+
+
+@dataclass
+class ReshardOutline:
+    """A conversion cut into work units, reads not planned: what a job records, a service plans and a
+    worker receives. :meth:`plan` plans the reads of one share of the units (``share`` of ``shares``:
+    units ``i`` with ``i % shares == share``, so every share holds large and small target ranks alike);
+    :meth:`unit` plans one unit, as its worker reaches it, so a worker holds one unit's reads at a time."""
+
+    manifest: Manifest
+    header: dict[str, Any]  # ReshardPlan's fields but its units
+    cuts: list[UnitCut]
+
+    @property
+    def bytes_to_write(self) -> int:
+        return sum(c.size for c in self.cuts)
+
+    def share_of(self, share: int, shares: int) -> list[UnitCut]:
+        return [c for c in self.cuts if c.index % shares == share]
+
+    def unit(self, cut: UnitCut) -> WorkUnit:
+        """``cut`` with its reads planned: O(log R + hits) per target chunk through the source's interval
+        indexes."""
+        chunks = []
+        for tc, src_dtype, dtype, file_offset, nbytes in cut.chunks:
+            region = tc.region
+            if region.box is not None:
+                req = ReadRequest(name=tc.tensor, offsets=list(region.box.offsets), sizes=list(region.box.sizes))
+                geo: dict[str, Any] = dict(offsets=list(region.box.offsets), sizes=list(region.box.sizes))
+            else:
+                assert region.flat is not None
+                req = ReadRequest(name=tc.tensor, flat_start=region.flat[0], flat_length=region.flat[1])
+                geo = dict(flat_start=region.flat[0], flat_length=region.flat[1])
+            reads = plan_reads(self.manifest, [req], coalesce_gap=0)
+            chunks.append(PlannedChunk(tensor=tc.tensor, src_dtype=src_dtype, dtype=dtype, file_offset=file_offset,
+                                       nbytes=nbytes, reads=reads, **geo))
+        return WorkUnit(index=cut.index, rank=cut.rank, file=cut.file, size=cut.size, chunks=chunks)
+
+    def plan(self, share: int = 0, shares: int = 1, *, reads: bool = True) -> ReshardPlan:
+        """The plan of one share (every unit by default); ``reads=False``: its header alone (no units)."""
+        units = [self.unit(c) for c in self.share_of(share, shares)] if reads else []
+        return ReshardPlan(**self.header, units=units, units_total=len(self.cuts))
+
+
+def outline_reshard(manifest: Manifest, spec: LayoutSpec, *, dtype: str | None = None, file_bytes: int = 1 << 30,
+                    min_units: int = 1, layout: TargetLayout | None = None) -> ReshardOutline:
+    """Cut the conversion of ``manifest`` to ``spec`` (optionally casting floats to ``dtype``) into work units.
 
     Each target rank's output is cut into files of at most ``file_bytes``, and into at least
     ``min_units`` work units in all where chunks allow (pass the number of parallel workers: a
     one-rank target such as ``full`` would otherwise be a single unit). A chunk is never split.
+    O(target chunks): no source chunk is looked at.
     """
     if dtype is not None and dtype not in ITEMSIZE:
         from ckptd_schemas import InvalidRequest
@@ -128,30 +189,30 @@ def plan_reshard(manifest: Manifest, spec: LayoutSpec, *, dtype: str | None = No
         biggest = max((sum(tc.numel * itemsize(_out_dtype(entries[tc.tensor].dtype, dtype)) for tc in chunks)
                        for chunks in by_rank.values()), default=0)
         file_bytes = max(ALIGN, min(file_bytes, -(-biggest // per_rank)))
-    units: list[WorkUnit] = []
+    cuts: list[UnitCut] = []
     for rank, chunks in by_rank.items():
-        current: WorkUnit | None = None
+        current: list[tuple[TargetChunk, str, str, int, int]] = []
+        size = 0
         for tc in chunks:
-            t = entries[tc.tensor]
-            out_dtype = _out_dtype(t.dtype, dtype)
+            src_dtype = entries[tc.tensor].dtype
+            out_dtype = _out_dtype(src_dtype, dtype)
             nbytes = tc.numel * itemsize(out_dtype)
-            if current is None or (current.size and current.size + nbytes > file_bytes):
-                current = WorkUnit(index=len(units), rank=rank, file=f"r{rank:06d}-{len(units):05d}.bin",
-                                   size=0, chunks=[])
-                units.append(current)
-            region = tc.region
-            if region.box is not None:
-                req = ReadRequest(name=t.name, offsets=list(region.box.offsets), sizes=list(region.box.sizes))
-                geo = dict(offsets=list(region.box.offsets), sizes=list(region.box.sizes))
-            else:
-                assert region.flat is not None
-                req = ReadRequest(name=t.name, flat_start=region.flat[0], flat_length=region.flat[1])
-                geo = dict(flat_start=region.flat[0], flat_length=region.flat[1])
-            reads = plan_reads(manifest, [req], coalesce_gap=0)
-            current.chunks.append(PlannedChunk(tensor=t.name, src_dtype=t.dtype, dtype=out_dtype,
-                                               file_offset=current.size, nbytes=nbytes, reads=reads, **geo))
-            current.size += nbytes + (-nbytes) % ALIGN
-    return ReshardPlan(
+            if current and size and size + nbytes > file_bytes:
+                cuts.append(UnitCut(len(cuts), rank, f"r{rank:06d}-{len(cuts):05d}.bin", size, tuple(current)))
+                current, size = [], 0
+            current.append((tc, src_dtype, out_dtype, size, nbytes))
+            size += nbytes + (-nbytes) % ALIGN
+        if current:
+            cuts.append(UnitCut(len(cuts), rank, f"r{rank:06d}-{len(cuts):05d}.bin", size, tuple(current)))
+    header = dict(
         source=manifest.ref, source_session=manifest.session, source_step=manifest.step, target_spec=str(spec),
         world_size=layout.world_size, mesh=layout.mesh, coords=layout.coords, group_layouts=layout.group_layouts,
-        placements=layout.placements, dtype=dtype, units=units, rank_bytes=rank_bytes(layout, manifest.tensors))
+        placements=layout.placements, dtype=dtype, rank_bytes=rank_bytes(layout, manifest.tensors))
+    return ReshardOutline(manifest, header, cuts)
+
+
+def plan_reshard(manifest: Manifest, spec: LayoutSpec, *, dtype: str | None = None,
+                 file_bytes: int = 1 << 30, min_units: int = 1, layout: TargetLayout | None = None) -> ReshardPlan:
+    """Every unit of :func:`outline_reshard` with its reads planned (a preview, a drill, a test)."""
+    return outline_reshard(manifest, spec, dtype=dtype, file_bytes=file_bytes, min_units=min_units,
+                           layout=layout).plan()

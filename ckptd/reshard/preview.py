@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .planner import ReshardPlan
+from .planner import ReshardOutline, ReshardPlan
 
 __all__ = ["Preview", "plan_summary", "preview"]
 
@@ -58,13 +58,14 @@ def preview(plan: ReshardPlan) -> Preview:
         unit_reads=[(u.index, u.rank, u.file, u.bytes_to_read) for u in plan.units])
 
 
-def plan_summary(plan: ReshardPlan) -> dict:
+def plan_summary(outline: ReshardOutline) -> dict:
     """What the web view shows of a job's plan: target layout, bytes, per-rank loads and every work
-    unit (recorded with the job: ``models.put_plan_summary``)."""
-    p = preview(plan)
-    return {"source": plan.source, "spec": plan.target_spec, "world_size": plan.world_size, "mesh": plan.mesh,
-            "group_layouts": plan.group_layouts, "bytes_to_read": plan.bytes_to_read,
-            "bytes_to_write": plan.bytes_to_write, "per_rank": p.per_rank, "imbalance": p.imbalance,
-            "units_total": len(plan.units),
-            "units": [{"index": u.index, "rank": u.rank, "file": u.file, "size": u.size, "chunks": len(u.chunks),
-                       "bytes_to_read": u.bytes_to_read} for u in plan.units]}
+    unit, from its outline (no read planned; recorded with the job: ``models.put_plan_summary``)."""
+    p = preview(outline.plan(reads=False))
+    h = outline.header
+    return {"source": h["source"], "source_session": h["source_session"], "spec": h["target_spec"],
+            "world_size": h["world_size"], "mesh": h["mesh"], "group_layouts": h["group_layouts"],
+            "bytes_to_write": outline.bytes_to_write, "per_rank": p.per_rank, "imbalance": p.imbalance,
+            "units_total": len(outline.cuts),
+            "units": [{"index": c.index, "rank": c.rank, "file": c.file, "size": c.size, "chunks": len(c.chunks)}
+                      for c in outline.cuts]}

@@ -35,8 +35,8 @@ def reshard_router(storage: Storage, settings: Settings, workers: Workers, metri
     async def create_job(body: ReshardRequest, response: Response) -> JobStatus:
         from ..reshard.jobs import run_service_job, submit_job  # torch loads on first use, not at start-up
 
-        st, plan = await run_in_threadpool(submit_job, storage, body)
-        workers().submit(run_service_job, storage.url, st.id, plan.model_dump_json(), body.model_dump_json(),
+        st = await run_in_threadpool(submit_job, storage, body)
+        workers().submit(run_service_job, storage.url, st.id, body.model_dump_json(),
                           settings.reshard_max_mbps * (1 << 20))
         if metrics is not None:
             metrics.track_job(storage, st.id)

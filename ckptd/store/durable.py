@@ -251,6 +251,9 @@ class DurableCopier:
             for c in sorted(todo, key=lambda c: c.committed_at):
                 if self._stop.is_set():
                     break
+                if not self._on_fast(c):  # removed since the listing (retention, rm): nothing to copy, nothing written
+                    self.pending.pop(c.ref, None)
+                    continue
                 try:
                     done.append(self.copy(c))
                 except StorageError as e:  # transient: the next scan tries again
@@ -328,12 +331,19 @@ class DurableCopier:
 
     def _take_back(self, c: Committed) -> None:
         """Remove what a copy of ``c`` wrote to the durable tier before its marker: no marker names it there,
-        so it is invisible and would stay behind for good. Under a durable marker naming ``c``'s session
-        (another replica finished the copy), nothing is removed: a durable checkpoint is never taken back
-        by a copier."""
+        so it is invisible and would stay behind for good; where neither tier names a checkpoint under the
+        name any more and nothing else is stored under it, the name's (empty) directories go too. Under a
+        durable marker naming ``c``'s session (another replica finished the copy), nothing is removed: a
+        durable checkpoint is never taken back by a copier."""
         there = self.durable_vis.marker(c.run, c.name)
-        if not (isinstance(there, Marker) and there.session == c.session):
-            self.tiers.durable.delete_tree(Paths.session(c.run, c.name, c.session))
+        if isinstance(there, Marker) and there.session == c.session:
+            return
+        durable = self.tiers.durable
+        durable.delete_tree(Paths.session(c.run, c.name, c.session))
+        if (there is None and self.fast_vis.marker(c.run, c.name) is None
+                and not durable.list(Paths.sessions(c.run, c.name))
+                and set(durable.list(Paths.ckpt(c.run, c.name))) <= {Paths.sessions(c.run, c.name).rsplit("/", 1)[1]}):
+            durable.delete_tree(Paths.ckpt(c.run, c.name))  # the name is gone from both tiers: no empty directory
 
     def _copy_files(self, c: Committed, manifest: Manifest) -> None:
         """Every data file read from the fast tier once, judged by the one checker (every chunk, frame,

@@ -19,6 +19,8 @@ def test_bench_scale_runs_small(tmp_path):
     for r in rows:
         assert r["plan_status"] == [200] and r["manifest_path_plan_status"] == [200]
         for key in ("save_waited_service_cpu_s", "save_nowait_service_cpu_s", "rank_metadata_bytes",
-                    "manifest_path_metadata_bytes", "reshard_plan_s", "dcp_global_plan_s", "dcp_rank_metadata_bytes"):
+                    "manifest_path_metadata_bytes", "reshard_plan_wall_s", "dcp_global_plan_s", "dcp_rank_metadata_bytes"):
             assert r[key] > 0, key
         assert len(r["sampled_ranks"]) == 3
+        # every target chunk of the reshard R -> R/2 planned once over the workers
+        assert r["reshard_chunks_planned"] == (r["ranks"] // 2) * r["tensors"] and r["reshard_workers"] >= 1

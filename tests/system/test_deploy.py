@@ -494,10 +494,10 @@ def _readme_sed() -> str:
     return m[0]
 
 
-def _filled_job(tmp_path: Path, plan: str, units: int, name: str) -> dict:
+def _filled_job(tmp_path: Path, plan: str, workers: int, name: str) -> dict:
     """The Job template filled in by the command docs/deployment.md gives."""
     r = subprocess.run(["bash", "-c", _readme_sed()], cwd=REPO, capture_output=True, text=True, timeout=30,
-                       env={**os.environ, "PLAN": plan, "UNITS": str(units), "JOB": name})
+                       env={**os.environ, "PLAN": plan, "WORKERS": str(workers), "JOB": name})
     assert r.returncode == 0, r.stderr
     (job,) = [d for d in yaml.safe_load_all(r.stdout) if d]
     return job
@@ -550,9 +550,9 @@ def test_reshard_job_arguments_run_one_unit_per_index(tmp_path):
                        capture_output=True, text=True, timeout=180)
     assert w.returncode == 0, w.stderr
     info = json.loads(w.stdout)
-    assert info["units"] >= 2
-    job = _filled_job(tmp_path, plan, info["units"], "reshard-job-10")
-    assert job["spec"]["completions"] == info["units"]
+    assert info["workers"] == info["units"] >= 2
+    job = _filled_job(tmp_path, plan, info["workers"], "reshard-job-10")
+    assert job["spec"]["completions"] == info["workers"]
     for i in range(job["spec"]["completions"]):  # one pod per completion index
         argv = _job_args(job, i)
         assert build_parser().parse_args(argv).index == i

@@ -286,16 +286,29 @@ def test_refusals_are_4xx_and_write_nothing(server, reader, trained):
 
 
 def test_worker_path_commits_once_after_the_last_unit(server, reader, trained, tmp_path):
+    """``--write-plan`` stores which conversion, not its plan: a few hundred bytes naming the source
+    checkpoint (its session), the target and the workers, whatever the world size; each worker plans and
+    runs its own share of the units, and the last one to record its share commits."""
     plan = tmp_path / "plan.json"
     out = _ckptd("reshard", "train/3", "--to", "fsdp2:dp=2", "--write-plan", str(plan), "--root", server.root,
                  "--out", "train/3-k8s")
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
-    assert info["out"] == "train/3-k8s" and info["units"] == 2 and plan.exists()
+    assert info["out"] == "train/3-k8s" and info["units"] == 2 and info["workers"] == 2 and plan.exists()
+    doc = json.loads(plan.read_text())
+    assert doc["source"] == "train/3" and doc["source_session"] == reader.marker("train", "3").session
+    assert doc["workers"] == 2 and "units" not in doc and len(plan.read_bytes()) < 1024
     assert reader.marker("train", "3-k8s") is None
+    info["units"] = info["workers"]
 
     bad = _ckptd("reshard-worker", "--plan", str(plan), "--index", str(info["units"]), "--root", server.root)
-    assert bad.returncode == 1 and f"units 0..{info['units'] - 1}" in bad.stderr, bad.stderr
+    assert bad.returncode == 1 and f"workers 0..{info['units'] - 1}" in bad.stderr, bad.stderr
+
+    other = tmp_path / "other.json"  # the job of a source of the same name but another session
+    other.write_text(json.dumps({**doc, "source_session": "0" * 32}))
+    bad = _ckptd("reshard-worker", "--plan", str(other), "--index", "0", "--root", server.root)
+    assert bad.returncode in (1, 2) and "another checkpoint" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    assert not list(tmp_path.glob("other.json.units/*"))
 
     results = []
     for i in range(info["units"]):
@@ -303,7 +316,8 @@ def test_worker_path_commits_once_after_the_last_unit(server, reader, trained, t
         w = _ckptd("reshard-worker", "--plan", str(plan), "--index", str(i), "--root", server.root)
         assert w.returncode == 0, w.stderr
         results.append(json.loads(w.stdout))
-    assert [r["unit"] for r in results] == list(range(info["units"]))
+    assert [r["worker"] for r in results] == list(range(info["units"]))
+    assert sorted(u for r in results for u in r["units"]) == [0, 1]
     assert ["committed" in r for r in results] == [False] * (info["units"] - 1) + [True]
     marker = reader.marker("train", "3-k8s")
     assert marker is not None and marker.session == info["session"]
@@ -335,7 +349,7 @@ def test_workers_run_in_parallel_like_pods(server, reader, trained, tmp_path):
     out = _ckptd("reshard", "train/2", "--to", "fsdp2:dp=3", "--write-plan", str(plan), "--root", server.root,
                  "--out", "train/2-pods")
     assert out.returncode == 0, out.stderr
-    units = json.loads(out.stdout)["units"]
+    units = json.loads(out.stdout)["workers"]
     assert units == 3
     pods = [subprocess.Popen([sys.executable, "-m", "ckptd.cli.main", "reshard-worker", "--plan", str(plan),
                               "--root", server.root], env={**os.environ, "JOB_COMPLETION_INDEX": str(i)},
@@ -345,7 +359,7 @@ def test_workers_run_in_parallel_like_pods(server, reader, trained, tmp_path):
         stdout, stderr = p.communicate(timeout=180)
         assert p.returncode == 0, stderr
         results.append(json.loads(stdout))
-    assert sorted(r["unit"] for r in results) == list(range(units))
+    assert sorted(r["worker"] for r in results) == list(range(units))
     marker = reader.marker("train", "2-pods")
     assert marker is not None
     assert {r["committed"] for r in results if "committed" in r} == {marker.manifest_xxh3}

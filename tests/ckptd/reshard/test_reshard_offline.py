@@ -176,3 +176,36 @@ def test_the_dry_run_reads_what_the_run_reads(root, spec):
     planned = sum(n for *_, n in preview(plan).unit_reads)
     res = run_plan(reader, sessions, plan, f"{run}/out", uuid.uuid4().hex, engine=HostEngine(), jobs=2)
     assert planned == plan.bytes_to_read == res.bytes_read, (planned, res.bytes_read)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_shares_partition_the_plan_and_an_outline_plans_no_read(root, spec, monkeypatch):
+    """A job is cut into units from the target layout alone (no read planned: what the service records and
+    a worker receives); any number of shares is disjoint and together the whole plan, unit for unit; a
+    conversion run from the outline (each unit planned as its thread starts it) writes the same tensors."""
+    import ckptd.reshard.planner as planner
+    from ckptd.reshard.planner import outline_reshard
+
+    storage, reader, sessions = root
+    ref = f"share{abs(hash(spec)) % 10**6}/1"
+    tensors = _model(5, 7)
+    write_tensors(sessions, ref, tensors, step=1)
+    m = reader.manifest(*ref.split("/"))
+    whole = plan_reshard(m, parse_spec(spec), min_units=3)
+    real = planner.plan_reads
+    with monkeypatch.context() as mp:
+        mp.setattr(planner, "plan_reads", lambda *a, **k: pytest.fail("an outline planned a read"))
+        outline = outline_reshard(m, parse_spec(spec), min_units=3)
+        header = outline.plan(reads=False)
+    assert header.units == [] and header.units_total == len(outline.cuts) == len(whole.units)
+    assert outline.bytes_to_write == whole.bytes_to_write
+    assert planner.plan_reads is real
+    for n in (1, 2, 3, 7):
+        shares = [outline.plan(i, n) for i in range(n)]
+        units = sorted((u for p in shares for u in p.units), key=lambda u: u.index)
+        assert [u.model_dump() for u in units] == [u.model_dump() for u in whole.units], n
+        assert all(u.index % n == i for i, p in enumerate(shares) for u in p.units)
+    out = f"{ref.split('/')[0]}/from-outline"
+    run_plan(reader, sessions, outline, out, uuid.uuid4().hex, engine=HostEngine(), jobs=2)
+    for name, t in tensors.items():
+        assert torch.equal(read_tensor(reader, out, name), t), name

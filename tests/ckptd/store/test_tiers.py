@@ -456,7 +456,7 @@ def test_the_retention_policy_deletes_from_both_tiers(tmp_path):
         while not done() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _markers(durable) == _markers(tmp_path / "fast") == {"t/3", "t/4"}
-        assert not gone.exists()
+        assert not gone.exists(), sorted(str(p.relative_to(durable)) for p in gone.rglob("*"))
     finally:
         srv.stop()
 
@@ -515,8 +515,9 @@ def test_an_s3_durable_tier(tmp_path, moto_s3, s3_env):
 
 
 class _Hooked(LocalStorage):
-    """A local tier that runs ``hook`` once, just before the first read of a data file (``on="read"``)
-    or the first write of a manifest (``on="manifest"``) it serves."""
+    """A local tier that runs ``hook`` once, just before the first read of a data file (``on="read"``),
+    the first write of a manifest (``on="manifest"``) or the first look at ``t/2``'s marker
+    (``on="listed"``: the scan has judged every checkpoint, and copies none yet) it serves."""
 
     def __init__(self, root, on: str) -> None:
         super().__init__(root, durable=False)
@@ -532,24 +533,32 @@ class _Hooked(LocalStorage):
             self._fire()
         return super().read_into(key, start, view)
 
+    def local_path(self, key: str):
+        if self.on == "listed" and key == Paths.marker("t", "2"):
+            self._fire()
+        return super().local_path(key)
+
     def open_write(self, key: str, *, once: bool = False):
         if self.on == "manifest" and "/manifest-" in key:
             self._fire()
         return super().open_write(key, once=once)
 
 
-@pytest.mark.parametrize("when", ["while its files are read", "before its durable marker"])
+@pytest.mark.parametrize("when", ["after the scan listed it", "while its files are read", "before its durable marker"])
 def test_a_checkpoint_deleted_while_it_is_copied_leaves_nothing_on_either_tier(tmp_path, when):
     """Retention (or ``rm``) deletes a checkpoint while the durable copier copies it: the copy stops, takes
     back what it wrote to the durable tier (no marker names it there: it would stay invisible for good)
     and records nothing on the fast tier (no "not durable" record for a name that is gone). Another
-    checkpoint copied the same way becomes durable."""
+    checkpoint copied the same way becomes durable. Deleted after the scan listed it and before its copy
+    began (retention runs on the same commit that wakes the copier), it is not copied at all, though the
+    copier still holds its manifest from an earlier look. In every case the durable tier shows nothing
+    under its name, not even an empty directory."""
     import xxhash
     from ckptd.store.sessions import SessionStore
     from ckptd_schemas import OpenSession, RankIndex
 
     fast = _Hooked(tmp_path / "fast", "read" if when.startswith("while") else "-")
-    durable = _Hooked(tmp_path / "durable", "manifest" if when.startswith("before") else "-")
+    durable = _Hooked(tmp_path / "durable", {"before": "manifest", "after": "listed"}.get(when.split()[0], "-"))
     tiers = TieredStorage(fast, durable)
     store = SessionStore(tiers)
     for name in ("1", "2"):
@@ -562,9 +571,11 @@ def test_a_checkpoint_deleted_while_it_is_copied_leaves_nothing_on_either_tier(t
     (fast if when.startswith("while") else durable).hook = lambda: (
         tiers.delete(Paths.marker("t", "1")), tiers.delete_tree(Paths.ckpt("t", "1")))  # what retention does
     copier = DurableCopier(tiers)
+    copier.fast_vis.manifest(copier.fast_vis.check("t", "1"))  # held from an earlier look
     assert [(d.run, d.name) for d in copier.scan()] == [("t", "2")]
     assert fast.hook is None and durable.hook is None  # the deletion happened, at the point named
-    assert not [p for p in (tmp_path / "durable" / "runs" / "t" / "1").rglob("*") if p.is_file()]
+    left = tmp_path / "durable" / "runs" / "t" / "1"
+    assert not left.exists(), sorted(str(p.relative_to(left)) for p in left.rglob("*"))  # not even a directory
     assert not (tmp_path / "fast" / "runs" / "t" / "1").exists()
     assert _markers(tmp_path / "durable") == {"t/2"}
     assert copier.scan() == []  # nothing left to retry either

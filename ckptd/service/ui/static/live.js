@@ -57,13 +57,13 @@ function planView(p) {
   const per = p.per_rank.map((kinds, r) => h("tr", {}, h("td", {class: "num"}, r),
     h("td", {}, Object.entries(kinds).map(([k, n]) => `${k} ${bytes(n)}`).join(", "))));
   return h("div", {class: "card plan", dataset: {job: p.job}},
-    h("div", {}, `Plan of ${p.source} → ${p.out} as `, h("code", {}, p.spec), ` (recomputed): ${p.units_total} work units, `,
-      `${bytes(p.bytes_to_read)} to read, ${bytes(p.bytes_to_write)} to write, ${p.world_size} target ranks, `,
+    h("div", {}, `Plan of ${p.source} → ${p.out} as `, h("code", {}, p.spec), `: ${p.units_total} work units, `,
+      `${bytes(p.bytes_to_write)} to write, ${p.world_size} target ranks, `,
       `imbalance ${(p.imbalance * 100).toFixed(1)}%`),
     table(["target rank#", "bytes"], per, {class: "plan-ranks"}),
-    table(["unit#", "rank#", "file", "chunks#", "size#", "reads#"], p.units.map((u) => h("tr", {},
+    table(["unit#", "rank#", "file", "chunks#", "size#"], p.units.map((u) => h("tr", {},
       h("td", {class: "num"}, u.index), h("td", {class: "num"}, u.rank), h("td", {}, u.file),
-      h("td", {class: "num"}, u.chunks), h("td", {class: "num"}, bytes(u.size)), h("td", {class: "num"}, bytes(u.bytes_to_read))))),
+      h("td", {class: "num"}, u.chunks), h("td", {class: "num"}, bytes(u.size))))),
     p.units_total > p.units.length ? h("p", {class: "muted"}, `first ${p.units.length} of ${p.units_total} units`) : null);
 }
 
