@@ -62,6 +62,12 @@ def cmd_reshard_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _workers(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 100_000:
+        raise argparse.ArgumentTypeError(f"--workers takes 1 to 100000 (an Indexed Job's completions), not {text!r}")
+    return int(text)
+
+
 def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
     s = sub.add_parser("reshard", help="convert a committed checkpoint to another layout (new checkpoint)")
     s.add_argument("ref", help="source checkpoint, RUN/NAME or RUN/latest")
@@ -76,7 +82,7 @@ def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
     s.add_argument("--dtype", choices=CAST_DTYPES, help="cast floating tensors to this dtype")
     s.add_argument("--dry-run", action="store_true", help="print per-rank bytes and reads; write nothing")
     s.add_argument("--write-plan", metavar="URI", help="write the job for `ckptd reshard-worker` pods and exit")
-    s.add_argument("--workers", type=int, metavar="N", help="with --write-plan: the pods that share the work units "
+    s.add_argument("--workers", type=_workers, metavar="N", help="with --write-plan: the pods that share the work units "
                    "(indexes 0..N-1; default one per unit, at most 32)")
     s.add_argument("--json", action="store_true")
     add_target(s)

@@ -4,7 +4,13 @@ A plan is a list of independent work units. Each unit produces one target
 file for one target rank: an ordered list of target chunks, each with its
 place in the file and the read plan (source byte ranges, block digests,
 copies) that fills it. Units share nothing, so they run in any order, in
-threads, processes or one Kubernetes pod each (``ckptd reshard-worker``).
+threads, processes or Kubernetes pods (``ckptd reshard-worker``).
+
+Call order: :func:`outline_reshard` cuts the units from the target layout
+alone (O(target chunks)); :meth:`ReshardOutline.unit` plans one unit's reads
+(O(log R + hits) per target chunk), by whoever runs it, as it starts it; so a
+job's reads are planned once, split over its workers, and never held whole.
+:func:`plan_reshard` plans every unit at once (a dry run, a drill, a test).
 """
 
 from __future__ import annotations
@@ -128,8 +134,9 @@ class UnitCut:
 
 @dataclass
 class ReshardOutline:
-    """A conversion cut into work units, reads not planned: what a job records, a service plans and a
-    worker receives. :meth:`plan` plans the reads of one share of the units (``share`` of ``shares``:
+    """A conversion cut into work units, reads not planned: what the service cuts for a job (it records its
+    summary) and each worker cuts again from the same source. :meth:`plan` plans the reads of one share of
+    the units (``share`` of ``shares``:
     units ``i`` with ``i % shares == share``, so every share holds large and small target ranks alike);
     :meth:`unit` plans one unit, as its worker reaches it, so a worker holds one unit's reads at a time."""
 
