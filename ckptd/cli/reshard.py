@@ -78,7 +78,8 @@ def add_parsers(sub: argparse._SubParsersAction, add_target) -> None:
                    help="where chunks are assembled and cast: cuda (torch), cpu (numpy; torch only to cast), "
                         "auto (the CPU, unless --dtype casts enough bytes for a present GPU to pay for its "
                         "start-up; the command prints which engine ran and why)")
-    s.add_argument("--jobs", type=int, default=2, help="work units run in parallel")
+    s.add_argument("--jobs", type=int, default=2, help="work units run in parallel (threads; processes from "
+                   "2,000 target chunks, where Python needs more than one core)")
     s.add_argument("--dtype", choices=CAST_DTYPES, help="cast floating tensors to this dtype")
     s.add_argument("--dry-run", action="store_true", help="print per-rank bytes and reads; write nothing")
     s.add_argument("--write-plan", metavar="URI", help="write the job for `ckptd reshard-worker` pods and exit")

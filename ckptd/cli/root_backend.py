@@ -196,7 +196,8 @@ class RootBackend:
                            jobs=req.jobs, progress=progress)
         pv = preview(plan.plan(reads=False))
         result = {"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units,
-                  "bytes_read": res.bytes_read, "bytes_written": res.bytes_written, "seconds": round(res.seconds, 3)}
+                  "bytes_read": res.bytes_read, "bytes_written": res.bytes_written, "seconds": round(res.seconds, 3),
+                  "processes": res.processes}
         return ReshardOutcome(result=result, source=manifest.ref, spec=str(spec),
                               engine={"device": choice.device, "reason": choice.reason, "impl": engine.name},
                               per_rank_bytes=[sum(r.values()) for r in pv.per_rank], imbalance=pv.imbalance)

@@ -28,12 +28,14 @@ from typing import Any, Callable
 import fsspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from ckptd_schemas import AlreadyCommitted, CheckpointNotFound, CkptdError, Conflict, parse_ref
+from ckptd_schemas import AlreadyCommitted, CheckpointNotFound, CkptdError, parse_ref
 
 from ..storage import Storage
 from ..store.tiers import open_root
 from ..store import CheckpointReader, SessionStore
-from .executor import UnitResult, finalize, open_target, plan_device, plan_engine, run_unit, source_pieces
+from .executor import (
+    UnitResult, finalize, open_target, outline_again, plan_device, plan_engine, run_plan, run_unit, source_pieces,
+)
 from ..store.leases import Leases
 from .models import JobStatus, ReshardRequest, get_job, get_plan_summary, now_utc, put_plan_summary, put_status
 from .planner import ReshardOutline, outline_reshard
@@ -69,18 +71,6 @@ def submit_job(storage: Storage, req: ReshardRequest) -> JobStatus:
     return st
 
 
-def _outline_of(reader: CheckpointReader, source: str, session: str, to: str, dtype: str | None,
-                min_units: int) -> ReshardOutline:
-    """The job's outline, cut again where it runs from the same source checkpoint (its session checked: a
-    name deleted and committed again is another checkpoint, and the job refuses it)."""
-    src = parse_ref(source)
-    manifest = reader.manifest(src.run, src.name)
-    if manifest.session != session:
-        raise Conflict(f"reshard source {source} is another checkpoint (session {manifest.session}) than the job "
-                       f"was planned from (session {session})", ref=source)
-    return outline_reshard(manifest, parse_spec(to), dtype=dtype, min_units=min_units)
-
-
 def run_service_job(root: str, job_id: str, request_json: str, max_bytes_per_s: float) -> None:
     """Body of a service worker process: run the job, keep its status fresh, and hold the source's
     lease (the one :func:`submit_job` took) by a renewing thread until the job ends, however long
@@ -94,10 +84,8 @@ def run_service_job(root: str, job_id: str, request_json: str, max_bytes_per_s: 
     lock = threading.Lock()
     done = [0]
     last = [0.0]
-    throttle = _Throttle(max_bytes_per_s)
 
     def progress(n: int) -> None:
-        throttle.spend(n)
         with lock:
             done[0] += n
             if time.monotonic() - last[0] > 0.5:
@@ -107,8 +95,9 @@ def run_service_job(root: str, job_id: str, request_json: str, max_bytes_per_s: 
 
     def run() -> Any:
         session = get_plan_summary(storage, job_id)["source_session"]
-        outline = _outline_of(reader, st.source, session, req.to, req.dtype, req.jobs)
-        return _run(reader, sessions, outline, st.out, req, progress)
+        outline = outline_again(reader, st.source, session, req.to, req.dtype, req.jobs)
+        return run_plan(reader, sessions, outline, st.out, uuid.uuid4().hex, device=req.device, jobs=req.jobs,
+                        progress=progress, max_bytes_per_s=max_bytes_per_s)
 
     put_status(storage, st := st.model_copy(update={"state": "running", "updated_at": now_utc()}))
     try:
@@ -122,14 +111,6 @@ def run_service_job(root: str, job_id: str, request_json: str, max_bytes_per_s: 
         leases.release(src.run, src.name, job_id)  # a job that failed before its hold began
 
 
-def _run(reader: CheckpointReader, sessions: SessionStore, plan: ReshardOutline, out: str, req: ReshardRequest,
-         progress: Callable[[int], None]) -> Any:
-    from .executor import run_plan
-
-    return run_plan(reader, sessions, plan, out, uuid.uuid4().hex, device=req.device, jobs=req.jobs,
-                    progress=progress)
-
-
 def _finished(st: JobStatus, run: Callable[[], Any], job_id: str) -> JobStatus:
     """The job's final status: done with its result, or failed with the error ``run`` raised."""
     try:
@@ -140,7 +121,7 @@ def _finished(st: JobStatus, run: Callable[[], Any], job_id: str) -> JobStatus:
         "state": "done", "bytes_done": st.bytes_total, "updated_at": now_utc(),
         "result": {"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units,
                    "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
-                   "seconds": round(res.seconds, 3),
+                   "seconds": round(res.seconds, 3), "processes": res.processes,
                    "engine": {"device": res.device, "reason": res.reason, "impl": res.engine}}})
 
 
@@ -149,23 +130,6 @@ def _failed(st: JobStatus, e: Exception, job_id: str) -> JobStatus:
         log.error("reshard job %s failed", job_id, exc_info=e)
         e = CkptdError(f"internal error: {type(e).__name__}: {e}")
     return st.model_copy(update={"state": "failed", "updated_at": now_utc(), "error": e.to_body()["error"]})
-
-
-class _Throttle:
-    """Token bucket: conversion I/O never exceeds ``rate`` bytes/s (0 = unlimited)."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self.t0 = time.monotonic()
-        self.spent = 0
-
-    def spend(self, n: int) -> None:
-        if self.rate <= 0:
-            return
-        self.spent += n
-        ahead = self.spent / self.rate - (time.monotonic() - self.t0)
-        if ahead > 0:
-            time.sleep(ahead)
 
 
 # -- Kubernetes Indexed Job ---------------------------------------------------------------------
@@ -220,7 +184,7 @@ def run_worker(uri: str, index: int, *, root: str | None = None) -> dict[str, An
 
     if (digest := committed()) is not None:  # a retried pod after the commit: nothing left to do
         return {"worker": index, "committed": digest}
-    outline = _outline_of(reader, job.source, job.source_session, job.to, job.dtype, job.min_units)
+    outline = outline_again(reader, job.source, job.source_session, job.to, job.dtype, job.min_units)
     header = outline.plan(reads=False)
     choice = plan_device(outline, job.device)  # per pod: each may or may not have a GPU
     engine = plan_engine(outline, choice)

@@ -90,8 +90,14 @@ class SourcePieces:
         self._spans = {f: sorted(v, key=lambda s: s.file_offset) for f, v in by_file.items()}
         self._starts = {f: [s.file_offset for s in v] for f, v in self._spans.items()}
 
-    def parts(self, file: str, start: int, data: memoryview) -> list[DigestPart]:
-        """Digest parts of every placeable chunk overlapping ``data`` (bytes [start, start+len) of ``file``)."""
+    def parts(self, file: str, start: int, data: memoryview, whole: set[tuple[str, int]] | None = None
+              ) -> list[DigestPart]:
+        """Digest parts of every placeable chunk overlapping ``data`` (bytes [start, start+len) of ``file``).
+
+        ``whole``: the chunks (file, offset) this caller already has a whole part of, skipped, and added to
+        as whole parts are made. A reader fetches the same verification blocks for many target chunks (a
+        block holds many small chunks: every norm and bias of a rank), and without it would hash every
+        chunk of the block once per fetch: 400 parts per target chunk at 200 small tensors a file."""
         spans = self._spans.get(file)
         if not spans:
             return []
@@ -100,11 +106,17 @@ class SourcePieces:
         i = max(0, bisect_right(self._starts[file], start) - 1)
         while i < len(spans) and spans[i].file_offset < end:
             s = spans[i]
-            a, b = max(start, s.file_offset), min(end, s.file_offset + s.length)
-            if b > a:
-                out.append(digest_piece("src", s.tensor, s.nbytes, s.stream_offset + a - s.file_offset,
-                                        data[a - start:b - start], file=file, file_offset=a))
             i += 1
+            a, b = max(start, s.file_offset), min(end, s.file_offset + s.length)
+            if b <= a:
+                continue
+            if whole is not None:
+                if (file, s.file_offset) in whole:
+                    continue
+                if b - a == s.length:
+                    whole.add((file, s.file_offset))
+            out.append(digest_piece("src", s.tensor, s.nbytes, s.stream_offset + a - s.file_offset,
+                                    data[a - start:b - start], file=file, file_offset=a))
         return out
 
 

@@ -143,6 +143,13 @@ class ReshardOutline:
     manifest: Manifest
     header: dict[str, Any]  # ReshardPlan's fields but its units
     cuts: list[UnitCut]
+    file_bytes: int = 1 << 30  # as given to outline_reshard: with the header, what cuts the same units again
+    min_units: int = 1
+
+    @property
+    def chunks(self) -> int:
+        """Target chunks in all (what planning the reads costs, at about 85 us each)."""
+        return sum(len(c.chunks) for c in self.cuts)
 
     @property
     def bytes_to_write(self) -> int:
@@ -191,6 +198,7 @@ def outline_reshard(manifest: Manifest, spec: LayoutSpec, *, dtype: str | None =
     layout = layout or build_layout(spec, manifest.tensors)
     entries = {t.name: t for t in manifest.tensors}
     by_rank = layout.by_rank()
+    given = file_bytes
     per_rank = -(-max(1, min_units) // max(1, len(by_rank)))
     if per_rank > 1:
         biggest = max((sum(tc.numel * itemsize(_out_dtype(entries[tc.tensor].dtype, dtype)) for tc in chunks)
@@ -215,7 +223,7 @@ def outline_reshard(manifest: Manifest, spec: LayoutSpec, *, dtype: str | None =
         source=manifest.ref, source_session=manifest.session, source_step=manifest.step, target_spec=str(spec),
         world_size=layout.world_size, mesh=layout.mesh, coords=layout.coords, group_layouts=layout.group_layouts,
         placements=layout.placements, dtype=dtype, rank_bytes=rank_bytes(layout, manifest.tensors))
-    return ReshardOutline(manifest, header, cuts)
+    return ReshardOutline(manifest, header, cuts, given, min_units)
 
 
 def plan_reshard(manifest: Manifest, spec: LayoutSpec, *, dtype: str | None = None,

@@ -254,3 +254,28 @@ def test_a_wrong_byte_in_assembly_fails_the_job_and_commits_nothing(root, engine
         ex.run_plan(reader, sessions, plan, "bad/out", uuid.uuid4().hex, engine=corrupting, jobs=2)
     hit = corrupting.hit
     assert hit and reader.marker("bad", "out") is None
+
+
+def test_a_unit_hashes_each_small_source_chunk_once_however_often_its_block_is_fetched(tmp_path):
+    """Many small tensors share a file's verification block, so every target chunk of a unit fetches the
+    same block; the unit makes one digest part per source chunk in it, not one per fetch (it made 60 x 60
+    here, and 3 GB of parts at 32 ranks x 200 tensors), and the conversion's digests still match."""
+    st_ = LocalStorage(tmp_path, durable=False)
+    reader, sessions = CheckpointReader(st_), SessionStore(st_)
+    g = torch.Generator().manual_seed(11)
+    tensors = {f"model.norm{i}.weight": torch.randn(8, generator=g) for i in range(60)}
+    write_tensors(sessions, "small/1", tensors, step=1)
+    m = reader.manifest("small", "1")
+    plan = plan_reshard(m, parse_spec("fsdp2:dp=2"))
+    sid = uuid.uuid4().hex
+    ex.open_target(sessions, plan, "small/dp2", sid)
+    pieces = ex.source_pieces(reader, plan)
+    for unit in plan.units:
+        res = ex.run_unit(reader, sessions, plan, unit, "small/dp2", sid, engine=HostEngine(), pieces=pieces)
+        src = [p for p in res.digests if p.side == "src"]
+        assert len(src) <= len(tensors), (unit.index, len(src))
+    sessions.abort("small", "dp2", sid)
+    out = "small/dp2-run"
+    ex.run_plan(reader, sessions, plan, out, uuid.uuid4().hex, engine=HostEngine())
+    for name, t in tensors.items():
+        assert torch.equal(read_tensor(reader, out, name), t), name

@@ -209,3 +209,26 @@ def test_shares_partition_the_plan_and_an_outline_plans_no_read(root, spec, monk
     run_plan(reader, sessions, outline, out, uuid.uuid4().hex, engine=HostEngine(), jobs=2)
     for name, t in tensors.items():
         assert torch.equal(read_tensor(reader, out, name), t), name
+
+
+def test_an_outline_converts_in_processes_as_in_threads(root):
+    """From ``PROCESS_MIN_CHUNKS`` target chunks (forced here on a small job), ``run_plan`` shares an
+    outline's units over ``jobs`` spawned processes, each cutting them again from the source: the same
+    tensors as a conversion in threads, every byte written reported to ``progress``, and the result says
+    how many processes ran."""
+    from ckptd.reshard.planner import outline_reshard
+
+    storage, reader, sessions = root
+    tensors = _model(7, 9)
+    write_tensors(sessions, "procs/1", tensors, step=1)
+    outline = outline_reshard(reader.manifest("procs", "1"), parse_spec("fsdp2:dp=3"), min_units=3)
+    written: list[int] = []
+    res = run_plan(reader, sessions, outline, "procs/dp3", uuid.uuid4().hex, device="cpu", jobs=2, processes=True,
+                   progress=written.append)
+    assert res.processes == 2 and res.units == len(outline.cuts) >= 3
+    assert sum(written) == sum(n for c in outline.cuts for *_, n in c.chunks)
+    threads = run_plan(reader, sessions, outline, "procs/dp3-threads", uuid.uuid4().hex, device="cpu", jobs=2)
+    assert threads.processes == 1
+    for name, t in tensors.items():
+        assert torch.equal(read_tensor(reader, "procs/dp3", name), t), name
+        assert torch.equal(read_tensor(reader, "procs/dp3-threads", name), t), name
