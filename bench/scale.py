@@ -91,7 +91,8 @@ def _reset_peak(pid: int) -> None:
 
 # -- save ------------------------------------------------------------------------------------------
 
-async def _save(url: str, pid: int, name: str, world: int, tensors: int, *, wait: bool) -> dict:
+async def _save(url: str, pid: int, name: str, world: int, tensors: int, *, wait: bool, shared: bool = False
+                ) -> dict:
     """Every rank saves ``RUN/name``; with ``wait``, each long-polls until the commit. The last rank
     sends its index once every other rank's is stored, so that the service's CPU during that one
     request is the commit's (last index to marker), with the other ranks' waits beside it."""
@@ -103,14 +104,18 @@ async def _save(url: str, pid: int, name: str, world: int, tensors: int, *, wait
     commit: dict = {}
     # A client per RANKS_PER_CLIENT ranks, as ranks have their own: one pool of a thousand connections
     # costs its owner O(connections) per response (httpcore), which would time the harness, not the service.
-    clients = [httpx.AsyncClient(base_url=url, timeout=600) for _ in range(-(-world // RANKS_PER_CLIENT))]
+    # ``shared``: UPLOADS_AT_ONCE clients, rank r on client r % UPLOADS_AT_ONCE, each keeping its connection:
+    # at 100,000 ranks a client per 32 ranks opens a connection per request, and the local ports left in
+    # TIME_WAIT run out (connections refused minutes in).
+    clients = [httpx.AsyncClient(base_url=url, timeout=600)
+               for _ in range(UPLOADS_AT_ONCE if shared else -(-world // RANKS_PER_CLIENT))]
     try:
         c = clients[0]
         (await c.post(f"{base}/sessions", json={"session": sid, "world_size": world, "step": 1})).raise_for_status()
 
         async def rank(r: int) -> None:
             nonlocal stored
-            c = clients[r // RANKS_PER_CLIENT]
+            c = clients[r % UPLOADS_AT_ONCE] if shared else clients[r // RANKS_PER_CLIENT]
             file, data, body = _rank(r, world, tensors)
             async with gate:
                 (await c.post(f"{base}/sessions", json={"session": sid, "world_size": world, "step": 1})
@@ -336,7 +341,7 @@ def run_world(world: int, tensors: int, sample: int, manifest_sample: int, dcp: 
     out: dict = {"ranks": world, "tensors": tensors, "chunks": world * tensors}
     try:
         asyncio.run(_save(srv.url, pid, "warmup", min(world, 8), 2, wait=True))  # the service's first save
-        quiet = asyncio.run(_save(srv.url, pid, "nowait", world, tensors, wait=False))
+        quiet = asyncio.run(_save(srv.url, pid, "nowait", world, tensors, wait=False, shared=world > waits_max))
         out.update({"save_nowait_service_cpu_s": quiet["service_cpu_s"], "save_nowait_wall_s": quiet["wall_s"],
                     "commit_service_cpu_s": quiet["commit_cpu_s"]})
         name = "nowait"

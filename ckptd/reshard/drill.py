@@ -189,7 +189,7 @@ def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: 
     def one(t: TensorEntry) -> DrillProblem | None:
         try:
             a = assembler()
-            a.parts = []  # this tensor's source parts only: memory stays per tensor
+            a.forget_parts()  # this tensor's source parts only: memory stays per tensor
             got = _target_digest(a, t, chunks[t.name], advance)
             want = t.digest if t.digest is not None else _source_digest(manifest, t, a, read_source)
             if got != want:

@@ -209,6 +209,12 @@ class ChunkAssembler:
         self._whole: set[tuple[str, int]] = set()  # source chunks already in ``parts`` whole
         self.bytes_read = 0
 
+    def forget_parts(self) -> None:
+        """Start :attr:`parts` afresh (the drill keeps one tensor's at a time): the source chunks already
+        hashed whole are hashed again when next fetched."""
+        self.parts = []
+        self._whole.clear()
+
     def assemble(self, pc: PlannedChunk, shape: list[int]) -> memoryview:
         """Target chunk ``pc`` of a tensor of global ``shape``, as ``pc.dtype``: a view valid until the next
         call."""
