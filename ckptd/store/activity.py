@@ -1,7 +1,7 @@
 """When an upload session last showed a live writer, and when the sweep reclaims it: one rule.
 
 A session is alive while a rank that joined it is: every writer request that succeeds (a file, a
-presign, a confirmation, a link) and the client's keep-alive, which a rank sends from opening the
+presign, a confirmation, a link, a rank's index) and the client's keep-alive, which a rank sends from opening the
 session until it is committed, refused or gone (``SessionInfo.keepalive_seconds`` tells it how
 often), mark it active. A rank done with its part keeps sending: the others may be minutes behind
 (a longer upload queue), and the session dies only when every rank that joined it stopped. A

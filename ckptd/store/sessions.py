@@ -431,6 +431,7 @@ class SessionStore:
         key, raw = Paths.rank_index(run, name, sid, index.rank), index.model_dump_json().encode()
         self.storage.put(key, raw)
         self._indexes.put(key, raw, index)
+        self.activity.touch(run, name, sid)  # a writer: ranks' indexes may arrive for minutes after the last file
         return self._commit_if_complete(run, name, sid, meta, index.rank)
 
     def _committed_with(self, run: str, name: str, sid: str, index: RankIndex) -> SessionStatus | None:

@@ -119,6 +119,17 @@ def test_a_writer_that_keeps_a_session_alive_forever_is_still_bounded_by_the_ttl
     assert store.reclaim_stale(6 * 3600, now=now.timestamp()) == ["r/hog/s-hog"]
 
 
+def test_a_rank_index_is_a_live_writer(tmp_path):
+    """Ranks putting their indexes are writers: a save whose files all went in before a long stretch of
+    index puts (at 100,000 ranks, minutes of them) is not reclaimed while they arrive."""
+    store = SessionStore(LocalStorage(tmp_path), dead_after=300)
+    _stage(store, "idx", "s-idx", world=2)
+    _set(tmp_path, "idx", "s-idx", opened_ago=900, active_ago=400)  # the last file went in 400 s ago
+    ranks = SessionStore(LocalStorage(tmp_path), dead_after=300)  # another process: it has touched nothing yet
+    assert ranks.put_index("r", "idx", "s-idx", _index(0, 2)).state == "open"
+    assert ranks.reclaim_stale(6 * 3600, now=datetime.now(timezone.utc).timestamp()) == []
+
+
 def test_a_complete_session_whose_ranks_died_is_committed_not_deleted(tmp_path):
     store = SessionStore(LocalStorage(tmp_path), dead_after=300)
     _stage(store, "done", "s-done")
