@@ -172,7 +172,7 @@ class RootBackend:
         plan_engine(outline, plan_device(outline, req.device))  # refused before any write (cuda without a GPU)
         out, session = self.reshard_out(req, manifest, spec), uuid.uuid4().hex
         workers = max(1, min(req.workers or DEFAULT_WORKERS, len(outline.cuts)))
-        write_job(uri, outline, req.to, req.jobs, workers, out, session, req.device, SessionStore(self.storage))
+        write_job(uri, outline, workers, out, session, req.device, SessionStore(self.storage))
         return {"plan": uri, "workers": workers, "units": len(outline.cuts), "out": out, "session": session}
 
     def reshard(self, req: ReshardRequest, *, bar: Bar, announce: Callable[[str], None]) -> ReshardOutcome:

@@ -49,8 +49,9 @@ import xxhash
 from pydantic import BaseModel, ConfigDict
 
 from ckptd_schemas import (
-    BoxChunk, CheckpointNotFound, Chunk, CkptdError, Conflict, Fetch, FlatChunk, IntegrityError, InvalidRequest, Location, Manifest,
-    ObjectEntry, OpenSession, RankIndex, TensorEntry, check_name, check_run, itemsize, parse_ref, verify_fetch,
+    BoxChunk, CheckpointNotFound, Chunk, CkptdError, Conflict, Fetch, FlatChunk, IntegrityError, InvalidRequest,
+    Location, Manifest, ObjectEntry, OpenSession, RankIndex, TensorEntry, check_name, check_run, itemsize, parse_ref,
+    verify_fetch,
 )
 from ckptd_schemas.digest import DigestPart, combine, digest_piece
 from ckptd_schemas.dtypes import FLOATING
@@ -70,8 +71,7 @@ from .spec import parse_spec
 
 __all__ = ["GPU_CAST_MIN_BYTES", "PROCESS_MIN_CHUNKS", "ChunkAssembler", "DeviceChoice", "ReshardResult", "Throttle",
            "UnitResult", "cast_bytes", "choose_device", "finalize", "open_target", "outline_again", "plan_device",
-           "plan_engine", "run_plan", "run_unit",
-           "source_pieces"]
+           "plan_engine", "run_plan", "run_share", "run_unit", "source_pieces"]
 
 log = logging.getLogger("ckptd.reshard")
 _PAD = bytes(ALIGN)
@@ -635,15 +635,23 @@ def _run_share(root: str, source: str, source_session: str, to: str, dtype: str 
     outline = outline_again(reader, source, source_session, to, dtype, min_units, file_bytes)
     if len(outline.cuts) != units:
         raise CkptdError(f"reshard {source} -> {to}: share {share} cut {len(outline.cuts)} units, not {units}")
-    header = outline.plan(reads=False)
-    engine = plan_engine(outline, device)
-    pieces = source_pieces(reader, header)
     throttle = Throttle(rate)
 
     def spend(n: int) -> None:
         throttle.spend(n)
         _WRITTEN.put(n)
 
+    return run_share(reader, sessions, outline, share, shares, out_ref, session,
+                     engine=plan_engine(outline, device), progress=spend)
+
+
+def run_share(reader: CheckpointReader, sessions: SessionStore, outline: ReshardOutline, share: int, shares: int,
+              out_ref: str, session: str, *, engine: Engine, progress: Callable[[int], None] | None = None
+              ) -> list[UnitResult]:
+    """The units ``i % shares == share`` of ``outline``, each planned as it starts and converted into the
+    open session (a share's process, a ``ckptd reshard-worker`` pod): one unit's reads held at a time."""
+    header = outline.plan(reads=False)
+    pieces = source_pieces(reader, header)
     with engine.running():
-        return [run_unit(reader, sessions, header, outline.unit(c), out_ref, session, engine=engine, progress=spend,
-                         pieces=pieces) for c in outline.share_of(share, shares)]
+        return [run_unit(reader, sessions, header, outline.unit(c), out_ref, session, engine=engine,
+                         progress=progress, pieces=pieces) for c in outline.share_of(share, shares)]

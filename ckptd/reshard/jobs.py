@@ -34,7 +34,7 @@ from ..storage import Storage
 from ..store.tiers import open_root
 from ..store import CheckpointReader, SessionStore
 from .executor import (
-    UnitResult, finalize, open_target, outline_again, plan_device, plan_engine, run_plan, run_unit, source_pieces,
+    UnitResult, finalize, open_target, outline_again, plan_device, plan_engine, run_plan, run_share,
 )
 from ..store.leases import Leases
 from .models import JobStatus, ReshardRequest, get_job, get_plan_summary, now_utc, put_plan_summary, put_status
@@ -152,14 +152,15 @@ class WorkerJob(BaseModel):
     workers: int = Field(ge=1)
 
 
-def write_job(uri: str, outline: ReshardOutline, req_to: str, min_units: int, workers: int, out: str, session: str,
-              device: str, sessions: SessionStore) -> WorkerJob:
-    """Open the output session and store the job for ``workers`` pods at ``uri``."""
+def write_job(uri: str, outline: ReshardOutline, workers: int, out: str, session: str, device: str,
+              sessions: SessionStore) -> WorkerJob:
+    """Open the output session and store the job for ``workers`` pods at ``uri``: what cuts the same units
+    again (the outline's source, target, dtype and unit count), not the units."""
     open_target(sessions, outline.plan(reads=False), out, session)
     h = outline.header
     doc = WorkerJob(root=sessions.storage.url, out=out, session=session, device=device, source=h["source"],
-                    source_session=h["source_session"], to=req_to, dtype=h["dtype"], min_units=min_units,
-                    workers=workers)
+                    source_session=h["source_session"], to=h["target_spec"], dtype=h["dtype"],
+                    min_units=outline.min_units, workers=workers)
     with fsspec.open(uri, "w") as f:
         f.write(doc.model_dump_json())
     return doc
@@ -185,14 +186,9 @@ def run_worker(uri: str, index: int, *, root: str | None = None) -> dict[str, An
     if (digest := committed()) is not None:  # a retried pod after the commit: nothing left to do
         return {"worker": index, "committed": digest}
     outline = outline_again(reader, job.source, job.source_session, job.to, job.dtype, job.min_units)
-    header = outline.plan(reads=False)
     choice = plan_device(outline, job.device)  # per pod: each may or may not have a GPU
     engine = plan_engine(outline, choice)
-    mine = outline.share_of(index, job.workers)
-    pieces = source_pieces(reader, header)
-    with engine.running():
-        results = [run_unit(reader, sessions, header, outline.unit(c), job.out, job.session, engine=engine,
-                            pieces=pieces) for c in mine]
+    results = run_share(reader, sessions, outline, index, job.workers, job.out, job.session, engine=engine)
     fs, base = fsspec.url_to_fs(uri)
     fs.makedirs(f"{base}.units", exist_ok=True)
     fs.pipe_file(f"{base}.units/{index:06d}.json", _Results(results=results).model_dump_json().encode())
@@ -203,7 +199,7 @@ def run_worker(uri: str, index: int, *, root: str | None = None) -> dict[str, An
     if len(names) == job.workers:
         every = [r for n in sorted(names) for r in _Results.model_validate_json(fs.cat_file(n)).results]
         try:
-            out["committed"] = finalize(reader, sessions, header, every, job.out, job.session)
+            out["committed"] = finalize(reader, sessions, outline.plan(reads=False), every, job.out, job.session)
         except AlreadyCommitted:  # two workers finished together and the other one committed first
             if (digest := committed()) is None:
                 raise

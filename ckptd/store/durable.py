@@ -340,9 +340,9 @@ class DurableCopier:
             return
         durable = self.tiers.durable
         durable.delete_tree(Paths.session(c.run, c.name, c.session))
-        if (there is None and self.fast_vis.marker(c.run, c.name) is None
-                and not durable.list(Paths.sessions(c.run, c.name))
-                and set(durable.list(Paths.ckpt(c.run, c.name))) <= {Paths.sessions(c.run, c.name).rsplit("/", 1)[1]}):
+        left = durable.list(Paths.ckpt(c.run, c.name))  # at most an empty "sessions", once the session went
+        if (there is None and self.fast_vis.marker(c.run, c.name) is None and left in ([], ["sessions"])
+                and not durable.list(Paths.sessions(c.run, c.name))):
             durable.delete_tree(Paths.ckpt(c.run, c.name))  # the name is gone from both tiers: no empty directory
 
     def _copy_files(self, c: Committed, manifest: Manifest) -> None:

@@ -136,15 +136,21 @@ def _metric(url: str, name: str) -> float:
 
 # -- read plans ---------------------------------------------------------------------------------------
 
+def _commit_vector_of_single_chunks(url: str, n: int = 1024) -> int:
+    """Commit ``gpt/1``: one int32 tensor ``w`` of ``n`` one-element chunks (what an ``n``-rank save of a
+    vector looks like); return ``n``."""
+    data = b"".join(i.to_bytes(4, "little") for i in range(n))
+    chunks = [_chunk([i], [1], 4 * i, data[4 * i:4 * i + 4], 4) for i in range(n)]
+    r = _commit(url, "gpt", "1", data, [{"name": "w", "shape": [n], "dtype": "int32", "group": "model",
+                                         "chunks": chunks}])
+    assert r.status_code == 200 and r.json()["state"] == "committed", r.text
+    return n
+
+
 def test_exploding_read_plan_is_refused_fast_while_healthz_answers(tmp_path):
     srv = _server(tmp_path).start()
     try:
-        n = 1024  # one tensor of 1,024 one-element chunks: what a 1,024-rank save of a vector looks like
-        data = b"".join(i.to_bytes(4, "little") for i in range(n))
-        chunks = [_chunk([i], [1], 4 * i, data[4 * i:4 * i + 4], 4) for i in range(n)]
-        r = _commit(srv.url, "gpt", "1", data, [{"name": "w", "shape": [n], "dtype": "int32", "group": "model",
-                                                 "chunks": chunks}])
-        assert r.status_code == 200 and r.json()["state"] == "committed", r.text
+        n = _commit_vector_of_single_chunks(srv.url)
         plan_url = f"{srv.url}/v1/checkpoints/gpt/1/read-plan"
         # normal loads pass: the whole tensor once, and 500 slices of it (512,000 chunk visits)
         r = httpx.post(plan_url, json={"requests": [{"name": "w"}]}, headers=_auth(), timeout=30)
@@ -198,12 +204,7 @@ def test_a_load_tree_request_is_budgeted_and_answers_only_what_the_checkpoint_ho
     repeats of one, answer only its own entries; a rank's band is one row whatever it asks."""
     srv = _server(tmp_path).start()
     try:
-        n = 1024
-        data = b"".join(i.to_bytes(4, "little") for i in range(n))
-        chunks = [_chunk([i], [1], 4 * i, data[4 * i:4 * i + 4], 4) for i in range(n)]
-        r = _commit(srv.url, "gpt", "1", data, [{"name": "w", "shape": [n], "dtype": "int32", "group": "model",
-                                                 "chunks": chunks}])
-        assert r.status_code == 200 and r.json()["state"] == "committed", r.text
+        n = _commit_vector_of_single_chunks(srv.url)
         url = f"{srv.url}/v1/checkpoints/gpt/1/load-tree"
         head = httpx.get(url, headers=_auth(BOB), timeout=30)
         assert head.status_code == 200 and head.headers["X-Ckptd-Load-Tree"]
