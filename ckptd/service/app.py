@@ -101,7 +101,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     gc_log = GcLog()  # the last gc decisions, for the web view
     retention = RetentionPolicy(storage, settings.retention_keep_last, settings.retention_keep_every,
                                 verify=verify_in_worker, record=gc_log.record)
-    read_leases = ReadLeases(storage, settings.read_lease_seconds)
+    read_leases = ReadLeases(storage, settings.read_lease_seconds, settings.read_leases_per_token)
 
     def after_commit(ev: CommitEvent) -> None:
         """Every commit that creates a marker here, on whichever path: verify (then retention, which

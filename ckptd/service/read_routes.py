@@ -25,8 +25,9 @@ and, at any time::
     POST   /v1/checkpoints/{run}/{name}/verify           re-read and check every byte, record the outcome
     GET    /v1/checkpoints/{run}/{name}/verification     the last recorded verification
 
-Serving a manifest, a read plan or file bytes touches the checkpoint's read
-lease (``store.leases.ReadLeases``), so gc spares it while it is read.
+Reading metadata takes no lease; a load holds its own (the lease routes, owned by its token), and
+file bytes served to a request that names no lease of its token lease the checkpoint on this
+replica's account for a while (``store.leases``, which decides this), so gc spares it while it is read.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from ckptd_schemas import (
     check_file, check_session, plan_reads,
 )
 
-from ckptd_schemas.api import LEASE_HEADER, LOAD_TREE_HEADER, MAX_SKIPPED_SENT, SKIPPED_HEADER
+from ckptd_schemas.api import LOAD_TREE_HEADER, MAX_SKIPPED_SENT, SKIPPED_HEADER
 
 from ..store.paths import Paths
 from ..store.verification import VerifyRecord, read_record, verify_and_record
@@ -127,7 +128,7 @@ def read_router(svc: Services) -> APIRouter:
         return await run_in_threadpool(reader.list_checkpoints, run)
 
     @router.get("/v1/checkpoints/{run}/{name}", response_model=Manifest)
-    async def get_manifest(run: str, name: str, x_ckptd_lease: str | None = Header(None)) -> Response:
+    async def get_manifest(run: str, name: str) -> Response:
         """The manifest's bytes as stored, served only when they hash to the marker's digest (sent as
         ``X-Ckptd-Manifest-Xxh3``, so a client checks what it received against what was committed).
 
@@ -135,7 +136,6 @@ def read_router(svc: Services) -> APIRouter:
         ``latest``, ``X-Ckptd-Skipped`` lists the newer trainer checkpoints skipped as known to be bad
         (``SkippedCheckpoint``: ref and reason, newest first), decided by ``Visibility.resolve_ref``."""
         c, skipped = await run_in_threadpool(visibility.resolve_ref, run, name)
-        await run_in_threadpool(read_leases.touch, run, c.name, x_ckptd_lease)
         raw = await run_in_threadpool(visibility.manifest_bytes, c)
         headers = {"X-Ckptd-Name": c.name, "X-Ckptd-Manifest-Xxh3": c.digest,
                    "X-Ckptd-Lease-Seconds": f"{settings.read_lease_seconds:g}"}
@@ -149,7 +149,6 @@ def read_router(svc: Services) -> APIRouter:
         raw = await read_body_limited(request, settings.max_index_bytes)
         body = await run_in_threadpool(parse_body, ReadPlanBody, raw, "read-plan request")  # off the event loop
         manifest = await run_in_threadpool(reader.manifest, run, name)
-        await run_in_threadpool(read_leases.touch, run, manifest.name, request.headers.get(LEASE_HEADER))
         budget = read_plan_budget(len(raw), settings.read_plan_chunk_budget, settings.read_plan_answer_budget)
         try:
             plan = await run_in_threadpool(plan_reads, manifest, body.requests, budget=budget)
@@ -165,13 +164,12 @@ def read_router(svc: Services) -> APIRouter:
         return Response(raw_plan, media_type="application/json")  # type: ignore[return-value]
 
     @router.get("/v1/checkpoints/{run}/{name}/load-tree", responses={200: {"content": {"application/json": {}}}})
-    async def get_load_tree(run: str, name: str, x_ckptd_lease: str | None = Header(None)) -> Response:
+    async def get_load_tree(run: str, name: str) -> Response:
         """The head of the checkpoint's load tree (``ckptd_schemas.loadtree``: identity, tensors' names,
         shapes and dtypes, the objects' directory, the roots of the trees of chunk rows, files and
         objects), whose bytes hash to the root its marker names, sent as ``X-Ckptd-Load-Tree``. ``{name}``
         may be ``latest``, resolved as for the manifest (``X-Ckptd-Name``, ``X-Ckptd-Skipped``)."""
         c, skipped = await run_in_threadpool(visibility.resolve_ref, run, name)
-        await run_in_threadpool(read_leases.touch, run, c.name, x_ckptd_lease)
         tree = await run_in_threadpool(visibility.load_tree, c)
         headers = {"X-Ckptd-Name": c.name, LOAD_TREE_HEADER: c.marker.load_tree or "",
                    "X-Ckptd-Lease-Seconds": f"{settings.read_lease_seconds:g}"}
@@ -188,7 +186,6 @@ def read_router(svc: Services) -> APIRouter:
         raw = await read_body_limited(request, settings.max_index_bytes)
         body = await run_in_threadpool(parse_body, LoadTreeBody, raw, "load-tree request")
         c = await run_in_threadpool(reader.committed, run, name)
-        await run_in_threadpool(read_leases.touch, run, c.name, request.headers.get(LEASE_HEADER))
         tree = await run_in_threadpool(visibility.load_tree, c)
         budget = read_plan_budget(len(raw), settings.read_plan_chunk_budget, settings.read_plan_answer_budget)
         try:
@@ -221,12 +218,13 @@ def read_router(svc: Services) -> APIRouter:
         return rec
 
     @router.get("/v1/checkpoints/{run}/{name}/files/{file}", responses={206: {"description": "partial content"}})
-    async def get_file(run: str, name: str, file: str, range: str | None = Header(None),
+    async def get_file(request: Request, run: str, name: str, file: str, range: str | None = Header(None),
                        x_ckptd_lease: str | None = Header(None)) -> Response:
         check_file(file)
         key, size = await run_in_threadpool(reader.file_key, run, name, file)
         concrete = key.split("/")[2]  # runs/RUN/NAME/...: the concrete name
-        await run_in_threadpool(read_leases.touch, run, concrete, x_ckptd_lease)
+        principal = principal_of(request).name
+        await run_in_threadpool(read_leases.touch, run, concrete, x_ckptd_lease, principal)
         start, end = _parse_range(range, size)
         # A committed file absent or resized on storage is corrupt: 422 before any byte is sent.
         await run_in_threadpool(storage.check_committed, key, size, file=file)
@@ -244,7 +242,7 @@ def read_router(svc: Services) -> APIRouter:
             pos = start
             while pos < end:
                 nxt = min(pos + piece, end)
-                await run_in_threadpool(read_leases.touch, run, concrete, x_ckptd_lease)  # a long stream keeps it
+                await run_in_threadpool(read_leases.touch, run, concrete, x_ckptd_lease, principal)  # a long stream
                 yield await run_in_threadpool(storage.read_committed, key, pos, nxt, size, file=file)
                 pos = nxt
 
@@ -252,19 +250,22 @@ def read_router(svc: Services) -> APIRouter:
                                  media_type="application/octet-stream")
 
     @router.put("/v1/checkpoints/{run}/{name}/leases/{holder}")
-    async def hold_lease(run: str, name: str, holder: str) -> dict:
-        """Lease a checkpoint for a reader that reads for longer than a lease (direct reads fetch no
-        byte through the service): renewed by the reader every third of ``seconds``; gc spares it."""
+    async def hold_lease(request: Request, run: str, name: str, holder: str) -> dict:
+        """Take or renew the request's token's read lease ``holder`` (``ckptd.store.leases``): renewed by
+        the reader every third of ``seconds``; gc spares the checkpoint meanwhile. 403 when another
+        token holds that lease, 429 past the leases one token may hold."""
         check_session(holder)  # the same safe-name rule as a session id
         c = await run_in_threadpool(reader.committed, run, name)
-        await run_in_threadpool(read_leases.hold, run, c.name, holder)
+        await run_in_threadpool(read_leases.hold, run, c.name, holder, principal_of(request).name)
         return {"ref": c.ref, "holder": holder, "seconds": settings.read_lease_seconds}
 
     @router.delete("/v1/checkpoints/{run}/{name}/leases/{holder}", status_code=204)
-    async def release_lease(run: str, name: str, holder: str) -> Response:
+    async def release_lease(request: Request, run: str, name: str, holder: str) -> Response:
+        """Release read lease ``holder``: its own token may, and an admin token, which breaks it (logged)."""
         check_session(holder)  # the same safe-name rule as a session id
         c = await run_in_threadpool(reader.committed, run, name)
-        await run_in_threadpool(read_leases.release, run, c.name, holder)
+        p = principal_of(request)
+        await run_in_threadpool(lambda: read_leases.release(run, c.name, holder, p.name, admin=p.admin))
         return Response(status_code=204)
 
     return router

@@ -10,11 +10,10 @@ leases a read takes are ``store.leases.ReadLeases``).
 * Policy: with ``CKPTD_RETENTION_KEEP_LAST`` set, the run of every checkpoint
   that commits through this service is collected right after the commit (in
   the background; a failure is logged and changes nothing visible).
-* Read leases: serving a manifest, a read plan or file bytes leases that
-  checkpoint for ``CKPTD_READ_LEASE_SECONDS``, so gc does not delete it under a
-  load that is still fetching its files (renewed at most every half lease per
-  replica); a reader that fetches nothing through the service for a while
-  (direct reads) holds its own lease (``PUT .../leases/{holder}``) and renews it.
+* Read leases (``ckptd.store.leases`` decides them): a load holds its own lease
+  (``PUT .../leases/{holder}``, owned by its token) while it reads; file bytes
+  served to a request that names none lease the checkpoint for
+  ``CKPTD_READ_LEASE_SECONDS`` after the read; reading metadata takes none.
 """
 
 from __future__ import annotations

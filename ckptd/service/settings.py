@@ -63,7 +63,12 @@ class Settings(BaseSettings):
     retention_keep_every: int | None = Field(
         None, ge=1, description="retention policy: also keep every step that is a multiple of K")
     read_lease_seconds: float = Field(
-        900.0, ge=0, description="serving a manifest leases that checkpoint this long, so gc spares it (0 = off)")
+        900.0, ge=0, description="a reader's lease runs this long unless renewed, and file bytes served to a request "
+        "that names no lease of its own keep the checkpoint from gc this long after the read (to within 30 s); "
+        "reading metadata takes no lease (0 = leases off)")
+    read_leases_per_token: int = Field(
+        100_000, ge=1, description="the most unexpired read leases one token may hold at a replica (a load takes "
+        "one per rank; 429 past it)")
     log_level: str = Field("info", description="log level")
     log_format: Literal["text", "json"] = Field(
         "text", description="log lines as text or as JSON objects (one per line, with request ids)")
@@ -165,7 +170,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Saving and loading": ("direct_uploads", "direct_upload_seconds", "direct_reads",
                            "write_batch_bytes", "manifest_cache_bytes", "verify_after_commit", "stale_session_ttl", "dead_session_after",
                            "reclaim_interval"),
-    "Retention and leases": ("retention_keep_last", "retention_keep_every", "read_lease_seconds"),
+    "Retention and leases": ("retention_keep_last", "retention_keep_every", "read_lease_seconds",
+                             "read_leases_per_token"),
     "Reshard jobs": ("reshard_workers", "reshard_max_mbps"),
     "Conversion drills": ("drill_every", "drill_layouts"),
     "Request limits": ("max_index_bytes", "max_header_bytes", "header_timeout_seconds", "body_idle_timeout_seconds",

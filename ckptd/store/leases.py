@@ -1,31 +1,60 @@
 """Leases: a checkpoint being read or converted must not be deleted.
 
-A lease is a small object ``leases/<run>/<name>/<holder>.json`` holding an
-expiry time; holders renew it while they work and release it when done.
-Retention (``ckptd gc``) skips any checkpoint with an unexpired lease. A
-crashed holder's lease simply expires.
+A lease is a small object ``leases/<run>/<name>/<holder>.json`` holding its holder, its owner and
+an expiry time; holders renew it while they work and release it when done. Retention (``ckptd
+gc``, ``ckptd rm``) skips any checkpoint with an unexpired lease. A crashed holder's lease simply
+expires, and a record expired for longer than :data:`EXPIRED_KEPT_SECONDS` is deleted by the next
+reader of the leases (gc, ``rm``, the web view), so dead records do not pile up under a checkpoint.
 
-The service's reads lease what they serve (:class:`ReadLeases`): serving a manifest, a read plan
-or file bytes renews the lease the request names (``X-Ckptd-Lease``: a load's own, released when
-it returns), or else leases the checkpoint on this replica's account for
-``CKPTD_READ_LEASE_SECONDS``, so gc does not delete it under a load that is still fetching its
-files (renewed at most every half lease per replica).
+Two kinds of holder:
+
+* the service's own work (reshard jobs, drills, verifications, exports, and this replica's
+  lease for reads that name none): :class:`Leases`, owned by :data:`SERVICE`;
+* readers over HTTP: :class:`ReadLeases`, named ``client-<holder>``, each owned by the principal
+  (the token) that took it. Only that principal renews or releases it; an admin may break it
+  (logged); a principal holds at most ``per_principal`` unexpired leases at one replica.
+
+What leases what (the rule the docs state, decided here):
+
+* reading metadata (manifest, load tree, read plans, listings, the web view) takes no lease;
+* a load takes its own lease (``PUT .../leases/HOLDER``) once it knows which checkpoint it reads,
+  renews it every third of the period, and releases it on every way out (``ckptd_client``);
+* a byte read that names no lease its principal holds (``X-Ckptd-Lease``) leases the checkpoint on
+  this replica's account until ``seconds`` after the read (to within :data:`REPLICA_RENEW_SECONDS`:
+  the lease is rewritten at most that often).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Iterator
+
+from ckptd_schemas import CkptdError, Forbidden, TooManyRequests
 
 from ..storage import Storage
 
-__all__ = ["Leases", "ReadLeases"]
+__all__ = ["EXPIRED_KEPT_SECONDS", "LeaseRecord", "Leases", "ReadLeases", "REPLICA_RENEW_SECONDS", "SERVICE"]
+
+log = logging.getLogger("ckptd.service")
+
+SERVICE = "ckptd"  # the owner of the service's own leases
+EXPIRED_KEPT_SECONDS = 300.0  # a holder renewing late finds its record still there
+REPLICA_RENEW_SECONDS = 30.0  # the most a replica's lease for reads may end early after the last read
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    holder: str
+    owner: str | None  # None: a record without one (written before leases had owners): only an admin breaks it
+    expires_at: float
 
 
 class Leases:
@@ -36,12 +65,31 @@ class Leases:
     def _key(run: str, name: str, holder: str) -> str:
         return f"leases/{run}/{name}/{holder}.json"
 
-    def acquire(self, run: str, name: str, holder: str, *, ttl: float) -> None:
+    def acquire(self, run: str, name: str, holder: str, *, ttl: float, owner: str = SERVICE) -> None:
         self.storage.put(self._key(run, name, holder),
-                         json.dumps({"holder": holder, "expires_at": time.time() + ttl}).encode())
+                         json.dumps({"holder": holder, "owner": owner, "expires_at": time.time() + ttl}).encode())
 
     def release(self, run: str, name: str, holder: str) -> None:
         self.storage.delete(self._key(run, name, holder))
+
+    def record(self, run: str, name: str, holder: str) -> LeaseRecord | None:
+        """Lease ``holder``'s record, expired or not; None when there is none (or it is not a lease)."""
+        return self._parse(self._key(run, name, holder), holder)
+
+    def _parse(self, key: str, entry: str) -> LeaseRecord | None:
+        path = self.storage.local_path(key)
+        if path is not None and not os.path.isfile(path):
+            return None  # never opened: a FIFO there would block gc
+        raw = self.storage.read_or_none(key)
+        try:
+            data = json.loads(raw) if raw is not None else None
+            if not isinstance(data, dict):
+                return None
+            owner = data.get("owner")
+            return LeaseRecord(str(data.get("holder", entry)), owner if isinstance(owner, str) else None,
+                               float(data.get("expires_at", 0)))
+        except (ValueError, TypeError, OverflowError):
+            return None
 
     def active(self, run: str, name: str, *, now: float | None = None) -> list[str]:
         """The holders of the unexpired leases on ``run/name``."""
@@ -58,24 +106,22 @@ class Leases:
             f" and {len(held) - 4} more" if len(held) > 4 else "")
 
     def holding(self, run: str, name: str, *, now: float | None = None) -> list[tuple[str, float]]:
-        """(holder, expiry as a Unix time) of each unexpired lease on ``run/name``."""
+        """(holder, expiry as a Unix time) of each unexpired lease on ``run/name``. A record expired
+        for longer than :data:`EXPIRED_KEPT_SECONDS` is deleted on the way (best effort)."""
         now = time.time() if now is None else now
         out = []
         for entry in self.storage.list(f"leases/{run}/{name}"):
             # A read that fails raises (gc then deletes nothing); an entry that is not a lease this
             # store wrote (a directory, not JSON, no expiry) holds nothing.
             key = f"leases/{run}/{name}/{entry}"
-            path = self.storage.local_path(key)
-            if path is not None and not os.path.isfile(path):
-                continue  # never opened: a FIFO there would block gc
-            raw = self.storage.read_or_none(key)
-            try:
-                data = json.loads(raw) if raw is not None else None
-                expires = float(data.get("expires_at", 0)) if isinstance(data, dict) else 0.0
-            except (ValueError, TypeError, OverflowError):
+            rec = self._parse(key, entry)
+            if rec is None:
                 continue
-            if expires > now:
-                out.append((str(data.get("holder", entry)), expires))
+            if rec.expires_at > now:
+                out.append((rec.holder, rec.expires_at))
+            elif rec.expires_at < now - EXPIRED_KEPT_SECONDS and entry.endswith(".json"):
+                with contextlib.suppress(CkptdError, OSError):  # a read-only root keeps it: harmless
+                    self.storage.delete(key)
         return out
 
     @contextlib.contextmanager
@@ -102,45 +148,99 @@ class Leases:
             self.release(run, name, holder)
 
 
-_HOLDER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a reader's lease name, as the lease routes take
+_HOLDER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a reader's lease name, as the lease routes take
 
 
 class ReadLeases:
-    """Leases served checkpoints for a while; at most one storage write per checkpoint per half lease."""
+    """Readers' leases over HTTP, each owned by the principal that took it, and this replica's lease
+    for byte reads that name none (module docstring).
 
-    def __init__(self, storage: Storage, seconds: float) -> None:
+    Call order (the read routes): :meth:`hold` for ``PUT .../leases/HOLDER`` (take or renew),
+    :meth:`release` for its ``DELETE``, :meth:`touch` before serving file bytes."""
+
+    def __init__(self, storage: Storage, seconds: float, per_principal: int = 100_000) -> None:
         self.leases, self.seconds = Leases(storage), seconds  # CKPTD_READ_LEASE_SECONDS
+        self.per_principal = per_principal  # CKPTD_READ_LEASES_PER_TOKEN
         self.holder = f"reader-{uuid.uuid4().hex[:12]}"  # this replica
-        self._renewed: dict[tuple[str, str], float] = {}
+        self._renew_every = min(REPLICA_RENEW_SECONDS, seconds / 10)
+        self._written: dict[tuple[str, str], float] = {}  # (run, name) -> when this replica's lease was written
+        self._own: dict[tuple[str, str, str, str], float] = {}  # a named lease found owned: until when trusted
+        self._taken: dict[str, dict[tuple[str, str, str], float]] = {}  # principal -> lease -> expiry
         self._lock = threading.Lock()
 
-    def touch(self, run: str, name: str, holder: str | None = None) -> None:
-        """A read of ``run/name``: renew the reader's own lease when the request names one
-        (``X-Ckptd-Lease``: released by the reader when it is done, so nothing of its read outlives
-        it), else this replica's lease on the checkpoint, which runs a while after the last read."""
+    # -- a reader's own lease --------------------------------------------------------------------
+    def hold(self, run: str, name: str, holder: str, principal: str) -> None:
+        """Take or renew lease ``holder`` on ``run/name`` for ``principal``, for one period from now.
+        Forbidden when another principal holds it unexpired; TooManyRequests past ``per_principal``
+        unexpired leases of this principal taken here."""
         if self.seconds <= 0:
             return
-        if holder is not None and not _HOLDER.fullmatch(holder):
-            holder = None  # not a name a lease can have: as a read without one
-        now = time.monotonic()
-        key = (run, name, holder or "")
+        rec = self.leases.record(run, name, f"client-{holder}")
+        now = time.time()
+        if rec is not None and rec.expires_at > now and rec.owner != principal:
+            raise Forbidden(f"read lease {holder!r} on {run}/{name} belongs to another token; take a lease of "
+                            f"your own name", ref=f"{run}/{name}", holder=holder)
         with self._lock:
-            if now - self._renewed.get(key, -1e18) < self.seconds / 2:
-                return
-            self._renewed[key] = now
-            if len(self._renewed) > 10_000:
-                self._renewed = {k: v for k, v in self._renewed.items() if now - v < self.seconds}
-        if holder is not None:
-            self.hold(run, name, holder)
+            mine = self._taken.setdefault(principal, {})
+            if (run, name, holder) not in mine and len(mine) >= self.per_principal:
+                for k in [k for k, t in mine.items() if t <= now]:
+                    del mine[k]
+                if len(mine) >= self.per_principal:
+                    raise TooManyRequests(
+                        f"token {principal!r} holds {len(mine)} read leases at this replica, the most one token may "
+                        f"hold (CKPTD_READ_LEASES_PER_TOKEN); release finished ones", ref=f"{run}/{name}",
+                        holder=holder)
+            mine[(run, name, holder)] = now + self.seconds
+        self.leases.acquire(run, name, f"client-{holder}", ttl=self.seconds, owner=principal)
+
+    def release(self, run: str, name: str, holder: str, principal: str, *, admin: bool = False) -> None:
+        """Release lease ``holder``: only its owner may (Forbidden otherwise), or an admin, who breaks
+        it (logged). Releasing a lease that is not there is done already."""
+        rec = self.leases.record(run, name, f"client-{holder}")
+        if rec is None:
             return
-        # Renewed at most every half lease, so each renewal runs one and a half leases: a read
-        # keeps the checkpoint for at least a whole lease after it, whenever the last renewal was.
-        self.leases.acquire(run, name, self.holder, ttl=1.5 * self.seconds)
-
-    def hold(self, run: str, name: str, holder: str) -> None:
-        """A reader's own lease, for one lease period from now (the reader renews it)."""
-        if self.seconds > 0:
-            self.leases.acquire(run, name, f"client-{holder}", ttl=self.seconds)
-
-    def release(self, run: str, name: str, holder: str) -> None:
+        if rec.owner != principal:
+            if not admin:
+                raise Forbidden(f"read lease {holder!r} on {run}/{name} belongs to another token; only it or an "
+                                f"admin may release it", ref=f"{run}/{name}", holder=holder)
+            log.warning("read lease %s on %s/%s of token %s broken by admin %s (it ended at %s)", holder, run, name,
+                        rec.owner or "(unknown)", principal,
+                        time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(rec.expires_at)))
         self.leases.release(run, name, f"client-{holder}")
+        with self._lock:
+            self._taken.get(rec.owner or "", {}).pop((run, name, holder), None)
+            for k in [k for k in self._own if k[:3] == (run, name, holder)]:
+                del self._own[k]
+
+    # -- byte reads ----------------------------------------------------------------------------
+    def touch(self, run: str, name: str, holder: str | None, principal: str) -> None:
+        """A byte read of ``run/name``: nothing more when it names a lease ``principal`` holds (its
+        holder renews it), else this replica's lease, rewritten at most every ``_renew_every`` s so that
+        it ends ``seconds`` after the last read, to within that."""
+        if self.seconds <= 0:
+            return
+        if holder is not None and _HOLDER.fullmatch(holder) and self._holds(run, name, holder, principal):
+            return
+        now = time.monotonic()
+        with self._lock:
+            if now - self._written.get((run, name), -1e18) < self._renew_every:
+                return
+            self._written[(run, name)] = now
+            if len(self._written) > 10_000:
+                self._written = {k: v for k, v in self._written.items() if now - v < self._renew_every}
+        self.leases.acquire(run, name, self.holder, ttl=self.seconds)
+
+    def _holds(self, run: str, name: str, holder: str, principal: str) -> bool:
+        """Whether ``principal`` holds lease ``holder`` unexpired (read once per ``_renew_every`` s)."""
+        key, now = (run, name, holder, principal), time.monotonic()
+        with self._lock:
+            if self._own.get(key, -1.0) > now:
+                return True
+        rec = self.leases.record(run, name, f"client-{holder}")
+        if rec is None or rec.owner != principal or rec.expires_at <= time.time():
+            return False
+        with self._lock:
+            self._own[key] = now + self._renew_every
+            if len(self._own) > 10_000:
+                self._own = {k: t for k, t in self._own.items() if t > now}
+        return True

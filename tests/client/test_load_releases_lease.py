@@ -6,7 +6,8 @@ and a ``dcp.load`` through ``dcp_reader`` each return,
 and right after it ``rm`` of that checkpoint removes it: the load's own lease named each of its
 requests and was released when it returned, and the service leased nothing on its own. A reader
 that holds a lease (as a load in progress does) keeps the checkpoint, and ``rm`` says who holds it
-and until when; a plain read without a lease (``curl``) still leases the checkpoint for a while.
+and until when; reading a manifest takes no lease, and a byte read without one (``curl``) still
+leases the checkpoint for a while.
 """
 
 from __future__ import annotations
@@ -70,8 +71,14 @@ def test_a_finished_load_leaves_no_lease_and_a_held_one_names_its_holder(tmp_pat
         assert httpx.delete(f"{srv.url}/v1/checkpoints/ev/3/leases/evaluator-7", timeout=10).status_code == 204
         assert _rm(srv.url, "ev/3").returncode == 0
 
-        # a read that names no lease still leases the checkpoint on the service's own account
-        assert httpx.get(f"{srv.url}/v1/checkpoints/ev/4", timeout=10).status_code == 200
+        # reading metadata takes no lease; a byte read that names no lease leases the checkpoint on the
+        # service's own account
+        m = httpx.get(f"{srv.url}/v1/checkpoints/ev/4", timeout=10)
+        assert m.status_code == 200
+        assert list((tmp_path / "root" / "leases").rglob("*.json")) == []
+        file = next(iter(m.json()["files"]))
+        assert httpx.get(f"{srv.url}/v1/checkpoints/ev/4/files/{file}", headers={"Range": "bytes=0-9"},
+                         timeout=10).status_code == 206
         out = _rm(srv.url, "ev/4")
         assert out.returncode == 1 and "leased by reader-" in out.stdout, out.stdout + out.stderr
     finally:

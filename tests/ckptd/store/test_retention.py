@@ -10,6 +10,7 @@ import time
 import uuid
 from datetime import datetime, timedelta, timezone
 
+import httpx
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -165,7 +166,8 @@ def test_service_policy_collects_after_each_commit_and_spares_what_was_just_read
     try:
         c = CheckpointClient(srv.url)
         c.save({"w": torch.zeros(4)}, "pol/1").wait()
-        c.manifest("pol/1")  # a load starts: step 1 is leased by the replica that served it
+        file = next(iter(c.manifest("pol/1").files))  # reading the manifest leases nothing; reading bytes does:
+        assert httpx.get(f"{srv.url}/v1/checkpoints/pol/1/files/{file}", timeout=10).status_code == 200
         for s in (2, 3, 4):
             c.save({"w": torch.full((4,), float(s))}, f"pol/{s}").wait()
         deadline = time.monotonic() + 20
