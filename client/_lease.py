@@ -79,11 +79,13 @@ class LoadLease:
 
     def __init__(self, transport: Transport, run: str, name: str) -> None:
         self.transport, self.holder = transport, uuid.uuid4().hex
+        self.base: str | None = None  # the checkpoint held, once resolved
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(transport.leased(f"/v1/checkpoints/{run}/{name}", self.holder))
 
     def hold(self, base: str) -> None:
         """Take (and renew) the lease on the checkpoint at ``base``, the resolved one."""
+        self.base = base
         self._stack.enter_context(read_lease(self.transport, base, self.holder))
 
     def close(self) -> None:

@@ -61,6 +61,7 @@ from ._share import Sharing, agree, exchange, region_key, share_plan
 from ._flatten import Leaf, flatten_state_dict
 from .transport import Transport
 from ._placement import LocalPiece, dtype_name, local_piece
+from ._damage import reported
 from ._lease import LoadLease, read_lease
 from ._loadtree import fetch_head, fetch_pieces
 from ._resolve import resolve_manifest
@@ -193,8 +194,12 @@ def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, ra
               streams: int, cover: bool = False, direct_reads: bool = True, share_replicas: bool = True,
               objects: ObjectPolicy = SAFE) -> LoadReport:
     with LoadLease(transport, run, name) as lease:  # one read lease for the whole load, released when it returns
-        return _load_into(transport, run, name, state_dict, lease, rank=rank, strict=strict, cover=cover,
-                          streams=streams, direct_reads=direct_reads, share_replicas=share_replicas, objects=objects)
+        try:
+            return _load_into(transport, run, name, state_dict, lease, rank=rank, strict=strict, cover=cover,
+                              streams=streams, direct_reads=direct_reads, share_replicas=share_replicas,
+                              objects=objects)
+        except CorruptCheckpoint as e:  # the service re-checks and records it: `latest` moves past it
+            raise reported(transport, lease.base, e) from e
 
 
 def _load_into(transport: Transport, run: str, name: str, state_dict: dict, lease: LoadLease, *,

@@ -63,6 +63,7 @@ from ._manifest import get_manifest
 from ._presigned import DirectUploads
 from ._save import Snapshot, _Chunk, _Object, upload_files
 from .session_calls import open_session, put_index, wait_committed
+from ._damage import reported
 from ._lease import LoadLease
 from ._load import execute, local_files
 from ckptd_schemas.names import DCP_METADATA
@@ -387,6 +388,8 @@ class CkptdStorageReader(_Endpoint, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         try:
             return self._read_data(plan, planner)
+        except CorruptCheckpoint as e:  # the service re-checks and records it: `latest` moves past it
+            raise reported(self.transport, self.base, e) from e
         finally:
             self._release()  # the rank's last call: its lease ends with its reads
 

@@ -269,6 +269,7 @@ ROUTE_RULES: dict[str, Rule] = {
     "load_tree_pieces": Rule("read", body="index"),
     "get_file": Rule("read"),
     "verify_checkpoint": Rule("read"),  # runs in a worker; the record it writes is derived, never the data
+    "report_damage": Rule("read"),  # the same: a failure is recorded only when the service's own check finds it
     "get_verification": Rule("read"),
     "hold_lease": Rule("read"),  # a lease only keeps a checkpoint; it changes nothing else
     "release_lease": Rule("read"),

@@ -23,6 +23,8 @@ lists only the runs it may read). Call order of a load::
 and, at any time::
 
     POST   /v1/checkpoints/{run}/{name}/verify           re-read and check every byte, record the outcome
+    POST   /v1/checkpoints/{run}/{name}/damaged          a reader found damaged bytes in these files: re-read
+                                                         them, record a failure (RUN/latest then skips it)
     GET    /v1/checkpoints/{run}/{name}/verification     the last recorded verification
 
 Reading metadata takes no lease; a load holds its own (the lease routes, owned by its token), and
@@ -49,13 +51,13 @@ from ckptd_schemas import (
 from ckptd_schemas.api import LOAD_TREE_HEADER, MAX_SKIPPED_SENT, SKIPPED_HEADER
 
 from ..store.paths import Paths
-from ..store.verification import VerifyRecord, read_record, verify_and_record
+from ..store.verification import VerifyRecord, read_record, recheck_and_record, verify_and_record
 from .auth import principal_of
 from .bodies import parse_body, read_body_limited
 from .limits import read_plan_budget
 from .services import Services
 
-__all__ = ["LoadTreeBody", "ReadPlanBody", "read_router"]
+__all__ = ["DamageReport", "DamageVerdict", "LoadTreeBody", "ReadPlanBody", "read_router"]
 
 
 class LoadTreeBody(BaseModel):
@@ -70,6 +72,25 @@ class ReadPlanBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     requests: list[ReadRequest]
     local_paths: bool = False  # also answer with each file's path here (direct reads, see ReadPlan)
+
+
+class DamageReport(BaseModel):
+    """A reader's report: these data files of the checkpoint gave it bytes that fail their digests."""
+
+    model_config = ConfigDict(extra="forbid")
+    files: list[str] = Field(min_length=1, max_length=16)
+
+
+class DamageVerdict(BaseModel):
+    """What the service found when it read the reported files again (``verification.recheck_files``)."""
+
+    ref: str
+    files: list[str]
+    damaged: bool
+    problems: list[str]
+    recorded: bool = Field(description="this report stored the failed verification record (false when one was "
+                                       "stored already, or the files are intact)")
+    latest: str | None = Field(description="the checkpoint RUN/latest resolves to now (null: none)")
 
 
 def _parse_range(header: str | None, size: int) -> tuple[int, int]:
@@ -208,6 +229,26 @@ def read_router(svc: Services) -> APIRouter:
         rec = await asyncio.wrap_future(workers().submit(verify_and_record, storage.url, run, name))
         return VerifyRecord.model_validate(rec)
 
+    rechecks: dict[tuple[str, str, tuple[str, ...]], asyncio.Future] = {}
+
+    @router.post("/v1/checkpoints/{run}/{name}/damaged", response_model=DamageVerdict)
+    async def report_damage(run: str, name: str, body: DamageReport) -> DamageVerdict:
+        """A reader found bytes of ``files`` that fail their digests: read those files again with the one
+        checker (in a worker) and, when they are damaged, record the failed verification, so that
+        ``RUN/latest`` resolves past this checkpoint from now on; a reader's word alone changes nothing.
+        Concurrent reports of the same files share one check; once a failure is recorded, a report is
+        answered from the record."""
+        for f in body.files:
+            check_file(f)
+        c = await run_in_threadpool(reader.committed, run, name)
+        key = (run, c.name, tuple(sorted(set(body.files))))
+        fut = rechecks.get(key)
+        if fut is None:
+            fut = rechecks[key] = asyncio.wrap_future(workers().submit(recheck_and_record, storage.url, run, c.name,
+                                                                       list(key[2])))
+            fut.add_done_callback(lambda _: rechecks.pop(key, None))
+        return DamageVerdict.model_validate(await asyncio.shield(fut))
+
     @router.get("/v1/checkpoints/{run}/{name}/verification", response_model=VerifyRecord)
     async def get_verification(run: str, name: str) -> VerifyRecord:
         """The last verification the service recorded for this checkpoint (404 when there is none)."""
@@ -253,10 +294,11 @@ def read_router(svc: Services) -> APIRouter:
     async def hold_lease(request: Request, run: str, name: str, holder: str) -> dict:
         """Take or renew the request's token's read lease ``holder`` (``ckptd.store.leases``): renewed by
         the reader every third of ``seconds``; gc spares the checkpoint meanwhile. 403 when another
-        token holds that lease, 429 past the leases one token may hold."""
+        token holds that lease (an admin token takes it over, logged), 429 past the leases one token may hold."""
         check_session(holder)  # the same safe-name rule as a session id
         c = await run_in_threadpool(reader.committed, run, name)
-        await run_in_threadpool(read_leases.hold, run, c.name, holder, principal_of(request).name)
+        p = principal_of(request)
+        await run_in_threadpool(lambda: read_leases.hold(run, c.name, holder, p.name, admin=p.admin))
         return {"ref": c.ref, "holder": holder, "seconds": settings.read_lease_seconds}
 
     @router.delete("/v1/checkpoints/{run}/{name}/leases/{holder}", status_code=204)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from math import prod
 from operator import itemgetter, le, sub
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, Collection, Iterable, Protocol, Sequence
 
 import xxhash
 
@@ -376,12 +376,14 @@ def _check_file(fname: str, entry: FileEntry, members: Sequence[int], rows: _Row
 
 def judge(manifest: Manifest, source: StoredBytes, *, jobs: int = JOBS, read_size: int = READ_SIZE,
           tiling: bool = False, progress: Callable[[int], None] | None = None,
-          storage_errors_are_problems: bool = False) -> Verdict:
+          storage_errors_are_problems: bool = False, files: Collection[str] | None = None) -> Verdict:
     """Every problem of the bytes ``source`` holds against ``manifest`` (module docstring), in file
     order after the tiling's. A file that cannot be read whole is a problem of that file (damage: the
     source raises :class:`~ckptd_schemas.IntegrityError`); a failing store (``StorageError``) is raised,
     as transient, unless ``storage_errors_are_problems`` (a verification, which reports what it could
-    not read). ``progress`` is called with the size of every window read."""
+    not read). ``progress`` is called with the size of every window read. ``files``: judge only these
+    files' bytes (a reader's report of damage: ``verification.recheck_files``), and replicas only among
+    the rows they hold."""
     problems: list[Problem] = []
     if tiling:
         for t in manifest.tensors:
@@ -399,7 +401,7 @@ def judge(manifest: Manifest, source: StoredBytes, *, jobs: int = JOBS, read_siz
                                     f"not list", {kind: name, "file": f}))
             continue
         appends[f](i)
-    items = sorted(by_file.items())
+    items = sorted(by_file.items()) if files is None else sorted((f, v) for f, v in by_file.items() if f in files)
 
     local = threading.local()  # one read buffer per thread, reused for all its files
     done = getattr(source, "done", None)
@@ -440,6 +442,8 @@ def judge(manifest: Manifest, source: StoredBytes, *, jobs: int = JOBS, read_siz
         shas.update(sh)
         nbytes += n
     for members in groups:
+        if files is not None:
+            members = [i for i in members if rows.file[i] in files]
         if len({shas.get(i) for i in members}) > 1:
             i = members[0]
             kind, name = rows.whats[rows.owner[i]]
@@ -485,7 +489,7 @@ class _Windows:
 
 def verify_manifest(
     manifest: Manifest, source: ByteSource, *, progress: Callable[[int], None] | None = None, jobs: int = JOBS,
-    storage_errors_are_problems: bool = True,
+    storage_errors_are_problems: bool = True, files: Collection[str] | None = None,
 ) -> VerifyReport:
     """Check every file, chunk and tensor of ``manifest`` against the bytes ``source`` returns, ``jobs``
     files at a time (a read waits on the device or the network without the GIL, so a second file's
@@ -493,8 +497,8 @@ def verify_manifest(
     fails a read (``StorageError``) is a problem of that file, or, with ``storage_errors_are_problems``
     False, raised: a verification whose outcome is recorded must not call a checkpoint bad because
     its store was briefly unreachable."""
-    verdict = judge(manifest, _Windows(source), jobs=jobs, read_size=READ_SIZE, tiling=True, progress=progress,
-                    storage_errors_are_problems=storage_errors_are_problems)
+    verdict = judge(manifest, _Windows(source), jobs=jobs, read_size=READ_SIZE, tiling=files is None,
+                    progress=progress, storage_errors_are_problems=storage_errors_are_problems, files=files)
     chunks = sum(len(t.table) for t in manifest.tensors) + sum(1 for o in manifest.objects if o.location is not None)
     return VerifyReport(ref=manifest.ref, files=len(manifest.files), tensors=len(manifest.tensors), chunks=chunks,
                         bytes_read=verdict.bytes_read, problems=[p.message for p in verdict.problems])

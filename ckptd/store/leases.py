@@ -169,17 +169,20 @@ class ReadLeases:
         self._lock = threading.Lock()
 
     # -- a reader's own lease --------------------------------------------------------------------
-    def hold(self, run: str, name: str, holder: str, principal: str) -> None:
+    def hold(self, run: str, name: str, holder: str, principal: str, *, admin: bool = False) -> None:
         """Take or renew lease ``holder`` on ``run/name`` for ``principal``, for one period from now.
-        Forbidden when another principal holds it unexpired; TooManyRequests past ``per_principal``
-        unexpired leases of this principal taken here."""
+        Forbidden when another principal holds it unexpired (an admin takes it over: logged);
+        TooManyRequests past ``per_principal`` unexpired leases of this principal taken here."""
         if self.seconds <= 0:
             return
         rec = self.leases.record(run, name, f"client-{holder}")
         now = time.time()
         if rec is not None and rec.expires_at > now and rec.owner != principal:
-            raise Forbidden(f"read lease {holder!r} on {run}/{name} belongs to another token; take a lease of "
-                            f"your own name", ref=f"{run}/{name}", holder=holder)
+            if not admin:
+                raise Forbidden(f"read lease {holder!r} on {run}/{name} belongs to another token; take a lease of "
+                                f"your own name", ref=f"{run}/{name}", holder=holder)
+            log.warning("read lease %s on %s/%s of token %s taken over by admin %s", holder, run, name,
+                        rec.owner or "(unknown)", principal)
         with self._lock:
             mine = self._taken.setdefault(principal, {})
             if (run, name, holder) not in mine and len(mine) >= self.per_principal:

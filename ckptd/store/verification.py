@@ -7,7 +7,8 @@ the outcome as the checkpoint's verification record (:mod:`.records`). The check
 (marker, manifest, data) is not touched.
 
 Call order: :func:`verify_committed` checks and records in the calling process (``ckptd gc``
-offline); the service submits :func:`verify_and_record` to a worker; conversions call
+offline); the service submits :func:`verify_and_record` to a worker, and :func:`recheck_and_record`
+when a reader reports damaged bytes; conversions call
 :func:`require_verified` on their source; a dry run :func:`verify_unrecorded`; readers
 :func:`read_record`.
 """
@@ -17,17 +18,17 @@ from __future__ import annotations
 import time
 from datetime import datetime, timezone
 
-from ckptd_schemas import CkptdError, CorruptCheckpoint, StorageError
+from ckptd_schemas import LATEST, CheckpointNotFound, CkptdError, CorruptCheckpoint, InvalidRequest, StorageError
 
 from ..storage import Storage
 from .tiers import open_root
 from .checker import VerifyReport, jobs_for, verify_manifest
 from .paths import Committed, Paths
-from .records import MAX_PROBLEMS, VerifyRecord, record_holds, record_of, stamps_of
+from .records import MAX_PROBLEMS, VerifyRecord, known_bad, record_holds, record_of, stamps_of
 from .visibility import Visibility
 
-__all__ = ["VerifyRecord", "load_tree_problem", "read_record", "require_verified", "verify_and_record",
-           "verify_committed", "verify_unrecorded"]
+__all__ = ["VerifyRecord", "load_tree_problem", "read_record", "recheck_and_record", "recheck_files",
+           "require_verified", "verify_and_record", "verify_committed", "verify_unrecorded"]
 
 
 class _StorageSource:
@@ -92,7 +93,10 @@ def verify_unrecorded(storage: Storage, run: str, name: str) -> VerifyRecord:
     return _verify_here(storage, run, name)[0]
 
 
-def _verify_here(storage: Storage, run: str, name: str) -> tuple[VerifyRecord, Committed]:
+def _verify_here(storage: Storage, run: str, name: str,
+                 files: list[str] | None = None) -> tuple[VerifyRecord, Committed]:
+    """Check ``run/name``'s stored bytes (only ``files``'s, when given: no stamps then, the record
+    vouches for nothing) and its load tree; the record, not stored."""
     vis = Visibility(storage)
     t0 = time.perf_counter()
     c = vis.resolve(run, name)  # not visible: CheckpointNotFound, nothing recorded
@@ -104,11 +108,11 @@ def _verify_here(storage: Storage, run: str, name: str) -> tuple[VerifyRecord, C
         report = verify_manifest(manifest, _StorageSource(storage, c.run, c.name, c.session,
                                                              {f: e.size for f, e in manifest.files.items()}),
                                  jobs=jobs_for(manifest, storage, lambda f: Paths.file(c.run, c.name, c.session, f)),
-                                 storage_errors_are_problems=False)
+                                 storage_errors_are_problems=False, files=files)
         problem = load_tree_problem(vis, c)
         if problem is not None:
             report.problems.append(problem)
-        if before == stamps_of(storage, c, sorted(manifest.files)) and all(before.values()):
+        if files is None and before == stamps_of(storage, c, sorted(manifest.files)) and all(before.values()):
             stamps = before
     except StorageError:
         raise  # the store failed, not the checkpoint: nothing is recorded (a failed record makes `latest` skip it)
@@ -125,6 +129,46 @@ def verify_and_record(root: str, run: str, name: str) -> dict:
     """In a worker process: :func:`verify_committed` on the storage at ``root``; the record as a dict
     (it crosses the process boundary)."""
     return verify_committed(open_root(root), run, name).model_dump(mode="json")
+
+
+def recheck_files(storage: Storage, run: str, name: str, files: list[str]) -> dict:
+    """A reader's report that ``files`` of the visible checkpoint ``run/name`` (a concrete name) hold
+    damaged bytes: the one checker reads those files again. Damaged: a failed record is stored (so
+    ``RUN/latest`` skips the checkpoint from now on: an auto-resume that hit it does not hit it again),
+    unless one is stored already. Intact: nothing is stored (a check of some files vouches for no
+    checkpoint; a reader's word alone never marks one bad). Returns ``{"ref", "files", "damaged",
+    "problems", "recorded", "latest"}``: ``latest`` is what ``RUN/latest`` resolves to now (None: nothing).
+
+    Unknown files are refused (``InvalidRequest``) before anything is read."""
+    vis = Visibility(storage)
+    c = vis.check(run, name)
+    if c is None:
+        raise CheckpointNotFound(f"{run}/{name} is not a visible checkpoint", ref=f"{run}/{name}")
+    unknown = sorted(set(files) - set(vis.manifest(c).files))
+    if unknown:
+        raise InvalidRequest(f"{c.ref} has no data file {unknown[0]!r}", ref=c.ref, file=unknown[0])
+    already = known_bad(storage, c)
+    recorded = False
+    problems: list[str] = []
+    if already is None:
+        rec, _ = _verify_here(storage, c.run, c.name, files=sorted(set(files)))
+        problems = rec.problems
+        if not rec.ok:
+            storage.put(Paths.verification(c.run, c.name), rec.model_dump_json().encode())
+            recorded = True
+    else:
+        problems = [already]
+    try:
+        latest: str | None = vis.resolve_ref(run, LATEST)[0].name
+    except CheckpointNotFound:
+        latest = None
+    return {"ref": c.ref, "files": sorted(set(files)), "damaged": bool(problems), "problems": problems[:8],
+            "recorded": recorded, "latest": latest}
+
+
+def recheck_and_record(root: str, run: str, name: str, files: list[str]) -> dict:
+    """In a worker process: :func:`recheck_files` on the storage at ``root``."""
+    return recheck_files(open_root(root), run, name, files)
 
 
 def read_record(storage: Storage, run: str, name: str) -> VerifyRecord | None:

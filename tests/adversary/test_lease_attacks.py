@@ -83,6 +83,12 @@ def test_a_lease_is_its_token_s_own_and_an_admin_breaks_it_logged(srv):
     assert not (Path(srv.root) / "leases/ev/1/client-eval-run-7.json").exists()
     log = srv.log.read_text()
     assert "read lease eval-run-7 on ev/1 of token evaluator broken by admin ops" in log, log[-2000:]
+    # or takes it over
+    assert httpx.put(lease, headers=_h(READER), timeout=10).status_code == 200
+    assert httpx.put(lease, headers=_h(ADMIN), timeout=10).status_code == 200
+    assert "read lease eval-run-7 on ev/1 of token evaluator taken over by admin ops" in srv.log.read_text()
+    assert httpx.delete(lease, headers=_h(READER), timeout=10).status_code == 403  # no longer the reader's
+    assert httpx.delete(lease, headers=_h(ADMIN), timeout=10).status_code == 204
     assert _cli(url, WRITER, "rm", "ev/1").returncode == 0
 
 

@@ -1,0 +1,116 @@
+"""A damaged newest checkpoint does not crash-loop an auto-resume (docs/retention.md, Damaged bytes).
+
+A job that restarts on ``RUN/latest`` after every failure, as an auto-resume does: the newest
+checkpoint's data file has one byte flipped on disk after its commit (and after the service's own
+verification found it good). The first load fails with ``CorruptCheckpoint``; the rank reports the
+file, the service reads it again, finds it damaged and records the verdict, and the error says that
+``latest`` now resolves to the step before. The next start loads that step. A reader's report of a
+file that is intact changes nothing: the service judges by its own check.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from ckptd_client import CheckpointClient
+from ckptd_schemas import CorruptCheckpoint
+from support import ServerProcess, assert_bits_equal, blank_like
+
+RUN = "auto"
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g)}, "step": step}
+
+
+def _flip(root: Path, name: str) -> str:
+    (path,) = [p for p in (root / "runs" / RUN / name / "sessions").glob("*/files/*") if p.is_file()]
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    return path.name
+
+
+@pytest.fixture
+def srv(tmp_path):
+    s = ServerProcess(tmp_path / "root").start()
+    with CheckpointClient(s.url, incremental=False) as c:
+        for step in (1, 2, 3):
+            c.save(_state(step), f"{RUN}/{step}").wait()
+    yield s
+    s.stop()
+
+
+def _resume(url: str, **kw) -> tuple[dict, str]:
+    """One start of the job: load RUN/latest into a fresh state."""
+    got = blank_like(_state(0))
+    with CheckpointClient(url, **kw) as c:
+        report = c.load(got, f"{RUN}/latest")
+    return got, report.ref
+
+
+@pytest.mark.parametrize("direct_reads", [False, True], ids=["http", "direct-reads"])
+def test_an_auto_resume_on_a_damaged_latest_loads_the_step_before_after_one_failure(srv, direct_reads):
+    file = _flip(Path(srv.root), "3")
+    outcomes = []
+    for _ in range(3):  # the restart loop
+        try:
+            got, ref = _resume(srv.url, direct_reads=direct_reads)
+        except CorruptCheckpoint as e:
+            outcomes.append(e)
+            continue
+        outcomes.append(ref)
+        break
+    assert len(outcomes) == 2, outcomes  # one failure, then the step before
+    err, ref = outcomes
+    assert isinstance(err, CorruptCheckpoint)
+    assert f"found it damaged and recorded {RUN}/3 as bad: {RUN}/latest now resolves to {RUN}/2" in err.message, \
+        err.message
+    assert err.details["reported"]["recorded"] is True and err.details["file"] == file
+    assert ref == f"{RUN}/2"
+    assert_bits_equal(got, _state(2))
+    rec = json.loads((Path(srv.root) / "runs" / RUN / "3" / "VERIFIED.json").read_text()) \
+        if (Path(srv.root) / "runs" / RUN / "3" / "VERIFIED.json").exists() else \
+        httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/3/verification", timeout=10).json()
+    assert rec["ok"] is False and any(file in p for p in rec["problems"]), rec
+    # the damaged checkpoint is still there, named: nothing was deleted
+    assert httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/3", timeout=10).status_code == 200
+
+
+def test_a_dcp_load_of_a_damaged_latest_reports_it_too(srv):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    _flip(Path(srv.root), "3")
+    with CheckpointClient(srv.url, direct_reads=False) as c:
+        got = blank_like(_state(0))
+        with pytest.raises(CheckpointException) as info:  # DCP wraps a rank's error in its CheckpointException
+            dcp.load(got, storage_reader=c.dcp_reader(f"{RUN}/latest"), no_dist=True)
+    assert "CorruptCheckpoint" in str(info.value) and f"{RUN}/latest now resolves to {RUN}/2" in str(info.value)
+    got, ref = _resume(srv.url)
+    assert ref == f"{RUN}/2"
+
+
+def test_a_report_of_intact_bytes_changes_nothing(srv):
+    m = httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/3", timeout=10).json()
+    (file,) = m["files"]
+    before = httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/3/verification", timeout=10)
+    r = httpx.post(f"{srv.url}/v1/checkpoints/{RUN}/3/damaged", json={"files": [file]}, timeout=120)
+    assert r.status_code == 200, r.text
+    v = r.json()
+    assert v["damaged"] is False and v["recorded"] is False and v["latest"] == "3", v
+    after = httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/3/verification", timeout=10)
+    assert after.status_code == before.status_code and after.text == before.text
+    _, ref = _resume(srv.url)
+    assert ref == f"{RUN}/3"
+    # files the checkpoint does not have, names that are not file names, too many: refused, nothing read
+    for body, code in (({"files": ["nope.bin"]}, 400), ({"files": ["../x"]}, 400), ({"files": []}, 422),
+                       ({"files": [file] * 17}, 422), ({"files": [file], "extra": 1}, 422)):
+        r = httpx.post(f"{srv.url}/v1/checkpoints/{RUN}/3/damaged", json=body, timeout=60)
+        assert r.status_code == code, (body, r.status_code, r.text)
