@@ -7,7 +7,7 @@ import uuid
 from typing import TYPE_CHECKING, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ckptd_schemas import CommitFailed, InvalidName, SessionStatus, parse_ref
+from ckptd_schemas import CommitFailed, InvalidName, SessionStatus, check_new_name, parse_ref
 
 from .catalog import CatalogClient
 from .codec import CompressionPolicy, compression_of
@@ -165,8 +165,7 @@ class CheckpointClient(CatalogClient):
         (each failure once).
         """
         r = parse_ref(ref)
-        if r.is_latest:
-            raise InvalidName("cannot save to RUN/latest: name the checkpoint (e.g. its step)", ref=ref)
+        check_new_name(r.name)  # not RUN/latest, in any case
         if parent is not None:
             p = parse_ref(parent)
             if p.is_latest or p.run == r.run:

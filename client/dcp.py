@@ -52,8 +52,8 @@ from torch.futures import Future
 import xxhash
 
 from ckptd_schemas import (
-    Box, ChecksumMismatch, CkptdError, CorruptCheckpoint, IntegrityError, InvalidName, InvalidRequest, Manifest,
-    ObjectEntry, RankIndex, ReadPlan, ReadRequest, StateDictMismatch, TensorEntry, parse_ref,
+    Box, ChecksumMismatch, CkptdError, CorruptCheckpoint, IntegrityError, InvalidRequest, Manifest,
+    ObjectEntry, RankIndex, ReadPlan, ReadRequest, StateDictMismatch, TensorEntry, check_new_name, parse_ref,
 )
 
 from .codec import CompressionPolicy, compression_of
@@ -109,8 +109,8 @@ class _Endpoint:
         if checkpoint_id is not None:
             self.ref = str(checkpoint_id)
         r = parse_ref(self.ref)
-        if r.is_latest and isinstance(self, CkptdStorageWriter):
-            raise InvalidName("cannot save to RUN/latest: name the checkpoint", ref=self.ref)
+        if isinstance(self, CkptdStorageWriter):
+            check_new_name(r.name)  # not RUN/latest, in any case
 
     @property
     def base(self) -> str:

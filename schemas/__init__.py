@@ -13,8 +13,8 @@ from .manifest import (
     FORMAT_VERSION, BoxChunk, Chunk, FileEntry, FlatChunk, Location, Manifest, ObjectEntry, ParamGroup,
     RankInfo, TensorEntry, Topology,
 )
-from .names import (LATEST, CheckpointRef, check_file, check_name, check_run, check_session, linked_name,
-                    parse_ref)
+from .names import (LATEST, CheckpointRef, check_file, check_name, check_new_name, check_run, check_session,
+                    linked_name, parse_ref)
 
 if TYPE_CHECKING:
     from .api import (
@@ -41,7 +41,7 @@ __all__ = [
     "FlatChunk", "Location", "Manifest", "ObjectEntry", "OpenSession", "ParamGroup", "PresignUpload", "PresignedUpload", "RankIndex",
     "RankInfo", "PlanBudget", "ReadPlan", "ReadRequest", "Region", "RunSummary", "SessionInfo", "SessionStatus", "TensorColumns", "TensorEntry",
     "Topology", "UploadResult",
-    "check_file", "check_name", "check_run", "check_session", "check_tiling", "dest_region",
+    "check_file", "check_name", "check_new_name", "check_run", "check_session", "check_tiling", "dest_region",
     "flat_range_to_boxes", "intersect_regions", "itemsize", "parse_ref", "plan_reads", "row_major_strides",
     "linked_name", "verify_fetch",
 ]

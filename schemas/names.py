@@ -11,8 +11,8 @@ from typing import NamedTuple
 
 from .errors import InvalidName
 
-__all__ = ["CheckpointRef", "DCP_METADATA", "LATEST", "RESERVED", "check_file", "check_name", "check_run", "check_session",
-           "linked_name", "parse_ref"]
+__all__ = ["CheckpointRef", "DCP_METADATA", "LATEST", "RESERVED", "check_file", "check_name", "check_new_name",
+           "check_run", "check_session", "linked_name", "parse_ref"]
 
 RUN_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -36,6 +36,17 @@ def check_run(run: str) -> str:
 
 def check_name(name: str) -> str:
     return _check("name", name, NAME_RE, "[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_new_name(name: str) -> str:
+    """A name a new checkpoint may take (a save, a reshard's or an import's output): a valid name
+    that is not ``latest`` in any case (``Latest`` would read as the symbolic ref to a user, and be
+    the same directory as ``latest`` on a case-insensitive file system)."""
+    check_name(name)
+    if name.lower() == LATEST:
+        raise InvalidName(f"invalid name {name!r}: {LATEST!r} (in any case) names the newest checkpoint of a run; "
+                          f"name the checkpoint (e.g. its step)", field="name", value=name)
+    return name
 
 
 def check_file(name: str) -> str:

@@ -115,6 +115,12 @@ class SessionActivity:
         with self._lock:
             return self._recent(Paths.activity(run, name, sid), time.monotonic())
 
+    def forget(self, run: str, name: str, sid: str) -> None:
+        """The session ended here (committed, refused, aborted): its next keep-alive is checked against
+        the store again (and answered 409 or 404), not taken as fresh."""
+        with self._lock:
+            self._written.pop(Paths.activity(run, name, sid), None)
+
     def touch(self, run: str, name: str, sid: str) -> None:
         """Record that a writer of the session is alive now (at most one write per ``every`` seconds)."""
         key, now = Paths.activity(run, name, sid), time.monotonic()

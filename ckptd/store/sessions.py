@@ -40,9 +40,8 @@ from pydantic import ValidationError
 from ckptd_schemas import (
     AlreadyCommitted, ChecksumMismatch, CkptdError, CommitFailed, Conflict, FileEntry,
     ConfirmUpload, InvalidIndex, InvalidRequest, LinkFile, Manifest, OpenSession, PresignedUpload, PresignUpload,
-    RankIndex, SessionConflict, SessionInfo,
-    SessionNotFound, SessionStatus, StorageError, UploadResult, check_file, check_name, check_run, check_session,
-    linked_name, parse_ref,
+    RankIndex, SessionConflict, SessionInfo, SessionNotFound, SessionStatus, StorageError, UploadResult, check_file,
+    check_name, check_new_name, check_run, check_session, linked_name, parse_ref,
 )
 
 from ..storage import Storage, Writer
@@ -225,7 +224,7 @@ class SessionStore:
 
     # -- 1. open ---------------------------------------------------------------
     def open(self, run: str, name: str, req: OpenSession) -> SessionInfo:
-        check_run(run), check_name(name), check_session(req.session)
+        check_run(run), check_new_name(name), check_session(req.session)
         m = self._taken(run, name)
         if m is not None:
             raise self._taken_error(run, name, m)
@@ -525,6 +524,7 @@ class SessionStore:
             digest, event = self._commit(run, name, sid, meta)
         finally:
             self._indexes.drop_under(Paths.session(run, name, sid) + "/")
+            self.activity.forget(run, name, sid)  # a keep-alive from now on is answered from the store: 409
         if event is not None:
             self._tell("committed", event, time.perf_counter() - t0)
             for callback in self.on_commit:
@@ -621,6 +621,7 @@ class SessionStore:
         if m is not None and m.session == sid:
             raise AlreadyCommitted(f"{run}/{name} is committed; delete it with gc, not abort", ref=f"{run}/{name}")
         self.storage.delete_tree(Paths.session(run, name, sid))
+        self.activity.forget(run, name, sid)
 
     def reclaim_stale(self, ttl_seconds: float, *, now: float | None = None) -> list[str]:
         """The sweep: commit sessions whose every index is stored but that have no marker (the process

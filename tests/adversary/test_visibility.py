@@ -409,3 +409,23 @@ def test_junk_beside_the_runs_breaks_no_listing_gc_or_sweep(served):
     assert gc.returncode == 0, gc.stdout + gc.stderr
     assert json.loads(gc.stdout)["deleted"] == ["1"]
     assert [c["name"] for c in httpx.get(f"{srv.url}/v1/runs/{RUN}/checkpoints", timeout=10).json()] == ["2"]
+
+
+def test_no_checkpoint_can_be_named_latest_in_any_case(three_steps):
+    """A writer with a valid token cannot create a checkpoint that shadows ``RUN/latest``: a session
+    opened under ``latest``, ``LATEST`` or ``Latest`` is refused (400, naming the rule), by the service
+    and by the client before any byte is sent; ``RUN/latest`` still names the newest step."""
+    import torch
+
+    from ckptd_client import CheckpointClient
+    from ckptd_schemas import InvalidName
+
+    srv = three_steps[0]
+    for name in ("latest", "LATEST", "Latest"):
+        r = httpx.post(f"{srv.url}/v1/checkpoints/{RUN}/{name}/sessions",
+                       json={"session": "s1", "world_size": 1, "step": 9}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_name", (name, r.text)
+        assert "names the newest checkpoint of a run" in r.json()["error"]["message"]
+        with CheckpointClient(srv.url) as c, pytest.raises(InvalidName, match="names the newest checkpoint"):
+            c.save({"w": torch.zeros(4)}, f"{RUN}/{name}")
+    assert _latest(srv) == "3" and _visible(srv) == ["1", "2", "3"]

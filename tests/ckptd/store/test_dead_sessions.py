@@ -347,3 +347,21 @@ def test_gc_reclaims_dead_staging_offline_and_through_the_service(tmp_path):
     out = subprocess.run(offline + ["--dead-after", "60"], capture_output=True, text=True, timeout=scaled(120),
                          cwd=REPO)
     assert out.returncode == 0 and json.loads(out.stdout)["reclaimed_sessions"] == ["r/live/s-live"], out.stdout
+
+
+def test_a_keep_alive_right_after_the_commit_or_abort_is_told_so(tmp_path):
+    """The keep-alive that comes moments after this process recorded the session's activity is not
+    answered from that memory once the session ended: committed is 409, aborted 404, as documented."""
+    from ckptd_schemas import AlreadyCommitted, SessionNotFound
+
+    store = SessionStore(LocalStorage(tmp_path))
+    _stage(store, "k", "s-k")
+    store.keep_alive("r", "k", "s-k")  # recorded just now: the next one would be "fresh"
+    assert store.put_index("r", "k", "s-k", _index()).state == "committed"
+    with pytest.raises(AlreadyCommitted):
+        store.keep_alive("r", "k", "s-k")
+    _stage(store, "a", "s-a")
+    store.keep_alive("r", "a", "s-a")
+    store.abort("r", "a", "s-a")
+    with pytest.raises(SessionNotFound):
+        store.keep_alive("r", "a", "s-a")
