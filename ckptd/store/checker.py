@@ -19,7 +19,11 @@ and, as its bytes pass:
   with the one the manifest declares;
 * every compressed chunk (zstd, blosc2) is walked and decoded in bounded memory
   (``frame_check``) and must hold exactly ``numel x itemsize`` bytes of its tensor piece
-  (the manifest's ``raw_length``);
+  (the manifest's ``raw_length``), at most ``FRAME_BYTES`` (4 MiB, the frame limit: a chunk
+  declaring more is refused before anything is allocated for it); compressed chunks of one file
+  may not share bytes, so at most one frame per file is decoded at a time, and each is judged
+  (its decoder freed) as soon as its last byte has passed: whatever an index declares, a file's
+  check holds one read window and one frame;
 * replicas (the same region of a tensor under one digest, written by several ranks) are hashed
   with SHA-256 as well, and must be identical bytes: a writer can forge XXH3-64 collisions
   (it is not a cryptographic hash; a birthday search over 2^32 candidate chunks is hours on one
@@ -59,7 +63,7 @@ from ckptd_schemas.chunktable import check_columns_tiling
 
 from ..storage import Storage
 from .inflight import is_remote
-from ckptd_schemas.format.frames import frame_check
+from ckptd_schemas.format.frames import ChunkCheck, frame_check
 from ckptd_schemas.filedigest import StreamDigest
 
 __all__ = ["JOBS", "READ_SIZE", "REMOTE_JOBS", "Problem", "StorageFiles", "StoredBytes", "Verdict", "check_commit",
@@ -277,14 +281,17 @@ def _chunk_problem(rows: _Rows, i: int, got: str) -> Problem:
 # -- one file ------------------------------------------------------------------------------------------
 
 class _Stream:
-    """A row whose bytes span windows, or that needs more than its XXH3 (zstd, replica)."""
+    """A row whose bytes span windows, or that needs more than its XXH3 (a compressed chunk, a replica).
+
+    A compressed row is decoded (``frame``) only when it shares no bytes with the compressed row
+    before it (:class:`_Frames`); a row on exactly that row's bytes takes its verdict (``twin_of``)."""
 
     def __init__(self, i: int, special: _Special | None) -> None:
         self.i = i
         self.xxh3 = xxhash.xxh3_64()
         self.sha = hashlib.sha256() if special is not None and special.replica_of is not None else None
-        self.frame = (frame_check(special.codec, special.raw_length)
-                      if special is not None and special.raw_length is not None else None)
+        self.frame: ChunkCheck | None = None
+        self.twin_of: int | None = None
 
     def feed(self, data: memoryview) -> None:
         self.xxh3.update(data)
@@ -294,9 +301,54 @@ class _Stream:
             self.frame.feed(data)
 
 
+class _Frames:
+    """The compressed rows of one file, met in offset order: at most one decoded at a time.
+
+    Compressed chunks never share bytes (each is its own frame, cut by the writer one after the
+    other), so a file holds at most one compressed row in progress, and its check at most one frame
+    (:data:`~ckptd_schemas.format.frames.FRAME_BYTES`) of memory: rows that overlap another are a
+    problem and are not decoded (256 such rows, 32 bytes apart, each a valid 4 MiB Blosc2 chunk, once
+    held 1 GiB at once). A row on exactly the bytes, codec and size of the one before is its twin
+    (two tensors on one frame): decoded once, given the same verdict."""
+
+    def __init__(self, fname: str, rows: _Rows, problems: list[Problem]) -> None:
+        self.fname, self.rows, self.problems = fname, rows, problems
+        self.last: tuple[int, int, str, int, int] | None = None  # offset, end, codec, raw length, row
+        self.whys: dict[int, str | None] = {}
+
+    def start(self, s: _Stream, special: _Special) -> None:
+        rows, i = self.rows, s.i
+        assert special.raw_length is not None
+        lo, hi = rows.offset[i], rows.offset[i] + rows.length[i]
+        key = (lo, hi, special.codec, special.raw_length)
+        last = self.last
+        if last is not None and key == last[:4]:
+            s.twin_of = last[4]
+        elif last is not None and lo < last[1]:
+            kind, name = rows.whats[rows.owner[i]]
+            self.problems.append(Problem(
+                IntegrityError, f"{rows.what(i)}: file {self.fname!r} bytes [{lo}, {hi}) overlap the compressed chunk "
+                f"of {rows.what(last[4])} at bytes [{last[0]}, {last[1]}): compressed chunks may not share bytes",
+                {kind: name, "rank": rows.rank[i], "file": self.fname}))
+        else:
+            s.frame = frame_check(special.codec, special.raw_length)
+            self.last = (*key, i)
+
+    def verdict(self, s: _Stream) -> str | None:
+        """``s``'s frame problem, or None; its decoder and buffers are freed here."""
+        if s.frame is not None:
+            why = self.whys[s.i] = s.frame.problem()
+            s.frame = None
+            return why
+        return self.whys.get(s.twin_of) if s.twin_of is not None else None
+
+
 def _check_file(fname: str, entry: FileEntry, members: Sequence[int], rows: _Rows, source: StoredBytes,
                 buf: memoryview, progress: Callable[[int], None] | None) -> tuple[list[Problem], dict[int, bytes], int]:
-    """One file read in order once. Returns its problems, the SHA-256 of its replica rows, bytes read."""
+    """One file read in order once. Returns its problems, the SHA-256 of its replica rows, bytes read.
+
+    A row that needs a stream is judged as soon as its last byte has passed (its digest, its frame:
+    :meth:`_Frames.verdict`), so memory holds only the rows in progress, never the file's."""
     problems: list[Problem] = []
     shas: dict[int, bytes] = {}
     offs = itemgetter(*members)(rows.offset) if len(members) > 1 else tuple(rows.offset[i] for i in members)
@@ -306,8 +358,27 @@ def _check_file(fname: str, entry: FileEntry, members: Sequence[int], rows: _Row
     lens = [rows.length[i] for i in members]
     ends = [o + n for o, n in zip(offs, lens)]
     special = rows.special
+    frames = _Frames(fname, rows, problems)
     streams: list[_Stream] = []
-    done: list[_Stream] = []
+
+    def start(q: int) -> _Stream:
+        s = _Stream(members[q], sp := special.get(members[q]))
+        if sp is not None and sp.raw_length is not None:
+            frames.start(s, sp)
+        return s
+
+    def finish(s: _Stream) -> None:
+        got = s.xxh3.hexdigest()
+        if got != rows.xxh3[s.i]:
+            problems.append(_chunk_problem(rows, s.i, got))
+        if (why := frames.verdict(s)) is not None:
+            kind, name = rows.whats[rows.owner[s.i]]
+            problems.append(Problem(IntegrityError, f"{rows.what(s.i)}: file {fname!r} bytes [{rows.offset[s.i]}, "
+                                     f"{rows.offset[s.i] + rows.length[s.i]}): {why}",
+                                     {kind: name, "rank": rows.rank[s.i], "file": fname}))
+        if s.sha is not None:
+            shas[s.i] = s.sha.digest()
+
     digest = StreamDigest(entry.block_size)
     k, pos = 0, 0  # members[:k] have started
     while pos < entry.size:
@@ -320,9 +391,15 @@ def _check_file(fname: str, entry: FileEntry, members: Sequence[int], rows: _Row
         digest.update(view)
         if progress is not None:
             progress(n)
+        still = []
         for s in streams:  # rows begun in an earlier window
             i = s.i
             s.feed(view[:min(rows.offset[i] + rows.length[i], end) - pos])
+            if rows.offset[i] + rows.length[i] <= end:
+                finish(s)
+            else:
+                still.append(s)
+        streams = still
         j = k
         while j < len(members) and offs[j] < end:
             j += 1
@@ -339,28 +416,16 @@ def _check_file(fname: str, entry: FileEntry, members: Sequence[int], rows: _Row
             taken = set(plain)
             for q in range(k, j):
                 if q not in taken:
-                    s = _Stream(members[q], special.get(members[q]))
+                    s = start(q)
                     s.feed(view[offs[q] - pos:min(ends[q], end) - pos])
-                    streams.append(s)
+                    if ends[q] <= end:
+                        finish(s)
+                    else:
+                        streams.append(s)
         k = j
-        still = []
-        for s in streams:
-            (done if rows.offset[s.i] + rows.length[s.i] <= end else still).append(s)
-        streams = still
         pos = end
     for q in range(k, len(members)):  # empty rows at the very end of the file
-        done.append(_Stream(members[q], special.get(members[q])))
-    for s in done:
-        got = s.xxh3.hexdigest()
-        if got != rows.xxh3[s.i]:
-            problems.append(_chunk_problem(rows, s.i, got))
-        if s.frame is not None and (why := s.frame.problem()) is not None:
-            kind, name = rows.whats[rows.owner[s.i]]
-            problems.append(Problem(IntegrityError, f"{rows.what(s.i)}: file {fname!r} bytes [{rows.offset[s.i]}, "
-                                     f"{rows.offset[s.i] + rows.length[s.i]}): {why}",
-                                     {kind: name, "rank": rows.rank[s.i], "file": fname}))
-        if s.sha is not None:
-            shas[s.i] = s.sha.digest()
+        finish(start(q))
     whole, blocks = digest.finish()
     if whole != entry.xxh3 or blocks != entry.blocks:
         bad = next((b for b, (x, y) in enumerate(zip(blocks, entry.blocks)) if x != y), None)

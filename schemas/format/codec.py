@@ -15,7 +15,9 @@ what it stores is decided here. Compressed chunks are cut into frames of at most
 and decodes only the frames it overlaps instead of the whole shard.
 
 Every decode is bounded by the chunk's size, numel x itemsize (:func:`decode_frame`,
-:func:`blosc2_problem`): a frame's own header is never trusted for how much memory to give it.
+:func:`blosc2_problem`), and that by :data:`FRAME_BYTES` (the frame limit, refused before anything is
+allocated: :func:`~ckptd_schemas.format.frames.frame_limit_problem`): neither a frame's own header nor
+an index's declared size is trusted for how much memory to give it.
 Readers (``CheckpointClient.load``, the service's reshard engines and export) take a copy's bytes
 out of a verified fetch with :func:`source_bytes`; the commit checks frames as they stream
 (:mod:`ckptd_schemas.format.frames`).
@@ -23,6 +25,7 @@ out of a verified fetch with :func:`source_bytes`; the commit checks frames as t
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from typing import TYPE_CHECKING, Iterator
@@ -31,7 +34,7 @@ import zstandard
 
 from ..dtypes import itemsize
 from ..errors import ChecksumMismatch
-from .frames import BLOSC2_OVERHEAD, FrameCheck, blosc2_problem
+from .frames import BLOSC2_OVERHEAD, FRAME_BYTES, FrameCheck, blosc2_problem, frame_limit_problem
 
 if TYPE_CHECKING:
     from ..readplan import Copy
@@ -41,8 +44,6 @@ __all__ = ["BLOSC2_OVERHEAD", "CODECS", "FRAME_BYTES", "LEVEL", "blosc2_problem"
 
 CODECS = ("zstd", "blosc2")
 """The compressed codecs a chunk may be stored with (``"raw"`` besides)."""
-FRAME_BYTES = 4 << 20
-"""Largest raw size of one compressed chunk: the most a ranged read decodes beyond what it needs."""
 LEVEL = 1
 """The zstd level of both codecs."""
 
@@ -84,8 +85,11 @@ def split_frames(itemsize: int, box: Box | None, flat: tuple[int, int] | None,
     """Cut a chunk into pieces of at most ``limit`` raw bytes, each one row-major run of the chunk.
 
     Yields ``(first, count, box, flat)``: the piece's elements ``[first, first + count)`` of the
-    chunk's own flattening and its region in the tensor. Box chunks are cut along dimension 0 at row
-    boundaries (a single row larger than ``limit`` stays whole); flat chunks into consecutive ranges.
+    chunk's own flattening and its region in the tensor, in order. Flat chunks are cut into
+    consecutive ranges. Box chunks are cut along the outermost dimension ``d`` whose trailing block
+    (one index of ``d``: dimensions ``d + 1`` on) fits ``limit``: dimension 0 at row boundaries when a
+    row fits, else each index of dimensions before ``d`` on its own, so no piece is over ``limit``
+    (the frame limit every decoder enforces) while an element fits it.
     """
     if flat is not None:
         start, length = flat
@@ -100,16 +104,22 @@ def split_frames(itemsize: int, box: Box | None, flat: tuple[int, int] | None,
     if not sizes or numel * itemsize <= limit:
         yield 0, numel, box, None
         return
-    row = math.prod(sizes[1:])
-    rows = max(1, limit // (row * itemsize))
-    for r0 in range(0, sizes[0], rows):
-        n = min(rows, sizes[0] - r0)
-        yield r0 * row, n * row, ([offsets[0] + r0, *offsets[1:]], [n, *sizes[1:]]), None
+    d = next((d for d in range(len(sizes)) if math.prod(sizes[d + 1:]) * itemsize <= limit), len(sizes) - 1)
+    inner = math.prod(sizes[d + 1:])
+    step = max(1, limit // (inner * itemsize))
+    for lead, outer in enumerate(itertools.product(*map(range, sizes[:d]))):
+        for r0 in range(0, sizes[d], step):
+            n = min(step, sizes[d] - r0)
+            at = [o + i for o, i in zip(offsets, outer)] + [offsets[d] + r0, *offsets[d + 1:]]
+            yield (lead * sizes[d] + r0) * inner, n * inner, (at, [1] * d + [n, *sizes[d + 1:]]), None
 
 
 def decode_frame(frame: bytes | bytearray | memoryview, raw_length: int, what: str,
                  codec: str = "zstd") -> bytearray:
     """The ``codec`` ``frame`` decoded into exactly ``raw_length`` bytes, never more.
+
+    A ``raw_length`` over :data:`FRAME_BYTES` is refused before anything is allocated (a reader is
+    never made to allocate more than one frame, whatever the manifest declares).
 
     ``"blosc2"``: checked by :func:`blosc2_problem` while it decodes into the result. ``"zstd"``:
     decoded by the commit's own check (:class:`~ckptd_schemas.format.frames.FrameCheck`, keeping its
@@ -118,6 +128,8 @@ def decode_frame(frame: bytes | bytearray | memoryview, raw_length: int, what: s
     is refused ``ChecksumMismatch`` naming ``what``, so readers (load, reshard, export) accept exactly
     the frames the commit and ``ckptd verify`` accept.
     """
+    if (why := frame_limit_problem(codec, raw_length)) is not None:
+        raise ChecksumMismatch(f"{what}: {why}", length=raw_length)
     if codec == "blosc2":
         out = bytearray(raw_length)
         why = blosc2_problem(frame, raw_length, out)
@@ -136,7 +148,8 @@ def decode_frame(frame: bytes | bytearray | memoryview, raw_length: int, what: s
 def source_bytes(buf: bytes | bytearray | memoryview, c: Copy, file: str | None = None) -> memoryview:
     """The raw bytes of ``c``'s source positions ``[pos0, pos0 + npos)``: a view into the verified fetch
     ``buf`` when stored raw, the decoded frame (writable, its own memory) when compressed, decoded
-    to at most the chunk's size (``npos`` x itemsize of its dtype; :func:`decode_frame`)."""
+    to at most the chunk's size (``npos`` x itemsize of its dtype, at most :data:`FRAME_BYTES`;
+    :func:`decode_frame`)."""
     mv = memoryview(buf)[c.byte_start:c.byte_start + c.byte_length]
     if c.codec != "raw":
         where = f"file {file!r}, " if file else ""

@@ -16,14 +16,28 @@ Two readers of the same bytes, so neither has to trust the other:
   counter that stops the decode once it passes ``raw_length``, so a frame that decodes to more than
   it declares (or a decompression bomb: zstd can expand 4 bytes into 128 KiB) costs at most
   ``raw_length + WRITE_SIZE`` bytes of output, all of it counted and dropped.
+
+Memory is bounded whatever a writer declares: a compressed chunk holds at most :data:`FRAME_BYTES`
+raw bytes (the writer cuts its chunks there, ``ckptd_schemas.format.codec.split_frames``), and a
+chunk declaring more is refused by :func:`frame_check` (and by every reader's decode) before
+anything is allocated for it, so no header or index can make a check allocate more than one frame;
+the zstd decoder refuses a window over :data:`FRAME_BYTES` too. :meth:`FrameCheck.problem` frees its
+decoder once it has its verdict.
 """
 
 from __future__ import annotations
 
+from typing import Union
+
 import zstandard
 
 
-__all__ = ["BLOSC2_OVERHEAD", "WRITE_SIZE", "Blosc2Check", "FrameCheck", "blosc2_problem", "frame_check"]
+__all__ = ["BLOSC2_OVERHEAD", "FRAME_BYTES", "WRITE_SIZE", "Blosc2Check", "ChunkCheck", "FrameCheck",
+           "blosc2_problem", "frame_check", "frame_limit_problem"]
+
+FRAME_BYTES = 4 << 20
+"""Largest raw size of one compressed chunk (the frame limit): the most any decode of one chunk
+allocates, and the most a ranged read decodes beyond what it needs."""
 
 BLOSC2_OVERHEAD = 32
 """The most a Blosc2 chunk adds to its data (``blosc2.MAX_OVERHEAD``): a longer frame is refused unread."""
@@ -32,6 +46,15 @@ WRITE_SIZE = 1 << 17
 _MAGIC = 0xFD2FB528
 _DICT_ID_BYTES = (0, 1, 2, 4)
 _FCS_BYTES = (0, 2, 4, 8)  # FCS_flag 0 means 1 byte when the frame is a single segment
+
+
+def frame_limit_problem(codec: str, raw_length: int) -> str | None:
+    """Why a ``codec`` chunk of ``raw_length`` raw bytes may not be decoded at all, or None: more
+    than :data:`FRAME_BYTES` (or a negative size). Asked before anything is allocated for it."""
+    if 0 <= raw_length <= FRAME_BYTES:
+        return None
+    return (f"{codec} chunk of {raw_length} raw bytes is over the {FRAME_BYTES}-byte frame limit of a compressed "
+            f"chunk")
 
 
 class _TooLong(Exception):
@@ -64,8 +87,8 @@ class FrameCheck:
     def __init__(self, raw_length: int, out: memoryview | None = None) -> None:
         self.raw_length = raw_length
         self._out = _Counter(raw_length, out)
-        self._decoder = zstandard.ZstdDecompressor().stream_writer(self._out, write_size=WRITE_SIZE,
-                                                                   write_return_read=True, closefd=False)
+        self._decoder = zstandard.ZstdDecompressor(max_window_size=FRAME_BYTES).stream_writer(
+            self._out, write_size=WRITE_SIZE, write_return_read=True, closefd=False)
         self._error: str | None = None
         self._pos = 0             # bytes fed
         self._state = "header"    # header -> block (-> checksum) -> done
@@ -78,7 +101,7 @@ class FrameCheck:
 
     # -- feeding ------------------------------------------------------------------------------
     def feed(self, data: memoryview | bytes) -> None:
-        if self._error is not None:
+        if self._error is not None or self._decoder is None:
             return
         view = memoryview(data)
         used = self._walk(view)
@@ -167,6 +190,9 @@ class FrameCheck:
 
     # -- verdict ---------------------------------------------------------------------------------
     def problem(self) -> str | None:
+        """The verdict, once every byte is fed; the decoder (up to a window of buffers) is freed."""
+        if self._decoder is None:
+            return self._error
         if self._error is None and self._state != "done":
             self._error = f"zstd frame is incomplete: its {self._pos} bytes end inside the frame"
         if self._error is None and self._after:
@@ -180,35 +206,61 @@ class FrameCheck:
                 self._error = f"zstd frame does not decode: {e}"
         if self._error is None and self._out.n != self.raw_length:
             self._error = f"zstd frame decodes to {self._out.n} bytes, the chunk holds {self.raw_length}"
+        self._decoder = None
         return self._error
 
 
 class Blosc2Check:
     """One blosc2 chunk's bytes, fed in order; ``problem()`` as :class:`FrameCheck`'s. A Blosc2 frame
-    is at most 4 MiB of raw data (``FRAME_BYTES``) plus its header: it is collected (refused as soon
+    is at most :data:`FRAME_BYTES` of raw data plus its header: it is collected (refused as soon
     as it is longer than any frame of ``raw_length`` bytes can be) and checked by
     :func:`blosc2_problem`: header sizes first, then a decode into ``raw_length``
-    bytes."""
+    bytes. The collected bytes are freed with the verdict."""
 
     def __init__(self, raw_length: int) -> None:
         self.raw_length, self._check = raw_length, blosc2_problem
         self._limit = raw_length + BLOSC2_OVERHEAD
-        self._buf = bytearray()
+        self._buf: bytearray | None = bytearray()
         self._too_long = False
+        self._why: str | None = None
 
     def feed(self, data: memoryview | bytes) -> None:
-        if not self._too_long:
-            self._buf += data
+        if self._buf is not None and not self._too_long:
+            self._buf += memoryview(data)[:self._limit + 1 - len(self._buf)]  # never more than one byte over
             self._too_long = len(self._buf) > self._limit
 
     def problem(self) -> str | None:
-        if self._too_long:
-            return f"Blosc2 frame is longer than any frame of {self.raw_length} bytes"
-        return self._check(self._buf, self.raw_length)
+        if self._buf is not None:  # the first call judges and frees the collected bytes
+            self._why = (f"Blosc2 frame is longer than any frame of {self.raw_length} bytes" if self._too_long
+                         else self._check(self._buf, self.raw_length))
+            self._buf = None
+        return self._why
 
 
-def frame_check(codec: str, raw_length: int) -> "FrameCheck | Blosc2Check":
-    """The check of a chunk stored with ``codec`` (not raw) that must decode to ``raw_length`` bytes."""
+class _Refused:
+    """The check of a chunk refused before its first byte (:func:`frame_limit_problem`): feeding it
+    costs nothing."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def feed(self, data: memoryview | bytes) -> None:
+        pass
+
+    def problem(self) -> str | None:
+        return self.why
+
+
+ChunkCheck = Union[FrameCheck, Blosc2Check, _Refused]
+"""What :func:`frame_check` gives: ``feed(bytes)`` in order, then ``problem()``."""
+
+
+def frame_check(codec: str, raw_length: int) -> ChunkCheck:
+    """The check of a chunk stored with ``codec`` (not raw) that must decode to ``raw_length`` bytes;
+    a chunk over the frame limit is refused without a decoder or a buffer."""
+    why = frame_limit_problem(codec, raw_length)
+    if why is not None:
+        return _Refused(why)
     return Blosc2Check(raw_length) if codec == "blosc2" else FrameCheck(raw_length)
 
 
@@ -218,10 +270,12 @@ def blosc2_problem(frame: bytes | bytearray | memoryview, raw_length: int,
 
     Its header must declare exactly ``raw_length`` bytes and exactly the frame's own length (so
     nothing follows it) before anything is decoded, and the decode goes into a buffer of
-    ``raw_length`` bytes (``out``, or a scratch one): no header is trusted for how much memory to
-    give it."""
+    ``raw_length`` bytes (``out``, or a scratch one), never over :data:`FRAME_BYTES`: no header is
+    trusted for how much memory to give it."""
     import blosc2
 
+    if (why := frame_limit_problem("blosc2", raw_length)) is not None:
+        return why
     view = memoryview(frame)
     if len(view) < 16 or len(view) > raw_length + BLOSC2_OVERHEAD:
         return f"Blosc2 frame of {len(view)} bytes cannot hold {raw_length} bytes"

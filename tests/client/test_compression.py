@@ -94,9 +94,10 @@ def test_frames_tile_the_chunk_along_rows_or_flat_ranges():
     assert [p[2][1][0] for p in pieces] == [1024, 1024, 452]
     assert [p[2][0] for p in pieces] == [[10, 0], [1034, 0], [2058, 0]]
     assert [(p[0], p[1]) for p in pieces] == [(0, 1024 * 1024), (1024 * 1024, 1024 * 1024), (2048 * 1024, 452 * 1024)]
-    # one row larger than the limit stays whole; rows are never cut
+    # a row larger than the limit is cut within the row: no frame is over the limit every decoder enforces
     assert [p[2] for p in split_frames(4, ([0, 0], [3, 2 * MiB]), None, limit=FRAME_BYTES)] == [
-        ([0, 0], [1, 2 * MiB]), ([1, 0], [1, 2 * MiB]), ([2, 0], [1, 2 * MiB])]
+        ([0, 0], [1, MiB]), ([0, MiB], [1, MiB]), ([1, 0], [1, MiB]), ([1, MiB], [1, MiB]), ([2, 0], [1, MiB]),
+        ([2, MiB], [1, MiB])]
     assert len(list(split_frames(4, ([0], [MiB]), None, limit=FRAME_BYTES))) == 1  # exactly the limit
     flat = list(split_frames(2, None, (100, 5 * MiB), limit=FRAME_BYTES))
     assert [p[3] for p in flat] == [(100, 2 * MiB), (100 + 2 * MiB, 2 * MiB), (100 + 4 * MiB, MiB)]
