@@ -20,7 +20,7 @@ from .drill import add_parsers as add_drill_parsers
 from .gc import add_parsers as add_gc_parsers
 from .output import human, plural, progress_bar
 from .reshard import add_parsers as add_reshard_parsers
-from .target import add_target, open_backend, resolve_target
+from .target import add_target, looked_in, open_backend, resolve_target
 
 __all__ = ["main"]
 
@@ -87,7 +87,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in runs:
         print(f"{r.run}\t{plural(r.checkpoints, 'checkpoint')}\tlatest={r.latest}")
     if not runs:
-        print(f"no runs in {b.where}", file=sys.stderr)
+        print(f"no runs in {resolve_target(args).describe()}", file=sys.stderr)
     return 0
 
 
@@ -284,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe fails here, inside the handlers below, not at exit
         return rc
     except (NotFound, IntegrityError) as e:
-        print(f"ckptd: {e.message}", file=sys.stderr)
+        where = looked_in(args) if isinstance(e, NotFound) else None
+        print(f"ckptd: {e.message}" + (f"; looked in {where}" if where else ""), file=sys.stderr)
         return 1
     except CkptdError as e:  # usage, connection, service refusals
         print(f"ckptd: {e.message}", file=sys.stderr)

@@ -24,20 +24,29 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .backends import Backend
 
-__all__ = ["DEFAULT_ROOT", "Target", "add_target", "open_backend", "resolve_target"]
+__all__ = ["DEFAULT_ROOT", "Target", "add_target", "looked_in", "open_backend", "resolve_target"]
 
 DEFAULT_ROOT = "./ckptd-data"
 
 
 @dataclass(frozen=True)
 class Target:
-    """Exactly one of ``server`` (a URL) and ``root`` (a path or fsspec URL) is set."""
+    """Exactly one of ``server`` (a URL) and ``root`` (a path or fsspec URL) is set; ``source`` says
+    which step of the rule chose it (``--server``, ``--root``, ``$CKPTD_URL``, ``$CKPTD_ROOT`` or the
+    default)."""
 
     server: str | None = None
     root: str | None = None
+    source: str = "the default"
 
     def __str__(self) -> str:
         return self.server or self.root or ""
+
+    def describe(self) -> str:
+        """Where a command looked, and why there: what a command that finds nothing says."""
+        why = self.source if self.source != "the default" else \
+            "the default (no --server, --root, $CKPTD_URL or $CKPTD_ROOT set)"
+        return f"{'service' if self.server else 'root'} {self}, from {why}"
 
 
 def add_target(p: argparse.ArgumentParser) -> None:
@@ -50,12 +59,19 @@ def add_target(p: argparse.ArgumentParser) -> None:
 def resolve_target(args: argparse.Namespace) -> Target:
     """The one rule (module docstring): flags, then ``$CKPTD_URL``, then ``$CKPTD_ROOT``, then the default."""
     if getattr(args, "server", None):
-        return Target(server=args.server)
+        return Target(server=args.server, source="--server")
     if getattr(args, "root", None):
-        return Target(root=args.root)
+        return Target(root=args.root, source="--root")
     if os.environ.get("CKPTD_URL"):
-        return Target(server=os.environ["CKPTD_URL"])
-    return Target(root=os.environ.get("CKPTD_ROOT") or DEFAULT_ROOT)
+        return Target(server=os.environ["CKPTD_URL"], source="$CKPTD_URL")
+    if os.environ.get("CKPTD_ROOT"):
+        return Target(root=os.environ["CKPTD_ROOT"], source="$CKPTD_ROOT")
+    return Target(root=DEFAULT_ROOT)
+
+
+def looked_in(args: argparse.Namespace) -> str | None:
+    """:meth:`Target.describe` for a command that takes a target (None for one that does not: serve)."""
+    return resolve_target(args).describe() if hasattr(args, "server") or hasattr(args, "root") else None
 
 
 def open_backend(target: Target, *, create: bool = False) -> "Backend":

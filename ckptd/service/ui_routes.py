@@ -350,6 +350,7 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
                 "step": meta.step if meta else None, "created_at": meta.created_at.isoformat() if meta else None,
                 "derived_from": meta.derived_from if meta else None, "ranks": ranks, **held,
                 "last_activity": reclaim.last.isoformat() if reclaim else None,
+                "receiving": dict(zip(("files", "bytes"), sessions.receiving(run, name, sid))),
                 "ttl_seconds": session_ttl, "dead_after_seconds": sessions.dead_after,
                 "reclaim_at": reclaim.at.isoformat() if reclaim else None,
                 "reclaim_reason": reclaim.reason if reclaim else None, "stale": stale, "error": st.error}

@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import time
+import weakref
 from datetime import datetime, timezone
 from typing import Callable, Sequence
 
@@ -87,6 +88,11 @@ class FileSink:
     @property
     def size(self) -> int:
         return self._digest.size
+
+    @property
+    def done(self) -> bool:
+        """Finished (stored or refused) or aborted: no longer receiving."""
+        return self._done
 
     def write(self, data: bytes | memoryview) -> None:
         self._digest.update(data)
@@ -161,6 +167,7 @@ class SessionStore:
         self._temps_reclaimed: set[str] = set()  # committed sessions the sweep cleared of temp files
         self._settled: dict[str, str] = {}  # run/name -> the marker's session, nothing else left to sweep
         self._indexes = IndexCache()
+        self._receiving: dict[str, weakref.WeakSet[FileSink]] = {}  # session -> files being received here
 
     # -- helpers ---------------------------------------------------------------
     def _tell(self, hook: str, *args: object) -> None:
@@ -268,8 +275,20 @@ class SessionStore:
     def begin_file(self, run: str, name: str, sid: str, file: str) -> FileSink:
         check_run(run), check_name(name), check_session(sid), check_file(file)
         self._check_writable(run, name, sid)
-        return FileSink(self.storage, Paths.file(run, name, sid, file), Paths.digest(run, name, sid, file),
+        sink = FileSink(self.storage, Paths.file(run, name, sid, file), Paths.digest(run, name, sid, file),
                         file, self.block_size, on_stored=lambda: self.activity.touch(run, name, sid))
+        key = Paths.session(run, name, sid)
+        if len(self._receiving) > 256:  # sessions whose sinks are all gone (a sink lives as long as its request)
+            for k in [k for k, v in self._receiving.items() if not len(v)]:
+                del self._receiving[k]
+        self._receiving.setdefault(key, weakref.WeakSet()).add(sink)
+        return sink
+
+    def receiving(self, run: str, name: str, sid: str) -> tuple[int, int]:
+        """The files of session ``sid`` this process is receiving now, and their bytes so far (the web
+        view: a writer streaming a large file is active although its last recorded activity is older)."""
+        sinks = [x for x in self._receiving.get(Paths.session(run, name, sid), ()) if not x.done]
+        return len(sinks), sum(x.size for x in sinks)
 
     def presign_file(self, run: str, name: str, sid: str, file: str, body: PresignUpload,
                      seconds: float) -> PresignedUpload:

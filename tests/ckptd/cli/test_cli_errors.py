@@ -128,13 +128,32 @@ def test_one_rule_decides_root_or_server(monkeypatch, tmp_path):
     ns = argparse.Namespace
     monkeypatch.setenv("CKPTD_URL", "http://svc:8470")
     monkeypatch.setenv("CKPTD_ROOT", str(tmp_path))
-    assert resolve_target(ns(root=None, server=None)) == Target(server="http://svc:8470")
-    assert resolve_target(ns(root="/r", server=None)) == Target(root="/r")
-    assert resolve_target(ns(root=None, server="http://x:1")) == Target(server="http://x:1")
+    assert resolve_target(ns(root=None, server=None)) == Target(server="http://svc:8470", source="$CKPTD_URL")
+    assert resolve_target(ns(root="/r", server=None)) == Target(root="/r", source="--root")
+    assert resolve_target(ns(root=None, server="http://x:1")) == Target(server="http://x:1", source="--server")
     monkeypatch.delenv("CKPTD_URL")
-    assert resolve_target(ns(root=None, server=None)) == Target(root=str(tmp_path))
+    assert resolve_target(ns(root=None, server=None)) == Target(root=str(tmp_path), source="$CKPTD_ROOT")
     monkeypatch.delenv("CKPTD_ROOT")
     assert resolve_target(ns(root=None, server=None)) == Target(root="./ckptd-data")
+
+
+def test_a_command_that_finds_nothing_says_where_it_looked_and_why_there(root, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("CKPTD_URL", raising=False)
+    monkeypatch.delenv("CKPTD_ROOT", raising=False)
+    rc, out, err = _run(capsys, "show", "cli/99", "--root", str(root))
+    assert rc == 1 and err.strip().endswith(f"; looked in root {root}, from --root"), err
+    monkeypatch.setenv("CKPTD_ROOT", str(root))
+    rc, out, err = _run(capsys, "show", "nope/1")
+    assert rc == 1 and err.strip().endswith(f"; looked in root {root}, from $CKPTD_ROOT"), err
+    monkeypatch.setenv("CKPTD_ROOT", str(tmp_path / "empty"))
+    (tmp_path / "empty" / "runs").mkdir(parents=True)
+    rc, out, err = _run(capsys, "ls")
+    assert rc == 0 and err.strip() == f"no runs in root {tmp_path / 'empty'}, from $CKPTD_ROOT", err
+    monkeypatch.delenv("CKPTD_ROOT")
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _run(capsys, "ls")
+    assert rc == 1 and "looked in root ./ckptd-data, from the default (no --server, --root, $CKPTD_URL or " \
+        "$CKPTD_ROOT set)" in err, err
 
 
 @pytest.mark.parametrize("cmd", [["ls"], ["ls", "cli"], ["show", "cli/7"], ["verify", "cli/7"],

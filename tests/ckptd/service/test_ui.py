@@ -274,6 +274,34 @@ def test_a_session_shows_what_it_holds_its_last_activity_and_whether_it_is_stale
     assert datetime.fromisoformat(st["reclaim_at"]) < datetime.now(timezone.utc) < datetime.fromisoformat(op["reclaim_at"])
 
 
+def test_a_file_streaming_in_shows_as_received_now_not_as_old_activity(srv):
+    """A rank streaming a large file: the live page's JSON says the service is receiving it now, and
+    how much so far, rather than the last recorded activity (which the upload moves only at its end);
+    when the stream is cut, nothing is being received."""
+    import socket
+
+    def receiving() -> dict:
+        items = httpx.get(f"{srv.url}/v1/ui/runs/alpha/uploads", headers=_h(READER), timeout=10).json()["items"]
+        return {u["name"]: u for u in items}["30"]["receiving"]
+
+    assert receiving() == {"files": 0, "bytes": 0}
+    sent = 24 << 20  # more than the service batches before it writes
+    head = (f"PUT /v1/checkpoints/alpha/30/sessions/s-open/files/r000001-0000.bin HTTP/1.1\r\nHost: t\r\n"
+            f"Authorization: Bearer {WRITER}\r\nX-Ckptd-Xxh3: {'0' * 16}\r\nContent-Length: {64 << 20}\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.sendall(head.encode() + b"\0" * sent)
+        deadline = time.monotonic() + scaled(30)
+        while (rx := receiving())["bytes"] == 0:
+            assert time.monotonic() < deadline, rx
+            time.sleep(0.1)
+        assert rx["files"] == 1 and 0 < rx["bytes"] <= sent, rx
+    deadline = time.monotonic() + scaled(30)
+    while (rx := receiving())["files"]:
+        assert time.monotonic() < deadline, rx
+        time.sleep(0.1)
+    assert rx == {"files": 0, "bytes": 0}
+
+
 # -- the pages, in a browser -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,15 @@ function duration(sec) {
 }
 
 /** What the session holds on storage: its stored data files and, on a local root, the writes not
- * finished (a rank killed mid-file leaves one); and when a writer was last heard from (a rank's write
- * or keep-alive; the opening when none since). */
+ * finished (a rank killed mid-file leaves one); and whether this replica is receiving files of it now,
+ * else when a writer was last heard from (a rank's write or keep-alive; the opening when none since). */
 function holdings(u) {
   const partial = u.partial_bytes ? `, and ${bytes(u.partial_bytes)} in ${plural(u.partial_files, "unfinished write")}` : "";
-  const last = u.last_activity
+  const rx = u.receiving || {files: 0, bytes: 0};
+  const last = rx.files
+    ? h("span", {class: "last-activity receiving", title: u.last_activity ? when(u.last_activity) : ""},
+      `receiving ${plural(rx.files, "file")} now (${bytes(rx.bytes)} so far)`)
+    : u.last_activity
     ? h("span", {class: "last-activity", title: when(u.last_activity)}, `last writer activity ${ago(u.last_activity)}`)
     : h("span", {class: "last-activity muted"}, "last activity unknown (no session record)");
   return h("div", {class: "holds", dataset: {bytes: u.bytes + (u.partial_bytes || 0)}},
