@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from typing import TYPE_CHECKING, Sequence
@@ -12,6 +13,7 @@ from ckptd_schemas import CommitFailed, InvalidName, SessionStatus, check_new_na
 from .catalog import CatalogClient
 from .codec import CompressionPolicy, compression_of
 from ._dist import agree, any_ranks, rank_and_world
+from ._join import joined
 from .transport import Transport
 from ._load import LoadReport, load_into
 from ._pool import SnapshotPool
@@ -41,6 +43,14 @@ def _upload_then_release(transport: Transport, base: str, session: str, snap: Sn
         return upload_snapshot(transport, base, session, snap, step, **kw)  # type: ignore[arg-type]
     finally:
         snap.release()
+
+
+def _call(what: str, ref: str, **options: object) -> str:
+    """What the ranks of a collective call must agree on, as one line (``save gpt/10``, ``save gpt/10
+    parent=pre/9``): the options that are not at their defaults."""
+    defaults = {"step": None, "parent": None, "share_replicas": True}
+    said = " ".join(f"{k}={v}" for k, v in options.items() if v != defaults.get(k))
+    return f"{what} {ref}" + (f" {said}" if said else "")
 
 
 def _reasons(err: BaseException | str | None, world: int) -> str:
@@ -122,6 +132,11 @@ class CheckpointClient(CatalogClient):
             ``UnsafeObject`` naming its key, at save and at load, so loading never runs code from a
             checkpoint. ``True`` loads and saves such objects anyway, with a ``TrustedObjectWarning``:
             only for checkpoints whose writers are trusted like the training code itself.
+        join_seconds: how long a collective ``save`` or ``load`` waits for every rank to make the same
+            call before raising ``CollectiveMismatch`` on every rank that came, naming the ranks that
+            did not (``ckptd_client._join``); longer while a missing rank is still inside the previous
+            collective call. Raise it when a rank may reach a save that much later than the others
+            (an evaluation that runs on rank 0 alone just before it).
     """
 
     def __init__(self, url: str | Sequence[str] | None = None, *, token: str | None = None,
@@ -131,7 +146,8 @@ class CheckpointClient(CatalogClient):
                  incremental: bool = True, direct_reads: bool = True,
                  direct_uploads: bool = True,
                  share_replicas: bool = True,
-                 safe_globals: Sequence[SafeGlobal] = (), trust_objects: bool = False) -> None:
+                 safe_globals: Sequence[SafeGlobal] = (), trust_objects: bool = False,
+                 join_seconds: float = 60.0) -> None:
         super().__init__(url, token=token, retry_seconds=retry_seconds, timeout=timeout)
         self.compression = compression
         self._codec = compression_of(compression)  # one policy per client: it learns across saves
@@ -150,6 +166,7 @@ class CheckpointClient(CatalogClient):
         self.share_replicas = share_replicas
         self.objects = ObjectPolicy.of(trust_objects, safe_globals)  # warns once when trust_objects=True
         self._writers = ReplicaWriters()  # who writes each plain tensor, kept while no rank's keys change
+        self.join_seconds = join_seconds
 
     # -- save ------------------------------------------------------------------
     def save(self, state_dict: dict, ref: str, *, step: int | None = None, parent: str | None = None) -> SaveHandle:
@@ -163,7 +180,18 @@ class CheckpointClient(CatalogClient):
         prints the chain, and retention keeps the parent while this checkpoint is
         visible. Raises an earlier save's error if it failed and nobody waited on it
         (each failure once).
+
+        Collective: the ranks first check that every one of them saves the same ``ref`` (``step``
+        and ``parent`` too) within ``join_seconds``; else every rank that came raises
+        ``CollectiveMismatch`` naming each group's call and the ranks that did not join, before any
+        session is opened.
         """
+        name = str(ref).rsplit("/", 1)[-1]
+        implied = int(name) if name.isdigit() else None  # the step a digits NAME gives
+        with joined(_call("save", ref, step=None if step == implied else step, parent=parent), self.join_seconds):
+            return self._save(state_dict, ref, step=step, parent=parent)
+
+    def _save(self, state_dict: dict, ref: str, *, step: int | None, parent: str | None) -> SaveHandle:
         r = parse_ref(ref)
         check_new_name(r.name)  # not RUN/latest, in any case
         if parent is not None:
@@ -251,7 +279,18 @@ class CheckpointClient(CatalogClient):
         (``ckptd_client._coverage``).
 
         Objects are decoded without running code (``trust_objects``); a refused one raises ``UnsafeObject``.
+
+        A load whose ranks exchange anything (``strict``, ``cover`` or ``share_replicas``: the
+        default) first checks, as ``save`` does, that every rank loads the same ``ref`` (and
+        ``share_replicas``) within ``join_seconds`` (``CollectiveMismatch`` on every rank that came,
+        otherwise).
         """
+        together = self.share_replicas or strict or cover
+        call = _call("load", ref, share_replicas=self.share_replicas)  # which collectives it makes
+        with joined(call, self.join_seconds) if together else contextlib.nullcontext():
+            return self._load(state_dict, ref, strict=strict, cover=cover)
+
+    def _load(self, state_dict: dict, ref: str, *, strict: bool, cover: bool) -> LoadReport:
         r = parse_ref(ref)
         rank, _ = rank_and_world()
         return load_into(self._transport, r.run, r.name, state_dict, rank=rank, strict=strict, cover=cover,

@@ -7,7 +7,9 @@ commit protocol::
     dcp.load(sd, storage_reader=client.dcp_reader("gpt/latest"))
 
 Writer call order (DCP's): ``set_up_storage_writer`` -> ``prepare_local_plan``
--> ``prepare_global_plan`` (coordinator: draws the session id all ranks use)
+(carries the rank's ref) -> ``prepare_global_plan`` (coordinator: checks that every
+rank saves the same ref, else ``CollectiveMismatch`` on every rank naming the ranks
+of each; draws the session id all ranks use)
 -> ``write_data`` (every rank: snapshot, hash, stream its files; returns its
 chunk index inside the WriteResults) -> ``finish`` (coordinator: stores DCP's
 own metadata, sends every rank's index; the last one commits atomically).
@@ -24,7 +26,8 @@ or one synthesised from the manifest (so checkpoints saved by
 service for the byte ranges of exactly the regions DCP's planner wants (any
 world size), verifies them block by block and copies them in place. Every
 rank reads the checkpoint the coordinator resolved (``RUN/latest`` is pinned
-through the load plan). Nothing is unpickled without restriction: the stored
+through the load plan), once the coordinator has checked that every rank asked for
+the same ref (``CollectiveMismatch`` otherwise). Nothing is unpickled without restriction: the stored
 metadata is loaded with ``weights_only=True`` and DCP's metadata classes
 allowed, and each object is decoded under the reader's object policy
 (``ckptd_schemas.format.objects``) and re-encoded before DCP's planner (which calls
@@ -66,6 +69,7 @@ from .session_calls import open_session, put_index, wait_committed
 from ._damage import reported
 from ._lease import LoadLease
 from ._load import execute, local_files
+from ._join import mismatch
 from ckptd_schemas.names import DCP_METADATA
 from ckptd_schemas.format.assemble import Destination, torch_dtype
 from ckptd_schemas.format.objects import SAFE, ObjectPolicy, check_payload, load_dcp_metadata, reencode_for_dcp
@@ -161,9 +165,10 @@ class CkptdStorageWriter(_Endpoint, StorageWriter):
         return StorageMeta(checkpoint_id=self.ref)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        return dataclasses.replace(plan, storage_data=self.ref)  # for the coordinator to compare
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        _same_ref("save", [p.storage_data for p in plans])
         session = uuid.uuid4().hex
         return [dataclasses.replace(p, storage_data=_PlanData(session, i, len(plans))) for i, p in enumerate(plans)]
 
@@ -241,6 +246,18 @@ class CkptdStorageWriter(_Endpoint, StorageWriter):
         wait_committed(self.transport, self.base, self.ref, status, None)
 
 
+def _same_ref(call: str, refs: list[Any]) -> None:
+    """Coordinator, in ``prepare_global_plan``: every rank's local plan carries the checkpoint that rank
+    was given; when they differ, raise ``CollectiveMismatch`` naming the ranks of each, which DCP
+    raises on every rank (in its ``CheckpointException``) before any session is opened."""
+    calls: dict[str, list[int]] = {}
+    for rank, ref in enumerate(refs):
+        if isinstance(ref, str):
+            calls.setdefault(f"{call} {ref}", []).append(rank)
+    if len(calls) > 1:
+        raise mismatch(calls)
+
+
 def _step_of(ref: str) -> int | None:
     name = parse_ref(ref).name
     return int(name) if name.isdigit() else None
@@ -294,6 +311,7 @@ class CkptdStorageReader(_Endpoint, StorageReader):
         self._rank: int | None = None
         self._lease: LoadLease | None = None  # this rank's read lease, first request to end of read_data
         self.set_ref(None)
+        self._asked = self.ref  # as given (``RUN/latest`` too): what the ranks must agree on
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "_lease": None}
@@ -301,6 +319,8 @@ class CkptdStorageReader(_Endpoint, StorageReader):
     def reset(self, checkpoint_id: Any = None) -> None:
         self._release()
         self.set_ref(checkpoint_id)
+        if checkpoint_id is not None:
+            self._asked = self.ref
         self._manifest = None
 
     def _release(self) -> None:
@@ -380,9 +400,10 @@ class CkptdStorageReader(_Endpoint, StorageReader):
             self._pin(metadata.storage_meta.checkpoint_id)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return dataclasses.replace(plan, storage_data=self._asked)  # for the coordinator to compare
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        _same_ref("load", [p.storage_data for p in plans])
         return [dataclasses.replace(p, storage_data=self.ref) for p in plans]  # the coordinator's checkpoint
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

@@ -14,6 +14,10 @@ identically on either side of the wire.
     │   ├── InvalidName               400 invalid_name        run, name, file or ref unsafe or malformed
     │   ├── InvalidIndex              422 invalid_index       a rank's index is inconsistent
     │   ├── StateDictMismatch         422 state_dict_mismatch load: keys, shapes or dtypes differ
+    │   ├── CollectiveMismatch        422 collective_mismatch the ranks of a collective save or load make
+    │   │                                                     different calls (ref, save or load), or some
+    │   │                                                     do not join in time (raised by the client,
+    │   │                                                     on every rank that came, naming the ranks)
     │   └── UnsafeObject              422 unsafe_object       an object only an unrestricted unpickler reads
     ├── NotFound                      404 not_found
     │   ├── CheckpointNotFound        404 checkpoint_not_found
@@ -34,7 +38,13 @@ identically on either side of the wire.
     ├── TooManyRequests               429 too_many_requests   e.g. this token's concurrent uploads (retried)
     ├── Unavailable                   503 unavailable         server unreachable after retries
     └── StorageError                  503 storage             the storage backend failed (retried)
-        └── StorageFull               507 storage_full        no space left: not retried, staging dropped
+        └── StoragePermanent          507 storage_permanent   storage refused in a way that waiting will not
+            │                                                 change (e.g. the service may not read a file):
+            │                                                 not retried
+            ├── StorageFull           507 storage_full        no space left (ENOSPC, EDQUOT): staging dropped
+            └── StorageReadOnly       507 storage_read_only   the root cannot be written: a read-only
+                                                              filesystem (EROFS), or one the service's user
+                                                              may not write (EACCES, EPERM; S3 AccessDenied)
 
 Every error carries ``message`` (a sentence naming the tensor, rank, file or
 field at fault) and ``details`` (machine-readable context).
@@ -49,6 +59,7 @@ __all__ = [
     "CheckpointNotFound",
     "ChecksumMismatch",
     "CkptdError",
+    "CollectiveMismatch",
     "CommitFailed",
     "CorruptCheckpoint",
     "Conflict",
@@ -66,6 +77,8 @@ __all__ = [
     "StateDictMismatch",
     "StorageError",
     "StorageFull",
+    "StoragePermanent",
+    "StorageReadOnly",
     "TilingError",
     "TooManyRequests",
     "Unauthorized",
@@ -122,6 +135,16 @@ class InvalidIndex(InvalidRequest):
 
 class StateDictMismatch(InvalidRequest):
     code = "state_dict_mismatch"
+    status = 422
+
+
+class CollectiveMismatch(InvalidRequest):
+    """The ranks of a collective ``save`` or ``load`` did not all make the same call: another ref,
+    a save beside a load, other options, or no call within the client's ``join_seconds``. Raised on
+    every rank that came, before any session is opened; ``details``: ``calls`` (each call and its
+    ranks), ``missing`` (the ranks that did not join)."""
+
+    code = "collective_mismatch"
     status = 422
 
 
@@ -220,10 +243,29 @@ class StorageError(CkptdError):
     status = 503
 
 
-class StorageFull(StorageError):
-    """The storage has no space left (ENOSPC). Waiting will not help, so clients do not retry it."""
+class StoragePermanent(StorageError):
+    """The storage refused an operation in a way that waiting will not change (a permission, a
+    read-only filesystem, no space): answered 507, which clients do not retry, so the cause arrives
+    at once instead of after the client's retry budget. ``details``: ``key``, and ``root`` (the
+    storage root) with ``errno`` (a local root) or ``s3_code`` (an object store)."""
+
+    code = "storage_permanent"
+    status = 507
+
+
+class StorageFull(StoragePermanent):
+    """The storage has no space left (ENOSPC, EDQUOT). Waiting will not help, so clients do not retry it."""
 
     code = "storage_full"
+    status = 507
+
+
+class StorageReadOnly(StoragePermanent):
+    """The storage root cannot be written: a read-only filesystem (EROFS), or a root the service's user
+    may not write (EACCES, EPERM: e.g. a root-owned bind mount in a container; S3 AccessDenied on a
+    write). Saves fail at once at session open with it; committed checkpoints can still be read."""
+
+    code = "storage_read_only"
     status = 507
 
 
@@ -258,4 +300,6 @@ def error_from_body(body: Any, status: int) -> CkptdError:
         return NotFound(f"not found: {body}")
     if status == 429:
         return TooManyRequests(f"too many requests (429): {body}")
+    if status == 507:
+        return StoragePermanent(f"the storage refused the request (507): {body}")
     return CkptdError(f"server answered {status}: {body}")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import shutil
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -20,8 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["BENCH_TIMEOUT_S", "TIME_SCALE", "ServerProcess", "assert_bits_equal", "assert_quoted", "blank_like",
-           "example_block", "free_port", "make_state", "REPO", "run_bench", "run_example", "run_ranks", "scaled"]
+__all__ = ["BENCH_TIMEOUT_S", "TIME_SCALE", "ServerProcess", "as_user", "assert_bits_equal", "assert_quoted",
+           "blank_like", "example_block", "free_port", "make_state", "read_only_view", "REPO", "run_bench",
+           "run_example", "run_ranks", "scaled"]
 
 #: One setting for every deadline of the tests: ``CKPTD_TEST_TIME_SCALE=2`` doubles them on a machine
 #: twice as slow (server start, rank groups, benchmark runs, and the tests that pass theirs through
@@ -62,6 +64,16 @@ _DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, 
                     "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execv(sys.argv[2], sys.argv[2:])")
 
 
+def as_user(uid: int | None, cmd: list[str]) -> list[str]:
+    """``cmd`` run as ``uid`` (its gid the same, no other groups) through setpriv(1); as is for None.
+    The change of user clears a parent-death signal (:func:`guarded`): such a process is stopped at exit."""
+    if uid is None:
+        return cmd
+    setpriv = shutil.which("setpriv")
+    assert setpriv, "running a command as another user needs setpriv(1)"
+    return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *cmd]
+
+
 def guarded(cmd: list[str]) -> list[str]:
     """``cmd`` wrapped so that it dies with this process. The signal follows the thread that starts
     it, so only a command started from the main thread is wrapped (the rest are stopped at exit)."""
@@ -93,8 +105,9 @@ class ServerProcess:
     """``ckptd serve`` in its own process, killable and restartable on the same root and port."""
 
     def __init__(self, root: str | Path, port: int | None = None, env: dict[str, str] | None = None,
-                 log: Path | None = None, args: list[str] | None = None) -> None:
+                 log: Path | None = None, args: list[str] | None = None, user: int | None = None) -> None:
         self.root = str(root)
+        self.user = user  # run as this uid (and gid, no other groups): needs root; None: as this process
         self.port = port or free_port()
         self.env = dict(env or {})
         self.args = list(args or [])  # more `ckptd serve` flags (later ones win: --log-level debug)
@@ -120,7 +133,8 @@ class ServerProcess:
         else:
             cmd = [sys.executable, "-m", "ckptd.cli.main", "serve", "--root", self.root, "--port", str(self.port),
                    "--log-level", "warning", *self.args]
-        self.proc = subprocess.Popen(guarded(cmd), env=full_env, stdout=self._logf, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(guarded(as_user(self.user, cmd)), env=full_env, stdout=self._logf,
+                                     stderr=subprocess.STDOUT)
         _LIVE.add(self.proc)
         if wait:
             self.wait_ready()
@@ -296,3 +310,23 @@ def assert_quoted(example: Path, docs: tuple[str, ...] = ("docs/integrations.md"
     assert 8 <= len(block.splitlines()) <= 12, f"{example.name}: {len(block.splitlines())} marked lines"
     for doc in docs:
         assert block in (REPO / doc).read_text(), f"{doc} quotes another block than {example.name}"
+
+
+def read_only_view(src: Path, at: Path) -> Callable[[], None]:
+    """Mount ``src`` read-only at ``at`` (a bind mount remounted ``ro``: writes there fail with EROFS, even
+    as root); return the unmount. Skips the test where that cannot be done (not root, no mount(8))."""
+    import pytest
+
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("a read-only bind mount needs root and mount(8)")
+    at.mkdir(parents=True, exist_ok=True)
+    for cmd in (["mount", "--bind", str(src), str(at)], ["mount", "-o", "remount,bind,ro", str(at)]):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            subprocess.run(["umount", "-l", str(at)], capture_output=True, timeout=30)
+            pytest.skip(f"cannot make a read-only bind mount here ({' '.join(cmd)}): {r.stderr.strip()}")
+
+    def unmount() -> None:
+        subprocess.run(["umount", "-l", str(at)], capture_output=True, timeout=30)
+
+    return unmount

@@ -33,7 +33,9 @@ is: ``RUN/latest`` and retention follow verification records (``VERIFIED.json``)
 
 Call order: :func:`plan_drill` (pure), then :func:`drill_checkpoint` (per layout :func:`drill_plan`)
 and :func:`write_record`; the service submits :func:`run_drill_job` to its worker pool
-(``ckptd.service.drill_routes``) and readers call :func:`read_record`.
+(``ckptd.service.drill_routes``) and readers call :func:`read_record`. A drill job cut by a stop of its
+service is resumed by a live replica (``ckptd.reshard.recovery``): a drill only reads and writes its
+record, so running it again is harmless.
 """
 
 from __future__ import annotations
@@ -64,13 +66,14 @@ from ..store.leases import Leases
 from .digest import tensor_digest
 from .drill_layouts import check_layout, resolve_layout
 from .executor import ChunkAssembler, plan_engine
+from .liveness import finish, mark_active
 from .models import now_utc
 from .pieces import SourcePieces, target_place
 from .planner import PlannedChunk, ReshardPlan, plan_reshard
 
 __all__ = ["MAX_LAYOUTS", "MAX_PROBLEMS", "DrillJob", "DrillProblem", "DrillRecord", "DrillRequest", "LayoutDrill",
-           "drill_checkpoint", "drill_plan", "get_drill_job", "plan_drill", "problems_of", "read_record",
-           "run_drill_job", "submit_drill_job", "write_record"]
+           "drill_checkpoint", "drill_plan", "get_drill_job", "plan_drill", "problems_of", "put_drill_job",
+           "read_record", "run_drill_job", "submit_drill_job", "write_record"]
 
 log = logging.getLogger("ckptd.reshard")
 
@@ -402,14 +405,21 @@ class DrillJob(_M):
     updated_at: datetime
     result: DrillRecord | None = Field(None, description="the record, once done (ok says whether the drill passed)")
     error: dict[str, Any] | None = Field(None, description="why the drill could not run (state failed)")
+    jobs: int = Field(1, ge=1, le=64, description="tensors assembled at once (as asked)")
+    owner: str | None = Field(None, description="the service replica whose worker pool holds the job (its heartbeat: "
+                                                "jobs/replicas/OWNER.json; ckptd.reshard.recovery)")
+    attempts: int = Field(1, ge=1, description="starts: more than 1 when it was resumed after its service stopped")
 
 
 def _job_key(job_id: str) -> str:
     return f"jobs/drill/{job_id}.json"
 
 
-def _put_job(storage: Storage, job: DrillJob) -> None:
+def put_drill_job(storage: Storage, job: DrillJob) -> None:
     storage.put(_job_key(job.id), job.model_dump_json().encode())
+
+
+_put_job = put_drill_job
 
 
 def get_drill_job(storage: Storage, job_id: str) -> DrillJob:
@@ -421,18 +431,22 @@ def get_drill_job(storage: Storage, job_id: str) -> DrillJob:
     return DrillJob.model_validate(data)
 
 
-def submit_drill_job(storage: Storage, req: DrillRequest) -> DrillJob:
+def submit_drill_job(storage: Storage, req: DrillRequest, owner: Callable[[], str] | None = None) -> DrillJob:
     """Validate and plan every layout (no data read: a bad spec or layout is refused here), lease the source,
-    record the job as queued (``jobs/drill/<id>.json``)."""
+    list the job as not final (``liveness.mark_active``), record it as queued (``jobs/drill/<id>.json``).
+    ``owner`` (a service's) is called once the request is valid, before anything is written: it renews the
+    replica's heartbeat and returns its id, which the record names (``ckptd.reshard.recovery``)."""
     src = parse_ref(req.source)
     reader = CheckpointReader(storage)
     manifest = reader.manifest(src.run, src.name)
     plan_drill(manifest, req.to)
+    replica = owner() if owner is not None else None
     job_id = uuid.uuid4().hex
     Leases(storage).acquire(manifest.run, manifest.name, job_id, ttl=300)
     now = now_utc()
     job = DrillJob(id=job_id, state="queued", source=manifest.ref, layouts=[check_layout(x) for x in req.to],
-                   created_at=now, updated_at=now)
+                   created_at=now, updated_at=now, jobs=req.jobs, owner=replica)
+    mark_active(storage, "drill", job_id)
     _put_job(storage, job)
     return job
 
@@ -441,9 +455,15 @@ def run_drill_job(root: str, ref: str, layouts: list[str], jobs: int = 1, job_id
     """In a worker process (at low CPU and I/O priority): drill ``ref``, store the record and return it as
     a dict (it crosses the process boundary). With ``job_id``, the job's status is kept (running, then
     done with the record or failed with the error) and its lease taken over; the service's policy drills
-    run without one. Raises what stopped the drill (the service counts it as failed)."""
+    run without one. Raises what stopped the drill (the service counts it as failed). A job whose record is
+    final already (failed by another replica while it waited here) is not run: its record is returned."""
     storage = open_root(root)
     job = get_drill_job(storage, job_id) if job_id is not None else None
+    if job is not None and job.state in ("done", "failed"):
+        finish(storage, "drill", job.id)
+        if job.result is None:
+            raise CkptdError(job.error["message"] if job.error else f"drill job {job.id} ended before it ran")
+        return job.result.model_dump(mode="json")
     if job is not None:
         _put_job(storage, job := job.model_copy(update={"state": "running", "updated_at": now_utc()}))
     try:
@@ -453,6 +473,7 @@ def run_drill_job(root: str, ref: str, layouts: list[str], jobs: int = 1, job_id
             err = e if isinstance(e, CkptdError) else CkptdError(f"internal error: {type(e).__name__}: {e}")
             _put_job(storage, job.model_copy(update={"state": "failed", "updated_at": now_utc(),
                                                      "error": err.to_body()["error"]}))
+            finish(storage, "drill", job.id)
         raise
     finally:
         if job_id is not None:
@@ -460,6 +481,7 @@ def run_drill_job(root: str, ref: str, layouts: list[str], jobs: int = 1, job_id
             Leases(storage).release(src.run, src.name, job_id)  # the lease submit_drill_job took
     if job is not None:
         _put_job(storage, job.model_copy(update={"state": "done", "updated_at": now_utc(), "result": rec}))
+        finish(storage, "drill", job.id)
     return rec.model_dump(mode="json")
 
 

@@ -6,7 +6,8 @@ planned), leases the source, records ``jobs/<id>.json`` and the outline's summar
 storage and hands the job to a worker process, which runs :func:`run_service_job` at
 low CPU and I/O priority with a bandwidth cap, so trainer uploads keep priority; the
 worker plans each unit's reads as it runs it. Status lives in storage, so any replica
-answers ``GET /v1/jobs/<id>``.
+answers ``GET /v1/jobs/<id>``. A job whose service stopped while it was queued or running is
+failed by a live replica (or done, when its output had committed): :mod:`.recovery`.
 
 Kubernetes (``ckptd reshard --write-plan URI --workers N`` then ``ckptd reshard-worker
 --plan URI --index I`` for I in 0..N-1, one pod each): :func:`write_job` stores which
@@ -37,6 +38,7 @@ from .executor import (
     UnitResult, finalize, open_target, outline_again, plan_device, plan_engine, run_plan, run_share,
 )
 from ..store.leases import Leases
+from .liveness import finish, mark_active
 from .models import JobStatus, ReshardRequest, get_job, get_plan_summary, now_utc, put_plan_summary, put_status
 from .planner import ReshardOutline, outline_reshard
 from .preview import plan_summary
@@ -48,9 +50,12 @@ __all__ = ["JobStatus", "ReshardRequest", "WorkerJob", "get_job", "run_service_j
 log = logging.getLogger("ckptd.reshard")
 
 
-def submit_job(storage: Storage, req: ReshardRequest) -> JobStatus:
+def submit_job(storage: Storage, req: ReshardRequest, owner: Callable[[], str] | None = None) -> JobStatus:
     """Validate and cut the job into units (no read planned, no data I/O: the worker plans each unit's
-    reads as it runs it), lease the source, record the job as queued with its outline's summary."""
+    reads as it runs it), lease the source, list the job as not final (``liveness.mark_active``), record
+    it as queued with its outline's summary. ``owner`` (a service's) is called once the request is valid,
+    before anything is written: it renews the replica's heartbeat and returns its id, which the record
+    names (:mod:`.recovery`)."""
     spec = parse_spec(req.to)
     src = parse_ref(req.source)
     reader = CheckpointReader(storage)
@@ -61,12 +66,14 @@ def submit_job(storage: Storage, req: ReshardRequest) -> JobStatus:
     if reader.visibility.marker(o.run, o.name) is not None:  # taken, visible or not
         raise AlreadyCommitted(f"output {out} is already committed; committed checkpoints are immutable (pass another "
                                f"--out)", ref=out)
+    replica = owner() if owner is not None else None
     job_id = uuid.uuid4().hex
     Leases(storage).acquire(manifest.run, manifest.name, job_id, ttl=300)
     now = now_utc()
     st = JobStatus(id=job_id, state="queued", source=manifest.ref, out=out, spec=str(spec),
-                   bytes_total=outline.bytes_to_write, created_at=now, updated_at=now)
+                   bytes_total=outline.bytes_to_write, created_at=now, updated_at=now, owner=replica)
     put_plan_summary(storage, job_id, plan_summary(outline))  # the web view reads it; nothing plans the job again
+    mark_active(storage, "reshard", job_id)
     put_status(storage, st)
     return st
 
@@ -74,9 +81,14 @@ def submit_job(storage: Storage, req: ReshardRequest) -> JobStatus:
 def run_service_job(root: str, job_id: str, request_json: str, max_bytes_per_s: float) -> None:
     """Body of a service worker process: run the job, keep its status fresh, and hold the source's
     lease (the one :func:`submit_job` took) by a renewing thread until the job ends, however long
-    a single read or write of it takes."""
+    a single read or write of it takes. The output session's id is recorded before anything is
+    written to it, so a replica taking the job over after a crash knows whether it committed
+    (:mod:`.recovery`). A job already final (failed by another replica while it waited) is not run."""
     storage = open_root(root)
     st = get_job(storage, job_id)
+    if st.state in ("done", "failed"):
+        finish(storage, "reshard", job_id)
+        return
     req = ReshardRequest.model_validate_json(request_json)
     reader, sessions = CheckpointReader(storage), SessionStore(storage)
     src = parse_ref(st.source)
@@ -96,10 +108,11 @@ def run_service_job(root: str, job_id: str, request_json: str, max_bytes_per_s: 
     def run() -> Any:
         session = get_plan_summary(storage, job_id)["source_session"]
         outline = outline_again(reader, st.source, session, req.to, req.dtype, req.jobs)
-        return run_plan(reader, sessions, outline, st.out, uuid.uuid4().hex, device=req.device, jobs=req.jobs,
+        return run_plan(reader, sessions, outline, st.out, session, device=req.device, jobs=req.jobs,
                         progress=progress, max_bytes_per_s=max_bytes_per_s)
 
-    put_status(storage, st := st.model_copy(update={"state": "running", "updated_at": now_utc()}))
+    session = uuid.uuid4().hex
+    put_status(storage, st := st.model_copy(update={"state": "running", "updated_at": now_utc(), "session": session}))
     try:
         with leases.hold(src.run, src.name, "reshard", holder=job_id):
             # The final status is written while the lease is held: a job seen queued or running
@@ -109,6 +122,7 @@ def run_service_job(root: str, job_id: str, request_json: str, max_bytes_per_s: 
         put_status(storage, _failed(st, e, job_id))
     finally:
         leases.release(src.run, src.name, job_id)  # a job that failed before its hold began
+    finish(storage, "reshard", job_id)
 
 
 def _finished(st: JobStatus, run: Callable[[], Any], job_id: str) -> JobStatus:

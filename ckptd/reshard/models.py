@@ -38,6 +38,9 @@ class JobStatus(BaseModel):
     updated_at: datetime
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+    owner: str | None = Field(None, description="the service replica whose worker pool holds the job (its heartbeat: "
+                                                "jobs/replicas/OWNER.json; ckptd.reshard.recovery)")
+    session: str | None = Field(None, description="the output's upload session, once the job runs")
 
 
 def now_utc() -> datetime:

@@ -34,7 +34,8 @@ and enforced by ``auth.AccessMiddleware`` (401) and ``auth.authorize`` (403);
 HTTP metrics. Inside them, ``limits.PrincipalRequests`` bounds one token's requests
 in progress (429; probes are never counted) and ``limits.BodyTimeouts`` bounds each
 request body in time (408). The probes answer from the event loop alone
-(``/readyz`` adds one storage listing), behind no limit a token holder can fill.
+(``/readyz`` adds one storage listing and a small write at the root, at most once per few seconds:
+``readiness``), behind no limit a token holder can fill.
 """
 
 from __future__ import annotations
@@ -43,10 +44,13 @@ import asyncio
 import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import AsyncIterator, Literal
 
-from fastapi import Depends, FastAPI, Response
+from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+
+from ckptd_schemas import StoragePermanent
 
 from .. import __version__
 from ..storage import Storage
@@ -61,11 +65,13 @@ from ..store.verification import VerifyRecord, verify_and_record
 from ..store.visibility import Visibility
 from .auth import ROUTE_RULES, AccessMiddleware, TokenStore, authorize, check_routes, iter_routes
 from .docs import install_docs
-from .drill_routes import DrillPolicy, drill_router
+from .drill_routes import DrillPolicy, count_drill, drill_router
+from .job_watch import JobWatch
 from .errors import install_error_handlers
 from .limits import BodyTimeouts, PrincipalRequests, UploadSlots
 from .logs import RequestContextMiddleware
 from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .readiness import Readiness, answer
 from .read_routes import read_router
 from .reshard_routes import reshard_router
 from .workers import Workers
@@ -93,7 +99,9 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
                             on_invisible=metrics.observe_invisible)
     reader = CheckpointReader(storage, visibility=visibility)
     workers = Workers(settings.reshard_workers)  # reshard jobs, verifications and drills: one pool
-    jobs_router = reshard_router(storage, settings, workers, metrics)
+    # Job records name this replica; jobs of replicas that stopped are resumed (drills) or failed (reshard).
+    job_watch = JobWatch(storage, workers, settings, on_drill=lambda job_id: count_drill(metrics, f"job {job_id}"))
+    jobs_router = reshard_router(storage, settings, job_watch, metrics)
 
     def verify_in_worker(run: str, name: str) -> VerifyRecord:
         return VerifyRecord.model_validate(workers().submit(verify_and_record, storage.url, run, name).result())
@@ -130,12 +138,16 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
             while True:
                 try:
                     await run_in_threadpool(sessions.reclaim_stale, settings.stale_session_ttl)
+                except StoragePermanent as e:  # a read-only root: nothing to reclaim there, one line each sweep
+                    metrics.storage_errors.labels("reclaim").inc()
+                    log.warning("stale-session sweep skipped: %s", e.message)
                 except Exception:  # noqa: BLE001 - a failed sweep must not stop the service
                     metrics.storage_errors.labels("reclaim").inc()
                     log.exception("stale-session sweep failed")
                 await asyncio.sleep(settings.reclaim_interval)
 
         task = asyncio.create_task(reclaim_loop())
+        job_watch.start()  # its first sweep finds the jobs a stopped replica left queued or running
         if copier is not None:
             copier.start()  # its first scan finds what a crash left committed locally only
         log.info("ckptd %s serving storage %s", __version__, storage.url)
@@ -144,6 +156,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
         finally:
             task.cancel()
             probe_threads.shutdown(wait=False)
+            await run_in_threadpool(job_watch.stop)  # heartbeat deleted: its jobs are taken over at once
             if copier is not None:
                 await run_in_threadpool(copier.stop)
             workers.close()
@@ -152,6 +165,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
                   description="Distributed checkpoint and reshard service for sharded PyTorch training.",
                   openapi_url=None, docs_url=None, redoc_url=None)  # served offline by install_docs
     app.state.settings, app.state.storage, app.state.metrics, app.state.tokens = settings, storage, metrics, tokens
+    readiness = app.state.readiness = Readiness(storage, on_failure=lambda _: metrics.storage_errors.labels(
+        "readyz").inc())
     install_error_handlers(app)
 
     @app.get("/", tags=["probes"])
@@ -164,13 +179,18 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     async def healthz() -> dict:
         return {"status": "ok", "version": __version__}
 
-    # /readyz lists the storage on threads of its own: requests that fill the shared pool never delay it.
+    # /readyz probes the storage on threads of its own: requests that fill the shared pool never delay it.
     probe_threads = ThreadPoolExecutor(2, thread_name_prefix="ckptd-probe")
 
     @app.get("/readyz", tags=["probes"])
-    async def readyz() -> dict:
-        await asyncio.get_running_loop().run_in_executor(probe_threads, storage.list, "runs")
-        return {"status": "ready", "storage": storage.url}
+    async def readyz(request: Request, need: Literal["writes", "reads"] = Query(
+            "writes", alias="for", description="writes: the root can be listed and written (a service that "
+            "saves); reads: it can be listed (a service that serves loads from a read-only root)")) -> JSONResponse:
+        """Ready when the storage answers a listing and, unless ``for=reads``, its root can be written (a
+        hidden object created and deleted, at most once per few seconds); the body says both, and why not."""
+        probe = await asyncio.get_running_loop().run_in_executor(probe_threads, readiness.check)
+        status, body = answer(probe, storage.url, need, request.scope.get("state", {}).get("request_id"))
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics", name="metrics", tags=["probes"], response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
@@ -181,7 +201,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     app.include_router(upload_router(services))
     app.include_router(read_router(services))
     app.include_router(jobs_router)
-    app.include_router(drill_router(storage, workers, metrics))
+    app.include_router(drill_router(storage, job_watch, metrics))
     app.include_router(gc_router(storage, lambda: sessions.reclaim_stale(settings.stale_session_ttl),
                                  verify_in_worker, record=gc_log.record))
     app.include_router(ui_router(services, gc_log))

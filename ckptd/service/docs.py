@@ -54,8 +54,9 @@ ERROR_RESPONSES: dict[int, str] = {
     422: "integrity, checksum_mismatch, corrupt_checkpoint, tiling, invalid_index, commit_failed, validation",
     429: "too_many_requests: this token's uploads at once over the cap (Retry-After)",
     500: "internal: a failure of the service itself",
-    503: "unavailable, storage: the storage backend failed (retry)",
-    507: "storage_full: no space left on the storage root",
+    503: "unavailable, storage: the storage backend failed (retry); /readyz: not ready (the body says why)",
+    507: "storage_full, storage_read_only, storage_permanent: the storage refused in a way that waiting will not "
+         "change (no space left, a root that cannot be written, a permission the service lacks): not retried",
 }
 _OPEN_ERRORS = (500, 503)
 
@@ -88,7 +89,10 @@ def _document(app: FastAPI, rules: dict[str, Any]) -> dict:
             if not is_open:
                 op["security"] = [{"bearer": []}]
             responses = op.setdefault("responses", {})
-            for status in (_OPEN_ERRORS if is_open else ERROR_RESPONSES):
+            statuses = set(_OPEN_ERRORS if is_open else ERROR_RESPONSES)
+            if "422" in responses:  # an open route's query refused: the same error body (errors._validation)
+                statuses.add(422)
+            for status in sorted(statuses):
                 entry = responses.setdefault(str(status), {})
                 entry["description"] = ERROR_RESPONSES[status]
                 entry["content"] = {"application/json": {"schema": ref}}

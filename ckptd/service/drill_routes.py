@@ -18,6 +18,11 @@ checkpoint of a run (derived checkpoints do not count; counted by this replica s
 submits a drill of ``RUN/latest`` into ``CKPTD_DRILL_LAYOUTS`` to the same pool; a run whose previous
 drill has not finished skips its turn. Every drill that ends here, job or policy, counts in
 ``ckptd_drills_total{result="ok"|"failed"}`` (failed: a problem found, or the drill could not run).
+
+A drill job names the replica that queued it; one whose replica stopped (SIGKILL, a crash, a shutdown)
+while it was queued or running is resumed by a live replica, this one restarted included
+(:mod:`.job_watch`, ``ckptd.reshard.recovery``). A policy drill keeps no job record and is not resumed:
+the next commits drill again.
 """
 
 from __future__ import annotations
@@ -40,14 +45,15 @@ from .settings import Settings
 from .workers import Workers
 
 if TYPE_CHECKING:
+    from .job_watch import JobWatch
     from .metrics import Metrics
 
-__all__ = ["DrillPolicy", "drill_router"]
+__all__ = ["DrillPolicy", "count_drill", "drill_router"]
 
 log = logging.getLogger("ckptd.service")
 
 
-def _count(metrics: "Metrics", what: str) -> Callable[[Future], None]:
+def count_drill(metrics: "Metrics", what: str) -> Callable[[Future], None]:
     """A done-callback for a drill's future: counts it ok or failed (an error that stopped it is failed)."""
     def done(fut: Future) -> None:
         try:
@@ -95,7 +101,7 @@ class DrillPolicy:
             with self.lock:
                 self.running.discard(ev.run)
             raise
-        count = _count(self.metrics, f"{ev.run}/latest, policy")
+        count = count_drill(self.metrics, f"{ev.run}/latest, policy")
 
         def done(f: Future) -> None:
             with self.lock:
@@ -105,7 +111,9 @@ class DrillPolicy:
         fut.add_done_callback(done)
 
 
-def drill_router(storage: Storage, workers: Workers, metrics: "Metrics") -> APIRouter:
+def drill_router(storage: Storage, watch: "JobWatch", metrics: "Metrics") -> APIRouter:
+    """The routes; jobs run in the service's worker pool through ``watch`` (which names this replica in
+    each record and takes over the drills of replicas that stopped)."""
     router = APIRouter(tags=["drill"])
 
     @router.post("/v1/drill", status_code=202, response_model=DrillJob)
@@ -114,17 +122,23 @@ def drill_router(storage: Storage, workers: Workers, metrics: "Metrics") -> APIR
         then run the drill in a worker process; follow it at ``GET /v1/drills/{id}``."""
         from ..reshard.drill import run_drill_job, submit_drill_job
 
-        job = await run_in_threadpool(submit_drill_job, storage, body)
-        fut = workers().submit(run_drill_job, storage.url, job.source, job.layouts, body.jobs, job.id)
-        fut.add_done_callback(_count(metrics, f"job {job.id}"))
+        job = await run_in_threadpool(submit_drill_job, storage, body, watch.owner)
+        fut = watch.submit("drill", job.id, run_drill_job, storage.url, job.source, job.layouts, job.jobs, job.id)
+        fut.add_done_callback(count_drill(metrics, f"job {job.id}"))
         response.headers["Location"] = f"/v1/drills/{job.id}"
         return job
 
     @router.get("/v1/drills/{job_id}", response_model=DrillJob)
     async def drill_status(job_id: str) -> DrillJob:
+        """The job; one whose replica stopped is resumed first (module docstring)."""
         from ..reshard.drill import get_drill_job
 
-        return await run_in_threadpool(get_drill_job, storage, job_id)
+        def read() -> DrillJob:
+            job = watch.check("drill", get_drill_job(storage, job_id))
+            assert isinstance(job, DrillJob)
+            return job
+
+        return await run_in_threadpool(read)
 
     @router.get("/v1/checkpoints/{run}/{name}/drill", response_model=DrillRecord)
     async def get_drill(run: str, name: str) -> DrillRecord:

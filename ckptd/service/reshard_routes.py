@@ -4,7 +4,10 @@ All three need the ``admin`` scope (``auth.ROUTE_RULES``).
 
 Jobs run in the service's pool of worker processes (:mod:`.workers`, at low CPU
 and I/O priority) beside the upload handlers, each capping its bandwidth
-(``CKPTD_RESHARD_MAX_MBPS``), so saves keep priority.
+(``CKPTD_RESHARD_MAX_MBPS``), so saves keep priority. Each job record names the replica that
+queued it; a job whose replica stopped while it was queued or running is failed by a live replica
+("the service stopped while this job ran"), or marked done when its output had committed
+(:mod:`.job_watch`, ``ckptd.reshard.recovery``).
 """
 
 from __future__ import annotations
@@ -18,26 +21,26 @@ from starlette.concurrency import run_in_threadpool
 from ..reshard.models import JobStatus, ReshardRequest
 from ..storage import Storage
 from .settings import Settings
-from .workers import Workers
 
 if TYPE_CHECKING:
+    from .job_watch import JobWatch
     from .metrics import Metrics
 
 __all__ = ["reshard_router"]
 
 
-def reshard_router(storage: Storage, settings: Settings, workers: Workers, metrics: "Metrics | None" = None
+def reshard_router(storage: Storage, settings: Settings, watch: "JobWatch", metrics: "Metrics | None" = None
                    ) -> APIRouter:
-    """The routes; jobs run in the service's worker pool (:class:`~.workers.Workers`)."""
+    """The routes; jobs run in the service's worker pool (:class:`~.workers.Workers`) through ``watch``."""
     router = APIRouter(tags=["reshard"])
 
     @router.post("/v1/reshard", status_code=202, response_model=JobStatus)
     async def create_job(body: ReshardRequest, response: Response) -> JobStatus:
         from ..reshard.jobs import run_service_job, submit_job  # torch loads on first use, not at start-up
 
-        st = await run_in_threadpool(submit_job, storage, body)
-        workers().submit(run_service_job, storage.url, st.id, body.model_dump_json(),
-                          settings.reshard_max_mbps * (1 << 20))
+        st = await run_in_threadpool(submit_job, storage, body, watch.owner)
+        watch.submit("reshard", st.id, run_service_job, storage.url, st.id, body.model_dump_json(),
+                     settings.reshard_max_mbps * (1 << 20))
         if metrics is not None:
             metrics.track_job(storage, st.id)
         response.headers["Location"] = f"/v1/jobs/{st.id}"
@@ -61,8 +64,14 @@ def reshard_router(storage: Storage, settings: Settings, workers: Workers, metri
 
     @router.get("/v1/jobs/{job_id}", response_model=JobStatus)
     async def job_status(job_id: str) -> JobStatus:
+        """The job; one whose replica stopped is failed first (module docstring)."""
         from ..reshard.models import get_job
 
-        return await run_in_threadpool(get_job, storage, job_id)
+        def read() -> JobStatus:
+            st = watch.check("reshard", get_job(storage, job_id))
+            assert isinstance(st, JobStatus)
+            return st
+
+        return await run_in_threadpool(read)
 
     return router

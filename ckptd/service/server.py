@@ -101,6 +101,7 @@ def serve(settings: Settings, *, storage: Storage | None = None) -> None:
     guard = ConnectionGuard(settings.header_timeout_seconds, settings.send_idle_timeout_seconds,
                             settings.max_header_bytes, settings.max_connections, app.state.metrics,
                             min_body_rate=settings.body_min_bytes_per_second)
+    app.state.readiness.announce()  # a root that cannot be written (read-only, not ours): said here, first
     sock = listen(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     log.info("ckptd listening on http://%s:%d (root %s)", f"[{host}]" if ":" in host else host, port, settings.root)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["GROUPS", "Settings", "env_name"]
@@ -45,6 +45,15 @@ class Settings(BaseSettings):
     write_batch_bytes: int = Field(8 << 20, description="bytes gathered before each storage write")
     reshard_workers: int = Field(1, description="worker processes for reshard jobs")
     reshard_max_mbps: float = Field(256.0, description="bandwidth cap of one reshard job, MiB/s (0 = none)")
+    job_heartbeat_seconds: float = Field(
+        15.0, gt=0, description="seconds between a replica's heartbeats (`jobs/replicas/`) while its worker pool "
+        "holds reshard jobs or drills, and between its sweeps for jobs whose replica stopped")
+    job_takeover_seconds: float = Field(
+        120.0, gt=0, description="a queued or running reshard job or drill whose replica's heartbeat is older than "
+        "this (or gone: it shut down), and whose record has not changed for as long, is taken over by a live "
+        "replica: a drill is resumed, a reshard job is failed (\"the service stopped while this job ran\"; done "
+        "when its output had committed) (docs/resharding.md, Jobs after a crash); at least twice "
+        "CKPTD_JOB_HEARTBEAT_SECONDS")
     drill_every: int = Field(
         0, ge=0, description="conversion drill policy: after every N commits of trainer checkpoints of a run "
         "(counted by each replica since it started), drill the run's newest checkpoint (`RUN/latest`) into "
@@ -158,6 +167,15 @@ class Settings(BaseSettings):
                 raise ValueError(e.message) from None
         return value
 
+    @field_validator("job_takeover_seconds")
+    @classmethod
+    def _takeover_after_heartbeats(cls, value: float, info: ValidationInfo) -> float:
+        beat = info.data.get("job_heartbeat_seconds")
+        if beat is not None and value < 2 * beat:
+            raise ValueError(f"must be at least twice CKPTD_JOB_HEARTBEAT_SECONDS ({beat:g}), or a live replica's "
+                             f"jobs would be taken over")
+        return value
+
     def storage_url(self) -> str:
         """What the service opens: the root, or the root as the fast tier in front of ``durable``."""
         return self.root if self.durable is None else f"tiered:{self.root}|{self.durable}"
@@ -172,7 +190,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
                            "reclaim_interval"),
     "Retention and leases": ("retention_keep_last", "retention_keep_every", "read_lease_seconds",
                              "read_leases_per_token"),
-    "Reshard jobs": ("reshard_workers", "reshard_max_mbps"),
+    "Reshard jobs": ("reshard_workers", "reshard_max_mbps", "job_heartbeat_seconds", "job_takeover_seconds"),
     "Conversion drills": ("drill_every", "drill_layouts"),
     "Request limits": ("max_index_bytes", "max_header_bytes", "header_timeout_seconds", "body_idle_timeout_seconds",
                        "body_min_bytes_per_second", "body_rate_grace_seconds", "send_idle_timeout_seconds",

@@ -25,7 +25,10 @@ Optional: :meth:`Storage.local_path` (None unless the key is a file on this host
 service offer direct reads to clients that share its filesystem.
 
 Errors from the backend surface as :class:`ckptd_schemas.StorageError`
-naming the key (transient: callers retry). Data files of committed checkpoints are read
+naming the key (transient: callers retry), except those that waiting cannot change: a read-only
+root, a permission the service lacks, no space left. Those are a
+:class:`ckptd_schemas.StoragePermanent` (``StorageReadOnly``, ``StorageFull``) naming the root's
+cause, final at once (:mod:`ckptd.storage.failures` classifies them). Data files of committed checkpoints are read
 through :meth:`Storage.read_committed` and :meth:`Storage.check_committed`, which know the size
 the manifest gives: such a file absent, of another size or read short is damage, not a passing
 failure, and raises :class:`ckptd_schemas.CorruptCheckpoint` at once.

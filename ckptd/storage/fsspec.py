@@ -19,6 +19,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ckptd_schemas import StorageError
 
 from .base import Storage, Writer, check_key
+from .failures import classify
 from .local import LocalStorage
 
 __all__ = ["FsspecStorage"]
@@ -28,13 +29,14 @@ __all__ = ["FsspecStorage"]
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs"}
 
 
-def _wrap(op: str, key: str, e: Exception) -> StorageError:
-    return StorageError(f"storage {op} of {key!r} failed: {type(e).__name__}: {e}", key=key)
+def _wrap(op: str, key: str, e: Exception, root: str) -> StorageError:
+    """A permanent error (read-only, permission, full: :mod:`.failures`) or a transient one."""
+    return classify(op, key, e, root, f"storage {op} of {key!r} failed: {type(e).__name__}: {e}")
 
 
 class _FsspecWriter(Writer):
-    def __init__(self, fs: Any, final: str, key: str, in_place: bool) -> None:
-        self._fs, self._final, self._key = fs, final, key
+    def __init__(self, fs: Any, final: str, key: str, in_place: bool, root: str) -> None:
+        self._fs, self._final, self._key, self._root = fs, final, key, root
         self._path = final if in_place else f"{final}.tmp-{uuid.uuid4().hex[:12]}"
         self._in_place = in_place
         self._closed = False
@@ -44,14 +46,14 @@ class _FsspecWriter(Writer):
                 fs.makedirs(parent, exist_ok=True)
             self._f = fs.open(self._path, "wb")
         except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
-            raise _wrap("open", key, e) from e
+            raise _wrap("open", key, e, root) from e
 
     def write(self, data: bytes | memoryview) -> None:
         try:
             self._f.write(data)
         except Exception as e:  # noqa: BLE001
             self.abort()
-            raise _wrap("write", self._key, e) from e
+            raise _wrap("write", self._key, e, self._root) from e
 
     def commit(self) -> bool:
         try:
@@ -62,7 +64,7 @@ class _FsspecWriter(Writer):
             return True
         except Exception as e:  # noqa: BLE001
             self.abort()
-            raise _wrap("commit", self._key, e) from e
+            raise _wrap("commit", self._key, e, self._root) from e
 
     def abort(self) -> None:
         if not self._closed:
@@ -119,7 +121,7 @@ class FsspecStorage(Storage):
             return self._local.open_write(key, once=once)
         if once:  # no native conditional create here: exactly-once within this process only
             return _OnceWriter(self, key)
-        return _FsspecWriter(self.fs, self._path(key), key, self._in_place)
+        return _FsspecWriter(self.fs, self._path(key), key, self._in_place, self.url)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         path = self._path(key)  # InvalidName propagates as is
@@ -128,7 +130,7 @@ class FsspecStorage(Storage):
         except FileNotFoundError as e:
             raise StorageError(f"storage object {key!r} does not exist", key=key) from e
         except Exception as e:  # noqa: BLE001
-            raise _wrap("read", key, e) from e
+            raise _wrap("read", key, e, self.url) from e
 
     def size(self, key: str) -> int | None:
         path = self._path(key)
@@ -137,7 +139,7 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001
-            raise _wrap("stat", key, e) from e
+            raise _wrap("stat", key, e, self.url) from e
         return int(info.get("size") or 0) if info.get("type") != "directory" else 0
 
     def list(self, prefix: str) -> list[str]:
@@ -147,7 +149,7 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             return []
         except Exception as e:  # noqa: BLE001
-            raise _wrap("list", prefix, e) from e
+            raise _wrap("list", prefix, e, self.url) from e
         names = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
         return sorted(n for n in names if n and not n.startswith(".") and ".tmp-" not in n)
 
@@ -171,17 +173,19 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             return False
         except Exception as e:  # noqa: BLE001
-            raise _wrap("link", dst, e) from e
+            raise _wrap("link", dst, e, self.url) from e
         return True
 
     def delete(self, key: str) -> None:
+        if self._local is not None:
+            return self._local.delete(key)
         path = self._path(key)
         try:
             self.fs.rm_file(path)
         except FileNotFoundError:
             pass
         except Exception as e:  # noqa: BLE001
-            raise _wrap("delete", key, e) from e
+            raise _wrap("delete", key, e, self.url) from e
 
     def delete_tree(self, prefix: str) -> None:
         path = self._path(prefix)
@@ -191,4 +195,4 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             pass
         except Exception as e:  # noqa: BLE001
-            raise _wrap("delete", prefix, e) from e
+            raise _wrap("delete", prefix, e, self.url) from e

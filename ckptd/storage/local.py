@@ -10,9 +10,10 @@ import shutil
 import uuid
 from pathlib import Path
 
-from ckptd_schemas import StorageError, StorageFull
+from ckptd_schemas import StorageError, StorageFull  # noqa: F401 - StorageFull: also reached through this module
 
 from .base import Storage, Writer, check_key
+from .failures import classify
 
 __all__ = ["LocalStorage", "fsync_dir"]
 
@@ -32,19 +33,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _storage_error(op: str, key: str, e: OSError) -> StorageError:
-    if e.errno == errno.ENOSPC:
-        return StorageFull(f"storage {op} of {key!r} failed: disk full", key=key, errno=e.errno)
-    return StorageError(f"storage {op} of {key!r} failed: {e.strerror or e}", key=key, errno=e.errno)
+def _storage_error(op: str, key: str, e: OSError, root: str) -> StorageError:
+    """A permanent error (full, read-only, permission: :mod:`.failures`) or a transient one."""
+    return classify(op, key, e, root, f"storage {op} of {key!r} failed: {e.strerror or e}", errno=e.errno)
 
 
 _TEMP = re.compile(r"\..+\.tmp-[0-9a-f]{12}")  # what _LocalWriter and put() write before the rename
 
 
 class _LocalWriter(Writer):
-    def __init__(self, final: Path, key: str, durable: bool, once: bool = False) -> None:
+    def __init__(self, final: Path, key: str, durable: bool, once: bool = False, root: str = "") -> None:
         self._final = final
         self._key = key
+        self._root = root
         self._durable = durable
         self._once = once
         self._tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
@@ -53,7 +54,7 @@ class _LocalWriter(Writer):
             final.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self._tmp, "wb", buffering=0)
         except OSError as e:
-            raise _storage_error("open", key, e) from e
+            raise _storage_error("open", key, e, root) from e
 
     def _early_writeback(self, n: int) -> None:
         """Every WRITEBACK_BYTES of a durable file, start writing the range back now
@@ -77,7 +78,7 @@ class _LocalWriter(Writer):
             self._early_writeback(total)
         except OSError as e:
             self.abort()
-            raise _storage_error("write", self._key, e) from e
+            raise _storage_error("write", self._key, e, self._root) from e
 
     def write_parts(self, parts: list[bytes]) -> None:
         """``os.writev`` of the pieces (at most IOV_MAX at a time), finishing any short write."""
@@ -96,7 +97,7 @@ class _LocalWriter(Writer):
                         n = 0
         except OSError as e:
             self.abort()
-            raise _storage_error("write", self._key, e) from e
+            raise _storage_error("write", self._key, e, self._root) from e
 
     def commit(self) -> bool:
         try:
@@ -117,7 +118,7 @@ class _LocalWriter(Writer):
             return True
         except OSError as e:
             self.abort()
-            raise _storage_error("commit", self._key, e) from e
+            raise _storage_error("commit", self._key, e, self._root) from e
 
     def abort(self) -> None:
         try:
@@ -140,13 +141,16 @@ class LocalStorage(Storage):
         self.root = Path(root).resolve()
         self.url = str(self.root)
         self.durable = durable
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _storage_error("create", self.url, e, self.url) from e
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
 
     def open_write(self, key: str, *, once: bool = False) -> Writer:
-        return _LocalWriter(self._path(key), key, self.durable, once)
+        return _LocalWriter(self._path(key), key, self.durable, once, self.url)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         path = self._path(key)
@@ -169,7 +173,7 @@ class LocalStorage(Storage):
         except FileNotFoundError as e:
             raise StorageError(f"storage object {key!r} does not exist", key=key, errno=errno.ENOENT) from e
         except OSError as e:
-            raise _storage_error("read", key, e) from e
+            raise _storage_error("read", key, e, self.url) from e
 
     def read_into(self, key: str, start: int, view: memoryview) -> int:
         try:
@@ -185,7 +189,7 @@ class LocalStorage(Storage):
         except FileNotFoundError as e:
             raise StorageError(f"storage object {key!r} does not exist", key=key, errno=errno.ENOENT) from e
         except OSError as e:
-            raise _storage_error("read", key, e) from e
+            raise _storage_error("read", key, e, self.url) from e
 
     def local_path(self, key: str) -> str | None:
         return str(self._path(key))
@@ -204,7 +208,7 @@ class LocalStorage(Storage):
         except OSError as e:
             if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
                 return False  # another filesystem, or one without hard links: the bytes are sent instead
-            raise _storage_error("link", dst, e) from e
+            raise _storage_error("link", dst, e, self.url) from e
         if self.durable:
             fsync_dir(target.parent)
         return True
@@ -215,7 +219,7 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise _storage_error("stat", key, e) from e
+            raise _storage_error("stat", key, e, self.url) from e
 
     def stamp(self, key: str) -> str | None:
         """Inode, size, mtime and ctime: ctime moves on every write, rename or ``utime``, and no
@@ -230,7 +234,7 @@ class LocalStorage(Storage):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None
         except OSError as e:
-            raise _storage_error("read", key, e) from e
+            raise _storage_error("read", key, e, self.url) from e
 
     def size(self, key: str) -> int | None:
         try:
@@ -238,7 +242,7 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise _storage_error("stat", key, e) from e
+            raise _storage_error("stat", key, e, self.url) from e
         return st.st_size if not os.path.isdir(self._path(key)) else 0
 
     def reclaim_temps(self, prefix: str, older_than: float) -> int:
@@ -260,7 +264,7 @@ class LocalStorage(Storage):
         except (FileNotFoundError, NotADirectoryError):
             return []
         except OSError as e:
-            raise _storage_error("list", prefix, e) from e
+            raise _storage_error("list", prefix, e, self.url) from e
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
         final = self._path(key)
@@ -281,15 +285,19 @@ class LocalStorage(Storage):
                 fsync_dir(final.parent)
             return created
         except OSError as e:
-            raise _storage_error("create", key, e) from e
+            raise _storage_error("create", key, e, self.url) from e
         finally:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only filesystem refuses even this (EROFS), temp or none
+                tmp.unlink(missing_ok=True)
 
     def delete(self, key: str) -> None:
+        path = self._path(key)
         try:
-            self._path(key).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
         except OSError as e:
-            raise _storage_error("delete", key, e) from e
+            if not os.path.lexists(path):  # a read-only filesystem answers EROFS before it looks: absent is fine
+                return
+            raise _storage_error("delete", key, e, self.url) from e
 
     def delete_tree(self, prefix: str) -> None:
         path = self._path(prefix)
@@ -300,4 +308,4 @@ class LocalStorage(Storage):
         except NotADirectoryError:
             path.unlink(missing_ok=True)
         except OSError as e:
-            raise _storage_error("delete", prefix, e) from e
+            raise _storage_error("delete", prefix, e, self.url) from e

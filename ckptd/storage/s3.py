@@ -30,7 +30,9 @@ How the storage primitives map onto S3 (no rename anywhere):
   throttling - SlowDown, 503 - and on 500/502/503/504 and connection errors),
   ``AWS_MAX_ATTEMPTS`` attempts in all (default 10) unless ``AWS_RETRY_MODE`` /
   ``AWS_MAX_ATTEMPTS`` or the ``config_kwargs`` storage option say otherwise.
-  What still fails becomes :class:`ckptd_schemas.StorageError` naming the key.
+  What still fails becomes :class:`ckptd_schemas.StorageError` naming the key; a refusal that no
+  retry changes (``AccessDenied``, unknown credentials: :mod:`ckptd.storage.failures`) becomes
+  ``StorageReadOnly`` on a write, ``StoragePermanent`` on a read, final at once.
 
 Listings are never cached (another process or replica may have written since).
 """
@@ -51,6 +53,7 @@ from ckptd_schemas import CkptdError, StorageError
 import fsspec
 
 from .base import Presigned, Storage, Writer, check_key
+from .failures import classify
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_ATTEMPTS", "S3Storage", "s3_options_from_env"]
 
@@ -87,12 +90,13 @@ def s3_options_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     return opts
 
 
-def _wrap(op: str, key: str, e: BaseException) -> StorageError:
-    return StorageError(f"storage {op} of {key!r} failed: {type(e).__name__}: {e}", key=key)
+def _wrap(op: str, key: str, e: BaseException, root: str) -> StorageError:
+    """A permanent error (credentials refused: :mod:`.failures`) or a transient one, naming the key."""
+    return classify(op, key, e, root, f"storage {op} of {key!r} failed: {type(e).__name__}: {e}")
 
 
 @contextlib.contextmanager
-def _s3_errors(op: str, key: str) -> Iterator[None]:
+def _s3_errors(op: str, key: str, root: str) -> Iterator[None]:
     """The one error wrapper of every S3 call: a backend failure becomes :class:`StorageError` naming
     the operation and key; a missing object (``FileNotFoundError``, which each call answers its own
     way) and the project's own errors (an unsafe key's ``InvalidName``) pass as they are."""
@@ -101,7 +105,7 @@ def _s3_errors(op: str, key: str) -> Iterator[None]:
     except (FileNotFoundError, CkptdError):
         raise
     except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
-        raise _wrap(op, key, e) from e
+        raise _wrap(op, key, e, root) from e
 
 
 def _client_errors(e: BaseException) -> Iterator[tuple[str, int | None]]:
@@ -202,7 +206,7 @@ class _S3Writer(Writer):
                 self._upload_part(body)
         except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
             self.abort()
-            raise _wrap("write", self._key, e) from e
+            raise _wrap("write", self._key, e, self._st.url) from e
 
     def commit(self) -> bool:
         if self._closed:
@@ -223,7 +227,7 @@ class _S3Writer(Writer):
             self.abort()
             if self._once and _create_outcome(e) == "exists":
                 return False
-            raise _wrap("commit", self._key, e) from e
+            raise _wrap("commit", self._key, e, self._st.url) from e
 
     def abort(self) -> None:
         if self._closed:
@@ -319,11 +323,11 @@ class S3Storage(Storage):
                 size = self.size(key)
                 if size is not None and start >= size:
                     return b""
-            raise _wrap("read", key, e) from e
+            raise _wrap("read", key, e, self.url) from e
 
     def _head(self, key: str, **kw: Any) -> dict | None:
         """One HEAD of ``key``; None when it is absent."""
-        with _s3_errors("stat", key):
+        with _s3_errors("stat", key, self.url):
             try:
                 return self.fs.call_s3("head_object", Bucket=self.bucket, Key=self._s3key(key), **kw)
             except FileNotFoundError:
@@ -368,7 +372,7 @@ class S3Storage(Storage):
         try:
             return asyncio.run_coroutine_threadsafe(presign(), self.fs.loop).result(120)
         except Exception as e:  # noqa: BLE001
-            raise _wrap("presign", key, e) from e
+            raise _wrap("presign", key, e, self.url) from e
 
     def complete_presigned(self, key: str, upload_id: str, etags: list[str], sha256s: list[str]) -> None:
         parts = [{"PartNumber": n, "ETag": etag, "ChecksumSHA256": sha}
@@ -380,7 +384,7 @@ class S3Storage(Storage):
             with contextlib.suppress(Exception):
                 self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self._s3key(key),
                                 UploadId=upload_id)
-            raise _wrap("complete", key, e) from e
+            raise _wrap("complete", key, e, self.url) from e
 
     def stored_sha256(self, key: str) -> str | None:
         out = self._head(key, ChecksumMode="ENABLED")
@@ -388,7 +392,7 @@ class S3Storage(Storage):
 
     def read_or_none(self, key: str) -> bytes | None:
         """One GET (no HEAD first)."""
-        with _s3_errors("read", key):
+        with _s3_errors("read", key, self.url):
             try:
                 return self.fs.cat_file(self._path(key), start=0, end=None)
             except FileNotFoundError:
@@ -397,7 +401,7 @@ class S3Storage(Storage):
     def list(self, prefix: str) -> list[str]:
         pfx = self._dir(prefix)
         names: set[str] = set()
-        with _s3_errors("list", prefix):
+        with _s3_errors("list", prefix, self.url):
             try:
                 for page in self._walk(pfx, "/"):
                     names.update(c["Prefix"][len(pfx):].rstrip("/") for c in page.get("CommonPrefixes") or ())
@@ -419,7 +423,7 @@ class S3Storage(Storage):
                 if outcome == "conflict" and attempt + 1 < _CONFLICT_ATTEMPTS:
                     time.sleep(min(0.05 * 2 ** attempt, 2.0) * (0.5 + random.random()))
                     continue
-                raise _wrap("create", key, e) from e
+                raise _wrap("create", key, e, self.url) from e
         raise AssertionError("unreachable")  # pragma: no cover
 
     def link(self, src: str, dst: str) -> bool:
@@ -454,10 +458,10 @@ class S3Storage(Storage):
         except Exception as e:  # noqa: BLE001
             if _create_outcome(e) == "exists":
                 return False
-            raise _wrap("link", dst, e) from e
+            raise _wrap("link", dst, e, self.url) from e
 
     def delete(self, key: str) -> None:
-        with _s3_errors("delete", key), contextlib.suppress(FileNotFoundError):
+        with _s3_errors("delete", key, self.url), contextlib.suppress(FileNotFoundError):
             self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self._s3key(key))
 
     def delete_tree(self, prefix: str) -> None:
@@ -479,7 +483,7 @@ class S3Storage(Storage):
         except FileNotFoundError:
             pass
         except Exception as e:  # noqa: BLE001
-            raise _wrap("delete", prefix, e) from e
+            raise _wrap("delete", prefix, e, self.url) from e
         self.fs.invalidate_cache(self._path(prefix))
 
     def _abort_uploads(self, pfx: str) -> None:

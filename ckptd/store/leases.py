@@ -21,7 +21,8 @@ What leases what (the rule the docs state, decided here):
   renews it every third of the period, and releases it on every way out (``ckptd_client``);
 * a byte read that names no lease its principal holds (``X-Ckptd-Lease``) leases the checkpoint on
   this replica's account until ``seconds`` after the read (to within :data:`REPLICA_RENEW_SECONDS`:
-  the lease is rewritten at most that often).
+  the lease is rewritten at most that often);
+* on a root this process may not write (``StorageReadOnly``), reads go on without leases (logged once).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
-from ckptd_schemas import CkptdError, Forbidden, TooManyRequests
+from ckptd_schemas import CkptdError, Forbidden, StorageReadOnly, TooManyRequests
 
 from ..storage import Storage
 
@@ -131,7 +132,12 @@ class Leases:
         ``ttl / 3`` seconds by a thread, released at the end; a crashed holder's lease expires.
         ``holder`` names the lease (a reshard job takes over the one its submission took)."""
         holder = holder or f"{what}-{uuid.uuid4().hex[:12]}"
-        self.acquire(run, name, holder, ttl=ttl)
+        try:
+            self.acquire(run, name, holder, ttl=ttl)
+        except StorageReadOnly as e:  # nothing deletes on a root nobody here may write: read without one
+            _unleased(run, name, e)
+            yield holder
+            return
         stop = threading.Event()
 
         def renew() -> None:
@@ -146,6 +152,19 @@ class Leases:
             stop.set()
             t.join(timeout=5)
             self.release(run, name, holder)
+
+
+_warned_read_only = False
+
+
+def _unleased(run: str, name: str, e: StorageReadOnly) -> None:
+    """A lease that could not be written because this process may not write the root (a read-only
+    mount): the read goes on without it (logged once per process: where another host can write the
+    root and run gc, a reader here is not protected)."""
+    global _warned_read_only
+    if not _warned_read_only:
+        _warned_read_only = True
+        log.warning("reads of %s/%s (and any after) hold no lease: %s", run, name, e.message)
 
 
 _HOLDER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a reader's lease name, as the lease routes take
@@ -194,7 +213,12 @@ class ReadLeases:
                         f"hold (CKPTD_READ_LEASES_PER_TOKEN); release finished ones", ref=f"{run}/{name}",
                         holder=holder)
             mine[(run, name, holder)] = now + self.seconds
-        self.leases.acquire(run, name, f"client-{holder}", ttl=self.seconds, owner=principal)
+        try:
+            self.leases.acquire(run, name, f"client-{holder}", ttl=self.seconds, owner=principal)
+        except StorageReadOnly as e:
+            with self._lock:
+                mine.pop((run, name, holder), None)
+            _unleased(run, name, e)
 
     def release(self, run: str, name: str, holder: str, principal: str, *, admin: bool = False) -> None:
         """Release lease ``holder``: only its owner may (Forbidden otherwise), or an admin, who breaks
@@ -231,7 +255,10 @@ class ReadLeases:
             self._written[(run, name)] = now
             if len(self._written) > 10_000:
                 self._written = {k: v for k, v in self._written.items() if now - v < self._renew_every}
-        self.leases.acquire(run, name, self.holder, ttl=self.seconds)
+        try:
+            self.leases.acquire(run, name, self.holder, ttl=self.seconds)
+        except StorageReadOnly as e:
+            _unleased(run, name, e)
 
     def _holds(self, run: str, name: str, holder: str, principal: str) -> bool:
         """Whether ``principal`` holds lease ``holder`` unexpired (read once per ``_renew_every`` s)."""

@@ -281,7 +281,7 @@ def test_refusals_are_4xx_and_write_nothing(server, reader, trained):
     assert out.returncode == 1 and "train/999" in out.stderr, out.stderr
     assert _tree(server.root) == before  # no job record, no lease, no output session
     assert not (Path(server.root) / "jobs").exists() or all(
-        json.loads(p.read_text())["source"] != "train/999" for p in (Path(server.root) / "jobs").iterdir())
+        json.loads(p.read_text())["source"] != "train/999" for p in (Path(server.root) / "jobs").glob("*.json"))
     http.close()
 
 

@@ -1,0 +1,113 @@
+"""Which storage failures are permanent, and the typed error each one becomes.
+
+A backend's failure is transient (:class:`ckptd_schemas.StorageError`, answered 503, which clients
+retry) unless waiting cannot change it. Those are final at once (a
+:class:`ckptd_schemas.StoragePermanent`, answered 507, never retried) and name the root's cause:
+
+====================================================  =========  =====================
+cause (the exception, or one in its cause chain)      operation  error
+====================================================  =========  =====================
+``ENOSPC``, ``EDQUOT``                                any        ``StorageFull``
+``EROFS`` (a read-only filesystem)                    any        ``StorageReadOnly``
+``EACCES``, ``EPERM`` (``PermissionError``)           a write    ``StorageReadOnly``
+``EACCES``, ``EPERM`` (``PermissionError``)           a read     ``StoragePermanent``
+S3 ``AccessDenied``, ``InvalidAccessKeyId``, ... 403  a write    ``StorageReadOnly``
+the same                                              a read     ``StoragePermanent``
+====================================================  =========  =====================
+
+A read is ``read``, ``stat`` or ``list``; every other operation writes. Each backend passes its
+failures through :func:`permanent_error` before wrapping what is left as a transient
+:class:`~ckptd_schemas.StorageError` (:func:`classify` does both).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Iterator
+
+from ckptd_schemas import StorageError, StorageFull, StoragePermanent, StorageReadOnly
+
+__all__ = ["READ_OPS", "S3_DENIED", "classify", "permanent_error"]
+
+#: Operations that only read; a permission refused to any other is a root that cannot be written.
+READ_OPS = frozenset({"read", "stat", "list"})
+_FULL = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded"}
+_DENIED = frozenset({errno.EACCES, errno.EPERM})
+#: S3 error codes that no retry changes: the credentials may not do this (403 is a HEAD's bare status).
+S3_DENIED = frozenset({"AccessDenied", "AllAccessDisabled", "AccountProblem", "InvalidAccessKeyId",
+                       "SignatureDoesNotMatch", "NotSignedUp", "403"})
+
+
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
+def _s3_code(e: BaseException) -> str | None:
+    """The first S3 error code of :data:`S3_DENIED` among the botocore responses in ``e``'s chain."""
+    for cur in _chain(e):
+        resp = getattr(cur, "response", None)
+        if isinstance(resp, dict):
+            code = str((resp.get("Error") or {}).get("Code") or "")
+            if code in S3_DENIED:
+                return code
+    return None
+
+
+def _errno(e: BaseException) -> tuple[int, str] | None:
+    """(errno, strerror) of the first permanent OS error in ``e``'s chain; a ``PermissionError``
+    without an errno (a backend's translation of a 403) counts as ``EACCES``."""
+    for cur in _chain(e):
+        if not isinstance(cur, OSError):
+            continue
+        code = cur.errno
+        if code is None and isinstance(cur, PermissionError):
+            code = errno.EACCES
+        if code in _FULL or code == errno.EROFS or code in _DENIED:
+            return code, cur.strerror or os.strerror(code) or str(cur)
+    return None
+
+
+def _who(root: str) -> str:
+    """Who was refused: the service's user on a local root (by uid), its credentials elsewhere."""
+    if "://" in root or not hasattr(os, "geteuid"):
+        return "the service's credentials"
+    return f"the service's user (uid {os.geteuid()})"
+
+
+def permanent_error(op: str, key: str, e: BaseException, root: str) -> StoragePermanent | None:
+    """The permanent error that the failure ``e`` of ``op`` on ``key`` (under ``root``, the storage's
+    URL) stands for, naming the root's cause; None when waiting may change it (transient)."""
+    where = f"storage {op} of {key!r} failed"
+    verb = "read" if op in READ_OPS else "write"
+    s3 = _s3_code(e)
+    if s3 is not None:
+        cls = StoragePermanent if op in READ_OPS else StorageReadOnly
+        return cls(f"{where}: {_who(root)} may not {verb} under the storage root {root} ({s3}: {e})",
+                   key=key, root=root, s3_code=s3)
+    found = _errno(e)
+    if found is None:
+        return None
+    code, text = found
+    details = {"key": key, "root": root, "errno": code}
+    if code in _FULL:
+        return StorageFull(f"{where}: {_FULL[code]} ({text}) on the storage root {root}", **details)
+    if code == errno.EROFS:
+        return StorageReadOnly(f"{where}: the storage root {root} is read-only ({text}, EROFS): nothing can be "
+                               f"saved there", **details)
+    name = errno.errorcode.get(code, str(code))
+    if op in READ_OPS:
+        return StoragePermanent(f"{where}: {_who(root)} may not read it under the storage root {root} "
+                                f"({text}, {name})", **details)
+    return StorageReadOnly(f"{where}: {_who(root)} may not write under the storage root {root} ({text}, {name})",
+                           **details)
+
+
+def classify(op: str, key: str, e: BaseException, root: str, message: str, **details: object) -> StorageError:
+    """:func:`permanent_error`, or else a transient :class:`StorageError` of ``message`` and ``details``."""
+    return permanent_error(op, key, e, root) or StorageError(message, key=key, **details)
