@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # ckptd service image: slim, non-root, CPU PyTorch by default.
 #
 #   docker build -t ckptd:0.1.0 .                                # CPU torch on python:3.11-slim
@@ -9,6 +8,15 @@
 # For CUDA, pick an index that publishes the pinned torch (PyTorch's install
 # matrix) and a base image of the same CUDA major version.
 #
+# Behind a registry mirror (docs/deployment.md, "From a registry mirror"): the build pulls
+# BASE_IMAGE and nothing else (no `# syntax=` frontend image), and fetches Python packages from
+# PIP_INDEX_URL and torch from TORCH_INDEX:
+#
+#   docker build -t mirror.example.com/ml/ckptd:0.1.0 \
+#     --build-arg BASE_IMAGE=mirror.example.com/library/python:3.11-slim-bookworm \
+#     --build-arg PIP_INDEX_URL=https://mirror.example.com/pypi/simple \
+#     --build-arg TORCH_INDEX=https://mirror.example.com/pytorch/whl/cpu .
+#
 # The entry command is `ckptd serve` (ENTRYPOINT + CMD below); any other ckptd
 # command runs with the same image by passing its arguments (the Kubernetes
 # reshard Job passes `reshard-worker --plan URI --index I`).
@@ -16,6 +24,8 @@
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 # Where torch comes from: the CPU wheels by default, a CUDA index (cu126, cu128, ...) for GPU images.
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# Where every other Python package comes from (a PyPI mirror's simple index).
+ARG PIP_INDEX_URL=https://pypi.org/simple
 
 FROM ${BASE_IMAGE} AS base
 # Python is already in python:* images; CUDA base images (Ubuntu) get the distribution's python3.
@@ -29,6 +39,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 FROM base AS build
 ARG TORCH_INDEX
+ARG PIP_INDEX_URL
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/venv
@@ -40,7 +51,7 @@ COPY pyproject.toml README.md ./
 COPY ckptd ./ckptd
 COPY client ./client
 COPY schemas ./schemas
-RUN /opt/venv/bin/pip install -c constraints.txt ".[server,s3]"
+RUN /opt/venv/bin/pip install --index-url "${PIP_INDEX_URL}" -c constraints.txt ".[server,s3]"
 
 FROM base AS runtime
 RUN groupadd --system --gid 10001 ckptd \

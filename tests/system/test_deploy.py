@@ -8,10 +8,17 @@
   (check-jsonschema's bundled copy), and consistent: the bucket ckptd's root names is the one the
   creation step makes, credentials and endpoint point at the store, probes name real routes. With
   moto installed, the ckptd service's compose environment serves from a moto S3 server.
-- ``deploy/k8s/``: every manifest valid against the Kubernetes JSON schemas (kubernetes-validate,
-  strict: unknown fields refused, schemas bundled, no network), names and ports consistent across
-  the files; the Indexed Job's container arguments run here, one process per work unit, and the
-  output checkpoint verifies.
+- ``deploy/k8s/`` and ``deploy/k8s/tiered/``: every manifest valid against the Kubernetes JSON
+  schemas (kubernetes-validate, strict: unknown fields refused, schemas bundled, no network), names
+  and ports consistent across the files; each ``kustomization.yaml`` renders (here, and with
+  ``kubectl kustomize`` where it is installed) to valid manifests whose every image is the one its
+  ``images:`` names; each PodDisruptionBudget covers its replicas, and only them; the Indexed Job's
+  container arguments run here, one process per work unit, and the output checkpoint verifies.
+- The tiered layout (fast tier on a node-local volume, durable tier in the bucket): its replicas'
+  environment serves here as two processes with their own fast tiers, the reshard Job's workers
+  read and commit on the durable tier only, and a replica with a new fast tier serves their output.
+- The image's build behind a registry mirror: it pulls ``BASE_IMAGE`` alone and takes every package
+  index from a build argument, the ones docs/deployment.md's mirror command passes.
 """
 
 from __future__ import annotations
@@ -41,6 +48,11 @@ from support import REPO, free_port
 
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
+TIERED = K8S / "tiered"
+KUSTOMIZATION = "kustomization.yaml"
+#: Files of each folder that ``kubectl apply -k`` leaves out: templates filled in per use.
+TEMPLATES = {K8S: {"secret.yaml", "reshard-job.yaml"}, TIERED: {"local-pv.yaml"}}
+MIRROR_IMAGE = "mirror.example.com/ml/ckptd"
 VENV_BIN = Path(sys.executable).parent
 
 # CKPTD_* variables the deployment files set before the setting exists (another change adds it).
@@ -196,6 +208,62 @@ def test_dockerfile_parses_and_is_slim_non_root_cpu_by_default():
     assert env["CKPTD_HOST"] == "0.0.0.0"
     _check_ckptd_vars(env, "Dockerfile ENV")
     assert _entry_command(stages) == ["ckptd", "serve"]
+
+
+def _doc_section(title: str) -> str:
+    """The text of docs/deployment.md's section ``title`` (any level), up to the next heading."""
+    out: list[str] | None = None
+    fenced = False
+    for line in (REPO / "docs" / "deployment.md").read_text().splitlines():
+        fenced ^= line.startswith("```")
+        heading = not fenced and re.match(r"#+ (.*)", line)
+        if heading and out is not None:
+            break
+        if out is not None:
+            out.append(line)
+        elif heading and heading[1] == title:
+            out = []
+    assert out is not None, f"docs/deployment.md: no section {title!r}"
+    return "\n".join(out)
+
+
+def test_the_build_pulls_the_base_image_alone_and_takes_its_indexes_from_build_args():
+    """Behind a registry mirror, everything the build fetches is the operator's to name: the one image it
+    pulls (``BASE_IMAGE``; no ``# syntax=`` frontend image, no ``FROM`` or ``COPY --from`` of another
+    image) and every package index (a build argument, declared in the stage that installs), and the
+    mirror command of docs/deployment.md passes exactly those arguments."""
+    text = (REPO / "Dockerfile").read_text()
+    directives = []
+    for line in text.splitlines():  # parser directives: comments before the first instruction
+        if line.strip() and not line.startswith("#"):
+            break
+        directives += re.findall(r"^#\s*syntax\s*=\s*(\S+)", line, re.I)
+    assert not directives, f"# syntax={directives[0]}: BuildKit would pull that frontend image"
+    args, stages = _stages()
+    names: set[str] = set()
+    indexes: set[str] = set()
+    for s in stages:
+        assert s.base == "${BASE_IMAGE}" or s.base in names, f"FROM {s.base}: pulls an image BASE_IMAGE does not name"
+        declared: set[str] = set()
+        for c in s.cmds:
+            if c.cmd == "ARG":
+                declared.add(c.value[0].partition("=")[0])
+            for flag in c.flags if c.cmd == "COPY" else ():
+                if flag.startswith("--from="):
+                    assert flag.split("=", 1)[1] in names, f"COPY {flag}: an image, not an earlier stage"
+            line = " ".join(c.value)
+            if c.cmd == "RUN" and re.search(r"\bpip install\b", line):
+                m = re.search(r'--index-url "\$\{(\w+)\}"', line)
+                assert m, f"pip install without --index-url from a build argument: {line}"
+                assert m[1] in args and m[1] in declared, f"{m[1]}: not a build argument of stage {s.name}"
+                indexes.add(m[1])
+        if s.name:
+            names.add(s.name)
+    assert indexes == {"TORCH_INDEX", "PIP_INDEX_URL"}, indexes
+
+    mirror = dict(re.findall(r"--build-arg (\w+)=(\S+)", _doc_section("From a registry mirror")))
+    assert set(mirror) == {"BASE_IMAGE", *indexes} and set(mirror) <= set(args), mirror
+    assert len({urlsplit(v if "://" in v else f"//{v}").hostname for v in mirror.values()}) == 1, mirror
 
 
 def _dockerignore_allows(rel: str, rules: list[tuple[bool, str]]) -> bool:
@@ -407,32 +475,166 @@ def test_compose_ckptd_environment_serves_from_s3(tmp_path, routes):
 
 # -- Kubernetes -------------------------------------------------------------------------------------
 
-def _manifests() -> list[tuple[str, dict]]:
-    out = []
-    for f in sorted(K8S.glob("*.yaml")):
-        for doc in yaml.safe_load_all(f.read_text()):
-            if doc:
-                out.append((f.name, doc))
-    return out
+def _load(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
-def _one(kind: str, name: str | None = None) -> dict:
-    found = [d for _, d in _manifests() if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
-    assert len(found) == 1, f"{kind} {name or ''}: {len(found)} found"
+def _manifests(folder: Path = K8S) -> list[tuple[str, dict]]:
+    """(file name, document) of every manifest in ``folder`` (its kustomization is not one)."""
+    return [(f.name, d) for f in sorted(folder.glob("*.yaml")) if f.name != KUSTOMIZATION for d in _load(f)]
+
+
+def _one(kind: str, name: str | None = None, folder: Path = K8S) -> dict:
+    found = [d for _, d in _manifests(folder) if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"{folder.name}: {kind} {name or ''}: {len(found)} found"
     return found[0]
 
 
-def test_k8s_manifests_validate_against_the_kubernetes_schemas():
-    docs = _manifests()
-    kinds = sorted({d["kind"] for _, d in docs})
-    assert kinds == ["ConfigMap", "Deployment", "Job", "Secret", "Service"], kinds
+def _validate(where: str, doc: dict) -> None:
     for version in K8S_VERSIONS:
-        for name, doc in docs:
-            try:
-                kubernetes_validate.validate(doc, version, strict=True)
-            except kubernetes_validate.ValidationError as e:
-                pytest.fail(f"{name}: {doc['kind']}/{doc['metadata']['name']} against Kubernetes {version}: "
-                            f"{'.'.join(map(str, e.path))}: {e.message}")
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{where}: {doc['kind']}/{doc['metadata']['name']} against Kubernetes {version}: "
+                        f"{'.'.join(map(str, e.path))}: {e.message}")
+
+
+@pytest.mark.parametrize("folder, kinds", [
+    (K8S, ["ConfigMap", "Deployment", "Job", "PodDisruptionBudget", "Secret", "Service"]),
+    (TIERED, ["ConfigMap", "PersistentVolume", "PodDisruptionBudget", "Service", "StatefulSet", "StorageClass"]),
+], ids=["plain", "tiered"])
+def test_k8s_manifests_validate_against_the_kubernetes_schemas(folder, kinds):
+    docs = _manifests(folder)
+    assert sorted({d["kind"] for _, d in docs}) == kinds
+    for name, doc in docs:
+        _validate(f"{folder.relative_to(REPO)}/{name}", doc)
+
+
+# -- kustomize: what `kubectl apply -k` applies ----------------------------------------------------
+
+def _pod_specs(doc: dict) -> list[dict]:
+    """The pod specs a workload manifest carries (none for other kinds)."""
+    spec = doc.get("spec") or {}
+    if doc["kind"] == "Pod":
+        return [spec]
+    if doc["kind"] == "CronJob":
+        return [spec["jobTemplate"]["spec"]["template"]["spec"]]
+    return [spec["template"]["spec"]] if isinstance(spec.get("template"), dict) else []
+
+
+def _containers(doc: dict) -> list[dict]:
+    return [c for p in _pod_specs(doc) for key in ("initContainers", "containers") for c in p.get(key, [])]
+
+
+def _split_image(ref: str) -> tuple[str, str]:
+    """(name, ":tag" or "@digest" or "") as kustomize splits an image reference."""
+    if "@" in ref:
+        name, digest = ref.split("@", 1)
+        return name, f"@{digest}"
+    slash = ref.rfind("/")
+    colon = ref.rfind(":")
+    return (ref[:colon], ref[colon:]) if colon > slash else (ref, "")
+
+
+def _set_image(ref: str, rules: list[dict]) -> str:
+    """kustomize's image transformer: the rule whose ``name`` is the image's name sets its name, tag or digest."""
+    name, suffix = _split_image(ref)
+    for r in rules:
+        if r["name"] == name:
+            suffix = f"@{r['digest']}" if "digest" in r else f":{r['newTag']}" if "newTag" in r else suffix
+            return r.get("newName", name) + suffix
+    return ref
+
+
+def _kustomize(folder: Path, images: list[dict] | None = None) -> list[dict]:
+    """What ``kubectl apply -k FOLDER`` applies: the listed resources, each container's image set by the
+    kustomization's ``images:`` (or by ``images``, an operator's edit of it). Only the fields these
+    kustomizations use are understood here; another one is refused, so that it gets rendered here first."""
+    k = yaml.safe_load((folder / KUSTOMIZATION).read_text())
+    assert (k["apiVersion"], k["kind"]) == ("kustomize.config.k8s.io/v1beta1", "Kustomization")
+    assert set(k) <= {"apiVersion", "kind", "resources", "images"}, f"{folder}: {sorted(k)}: render those here too"
+    docs = [d for r in k["resources"] for d in _load(folder / r)]
+    for d in docs:
+        for c in _containers(d):
+            c["image"] = _set_image(c["image"], k.get("images", []) if images is None else images)
+    return docs
+
+
+def _by_kind_and_name(docs: list[dict]) -> dict[tuple[str, str], dict]:
+    out = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert len(out) == len(docs), "two resources of one kind and name"
+    return out
+
+
+@pytest.mark.parametrize("folder", [K8S, TIERED], ids=["plain", "tiered"])
+def test_k8s_kustomization_renders_and_every_image_is_the_operators(folder, tmp_path):
+    """``kubectl apply -k`` applies every manifest of the folder but its templates, valid; the image the
+    operator names in ``images:`` (a registry mirror's path) is the image of every container, so no pull
+    escapes the mirror; ``kubectl kustomize``, where it is installed, renders the same."""
+    k = yaml.safe_load((folder / KUSTOMIZATION).read_text())
+    files = {f.name for f in folder.glob("*.yaml")} - {KUSTOMIZATION}
+    assert set(k["resources"]) == files - TEMPLATES[folder], "a manifest neither applied by -k nor a template"
+    assert all((folder / t).is_file() for t in TEMPLATES[folder])
+    (rule,) = k["images"]
+    rendered = _kustomize(folder)
+    for d in rendered:
+        _validate(f"{folder.relative_to(REPO)}/{KUSTOMIZATION}", d)
+    assert {c["image"] for d in rendered for c in _containers(d)} == {f"{rule['newName']}:{rule['newTag']}"}
+
+    mirror = [{**rule, "newName": MIRROR_IMAGE}]
+    mirrored = _kustomize(folder, mirror)
+    images = {c["image"] for d in mirrored for c in _containers(d)}
+    assert images == {f"{MIRROR_IMAGE}:{rule['newTag']}"}, images
+    # The templates applied apart carry the same image name, which the documented sed rewrites.
+    for t in TEMPLATES[folder]:
+        for d in _load(folder / t):
+            assert all(_split_image(c["image"])[0] == rule["name"] for c in _containers(d)), t
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        return  # the rendering above is the one checked; kubectl's own is compared where it is installed
+    copy = tmp_path / folder.name
+    shutil.copytree(folder, copy)
+    for imgs, want in ((None, rendered), (mirror, mirrored)):
+        if imgs is not None:
+            (copy / KUSTOMIZATION).write_text(yaml.safe_dump({**k, "images": imgs}))
+        r = subprocess.run([kubectl, "kustomize", str(copy)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert _by_kind_and_name(list(yaml.safe_load_all(r.stdout))) == _by_kind_and_name(want)
+
+
+# -- disruption budgets ------------------------------------------------------------------------------
+
+def _selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) == {"matchLabels"}, selector  # matchExpressions would need evaluating here
+    return selector["matchLabels"].items() <= labels.items()
+
+
+def _workloads() -> list[tuple[Path, dict]]:
+    return [(f, d) for f in (K8S, TIERED) for _, d in _manifests(f) if _pod_specs(d)]
+
+
+@pytest.mark.parametrize("folder, kind", [(K8S, "Deployment"), (TIERED, "StatefulSet")], ids=["plain", "tiered"])
+def test_k8s_disruption_budget_covers_the_replicas_and_only_them(folder, kind):
+    """The budget's selector picks the replicas' pods and no other pod of either layout (not the reshard
+    Job's: evicting a worker pod is harmless, and counting it would let a replica go); it keeps at least
+    one replica up, and less than all of them, so a drain proceeds one replica at a time and never
+    waits for good."""
+    pdb, workload = _one("PodDisruptionBudget", folder=folder), _one(kind, folder=folder)
+    sel = pdb["spec"]["selector"]
+    assert _selects(sel, workload["spec"]["template"]["metadata"]["labels"])
+    for where, other in _workloads():
+        if (where, other["kind"], other["metadata"]["name"]) != (folder, kind, workload["metadata"]["name"]):
+            assert not _selects(sel, other["spec"]["template"]["metadata"]["labels"]), (
+                f"{pdb['metadata']['name']} also selects {where.name}/{other['kind']}/{other['metadata']['name']}")
+    replicas, spec = workload["spec"]["replicas"], pdb["spec"]
+    assert replicas >= 2
+    assert ("minAvailable" in spec) != ("maxUnavailable" in spec)
+    if "minAvailable" in spec:
+        assert isinstance(spec["minAvailable"], int) and 1 <= spec["minAvailable"] < replicas, (spec, replicas)
+    else:
+        assert isinstance(spec["maxUnavailable"], int) and 1 <= spec["maxUnavailable"] < replicas, (spec, replicas)
+    assert spec.get("unhealthyPodEvictionPolicy") == "AlwaysAllow"
 
 
 def test_k8s_manifests_agree(routes):
@@ -483,6 +685,104 @@ def test_k8s_manifests_agree(routes):
     assert job["spec"]["template"]["spec"]["containers"][0]["image"] == ctr["image"]
 
 
+_QUANTITY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "": 1}
+
+
+def _bytes(quantity: str) -> int:
+    m = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti|Pi|)", str(quantity))
+    assert m, f"storage quantity {quantity!r}: binary suffixes only here"
+    return int(m[1]) * _QUANTITY[m[2]]
+
+
+def test_k8s_tiered_manifests_agree(routes):
+    """The tiered layout: the fast tier is each replica's own node-local volume, mounted where CKPTD_ROOT
+    points and claimed from the local StorageClass the PersistentVolume template feeds; the durable tier
+    is the bucket (the plain layout's root); replicas are reached one by one (a headless Service, no
+    Service balancing over them: a save spread over two fast tiers never commits) and spread over
+    nodes; the reshard Job template and the Secrets of the plain layout serve this one too."""
+    _, stages = _stages()
+    image_uid = int(_last(stages[-1], "USER").value[0].split(":")[0])
+    cm, sts, svc = _one("ConfigMap", folder=TIERED), _one("StatefulSet", folder=TIERED), _one("Service", folder=TIERED)
+    sc, pv = _one("StorageClass", folder=TIERED), _one("PersistentVolume", folder=TIERED)
+    plain_cm, dep, job = _one("ConfigMap"), _one("Deployment"), _one("Job")
+    secrets = {d["metadata"]["name"]: d for _, d in _manifests() if d["kind"] == "Secret"}
+    config = cm["data"]
+    _check_ckptd_vars(config, "tiered ConfigMap")
+
+    # Two tiers: a local fast root, the bucket behind it (where the plain layout keeps its checkpoints).
+    root, durable = config["CKPTD_ROOT"], config["CKPTD_DURABLE"]
+    assert root.startswith("/") and "://" not in root, root
+    assert urlsplit(durable).scheme == "s3" and urlsplit(durable).path.strip("/"), durable
+    assert durable == plain_cm["data"]["CKPTD_ROOT"]
+    assert Settings(root=root, durable=durable).storage_url() == f"tiered:{root}|{durable}"
+    # The shared Job template and the Secrets: the names this layout's pods take them by.
+    assert cm["metadata"]["name"] == plain_cm["metadata"]["name"]
+    (job_ctr,) = job["spec"]["template"]["spec"]["containers"]
+    assert {s["configMapRef"]["name"] for s in job_ctr["envFrom"] if "configMapRef" in s} == {cm["metadata"]["name"]}
+
+    pod = sts["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert _selects(sts["spec"]["selector"], labels) and svc["spec"]["selector"].items() <= labels.items()
+    assert sts["spec"]["replicas"] >= 2
+    (ctr,) = pod["spec"]["containers"]
+    assert ctr["args"] == ["serve"] and ctr["image"] == dep["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert job_ctr["image"] == ctr["image"]
+    ports = {p["name"]: p["containerPort"] for p in ctr["ports"]}
+    assert list(ports.values()) == [int(config["CKPTD_PORT"])]
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz"), ("startupProbe", "/healthz")):
+        get = ctr[probe]["httpGet"]
+        assert get["path"] == path and path in routes and get["port"] in ports, (probe, get)
+    for src in ctr["envFrom"]:
+        if "configMapRef" in src:
+            assert src["configMapRef"]["name"] == cm["metadata"]["name"]
+        else:
+            assert src["secretRef"]["name"] in secrets
+    env = {e["name"]: e.get("value") for e in ctr["env"]}
+    _check_ckptd_vars(env, "StatefulSet")
+    assert not {"CKPTD_ROOT", "CKPTD_DURABLE"} & set(env), "the tiers are the ConfigMap's"
+    tokens_file = Path(env["CKPTD_TOKENS_FILE"])
+    vol = next(v for v in pod["spec"]["volumes"] if "secret" in v)
+    mount = next(m for m in ctr["volumeMounts"] if m["name"] == vol["name"])
+    assert mount["readOnly"] and Path(mount["mountPath"]) == tokens_file.parent
+    assert vol["secret"]["secretName"] in secrets
+
+    # The fast tier: a claim of its own per replica, mounted exactly where CKPTD_ROOT points.
+    at_root = [m for m in ctr["volumeMounts"] if Path(m["mountPath"]) == Path(root)]
+    assert len(at_root) == 1, f"CKPTD_ROOT={root}: the mounts are at {[m['mountPath'] for m in ctr['volumeMounts']]}"
+    (fast,) = at_root
+    assert not fast.get("readOnly")
+    (claim,) = [c for c in sts["spec"]["volumeClaimTemplates"] if c["metadata"]["name"] == fast["name"]]
+    assert fast["name"] not in {v["name"] for v in pod["spec"]["volumes"]}, "a pod volume would shadow the claim"
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Retain"}
+    # ... from node-local disks, bound once the pod is placed, which the PersistentVolume template offers.
+    assert claim["spec"]["storageClassName"] == sc["metadata"]["name"] == pv["spec"]["storageClassName"]
+    assert sc["provisioner"] == "kubernetes.io/no-provisioner" and sc["volumeBindingMode"] == "WaitForFirstConsumer"
+    assert pv["spec"]["local"]["path"].startswith("/")
+    (term,) = pv["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"]
+    assert [e["key"] for e in term["matchExpressions"]] == ["kubernetes.io/hostname"]
+    assert set(claim["spec"]["accessModes"]) <= set(pv["spec"]["accessModes"])
+    assert _bytes(claim["spec"]["resources"]["requests"]["storage"]) <= _bytes(pv["spec"]["capacity"]["storage"])
+    assert pv["spec"]["persistentVolumeReclaimPolicy"] == "Retain"
+
+    # Writable by the image's user without walking the disk at each start; one replica per node.
+    sec = pod["spec"]["securityContext"]
+    assert sec["runAsNonRoot"] is True and sec["runAsUser"] == image_uid
+    assert sec["fsGroup"] == sec["runAsGroup"] and sec["fsGroupChangePolicy"] == "OnRootMismatch"
+    assert ctr["securityContext"]["allowPrivilegeEscalation"] is False
+    (anti,) = pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti["topologyKey"] == "kubernetes.io/hostname" and _selects(anti["labelSelector"], labels)
+
+    # Reached one replica at a time: its Service is headless and names the StatefulSet's pods, and no
+    # Service of either layout balances over them.
+    assert svc["spec"].get("clusterIP") == "None" and sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    assert all(p["targetPort"] in ports for p in svc["spec"]["ports"])
+    for folder in (K8S, TIERED):
+        for _, other in _manifests(folder):
+            if other["kind"] == "Service" and other["spec"].get("clusterIP") != "None":
+                assert not other["spec"]["selector"].items() <= labels.items(), other["metadata"]["name"]
+
+
 PLAN_PLACEHOLDER = "s3://ckptd/plans/PLAN.json"
 
 
@@ -494,10 +794,10 @@ def _readme_sed() -> str:
     return m[0]
 
 
-def _filled_job(tmp_path: Path, plan: str, workers: int, name: str) -> dict:
+def _filled_job(tmp_path: Path, plan: str, workers: int, name: str, image: str = f"{MIRROR_IMAGE}:0.1.0") -> dict:
     """The Job template filled in by the command docs/deployment.md gives."""
     r = subprocess.run(["bash", "-c", _readme_sed()], cwd=REPO, capture_output=True, text=True, timeout=30,
-                       env={**os.environ, "PLAN": plan, "WORKERS": str(workers), "JOB": name})
+                       env={**os.environ, "PLAN": plan, "WORKERS": str(workers), "JOB": name, "IMAGE": image})
     assert r.returncode == 0, r.stderr
     (job,) = [d for d in yaml.safe_load_all(r.stdout) if d]
     return job
@@ -507,11 +807,12 @@ def test_readme_fills_in_the_reshard_job_template(tmp_path):
     text = (K8S / "reshard-job.yaml").read_text()
     for pattern in (r"^  name: ckptd-reshard$", r"^  completions: ", r"^  parallelism: "):
         assert len(re.findall(pattern, text, re.M)) == 1, f"the sed of docs/deployment.md relies on one line matching {pattern}"
-    assert text.count(PLAN_PLACEHOLDER) == 1
+    assert text.count(PLAN_PLACEHOLDER) == 1 and text.count("image: ckptd:0.1.0") == 1  # the sed's image line
     job = _filled_job(tmp_path, "s3://ckptd/plans/gpt-1000-dp4.json", 12, "reshard-gpt-1000-dp4")
     assert job["metadata"]["name"] == "reshard-gpt-1000-dp4"
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == 12
     assert "s3://ckptd/plans/gpt-1000-dp4.json" in job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == f"{MIRROR_IMAGE}:0.1.0"
     for version in K8S_VERSIONS:
         kubernetes_validate.validate(job, version, strict=True)
 
@@ -565,3 +866,121 @@ def test_reshard_job_arguments_run_one_unit_per_index(tmp_path):
     reader = CheckpointReader(open_storage(root))
     for name, t in src.items():
         assert torch.equal(read_tensor(reader, info["out"], name), t), name
+
+
+# -- the tiered layout, run here -------------------------------------------------------------------
+
+def test_docs_fill_in_the_local_volume_template_per_node():
+    """docs/deployment.md's loop makes one valid PersistentVolume per node, named after it and tied to it."""
+    text = (TIERED / "local-pv.yaml").read_text()
+    assert text.count("ckptd-fast-NODE") == 1 and text.count('"NODE"') == 1
+    m = re.search(r"^\s*(sed .*?deploy/k8s/tiered/local-pv\.yaml)", _doc_section("Fast local tier, durable S3"), re.M)
+    assert m, "docs/deployment.md: no sed filling in deploy/k8s/tiered/local-pv.yaml"
+    r = subprocess.run(["bash", "-c", m[1]], cwd=REPO, capture_output=True, text=True, timeout=30,
+                       env={**os.environ, "NODE": "gpu-node-7"})
+    assert r.returncode == 0, r.stderr
+    (pv,) = [d for d in yaml.safe_load_all(r.stdout) if d]
+    _validate("local-pv.yaml, filled in", pv)
+    assert pv["metadata"]["name"] == "ckptd-fast-gpu-node-7"
+    (term,) = pv["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [{"key": "kubernetes.io/hostname", "operator": "In", "values": ["gpu-node-7"]}]
+
+
+def _pod_env(config: dict[str, str], **over: str) -> dict[str, str]:
+    """A pod's environment from the tiered ConfigMap, run here: loopback and a free port instead of
+    0.0.0.0:8470, ``over`` for the paths a pod sees through its volumes; no AWS variables (the bucket
+    is a directory here)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "CKPTD_"))}
+    env.update({k: v for k, v in config.items() if not k.startswith("AWS_")})
+    env.update(CKPTD_HOST="127.0.0.1", CKPTD_PORT=str(free_port()), CKPTD_LOG_LEVEL="warning", **over)
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def _doc_command(section: str, pattern: str) -> str:
+    m = re.search(pattern, _doc_section(section), re.M)
+    assert m, f"docs/deployment.md, {section}: no command matching {pattern}"
+    return m[1]
+
+
+def test_tiered_replicas_and_the_reshard_job_run_here(tmp_path):
+    """The StatefulSet's container, with the tiered ConfigMap's environment, runs here as replicas with
+    their own fast tiers (each a directory where CKPTD_ROOT points, as the pod's own volume) in front
+    of one durable tier (a directory standing for the bucket). A save through replica 0 becomes durable;
+    the reshard job is written as docs/deployment.md says (``--root`` the durable tier) and the shared Job
+    template's workers, in pods without a fast tier, read and commit on the durable tier only; a replica
+    started afterwards on a new fast tier lists both checkpoints and loads the output bit for bit."""
+    import torch
+    from ckptd_client import CheckpointClient
+    from support import assert_bits_equal, blank_like
+
+    config = _one("ConfigMap", folder=TIERED)["data"]
+    (ctr,) = _one("StatefulSet", folder=TIERED)["spec"]["template"]["spec"]["containers"]
+    _, stages = _stages()
+    entry = _exec_form(next(_last(s, "ENTRYPOINT") for s in reversed(_chain(stages, stages[-1]))
+                            if _last(s, "ENTRYPOINT")))
+    argv = entry + ctr["args"]  # the pod's command: the image's ENTRYPOINT with the container's args
+    bucket = tmp_path / "bucket"
+    ckptd = str(VENV_BIN / "ckptd")
+
+    def replica(i: int) -> tuple[subprocess.Popen, str, dict[str, str]]:
+        env = _pod_env(config, CKPTD_ROOT=str(tmp_path / f"node{i}" / "data"), CKPTD_DURABLE=str(bucket))
+        log = tmp_path / f"replica{i}.log"
+        proc = _start(argv, env, log)
+        url = f"http://127.0.0.1:{env['CKPTD_PORT']}"
+        _wait_http(f"{url}/healthz", proc, log)
+        return proc, url, env
+
+    g = torch.Generator().manual_seed(11)
+    src = {"model": {"w": torch.randn(64, 16, generator=g), "b": torch.randn(64, generator=g)}}
+    proc0, url0, env0 = replica(0)
+    try:
+        with CheckpointClient(url0, incremental=False) as c:
+            st = c.save(src, "gpt/1000").wait(durable=True)
+        assert st.durable is True
+
+        # The job, written from replica 0's pod against the durable tier (docs/deployment.md's command).
+        write = _doc_command("Fast local tier, durable S3",
+                             r"^kubectl exec ckptd-tiered-0 -- (ckptd reshard .*?--root \"\$DURABLE\".*?) \| tee")
+        plan = tmp_path / "plans" / "gpt-1000-dp4.json"
+        plan.parent.mkdir()
+        w = subprocess.run(["bash", "-c", write], env={**env0, "DURABLE": str(bucket), "PLAN": str(plan)},
+                           capture_output=True, text=True, timeout=180)
+        assert w.returncode == 0, w.stdout + w.stderr
+        info = json.loads(w.stdout)
+        # The workers' root is the plan's: the durable tier, which every node reaches (here every path is
+        # reachable; on a cluster a node-local fast tier is not).
+        assert Path(json.loads(plan.read_text())["root"]).resolve() == bucket.resolve()
+    finally:
+        assert _stop(proc0) in (0, -signal.SIGTERM), (tmp_path / "replica0.log").read_text()[-3000:]
+
+    # The Job's pods: the same ConfigMap, no volume where CKPTD_ROOT points.
+    job = _filled_job(tmp_path, str(plan), info["workers"], "reshard-gpt-1000-dp4")
+    no_fast = tmp_path / "worker" / "data"
+    wenv = _pod_env(config, CKPTD_ROOT=str(no_fast), CKPTD_DURABLE=str(bucket))
+    for i in range(job["spec"]["completions"]):
+        r = subprocess.run([ckptd, *_job_args(job, i)], env={**wenv, "JOB_COMPLETION_INDEX": str(i)},
+                           capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert "committed" in json.loads(r.stdout), r.stdout
+    assert not no_fast.exists(), "a reshard worker wrote where a pod has no volume"
+    out = info["out"]
+    assert (bucket / "runs" / "gpt" / out.split("/", 1)[1] / "COMMITTED").is_file()
+    verify = _doc_command("Fast local tier, durable S3",
+                          r"^kubectl exec ckptd-tiered-0 -- (ckptd verify \S+ --root \"\$DURABLE\")")
+    assert f" {out} " in f" {verify} "
+    v = subprocess.run(["bash", "-c", verify], env={**wenv, "DURABLE": str(bucket)}, capture_output=True,
+                       text=True, timeout=180)
+    assert v.returncode == 0, v.stdout + v.stderr
+
+    # A replica on a new fast tier (another node's volume) serves what the durable tier holds.
+    proc1, url1, _ = replica(1)
+    try:
+        names = {c["name"] for c in httpx.get(f"{url1}/v1/runs/gpt/checkpoints", timeout=30).json()}
+        assert {"1000", out.split("/", 1)[1]} <= names, names
+        got = blank_like(src)
+        with CheckpointClient(url1) as c:
+            c.load(got, out)
+        assert_bits_equal(got, src)
+    finally:
+        assert _stop(proc1) in (0, -signal.SIGTERM), (tmp_path / "replica1.log").read_text()[-3000:]
