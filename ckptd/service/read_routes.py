@@ -45,7 +45,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
     CheckpointSummary, InvalidRequest, Manifest, NotFound, PayloadTooLarge, ReadPlan, ReadRequest, RunSummary,
-    check_file, check_session, plan_reads,
+    TooManyRequests, check_file, check_session, plan_reads,
 )
 
 from ckptd_schemas.api import LOAD_TREE_HEADER, MAX_SKIPPED_SENT, SKIPPED_HEADER
@@ -91,6 +91,9 @@ class DamageVerdict(BaseModel):
     recorded: bool = Field(description="this report stored the failed verification record (false when one was "
                                        "stored already, or the files are intact)")
     latest: str | None = Field(description="the checkpoint RUN/latest resolves to now (null: none)")
+
+
+MAX_RECHECKS = 8  # reports of damaged bytes checked at once per replica (each reads files in a worker): 429 past it
 
 
 def _parse_range(header: str | None, size: int) -> tuple[int, int]:
@@ -229,7 +232,7 @@ def read_router(svc: Services) -> APIRouter:
         rec = await asyncio.wrap_future(workers().submit(verify_and_record, storage.url, run, name))
         return VerifyRecord.model_validate(rec)
 
-    rechecks: dict[tuple[str, str, tuple[str, ...]], asyncio.Future] = {}
+    rechecks: dict[tuple[str, str, tuple[str, ...]], asyncio.Future] = {}  # at most MAX_RECHECKS
 
     @router.post("/v1/checkpoints/{run}/{name}/damaged", response_model=DamageVerdict)
     async def report_damage(run: str, name: str, body: DamageReport) -> DamageVerdict:
@@ -243,6 +246,9 @@ def read_router(svc: Services) -> APIRouter:
         c = await run_in_threadpool(reader.committed, run, name)
         key = (run, c.name, tuple(sorted(set(body.files))))
         fut = rechecks.get(key)
+        if fut is None and len(rechecks) >= MAX_RECHECKS:
+            raise TooManyRequests(f"{len(rechecks)} reports of damaged bytes are being checked already; report "
+                                  f"again later", ref=f"{run}/{c.name}")
         if fut is None:
             fut = rechecks[key] = asyncio.wrap_future(workers().submit(recheck_and_record, storage.url, run, c.name,
                                                                        list(key[2])))
