@@ -38,11 +38,11 @@ from ckptd.storage import LocalStorage, open_storage
 from ckptd_client import CheckpointClient
 from ckptd_schemas import CorruptCheckpoint, FileEntry, IntegrityError, StorageError
 from ckptd_schemas.filedigest import StreamDigest
-from support import REPO, ServerProcess, assert_bits_equal, blank_like, make_state
+from support import REPO, ServerProcess, assert_bits_equal, blank_like, make_state, scaled
 
 ATTACKS = ["truncate", "delete", "garbage", "append", "swap"]
-BOUND_S = 15.0  # generous: the typed error comes in well under a second; retries would take RETRY_S
-RETRY_S = 40.0  # the clients' retry window for transient failures: longer than BOUND_S
+BOUND_S = scaled(15.0)  # generous: the typed error comes in well under a second; retries would take RETRY_S
+RETRY_S = scaled(40.0)  # the clients' retry window for transient failures: longer than BOUND_S
 MiB = 1 << 20
 
 
@@ -234,7 +234,7 @@ def test_a_manifest_that_does_not_hash_to_its_declared_digest_is_refused():
 
 # == damaged data, read through every path that restores it ==================================================
 
-READ_BOUND_S = 10.0
+READ_BOUND_S = scaled(10.0)  # well under RETRY_S, which a retried corruption would take
 _n = iter(range(1, 1 << 20))
 
 
@@ -301,7 +301,7 @@ def test_damaged_data_fails_typed_and_fast_on_every_read_path(srv, tmp_path, att
 
     for direct in (True, False):
         t0 = time.monotonic()
-        with CheckpointClient(srv.url, direct_reads=direct, retry_seconds=40) as c:
+        with CheckpointClient(srv.url, direct_reads=direct, retry_seconds=RETRY_S) as c:
             with pytest.raises(CorruptCheckpoint) as info:
                 c.load(target(), ref, strict=attack != "flip-object")
         assert time.monotonic() - t0 < READ_BOUND_S
@@ -314,7 +314,7 @@ def test_damaged_data_fails_typed_and_fast_on_every_read_path(srv, tmp_path, att
     import torch.distributed.checkpoint as dcp
 
     t0 = time.monotonic()
-    with CheckpointClient(srv.url, retry_seconds=40) as c:
+    with CheckpointClient(srv.url, retry_seconds=RETRY_S) as c:
         with pytest.raises(BaseException) as info:  # DCP wraps a rank's error in a CheckpointException
             dcp.load(target(), storage_reader=c.dcp_reader(ref))
     assert time.monotonic() - t0 < READ_BOUND_S

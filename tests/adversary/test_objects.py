@@ -61,7 +61,7 @@ from ckptd_client import CheckpointClient, CheckpointNotFound, UnsafeObject
 from ckptd_client.objects import TrustedObjectWarning
 from ckptd_schemas import BoxChunk, Location, ObjectEntry, RankIndex, TensorEntry
 from ckptd_schemas.names import DCP_METADATA
-from support import ServerProcess, assert_bits_equal, blank_like, make_state
+from support import ServerProcess, assert_bits_equal, blank_like, make_state, scaled
 
 WRITER, VICTIM = "attacker-write-token-0123456789", "victim-write-token-0123456789"
 TOKENS = f"attacker sha256:{hash_token(WRITER)} write:gpt*\nvictim {VICTIM} write:gpt*\n"
@@ -577,7 +577,7 @@ def test_the_service_never_unpickles_an_object_verify_preview_reshard(numpy_srv,
                    headers=admin, timeout=60)
     assert r.status_code == 202, r.text
     job = r.json()["id"]
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(120)
     while time.monotonic() < deadline:
         st = httpx.get(f"{numpy_srv.url}/v1/jobs/{job}", headers=admin).json()
         if st["state"] in ("done", "failed"):

@@ -56,9 +56,12 @@ from ckptd.service.auth import hash_token
 from ckptd_client.codec import decode_frame
 from ckptd_client.transport import Transport
 from ckptd_schemas import ChecksumMismatch
-from support import ServerProcess
+from support import ServerProcess, scaled
 
 ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef"
+#: How soon ``/healthz`` answers while an attack goes on; a probe behind work on the event loop waits
+#: for seconds. (A probe once the attack is over only has to answer: that is no measure of speed.)
+PROBE_MS = scaled(1000)
 TOKENS = f"alice sha256:{hash_token(ALICE)} write:*;bob sha256:{hash_token(BOB)} write:*"
 
 
@@ -101,6 +104,13 @@ def _healthz_ms(url: str) -> float:
     r = httpx.get(f"{url}/healthz", timeout=10)
     assert r.status_code == 200
     return (time.perf_counter() - t0) * 1000
+
+
+def _never_blocked(probes: list[float], busy_s: float) -> None:
+    """Each probe taken while the service worked ``busy_s`` seconds on one request answered in well under
+    that work's time (and under :data:`PROBE_MS` or half of it, whichever is longer: on a loaded machine a
+    probe waits for the CPU too). A probe queued behind the work on the event loop waits for nearly all of it."""
+    assert probes and max(probes) < max(PROBE_MS, busy_s * 1000 / 2), (busy_s, probes)
 
 
 def _closed(sock: socket.socket, within: float) -> bool:
@@ -184,14 +194,14 @@ def test_exploding_read_plan_is_refused_fast_while_healthz_answers(tmp_path):
         err = answer["body"]["error"]
         assert err["code"] == "payload_too_large" and "chunks visited" in err["message"] and "limit" in err["message"]
         assert err["details"]["limit"] < err["details"]["needed"]
-        assert answer["seconds"] < 5, answer
-        assert max(probes, default=0) < 1000, probes
+        assert answer["seconds"] < scaled(5), answer
+        assert max(probes, default=0) < PROBE_MS, probes
 
         # under the chunk budget but over the answer's: 100 whole-tensor requests are 102,400 copies
         t0 = time.perf_counter()
         r = httpx.post(plan_url, json={"requests": [{"name": "w"}] * 100}, headers=_auth(), timeout=20)
         assert r.status_code == 413 and "copies" in r.json()["error"]["message"], r.text
-        assert time.perf_counter() - t0 < 10
+        assert time.perf_counter() - t0 < scaled(10)
         assert _metric(srv.url, 'ckptd_limit_refusals_total{limit="read_plan"}') == 2
     finally:
         srv.stop()
@@ -337,7 +347,7 @@ def test_half_sent_headers_and_endless_bodies_are_closed(tmp_path):
         assert got.startswith(b"HTTP/1.1 408"), got[:200]
         assert b"request_timeout" in got or _closed(body, 2)
         assert _closed(body, 3)
-        assert _healthz_ms(srv.url) < 1000
+        _healthz_ms(srv.url)  # still answering
         assert _metric(srv.url, 'ckptd_limit_refusals_total{limit="body_idle"}') == 1
         assert _metric(srv.url, 'ckptd_limit_refusals_total{limit="header_timeout"}') >= 2
         for s in (nothing, half, body):
@@ -364,14 +374,14 @@ def test_idle_connections_under_a_fd_limit_leave_healthz_answering(tmp_path):
         for _ in range(1500):
             socks.append(socket.create_connection(("127.0.0.1", srv.port), timeout=10))
         probes = [_healthz_ms(srv.url) for _ in range(3)]
-        assert max(probes) < 2000, probes
-        deadline = time.monotonic() + 15
+        assert max(probes) < scaled(2000), probes
+        deadline = time.monotonic() + scaled(15)
         open_ = list(socks)
         while open_ and time.monotonic() < deadline:
             open_ = [s for s in open_ if not _closed(s, 0.01)]
             time.sleep(0.2)
         assert not open_, f"{len(open_)} idle connections still open after the head deadline"
-        assert _healthz_ms(srv.url) < 1000
+        _healthz_ms(srv.url)  # still answering
     finally:
         for s in socks:
             s.close()
@@ -386,18 +396,23 @@ def test_concurrent_uploads_are_capped_per_token(tmp_path):
         _open(srv.url, "gpt", "1", "s1")
         _open(srv.url, "gpt", "2", "s2", BOB)
         stalled = [_raw(srv.port, _put_head("gpt", "1", "s1", f"f{i}.bin", 1 << 20) + b"x" * 100) for i in range(2)]
-        time.sleep(0.5)  # both in the handler, each holding one of alice's slots
         data = b"y" * 1000
         digest = xxhash.xxh3_64_hexdigest(data)
-        r = httpx.put(f"{srv.url}/v1/checkpoints/gpt/1/sessions/s1/files/f9.bin", content=data,
-                      headers={**_auth(ALICE), "X-Ckptd-Xxh3": digest})
+        deadline, k = time.monotonic() + scaled(30), 0
+        while True:  # until both are in the handler, each holding one of alice's slots (one upload at a time here)
+            r = httpx.put(f"{srv.url}/v1/checkpoints/gpt/1/sessions/s1/files/early-{k}.bin", content=data,
+                          headers={**_auth(ALICE), "X-Ckptd-Xxh3": digest}, timeout=10)
+            if r.status_code != 200 or time.monotonic() > deadline:
+                break
+            k += 1
+            time.sleep(0.05)
         assert r.status_code == 429, r.text
         assert r.json()["error"]["code"] == "too_many_requests" and r.headers.get("retry-after")
         assert "alice" in r.json()["error"]["message"] and "2" in r.json()["error"]["message"]
         r = httpx.put(f"{srv.url}/v1/checkpoints/gpt/2/sessions/s2/files/f0.bin", content=data,
                       headers={**_auth(BOB), "X-Ckptd-Xxh3": digest})
         assert r.status_code == 200, r.text  # another token still uploads
-        assert _healthz_ms(srv.url) < 1000
+        assert _healthz_ms(srv.url) < PROBE_MS
 
         # the client retries a 429 with backoff: it goes through once a slot is free
         result: dict = {}
@@ -408,7 +423,7 @@ def test_concurrent_uploads_are_capped_per_token(tmp_path):
         time.sleep(1.0)
         for s in stalled:
             s.close()
-        t.join(30)
+        t.join(scaled(30))
         assert result.get("r", {}).get("size") == len(data), result
     finally:
         srv.stop()
@@ -421,7 +436,7 @@ def test_client_disconnect_mid_upload_is_counted_not_a_500(tmp_path):
         s = _raw(srv.port, _put_head("gpt", "1", "s1", "f.bin", 4 << 20) + b"z" * (256 << 10))
         time.sleep(0.3)
         s.close()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while time.monotonic() < deadline and _metric(srv.url, "ckptd_client_disconnects_total") < 1:
             time.sleep(0.1)
         assert _metric(srv.url, 'ckptd_client_disconnects_total{route="upload_file"}') == 1
@@ -537,7 +552,7 @@ def test_readers_that_never_read_are_shed_and_timed_out_while_healthz_answers(tm
         while time.monotonic() - t0 < 1.5:
             probes.append(_healthz_ms(srv.url))
             time.sleep(0.1)
-        assert max(probes) < 1000, probes
+        assert max(probes) < PROBE_MS, probes
         r = httpx.get(f"{srv.url}/v1/checkpoints/gpt/1/files/f.bin", headers=_auth(), timeout=30)
         assert r.status_code == 200 and r.content == data  # a reader that reads gets the whole file
         # past the send deadline every stalled response is cut off: what was buffered, then the close
@@ -547,7 +562,7 @@ def test_readers_that_never_read_are_shed_and_timed_out_while_healthz_answers(tm
             assert closed, "a connection whose reader read nothing was held open past the send deadline"
             assert len(got) < len(data)
         assert _metric(srv.url, 'ckptd_limit_refusals_total{limit="send_idle"}') >= 1
-        assert _healthz_ms(srv.url) < 1000
+        _healthz_ms(srv.url)  # still answering
     finally:
         for s in stalled:
             s.close()
@@ -593,7 +608,7 @@ def test_malformed_framing_is_a_json_400_and_pipelined_requests_are_answered(tmp
         answers = _responses(got)
         assert closed and len(answers) == 51 and all(st == 200 for st, _ in answers), got[-300:]
         assert [r["run"] for r in json.loads(answers[-1][1])] == ["gpt"]
-        assert _healthz_ms(srv.url) < 1000
+        _healthz_ms(srv.url)  # still answering
     finally:
         srv.stop()
 
@@ -658,7 +673,7 @@ def test_every_head_on_a_kept_alive_connection_is_bounded_in_bytes_and_time(tmp_
         s.close()
         answers = _responses(got)
         assert closed and [st for st, _ in answers] == [401, 431], got[-300:]
-        assert _healthz_ms(srv.url) < 1000
+        _healthz_ms(srv.url)  # still answering
         assert _metric(srv.url, 'ckptd_limit_refusals_total{limit="header_bytes"}') == 3
     finally:
         srv.stop()
@@ -689,7 +704,7 @@ def test_a_client_gone_mid_body_is_a_disconnect_on_every_json_route(tmp_path):
                   f"\r\n\r\n".encode())
         s.recv(65536)
         s.close()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while time.monotonic() < deadline and _metric(srv.url, "ckptd_client_disconnects_total") < len(routes):
             time.sleep(0.1)
         for route in routes:
@@ -699,7 +714,7 @@ def test_a_client_gone_mid_body_is_a_disconnect_on_every_json_route(tmp_path):
                     and any(f'route="{r}"' in line for r in routes) and ('status="4' in line or 'status="5' in line)
                     and 'status="499"' not in line]
         assert answered == [], answered  # no 400 for a body that never arrived, and no 500
-        assert _healthz_ms(srv.url) < 1000
+        _healthz_ms(srv.url)  # still answering
     finally:
         srv.stop()
     log = (tmp_path / "server.log").read_text()
@@ -724,6 +739,7 @@ def test_a_large_rank_index_is_parsed_off_the_event_loop(tmp_path):
             answer.update(status=r.status_code, body=r.json())
 
         t = threading.Thread(target=send)
+        t0 = time.monotonic()
         t.start()
         probes = []
         while t.is_alive():
@@ -731,7 +747,8 @@ def test_a_large_rank_index_is_parsed_off_the_event_loop(tmp_path):
             time.sleep(0.05)
         t.join()
         assert answer["status"] == 200 and answer["body"]["state"] == "committed", answer
-        assert len(probes) > 3 and max(probes) < 1000, probes
+        assert len(probes) > 3, probes
+        _never_blocked(probes, time.monotonic() - t0)
     finally:
         srv.stop()
 
@@ -766,8 +783,8 @@ def test_a_100_mb_rank_index_is_refused_declared_or_chunked(tmp_path):
             err = json.loads(answers[0][1])["error"]
             assert err["code"] == "payload_too_large" and err["details"]["limit"] < 100 << 20, err
             assert sent <= err["details"]["limit"] + (8 << 20), f"{framing}: {sent} bytes taken in"
-            assert time.perf_counter() - t0 < 10
-        assert _healthz_ms(srv.url) < 1000
+            assert time.perf_counter() - t0 < scaled(10)
+        _healthz_ms(srv.url)  # still answering
     finally:
         srv.stop()
 
@@ -801,11 +818,12 @@ def test_hostile_json_on_every_json_route_is_a_4xx_in_the_error_shape(tmp_path):
                                   headers={**_auth(token), "Content-Type": "application/json"})
                 slow.append(time.perf_counter() - t0)
                 _one_error_shape(r, f"{what} with {hostile_name}")
-        assert max(slow) < 5, slow
+        assert max(slow) < scaled(5), slow
         assert _metric(srv.url, "ckptd_http_requests_total{") > 0
         assert 'status="500"' not in httpx.get(f"{srv.url}/metrics").text
         r = httpx.get(f"{srv.url}/v1/checkpoints/gpt/1", headers=_auth())
-        assert r.status_code == 200 and _healthz_ms(srv.url) < 1000
+        assert r.status_code == 200
+        _healthz_ms(srv.url)  # still answering
     finally:
         srv.stop()
     log = (tmp_path / "server.log").read_text()
@@ -836,6 +854,7 @@ def test_verify_requests_in_a_loop_queue_on_the_worker_pool_and_fork_nothing_mor
             return httpx.post(f"{srv.url}/v1/checkpoints/gpt/1/verify", headers=_auth(), timeout=60).status_code
 
         with cf.ThreadPoolExecutor(40) as ex:
+            t0 = time.monotonic()
             futures = [ex.submit(verify, i) for i in range(40)]
             peak, probes = 0, []
             while not all(f.done() for f in futures):
@@ -843,9 +862,10 @@ def test_verify_requests_in_a_loop_queue_on_the_worker_pool_and_fork_nothing_mor
                 probes.append(_healthz_ms(srv.url))
                 time.sleep(0.05)
             statuses = [f.result() for f in futures]
+            busy = time.monotonic() - t0
         assert statuses == [200] * 40
         assert peak <= 2, f"{peak} child processes for 40 verifies (CKPTD_RESHARD_WORKERS=1, its resource tracker)"
-        assert max(probes) < 1000, probes
+        _never_blocked(probes, busy)
         assert httpx.get(f"{srv.url}/v1/checkpoints/gpt/1/verification", headers=_auth()).json()["ok"] is True
     finally:
         srv.stop()

@@ -49,6 +49,26 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+def _policy_decision(srv: ServerProcess, name: str) -> dict:
+    """The retention policy's decision that saw checkpoint ``name`` (the live page lists the service's
+    last decisions, newest first), waited for: the policy runs in a thread after each commit."""
+    deadline = time.monotonic() + scaled(60)
+    while True:
+        items = httpx.get(f"{srv.url}/v1/ui/runs/{RUN}/retention", timeout=10).json()["items"]
+        seen = [d for d in items if d["source"] == "retention policy" and (name in d["keep"] or name in d["deleted"])]
+        if seen:
+            return seen[0]
+        assert "retention of run ret failed" not in srv.log.read_text(), srv.log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no retention decision after {name}'s commit: {items}"
+        time.sleep(0.1)
+
+
+def _until(t: float) -> None:
+    """Sleep until ``time.monotonic()`` reaches ``t`` (a sleep only ever overshoots: a moment the test needs
+    to be past, however loaded the machine)."""
+    time.sleep(max(0.0, t - time.monotonic()))
+
+
 def test_gc_keeps_the_newest_verified_checkpoint_when_the_newest_is_corrupt(tmp_path):
     srv = ServerProcess(tmp_path / "root").start()
     root = Path(srv.root)
@@ -95,14 +115,15 @@ def test_the_service_policy_keeps_the_newest_verified_checkpoint(tmp_path):
         with CheckpointClient(srv.url) as c:
             c.save(_state(5), f"{RUN}/5").wait()
             c.save(_state(10), f"{RUN}/10").wait()
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + scaled(60)
             while _names(srv) != ["10"] and time.monotonic() < deadline:  # 5 goes: 10 verified
                 time.sleep(0.1)
             assert _names(srv) == ["10"]
             _flip_data_byte(root, "10")
             seven = _state(7)
             c.save(seven, f"{RUN}/7").wait()
-            time.sleep(3)  # the policy runs in the background after the commit
+            decision = _policy_decision(srv, "7")  # the policy runs in the background after the commit
+            assert decision["newest_verified"] == "7" and decision["deleted"] == [], decision
             assert _names(srv) == ["7", "10"]
             out = blank_like(seven)
             c.load(out, f"{RUN}/7")
@@ -113,25 +134,32 @@ def test_the_service_policy_keeps_the_newest_verified_checkpoint(tmp_path):
 
 
 def test_a_reader_slower_than_its_lease_keeps_its_checkpoint(tmp_path):
-    """Leases of 4 s; a reader fetches one range a second (and a save and a gc later) for 7 rounds
-    through the service while gc with ``--keep-last 1`` runs after every newer commit. Its checkpoint
-    survives until it stops reading. (4 s, scaled: a round on a loaded 2-core machine can take 2 s.)"""
-    lease = scaled(4.0)
+    """Leases of 5 s; a reader fetches one range a second (and a save and a gc later) through the service
+    for two lease periods while gc with ``--keep-last 1`` runs after every newer commit. Its checkpoint
+    survives until it stops reading, and goes once a lease period has passed since its last read. (A
+    round's save and gc must end within a lease of its read: 5 s, scaled, where a round on a loaded
+    2-core machine can take 2 s.)"""
+    lease = scaled(5.0)
     srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": f"{lease:g}"}).start()
     try:
         with CheckpointClient(srv.url) as c:
             c.save(_state(1), f"{RUN}/1").wait()
             m = httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/1", timeout=10).json()
             (file,) = m["files"]
-            for i in range(7):
+            first = time.monotonic()
+            i = 0
+            while i < 7 or time.monotonic() - first < 2 * lease:  # reading for longer than its lease
                 r = httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/1/files/{file}", headers={"Range": "bytes=0-1023"},
                               timeout=10)
                 assert r.status_code == 206, f"read {i}: {r.text[:200]}"
+                last = time.monotonic()  # the service wrote its lease by now
                 c.save(_state(2 + i), f"{RUN}/{2 + i}").wait()
                 plan = httpx.post(f"{srv.url}/v1/runs/{RUN}/gc", json={"keep_last": 1}, timeout=60).json()
-                assert plan["keep"].get("1", "").startswith("leased"), plan
+                assert plan["keep"].get("1", "").startswith("leased"), \
+                    f"round {i}, gc done {time.monotonic() - last:.1f} s after the read, leases of {lease:g} s: {plan}"
                 time.sleep(1.0)
-            time.sleep(1.5 * lease)  # reading stopped: the lease (a renewal lasts one and a half) lapses
+                i += 1
+            _until(last + lease + 0.5)  # reading stopped: a whole lease period after the last read, it lapses
             plan = httpx.post(f"{srv.url}/v1/runs/{RUN}/gc", json={"keep_last": 1}, timeout=60).json()
             assert "1" in plan["deleted"], plan
     finally:
@@ -158,9 +186,12 @@ def _cli_60s(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_reads_closer_together_than_the_lease_never_let_it_lapse(tmp_path):
-    """Leases of 2 s. Reads 0.9 s apart, then one 1.5 s later: at no moment was the checkpoint unread
-    for a whole lease period, so gc in that last gap must find it leased."""
-    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": "2"}).start()
+    """Leases of 6 s (scaled). Two reads half a lease apart, then gc just past the first read's lease,
+    half a lease after the second: at no moment was the checkpoint unread for a whole lease period, so
+    that gc must find it leased (with half a lease to spare for a loaded machine); a lease after the
+    last read, it lapses."""
+    lease = scaled(6.0)
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": f"{lease:g}"}).start()
     try:
         with CheckpointClient(srv.url) as c:
             c.save(_rows_state(1), f"{RUN}/1").wait()
@@ -173,14 +204,15 @@ def test_reads_closer_together_than_the_lease_never_let_it_lapse(tmp_path):
             assert r.status_code == 206, r.text[:200]
             return time.monotonic()
 
-        t0 = read()
-        time.sleep(0.9)
+        t0 = read()  # the first read's lease is written by then: it ends by t0 + lease
+        _until(t0 + lease / 2)
+        sent = time.monotonic()  # the second read's lease is written after this: it ends after sent + lease
         last = read()
-        time.sleep(max(0.0, t0 + 2.4 - time.monotonic()))  # past the first read's lease, 1.5 s after the last read
-        assert time.monotonic() - last < 1.9
+        _until(t0 + lease + 0.3)  # past the first read's lease
         plan = _gc(srv)
-        assert plan["keep"].get("1", "").startswith("leased") and "1" not in plan["deleted"], plan
-        time.sleep(3.2)  # no read for longer than 1.5 leases: it lapses
+        assert plan["keep"].get("1", "").startswith("leased") and "1" not in plan["deleted"], \
+            f"gc done {time.monotonic() - sent:.1f} s after the second read was sent, leases of {lease:g} s: {plan}"
+        _until(last + lease + 0.3)  # no read for longer than a lease: it lapses
         assert "1" in _gc(srv)["deleted"]
     finally:
         srv.stop()
@@ -188,16 +220,18 @@ def test_reads_closer_together_than_the_lease_never_let_it_lapse(tmp_path):
 
 def test_a_direct_read_load_slower_than_its_lease_keeps_its_checkpoint(tmp_path, monkeypatch):
     """The client reads the service's files itself (direct reads), so the service sees no read while
-    it does. Leases of 1 s; the direct read takes 3 s while a newer checkpoint commits and gc runs.
-    The load finishes (its objects are fetched over HTTP afterwards) with the checkpoint's values."""
-    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": "1"}).start()
-    reading = threading.Event()
+    it does. Leases of 3 s (scaled: the client renews its own every second); the direct read lasts
+    until a newer checkpoint has committed and gc has run, more than a lease after the read plan. The
+    load finishes (its objects are fetched over HTTP afterwards) with the checkpoint's values."""
+    lease = scaled(3.0)
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": f"{lease:g}"}).start()
+    reading, release = threading.Event(), threading.Event()
     for meth in ("fetch", "scatter"):
         orig = getattr(client_files.LocalFiles, meth)
 
         def slow(self, *a, __orig=orig, **kw):
             reading.set()
-            time.sleep(3.0)
+            release.wait(scaled(120))  # reading until gc has run
             return __orig(self, *a, **kw)
 
         monkeypatch.setattr(client_files.LocalFiles, meth, slow)
@@ -215,11 +249,15 @@ def test_a_direct_read_load_slower_than_its_lease_keeps_its_checkpoint(tmp_path,
 
             t = threading.Thread(target=load)
             t.start()
-            assert reading.wait(20)
-            time.sleep(1.5)  # longer than a lease since the read plan
-            c.save(make_state(2, mib=0.05), f"{RUN}/2").wait()
-            plan = _gc(srv)
-            t.join(30)
+            try:
+                assert reading.wait(scaled(60))
+                time.sleep(lease + 0.5)  # longer than a lease since the read plan
+                c.save(make_state(2, mib=0.05), f"{RUN}/2").wait()
+                plan = _gc(srv)
+            finally:
+                release.set()
+                t.join(scaled(60))
+            assert not t.is_alive(), "the load never finished"
         assert "error" not in result, result.get("error")
         assert result["report"].bytes_read_direct > 0  # the bytes did come from the files
         assert plan["keep"].get("1", "").startswith("leased"), plan
@@ -229,9 +267,11 @@ def test_a_direct_read_load_slower_than_its_lease_keeps_its_checkpoint(tmp_path,
 
 
 def test_an_http_range_streamed_for_longer_than_the_lease_keeps_its_checkpoint(tmp_path):
-    """One GET of a 24 MiB file, consumed slowly for about 6 s with leases of 1 s, while a newer
-    checkpoint commits and gc runs: every byte arrives and matches, and gc finds it leased."""
-    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": "1"}).start()
+    """One GET of a 24 MiB file, consumed slowly (a MiB every half second) with leases of 3 s (scaled);
+    once the stream has lasted one and a half leases, a newer checkpoint commits and gc runs while the
+    reader goes on reading: every byte arrives, and gc finds the checkpoint leased."""
+    lease = scaled(3.0)
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": f"{lease:g}"}).start()
     try:
         big = _rows_state(1, rows=(24 << 20) // 256)
         with CheckpointClient(srv.url) as c:
@@ -240,16 +280,25 @@ def test_an_http_range_streamed_for_longer_than_the_lease_keeps_its_checkpoint(t
             (file,) = m["files"]
             size = m["files"][file]["size"]
             got = 0
-            plans = []
+            plans: list[dict] = []
+
+            def newer_and_gc() -> None:
+                c.save(_rows_state(2), f"{RUN}/2").wait()
+                plans.append(_gc(srv))
+
+            collector: threading.Thread | None = None
             with httpx.stream("GET", f"{srv.url}/v1/checkpoints/{RUN}/1/files/{file}", timeout=30) as r:
                 assert r.status_code == 200
                 t0 = time.monotonic()
                 for piece in r.iter_bytes(1 << 20):
                     got += len(piece)
-                    time.sleep(0.25)
-                    if not plans and time.monotonic() - t0 > 2.5:
-                        c.save(_rows_state(2), f"{RUN}/2").wait()
-                        plans.append(_gc(srv))
+                    if collector is None and time.monotonic() - t0 > 1.5 * lease:  # the stream's first lease is over
+                        collector = threading.Thread(target=newer_and_gc)
+                        collector.start()
+                    if collector is None or collector.is_alive():
+                        time.sleep(0.5)  # a slow reader, still reading while gc runs; then it drains
+            assert collector is not None, "the stream ended before gc ran"
+            collector.join(scaled(120))
         assert got == size
         assert plans and plans[0]["keep"].get("1", "").startswith("leased"), plans
     finally:
@@ -262,7 +311,8 @@ def test_a_tool_reading_through_the_service_keeps_its_checkpoint_between_ranges(
     after a newer one commits, and gives it up when the block ends."""
     from ckptd_client import CatalogClient
 
-    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": "1"}).start()
+    lease = scaled(3.0)  # renewed by the tool every second
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": f"{lease:g}"}).start()
     try:
         with CheckpointClient(srv.url) as c:
             c.save(_rows_state(1), f"{RUN}/1").wait()
@@ -274,12 +324,13 @@ def test_a_tool_reading_through_the_service_keeps_its_checkpoint_between_ranges(
                     assert held == f"{RUN}/2"
                     first = cat.read_range(held, file, 0, 64)
                     c.save(_rows_state(3), f"{RUN}/3").wait()  # latest moves on; the lease stays on 2
-                    time.sleep(2.5)  # no read for 2.5 leases
+                    time.sleep(1.5 * lease)  # no read for one and a half leases
                     plan = _gc(srv)
                     assert plan["keep"].get("2", "").startswith("leased") and "2" not in plan["deleted"], plan
                     assert "1" in plan["deleted"], plan
                     assert cat.read_range(held, file, 0, 64) == first
-                time.sleep(1.6)  # the last read's own lease lapses; the tool's was released with the block
+                    last = time.monotonic()
+                _until(last + lease + 0.5)  # any lease of the last read has lapsed; the tool's went with the block
                 assert "2" in _gc(srv)["deleted"]
         assert _names(srv) == ["3"]
     finally:

@@ -31,7 +31,7 @@ import xxhash
 
 from ckptd_client import CheckpointClient
 from ckptd_schemas import CheckpointNotFound
-from support import ServerProcess, assert_bits_equal, blank_like
+from support import ServerProcess, assert_bits_equal, blank_like, scaled
 
 RUN = "vis"
 
@@ -179,8 +179,9 @@ def test_a_tampered_newest_checkpoint_is_invisible_and_nothing_else_breaks(three
 
 
 def test_one_malformed_marker_breaks_no_listing_and_no_sweep(tmp_path):
+    # a TTL longer than a save takes on a loaded machine: the planted session is years old anyway
     srv = ServerProcess(tmp_path / "root", env={"CKPTD_RECLAIM_INTERVAL": "0.2",
-                                                 "CKPTD_STALE_SESSION_TTL": "0.5"}).start()
+                                                 "CKPTD_STALE_SESSION_TTL": f"{scaled(30):g}"}).start()
     try:
         with CheckpointClient(srv.url) as c:
             c.save(_state(1), f"{RUN}/1").wait()
@@ -193,10 +194,8 @@ def test_one_malformed_marker_breaks_no_listing_and_no_sweep(tmp_path):
         stale.mkdir(parents=True)
         (stale / "SESSION.json").write_text(json.dumps({"session": "a" * 32, "world_size": 1, "step": 7,
                                                         "created_at": "2020-01-01T00:00:00Z"}))
-        for _ in range(100):  # the sweep runs past the bad marker and reclaims the stale session
-            if not stale.exists():
-                break
-            import time
+        deadline = time.monotonic() + scaled(30)
+        while stale.exists() and time.monotonic() < deadline:  # the sweep runs past the bad marker and reclaims it
             time.sleep(0.1)
         assert not stale.exists()
         assert _marker(root, RUN, "2").exists() and (_ckpt(root, RUN, "2") / "sessions").exists()
@@ -246,6 +245,9 @@ def test_every_served_manifest_carries_and_matches_its_digest(three_steps):
 # == odd objects where a marker or manifest should be, junk beside the runs ==================================
 
 STALE = "a" * 32
+#: The stale-session TTL of the ``served`` service: longer than a small save takes on a loaded machine
+#: (a save still open past it is reclaimed), short enough that a test can wait it out.
+STALE_TTL = scaled(3.0)
 
 
 def _small_state(seed: int) -> dict:
@@ -276,7 +278,7 @@ def _plant_stale_session(root: Path) -> Path:
 def served(tmp_path):
     """Run ``vis`` at steps 1, 2, 3 and run ``other`` at step 1; the sweep runs every 0.2 s."""
     srv = ServerProcess(tmp_path / "root", env={"CKPTD_RECLAIM_INTERVAL": "0.2",
-                                                 "CKPTD_STALE_SESSION_TTL": "2",
+                                                 "CKPTD_STALE_SESSION_TTL": f"{STALE_TTL:g}",
                                                  "CKPTD_READ_LEASE_SECONDS": "0"}).start()
     states = {s: _small_state(s) for s in (1, 2, 3)}
     with CheckpointClient(srv.url) as c:
@@ -312,7 +314,7 @@ def _assert_rest_of_root_intact(srv: ServerProcess, root: Path, states: dict, st
     assert plan.status_code == 200, plan.text
     p = plan.json()
     assert p["newest_verified"] == "2" and p["delete"] == ["1"] and "3" not in p["keep"], p
-    deadline = time.monotonic() + 8
+    deadline = time.monotonic() + scaled(30)
     while stale.exists() and time.monotonic() < deadline:  # the sweep runs past the bad entry
         time.sleep(0.1)
     assert not stale.exists(), "the stale-session sweep stopped at the bad entry"
@@ -377,7 +379,7 @@ def test_an_odd_object_in_place_of_the_newest_marker_or_manifest_breaks_nothing_
         keep_data = False
     _assert_rest_of_root_intact(srv, root, states, stale)
     assert _metric_total(srv) >= 1
-    time.sleep(max(0.0, srv.saved_at + 2.8 - time.monotonic()))  # 3's session is past the TTL; sweeps ran
+    time.sleep(max(0.0, srv.saved_at + STALE_TTL + 0.8 - time.monotonic()))  # 3's session is past the TTL; sweeps ran
     if keep_data:  # the sweep leaves an invisible checkpoint's data for whoever looks into it
         assert sdir.is_dir() and any((sdir / "files").iterdir()), f"{sdir} was deleted"
     # The name stays taken: a save under it is refused, never mixed into what is there.

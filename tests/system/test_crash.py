@@ -9,6 +9,7 @@ moment, or a trainer rank dies with ``os._exit``. Nothing of ckptd is mocked.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import random
@@ -30,7 +31,7 @@ from ckptd.store import CheckpointReader, SessionStore
 from fault_server import CRASH_POINTS
 from ckptd.store.checker import verify_manifest
 from ckptd_client import CheckpointClient, CheckpointNotFound, FlatShard, Unavailable
-from support import ServerProcess, assert_bits_equal, blank_like, make_state, run_ranks
+from support import ServerProcess, assert_bits_equal, blank_like, make_state, run_ranks, scaled
 
 RUN = "run"
 # Gather 64 KiB per storage write (default 8 MiB) so a file of a few MiB crosses
@@ -173,7 +174,7 @@ def test_server_killed_at_crash_point_then_restarted(srv, tmp_path, point):
         sd2 = make_state(2, mib=2.5)  # a 2.5 MiB data file: dozens of 64 KiB write batches
         with VisibilityWatcher(root) as watch:
             handle = client.save(sd2, f"{RUN}/2")
-            rc = srv.wait_exit(timeout=60)
+            rc = srv.wait_exit(timeout=scaled(60))
             assert rc == -signal.SIGKILL, f"server exited with {rc}, expected to SIGKILL itself at {point}"
 
             # Down, mid-protocol: run/2 is visible only if its marker is complete (crash after it).
@@ -227,7 +228,7 @@ def test_an_incremental_save_killed_mid_commit_never_points_at_missing_bytes(fre
         srv.kill()
         srv.start(env={**SMALL_BATCH, "CKPTD_FAULTS": f"crash-at={point}"})
         handle = client.save(second, f"{RUN}/2")
-        assert srv.wait_exit(timeout=60) == -signal.SIGKILL
+        assert srv.wait_exit(timeout=scaled(60)) == -signal.SIGKILL
         srv.start()
         assert handle.wait(timeout=90).state == "committed"
         m = client.manifest(f"{RUN}/2")
@@ -272,7 +273,7 @@ def test_index_retries_after_commit_are_answered_not_refused(srv, tmp_path):
             assert r0.status_code == 200 and r0.json()["state"] == "open"
             with pytest.raises(httpx.TransportError):
                 http.put(f"{base}/ranks/1", content=json.dumps(ranks[1][1]))
-        assert srv.wait_exit(timeout=30) == -signal.SIGKILL
+        assert srv.wait_exit(timeout=scaled(30)) == -signal.SIGKILL
         marker = json.loads(marker_bytes(root, "2"))
         assert marker["session"] == "two"
 
@@ -369,6 +370,14 @@ def full_state(seed: int) -> dict:
             "extra": {"seed": seed}}
 
 
+def wait_for_a_dead_peer(handle, seconds: float) -> None:
+    """``handle.wait(timeout=seconds)`` once this rank's own part of the save is in (its upload, waited
+    for up to a generous bound): the seconds then only wait for a commit that the dead rank keeps from
+    coming, and raise ``Unavailable``, however long a loaded machine takes over the upload."""
+    concurrent.futures.wait([handle._future], timeout=scaled(120))
+    handle.wait(timeout=seconds)
+
+
 def dying_save_job(rank: int, world: int, url: str, ref: str, seed: int) -> dict:
     client = CheckpointClient(url, retry_seconds=3, streams=1)
     handle = client.save(rank_state(rank, world, seed), ref)
@@ -377,7 +386,7 @@ def dying_save_job(rank: int, world: int, url: str, ref: str, seed: int) -> dict
         # Exit status 0 so the launcher lets rank 0 finish instead of killing it too.
         os._exit(0)
     try:
-        handle.wait(timeout=3)
+        wait_for_a_dead_peer(handle, 3)
     except Unavailable as e:
         return {"session": handle.session, "error": type(e).__name__, "message": e.message}
     return {"session": handle.session, "error": None}
@@ -477,7 +486,7 @@ def test_stale_staging_reclaimed_after_ttl_never_the_committed(fresh_srv, tmp_pa
         srv.restart(env={"CKPTD_STALE_SESSION_TTL": "1", "CKPTD_RECLAIM_INTERVAL": "0.2"})
         _open_and_stage(srv.url, "3", "abandoned3", os.urandom(3000))
         assert sessions_of(root, "3") == ["abandoned3"]
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + scaled(30)
         while sessions_of(root, "3"):
             assert time.monotonic() < deadline, "the service never reclaimed the stale session"
             time.sleep(0.1)

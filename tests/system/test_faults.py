@@ -47,7 +47,7 @@ from fault_proxy import CutProxy
 from support import ServerProcess, make_state, run_ranks, scaled
 from .test_crash import (
     RUN, SD1, SMALL_BATCH, VisibilityWatcher, _ReaderSource, assert_loads, assert_verifies, ckpt_dir, full_state,
-    good_save_job, ls_names, marker_bytes, rank_state, sessions_of,
+    good_save_job, ls_names, marker_bytes, rank_state, sessions_of, wait_for_a_dead_peer,
 )
 
 KIB = 1 << 10
@@ -338,7 +338,7 @@ def rank_dies_job(rank: int, world: int, url: str, ref: str, seed: int, when: st
     if rank == 1:
         time.sleep(60)  # dies in the background upload before this ends
     try:
-        handle.wait(timeout=4)
+        wait_for_a_dead_peer(handle, 4)
     except Unavailable as e:
         return {"session": handle.session, "error": type(e).__name__, "message": e.message}
     return {"session": handle.session, "error": None}
@@ -680,7 +680,7 @@ def test_one_runs_storage_unavailable_typed_error_other_runs_keep_saving(tmp_pat
 # -- 6. an asynchronous failure is never silent ------------------------------------------------------------
 
 def _wait_done(handle, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while not handle.done():
         assert time.monotonic() < deadline, "the background upload never finished"
         time.sleep(0.02)
@@ -727,7 +727,7 @@ def test_failure_of_an_earlier_save_reported_though_a_later_one_succeeded(tmp_pa
     sd = {n: make_state(n) for n in range(1, 6)}
     for how in ("next-save", "close"):
         server.start()
-        client = CheckpointClient(server.url, retry_seconds=scaled(6))  # B's budget covers a server start
+        client = CheckpointClient(server.url, retry_seconds=scaled(10))  # B's budget covers a server start
         try:
             server.kill()
             a = client.save(sd[1], f"{how}/1")
@@ -784,7 +784,7 @@ def _one_rank_failed_before(rank: int, world: int, url: str, dead_url: str) -> s
 
     client = CheckpointClient(url if rank == 0 else dead_url, retry_seconds=0.5)
     first = client.save(make_state(rank), f"{RUN}/10")  # rank 1's upload fails in the background
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while rank == 1 and not first.done() and time.monotonic() < deadline:
         time.sleep(0.05)
     try:

@@ -11,7 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from support import REPO
+from support import REPO, scaled
 
 
 def _alive(pid: int) -> bool:
@@ -34,7 +34,7 @@ def test_a_killed_test_process_takes_its_server_with_it(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     pid = int(r.stdout.split()[0])
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + scaled(30)
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     if _alive(pid):

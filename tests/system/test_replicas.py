@@ -39,7 +39,7 @@ from ckptd.store.paths import Paths
 from ckptd_client import CheckpointClient, FlatShard
 from ckptd_schemas import AlreadyCommitted, OpenSession, RankIndex
 from fsdp_job import build, full_tensors, load_job, state, train_step
-from support import ServerProcess, assert_bits_equal, blank_like, run_ranks, server_errors
+from support import ServerProcess, assert_bits_equal, blank_like, run_ranks, scaled, server_errors
 
 pytestmark = pytest.mark.slow
 
@@ -577,11 +577,12 @@ def _killed_mid_checkpoint(tmp_path: Path, root: Path, a: ServerProcess, b: Serv
 
     assert_served_alike([b.url], name, session, digest)
     assert_loads(b.url, f"{RUN}/{name}", full_state(seed))
-    # Reads fail over too, and $CKPTD_URL-style "A,B" works: A is still dead, the first call moves to B.
-    with CheckpointClient(f"{a.url},{b.url}", retry_seconds=5) as c:
+    # Reads fail over too, and $CKPTD_URL-style "A,B" works: A is still dead, the first call moves to B
+    # at once, not after retrying A for its budget (60 s: the bound below is far from it).
+    with CheckpointClient(f"{a.url},{b.url}", retry_seconds=60) as c:
         t0 = time.monotonic()
         assert [x.name for x in c.list_checkpoints(RUN)] == [name]
-        assert time.monotonic() - t0 < 2 and c._transport.url == b.url
+        assert time.monotonic() - t0 < scaled(15) and c._transport.url == b.url
     assert_loads(f"{a.url},{b.url}", f"{RUN}/{name}", full_state(seed))
     assert_verifies(f"{RUN}/{name}", "--root", str(root))
     a.start()  # the killed replica comes back and serves it too

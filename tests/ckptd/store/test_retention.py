@@ -21,6 +21,7 @@ from ckptd.store.leases import Leases
 from ckptd.store.offline import read_tensor, write_tensors
 from ckptd.store.retention import collect, plan_retention
 from ckptd_schemas import CheckpointSummary, InvalidRequest, OpenSession
+from support import scaled
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -170,7 +171,7 @@ def test_service_policy_collects_after_each_commit_and_spares_what_was_just_read
         assert httpx.get(f"{srv.url}/v1/checkpoints/pol/1/files/{file}", timeout=10).status_code == 200
         for s in (2, 3, 4):
             c.save({"w": torch.full((4,), float(s))}, f"pol/{s}").wait()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + scaled(30)
         names: list[str] = []
         while time.monotonic() < deadline:  # the policy runs in the background after each commit
             names = [x.name for x in c.list_checkpoints("pol")]
@@ -211,8 +212,9 @@ def test_cli_gc_through_the_service(server):
 def test_a_held_lease_spares_a_checkpoint_until_the_holder_is_done(root):
     storage, reader, sessions = root
     _commit_steps(sessions, "held", [1, 2, 3])
-    with Leases(storage).hold("held", "1", "export", ttl=0.6) as holder:
-        time.sleep(0.9)  # renewed in the background: still active past its first ttl
+    ttl = scaled(2.0)  # renewed every third of it: a renewal may be late by a whole second and more
+    with Leases(storage).hold("held", "1", "export", ttl=ttl) as holder:
+        time.sleep(1.5 * ttl)  # renewed in the background: still active past its first ttl
         assert holder in Leases(storage).active("held", "1")
         assert collect(storage, "held", keep_last=1).keep["1"].startswith("leased")
     assert Leases(storage).active("held", "1") == []
