@@ -30,7 +30,12 @@ class Workers:
         self._lock = threading.Lock()
 
     def __call__(self) -> ProcessPoolExecutor:
+        """The pool; a new one when a worker of the last one died abruptly (killed, out of memory): such a
+        pool refuses every later submission, and the service must not need a restart to verify again."""
         with self._lock:
+            if self._pool is not None and getattr(self._pool, "_broken", False):
+                self._pool.shutdown(wait=False, cancel_futures=True)  # its jobs already failed with it
+                self._pool = None
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(self.size, mp_context=multiprocessing.get_context("spawn"),
                                                  initializer=_start_worker, initargs=(os.getpid(),))

@@ -124,3 +124,49 @@ def test_ckptd_verify_in_service(server, tmp_path):
     path.write_bytes(bytes(data))
     bad = cli("--server", server.url, "--in-service", "--json")
     assert bad.returncode == 1 and '"ok": false' in bad.stdout and path.name in bad.stdout, bad.stdout
+
+
+def test_a_killed_worker_process_does_not_stop_later_verifications(tmp_path):
+    """A worker process killed mid-life (the kernel's OOM killer, an operator) breaks its pool for good;
+    the service starts a new pool on the next request, so verifications (and jobs, drills, rechecks)
+    work again without a restart."""
+    import signal
+
+    from support import scaled
+
+    srv = ServerProcess(tmp_path / "root").start()
+    try:
+        with CheckpointClient(srv.url) as c:
+            c.save(make_state(1, mib=0.25), "w/1").wait()
+        assert httpx.post(f"{srv.url}/v1/checkpoints/w/1/verify", timeout=120).json()["ok"] is True
+
+        def children(pid: int) -> list[int]:
+            out = []
+            for p in Path("/proc").iterdir():
+                if p.name.isdigit():
+                    try:
+                        st = (p / "stat").read_text()
+                        cmd = (p / "cmdline").read_bytes()
+                    except OSError:
+                        continue
+                    if int(st.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmd:
+                        out.append(int(p.name))
+            return out
+
+        serve = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                 and b"ckptd.cli.main\x00serve" in (p / "cmdline").read_bytes()
+                 and str(srv.root).encode() in (p / "cmdline").read_bytes()]
+        workers = [w for s in serve for w in children(s)]
+        assert workers, "no worker process found"
+        for w in workers:
+            os.kill(w, signal.SIGKILL)
+        deadline = time.monotonic() + scaled(60)
+        while True:
+            r = httpx.post(f"{srv.url}/v1/checkpoints/w/1/verify", timeout=120)
+            if r.status_code == 200:
+                break
+            assert time.monotonic() < deadline, r.text  # the broken pool refused every later job
+            time.sleep(0.5)
+        assert r.json()["ok"] is True
+    finally:
+        srv.stop()
