@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["BENCH_TIMEOUT_S", "TIME_SCALE", "ServerProcess", "as_user", "assert_bits_equal", "assert_quoted",
-           "blank_like", "example_block", "free_port", "make_state", "read_only_view", "REPO", "run_bench",
-           "run_example", "run_ranks", "scaled"]
+           "blank_like", "example_block", "free_port", "make_state", "plant_file", "read_only_view", "REPO",
+           "run_bench", "run_example", "run_ranks", "scaled"]
 
 #: One setting for every deadline of the tests: ``CKPTD_TEST_TIME_SCALE=2`` doubles them on a machine
 #: twice as slow (server start, rank groups, benchmark runs, and the tests that pass theirs through
@@ -330,3 +330,37 @@ def read_only_view(src: Path, at: Path) -> Callable[[], None]:
         subprocess.run(["umount", "-l", str(at)], capture_output=True, timeout=30)
 
     return unmount
+
+
+def plant_file(root: Path, run: str, name: str, file: str, stored: bytes,
+               edit: Callable[[dict], None] = lambda manifest: None, *, load_tree: bool = False) -> None:
+    """Replace data file ``file`` of the committed ``run/name`` with ``stored`` on disk and make its
+    manifest and marker agree (the file's digests, ``edit(manifest)`` for its chunk rows, the manifest's
+    name and digest; with ``load_tree``, the marker's load-tree root too), as a writer with access to
+    the root could: what the checks that judge stored bytes, not records, must still refuse."""
+    import json
+
+    import xxhash
+
+    from ckptd_schemas import Manifest
+    from ckptd_schemas.filedigest import StreamDigest
+    from ckptd_schemas.loadtree import load_tree_root
+
+    ckpt = root / "runs" / run / name
+    marker = json.loads((ckpt / "COMMITTED").read_text())
+    sdir = ckpt / "sessions" / marker["session"]
+    manifest = json.loads((sdir / marker["manifest"]).read_text())
+    (sdir / "files" / file).write_bytes(stored)
+    entry = manifest["files"][file]
+    digest = StreamDigest(entry["block_size"])
+    digest.update(memoryview(stored))
+    whole, blocks = digest.finish()
+    entry.update(size=len(stored), xxh3=whole, blocks=list(blocks))
+    edit(manifest)
+    raw = json.dumps(manifest, separators=(",", ":")).encode()
+    mdigest = xxhash.xxh3_64_hexdigest(raw)
+    (sdir / f"manifest-{mdigest}.json").write_bytes(raw)
+    marker.update(manifest=f"manifest-{mdigest}.json", manifest_xxh3=mdigest)
+    if load_tree:
+        marker["load_tree"] = load_tree_root(Manifest.model_validate_json(raw))
+    (ckpt / "COMMITTED").write_text(json.dumps(marker))

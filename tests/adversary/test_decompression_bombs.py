@@ -42,7 +42,7 @@ import pytest
 import xxhash
 
 from adversary.test_commit_checks import Env, _chunk, _index, _object, _rows, _tensor, W
-from support import REPO, ServerProcess, scaled
+from support import REPO, ServerProcess, plant_file, scaled
 
 MiB, GiB = 1 << 20, 1 << 30
 BOUND_MIB = 256  # far less than any bomb here (1 GiB each)
@@ -230,33 +230,16 @@ def _plant_one_chunk(root: Path, run: str, name: str, stored: bytes) -> None:
     """Make ``run/name``'s one tensor a single ``blosc2`` chunk of ``stored`` covering it all, with every
     digest, the manifest's name and the marker's load tree agreeing: what a root committed before the
     frame limit, or edited on disk by a writer with access to it, holds."""
-    from ckptd_schemas import Manifest
-    from ckptd_schemas.filedigest import StreamDigest
-    from ckptd_schemas.loadtree import load_tree_root
+    def edit(manifest: dict) -> None:
+        [tensor] = manifest["tensors"]
+        table = tensor["table"]
+        for col in table:
+            if isinstance(table[col], list):
+                table[col] = table[col][:1]
+        table.update(offsets=[[0]], sizes=[tensor["shape"]], offset=[0], length=[len(stored)],
+                     xxh3=[xxhash.xxh3_64_hexdigest(stored)])
 
-    ckpt = root / "runs" / run / name
-    marker = json.loads((ckpt / "COMMITTED").read_text())
-    sdir = ckpt / "sessions" / marker["session"]
-    manifest = json.loads((sdir / marker["manifest"]).read_text())
-    (sdir / "files" / "r0.bin").write_bytes(stored)
-    entry = manifest["files"]["r0.bin"]
-    digest = StreamDigest(entry["block_size"])
-    digest.update(memoryview(stored))
-    whole, blocks = digest.finish()
-    entry.update(size=len(stored), xxh3=whole, blocks=list(blocks))
-    [tensor] = manifest["tensors"]
-    table = tensor["table"]
-    for col in table:
-        if isinstance(table[col], list):
-            table[col] = table[col][:1]
-    table.update(offsets=[[0]], sizes=[tensor["shape"]], offset=[0], length=[len(stored)],
-                 xxh3=[xxhash.xxh3_64_hexdigest(stored)])
-    raw = json.dumps(manifest, separators=(",", ":")).encode()
-    mdigest = xxhash.xxh3_64_hexdigest(raw)
-    (sdir / f"manifest-{mdigest}.json").write_bytes(raw)
-    marker.update(manifest=f"manifest-{mdigest}.json", manifest_xxh3=mdigest,
-                  load_tree=load_tree_root(Manifest.model_validate_json(raw)))
-    (ckpt / "COMMITTED").write_text(json.dumps(marker))
+    plant_file(root, run, name, "r0.bin", stored, edit, load_tree=True)
 
 
 _LOAD_PROBE = """

@@ -56,7 +56,7 @@ from ckptd.service.auth import hash_token
 from ckptd_client.codec import decode_frame
 from ckptd_client.transport import Transport
 from ckptd_schemas import ChecksumMismatch
-from support import ServerProcess, scaled
+from support import ServerProcess, plant_file, scaled
 
 ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef"
 #: How soon ``/healthz`` answers while an attack goes on; a probe behind work on the event loop waits
@@ -261,25 +261,10 @@ def _verify_rss(root: Path, ref: str) -> tuple[int, str, int]:
 def _plant(root: Path, run: str, name: str, stored: bytes) -> None:
     """Replace the one data file of a committed one-chunk checkpoint with ``stored`` on disk, and make its
     manifest and marker agree (digests of the new bytes), as a writer with access to the root could."""
-    from ckptd_schemas.filedigest import StreamDigest
+    def edit(manifest: dict) -> None:
+        manifest["tensors"][0]["table"].update(length=[len(stored)], xxh3=[xxhash.xxh3_64_hexdigest(stored)])
 
-    ckpt = root / "runs" / run / name
-    marker = json.loads((ckpt / "COMMITTED").read_text())
-    sdir = ckpt / "sessions" / marker["session"]
-    manifest = json.loads((sdir / marker["manifest"]).read_text())
-    (sdir / "files" / "f.bin").write_bytes(stored)
-    entry = manifest["files"]["f.bin"]
-    digest = StreamDigest(entry["block_size"])
-    digest.update(memoryview(stored))
-    whole, blocks = digest.finish()
-    entry.update(size=len(stored), xxh3=whole, blocks=list(blocks))
-    table = manifest["tensors"][0]["table"]
-    table.update(length=[len(stored)], xxh3=[xxhash.xxh3_64_hexdigest(stored)])
-    raw = json.dumps(manifest, separators=(",", ":")).encode()
-    mdigest = xxhash.xxh3_64_hexdigest(raw)
-    (sdir / f"manifest-{mdigest}.json").write_bytes(raw)
-    marker.update(manifest=f"manifest-{mdigest}.json", manifest_xxh3=mdigest)
-    (ckpt / "COMMITTED").write_text(json.dumps(marker))
+    plant_file(root, run, name, "f.bin", stored, edit)
 
 
 def test_zstd_bomb_keeps_verify_small_and_is_refused_by_the_decoder(tmp_path):
