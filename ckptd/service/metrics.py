@@ -54,7 +54,8 @@ import logging
 import threading
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 
 from ckptd_schemas import CkptdError, StorageError
 
@@ -88,6 +89,10 @@ class Metrics(SessionEvents):
                                         "Time of one commit: merge and validate the indexes, write the manifest "
                                         "and the COMMITTED marker.", buckets=COMMIT_BUCKETS, registry=r)
         self.commits = Counter("ckptd_commits", "Checkpoints committed by this replica.", registry=r)
+        self.committed_bytes = Counter("ckptd_committed_bytes", "Bytes of the data files of the checkpoints "
+                                       "committed by this replica (with process_cpu_seconds_total: the "
+                                       "service's CPU per committed GiB).", registry=r)
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.sessions_reclaimed = Counter("ckptd_sessions_reclaimed", "Uncommitted sessions the sweep here deleted "
                                           "(no rank heard from for CKPTD_DEAD_SESSION_AFTER, or past the TTL).",
                                           registry=r)
@@ -196,6 +201,7 @@ class Metrics(SessionEvents):
     def committed(self, event: CommitEvent, seconds: float) -> None:
         self.commit_seconds.observe(seconds)
         self.commits.inc()
+        self.committed_bytes.inc(event.bytes)
         with self._lock:
             self._sessions.pop(event.session, None)
 

@@ -91,6 +91,8 @@ def test_metrics_after_a_real_save_and_load(tmp_path):
         assert total(after, "ckptd_commit_seconds_count") == 1
         assert 0 < total(after, "ckptd_commit_seconds_sum") < 60
         assert total(after, "ckptd_commits_total") == 1
+        assert total(after, "ckptd_committed_bytes_total") == saved  # with the process's CPU: CPU per GiB
+        assert total(after, "process_cpu_seconds_total") > 0
         assert total(after, "ckptd_upload_sessions_open") == 0
         assert total(after, "ckptd_verify_failures_total") == 0
         assert total(after, "ckptd_storage_errors_total") == 0
