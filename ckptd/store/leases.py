@@ -66,9 +66,16 @@ class Leases:
     def _key(run: str, name: str, holder: str) -> str:
         return f"leases/{run}/{name}/{holder}.json"
 
-    def acquire(self, run: str, name: str, holder: str, *, ttl: float, owner: str = SERVICE) -> None:
-        self.storage.put(self._key(run, name, holder),
-                         json.dumps({"holder": holder, "owner": owner, "expires_at": time.time() + ttl}).encode())
+    def acquire(self, run: str, name: str, holder: str, *, ttl: float, owner: str = SERVICE) -> bool:
+        """Write (or renew) the lease; False where this process may not write the root (a read-only
+        mount: nothing deletes there from here, so the read goes on without one; logged once)."""
+        try:
+            self.storage.put(self._key(run, name, holder),
+                             json.dumps({"holder": holder, "owner": owner, "expires_at": time.time() + ttl}).encode())
+        except StorageReadOnly as e:
+            _unleased(run, name, e)
+            return False
+        return True
 
     def release(self, run: str, name: str, holder: str) -> None:
         self.storage.delete(self._key(run, name, holder))
@@ -132,11 +139,8 @@ class Leases:
         ``ttl / 3`` seconds by a thread, released at the end; a crashed holder's lease expires.
         ``holder`` names the lease (a reshard job takes over the one its submission took)."""
         holder = holder or f"{what}-{uuid.uuid4().hex[:12]}"
-        try:
-            self.acquire(run, name, holder, ttl=ttl)
-        except StorageReadOnly as e:  # nothing deletes on a root nobody here may write: read without one
-            _unleased(run, name, e)
-            yield holder
+        if not self.acquire(run, name, holder, ttl=ttl):
+            yield holder  # a read-only root: no renewals, nothing to release
             return
         stop = threading.Event()
 
@@ -213,12 +217,9 @@ class ReadLeases:
                         f"hold (CKPTD_READ_LEASES_PER_TOKEN); release finished ones", ref=f"{run}/{name}",
                         holder=holder)
             mine[(run, name, holder)] = now + self.seconds
-        try:
-            self.leases.acquire(run, name, f"client-{holder}", ttl=self.seconds, owner=principal)
-        except StorageReadOnly as e:
+        if not self.leases.acquire(run, name, f"client-{holder}", ttl=self.seconds, owner=principal):
             with self._lock:
                 mine.pop((run, name, holder), None)
-            _unleased(run, name, e)
 
     def release(self, run: str, name: str, holder: str, principal: str, *, admin: bool = False) -> None:
         """Release lease ``holder``: only its owner may (Forbidden otherwise), or an admin, who breaks
@@ -255,10 +256,7 @@ class ReadLeases:
             self._written[(run, name)] = now
             if len(self._written) > 10_000:
                 self._written = {k: v for k, v in self._written.items() if now - v < self._renew_every}
-        try:
-            self.leases.acquire(run, name, self.holder, ttl=self.seconds)
-        except StorageReadOnly as e:
-            _unleased(run, name, e)
+        self.leases.acquire(run, name, self.holder, ttl=self.seconds)
 
     def _holds(self, run: str, name: str, holder: str, principal: str) -> bool:
         """Whether ``principal`` holds lease ``holder`` unexpired (read once per ``_renew_every`` s)."""

@@ -93,11 +93,12 @@ def verify_unrecorded(storage: Storage, run: str, name: str) -> VerifyRecord:
     return _verify_here(storage, run, name)[0]
 
 
-def _verify_here(storage: Storage, run: str, name: str,
-                 files: list[str] | None = None) -> tuple[VerifyRecord, Committed]:
+def _verify_here(storage: Storage, run: str, name: str, files: list[str] | None = None,
+                 vis: Visibility | None = None) -> tuple[VerifyRecord, Committed]:
     """Check ``run/name``'s stored bytes (only ``files``'s, when given: no stamps then, the record
-    vouches for nothing) and its load tree; the record, not stored."""
-    vis = Visibility(storage)
+    vouches for nothing) and its load tree; the record, not stored. ``vis``: the caller's, whose
+    parsed manifest is used again."""
+    vis = vis or Visibility(storage)
     t0 = time.perf_counter()
     c = vis.resolve(run, name)  # not visible: CheckpointNotFound, nothing recorded
     report = VerifyReport(ref=c.ref)
@@ -151,7 +152,7 @@ def recheck_files(storage: Storage, run: str, name: str, files: list[str]) -> di
     recorded = False
     problems: list[str] = []
     if already is None:
-        rec, _ = _verify_here(storage, c.run, c.name, files=sorted(set(files)))
+        rec, _ = _verify_here(storage, c.run, c.name, files=sorted(set(files)), vis=vis)  # one manifest parse
         problems = rec.problems
         if not rec.ok:
             storage.put(Paths.verification(c.run, c.name), rec.model_dump_json().encode())
