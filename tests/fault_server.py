@@ -300,8 +300,8 @@ class FaultStorage(Storage):
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         return self.inner.read(key, start, end)
 
-    def read_into(self, key: str, start: int, view: memoryview) -> int:
-        return self.inner.read_into(key, start, view)
+    def read_into(self, key: str, start: int, view: memoryview, *, uncached: bool = False) -> int:
+        return self.inner.read_into(key, start, view, uncached=uncached)
 
     def size(self, key: str) -> int | None:
         return self.inner.size(key)

@@ -139,8 +139,10 @@ class Storage(ABC):
             raise
         w.commit()
 
-    def read_into(self, key: str, start: int, view: memoryview) -> int:
-        """Read up to ``len(view)`` bytes from ``start`` into ``view``; return how many arrived."""
+    def read_into(self, key: str, start: int, view: memoryview, *, uncached: bool = False) -> int:
+        """Read up to ``len(view)`` bytes from ``start`` into ``view``; return how many arrived.
+        ``uncached``: bytes read once (the commit's check of what was just received), read from the
+        device past any page cache where the store can (local disks: page-aligned ``view`` only)."""
         data = self.read(key, start, start + len(view))
         view[:len(data)] = data
         return len(data)

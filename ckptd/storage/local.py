@@ -13,6 +13,8 @@ from pathlib import Path
 from ckptd_schemas import StorageError, StorageFull  # noqa: F401 - StorageFull: also reached through this module
 
 from .base import Storage, Writer, check_key
+from .direct import DirectWriter, open_direct
+from .direct import read_into as _read_direct
 from .failures import classify
 
 __all__ = ["LocalStorage", "fsync_dir"]
@@ -42,6 +44,9 @@ _TEMP = re.compile(r"\..+\.tmp-[0-9a-f]{12}")  # what _LocalWriter and put() wri
 
 
 class _LocalWriter(Writer):
+    """A temp file renamed (or, ``once``, linked) into place at commit. A durable file is written past
+    the page cache (:mod:`.direct`); one that is not (tests, benchmarks that say so) through it."""
+
     def __init__(self, final: Path, key: str, durable: bool, once: bool = False, root: str = "") -> None:
         self._final = final
         self._key = key
@@ -50,30 +55,43 @@ class _LocalWriter(Writer):
         self._once = once
         self._tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
         self._written = self._flushed = 0  # bytes written; bytes handed to write-back early
+        self._fd = -1
+        self._direct: DirectWriter | None = None
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self._tmp, "wb", buffering=0)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            if durable:
+                self._fd, direct = open_direct(self._tmp, flags)
+                if direct:
+                    self._direct = DirectWriter(self._fd, True)
+            else:
+                self._fd = os.open(self._tmp, flags, 0o644)
         except OSError as e:
+            self.abort()
             raise _storage_error("open", key, e, root) from e
 
     def _early_writeback(self, n: int) -> None:
-        """Every WRITEBACK_BYTES of a durable file, start writing the range back now
-        (``posix_fadvise(DONTNEED)`` starts write-back of dirty pages and drops the clean ones), so
-        that the fsync at commit waits for the last window only instead of the whole file, and a
-        checkpoint does not push the trainer's working set out of the page cache."""
+        """Every WRITEBACK_BYTES of a durable file written through the page cache (where the filesystem
+        refuses ``O_DIRECT``), start writing the range back now (``posix_fadvise(DONTNEED)`` starts
+        write-back of dirty pages and drops the clean ones), so that the fsync at commit waits for the
+        last window only instead of the whole file, and a checkpoint does not push the trainer's
+        working set out of the page cache."""
         self._written += n
         if not self._durable or self._written - self._flushed < WRITEBACK_BYTES or not _FADVISE:
             return
         with contextlib.suppress(OSError):  # advice only: the fsync at commit is what makes it durable
-            os.posix_fadvise(self._f.fileno(), self._flushed, self._written - self._flushed, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(self._fd, self._flushed, self._written - self._flushed, os.POSIX_FADV_DONTNEED)
         self._flushed = self._written
 
     def write(self, data: bytes | memoryview) -> None:
         try:
+            if self._direct is not None:
+                self._direct.write(data)
+                return
             view = memoryview(data)
             total = len(view)
             while view:
-                n = self._f.write(view)
+                n = os.write(self._fd, view)
                 view = view[n:]
             self._early_writeback(total)
         except OSError as e:
@@ -81,12 +99,16 @@ class _LocalWriter(Writer):
             raise _storage_error("write", self._key, e, self._root) from e
 
     def write_parts(self, parts: list[bytes]) -> None:
-        """``os.writev`` of the pieces (at most IOV_MAX at a time), finishing any short write."""
+        """Past the page cache: each piece into the aligned window. Through it: ``os.writev`` of the
+        pieces (at most IOV_MAX at a time), finishing any short write."""
+        if self._direct is not None:
+            for p in parts:
+                self.write(p)
+            return
         try:
-            fd = self._f.fileno()
             for i in range(0, len(parts), _IOV_MAX):
                 group = parts[i:i + _IOV_MAX]
-                n = os.writev(fd, group)
+                n = os.writev(self._fd, group)
                 self._early_writeback(n)  # the rest of a short write is counted by self.write
                 if n < sum(map(len, group)):  # a short write (rare on regular files): the rest piece by piece
                     for p in group:
@@ -101,9 +123,13 @@ class _LocalWriter(Writer):
 
     def commit(self) -> bool:
         try:
+            if self._direct is not None:
+                self._direct.close_tail()
+                self._direct = None
             if self._durable:
-                os.fsync(self._f.fileno())
-            self._f.close()
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
             if self._once:
                 try:
                     os.link(self._tmp, self._final)  # atomic, fails if the key exists: never replaced
@@ -121,10 +147,13 @@ class _LocalWriter(Writer):
             raise _storage_error("commit", self._key, e, self._root) from e
 
     def abort(self) -> None:
-        try:
-            self._f.close()
-        except OSError:
-            pass
+        if self._direct is not None:
+            self._direct.release()
+            self._direct = None
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
         try:
             self._tmp.unlink(missing_ok=True)
         except OSError:
@@ -175,8 +204,10 @@ class LocalStorage(Storage):
         except OSError as e:
             raise _storage_error("read", key, e, self.url) from e
 
-    def read_into(self, key: str, start: int, view: memoryview) -> int:
+    def read_into(self, key: str, start: int, view: memoryview, *, uncached: bool = False) -> int:
         try:
+            if uncached:
+                return _read_direct(self._path(key), start, view)
             with open(self._path(key), "rb", buffering=0) as f:
                 f.seek(start)
                 got = 0

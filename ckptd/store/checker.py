@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import mmap
 import os
 import threading
 from array import array
@@ -90,14 +91,17 @@ class StorageFiles:
         self.storage, self.key_of, self.keep_cached = storage, key_of, keep_cached
 
     def read_into(self, file: str, start: int, view: memoryview) -> int:
-        return self.storage.read_into(self.key_of(file), start, view)
+        """Past the page cache (``uncached``: each byte is read once here, and no cache page is filled
+        and dropped for it), except the files in ``keep_cached``."""
+        return self.storage.read_into(self.key_of(file), start, view, uncached=file not in self.keep_cached)
 
     def size(self, file: str) -> int | None:
         return self.storage.size(self.key_of(file))
 
     def done(self, file: str, ok: bool) -> None:
-        """The file is checked (``ok``: no problem found in it): drop its pages from a local page cache (uploads leave
-        them there for this pass), so a checkpoint does not push the trainer's working set out. Files in
+        """The file is checked (``ok``: no problem found in it): drop what a local page cache holds of it
+        (the unaligned ends a read past the cache leaves there, or all of it where the filesystem
+        refuses ``O_DIRECT``), so a checkpoint does not push the trainer's working set out. Files in
         ``keep_cached`` (linked from an earlier checkpoint: the frozen part every later save links and
         its commit reads again) keep their pages, so the next commit reads them from memory."""
         path = self.storage.local_path(self.key_of(file))
@@ -475,8 +479,8 @@ def judge(manifest: Manifest, source: StoredBytes, *, jobs: int = JOBS, read_siz
 
     def one(item: tuple[str, Sequence[int]]) -> tuple[list[Problem], dict[int, bytes], int]:
         buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = memoryview(bytearray(read_size))
+        if buf is None:  # page-aligned (an anonymous mapping): a local store reads into it past the cache
+            buf = local.buf = memoryview(mmap.mmap(-1, read_size))
         fname, members = item
         try:
             out = _check_file(fname, manifest.files[fname], members, rows, source, buf, progress)

@@ -122,8 +122,8 @@ class TieredStorage(Storage):
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         return self._holder(key).read(key, start, end)
 
-    def read_into(self, key: str, start: int, view: memoryview) -> int:
-        return self._holder(key).read_into(key, start, view)
+    def read_into(self, key: str, start: int, view: memoryview, *, uncached: bool = False) -> int:
+        return self._holder(key).read_into(key, start, view, uncached=uncached)
 
     def read_or_none(self, key: str) -> bytes | None:
         data = self.fast.read_or_none(key)

@@ -340,35 +340,26 @@ def test_file_url_and_local_share_layout(tmp_path):
 # -- local only: disk full -----------------------------------------------------
 
 
-class _FullDiskFile:
-    """Wraps the writer's real OS file: accepts ``room`` bytes, then fails with ENOSPC like a full disk."""
+def test_local_enospc_from_the_os_write(tmp_path, monkeypatch):
+    """ENOSPC from the OS's write (the disk fills after 10,000 bytes) becomes StorageError('... disk
+    full') and leaves no temp file, whether it comes from a window written past the page cache or from
+    the buffered tail (test_local_enospc_real_tmpfs fills a real filesystem)."""
+    st = LocalStorage(tmp_path / "root")
+    room = [10_000]
+    real_write = os.write
 
-    def __init__(self, f, room: int) -> None:
-        self._f, self._room = f, room
-
-    def write(self, data) -> int:
-        view = memoryview(data)
-        if self._room <= 0:
+    def full_write(fd, data):
+        if room[0] <= 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        n = self._f.write(view[: self._room])
-        self._room -= n
+        n = real_write(fd, memoryview(data)[:room[0]])
+        room[0] -= n
         return n
 
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-
-def test_local_enospc_wrapped_file(tmp_path, monkeypatch):
-    """ENOSPC from the OS-level file becomes StorageError('... disk full') and leaves no temp file
-    (test_local_enospc_real_tmpfs fills a real filesystem)."""
-    st = LocalStorage(tmp_path / "root")
+    monkeypatch.setattr(os, "write", full_write)
     w = st.open_write("run/ck/data-0")
-    real = getattr(w, "_f", None)
-    if real is None:
-        pytest.skip("LocalStorage writer no longer keeps its OS file in _f")
-    w._f = _FullDiskFile(real, room=10_000)  # type: ignore[attr-defined]
     with pytest.raises(StorageError) as ei:
-        w.write(os.urandom(50_000))
+        w.write(os.urandom(9 << 20))  # two whole windows and more
+        w.commit()
     assert "disk full" in ei.value.message
     assert "run/ck/data-0" in ei.value.message
     assert ei.value.details.get("errno") == errno.ENOSPC

@@ -29,13 +29,13 @@ class _Remote(LocalStorage):
         self.most: dict[str, int] = {}
         self.lock = threading.Lock()
 
-    def _call(self, kind: str, fn, *args):
+    def _call(self, kind: str, fn, *args, **kw):
         with self.lock:
             self.now[kind] = self.now.get(kind, 0) + 1
             self.most[kind] = max(self.most.get(kind, 0), self.now[kind])
         time.sleep(0.005)
         try:
-            return fn(*args)
+            return fn(*args, **kw)
         finally:
             with self.lock:
                 self.now[kind] -= 1
@@ -50,8 +50,8 @@ class _Remote(LocalStorage):
         kind = "index" if "/ranks/" in key else "other"
         return self._call(kind, super().read, key, start, end)
 
-    def read_into(self, key: str, start: int, view: memoryview) -> int:
-        return self._call("file", super().read_into, key, start, view)
+    def read_into(self, key: str, start: int, view: memoryview, **kw) -> int:
+        return self._call("file", super().read_into, key, start, view, **kw)
 
 
 def _key(f: str) -> str:
@@ -127,12 +127,12 @@ class _Replacing(_Remote):
 
     replaced = False
 
-    def read_into(self, key: str, start: int, view: memoryview) -> int:
+    def read_into(self, key: str, start: int, view: memoryview, **kw) -> int:
         if not self.replaced and "/files/" in key:
             self.replaced = True
             other = key.rsplit("/", 1)[0] + ("/r1-1.bin" if not key.endswith("/r1-1.bin") else "/r0-0.bin")
             LocalStorage.put(self, other, LocalStorage.read(self, other))
-        return super().read_into(key, start, view)
+        return super().read_into(key, start, view, **kw)
 
 
 @pytest.mark.parametrize("replace", [False, True])

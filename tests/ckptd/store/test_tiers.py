@@ -528,10 +528,10 @@ class _Hooked(LocalStorage):
         if hook is not None:
             hook()
 
-    def read_into(self, key: str, start: int, view: memoryview) -> int:
+    def read_into(self, key: str, start: int, view: memoryview, **kw) -> int:
         if self.on == "read" and "/files/" in key:
             self._fire()
-        return super().read_into(key, start, view)
+        return super().read_into(key, start, view, **kw)
 
     def local_path(self, key: str):
         if self.on == "listed" and key == Paths.marker("t", "2"):
