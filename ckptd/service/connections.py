@@ -170,10 +170,7 @@ class GuardedConnection(asyncio.Protocol):
         self.key: tuple[str, int] | None = None
         self.loop = asyncio.get_running_loop()
         self.framing: Any = httptools.HttpRequestParser(_Framing(self))
-        try:
-            self.framing.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn's parser
-        except AttributeError:
-            pass
+        self._lenient()
         self.in_body = False  # between a head's end and its message's end
         self.head_bytes = 0  # bytes received since the current head began
         self.parsed = 0  # request line and headers parsed so far
@@ -188,6 +185,9 @@ class GuardedConnection(asyncio.Protocol):
         self.scope: Scope | None = None  # the request the app is handling
         self.body_started: float | None = None  # when the body now arriving began (its head ended)
         self.body_bytes = 0  # bytes of that body received so far
+        self.content_length: int | None = None  # the head's Content-Length (None: absent, or chunked)
+        self.body_left: int | None = None  # bytes of a Content-Length body still to come
+        self.chunked = False  # the head names a Transfer-Encoding: the framing parser counts its body
         self.body_paused = 0.0  # read_paused(now) when it began
         self.read_paused_total = 0.0  # seconds uvicorn has paused reading this connection, finished pauses
         self.read_paused_since: float | None = None
@@ -288,7 +288,24 @@ class GuardedConnection(asyncio.Protocol):
         return self.body_bytes - self.guard.body_rate * self.body_seconds(now)
 
     def _track(self, data: bytes) -> bool:
-        """Feed ``data`` to the framing parser and count it against the head bound; False when refused."""
+        """Feed ``data`` to the framing parser and count it against the head bound; False when refused.
+
+        The bytes of a body whose length the head declared are counted here instead of being fed to
+        the framing parser (which would copy every piece of the body only to report its length):
+        when the body ends, a fresh parser takes the bytes that follow (a pipelined request)."""
+        left = self.body_left
+        if left:  # inside a Content-Length body: count, do not parse
+            n = len(data)
+            if n < left:
+                self.body_part(n)
+                return True
+            self.body_part(left)
+            self.message_ended()
+            self.framing = httptools.HttpRequestParser(_Framing(self))
+            self._lenient()
+            if n == left:
+                return True
+            data = data[left:]
         limit = self.guard.max_header_bytes
         if not self.in_body:
             self.head_bytes += len(data)
@@ -305,8 +322,16 @@ class GuardedConnection(asyncio.Protocol):
             return False
         return True
 
+    def _lenient(self) -> None:
+        try:
+            self.framing.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn's parser
+        except AttributeError:
+            pass
+
     def message_begun(self) -> None:
         self.parsed, self.in_body = 0, False
+        self.content_length = self.body_left = None
+        self.chunked = False
         self._arm_head()  # the first byte of a later request on a kept-alive connection
 
     def head_part(self, size: int) -> None:
@@ -320,12 +345,16 @@ class GuardedConnection(asyncio.Protocol):
         self._disarm_head()
         now = self.loop.time()
         self.body_started, self.body_bytes, self.body_paused = now, 0, self.read_paused(now)
+        self.body_left = self.content_length
 
     def body_part(self, size: int) -> None:
         self.body_bytes += size
+        if self.body_left is not None:
+            self.body_left -= size
 
     def message_ended(self) -> None:
         self.in_body, self.head_bytes = False, 0
+        self.body_left = None
         self.body_started = None
 
     def _refuse_too_large(self) -> None:
@@ -437,6 +466,11 @@ class _Framing:
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.conn.head_part(len(name) + len(value) + 4)
+        key = name.lower()
+        if key == b"content-length" and not self.conn.chunked:
+            self.conn.content_length = int(value) if value.strip().isdigit() else None
+        elif key == b"transfer-encoding":  # the parser frames the body (a Content-Length beside it is void)
+            self.conn.content_length, self.conn.chunked = None, True
 
     def on_headers_complete(self) -> None:
         self.conn.head_ended()

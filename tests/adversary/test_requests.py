@@ -513,6 +513,59 @@ def _responses(raw: bytes) -> list[tuple[int, bytes]]:
     return out
 
 
+def test_pipelined_uploads_in_any_pieces_are_framed_by_their_content_length(tmp_path):
+    """The guard counts a Content-Length body without parsing it and hands what follows it to a fresh
+    parser: three uploads and a probe on one connection, the bodies cut at every kind of boundary
+    (a body's last byte and the next head in one write, a head and the start of its body in one, the
+    bodies in odd-sized pieces), are answered in order, each file stored with its own bytes; a
+    request that follows a body in the same write is still held to the head bound (431)."""
+    srv = _root_server(tmp_path).start()
+    try:
+        r = httpx.post(f"{srv.url}/v1/checkpoints/gpt/1/sessions", headers=_auth(),
+                       json={"session": "s1", "world_size": 1, "step": 1})
+        assert r.status_code == 200, r.text
+        bodies = [os.urandom(300_000), os.urandom(70_001), os.urandom(5)]
+        heads = [(f"PUT /v1/checkpoints/gpt/1/sessions/s1/files/p{i}.bin HTTP/1.1\r\nHost: t\r\nAuthorization: "
+                  f"Bearer {ALICE}\r\nX-Ckptd-Xxh3: {xxhash.xxh3_64_hexdigest(b)}\r\nContent-Length: {len(b)}"
+                  f"\r\n\r\n").encode() for i, b in enumerate(bodies)]
+        stream = b"".join(h + b for h, b in zip(heads, bodies)) + b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        cuts = [len(heads[0]) + 10, len(heads[0]) + 299_999, len(heads[0]) + 300_000 + 7]  # inside, last byte, next head
+        pos = 0
+        for cut in [*cuts, len(stream)]:
+            while pos < cut:
+                n = min(cut - pos, 65_537)
+                s.sendall(stream[pos:pos + n])
+                pos += n
+                time.sleep(0.001)
+        got, closed = _read_all(s, 10)
+        s.close()
+        answers = _responses(got)
+        assert closed and [st for st, _ in answers] == [200, 200, 200, 200], got[-300:]
+        for i, b in enumerate(bodies):
+            assert json.loads(answers[i][1])["size"] == len(b)
+            stored = next(tmp_path.rglob(f"sessions/s1/files/p{i}.bin"))
+            assert stored.read_bytes() == b
+
+        # After a counted body, the next head is parsed and bounded again: the body arrives in writes of
+        # its own (counted, not parsed), ending exactly with a write, or with the next head's start.
+        for k, (name, tail) in enumerate([("q.bin", 0), ("r.bin", 100)]):
+            body = os.urandom(100_000)
+            head = (f"PUT /v1/checkpoints/gpt/1/sessions/s1/files/{name} HTTP/1.1\r\nHost: t\r\nAuthorization: "
+                    f"Bearer {ALICE}\r\nX-Ckptd-Xxh3: {xxhash.xxh3_64_hexdigest(body)}\r\nContent-Length: "
+                    f"{len(body)}\r\n\r\n").encode()
+            over = b"GET /healthz HTTP/1.1\r\nHost: t\r\nX-Pad: " + b"a" * 200_000 + b"\r\n\r\n"
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            for piece in (head, body[:50_000], body[50_000:] + over[:tail], over[tail:]):
+                s.sendall(piece)
+                time.sleep(0.2)  # each write its own read
+            got, _ = _read_all(s, 5)
+            s.close()
+            assert [st for st, _ in _responses(got)] == [200, 431], (k, got[-300:])
+    finally:
+        srv.stop()
+
+
 # -- readers that never read -------------------------------------------------------------------------------
 
 def test_readers_that_never_read_are_shed_and_timed_out_while_healthz_answers(tmp_path):
