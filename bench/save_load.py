@@ -78,6 +78,10 @@ MiB = 1 << 20
 COLS = 1024                                  # fp32 columns: 4 KiB per row
 WEIGHTS = (23, 5, 17, 3, 13, 7, 19, 11)      # relative sizes of the 8 tensors (uneven on purpose)
 GOALS = {"save_throughput_ratio": 1.5, "stall_ratio": 0.1, "stall_vs_async_ratio": 1.0, "load_throughput_ratio": 1.5}
+#: The service's CPU per GiB it commits or serves, at the floor of its HTTP stack (docs/design.md, Performance),
+#: and how close a save's stall and a cold load come to this machine's floors.
+FLOOR_GOALS = {"server_cpu_s_per_gib_saved": 1.0, "stall_vs_copy_floor": 1.1, "ckptd_cold_load_vs_raw": 0.9,
+               "save_throughput_ratio": 1.0, "load_cold_throughput_ratio": 1.0}
 
 
 # -- the state ------------------------------------------------------------------------------------
@@ -666,6 +670,10 @@ def summarise(save: dict, load: dict, nbytes: int) -> dict:
                     f"dcp_{cache}_load_vs_raw": _med([r[f"raw_{cache}_load_s"] / r[f"dcp_{cache}_load_s"]
                                                       for r in lr])})
     out["load_throughput_ratio"] = out["load_cold_throughput_ratio"]
+    gib = nbytes / (1 << 30)  # the service's CPU per GiB: from the first body byte to the marker, and served
+    out["server_cpu_s_per_gib_saved"] = out["ckptd_server_cpu_s"] / gib
+    for cache in ("cold", "warm"):
+        out[f"server_cpu_s_per_gib_served_http_{cache}"] = out[f"ckptd_http_{cache}_load_server_cpu_s"] / gib
     rp = load["replicated"]  # plain tensors every rank loads, over HTTP: one fetch per host, or one per rank
     out["replicated_load"] = {**rp, "fetch_ratio": rp["each_rank"]["bytes_fetched"] / rp["shared"]["bytes_fetched"],
                               "time_ratio": rp["each_rank"]["load_s"] / rp["shared"]["load_s"]}
@@ -694,6 +702,9 @@ def summarise(save: dict, load: dict, nbytes: int) -> dict:
         "stall_vs_async_ratio<=1.0": out["stall_vs_async_ratio"] <= GOALS["stall_vs_async_ratio"],
         "load_throughput_ratio>=1.5 (cold)": out["load_cold_throughput_ratio"] >= GOALS["load_throughput_ratio"],
         "load_throughput_ratio>=1.5 (warm)": out["load_warm_throughput_ratio"] >= GOALS["load_throughput_ratio"],
+        **{f"{k}{'<=' if k in ('server_cpu_s_per_gib_saved', 'stall_vs_copy_floor') else '>='}{v}":
+           (out[k] <= v if k in ("server_cpu_s_per_gib_saved", "stall_vs_copy_floor") else out[k] >= v)
+           for k, v in FLOOR_GOALS.items()},
     }
     return out
 
@@ -755,6 +766,9 @@ def markdown(res: dict) -> str:
               f"DCP ranks 2 x ({s['dcp_rank_user_s']:.2f}+{s['dcp_rank_sys_s']:.2f}); "
               f"ckptd ranks 2 x ({s['ckptd_rank_user_s']:.2f}+{s['ckptd_rank_sys_s']:.2f}), "
               f"server {s['ckptd_server_user_s']:.2f}+{s['ckptd_server_sys_s']:.2f}"]
+    lines += [f"the service's CPU per GiB: {s['server_cpu_s_per_gib_saved']:.2f} CPU-s per GiB committed (goal <= "
+              f"{FLOOR_GOALS['server_cpu_s_per_gib_saved']}), {s['server_cpu_s_per_gib_served_http_cold']:.2f} per "
+              f"GiB served over HTTP cold, {s['server_cpu_s_per_gib_served_http_warm']:.2f} warm"]
     lines += ["CPU seconds during one load at world size 3 (all ranks summed): " + "; ".join(
         f"{c}: DCP {s[f'dcp_{c}_load_ranks_cpu_s']:.2f}, ckptd ranks {s[f'ckptd_{c}_load_ranks_cpu_s']:.2f} + "
         f"server {s[f'ckptd_{c}_load_server_cpu_s']:.2f} (HTTP: ranks {s[f'ckptd_http_{c}_load_ranks_cpu_s']:.2f} + "
