@@ -535,7 +535,7 @@ def profile_main(argv: list[str]) -> int:
     root, src, spec, out, jobs = argv
     import ckptd.reshard.executor as ex
     import ckptd.reshard.planner as planner
-    import ckptd.store.assemble as assemble
+    import ckptd.store.engines as engines
     import ckptd_schemas.filedigest as hashing
     import ckptd.store.sessions as sessions
     from ckptd.cli.main import main as ckptd_main
@@ -564,7 +564,7 @@ def profile_main(argv: list[str]) -> int:
         if hasattr(ex, fn):
             setattr(ex, fn, timed(getattr(ex, fn), "digests"))
     ex.verify_fetch = timed(ex.verify_fetch, "verify_blocks")
-    for buf in (assemble._HostBuffer, assemble._TorchBuffer):  # the engine's copies (host on the CPU)
+    for buf in (engines._HostBuffer, engines._TorchBuffer):  # the engine's copies (host on the CPU)
         buf.copy = timed(buf.copy, "assemble_copy")
     ex.write_hashed = timed(ex.write_hashed, "write_hashed")  # chunk, tensor and file digests + writes (nested)
     CheckpointReader.read_range = timed(CheckpointReader.read_range, "read")

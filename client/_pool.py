@@ -5,16 +5,16 @@ every 4 KiB page (and, on GPU, copies from pageable memory are staged and synchr
 allocated once, pinned when CUDA is available, and pre-faulted at creation turns the stall into a
 copy at memory (or PCIe) bandwidth.
 
-Sizing: a fixed ``capacity``, or (the default client's) sized from the save: each ``lease`` is told
+Sizing: a fixed ``capacity``, or (the default client's) sized from the save: each ``claim`` is told
 the bytes of the chunks the save will copy, and, while nobody holds the slab, a slab that places
 fewer of them than a new one would, or that is over twice a new one's size (the state shrank), is
 replaced (at most ``max_bytes``). A steady training loop saves the same shards each time, so the
 slab is laid out once, at the first save, and the memory held between saves is what one save copies.
 
 Segments: the slab is a list of segments (views are 64-byte aligned, each within one segment).
-Without ``background`` (the default without CUDA) it is one segment, allocated inside ``lease``.
+Without ``background`` (the default without CUDA) it is one segment, allocated inside ``claim``.
 With ``background`` (the default with CUDA) pinning it inside the first save's stall is what made
-that stall long (many times the later stalls: BENCHMARKS.md, Figures behind the code), so ``lease`` only lays the
+that stall long (many times the later stalls: BENCHMARKS.md, Figures behind the code), so ``claim`` only lays the
 segments out (at most ``segment_bytes`` each, or one chunk's size, packed first-fit in the chunks'
 order; pinned sizes are powers of two, which is what torch's pinned allocator rounds every pinned
 allocation up to anyway) and a background thread allocates them one by one while no save holds the
@@ -26,16 +26,16 @@ segment in flight when a layout is replaced).
 
 Call order (one save)::
 
-    lease = pool.lease(sizes=[...]) # caller's thread, in build_snapshot, once the chunks are known
-    t = lease.take(shape, dtype)    # per chunk: a 64-byte aligned view of a segment, or a fresh tensor
+    claim = pool.claim(sizes=[...]) # caller's thread, in build_snapshot, once the chunks are known
+    t = claim.take(shape, dtype)    # per chunk: a 64-byte aligned view of a segment, or a fresh tensor
     ...copy into t, return to training...
-    lease.release()                 # upload thread, after the upload finished (success or failure);
+    claim.release()                 # upload thread, after the upload finished (success or failure);
                                     # background: the missing segments are allocated from now on
 
 One save holds the slab at a time, because the upload reads the views until it ends. Two choices,
 both counted in :attr:`SnapshotPool.stats` so that tests and benchmarks can tell which path ran:
 
-* **busy**: the previous save is still uploading. ``lease`` waits up to ``wait_s`` (default 0:
+* **busy**: the previous save is still uploading. ``claim`` waits up to ``wait_s`` (default 0:
   a store slower than the save interval must not stall training); if the slab is still taken the
   whole snapshot goes to fresh allocations (more memory for a while, no wait).
 * **too small**: chunks are placed first-fit in order; a chunk that does not fit in what is left
@@ -55,7 +55,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["ALIGN", "SEGMENT_BYTES", "Allocator", "Lease", "PoolStats", "SnapshotPool", "aligned", "allocate",
+__all__ = ["ALIGN", "SEGMENT_BYTES", "Allocator", "PoolStats", "SlabClaim", "SnapshotPool", "aligned", "allocate",
            "default_max_bytes", "placed_bytes", "plan_segments"]
 
 ALIGN = 64
@@ -100,10 +100,10 @@ def default_max_bytes() -> int:
 class PoolStats:
     """Cumulative counts since the pool was made."""
 
-    leases: int = 0          # saves that got the slab
+    claims: int = 0          # saves that got the slab
     allocations: int = 0     # slabs laid out (sized from the save: at the first save, and when the state changed)
     segments: int = 0        # segments allocated (one per slab without ``background``)
-    busy: int = 0            # saves that found it leased (after waiting) and used fresh memory only
+    busy: int = 0            # saves that found it claimed (after waiting) and used fresh memory only
     pooled_bytes: int = 0    # bytes copied into the slab
     fallback_bytes: int = 0  # bytes copied into fresh tensors (busy, did not fit, or not allocated yet)
     unready_bytes: int = 0   # of fallback_bytes: while some segment was still to be allocated
@@ -142,7 +142,7 @@ def plan_segments(sizes: Sequence[int], cap: int, segment: int, pin: bool) -> li
     into the segments so far, else a new one of ``segment`` bytes (or the chunk's, if larger; only the
     chunk's where the cap leaves no more), each cut at the end to what it holds. Pinned sizes are
     rounded up to powers of two (torch's pinned allocator rounds so; counting it keeps the cap true).
-    ``Lease.take`` places the same chunks exactly so: first-fit makes the same choices in segments cut
+    ``SlabClaim.take`` places the same chunks exactly so: first-fit makes the same choices in segments cut
     to their contents."""
     size_of = _pow2 if pin else (lambda n: n)
     segs: list[int] = []
@@ -172,8 +172,9 @@ class _Segment:
         self.view: torch.Tensor | None = None  # set once, by whoever allocates it
 
 
-class Lease:
-    """One save's use of the slab: a first-fit bump allocator over its segments (``None``: busy)."""
+class SlabClaim:
+    """One save's use of the slab: a first-fit bump allocator over its segments (``None``: busy). A
+    claim, not a lease: in ckptd a lease is a read lease on a checkpoint (``ckptd_client._lease``)."""
 
     def __init__(self, pool: SnapshotPool, segments: list[_Segment] | None) -> None:
         self._pool, self._segs = pool, segments
@@ -213,13 +214,13 @@ class Lease:
 
 
 class SnapshotPool:
-    """A preallocated, pre-faulted host slab, leased to one save at a time.
+    """A preallocated, pre-faulted host slab, claimed by one save at a time.
 
     Args:
         capacity: bytes, fixed; ``None``: sized from each save's need (see the module docstring).
         max_bytes: the most a sized-from-the-save slab holds (default :func:`default_max_bytes`).
         pin: page-locked memory (fast, asynchronous device->host copies); default: when CUDA is available.
-        wait_s: how long ``lease`` waits for a previous save's upload to give the slab back.
+        wait_s: how long ``claim`` waits for a previous save's upload to give the slab back.
         background: segments allocated by a background thread while no save holds the slab, never
             inside a save; default: ``pin`` (pinning is what is slow). A fixed ``capacity`` is then one
             segment, whose allocation starts here.
@@ -244,7 +245,7 @@ class SnapshotPool:
         self._halted = False                           # background: an allocation failed; again after a save
         self._worker: threading.Thread | None = None   # background: allocating, one segment at a time
         self._closed = False
-        self._leased = False
+        self._claimed = False
         self._cond = threading.Condition()
         self.stats = PoolStats()
         if capacity is not None:
@@ -288,7 +289,7 @@ class SnapshotPool:
         self._replace(fresh)
 
     def _next(self) -> tuple[int, _Segment] | None:
-        if self._closed or self._leased or self._halted or self._segs is None:
+        if self._closed or self._claimed or self._halted or self._segs is None:
             return None
         seg = next((s for s in self._segs if s.view is None), None)
         return None if seg is None else (self._gen, seg)
@@ -310,7 +311,7 @@ class SnapshotPool:
                     return
             gen, seg = job
             try:
-                t = self._alloc(seg.size, self.pin)  # outside the lock: leases go on meanwhile
+                t = self._alloc(seg.size, self.pin)  # outside the lock: claims go on meanwhile
             except Exception as e:  # noqa: BLE001 - e.g. out of pinned memory: fresh memory meanwhile, tried after the next save
                 log.warning("snapshot pool: allocating a %d-byte segment failed (%s); saves copy into fresh "
                             "memory meanwhile", seg.size, e)
@@ -353,38 +354,38 @@ class SnapshotPool:
         return self._closed
 
     @property
-    def leased(self) -> bool:
-        return self._leased
+    def claimed(self) -> bool:
+        return self._claimed
 
-    def lease(self, need: int | None = None, wait_s: float | None = None, *,
-              sizes: Sequence[int] | None = None) -> Lease:
+    def claim(self, need: int | None = None, wait_s: float | None = None, *,
+              sizes: Sequence[int] | None = None) -> SlabClaim:
         """The slab for one save that copies chunks of ``sizes`` bytes (each :func:`aligned`, in copy
-        order; ``need`` alone: one chunk of ``need``), or (busy after ``wait_s``, or closed) a lease
+        order; ``need`` alone: one chunk of ``need``), or (busy after ``wait_s``, or closed) a claim
         that allocates fresh. Never waits for an allocation made in the background."""
         if sizes is None and need is not None:
             sizes = [need]
         with self._cond:
-            self._cond.wait_for(lambda: not self._leased, self.wait_s if wait_s is None else wait_s)
-            if self._leased or self._closed:
+            self._cond.wait_for(lambda: not self._claimed, self.wait_s if wait_s is None else wait_s)
+            if self._claimed or self._closed:
                 self.stats.busy += not self._closed
-                return Lease(self, None)
+                return SlabClaim(self, None)
             if self.sized and sizes is not None:
                 self._fit(sizes)
             if self._segs is None:
-                return Lease(self, None)
-            self._leased = True  # background: no new segment until it is given back
-            self.stats.leases += 1
-            return Lease(self, self._segs)
+                return SlabClaim(self, None)
+            self._claimed = True  # background: no new segment until it is given back
+            self.stats.claims += 1
+            return SlabClaim(self, self._segs)
 
     def _give_back(self) -> None:
         with self._cond:
-            self._leased = self._halted = False
+            self._claimed = self._halted = False
             self._kick()
             self._cond.notify_all()
 
     def close(self, timeout: float | None = 60.0) -> None:
         """Drop the slab and stop allocating (waiting up to ``timeout`` for a segment in flight). A
-        save still uploading keeps its views alive until its lease is released."""
+        save still uploading keeps its views alive until its claim is released."""
         with self._cond:
             self._segs, self._closed, self.capacity = None, True, 0
             self._gen += 1

@@ -6,7 +6,7 @@ Call order inside :meth:`CheckpointClient.save`:
    and plan the save (``ckptd_client._saveplan.plan_save``: which chunks this rank writes, replicas
    once, which it may reuse, their layout), then two steps driven by the plan: reuse (the reuse
    candidates, hashed in place, that ``link`` linked into the session: not copied) and copy (the
-   rest, to host memory: into a leased :class:`SnapshotPool` slab when the client has one; from
+   rest, to host memory: into a claimed :class:`SnapshotPool` slab when the client has one; from
    CUDA on a side stream, synchronised before returning; objects encoded by
    ``ckptd_schemas.format.objects``: one that would need an unrestricted unpickler raises here).
 2. ``upload_snapshot`` (background thread): open-or-join the session, execute the plan in
@@ -32,14 +32,14 @@ from ckptd_schemas import (
     parse_ref,
 )
 
-from ckptd_schemas.format.codec import codec_for, encode
+from ckptd_schemas.format.encoding import codec_for, encode
 from .codec import CompressionPolicy
 from ._flatten import Flattened, flatten
 from .transport import Transport
 from ._placement import LocalPiece, dtype_name, local_piece
 from ckptd_schemas.format.objects import SAFE, ObjectPolicy, encode_object
 from ._incremental import ChunkHistory, ChunkKey, SaveDelta, chunk_key, digest_source
-from ._pool import Lease, SnapshotPool, aligned
+from ._pool import SlabClaim, SnapshotPool, aligned
 from ._saveplan import ALIGN, FILE_BYTES, Packer, PlannedChunk, SavePlan, file_prefix, plan_save, write_order
 from ._presigned import DirectUploads
 from .session_calls import Opened, abort_session, open_session, put_index, wait_committed
@@ -97,8 +97,8 @@ class Snapshot:
     mesh: dict[str, int] = field(default_factory=dict)
     coords: dict[str, int] = field(default_factory=dict)
     layouts: dict[str, str] = field(default_factory=dict)
-    lease: Lease | None = None    # the pool slab the chunks are views of, until release()
-    plan: SavePlan | None = None  # what ``build_snapshot`` planned (None for a snapshot built by hand)
+    claim: SlabClaim | None = None  # the pool slab the chunks are views of, until release()
+    plan: SavePlan | None = None    # what ``build_snapshot`` planned (None for a snapshot built by hand)
 
     @property
     def nbytes(self) -> int:
@@ -109,9 +109,9 @@ class Snapshot:
         """Drop the chunks and give the pool's slab back; call once the upload has ended (success or
         failure), never before: the chunks are views of the slab, which the next save overwrites."""
         self.chunks = {}
-        if self.lease is not None:
-            self.lease.release()
-            self.lease = None
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None
 
 
 def _encode_object(fqn: str, value: Any, policy: ObjectPolicy = SAFE) -> _Object:
@@ -120,8 +120,8 @@ def _encode_object(fqn: str, value: Any, policy: ObjectPolicy = SAFE) -> _Object
     return _Object(fqn, enc.encoding, value=enc.value, payload=enc.payload)
 
 
-def _to_host(src: torch.Tensor, lease: Lease | None, side: dict[torch.device, Any]) -> torch.Tensor:
-    """A contiguous host copy of ``src``: into the leased slab if it fits, else a fresh tensor.
+def _to_host(src: torch.Tensor, claim: SlabClaim | None, side: dict[torch.device, Any]) -> torch.Tensor:
+    """A contiguous host copy of ``src``: into the claimed slab if it fits, else a fresh tensor.
 
     A CUDA source is copied on a side stream (one per device, in ``side``), non-blocking into the
     pinned view, so the copy does not queue behind training kernels launched later; the caller
@@ -129,7 +129,7 @@ def _to_host(src: torch.Tensor, lease: Lease | None, side: dict[torch.device, An
     A chunk the slab has no allocated room for yet (a first save: the pool pins its segments in the
     background after the upload) goes to fresh pageable memory: a staged, synchronous copy, no pinning.
     """
-    dst = lease.take(src.shape, src.dtype) if lease is not None else torch.empty(src.shape, dtype=src.dtype)
+    dst = claim.take(src.shape, src.dtype) if claim is not None else torch.empty(src.shape, dtype=src.dtype)
     if not src.is_cuda:
         dst.copy_(src)
         return dst
@@ -149,8 +149,8 @@ def build_snapshot(state_dict: dict | Flattened, rank: int, world: int, pool: Sn
                    file_bytes: int = FILE_BYTES) -> Snapshot:
     """Copy what this rank writes to host memory; afterwards training may mutate its tensors.
 
-    With ``pool``, the copies go into its slab (leased until ``snap.release()``, which the uploader
-    calls); on failure here the lease is given back before raising. ``writers`` names the rank that
+    With ``pool``, the copies go into its slab (claimed until ``snap.release()``, which the uploader
+    calls); on failure here the claim is given back before raising. ``writers`` names the rank that
     writes each plain tensor (``ReplicaWriters.owners``, agreed among the ranks that hold it);
     without it every rank is assumed to hold the same plain tensors and the writers are balanced
     over all ranks from names and sizes alone. ``objects`` decides how non-tensor values are stored
@@ -196,9 +196,9 @@ def _copy(snap: Snapshot, plan: SavePlan, sources: Mapping[str, LocalPiece], dig
     exactly those), and encode its objects."""
     if pool is not None:
         sizes = [aligned(c.nbytes) for c in plan.chunks if c.key not in held]
-        snap.lease = pool.lease(sum(sizes), sizes=sizes)
+        snap.claim = pool.claim(sum(sizes), sizes=sizes)
     for c in plan.chunks:
-        data = None if c.key in held else _to_host(sources[c.fqn].local.detach(), snap.lease, side)
+        data = None if c.key in held else _to_host(sources[c.fqn].local.detach(), snap.claim, side)
         snap.chunks.setdefault(c.fqn, []).append(_Chunk(c.fqn, data, c.box, c.flat, digest=digests.get(c.key),
                                                         reused=held.get(c.key), plan=c))
     snap.objects = [_encode_object(o.fqn, o.value, objects) for o in plan.objects]

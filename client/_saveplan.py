@@ -28,7 +28,7 @@ from typing import Any, Container, Iterable, Mapping, Sequence, TypeVar
 import torch
 
 from ckptd_schemas import ParamGroup, TensorEntry
-from ckptd_schemas.format.codec import FRAME_BYTES, split_frames
+from ckptd_schemas.format.encoding import FRAME_BYTES, split_frames
 
 from ._flatten import Flattened
 from ._incremental import ChunkKey, chunk_key

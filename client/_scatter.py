@@ -41,7 +41,7 @@ import xxhash
 from ckptd_schemas import ChecksumMismatch, Copy, Fetch
 
 from ckptd_schemas.format.assemble import Destination, torch_dtype
-from ckptd_schemas.format.codec import source_bytes
+from ckptd_schemas.format.encoding import source_bytes
 
 __all__ = ["BUFFER_BYTES", "BlockVerifier", "DeviceStager", "PieceFill", "direct_targets", "scatter", "staged_runs"]
 

@@ -2,7 +2,7 @@
 
 What a compressed chunk is (the ``"zstd"`` and ``"blosc2"`` codecs, frames of at most
 :data:`FRAME_BYTES` raw bytes, the bounded decode) is the byte format's, in
-:mod:`ckptd_schemas.format.codec`; its public names are re-exported here. This module holds the
+:mod:`ckptd_schemas.format.encoding`; its public names are re-exported here. This module holds the
 writer's choice.
 
 Either codec compresses more slowly per core than a local disk takes durable writes (BENCHMARKS.md,
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ckptd_schemas.format.codec import (
+from ckptd_schemas.format.encoding import (
     BLOSC2_OVERHEAD, CODECS, FRAME_BYTES, blosc2_problem, codec_for, compressor, decode_frame, encode, source_bytes,
     split_frames,
 )

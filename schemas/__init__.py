@@ -1,5 +1,13 @@
-"""ckptd_schemas: the manifest, API bodies, errors and pure geometry shared by
-the ckptd service and the ``ckptd_client`` trainer client. No I/O here."""
+"""ckptd_schemas: what the ckptd service and the ``ckptd_client`` trainer client share: the manifest,
+the API bodies, the typed errors, pure geometry and the read plan; and, in :mod:`ckptd_schemas.format`,
+the checkpoint's byte format: the codecs (zstandard, blosc2), the commit's frame checks, the torch copy
+kernel and the safe decoding of stored objects (torch).
+
+No network and no storage here: nothing opens a connection or knows where checkpoints are stored.
+The format reads only what its caller hands it: bytes, buffers, tensors, an open file, or a path
+(``format.objects.load_torch`` opens the one it is given); ``python -m ckptd_schemas.jsonschema``
+writes the manifest's JSON Schema. Importing this package imports neither torch nor the format:
+import a format module by its name (see :mod:`ckptd_schemas.format`)."""
 
 from typing import TYPE_CHECKING
 

@@ -69,7 +69,7 @@ from .executor import ChunkAssembler, plan_engine
 from .liveness import finish, mark_active
 from .models import now_utc
 from .pieces import SourcePieces, target_place
-from .planner import PlannedChunk, ReshardPlan, plan_reshard
+from .planner import ReshardChunk, ReshardPlan, plan_reshard
 
 __all__ = ["MAX_LAYOUTS", "MAX_PROBLEMS", "DrillJob", "DrillProblem", "DrillRecord", "DrillRequest", "LayoutDrill",
            "drill_checkpoint", "drill_plan", "get_drill_job", "plan_drill", "problems_of", "put_drill_job",
@@ -149,7 +149,7 @@ def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: 
     """Assemble every target chunk of ``plan`` (the conversion of ``manifest`` into ``layout``) and check
     each tensor against the source (module docstring); ``jobs`` tensors at a time. Writes nothing."""
     t0 = time.monotonic()
-    chunks: dict[str, list[tuple[int, PlannedChunk]]] = {t.name: [] for t in manifest.tensors}
+    chunks: dict[str, list[tuple[int, ReshardChunk]]] = {t.name: [] for t in manifest.tensors}
     problems: list[DrillProblem] = []
     for u in plan.units:
         for pc in u.chunks:
@@ -231,7 +231,7 @@ def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: 
                        seconds=round(time.monotonic() - t0, 3), problems=problems)
 
 
-def _target_digest(a: ChunkAssembler, t: TensorEntry, chunks: list[tuple[int, PlannedChunk]],
+def _target_digest(a: ChunkAssembler, t: TensorEntry, chunks: list[tuple[int, ReshardChunk]],
                    progress: Callable[[int], None] | None) -> str:
     """The layout-independent digest of tensor ``t`` as the target layout's chunks hold it, each chunk
     assembled from the source. Raises :class:`TilingError` when the chunks do not tile ``t`` exactly."""
@@ -244,13 +244,13 @@ def _target_digest(a: ChunkAssembler, t: TensorEntry, chunks: list[tuple[int, Pl
     return _placed_digest(a, t, held, progress)
 
 
-def _region(pc: PlannedChunk) -> Region:
+def _region(pc: ReshardChunk) -> Region:
     if pc.sizes is not None:
         return Region(box=Box(tuple(pc.offsets or ()), tuple(pc.sizes)))
     return Region(flat=(pc.flat_start or 0, pc.flat_length or 0))
 
 
-def _stream_digest(a: ChunkAssembler, t: TensorEntry, ordered: list[tuple[tuple[int, int], PlannedChunk]],
+def _stream_digest(a: ChunkAssembler, t: TensorEntry, ordered: list[tuple[tuple[int, int], ReshardChunk]],
                    progress: Callable[[int], None] | None) -> str:
     """Chunks that are row-major runs, in stream order: one pass, one chunk in memory. Replicas (a range
     held twice) must be byte-identical and are hashed once."""
@@ -276,7 +276,7 @@ def _stream_digest(a: ChunkAssembler, t: TensorEntry, ordered: list[tuple[tuple[
     return h.hexdigest()
 
 
-def _placed_digest(a: ChunkAssembler, t: TensorEntry, held: list[PlannedChunk],
+def _placed_digest(a: ChunkAssembler, t: TensorEntry, held: list[ReshardChunk],
                    progress: Callable[[int], None] | None) -> str:
     """Chunks that are not all row-major runs: each placed into one buffer of the whole tensor (its bytes
     in memory), then hashed in stream order."""

@@ -62,10 +62,10 @@ from ..store.paths import Paths
 from ..store.verification import require_verified
 from ..store.merge import merge_indexes
 from .digest import tensor_digest
-from ..store.assemble import Engine, cuda_present, pick_engine
+from ..store.engines import Engine, cuda_present, pick_engine
 from .pieces import SourcePieces, target_place, write_hashed
 from .planner import (
-    ALIGN, PlannedChunk, ReshardOutline, ReshardPlan, WorkUnit, already_read, kept_block, outline_reshard,
+    ALIGN, ReshardChunk, ReshardOutline, ReshardPlan, WorkUnit, already_read, kept_block, outline_reshard,
 )
 from .spec import parse_spec
 
@@ -198,7 +198,7 @@ class ChunkAssembler:
     the bytes read from storage in :attr:`bytes_read`. Not thread-safe: one per thread.
     """
 
-    def __init__(self, reader: CheckpointReader, plan: ReshardPlan, chunks: list[PlannedChunk], *, engine: Engine,
+    def __init__(self, reader: CheckpointReader, plan: ReshardPlan, chunks: list[ReshardChunk], *, engine: Engine,
                  pieces: SourcePieces) -> None:
         src = parse_ref(plan.source)
         fetch_bytes, chunk_bytes = _largest(chunks)
@@ -215,7 +215,7 @@ class ChunkAssembler:
         self.parts = []
         self._whole.clear()
 
-    def assemble(self, pc: PlannedChunk, shape: list[int]) -> memoryview:
+    def assemble(self, pc: ReshardChunk, shape: list[int]) -> memoryview:
         """Target chunk ``pc`` of a tensor of global ``shape``, as ``pc.dtype``: a view valid until the next
         call."""
         self.staging.begin(pc.src_dtype, pc.numel, shape, sizes=pc.sizes, offsets=pc.offsets,
@@ -270,7 +270,7 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
                       bytes_read=chunk_source.bytes_read, bytes_written=unit.size, digests=chunk_source.parts + written)
 
 
-def _largest(chunks: list[PlannedChunk]) -> tuple[int, int]:
+def _largest(chunks: list[ReshardChunk]) -> tuple[int, int]:
     """(largest fetch, largest target chunk before any cast, at least 1) of a unit's chunks: its buffers are
     allocated once at these sizes, not grown chunk by chunk (each growth faults in fresh pages)."""
     fetch = max((f.end - f.start for pc in chunks for f in pc.reads.fetches), default=0)

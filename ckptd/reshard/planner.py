@@ -26,7 +26,7 @@ from ckptd_schemas.dtypes import FLOATING as FLOATS, ITEMSIZE
 from .layouts import TargetChunk, TargetLayout, build_layout, rank_bytes
 from .spec import LayoutSpec
 
-__all__ = ["PlannedChunk", "ReshardOutline", "ReshardPlan", "UnitCut", "WorkUnit", "already_read", "kept_block",
+__all__ = ["ReshardChunk", "ReshardOutline", "ReshardPlan", "UnitCut", "WorkUnit", "already_read", "kept_block",
            "outline_reshard", "plan_reshard"]
 
 ALIGN = 64
@@ -36,7 +36,11 @@ class _M(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class PlannedChunk(_M):
+class ReshardChunk(_M):
+    """One target chunk (a :class:`~.layouts.TargetChunk`) as its work unit writes it: where it lands in
+    the unit's file (``file_offset``, ``nbytes``), its dtype before and after a cast, and the reads of
+    source bytes that fill it (``reads``)."""
+
     tensor: str
     src_dtype: str
     dtype: str
@@ -76,7 +80,7 @@ class WorkUnit(_M):
     rank: int
     file: str
     size: int
-    chunks: list[PlannedChunk]
+    chunks: list[ReshardChunk]
 
     @property
     def bytes_to_read(self) -> int:
@@ -172,7 +176,7 @@ class ReshardOutline:
                 req = ReadRequest(name=tc.tensor, flat_start=region.flat[0], flat_length=region.flat[1])
                 geo = dict(flat_start=region.flat[0], flat_length=region.flat[1])
             reads = plan_reads(self.manifest, [req], coalesce_gap=0)
-            chunks.append(PlannedChunk(tensor=tc.tensor, src_dtype=src_dtype, dtype=dtype, file_offset=file_offset,
+            chunks.append(ReshardChunk(tensor=tc.tensor, src_dtype=src_dtype, dtype=dtype, file_offset=file_offset,
                                        nbytes=nbytes, reads=reads, **geo))
         return WorkUnit(index=cut.index, rank=cut.rank, file=cut.file, size=cut.size, chunks=chunks)
 

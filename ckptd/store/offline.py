@@ -15,7 +15,7 @@ from ckptd_schemas import (
     parse_ref, plan_reads, verify_fetch,
 )
 
-from .assemble import ChunkBuffer
+from .engines import ChunkBuffer
 from .reader import CheckpointReader
 from .sessions import SessionStore
 

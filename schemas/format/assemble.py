@@ -5,7 +5,7 @@ A :class:`ckptd_schemas.ReadPlan` lists fetches (byte ranges with block
 digests) and copies (which global boxes of which chunk land where). For each
 fetch: :func:`ckptd_schemas.verify_fetch`, then for each of its copies
 :func:`copy_into` with a destination described by :class:`Destination`; a
-compressed chunk is decoded by :func:`ckptd_schemas.format.codec.source_bytes`.
+compressed chunk is decoded by :func:`ckptd_schemas.format.encoding.source_bytes`.
 Non-tensor objects are decoded by :mod:`ckptd_schemas.format.objects`.
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from ..readplan import dest_region
-from .codec import source_bytes
+from .encoding import source_bytes
 
 if TYPE_CHECKING:
     from ..readplan import Copy

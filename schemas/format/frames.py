@@ -1,7 +1,7 @@
 """A compressed chunk checked as its bytes pass, in bounded memory: the commit's codec check.
 
 :func:`frame_check` gives the check for a chunk's codec: :class:`FrameCheck` for zstd,
-:class:`Blosc2Check` for blosc2 (byte planes; :mod:`ckptd_schemas.format.codec`).
+:class:`Blosc2Check` for blosc2 (byte planes; :mod:`ckptd_schemas.format.encoding`).
 
 :class:`FrameCheck` is fed a compressed chunk's stored bytes in order (``feed``), then asked
 ``problem()``. It holds when the bytes are exactly one complete zstd frame, without a
@@ -18,7 +18,7 @@ Two readers of the same bytes, so neither has to trust the other:
   ``raw_length + WRITE_SIZE`` bytes of output, all of it counted and dropped.
 
 Memory is bounded whatever a writer declares: a compressed chunk holds at most :data:`FRAME_BYTES`
-raw bytes (the writer cuts its chunks there, ``ckptd_schemas.format.codec.split_frames``), and a
+raw bytes (the writer cuts its chunks there, ``ckptd_schemas.format.encoding.split_frames``), and a
 chunk declaring more is refused by :func:`frame_check` (and by every reader's decode) before
 anything is allocated for it, so no header or index can make a check allocate more than one frame;
 the zstd decoder refuses a window over :data:`FRAME_BYTES` too. :meth:`FrameCheck.problem` frees its
@@ -81,7 +81,7 @@ class _Counter:
 class FrameCheck:
     """One compressed chunk's bytes, fed in order; ``problem()`` says what is wrong, or None. With
     ``out`` (``raw_length`` writable bytes) the decoded bytes are kept there: readers decode through
-    this same check (:func:`ckptd_schemas.format.codec.decode_frame`), so a frame the commit refuses
+    this same check (:func:`ckptd_schemas.format.encoding.decode_frame`), so a frame the commit refuses
     is refused by every reader too."""
 
     def __init__(self, raw_length: int, out: memoryview | None = None) -> None:

@@ -7,8 +7,8 @@
   destinations routed through it (``_load.STAGE_CPU``), without any ``torch.cuda`` call;
 * save: ``SnapshotPool(background=True)`` (client/_pool.py) lays the slab out in segments and
   allocates them in a background thread while no save holds it (after the first save's upload);
-  forced here with ``pin=False`` and an injected allocator: the first lease does not wait, the
-  memory bound holds, later leases reuse the slab.
+  forced here with ``pin=False`` and an injected allocator: the first claim does not wait, the
+  memory bound holds, later claims reuse the slab.
 """
 
 from __future__ import annotations
@@ -364,38 +364,38 @@ def test_plan_segments_packs_first_fit_caps_and_rounds_pinned_sizes():
     assert sum(capped) <= 16 * KIB and placed_bytes(capped, sizes) > 8 * KIB
 
 
-def test_the_first_lease_does_not_wait_for_the_background_allocation(no_cuda):
+def test_the_first_claim_does_not_wait_for_the_background_allocation(no_cuda):
     alloc = Allocations()
     alloc.gate.clear()  # every allocation blocks until the test lets it go
-    leased_at_alloc: list[bool] = []
+    claimed_at_alloc: list[bool] = []
     pool = SnapshotPool(pin=False, background=True, segment_bytes=8 * KIB, max_bytes=1 << 20,
-                        allocator=lambda n, pin: (leased_at_alloc.append(pool.leased), alloc(n, pin))[1])
+                        allocator=lambda n, pin: (claimed_at_alloc.append(pool.claimed), alloc(n, pin))[1])
     shapes = [((1000,), torch.float32), ((3000,), torch.bfloat16), ((5000,), torch.float32), ((7,), torch.int64)]
     sizes = [aligned(torch.Size(s).numel() * d.itemsize) for s, d in shapes]
     t0 = time.monotonic()
-    lease = pool.lease(sizes=sizes)
-    views = [lease.take(s, d) for s, d in shapes]
-    assert time.monotonic() - t0 < 5 and leased_at_alloc == []  # laid out, nothing allocated in the stall
+    claim = pool.claim(sizes=sizes)
+    views = [claim.take(s, d) for s, d in shapes]
+    assert time.monotonic() - t0 < 5 and claimed_at_alloc == []  # laid out, nothing allocated in the stall
     assert all(_segment_of(pool, v) is None for v in views)
     assert pool.stats.unready_bytes == pool.stats.fallback_bytes == sum(v.numel() * v.element_size() for v in views)
     assert len(pool.segments) == 3 and not pool.ready
     del views  # the upload ends: its fresh copies go, then the slab is allocated
-    lease.release()
+    claim.release()
     deadline = time.monotonic() + 10
-    while not leased_at_alloc and time.monotonic() < deadline:
+    while not claimed_at_alloc and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert leased_at_alloc == [False]  # the background thread started, and blocks in the allocator
-    second = pool.lease(sizes=sizes)  # while it blocks: fresh memory again, no wait
+    assert claimed_at_alloc == [False]  # the background thread started, and blocks in the allocator
+    second = pool.claim(sizes=sizes)  # while it blocks: fresh memory again, no wait
     assert all(_segment_of(pool, second.take(s, d)) is None for s, d in shapes)
     second.release()
     alloc.gate.set()
-    assert pool.wait_ready(30) and not any(leased_at_alloc)
+    assert pool.wait_ready(30) and not any(claimed_at_alloc)
     assert sum(alloc.calls) == pool.capacity == sum(sizes) and len(alloc.calls) == len(pool.segments) == 3
-    for _ in range(3):  # later leases: every chunk in the slab, nothing allocated again
-        lease = pool.lease(sizes=sizes)
-        views = [lease.take(s, d) for s, d in shapes]
+    for _ in range(3):  # later claims: every chunk in the slab, nothing allocated again
+        claim = pool.claim(sizes=sizes)
+        views = [claim.take(s, d) for s, d in shapes]
         assert all(_segment_of(pool, v) is not None for v in views)
-        lease.release()
+        claim.release()
         del views
     assert len(alloc.calls) == 3 and pool.stats.allocations == 1
     assert pool.stats.pooled_bytes == 3 * sum(torch.Size(s).numel() * d.itemsize for s, d in shapes)
@@ -410,17 +410,17 @@ def test_the_memory_bound_holds_while_layouts_change_in_the_background(no_cuda):
     states = [[aligned(n) for n in ns] for ns in ([4000] * 6, [9000, 9000, 3000, 100] * 3, [500] * 4,
                                                   [30000, 30000], [4000] * 6)]
     for sizes in states * 2:
-        lease = pool.lease(sizes=sizes)
+        claim = pool.claim(sizes=sizes)
         for n in sizes:
-            lease.take((n,), torch.uint8)
-        lease.release()
+            claim.take((n,), torch.uint8)
+        claim.release()
         assert pool.capacity <= cap and alloc.live_bytes() <= cap
     assert pool.wait_ready(30)
     assert alloc.peak <= cap and alloc.live_bytes() <= cap
-    lease = pool.lease(sizes=states[0])  # same as the last state: the slab is kept
+    claim = pool.claim(sizes=states[0])  # same as the last state: the slab is kept
     before = len(alloc.calls)
-    assert all(_segment_of(pool, lease.take((n,), torch.uint8)) is not None for n in states[0])
-    lease.release()
+    assert all(_segment_of(pool, claim.take((n,), torch.uint8)) is not None for n in states[0])
+    claim.release()
     assert len(alloc.calls) == before
     pool.close()
     assert alloc.live_bytes() == 0
@@ -458,7 +458,7 @@ def test_build_snapshot_leaves_the_allocation_until_the_upload_gave_the_slab_bac
     pool = SnapshotPool(pin=False, background=True, segment_bytes=64 * KIB, max_bytes=8 << 20, allocator=alloc)
     sd = make_state(5)
     snap = build_snapshot(sd, 0, 1, pool)
-    assert pool.leased and alloc.calls == [] and not pool.ready
+    assert pool.claimed and alloc.calls == [] and not pool.ready
     assert [c.data for cs in snap.chunks.values() for c in cs if _segment_of(pool, c.data) is not None] == []
     snap.release()
     assert pool.wait_ready(30) and alloc.calls and pool.stats.unready_bytes == pool.stats.fallback_bytes > 0

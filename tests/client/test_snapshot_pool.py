@@ -1,4 +1,4 @@
-"""The save snapshot's reusable host buffer (``SnapshotPool``): carving, leases, fallbacks, and
+"""The save snapshot's reusable host buffer (``SnapshotPool``): carving, claims, fallbacks, and
 saves through a real service that use it. The CUDA side-stream copy is not exercised: no GPU here."""
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ def test_views_are_aligned_contiguous_disjoint_and_in_the_slab():
     pool = SnapshotPool(64 * KIB)
     assert not pool._slab.is_pinned() or torch.cuda.is_available()
     assert int(pool._slab.count_nonzero()) == 0  # pre-faulted by zeroing
-    lease = pool.lease()
+    claim = pool.claim()
     specs = [((3, 5), torch.float32), ((7,), torch.bfloat16), ((1,), torch.int64), ((2, 3, 1), torch.bool),
              ((33,), torch.uint8), ((4, 4), torch.float64)]
-    views = [lease.take(shape, dtype) for shape, dtype in specs]
+    views = [claim.take(shape, dtype) for shape, dtype in specs]
     for i, ((shape, dtype), v) in enumerate(zip(specs, views)):
         assert v.shape == shape and v.dtype == dtype and v.is_contiguous() and _in_slab(pool, v)
         assert v.data_ptr() % ALIGN == 0
@@ -46,31 +46,31 @@ def test_views_are_aligned_contiguous_disjoint_and_in_the_slab():
 
 def test_chunks_that_do_not_fit_get_fresh_memory_and_later_small_ones_still_fit():
     pool = SnapshotPool(1000)
-    lease = pool.lease()
-    a = lease.take((200,), torch.float32)    # 800 bytes, padded to 832
-    b = lease.take((100,), torch.float32)    # 400 bytes: does not fit in what is left
-    c = lease.take((40,), torch.float32)     # 160 bytes: fits after a
+    claim = pool.claim()
+    a = claim.take((200,), torch.float32)    # 800 bytes, padded to 832
+    b = claim.take((100,), torch.float32)    # 400 bytes: does not fit in what is left
+    c = claim.take((40,), torch.float32)     # 160 bytes: fits after a
     assert _in_slab(pool, a) and not _in_slab(pool, b) and _in_slab(pool, c)
     assert (pool.stats.pooled_bytes, pool.stats.fallback_bytes) == (960, 400)
 
 
 def test_one_lease_at_a_time_busy_falls_back_release_is_idempotent_and_waits_are_bounded():
     pool = SnapshotPool(4 * KIB)
-    first = pool.lease()
-    assert pool.leased
-    second = pool.lease()  # wait_s=0: busy at once
+    first = pool.claim()
+    assert pool.claimed
+    second = pool.claim()  # wait_s=0: busy at once
     assert not _in_slab(pool, second.take((10,), torch.float32))
-    assert (pool.stats.leases, pool.stats.busy, pool.stats.fallback_bytes) == (1, 1, 40)
+    assert (pool.stats.claims, pool.stats.busy, pool.stats.fallback_bytes) == (1, 1, 40)
     second.release()
-    assert pool.leased  # a busy lease gives back nothing
+    assert pool.claimed  # a busy claim gives back nothing
     first.release()
     first.release()
-    assert not pool.leased
-    third = pool.lease()
+    assert not pool.claimed
+    third = pool.claim()
     assert _in_slab(pool, third.take((10,), torch.float32))
     threading.Timer(0.2, third.release).start()
-    fourth = pool.lease(wait_s=10)  # woken by the release, not the timeout
-    assert _in_slab(pool, fourth.take((10,), torch.float32)) and pool.stats.leases == 3
+    fourth = pool.claim(wait_s=10)  # woken by the release, not the timeout
+    assert _in_slab(pool, fourth.take((10,), torch.float32)) and pool.stats.claims == 3
     fourth.release()
 
 
@@ -80,7 +80,7 @@ def test_closed_pool_serves_fresh_memory_and_drops_its_slab():
     pool.close()
     gc.collect()
     assert pool.closed and slab() is None
-    t = pool.lease().take((3,), torch.float32)
+    t = pool.claim().take((3,), torch.float32)
     assert t.shape == (3,) and pool.stats.busy == 0 and pool.stats.fallback_bytes == 12
 
 
@@ -89,20 +89,20 @@ def test_build_snapshot_copies_into_the_slab_and_release_gives_it_back():
     pool = SnapshotPool(1 << 20)
     snap = build_snapshot(sd, 0, 1, pool)
     datas = [c.data for cs in snap.chunks.values() for c in cs]
-    assert len(datas) == 3 and all(_in_slab(pool, d) for d in datas) and pool.leased
+    assert len(datas) == 3 and all(_in_slab(pool, d) for d in datas) and pool.claimed
     sd["model"]["w"].add_(1)  # a copy: training may mutate right away
     assert not torch.equal(snap.chunks["model.w"][0].data, sd["model"]["w"])
     assert torch.equal(snap.chunks["model.w"][0].data + 1, sd["model"]["w"])
     snap.release()
-    assert not pool.leased and snap.chunks == {} and snap.lease is None
+    assert not pool.claimed and snap.chunks == {} and snap.claim is None
 
 
-def test_a_failing_snapshot_gives_the_lease_back():
+def test_a_failing_snapshot_gives_the_claim_back():
     pool = SnapshotPool(1 << 20)
     sd = {"w": torch.ones(10), "bad": lambda: None}  # not picklable: encoding the object raises
     with pytest.raises(Exception):
         build_snapshot(sd, 0, 1, pool)
-    assert not pool.leased
+    assert not pool.claimed
 
 
 # -- saves through a real service ------------------------------------------------------------------------
@@ -135,8 +135,8 @@ def test_consecutive_saves_reuse_the_slab_and_round_trip(server):
     want = [make_state(s, mib=1) for s in (1, 2)]
     for i, sd in enumerate(want):
         client.save(sd, f"pool/{i + 1}").wait()
-        assert not pool.leased  # given back before wait() returned
-    assert (pool.stats.leases, pool.stats.busy, pool.stats.fallback_bytes) == (2, 0, 0)
+        assert not pool.claimed  # given back before wait() returned
+    assert (pool.stats.claims, pool.stats.busy, pool.stats.fallback_bytes) == (2, 0, 0)
     for i, sd in enumerate(want):
         assert_bits_equal(_load(client, f"pool/{i + 1}", sd), sd)
     client.close()
@@ -147,11 +147,11 @@ def test_a_save_while_the_previous_uploads_uses_fresh_memory(server, gated_uploa
     pool = client.snapshot_pool
     want = [make_state(s, mib=0.5) for s in (4, 5)]
     handles = [client.save(sd, f"busy/{i}") for i, sd in enumerate(want)]  # both before any upload ran
-    assert (pool.stats.leases, pool.stats.busy) == (1, 1) and pool.stats.fallback_bytes > 0
+    assert (pool.stats.claims, pool.stats.busy) == (1, 1) and pool.stats.fallback_bytes > 0
     gated_upload.set()
     for h in handles:
         h.wait()
-    assert not pool.leased
+    assert not pool.claimed
     for i, sd in enumerate(want):
         assert_bits_equal(_load(client, f"busy/{i}", sd), sd)
     client.close()
@@ -187,7 +187,7 @@ def test_close_releases_the_pool(server):
     client.save(make_state(8), "close/1")  # not waited: close() waits, then frees the slab
     client.close()
     gc.collect()
-    assert pool.closed and not pool.leased and slab() is None
+    assert pool.closed and not pool.claimed and slab() is None
     plain = CheckpointClient(server.url, snapshot_bytes=0)
     assert plain.snapshot_pool is None  # 0: nothing kept between saves
     plain.close()
@@ -210,7 +210,7 @@ def test_the_default_client_sizes_its_slab_from_the_save_and_follows_the_state(s
     for i in range(3):
         client.save(small, f"auto/{i}").wait()
     assert pool.capacity == _copied(small) and pool.stats.allocations == 1
-    assert (pool.stats.leases, pool.stats.fallback_bytes) == (3, 0)
+    assert (pool.stats.claims, pool.stats.fallback_bytes) == (3, 0)
     assert pool.stats.pooled_bytes == 3 * sum(t.numel() * t.element_size() for t in small["model"].values())
     client.save(large, "auto/large").wait()
     assert pool.capacity == _copied(large) and pool.stats.allocations == 2

@@ -19,7 +19,7 @@ import pytest
 
 from adversary.test_decompression_bombs import blosc2_zeros, zstd_zeros
 from ckptd_schemas import ChecksumMismatch
-from ckptd_schemas.format.codec import FRAME_BYTES, decode_frame, encode, split_frames
+from ckptd_schemas.format.encoding import FRAME_BYTES, decode_frame, encode, split_frames
 from ckptd_schemas.format.frames import frame_check
 
 MiB, GiB = 1 << 20, 1 << 30

@@ -102,7 +102,7 @@ def test_the_service_uses_only_the_catalog_client():
 
 def test_the_byte_format_imports_neither_client_nor_service():
     rows = _all_imports()
-    assert {"ckptd_schemas.format.codec", "ckptd_schemas.format.frames", "ckptd_schemas.format.assemble",
+    assert {"ckptd_schemas.format.encoding", "ckptd_schemas.format.frames", "ckptd_schemas.format.assemble",
             "ckptd_schemas.format.objects"} <= set(rows)
     bad = _format_reaching_up(rows)
     assert not bad, "ckptd_schemas.format imports a package above it:\n" + "\n".join(bad)
@@ -275,10 +275,10 @@ def test_the_checks_see_what_they_look_for():
     because it parses nothing would pass forever)."""
     rows = _all_imports()
     assert ("ckptd_client.transport" in {mod for _, _, mod in rows["ckptd_client.catalog"]})
-    assert any(mod == "ckptd_schemas.format.codec.source_bytes" for _, _, mod in rows["ckptd.store.assemble"])
+    assert any(mod == "ckptd_schemas.format.encoding.source_bytes" for _, _, mod in rows["ckptd.store.engines"])
     assert any(mod == "ckptd_schemas.format.assemble.copy_into"  # imported in a method
-               for _, _, mod in rows["ckptd.store.assemble"])
-    assert "ckptd_schemas.format.frames" in {mod for _, _, mod in rows["ckptd_schemas.format.codec"]}  # relative
+               for _, _, mod in rows["ckptd.store.engines"])
+    assert "ckptd_schemas.format.frames" in {mod for _, _, mod in rows["ckptd_schemas.format.encoding"]}  # relative
     assert any(mod.startswith("ckptd.store") for _, _, mod in rows["ckptd.cli.root_backend"])  # imported in a method
     assert any(mod == "ckptd_client.CatalogClient" for _, _, mod in rows["ckptd.cli.http_backend"])
     assert _private("ckptd_client._load") and not _private("ckptd_client.codec")
@@ -287,22 +287,22 @@ def test_the_checks_see_what_they_look_for():
 def test_the_layer_rules_flag_what_they_forbid():
     """The catalog-only and format rules, run over the imports the service and the frame check once had
     (the service decoding with the trainer's codec and copy kernel), flag each of them and nothing else."""
-    store, frames = REPO / "ckptd" / "store" / "assemble.py", REPO / "schemas" / "format" / "frames.py"
+    store, frames = REPO / "ckptd" / "store" / "engines.py", REPO / "schemas" / "format" / "frames.py"
     backends, dcp = REPO / "ckptd" / "cli" / "backends.py", REPO / "ckptd" / "interop" / "dcp_import.py"
     old = {
-        "ckptd.store.assemble": [(store, 33, "ckptd_client.codec"), (store, 33, "ckptd_client.codec.source_bytes"),
-                                 (store, 145, "ckptd_client.assemble.Destination")],
+        "ckptd.store.engines": [(store, 33, "ckptd_client.codec"), (store, 33, "ckptd_client.codec.source_bytes"),
+                                (store, 145, "ckptd_client.assemble.Destination")],
         "ckptd.interop.dcp_import": [(dcp, 266, "ckptd_client.transport"), (dcp, 99, "ckptd_client.objects"),
                                      (dcp, 20, "ckptd_client.catalog.Upload")],
         "ckptd.cli.backends": [(backends, 70, "ckptd_client"), (backends, 70, "ckptd_client.CatalogClient"),
                                (backends, 71, "ckptd_client.CheckpointClient")],
-        "ckptd_schemas.format.frames": [(frames, 182, "ckptd_client.codec"), (frames, 25, "ckptd_schemas.format.codec"),
+        "ckptd_schemas.format.frames": [(frames, 182, "ckptd_client.codec"), (frames, 25, "ckptd_schemas.format.encoding"),
                                         (frames, 26, "ckptd.store.verify")],
     }
     assert _service_beyond_the_catalog(old) == [
-        "ckptd/store/assemble.py:33 imports ckptd_client.codec",
-        "ckptd/store/assemble.py:33 imports ckptd_client.codec.source_bytes",
-        "ckptd/store/assemble.py:145 imports ckptd_client.assemble.Destination",
+        "ckptd/store/engines.py:33 imports ckptd_client.codec",
+        "ckptd/store/engines.py:33 imports ckptd_client.codec.source_bytes",
+        "ckptd/store/engines.py:145 imports ckptd_client.assemble.Destination",
         "ckptd/interop/dcp_import.py:266 imports ckptd_client.transport",
         "ckptd/interop/dcp_import.py:99 imports ckptd_client.objects",
         "ckptd/cli/backends.py:71 imports ckptd_client.CheckpointClient",

@@ -26,7 +26,7 @@ from ckptd.store.paths import Paths
 from ckptd.store.sessions import SessionStore
 from ckptd.store.checker import verify_manifest
 from ckptd_schemas import ChecksumMismatch, CkptdError, CorruptCheckpoint, OpenSession, RankIndex
-from ckptd_schemas.format.codec import decode_frame
+from ckptd_schemas.format.encoding import decode_frame
 
 RAW = bytes(range(48))  # a 4 x 3 float32 tensor's bytes (any 48 bytes)
 PIECE = RAW[:24]

@@ -1,4 +1,5 @@
-"""Where the service side assembles tensor bytes from verified fetches: numpy on the host, or torch on a device.
+"""The service side's copy engines: tensor bytes assembled from verified fetches, by numpy on the host
+or by torch on a device (the format's torch kernel, :mod:`ckptd_schemas.format.assemble`, underneath).
 
 A reshard work unit fills one target chunk at a time from verified source
 bytes (``ckptd_schemas.Copy`` regions), then hands its bytes to the writer;
@@ -31,7 +32,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ckptd_schemas import Copy, IntegrityError, InvalidRequest, dest_region, itemsize, row_major_strides
-from ckptd_schemas.format.codec import source_bytes
+from ckptd_schemas.format.encoding import source_bytes
 
 if TYPE_CHECKING:
     import torch

@@ -1,4 +1,4 @@
-"""The stored codecs: how a chunk's bytes are compressed, cut into frames and decoded, on both sides.
+"""A chunk's stored encoding: how its bytes are compressed, cut into frames and decoded, on both sides.
 
 Two stored codecs besides ``"raw"``: ``"zstd"`` (zstd level 1 over the chunk's bytes) and
 ``"blosc2"`` (a Blosc2 chunk: the bytes split into byte planes, byte k of every element together,
