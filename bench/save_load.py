@@ -78,8 +78,8 @@ MiB = 1 << 20
 COLS = 1024                                  # fp32 columns: 4 KiB per row
 WEIGHTS = (23, 5, 17, 3, 13, 7, 19, 11)      # relative sizes of the 8 tensors (uneven on purpose)
 GOALS = {"save_throughput_ratio": 1.5, "stall_ratio": 0.1, "stall_vs_async_ratio": 1.0, "load_throughput_ratio": 1.5}
-#: The service's CPU per GiB it commits or serves, at the floor of its HTTP stack (docs/design.md, Performance),
-#: and how close a save's stall and a cold load come to this machine's floors.
+#: The service's CPU per GiB it commits, at the floor of its HTTP stack, how close a save's stall and a cold
+#: load come to this machine's floors, and a save and a cold load against DCP's (BENCHMARKS.md, Save and load).
 FLOOR_GOALS = {"server_cpu_s_per_gib_saved": 1.0, "stall_vs_copy_floor": 1.1, "ckptd_cold_load_vs_raw": 0.9,
                "save_throughput_ratio": 1.0, "load_cold_throughput_ratio": 1.0}
 
