@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
-from ckptd_schemas import AlreadyCommitted, InvalidRequest, Manifest, NotFound, OpenSession, RankIndex, parse_ref
+from ckptd_schemas import InvalidRequest, Manifest, NotFound, OpenSession, RankIndex, parse_ref
 
 from ..storage import Storage
 from .backends import DEFAULT_WORKERS, Bar, ReshardOutcome, ReshardRequest
@@ -152,15 +152,11 @@ class RootBackend:
         return preview(self._outline(req)[0].plan())
 
     def reshard_out(self, req: ReshardRequest, manifest: Manifest, spec: Any) -> str:
-        """The output's name, refused before any work when it is taken (a committed name is never reused)."""
-        from ..reshard.spec import default_out_name
+        """The output's name, refused before any work when it is taken (the service's rule:
+        :func:`ckptd.reshard.jobs.output_ref`)."""
+        from ..reshard.jobs import output_ref
 
-        out = req.out or f"{manifest.run}/{default_out_name(manifest.name, str(spec), req.dtype)}"
-        dst = parse_ref(out)
-        if self.reader.visibility.check(dst.run, dst.name) is not None:
-            raise AlreadyCommitted(f"{out} already exists (committed checkpoints are never replaced); "
-                                   f"name another output with --out RUN/NAME", ref=out)
-        return out
+        return output_ref(self.reader, req, manifest, spec)
 
     def write_plan(self, req: ReshardRequest, uri: str) -> dict[str, Any]:
         """``--write-plan``: the plan for ``ckptd reshard-worker`` pods, written to ``uri``; nothing converted."""

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import fsspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from ckptd_schemas import AlreadyCommitted, CheckpointNotFound, CkptdError, parse_ref
+from ckptd_schemas import AlreadyCommitted, CheckpointNotFound, CkptdError, Manifest, parse_ref
 
 from ..storage import Storage
 from ..store.tiers import open_root
@@ -44,10 +44,23 @@ from .planner import ReshardOutline, outline_reshard
 from .preview import plan_summary
 from .spec import default_out_name, parse_spec
 
-__all__ = ["JobStatus", "ReshardRequest", "WorkerJob", "get_job", "run_service_job", "run_worker", "submit_job",
-           "write_job"]
+__all__ = ["JobStatus", "ReshardRequest", "WorkerJob", "get_job", "output_ref", "run_service_job", "run_worker",
+           "submit_job", "write_job"]
 
 log = logging.getLogger("ckptd.reshard")
+
+
+def output_ref(reader: CheckpointReader, req: ReshardRequest, manifest: Manifest, spec: Any) -> str:
+    """The one rule for a conversion's output name, asked before any work by every way in (a service
+    job, ``ckptd reshard --root``, ``--write-plan``): ``req.out``, or the default name for the
+    conversion; refused (:class:`AlreadyCommitted`) when any marker holds it, visible or not (a name
+    whose marker is damaged stays taken: a commit there would fail after converting everything)."""
+    out = req.out or f"{manifest.run}/{default_out_name(manifest.name, str(spec), req.dtype)}"
+    o = parse_ref(out)
+    if reader.visibility.marker(o.run, o.name) is not None:
+        raise AlreadyCommitted(f"output {out} is already committed (a committed name is never reused); name another "
+                               f"output with --out RUN/NAME", ref=out)
+    return out
 
 
 def submit_job(storage: Storage, req: ReshardRequest, owner: Callable[[], str] | None = None) -> JobStatus:
@@ -61,11 +74,7 @@ def submit_job(storage: Storage, req: ReshardRequest, owner: Callable[[], str] |
     reader = CheckpointReader(storage)
     manifest = reader.manifest(src.run, src.name)
     outline = outline_reshard(manifest, spec, dtype=req.dtype, min_units=req.jobs)
-    out = req.out or f"{manifest.run}/{default_out_name(manifest.name, str(spec), req.dtype)}"
-    o = parse_ref(out)
-    if reader.visibility.marker(o.run, o.name) is not None:  # taken, visible or not
-        raise AlreadyCommitted(f"output {out} is already committed; committed checkpoints are immutable (pass another "
-                               f"--out)", ref=out)
+    out = output_ref(reader, req, manifest, spec)
     replica = owner() if owner is not None else None
     job_id = uuid.uuid4().hex
     Leases(storage).acquire(manifest.run, manifest.name, job_id, ttl=300)

@@ -55,7 +55,24 @@ def test_a_reshard_into_a_taken_name_says_to_choose_another_with_out(tmp_path):
     assert first.returncode == 0, first.stderr
     again = _cli("reshard", "cli/7", "--to", "full", "--out", "cli/7-full", "--root", root)
     assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
-    assert "cli/7-full already exists" in again.stderr and "--out" in again.stderr, again.stderr
+    assert "output cli/7-full is already committed" in again.stderr and "--out" in again.stderr, again.stderr
+
+
+def test_a_reshard_into_a_name_whose_marker_is_damaged_is_refused_before_any_work(tmp_path):
+    """One output-name rule for every way in: a name held by a marker that does not parse is taken,
+    so ``reshard --root`` (like the service's job, and ``--write-plan``) refuses it at once, naming
+    it, instead of converting everything and failing at the commit; nothing is written under it."""
+    path = _root(tmp_path)
+    target = path / "runs" / "cli" / "7-full"
+    target.mkdir(parents=True)
+    (target / "COMMITTED").write_bytes(b"{not json")
+    before = sorted(p.relative_to(path) for p in path.rglob("*"))
+    for extra in ([], ["--write-plan", str(tmp_path / "plan.json")]):
+        r = _cli("reshard", "cli/7", "--to", "full", "--out", "cli/7-full", "--root", str(path), *extra)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (extra, r.stderr)
+        assert "output cli/7-full is already committed" in r.stderr and "--out" in r.stderr, r.stderr
+    assert sorted(p.relative_to(path) for p in path.rglob("*")) == before  # no session, no job, nothing converted
+    assert not (tmp_path / "plan.json").exists()
 
 
 def test_serve_on_a_file_is_one_line_and_exit_2(tmp_path):
