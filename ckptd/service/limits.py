@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Awaitable, Callable, Collection, Sequence
 
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -177,6 +177,17 @@ class PrincipalRequests:
         await send_error(send, scope, err, headers)
 
 
+async def _within(awaitable: Awaitable[Message], seconds: float) -> Message:
+    """``awaitable`` with a deadline on the running task (``asyncio.timeout``, Python 3.11+): no task per
+    body piece, and a message that is already there is taken even at a deadline of 0, where
+    ``asyncio.wait_for(..., 0)`` on Python 3.11 cancels it unrun (every body answered 408)."""
+    timeout = getattr(asyncio, "timeout", None)
+    if timeout is None:  # Python 3.10
+        return await asyncio.wait_for(awaitable, seconds)
+    async with timeout(seconds):
+        return await awaitable
+
+
 class BodyTimeouts:
     """Answer 408 and close when a request body stalls for ``idle_seconds``, or arrives slower than
     ``min_rate`` bytes/s once ``grace_seconds`` of slack are spent (0 turns either off).
@@ -217,7 +228,7 @@ class BodyTimeouts:
             by_rate = rate is not None and (idle is None or budget < idle)
             t0 = loop.time()
             try:
-                msg = await asyncio.wait_for(receive(), max(0.0, budget) if by_rate else idle)
+                msg = await _within(receive(), max(0.0, budget) if by_rate else idle)
             except asyncio.TimeoutError:
                 waited += loop.time() - t0
                 responded = True

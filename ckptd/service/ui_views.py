@@ -105,7 +105,7 @@ def tensor_row(t: TensorEntry, chunks_shown: int = CHUNKS_SHOWN) -> dict[str, An
     rows = []
     for i in range(min(len(tab), chunks_shown)):
         flat = tab.is_flat(i)
-        where = ({"start": tab.offsets[i][0], "length": tab.sizes[i][0]} if flat
+        where = ({"start": tab.offsets[i][0], "numel": tab.sizes[i][0]} if flat  # elements; "length" is bytes
                  else {"offsets": list(tab.offsets[i]), "sizes": list(tab.sizes[i])})
         rows.append({"rank": ranks[i], "kind": "flat" if flat else "box", **where, "file": tab.file[i],
                      "offset": tab.offset[i], "length": tab.length[i], "codec": tab.codec_of(i), "xxh3": tab.xxh3[i]})

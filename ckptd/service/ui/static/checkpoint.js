@@ -25,7 +25,7 @@ export function rankBar(t) {
 function chunkTable(t) {
   const rows = t.chunks.map((c) => h("tr", {},
     h("td", {class: "num"}, c.rank),
-    h("td", {}, c.kind === "flat" ? `flat ${c.start}+${c.length}` : `at ${shape(c.offsets)} size ${shape(c.sizes)}`),
+    h("td", {}, c.kind === "flat" ? `flat ${c.start}+${c.numel}` : `at ${shape(c.offsets)} size ${shape(c.sizes)}`),
     h("td", {}, c.file), h("td", {class: "num"}, c.offset), h("td", {class: "num"}, bytes(c.length)),
     h("td", {}, c.codec), h("td", {}, h("code", {}, c.xxh3))));
   return h("details", {class: "chunks"},
