@@ -59,7 +59,7 @@ from ..store import CheckpointReader
 from ..store.durable import DurableCopier
 from ..store.leases import ReadLeases
 from ..store.retention import RetentionPolicy
-from ..store.events import CommitEvent
+from ..store.events import AfterCommit, CommitEvent
 from ..store.sessions import SessionStore
 from ..store.verification import VerifyRecord, verify_and_record
 from ..store.visibility import Visibility
@@ -125,9 +125,12 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
         copier = DurableCopier(storage, keep_fast=settings.fast_keep_last, scan_seconds=settings.durable_scan_seconds)
         metrics.watch_durable(copier)
     drills = DrillPolicy(storage, settings, workers, metrics)  # CKPTD_DRILL_EVERY: a drill every N commits of a run
-    on_commit = [after_commit, drills.after_commit] + ([copier.notify] if copier is not None else [])
-    sessions = SessionStore(storage, visibility=visibility, on_commit=on_commit, dead_after=settings.dead_session_after)
-    metrics.watch_sessions(sessions)  # commits, refusals, open and reclaimed sessions
+    sessions = SessionStore(storage, visibility=visibility, dead_after=settings.dead_session_after)
+    # The store's one observer channel: metrics first (commits, refusals, open and reclaimed sessions),
+    # then what follows every commit made here, whichever path committed.
+    metrics.watch_sessions(sessions)
+    for action in [after_commit, drills.after_commit] + ([copier.notify] if copier is not None else []):
+        sessions.observe(AfterCommit(action))
     services = Services(settings=settings, storage=storage, metrics=metrics, visibility=visibility, reader=reader,
                         sessions=sessions, uploads=uploads, read_leases=read_leases, workers=workers, durable=copier)
 

@@ -71,7 +71,7 @@ def count_drill(metrics: "Metrics", what: str) -> Callable[[Future], None]:
 
 
 class DrillPolicy:
-    """``CKPTD_DRILL_EVERY``: an ``on_commit`` callback of the session store (module docstring)."""
+    """``CKPTD_DRILL_EVERY``: its ``after_commit`` observes the session store's commits (module docstring)."""
 
     def __init__(self, storage: Storage, settings: Settings, workers: Workers,
                  metrics: "Metrics") -> None:

@@ -1,4 +1,4 @@
-"""The checkpoint store core: sessions and commit, reads, verification.
+"""The checkpoint store core: sessions (intake, commit, sweep), reads, verification.
 
 The service's HTTP handlers and the CLI (with ``--root``) both call this
 layer; nothing here knows about HTTP.
@@ -10,10 +10,11 @@ from ckptd_schemas.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .reader import CheckpointReader
-    from .sessions import FileSink, SessionStore
+    from .intake import FileSink
+    from .sessions import SessionStore
 
 __all__ = ["CheckpointReader", "FileSink", "SessionStore"]
 
 # Imported when first named: ``ckptd verify`` needs neither the write side nor the reader.
-__getattr__ = lazy_exports(__name__, {"CheckpointReader": ".reader", "FileSink": ".sessions",
+__getattr__ = lazy_exports(__name__, {"CheckpointReader": ".reader", "FileSink": ".intake",
                                       "SessionStore": ".sessions"}, globals())

@@ -1,7 +1,7 @@
 """The one checker: the only code that decides "these stored bytes are what this manifest says".
 
 Every path that judges stored bytes asks :func:`judge`: the commit (:func:`check_commit`, called
-from :meth:`SessionStore._commit <ckptd.store.sessions.SessionStore._commit>` after the merge and
+from :meth:`Committer._commit <ckptd.store.commit.Committer._commit>` after the merge and
 before the manifest is written), ``ckptd verify`` and the service's verification
 (:func:`verify_manifest`, which reports every problem instead of raising the first, over the
 bytes a :class:`ByteSource` returns: storage directly for ``--root``, the service over HTTP for

@@ -211,7 +211,7 @@ class DurableCopier:
             self._thread.join(timeout=30)
 
     def notify(self, *_: object) -> None:
-        """A commit happened here: scan now (an ``on_commit`` callback)."""
+        """A commit happened here: scan now (an action after each commit: ``events.AfterCommit``)."""
         self._wake.set()
 
     def _loop(self) -> None:

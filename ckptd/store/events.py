@@ -1,21 +1,30 @@
-"""What the write side tells an observer (the service's metrics), as hooks it calls, and the event
-of a commit (:class:`CommitEvent`, which the ``on_commit`` callbacks receive too).
+"""What the write side tells its observers, through one channel: :class:`Observers`.
+
+An observer is a :class:`SessionEvents`: the service's metrics override every hook; what follows a
+commit (the service's verify-after-commit, retention, drills, the durable copy) is an
+:class:`AfterCommit` around a function of the :class:`CommitEvent`.
 
 Call order: :meth:`SessionEvents.opened` when a session is opened or joined;
-:meth:`SessionEvents.committed` when this process made a checkpoint visible (its marker created
-here, with the commit's time); :meth:`SessionEvents.refused` when a commit was refused and the
-session recorded as failed; :meth:`SessionEvents.reclaimed` with what a sweep deleted. The base
-class does nothing; an observer overrides what it counts. A hook that raises is logged, never
-raised into the save: observing a commit must not change it.
+:meth:`SessionEvents.committed` after every commit that created a marker here (with the commit's
+time), whichever path committed (a rank's index, a retry, the sweep); :meth:`SessionEvents.refused`
+when a commit was refused and the session recorded as failed; :meth:`SessionEvents.reclaimed` with
+what a sweep deleted. The base class does nothing; an observer overrides what it hears.
+:meth:`Observers.tell` calls each observer's hook in the order the observers were added; what one
+raises is logged and the next still hears it, never raised into the save: observing a commit must
+not change it, and after the marker nothing undoes the commit.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
 
 from ckptd_schemas import CkptdError
 
-__all__ = ["CommitEvent", "SessionEvents"]
+__all__ = ["AfterCommit", "CommitEvent", "Observers", "SessionEvents"]
+
+log = logging.getLogger("ckptd.store")
 
 
 @dataclass(frozen=True)
@@ -43,3 +52,38 @@ class SessionEvents:
 
     def reclaimed(self, keys: list[str]) -> None:
         """A sweep deleted these uncommitted sessions (``run/name/session``)."""
+
+
+class AfterCommit(SessionEvents):
+    """An action after every commit made here: ``action(event)`` is the observer's ``committed``."""
+
+    def __init__(self, action: Callable[[CommitEvent], None]) -> None:
+        self.action = action
+
+    def committed(self, event: CommitEvent, seconds: float) -> None:
+        self.action(event)
+
+    def __repr__(self) -> str:
+        return f"AfterCommit({self.action!r})"
+
+
+class Observers:
+    """The write side's one observer channel: every observer hears every hook, in the order added."""
+
+    def __init__(self, observers: Iterable[SessionEvents] = ()) -> None:
+        self._observers: tuple[SessionEvents, ...] = tuple(observers)
+
+    def add(self, observer: SessionEvents) -> None:
+        self._observers = (*self._observers, observer)
+
+    def __iter__(self) -> Iterator[SessionEvents]:
+        """The observers, in the order they hear."""
+        return iter(self._observers)
+
+    def tell(self, hook: str, *args: object) -> None:
+        """Call ``hook`` of each observer; what one raises is logged, never raised into the save."""
+        for observer in self._observers:
+            try:
+                getattr(observer, hook)(*args)
+            except Exception:  # noqa: BLE001 - observing must not change the outcome, nor stop the others
+                log.exception("session event %s: observer %r failed", hook, observer)

@@ -4,7 +4,7 @@ Called once every expected rank has finished. :class:`ManifestFold` takes the
 indexes one at a time, in rank order, and appends each one's chunk rows to the
 manifest's per-tensor columns (``ckptd_schemas.chunktable``), so the commit
 holds the growing manifest and one parsed index, never all of them
-(``SessionStore._commit`` reads, folds and drops them rank by rank);
+(the commit, :class:`~.commit.Committer`, reads, folds and drops them rank by rank);
 :func:`merge_indexes` is the same fold over indexes already in memory.
 
 The result is deterministic (sorted, timestamps taken from the session), so two

@@ -116,7 +116,7 @@ def _verdicts(tmp_path, uploaded: dict[str, bytes], indexes: list[dict],
         committed, why = True, ""
     except CkptdError as e:
         committed, why = False, e.message
-    manifest, _ = store._merged("run", "2", "s", store._meta("run", "2", "s"))  # both indexes are stored
+    manifest, _ = store.committer.merged("run", "2", "s", store._meta("run", "2", "s"))  # both indexes are stored
 
     class Source:  # as ``ckptd verify --root`` reads: a file of another size than recorded is damage
         def read(self, file: str, start: int, end: int) -> bytes:

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from ckptd.storage.local import LocalStorage
 from ckptd.store.paths import Paths
+from ckptd.store.events import AfterCommit
 from ckptd.store.merge import merge_indexes
 from ckptd.store.sessions import SessionStore
 from ckptd_schemas import (
@@ -262,7 +263,7 @@ def test_completeness_is_found_without_listing_every_rank_at_every_index(tmp_pat
     world = 40
     save = _save(world, 2)
     events: list = []
-    replicas = [SessionStore(CountingStorage(tmp_path), on_commit=[events.append]) for _ in range(2)]
+    replicas = [SessionStore(CountingStorage(tmp_path), observers=[AfterCommit(events.append)]) for _ in range(2)]
     _upload(replicas[0], save, "c")
     order = random.Random(3).sample(range(world), world)
     CountingStorage.lists = 0

@@ -1,0 +1,183 @@
+"""The commit of an upload session: merge, check, manifest, marker (docs/design.md §2 item 4).
+
+Call order: the session store (:mod:`.sessions`) stores a rank's index and asks
+:meth:`Committer.if_complete`, which commits when every rank's index is stored; the sweep
+(:mod:`.sweep`) commits a complete session left without its marker. :meth:`Committer.commit` then
+merges the indexes (:class:`~.merge.ManifestFold`), checks reuse and every stored byte
+(:func:`~.checker.check_commit`), writes the manifest (durable), creates ``COMMITTED`` once, and
+records the commit's check as the checkpoint's first verification
+(:func:`~.records.record_commit_check`). A refusal is recorded (``FAILED``) and raised; a storage
+error is raised and leaves the session open for a retry. Re-entrant: a crash anywhere before the
+marker leaves the session invisible, and the rank's retried index or the sweep finishes the job.
+Each commit that created a marker here is told to the observers (:class:`~.events.Observers`:
+metrics, verify-after-commit, retention, drills, the durable copy), whichever path committed; a
+failing observer is logged and never undoes the commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from datetime import datetime, timezone
+
+from pydantic import ValidationError
+
+from ckptd_schemas import (
+    CkptdError, CommitFailed, Conflict, FileEntry, InvalidIndex, Manifest, RankIndex, SessionStatus, StorageError,
+)
+from ckptd_schemas.filedigest import xxh3_hex
+from ckptd_schemas.loadtree import load_tree_root
+
+from ..storage import Storage
+from .activity import SessionActivity
+from .checker import check_commit
+from .events import CommitEvent, Observers
+from .gcpause import gc_paused
+from .index_cache import IndexCache
+from .inflight import ordered_map, requests_in_flight
+from .intake import recorded_file
+from .merge import ManifestFold
+from .paths import Marker, Paths, SessionMeta
+from .records import CommitCheck, file_stamps, record_commit_check
+from .reuse import check_reuse
+from .session_reads import committed_by, ranks_done
+from .visibility import Visibility, manifest_file_name
+
+__all__ = ["Committer"]
+
+log = logging.getLogger("ckptd.store")
+
+
+class Committer:
+    """Commits the sessions of one store (module docstring)."""
+
+    def __init__(self, storage: Storage, visibility: Visibility, indexes: IndexCache, activity: SessionActivity,
+                 observers: Observers) -> None:
+        self.storage, self.visibility, self.activity, self.observers = storage, visibility, activity, observers
+        self._indexes = indexes  # shared with the session store, which puts each index it stores here
+
+    def if_complete(self, run: str, name: str, sid: str, meta: SessionMeta, rank: int) -> SessionStatus:
+        """After rank ``rank``'s index is stored: commit when every rank's index is there; a refusal raises.
+
+        Listing every rank at every call costs O(ranks) each, O(ranks^2) over a session (and one
+        LIST request per 1,000 keys on an object store). Instead the process remembers below which
+        rank all indexes were found stored (:meth:`IndexCache.stored_below`) and probes upwards
+        from there for the first missing one: each rank is found once per process, each call makes
+        one failing probe. Only when the probes reach the world size does a listing decide, as
+        before, so any replica's call that stores the last index, a retried index or the sweep
+        commits, and a stale hint (a session aborted and opened again) costs a listing, never a
+        commit. The answer's ``ranks_done`` is what this call found: the ranks below the first
+        missing one and ``rank`` (``SessionStore.status`` lists them all).
+        """
+        prefix = Paths.session(run, name, sid) + "/"
+        below = self._indexes.stored_below(prefix)
+        if below is not None:
+            while below < meta.world_size and self.storage.exists(Paths.rank_index(run, name, sid, below)):
+                below += 1
+        if below is None or below == meta.world_size:
+            done = ranks_done(self.storage, run, name, sid)
+            below = next((i for i, r in enumerate(done) if i != r), len(done))
+        else:
+            done = [*range(below), *([rank] if rank > below else [])]
+        self._indexes.note_stored_below(prefix, below)
+        base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=done)
+        if len(done) < meta.world_size:
+            return SessionStatus(state="open", **base)
+        failed = self.storage.read_json_or_none(Paths.failed(run, name, sid))
+        if failed is not None:
+            raise CommitFailed(failed["error"]["message"], **failed["error"].get("details", {}))
+        digest = self.commit(run, name, sid, meta)  # StorageError: not a verdict, the caller retries (503)
+        return SessionStatus(state="committed", manifest_xxh3=digest, **base)
+
+    def commit(self, run: str, name: str, sid: str, meta: SessionMeta) -> str:
+        """Merge, validate, write the manifest, create the marker; return the manifest digest. When this
+        call created the marker, tell the observers (a failing one is logged: the checkpoint is
+        committed whatever they do)."""
+        t0 = time.perf_counter()
+        try:
+            digest, event = self._commit(run, name, sid, meta)
+        finally:
+            self._indexes.drop_under(Paths.session(run, name, sid) + "/")
+            self.activity.forget(run, name, sid)  # a keep-alive from now on is answered from the store: 409
+        if event is not None:
+            self.observers.tell("committed", event, time.perf_counter() - t0)
+        return digest
+
+    def merged(self, run: str, name: str, sid: str, meta: SessionMeta) -> tuple[Manifest, dict[str, FileEntry]]:
+        """The merged manifest and the digest records of its files. Indexes are read, folded
+        (:class:`~.merge.ManifestFold`) and dropped rank by rank: the commit holds the manifest
+        being built and a few indexes, not every index. On a remote store the next ranks' indexes
+        and digest records are read while one is folded (:mod:`.inflight`)."""
+        fold = ManifestFold(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
+                            world_size=meta.world_size, derived_from=meta.derived_from, parent=meta.parent)
+
+        def read_rank(r: int) -> tuple[RankIndex, list[tuple[str, FileEntry | None]]]:
+            ix = self._read_index(Paths.rank_index(run, name, sid, r))
+            return ix, [(f, recorded_file(self.storage, run, name, sid, f)) for f in ix.files]
+
+        files: dict[str, FileEntry] = {}
+        n = requests_in_flight(self.storage, Paths.rank_index(run, name, sid, 0))
+        # Closed on the way out, refusal included: the reads ahead stop and their threads end with it.
+        with contextlib.closing(ordered_map(read_rank, range(meta.world_size), n)) as ranks:
+            for ix, entries in ranks:
+                for f, entry in entries:
+                    if entry is None:
+                        raise InvalidIndex(f"rank {ix.rank}: file {f!r} has no verified upload", file=f)
+                    files[f] = entry
+                fold.add(ix)
+                del ix, entries
+        return fold.manifest(files), files
+
+    def _read_index(self, key: str) -> RankIndex:
+        """The stored index, parsed (or as ``put_index`` parsed it, taken out of the cache)."""
+        raw = self.storage.read(key)
+        return self._indexes.take(key, raw) or RankIndex.model_validate_json(raw)
+
+    def _commit(self, run: str, name: str, sid: str, meta: SessionMeta) -> tuple[str, CommitEvent | None]:
+        with gc_paused():  # 512,000 chunks allocate enough for the collector to run dozens of full passes
+            try:
+                manifest, files = self.merged(run, name, sid, meta)
+                check_reuse(manifest)  # a linked file must be at least half used: references pay for themselves
+                key_of = lambda f: Paths.file(run, name, sid, f)  # noqa: E731
+                before = file_stamps(self.storage, key_of, sorted(files))
+                t0 = time.perf_counter()
+                nread = check_commit(manifest, self.storage, key_of)  # every byte, whichever way it entered
+                check = CommitCheck(before, file_stamps(self.storage, key_of, sorted(files)), nread,
+                                    time.perf_counter() - t0, len(manifest.tensors),
+                                    sum(len(t.table) for t in manifest.tensors))
+            except StorageError:
+                raise  # transient (or the store is down): the session stays open for a retry, not failed
+            except (CkptdError, ValidationError) as e:
+                err = e if isinstance(e, CkptdError) else InvalidIndex(f"{run}/{name}: {e}")
+                log.warning("commit of %s/%s session %s refused: %s", run, name, sid, err.message)
+                self.storage.put(Paths.failed(run, name, sid), json.dumps(err.to_body()).encode())
+                self.observers.tell("refused", run, name, sid, err)
+                raise err
+            raw = manifest.__pydantic_serializer__.to_json(manifest)  # model_dump_json's bytes, without a str copy
+            derived_from, nfiles, nbytes = manifest.derived_from, len(manifest.files), manifest.total_bytes
+            says = (manifest.run, manifest.name, manifest.session, manifest.step, manifest.derived_from,
+                    manifest.parent, manifest.created_at)
+            tree = load_tree_root(manifest)  # what each loading rank checks its pieces against
+            # Freed here by reference counting, so the collector, back on, does not walk them first.
+            del manifest, files
+        digest = xxh3_hex(raw)
+        mkey = Paths.manifest(run, name, sid, digest)
+        if self.storage.size(mkey) != len(raw):
+            self.storage.put(mkey, raw)
+            # what these bytes say, known without reading them back: the first status of a commit of
+            # 10,000 ranks does not parse its manifest again
+            self.visibility.note_written(mkey, digest, says)
+        marker = Marker(ref=f"{run}/{name}", session=sid, manifest=manifest_file_name(digest), manifest_xxh3=digest,
+                        step=meta.step, derived_from=derived_from, committed_at=datetime.now(timezone.utc),
+                        parent=meta.parent, load_tree=tree)
+        if not self.storage.create_if_absent(Paths.marker(run, name), marker.model_dump_json().encode()):
+            existing = committed_by(self.visibility, run, name, sid)
+            if existing is None:
+                raise Conflict(f"{run}/{name} was committed by another session", ref=f"{run}/{name}")
+            return existing.manifest_xxh3, None
+        record_commit_check(self.storage, run, name, digest, check, nfiles)
+        log.info("committed %s/%s session %s (%d files, %d bytes)", run, name, sid, nfiles, nbytes)
+        return digest, CommitEvent(run=run, name=name, session=sid, manifest_xxh3=digest, derived_from=derived_from,
+                                   files=nfiles, bytes=nbytes)

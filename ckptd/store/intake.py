@@ -1,0 +1,258 @@
+"""The ingest seam: how a data file of an upload session comes in, each way ending in one record.
+
+A file comes in one of two ways, and either way it ends as a write-once object at its key in the
+session with a digest record created once (:func:`record_file`):
+
+* **received**: the bytes stream through this process (:meth:`Intake.receive` -> :class:`FileSink`),
+  hashed as they are written; a digest mismatch is refused and the partial file dropped.
+* **placed**: the object is already in the store, and the declared record is taken for it
+  (:meth:`Intake.place`): a rank PUT it straight into an object store through presigned URLs that
+  create it once (:meth:`Intake.presign` then :meth:`Intake.confirm`), or an incremental save links
+  a file of an earlier visible checkpoint of the run (:func:`check_link` then :meth:`Intake.link`).
+
+A record is a claim whichever way the file came: the commit reads and checks every byte of it
+(:mod:`.checker`) after the last write anyone could make. Call order per file: the session store
+(:mod:`.sessions`) checks the names and that the session takes writes, then calls one way in here;
+a way that succeeded marks the session active (:class:`~.activity.SessionActivity`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+from ckptd_schemas import (
+    ChecksumMismatch, Conflict, ConfirmUpload, FileEntry, InvalidRequest, LinkFile, PresignedUpload, PresignUpload,
+    StorageError, UploadResult, check_file, check_name, linked_name,
+)
+from ckptd_schemas.filedigest import StreamDigest
+
+from ..storage import Storage, Writer
+from .activity import SessionActivity
+from .paths import Paths
+from .records import record_vouches
+from .visibility import Visibility
+
+__all__ = ["FileSink", "Intake", "check_link", "record_file", "recorded_file", "stored_digest"]
+
+
+class FileSink:
+    """One data file being received: hashed while it is written to a temp object that only this
+    process holds, created at its key once (never replacing anything), recorded only if the digest
+    matches. A second upload of a file already stored answers as the first did when its bytes are the
+    same, and is refused when they differ: a stored file of a session is never written again."""
+
+    def __init__(self, storage: Storage, key: str, digest_key: str, file: str, block_size: int,
+                 on_stored: Callable[[], None] = lambda: None) -> None:
+        self._storage = storage
+        self._on_stored = on_stored
+        self._key, self._digest_key = key, digest_key
+        self.file = file
+        self._digest = StreamDigest(block_size)
+        self._writer: Writer = storage.open_write(key, once=True)
+        self._done = False
+
+    @property
+    def size(self) -> int:
+        return self._digest.size
+
+    @property
+    def done(self) -> bool:
+        """Finished (stored or refused) or aborted: no longer receiving."""
+        return self._done
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._digest.update(data)
+        self._writer.write(data)
+
+    def write_parts(self, parts: list[bytes]) -> None:
+        """Several pieces in one call (one ``writev`` on local disks): no copy into a batch buffer."""
+        for p in parts:
+            self._digest.update(p)
+        self._writer.write_parts(parts)
+
+    def finish(self, declared_xxh3: str | None) -> UploadResult:
+        digest, blocks = self._digest.finish()
+        if declared_xxh3 is not None and declared_xxh3.lower() != digest:
+            self.abort()
+            raise ChecksumMismatch(
+                f"file {self.file!r}: received {self._digest.size} bytes with XXH3 {digest}, "
+                f"client declared {declared_xxh3}; the partial file was dropped",
+                file=self.file, declared=declared_xxh3, actual=digest, size=self._digest.size)
+        created = self._writer.commit()
+        self._done = True
+        entry = FileEntry(size=self._digest.size, xxh3=digest, block_size=self._digest.block_size, blocks=blocks)
+        if not created and stored_digest(self._storage, self._key, entry.block_size) != (entry.size, digest, blocks):
+            raise Conflict(f"file {self.file!r} is already stored in this session with other bytes; a stored "
+                           f"file is never replaced (save again with a new session)", file=self.file)
+        record_file(self._storage, self._digest_key, self.file, entry)
+        self._on_stored()
+        return UploadResult(file=self.file, size=entry.size, xxh3=digest)
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._writer.abort()
+
+
+def stored_digest(storage: Storage, key: str, block_size: int) -> tuple[int, str, list[str]]:
+    """(size, XXH3, block digests) of the object stored at ``key``, read and hashed here."""
+    digest = StreamDigest(block_size)
+    size = storage.size(key) or 0
+    for start in range(0, size, 16 << 20):
+        digest.update(storage.read(key, start, min(size, start + (16 << 20))))
+    whole, blocks = digest.finish()
+    return digest.size, whole, blocks
+
+
+def record_file(storage: Storage, key: str, file: str, entry: FileEntry) -> None:
+    """Create the digest record of a session's file once; a repeat with the same record is idempotent,
+    one with another is refused (``Conflict``): a file's record, like its bytes, is never replaced."""
+    raw = entry.model_dump_json().encode()
+    if storage.create_if_absent(key, raw):
+        return
+    stored = storage.read_json_or_none(key)
+    if stored is None or FileEntry.model_validate(stored) != entry:
+        raise Conflict(f"file {file!r} is already recorded in this session with other digests; a stored file is "
+                       f"never replaced (save again with a new session)", file=file)
+
+
+def recorded_file(storage: Storage, run: str, name: str, sid: str, file: str) -> FileEntry | None:
+    """The digest record of ``file`` of session ``sid``, or None where it came in no way (yet)."""
+    data = storage.read_json_or_none(Paths.digest(run, name, sid, file))
+    return FileEntry.model_validate(data) if data is not None else None
+
+
+def check_link(name: str, file: str, body: LinkFile) -> None:
+    """What a link request says of itself, checked before the session is read: ``file`` is the
+    ``linked_name`` of the source, and the source is another checkpoint."""
+    check_name(body.checkpoint), check_file(body.file)
+    if file != linked_name(body.checkpoint, body.file):
+        raise InvalidRequest(f"file {file!r}: a link of {body.checkpoint}/{body.file} is named "
+                             f"{linked_name(body.checkpoint, body.file)!r}", file=file)
+    if body.checkpoint == name:
+        raise InvalidRequest(f"file {file!r}: a checkpoint cannot link its own files", file=file)
+
+
+class Intake:
+    """The ways a data file comes into a session of one store (module docstring); the caller has
+    checked the names and that the session takes writes."""
+
+    def __init__(self, storage: Storage, visibility: Visibility, activity: SessionActivity,
+                 block_size: int) -> None:
+        self.storage, self.visibility, self.activity, self.block_size = storage, visibility, activity, block_size
+        self._receiving: dict[str, weakref.WeakSet[FileSink]] = {}  # session -> files being received here
+
+    # -- received: the bytes stream through here ----------------------------------------
+    def receive(self, run: str, name: str, sid: str, file: str) -> FileSink:
+        """A sink for ``file``'s bytes; stored, it is recorded and the session marked active."""
+        sink = FileSink(self.storage, Paths.file(run, name, sid, file), Paths.digest(run, name, sid, file),
+                        file, self.block_size, on_stored=lambda: self.activity.touch(run, name, sid))
+        key = Paths.session(run, name, sid)
+        if len(self._receiving) > 256:  # sessions whose sinks are all gone (a sink lives as long as its request)
+            for k in [k for k, v in self._receiving.items() if not len(v)]:
+                del self._receiving[k]
+        self._receiving.setdefault(key, weakref.WeakSet()).add(sink)
+        return sink
+
+    def receiving(self, run: str, name: str, sid: str) -> tuple[int, int]:
+        """The files of session ``sid`` this process is receiving now, and their bytes so far."""
+        sinks = [x for x in self._receiving.get(Paths.session(run, name, sid), ()) if not x.done]
+        return len(sinks), sum(x.size for x in sinks)
+
+    # -- placed: the object is already stored ---------------------------------------------
+    def place(self, run: str, name: str, sid: str, file: str, entry: FileEntry) -> UploadResult:
+        """Take ``entry`` as the record of the object already stored at ``file``'s key (the caller
+        checked its size): recorded once, the session marked active."""
+        record_file(self.storage, Paths.digest(run, name, sid, file), file, entry)
+        self.activity.touch(run, name, sid)
+        return UploadResult(file=file, size=entry.size, xxh3=entry.xxh3)
+
+    def presign(self, run: str, name: str, sid: str, file: str, body: PresignUpload,
+                seconds: float) -> PresignedUpload:
+        """Presigned URLs for the client to PUT ``file`` of the session straight into the object store,
+        part by part (each of the length and SHA-256 ``body`` gives). A file is presigned once: the
+        claim (``body``) is created at :meth:`Paths.presign_claim` first, and a second presign of the
+        file is refused (``Conflict``), as is a presign of a file already stored. The URLs create the
+        object only while it is absent (``If-None-Match: *``, :meth:`Storage.presign_put`), so nothing
+        they allow can replace it once it exists. Refused (``InvalidRequest``, which the client answers
+        by sending the bytes here) where the store takes no presigned uploads."""
+        if not self.storage.presigns:
+            raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) takes no presigned uploads; "
+                                 f"upload the file", file=file)
+        key = Paths.file(run, name, sid, file)
+        if self.storage.exists(key) or not self.storage.create_if_absent(
+                Paths.presign_claim(run, name, sid, file), body.model_dump_json().encode()):
+            raise Conflict(f"file {file!r} of session {sid} was already presigned or stored; a file is presigned "
+                           f"once (send it through the service, or save again with a new session)", file=file)
+        signed = self.storage.presign_put(key, body.size, body.part_size, body.sha256, seconds)
+        if signed is None:
+            raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) takes no presigned uploads; "
+                                 f"upload the file", file=file)
+        self.activity.touch(run, name, sid)
+        return PresignedUpload(upload_id=signed.upload_id, urls=signed.urls, headers=signed.headers,
+                               expires_in=seconds, block_size=self.block_size)
+
+    def confirm(self, run: str, name: str, sid: str, file: str, body: ConfirmUpload) -> UploadResult:
+        """Place the object a client PUT with presigned URLs as ``file`` (completing the multipart
+        upload of its parts first, without replacing an object): the presign's claim must say the same
+        size and SHA-256s, and the store's object must have that size (and the SHA-256 the store kept
+        for a one-part upload, where it keeps one). ``body``'s digest record becomes the file's."""
+        if body.block_size != self.block_size or len(body.blocks) != -(-body.size // body.block_size):
+            raise InvalidRequest(f"file {file!r}: {len(body.blocks)} block digests of {body.block_size} bytes for "
+                                 f"{body.size} bytes; this service's blocks are {self.block_size} bytes",
+                                 file=file, field="blocks")
+        claim = self.storage.read_json_or_none(Paths.presign_claim(run, name, sid, file))
+        if claim is None or PresignUpload.model_validate(claim) != PresignUpload(
+                size=body.size, part_size=body.part_size, sha256=body.sha256):
+            raise InvalidRequest(f"file {file!r}: the confirmation does not match the file's presign (size, part "
+                                 f"size and SHA-256s)", file=file)
+        key = Paths.file(run, name, sid, file)
+        if body.upload_id is not None:
+            if len(body.etags) != len(body.sha256):
+                raise InvalidRequest(f"file {file!r}: {len(body.etags)} ETags for {len(body.sha256)} parts",
+                                     file=file, field="etags")
+            try:
+                self.storage.complete_presigned(key, body.upload_id, body.etags, body.sha256)
+            except StorageError as e:
+                raise InvalidRequest(f"file {file!r}: its parts could not be assembled: {e.message}",
+                                     file=file) from e
+        size = self.storage.size(key)
+        if size is None:
+            raise InvalidRequest(f"file {file!r}: nothing was uploaded at its presigned URL", file=file)
+        kept = self.storage.stored_sha256(key) if body.upload_id is None else None
+        if size != body.size or (kept is not None and kept != body.sha256[0]):
+            what = f"{size} bytes" if size != body.size else f"SHA-256 {kept}"
+            raise InvalidRequest(f"file {file!r}: the store holds {what}, the client declared {body.size} bytes "
+                                 f"with SHA-256 {body.sha256[0]}", file=file)
+        return self.place(run, name, sid, file,
+                          FileEntry(size=body.size, xxh3=body.xxh3, block_size=body.block_size, blocks=body.blocks))
+
+    def link(self, run: str, name: str, sid: str, file: str, body: LinkFile) -> UploadResult:
+        """Place ``body.file`` of the visible checkpoint ``run/body.checkpoint`` as ``file`` (checked by
+        :func:`check_link`), without its bytes passing through here: the storage links it (a hard
+        link, or a copy inside the store), creating the session's key once, and the source manifest's
+        record of it (size, digests) becomes the session's, marked ``linked``. Refused
+        (``InvalidRequest``, which the saver answers by sending the bytes) when the source is not a
+        visible checkpoint of the run holding that file, or the store cannot link. The commit checks
+        every byte all the same, since the source may have changed since its own commit. A source
+        file whose storage stamp moved since its checkpoint's last recorded verification (an edit, or
+        a file never verified here) is not linked at all: the saver sends the bytes, so a damaged
+        earlier file costs one file's upload, never a refused save."""
+        source = self.visibility.check(run, body.checkpoint)
+        entry = self.visibility.manifest(source).files.get(body.file) if source is not None else None
+        if source is None or entry is None:
+            raise InvalidRequest(f"file {file!r}: {run}/{body.checkpoint} is not a visible checkpoint holding "
+                                 f"{body.file!r}; send the bytes", file=file, source=f"{run}/{body.checkpoint}")
+        key, src_key = Paths.file(run, name, sid, file), Paths.file(run, body.checkpoint, source.session, body.file)
+        if not record_vouches(self.storage, source, body.file, src_key):
+            raise InvalidRequest(f"file {file!r}: {run}/{body.checkpoint}/{body.file} is not as its last verification "
+                                 f"found it (changed since, or never verified here); send the bytes", file=file)
+        if not self.storage.link(src_key, key):
+            raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) cannot link "
+                                 f"{run}/{body.checkpoint}/{body.file}; send the bytes", file=file)
+        if self.storage.size(key) != entry.size:
+            raise InvalidRequest(f"file {file!r}: the stored {run}/{body.checkpoint}/{body.file} is not the "
+                                 f"{entry.size} bytes its manifest records; send the bytes", file=file)
+        return self.place(run, name, sid, file, FileEntry(size=entry.size, xxh3=entry.xxh3, block_size=entry.block_size,
+                                                          blocks=entry.blocks, linked=f"{body.checkpoint}/{body.file}"))

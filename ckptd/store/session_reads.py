@@ -1,0 +1,51 @@
+"""What the write side reads of one upload session and of the ref it would commit; reads only.
+
+The session store (:mod:`.sessions`), the commit (:mod:`.commit`) and the sweep (:mod:`.sweep`)
+ask these the same questions: the session's record (:func:`read_meta`), which session's marker
+took the ref (:func:`committed_by`, through :class:`~.visibility.Visibility`, the one reader of
+markers), why a taken ref refuses a write (:func:`taken_error`), and which ranks' indexes are stored
+(:func:`ranks_done`).
+"""
+
+from __future__ import annotations
+
+from ckptd_schemas import AlreadyCommitted, Conflict
+
+from ..storage import Storage
+from .paths import Marker, Paths, SessionMeta
+from .visibility import BadMarker, Visibility
+
+__all__ = ["committed_by", "ranks_done", "read_meta", "taken_error"]
+
+
+def read_meta(storage: Storage, run: str, name: str, sid: str) -> SessionMeta | None:
+    """Session ``sid``'s record, or None where it has none (aborted, reclaimed or never opened)."""
+    data = storage.read_json_or_none(Paths.session_meta(run, name, sid))
+    return SessionMeta.model_validate(data) if data is not None else None
+
+
+def committed_by(visibility: Visibility, run: str, name: str, sid: str,
+                 m: Marker | BadMarker | None = None) -> Marker | None:
+    """The marker, when ``run/name`` is visible and was committed by session ``sid`` (``m``: the
+    marker as already read)."""
+    m = visibility.marker(run, name) if m is None else m
+    if not isinstance(m, Marker) or m.session != sid:
+        return None
+    c = visibility.check_marker(run, name, m)
+    return c.marker if c is not None else None
+
+
+def taken_error(run: str, name: str, m: Marker | BadMarker) -> Conflict:
+    """Why a write to ``run/name``, whose marker is ``m``, is refused."""
+    if isinstance(m, BadMarker):
+        return Conflict(f"{run}/{name} has a COMMITTED marker that does not parse ({m.reason}); the checkpoint "
+                        f"is invisible and its name cannot be reused (save under a new name)", ref=f"{run}/{name}")
+    return AlreadyCommitted(
+        f"checkpoint {run}/{name} is already committed (session {m.session}); committed checkpoints "
+        f"are immutable (save under a new name)", ref=f"{run}/{name}", session=m.session)
+
+
+def ranks_done(storage: Storage, run: str, name: str, sid: str) -> list[int]:
+    """The ranks whose index session ``sid`` holds, listed (O(world size))."""
+    return sorted(int(n.split(".")[0]) for n in storage.list(Paths.ranks(run, name, sid))
+                  if n.endswith(".json") and n.split(".")[0].isdigit())
