@@ -41,7 +41,7 @@ from ckptd_schemas.filedigest import StreamDigest
 from support import REPO, ServerProcess, assert_bits_equal, blank_like, make_state, scaled
 
 ATTACKS = ["truncate", "delete", "garbage", "append", "swap"]
-BOUND_S = scaled(15.0)  # generous: the typed error comes in well under a second; retries would take RETRY_S
+BOUND_S = scaled(25.0)  # generous (a busy machine took 17 s): the typed error comes in a second or two alone; retries would take RETRY_S
 RETRY_S = scaled(40.0)  # the clients' retry window for transient failures: longer than BOUND_S
 MiB = 1 << 20
 
