@@ -63,6 +63,7 @@ from ..store.verification import require_verified
 from ..store.merge import merge_indexes
 from .digest import tensor_digest
 from ..store.engines import Engine, cuda_present, pick_engine
+from ..store.intake import recorded_file
 from .pieces import SourcePieces, target_place, write_hashed
 from .planner import (
     ALIGN, ReshardChunk, ReshardOutline, ReshardPlan, WorkUnit, already_read, kept_block, outline_reshard,
@@ -440,7 +441,7 @@ def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     files = {}
     for ix in indexes:
         for f in ix.files:
-            entry = sessions._file_entry(out.run, out.name, session, f)
+            entry = recorded_file(sessions.storage, out.run, out.name, session, f)
             if entry is None:
                 raise IntegrityError(f"target file {f!r} of {out_ref} was not written", file=f)
             files[f] = entry

@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from typing import Sequence
 
 from ckptd_schemas import (
-    AlreadyCommitted, ConfirmUpload, FileEntry, InvalidIndex, InvalidRequest, LinkFile, OpenSession,
+    AlreadyCommitted, ConfirmUpload, InvalidIndex, InvalidRequest, LinkFile, OpenSession,
     PresignedUpload, PresignUpload, RankIndex, SessionConflict, SessionInfo, SessionNotFound, SessionStatus,
     UploadResult, check_file, check_name, check_new_name, check_run, check_session, parse_ref,
 )
@@ -188,9 +188,6 @@ class SessionStore:
         self._check_writable(run, name, sid)
         return self.intake.link(run, name, sid, file, body)
 
-    def _file_entry(self, run: str, name: str, sid: str, file: str) -> FileEntry | None:
-        return recorded_file(self.storage, run, name, sid, file)
-
     # -- 3. rank index -----------------------------------------------------------------
     def put_index(self, run: str, name: str, sid: str, index: RankIndex) -> SessionStatus:
         check_run(run), check_name(name), check_session(sid)
@@ -213,7 +210,7 @@ class SessionStore:
         sizes: dict[str, int] = {}
         for f in index.files:
             check_file(f)
-            entry = self._file_entry(run, name, sid, f)
+            entry = recorded_file(self.storage, run, name, sid, f)
             if entry is None:
                 raise InvalidIndex(f"rank {index.rank}: file {f!r} was not uploaded (or its upload failed)",
                                    rank=index.rank, file=f)
