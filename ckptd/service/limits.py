@@ -177,14 +177,16 @@ class PrincipalRequests:
         await send_error(send, scope, err, headers)
 
 
+_TIMEOUT = getattr(asyncio, "timeout", None)  # Python 3.11+
+
+
 async def _within(awaitable: Awaitable[Message], seconds: float) -> Message:
     """``awaitable`` with a deadline on the running task (``asyncio.timeout``, Python 3.11+): no task per
     body piece, and a message that is already there is taken even at a deadline of 0, where
     ``asyncio.wait_for(..., 0)`` on Python 3.11 cancels it unrun (every body answered 408)."""
-    timeout = getattr(asyncio, "timeout", None)
-    if timeout is None:  # Python 3.10
+    if _TIMEOUT is None:  # Python 3.10
         return await asyncio.wait_for(awaitable, seconds)
-    async with timeout(seconds):
+    async with _TIMEOUT(seconds):
         return await awaitable
 
 
