@@ -136,7 +136,7 @@ class CatalogClient:
         return self._transport.request("POST", "/v1/reshard/preview" if preview else "/v1/reshard", json=body)
 
     def job(self, job_id: str) -> dict:
-        """The status of reshard job ``job_id`` (``GET /v1/jobs/{id}``): ``state`` (queued, running,
+        """The status of job ``job_id``, a reshard job or a drill (``GET /v1/jobs/{id}``): ``state`` (queued, running,
         done, failed), ``bytes_done`` of ``bytes_total``, then ``result`` or ``error``."""
         return self._transport.request("GET", f"/v1/jobs/{job_id}")
 

@@ -142,7 +142,7 @@ class HttpBackend:
         job = self.client.drill(ref, layouts, jobs=jobs)
         if not bar.quiet and sys.stderr.isatty():
             print(f"drill job {job['id']} of {job['source']} queued", file=sys.stderr)
-        return _follow(job, self.client.drill_job, None)["result"]
+        return _follow(job, self.client.drill_job, bar)["result"]
 
     def close(self) -> None:
         for ahead in self._ahead.values():

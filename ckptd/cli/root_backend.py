@@ -178,7 +178,6 @@ class RootBackend:
         from ..reshard.executor import plan_device, plan_engine, run_plan
         from ..reshard.preview import preview
         from ..store import SessionStore
-        from ..store.leases import Leases
         from .output import engine_line
 
         plan, manifest, spec = self._outline(req)
@@ -187,7 +186,7 @@ class RootBackend:
         out = self.reshard_out(req, manifest, spec)
         announce(engine_line(choice.device, choice.reason, engine.name))
         progress = bar.start(plan.bytes_to_write)
-        with Leases(self.storage).hold(manifest.run, manifest.name, "reshard"):  # gc spares the source meanwhile
+        with self.lease(manifest, "reshard"):  # gc spares the source meanwhile
             res = run_plan(self.reader, SessionStore(self.storage), plan, out, uuid.uuid4().hex, engine=engine,
                            jobs=req.jobs, progress=progress)
         pv = preview(plan.plan(reads=False))
@@ -206,8 +205,9 @@ class RootBackend:
         manifest = self.reader.manifest(src.run, src.name)
         plans = plan_drill(manifest, layouts)
         total = sum(pc.nbytes for _, p in plans for u in p.units for pc in u.chunks)
-        return drill_checkpoint(self.storage, manifest.ref, layouts, jobs=jobs, progress=bar.start(total),
-                                plans=plans).model_dump(mode="json")
+        with self.lease(manifest, "drill"):
+            return drill_checkpoint(self.storage, manifest.ref, layouts, jobs=jobs, progress=bar.start(total),
+                                    plans=plans).model_dump(mode="json")
 
     def close(self) -> None:
         pass

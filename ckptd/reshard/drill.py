@@ -27,15 +27,16 @@ stops it, and then nothing is recorded.
 
 The outcome (:class:`DrillRecord`: per layout ``ok``, ``tensors``, ``bytes``, ``seconds``,
 ``problems``; the manifest digest drilled) is stored beside the checkpoint as ``runs/RUN/NAME/DRILL.json``
-(``Paths.drill``), the only object a drill leaves; while it reads it holds a lease on the checkpoint
-(``leases/``, released at the end), so retention spares it. A record never changes what the checkpoint
+(``Paths.drill``), the only object a drill leaves; while it reads, its caller holds a lease on the
+checkpoint (``leases/``, released at the end), so retention spares it. A record never changes what the checkpoint
 is: ``RUN/latest`` and retention follow verification records (``VERIFIED.json``) only.
 
 Call order: :func:`plan_drill` (pure), then :func:`drill_checkpoint` (per layout :func:`drill_plan`)
-and :func:`write_record`; the service submits :func:`run_drill_job` to its worker pool
-(``ckptd.service.drill_routes``) and readers call :func:`read_record`. A drill job cut by a stop of its
-service is resumed by a live replica (``ckptd.reshard.recovery``): a drill only reads and writes its
-record, so running it again is harmless.
+and :func:`write_record`; readers call :func:`read_record`. In the service a drill is a job like a
+reshard job (``ckptd.reshard.jobs``: ``submit_drill``, then the one runner ``run_job`` in the worker
+pool, one record ``jobs/<id>.json`` of kind ``drill``); a drill job cut by a stop of its service is
+resumed by a live replica (``ckptd.reshard.recovery``): a drill only reads and writes its record, so
+running it again is harmless.
 """
 
 from __future__ import annotations
@@ -43,44 +44,37 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
-from typing import Any, Callable, Literal
+from typing import Callable
 
 import numpy as np
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ckptd_schemas import (
-    ChecksumMismatch, CkptdError, InvalidRequest, Manifest, NotFound, StorageError, TensorEntry, itemsize, parse_ref,
+    ChecksumMismatch, CkptdError, InvalidRequest, Manifest, StorageError, TensorEntry, itemsize, parse_ref,
 )
 from ckptd_schemas.digest import StreamHasher, combine
 from ckptd_schemas.geometry import Box, Region, check_tiling
 
 from ..storage import Storage
-from ..store.tiers import open_root
 from ..store import CheckpointReader
 from ..store.paths import Paths
-from ..store.leases import Leases
 from .digest import tensor_digest
 from .drill_layouts import check_layout, resolve_layout
 from .executor import ChunkAssembler, plan_engine
-from .liveness import finish, mark_active
-from .models import now_utc
+from .models import MAX_LAYOUTS
 from .pieces import SourcePieces, target_place
 from .planner import ReshardChunk, ReshardPlan, plan_reshard
 
-__all__ = ["MAX_LAYOUTS", "MAX_PROBLEMS", "DrillJob", "DrillProblem", "DrillRecord", "DrillRequest", "LayoutDrill",
-           "drill_checkpoint", "drill_plan", "get_drill_job", "plan_drill", "problems_of", "put_drill_job",
-           "read_record", "run_drill_job", "submit_drill_job", "write_record"]
+__all__ = ["MAX_PROBLEMS", "DrillProblem", "DrillRecord", "LayoutDrill", "drill_checkpoint", "drill_plan", "plan_drill",
+           "problems_of", "read_record", "write_record"]
 
 log = logging.getLogger("ckptd.reshard")
 
 #: Problems kept per layout in a record (a count of the rest is the last one).
 MAX_PROBLEMS = 100
-#: Layouts one drill may ask for.
-MAX_LAYOUTS = 16
 
 
 class _M(BaseModel):
@@ -346,10 +340,11 @@ def _source_digest(manifest: Manifest, t: TensorEntry, a: ChunkAssembler,
 
 def drill_checkpoint(storage: Storage, ref: str, layouts: list[str], *, jobs: int = 1,
                      progress: Callable[[int], None] | None = None, record: bool = True,
-                     plans: list[tuple[str, ReshardPlan]] | None = None, holder: str | None = None) -> DrillRecord:
-    """Drill the visible checkpoint ``ref`` (``RUN/latest`` allowed) into each of ``layouts`` under a
-    lease, and (``record``) store the record beside it. ``plans``: from :func:`plan_drill` of the same
-    manifest, when the caller planned already."""
+                     plans: list[tuple[str, ReshardPlan]] | None = None) -> DrillRecord:
+    """Drill the visible checkpoint ``ref`` into each of ``layouts`` and (``record``) store the record
+    beside it. ``plans``: from :func:`plan_drill` of the same manifest, when the caller planned already.
+    The caller holds a lease on ``ref`` meanwhile (so retention spares it): the job runner
+    (``jobs.run_job``) or ``ckptd drill --root``."""
     t0 = time.monotonic()
     r = parse_ref(ref)
     reader = CheckpointReader(storage)
@@ -357,8 +352,7 @@ def drill_checkpoint(storage: Storage, ref: str, layouts: list[str], *, jobs: in
     manifest = reader.visibility.manifest(c)
     if plans is None or any(p.source != manifest.ref or p.source_session != manifest.session for _, p in plans):
         plans = plan_drill(manifest, layouts)  # planned here, or again: the caller's plans are of another manifest
-    with Leases(storage).hold(c.run, c.name, "drill", holder=holder):  # retention spares it while it is read
-        results = [drill_plan(reader, manifest, layout, plan, jobs=jobs, progress=progress) for layout, plan in plans]
+    results = [drill_plan(reader, manifest, layout, plan, jobs=jobs, progress=progress) for layout, plan in plans]
     rec = DrillRecord(ref=c.ref, manifest_xxh3=c.digest, ok=all(x.ok for x in results), layouts=results,
                       seconds=round(time.monotonic() - t0, 3), drilled_at=datetime.now(timezone.utc))
     if record:
@@ -384,105 +378,6 @@ def read_record(storage: Storage, run: str, name: str) -> DrillRecord | None:
     except ValidationError:
         return None
     return rec if rec.manifest_xxh3 == c.digest else None
-
-
-# -- service jobs --------------------------------------------------------------------------------------
-
-class DrillRequest(_M):
-    source: str = Field(description="RUN/NAME or RUN/latest")
-    to: list[str] = Field(min_length=1, max_length=MAX_LAYOUTS,
-                          description="layouts: specs (full, fsdp2:dp=4, ...) or half / double (the source's "
-                                      "data-parallel degree halved or doubled, as fsdp2)")
-    jobs: int = Field(1, ge=1, le=64, description="tensors assembled at once")
-
-
-class DrillJob(_M):
-    id: str
-    state: Literal["queued", "running", "done", "failed"]
-    source: str
-    layouts: list[str]
-    created_at: datetime
-    updated_at: datetime
-    result: DrillRecord | None = Field(None, description="the record, once done (ok says whether the drill passed)")
-    error: dict[str, Any] | None = Field(None, description="why the drill could not run (state failed)")
-    jobs: int = Field(1, ge=1, le=64, description="tensors assembled at once (as asked)")
-    owner: str | None = Field(None, description="the service replica whose worker pool holds the job (its heartbeat: "
-                                                "jobs/replicas/OWNER.json; ckptd.reshard.recovery)")
-    attempts: int = Field(1, ge=1, description="starts: more than 1 when it was resumed after its service stopped")
-
-
-def _job_key(job_id: str) -> str:
-    return f"jobs/drill/{job_id}.json"
-
-
-def put_drill_job(storage: Storage, job: DrillJob) -> None:
-    storage.put(_job_key(job.id), job.model_dump_json().encode())
-
-
-_put_job = put_drill_job
-
-
-def get_drill_job(storage: Storage, job_id: str) -> DrillJob:
-    if not job_id.isalnum() or len(job_id) > 64:
-        raise NotFound(f"no drill job {job_id!r}", job=job_id[:64])
-    data = storage.read_json_or_none(_job_key(job_id))
-    if data is None:
-        raise NotFound(f"no drill job {job_id!r}", job=job_id)
-    return DrillJob.model_validate(data)
-
-
-def submit_drill_job(storage: Storage, req: DrillRequest, owner: Callable[[], str] | None = None) -> DrillJob:
-    """Validate and plan every layout (no data read: a bad spec or layout is refused here), lease the source,
-    list the job as not final (``liveness.mark_active``), record it as queued (``jobs/drill/<id>.json``).
-    ``owner`` (a service's) is called once the request is valid, before anything is written: it renews the
-    replica's heartbeat and returns its id, which the record names (``ckptd.reshard.recovery``)."""
-    src = parse_ref(req.source)
-    reader = CheckpointReader(storage)
-    manifest = reader.manifest(src.run, src.name)
-    plan_drill(manifest, req.to)
-    replica = owner() if owner is not None else None
-    job_id = uuid.uuid4().hex
-    Leases(storage).acquire(manifest.run, manifest.name, job_id, ttl=300)
-    now = now_utc()
-    job = DrillJob(id=job_id, state="queued", source=manifest.ref, layouts=[check_layout(x) for x in req.to],
-                   created_at=now, updated_at=now, jobs=req.jobs, owner=replica)
-    mark_active(storage, "drill", job_id)
-    _put_job(storage, job)
-    return job
-
-
-def run_drill_job(root: str, ref: str, layouts: list[str], jobs: int = 1, job_id: str | None = None) -> dict:
-    """In a worker process (at low CPU and I/O priority): drill ``ref``, store the record and return it as
-    a dict (it crosses the process boundary). With ``job_id``, the job's status is kept (running, then
-    done with the record or failed with the error) and its lease taken over; the service's policy drills
-    run without one. Raises what stopped the drill (the service counts it as failed). A job whose record is
-    final already (failed by another replica while it waited here) is not run: its record is returned."""
-    storage = open_root(root)
-    job = get_drill_job(storage, job_id) if job_id is not None else None
-    if job is not None and job.state in ("done", "failed"):
-        finish(storage, "drill", job.id)
-        if job.result is None:
-            raise CkptdError(job.error["message"] if job.error else f"drill job {job.id} ended before it ran")
-        return job.result.model_dump(mode="json")
-    if job is not None:
-        _put_job(storage, job := job.model_copy(update={"state": "running", "updated_at": now_utc()}))
-    try:
-        rec = drill_checkpoint(storage, ref, layouts, jobs=jobs, holder=job_id)
-    except Exception as e:
-        if job is not None:
-            err = e if isinstance(e, CkptdError) else CkptdError(f"internal error: {type(e).__name__}: {e}")
-            _put_job(storage, job.model_copy(update={"state": "failed", "updated_at": now_utc(),
-                                                     "error": err.to_body()["error"]}))
-            finish(storage, "drill", job.id)
-        raise
-    finally:
-        if job_id is not None:
-            src = parse_ref(job.source if job is not None else ref)
-            Leases(storage).release(src.run, src.name, job_id)  # the lease submit_drill_job took
-    if job is not None:
-        _put_job(storage, job.model_copy(update={"state": "done", "updated_at": now_utc(), "result": rec}))
-        finish(storage, "drill", job.id)
-    return rec.model_dump(mode="json")
 
 
 def problems_of(rec: DrillRecord) -> list[DrillProblem]:

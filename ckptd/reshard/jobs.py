@@ -1,13 +1,22 @@
-"""Reshard jobs: the service's background conversions and Kubernetes work units.
+"""Service jobs (reshard jobs and conversion drills) and the Kubernetes work units of a reshard.
 
-Service jobs (``POST /v1/reshard``): :func:`submit_job` validates, cuts the job into
-units (:func:`~.planner.outline_reshard`: from the target layout alone, no read
-planned), leases the source, records ``jobs/<id>.json`` and the outline's summary in
-storage and hands the job to a worker process, which runs :func:`run_service_job` at
-low CPU and I/O priority with a bandwidth cap, so trainer uploads keep priority; the
-worker plans each unit's reads as it runs it. Status lives in storage, so any replica
-answers ``GET /v1/jobs/<id>``. A job whose service stopped while it was queued or running is
-failed by a live replica (or done, when its output had committed): :mod:`.recovery`.
+Service jobs: one record (``models.JobStatus``, ``jobs/<id>.json``, its ``kind`` reshard or drill),
+one submission and one runner for both kinds:
+
+1. :func:`submit_job` (``POST /v1/reshard``) or :func:`submit_drill` (``POST /v1/drill``, the drill
+   policy) validates and plans without reading data (a reshard is cut into units,
+   :func:`~.planner.outline_reshard`, its summary recorded; a drill plans every layout), then
+   :func:`enqueue`: the owner's heartbeat, a lease on the source, the job listed as not final
+   (``liveness.mark_active``), its record written queued;
+2. the service hands the id to a worker process, which runs :func:`run_job` at low CPU and I/O
+   priority with a bandwidth cap, so trainer uploads keep priority: the record running, the source's
+   lease held by a renewing thread, the kind's body (a reshard plans each unit's reads as it runs it
+   and commits its output; a drill assembles and hashes, writing only its record), progress kept in
+   ``bytes_done``, and the final record (done with the result, or failed with the error) written
+   while the lease is held. Status lives in storage, so any replica answers ``GET /v1/jobs/<id>``.
+
+A job whose service stopped while it was queued or running is taken over by a live replica: a
+drill is resumed, a reshard job failed (or done, when its output had committed): :mod:`.recovery`.
 
 Kubernetes (``ckptd reshard --write-plan URI --workers N`` then ``ckptd reshard-worker
 --plan URI --index I`` for I in 0..N-1, one pod each): :func:`write_job` stores which
@@ -34,20 +43,26 @@ from ckptd_schemas import AlreadyCommitted, CheckpointNotFound, CkptdError, Mani
 from ..storage import Storage
 from ..store.tiers import open_root
 from ..store import CheckpointReader, SessionStore
+from .drill import drill_checkpoint, plan_drill
+from .drill_layouts import check_layout
 from .executor import (
     UnitResult, finalize, open_target, outline_again, plan_device, plan_engine, run_plan, run_share,
 )
 from ..store.leases import Leases
-from .liveness import finish, mark_active
-from .models import JobStatus, ReshardRequest, get_job, get_plan_summary, now_utc, put_plan_summary, put_status
+from .liveness import Kind, finish, mark_active
+from .models import (
+    FINAL, DrillRequest, JobStatus, ReshardRequest, get_job, get_plan_summary, now_utc, put_plan_summary, put_status,
+)
 from .planner import ReshardOutline, outline_reshard
 from .preview import plan_summary
 from .spec import default_out_name, parse_spec
 
-__all__ = ["JobStatus", "ReshardRequest", "WorkerJob", "get_job", "output_ref", "run_service_job", "run_worker",
-           "submit_job", "write_job"]
+__all__ = ["JobStatus", "ReshardRequest", "WorkerJob", "enqueue", "get_job", "output_ref", "run_job",
+           "run_worker", "submit_drill", "submit_job", "write_job"]
 
 log = logging.getLogger("ckptd.reshard")
+
+Owner = Callable[[], str]
 
 
 def output_ref(reader: CheckpointReader, req: ReshardRequest, manifest: Manifest, spec: Any) -> str:
@@ -63,96 +78,132 @@ def output_ref(reader: CheckpointReader, req: ReshardRequest, manifest: Manifest
     return out
 
 
-def submit_job(storage: Storage, req: ReshardRequest, owner: Callable[[], str] | None = None) -> JobStatus:
-    """Validate and cut the job into units (no read planned, no data I/O: the worker plans each unit's
-    reads as it runs it), lease the source, list the job as not final (``liveness.mark_active``), record
-    it as queued with its outline's summary. ``owner`` (a service's) is called once the request is valid,
-    before anything is written: it renews the replica's heartbeat and returns its id, which the record
-    names (:mod:`.recovery`)."""
+# -- submission ------------------------------------------------------------------------------------
+
+def submit_job(storage: Storage, req: ReshardRequest, owner: Owner | None = None) -> JobStatus:
+    """A reshard job: validate and cut it into units (no read planned, no data I/O: the worker plans each
+    unit's reads as it runs it), record the outline's summary (the web view reads it; nothing plans the
+    job again), then :func:`enqueue`."""
     spec = parse_spec(req.to)
     src = parse_ref(req.source)
     reader = CheckpointReader(storage)
     manifest = reader.manifest(src.run, src.name)
     outline = outline_reshard(manifest, spec, dtype=req.dtype, min_units=req.jobs)
     out = output_ref(reader, req, manifest, spec)
-    replica = owner() if owner is not None else None
     job_id = uuid.uuid4().hex
-    Leases(storage).acquire(manifest.run, manifest.name, job_id, ttl=300)
+    put_plan_summary(storage, job_id, plan_summary(outline))
+    return enqueue(storage, job_id, "reshard", manifest.ref, owner, request=req.model_dump(mode="json"), out=out,
+                   spec=str(spec), bytes_total=outline.bytes_to_write)
+
+
+def submit_drill(storage: Storage, req: DrillRequest, owner: Owner | None = None) -> JobStatus:
+    """A drill job: plan every layout (no data read: a bad spec, or a layout this checkpoint cannot
+    take, is refused here), then :func:`enqueue`."""
+    src = parse_ref(req.source)
+    manifest = CheckpointReader(storage).manifest(src.run, src.name)
+    plans = plan_drill(manifest, req.to)
+    total = sum(pc.nbytes for _, p in plans for u in p.units for pc in u.chunks)
+    return enqueue(storage, uuid.uuid4().hex, "drill", manifest.ref, owner, request=req.model_dump(mode="json"),
+                   layouts=[check_layout(x) for x in req.to], bytes_total=total)
+
+
+def enqueue(storage: Storage, job_id: str, kind: Kind, source: str, owner: Owner | None,
+            **fields: Any) -> JobStatus:
+    """Record a valid job of checkpoint ``source`` (RUN/NAME, resolved) as queued: ``owner`` (a service's)
+    is called first, before anything names it (it renews the replica's heartbeat and returns its id,
+    :mod:`.recovery`); the source leased under the job's id (the worker takes the lease over); the job
+    listed as not final before its record."""
+    replica = owner() if owner is not None else None
+    src = parse_ref(source)
+    Leases(storage).acquire(src.run, src.name, job_id, ttl=300)
     now = now_utc()
-    st = JobStatus(id=job_id, state="queued", source=manifest.ref, out=out, spec=str(spec),
-                   bytes_total=outline.bytes_to_write, created_at=now, updated_at=now, owner=replica)
-    put_plan_summary(storage, job_id, plan_summary(outline))  # the web view reads it; nothing plans the job again
-    mark_active(storage, "reshard", job_id)
-    put_status(storage, st)
-    return st
+    job = JobStatus(id=job_id, kind=kind, state="queued", source=source, created_at=now, updated_at=now,
+                    owner=replica, **fields)
+    mark_active(storage, kind, job_id)
+    put_status(storage, job)
+    return job
 
 
-def run_service_job(root: str, job_id: str, request_json: str, max_bytes_per_s: float) -> None:
-    """Body of a service worker process: run the job, keep its status fresh, and hold the source's
-    lease (the one :func:`submit_job` took) by a renewing thread until the job ends, however long
-    a single read or write of it takes. The output session's id is recorded before anything is
-    written to it, so a replica taking the job over after a crash knows whether it committed
-    (:mod:`.recovery`). A job already final (failed by another replica while it waited) is not run."""
+# -- the runner ------------------------------------------------------------------------------------
+
+def run_job(root: str, job_id: str, max_bytes_per_s: float = 0.0) -> dict[str, Any]:
+    """Body of a service worker process, for a job of either kind (module docstring); returns the final
+    record as a dict (it crosses the process boundary). A job already final (failed by another replica
+    while it waited here) is not run: its record is returned."""
     storage = open_root(root)
-    st = get_job(storage, job_id)
-    if st.state in ("done", "failed"):
-        finish(storage, "reshard", job_id)
-        return
-    req = ReshardRequest.model_validate_json(request_json)
-    reader, sessions = CheckpointReader(storage), SessionStore(storage)
-    src = parse_ref(st.source)
-    leases = Leases(storage)
+    job = get_job(storage, job_id)
+    if job.state not in FINAL:
+        src = parse_ref(job.source)
+        leases = Leases(storage)
+        update: dict[str, Any] = {"state": "running", "updated_at": now_utc()}
+        if job.kind == "reshard":  # recorded before anything is written to it (recovery reads it)
+            update["session"] = uuid.uuid4().hex
+        put_status(storage, job := job.model_copy(update=update))
+        try:
+            with leases.hold(src.run, src.name, job.kind, holder=job_id):
+                # The final record is written while the lease is held: a job seen queued or running
+                # always holds its source's lease.
+                put_status(storage, job := _finished(job, lambda: _BODIES[job.kind](
+                    storage, job, _progress(storage, job), max_bytes_per_s)))
+        except Exception as e:  # noqa: BLE001 - the lease could not be taken: recorded for the caller
+            put_status(storage, job := _failed(job, e))
+        finally:
+            leases.release(src.run, src.name, job_id)  # a job that failed before its hold began
+    finish(storage, job.kind, job_id)
+    return job.model_dump(mode="json")
+
+
+def _progress(storage: Storage, job: JobStatus) -> Callable[[int], None]:
+    """Counts bytes done; the running record is rewritten at most twice a second."""
     lock = threading.Lock()
-    done = [0]
-    last = [0.0]
+    done, last = [0], [0.0]
 
     def progress(n: int) -> None:
         with lock:
             done[0] += n
             if time.monotonic() - last[0] > 0.5:
                 last[0] = time.monotonic()
-                put_status(storage, st.model_copy(update={"state": "running", "bytes_done": done[0],
-                                                           "updated_at": now_utc()}))
+                put_status(storage, job.model_copy(update={"bytes_done": done[0], "updated_at": now_utc()}))
+    return progress
 
-    def run() -> Any:
-        session = get_plan_summary(storage, job_id)["source_session"]
-        outline = outline_again(reader, st.source, session, req.to, req.dtype, req.jobs)
-        return run_plan(reader, sessions, outline, st.out, session, device=req.device, jobs=req.jobs,
-                        progress=progress, max_bytes_per_s=max_bytes_per_s)
 
-    session = uuid.uuid4().hex
-    put_status(storage, st := st.model_copy(update={"state": "running", "updated_at": now_utc(), "session": session}))
+def _reshard(storage: Storage, job: JobStatus, progress: Callable[[int], None], rate: float) -> dict[str, Any]:
+    req = ReshardRequest.model_validate(job.request)
+    reader = CheckpointReader(storage)
+    session = get_plan_summary(storage, job.id)["source_session"]
+    outline = outline_again(reader, job.source, session, req.to, req.dtype, req.jobs)
+    assert job.out is not None and job.session is not None
+    res = run_plan(reader, SessionStore(storage), outline, job.out, job.session, device=req.device, jobs=req.jobs,
+                   progress=progress, max_bytes_per_s=rate)
+    return {"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units, "bytes_read": res.bytes_read,
+            "bytes_written": res.bytes_written, "seconds": round(res.seconds, 3), "processes": res.processes,
+            "engine": {"device": res.device, "reason": res.reason, "impl": res.engine}}
+
+
+def _drill(storage: Storage, job: JobStatus, progress: Callable[[int], None], rate: float) -> dict[str, Any]:
+    req = DrillRequest.model_validate(job.request)
+    return drill_checkpoint(storage, job.source, job.layouts, jobs=req.jobs, progress=progress).model_dump(mode="json")
+
+
+_BODIES: dict[str, Callable[[Storage, JobStatus, Callable[[int], None], float], dict[str, Any]]] = {
+    "reshard": _reshard, "drill": _drill}
+
+
+def _finished(job: JobStatus, run: Callable[[], dict[str, Any]]) -> JobStatus:
+    """The job's final record: done with its result, or failed with the error ``run`` raised."""
     try:
-        with leases.hold(src.run, src.name, "reshard", holder=job_id):
-            # The final status is written while the lease is held: a job seen queued or running
-            # always holds its source's lease.
-            put_status(storage, _finished(st, run, job_id))
-    except Exception as e:  # noqa: BLE001 - the lease could not be taken: recorded for the caller
-        put_status(storage, _failed(st, e, job_id))
-    finally:
-        leases.release(src.run, src.name, job_id)  # a job that failed before its hold began
-    finish(storage, "reshard", job_id)
-
-
-def _finished(st: JobStatus, run: Callable[[], Any], job_id: str) -> JobStatus:
-    """The job's final status: done with its result, or failed with the error ``run`` raised."""
-    try:
-        res = run()
+        result = run()
     except Exception as e:  # noqa: BLE001 - recorded for the caller
-        return _failed(st, e, job_id)
-    return st.model_copy(update={
-        "state": "done", "bytes_done": st.bytes_total, "updated_at": now_utc(),
-        "result": {"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units,
-                   "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
-                   "seconds": round(res.seconds, 3), "processes": res.processes,
-                   "engine": {"device": res.device, "reason": res.reason, "impl": res.engine}}})
+        return _failed(job, e)
+    return job.model_copy(update={"state": "done", "bytes_done": job.bytes_total, "updated_at": now_utc(),
+                                  "result": result})
 
 
-def _failed(st: JobStatus, e: Exception, job_id: str) -> JobStatus:
+def _failed(job: JobStatus, e: Exception) -> JobStatus:
     if not isinstance(e, CkptdError):
-        log.error("reshard job %s failed", job_id, exc_info=e)
+        log.error("%s job %s failed", job.kind, job.id, exc_info=e)
         e = CkptdError(f"internal error: {type(e).__name__}: {e}")
-    return st.model_copy(update={"state": "failed", "updated_at": now_utc(), "error": e.to_body()["error"]})
+    return job.model_copy(update={"state": "failed", "updated_at": now_utc(), "error": e.to_body()["error"]})
 
 
 # -- Kubernetes Indexed Job ---------------------------------------------------------------------

@@ -6,7 +6,7 @@
     jobs/active/KIND.ID.json       a reshard job or drill (KIND) whose record is not final yet
 
 Call order: the service calls :func:`beat` while its pool holds jobs and :func:`forget` at shutdown;
-``submit_job`` / ``submit_drill_job`` call :func:`mark_active` before the first record; the worker
+``jobs.enqueue`` calls :func:`mark_active` before the first record; the worker
 calls :func:`finish` after the final one; :mod:`.recovery` reads :func:`active` and :func:`last_beat`.
 Pure storage: no job model is imported here, so the job modules can import it.
 """

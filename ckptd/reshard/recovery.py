@@ -28,8 +28,8 @@ A takeover is done once: the replica that creates ``jobs/claims/KIND.ID.N.json``
 first reads the record again and writes the new one only if it is unchanged; a claim whose taker
 died is dropped after the same bound, and the next sweep tries again.
 
-Call order: the service calls ``liveness.beat`` before it queues a job; ``submit_job`` /
-``submit_drill_job`` call ``liveness.mark_active`` then write the record; the worker ends with the
+Call order: the service calls ``liveness.beat`` before it queues a job; ``jobs.enqueue`` calls
+``liveness.mark_active`` then writes the record; the worker ends with the
 final record and ``liveness.finish``; every replica's sweep (``service.job_watch``, and a status read of
 a job) calls :func:`take_over` for each of ``liveness.active``. The replicas' clocks are assumed to
 agree to well within the bound (as for leases).
@@ -40,44 +40,27 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Union
 
 from ckptd_schemas import CkptdError, NotFound, Unavailable, parse_ref
 
 from ..storage import Storage
 from ..store import CheckpointReader
 from ..store.leases import Leases
-from .drill import DrillJob, get_drill_job, put_drill_job
 from .liveness import Kind, finish, last_beat
-from .models import JobStatus, get_job, get_plan_summary, now_utc, put_status
+from .models import FINAL, JobStatus, get_job, get_plan_summary, now_utc, put_status
 
-__all__ = ["CLAIMS", "FINAL", "MAX_DRILL_STARTS", "Job", "load", "orphaned", "put_job", "take_over"]
+__all__ = ["CLAIMS", "MAX_DRILL_STARTS", "orphaned", "take_over"]
 
 log = logging.getLogger("ckptd.reshard")
-
-Job = Union[JobStatus, DrillJob]
 
 CLAIMS = "jobs/claims"
 #: Starts of one drill at most; an orphaned drill started this often is failed, not resumed.
 MAX_DRILL_STARTS = 3
-FINAL = ("done", "failed")
-
-
-def load(storage: Storage, kind: Kind, job_id: str) -> Job:
-    return get_drill_job(storage, job_id) if kind == "drill" else get_job(storage, job_id)
-
-
-def put_job(storage: Storage, job: Job) -> None:
-    """Write ``job``'s record, whichever kind it is."""
-    if isinstance(job, DrillJob):
-        put_drill_job(storage, job)
-    else:
-        put_status(storage, job)
 
 
 # -- orphans -------------------------------------------------------------------------------------------
 
-def orphaned(storage: Storage, job: Job, *, after: float, now: float | None = None) -> str | None:
+def orphaned(storage: Storage, job: JobStatus, *, after: float, now: float | None = None) -> str | None:
     """Why ``job`` runs nowhere (module docstring), or None: it is final, its record changed less than
     ``after`` seconds ago, or its owner's heartbeat is younger than that."""
     now = time.time() if now is None else now
@@ -98,29 +81,28 @@ def _when(t: float) -> str:
 
 
 def take_over(storage: Storage, kind: Kind, job_id: str, owner: str, *, after: float,
-              now: float | None = None) -> Job | None:
+              now: float | None = None) -> JobStatus | None:
     """Resume or fail job ``job_id`` if it is orphaned (module docstring), as replica ``owner``; the new
     record, or None when nothing was done (not orphaned, already final, or another replica is taking it
     over). A drill returned queued must be submitted to ``owner``'s pool by the caller."""
-    job = load(storage, kind, job_id)
+    job = get_job(storage, job_id, kind)
     if job.state in FINAL:
         finish(storage, kind, job_id)  # a worker stopped between its final record and the index
         return None
     why = orphaned(storage, job, after=after, now=now)
     if why is None:
         return None
-    attempt = job.attempts if isinstance(job, DrillJob) else 1
+    attempt = job.attempts
     claim = f"{CLAIMS}/{kind}.{job_id}.{attempt}.json"
     if not storage.create_if_absent(claim, json.dumps({"owner": owner, "at": time.time()}).encode()):
         _drop_dead_claim(storage, claim, after)
         return None
     try:
-        again = load(storage, kind, job_id)
+        again = get_job(storage, job_id, kind)
         if (again.state, again.owner, again.updated_at) != (job.state, job.owner, job.updated_at):
             return None  # it moved meanwhile: its worker is alive after all, or another replica took it
-        new = _resume_drill(storage, again, owner, why) if isinstance(again, DrillJob) else _end_reshard(
-            storage, again, why)
-        put_job(storage, new)
+        new = _resume_drill(storage, again, owner, why) if again.kind == "drill" else _end_reshard(storage, again, why)
+        put_status(storage, new)
         if new.state in FINAL:
             finish(storage, kind, job_id)
         log.warning("%s job %s: %s; %s", kind, job_id, why,
@@ -140,7 +122,7 @@ def _drop_dead_claim(storage: Storage, claim: str, after: float) -> None:
         storage.delete(claim)
 
 
-def _resume_drill(storage: Storage, job: DrillJob, owner: str, why: str) -> DrillJob:
+def _resume_drill(storage: Storage, job: JobStatus, owner: str, why: str) -> JobStatus:
     """Queued again under ``owner``, its source leased again; failed after :data:`MAX_DRILL_STARTS`."""
     now = now_utc()
     if job.attempts >= MAX_DRILL_STARTS:
@@ -157,6 +139,7 @@ def _end_reshard(storage: Storage, st: JobStatus, why: str) -> JobStatus:
     """Done when its own output session committed (the stop fell between the commit and the record),
     else failed; the source's lease released either way."""
     now = now_utc()
+    assert st.out is not None
     out = parse_ref(st.out)
     marker = CheckpointReader(storage).marker(out.run, out.name)
     src = parse_ref(st.source)

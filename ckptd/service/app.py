@@ -18,7 +18,7 @@ under ``/v1`` except probes)::
     GET    /v1/checkpoints/{run}/{name}/files/{file}                    read_routes: file bytes (Range supported)
     PUT    /v1/checkpoints/{run}/{name}/leases/{holder}                 read_routes: hold a read lease
     DELETE /v1/checkpoints/{run}/{name}/leases/{holder}                 read_routes: release it
-    POST   /v1/reshard, /v1/reshard/preview; GET /v1/jobs/{job_id}      reshard_routes: reshard jobs
+    POST   /v1/reshard, /v1/reshard/preview; GET /v1/jobs/{job_id}      reshard_routes: reshard jobs (and any job)
     POST   /v1/drill; GET /v1/drills/{job_id}                           drill_routes: conversion drill jobs
     GET    /v1/checkpoints/{run}/{name}/drill                           drill_routes: the last recorded drill
     POST   /v1/runs/{run}/gc                                            retention_routes: retention
@@ -101,7 +101,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     workers = Workers(settings.reshard_workers)  # reshard jobs, verifications and drills: one pool
     # Job records name this replica; jobs of replicas that stopped are resumed (drills) or failed (reshard).
     job_watch = JobWatch(storage, workers, settings, on_drill=lambda job_id: count_drill(metrics, f"job {job_id}"))
-    jobs_router = reshard_router(storage, settings, job_watch, metrics)
+    jobs_router = reshard_router(storage, job_watch, metrics)
 
     def verify_in_worker(run: str, name: str) -> VerifyRecord:
         return VerifyRecord.model_validate(workers().submit(verify_and_record, storage.url, run, name).result())
@@ -124,7 +124,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     if isinstance(storage, TieredStorage):  # --durable: a background copy of every commit to the durable tier
         copier = DurableCopier(storage, keep_fast=settings.fast_keep_last, scan_seconds=settings.durable_scan_seconds)
         metrics.watch_durable(copier)
-    drills = DrillPolicy(storage, settings, workers, metrics)  # CKPTD_DRILL_EVERY: a drill every N commits of a run
+    drills = DrillPolicy(storage, settings, job_watch, metrics)  # CKPTD_DRILL_EVERY: a drill every N commits of a run
     sessions = SessionStore(storage, visibility=visibility, dead_after=settings.dead_session_after)
     # The store's one observer channel: metrics first (commits, refusals, open and reclaimed sessions),
     # then what follows every commit made here, whichever path committed.

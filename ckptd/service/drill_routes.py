@@ -3,33 +3,36 @@
 ::
 
     POST /v1/drill                               submit a drill job: 202 + the job (admin)
-    GET  /v1/drills/{job_id}                     the job: queued, running, done (with the record) or failed (admin)
+    GET  /v1/drills/{job_id}                     the job: queued, running, done (with the record) or failed (admin;
+                                                 GET /v1/jobs/{job_id} answers it too)
     GET  /v1/checkpoints/{run}/{name}/drill      the last drill recorded for the manifest committed there (read)
 
 A drill (``ckptd.reshard.drill``) reads a committed checkpoint, assembles every target chunk of each
 layout and compares every tensor's layout-independent digest with the source's; it writes only its
-record (``runs/RUN/NAME/DRILL.json``). Jobs run in the service's worker pool (the reshard jobs'
-processes, at low CPU and I/O priority), so saves keep priority. The submission plans every layout
+record (``runs/RUN/NAME/DRILL.json``). A drill is a service job like a reshard job: one record
+(``jobs/<id>.json``, kind ``drill``), run by the one runner in the service's worker pool (at low CPU
+and I/O priority), so saves keep priority (``ckptd.reshard.jobs``). The submission plans every layout
 first: a spec that does not parse, or a layout the checkpoint cannot take, is refused 400 and nothing
 is queued or written.
 
 The policy (:class:`DrillPolicy`, ``CKPTD_DRILL_EVERY`` = N > 0): every N-th commit of a trainer
 checkpoint of a run (derived checkpoints do not count; counted by this replica since it started)
-submits a drill of ``RUN/latest`` into ``CKPTD_DRILL_LAYOUTS`` to the same pool; a run whose previous
-drill has not finished skips its turn. Every drill that ends here, job or policy, counts in
+submits a drill job of the checkpoint just committed into ``CKPTD_DRILL_LAYOUTS`` (from a thread of
+its own: the commit does not wait for the job's records); a run whose previous drill has not finished
+skips its turn. Every drill that ends here, job or policy, counts in
 ``ckptd_drills_total{result="ok"|"failed"}`` (failed: a problem found, or the drill could not run).
 
 A drill job names the replica that queued it; one whose replica stopped (SIGKILL, a crash, a shutdown)
 while it was queued or running is resumed by a live replica, this one restarted included
-(:mod:`.job_watch`, ``ckptd.reshard.recovery``). A policy drill keeps no job record and is not resumed:
-the next commits drill again.
+(:mod:`.job_watch`, ``ckptd.reshard.recovery``); a policy's drill too.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
 from fastapi import APIRouter, Response
@@ -37,12 +40,12 @@ from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import NotFound
 
-from ..reshard.drill import DrillJob, DrillRecord, DrillRequest
+from ..reshard.drill import DrillRecord
 from ..reshard.drill_layouts import split_layouts
+from ..reshard.models import DrillRequest, JobStatus
 from ..storage import Storage
 from ..store.events import CommitEvent
 from .settings import Settings
-from .workers import Workers
 
 if TYPE_CHECKING:
     from .job_watch import JobWatch
@@ -54,16 +57,20 @@ log = logging.getLogger("ckptd.service")
 
 
 def count_drill(metrics: "Metrics", what: str) -> Callable[[Future], None]:
-    """A done-callback for a drill's future: counts it ok or failed (an error that stopped it is failed)."""
+    """A done-callback for a drill job's future (its final record): counts it ok or failed (a problem
+    found, the drill could not run, or its worker stopped)."""
     def done(fut: Future) -> None:
         try:
-            rec = fut.result()
-            ok = bool(rec.get("ok"))
-            if not ok:
+            job = fut.result()
+            rec = job.get("result") or {}
+            ok = job.get("state") == "done" and bool(rec.get("ok"))
+            if job.get("state") == "failed":
+                log.warning("drill (%s) could not run: %s", what, (job.get("error") or {}).get("message"))
+            elif not ok:
                 first = next((p for x in rec.get("layouts", []) for p in x.get("problems", [])), {})
                 log.warning("drill of %s failed: layout %s: tensor %s: %s", rec.get("ref"), first.get("layout"),
                             first.get("tensor"), first.get("message"))
-        except Exception as e:  # noqa: BLE001 - the drill could not run: counted, logged
+        except Exception as e:  # noqa: BLE001 - its worker stopped: counted, logged
             ok = False
             log.warning("drill (%s) could not run: %s", what, getattr(e, "message", e))
         metrics.observe_drill(ok)
@@ -73,13 +80,13 @@ def count_drill(metrics: "Metrics", what: str) -> Callable[[Future], None]:
 class DrillPolicy:
     """``CKPTD_DRILL_EVERY``: its ``after_commit`` observes the session store's commits (module docstring)."""
 
-    def __init__(self, storage: Storage, settings: Settings, workers: Workers,
-                 metrics: "Metrics") -> None:
-        self.storage, self.every, self.workers, self.metrics = storage, settings.drill_every, workers, metrics
+    def __init__(self, storage: Storage, settings: Settings, watch: "JobWatch", metrics: "Metrics") -> None:
+        self.storage, self.every, self.watch, self.metrics = storage, settings.drill_every, watch, metrics
         self.layouts = split_layouts(settings.drill_layouts)
         self.counts: dict[str, int] = {}  # run -> trainer commits since its last drill
         self.running: set[str] = set()  # runs whose drill has not finished
         self.lock = threading.Lock()
+        self._submitter = ThreadPoolExecutor(1, thread_name_prefix="ckptd-drill-policy")
 
     def after_commit(self, ev: CommitEvent) -> None:
         if self.every <= 0 or ev.derived_from is not None:
@@ -90,18 +97,27 @@ class DrillPolicy:
             if n < self.every:
                 return
             if ev.run in self.running:
-                log.info("drill of %s/latest skipped: the previous one is still running", ev.run)
+                log.info("drill of %s/%s skipped: the previous one is still running", ev.run, ev.name)
                 return
             self.running.add(ev.run)
-        from ..reshard.drill import run_drill_job
+        self._submitter.submit(self._submit, ev)
 
+    def _submit(self, ev: CommitEvent) -> None:
+        """Record the drill job and queue it; the run's turn ends when the job does."""
+        from ..reshard.jobs import enqueue
+
+        ref = f"{ev.run}/{ev.name}"
         try:
-            fut = self.workers().submit(run_drill_job, self.storage.url, f"{ev.run}/latest", self.layouts)
-        except BaseException:
+            job = enqueue(self.storage, uuid.uuid4().hex, "drill", ref, self.watch.owner,
+                          request=DrillRequest(source=ref, to=self.layouts).model_dump(mode="json"),
+                          layouts=self.layouts)
+            fut = self.watch.submit(job)
+        except Exception:  # noqa: BLE001 - the store or the pool refused: the next turn drills again
+            log.exception("drill of %s could not be queued", ref)
             with self.lock:
                 self.running.discard(ev.run)
-            raise
-        count = count_drill(self.metrics, f"{ev.run}/latest, policy")
+            return
+        count = count_drill(self.metrics, f"{ref}, policy")
 
         def done(f: Future) -> None:
             with self.lock:
@@ -116,29 +132,21 @@ def drill_router(storage: Storage, watch: "JobWatch", metrics: "Metrics") -> API
     each record and takes over the drills of replicas that stopped)."""
     router = APIRouter(tags=["drill"])
 
-    @router.post("/v1/drill", status_code=202, response_model=DrillJob)
-    async def create_drill(body: DrillRequest, response: Response) -> DrillJob:
+    @router.post("/v1/drill", status_code=202, response_model=JobStatus)
+    async def create_drill(body: DrillRequest, response: Response) -> JobStatus:
         """Plan every layout (400 for a bad spec or a layout this checkpoint cannot take, nothing written),
         then run the drill in a worker process; follow it at ``GET /v1/drills/{id}``."""
-        from ..reshard.drill import run_drill_job, submit_drill_job
+        from ..reshard.jobs import submit_drill
 
-        job = await run_in_threadpool(submit_drill_job, storage, body, watch.owner)
-        fut = watch.submit("drill", job.id, run_drill_job, storage.url, job.source, job.layouts, job.jobs, job.id)
-        fut.add_done_callback(count_drill(metrics, f"job {job.id}"))
+        job = await run_in_threadpool(submit_drill, storage, body, watch.owner)
+        watch.submit(job).add_done_callback(count_drill(metrics, f"job {job.id}"))
         response.headers["Location"] = f"/v1/drills/{job.id}"
         return job
 
-    @router.get("/v1/drills/{job_id}", response_model=DrillJob)
-    async def drill_status(job_id: str) -> DrillJob:
-        """The job; one whose replica stopped is resumed first (module docstring)."""
-        from ..reshard.drill import get_drill_job
-
-        def read() -> DrillJob:
-            job = watch.check("drill", get_drill_job(storage, job_id))
-            assert isinstance(job, DrillJob)
-            return job
-
-        return await run_in_threadpool(read)
+    @router.get("/v1/drills/{job_id}", response_model=JobStatus)
+    async def drill_status(job_id: str) -> JobStatus:
+        """The drill job; one whose replica stopped is resumed first (module docstring)."""
+        return await run_in_threadpool(watch.read, job_id, "drill")
 
     @router.get("/v1/checkpoints/{run}/{name}/drill", response_model=DrillRecord)
     async def get_drill(run: str, name: str) -> DrillRecord:

@@ -2,9 +2,10 @@
 over reshard jobs and drills whose replica stopped (``ckptd.reshard.recovery``: a drill is resumed, a
 reshard job failed).
 
-Call order: ``create_app`` builds one :class:`JobWatch`; the reshard and drill routes call
-:meth:`JobWatch.owner` before they record a job (the heartbeat is written before a record names this
-replica), then :meth:`JobWatch.submit`; a status read passes the record through :meth:`JobWatch.check`;
+Call order: ``create_app`` builds one :class:`JobWatch`; the reshard and drill routes, and the drill
+policy, call :meth:`JobWatch.owner` before they record a job (the heartbeat is written before a record
+names this replica), then :meth:`JobWatch.submit` (the one runner, ``reshard.jobs.run_job``, in the
+pool); a status read passes the record through :meth:`JobWatch.check`;
 the lifespan calls :meth:`JobWatch.start` (a thread: heartbeat when jobs are held, then a sweep, every
 ``CKPTD_JOB_HEARTBEAT_SECONDS``) and, at shutdown, :meth:`JobWatch.stop` (the heartbeat deleted, so
 another replica, or this one restarted, takes the jobs over without waiting for it to age).
@@ -19,13 +20,13 @@ import logging
 import threading
 import uuid
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Callable
 
 from ckptd_schemas import CkptdError, NotFound, Unavailable
 
-from ..reshard.liveness import Kind, active, beat, finish, forget, listed_at
-from ..reshard.models import now_utc
-from ..reshard.recovery import FINAL, Job, load, orphaned, put_job, take_over
+from ..reshard.liveness import active, beat, finish, forget, listed_at
+from ..reshard.models import FINAL, JobStatus, get_job, now_utc, put_status
+from ..reshard.recovery import orphaned, take_over
 from ..storage import Storage
 from .settings import Settings
 from .workers import Workers
@@ -43,8 +44,9 @@ class JobWatch:
         self.storage, self.workers = storage, workers
         self.replica = uuid.uuid4().hex[:16]  # a new owner per start: a restarted service takes its old jobs over
         self.every, self.after = settings.job_heartbeat_seconds, settings.job_takeover_seconds
+        self.rate = settings.reshard_max_mbps * (1 << 20)  # bytes/s a job's reads and writes may take
         self.on_drill = on_drill  # a done-callback for a drill's future, per job id (counts it)
-        self._mine: dict[str, Kind] = {}  # jobs queued in this replica's pool whose future has not ended
+        self._mine: set[str] = set()  # jobs queued in this replica's pool whose future has not ended
         self._beaten = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -57,24 +59,28 @@ class JobWatch:
         self._beaten = True
         return self.replica
 
-    def submit(self, kind: Kind, job_id: str, fn: Callable[..., Any], *args: Any) -> Future:
-        """Queue ``fn(*args)``, the worker of job ``job_id``, in the pool and follow it; a pool that
-        refuses it fails the job at once (and raises)."""
+    def submit(self, job: JobStatus) -> Future:
+        """Queue the runner of ``job`` (``run_job``) in the pool and follow it; its future gives the final
+        record as a dict. A pool that refuses it fails the job at once (and raises)."""
+        from ..reshard.jobs import run_job  # torch loads on first use, not at start-up
+
         try:
-            fut = self.workers().submit(fn, *args)
+            fut = self.workers().submit(run_job, self.storage.url, job.id, self.rate)
         except Exception as e:
-            self._fail_if_pending(kind, job_id, f"the service could not queue it ({type(e).__name__}: {e})")
+            self._fail_if_pending(job.id, f"the service could not queue it ({type(e).__name__}: {e})")
             raise
         with self._lock:
-            self._mine[job_id] = kind
-        fut.add_done_callback(lambda f: self._ended(kind, job_id, f))
+            self._mine.add(job.id)
+        fut.add_done_callback(lambda f: self._ended(job.id, f))
         return fut
 
-    def check(self, kind: Kind, job: Job) -> Job:
-        """A status read: ``job`` as read, or its record after a takeover when its replica has stopped."""
+    def read(self, job_id: str, kind: str | None = None) -> JobStatus:
+        """A status read (of ``kind``, when given): the record as read, or after a takeover when its
+        replica has stopped."""
+        job = get_job(self.storage, job_id, kind)  # type: ignore[arg-type]
         if job.state in FINAL or job.owner == self.replica or orphaned(self.storage, job, after=self.after) is None:
             return job
-        return self._take_over(kind, job.id) or load(self.storage, kind, job.id)
+        return self._take_over(job) or get_job(self.storage, job_id)
 
     # -- the thread ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -108,14 +114,14 @@ class JobWatch:
             if self._stop.wait(self.every):
                 return
 
-    def sweep(self) -> list[Job]:
+    def sweep(self) -> list[JobStatus]:
         """Take over every listed job whose replica stopped; the new records."""
         out = []
         for kind, job_id in active(self.storage):
             if self._stop.is_set():
                 break
             try:
-                job = load(self.storage, kind, job_id)
+                job = get_job(self.storage, job_id, kind)
             except NotFound:  # listed, never recorded: a submission that stopped between the two writes
                 at = listed_at(self.storage, kind, job_id)
                 if at is None or now_utc().timestamp() - at > self.after:
@@ -124,42 +130,39 @@ class JobWatch:
             if job.state in FINAL:
                 finish(self.storage, kind, job_id)  # its worker stopped between the record and the index
             elif job.owner != self.replica and orphaned(self.storage, job, after=self.after) is not None:
-                if (new := self._take_over(kind, job_id)) is not None:
+                if (new := self._take_over(job)) is not None:
                     out.append(new)
         return out
 
     # -- takeover ------------------------------------------------------------------------------------
-    def _take_over(self, kind: Kind, job_id: str) -> Job | None:
+    def _take_over(self, job: JobStatus) -> JobStatus | None:
         self.owner()  # fresh before the new record names this replica
-        new = take_over(self.storage, kind, job_id, self.replica, after=self.after)
+        new = take_over(self.storage, job.kind, job.id, self.replica, after=self.after)
         if new is not None and new.state == "queued":  # a drill resumed: run it here
-            from ..reshard.drill import DrillJob, run_drill_job
-
-            assert isinstance(new, DrillJob)
-            fut = self.submit(kind, job_id, run_drill_job, self.storage.url, new.source, new.layouts, new.jobs, new.id)
+            fut = self.submit(new)
             if self.on_drill is not None:
-                fut.add_done_callback(self.on_drill(job_id))
+                fut.add_done_callback(self.on_drill(job.id))
         return new
 
-    def _ended(self, kind: Kind, job_id: str, fut: Future) -> None:
+    def _ended(self, job_id: str, fut: Future) -> None:
         with self._lock:
-            self._mine.pop(job_id, None)
+            self._mine.discard(job_id)
         if fut.cancelled():  # the pool shut down with it queued: taken over like any job of a stopped replica
             return
         e = fut.exception()
         if e is not None:
             try:
-                self._fail_if_pending(kind, job_id, f"its worker process stopped ({type(e).__name__}: {e})")
+                self._fail_if_pending(job_id, f"its worker process stopped ({type(e).__name__}: {e})")
             except Exception:  # noqa: BLE001 - a callback of the pool: logged, never raised
-                log.exception("%s job %s: could not record its failure", kind, job_id)
+                log.exception("job %s: could not record its failure", job_id)
 
-    def _fail_if_pending(self, kind: Kind, job_id: str, why: str) -> None:
+    def _fail_if_pending(self, job_id: str, why: str) -> None:
         """Fail job ``job_id`` when its record is still this replica's and not final."""
-        job = load(self.storage, kind, job_id)
+        job = get_job(self.storage, job_id)
         if job.state in FINAL or job.owner != self.replica:
             return
         err = Unavailable(f"{why}; submit it again", job=job_id)
-        put_job(self.storage, job.model_copy(update={"state": "failed", "updated_at": now_utc(),
-                                                     "error": err.to_body()["error"]}))
-        finish(self.storage, kind, job_id)
-        log.warning("%s job %s failed: %s", kind, job_id, why)
+        put_status(self.storage, job.model_copy(update={"state": "failed", "updated_at": now_utc(),
+                                                        "error": err.to_body()["error"]}))
+        finish(self.storage, job.kind, job_id)
+        log.warning("%s job %s failed: %s", job.kind, job_id, why)

@@ -1,4 +1,5 @@
-"""Reshard job routes: ``POST /v1/reshard`` (202 + job id), ``GET /v1/jobs/{id}``, preview.
+"""Reshard job routes: ``POST /v1/reshard`` (202 + job id), ``GET /v1/jobs/{id}`` (any job: a reshard
+job or a drill), preview.
 
 All three need the ``admin`` scope (``auth.ROUTE_RULES``).
 
@@ -20,7 +21,6 @@ from starlette.concurrency import run_in_threadpool
 
 from ..reshard.models import JobStatus, ReshardRequest
 from ..storage import Storage
-from .settings import Settings
 
 if TYPE_CHECKING:
     from .job_watch import JobWatch
@@ -29,18 +29,16 @@ if TYPE_CHECKING:
 __all__ = ["reshard_router"]
 
 
-def reshard_router(storage: Storage, settings: Settings, watch: "JobWatch", metrics: "Metrics | None" = None
-                   ) -> APIRouter:
+def reshard_router(storage: Storage, watch: "JobWatch", metrics: "Metrics | None" = None) -> APIRouter:
     """The routes; jobs run in the service's worker pool (:class:`~.workers.Workers`) through ``watch``."""
     router = APIRouter(tags=["reshard"])
 
     @router.post("/v1/reshard", status_code=202, response_model=JobStatus)
     async def create_job(body: ReshardRequest, response: Response) -> JobStatus:
-        from ..reshard.jobs import run_service_job, submit_job  # torch loads on first use, not at start-up
+        from ..reshard.jobs import submit_job  # torch loads on first use, not at start-up
 
         st = await run_in_threadpool(submit_job, storage, body, watch.owner)
-        watch.submit("reshard", st.id, run_service_job, storage.url, st.id, body.model_dump_json(),
-                     settings.reshard_max_mbps * (1 << 20))
+        watch.submit(st)
         if metrics is not None:
             metrics.track_job(storage, st.id)
         response.headers["Location"] = f"/v1/jobs/{st.id}"
@@ -64,14 +62,8 @@ def reshard_router(storage: Storage, settings: Settings, watch: "JobWatch", metr
 
     @router.get("/v1/jobs/{job_id}", response_model=JobStatus)
     async def job_status(job_id: str) -> JobStatus:
-        """The job; one whose replica stopped is failed first (module docstring)."""
-        from ..reshard.models import get_job
-
-        def read() -> JobStatus:
-            st = watch.check("reshard", get_job(storage, job_id))
-            assert isinstance(st, JobStatus)
-            return st
-
-        return await run_in_threadpool(read)
+        """The job, of either kind (a reshard job or a drill); one whose replica stopped is taken over
+        first (module docstring)."""
+        return await run_in_threadpool(watch.read, job_id)
 
     return router

@@ -151,7 +151,7 @@ def test_a_bad_drill_layout_setting_stops_serve_with_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_the_policy_drills_after_n_commits_and_counts_it(saved):
-    """Two commits of run ``train`` with CKPTD_DRILL_EVERY=2: one drill of ``train/latest`` (``train/2``) into
+    """Two commits of run ``train`` with CKPTD_DRILL_EVERY=2: one drill job of ``train/2`` into
     half, double and full of its data-parallel degree (2: fsdp2:dp=1, fsdp2:dp=4, full), recorded beside it
     and counted ok; ``train/1`` is not drilled."""
     seen = saved.after_saves
@@ -167,8 +167,15 @@ def test_the_policy_drills_after_n_commits_and_counts_it(saved):
     assert n == 6 and all(x["tensors"] == n and x["bytes"] > 0 and not x["problems"] for x in rec["layouts"])
     marker = reader.marker("train", "2")
     assert rec["manifest_xxh3"] == marker.manifest_xxh3
-    # the record is all the policy's drill left: no job record, nothing else in the checkpoint
-    assert not [x for x in seen["tree"] if x.startswith("jobs/")]
+    # the policy's drill is a job like any other: one record, done, with the drill's record as its result,
+    # readable at GET /v1/jobs/{id}; nothing listed as active, nothing else in the checkpoint
+    jobs = [x for x in seen["tree"] if x.startswith("jobs/") and not x.startswith("jobs/replicas/")]
+    assert len(jobs) == 1 and jobs[0].count("/") == 1, jobs
+    job = json.loads((Path(saved.root) / jobs[0]).read_text())
+    assert (job["kind"], job["state"], job["source"], job["layouts"]) == ("drill", "done", "train/2",
+                                                                          ["half", "double", "full"]), job
+    assert job["result"] == rec and job["owner"] is not None
+    assert httpx.get(f"{saved.url}/v1/jobs/{job['id']}", timeout=10).json() == job
     assert {Path(x).parts[3] for x in seen["tree"] if x.startswith("runs/train/2/")} == {
         "COMMITTED", "VERIFIED.json", "DRILL.json", "sessions"}
 

@@ -15,10 +15,9 @@ import httpx
 import pytest
 import torch
 
-from ckptd.reshard.drill import DrillRequest, get_drill_job, put_drill_job, submit_drill_job
-from ckptd.reshard.jobs import submit_job
+from ckptd.reshard.jobs import submit_drill, submit_job
 from ckptd.reshard.liveness import ACTIVE, active, beat, forget
-from ckptd.reshard.models import ReshardRequest, get_job, put_status
+from ckptd.reshard.models import DrillRequest, ReshardRequest, get_job, put_status
 from ckptd.reshard.recovery import CLAIMS, MAX_DRILL_STARTS, orphaned, take_over
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
@@ -46,7 +45,7 @@ def storage(tmp_path) -> LocalStorage:
 def _drill(storage: LocalStorage, owner: str | None = "deadreplica") -> str:
     if owner is not None:
         beat(storage, owner)
-    return submit_drill_job(storage, DrillRequest(source="src/1", to=["full"]), (lambda: owner) if owner else None).id
+    return submit_drill(storage, DrillRequest(source="src/1", to=["full"]), (lambda: owner) if owner else None).id
 
 
 def _reshard(storage: LocalStorage, owner: str = "deadreplica") -> str:
@@ -57,7 +56,7 @@ def _reshard(storage: LocalStorage, owner: str = "deadreplica") -> str:
 # -- the rules (pure: a local root, a clock passed in) ---------------------------------------------------
 
 def test_a_job_is_orphaned_only_when_its_replica_and_its_record_are_both_older_than_the_bound(storage):
-    job = get_drill_job(storage, _drill(storage))
+    job = get_job(storage, _drill(storage))
     now = time.time()
     assert orphaned(storage, job, after=AFTER, now=now) is None  # just recorded, replica just beat
     assert orphaned(storage, job, after=AFTER, now=now + LATER).startswith("replica deadreplica that ran it has not")
@@ -78,13 +77,13 @@ def test_an_orphaned_drill_is_resumed_once_then_failed_after_max_starts(storage,
     Leases(storage).release("src", "1", job_id)  # the submission's lease expired meanwhile
     new = take_over(storage, "drill", job_id, "livereplica", after=AFTER, now=time.time() + LATER)
     assert new is not None and (new.state, new.owner, new.attempts) == ("queued", "livereplica", 2)
-    assert get_drill_job(storage, job_id) == new and active(storage) == [("drill", job_id)]
+    assert get_job(storage, job_id) == new and active(storage) == [("drill", job_id)]
     assert job_id in Leases(storage).active("src", "1")  # leased again until its worker holds it
     assert not list(Path(tmp_path, "root", CLAIMS).glob("*"))  # the claim is dropped once the record is written
     # a second replica reading the record it replaced finds it changed and does nothing
     assert take_over(storage, "drill", job_id, "thirdreplica", after=AFTER, now=time.time()) is None
     # a drill that keeps stopping its service is not resumed for ever
-    put_drill_job(storage, new.model_copy(update={"attempts": MAX_DRILL_STARTS}))
+    put_status(storage, new.model_copy(update={"attempts": MAX_DRILL_STARTS}))
     end = take_over(storage, "drill", job_id, "livereplica", after=AFTER, now=time.time() + LATER)
     assert end is not None and end.state == "failed" and end.error["code"] == "unavailable"
     assert f"the service stopped while this drill ran, {MAX_DRILL_STARTS} times" in end.error["message"]
@@ -125,7 +124,7 @@ def test_a_claimed_takeover_is_left_to_its_taker_and_a_dead_takers_claim_is_drop
     claim.parent.mkdir(parents=True)
     claim.write_text(json.dumps({"owner": "otherreplica", "at": time.time()}))
     assert take_over(storage, "drill", job_id, "livereplica", after=AFTER, now=time.time() + LATER) is None
-    assert claim.exists() and get_drill_job(storage, job_id).attempts == 1
+    assert claim.exists() and get_job(storage, job_id).attempts == 1
     claim.write_text(json.dumps({"owner": "otherreplica", "at": time.time() - LATER}))  # its taker died
     assert take_over(storage, "drill", job_id, "livereplica", after=AFTER, now=time.time() + LATER) is None
     assert not claim.exists()  # dropped: the next sweep takes the job over
@@ -135,7 +134,7 @@ def test_a_claimed_takeover_is_left_to_its_taker_and_a_dead_takers_claim_is_drop
 
 def test_a_final_job_left_listed_is_dropped_from_the_index(storage):
     job_id = _drill(storage)
-    put_drill_job(storage, get_drill_job(storage, job_id).model_copy(update={"state": "failed"}))
+    put_status(storage, get_job(storage, job_id).model_copy(update={"state": "failed"}))
     assert take_over(storage, "drill", job_id, "livereplica", after=AFTER, now=time.time() + LATER) is None
     assert active(storage) == []
 
@@ -169,7 +168,7 @@ def _submit_both(url: str) -> tuple[str, str]:
 
 
 def _on_disk(root: Path, kind: str, job_id: str) -> dict:
-    return json.loads((root / ("jobs/drill" if kind == "drill" else "jobs") / f"{job_id}.json").read_text())
+    return json.loads((root / "jobs" / f"{job_id}.json").read_text())
 
 
 def _until_final(read, what: str) -> dict:
@@ -185,7 +184,9 @@ def _check_taken_over(root: Path, url: str, reshard: str, drill: str, killed: di
     d = _until_final(lambda: _on_disk(root, "drill", drill), "the drill")  # the sweep, nobody asking
     assert d["state"] == "done" and d["result"]["ok"], d
     assert d["attempts"] == 2 and d["owner"] != killed["drill"]["owner"], d
-    assert httpx.get(f"{url}/v1/drills/{drill}", timeout=30).json() == d
+    assert httpx.get(f"{url}/v1/drills/{drill}", timeout=30).json() == d == httpx.get(f"{url}/v1/jobs/{drill}",
+                                                                                      timeout=30).json()
+    assert httpx.get(f"{url}/v1/drills/{reshard}", timeout=30).status_code == 404  # one store, kinds kept apart
     assert [x["spec"] for x in d["result"]["layouts"]] == ["full", "fsdp2:dp=3"]
     assert json.loads((root / "runs/src/1/DRILL.json").read_text())["ok"]
     st = _until_final(lambda: httpx.get(f"{url}/v1/jobs/{reshard}", timeout=30).json(), "the reshard job")
