@@ -28,11 +28,11 @@ import errno
 import mmap
 import os
 import threading
-from typing import Mapping
+from typing import Callable, Mapping, TypeVar
 
 from ckptd_schemas import ChecksumMismatch, Fetch
 
-from ._scatter import BlockVerifier, Target
+from ._scatter import BlockVerifier, Fill
 
 __all__ = ["LocalFiles", "READ_SIZE"]
 
@@ -42,6 +42,7 @@ READ_SIZE = 4 << 20
 ALIGN = 4096  # what O_DIRECT asks of the offset, the length and the buffer
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+T = TypeVar("T")
 
 
 def _cached(fd: int) -> bool:
@@ -163,42 +164,24 @@ class LocalFiles:
         with self._lock:
             self.bytes_read += got
 
-    def _gap(self, n: int) -> memoryview:
-        buf = getattr(self._scratch, "buf", None)
-        if buf is None:
-            buf = self._scratch.buf = memoryview(bytearray(READ_SIZE))
-        return buf[:n]
-
-    def _start(self, f: Fetch) -> int:
+    def read(self, f: Fetch, consume: Callable[[Fill], T]) -> T:
+        """The range source of this host's files: ``consume`` gets a :data:`Fill` of the fetch's bytes,
+        read from the file straight into the views it is given, each piece hashed as it lands.
+        No WILLNEED for the whole range: with several fetch threads per rank and several ranks, the
+        queued ranges compete with the reads waited on; the kernel's sequential read-ahead (the file
+        was opened SEQUENTIAL) keeps the disk busy while a piece is hashed. A cold load at another
+        world size is faster without it (BENCHMARKS.md, Figures behind the code)."""
         fd = self._fd(f.file)
         assert fd is not None
-        # No WILLNEED for the whole range: with several fetch threads per rank and several ranks, the
-        # queued ranges compete with the reads waited on; the kernel's sequential read-ahead (the file
-        # was opened SEQUENTIAL) keeps the disk busy while a piece is hashed. A cold load at another
-        # world size is faster without it (BENCHMARKS.md, Figures behind the code).
-        return fd
+        at = 0
 
-    def scatter(self, f: Fetch, targets: list[Target]) -> None:
-        """Read the fetch into its targets (sorted, disjoint byte runs of the fetch); the bytes
-        between them go through a small scratch buffer, only to be hashed."""
-        fd = self._start(f)
-        check = BlockVerifier(f)
-        pos = 0
-        for lo, hi, dst in [*targets, (check.size, check.size, memoryview(b""))]:
-            while pos < lo:
-                gap = self._gap(min(lo - pos, READ_SIZE))
-                self._read(fd, f, pos, gap, check)
-                pos += len(gap)
-            if hi > lo:
-                self._read(fd, f, lo, dst, check)
-                pos = hi
+        def fill(view: memoryview, check: BlockVerifier) -> int:
+            nonlocal at
+            self._read(fd, f, at, view, check)  # fills the whole view or raises
+            at += len(view)
+            return len(view)
 
-    def fetch(self, f: Fetch) -> bytearray:
-        """The fetch's bytes in a fresh buffer, every block verified."""
-        fd = self._start(f)
-        buf = bytearray(f.end - f.start)
-        self._read(fd, f, 0, memoryview(buf), BlockVerifier(f))
-        return buf
+        return consume(fill)
 
     def close(self) -> None:
         with self._lock:

@@ -31,8 +31,8 @@ Call order inside :meth:`CheckpointClient.load`:
    instead of over HTTP (``_files``), with the same checks and an HTTP retry.
    The service sees none of those reads, so while they may happen (and while
    the ranks of a distributed load wait for each other) the load holds a read
-   lease of its own (``read_lease``), renewed every third of the lease period,
-   so gc spares the checkpoint however long the load takes.
+   lease of its own (``LoadLease``: one per load, the read executor takes none), renewed every
+   third of the lease period, so gc spares the checkpoint however long the load takes.
 4. in a distributed load, regions that several ranks of one host need
    (replicated tensors) are read by one of them and sent to the others
    (``_share``); every step that could leave a rank waiting is agreed first,
@@ -44,17 +44,19 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import httpx
 import xxhash
 
 from ckptd_schemas import (
-    ChecksumMismatch, CorruptCheckpoint, Manifest, ObjectEntry, ReadPlan, ReadRequest, StateDictMismatch,
+    ChecksumMismatch, CorruptCheckpoint, Fetch, Manifest, ObjectEntry, ReadPlan, ReadRequest, StateDictMismatch,
 )
 
 from ._coverage import agree_keys
-from ._scatter import BUFFER_BYTES, DeviceStager, PieceFill, direct_targets, scatter, staged_runs
+from ._scatter import (
+    BUFFER_BYTES, DeviceStager, Fill, PieceFill, direct_targets, fill_buffer, fill_targets, staged_runs, whole,
+)
 from ._dist import distributed as _distributed
 from ._files import LocalFiles
 from ._share import Sharing, agree, exchange, region_key, share_plan
@@ -62,19 +64,19 @@ from ._flatten import Leaf, flatten_state_dict
 from .transport import Transport
 from ._placement import LocalPiece, dtype_name, local_piece
 from ._damage import reported
-from ._lease import LoadLease, read_lease
+from ._lease import LoadLease
 from ._loadtree import fetch_head, fetch_pieces
 from ._resolve import resolve_manifest
 from ckptd_schemas.api import SkippedCheckpoint
 from ckptd_schemas.format.assemble import Destination, copy_into
 from ckptd_schemas.format.objects import SAFE, ObjectPolicy, decode_object
-from ckptd_schemas.readplan import verify_fetch
 
 from ckptd_schemas.names import RESERVED
 
-__all__ = ["LoadReport", "RESERVED", "execute", "load_into", "local_files", "read_lease", "resolve_manifest"]
+__all__ = ["HttpRanges", "LoadReport", "RESERVED", "execute", "load_into", "local_files", "resolve_manifest"]
 
 log = logging.getLogger("ckptd_client")
+T = TypeVar("T")
 
 
 
@@ -120,55 +122,23 @@ def _request(fqn: str, piece: LocalPiece) -> ReadRequest:
     return ReadRequest(name=fqn, offsets=list(piece.box.offsets), sizes=list(piece.box.sizes))
 
 
-def _fetch(transport: Transport, base: str, f: Any) -> bytearray:
-    size = f.end - f.start
-    buf = bytearray(size)
+class HttpRanges:
+    """The range source of the service's file route: one GET with a ``Range`` header per fetch;
+    ``consume`` gets a :data:`~._scatter.Fill` over the body's pieces, which must hold the fetch's
+    bytes and nothing more. A retried request runs ``consume`` again from the first byte."""
 
-    def sink(resp: httpx.Response) -> bytearray:
-        view = memoryview(buf)
-        got = 0
-        for piece in resp.iter_bytes():
-            n = len(piece)
-            if got + n > size:
-                raise ChecksumMismatch(f"file {f.file!r}: server sent more than the {size} bytes asked", file=f.file)
-            view[got:got + n] = piece
-            got += n
-        if got != size:
-            raise ChecksumMismatch(f"file {f.file!r}: got {got} of {size} bytes at offset {f.start}", file=f.file)
-        return buf
+    def __init__(self, transport: Transport, base: str) -> None:
+        self.transport, self.base = transport, base
 
-    transport.request("GET", f"{base}/files/{f.file}", headers={"Range": f"bytes={f.start}-{f.end - 1}"},
-                      sink=sink)
-    verify_fetch(buf, f)
-    return buf
+    def read(self, f: Fetch, consume: Callable[[Fill], T]) -> T:
+        def sink(resp: httpx.Response) -> T:
+            body = PieceFill(resp.iter_bytes(), f)
+            out = consume(body)
+            body.drain()
+            return out
 
-
-def _fetch_scattered(transport: Transport, base: str, f: Any, targets: list) -> None:
-    """Stream the range straight into the destination tensors, verifying every block on the way."""
-    size = f.end - f.start
-
-    def sink(resp: httpx.Response) -> None:
-        got = scatter(resp.iter_bytes(), f, targets)
-        if got != size:
-            raise ChecksumMismatch(f"file {f.file!r}: got {got} of {size} bytes at offset {f.start}", file=f.file)
-
-    transport.request("GET", f"{base}/files/{f.file}", headers={"Range": f"bytes={f.start}-{f.end - 1}"},
-                      sink=sink)
-
-
-def _fetch_staged(transport: Transport, base: str, f: Any, runs: list, stager: DeviceStager) -> None:
-    """Stream the range through ``stager``'s ring into device destinations, verifying every block."""
-    size = f.end - f.start
-
-    def sink(resp: httpx.Response) -> None:
-        body = PieceFill(resp.iter_bytes(), f)
-        got = stager.stream(f, body, runs)
-        if got != size:
-            raise ChecksumMismatch(f"file {f.file!r}: got {got} of {size} bytes at offset {f.start}", file=f.file)
-        body.drain()
-
-    transport.request("GET", f"{base}/files/{f.file}", headers={"Range": f"bytes={f.start}-{f.end - 1}"},
-                      sink=sink)
+        return self.transport.request("GET", f"{self.base}/files/{f.file}",
+                                      headers={"Range": f"bytes={f.start}-{f.end - 1}"}, sink=sink)
 
 
 def _load_object(transport: Transport, base: str, o: ObjectEntry, ref: str, policy: ObjectPolicy) -> Any:
@@ -231,7 +201,7 @@ def _load_into(transport: Transport, run: str, name: str, state_dict: dict, leas
     report.coverage_ranks = coverage
     report.uncovered = uncovered if together else list(report.unexpected)
     if pieces or share:  # a rank with nothing to read still takes part in the agreement
-        _read_tensors(transport, base, manifest, pieces, plan, report, streams=streams, share=share, lease=lease,
+        _read_tensors(transport, base, manifest, pieces, plan, report, streams=streams, share=share,
                       replan=found.plan)
     for leaf in leaves:
         if leaf.kind == "tensor" or leaf.fqn not in objects_by_name:
@@ -379,7 +349,7 @@ def _key(leaf: Leaf, p: LocalPiece) -> Any:
 
 def _read_tensors(transport: Transport, base: str, manifest: Manifest, pieces: list[tuple[Leaf, LocalPiece]],
                   plan: ReadPlan | None, report: LoadReport, *, streams: int, share: bool,
-                  replan: Callable[[list[tuple[Leaf, LocalPiece]]], ReadPlan], lease: LoadLease | None = None) -> None:
+                  replan: Callable[[list[tuple[Leaf, LocalPiece]]], ReadPlan]) -> None:
     """Step 3 (and 4): agree who reads the regions shared within a host; fetch and verify; pass
     the shared regions along."""
     pieces_all = pieces
@@ -396,8 +366,7 @@ def _read_tensors(transport: Transport, base: str, manifest: Manifest, pieces: l
         err: Exception | None = None
         try:
             if plan is not None:
-                execute(transport, base, plan, [_destination(p) for _, p in pieces], streams, files,
-                        lease=lease is None)
+                execute(transport, base, plan, [_destination(p) for _, p in pieces], streams, files)
                 report.bytes_read = plan.bytes_to_read
         except Exception as e:
             err = e
@@ -454,20 +423,20 @@ def _stagers(plan: ReadPlan, dests: list[Destination], streams: int) -> dict[Any
 
 
 def execute(transport: Transport, base: str, plan: ReadPlan, dests: list[Destination], streams: int,
-            files: LocalFiles | None = None, *, lease: bool = True) -> None:
-    """Fetch every range of ``plan`` (``streams`` at a time; from ``files`` where usable, else over
-    HTTP), verify it, and copy it into ``dests`` (indexed like the plan's requests). Reading from
-    ``files``, it holds a read lease meanwhile (:func:`read_lease`) unless ``lease`` is False (the
-    caller holds one). Destinations on a device (CUDA) are filled through a :class:`DeviceStager`
-    (pinned ring, side stream); when this returns, the caller's current stream is ordered after
-    every copy, as it was after the synchronous copies before."""
-    if files is not None and lease:
-        with read_lease(transport, base):
-            return execute(transport, base, plan, dests, streams, files, lease=False)
+            files: LocalFiles | None = None) -> None:
+    """The one read executor of a load: every fetch of ``plan`` (``streams`` at a time) from one range
+    source (``files``, this host's copy, where usable, else :class:`HttpRanges`) into one sink (row
+    bands onto a device through a :class:`DeviceStager`, row bands into row bands straight from the
+    source, else a verified buffer copied from), every block verified on the way, into ``dests``
+    (indexed like the plan's requests). The caller holds the read lease (``LoadLease``: the load,
+    the DCP reader). Destinations on a device (CUDA) are filled through the stager (pinned ring,
+    side stream); when this returns, the caller's current stream is ordered after every copy, as it
+    was after the synchronous copies before."""
     by_fetch: dict[int, list] = {}
     for c in plan.copies:
         by_fetch.setdefault(c.fetch, []).append(c)
     stagers = _stagers(plan, dests, streams)
+    http = HttpRanges(transport, base)
 
     def staged(copies: list) -> tuple[DeviceStager, list] | None:
         """The stager and its runs when every copy of the fetch is a row band onto one staged device."""
@@ -476,42 +445,40 @@ def execute(transport: Transport, base: str, plan: ReadPlan, dests: list[Destina
         runs = staged_runs(copies, dests, stager.device) if stager is not None else None
         return None if runs is None else (stager, runs)  # type: ignore[return-value]
 
-    def fill(f: Any, copies: list, targets: list | None, onto: tuple[DeviceStager, list] | None,
-             from_files: bool) -> None:
-        if onto is not None:  # row bands onto a device: through the ring, no fetch-sized buffer
-            stager, runs = onto
-            if from_files:
-                _stream_file(files, f, runs, stager)  # type: ignore[arg-type]
-            else:
-                _fetch_staged(transport, base, f, runs, stager)
-            return
-        if targets is not None:  # row bands into row bands: no buffer, no second copy
-            if from_files:
-                files.scatter(f, targets)  # type: ignore[union-attr]
-            else:
-                _fetch_scattered(transport, base, f, targets)
-            return
-        buf = files.fetch(f) if from_files else _fetch(transport, base, f)  # type: ignore[union-attr]
-        for c in copies:
-            dest = dests[c.request]
-            stager = stagers.get(dest.tensor.device)
-            if stager is not None:
-                stager.copy_into(buf, c, dest)
-            else:
-                copy_into(buf, c, dest)
-
-    def read(f: Any, copies: list) -> None:
+    def sink(f: Fetch, copies: list) -> Callable[[Fill], None]:
+        """Where fetch ``f``'s bytes go: row bands onto a device through its stager's ring, row bands
+        into row bands straight from the source, else a verified buffer copied from."""
         onto = staged(copies) if stagers and copies else None
-        targets = direct_targets(copies, dests) if onto is None else None
+        if onto is not None:
+            stager, runs = onto
+            return lambda fill: whole(f, stager.stream(f, fill, runs))
+        targets = direct_targets(copies, dests)
+        if targets is not None:
+            return lambda fill: fill_targets(f, fill, targets)
+
+        def buffered(fill: Fill) -> None:
+            buf = fill_buffer(f, fill)
+            for c in copies:
+                dest = dests[c.request]
+                stager = stagers.get(dest.tensor.device)
+                if stager is not None:
+                    stager.copy_into(buf, c, dest)
+                else:
+                    copy_into(buf, c, dest)
+        return buffered
+
+    def read(f: Fetch, copies: list) -> None:
+        """One fetch from one range source into its sink: this host's file where usable, else HTTP."""
+        consume = sink(f, copies)
         if files is not None and files.usable(f.file):
             try:
-                fill(f, copies, targets, onto, True)
+                files.read(f, consume)
                 return
             except ChecksumMismatch:
-                fill(f, copies, targets, onto, False)  # raises if the service's bytes are bad too
+                http.read(f, consume)  # raises if the service's bytes are bad too
                 files.disable()  # HTTP passed: this host's file at that path is not the service's
                 return
-        fill(f, copies, targets, onto, False)
+        http.read(f, consume)
 
     def run(i: int) -> None:
         f, copies = plan.fetches[i], by_fetch.get(i, [])
@@ -530,18 +497,3 @@ def execute(transport: Transport, base: str, plan: ReadPlan, dests: list[Destina
     finally:
         for stager in stagers.values():
             stager.finish()
-
-
-def _stream_file(files: LocalFiles, f: Any, runs: list, stager: DeviceStager) -> None:
-    """The range from this host's file through ``stager``'s ring, each piece hashed as it lands
-    (``LocalFiles``' own reads, so its checks and byte count are the same as for a direct read)."""
-    fd = files._start(f)
-    at = 0
-
-    def fill(view: memoryview, check: Any) -> int:
-        nonlocal at
-        files._read(fd, f, at, view, check)  # fills the whole view or raises
-        at += len(view)
-        return len(view)
-
-    stager.stream(f, fill, runs)

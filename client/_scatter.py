@@ -43,7 +43,8 @@ from ckptd_schemas import ChecksumMismatch, Copy, Fetch
 from ckptd_schemas.format.assemble import Destination, torch_dtype
 from ckptd_schemas.format.encoding import source_bytes
 
-__all__ = ["BUFFER_BYTES", "BlockVerifier", "DeviceStager", "PieceFill", "direct_targets", "scatter", "staged_runs"]
+__all__ = ["BUFFER_BYTES", "BlockVerifier", "DeviceStager", "Fill", "PieceFill", "direct_targets", "fill_buffer",
+           "fill_targets", "staged_runs", "whole"]
 
 Target = tuple[int, int, memoryview]  # [lo, hi) of the fetch -> the destination's bytes
 Run = tuple[int, int, torch.Tensor]   # [lo, hi) of the fetch -> the destination's bytes, a uint8 tensor on its device
@@ -131,29 +132,6 @@ class BlockVerifier:
         self._h.reset()
 
 
-def scatter(pieces: Iterable[bytes], fetch: Fetch, targets: list[Target]) -> int:
-    """Consume the response body: verify every block, copy each target's bytes into place.
-    Returns the bytes received (the caller checks it against the fetch's size)."""
-    check = BlockVerifier(fetch)
-    size, k = check.size, 0
-    for raw in pieces:
-        piece = memoryview(raw)
-        lo = check.got
-        hi = lo + len(piece)
-        if hi > size:
-            raise ChecksumMismatch(f"file {fetch.file!r}: server sent more than the {size} bytes asked", file=fetch.file)
-        check.update(piece)
-        while k < len(targets) and targets[k][1] <= lo:
-            k += 1
-        j = k
-        while j < len(targets) and targets[j][0] < hi:
-            t_lo, t_hi, dst = targets[j]
-            a, b = max(t_lo, lo), min(t_hi, hi)
-            dst[a - t_lo:b - t_lo] = piece[a - lo:b - lo]
-            j += 1
-    return check.got
-
-
 # -- staging onto a device ---------------------------------------------------------------------------
 
 BUFFER_BYTES = 32 << 20
@@ -206,6 +184,45 @@ class PieceFill:
         """After the fetch's bytes: raise if the body holds more."""
         if self._rest or any(len(raw) for raw in self._it):
             self._more()
+
+
+def whole(fetch: Fetch, got: int) -> None:
+    """Raise unless a sink received every byte of ``fetch`` (``got`` of them)."""
+    if got != fetch.end - fetch.start:
+        raise ChecksumMismatch(f"file {fetch.file!r}: got {got} of {fetch.end - fetch.start} bytes at offset "
+                               f"{fetch.start}", file=fetch.file)
+
+
+def fill_buffer(fetch: Fetch, fill: Fill) -> bytearray:
+    """The buffered sink: the fetch's bytes in a fresh buffer, every block verified."""
+    buf = bytearray(fetch.end - fetch.start)
+    whole(fetch, fill(memoryview(buf), BlockVerifier(fetch)))
+    return buf
+
+
+_scratch = threading.local()
+SCRATCH_BYTES = 4 << 20
+
+
+def fill_targets(fetch: Fetch, fill: Fill, targets: list[Target]) -> None:
+    """The scattering sink: the fetch's bytes straight into its targets (sorted, disjoint byte runs of
+    the fetch); the bytes between them go through a small per-thread scratch buffer, only to be hashed."""
+    check = BlockVerifier(fetch)
+    pos = 0
+    for lo, hi, dst in [*targets, (check.size, check.size, memoryview(b""))]:
+        while pos < lo:
+            gap = getattr(_scratch, "buf", None)
+            if gap is None:
+                gap = _scratch.buf = memoryview(bytearray(SCRATCH_BYTES))
+            n = fill(gap[:min(lo - pos, SCRATCH_BYTES)], check)
+            if n == 0:
+                whole(fetch, pos)
+            pos += n
+        if hi > lo:
+            n = fill(dst, check)
+            if n != hi - lo:
+                whole(fetch, lo + n)
+            pos = hi
 
 
 @dataclass

@@ -226,15 +226,14 @@ def test_a_direct_read_load_slower_than_its_lease_keeps_its_checkpoint(tmp_path,
     lease = scaled(3.0)
     srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": f"{lease:g}"}).start()
     reading, release = threading.Event(), threading.Event()
-    for meth in ("fetch", "scatter"):
-        orig = getattr(client_files.LocalFiles, meth)
+    orig = client_files.LocalFiles.read
 
-        def slow(self, *a, __orig=orig, **kw):
-            reading.set()
-            release.wait(scaled(120))  # reading until gc has run
-            return __orig(self, *a, **kw)
+    def slow(self, *a, **kw):
+        reading.set()
+        release.wait(scaled(120))  # reading until gc has run
+        return orig(self, *a, **kw)
 
-        monkeypatch.setattr(client_files.LocalFiles, meth, slow)
+    monkeypatch.setattr(client_files.LocalFiles, "read", slow)
     try:
         want = make_state(1, mib=0.05)
         with CheckpointClient(srv.url) as c:

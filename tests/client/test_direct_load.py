@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptd_schemas.filedigest import StreamDigest, xxh3_hex
-from ckptd_client._scatter import direct_targets, scatter
+from ckptd_client._scatter import PieceFill, direct_targets, fill_targets
 from ckptd_schemas.format.assemble import Destination, copy_into
 from ckptd_schemas.readplan import verify_fetch
 from ckptd_schemas import (
@@ -78,8 +78,9 @@ def test_direct_scatter_equals_buffered_copy(data):
         blob = files[f.file][f.start:f.end]
         targets = direct_targets(copies, [Destination(direct_out, [rows, cols], box_offsets=[lo, 0])])
         assert targets is not None  # row bands into a row band: always direct
-        got = scatter(_pieces(blob, data.draw(st.lists(st.integers(0, 10**6), max_size=6))), f, targets)
-        assert got == f.end - f.start
+        body = PieceFill(_pieces(blob, data.draw(st.lists(st.integers(0, 10**6), max_size=6))), f)
+        fill_targets(f, body, targets)
+        body.drain()
         verify_fetch(blob, f)
         for c in copies:
             copy_into(bytearray(blob), c, Destination(buffered_out, [rows, cols], box_offsets=[lo, 0]))
@@ -98,7 +99,7 @@ def test_every_block_is_checked_on_the_stream_including_skipped_bytes():
         out = torch.zeros(20, 128)
         targets = direct_targets([c for c in plan.copies if c.fetch == 0], [Destination(out, [64, 128], box_offsets=[30, 0])])
         with pytest.raises(ChecksumMismatch, match=f"file '{f.file}': bytes"):
-            scatter([bytes(bad)], f, targets)
+            fill_targets(f, PieceFill([bytes(bad)], f), targets)
 
 
 def test_copies_that_need_a_buffer_are_refused():

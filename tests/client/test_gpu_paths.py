@@ -250,7 +250,7 @@ def staged_cpu(monkeypatch):
     """CPU destinations through DeviceStager with 16 KiB buffers (runs span several of them); records
     the stagers made and which staged path each fetch took."""
     made: list[DeviceStager] = []
-    paths: dict[str, int] = {"file": 0, "http": 0, "copy": 0}
+    paths: dict[str, int] = {"file": 0, "http": 0, "stream": 0, "copy": 0}
     real = load_mod.DeviceStager
 
     def make(*a, **kw):
@@ -266,8 +266,9 @@ def staged_cpu(monkeypatch):
     monkeypatch.setattr(load_mod, "STAGE_CPU", True)
     monkeypatch.setattr(load_mod, "BUFFER_BYTES", 16 * KIB)
     monkeypatch.setattr(load_mod, "DeviceStager", make)
-    monkeypatch.setattr(load_mod, "_stream_file", counted("file", load_mod._stream_file))
-    monkeypatch.setattr(load_mod, "_fetch_staged", counted("http", load_mod._fetch_staged))
+    monkeypatch.setattr(load_mod.LocalFiles, "read", counted("file", load_mod.LocalFiles.read))
+    monkeypatch.setattr(load_mod.HttpRanges, "read", counted("http", load_mod.HttpRanges.read))
+    monkeypatch.setattr(real, "stream", counted("stream", real.stream))
     monkeypatch.setattr(real, "copy_into", counted("copy", real.copy_into))
     return made, paths
 
@@ -298,8 +299,9 @@ def test_a_load_through_the_stager_is_bit_for_bit(server, staged_cpu, no_cuda, d
         c.load({"model": {"w": part}}, "stage/1", strict=False)
         assert torch.equal(part.local, want["model"]["w"].reshape(-1)[31 * 1024:81 * 1024])
         if compression is None:  # a row band, raw: streamed through the ring from the file or HTTP, no buffer
-            assert paths["copy"] == before["copy"]
+            assert paths["copy"] == before["copy"] and paths["stream"] > before["stream"]
             assert paths["file" if direct_reads else "http"] > before["file" if direct_reads else "http"]
+            assert paths["http" if direct_reads else "file"] == before["http" if direct_reads else "file"]
 
 
 def test_a_cpu_load_does_not_use_the_stager_by_default(server, monkeypatch):

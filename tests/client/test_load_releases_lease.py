@@ -83,3 +83,31 @@ def test_a_finished_load_leaves_no_lease_and_a_held_one_names_its_holder(tmp_pat
         assert out.returncode == 1 and "leased by reader-" in out.stdout, out.stdout + out.stderr
     finally:
         srv.stop()
+
+
+def test_a_dcp_load_reading_files_directly_holds_one_lease_the_readers(tmp_path, monkeypatch):
+    """The lease belongs to the caller of the read executor: while ``dcp.load`` reads the service's files
+    directly, the checkpoint holds exactly one lease (the reader's), not a second one taken by the
+    executor for its direct reads."""
+    import torch.distributed.checkpoint as dcp
+    from ckptd_client import _files
+
+    srv = ServerProcess(tmp_path / "root").start()
+    seen: list[list[str]] = []
+    real = _files.LocalFiles.read
+
+    def read(self, *a, **kw):
+        seen.append(sorted(p.name for p in (tmp_path / "root" / "leases" / "dl" / "1").glob("*.json")))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(_files.LocalFiles, "read", read)
+    try:
+        with CheckpointClient(srv.url) as c:
+            c.save(_state(3), "dl/1").wait()
+            got = _state(0)
+            dcp.load(got, storage_reader=c.dcp_reader("dl/1"), no_dist=True)
+        assert torch.equal(got["model"]["w"], _state(3.0)["model"]["w"])
+        assert seen and all(len(held) == 1 for held in seen), seen  # read directly, under the reader's lease
+        assert not list((tmp_path / "root" / "leases").rglob("*.json"))
+    finally:
+        srv.stop()

@@ -11,6 +11,7 @@ import pytest
 import xxhash
 
 from ckptd_client._files import ALIGN, LocalFiles
+from ckptd_client._scatter import fill_buffer, fill_targets
 from ckptd_schemas import ChecksumMismatch, Fetch
 
 BLOCK = 1 << 20
@@ -36,6 +37,11 @@ def _files(path: str, data: bytes) -> LocalFiles:
     return LocalFiles({"f.bin": path}, {"f.bin": len(data)})
 
 
+def _fetched(files: LocalFiles, f: Fetch) -> bytes:
+    """The fetch read from the file into a buffer (the buffered sink), every block verified."""
+    return bytes(files.read(f, lambda fill: fill_buffer(f, fill)))
+
+
 @pytest.fixture
 def data() -> bytes:
     return random.Random(7).randbytes(5 * BLOCK + 777)
@@ -47,14 +53,15 @@ def test_a_cold_file_is_read_past_the_cache_and_gives_the_same_bytes(tmp_path, d
     try:
         for first, n in [(0, 6), (1, 2), (4, 2)]:  # whole, inside, the unaligned end of the file
             f = _fetch(data, first, n)
-            assert bytes(files.fetch(f)) == data[f.start:f.end]
+            assert bytes(_fetched(files, f)) == data[f.start:f.end]
         if not files._uncached:
             pytest.skip("this filesystem refuses O_DIRECT or the page cache kept the file")
         # targets at unaligned runs (a tensor's bytes inside the fetch): the rest is only hashed
         f = _fetch(data, 0, 6)
         runs = [(3, 4099), (BLOCK + 17, 3 * BLOCK + 5), (5 * BLOCK, 5 * BLOCK + 777)]
         dsts = [bytearray(hi - lo) for lo, hi in runs]
-        files.scatter(f, [(lo, hi, memoryview(d)) for (lo, hi), d in zip(runs, dsts)])
+        targets = [(lo, hi, memoryview(d)) for (lo, hi), d in zip(runs, dsts)]
+        files.read(f, lambda fill: fill_targets(f, fill, targets))
         for (lo, hi), d in zip(runs, dsts):
             assert bytes(d) == data[lo:hi]
         assert files.bytes_read >= 2 * len(data)
@@ -69,7 +76,7 @@ def test_a_warm_file_is_read_through_the_cache(tmp_path, data):
     files = _files(str(path), data)
     try:
         f = _fetch(data, 0, 6)
-        assert bytes(files.fetch(f)) == data
+        assert bytes(_fetched(files, f)) == data
         assert files._uncached == {}
     finally:
         files.close()
@@ -82,7 +89,7 @@ def test_a_corrupt_cold_file_fails_its_block_digest_on_the_uncached_path(tmp_pat
     files = _files(path, data)
     try:
         with pytest.raises(ChecksumMismatch) as ei:
-            files.fetch(_fetch(data, 0, 6))
+            _fetched(files, _fetch(data, 0, 6))
         assert ei.value.details["file"] == "f.bin"
     finally:
         files.close()
