@@ -29,7 +29,9 @@ if TYPE_CHECKING:
         CheckpointSummary, ConfirmUpload, LinkFile, OpenSession, PresignedUpload,
         PresignUpload, RankIndex, RunSummary, SessionInfo, SessionStatus, TensorColumns, UploadResult,
     )
-    from .readplan import Copy, Fetch, PlanBudget, ReadPlan, ReadRequest, dest_region, plan_reads, verify_fetch
+    from .readplan import (
+        Copy, Fetch, PlanBudget, ReadPlan, ReadRequest, dest_region, plan_reads, run_fetches, verify_fetch,
+    )
 
 # The HTTP bodies and the read plan are imported when first named: a process that only reads a
 # manifest (``ckptd verify``, ``ckptd show``) does not build their models (a tenth of its start-up).
@@ -38,7 +40,7 @@ _LAZY = {
                      "PresignUpload", "PresignedUpload", "RankIndex", "RunSummary", "SessionInfo", "SessionStatus",
                      "TensorColumns", "UploadResult"), ".api"),
     **dict.fromkeys(("Copy", "Fetch", "PlanBudget", "ReadPlan", "ReadRequest", "dest_region", "plan_reads",
-                     "verify_fetch"), ".readplan"),
+                     "run_fetches", "verify_fetch"), ".readplan"),
 }
 __getattr__ = lazy_exports(__name__, _LAZY, globals())
 
@@ -51,5 +53,5 @@ __all__ = [
     "Topology", "UploadResult",
     "check_file", "check_name", "check_new_name", "check_run", "check_session", "check_tiling", "dest_region",
     "flat_range_to_boxes", "intersect_regions", "itemsize", "parse_ref", "plan_reads", "row_major_strides",
-    "linked_name", "verify_fetch",
+    "linked_name", "run_fetches", "verify_fetch",
 ]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import prod
-from typing import Sequence
+from typing import Callable, Sequence
 
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -38,8 +38,8 @@ from .errors import ChecksumMismatch, PayloadTooLarge, StateDictMismatch
 from .geometry import Box, Region, box_flat_span, intersect_regions, row_major_strides
 from .manifest import FileEntry, Manifest, TensorEntry
 
-__all__ = ["Copy", "Fetch", "PlanBudget", "ReadPlan", "ReadRequest", "dest_region", "plan_reads", "verify_fetch",
-           "wanted_region"]
+__all__ = ["Copy", "Fetch", "PlanBudget", "ReadPlan", "ReadRequest", "dest_region", "plan_reads", "run_fetches",
+           "verify_fetch", "wanted_region"]
 
 
 class _Body(BaseModel):
@@ -101,6 +101,27 @@ def verify_fetch(buf: bytes | bytearray | memoryview, fetch: Fetch) -> None:
             raise ChecksumMismatch(
                 f"file {fetch.file!r}: bytes [{start}, {start + min(fetch.block_size, size - lo)}) hash to {got}, "
                 f"manifest says {want}: the checkpoint is corrupt", file=fetch.file, offset=start)
+
+
+def run_fetches(plan: "ReadPlan", read: Callable[[Fetch], bytes | bytearray | memoryview],
+                copy: Callable[[memoryview, "Copy"], None],
+                fetched: Callable[[Fetch, memoryview], None] | None = None) -> None:
+    """Execute ``plan`` where its bytes are whole in memory (the service's reshard, drill, export and
+    offline reads): each fetch read (``read``, a range of a data file), block-verified
+    (:func:`verify_fetch`: a damaged one raises before any copy reads it), shown to ``fetched`` (the
+    source digest's parts), then each of its copies handed to ``copy`` with the fetched bytes. Copies
+    are grouped once by fetch, so the work is linear in fetches plus copies. (A loading rank streams
+    its fetches into their destinations instead: ``ckptd_client``'s read executor.)"""
+    by_fetch: dict[int, list[Copy]] = {}
+    for c in plan.copies:
+        by_fetch.setdefault(c.fetch, []).append(c)
+    for i, f in enumerate(plan.fetches):
+        data = memoryview(read(f))
+        verify_fetch(data, f)
+        if fetched is not None:
+            fetched(f, data)
+        for c in by_fetch.get(i, ()):
+            copy(data, c)
 
 
 class Copy(_Body):

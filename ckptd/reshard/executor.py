@@ -51,7 +51,7 @@ from pydantic import BaseModel, ConfigDict
 from ckptd_schemas import (
     BoxChunk, CheckpointNotFound, Chunk, CkptdError, Conflict, Fetch, FlatChunk, IntegrityError, InvalidRequest,
     Location, Manifest, ObjectEntry, OpenSession, RankIndex, TensorEntry, check_name, check_run, itemsize, parse_ref,
-    verify_fetch,
+    run_fetches,
 )
 from ckptd_schemas.digest import DigestPart, combine, digest_piece
 from ckptd_schemas.dtypes import FLOATING
@@ -221,15 +221,16 @@ class ChunkAssembler:
         call."""
         self.staging.begin(pc.src_dtype, pc.numel, shape, sizes=pc.sizes, offsets=pc.offsets,
                            flat_start=pc.flat_start)
-        for i, f in enumerate(pc.reads.fetches):
-            with naming_tensor(pc.tensor, self.source):
-                data, n_read = self.fetches.get(f)
-                verify_fetch(data, f)
-            self.parts += self.pieces.parts(f.file, f.start, data, self._whole)
+        def read(f: Fetch) -> memoryview:
+            data, n_read = self.fetches.get(f)
             self.bytes_read += n_read
-            for c in pc.reads.copies:
-                if c.fetch == i:
-                    self.staging.copy(data, c)
+            return data
+
+        def fetched(f: Fetch, data: memoryview) -> None:
+            self.parts += self.pieces.parts(f.file, f.start, data, self._whole)
+
+        with naming_tensor(pc.tensor, self.source):  # a damaged fetch raises naming the tensor
+            run_fetches(pc.reads, read, self.staging.copy, fetched)
         return self.staging.result(pc.dtype)
 
 

@@ -12,7 +12,7 @@ import xxhash
 
 from ckptd_schemas import (
     BoxChunk, CheckpointNotFound, Location, Manifest, OpenSession, RankIndex, ReadRequest, TensorEntry,
-    parse_ref, plan_reads, verify_fetch,
+    parse_ref, plan_reads, run_fetches,
 )
 
 from .engines import ChunkBuffer
@@ -71,14 +71,10 @@ def read_tensor(reader: CheckpointReader, ref: str, name: str) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
     if out.numel() == 0:
         return out
-    plan = plan_reads(manifest, [ReadRequest(name=name)])
     dest = Destination(out, t.shape, box_offsets=[0] * len(t.shape))
-    for i, f in enumerate(plan.fetches):
-        data = bytearray(reader.read_range(manifest.run, manifest.name, f.file, f.start, f.end))
-        verify_fetch(data, f)
-        for c in plan.copies:
-            if c.fetch == i:
-                copy_into(data, c, dest)
+    run_fetches(plan_reads(manifest, [ReadRequest(name=name)]),
+                lambda f: bytearray(reader.read_range(manifest.run, manifest.name, f.file, f.start, f.end)),
+                lambda data, c: copy_into(data, c, dest))
     return out
 
 
@@ -95,11 +91,6 @@ def iter_slabs(manifest: Manifest, t: TensorEntry, read: ReadFn, *, slab_elems: 
         n = min(step, numel - start)
         plan = plan_reads(manifest, [ReadRequest(name=t.name, flat_start=start, flat_length=n)])
         buffer.begin(t.dtype, n, t.shape, flat_start=start)
-        for i, f in enumerate(plan.fetches):
-            data = memoryview(read(f.file, f.start, f.end))  # no copy: the engine copies out of it
-            verify_fetch(data, f)
-            for c in plan.copies:
-                if c.fetch == i:
-                    buffer.copy(data, c)
+        run_fetches(plan, lambda f: read(f.file, f.start, f.end), buffer.copy)  # no copy: the engine copies out
         stored = buffer.result(t.dtype)
         yield stored, (stored if dtype is None or dtype == t.dtype else buffer.result(dtype))
