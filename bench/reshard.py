@@ -535,7 +535,7 @@ def profile_main(argv: list[str]) -> int:
     root, src, spec, out, jobs = argv
     import ckptd.reshard.executor as ex
     import ckptd.reshard.planner as planner
-    import ckptd.store.engines as engines
+    import ckptd_schemas.format.engines as engines
     import ckptd_schemas.filedigest as hashing
     import ckptd.store.sessions as sessions
     from ckptd.cli.main import main as ckptd_main

@@ -285,7 +285,8 @@ def error_from_body(body: Any, status: int) -> CkptdError:
     if isinstance(err, dict) and isinstance(err.get("code"), str):
         cls = _BY_CODE.get(err["code"], CkptdError)
         details = err.get("details") if isinstance(err.get("details"), dict) else {}
-        exc = cls(str(err.get("message", "")), **details)
+        exc = cls(str(err.get("message", "")))
+        exc.details = dict(details)  # as sent: a detail named like a parameter ("message") cannot clash
         if isinstance(err.get("request_id"), str):
             exc.request_id = err["request_id"]  # the service's log lines for this request carry it
         return exc

@@ -59,7 +59,7 @@ from ckptd_schemas.digest import StreamHasher
 from ckptd_schemas.dtypes import FLOATING as FLOATS
 
 from ..storage.local import LocalStorage, fsync_dir
-from ..store.engines import ChunkBuffer, Engine, HostEngine, TorchEngine
+from ckptd_schemas.format.engines import ChunkBuffer, Engine, HostEngine, TorchEngine
 from ..store.offline import ReadFn, iter_slabs
 from ..store.reader import naming_tensor
 

@@ -14,7 +14,7 @@ from ckptd_schemas import Manifest, TensorEntry, itemsize
 from ckptd_schemas.digest import DIGEST_BLOCK, StreamHasher
 from ckptd_schemas.dtypes import FLOATING as FLOATS
 
-from ..store.engines import HostEngine, TorchEngine
+from ckptd_schemas.format.engines import HostEngine, TorchEngine
 from ..store.offline import ReadFn, iter_slabs
 
 __all__ = ["ReadFn", "tensor_digest", "tensor_digests"]

@@ -62,7 +62,7 @@ from ..store.paths import Paths
 from ..store.verification import require_verified
 from ..store.merge import merge_indexes
 from .digest import tensor_digest
-from ..store.engines import Engine, cuda_present, pick_engine
+from ckptd_schemas.format.engines import Engine, cuda_present, pick_engine
 from ..store.intake import recorded_file
 from .pieces import SourcePieces, target_place, write_hashed
 from .planner import (

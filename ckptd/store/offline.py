@@ -15,7 +15,7 @@ from ckptd_schemas import (
     parse_ref, plan_reads, run_fetches,
 )
 
-from .engines import ChunkBuffer
+from ckptd_schemas.format.engines import ChunkBuffer
 from .reader import CheckpointReader
 from .sessions import SessionStore
 

@@ -8,6 +8,8 @@ service share code about stored bytes.
   codec check);
 * :mod:`.assemble` - the torch copy kernel: a copy's regions out of a verified fetch into a
   destination tensor (``CheckpointClient.load``, the DCP reader, the service's torch engine);
+* :mod:`.engines` - the copy engines the service assembles tensor bytes with (reshard, drills,
+  digests, export): numpy on the host, torch on a device, over :mod:`.assemble`;
 * :mod:`.objects` - non-tensor objects: how they are stored, and how they are read back without
   running code.
 

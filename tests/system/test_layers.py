@@ -275,9 +275,9 @@ def test_the_checks_see_what_they_look_for():
     because it parses nothing would pass forever)."""
     rows = _all_imports()
     assert ("ckptd_client.transport" in {mod for _, _, mod in rows["ckptd_client.catalog"]})
-    assert any(mod == "ckptd_schemas.format.encoding.source_bytes" for _, _, mod in rows["ckptd.store.engines"])
+    assert any(mod == "ckptd_schemas.format.encoding.source_bytes" for _, _, mod in rows["ckptd_schemas.format.engines"])
     assert any(mod == "ckptd_schemas.format.assemble.copy_into"  # imported in a method
-               for _, _, mod in rows["ckptd.store.engines"])
+               for _, _, mod in rows["ckptd_schemas.format.engines"])
     assert "ckptd_schemas.format.frames" in {mod for _, _, mod in rows["ckptd_schemas.format.encoding"]}  # relative
     assert any(mod.startswith("ckptd.store") for _, _, mod in rows["ckptd.cli.root_backend"])  # imported in a method
     assert any(mod == "ckptd_client.CatalogClient" for _, _, mod in rows["ckptd.cli.http_backend"])

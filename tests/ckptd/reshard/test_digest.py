@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 import ckptd.reshard.executor as ex
 from ckptd.reshard.digest import tensor_digest
-from ckptd.store.engines import HostEngine, TorchEngine
+from ckptd_schemas.format.engines import HostEngine, TorchEngine
 from ckptd.reshard.pieces import SLICE, write_hashed
 from ckptd.reshard.planner import plan_reshard
 from ckptd.reshard.spec import parse_spec

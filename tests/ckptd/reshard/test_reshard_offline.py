@@ -16,7 +16,7 @@ from ckptd.reshard.executor import run_plan
 from ckptd.reshard.planner import plan_reshard
 from ckptd.reshard.spec import parse_spec
 from ckptd.storage import LocalStorage
-from ckptd.store.engines import HostEngine, TorchEngine
+from ckptd_schemas.format.engines import HostEngine, TorchEngine
 from ckptd.store import CheckpointReader, SessionStore
 from ckptd.store.offline import read_tensor, write_tensors
 from ckptd_schemas import CheckpointNotFound, IntegrityError, InvalidRequest

@@ -19,7 +19,7 @@ from ckptd.reshard.planner import plan_reshard
 from ckptd.reshard.spec import parse_spec
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
-from ckptd.store.engines import HostEngine, TorchEngine, pick_engine
+from ckptd_schemas.format.engines import HostEngine, TorchEngine, pick_engine
 from ckptd.store.offline import iter_slabs, read_tensor, write_tensors
 from ckptd_client import CheckpointClient
 from ckptd_schemas import Copy, IntegrityError, InvalidRequest

@@ -1,5 +1,6 @@
-"""The service side's copy engines: tensor bytes assembled from verified fetches, by numpy on the host
-or by torch on a device (the format's torch kernel, :mod:`ckptd_schemas.format.assemble`, underneath).
+"""The copy engines: tensor bytes assembled from verified fetches, by numpy on the host or by torch on a
+device (the format's torch kernel, :mod:`ckptd_schemas.format.assemble`, underneath). The service's
+reshard, drills, digests and export use them; they live with the byte format, below the store.
 
 A reshard work unit fills one target chunk at a time from verified source
 bytes (``ckptd_schemas.Copy`` regions), then hands its bytes to the writer;
