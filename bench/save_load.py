@@ -214,21 +214,15 @@ class Probe:
         from ckptd_client.transport import Transport
 
         for mod, name, kind in ((cc, "build_snapshot", "snapshot"), (cc, "upload_snapshot", "upload_total"),
-                                (cs, "_pack", "pack_hash"), (cl, "_fetch", "fetch_verify"),
-                                (cl, "_execute", "fetch_copy_total")):
+                                (getattr(cl, "HttpRanges", None), "read", "fetch_verify"),
+                                (cl, "execute", "fetch_copy_total")):
             if hasattr(mod, name):
                 setattr(mod, name, self._timed(getattr(mod, name), kind))
-        if hasattr(cs, "_stream"):  # the body generator of a file PUT: its end = last byte handed to httpx
-            orig_stream = cs._stream
-            evs = self.events
-
-            @functools.wraps(orig_stream)
-            def stream(*a: Any, **kw: Any) -> Any:
-                t0 = time.perf_counter()
-                yield from orig_stream(*a, **kw)
-                evs.append(("body_sent", t0, time.perf_counter()))
-
-            cs._stream = stream
+        # generators, timed from their first step to their last: the packing of a save's files (its end:
+        # the last file hashed) and the body of a file PUT (its end: the last byte handed to httpx)
+        for name, kind in (("_pack", "pack_hash"), ("_stream", "body_sent")):
+            if hasattr(cs, name):
+                setattr(cs, name, self._timed_generator(getattr(cs, name), kind))
         if hasattr(Transport, "request"):
             orig = Transport.request
             events = self.events
@@ -253,6 +247,17 @@ class Probe:
                 return fn(*a, **kw)
             finally:
                 events.append((kind, t0, time.perf_counter()))
+
+        return wrapper
+
+    def _timed_generator(self, fn: Callable, kind: str) -> Callable:
+        events = self.events
+
+        @functools.wraps(fn)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            yield from fn(*a, **kw)
+            events.append((kind, t0, time.perf_counter()))
 
         return wrapper
 

@@ -9,9 +9,9 @@ pieces are (file and locations in that checkpoint). At its next save to the same
    (:meth:`ChunkHistory.stall_keys`) is digested in place (:func:`digest_source`); those whose
    (tensor, dtype, region) and digest equal the remembered ones (:meth:`ChunkHistory.candidates`),
    in files they fill at least half of (:func:`worth_linking`),
-   have their files linked into the new session at once (:func:`link_early`:
-   ``POST .../files/<linked_name>/link``, a hard link on a local root, a copy inside the store on
-   S3, so no byte of them passes through the rank or the service), and are then not copied at all:
+   have their files linked into the new session at once (:func:`link_early`, which opens the session
+   for the upload; ``POST .../files/<linked_name>/link``, a hard link on a local root, a copy inside
+   the store on S3, so no byte of them passes through the rank or the service), and are not copied:
    the stall is a hash of the frozen part and a copy of the rest. Each request is made once with a
    short timeout; whatever is not linked then is copied as usual. 128 bits: two different contents
    sharing one digest takes about 2^64 tries to find on purpose, and never happens by chance.
@@ -19,11 +19,11 @@ pieces are (file and locations in that checkpoint). At its next save to the same
    changed at the last save, among them) and
    :meth:`SaveDelta.link` links what is unchanged among them the same way. A refused link (the
    earlier checkpoint never committed, or was deleted since) leaves its chunks to be written.
-3. ``_pack`` places the linked chunks at their stored locations in the linked files
-   (:func:`relocated`) and writes the rest; the rank index lists the linked files with its own.
-   Unchanged chunks written again (``SaveDelta.unchanged``: their file was not worth linking, or
-   its link was refused) are laid out first, in files of their own, which the next save can link
-   whole.
+3. The upload's order (``_saveplan.write_order``) holds the linked chunks at their stored
+   locations in the linked files (:func:`relocated`); ``_pack`` writes the rest and the rank index
+   lists the linked files with its own. Unchanged chunks written again (``SaveDelta.unchanged``:
+   their file was not worth linking, or its link was refused) are laid out first, in files of their
+   own, which the next save can link whole.
 4. Once the index is accepted, :meth:`ChunkHistory.remember` keeps this save's digests,
    locations and file sizes for the next save.
 
@@ -124,7 +124,7 @@ def worth_linking(candidates: Mapping[ChunkKey, list], sizes: Mapping[str, int],
 @dataclass
 class SaveDelta:
     """One save's side of it: its chunks' digests, the remembered pieces it may link (in files of
-    checkpoint ``source``), and, filled by ``_pack``, every chunk's pieces as its index holds them."""
+    checkpoint ``source``), and, filled by the upload, every chunk's pieces as its index holds them."""
 
     run: str
     name: str
@@ -267,18 +267,20 @@ def _relocate_all(candidates: dict[ChunkKey, list], linked: dict[str, str], rank
 
 
 def link_early(open_session: Callable[[], Any], transport: "Transport", base: str, session: str, rank: int,
-               source: str, candidates: dict[ChunkKey, list], timeout: float) -> dict[ChunkKey, list]:
+               source: str, candidates: dict[ChunkKey, list], timeout: float) -> tuple[Any, dict[ChunkKey, list]]:
     """In a save's stall: open the session (``open_session``) and link the files holding ``candidates``,
-    each request once and within ``timeout`` seconds; returns the chunks now held by the session, which
-    need no copy. A file the service refuses is left out; any other failure (the service slow or down)
-    returns nothing: those chunks are then copied and written as usual, and the stall never waits long."""
+    each request once and within ``timeout`` seconds; returns what the opening answered (None if it
+    failed: the upload opens it then) and the chunks now held by the session, which need no copy. A
+    file the service refuses is left out; any other failure (the service slow or down) links nothing:
+    those chunks are then copied and written as usual, and the stall never waits long."""
+    opened = None
     try:
-        open_session()
+        opened = open_session()
         linked = link_files(transport, base, session, source, _files_of(candidates), retry=False, timeout=timeout)
     except Exception as e:  # noqa: BLE001 - the slow path is always there
         log.info("incremental save: nothing linked before the copy (%s: %s)", type(e).__name__, e)
-        return {}
-    return _relocate_all(candidates, linked, rank)
+        return opened, {}
+    return opened, _relocate_all(candidates, linked, rank)
 
 
 def link_files(transport: "Transport", base: str, session: str, source: str, files: set[str], *,

@@ -3,17 +3,18 @@
 Call order inside :meth:`CheckpointClient.save`:
 
 1. ``build_snapshot`` (caller's thread; this is the training stall): flatten the state dict once
-   and plan the save (``ckptd_client._saveplan.plan_save``: which chunks this rank writes, replicas
-   once, which it may reuse, their layout), then two steps driven by the plan: reuse (the reuse
-   candidates, hashed in place, that ``link`` linked into the session: not copied) and copy (the
-   rest, to host memory: into a claimed :class:`SnapshotPool` slab when the client has one; from
-   CUDA on a side stream, synchronised before returning; objects encoded by
-   ``ckptd_schemas.format.objects``: one that would need an unrestricted unpickler raises here).
-2. ``upload_snapshot`` (background thread): open-or-join the session, execute the plan in
-   ``_pack`` (compress, lay out by the plan's ``Packer``: 64-byte aligned, files cut at
-   ``file_bytes``; hash each chunk and file with XXH3), stream files with retries, then send the
-   rank's index. The service commits when the last rank's index arrives. Then ``Snapshot.release``
-   (success or failure) gives the slab back: nothing but the pool's declared slab outlives the upload.
+   and plan the save (``ckptd_client._saveplan``: ``replica_owners``, then ``plan_save``), then
+   two steps driven by the plan: reuse (the reuse candidates, hashed in place, that ``link`` linked
+   into the session it opened: not copied) and copy (the rest, to host memory: into a claimed
+   :class:`SnapshotPool` slab when the client has one; from CUDA on a side stream, synchronised
+   before returning; objects encoded by ``ckptd_schemas.format.objects``: one that would need an
+   unrestricted unpickler raises here).
+2. ``upload_snapshot`` (background thread): open-or-join the session unless the stall opened it,
+   then ``upload_files``: ``_pack`` runs the plan's order (``Snapshot.order``: with what the save
+   linked and lays apart; compress, ``lay_out``, XXH3), yielding each file to stream (with retries)
+   while it packs the next; ``_index`` builds the index from the files, which is sent; the service
+   commits when the last rank's index arrives. ``Snapshot.release`` (success or failure) gives the
+   slab back: nothing but the pool's declared slab outlives the upload.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from ._placement import LocalPiece, dtype_name, local_piece
 from ckptd_schemas.format.objects import SAFE, ObjectPolicy, encode_object
 from ._incremental import ChunkHistory, ChunkKey, SaveDelta, chunk_key, digest_source
 from ._pool import SlabClaim, SnapshotPool, aligned
-from ._saveplan import ALIGN, FILE_BYTES, Packer, PlannedChunk, SavePlan, file_prefix, plan_save, write_order
+from ._saveplan import (ALIGN, FILE_BYTES, PlannedChunk, SavePlan, Write, file_prefix, lay_out, plan_save,
+                        replica_owners, write_order)
 from ._presigned import DirectUploads
 from .session_calls import Opened, abort_session, open_session, put_index, wait_committed
 
@@ -100,10 +102,11 @@ class Snapshot:
     claim: SlabClaim | None = None  # the pool slab the chunks are views of, until release()
     plan: SavePlan | None = None    # what ``build_snapshot`` planned (None for a snapshot built by hand)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(c.data.numel() * c.data.element_size() for cs in self.chunks.values() for c in cs
-                   if c.data is not None)
+    def order(self, linked: Mapping[tuple, list] | None = None, apart: Container[tuple] = ()) -> list[Write]:
+        """The upload's order (``write_order``): chunks the stall or ``linked`` linked not written, ``apart`` first."""
+        chunks = [c for cs in self.chunks.values() for c in cs]
+        stall = {c.key: c.reused for c in chunks if c.reused is not None}
+        return write_order(chunks, {**(linked or {}), **stall}, apart)
 
     def release(self) -> None:
         """Drop the chunks and give the pool's slab back; call once the upload has ended (success or
@@ -144,25 +147,25 @@ def _to_host(src: torch.Tensor, claim: SlabClaim | None, side: dict[torch.device
 
 
 def build_snapshot(state_dict: dict | Flattened, rank: int, world: int, pool: SnapshotPool | None = None, *,
-                   writers: Mapping[str, int] | None = None, objects: ObjectPolicy = SAFE,
+                   owners: Mapping[str, int] | None = None, objects: ObjectPolicy = SAFE,
                    link: Link | None = None, stall_keys: Container[tuple] = (),
                    file_bytes: int = FILE_BYTES) -> Snapshot:
     """Copy what this rank writes to host memory; afterwards training may mutate its tensors.
 
     With ``pool``, the copies go into its slab (claimed until ``snap.release()``, which the uploader
-    calls); on failure here the claim is given back before raising. ``writers`` names the rank that
-    writes each plain tensor (``ReplicaWriters.owners``, agreed among the ranks that hold it);
-    without it every rank is assumed to hold the same plain tensors and the writers are balanced
-    over all ranks from names and sizes alone. ``objects`` decides how non-tensor values are stored
-    (an unsafe one raises ``UnsafeObject`` here, naming its key). ``link`` (incremental saves) is given
-    the digests of the chunks in ``stall_keys`` that this rank holds on the CPU and returns those it
-    linked into the session from the previous checkpoint (``ckptd_client._incremental.link_early``):
-    they are not copied. ``file_bytes``: the plan's file size (``Snapshot.plan.files``). ``state_dict``
-    may come flattened already (``client.save`` flattens once, for the writers' agreement and this).
+    calls); on failure here the claim is given back before raising. ``owners``: the writer of each
+    plain tensor agreed among the ranks (``ReplicaWriters.owners``), else ``replica_owners`` balances
+    them over all ranks. ``objects`` decides how non-tensor values are stored (an unsafe one raises
+    ``UnsafeObject`` here, naming its key). ``link`` (incremental saves) is given the digests of the
+    chunks in ``stall_keys`` that this rank holds on the CPU and returns those it linked into the
+    session from the previous checkpoint (``ckptd_client._incremental.link_early``): they are not
+    copied. ``file_bytes``: the plan's file size (``Snapshot.plan.files``). ``state_dict`` may come
+    flattened already (``client.save`` flattens once, for the writers' agreement and this).
     """
     flat = state_dict if isinstance(state_dict, Flattened) else flatten(state_dict)
     sources = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in flat.leaves if leaf.kind == "tensor"}
-    plan = plan_save(flat, sources, rank, world, writers=writers, stall_keys=stall_keys, file_bytes=file_bytes)
+    plan = plan_save(flat, sources, rank, world, replica_owners(sources, world, owners), stall_keys=stall_keys,
+                     file_bytes=file_bytes)
     snap = Snapshot(rank, world, tensors=plan.tensors, param_groups=plan.param_groups, mesh=plan.mesh,
                     coords=plan.coords, layouts=plan.layouts, plan=plan)
     side: dict[torch.device, Any] = {}
@@ -213,87 +216,77 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 @dataclass
 class _File:
     name: str
+    hash: Any  # XXH3-64 of the bytes so far
     parts: list[tuple[memoryview | bytes, int]] = field(default_factory=list)  # (bytes, padding)
     size: int = 0
-    xxh3: str = ""
+    pieces: list[tuple[int, BoxChunk | FlatChunk]] = field(default_factory=list)  # (its Write's position, piece)
+    objects: list[ObjectEntry] = field(default_factory=list)
+
+    @property
+    def xxh3(self) -> str:
+        return self.hash.hexdigest()
 
 
-def _pack(snap: Snapshot, compression: Compression, file_bytes: int, prefix: str | None = None,
-          on_file: Callable[[_File], None] | None = None, reuse: Mapping[tuple, list] | None = None,
-          produced: dict[tuple, list] | None = None, apart: Container[tuple] = ()) -> tuple[list[_File], RankIndex]:
-    """Execute the plan: the snapshot's chunks (compressed per the policy), then its objects, laid
-    out by the plan's :class:`Packer` in files of about ``file_bytes``, hashing each stored piece and
-    each file; return the files and the rank's index.
+def _pack(snap: Snapshot, order: Sequence[Write], compression: Compression, file_bytes: int,
+          prefix: str | None = None) -> Iterator[_File]:
+    """Execute the plan: the chunks of ``order`` not linked (compressed per the policy, ``_frames``),
+    then the stored objects, laid out by ``lay_out``, hashing each piece and file; yield each file
+    once complete, before the next is packed: the caller starts its upload there, so file k+1 is
+    packed while file k streams out. Each file names its pieces, for ``_index``."""
+    def stored() -> Iterator[tuple[tuple, int, bool]]:
+        for i, w in enumerate(order):
+            for data, codec, raw, where in _frames(w.chunk, compression) if w.linked is None else ():
+                yield (i, data, codec, raw, where), len(data), w.apart
+        for o in snap.objects:
+            if o.payload is not None:  # else JSON, in the index
+                yield (-1, o.payload, "raw", len(o.payload), o.fqn), len(o.payload), False
 
-    ``on_file`` gets each file as soon as it is complete (hashed), before the next one is packed:
-    the caller starts its upload there, so hashing and compressing file k+1 run while file k
-    streams out (the pipeline of a save). A chunk in ``reuse`` (incremental saves,
-    ``ckptd_client._incremental``) is not packed: its pieces, in files linked from the previous
-    checkpoint, go into the index as they are, and those files into its file list. ``produced``
-    receives every chunk's pieces as the index holds them. Chunks in ``apart`` (unchanged, yet written)
-    are laid out first, in files of their own, so that the next save may link those whole
-    (``write_order``).
-    """
-    packer = Packer(prefix or file_prefix(snap.rank), file_bytes)
-    files: list[_File] = []
-    hashes: list[Any] = []
-
-    def finish(f: _File) -> None:
-        f.xxh3 = hashes[-1].hexdigest()
-        if on_file is not None:
-            on_file(f)
-
-    def place(data: memoryview | bytes, alone: bool = False) -> tuple[str, int]:
-        at, opened = packer.place(len(data), alone)
-        if opened:
-            if files:
-                finish(files[-1])
-            files.append(_File(at.file))
-            hashes.append(xxhash.xxh3_64())
+    f: _File | None = None
+    for (i, data, codec, raw, where), at in lay_out(stored(), prefix or file_prefix(snap.rank), file_bytes):
+        if f is None or at.file != f.name:  # a new file: the one before is complete
+            if f is not None:
+                yield f
+            f = _File(at.file, xxhash.xxh3_64())
         pad = (-len(data)) % ALIGN
-        f = files[-1]
         f.parts.append((data, pad))
         f.size = at.offset + len(data) + pad
-        hashes[-1].update(data)  # right after the chunk's own hash: the same bytes, still in cache
-        hashes[-1].update(_PAD[:pad])
-        return at.file, at.offset
+        f.hash.update(data)  # right after the piece is stored: the same bytes, still in cache
+        f.hash.update(_PAD[:pad])
+        loc = Location(file=at.file, offset=at.offset, length=len(data), codec=codec, raw_length=raw,
+                       xxh3=xxhash.xxh3_64_hexdigest(data))
+        if i < 0:
+            f.objects.append(ObjectEntry(name=where, rank=snap.rank, encoding="torch", location=loc))
+        else:
+            box, flat = where
+            f.pieces.append((i, BoxChunk(rank=snap.rank, offsets=box[0], sizes=box[1], location=loc) if box is not None
+                             else FlatChunk(rank=snap.rank, start=flat[0], length=flat[1], location=loc)))
+    if f is not None:
+        yield f
 
+
+def _index(snap: Snapshot, order: Sequence[Write], files: Sequence[_File]) -> tuple[RankIndex, dict]:
+    """The rank's index from the files ``_pack`` yielded (tensors' pieces in write order, linked files
+    after the written ones), and every chunk's pieces by key (``SaveDelta.produced``)."""
+    pieces: list[list] = [list(w.linked or ()) for w in order]
+    for i, p in (ip for f in files for ip in f.pieces):
+        pieces[i].append(p)
     stored: dict[str, list] = {}
-    linked: dict[str, None] = {}
-    for c in write_order((c for cs in snap.chunks.values() for c in cs), apart):
-        held = c.reused if c.reused is not None else reuse.get(c.key) if reuse is not None else None
-        if held is not None:
-            pieces = held
-            linked.update(dict.fromkeys(p.location.file for p in held))
-        else:
-            alone = c.key in apart
-            pieces = _store(c, compression, snap.rank, lambda data: place(data, alone))
-        stored.setdefault(c.fqn, []).extend(pieces)
-        if produced is not None:
-            produced[c.key] = pieces
-    entries = [t.model_copy(update={"chunks": stored.pop(t.name, [])}) for t in snap.tensors]
-    objects = []
-    for o in snap.objects:
-        if o.encoding == "json":
-            objects.append(ObjectEntry(name=o.fqn, rank=snap.rank, encoding="json", value=o.value))
-        else:
-            assert o.payload is not None
-            fname, off = place(o.payload)
-            loc = Location(file=fname, offset=off, length=len(o.payload), raw_length=len(o.payload),
-                           xxh3=xxhash.xxh3_64_hexdigest(o.payload))
-            objects.append(ObjectEntry(name=o.fqn, rank=snap.rank, encoding="torch", location=loc))
-    if files:
-        finish(files[-1])
-    index = RankIndex(rank=snap.rank, world_size=snap.world, coords=snap.coords, mesh=snap.mesh,
-                      layouts=snap.layouts, tensors=entries, objects=objects, param_groups=snap.param_groups,
-                      files=[f.name for f in files] + list(linked))
-    return files, index
+    for w, ps in zip(order, pieces):
+        stored.setdefault(w.chunk.fqn, []).extend(ps)
+    placed = {o.name: o for f in files for o in f.objects}
+    objects = [placed[o.fqn] if o.payload is not None else
+               ObjectEntry(name=o.fqn, rank=snap.rank, encoding="json", value=o.value) for o in snap.objects]
+    linked = dict.fromkeys(p.location.file for w in order for p in w.linked or ())
+    index = RankIndex(rank=snap.rank, world_size=snap.world, coords=snap.coords, mesh=snap.mesh, layouts=snap.layouts,
+                      tensors=[t.model_copy(update={"chunks": stored.pop(t.name, [])}) for t in snap.tensors],
+                      objects=objects, param_groups=snap.param_groups, files=[f.name for f in files] + list(linked))
+    return index, {w.chunk.key: ps for w, ps in zip(order, pieces)}
 
 
-def _store(c: _Chunk, compression: Compression, rank: int,
-           place: Callable[[memoryview | bytes], tuple[str, int]]) -> list[BoxChunk | FlatChunk]:
-    """One chunk's pieces as the index holds them: stored raw whole, or compressed frame by frame
-    (the plan's ``frames``: independently decodable, so a ranged read decodes only those it overlaps)."""
+def _frames(c: _Chunk, compression: Compression) -> Iterator[tuple[memoryview | bytes, str, int, tuple]]:
+    """One chunk's pieces as stored, ``(bytes, codec, raw length, (box, flat))``: raw whole, or compressed
+    frame by frame (the plan's ``frames``: independently decodable, so a ranged read decodes only
+    those it overlaps)."""
     assert c.data is not None and c.plan is not None
     raw = _bytes_of(c.data)
     isz = c.plan.itemsize
@@ -303,7 +296,6 @@ def _store(c: _Chunk, compression: Compression, rank: int,
         frames, codec = [(0, len(raw) // isz, c.box, c.flat)], None
     else:
         frames, codec = c.plan.frames(), "zstd" if compression == "zstd" else codec_for(isz)
-    pieces: list[BoxChunk | FlatChunk] = []
     for lo, n, box, flat in frames:
         data = raw[lo * isz:(lo + n) * isz]
         stored: memoryview | bytes = data
@@ -311,15 +303,7 @@ def _store(c: _Chunk, compression: Compression, rank: int,
             packed = encode(data, codec, isz)
             # "auto" keeps a frame raw when it did not shrink after all
             stored = data if policy is not None and len(packed) >= len(data) else packed
-        fname, off = place(stored)
-        loc = Location(file=fname, offset=off, length=len(stored), codec="raw" if stored is data else codec,
-                       raw_length=len(data), xxh3=xxhash.xxh3_64_hexdigest(stored))
-        if box is not None:
-            pieces.append(BoxChunk(rank=rank, offsets=box[0], sizes=box[1], location=loc))
-        else:
-            assert flat is not None
-            pieces.append(FlatChunk(rank=rank, start=flat[0], length=flat[1], location=loc))
-    return pieces
+        yield stored, "raw" if stored is data else codec, len(data), (box, flat)  # type: ignore[misc]
 
 
 def _pieces(f: _File) -> Iterator[bytes | memoryview]:
@@ -357,13 +341,14 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
     caller), the remaining files are packed and hashed but not sent: the index still comes back whole,
     for the service to compare with the one it committed.
     With ``delta`` (incremental saves, ``ckptd_client._incremental``), chunks unchanged since this
-    rank's previous save to the run are linked, not written; ``delta.produced`` receives where every
-    chunk's pieces are, for the caller to remember once the index is accepted.
+    rank's previous save to the run are linked, not written, and those written again laid out apart
+    (``Snapshot.order``); ``delta.produced`` receives where every chunk's pieces are, for the caller
+    to remember once the index is accepted.
     """
     committed = committed if committed is not None else threading.Event()
     starts: list[float] = []  # the upload's rate, for the compression policy, runs from the first PUT
-    reuse = delta.link(transport, base, session, snap.rank) if delta is not None and not committed.is_set() \
-        else None
+    linked = delta.link(transport, base, session, snap.rank) if delta is not None and not committed.is_set() else None
+    order = snap.order(linked, delta.unchanged if delta is not None else ())
 
     def send(f: _File) -> None:
         starts.append(time.perf_counter())
@@ -385,20 +370,21 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
 
     # Each file's upload starts as soon as it is packed and hashed, while the next one is packed.
     with ThreadPoolExecutor(max(1, streams), thread_name_prefix="ckptd-upload") as pool:
+        files: list[_File] = []
         sent: list[Future] = []
         try:
-            files, index = _pack(snap, compression, file_bytes, prefix,
-                                 on_file=lambda f: sent.append(pool.submit(put, f)), reuse=reuse,
-                                 produced=delta.produced if delta is not None else None,
-                                 apart=delta.unchanged if delta is not None else ())
+            for f in _pack(snap, order, compression, file_bytes, prefix):
+                files.append(f)
+                sent.append(pool.submit(put, f))
         except BaseException:
             for fut in sent:
                 fut.cancel()
             raise
         for fut in sent:
             fut.result()  # the first failure, in file order
+    index, produced = _index(snap, order, files)
     if delta is not None:
-        delta.written = {f.name: f.size for f in files}
+        delta.produced, delta.written = produced, {f.name: f.size for f in files}
     if isinstance(compression, CompressionPolicy) and starts and not committed.is_set():  # a whole upload's rate
         compression.observe(sum(f.size for f in files), time.perf_counter() - min(starts))
     return index
@@ -407,8 +393,9 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
 def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None, *,
                     compression: Compression, file_bytes: int, streams: int,
                     direct_uploads: bool = False, history: ChunkHistory | None = None,
-                    parent: str | None = None) -> SessionStatus:
-    """Open-or-join (recording ``parent``), upload files, send the index; return the session status after it.
+                    parent: str | None = None, opened: Opened | None = None) -> SessionStatus:
+    """Open-or-join (recording ``parent``) unless the stall opened the session (``opened``: what it
+    answered), upload files, send the index; return the session status after it.
 
     A failure before the index is sent aborts the session (best effort): it cannot commit without
     this rank's index, so its staged files are deleted now instead of at the stale-session TTL, and
@@ -427,8 +414,9 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
     delta = history.begin(ref.run, ref.name, snap) if history is not None else None
     try:
         try:
-            opened = open_session(transport, base, session, snap.world, step, parent=parent,
-                                  direct_uploads=direct_uploads)
+            if opened is None:
+                opened = open_session(transport, base, session, snap.world, step, parent=parent,
+                                      direct_uploads=direct_uploads)
         except AlreadyCommitted as e:
             if not _ours(e, session):
                 raise

@@ -4,26 +4,27 @@ Call order inside a save (``ckptd_client._save``):
 
 1. ``flatten`` the state dict once (``ckptd_client._flatten``) and describe each tensor leaf
    (``ckptd_client._placement.local_piece``: the box or flat range this rank holds);
-2. :func:`plan_save` (this module): the index's tensor entries, the chunks this rank writes (a
-   replica by one rank: ``writers``, else ``assign_replicated``), the reuse candidates (chunks
-   unchanged at the rank's last save to the run, ``stall_keys``, that can be hashed in place), the
-   objects, and the raw layout of the data files;
-3. ``build_snapshot``: reuse (the candidates found unchanged and linked), then copy the rest;
-4. ``_pack``: compress, hash and place the pieces by the same :class:`Packer`.
+2. :func:`replica_owners`, the save's one global step (DCP's ``create_global_plan``): who writes
+   each replicated tensor (the writers the ranks agreed on, else ``assign_replicated``);
+3. :func:`plan_save` from those owners: the index's tensor entries, the chunks this rank writes,
+   the reuse candidates (chunks unchanged at the rank's last save to the run, ``stall_keys``, that
+   can be hashed in place), the objects, and the raw layout of the data files;
+4. ``build_snapshot``: reuse (the candidates found unchanged and linked), then copy the rest;
+5. the upload: :func:`write_order` (with what the save linked and lays apart), which ``_pack``
+   lays out by :func:`lay_out` as it stores each piece.
 
 Pure: reads names, shapes, dtypes, devices and strides, never a tensor's bytes, and makes no
 request; so a test builds and compares a plan with no service and no processes, as load does with
-``ckptd_schemas.readplan.plan_reads``. The layout is the one the upload writes when every chunk is
-stored raw and none is linked: a compressed frame's length is known only once compressed, and a
-chunk linked or found unchanged (laid out apart) only at the save, so the upload runs the same
-:class:`Packer` over the lengths it stores, and the files match the plan's whenever those match.
+``ckptd_schemas.readplan.plan_reads``. One layout rule, :func:`lay_out`, runs in the plan over raw
+lengths and in the upload over stored ones (a compressed frame's is known once compressed): the
+upload writes the plan's files whenever every chunk is stored raw and none is linked or apart.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Container, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Container, Iterable, Iterator, Mapping, NamedTuple, Sequence, TypeVar
 
 import torch
 
@@ -34,8 +35,8 @@ from ._flatten import Flattened
 from ._incremental import ChunkKey, chunk_key
 from ._placement import LocalPiece, assign_replicated, dtype_name, mesh_of
 
-__all__ = ["ALIGN", "FILE_BYTES", "Packer", "Placement", "PlannedChunk", "PlannedFile", "PlannedObject", "SavePlan",
-           "file_prefix", "plan_save", "write_order"]
+__all__ = ["ALIGN", "FILE_BYTES", "Placement", "PlannedChunk", "PlannedFile", "PlannedObject", "SavePlan", "Write",
+           "file_prefix", "lay_out", "plan_save", "replica_owners", "write_order"]
 
 ALIGN = 64
 FILE_BYTES = 256 << 20  # the client's default ``file_bytes``
@@ -103,53 +104,56 @@ def file_prefix(rank: int) -> str:
     return f"r{rank:06d}"
 
 
-class Packer:
-    """The layout rule of a rank's data files: pieces in order, each at a 64-byte aligned offset,
-    in files named ``<prefix>-<n:04d>.bin``; a new file starts when the piece would take the current
-    one past ``file_bytes`` (a larger piece fills a file alone), and between pieces laid out
-    ``apart`` and the others, which never share a file."""
-
-    def __init__(self, prefix: str, file_bytes: int) -> None:
-        self.prefix, self.file_bytes = prefix, file_bytes
-        self.files: list[PlannedFile] = []
-        self._apart = False  # whether the current file holds pieces laid out apart
-
-    def place(self, length: int, apart: bool = False) -> tuple[Placement, bool]:
-        """Where the next piece of ``length`` bytes goes, and whether it opened a new file (the
-        previous one, if any, is then complete)."""
-        last = self.files[-1] if self.files else None
-        opened = last is None or bool(last.size and (last.size + length > self.file_bytes or self._apart != apart))
-        if opened:
-            last = PlannedFile(f"{self.prefix}-{len(self.files):04d}.bin")
-            self.files.append(last)
-            self._apart = apart
-        assert last is not None
-        at = Placement(last.name, last.size, length)
-        last.size += length + (-length) % ALIGN
-        return at, opened
-
-
 T = TypeVar("T")
 
 
-def write_order(chunks: Iterable[T], apart: Container[ChunkKey]) -> list[T]:
-    """The order the upload lays chunks out in: those unchanged yet written (``apart``: their
-    earlier file was not linked) first, in files of their own that the next save may link whole;
-    each group in the plan's order."""
-    chunks = list(chunks)
-    return sorted(chunks, key=lambda c: c.key not in apart) if apart else chunks
+def lay_out(pieces: Iterable[tuple[T, int, bool]], prefix: str, file_bytes: int) -> Iterator[tuple[T, Placement]]:
+    """The layout rule of a rank's data files: ``pieces`` (item, length, apart) in order, each at a
+    64-byte aligned offset, in files named ``<prefix>-<n:04d>.bin``; a new file starts when the piece
+    would take the current one past ``file_bytes`` (a larger piece fills a file alone), and between
+    pieces laid out ``apart`` and the others, which never share a file. Lazy: a piece is placed once
+    drawn (the upload draws each once stored), and one in a new file completes the file before."""
+    n, size, together = 0, 0, False
+    for item, length, apart in pieces:
+        if n == 0 or (size and (size + length > file_bytes or apart != together)):
+            n, size, together = n + 1, 0, apart
+        yield item, Placement(f"{prefix}-{n - 1:04d}.bin", size, length)
+        size += length + (-length) % ALIGN
 
 
-def plan_save(flat: Flattened, pieces: Mapping[str, LocalPiece], rank: int, world: int, *,
-              writers: Mapping[str, int] | None = None, stall_keys: Container[ChunkKey] = (),
+class Write(NamedTuple):
+    """A chunk of the upload's order: ``linked`` (its pieces in linked files: not written), else stored."""
+
+    chunk: Any
+    linked: list | None = None
+    apart: bool = False  # in files of its own
+
+
+def write_order(chunks: Iterable[Any], linked: Mapping[ChunkKey, list] | None = None,
+                apart: Container[ChunkKey] = ()) -> list[Write]:
+    """The upload's order of ``chunks`` (each with a ``key``): those unchanged yet written (``apart``:
+    their earlier file was not linked) first, in files of their own that the next save may link whole;
+    each group in the plan's order. ``linked``: the chunks the save linked, with their pieces."""
+    chunks = sorted(chunks, key=lambda c: c.key not in apart) if apart else list(chunks)
+    return [Write(c, (linked or {}).get(c.key), c.key in apart) for c in chunks]
+
+
+def replica_owners(pieces: Mapping[str, LocalPiece], world: int,
+                   agreed: Mapping[str, int] | None = None) -> dict[str, int]:
+    """The save's global step (DCP's ``create_global_plan``): the rank that writes each replicated
+    tensor. ``agreed``: the ranks' agreement (``client.save``: ``ReplicaWriters.owners``); without it
+    (no agreement: tests, tools) balanced over all ranks by ``assign_replicated``, the same on each."""
+    sizes = [(n, p.numel * p.local.element_size()) for n, p in pieces.items() if p.replicated]
+    return dict(agreed) if agreed is not None else assign_replicated(sizes, world)
+
+
+def plan_save(flat: Flattened, pieces: Mapping[str, LocalPiece], rank: int, world: int,
+              owners: Mapping[str, int], *, stall_keys: Container[ChunkKey] = (),
               file_bytes: int = FILE_BYTES) -> SavePlan:
     """The plan of one rank's save from one flattening (``flat``) and its tensor leaves' pieces.
 
-    ``writers`` names the rank that writes each plain tensor (agreed among the ranks that hold it);
-    without it they are balanced over all ranks from names and sizes (``assign_replicated``). A chunk
+    ``owners`` names the rank that writes each replicated tensor (:func:`replica_owners`). A chunk
     in ``stall_keys`` whose source is a contiguous CPU tensor is a reuse candidate."""
-    owners = writers if writers is not None else assign_replicated(
-        [(n, p.numel * p.local.element_size()) for n, p in pieces.items() if p.replicated], world)
     tensors: list[TensorEntry] = []
     chunks: list[PlannedChunk] = []
     objects: list[PlannedObject] = []
@@ -170,11 +174,12 @@ def plan_save(flat: Flattened, pieces: Mapping[str, LocalPiece], rank: int, worl
         src = p.local
         chunks.append(PlannedChunk(leaf.fqn, dtype, src.element_size(), tuple(src.shape), box, p.flat, key,
                                    candidate=key in stall_keys and src.device.type == "cpu" and src.is_contiguous()))
-    packer = Packer(file_prefix(rank), file_bytes)
-    placements = {c.key: packer.place(c.nbytes)[0] for c in chunks}
+    placements = dict(lay_out(((w.chunk.key, w.chunk.nbytes, w.apart) for w in write_order(chunks)),
+                              file_prefix(rank), file_bytes))
+    files = {p.file: PlannedFile(p.file, p.offset + p.length + (-p.length) % ALIGN) for p in placements.values()}
     mesh, coords = mesh_of([leaf.value for leaf in flat.leaves], world)
     return SavePlan(rank, world, tensors, chunks, objects, frozenset(c.key for c in chunks if c.candidate),
-                    packer.files, placements, param_groups=_param_groups(flat.param_groups),
+                    list(files.values()), placements, param_groups=_param_groups(flat.param_groups),
                     mesh=mesh, coords=coords, layouts={g: _layout_name(k, mesh, world) for g, k in kinds.items()})
 
 

@@ -18,7 +18,7 @@ from .transport import Transport
 from ._load import LoadReport, load_into
 from ._pool import SnapshotPool
 from ._incremental import ChunkHistory, link_early
-from .session_calls import open_session
+from .session_calls import Opened, open_session
 from ._save import SaveHandle, Snapshot, build_snapshot, upload_snapshot
 from ckptd_schemas.format.objects import ObjectPolicy, SafeGlobal
 from ._flatten import flatten
@@ -227,20 +227,24 @@ class CheckpointClient(CatalogClient):
                 failed.wait()  # raises the stored failure
             raise CommitFailed(f"{ref} was not started: {why}", ref=ref)
         session = token.hex()
-        writers = self._writers.owners(plain, signature, refresh=stale, rank=rank, world=world)
+        owners = self._writers.owners(plain, signature, refresh=stale, rank=rank, world=world)  # -> replica_owners
         base = f"/v1/checkpoints/{r.run}/{r.name}"
         link = None
+        opened: Opened | None = None  # the session as the stall opened it: the upload does not open it again
         stall_keys = self.history.stall_keys(r.run, r.name) if self.history is not None else frozenset()
         if stall_keys:
             def link(digests: dict) -> dict:
+                nonlocal opened
                 source, candidates = self.history.candidates(r.run, r.name, digests)  # type: ignore[union-attr]
                 if not candidates or source is None:
                     return {}
-                return link_early(lambda: open_session(self._transport, base, session, world, step, parent=parent,
-                                                       retry=False, timeout=STALL_REQUEST_S),
-                                  self._transport, base, session, rank, source, candidates, STALL_REQUEST_S)
+                opened, linked = link_early(lambda: open_session(
+                    self._transport, base, session, world, step, parent=parent, direct_uploads=self.direct_uploads,
+                    retry=False, timeout=STALL_REQUEST_S), self._transport, base, session, rank, source, candidates,
+                    STALL_REQUEST_S)
+                return linked
         try:
-            snap = build_snapshot(flat, rank, world, self.snapshot_pool, writers=writers,
+            snap = build_snapshot(flat, rank, world, self.snapshot_pool, owners=owners,
                                   objects=self.objects, link=link, stall_keys=stall_keys, file_bytes=self.file_bytes)
             refused = None
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
@@ -256,7 +260,8 @@ class CheckpointClient(CatalogClient):
         try:
             future = self._uploader.submit(_upload_then_release, self._transport, base, session, snap, step,
                                            compression=self._codec, file_bytes=self.file_bytes,
-                                           streams=self.streams, direct_uploads=self.direct_uploads, history=self.history, parent=parent)
+                                           streams=self.streams, direct_uploads=self.direct_uploads,
+                                           history=self.history, parent=parent, opened=opened)
         except BaseException:
             snap.release()
             raise

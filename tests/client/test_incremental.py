@@ -4,7 +4,8 @@ Through a real service on a local root: what a save writes and what it links; lo
 export of checkpoints that hold linked files, bit for bit, also after the checkpoints they
 linked from are deleted; the commit's check of chunks placed in linked files (every linked byte is
 read: a hostile index that places a false digest in one is refused); link refusals, which the saver
-answers by writing the bytes; and the opt-out.
+answers by writing the bytes; the opt-out; and that a save opens its session once (the stall opens
+it to link, the upload uses that opening), on S3 with direct uploads too.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import httpx
 import pytest
 import torch
 import xxhash
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd_client import CheckpointClient
 from ckptd_schemas import Manifest, linked_name
@@ -56,6 +59,13 @@ def _load(client: CheckpointClient, ref: str, like: dict) -> dict:
 
 def _ckptd(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ckptd.cli.main", *args], capture_output=True, text=True, timeout=120)
+
+
+def _answered(url: str, route: str) -> float:
+    """Requests the service answered on ``route`` (a handler name), from its own /metrics."""
+    return sum(s.value for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)
+               if fam.name == "ckptd_http_requests" for s in fam.samples
+               if s.name.endswith("_total") and s.labels["route"] == route)
 
 
 @pytest.fixture
@@ -262,12 +272,49 @@ def test_a_stall_link_that_fails_copies_instead(server, monkeypatch):
     pool = client.snapshot_pool
     before = pool.stats.pooled_bytes + pool.stats.fallback_bytes
     monkeypatch.setattr(inc, "link_files", failing_in_the_stall)
+    opens = _answered(server.url, "open_session")
     client.save(_state(2), "nolink/2").wait()
+    assert _answered(server.url, "open_session") - opens == 1  # opened in the stall, not again by the upload
     total = sum(t.numel() * t.element_size() for g in ("model", "optim") for t in _state(2)[g].values())
     assert pool.stats.pooled_bytes + pool.stats.fallback_bytes - before == total  # everything copied
     assert _manifest(server.url, "nolink/2").linked_bytes > 0  # and linked from the upload
     assert_bits_equal(_load(client, "nolink/2", _state(2)), _state(2))
     client.close()
+
+
+def test_a_save_opens_its_session_once(server):
+    """The stall opens the session to link the frozen files; the upload goes on with that opening
+    instead of opening (joining) it again: one opening per save, with or without a stall link."""
+    client = CheckpointClient(server.url, file_bytes=MIB)
+    opened = []
+    for s in (1, 2, 3):
+        before = _answered(server.url, "open_session")
+        client.save(_state(s), f"once/{s}").wait()
+        opened.append(_answered(server.url, "open_session") - before)
+    assert opened == [1, 1, 1], opened
+    assert _manifest(server.url, "once/3").linked_bytes > 0  # saves 2 and 3 linked (in the stall)
+    assert_bits_equal(_load(client, "once/3", _state(3)), _state(3))
+    client.close()
+
+
+def test_an_incremental_save_on_s3_uploads_straight_to_the_store(moto_s3, s3_env, tmp_path):
+    """On an S3 root the stall's opening asks for presigned URLs: the second save, which links in its
+    stall, sends none of its files through the service either."""
+    from s3_server import aws_env
+
+    url = moto_s3.url()
+    srv = ServerProcess(url, env=aws_env(moto_s3.endpoint), log=tmp_path / "server.log").start()
+    try:
+        with CheckpointClient(srv.url, file_bytes=MIB) as client:
+            client.save(_state(1), "s3inc/1").wait()
+            client.save(_state(2), "s3inc/2").wait()
+            assert_bits_equal(_load(client, "s3inc/2", _state(2)), _state(2))
+        assert _manifest(srv.url, "s3inc/2").linked_bytes > 0
+        assert _answered(srv.url, "upload_file") == 0  # no data file crossed the service
+        assert _answered(srv.url, "open_session") == 2
+    finally:
+        srv.stop()
+        moto_s3.clear(url.split("/", 3)[3])
 
 
 def test_a_file_edited_in_the_root_after_its_commit_is_not_linked(server):

@@ -2,17 +2,20 @@
 
 What each checks: a plain state dict's chunks, entries and raw layout; boxes and flat ranges (pieces
 built directly, on the meta device: the planner reads no tensor's bytes); replicas written by one rank
-across all ranks, by ``assign_replicated`` or by the agreed ``writers``; objects and param groups; files
-cut at ``file_bytes``, 64-byte aligned; reuse candidates (only chunks unchanged at the last save that
-can be hashed in place); the stall's two steps driven by the plan (reuse: not copied; copy: the rest);
-the upload's order and layout (``write_order``, ``Packer``); and that the executor (``build_snapshot``
-then ``_pack``) writes files and an index whose every offset, length and XXH3 is the plan's.
+across all ranks, by the global step (``replica_owners``: the agreed owners, else ``assign_replicated``);
+objects and param groups; files cut at ``file_bytes``, 64-byte aligned; reuse candidates (only chunks
+unchanged at the last save that can be hashed in place); the stall's two steps driven by the plan
+(reuse: not copied; copy: the rest); the upload's order and the one layout rule (``write_order``,
+``lay_out``); that the executor (``build_snapshot`` then ``_pack``, ``_index``) writes files and an
+index whose every offset, length and XXH3 is the plan's; and that a real raw save to a service
+commits exactly the plan's files, sizes and chunk locations.
 """
 
 from __future__ import annotations
 
 import math
 
+import httpx
 import pytest
 import torch
 import xxhash
@@ -20,18 +23,26 @@ import xxhash
 from ckptd_client._flatten import flatten
 from ckptd_client._incremental import chunk_key
 from ckptd_client._placement import LocalPiece, assign_replicated, local_piece
-from ckptd_client._save import _pack, _pieces, build_snapshot
-from ckptd_client._saveplan import ALIGN, Packer, Placement, PlannedFile, plan_save, write_order
+from ckptd_client import CheckpointClient
+from ckptd_client._save import _index, _pack, _pieces, build_snapshot
+from ckptd_client._saveplan import ALIGN, Placement, PlannedFile, lay_out, plan_save, replica_owners, write_order
 from ckptd_client.flat import FlatShard
-from ckptd_schemas import Box
+from ckptd_schemas import Box, Manifest
 
 KIB = 1 << 10
 
 
-def _plan(sd: dict, rank: int = 0, world: int = 1, **kw):
+def _plan(sd: dict, rank: int = 0, world: int = 1, owners: dict | None = None, **kw):
     flat = flatten(sd)
     pieces = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in flat.leaves if leaf.kind == "tensor"}
-    return plan_save(flat, pieces, rank, world, **kw)
+    return plan_save(flat, pieces, rank, world, replica_owners(pieces, world, owners), **kw)
+
+
+def _packed(snap, compression, file_bytes: int):
+    """What the upload packs: the files ``_pack`` yields for the snapshot's order, and the index from them."""
+    order = snap.order()
+    files = list(_pack(snap, order, compression, file_bytes))
+    return files, _index(snap, order, files)[0]
 
 
 def _state(seed: int = 0) -> dict:
@@ -102,7 +113,7 @@ def test_boxes_and_flat_ranges_are_planned_from_pieces_alone():
         for leaf in flat.leaves:
             leaf.kind = "tensor"
         stall = {chunk_key("model.w", "float32", ([lo, 0], [n, 8]), None)}
-        plan = plan_save(flat, pieces, rank, 3, file_bytes=1 << 20, stall_keys=stall)
+        plan = plan_save(flat, pieces, rank, 3, replica_owners(pieces, 3), file_bytes=1 << 20, stall_keys=stall)
         w, m = plan.chunks
         assert (w.box, w.shape, w.nbytes) == (([lo, 0], [n, 8]), (n, 8), n * 8 * 4)
         assert (m.flat, m.box, m.nbytes) == (flats[rank], None, flats[rank][1] * 2)
@@ -119,7 +130,7 @@ def test_a_piece_this_rank_does_not_write_is_described_but_not_planned():
     flat = flatten({"a": 0, "b": 0})
     for leaf in flat.leaves:
         leaf.kind = "tensor"
-    plan = plan_save(flat, pieces, 1, 2)
+    plan = plan_save(flat, pieces, 1, 2, replica_owners(pieces, 2))
     assert [t.name for t in plan.tensors] == ["a", "b"] and plan.chunks == [] and plan.files == []
 
 
@@ -134,14 +145,14 @@ def test_replicated_tensors_are_written_once_across_ranks(world):
         assert len(plan.tensors) == 7  # every rank describes every tensor
     assert sorted(c.fqn for p in plans for c in p.chunks) == sorted(owners)
     agreed = {f"model.t{i}": (i * 2) % world for i in range(7)}  # writers agreed among the ranks win
-    assert [[c.fqn for c in _plan(sd, r, world, writers=agreed).chunks] for r in range(world)] == \
+    assert [[c.fqn for c in _plan(sd, r, world, owners=agreed).chunks] for r in range(world)] == \
         [[n for n, w in agreed.items() if w == r] for r in range(world)]
 
 
 def test_files_are_cut_at_file_bytes_and_every_offset_is_aligned():
     sd = {"m": {"a": torch.zeros(100), "b": torch.zeros(3000), "c": torch.zeros(10), "big": torch.zeros(9000),
                 "d": torch.zeros(1)}}
-    plan = _plan(sd, rank=2, world=3, writers={k: 2 for k in ("m.a", "m.b", "m.c", "m.big", "m.d")},
+    plan = _plan(sd, rank=2, world=3, owners={k: 2 for k in ("m.a", "m.b", "m.c", "m.big", "m.d")},
                  file_bytes=16 * KIB)
     where = {c.fqn: plan.placements[c.key] for c in plan.chunks}
     assert [f.name for f in plan.files] == ["r000002-0000.bin", "r000002-0001.bin", "r000002-0002.bin"]
@@ -156,19 +167,33 @@ def test_files_are_cut_at_file_bytes_and_every_offset_is_aligned():
         assert f.size <= 16 * KIB or len(in_file) == 1
 
 
-def test_the_packer_keeps_pieces_laid_out_apart_in_files_of_their_own():
-    pk = Packer("r000001", 1000)
-    got = [pk.place(n, apart) for n, apart in ((10, True), (20, True), (30, False), (900, False), (200, False))]
-    assert [(p.file[-8:-4], p.offset, opened) for p, opened in got] == [
-        ("0000", 0, True), ("0000", 64, False), ("0001", 0, True), ("0001", 64, False), ("0002", 0, True)]
-    assert [f.size for f in pk.files] == [128, 64 + 960, 256]
+def test_the_layout_keeps_pieces_laid_out_apart_in_files_of_their_own():
+    got = list(lay_out([(i, n, apart) for i, (n, apart) in enumerate(
+        ((10, True), (20, True), (30, False), (900, False), (200, False)))], "r000001", 1000))
+    assert [(i, p.file[-8:-4], p.offset, p.length) for i, p in got] == [
+        (0, "0000", 0, 10), (1, "0000", 64, 20), (2, "0001", 0, 30), (3, "0001", 64, 900), (4, "0002", 0, 200)]
 
 
-def test_write_order_puts_unchanged_chunks_written_again_first():
+def test_the_layout_places_each_piece_as_it_is_drawn():
+    """Lazy, as the upload needs it: a piece is placed before the next one is asked for (compressed)."""
+    drawn: list[int] = []
+
+    def pieces():
+        for i, n in enumerate((100, 200, 300)):
+            drawn.append(i)
+            yield i, n, False
+
+    for i, _ in lay_out(pieces(), "r000000", 250):
+        assert drawn[-1] == i
+
+
+def test_write_order_puts_unchanged_chunks_written_again_first_and_marks_the_linked():
     plan = _plan({"a": torch.zeros(2), "b": torch.zeros(3), "c": torch.zeros(4)})
     keys = {c.fqn: c.key for c in plan.chunks}
-    assert [c.fqn for c in write_order(plan.chunks, {keys["c"]})] == ["c", "a", "b"]
-    assert [c.fqn for c in write_order(plan.chunks, ())] == ["a", "b", "c"]
+    got = write_order(plan.chunks, {keys["b"]: ["pieces of b"]}, apart={keys["c"]})
+    assert [(w.chunk.fqn, w.linked, w.apart) for w in got] == [("c", None, True), ("a", None, False),
+                                                               ("b", ["pieces of b"], False)]
+    assert [w.chunk.fqn for w in write_order(plan.chunks)] == ["a", "b", "c"]
 
 
 def test_reuse_candidates_are_unchanged_chunks_that_can_be_hashed_in_place():
@@ -227,7 +252,7 @@ def test_the_executor_writes_what_the_plan_predicts(world):
         plan = _plan(sd, rank, world, file_bytes=fb)
         snap = build_snapshot(sd, rank, world, file_bytes=fb)
         assert snap.plan == plan
-        files, index = _pack(snap, None, fb)
+        files, index = _packed(snap, None, fb)
         data = _file_bytes(files)
         assert [f.name for f in files][:len(plan.files)] == [f.name for f in plan.files]
         sizes = {f.name: f.size for f in files}
@@ -265,10 +290,29 @@ def test_compressed_chunks_are_cut_at_the_plan_s_frames():
     frames = c.frames()
     assert len(frames) == 2 and sum(n for _, n, _, _ in frames) == 1500 * 1024
     snap = build_snapshot(sd, 0, 1)
-    files, index = _pack(snap, "zstd", 1 << 30)
+    files, index = _packed(snap, "zstd", 1 << 30)
     pieces = index.tensors[0].chunks
     assert [(p.offsets, p.sizes) for p in pieces] == [tuple(box) for _, _, box, _ in frames]
     assert [p.location.raw_length for p in pieces] == [n * 4 for _, n, _, _ in frames]
     assert all(p.location.codec == "zstd" and p.location.offset % ALIGN == 0 for p in pieces)
     assert pieces[1].location.offset == pieces[0].location.length + (-pieces[0].location.length) % ALIGN
     snap.release()
+
+
+def test_a_raw_save_commits_the_plan_s_files_and_chunk_locations(server):
+    """The plan is what runs: a real save, every chunk stored raw, none linked, commits the data files
+    (names and sizes) and every chunk's file, offset and length that ``plan_save`` computed for it."""
+    fb = 40 * KIB
+    g = torch.Generator().manual_seed(5)
+    sd = {"model": {f"w{i}": torch.randn(9 * (i + 1), 61, generator=g) for i in range(8)},
+          "ids": torch.arange(3000, dtype=torch.int16), "half": torch.randn(777, generator=g).half(), "step": 7}
+    plan = _plan(sd, file_bytes=fb)
+    assert len(plan.files) >= 3  # cut at file_bytes, a chunk larger than a file alone in one
+    with CheckpointClient(server.url, file_bytes=fb, compression=None, incremental=False) as client:
+        client.save(sd, "plan/1").wait()
+    m = Manifest.model_validate_json(httpx.get(f"{server.url}/v1/checkpoints/plan/1", timeout=30).content)
+    assert {name: f.size for name, f in m.files.items()} == {f.name: f.size for f in plan.files}
+    committed = {chunk_key(t.name, t.dtype, (c.offsets, c.sizes), None): c.location
+                 for t in m.tensors for c in t.chunks}
+    assert {k: (loc.file, loc.offset, loc.length) for k, loc in committed.items()} == \
+        {k: (p.file, p.offset, p.length) for k, p in plan.placements.items()}

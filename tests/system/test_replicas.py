@@ -468,7 +468,7 @@ def failover_job(rank: int, world: int, urls: list[list[str]], ref: str, seed: i
     """Ranks 2, 3 save through B. Ranks 0, 1 through A until the test kills it: rank 0 after all its
     files were received (before its index), rank 1 in the middle of streaming its last file."""
     from ckptd_client._dist import broadcast_str
-    from ckptd_client._save import _pack, _stream, build_snapshot, open_session, put_index, wait_committed
+    from ckptd_client._save import _index, _pack, _stream, build_snapshot, open_session, put_index, wait_committed
 
     sync_dir = Path(sync)
     run, name = ref.split("/")
@@ -477,7 +477,8 @@ def failover_job(rank: int, world: int, urls: list[list[str]], ref: str, seed: i
         session = broadcast_str(uuid.uuid4().hex if rank == 0 else None)
         snap = build_snapshot(rank_state(rank, world, seed), rank, world)
         open_session(t, base, session, world, int(name))
-        files, index = _pack(snap, None, FILE_BYTES)
+        files = list(_pack(snap, snap.order(), None, FILE_BYTES))
+        index, _ = _index(snap, snap.order(), files)
 
         def put(f, content) -> None:
             t.request("PUT", f"{base}/sessions/{session}/files/{f.name}", content=content,

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ckptd_client._incremental import SLOT, ChunkHistory, _Last, _Stored, chunk_key, worth_linking
-from ckptd_client._save import Snapshot, _Chunk, _pack
+from ckptd_client._save import Snapshot, _Chunk, _index, _pack
 from ckptd.store.reuse import check_reuse, filled_bytes
 from ckptd_schemas import (
     BoxChunk, FileEntry, InvalidIndex, Location, Manifest, ObjectEntry, TensorEntry, Topology, linked_name,
@@ -178,18 +178,20 @@ def test_history_offers_only_worthwhile_files_and_credits_what_the_stall_linked(
 
 
 def test_unchanged_chunks_written_again_are_laid_out_in_files_of_their_own():
-    """``_pack(apart=...)``: the unchanged scalar goes first into its own file, the changed tensor and
-    the objects into the next; the index keeps the snapshot's tensor order."""
+    """``Snapshot.order(apart=...)`` packed: the unchanged scalar goes first into its own file, the
+    changed tensor and the objects into the next; the index keeps the snapshot's tensor order."""
     snap = Snapshot(rank=0, world=1)
     big, scale = torch.arange(4096, dtype=torch.float32), torch.tensor([1.5])
     for name, t in (("model.big", big), ("model.scale", scale)):
         snap.tensors.append(TensorEntry(name=name, shape=list(t.shape), dtype="float32", group="model", chunks=[]))
         snap.chunks[name] = [_Chunk(name, t, ([0], list(t.shape)), None)]
     key = chunk_key("model.scale", "float32", ([0], [1]), None)
-    files, index = _pack(snap, None, 1 << 20, apart={key})
+    order = snap.order(apart={key})
+    files = list(_pack(snap, order, None, 1 << 20))
+    index, _ = _index(snap, order, files)
     assert [f.size for f in files] == [SLOT, 4096 * 4]
     assert [t.name for t in index.tensors] == ["model.big", "model.scale"]
     where = {t.name: t.chunks[0].location.file for t in index.tensors}
     assert where == {"model.scale": files[0].name, "model.big": files[1].name}
-    files, _ = _pack(snap, None, 1 << 20)  # nothing apart: one file, in the snapshot's order
+    files = list(_pack(snap, snap.order(), None, 1 << 20))  # nothing apart: one file, in the snapshot's order
     assert [f.size for f in files] == [4096 * 4 + SLOT]
