@@ -19,6 +19,7 @@ Call order inside :meth:`CheckpointClient.save`:
 
 from __future__ import annotations
 
+import contextlib
 import time
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,9 +45,10 @@ from ._pool import SlabClaim, SnapshotPool, aligned
 from ._saveplan import (ALIGN, FILE_BYTES, PlannedChunk, SavePlan, Write, file_prefix, lay_out, plan_save,
                         replica_owners, write_order)
 from ._presigned import DirectUploads
+from ._handover import LocalHandover
 from .session_calls import Opened, abort_session, open_session, put_index, wait_committed
 
-__all__ = ["Compression", "SaveHandle", "Snapshot", "build_snapshot", "upload_snapshot"]
+__all__ = ["Compression", "SaveHandle", "Snapshot", "build_snapshot", "upload_snapshot", "ways_in"]
 
 Compression = str | CompressionPolicy | None
 """``None`` (raw), ``"zstd"`` (always zstd), ``"planes"`` (always ``codec_for``'s codec: byte planes for
@@ -330,11 +332,14 @@ def _ours(e: AlreadyCommitted, session: str) -> bool:
 def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, *, compression: Compression,
                  file_bytes: int, streams: int, prefix: str | None = None,
                  committed: threading.Event | None = None,
-                 delta: SaveDelta | None = None, direct: DirectUploads | None = None) -> RankIndex:
+                 delta: SaveDelta | None = None, direct: DirectUploads | None = None,
+                 local: LocalHandover | None = None) -> RankIndex:
     """Pack the snapshot into files, stream them (several at once), return the rank's index.
 
     With ``direct`` (direct uploads, ``ckptd_client._presigned``), each file is PUT straight into the
-    object store, until a fallback turns that off.
+    object store, until a fallback turns that off. With ``local`` (co-located uploads,
+    ``ckptd_client._handover``), each file is handed to the service on this host as a sealed memory
+    file, until the socket cannot be reached; otherwise, and for a file either sends back, HTTP.
     With a :class:`CompressionPolicy`, the upload's throughput is fed back to it: the next save
     decides against the store as it is now.
     Once the service answers that this very session is committed (``committed`` is set, here or by the
@@ -353,6 +358,8 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
     def send(f: _File) -> None:
         starts.append(time.perf_counter())
         if direct is not None and direct.enabled and direct.put(f.name, f.size, lambda: _pieces(f)):
+            return
+        if local is not None and local.enabled and local.put(f.name, f.size, f.xxh3, lambda: _pieces(f)):
             return
         transport.request("PUT", f"{base}/sessions/{session}/files/{f.name}", content=lambda: _stream(f),
                           headers={"X-Ckptd-Xxh3": f.xxh3, "Content-Length": str(f.size),
@@ -390,10 +397,29 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
     return index
 
 
+@contextlib.contextmanager
+def ways_in(transport: Transport, base: str, session: str, opened: Opened, *,
+            local_uploads: bool = True) -> Iterator[dict[str, Any]]:
+    """What ``upload_files`` may send the files through besides HTTP, as the session's answer offers:
+    ``direct`` (presigned URLs into the object store) and ``local`` (a sealed memory file handed to
+    the service on this host, unless ``local_uploads`` is False); closed at the end."""
+    direct = DirectUploads(transport, base, session, transport.timeout) if opened.presigned else None
+    ref = parse_ref(base.removeprefix("/v1/checkpoints/"))
+    local = LocalHandover.offered(opened.local_socket, opened.local_host, run=ref.run, name=ref.name,
+                                  session=session, token=transport.token,
+                                  timeout=transport.timeout) if local_uploads else None
+    try:
+        yield {"direct": direct, "local": local}
+    finally:
+        if direct is not None:
+            direct.close()
+
+
 def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapshot, step: int | None, *,
                     compression: Compression, file_bytes: int, streams: int,
                     direct_uploads: bool = False, history: ChunkHistory | None = None,
-                    parent: str | None = None, opened: Opened | None = None) -> SessionStatus:
+                    parent: str | None = None, opened: Opened | None = None,
+                    local_uploads: bool = True) -> SessionStatus:
     """Open-or-join (recording ``parent``) unless the stall opened the session (``opened``: what it
     answered), upload files, send the index; return the session status after it.
 
@@ -422,14 +448,9 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
                 raise
             opened = Opened()
             committed.set()
-        direct = DirectUploads(transport, base, session, transport.timeout) if opened.presigned else None
-        try:
+        with ways_in(transport, base, session, opened, local_uploads=local_uploads) as ways:
             index = upload_files(transport, base, session, snap, compression=compression, file_bytes=file_bytes,
-                                 streams=streams, committed=committed, delta=delta,
-                                 direct=direct)
-        finally:
-            if direct is not None:
-                direct.close()
+                                 streams=streams, committed=committed, delta=delta, **ways)
     except Exception:
         abort_session(transport, base, session)
         raise

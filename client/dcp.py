@@ -63,8 +63,7 @@ from .codec import CompressionPolicy, compression_of
 from .transport import Transport
 from ._placement import dtype_name
 from ._manifest import get_manifest
-from ._presigned import DirectUploads
-from ._save import Snapshot, _Chunk, _Object, upload_files
+from ._save import Snapshot, _Chunk, _Object, upload_files, ways_in
 from .session_calls import open_session, put_index, wait_committed
 from ._damage import reported
 from ._lease import LoadLease
@@ -129,18 +128,18 @@ def _done(value: Any) -> Future:
 
 
 class CkptdStorageWriter(_Endpoint, StorageWriter):
-    """DCP ``StorageWriter``; ``compression``, ``direct_uploads`` and ``parent`` as for
+    """DCP ``StorageWriter``; ``compression``, ``direct_uploads``, ``local_uploads`` and ``parent`` as for
     :class:`CheckpointClient` (``compression``: ``None``, ``"zstd"``, ``"auto"`` or a
     ``CompressionPolicy``, which then learns this writer's upload throughput)."""
 
     def __init__(self, url: str, ref: str, *, token: str | None = None,
                  compression: str | CompressionPolicy | None = None, file_bytes: int = 256 << 20,
-                 streams: int = 4, direct_uploads: bool = True,
+                 streams: int = 4, direct_uploads: bool = True, local_uploads: bool = True,
                  objects: ObjectPolicy = SAFE, parent: str | None = None) -> None:
         _Endpoint.__init__(self, url, ref, token, streams)
         self.parent = parent  # recorded by every checkpoint this writer saves (CheckpointClient.save's ``parent``)
         self.compression, self.file_bytes = compression_of(compression), file_bytes
-        self.direct_uploads = direct_uploads
+        self.direct_uploads, self.local_uploads = direct_uploads, local_uploads
         self.objects = objects
         self.is_coordinator = False
         self.set_ref(None)
@@ -201,14 +200,9 @@ class CkptdStorageWriter(_Endpoint, StorageWriter):
             sizes.append((item.index, data.numel() * data.element_size()))
         opened = open_session(self.transport, self.base, pd.session, pd.world, _step_of(self.ref),
                               parent=self.parent, direct_uploads=self.direct_uploads)
-        direct = DirectUploads(self.transport, self.base, pd.session, self.transport.timeout) \
-            if opened.presigned else None
-        try:
+        with ways_in(self.transport, self.base, pd.session, opened, local_uploads=self.local_uploads) as ways:
             index = upload_files(self.transport, self.base, pd.session, snap, compression=self.compression,
-                                 file_bytes=self.file_bytes, streams=self.streams, direct=direct)
-        finally:
-            if direct is not None:
-                direct.close()
+                                 file_bytes=self.file_bytes, streams=self.streams, **ways)
         # DCP keeps one value per key (its planner dedups replicated items), so every object is global:
         # any rank, at any world size, may load it (client.load included).
         index = index.model_copy(update={"tensors": _merge_entries(index.tensors),

@@ -26,9 +26,12 @@ __all__ = ["Opened", "abort_session", "open_session", "put_index", "wait_committ
 @dataclass(frozen=True)
 class Opened:
     """What a rank may do beyond sending its files through the service: upload them to the object store
-    with presigned URLs (``presigned``: direct uploads)."""
+    with presigned URLs (``presigned``: direct uploads), or hand them over on the service's host
+    (``local_socket``: co-located uploads, ``ckptd_client._handover``)."""
 
     presigned: bool = False
+    local_socket: str | None = None  # co-located uploads: the service's socket, and its host's boot id
+    local_host: str | None = None
 
 
 def _path(base: str, session: str) -> str:
@@ -50,7 +53,7 @@ def open_session(transport: Transport, base: str, session: str, world: int, step
                                                         timeout=timeout))
     if info.keepalive_seconds:  # until the session is committed, refused or gone (the keep-alive's answer says)
         KEEPALIVE.hold(transport, _path(base, session), info.keepalive_seconds)
-    return Opened(presigned=bool(info.presigned))
+    return Opened(presigned=bool(info.presigned), local_socket=info.local_socket, local_host=info.local_host)
 
 
 def put_index(transport: Transport, base: str, session: str, index: RankIndex) -> SessionStatus:

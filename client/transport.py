@@ -80,6 +80,7 @@ class Transport:
         self.retry_seconds = retry_seconds
         self.retry_refused = retry_refused
         token = ((os.environ.get("CKPTD_TOKEN") if token is None else token) or "").strip()
+        self.token = token or None  # the bearer token, for calls beside HTTP (co-located uploads)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._clients = [httpx.Client(base_url=u, timeout=httpx.Timeout(timeout, connect=10.0), headers=headers,
                                       limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),

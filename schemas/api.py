@@ -79,6 +79,10 @@ class SessionInfo(_Body):
         None, description="how often a rank that joined the session sends POST .../sessions/{session}/alive, from "
         "opening it until it is committed, refused or gone; a session no rank was heard from for ten such "
         "intervals is reclaimed")
+    local_socket: str | None = Field(
+        None, description="a Unix socket through which a rank on the service's host (local_host) hands each data "
+        "file over as a sealed memory file instead of sending it (co-located uploads)")
+    local_host: str | None = Field(None, description="the boot id of the service's host, for local_socket")
 
 
 _SHA256 = Annotated[str, Field(pattern=r"^[A-Za-z0-9+/]{43}=$")]  # base64, as S3's x-amz-checksum-sha256

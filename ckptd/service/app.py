@@ -66,6 +66,7 @@ from ..store.visibility import Visibility
 from .auth import ROUTE_RULES, AccessMiddleware, TokenStore, authorize, check_routes, iter_routes
 from .docs import install_docs
 from .drill_routes import DrillPolicy, count_drill, drill_router
+from .local_uploads import LocalUploads
 from .job_watch import JobWatch
 from .errors import install_error_handlers
 from .limits import BodyTimeouts, PrincipalRequests, UploadSlots
@@ -131,8 +132,10 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     metrics.watch_sessions(sessions)
     for action in [after_commit, drills.after_commit] + ([copier.notify] if copier is not None else []):
         sessions.observe(AfterCommit(action))
+    local = LocalUploads(sessions, tokens, uploads, metrics) if settings.local_uploads else None
     services = Services(settings=settings, storage=storage, metrics=metrics, visibility=visibility, reader=reader,
-                        sessions=sessions, uploads=uploads, read_leases=read_leases, workers=workers, durable=copier)
+                        sessions=sessions, uploads=uploads, read_leases=read_leases, workers=workers, durable=copier,
+                        local=local)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -153,12 +156,16 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
         job_watch.start()  # its first sweep finds the jobs a stopped replica left queued or running
         if copier is not None:
             copier.start()  # its first scan finds what a crash left committed locally only
+        if local is not None:
+            local.start()  # co-located ranks hand their files over here (named in each session's answer)
         log.info("ckptd %s serving storage %s", __version__, storage.url)
         try:
             yield
         finally:
             task.cancel()
             probe_threads.shutdown(wait=False)
+            if local is not None:
+                local.stop()
             await run_in_threadpool(job_watch.stop)  # heartbeat deleted: its jobs are taken over at once
             if copier is not None:
                 await run_in_threadpool(copier.stop)

@@ -54,7 +54,7 @@ from ckptd_schemas import Forbidden, PayloadTooLarge, Unauthorized
 from .error_body import send_error
 
 __all__ = ["OPEN", "ROUTE_RULES", "AccessMiddleware", "AuthConfigError", "Principal", "Rule", "TokenStore",
-           "authorize", "check_routes", "hash_token", "iter_routes", "parse_tokens", "principal_of"]
+           "authorize", "check_routes", "hash_token", "iter_routes", "parse_tokens", "principal_for", "principal_of"]
 
 log = logging.getLogger("ckptd.service")
 
@@ -319,6 +319,18 @@ def check_routes(app: Any) -> None:
         raise RuntimeError(f"routes without an access rule in ckptd.service.auth.ROUTE_RULES: {missing}")
 
 
+def principal_for(tokens: TokenStore, token: str | None) -> Principal:
+    """Who a bearer token acts as: every way in asks this (the HTTP middleware, co-located uploads).
+    Everything is allowed when no tokens are configured; :class:`Unauthorized` for a missing or
+    unknown token."""
+    if not tokens.enabled:
+        return OPEN_PRINCIPAL
+    principal = tokens.authenticate(token) if token and len(token) <= MAX_TOKEN_CHARS else None
+    if principal is None:
+        raise Unauthorized(NO_TOKEN if token is None else "the bearer token is not valid")
+    return principal
+
+
 def principal_of(request: Request) -> Principal:
     p = request.scope.get("state", {}).get("principal")
     return p if isinstance(p, Principal) else ANONYMOUS
@@ -408,15 +420,12 @@ class AccessMiddleware:
         elif scope["path"] in self.open_paths:
             state["principal"] = ANONYMOUS
         else:
-            token = _bearer(scope)
-            principal = self.tokens.authenticate(token) if token and len(token) <= MAX_TOKEN_CHARS else None
-            if principal is None:
-                msg = NO_TOKEN if token is None else "the bearer token is not valid"
+            try:
+                state["principal"] = principal_for(self.tokens, _bearer(scope))
+            except Unauthorized as e:
                 self._match(scope)
-                await send_error(send, scope, Unauthorized(msg),
-                                  [(b"www-authenticate", b'Bearer realm="ckptd"')])
+                await send_error(send, scope, e, [(b"www-authenticate", b'Bearer realm="ckptd"')])
                 return
-            state["principal"] = principal
 
         responded = False
         checked = False

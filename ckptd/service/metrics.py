@@ -39,6 +39,8 @@ ckptd_reshard_jobs_finished_total      counter    reshard jobs finished, by stat
 ckptd_drills_total{result}             counter    conversion drills finished here (POST /v1/drill and the
                                                   CKPTD_DRILL_EVERY policy): ok, or failed (a problem found,
                                                   or the drill could not run)
+ckptd_local_uploads_total{status}      counter    data files handed over by co-located ranks (sealed memory files
+                                                  through the Unix socket), by the status answered
 ckptd_durable_pending                  gauge      with a durable tier: committed checkpoints not durable yet
 ckptd_durable_lag_seconds              gauge      age of the oldest of them (0 when none): the lag between tiers
 ckptd_durable_seconds                  histogram  from a commit to its durable marker, per checkpoint copied here
@@ -89,6 +91,8 @@ class Metrics(SessionEvents):
                                         "Time of one commit: merge and validate the indexes, write the manifest "
                                         "and the COMMITTED marker.", buckets=COMMIT_BUCKETS, registry=r)
         self.commits = Counter("ckptd_commits", "Checkpoints committed by this replica.", registry=r)
+        self.local_uploads = Counter("ckptd_local_uploads", "Data files handed over by co-located ranks, by the "
+                                     "status answered.", ["status"], registry=r)
         self.committed_bytes = Counter("ckptd_committed_bytes", "Bytes of the data files of the checkpoints "
                                        "committed by this replica (with process_cpu_seconds_total: the "
                                        "service's CPU per committed GiB).", registry=r)
@@ -216,6 +220,10 @@ class Metrics(SessionEvents):
         with self._lock:
             for key in keys:
                 self._sessions.pop(key.rsplit("/", 1)[-1], None)
+
+    def observe_local_upload(self, status: int) -> None:
+        """A co-located upload answered (``local_uploads``)."""
+        self.local_uploads.labels(str(status)).inc()
 
     def observe_drill(self, ok: bool) -> None:
         """A drill finished (from the worker's future, in this process)."""

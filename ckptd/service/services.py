@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ..store.durable import DurableCopier
     from ..store.visibility import Visibility
     from .limits import UploadSlots
+    from .local_uploads import LocalUploads
     from ..store import SessionStore
     from .metrics import Metrics
     from ..store.leases import ReadLeases
@@ -36,3 +37,4 @@ class Services:
     read_leases: ReadLeases
     workers: Workers  # the worker pool (started on first use): reshard jobs, verifications, drills
     durable: DurableCopier | None = None  # the durable tier's copier (--durable), else None
+    local: LocalUploads | None = None  # co-located uploads' socket (CKPTD_LOCAL_UPLOADS), else None

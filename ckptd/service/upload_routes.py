@@ -75,6 +75,8 @@ def upload_router(svc: Services) -> APIRouter:
         info = await run_in_threadpool(sessions.open, run, name, body)
         if body.direct_uploads and settings.direct_uploads and sessions.storage.presigns:
             info.presigned = True
+        if svc.local is not None and svc.local.address is not None:  # ranks on this host hand files over there
+            info.local_socket, info.local_host = svc.local.address, svc.local.host
         return info
 
     @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/presign", response_model=PresignedUpload)

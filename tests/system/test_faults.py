@@ -416,7 +416,8 @@ def test_connection_cut_mid_stream_retried_and_committed_once(srv, tmp_path, cut
         proxy = CutProxy(srv.port, r"^PUT /v1/checkpoints/run/2/sessions/\w+/ranks/0$", mode="response")
     sd2 = make_state(2, mib=2)
     with proxy, VisibilityWatcher(root, period=0.05) as watch:
-        client = CheckpointClient(proxy.url, retry_seconds=30, streams=1, file_bytes=1 << 20)  # through the proxy
+        # through the proxy, every byte over HTTP (a rank on another host: no co-located uploads)
+        client = CheckpointClient(proxy.url, retry_seconds=30, streams=1, file_bytes=1 << 20, local_uploads=False)
         try:
             status = client.save(sd2, f"{RUN}/2").wait(timeout=60)
         finally:

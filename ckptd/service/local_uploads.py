@@ -1,0 +1,227 @@
+"""Co-located uploads: a rank on this host hands a data file over as a sealed memory file.
+
+A file sent over HTTP costs the service two copies of every byte inside its HTTP stack, one out of
+the socket and Python work per body piece (``BENCHMARKS.md``: where the service's CPU goes). A rank
+on the same host (the session's answer names this host's boot id and this socket:
+``SessionInfo.local_socket``) writes the file into a memory file instead, seals it against every
+change (``F_SEAL_WRITE``, ``F_SEAL_SHRINK``, ``F_SEAL_GROW``) and passes its descriptor over a Unix
+socket (``SCM_RIGHTS``) with a one-line header. The rank keeps no way to change those bytes, as with
+HTTP: what the service reads is what it stores and checks.
+
+It is the HTTP upload's strategy, not a new rule: the same token rule (``auth.principal_for``), the
+same write scope on the run, the same per-token upload slots, and the same intake: the memory file,
+mapped read-only, goes through ``SessionStore.begin_file`` (hashed, block digests, written past the
+page cache) and ``finish`` with the declared digest; the commit's checker reads the stored bytes
+back as for any upload. A descriptor that is not a memory file sealed so is refused (unsealed, the
+rank could change the bytes while they are read, or shrink the file under the service's mapping).
+
+Wire, one file per connection::
+
+    rank -> service   {"token", "run", "name", "session", "file", "xxh3"}\\n   with one descriptor
+    service -> rank   {"status": 200, "result": UploadResult}\\n  or  {"status": N, "error": {...}}\\n
+
+Call order: ``create_app`` builds one :class:`LocalUploads` (``CKPTD_LOCAL_UPLOADS``, on by default)
+and names its socket in every session's answer; the lifespan calls :meth:`start` (the socket bound
+at a fresh path in the temporary directory, a thread accepting, a small pool serving) and
+:meth:`stop` (closed and unlinked).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import mmap
+import os
+import socket
+import stat
+import tempfile
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from ckptd_schemas import CkptdError, Forbidden, InvalidRequest, check_file, check_name, check_run, check_session
+
+from .auth import TokenStore, principal_for
+from .error_body import error_body
+from .limits import UploadSlots
+
+if TYPE_CHECKING:
+    from ..store import SessionStore
+    from .metrics import Metrics
+
+__all__ = ["HEADER_BYTES", "LocalUploads", "SEALS", "boot_id"]
+
+log = logging.getLogger("ckptd.service")
+
+#: A header line at most (a token, names and a digest).
+HEADER_BYTES = 16 << 10
+#: The seals a memory file must carry: no write, no shrink, no growth.
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+PIECE = 8 << 20  # bytes handed to the intake at a time
+HEADER_SECONDS = 10.0  # a connection that sends no header within this is closed
+
+
+def boot_id() -> str | None:
+    """This host's kernel, as its ranks see it (``/proc/sys/kernel/random/boot_id``); None elsewhere."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+class LocalUploads:
+    """The Unix socket of co-located uploads (module docstring)."""
+
+    def __init__(self, sessions: "SessionStore", tokens: TokenStore, uploads: UploadSlots,
+                 metrics: "Metrics | None" = None, *, workers: int = 8) -> None:
+        self.sessions, self.tokens, self.uploads, self.metrics = sessions, tokens, uploads, metrics
+        self.path = os.path.join(tempfile.gettempdir(), f"ckptd-{uuid.uuid4().hex[:16]}.sock")
+        self.host = boot_id()
+        self._sock: socket.socket | None = None
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptd-local-upload")
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str | None:
+        """The socket's path while it accepts, for the session's answer; None when it does not."""
+        return self.path if self._sock is not None and self.host is not None else None
+
+    def start(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(self.path)
+            os.chmod(self.path, 0o666)  # who may write is decided by the token, as over HTTP on 127.0.0.1
+            sock.listen(64)
+        except OSError as e:
+            sock.close()
+            log.warning("co-located uploads off: cannot listen at %s (%s)", self.path, e)
+            return
+        self._sock = sock
+        self._thread = threading.Thread(target=self._accept, name="ckptd-local-uploads", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _accept(self) -> None:
+        while (sock := self._sock) is not None:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return  # closed by stop()
+            self._pool.submit(self._serve, conn)
+
+    # -- one connection -------------------------------------------------------------------------------
+    def _serve(self, conn: socket.socket) -> None:
+        fds: list[int] = []
+        try:
+            conn.settimeout(HEADER_SECONDS)
+            header, fds = _receive(conn)
+            if len(fds) != 1:
+                raise InvalidRequest(f"a co-located upload passes one file descriptor, not {len(fds)}", field="fd")
+            result = self._upload(header, fds[0])
+            reply: dict[str, Any] = {"status": 200, "result": result}
+        except CkptdError as e:
+            reply = {"status": e.status, **error_body(e)}
+        except Exception as e:  # noqa: BLE001 - a bug: answered 500, logged, the service goes on
+            log.exception("co-located upload failed")
+            reply = {"status": 500, **error_body(CkptdError(f"internal error: {type(e).__name__}: {e}"))}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if self.metrics is not None:
+            self.metrics.observe_local_upload(reply["status"])
+        try:
+            conn.settimeout(HEADER_SECONDS)
+            conn.sendall(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
+        except OSError:
+            pass  # the rank went away: it sends the file over HTTP
+        finally:
+            conn.close()
+
+    def _upload(self, header: dict[str, Any], fd: int) -> dict[str, Any]:
+        """The file behind ``fd`` through the intake, as ``PUT .../files/{file}`` takes a body."""
+        run, name, sid, file, xxh3 = (header.get(k) for k in ("run", "name", "session", "file", "xxh3"))
+        if not all(isinstance(v, str) for v in (run, name, sid, file, xxh3)):
+            raise InvalidRequest("a co-located upload's header names run, name, session, file and xxh3", field="header")
+        check_run(run), check_name(name), check_session(sid), check_file(file)
+        token = header.get("token")
+        principal = principal_for(self.tokens, token if isinstance(token, str) else None)
+        if not principal.can_write(run):
+            raise Forbidden(f"token {principal.name!r} (scopes {principal.scopes}) may not write run {run!r}",
+                            token=principal.name, needs=f"write:{run}")
+        size = _sealed_size(fd, file)
+        release = self.uploads.acquire(principal.name, file)
+        try:
+            sink = self.sessions.begin_file(run, name, sid, file)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None
+            try:
+                for at in range(0, size, PIECE):
+                    with memoryview(mm)[at:at + PIECE] as piece:  # type: ignore[arg-type]
+                        sink.write(piece)
+                return sink.finish(xxh3).model_dump(mode="json")
+            except BaseException:
+                sink.abort()
+                raise
+            finally:
+                if mm is not None:
+                    mm.close()
+        finally:
+            release()
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """The header line and the descriptors that came with it."""
+    data, fds, _, _ = socket.recv_fds(conn, HEADER_BYTES, 4)
+    buf = bytearray(data)
+    try:
+        while b"\n" not in buf:
+            if not data or len(buf) >= HEADER_BYTES:
+                raise InvalidRequest(f"a co-located upload starts with a header line of at most {HEADER_BYTES} "
+                                     f"bytes", field="header")
+            data = conn.recv(HEADER_BYTES - len(buf))
+            buf += data
+        header = json.loads(bytes(buf[:buf.index(b"\n")]))
+    except (OSError, ValueError, InvalidRequest) as e:
+        for fd in fds:
+            os.close(fd)
+        if isinstance(e, InvalidRequest):
+            raise
+        raise InvalidRequest(f"a co-located upload's header did not arrive whole: {e}", field="header") from None
+    if not isinstance(header, dict):
+        for fd in fds:
+            os.close(fd)
+        raise InvalidRequest("a co-located upload's header is a JSON object", field="header")
+    return header, list(fds)
+
+
+def _sealed_size(fd: int, file: str) -> int:
+    """The size of the memory file ``fd``; :class:`InvalidRequest` unless it is a regular memory file
+    sealed against writes, shrinking and growth."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidRequest(f"file {file!r}: a co-located upload passes a memory file, not this descriptor",
+                             file=file)
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # not a memory file (sealing is theirs alone)
+    if seals & SEALS != SEALS:
+        raise InvalidRequest(f"file {file!r}: the memory file passed is not sealed against writes, shrinking and "
+                             f"growth (F_SEAL_WRITE, F_SEAL_SHRINK, F_SEAL_GROW): its bytes could change while "
+                             f"they are read", file=file)
+    return st.st_size

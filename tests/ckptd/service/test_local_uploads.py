@@ -1,0 +1,194 @@
+"""Co-located uploads (``ckptd.service.local_uploads``, ``ckptd_client._handover``): a rank on the service's
+host hands each data file over as a sealed memory file through the Unix socket its session's answer names.
+
+A real ``ckptd serve`` (tokens on, one test without): a save by ``CheckpointClient`` goes through the socket
+file by file and loads bit for bit; then, as a writer with a valid token could, raw connections to the socket
+try what HTTP would refuse and what only this path could allow: a memory file not sealed (its bytes could
+change while they are read), sealed but growable, a plain file, two descriptors, none, a header that is
+not JSON, a wrong digest, no token, a token of another run. Each is refused with the typed error, nothing
+is stored under the file's name, and the same file then uploads and commits. A connection that never sends
+its header does not hold the others up. A socket that cannot be reached sends the files over HTTP.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import xxhash
+
+from ckptd.service.auth import hash_token
+from ckptd_client import CheckpointClient
+from support import ServerProcess
+
+WRITER, OTHER = "writer-token-0123456789", "other-token-0123456789"
+TOKENS = f"trainer sha256:{hash_token(WRITER)} write:run*\nelse sha256:{hash_token(OTHER)} write:else\n"
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("local")
+    tokens = tmp / "tokens"
+    tokens.write_text(TOKENS)
+    s = ServerProcess(tmp / "root", env={"CKPTD_TOKENS_FILE": str(tokens)}).start()
+    yield s
+    s.stop()
+
+
+def _metric(url: str, name: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1:].split("} ")
+            out[labels] = float(value)
+    return out
+
+
+def _open(url: str, run: str, name: str, sid: str, token: str = WRITER) -> dict:
+    r = httpx.post(f"{url}/v1/checkpoints/{run}/{name}/sessions", json={"session": sid, "world_size": 1},
+                   headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _memfd(data: bytes, seals: int = SEALS) -> int:
+    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, data)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def _hand(path: str, header: dict | bytes, fds: list[int]) -> dict:
+    """One raw connection: the header line with ``fds``, then the service's answer."""
+    line = header if isinstance(header, bytes) else json.dumps(header).encode() + b"\n"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(60)
+        s.connect(path)
+        socket.send_fds(s, [line], fds)
+        buf = b""
+        while not buf.endswith(b"\n"):
+            data = s.recv(65536)
+            if not data:
+                break
+            buf += data
+    return json.loads(buf)
+
+
+def _header(sid: str, file: str, data: bytes, *, run: str = "run", token: str | None = WRITER, **kw) -> dict:
+    return {"token": token, "run": run, "name": "1", "session": sid, "file": file,
+            "xxh3": xxhash.xxh3_64_hexdigest(data), **kw}
+
+
+def test_a_save_on_the_services_host_hands_its_files_over_and_loads_bit_for_bit(srv):
+    before = _metric(srv.url, "ckptd_local_uploads_total").get('status="200"', 0.0)
+    want = {"model": {"w": torch.randn(512, 1024), "b": torch.arange(7.0)}, "step": 3}
+    with CheckpointClient(srv.url, token=WRITER, file_bytes=1 << 20) as c:
+        c.save(want, "run-a/1").wait()
+        got = {"model": {"w": torch.zeros(512, 1024), "b": torch.zeros(7)}, "step": 0}
+        c.load(got, "run-a/1")
+    assert torch.equal(got["model"]["w"], want["model"]["w"]) and got["step"] == 3
+    manifest = httpx.get(f"{srv.url}/v1/checkpoints/run-a/1", headers={"Authorization": f"Bearer {WRITER}"},
+                         timeout=30).json()
+    handed = _metric(srv.url, "ckptd_local_uploads_total")['status="200"'] - before
+    assert handed == len(manifest["files"]) >= 2, (handed, manifest["files"])  # every file, none over HTTP
+    assert not [k for k in _metric(srv.url, "ckptd_http_requests_total") if 'route="upload_file"' in k]
+
+
+@pytest.mark.parametrize("case", ["unsealed", "growable", "plain file", "two descriptors", "no descriptor",
+                                  "not json", "wrong digest", "no token", "other run's token", "bad file name"])
+def test_what_the_socket_refuses_is_not_stored_and_the_file_then_uploads(srv, case):
+    sid = f"{abs(hash(case)):016x}"[:16].ljust(16, "0")
+    info = _open(srv.url, "run", "1" if case != "other run's token" else "1", sid)
+    path = info["local_socket"]
+    assert path and info["local_host"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    data = os.urandom(300_000)
+    header, fds = _header(sid, "r000000-0000.bin", data), []
+    try:
+        if case == "unsealed":
+            fds = [_memfd(data, seals=0)]
+        elif case == "growable":
+            fds = [_memfd(data, seals=fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK)]
+        elif case == "plain file":
+            f = tempfile.TemporaryFile()
+            f.write(data)
+            f.flush()
+            fds = [os.dup(f.fileno())]
+            f.close()
+        elif case == "two descriptors":
+            fds = [_memfd(data), _memfd(data)]
+        elif case == "no descriptor":
+            fds = []
+        elif case == "not json":
+            fds = [_memfd(data)]
+            header = b"{'token': nope\n"
+        elif case == "wrong digest":
+            fds = [_memfd(data)]
+            header["xxh3"] = "0" * 16
+        elif case == "no token":
+            fds = [_memfd(data)]
+            header["token"] = None
+        elif case == "other run's token":
+            fds = [_memfd(data)]
+            header["token"] = OTHER
+        elif case == "bad file name":
+            fds = [_memfd(data)]
+            header["file"] = "../../COMMITTED"
+        answer = _hand(path, header, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    want = {"unsealed": (400, "not sealed"), "growable": (400, "not sealed"), "plain file": (400, "not sealed"),
+            "two descriptors": (400, "one file descriptor"), "no descriptor": (400, "one file descriptor"),
+            "not json": (400, "header"), "wrong digest": (422, "declared"), "no token": (401, "bearer token"),
+            "other run's token": (403, "may not write run"), "bad file name": (400, "")}[case]
+    assert answer["status"] == want[0] and want[1] in answer["error"]["message"], answer
+    session = Path(srv.root) / "runs/run/1/sessions" / sid
+    assert not [p for p in session.rglob("r000000-0000.bin*")], list(session.rglob("*"))  # nothing stored
+    # the same file, sealed and declared right, is taken; the checkpoint commits with it
+    fd = _memfd(data)
+    try:
+        ok = _hand(path, _header(sid, "r000000-0000.bin", data), [fd])
+    finally:
+        os.close(fd)
+    assert ok["status"] == 200 and ok["result"]["size"] == len(data), ok
+    assert Path(session, "files/r000000-0000.bin").read_bytes() == data
+
+
+def test_a_connection_that_sends_nothing_holds_no_other_upload_up(srv):
+    sid = "a" * 16
+    info = _open(srv.url, "run", "2", sid)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle:
+        idle.connect(info["local_socket"])  # says nothing
+        data = os.urandom(10_000)
+        fd = _memfd(data)
+        try:
+            ok = _hand(info["local_socket"], {**_header(sid, "r000000-0000.bin", data), "name": "2"}, [fd])
+        finally:
+            os.close(fd)
+    assert ok["status"] == 200, ok
+
+
+def test_a_socket_that_cannot_be_reached_sends_the_files_over_http(tmp_path):
+    s = ServerProcess(tmp_path / "root").start()
+    try:
+        sock = _open(s.url, "run", "0", "b" * 16)["local_socket"]
+        os.unlink(sock)  # as from another container: the path is not there
+        want = {"w": torch.randn(300, 300)}
+        with CheckpointClient(s.url) as c:
+            c.save(want, "run/1").wait()
+            got = {"w": torch.zeros(300, 300)}
+            c.load(got, "run/1")
+        assert torch.equal(got["w"], want["w"])
+        assert not _metric(s.url, "ckptd_local_uploads_total")
+        assert [k for k in _metric(s.url, "ckptd_http_requests_total") if 'route="upload_file"' in k]
+    finally:
+        s.stop()
