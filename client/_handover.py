@@ -5,7 +5,8 @@ and this rank runs on the service's host (``local_host``, the boot id, is this k
 the bytes written into a fresh memory file (``memfd_create``: one copy, as into a socket), sealed
 against every change (``F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW``, then ``F_SEAL_SEAL``), its
 descriptor passed over the socket with a one-line header (the bearer token, the session and the
-file's XXH3); the service answers as ``PUT .../files/{file}`` does (``ckptd.service.local_uploads``).
+file's XXH3); the service answers as ``PUT .../files/{file}`` does (``ckptd.service.local_uploads``;
+the wire: ``ckptd_schemas.handover``).
 
 Why: over HTTP the service copies every byte twice inside its HTTP stack and once out of the socket;
 handed over, it maps the file and reads it once (``BENCHMARKS.md``: the service's CPU per GiB).
@@ -25,23 +26,15 @@ import socket
 from typing import Callable, Iterable
 
 from ckptd_schemas import CkptdError, error_from_body
+from ckptd_schemas.handover import SEALS, boot_id
 
-__all__ = ["LocalHandover", "boot_id"]
+__all__ = ["LocalHandover"]
 
 log = logging.getLogger("ckptd_client")
 
-_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_SEALS = SEALS | fcntl.F_SEAL_SEAL  # and no seal taken off: none can be
 _IOV = 512  # pieces per pwritev
 _RETRIED = {429, 500, 502, 503, 504}  # as the HTTP transport retries: sent over HTTP instead
-
-
-def boot_id() -> str | None:
-    """This host's kernel (``/proc/sys/kernel/random/boot_id``); None where there is none."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
 
 
 class LocalHandover:

@@ -15,10 +15,8 @@ page cache) and ``finish`` with the declared digest; the commit's checker reads 
 back as for any upload. A descriptor that is not a memory file sealed so is refused (unsealed, the
 rank could change the bytes while they are read, or shrink the file under the service's mapping).
 
-Wire, one file per connection::
-
-    rank -> service   {"token", "run", "name", "session", "file", "xxh3"}\\n   with one descriptor
-    service -> rank   {"status": 200, "result": UploadResult}\\n  or  {"status": N, "error": {...}}\\n
+The wire (one file per connection, a header line with the descriptor, an answer line) is
+``ckptd_schemas.handover``.
 
 Call order: ``create_app`` builds one :class:`LocalUploads` (``CKPTD_LOCAL_UPLOADS``, on by default)
 and names its socket in every session's answer; the lifespan calls :meth:`start` (the socket bound
@@ -42,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ckptd_schemas import CkptdError, Forbidden, InvalidRequest, check_file, check_name, check_run, check_session
+from ckptd_schemas.handover import HEADER_BYTES, SEALS, boot_id
 
 from .auth import TokenStore, principal_for
 from .error_body import error_body
@@ -51,25 +50,12 @@ if TYPE_CHECKING:
     from ..store import SessionStore
     from .metrics import Metrics
 
-__all__ = ["HEADER_BYTES", "LocalUploads", "SEALS", "boot_id"]
+__all__ = ["LocalUploads"]
 
 log = logging.getLogger("ckptd.service")
 
-#: A header line at most (a token, names and a digest).
-HEADER_BYTES = 16 << 10
-#: The seals a memory file must carry: no write, no shrink, no growth.
-SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 PIECE = 8 << 20  # bytes handed to the intake at a time
 HEADER_SECONDS = 10.0  # a connection that sends no header within this is closed
-
-
-def boot_id() -> str | None:
-    """This host's kernel, as its ranks see it (``/proc/sys/kernel/random/boot_id``); None elsewhere."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
 
 
 class LocalUploads:
