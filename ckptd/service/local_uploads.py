@@ -35,6 +35,7 @@ import socket
 import stat
 import tempfile
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,7 @@ from ckptd_schemas.handover import HEADER_BYTES, SEALS, boot_id
 from .auth import TokenStore, principal_for
 from .error_body import error_body
 from .limits import UploadSlots
+from .logs import access_log
 
 if TYPE_CHECKING:
     from ..store import SessionStore
@@ -114,12 +116,14 @@ class LocalUploads:
     # -- one connection -------------------------------------------------------------------------------
     def _serve(self, conn: socket.socket) -> None:
         fds: list[int] = []
+        seen: dict[str, Any] = {"route": "local_upload"}  # what the access log says of it
+        t0 = time.perf_counter()
         try:
             conn.settimeout(HEADER_SECONDS)
             header, fds = _receive(conn)
             if len(fds) != 1:
                 raise InvalidRequest(f"a co-located upload passes one file descriptor, not {len(fds)}", field="fd")
-            result = self._upload(header, fds[0])
+            result = self._upload(header, fds[0], seen)
             reply: dict[str, Any] = {"status": 200, "result": result}
         except CkptdError as e:
             reply = {"status": e.status, **error_body(e)}
@@ -129,8 +133,12 @@ class LocalUploads:
         finally:
             for fd in fds:
                 os.close(fd)
+        status = seen["status"] = reply["status"]
+        seen["duration_ms"] = round((time.perf_counter() - t0) * 1000, 1)
         if self.metrics is not None:
-            self.metrics.observe_local_upload(reply["status"])
+            self.metrics.observe_local_upload(status, seen.get("bytes_in", 0))
+        access_log.log(logging.WARNING if status >= 500 or status in (401, 403) else logging.INFO,
+                       "LOCAL %s %d %.1fms", seen.get("file", "-"), status, seen["duration_ms"], extra=seen)
         try:
             conn.settimeout(HEADER_SECONDS)
             conn.sendall(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
@@ -139,18 +147,21 @@ class LocalUploads:
         finally:
             conn.close()
 
-    def _upload(self, header: dict[str, Any], fd: int) -> dict[str, Any]:
-        """The file behind ``fd`` through the intake, as ``PUT .../files/{file}`` takes a body."""
+    def _upload(self, header: dict[str, Any], fd: int, seen: dict[str, Any]) -> dict[str, Any]:
+        """The file behind ``fd`` through the intake, as ``PUT .../files/{file}`` takes a body; ``seen``
+        gathers what the access log says of it (run, checkpoint, file, principal, bytes)."""
         run, name, sid, file, xxh3 = (header.get(k) for k in ("run", "name", "session", "file", "xxh3"))
         if not all(isinstance(v, str) for v in (run, name, sid, file, xxh3)):
             raise InvalidRequest("a co-located upload's header names run, name, session, file and xxh3", field="header")
+        seen.update(run=run[:200], checkpoint=name[:200], file=file[:200])
         check_run(run), check_name(name), check_session(sid), check_file(file)
         token = header.get("token")
         principal = principal_for(self.tokens, token if isinstance(token, str) else None)
+        seen["principal"] = principal.name
         if not principal.can_write(run):
             raise Forbidden(f"token {principal.name!r} (scopes {principal.scopes}) may not write run {run!r}",
                             token=principal.name, needs=f"write:{run}")
-        size = _sealed_size(fd, file)
+        size = seen["bytes_in"] = _sealed_size(fd, file)
         release = self.uploads.acquire(principal.name, file)
         try:
             sink = self.sessions.begin_file(run, name, sid, file)

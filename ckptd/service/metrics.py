@@ -10,7 +10,7 @@ No label carries a run or checkpoint name; route labels are handler names.
 =====================================  =========  ==========================================================
 metric                                 type       meaning
 =====================================  =========  ==========================================================
-ckptd_bytes_in_total{route}            counter    request body bytes received
+ckptd_bytes_in_total{route}            counter    request body bytes received (``local_upload``: files handed over)
 ckptd_bytes_out_total{route}           counter    response body bytes sent
 ckptd_http_requests_total{route,...}   counter    requests answered, by route, method and status
 ckptd_http_request_seconds{route}      histogram  time to answer a request
@@ -221,9 +221,11 @@ class Metrics(SessionEvents):
             for key in keys:
                 self._sessions.pop(key.rsplit("/", 1)[-1], None)
 
-    def observe_local_upload(self, status: int) -> None:
-        """A co-located upload answered (``local_uploads``)."""
+    def observe_local_upload(self, status: int, nbytes: int) -> None:
+        """A co-located upload answered (``local_uploads``); its bytes count as received, under the
+        route ``local_upload``."""
         self.local_uploads.labels(str(status)).inc()
+        self.bytes_in.labels("local_upload").inc(nbytes)
 
     def observe_drill(self, ok: bool) -> None:
         """A drill finished (from the worker's future, in this process)."""

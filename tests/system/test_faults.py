@@ -483,7 +483,7 @@ def test_a_resumed_rank_finds_its_session_committed_by_the_others_and_gets_commi
     def upload(rank: int, session: str, transport: Transport | None = None, snap=None) -> SessionStatus:
         t = transport or Transport(srv.url, retry_seconds=10, timeout=60)
         try:
-            return upload_snapshot(t, base, session, snap or snaps[rank], 2, **kw)
+            return upload_snapshot(t, base, session, snap or snaps[rank], 2, local_uploads=False, **kw)  # HTTP seen
         finally:
             t.close()
 

@@ -184,9 +184,10 @@ def test_presigns_are_refused_where_they_cannot_be_given(tmp_path):
         r = httpx.post(f"{base}/{'d' * 32}/files/r000000-0000.bin/presign", json=body, timeout=10,
                        headers={"Authorization": f"Bearer {reader}"})
         assert r.status_code == 403
-        # a client asking for direct uploads there sends through the service, and commits
+        # a client asking for direct uploads there sends through the service (over HTTP, as from another
+        # host), and commits
         sd = _state(3)
-        with CheckpointClient(srv.url, token=token) as c:
+        with CheckpointClient(srv.url, token=token, local_uploads=False) as c:
             c.save(sd, "loc/2").wait()
             got = blank_like(sd)
             c.load(got, "loc/2")

@@ -86,7 +86,9 @@ def test_metrics_after_a_real_save_and_load(tmp_path):
         saved = manifest.total_bytes  # bytes of the data files
         assert saved >= 1 << 20
         assert total(after, "ckptd_bytes_in_total") >= saved
-        assert total(after, "ckptd_bytes_in_total", route="upload_file") >= saved
+        # the files were handed over on this host (co-located uploads): counted as received, every byte
+        assert total(after, "ckptd_bytes_in_total", route="local_upload") >= saved
+        assert total(after, "ckptd_local_uploads_total", status="200") == len(manifest.files)
         assert total(after, "ckptd_bytes_out_total", route="get_file") >= saved * 0.9
         assert total(after, "ckptd_commit_seconds_count") == 1
         assert 0 < total(after, "ckptd_commit_seconds_sum") < 60
@@ -97,7 +99,7 @@ def test_metrics_after_a_real_save_and_load(tmp_path):
         assert total(after, "ckptd_verify_failures_total") == 0
         assert total(after, "ckptd_storage_errors_total") == 0
         assert total(after, "ckptd_http_requests_total", route="open_session", status="200") >= 1
-        assert total(after, "ckptd_http_request_seconds_count", route="upload_file") >= 1
+        assert total(after, "ckptd_http_request_seconds_count", route="put_index") >= 1
         assert not any(n.endswith("_created") for n, _ in after)  # the service turns those off
         # The request id comes back and is in the JSON log line of that request.
         r = httpx.get(f"{srv.url}/v1/checkpoints/m/5", headers={"X-Request-Id": "scrape-test-42"})

@@ -166,26 +166,28 @@ def test_wrong_declared_checksum_is_refused_and_partial_data_dropped(env):
     env.assert_intact()
 
 
-def test_a_save_whose_upload_is_refused_aborts_its_session(env, monkeypatch):
-    """The bytes sent differ from the digest declared (corrupted in flight): the service refuses
-    the file, and the client deletes its session instead of leaving it staged until the TTL."""
+@pytest.mark.parametrize("local_uploads", [False, True])
+def test_a_save_whose_upload_is_refused_aborts_its_session(env, monkeypatch, local_uploads):
+    """The bytes sent differ from the digest declared (corrupted in flight, over HTTP or in the memory
+    file handed over on this host): the service refuses the file, and the client deletes its session
+    instead of leaving it staged until the TTL."""
     import ckptd_client._save as save_mod
 
-    real = save_mod._stream
+    real = save_mod._pieces
 
     def corrupted(f):
         for i, piece in enumerate(real(f)):
-            yield bytes([piece[0] ^ 1]) + bytes(piece[1:]) if i == 0 else piece
+            yield bytes([bytes(piece)[0] ^ 1]) + bytes(piece)[1:] if i == 0 else piece
 
-    monkeypatch.setattr(save_mod, "_stream", corrupted)
-    with CheckpointClient(env.srv.url, retry_seconds=5) as client:  # every byte over HTTP
+    monkeypatch.setattr(save_mod, "_pieces", corrupted)
+    with CheckpointClient(env.srv.url, retry_seconds=5, local_uploads=local_uploads) as client:
         handle = client.save(make_state(2), f"{env.run}/2")
         with pytest.raises(ChecksumMismatch):
             handle.wait(timeout=60)
     sessions = env.root / "runs" / env.run / "2" / "sessions"
     assert not sessions.exists() or not any(sessions.iterdir()), list(sessions.iterdir())
     assert "2" not in env.committed_names()
-    monkeypatch.setattr(save_mod, "_stream", real)
+    monkeypatch.setattr(save_mod, "_pieces", real)
     env.assert_intact()
 
 
