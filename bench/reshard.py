@@ -563,7 +563,9 @@ def profile_main(argv: list[str]) -> int:
     for fn in ("tensor_digests", "tensor_digest", "combine"):  # the digest check (per call: thread-seconds)
         if hasattr(ex, fn):
             setattr(ex, fn, timed(getattr(ex, fn), "digests"))
-    ex.verify_fetch = timed(ex.verify_fetch, "verify_blocks")
+    import ckptd_schemas.readplan as readplan  # run_fetches verifies each fetch through the module's name
+
+    readplan.verify_fetch = timed(readplan.verify_fetch, "verify_blocks")
     for buf in (engines._HostBuffer, engines._TorchBuffer):  # the engine's copies (host on the CPU)
         buf.copy = timed(buf.copy, "assemble_copy")
     ex.write_hashed = timed(ex.write_hashed, "write_hashed")  # chunk, tensor and file digests + writes (nested)

@@ -213,7 +213,10 @@ class Probe:
         import ckptd_client.client as cc
         from ckptd_client.transport import Transport
 
+        import ckptd_client._handover as ch
+
         for mod, name, kind in ((cc, "build_snapshot", "snapshot"), (cc, "upload_snapshot", "upload_total"),
+                                (getattr(ch, "LocalHandover", None), "put", "put_file"),  # a file handed over
                                 (getattr(cl, "HttpRanges", None), "read", "fetch_verify"),
                                 (cl, "execute", "fetch_copy_total")):
             if hasattr(mod, name):

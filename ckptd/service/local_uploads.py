@@ -183,9 +183,10 @@ class LocalUploads:
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """The header line and the descriptors that came with it."""
-    data, fds, _, _ = socket.recv_fds(conn, HEADER_BYTES, 4)
-    buf = bytearray(data)
+    fds: list[int] = []
     try:
+        data, fds, _, _ = socket.recv_fds(conn, HEADER_BYTES, 4)
+        buf = bytearray(data)
         while b"\n" not in buf:
             if not data or len(buf) >= HEADER_BYTES:
                 raise InvalidRequest(f"a co-located upload starts with a header line of at most {HEADER_BYTES} "
