@@ -28,13 +28,14 @@ from typing import Callable, Iterable
 from ckptd_schemas import CkptdError, error_from_body
 from ckptd_schemas.handover import SEALS, boot_id
 
+from .transport import RETRY_STATUS
+
 __all__ = ["LocalHandover"]
 
 log = logging.getLogger("ckptd_client")
 
 _SEALS = SEALS | fcntl.F_SEAL_SEAL  # and no seal taken off: none can be
 _IOV = 512  # pieces per pwritev
-_RETRIED = {429, 500, 502, 503, 504}  # as the HTTP transport retries: sent over HTTP instead
 
 
 class LocalHandover:
@@ -80,7 +81,7 @@ class LocalHandover:
         status = int(reply.get("status", 500)) if isinstance(reply, dict) else 500
         if status == 200:
             return True
-        if status in _RETRIED:
+        if status in RETRY_STATUS:  # what the HTTP transport would retry: that file goes over HTTP
             log.info("co-located upload of %s answered %d: sent over HTTP", file, status)
             return False
         raise error_from_body(reply, status)

@@ -165,18 +165,15 @@ class LocalUploads:
         release = self.uploads.acquire(principal.name, file)
         try:
             sink = self.sessions.begin_file(run, name, sid, file)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None
             try:
-                for at in range(0, size, PIECE):
-                    with memoryview(mm)[at:at + PIECE] as piece:  # type: ignore[arg-type]
+                for at in range(0, size, PIECE):  # one piece mapped at a time: resident memory stays a piece
+                    with mmap.mmap(fd, min(PIECE, size - at), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
+                                   offset=at) as mm, memoryview(mm) as piece:
                         sink.write(piece)
                 return sink.finish(xxh3).model_dump(mode="json")
             except BaseException:
                 sink.abort()
                 raise
-            finally:
-                if mm is not None:
-                    mm.close()
         finally:
             release()
 
