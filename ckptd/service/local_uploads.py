@@ -20,8 +20,10 @@ The wire (one file per connection, a header line with the descriptor, an answer 
 
 Call order: ``create_app`` builds one :class:`LocalUploads` (``CKPTD_LOCAL_UPLOADS``, on by default)
 and names its socket in every session's answer; the lifespan calls :meth:`start` (the socket bound
-at a fresh path in the temporary directory, a thread accepting, a small pool serving) and
-:meth:`stop` (closed and unlinked).
+at a fresh path in the temporary directory, a thread accepting, a small pool serving; a connection
+must send its header within :data:`HEADER_SECONDS`, and past :data:`MAX_CONNECTIONS` held at once a
+new one is closed, so idle connections only send other ranks to HTTP) and :meth:`stop` (closed and
+unlinked).
 """
 
 from __future__ import annotations
@@ -57,20 +59,22 @@ __all__ = ["LocalUploads"]
 log = logging.getLogger("ckptd.service")
 
 PIECE = 8 << 20  # bytes handed to the intake at a time
-HEADER_SECONDS = 10.0  # a connection that sends no header within this is closed
+HEADER_SECONDS = 2.0  # a connection that sends no header within this is closed (a rank sends it at once)
+MAX_CONNECTIONS = 64  # held at once (served or waiting); one more is closed at once: that rank uses HTTP
 
 
 class LocalUploads:
     """The Unix socket of co-located uploads (module docstring)."""
 
     def __init__(self, sessions: "SessionStore", tokens: TokenStore, uploads: UploadSlots,
-                 metrics: "Metrics | None" = None, *, workers: int = 8) -> None:
+                 metrics: "Metrics | None" = None, *, workers: int = 16) -> None:
         self.sessions, self.tokens, self.uploads, self.metrics = sessions, tokens, uploads, metrics
         self.path = os.path.join(tempfile.gettempdir(), f"ckptd-{uuid.uuid4().hex[:16]}.sock")
         self.host = boot_id()
         self._sock: socket.socket | None = None
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptd-local-upload")
         self._thread: threading.Thread | None = None
+        self._held = threading.BoundedSemaphore(MAX_CONNECTIONS)
 
     @property
     def address(self) -> str | None:
@@ -111,9 +115,18 @@ class LocalUploads:
                 conn, _ = sock.accept()
             except OSError:
                 return  # closed by stop()
-            self._pool.submit(self._serve, conn)
+            if not self._held.acquire(blocking=False):  # idle connections cannot queue up the others
+                conn.close()
+                continue
+            self._pool.submit(self._serve_held, conn)
 
     # -- one connection -------------------------------------------------------------------------------
+    def _serve_held(self, conn: socket.socket) -> None:
+        try:
+            self._serve(conn)
+        finally:
+            self._held.release()
+
     def _serve(self, conn: socket.socket) -> None:
         fds: list[int] = []
         seen: dict[str, Any] = {"route": "local_upload"}  # what the access log says of it

@@ -192,3 +192,34 @@ def test_a_socket_that_cannot_be_reached_sends_the_files_over_http(tmp_path):
         assert [k for k in _metric(s.url, "ckptd_http_requests_total") if 'route="upload_file"' in k]
     finally:
         s.stop()
+
+
+def test_idle_connections_are_answered_and_cannot_keep_a_save_off_the_socket(srv):
+    """A connection that sends no header is answered 400 after a short wait; connections held past the
+    service's bound (a local user needs no token to connect) are closed at once, unanswered, so they
+    cannot queue up the ranks' handovers; a save meanwhile commits and loads (over HTTP, or handed over
+    once a slot is free)."""
+    sock = _open(srv.url, "run", "3", "c" * 16)["local_socket"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle:
+        idle.settimeout(60)
+        idle.connect(sock)
+        answer = json.loads(idle.recv(65536))
+    assert answer["status"] == 400 and "header" in answer["error"]["message"], answer
+    held = []
+    try:
+        for _ in range(80):  # more than the service holds at once (64)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(sock)  # blocking: waits while the listen backlog is full
+            s.settimeout(60)
+            held.append(s)
+        want = {"w": torch.randn(256, 256)}
+        with CheckpointClient(srv.url, token=WRITER) as c:
+            c.save(want, "run-b/1").wait()
+            got = {"w": torch.zeros(256, 256)}
+            c.load(got, "run-b/1")
+        assert torch.equal(got["w"], want["w"])
+        unanswered = sum(1 for s in held if s.recv(65536) == b"")  # closed at once, or answered 400 later
+        assert unanswered >= 80 - 64, unanswered
+    finally:
+        for s in held:
+            s.close()
