@@ -49,11 +49,12 @@ class LocalHandover:
         self.enabled = hasattr(os, "memfd_create")
 
     @classmethod
-    def offered(cls, socket_path: str | None, host: str | None, **kw: object) -> "LocalHandover | None":
+    def offered(cls, socket_path: str | None, host: str | None, run: str, name: str, session: str,
+                token: str | None, timeout: float) -> "LocalHandover | None":
         """The handover the session's answer offers, when this rank shares the service's kernel."""
         if not socket_path or not host or host != boot_id():
             return None
-        return cls(socket_path, **kw)  # type: ignore[arg-type]
+        return cls(socket_path, run, name, session, token, timeout)
 
     def put(self, file: str, size: int, xxh3: str, pieces: Callable[[], Iterable[bytes | memoryview]]) -> bool:
         """Hand ``file`` over; True when the service stored it, False when it goes over HTTP instead."""

@@ -12,6 +12,7 @@ One file per connection: the rank sends one header line (JSON: ``token``, ``run`
 from __future__ import annotations
 
 import fcntl
+import functools
 
 __all__ = ["HEADER_BYTES", "SEALS", "boot_id"]
 
@@ -21,9 +22,11 @@ HEADER_BYTES = 16 << 10
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
+@functools.cache
 def boot_id() -> str | None:
     """This host's kernel (``/proc/sys/kernel/random/boot_id``), as the service names its host in a
-    session's answer and a rank compares; None where there is none."""
+    session's answer and a rank compares; None where there is none. Read once per process: it is
+    fixed until the host reboots."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip() or None

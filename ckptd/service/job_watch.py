@@ -24,7 +24,7 @@ from typing import Callable
 
 from ckptd_schemas import CkptdError, NotFound, Unavailable
 
-from ..reshard.liveness import active, beat, finish, forget, listed_at
+from ..reshard.liveness import Kind, active, beat, finish, forget, listed_at
 from ..reshard.models import FINAL, JobStatus, get_job, now_utc, put_status
 from ..reshard.recovery import orphaned, take_over
 from ..storage import Storage
@@ -74,10 +74,10 @@ class JobWatch:
         fut.add_done_callback(lambda f: self._ended(job.id, f))
         return fut
 
-    def read(self, job_id: str, kind: str | None = None) -> JobStatus:
+    def read(self, job_id: str, kind: Kind | None = None) -> JobStatus:
         """A status read (of ``kind``, when given): the record as read, or after a takeover when its
         replica has stopped."""
-        job = get_job(self.storage, job_id, kind)  # type: ignore[arg-type]
+        job = get_job(self.storage, job_id, kind)
         if job.state in FINAL or job.owner == self.replica or orphaned(self.storage, job, after=self.after) is None:
             return job
         return self._take_over(job) or get_job(self.storage, job_id)
