@@ -1,5 +1,9 @@
 """Incremental saves: chunks a rank stored at its previous save, unchanged since, are not written again.
 
+Four words name the whole feature, in code and docs alike: an **incremental** save; a chunk
+**unchanged** since the rank's last save; the file holding it **linked** into the new checkpoint;
+the **parent**, the earlier checkpoint it is linked from.
+
 Frozen weights (a backbone under LoRA or adapters, embeddings) keep their bytes from save to save;
 every saver that writes them again pays for them at every step. Here each rank remembers, after a
 save, a 128-bit content digest (XXH3-128) of every chunk it wrote and where that chunk's stored
@@ -17,11 +21,11 @@ pieces are (file and locations in that checkpoint). At its next save to the same
    sharing one digest takes about 2^64 tries to find on purpose, and never happens by chance.
 2. In the upload, :meth:`ChunkHistory.begin` digests the copied chunks (GPU tensors, and chunks that
    changed at the last save, among them) and
-   :meth:`SaveDelta.link` links what is unchanged among them the same way. A refused link (the
+   :meth:`SaveLinks.link` links what is unchanged among them the same way. A refused link (the
    earlier checkpoint never committed, or was deleted since) leaves its chunks to be written.
 3. The upload's order (``_saveplan.write_order``) holds the linked chunks at their stored
    locations in the linked files (:func:`relocated`); ``_pack`` writes the rest and the rank index
-   lists the linked files with its own. Unchanged chunks written again (``SaveDelta.unchanged``:
+   lists the linked files with its own. Unchanged chunks written again (``SaveLinks.unchanged``:
    their file was not worth linking, or its link was refused) are laid out first, in files of their
    own, which the next save can link whole.
 4. Once the index is accepted, :meth:`ChunkHistory.remember` keeps this save's digests,
@@ -32,7 +36,7 @@ as the new checkpoint lives, so an earlier file is linked only when the chunks r
 at least half of it; the stale rest then never outweighs what the link saves. One unchanged scalar
 beside a tensor that changes is written again (a few bytes) rather than pinning the whole earlier
 file at every save (twice the state kept, and on S3 a copy of the stale file at every save). The
-service refuses a commit that breaks the rule (``ckptd.store.reuse.check_reuse``).
+service refuses a commit that breaks the rule (``ckptd.store.links.check_links``).
 
 The service links a file only while the source checkpoint's verification record still vouches for
 it (its stamp unchanged; else the saver sends the bytes), and its commit reads and checks every
@@ -57,7 +61,7 @@ from ckptd_schemas import BoxChunk, CkptdError, FlatChunk, InvalidRequest, NotFo
 if TYPE_CHECKING:
     from .transport import Transport
 
-__all__ = ["SLOT", "ChunkHistory", "SaveDelta", "chunk_key", "digest_source", "link_early", "link_files", "relocated",
+__all__ = ["SLOT", "ChunkHistory", "SaveLinks", "chunk_key", "digest_source", "link_early", "link_files", "relocated",
            "worth_linking"]
 
 log = logging.getLogger("ckptd_client")
@@ -122,7 +126,7 @@ def worth_linking(candidates: Mapping[ChunkKey, list], sizes: Mapping[str, int],
 
 
 @dataclass
-class SaveDelta:
+class SaveLinks:
     """One save's side of it: its chunks' digests, the remembered pieces it may link (in files of
     checkpoint ``source``), and, filled by the upload, every chunk's pieces as its index holds them."""
 
@@ -197,7 +201,7 @@ class ChunkHistory:
                 del self._offered[next(iter(self._offered))]
         return last.name, out
 
-    def begin(self, run: str, name: str, snap: Any) -> SaveDelta:
+    def begin(self, run: str, name: str, snap: Any) -> SaveLinks:
         """Digest ``snap``'s chunks (a ``Snapshot``, keyed by its plan; those digested in the stall keep
         that digest) and pick, among the chunks it copied, those stored unchanged at the last save to ``run``."""
         digests: dict[ChunkKey, bytes] = {}
@@ -214,27 +218,27 @@ class ChunkHistory:
         unchanged = frozenset(k for k, d in copied.items() if same and (s := last.chunks.get(k)) is not None
                               and s.digest == d)
         source, candidates = self.candidates(run, name, copied, placed)
-        return SaveDelta(run, name, digests, candidates, source, unchanged=unchanged)
+        return SaveLinks(run, name, digests, candidates, source, unchanged=unchanged)
 
-    def remember(self, delta: SaveDelta) -> None:
+    def remember(self, links: SaveLinks) -> None:
         """After a save whose index was accepted: its chunks' digests, where their pieces are, and which
         of them changed since the save before."""
         last = self._last
-        before = last.chunks if last is not None and last.run == delta.run else {}
+        before = last.chunks if last is not None and last.run == links.run else {}
         with self._lock:
-            offered = self._offered.pop((delta.run, delta.name), {})
+            offered = self._offered.pop((links.run, links.name), {})
         chunks = {}
         sizes: dict[str, int] = {}
-        for k, pieces in delta.produced.items():
-            if k in delta.digests:
+        for k, pieces in links.produced.items():
+            if k in links.digests:
                 previous = before.get(k)
-                chunks[k] = _Stored(delta.digests[k], pieces,
-                                    changed=previous is not None and previous.digest != delta.digests[k])
+                chunks[k] = _Stored(links.digests[k], pieces,
+                                    changed=previous is not None and previous.digest != links.digests[k])
                 for p in pieces:  # a file of unknown size is never linked (worth_linking)
-                    size = delta.written.get(p.location.file, offered.get(p.location.file))
+                    size = links.written.get(p.location.file, offered.get(p.location.file))
                     if size is not None:
                         sizes[p.location.file] = size
-        self._last = _Last(delta.run, delta.name, chunks, sizes)
+        self._last = _Last(links.run, links.name, chunks, sizes)
 
 
 def digest(data: memoryview) -> bytes:

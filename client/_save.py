@@ -40,7 +40,7 @@ from ._flatten import Flattened, flatten
 from .transport import Transport
 from ._placement import LocalPiece, dtype_name, local_piece
 from ckptd_schemas.format.objects import SAFE, ObjectPolicy, encode_object
-from ._incremental import ChunkHistory, ChunkKey, SaveDelta, chunk_key, digest_source
+from ._incremental import ChunkHistory, ChunkKey, SaveLinks, chunk_key, digest_source
 from ._pool import SlabClaim, SnapshotPool, aligned
 from ._saveplan import (ALIGN, FILE_BYTES, PlannedChunk, SavePlan, Write, file_prefix, lay_out, plan_save,
                         replica_owners, write_order)
@@ -268,7 +268,7 @@ def _pack(snap: Snapshot, order: Sequence[Write], compression: Compression, file
 
 def _index(snap: Snapshot, order: Sequence[Write], files: Sequence[_File]) -> tuple[RankIndex, dict]:
     """The rank's index from the files ``_pack`` yielded (tensors' pieces in write order, linked files
-    after the written ones), and every chunk's pieces by key (``SaveDelta.produced``)."""
+    after the written ones), and every chunk's pieces by key (``SaveLinks.produced``)."""
     pieces: list[list] = [list(w.linked or ()) for w in order]
     for i, p in (ip for f in files for ip in f.pieces):
         pieces[i].append(p)
@@ -332,7 +332,7 @@ def _ours(e: AlreadyCommitted, session: str) -> bool:
 def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, *, compression: Compression,
                  file_bytes: int, streams: int, prefix: str | None = None,
                  committed: threading.Event | None = None,
-                 delta: SaveDelta | None = None, direct: DirectUploads | None = None,
+                 links: SaveLinks | None = None, direct: DirectUploads | None = None,
                  local: LocalHandover | None = None) -> RankIndex:
     """Pack the snapshot into files, stream them (several at once), return the rank's index.
 
@@ -345,15 +345,15 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
     Once the service answers that this very session is committed (``committed`` is set, here or by the
     caller), the remaining files are packed and hashed but not sent: the index still comes back whole,
     for the service to compare with the one it committed.
-    With ``delta`` (incremental saves, ``ckptd_client._incremental``), chunks unchanged since this
+    With ``links`` (incremental saves, ``ckptd_client._incremental``), chunks unchanged since this
     rank's previous save to the run are linked, not written, and those written again laid out apart
-    (``Snapshot.order``); ``delta.produced`` receives where every chunk's pieces are, for the caller
+    (``Snapshot.order``); ``links.produced`` receives where every chunk's pieces are, for the caller
     to remember once the index is accepted.
     """
     committed = committed if committed is not None else threading.Event()
     starts: list[float] = []  # the upload's rate, for the compression policy, runs from the first PUT
-    linked = delta.link(transport, base, session, snap.rank) if delta is not None and not committed.is_set() else None
-    order = snap.order(linked, delta.unchanged if delta is not None else ())
+    linked = links.link(transport, base, session, snap.rank) if links is not None and not committed.is_set() else None
+    order = snap.order(linked, links.unchanged if links is not None else ())
 
     def send(f: _File) -> None:
         starts.append(time.perf_counter())
@@ -390,8 +390,8 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
         for fut in sent:
             fut.result()  # the first failure, in file order
     index, produced = _index(snap, order, files)
-    if delta is not None:
-        delta.produced, delta.written = produced, {f.name: f.size for f in files}
+    if links is not None:
+        links.produced, links.written = produced, {f.name: f.size for f in files}
     if isinstance(compression, CompressionPolicy) and starts and not committed.is_set():  # a whole upload's rate
         compression.observe(sum(f.size for f in files), time.perf_counter() - min(starts))
     return index
@@ -437,7 +437,7 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
     """
     committed = threading.Event()
     ref = parse_ref(base.removeprefix("/v1/checkpoints/"))
-    delta = history.begin(ref.run, ref.name, snap) if history is not None else None
+    links = history.begin(ref.run, ref.name, snap) if history is not None else None
     try:
         try:
             if opened is None:
@@ -450,13 +450,13 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
             committed.set()
         with ways_in(transport, base, session, opened, local_uploads=local_uploads) as ways:
             index = upload_files(transport, base, session, snap, compression=compression, file_bytes=file_bytes,
-                                 streams=streams, committed=committed, delta=delta, **ways)
+                                 streams=streams, committed=committed, links=links, **ways)
     except Exception:
         abort_session(transport, base, session)
         raise
     status = put_index(transport, base, session, index)
-    if history is not None and delta is not None:
-        history.remember(delta)
+    if history is not None and links is not None:
+        history.remember(links)
     return status
 
 

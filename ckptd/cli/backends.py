@@ -22,8 +22,10 @@ if TYPE_CHECKING:  # annotations only: the API bodies are not built for commands
     from ckptd_schemas.api import SkippedCheckpoint
 
     from ..interop.dcp_import import ImportTarget
+    from ..reshard.models import ReshardRequest
 
-__all__ = ["Backend", "Bar", "ReshardOutcome", "ReshardRequest", "require_run"]
+__all__ = ["Backend", "Bar", "DEFAULT_WORKERS", "ReshardOutcome", "require_run"]
+
 
 class Bar(Protocol):
     """A command's progress bar, started once the total is known (:class:`ckptd.cli.output.Bar`)."""
@@ -31,19 +33,6 @@ class Bar(Protocol):
     quiet: bool  # --json: nothing but the answer on stdout, no bar or note on stderr
 
     def start(self, total: int) -> Callable[[int], None] | None: ...
-
-
-@dataclass(frozen=True)
-class ReshardRequest:
-    """``ckptd reshard REF --to SPEC [...]`` as the backend takes it."""
-
-    ref: str
-    to: str
-    out: str | None = None
-    dtype: str | None = None
-    device: str = "auto"
-    jobs: int = 2
-    workers: int | None = None  # --write-plan: the pods that share the units (None: DEFAULT_WORKERS at most)
 
 
 #: ``--write-plan`` without ``--workers``: one pod per work unit, up to this many. Each pod cuts the whole
@@ -54,13 +43,13 @@ DEFAULT_WORKERS = 32
 
 @dataclass
 class ReshardOutcome:
-    """What a conversion did (both backends fill it): the result as the service's job reports it, the
-    engine that ran and why, and, offline, the per-rank preview of the plan."""
+    """What a conversion did (both backends fill it): the result as a job records it
+    (``ReshardResult.as_json``: with the engine that ran and why), and, offline, the per-rank preview
+    of the plan."""
 
     result: dict[str, Any]
     source: str
     spec: str
-    engine: dict[str, str] | None = None
     per_rank_bytes: list[int] = field(default_factory=list)
     imbalance: float | None = None
 
@@ -86,9 +75,11 @@ class Backend(Protocol):
         """The service's own verification of ``ref`` (its worker reads and checks), as its record."""
         ...
 
-    def load_tree_problem(self, manifest: Manifest) -> str | None:
-        """Why ``manifest``'s load tree is not the one its checkpoint's marker names (loading ranks check
-        their pieces against that root); None when it is, or when the marker names none."""
+    def verify(self, manifest: Manifest, progress: Callable[[int], None] | None) -> dict[str, Any]:
+        """Every byte, chunk and tensor of ``manifest``'s checkpoint checked by the one checker, and its
+        load tree against the marker's (what loading ranks check their pieces against), in this process;
+        nothing recorded. The answer has ``ref``, ``ok``, ``files``, ``tensors``, ``chunks``,
+        ``bytes_read`` and ``problems``."""
         ...
 
     # -- writes -----------------------------------------------------------------------------------
@@ -111,12 +102,13 @@ class Backend(Protocol):
         """The plan's per-rank preview (``reshard.preview.Preview``), writing nothing."""
         ...
 
-    def write_plan(self, req: ReshardRequest, uri: str) -> dict[str, Any]:
-        """``--write-plan``: the plan written for ``ckptd reshard-worker`` pods; nothing converted."""
+    def write_plan(self, req: ReshardRequest, uri: str, workers: int | None) -> dict[str, Any]:
+        """``--write-plan``: the plan written for ``workers`` ``ckptd reshard-worker`` pods (None:
+        :data:`DEFAULT_WORKERS` at most); nothing converted."""
         ...
 
-    def reshard(self, req: ReshardRequest, *, bar: Bar, announce: Callable[[str], None]) -> ReshardOutcome:
-        """Convert and commit; ``announce`` receives the engine line when it is known."""
+    def reshard(self, req: ReshardRequest, *, bar: Bar) -> ReshardOutcome:
+        """Convert and commit (``ckptd.reshard.jobs``: ``plan_conversion``, then ``convert``)."""
         ...
 
     def drill(self, ref: str, layouts: list[str], *, jobs: int, bar: Bar) -> dict[str, Any]:

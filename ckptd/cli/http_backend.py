@@ -20,7 +20,7 @@ import xxhash
 
 from ckptd_schemas import AlreadyCommitted, CkptdError, InvalidRequest, Manifest, RankIndex, error_from_body
 
-from .backends import Bar, ReshardOutcome, ReshardRequest
+from .backends import Bar, ReshardOutcome
 from .readahead import ReadAhead
 
 if TYPE_CHECKING:
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ckptd_schemas.api import SkippedCheckpoint
 
     from ..interop.dcp_import import FileOut
+    from ..reshard.models import ReshardRequest
 
 __all__ = ["HttpBackend"]
 
@@ -81,20 +82,27 @@ class HttpBackend:
         """Nothing here: each chunk read over HTTP is checked as it arrives, and the service's own
         conversions check their source (a full pre-check would read every byte twice over the network)."""
 
-    def load_tree_problem(self, manifest: Manifest) -> str | None:
-        """The service checks the tree against the marker; this process checks it against the manifest
-        it verified."""
+    def verify(self, manifest: Manifest, progress: Callable[[int], None] | None) -> dict[str, Any]:
+        """The one checker in this process over the bytes the service serves (nothing is taken on the
+        service's word), and the load tree: the service checks it against the marker, this process
+        against the manifest it verified."""
         from ckptd_schemas import CorruptCheckpoint
         from ckptd_schemas.loadtree import load_tree_root
 
+        from ..store.checker import verify_manifest
+
+        report = verify_manifest(manifest, _Ranges(self, manifest), progress=progress)
         try:
             named = self.client.load_tree_root(manifest.ref)
         except CorruptCheckpoint as e:
-            return e.message
-        mine = load_tree_root(manifest)
-        if named is not None and named != mine:
-            return f"checkpoint {manifest.ref}: its marker names load tree {named}, its manifest's is {mine}"
-        return None
+            report.problems.append(e.message)
+        else:
+            mine = load_tree_root(manifest)
+            if named is not None and named != mine:
+                report.problems.append(f"checkpoint {manifest.ref}: its marker names load tree {named}, its "
+                                       f"manifest's is {mine}")
+        return {"ref": report.ref, "ok": report.ok, "files": report.files, "tensors": report.tensors,
+                "chunks": report.chunks, "bytes_read": report.bytes_read, "problems": report.problems}
 
     def verify_in_service(self, ref: str) -> dict[str, Any]:
         return self.client.verify(ref)  # the service's worker reads and checks; this process only asks
@@ -113,30 +121,26 @@ class HttpBackend:
         return self.client.remove(f"{run}/{name}", dry_run=dry_run)
 
     # -- conversions: jobs in the service's workers ----------------------------------------------------
-    def _spec(self, req: ReshardRequest) -> dict[str, Any]:
-        return {"out": req.out, "dtype": req.dtype, "device": req.device, "jobs": req.jobs}
-
     def reshard_preview(self, req: ReshardRequest) -> Any:
         from ..reshard.preview import Preview
 
-        return Preview(**self.client.reshard(req.ref, req.to, preview=True, **self._spec(req)))
+        return Preview(**self.client.reshard(req.source, req.to, preview=True, **self._options(req)))
 
-    def write_plan(self, req: ReshardRequest, uri: str) -> dict[str, Any]:
+    def write_plan(self, req: ReshardRequest, uri: str, workers: int | None) -> dict[str, Any]:
         raise InvalidRequest("--write-plan writes a plan for reshard-worker pods from a storage root: pass --root",
                              field="write_plan")
 
-    def reshard(self, req: ReshardRequest, *, bar: Bar, announce: Callable[[str], None]) -> ReshardOutcome:
+    def reshard(self, req: ReshardRequest, *, bar: Bar) -> ReshardOutcome:
         try:
-            job = self.client.reshard(req.ref, req.to, **self._spec(req))
+            job = self.client.reshard(req.source, req.to, **self._options(req))
         except AlreadyCommitted as e:  # the output's name is taken: say how to choose another
             raise AlreadyCommitted(f"{e.message}; name another output with --out RUN/NAME", **e.details) from None
         job = _follow(job, self.client.job, bar)
-        res = job["result"]
-        engine = res.get("engine")  # which engine the service's worker ran, and why (executor.choose_device)
-        result = {k: v for k, v in res.items() if k != "engine"}
-        return ReshardOutcome(result=result, source=job["source"], spec=job["spec"],
-                              engine={"device": engine["device"], "reason": engine["reason"], "impl": engine["impl"]}
-                              if engine else None)
+        return ReshardOutcome(result=job["result"], source=job["source"], spec=job["spec"])
+
+    @staticmethod
+    def _options(req: ReshardRequest) -> dict[str, Any]:
+        return req.model_dump(include={"out", "dtype", "device", "jobs"})
 
     def drill(self, ref: str, layouts: list[str], *, jobs: int, bar: Bar) -> dict[str, Any]:
         job = self.client.drill(ref, layouts, jobs=jobs)
@@ -232,3 +236,13 @@ class _HttpImport:
                 self._upload.abort()
         finally:
             self.client.close()
+
+
+class _Ranges:
+    """The checker's byte source over the backend's ranged reads (with read-ahead)."""
+
+    def __init__(self, backend: HttpBackend, manifest: Manifest) -> None:
+        self.backend, self.manifest = backend, manifest
+
+    def read(self, file: str, start: int, end: int) -> bytes:
+        return self.backend.read(self.manifest, file, start, end)

@@ -172,15 +172,13 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..store.checker import VerifyReport, verify_manifest
-
+    """The checkpoint checked here (``Backend.verify``: every byte by the one checker, and the load tree),
+    under a lease, or with ``--in-service`` by the service's worker (recorded there); 1 when bad."""
     ref = parse_ref(args.ref)
     b = _backend(args)
     try:
         if args.in_service:
-            rec = b.verify_in_service(str(ref))  # the service's worker reads and checks; a root refuses
-            report = VerifyReport(ref=rec["ref"], files=rec["files"], tensors=rec["tensors"],
-                                  chunks=rec["chunks"], bytes_read=rec["bytes_read"], problems=rec["problems"])
+            rep = b.verify_in_service(str(ref))  # the service's worker reads and checks; a root refuses
         else:
             try:
                 m = b.manifest(ref.run, ref.name)
@@ -189,33 +187,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 return 1
             progress, finish = progress_bar(m.total_bytes, f"verify {m.ref}", args.json)
             with b.lease(m, "verify"):
-                report = verify_manifest(m, _Source(b, m), progress=progress)
-                problem = b.load_tree_problem(m)  # what loading ranks check their pieces against
-                if problem is not None:
-                    report.problems.append(problem)
+                rep = b.verify(m, progress)
             finish()
     finally:
         b.close()
     if args.json:
-        print(json.dumps({"ref": report.ref, "ok": report.ok, "files": report.files, "tensors": report.tensors,
-                          "chunks": report.chunks, "bytes_read": report.bytes_read, "problems": report.problems}))
-    elif report.ok:
-        print(f"OK {report.ref}: {plural(report.files, 'file')}, {plural(report.tensors, 'tensor')}, "
-              f"{plural(report.chunks, 'chunk')}, "
-              f"{human(report.bytes_read)} re-read and re-hashed")
+        print(json.dumps({k: rep[k] for k in ("ref", "ok", "files", "tensors", "chunks", "bytes_read", "problems")}))
+    elif rep["ok"]:
+        print(f"OK {rep['ref']}: {plural(rep['files'], 'file')}, {plural(rep['tensors'], 'tensor')}, "
+              f"{plural(rep['chunks'], 'chunk')}, {human(rep['bytes_read'])} re-read and re-hashed")
     else:
-        print(f"FAIL {report.ref}: {plural(len(report.problems), 'problem')}")
-        for p in report.problems[:50]:
+        print(f"FAIL {rep['ref']}: {plural(len(rep['problems']), 'problem')}")
+        for p in rep["problems"][:50]:
             print(f"  - {p}")
-    return 0 if report.ok else 1
-
-
-class _Source:
-    def __init__(self, backend, manifest) -> None:
-        self.backend, self.manifest = backend, manifest
-
-    def read(self, file: str, start: int, end: int) -> bytes:
-        return self.backend.read(self.manifest, file, start, end)
+    return 0 if rep["ok"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

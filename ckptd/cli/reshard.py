@@ -6,7 +6,9 @@ import argparse
 import json
 import os
 
-from .backends import ReshardRequest
+from ckptd_schemas import InvalidRequest
+
+from ..reshard.models import ReshardRequest
 from .dcp_io import CAST_DTYPES
 from .output import Bar, engine_line, human, print_preview
 from .target import open_backend, resolve_target
@@ -16,14 +18,14 @@ __all__ = ["add_parsers"]
 
 def cmd_reshard(args: argparse.Namespace) -> int:
     """Offline (``--root``: converted in this process) or through a service (``--server``: a job in its
-    workers), the same calls of the backend. Call order: a dry run prints the plan's preview and stops;
-    ``--write-plan`` writes the plan for worker pods and stops; otherwise the conversion, its engine
-    printed (with the reason) once chosen, then the result."""
+    workers), the same request (the service's ``ReshardRequest``) and the same steps
+    (``ckptd.reshard.jobs``). Call order: a dry run prints the plan's preview and stops;
+    ``--write-plan`` writes the plan for worker pods and stops; otherwise the conversion, then the
+    result with the engine that ran and why."""
     from ..reshard.spec import parse_spec
 
     parse_spec(args.to)  # refused before any I/O
-    req = ReshardRequest(ref=args.ref, to=args.to, out=args.out, dtype=args.dtype, device=args.device, jobs=args.jobs,
-                         workers=args.workers)
+    req = request(args)
     b = open_backend(resolve_target(args))
     bar = Bar(f"reshard -> {args.to}", args.json)
     try:
@@ -31,27 +33,41 @@ def cmd_reshard(args: argparse.Namespace) -> int:
             print_preview(b.reshard_preview(req), args.json)
             return 0
         if args.write_plan:
-            print(json.dumps(b.write_plan(req, args.write_plan)))
+            print(json.dumps(b.write_plan(req, args.write_plan, args.workers)))
             return 0
-        done = b.reshard(req, bar=bar, announce=lambda line: None if args.json else print(line, flush=True))
+        done = b.reshard(req, bar=bar)
     finally:
         bar.stop()
         b.close()
     res = done.result
     if args.json:
         extra = {"imbalance": done.imbalance, "per_rank_bytes": done.per_rank_bytes} if done.per_rank_bytes else {}
-        print(json.dumps({**res, **extra, **({"engine": done.engine} if done.engine else {})}))
+        print(json.dumps({**res, **extra}))
         return 0
     rate = res["bytes_written"] / res["seconds"] if res["seconds"] else 0
+    engine = res.get("engine")  # which engine ran, and why (executor.choose_device)
+    if engine:
+        print(engine_line(engine["device"], engine["reason"], engine["impl"]))
     print(f"committed {res['ref']} ({done.spec}, derived from {done.source}): {res['units']} work units, "
           f"{human(res['bytes_read'])} read, {human(res['bytes_written'])} written in {res['seconds']:.2f}s "
           f"({human(rate)}/s); every tensor's digest matches the source")
     if done.per_rank_bytes:
         loads = done.per_rank_bytes
         print(f"per rank: max {human(max(loads))}, min {human(min(loads))}, imbalance {done.imbalance:.1%}")
-    elif done.engine:  # through a service: which engine its worker ran, and why (executor.choose_device)
-        print(engine_line(done.engine["device"], done.engine["reason"], done.engine["impl"]))
     return 0
+
+
+def request(args: argparse.Namespace) -> ReshardRequest:
+    """The command's flags as the service's request body; a value it refuses is a typed error naming the flag."""
+    from pydantic import ValidationError
+
+    try:
+        return ReshardRequest(source=args.ref, to=args.to, out=args.out, dtype=args.dtype, device=args.device,
+                              jobs=args.jobs)
+    except ValidationError as e:
+        err = e.errors()[0]
+        flag = f"--{err['loc'][0]}" if err["loc"] else "a flag"
+        raise InvalidRequest(f"{flag}: {err['msg']} (got {err.get('input')!r})", field=str(err["loc"][0])) from None
 
 
 def cmd_reshard_worker(args: argparse.Namespace) -> int:

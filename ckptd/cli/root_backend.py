@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager
 from ckptd_schemas import InvalidRequest, Manifest, NotFound, OpenSession, RankIndex, parse_ref
 
 from ..storage import Storage
-from .backends import DEFAULT_WORKERS, Bar, ReshardOutcome, ReshardRequest
+from .backends import DEFAULT_WORKERS, Bar, ReshardOutcome
 
 if TYPE_CHECKING:
     from ckptd_schemas import CheckpointSummary, RunSummary
     from ckptd_schemas.api import SkippedCheckpoint
 
     from ..interop.dcp_import import FileOut
+    from ..reshard.models import ReshardRequest
 
 __all__ = ["RootBackend", "open_checked_root"]
 
@@ -104,11 +105,12 @@ class RootBackend:
 
         require_verified(self.storage, manifest.run, manifest.name)
 
-    def load_tree_problem(self, manifest: Manifest) -> str | None:
-        from ..store.verification import load_tree_problem
+    def verify(self, manifest: Manifest, progress: Callable[[int], None] | None) -> dict[str, Any]:
+        """The service's verification (``verification.verify_unrecorded``: the one checker, the load
+        tree, the store's stamps), here, unrecorded."""
+        from ..store.verification import verify_unrecorded
 
-        vis = self.reader.visibility
-        return load_tree_problem(vis, vis.resolve(manifest.run, manifest.name))
+        return verify_unrecorded(self.storage, manifest.run, manifest.name, progress).model_dump(mode="json")
 
     def verify_in_service(self, ref: str) -> dict[str, Any]:
         raise InvalidRequest("ckptd verify --in-service needs --server URL (or $CKPTD_URL)", field="in_service")
@@ -122,80 +124,51 @@ class RootBackend:
     def gc(self, run: str, *, keep_last: int, keep_every: int | None, dry_run: bool, drop_parents: bool,
            stale_ttl: float, dead_after: float) -> dict[str, Any]:
         from ..store import SessionStore
-        from ..store.retention import collect
+        from ..store.retention import gc_run
 
-        plan = collect(self.storage, run, keep_last=keep_last, keep_every=keep_every, dry_run=dry_run,
-                       drop_parents=drop_parents).as_json()
-        if not dry_run:  # the service's gc does the same with its own settings
-            plan["reclaimed_sessions"] = SessionStore(self.storage, dead_after=dead_after).reclaim_stale(stale_ttl)
-        return plan
+        return gc_run(self.storage, run, keep_last=keep_last, keep_every=keep_every, dry_run=dry_run,
+                      drop_parents=drop_parents,
+                      sweep=lambda: SessionStore(self.storage, dead_after=dead_after).reclaim_stale(stale_ttl))
 
     def remove(self, run: str, name: str, *, dry_run: bool) -> dict[str, Any]:
         from ..store.retention import remove
 
         return remove(self.storage, run, name, dry_run=dry_run).as_json()
 
-    # -- conversions ------------------------------------------------------------------------------
-    def _outline(self, req: ReshardRequest) -> tuple[Any, Manifest, Any]:
-        """The conversion cut into units (``outline_reshard``: no read planned yet), its source and spec."""
-        from ..reshard.planner import outline_reshard
-        from ..reshard.spec import parse_spec
-
-        spec = parse_spec(req.to)  # refused before any I/O
-        src = parse_ref(req.ref)
-        manifest = self.reader.manifest(src.run, src.name)
-        return outline_reshard(manifest, spec, dtype=req.dtype, min_units=req.jobs), manifest, spec
-
+    # -- conversions: the service job's steps (ckptd.reshard.jobs), in this process ---------------------
     def reshard_preview(self, req: ReshardRequest) -> Any:
+        from ..reshard.jobs import outline_request
         from ..reshard.preview import preview
 
-        return preview(self._outline(req)[0].plan())
+        return preview(outline_request(self.reader, req).plan())
 
-    def reshard_out(self, req: ReshardRequest, manifest: Manifest, spec: Any) -> str:
-        """The output's name, refused before any work when it is taken (the service's rule:
-        :func:`ckptd.reshard.jobs.output_ref`)."""
-        from ..reshard.jobs import output_ref
-
-        return output_ref(self.reader, req, manifest, spec)
-
-    def write_plan(self, req: ReshardRequest, uri: str) -> dict[str, Any]:
+    def write_plan(self, req: ReshardRequest, uri: str, workers: int | None) -> dict[str, Any]:
         """``--write-plan``: the plan for ``ckptd reshard-worker`` pods, written to ``uri``; nothing converted."""
-        from ..reshard.executor import plan_device, plan_engine
-        from ..reshard.jobs import write_job
+        from ..reshard.executor import plan_engine
+        from ..reshard.jobs import plan_conversion, write_job
         from ..store import SessionStore
 
-        outline, manifest, spec = self._outline(req)
-        plan_engine(outline, plan_device(outline, req.device))  # refused before any write (cuda without a GPU)
-        out, session = self.reshard_out(req, manifest, spec), uuid.uuid4().hex
-        workers = max(1, min(req.workers or DEFAULT_WORKERS, len(outline.cuts)))
-        write_job(uri, outline, workers, out, session, req.device, SessionStore(self.storage))
-        return {"plan": uri, "workers": workers, "units": len(outline.cuts), "out": out, "session": session}
+        conv = plan_conversion(self.reader, req)
+        plan_engine(conv.outline, req.device)  # refused before any write (cuda without a GPU)
+        session = uuid.uuid4().hex
+        n = max(1, min(workers or DEFAULT_WORKERS, len(conv.outline.cuts)))
+        write_job(uri, conv.outline, n, conv.out, session, req.device, SessionStore(self.storage))
+        return {"plan": uri, "workers": n, "units": len(conv.outline.cuts), "out": conv.out, "session": session}
 
-    def reshard(self, req: ReshardRequest, *, bar: Bar, announce: Callable[[str], None]) -> ReshardOutcome:
-        """Plan, choose the engine (``plan_device``: refused before any write, announced with its reason),
-        then convert and commit under a lease on the source (``run_plan``, which first has the one
-        checker's verdict on it)."""
-        from ..reshard.executor import plan_device, plan_engine, run_plan
-        from ..reshard.preview import preview
-        from ..store import SessionStore
-        from .output import engine_line
+    def reshard(self, req: ReshardRequest, *, bar: Bar) -> ReshardOutcome:
+        """What a service job does (``plan_conversion``, then ``convert`` under a lease on the source),
+        in this process; with the plan's per-rank preview."""
+        from ..reshard.jobs import convert, plan_conversion
+        from ..reshard.preview import plan_summary
 
-        plan, manifest, spec = self._outline(req)
-        choice = plan_device(plan, req.device)  # --device auto: the CPU unless a large cast pays for the GPU
-        engine = plan_engine(plan, choice)  # refused before any write (cuda without a GPU)
-        out = self.reshard_out(req, manifest, spec)
-        announce(engine_line(choice.device, choice.reason, engine.name))
-        progress = bar.start(plan.bytes_to_write)
-        with self.lease(manifest, "reshard"):  # gc spares the source meanwhile
-            res = run_plan(self.reader, SessionStore(self.storage), plan, out, uuid.uuid4().hex, engine=engine,
-                           jobs=req.jobs, progress=progress)
-        pv = preview(plan.plan(reads=False))
-        result = {"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units,
-                  "bytes_read": res.bytes_read, "bytes_written": res.bytes_written, "seconds": round(res.seconds, 3),
-                  "processes": res.processes}
-        return ReshardOutcome(result=result, source=manifest.ref, spec=str(spec),
-                              engine={"device": choice.device, "reason": choice.reason, "impl": engine.name},
-                              per_rank_bytes=[sum(r.values()) for r in pv.per_rank], imbalance=pv.imbalance)
+        conv = plan_conversion(self.reader, req)
+        progress = bar.start(conv.outline.bytes_to_write)
+        with self.lease(conv.outline.manifest, "reshard"):  # gc spares the source meanwhile
+            result = convert(self.reader, conv.outline, req, conv.out, uuid.uuid4().hex, progress=progress)
+        summary = plan_summary(conv.outline)
+        return ReshardOutcome(result=result, source=conv.outline.manifest.ref, spec=conv.spec,
+                              per_rank_bytes=[sum(r.values()) for r in summary["per_rank"]],
+                              imbalance=summary["imbalance"])
 
     def drill(self, ref: str, layouts: list[str], *, jobs: int, bar: Bar) -> dict[str, Any]:
         """Every layout planned before anything is read, then the drill here (``reshard.drill``)."""

@@ -171,6 +171,14 @@ class ReshardResult:
     engine: str = ""  # host (numpy), torch-cpu or torch-cuda
     processes: int = 1  # processes that shared the units (run_plan: threads of one process when 1)
 
+    def as_json(self) -> dict[str, Any]:
+        """The result as a job records it and ``ckptd reshard`` prints it, either way in: with the engine
+        that ran and why (:func:`choose_device`)."""
+        return {"ref": self.ref, "manifest_xxh3": self.manifest_xxh3, "units": self.units,
+                "bytes_read": self.bytes_read, "bytes_written": self.bytes_written, "seconds": round(self.seconds, 3),
+                "processes": self.processes, "engine": {"device": self.device, "reason": self.reason,
+                                                        "impl": self.engine}}
+
 
 def open_target(sessions: SessionStore, plan: ReshardPlan, out_ref: str, session: str) -> None:
     r = parse_ref(out_ref)

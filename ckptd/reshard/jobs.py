@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import fsspec
@@ -57,8 +58,8 @@ from .planner import ReshardOutline, outline_reshard
 from .preview import plan_summary
 from .spec import default_out_name, parse_spec
 
-__all__ = ["JobStatus", "ReshardRequest", "WorkerJob", "enqueue", "get_job", "output_ref", "run_job",
-           "run_worker", "submit_drill", "submit_job", "write_job"]
+__all__ = ["Conversion", "JobStatus", "ReshardRequest", "WorkerJob", "convert", "enqueue", "get_job", "outline_request",
+           "output_ref", "plan_conversion", "run_job", "run_worker", "submit_drill", "submit_job", "write_job"]
 
 log = logging.getLogger("ckptd.reshard")
 
@@ -66,10 +67,10 @@ Owner = Callable[[], str]
 
 
 def output_ref(reader: CheckpointReader, req: ReshardRequest, manifest: Manifest, spec: Any) -> str:
-    """The one rule for a conversion's output name, asked before any work by every way in (a service
-    job, ``ckptd reshard --root``, ``--write-plan``): ``req.out``, or the default name for the
-    conversion; refused (:class:`AlreadyCommitted`) when any marker holds it, visible or not (a name
-    whose marker is damaged stays taken: a commit there would fail after converting everything)."""
+    """The one rule for a conversion's output name (:func:`plan_conversion` asks it before any work):
+    ``req.out``, or the default name for the conversion; refused (:class:`AlreadyCommitted`) when any
+    marker holds it, visible or not (a name whose marker is damaged stays taken: a commit there would
+    fail after converting everything)."""
     out = req.out or f"{manifest.run}/{default_out_name(manifest.name, str(spec), req.dtype)}"
     o = parse_ref(out)
     if reader.visibility.marker(o.run, o.name) is not None:
@@ -78,22 +79,51 @@ def output_ref(reader: CheckpointReader, req: ReshardRequest, manifest: Manifest
     return out
 
 
+@dataclass(frozen=True)
+class Conversion:
+    """A reshard request planned without reading data: its work units cut, its output's name taken."""
+
+    outline: ReshardOutline
+    out: str
+    spec: str  # the target layout, canonical
+
+
+def outline_request(reader: CheckpointReader, req: ReshardRequest) -> ReshardOutline:
+    """``req``'s source cut into work units (no read planned; a bad spec is refused before any I/O)."""
+    spec = parse_spec(req.to)
+    src = parse_ref(req.source)
+    return outline_reshard(reader.manifest(src.run, src.name), spec, dtype=req.dtype, min_units=req.jobs)
+
+
+def plan_conversion(reader: CheckpointReader, req: ReshardRequest) -> Conversion:
+    """The first step of every way a conversion comes in (a service job, ``ckptd reshard --root``,
+    ``--write-plan``): the outline and the output's name (:func:`output_ref`), so a refusal comes
+    before any work."""
+    outline = outline_request(reader, req)
+    spec = outline.header["target_spec"]
+    return Conversion(outline, output_ref(reader, req, outline.manifest, spec), spec)
+
+
+def convert(reader: CheckpointReader, outline: ReshardOutline, req: ReshardRequest, out: str, session: str, *,
+            progress: Callable[[int], None] | None = None, max_bytes_per_s: float = 0.0) -> dict[str, Any]:
+    """The conversion itself, every way in (a service job's body, ``ckptd reshard --root``): the units
+    run and ``out`` committed by :func:`~.executor.run_plan` with the request's device and jobs; the
+    result as the job records it. The caller holds a lease on the source."""
+    return run_plan(reader, SessionStore(reader.storage), outline, out, session, device=req.device, jobs=req.jobs,
+                    progress=progress, max_bytes_per_s=max_bytes_per_s).as_json()
+
+
 # -- submission ------------------------------------------------------------------------------------
 
 def submit_job(storage: Storage, req: ReshardRequest, owner: Owner | None = None) -> JobStatus:
-    """A reshard job: validate and cut it into units (no read planned, no data I/O: the worker plans each
-    unit's reads as it runs it), record the outline's summary (the web view reads it; nothing plans the
-    job again), then :func:`enqueue`."""
-    spec = parse_spec(req.to)
-    src = parse_ref(req.source)
-    reader = CheckpointReader(storage)
-    manifest = reader.manifest(src.run, src.name)
-    outline = outline_reshard(manifest, spec, dtype=req.dtype, min_units=req.jobs)
-    out = output_ref(reader, req, manifest, spec)
+    """A reshard job: :func:`plan_conversion` (no read planned, no data I/O: the worker plans each unit's
+    reads as it runs it), the outline's summary recorded (the web view reads it; nothing plans the job
+    again), then :func:`enqueue`."""
+    conv = plan_conversion(CheckpointReader(storage), req)
     job_id = uuid.uuid4().hex
-    put_plan_summary(storage, job_id, plan_summary(outline))
-    return enqueue(storage, job_id, "reshard", manifest.ref, owner, request=req.model_dump(mode="json"), out=out,
-                   spec=str(spec), bytes_total=outline.bytes_to_write)
+    put_plan_summary(storage, job_id, plan_summary(conv.outline))
+    return enqueue(storage, job_id, "reshard", conv.outline.manifest.ref, owner, request=req.model_dump(mode="json"),
+                   out=conv.out, spec=conv.spec, bytes_total=conv.outline.bytes_to_write)
 
 
 def submit_drill(storage: Storage, req: DrillRequest, owner: Owner | None = None) -> JobStatus:
@@ -173,11 +203,7 @@ def _reshard(storage: Storage, job: JobStatus, progress: Callable[[int], None], 
     session = get_plan_summary(storage, job.id)["source_session"]
     outline = outline_again(reader, job.source, session, req.to, req.dtype, req.jobs)
     assert job.out is not None and job.session is not None
-    res = run_plan(reader, SessionStore(storage), outline, job.out, job.session, device=req.device, jobs=req.jobs,
-                   progress=progress, max_bytes_per_s=rate)
-    return {"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "units": res.units, "bytes_read": res.bytes_read,
-            "bytes_written": res.bytes_written, "seconds": round(res.seconds, 3), "processes": res.processes,
-            "engine": {"device": res.device, "reason": res.reason, "impl": res.engine}}
+    return convert(reader, outline, req, job.out, job.session, progress=progress, max_bytes_per_s=rate)
 
 
 def _drill(storage: Storage, job: JobStatus, progress: Callable[[int], None], rate: float) -> dict[str, Any]:

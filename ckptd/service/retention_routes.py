@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from ckptd_schemas import check_run
 
 from ..storage import Storage
-from ..store.retention import Verifier, collect, remove
+from ..store.retention import Verifier, gc_run, remove
 
 __all__ = ["DecisionLog", "GcRequest", "RemovalBody", "gc_router"]
 
@@ -66,12 +66,10 @@ def gc_router(storage: Storage, sweep: Callable[[], list[str]], verify: Verifier
         check_run(run)
 
         def work() -> dict:
-            plan = collect(storage, run, keep_last=body.keep_last, keep_every=body.keep_every,
-                           dry_run=body.dry_run, verify=verify, drop_parents=body.drop_parents).as_json()
+            plan = gc_run(storage, run, keep_last=body.keep_last, keep_every=body.keep_every, dry_run=body.dry_run,
+                          drop_parents=body.drop_parents, sweep=sweep, verify=verify)
             if record is not None:
                 record(run, plan, "POST /v1/runs/{run}/gc", body.dry_run)
-            if not body.dry_run:
-                plan["reclaimed_sessions"] = sweep()
             return plan
 
         return await run_in_threadpool(work)

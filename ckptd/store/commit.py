@@ -41,7 +41,7 @@ from .intake import recorded_file
 from .merge import ManifestFold
 from .paths import Marker, Paths, SessionMeta
 from .records import CommitCheck, file_stamps, record_commit_check
-from .reuse import check_reuse
+from .links import check_links
 from .session_reads import committed_by, ranks_done
 from .visibility import Visibility, manifest_file_name
 
@@ -139,7 +139,7 @@ class Committer:
         with gc_paused():  # 512,000 chunks allocate enough for the collector to run dozens of full passes
             try:
                 manifest, files = self.merged(run, name, sid, meta)
-                check_reuse(manifest)  # a linked file must be at least half used: references pay for themselves
+                check_links(manifest)  # a linked file must be at least half used: references pay for themselves
                 key_of = lambda f: Paths.file(run, name, sid, f)  # noqa: E731
                 before = file_stamps(self.storage, key_of, sorted(files))
                 t0 = time.perf_counter()

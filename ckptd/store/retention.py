@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from ckptd_schemas import CheckpointNotFound, CheckpointSummary, CkptdError, InvalidRequest, check_name, check_run
 
@@ -63,7 +63,8 @@ from .records import VerifyRecord, record_holds
 from .verification import read_record, verify_committed, verify_unrecorded
 from .visibility import Visibility
 
-__all__ = ["Removal", "RetentionPlan", "RetentionPolicy", "Verifier", "children_elsewhere", "collect", "plan_retention", "remove"]
+__all__ = ["Removal", "RetentionPlan", "RetentionPolicy", "Verifier", "children_elsewhere", "collect", "gc_run",
+           "plan_retention", "remove"]
 
 log = logging.getLogger("ckptd.store")
 
@@ -261,6 +262,18 @@ class Removal:
 
     def as_json(self) -> dict:
         return {"ref": self.ref, "removed": self.removed, "reason": self.reason}
+
+
+def gc_run(storage: Storage, run: str, *, keep_last: int, keep_every: int | None, dry_run: bool, drop_parents: bool,
+           sweep: Callable[[], list[str]], verify: Verifier | None = None) -> dict[str, Any]:
+    """``ckptd gc RUN``, every way in (``--root`` in this process, ``POST /v1/runs/{run}/gc`` in the
+    service): :func:`collect`, then, unless ``dry_run``, stale staging reclaimed by ``sweep`` (the
+    caller's sweep: the service's has its settings and metrics). Returns the plan as JSON with
+    ``reclaimed_sessions``."""
+    plan = collect(storage, run, keep_last=keep_last, keep_every=keep_every, dry_run=dry_run, verify=verify,
+                   drop_parents=drop_parents).as_json()
+    plan["reclaimed_sessions"] = [] if dry_run else sweep()
+    return plan
 
 
 def remove(storage: Storage, run: str, name: str, *, dry_run: bool = False, verify: Verifier | None = None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timezone
+from typing import Callable
 
 from ckptd_schemas import LATEST, CheckpointNotFound, CkptdError, CorruptCheckpoint, InvalidRequest, StorageError
 
@@ -88,13 +89,16 @@ def load_tree_problem(vis: Visibility, c: Committed) -> str | None:
     return None
 
 
-def verify_unrecorded(storage: Storage, run: str, name: str) -> VerifyRecord:
-    """:func:`verify_committed` that writes nothing: what a dry run (``ckptd gc --dry-run``) may do."""
-    return _verify_here(storage, run, name)[0]
+def verify_unrecorded(storage: Storage, run: str, name: str,
+                      progress: Callable[[int], None] | None = None) -> VerifyRecord:
+    """:func:`verify_committed` that writes nothing: what a dry run (``ckptd gc --dry-run``) and
+    ``ckptd verify --root`` do (``progress``: bytes checked, as read)."""
+    return _verify_here(storage, run, name, progress=progress)[0]
 
 
 def _verify_here(storage: Storage, run: str, name: str, files: list[str] | None = None,
-                 vis: Visibility | None = None) -> tuple[VerifyRecord, Committed]:
+                 vis: Visibility | None = None,
+                 progress: Callable[[int], None] | None = None) -> tuple[VerifyRecord, Committed]:
     """Check ``run/name``'s stored bytes (only ``files``'s, when given: no stamps then, the record
     vouches for nothing) and its load tree; the record, not stored. ``vis``: the caller's, whose
     parsed manifest is used again."""
@@ -109,7 +113,7 @@ def _verify_here(storage: Storage, run: str, name: str, files: list[str] | None 
         report = verify_manifest(manifest, _StorageSource(storage, c.run, c.name, c.session,
                                                              {f: e.size for f, e in manifest.files.items()}),
                                  jobs=jobs_for(manifest, storage, lambda f: Paths.file(c.run, c.name, c.session, f)),
-                                 storage_errors_are_problems=False, files=files)
+                                 storage_errors_are_problems=False, files=files, progress=progress)
         problem = load_tree_problem(vis, c)
         if problem is not None:
             report.problems.append(problem)

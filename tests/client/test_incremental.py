@@ -178,7 +178,7 @@ def test_links_are_checked(server):
     # An index placing a chunk at an offset of the linked file where the source placed none, declaring
     # a digest its bytes do not have: the commit reads the file (as it reads every file) and refuses it.
     stored = (Path(server.root) / "runs" / "chk" / "1" / "sessions" / src.session / "files" / f0).read_bytes()
-    n = len(stored) - 4  # most of the file: a link must be at least half used (ckptd.store.reuse)
+    n = len(stored) - 4  # most of the file: a link must be at least half used (ckptd.store.links)
     real = xxhash.xxh3_64_hexdigest(stored[4:])
     for digest, ok in (("0" * 16 if real != "0" * 16 else "1" * 16, False), (real, True)):
         index = {"rank": 0, "world_size": 1, "files": [name], "tensors": [
@@ -384,7 +384,7 @@ def test_one_unchanged_scalar_never_pins_the_earlier_file(server):
     from the changed tensor, and from the third on its own file is linked: each checkpoint stores
     about the state once, ``ckptd show`` and the web view report the scalar's 4 bytes as unchanged,
     every manifest passes the commit's rule, and every step loads bit for bit."""
-    from ckptd.store.reuse import check_reuse
+    from ckptd.store.links import check_links
 
     client = CheckpointClient(server.url)
     states = [{"model": {"big": torch.randn(256 * 1024, generator=torch.Generator().manual_seed(s)),
@@ -394,7 +394,7 @@ def test_one_unchanged_scalar_never_pins_the_earlier_file(server):
         client.save(sd, f"scalar/{s}").wait()
     for s in range(1, 5):
         m = _manifest(server.url, f"scalar/{s}")
-        check_reuse(m)
+        check_links(m)
         stored = _stored_bytes(server.root, m)
         assert stored < 1.1 * state_bytes, (s, stored, state_bytes)  # pinned: about 2x from the second save on
         assert m.unchanged_bytes == (4 if s >= 3 else 0), (s, m.unchanged_bytes)

@@ -64,3 +64,30 @@ def test_commands_through_a_server_import_no_torch(saved):
     out = subprocess.run([sys.executable, "-c", code, saved.url], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "OK cli/7" in out.stdout
+
+
+def test_reshard_offline_and_through_a_service_take_the_same_steps(saved, tmp_path):
+    """One conversion use case (``reshard.jobs``: ``plan_conversion`` then ``convert``) under both ways
+    in: ``--root`` and a service job answer the same fields, the engine chosen by the one device rule
+    (not an engine handed in by the command, which also kept an offline run out of worker processes),
+    and both outputs verify; ``--jobs`` beyond the service's bound is refused the same way, naming the
+    flag, before anything is written."""
+    root = saved.root
+    runs = {}
+    for target, out in ((["--root", root], "cli/7-root"), (["--server", saved.url], "cli/7-job")):
+        r = ckptd("reshard", "cli/7", "--to", "full", "--out", out, "--json", *target)
+        assert r.returncode == 0, r.stderr
+        runs[out] = json.loads(r.stdout)
+        human = ckptd("reshard", "cli/7", "--to", "full", "--out", out + "-again", *target)
+        assert human.returncode == 0 and "engine" in human.stdout.splitlines()[0].lower(), human.stdout
+        assert ckptd("verify", out, *target).returncode == 0
+    offline, job = runs["cli/7-root"], runs["cli/7-job"]
+    shared = {"ref", "manifest_xxh3", "units", "bytes_read", "bytes_written", "seconds", "processes", "engine"}
+    assert shared <= offline.keys() and shared <= job.keys(), (offline, job)
+    assert offline["engine"] == job["engine"] == {"device": "cpu", "reason": "auto: no dtype cast, the GPU buys nothing",
+                                                  "impl": offline["engine"]["impl"]}, (offline, job)
+    assert offline["bytes_written"] == job["bytes_written"] and offline["units"] == job["units"]
+    for target in (["--root", root], ["--server", saved.url]):
+        r = ckptd("reshard", "cli/7", "--to", "full", "--out", "cli/7-many", "--jobs", "65", *target)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--jobs" in r.stderr, r.stderr
+    assert ckptd("show", "cli/7-many", "--root", root).returncode == 1

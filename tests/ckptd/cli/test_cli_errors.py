@@ -178,7 +178,7 @@ def test_an_unexpected_failure_is_one_line(root, capsys, monkeypatch):
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(cli, "verify_checkpoint", boom, raising=False)
-    monkeypatch.setattr("ckptd.store.checker.verify_manifest", boom)
+    monkeypatch.setattr("ckptd.store.verification.verify_manifest", boom)  # what verify --root runs
     rc, out, err = _run(capsys, "verify", "cli/7", "--root", str(root))
     assert rc == 1 and "internal error: RuntimeError: a bug" in err and "CKPTD_DEBUG" in err, err
 

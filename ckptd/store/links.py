@@ -6,11 +6,11 @@ alive as long as the new checkpoint lives (and on S3 copies all of them), so a f
 few reused chunks and much stale data costs more than writing those chunks again: one unchanged
 4-byte scalar would pin the whole earlier file at every save. The client links a file only when
 the chunks it reuses fill at least half of it (``ckptd_client._incremental.worth_linking``);
-:func:`check_reuse` holds any writer to the same rule, so that a stale or hostile client cannot
+:func:`check_links` holds any writer to the same rule, so that a stale or hostile client cannot
 pin files either.
 
 Call order: the commit merges the ranks' indexes into a manifest (``ckptd.store.merge``), then calls
-:func:`check_reuse` on it before the bytes are checked and the manifest is written; a refusal fails
+:func:`check_links` on it before the bytes are checked and the manifest is written; a refusal fails
 the session like any other invalid index.
 
 What fills a file: each chunk's and stored object's bytes, ``[offset, offset + length)``, with the
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from ckptd_schemas import InvalidIndex, Manifest
 
-__all__ = ["SLOT", "check_reuse", "filled_bytes"]
+__all__ = ["SLOT", "check_links", "filled_bytes"]
 
 SLOT = 64  # the alignment of stored chunks and objects in a data file
 
@@ -68,7 +68,7 @@ def filled_bytes(manifest: Manifest, files: set[str] | None = None) -> dict[str,
     return out
 
 
-def check_reuse(manifest: Manifest) -> None:
+def check_links(manifest: Manifest) -> None:
     """Refuse (:class:`~ckptd_schemas.InvalidIndex`) a manifest holding a linked file
     (``files[f].linked`` set) that its chunks and stored objects fill less than half of; the error
     names the file, the rank whose entries are in it, the source file and the filled/total bytes.

@@ -1,5 +1,5 @@
 """Links pay for themselves: the client's rule (``ckptd_client._incremental.worth_linking``), the
-service's check at commit (``ckptd.store.reuse.check_reuse``) and ``Manifest.unchanged_bytes``,
+service's check at commit (``ckptd.store.links.check_links``) and ``Manifest.unchanged_bytes``,
 unit-tested on built manifests and chunk lists, no server.
 
 What each attacks: a linked file that the chunks reused from it barely fill (the reported case: one
@@ -20,7 +20,7 @@ import torch
 
 from ckptd_client._incremental import SLOT, ChunkHistory, _Last, _Stored, chunk_key, worth_linking
 from ckptd_client._save import Snapshot, _Chunk, _index, _pack
-from ckptd.store.reuse import check_reuse, filled_bytes
+from ckptd.store.links import check_links, filled_bytes
 from ckptd_schemas import (
     BoxChunk, FileEntry, InvalidIndex, Location, Manifest, ObjectEntry, TensorEntry, Topology, linked_name,
 )
@@ -58,7 +58,7 @@ def test_a_linked_file_holding_only_an_unchanged_scalar_is_refused_naming_file_r
     m = _manifest([_tensor("model.big", BIG, "r000001-0000.bin", rank=1), _tensor("model.scale", 4, LN, BIG, rank=1)],
                   {"r000001-0000.bin": _file(BIG), LN: _file(BIG + SLOT, linked="2/r000001-0000.bin")}, world=2)
     with pytest.raises(InvalidIndex) as e:
-        check_reuse(m)
+        check_links(m)
     assert e.value.details == {"file": LN, "rank": 1, "linked": "2/r000001-0000.bin", "referenced_bytes": SLOT,
                                "file_bytes": BIG + SLOT}
     assert LN in e.value.message and "rank 1" in e.value.message and f"{SLOT} of its {BIG + SLOT} bytes" in e.value.message
@@ -68,10 +68,10 @@ def test_a_linked_file_holding_only_an_unchanged_scalar_is_refused_naming_file_r
 def test_exactly_half_filled_passes_and_one_slot_less_is_refused():
     half = BIG // 2
     ok = _manifest([_tensor("model.a", half, LN)], {LN: _file(BIG, linked="2/f.bin")})
-    check_reuse(ok)
+    check_links(ok)
     short = _manifest([_tensor("model.a", half - SLOT, LN)], {LN: _file(BIG, linked="2/f.bin")})
     with pytest.raises(InvalidIndex, match="is filled by"):
-        check_reuse(short)
+        check_links(short)
 
 
 def test_a_scalar_alone_in_its_file_fills_it_with_its_alignment_padding():
@@ -79,7 +79,7 @@ def test_a_scalar_alone_in_its_file_fills_it_with_its_alignment_padding():
     unchanged chunks laid out apart is linkable, and unchanged_bytes counts only the 4 bytes."""
     m = _manifest([_tensor("model.scale", 4, LN), _tensor("model.big", BIG, "r000000-0000.bin")],
                   {LN: _file(SLOT, linked="2/r000000-0000.bin"), "r000000-0000.bin": _file(BIG)})
-    check_reuse(m)
+    check_links(m)
     assert filled_bytes(m) == {LN: (SLOT, 0)}
     assert m.unchanged_bytes == 4 and m.linked_bytes == SLOT
 
@@ -90,26 +90,26 @@ def test_references_repeated_to_one_range_count_once():
     m = _manifest(tensors, {LN: _file(BIG, linked="2/f.bin")})
     assert filled_bytes(m)[LN] == (4096, 0)
     with pytest.raises(InvalidIndex) as e:
-        check_reuse(m)
+        check_links(m)
     assert e.value.details["referenced_bytes"] == 4096
 
 
 def test_stored_objects_fill_a_linked_file_and_unreferenced_linked_files_are_refused():
     obj = ObjectEntry(name="extra", rank=0, encoding="torch",
                       location=Location(file=LN, offset=0, length=BIG // 2, raw_length=BIG // 2, xxh3="0" * 16))
-    check_reuse(_manifest([_tensor("model.a", 8, "r000000-0000.bin")],
+    check_links(_manifest([_tensor("model.a", 8, "r000000-0000.bin")],
                           {LN: _file(BIG, linked="2/f.bin"), "r000000-0000.bin": _file(SLOT)}, [obj]))
     other = linked_name("2", "r000000-0001.bin")
     m = _manifest([_tensor("model.a", 8, "r000000-0000.bin")],
                   {other: _file(4096, linked="2/r000000-0001.bin"), "r000000-0000.bin": _file(SLOT)})
     with pytest.raises(InvalidIndex, match="no rank") as e:
-        check_reuse(m)
+        check_links(m)
     assert e.value.details["rank"] is None and e.value.details["referenced_bytes"] == 0
 
 
 def test_files_the_save_wrote_are_not_concerned():
     m = _manifest([_tensor("model.scale", 4, "r000000-0000.bin")], {"r000000-0000.bin": _file(BIG)})
-    check_reuse(m)
+    check_links(m)
     assert filled_bytes(m) == {} and m.unchanged_bytes == 0 and m.linked_bytes == 0
 
 
