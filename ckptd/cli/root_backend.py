@@ -1,4 +1,4 @@
-"""The :class:`~.backends.Backend` over a storage root: the store's own code, in this process.
+"""The :class:`~.backends.Backend` over a storage root: the use cases the service's routes call, run in this process.
 
 A root is opened read-only by a command that only reads (``ls``, ``show``, ``verify``, ``export``,
 ``gc --dry-run``...: a mistyped path is refused, never created) and created by one that writes
