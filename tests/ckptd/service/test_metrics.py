@@ -7,7 +7,12 @@
   storage errors are counted once each, by code and by operation;
 * reshard job progress is read from the job records at scrape time;
 * request ids: taken from ``X-Request-Id`` when safe, echoed, put in error
-  bodies, and found in the service's JSON log line for the request.
+  bodies, and found in the service's JSON log line for the request;
+* the :class:`~ckptd.service.metrics.Metrics` object alone: both drill series from the first scrape;
+  bytes and auth refusals by route and status (no series for zero bytes); a refusal the store counted
+  is not counted again by the error handler; open sessions leave the gauge when committed, refused
+  or reclaimed, and a scrape drops those the store no longer has open but keeps those it cannot ask
+  about; a finished job's gauges stay ``FINISHED_JOB_KEEP_SECONDS``, then go.
 """
 
 from __future__ import annotations
@@ -23,10 +28,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd.reshard.models import JobStatus, now_utc, put_status
 from ckptd.service import Settings, create_app
+from ckptd.service import metrics as metrics_module
 from ckptd.service.logs import JsonFormatter, TextFormatter
+from ckptd.service.metrics import Metrics
 from ckptd.storage import LocalStorage
+from ckptd.store import SessionStore
+from ckptd.store.events import CommitEvent
 from ckptd_client import CheckpointClient
-from ckptd_schemas import StorageError
+from ckptd_schemas import ChecksumMismatch, OpenSession, StorageError
 from support import ServerProcess, blank_like, make_state
 
 
@@ -237,3 +246,114 @@ def test_formatters_redact_bearer_tokens():
         assert "sekrit-token-123" not in out and "[redacted]" in out and "r1" in out
     line = json.loads(JsonFormatter().format(rec))
     assert line["level"] == "debug" and line["logger"] == "uvicorn.asgi" and line["request_id"] == "r1"
+
+
+# -- the Metrics object alone (ckptd.service.metrics) -------------------------------------------------------
+
+def _value(m: Metrics, name: str, **labels: str) -> float | None:
+    return m.registry.get_sample_value(name, labels)
+
+
+def test_the_drill_series_exist_from_the_first_scrape_and_count_each_drill():
+    m = Metrics()
+    first = scrape(m.render().decode())
+    assert total(first, "ckptd_drills_total", result="ok") == 0
+    assert total(first, "ckptd_drills_total", result="failed") == 0
+    assert ("ckptd_drills_total", (("result", "ok"),)) in first  # both series are there, at 0
+    m.observe_drill(True)
+    m.observe_drill(False)
+    m.observe_drill(False)
+    assert (_value(m, "ckptd_drills_total", result="ok"), _value(m, "ckptd_drills_total", result="failed")) == (1, 2)
+
+
+def test_requests_bytes_and_refusals_by_route():
+    m = Metrics()
+    m.observe_request("get_file", "GET", 206, 0.01, 0, 4096)
+    m.observe_request("put_index", "PUT", 401, 0.001, 10, 0)
+    m.observe_request("put_index", "PUT", 403, 0.001, 0, 0)
+    assert _value(m, "ckptd_bytes_out_total", route="get_file") == 4096
+    assert _value(m, "ckptd_bytes_in_total", route="get_file") is None  # no bytes: no series made up
+    assert _value(m, "ckptd_http_requests_total", route="put_index", method="PUT", status="401") == 1
+    assert _value(m, "ckptd_auth_refusals_total", status="401") == 1
+    assert _value(m, "ckptd_auth_refusals_total", status="403") == 1
+    assert _value(m, "ckptd_auth_refusals_total", status="206") is None
+    m.observe_local_upload(200, 1000)
+    m.observe_local_upload(422, 24)
+    assert _value(m, "ckptd_local_uploads_total", status="200") == 1
+    assert _value(m, "ckptd_bytes_in_total", route="local_upload") == 1024  # received, whatever the answer
+
+
+def test_a_refusal_counted_by_the_store_is_not_counted_again_by_the_handler(tmp_path):
+    m = Metrics()
+    err = ChecksumMismatch("rank 1's bytes differ")
+    m.opened("r", "1", "s1")
+    m.refused("r", "1", "s1", err)
+    m.observe_error(err, "put_index")  # the same error, reaching the error handler
+    assert _value(m, "ckptd_verify_failures_total", code="checksum_mismatch") == 1
+    m.observe_error(ChecksumMismatch("an upload's bytes differ"), "upload_file")  # not counted before: counted
+    assert _value(m, "ckptd_verify_failures_total", code="checksum_mismatch") == 2
+    m.observe_error(StorageError("injected"), "upload_file")
+    assert _value(m, "ckptd_storage_errors_total", op="upload_file") == 1
+    assert _value(m, "ckptd_upload_sessions_open") == 0  # refused: no longer open
+
+
+def test_open_sessions_leave_the_gauge_when_committed_or_reclaimed():
+    m = Metrics()
+    for sid in ("s1", "s2", "s3"):
+        m.opened("r", sid, sid)
+    assert _value(m, "ckptd_upload_sessions_open") == 3
+    m.committed(CommitEvent(run="r", name="s1", session="s1", manifest_xxh3="0" * 16, files=2, bytes=4096,
+                           derived_from=None), 0.2)
+    m.reclaimed(["runs/r/s2/sessions/s2"])  # the sweep's keys: the session id is the last part
+    assert _value(m, "ckptd_upload_sessions_open") == 1
+    assert _value(m, "ckptd_sessions_reclaimed_total") == 1 and _value(m, "ckptd_commits_total") == 1
+    assert _value(m, "ckptd_committed_bytes_total") == 4096 and _value(m, "ckptd_commit_seconds_count") == 1
+
+
+class _UnreadableStorage(LocalStorage):
+    fail = False
+
+    def read_or_none(self, key: str) -> bytes | None:
+        if self.fail:
+            raise StorageError(f"storage get of {key!r} failed: injected", key=key)
+        return super().read_or_none(key)
+
+
+def test_a_scrape_keeps_a_session_it_cannot_ask_about_and_drops_one_that_is_gone(tmp_path):
+    storage = _UnreadableStorage(tmp_path, durable=False)
+    store = SessionStore(storage)
+    m = Metrics()
+    m.watch_sessions(store)
+    store.open("r", "1", OpenSession(session="s1", world_size=1))
+    assert _value(m, "ckptd_upload_sessions_open") == 1  # heard from the store
+    storage.fail = True
+    m.render()  # the store cannot be read: the session may still be open
+    assert _value(m, "ckptd_upload_sessions_open") == 1
+    storage.fail = False
+    m.render()
+    assert _value(m, "ckptd_upload_sessions_open") == 1  # open, as the store now says
+    m.opened("r", "2", "s-never")  # heard of, never stored: the scrape finds it is no session
+    assert _value(m, "ckptd_upload_sessions_open") == 2
+    m.render()
+    assert _value(m, "ckptd_upload_sessions_open") == 1
+
+
+def test_a_finished_jobs_gauges_go_after_they_were_kept(tmp_path, monkeypatch):
+    storage = LocalStorage(tmp_path, durable=False)
+    m = Metrics()
+    now = now_utc()
+    st = JobStatus(id="job9", state="done", source="r/1", out="r/1-full", spec="full", bytes_total=10, bytes_done=10,
+                   created_at=now, updated_at=now)
+    put_status(storage, st)
+    m.track_job(storage, "job9")
+    monkeypatch.setattr(metrics_module, "FINISHED_JOB_KEEP_SECONDS", 3600.0)
+    for _ in range(2):
+        m.render()
+    assert _value(m, "ckptd_reshard_job_bytes_done", job="job9") == 10  # kept: a scrape sees its 100%
+    assert _value(m, "ckptd_reshard_jobs_finished_total", state="done") == 1
+    monkeypatch.setattr(metrics_module, "FINISHED_JOB_KEEP_SECONDS", 0.0)
+    m.render()
+    assert _value(m, "ckptd_reshard_job_bytes_done", job="job9") is None
+    assert _value(m, "ckptd_reshard_job_bytes_planned", job="job9") is None
+    assert _value(m, "ckptd_reshard_jobs_finished_total", state="done") == 1
+    assert _value(m, "ckptd_reshard_jobs_active") == 0
