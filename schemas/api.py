@@ -41,6 +41,17 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", defer_build=True)
 
 
+class _Answer(_Body):
+    """What the service answers (never a request body): fields it does not know are ignored, so a client
+    of an earlier release keeps working against a service that added fields to its answers (the
+    service is upgraded first): such fields are offers and facts a client may use, never a change in what
+    bytes mean. What a client sends stays strict (an unknown request field is refused), and so do the
+    answers that describe bytes (a manifest, an index, a read plan): a field there a client does not
+    know could change how bytes are read, and it must refuse rather than misread."""
+
+    model_config = ConfigDict(extra="ignore", defer_build=True)
+
+
 class OpenSession(_Body):
     """Open or join the upload session ``session`` of a ref.
 
@@ -66,7 +77,7 @@ class OpenSession(_Body):
         "answer's `presigned` says whether this service offers them (see PresignUpload)"))
 
 
-class SessionInfo(_Body):
+class SessionInfo(_Answer):
     run: str
     name: str
     session: str
@@ -117,7 +128,7 @@ class PresignUpload(_Body):
         return self
 
 
-class PresignedUpload(_Body):
+class PresignedUpload(_Answer):
     upload_id: str | None = Field(description="the multipart upload the parts belong to (None: one PUT)")
     urls: list[str] = Field(description="one presigned URL per part, in order")
     headers: list[dict[str, str]] = Field(description="per part: send exactly these with its PUT (they are signed)")
@@ -153,7 +164,7 @@ class LinkFile(_Body):
     file: Annotated[str, Field(max_length=200)]  # checked: names.check_file
 
 
-class UploadResult(_Body):
+class UploadResult(_Answer):
     file: str
     size: int
     xxh3: str
@@ -280,7 +291,7 @@ def _columns_of_entries(entries: list | tuple, rank: object) -> tuple[dict, dict
     return tt, ct
 
 
-class SessionStatus(_Body):
+class SessionStatus(_Answer):
     run: str
     name: str
     session: str
@@ -303,7 +314,7 @@ class SessionStatus(_Body):
             not durable or self.durable is True or self.durable_error is not None))
 
 
-class CheckpointSummary(_Body):
+class CheckpointSummary(_Answer):
     run: str
     name: str
     step: int | None
@@ -314,7 +325,7 @@ class CheckpointSummary(_Body):
     manifest_xxh3: str
 
 
-class RunSummary(_Body):
+class RunSummary(_Answer):
     run: str
     checkpoints: int
     latest: str | None
@@ -336,7 +347,7 @@ LEASE_HEADER = "X-Ckptd-Lease"
 LOAD_TREE_HEADER = "X-Ckptd-Load-Tree"
 
 
-class SkippedCheckpoint(_Body):
+class SkippedCheckpoint(_Answer):
     """A trainer checkpoint newer than the one ``RUN/latest`` resolved to, skipped because it is known
     to be bad: its recorded verification of the manifest committed under that name failed."""
 

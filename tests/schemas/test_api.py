@@ -221,4 +221,40 @@ def test_headers_and_skipped_entries():
     s = SkippedCheckpoint.model_validate({"ref": "gpt/9", "reason": "verification failed at t: x"})
     assert s.ref == "gpt/9"
     with pytest.raises(ValidationError):
-        SkippedCheckpoint.model_validate({"ref": "gpt/9", "reason": "r", "extra": 1})
+        SkippedCheckpoint.model_validate({"ref": "gpt/9"})  # the reason is not optional
+
+
+# -- answers a client of an earlier release reads ---------------------------------------------------------
+
+_ANSWERS = {
+    "SessionInfo": {"run": "r", "name": "1", "session": "s1", "world_size": 2, "created_at": "2026-01-01T00:00:00Z"},
+    "PresignedUpload": {"upload_id": None, "urls": ["u"], "headers": [{}], "expires_in": 60.0, "block_size": 4096},
+    "UploadResult": {"file": "f", "size": 1, "xxh3": "0" * 16},
+    "SessionStatus": {"run": "r", "name": "1", "session": "s1", "state": "open", "world_size": 2, "ranks_done": []},
+    "CheckpointSummary": {"run": "r", "name": "1", "step": 1, "derived_from": None, "session": "s1",
+                          "committed_at": "2026-01-01T00:00:00Z", "manifest_xxh3": "0" * 16},
+    "RunSummary": {"run": "r", "checkpoints": 1, "latest": "1"},
+    "SkippedCheckpoint": {"ref": "r/2", "reason": "verification failed"},
+}
+
+
+@pytest.mark.parametrize("model", sorted(_ANSWERS))
+def test_an_answer_with_a_field_added_by_a_later_release_still_parses(model):
+    """A service upgraded before its clients adds fields to its answers (as ``SessionInfo`` gained
+    ``keepalive_seconds`` and ``local_socket``): a client of the earlier release reads the answer."""
+    import ckptd_schemas.api as api
+
+    cls = getattr(api, model)
+    got = cls.model_validate({**_ANSWERS[model], "added_in_a_later_release": {"x": 1}})
+    assert got == cls.model_validate(_ANSWERS[model])
+
+
+def test_requests_and_answers_that_describe_bytes_stay_strict():
+    """What a client sends, and an answer that says how bytes are read, refuse a field they do not know."""
+    from ckptd_schemas.readplan import ReadPlan
+
+    for cls, body in ((OpenSession, {"session": "s1", "world_size": 1}),
+                      (ReadPlan, {"fetches": [], "copies": []})):
+        cls.model_validate(body)
+        with pytest.raises(ValidationError, match="added_in_a_later_release"):
+            cls.model_validate({**body, "added_in_a_later_release": 1})
