@@ -14,15 +14,18 @@ import shutil
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import httpx
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["BENCH_TIMEOUT_S", "TIME_SCALE", "ServerProcess", "as_user", "assert_bits_equal", "assert_quoted",
-           "blank_like", "example_block", "free_port", "make_state", "plant_file", "read_only_view", "REPO",
+if TYPE_CHECKING:
+    from ckptd_schemas import Manifest
+
+__all__ = ["BENCH_TIMEOUT_S", "BLOCK", "TIME_SCALE", "ServerProcess", "as_user", "assert_bits_equal", "assert_quoted",
+           "banded_manifest", "blank_like", "example_block", "free_port", "make_state", "plant_file", "read_only_view", "REPO",
            "run_bench", "run_example", "run_ranks", "scaled"]
 
 #: One setting for every deadline of the tests: ``CKPTD_TEST_TIME_SCALE=2`` doubles them on a machine
@@ -364,3 +367,40 @@ def plant_file(root: Path, run: str, name: str, file: str, stored: bytes,
     if load_tree:
         marker["load_tree"] = load_tree_root(Manifest.model_validate_json(raw))
     (ckpt / "COMMITTED").write_text(json.dumps(marker))
+
+
+#: The digest block size of :func:`banded_manifest`'s files.
+BLOCK = 4096
+
+
+def banded_manifest(rows: int, cols: int, cuts: list[int], flat: bool, dtype: torch.dtype, scale: float = 1.0
+                    ) -> tuple[Manifest, dict, torch.Tensor]:
+    """A [rows, cols] tensor (``arange * scale``) saved as row bands (or the same bands as flat ranges), one
+    file per band, with 100 junk bytes before each band so that fetches have gaps to hash and skip."""
+    from datetime import datetime, timezone
+
+    from ckptd_schemas import BoxChunk, FileEntry, FlatChunk, Location, Manifest, TensorEntry, Topology
+    from ckptd_schemas.filedigest import StreamDigest, xxh3_hex
+
+    full = (torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) * scale).to(dtype)
+    edges = [0, *cuts, rows]
+    chunks, files, data = [], {}, {}
+    for r, (lo, hi) in enumerate(zip(edges, edges[1:])):
+        name = f"r{r:06d}-0000.bin"
+        band = full[lo:hi].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        blob = bytes(range(100)) + band
+        loc = Location(file=name, offset=100, length=len(band), raw_length=len(band), xxh3=xxh3_hex(band))
+        if flat:
+            chunks.append(FlatChunk(rank=r, start=lo * cols, length=(hi - lo) * cols, location=loc))
+        else:
+            chunks.append(BoxChunk(rank=r, offsets=[lo, 0], sizes=[hi - lo, cols], location=loc))
+        d = StreamDigest(BLOCK)
+        d.update(blob)
+        whole, blocks = d.finish()
+        files[name] = FileEntry(size=len(blob), xxh3=whole, block_size=BLOCK, blocks=blocks)
+        data[name] = blob
+    t = TensorEntry(name="model.w", shape=[rows, cols], dtype=str(dtype).removeprefix("torch."), group="model",
+                    chunks=chunks)
+    m = Manifest(run="r", name="1", session="s" * 8, created_at=datetime.now(timezone.utc),
+                 topology=Topology(world_size=len(chunks)), tensors=[t], files=files)
+    return m, data, full

@@ -8,51 +8,17 @@ service's pure planner, and the "response" is the file's bytes cut into random p
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptd_schemas.filedigest import StreamDigest, xxh3_hex
 from ckptd_client._scatter import PieceFill, direct_targets, fill_targets
 from ckptd_schemas.format.assemble import Destination, copy_into
 from ckptd_schemas.readplan import verify_fetch
-from ckptd_schemas import (
-    BoxChunk, ChecksumMismatch, FileEntry, FlatChunk, Location, Manifest, ReadRequest, TensorEntry, Topology,
-    plan_reads,
-)
+from ckptd_schemas import ChecksumMismatch, ReadRequest, plan_reads
 
-BLOCK = 4096
-
-
-def banded_manifest(rows: int, cols: int, cuts: list[int], flat: bool, dtype: torch.dtype, scale: float = 1.0
-                    ) -> tuple[Manifest, dict, torch.Tensor]:
-    """A [rows, cols] tensor (``arange * scale``) saved as row bands (or the same bands as flat ranges), one
-    file per band, with 100 junk bytes before each band so that fetches have gaps to hash and skip."""
-    full = (torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) * scale).to(dtype)
-    edges = [0, *cuts, rows]
-    chunks, files, data = [], {}, {}
-    for r, (lo, hi) in enumerate(zip(edges, edges[1:])):
-        name = f"r{r:06d}-0000.bin"
-        band = full[lo:hi].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        blob = bytes(range(100)) + band
-        loc = Location(file=name, offset=100, length=len(band), raw_length=len(band), xxh3=xxh3_hex(band))
-        if flat:
-            chunks.append(FlatChunk(rank=r, start=lo * cols, length=(hi - lo) * cols, location=loc))
-        else:
-            chunks.append(BoxChunk(rank=r, offsets=[lo, 0], sizes=[hi - lo, cols], location=loc))
-        d = StreamDigest(BLOCK)
-        d.update(blob)
-        whole, blocks = d.finish()
-        files[name] = FileEntry(size=len(blob), xxh3=whole, block_size=BLOCK, blocks=blocks)
-        data[name] = blob
-    t = TensorEntry(name="model.w", shape=[rows, cols], dtype=str(dtype).removeprefix("torch."), group="model",
-                    chunks=chunks)
-    m = Manifest(run="r", name="1", session="s" * 8, created_at=datetime.now(timezone.utc),
-                 topology=Topology(world_size=len(chunks)), tensors=[t], files=files)
-    return m, data, full
+from support import banded_manifest
 
 
 def _pieces(blob: bytes, cuts: list[int]):

@@ -31,7 +31,7 @@ from ckptd_schemas import (
 )
 from ckptd_schemas.format.assemble import Destination, copy_into
 from support import assert_bits_equal, blank_like, make_state
-from .test_direct_load import banded_manifest
+from support import banded_manifest
 
 KIB = 1 << 10
 BLOCK = 4096

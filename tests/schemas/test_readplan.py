@@ -9,7 +9,7 @@ import torch
 from ckptd_schemas import ChecksumMismatch, ReadRequest, plan_reads, run_fetches
 from ckptd_schemas.format.assemble import Destination, copy_into
 
-from tests.client.test_direct_load import banded_manifest
+from support import banded_manifest
 
 
 def _read_from(files: dict[str, bytes], log: list | None = None):
