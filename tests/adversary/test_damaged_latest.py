@@ -11,6 +11,7 @@ file that is intact changes nothing: the service judges by its own check.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -114,3 +115,47 @@ def test_a_report_of_intact_bytes_changes_nothing(srv):
                        ({"files": [file] * 17}, 422), ({"files": [file], "extra": 1}, 422)):
         r = httpx.post(f"{srv.url}/v1/checkpoints/{RUN}/3/damaged", json=body, timeout=60)
         assert r.status_code == code, (body, r.status_code, r.text)
+
+
+@pytest.mark.slow
+def test_a_flood_of_damage_reports_is_bounded_and_nothing_is_lost(tmp_path):
+    """A reader with a valid token reports "damaged bytes" in twelve checkpoints at once while the
+    replica's one worker is busy (a throttled reshard job): eight reports are checked, queued behind the
+    job; the other four are refused at once with a typed 429 (they queue no read); once the job ends,
+    the eight are answered (the files are intact: nothing recorded) and a report is accepted again."""
+    import concurrent.futures
+
+    from ckptd_schemas import TooManyRequests, error_from_body
+    from support import scaled
+
+    s = ServerProcess(tmp_path / "root").start(env={"CKPTD_RESHARD_MAX_MBPS": "0.25", "CKPTD_RESHARD_WORKERS": "1"})
+    try:
+        with CheckpointClient(s.url, incremental=False) as c:
+            c.save({"w": torch.randn(512, 512)}, "flood/big").wait()  # 1 MiB: about 8 s through the cap
+            for i in range(13):
+                c.save({"w": torch.full((4,), float(i))}, f"flood/{i}").wait()
+        files = {i: next((Path(s.root) / "runs" / "flood" / str(i) / "sessions").glob("*/files/*")).name
+                 for i in range(13)}
+        with httpx.Client(base_url=s.url, timeout=scaled(120)) as h:
+            job = h.post("/v1/reshard", json={"source": "flood/big", "to": "full"}).json()
+            deadline = time.monotonic() + scaled(60)
+            while h.get(f"/v1/jobs/{job['id']}").json()["state"] == "queued":
+                assert time.monotonic() < deadline, "the job never started"
+                time.sleep(0.05)
+            with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                answers = list(pool.map(lambda i: h.post(f"/v1/checkpoints/flood/{i}/damaged",
+                                                         json={"files": [files[i]]}), range(12)))
+            assert h.get(f"/v1/jobs/{job['id']}").json()["state"] == "done"  # the reports waited behind it
+            codes = sorted(r.status_code for r in answers)
+            assert codes == [200] * 8 + [429] * 4, codes
+            for r in answers:
+                if r.status_code == 429:
+                    assert type(error_from_body(r.json(), 429)) is TooManyRequests and "flood/" in r.text
+                else:
+                    assert r.json()["damaged"] is False and r.json()["recorded"] is False
+            again = h.post("/v1/checkpoints/flood/12/damaged", json={"files": [files[12]]})
+            assert again.status_code == 200 and again.json()["damaged"] is False
+        records = [Path(s.root) / "runs" / "flood" / str(i) / "VERIFIED.json" for i in range(13)]
+        assert not any(r.exists() and json.loads(r.read_text())["ok"] is False for r in records)  # nothing marked bad
+    finally:
+        s.stop()
