@@ -108,6 +108,14 @@ class PoolStats:
     fallback_bytes: int = 0  # bytes copied into fresh tensors (busy, did not fit, or not allocated yet)
     unready_bytes: int = 0   # of fallback_bytes: while some segment was still to be allocated
 
+    @property
+    def leases(self) -> int:
+        """The former name of :attr:`claims` (a lease in ckptd is a read lease on a checkpoint)."""
+        import warnings
+
+        warnings.warn("PoolStats.leases is PoolStats.claims", DeprecationWarning, stacklevel=2)
+        return self.claims
+
 
 def allocate(nbytes: int, pin: bool) -> torch.Tensor:
     """The default :data:`Allocator`: pinned memory is resident once allocated; pageable memory is

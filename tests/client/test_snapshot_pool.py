@@ -243,3 +243,11 @@ def test_the_snapshot_cap_follows_the_environment_and_the_local_ranks(monkeypatc
     one = default_max_bytes()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert default_max_bytes() in (one // 8, one // 8 - 1) and 0 < one
+
+
+def test_the_former_name_of_claims_still_reads_with_a_deprecation_warning():
+    from ckptd_client._pool import PoolStats
+
+    stats = PoolStats(claims=3)
+    with pytest.warns(DeprecationWarning, match="PoolStats.claims"):
+        assert stats.leases == 3
