@@ -21,8 +21,8 @@ What one run does (see BENCHMARKS.md, section "Verify", for the results and how 
      them is the disk's cold sequential read bandwidth in that repeat;
    * **``ckptd verify REF --root ROOT --json``** as a subprocess, timed as a whole
      process (Python start-up and imports included: what a user waits for);
-   * the same verification in this process (``verify_manifest`` on the CLI's own
-     ``RootBackend``): verify without the process start-up; and again with
+   * the same verification in this process (``RootBackend.verify``, what the CLI
+     runs): verify without the process start-up; and again with
      ``ckptd.store.checker.READ_SIZE`` set to ``--alt-read-mib`` for the duration
      (a what-if for the read size, code unchanged otherwise);
    * unless ``--no-server``, ``ckptd verify REF --server URL`` against a restarted
@@ -220,9 +220,7 @@ def verify_service(url: str, nbytes: int, timeout: float) -> dict:
 
 def verify_inproc(root: Path, nbytes: int, read_size: int | None = None) -> dict:
     from ckptd.cli.root_backend import RootBackend
-    from ckptd.cli.main import _Source
     from ckptd.store import checker as verify_mod
-    from ckptd.store.checker import verify_manifest
 
     if read_size is not None:  # what-if: the module constant, for this call only
         saved, verify_mod.READ_SIZE = verify_mod.READ_SIZE, read_size
@@ -234,10 +232,10 @@ def verify_inproc(root: Path, nbytes: int, read_size: int | None = None) -> dict
     t0 = time.perf_counter()
     b = RootBackend(str(root))
     m = b.manifest(*REF.split("/"))
-    rep = verify_manifest(m, _Source(b, m))
+    rep = b.verify(m, None)  # what `ckptd verify --root` runs
     s = time.perf_counter() - t0
     t1 = os.times()
-    assert rep.ok and rep.bytes_read == nbytes, rep.problems
+    assert rep["ok"] and rep["bytes_read"] == nbytes, rep["problems"]
     return {"seconds": s, "gbps": nbytes / s / 1e9, "user_s": t1.user - t.user, "sys_s": t1.system - t.system}
 
 
