@@ -23,11 +23,9 @@ import torch
 
 from ckptd.reshard.models import JobStatus, get_job, now_utc, put_status
 from ckptd.service.drill_routes import DrillPolicy, count_drill, drill_router
-from ckptd.service.job_watch import JobWatch
 from ckptd.service.metrics import Metrics
 from ckptd.service.reshard_routes import reshard_router
 from ckptd.service.settings import Settings
-from ckptd.service.workers import Workers
 from ckptd.storage import LocalStorage
 from ckptd.store import SessionStore
 from ckptd.store.events import CommitEvent
@@ -35,7 +33,7 @@ from ckptd.store.offline import write_tensors
 from ckptd_schemas import CheckpointNotFound, InvalidRequest, NotFound, error_from_body
 from support import scaled
 
-from .wiring import app_with, call
+from .wiring import app_with, call, job_watch
 
 
 @pytest.fixture
@@ -49,12 +47,8 @@ def storage(tmp_path):
 
 @pytest.fixture
 def parts(storage):
-    workers = Workers(1)
-    watch = JobWatch(storage, workers, Settings(root=str(storage.root)))
-    metrics = Metrics()
-    yield storage, watch, metrics
-    watch.stop()
-    workers.close()
+    with job_watch(storage) as (watch, metrics):
+        yield storage, watch, metrics
 
 
 @pytest.fixture

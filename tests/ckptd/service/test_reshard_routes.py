@@ -20,18 +20,14 @@ import torch
 
 from ckptd.reshard.liveness import mark_active
 from ckptd.reshard.models import JobStatus, now_utc, put_status
-from ckptd.service.job_watch import JobWatch
-from ckptd.service.metrics import Metrics
 from ckptd.service.reshard_routes import reshard_router
-from ckptd.service.settings import Settings
-from ckptd.service.workers import Workers
 from ckptd.storage import LocalStorage
 from ckptd.store import SessionStore
 from ckptd.store.offline import write_tensors
 from ckptd_schemas import AlreadyCommitted, CheckpointNotFound, InvalidRequest, NotFound, error_from_body
 from support import scaled
 
-from .wiring import app_with, call
+from .wiring import app_with, call, job_watch
 
 
 @pytest.fixture
@@ -45,12 +41,8 @@ def storage(tmp_path):
 
 @pytest.fixture
 def parts(storage):
-    workers = Workers(1)
-    watch = JobWatch(storage, workers, Settings(root=str(storage.root)))
-    metrics = Metrics()
-    yield app_with(reshard_router(storage, watch, metrics)), watch, metrics
-    watch.stop()
-    workers.close()
+    with job_watch(storage) as (watch, metrics):
+        yield app_with(reshard_router(storage, watch, metrics)), watch, metrics
 
 
 def _refused(app, body: dict):

@@ -1,5 +1,6 @@
 """The service's shared objects built as ``create_app`` builds them, over a real local root, for the unit
 tests of one route module: :func:`services` makes a :class:`~ckptd.service.services.Services`,
+:func:`job_watch` the job watch over one worker process,
 :func:`app_with` mounts routers in a bare FastAPI app with the service's error handlers (every
 request one principal's: the open service's unless told), :func:`call` sends one request in process
 (``httpx.ASGITransport``), and :func:`save_one` saves a one-rank checkpoint through the upload routes.
@@ -8,8 +9,9 @@ request one principal's: the open service's unless told), :func:`call` sends one
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import xxhash
@@ -17,6 +19,7 @@ from fastapi import APIRouter, FastAPI, Request
 
 from ckptd.service.auth import OPEN_PRINCIPAL, Principal
 from ckptd.service.errors import install_error_handlers
+from ckptd.service.job_watch import JobWatch
 from ckptd.service.limits import UploadSlots
 from ckptd.service.metrics import Metrics
 from ckptd.service.services import Services
@@ -43,6 +46,19 @@ def services(root: Path, **settings: Any) -> Services:
                     uploads=UploadSlots(s.max_uploads_per_principal),
                     read_leases=ReadLeases(storage, s.read_lease_seconds, s.read_leases_per_token),
                     workers=Workers(s.reshard_workers))
+
+
+@contextlib.contextmanager
+def job_watch(storage: LocalStorage) -> Iterator[tuple[JobWatch, Metrics]]:
+    """The job watch over a pool of one worker process, and metrics, as ``create_app`` makes them;
+    the watch stopped and the pool closed at the end."""
+    workers = Workers(1)
+    watch = JobWatch(storage, workers, Settings(root=str(storage.root)))
+    try:
+        yield watch, Metrics()
+    finally:
+        watch.stop()
+        workers.close()
 
 
 def app_with(*routers: APIRouter, principal: Principal = OPEN_PRINCIPAL) -> FastAPI:
