@@ -67,8 +67,8 @@ from .inflight import is_remote
 from ckptd_schemas.format.frames import ChunkCheck, frame_check
 from ckptd_schemas.filedigest import StreamDigest
 
-__all__ = ["JOBS", "READ_SIZE", "REMOTE_JOBS", "Problem", "StorageFiles", "StoredBytes", "Verdict", "check_commit",
-           "jobs_for", "judge"]
+__all__ = ["JOBS", "READ_SIZE", "REMOTE_JOBS", "Findings", "Problem", "StorageFiles", "StoredBytes", "Verdict",
+           "check_commit", "jobs_for", "judge", "verify_manifest"]
 
 READ_SIZE = 4 << 20
 JOBS = 2  # a second file's reads keep the device busy while the first one's windows are hashed
@@ -531,7 +531,11 @@ class ByteSource(Protocol):
 
 
 @dataclass
-class VerifyReport:
+class Findings:
+    """What one pass of the checker over a committed checkpoint found (:func:`verify_manifest`). A
+    verification the service stores is a :class:`~.records.VerifyRecord` made from it (with the
+    manifest's digest, the time and the files' stamps)."""
+
     ref: str
     files: int = 0
     tensors: int = 0
@@ -559,7 +563,7 @@ class _Windows:
 def verify_manifest(
     manifest: Manifest, source: ByteSource, *, progress: Callable[[int], None] | None = None, jobs: int = JOBS,
     storage_errors_are_problems: bool = True, files: Collection[str] | None = None,
-) -> VerifyReport:
+) -> Findings:
     """Check every file, chunk and tensor of ``manifest`` against the bytes ``source`` returns, ``jobs``
     files at a time (a read waits on the device or the network without the GIL, so a second file's
     reads keep it busy while the first one's windows are hashed). Problems in file order. A store that
@@ -569,5 +573,5 @@ def verify_manifest(
     verdict = judge(manifest, _Windows(source), jobs=jobs, read_size=READ_SIZE, tiling=files is None,
                     progress=progress, storage_errors_are_problems=storage_errors_are_problems, files=files)
     chunks = sum(len(t.table) for t in manifest.tensors) + sum(1 for o in manifest.objects if o.location is not None)
-    return VerifyReport(ref=manifest.ref, files=len(manifest.files), tensors=len(manifest.tensors), chunks=chunks,
+    return Findings(ref=manifest.ref, files=len(manifest.files), tensors=len(manifest.tensors), chunks=chunks,
                         bytes_read=verdict.bytes_read, problems=[p.message for p in verdict.problems])

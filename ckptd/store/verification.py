@@ -23,7 +23,7 @@ from ckptd_schemas import LATEST, CheckpointNotFound, CkptdError, CorruptCheckpo
 
 from ..storage import Storage
 from .tiers import open_root
-from .checker import VerifyReport, jobs_for, verify_manifest
+from .checker import Findings, jobs_for, verify_manifest
 from .paths import Committed, Paths
 from .records import MAX_PROBLEMS, VerifyRecord, known_bad, record_holds, record_of, stamps_of
 from .visibility import Visibility
@@ -105,7 +105,7 @@ def _verify_here(storage: Storage, run: str, name: str, files: list[str] | None 
     vis = vis or Visibility(storage)
     t0 = time.perf_counter()
     c = vis.resolve(run, name)  # not visible: CheckpointNotFound, nothing recorded
-    report = VerifyReport(ref=c.ref)
+    report = Findings(ref=c.ref)
     stamps: dict[str, str | None] = {}
     try:
         manifest = vis.manifest(c)
