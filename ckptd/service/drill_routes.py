@@ -87,11 +87,21 @@ class DrillPolicy:
         self.running: set[str] = set()  # runs whose drill has not finished
         self.lock = threading.Lock()
         self._submitter = ThreadPoolExecutor(1, thread_name_prefix="ckptd-drill-policy")
+        self._closed = False
+
+    def close(self) -> None:
+        """At the service's shutdown: no drill is queued from now on, and one not yet recorded never is
+        (its commit's run drills at its next turn, here or at another replica)."""
+        with self.lock:
+            self._closed = True
+        self._submitter.shutdown(wait=False, cancel_futures=True)
 
     def after_commit(self, ev: CommitEvent) -> None:
         if self.every <= 0 or ev.derived_from is not None:
             return
         with self.lock:
+            if self._closed:
+                return
             n = self.counts.get(ev.run, 0) + 1
             self.counts[ev.run] = n % self.every
             if n < self.every:
@@ -100,7 +110,7 @@ class DrillPolicy:
                 log.info("drill of %s/%s skipped: the previous one is still running", ev.run, ev.name)
                 return
             self.running.add(ev.run)
-        self._submitter.submit(self._submit, ev)
+            self._submitter.submit(self._submit, ev)  # under the lock: never after close() shut it down
 
     def _submit(self, ev: CommitEvent) -> None:
         """Record the drill job and queue it; the run's turn ends when the job does."""

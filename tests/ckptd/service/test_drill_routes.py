@@ -145,3 +145,25 @@ def test_the_policy_drills_every_nth_trainer_commit_of_a_run(parts):
     [job] = [get_job(storage, e[:-5]) for e in storage.list("jobs") if e.endswith(".json")]
     assert (job.kind, job.source, job.state) == ("drill", "dr/2", "done") and job.owner == watch.replica
     assert "dr" not in policy.running  # its turn ended with the job
+
+
+def test_a_closed_policy_queues_no_drill_and_leaves_no_thread(parts):
+    """At the service's shutdown the policy stops: a commit after it queues nothing (no job recorded),
+    and its submitting thread is gone."""
+    import threading
+
+    storage, watch, metrics = parts
+    before = set(threading.enumerate())  # other tests' policies may have threads of the same name
+    policy = DrillPolicy(storage, Settings(root=str(storage.root), drill_every=1), watch, metrics)
+    policy.after_commit(_event("1"))  # queued: its thread exists now
+    mine = [t for t in threading.enumerate() if t.name.startswith("ckptd-drill-policy") and t not in before]
+    assert len(mine) == 1
+    _wait_until(lambda: _drills(metrics, "ok") + _drills(metrics, "failed") >= 1)
+    jobs = sorted(storage.list("jobs"))
+    policy.close()
+    policy.after_commit(_event("2"))
+    assert sorted(storage.list("jobs")) == jobs and "dr" not in policy.running
+    deadline = time.monotonic() + scaled(10)
+    while mine[0].is_alive():
+        assert time.monotonic() < deadline, "the policy's thread outlived close()"
+        time.sleep(0.02)
