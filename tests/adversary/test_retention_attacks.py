@@ -134,11 +134,12 @@ def test_the_service_policy_keeps_the_newest_verified_checkpoint(tmp_path):
 
 
 def test_a_reader_slower_than_its_lease_keeps_its_checkpoint(tmp_path):
-    """Leases of 5 s; a reader fetches one range a second (and a save and a gc later) through the service
-    for two lease periods while gc with ``--keep-last 1`` runs after every newer commit. Its checkpoint
-    survives until it stops reading, and goes once a lease period has passed since its last read. (A
-    round's save and gc must end within a lease of its read: 5 s, scaled, where a round on a loaded
-    2-core machine can take 2 s.)"""
+    """Leases of 5 s; a reader fetches one range a second through the service for two lease periods
+    while a newer checkpoint commits and gc with ``--keep-last 1`` runs right after each read. Its
+    checkpoint survives until it stops reading, and goes once a lease period has passed since its last
+    read. Each round reads just before its gc, so only the gc's own time separates the lease from the
+    decision; a round whose gc answered more than a lease after its read (a machine too loaded to
+    tell) proves nothing and is not counted, and at least seven rounds must count."""
     lease = scaled(5.0)
     srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_LEASE_SECONDS": f"{lease:g}"}).start()
     try:
@@ -147,16 +148,24 @@ def test_a_reader_slower_than_its_lease_keeps_its_checkpoint(tmp_path):
             m = httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/1", timeout=10).json()
             (file,) = m["files"]
             first = time.monotonic()
-            i = 0
-            while i < 7 or time.monotonic() - first < 2 * lease:  # reading for longer than its lease
+            i = counted = 0
+            while counted < 7 or time.monotonic() - first < 2 * lease:  # reading for longer than its lease
+                assert i < 60, f"only {counted} of {i} rounds had their gc answered within a lease of the read"
+                c.save(_state(2 + i), f"{RUN}/{2 + i}").wait()
                 r = httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/1/files/{file}", headers={"Range": "bytes=0-1023"},
                               timeout=10)
                 assert r.status_code == 206, f"read {i}: {r.text[:200]}"
                 last = time.monotonic()  # the service wrote its lease by now
-                c.save(_state(2 + i), f"{RUN}/{2 + i}").wait()
                 plan = httpx.post(f"{srv.url}/v1/runs/{RUN}/gc", json={"keep_last": 1}, timeout=60).json()
-                assert plan["keep"].get("1", "").startswith("leased"), \
-                    f"round {i}, gc done {time.monotonic() - last:.1f} s after the read, leases of {lease:g} s: {plan}"
+                took = time.monotonic() - last
+                if took < lease:
+                    assert plan["keep"].get("1", "").startswith("leased"), \
+                        f"round {i}, gc answered {took:.1f} s after the read, leases of {lease:g} s: {plan}"
+                    counted += 1
+                else:
+                    assert "1" in plan["keep"] or "1" in plan["deleted"], plan
+                    if "1" in plan["deleted"]:  # the lease lapsed while gc ran: this machine cannot tell
+                        pytest.skip(f"round {i}: gc answered {took:.1f} s after the read, past a {lease:g} s lease")
                 time.sleep(1.0)
                 i += 1
             _until(last + lease + 0.5)  # reading stopped: a whole lease period after the last read, it lapses

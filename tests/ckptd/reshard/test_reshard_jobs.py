@@ -25,7 +25,7 @@ from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader
 from ckptd.store.offline import read_tensor
 from ckptd_client import CheckpointClient
-from support import ServerProcess, run_ranks
+from support import ServerProcess, run_ranks, scaled
 
 pytestmark = pytest.mark.slow
 
@@ -172,7 +172,7 @@ def test_a_service_job_converts_while_4_ranks_keep_saving(server, reader, traine
     assert Leases(reader.storage).active("train", "1") == [job["id"]]
 
     states, progress = set(), []
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + scaled(120)
     while True:
         leased = (lease_dir / f"{job['id']}.json").exists()  # looked at before the status: race-free
         job = http.get(f"/v1/jobs/{job['id']}").json()
@@ -197,8 +197,10 @@ def test_a_service_job_converts_while_4_ranks_keep_saving(server, reader, traine
 
     saves = trainer.stop()
     assert all(st == "committed" for *_, st in saves), saves
+    # Training kept saving while the job ran: a whole save (started after the job was accepted, committed
+    # before it finished) fits in the job; on a loaded machine a save may take half the job's time.
     during = [step for step, started, committed, _ in saves if started > submitted and committed < finished]
-    assert len(during) >= 2, f"saves committed during the {finished - submitted:.1f}s job: {during}; all {saves}"
+    assert during, f"no save committed during the {finished - submitted:.1f}s job; all {saves}"
     steps = [c.step for c in reader.list_checkpoints("train") if c.derived_from is None]
     assert steps == list(range(1, len(saves) + 1))
     assert reader.resolve("train", "latest")[0] == str(len(saves))  # the derived checkpoint shadows nothing
