@@ -30,8 +30,7 @@ from ckptd_schemas import (
     ChecksumMismatch, Manifest, ReadRequest, plan_reads,
 )
 from ckptd_schemas.format.assemble import Destination, copy_into
-from support import assert_bits_equal, blank_like, make_state
-from support import banded_manifest
+from support import assert_bits_equal, banded_manifest, blank_like, make_state, scaled
 
 KIB = 1 << 10
 BLOCK = 4096
@@ -377,13 +376,13 @@ def test_the_first_claim_does_not_wait_for_the_background_allocation(no_cuda):
     t0 = time.monotonic()
     claim = pool.claim(sizes=sizes)
     views = [claim.take(s, d) for s, d in shapes]
-    assert time.monotonic() - t0 < 5 and claimed_at_alloc == []  # laid out, nothing allocated in the stall
+    assert time.monotonic() - t0 < scaled(5) and claimed_at_alloc == []  # laid out, nothing allocated in the stall
     assert all(_segment_of(pool, v) is None for v in views)
     assert pool.stats.unready_bytes == pool.stats.fallback_bytes == sum(v.numel() * v.element_size() for v in views)
     assert len(pool.segments) == 3 and not pool.ready
     del views  # the upload ends: its fresh copies go, then the slab is allocated
     claim.release()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while not claimed_at_alloc and time.monotonic() < deadline:
         time.sleep(0.01)
     assert claimed_at_alloc == [False]  # the background thread started, and blocks in the allocator
@@ -439,7 +438,7 @@ def test_saves_through_a_real_service_with_a_background_slab(server, no_cuda):
                                               max_bytes=8 << 20, allocator=alloc)
         t0 = time.monotonic()
         c.save(want[0], "bg/1").wait()
-        assert alloc.calls == [] and time.monotonic() - t0 < 20  # saved and uploaded, the allocation still blocked
+        assert alloc.calls == [] and time.monotonic() - t0 < scaled(20)  # saved and uploaded, the allocation still blocked
         assert pool.stats.pooled_bytes == 0 and pool.stats.unready_bytes > 0
         alloc.gate.set()
         assert pool.wait_ready(30)

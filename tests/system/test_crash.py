@@ -324,7 +324,7 @@ def test_sigkill_at_random_moment_during_large_upload(srv, tmp_path):
         frac = rng.uniform(0.05, 0.5)
         with VisibilityWatcher(root, period=0.05) as watch:
             handle = client.save(sd2, f"{RUN}/2")
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + scaled(60)
             while _staged_bytes(root, "2") < frac * total:
                 assert time.monotonic() < deadline, "upload never reached the kill point"
                 time.sleep(0.002)

@@ -408,7 +408,7 @@ def _phased_save(client: CheckpointClient, rank: int, world: int, ref: str, seed
     assert status is not None
     if settle:
         dist.barrier()
-    return wait_committed(t, base, ref, status, time.monotonic() + 120), status.state
+    return wait_committed(t, base, ref, status, time.monotonic() + scaled(120)), status.state
 
 
 # -- 2. the last two indexes at both replicas at once, many times -------------------------------------------
@@ -514,7 +514,7 @@ def failover_job(rank: int, world: int, urls: list[list[str]], ref: str, seed: i
             for f in files:
                 put(f, lambda f=f: _stream(f))
         status = put_index(t, base, session, index)
-        status = wait_committed(t, base, ref, status, time.monotonic() + 120)
+        status = wait_committed(t, base, ref, status, time.monotonic() + scaled(120))
         return {"status": status.model_dump(mode="json"), "files": [f.name for f in files],
                 "url_at_end": t.url, "attempts": attempts}
 

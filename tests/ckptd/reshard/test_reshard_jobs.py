@@ -220,7 +220,7 @@ def test_a_jobs_plan_is_read_as_recorded_never_planned_again(server, reader, tra
     r = http.post("/v1/reshard", json={"source": "train/2", "to": "fsdp2:dp=3", "out": "train/2-planned"})
     assert r.status_code == 202, r.text
     job = r.json()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + scaled(120)
     while job["state"] in ("queued", "running"):
         assert time.monotonic() < deadline, job
         time.sleep(0.1)
