@@ -365,6 +365,14 @@ class SnapshotPool:
     def claimed(self) -> bool:
         return self._claimed
 
+    @property
+    def leased(self) -> bool:
+        """The former name of :attr:`claimed`."""
+        import warnings
+
+        warnings.warn("SnapshotPool.leased is SnapshotPool.claimed", DeprecationWarning, stacklevel=2)
+        return self._claimed
+
     def claim(self, need: int | None = None, wait_s: float | None = None, *,
               sizes: Sequence[int] | None = None) -> SlabClaim:
         """The slab for one save that copies chunks of ``sizes`` bytes (each :func:`aligned`, in copy

@@ -245,9 +245,17 @@ def test_the_snapshot_cap_follows_the_environment_and_the_local_ranks(monkeypatc
     assert default_max_bytes() in (one // 8, one // 8 - 1) and 0 < one
 
 
-def test_the_former_name_of_claims_still_reads_with_a_deprecation_warning():
+def test_the_former_names_of_claims_and_claimed_still_read_with_a_deprecation_warning():
     from ckptd_client._pool import PoolStats
 
     stats = PoolStats(claims=3)
     with pytest.warns(DeprecationWarning, match="PoolStats.claims"):
         assert stats.leases == 3
+    pool = SnapshotPool(1 << 12)
+    claim = pool.claim(1 << 12)
+    with pytest.warns(DeprecationWarning, match="SnapshotPool.claimed"):
+        assert pool.leased is pool.claimed is True
+    claim.release()
+    with pytest.warns(DeprecationWarning, match="SnapshotPool.claimed"):
+        assert pool.leased is pool.claimed is False
+    pool.close()
