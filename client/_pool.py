@@ -50,6 +50,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -111,8 +112,6 @@ class PoolStats:
     @property
     def leases(self) -> int:
         """The former name of :attr:`claims` (a lease in ckptd is a read lease on a checkpoint)."""
-        import warnings
-
         warnings.warn("PoolStats.leases is PoolStats.claims", DeprecationWarning, stacklevel=2)
         return self.claims
 
@@ -368,8 +367,6 @@ class SnapshotPool:
     @property
     def leased(self) -> bool:
         """The former name of :attr:`claimed`."""
-        import warnings
-
         warnings.warn("SnapshotPool.leased is SnapshotPool.claimed", DeprecationWarning, stacklevel=2)
         return self._claimed
 

@@ -110,7 +110,8 @@ class RootBackend:
         tree, the store's stamps), here, unrecorded."""
         from ..store.verification import verify_unrecorded
 
-        return verify_unrecorded(self.storage, manifest.run, manifest.name, progress).model_dump(mode="json")
+        return verify_unrecorded(self.storage, manifest.run, manifest.name, progress,
+                                 vis=self.reader.visibility).model_dump(mode="json")  # the manifest parsed once
 
     def verify_in_service(self, ref: str) -> dict[str, Any]:
         raise InvalidRequest("ckptd verify --in-service needs --server URL (or $CKPTD_URL)", field="in_service")

@@ -574,4 +574,4 @@ def verify_manifest(
                     progress=progress, storage_errors_are_problems=storage_errors_are_problems, files=files)
     chunks = sum(len(t.table) for t in manifest.tensors) + sum(1 for o in manifest.objects if o.location is not None)
     return Findings(ref=manifest.ref, files=len(manifest.files), tensors=len(manifest.tensors), chunks=chunks,
-                        bytes_read=verdict.bytes_read, problems=[p.message for p in verdict.problems])
+                    bytes_read=verdict.bytes_read, problems=[p.message for p in verdict.problems])

@@ -89,11 +89,12 @@ def load_tree_problem(vis: Visibility, c: Committed) -> str | None:
     return None
 
 
-def verify_unrecorded(storage: Storage, run: str, name: str,
-                      progress: Callable[[int], None] | None = None) -> VerifyRecord:
+def verify_unrecorded(storage: Storage, run: str, name: str, progress: Callable[[int], None] | None = None,
+                      vis: Visibility | None = None) -> VerifyRecord:
     """:func:`verify_committed` that writes nothing: what a dry run (``ckptd gc --dry-run``) and
-    ``ckptd verify --root`` do (``progress``: bytes checked, as read)."""
-    return _verify_here(storage, run, name, progress=progress)[0]
+    ``ckptd verify --root`` do (``progress``: bytes checked, as read; ``vis``: the caller's, whose
+    parsed manifest and load tree are used again)."""
+    return _verify_here(storage, run, name, vis=vis, progress=progress)[0]
 
 
 def _verify_here(storage: Storage, run: str, name: str, files: list[str] | None = None,

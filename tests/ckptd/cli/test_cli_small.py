@@ -151,3 +151,23 @@ def test_a_safetensors_export_holds_the_models_weights_unless_told_otherwise(tmp
     assert whole.returncode == 0, whole.stderr
     sd = torch.load(tmp_path / "ft.pt", weights_only=True)
     assert sorted(sd) == ["model.b", "model.w", "optim.state.w.exp_avg"], list(sd)  # flat FQN keys, all of them
+
+
+def test_verify_root_parses_the_manifest_once(tmp_path, monkeypatch, capsys):
+    """``ckptd verify --root`` reads the manifest to lease the checkpoint, then runs the service's
+    verification with the same visibility: the manifest (megabytes at thousands of ranks) is parsed
+    once, not once for the command and again for the check."""
+    from ckptd.cli.main import main
+    from ckptd_schemas import Manifest
+
+    root = str(_root(tmp_path))
+    parse, calls = Manifest.model_validate_json, []
+
+    def counted(raw, *a, **kw):
+        calls.append(len(raw))
+        return parse(raw, *a, **kw)
+
+    monkeypatch.setattr(Manifest, "model_validate_json", staticmethod(counted))
+    monkeypatch.delenv("CKPTD_URL", raising=False)
+    assert main(["verify", "cli/7", "--root", root]) == 0
+    assert capsys.readouterr().out.startswith("OK cli/7") and len(calls) == 1, calls
