@@ -327,6 +327,9 @@ class FaultStorage(Storage):
     def reclaim_temps(self, prefix: str, older_than: float) -> int:
         return self.inner.reclaim_temps(prefix, older_than)
 
+    def walk(self, prefix: str) -> list[tuple[str, int]]:
+        return self.inner.walk(prefix)
+
     def stored_sha256(self, key: str) -> str | None:
         return self.inner.stored_sha256(key)
 

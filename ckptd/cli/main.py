@@ -191,15 +191,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
             finish()
     finally:
         b.close()
+    strays = rep.get("strays") or []  # --server without --in-service sees the manifest's files only
     if args.json:
-        print(json.dumps({k: rep[k] for k in ("ref", "ok", "files", "tensors", "chunks", "bytes_read", "problems")}))
-    elif rep["ok"]:
+        print(json.dumps({**{k: rep[k] for k in ("ref", "ok", "files", "tensors", "chunks", "bytes_read",
+                                                  "problems")}, "strays": strays}))
+        return 0 if rep["ok"] else 1
+    if rep["ok"]:
         print(f"OK {rep['ref']}: {plural(rep['files'], 'file')}, {plural(rep['tensors'], 'tensor')}, "
               f"{plural(rep['chunks'], 'chunk')}, {human(rep['bytes_read'])} re-read and re-hashed")
     else:
         print(f"FAIL {rep['ref']}: {plural(len(rep['problems']), 'problem')}")
         for p in rep["problems"][:50]:
             print(f"  - {p}")
+    if strays:  # seen, not a verdict: the checkpoint's own bytes are what decides the exit status
+        print(f"STRAY {rep['ref']}: {plural(len(strays), 'file')} in its directory, no part of the checkpoint "
+              f"(its data is not affected)")
+        for x in strays[:50]:
+            print(f"  - {x['key']} ({human(x['size'])})")
     return 0 if rep["ok"] else 1
 
 

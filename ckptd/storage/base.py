@@ -209,10 +209,22 @@ class Storage(ABC):
         return False
 
     def reclaim_temps(self, prefix: str, older_than: float) -> int:
-        """Delete what writes that never committed left under ``prefix`` (a process killed mid-write),
-        last changed before ``older_than`` (epoch seconds); return how many. Nothing on object stores:
-        an unfinished multipart upload is invisible, and the store's lifecycle rules expire it."""
+        """Delete what writes that never committed left under ``prefix`` (a process killed mid-write:
+        temp files on a local root, unfinished multipart uploads on an object store), begun or last
+        changed before ``older_than`` (epoch seconds; ``math.inf``: all of them); return how many."""
         return 0
+
+    def walk(self, prefix: str) -> list[tuple[str, int]]:
+        """Every key stored under ``prefix`` (recursively) and its size, what :meth:`list` leaves out
+        included (a local root's hidden files: temp files of unfinished writes); sorted. An object
+        store's unfinished multipart upload is not an object: it is not walked."""
+        out: list[tuple[str, int]] = []
+        for n in self.list(prefix):
+            key = f"{prefix}/{n}"
+            below = self.walk(key)
+            size = None if below else self.size(key)
+            out += below if below else [(key, size)] if size is not None else []
+        return sorted(out)
 
     presigns = False  # whether presign_put gives URLs (an object store that takes presigned uploads)
 

@@ -288,6 +288,17 @@ class LocalStorage(Storage):
                         n += 1
         return n
 
+    def walk(self, prefix: str) -> list[tuple[str, int]]:
+        """Every file (and link) under ``prefix``, hidden ones included; a link is not followed."""
+        out: list[tuple[str, int]] = []
+        top = self._path(prefix)
+        for dirpath, dirs, names in os.walk(top):
+            rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+            for name in names + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
+                with contextlib.suppress(FileNotFoundError):
+                    out.append((f"{rel}/{name}", os.lstat(os.path.join(dirpath, name)).st_size))
+        return sorted(out)
+
     def list(self, prefix: str) -> list[str]:
         path = self._path(prefix) if prefix else self.root
         try:

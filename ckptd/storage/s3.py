@@ -486,20 +486,42 @@ class S3Storage(Storage):
             raise _wrap("delete", prefix, e, self.url) from e
         self.fs.invalidate_cache(self._path(prefix))
 
-    def _abort_uploads(self, pfx: str) -> None:
-        """Abort the multipart uploads in flight under ``pfx`` (parts of crashed or abandoned writers)."""
+    def _abort_uploads(self, pfx: str, older_than: float = float("inf")) -> int:
+        """Abort the multipart uploads in flight under ``pfx`` (parts of crashed or abandoned writers)
+        begun before ``older_than`` (epoch seconds); return how many."""
         kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": pfx}
+        n = 0
         while True:
             out = self.fs.call_s3("list_multipart_uploads", **kw)
             for u in out.get("Uploads") or ():
+                begun = u.get("Initiated")
+                if begun is not None and begun.timestamp() >= older_than:
+                    continue
                 try:
                     self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=u["Key"],
                                     UploadId=u["UploadId"])
+                    n += 1
                 except FileNotFoundError:
                     pass
             if not out.get("IsTruncated"):
-                return
+                return n
             kw["KeyMarker"], kw["UploadIdMarker"] = out.get("NextKeyMarker"), out.get("NextUploadIdMarker")
+
+    def reclaim_temps(self, prefix: str, older_than: float) -> int:
+        """The unfinished multipart uploads under ``prefix`` (a writer killed mid-upload, or a presigned
+        upload never completed): not objects, invisible to reads and listings, but their parts are
+        stored (and billed) until aborted."""
+        with _s3_errors("delete", prefix, self.url):
+            return self._abort_uploads(self._dir(prefix), older_than)
+
+    def walk(self, prefix: str) -> list[tuple[str, int]]:
+        root = f"{self._prefix}/" if self._prefix else ""
+        with _s3_errors("list", prefix, self.url):
+            try:
+                return sorted((o["Key"][len(root):], o["Size"]) for page in self._walk(self._dir(prefix), None)
+                              for o in page.get("Contents") or ())
+            except FileNotFoundError:
+                return []
 
     def pending_uploads(self, prefix: str = "") -> list[str]:
         """Keys (relative to the root) of multipart uploads in flight under ``prefix``: diagnostics and tests."""

@@ -6,7 +6,8 @@ Call order: the session store (:mod:`.sessions`) stores a rank's index and asks
 merges the indexes (:class:`~.merge.ManifestFold`), checks reuse and every stored byte
 (:func:`~.checker.check_commit`), writes the manifest (durable), creates ``COMMITTED`` once, and
 records the commit's check as the checkpoint's first verification
-(:func:`~.records.record_commit_check`). A refusal is recorded (``FAILED``) and raised; a storage
+(:func:`~.records.record_commit_check`), then deletes what writers killed mid-upload left in the
+session (:meth:`Committer._drop_unfinished`). A refusal is recorded (``FAILED``) and raised; a storage
 error is raised and leaves the session open for a retry. Re-entrant: a crash anywhere before the
 marker leaves the session invisible, and the rank's retried index or the sweep finishes the job.
 Each commit that created a marker here is told to the observers (:class:`~.events.Observers`:
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from datetime import datetime, timezone
 
@@ -130,6 +132,22 @@ class Committer:
                 del ix, entries
         return fold.manifest(files), files
 
+    def _drop_unfinished(self, run: str, name: str, sid: str) -> None:
+        """Right after the marker: delete every unfinished write left in the committed session (temp
+        files of writers killed mid-upload, unfinished multipart uploads). None of them can still be
+        needed: every rank's index is in and every file they name is published, and the session
+        refuses writes from now on, before they write. A write that began before the marker and is
+        still going loses its temp and fails (a write into a committed session answers 409 on its
+        retry); one killed after this walk is the sweep's (:meth:`.sweep.Sweeper.reclaim_stale`,
+        a TTL after the commit). A failure here is logged: the checkpoint is committed."""
+        try:
+            n = self.storage.reclaim_temps(Paths.session(run, name, sid), math.inf)
+        except StorageError as e:
+            log.warning("commit of %s/%s: unfinished writes left in session %s: %s", run, name, sid, e.message)
+            return
+        if n:
+            log.info("commit of %s/%s: %d unfinished writes removed from session %s", run, name, n, sid)
+
     def _read_index(self, key: str) -> RankIndex:
         """The stored index, parsed (or as ``put_index`` parsed it, taken out of the cache)."""
         raw = self.storage.read(key)
@@ -178,6 +196,7 @@ class Committer:
                 raise Conflict(f"{run}/{name} was committed by another session", ref=f"{run}/{name}")
             return existing.manifest_xxh3, None
         record_commit_check(self.storage, run, name, digest, check, nfiles)
+        self._drop_unfinished(run, name, sid)
         log.info("committed %s/%s session %s (%d files, %d bytes)", run, name, sid, nfiles, nbytes)
         return digest, CommitEvent(run=run, name=name, session=sid, manifest_xxh3=digest, derived_from=derived_from,
                                    files=nfiles, bytes=nbytes)

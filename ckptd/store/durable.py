@@ -69,7 +69,7 @@ ADOPT_EVERY = 30  # scans between two adoptions while running (5 minutes at the 
 
 
 def not_durable_key(run: str, name: str) -> str:
-    return f"{Paths.ckpt(run, name)}/NOT_DURABLE.json"
+    return Paths.not_durable(run, name)
 
 
 class _Copies(StorageFiles):

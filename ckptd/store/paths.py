@@ -5,6 +5,7 @@
     runs/<run>/<name>/COMMITTED                         marker: names session + manifest digest
     runs/<run>/<name>/VERIFIED.json                     the last verification of it (store.records)
     runs/<run>/<name>/DRILL.json                        the last conversion drill (reshard.drill)
+    runs/<run>/<name>/NOT_DURABLE.json                  a durable copy that failed (store.durable)
     runs/<run>/<name>/sessions/<sid>/SESSION.json       upload session (open-or-join, create-if-absent)
     runs/<run>/<name>/sessions/<sid>/ACTIVE.json        when a writer was last heard from (store.activity)
     runs/<run>/<name>/sessions/<sid>/files/<file>       data streamed by ranks (staging)
@@ -21,20 +22,24 @@ visible iff its marker parses and names the digest of a manifest that parses
 and agrees with it (``visibility``, docs/design.md §2); the same rule holds on local
 disks and on object stores, with no rename. Session
 directories that no marker names are reclaimed once no writer is heard from, or after a TTL.
+Anything else under a committed checkpoint's directory is no part of it (:func:`strays`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Collection, Iterable
 
 from pydantic import BaseModel, ConfigDict
 
-from ckptd_schemas import CheckpointSummary
+from ckptd_schemas import CheckpointSummary, CkptdError, check_session
 
-__all__ = ["Committed", "Marker", "SessionMeta", "Paths"]
+__all__ = ["Committed", "Marker", "SessionMeta", "Paths", "strays"]
 
 RUNS = "runs"
+#: What a checkpoint's directory holds beside its sessions: the marker and the records about it.
+CHECKPOINT_RECORDS = ("COMMITTED", "VERIFIED.json", "DRILL.json", "NOT_DURABLE.json")
 
 
 class Marker(BaseModel):
@@ -153,6 +158,10 @@ class Paths:
     def failed(cls, run: str, name: str, sid: str) -> str:
         return f"{cls.session(run, name, sid)}/FAILED.json"
 
+    @classmethod
+    def not_durable(cls, run: str, name: str) -> str:
+        return f"{cls.ckpt(run, name)}/NOT_DURABLE.json"
+
 
 @dataclass(frozen=True)
 class Committed:
@@ -197,3 +206,36 @@ class Committed:
         m = self.marker
         return CheckpointSummary(run=self.run, name=self.name, step=m.step, derived_from=m.derived_from, parent=m.parent,
                                  session=m.session, committed_at=m.committed_at, manifest_xxh3=m.manifest_xxh3)
+
+
+def strays(keys: Iterable[str], c: Committed, files: Collection[str], world_size: int) -> list[str]:
+    """The keys among ``keys`` (what is stored under ``c``'s directory, :meth:`Paths.ckpt`) that are no
+    part of the committed checkpoint ``c``, whose manifest names ``files`` and ``world_size`` ranks.
+
+    Its own are the marker and records beside it (:data:`CHECKPOINT_RECORDS`) and, in its session,
+    the session's record and last activity, its manifest, one index per rank, and each named file
+    with its digest record (and presign claim). Anything else in the session (a temp file a writer
+    killed mid-write left, a file no index names, a planted one) is a stray. The directories of
+    other sessions (save attempts that lost, reclaimed by the sweep) are theirs, not strays."""
+    run, name, sid = c.run, c.name, c.session
+    own = {f"{Paths.ckpt(run, name)}/{r}" for r in CHECKPOINT_RECORDS}
+    own |= {Paths.session_meta(run, name, sid), Paths.activity(run, name, sid),
+            f"{Paths.session(run, name, sid)}/{c.marker.manifest}"}
+    own |= {Paths.rank_index(run, name, sid, r) for r in range(world_size)}
+    for f in files:
+        own |= {Paths.file(run, name, sid, f), Paths.digest(run, name, sid, f),
+                Paths.presign_claim(run, name, sid, f)}
+    sessions = Paths.sessions(run, name) + "/"
+    out = []
+    for key in keys:
+        if key in own:
+            continue
+        other = key[len(sessions):].split("/", 1)[0] if key.startswith(sessions) else None
+        if other is not None and other != sid and "/" in key[len(sessions):]:
+            try:
+                check_session(other)
+                continue  # another save attempt's staging: the sweep's
+            except CkptdError:
+                pass
+        out.append(key)
+    return out

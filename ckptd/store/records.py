@@ -36,7 +36,7 @@ from ..storage import Storage
 from .inflight import ordered_map, requests_in_flight
 from .paths import Committed, Paths
 
-__all__ = ["CommitCheck", "MAX_PROBLEMS", "VerifyRecord", "file_stamps", "known_bad", "record_commit_check",
+__all__ = ["CommitCheck", "MAX_PROBLEMS", "Stray", "VerifyRecord", "file_stamps", "known_bad", "record_commit_check",
            "record_holds", "record_of", "record_vouches", "stamps_of"]
 
 log = logging.getLogger("ckptd.store")
@@ -49,6 +49,16 @@ MAX_RECORD_BYTES = 1 << 20
 
 #: The most characters of a reason :func:`known_bad` gives.
 MAX_REASON = 300
+
+
+class Stray(BaseModel):
+    """A file stored in a committed checkpoint's directory that is no part of it (:func:`.paths.strays`):
+    the checkpoint's data is intact, so a stray does not fail a verification; it is named so it is seen."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str = Field(description="where it lies, relative to the storage root")
+    size: int
 
 
 class VerifyRecord(BaseModel):
@@ -69,6 +79,9 @@ class VerifyRecord(BaseModel):
     stamps: dict[str, str] = Field(default_factory=dict,
                                    description="each data file's storage stamp, unchanged while it was read; "
                                                "empty when a file changed meanwhile or the store has no stamps")
+    strays: list[Stray] = Field(default_factory=list,
+                                description="files in the checkpoint's directory that are no part of it (the "
+                                            "first MAX_PROBLEMS): not a problem of its data, so ok stays as it is")
 
 
 def file_stamps(storage: Storage, key_of: Callable[[str], str], files: list[str]) -> dict[str, str | None]:

@@ -150,6 +150,9 @@ class TieredStorage(Storage):
     def reclaim_temps(self, prefix: str, older_than: float) -> int:
         return self.fast.reclaim_temps(prefix, older_than)  # the durable tier's writes are the copier's
 
+    def walk(self, prefix: str) -> list[tuple[str, int]]:
+        return self.fast.walk(prefix)  # what the durable tier holds is the copier's (checked as it copies)
+
     # -- deletes: a whole checkpoint, or its marker, from both tiers (the durable one first) ----------
     @staticmethod
     def _durable_too(key: str) -> bool:

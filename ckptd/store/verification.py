@@ -19,16 +19,19 @@ import time
 from datetime import datetime, timezone
 from typing import Callable
 
-from ckptd_schemas import LATEST, CheckpointNotFound, CkptdError, CorruptCheckpoint, InvalidRequest, StorageError
+from ckptd_schemas import (
+    LATEST, CheckpointNotFound, CkptdError, CorruptCheckpoint, InvalidRequest, Manifest, StorageError,
+)
 
 from ..storage import Storage
 from .tiers import open_root
 from .checker import Findings, jobs_for, verify_manifest
-from .paths import Committed, Paths
-from .records import MAX_PROBLEMS, VerifyRecord, known_bad, record_holds, record_of, stamps_of
+from .paths import Committed, Paths, strays
+from .records import MAX_PROBLEMS, Stray, VerifyRecord, known_bad, record_holds, record_of, stamps_of
+from .session_reads import read_meta
 from .visibility import Visibility
 
-__all__ = ["VerifyRecord", "load_tree_problem", "read_record", "recheck_and_record", "recheck_files",
+__all__ = ["VerifyRecord", "load_tree_problem", "strays_of", "read_record", "recheck_and_record", "recheck_files",
            "require_verified", "verify_and_record", "verify_committed", "verify_unrecorded"]
 
 
@@ -108,6 +111,7 @@ def _verify_here(storage: Storage, run: str, name: str, files: list[str] | None 
     c = vis.resolve(run, name)  # not visible: CheckpointNotFound, nothing recorded
     report = Findings(ref=c.ref)
     stamps: dict[str, str | None] = {}
+    found: list[Stray] = []
     try:
         manifest = vis.manifest(c)
         before = stamps_of(storage, c, sorted(manifest.files))
@@ -120,6 +124,8 @@ def _verify_here(storage: Storage, run: str, name: str, files: list[str] | None 
             report.problems.append(problem)
         if files is None and before == stamps_of(storage, c, sorted(manifest.files)) and all(before.values()):
             stamps = before
+        if files is None:
+            found = strays_of(storage, c, manifest)
     except StorageError:
         raise  # the store failed, not the checkpoint: nothing is recorded (a failed record makes `latest` skip it)
     except CkptdError as e:  # a manifest changed under us: recorded as a failure too
@@ -127,8 +133,18 @@ def _verify_here(storage: Storage, run: str, name: str, files: list[str] | None 
     rec = VerifyRecord(ref=c.ref, manifest_xxh3=c.digest, ok=report.ok, problems=report.problems[:MAX_PROBLEMS],
                        files=report.files, tensors=report.tensors, chunks=report.chunks,
                        bytes_read=report.bytes_read, seconds=time.perf_counter() - t0,
-                       verified_at=datetime.now(timezone.utc), stamps={k: v for k, v in stamps.items() if v})
+                       verified_at=datetime.now(timezone.utc), stamps={k: v for k, v in stamps.items() if v},
+                       strays=found[:MAX_PROBLEMS])
     return rec, c
+
+
+def strays_of(storage: Storage, c: Committed, manifest: Manifest) -> list[Stray]:
+    """The files stored in ``c``'s directory that are no part of it (:func:`.paths.strays`): what a
+    full verification reports beside its verdict, which they do not change."""
+    meta = read_meta(storage, c.run, c.name, c.session)
+    stored = dict(storage.walk(Paths.ckpt(c.run, c.name)))
+    world = meta.world_size if meta is not None else manifest.topology.world_size
+    return [Stray(key=k, size=stored[k]) for k in strays(stored, c, manifest.files, world)]
 
 
 def verify_and_record(root: str, run: str, name: str) -> dict:

@@ -443,6 +443,77 @@ def test_rank_killed_mid_save_leaves_checkpoint_invisible(srv, tmp_path):
         client.close(wait=False)
 
 
+# -- what a killed upload leaves ------------------------------------------------------------------------------
+
+BIG_SHAPE = (6144, 2048)  # 48 MiB of float32, about 24 MiB per rank: each rank's file takes several writes
+
+
+def big_rank_state(rank: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randn(BIG_SHAPE, generator=g).reshape(-1)
+    cut = flat.numel() // 2 + 4099
+    lo, hi = (0, cut) if rank == 0 else (cut, flat.numel())
+    return {"model": {"w": FlatShard(flat[lo:hi].clone(), BIG_SHAPE, lo)}}
+
+
+def retrying_save_job(rank: int, world: int, url: str, ref: str, seed: int) -> dict:
+    """One rank's save that rides out a server killed and restarted under it (its retries)."""
+    client = CheckpointClient(url, retry_seconds=scaled(120), streams=1)
+    status = client.save(big_rank_state(rank, seed), ref).wait(timeout=scaled(180))
+    client.close()
+    return {"state": status.state, "session": status.session, "manifest_xxh3": status.manifest_xxh3}
+
+
+def _temp_files(where: Path) -> dict[Path, int]:
+    """The temp files of unfinished writes (``.NAME.tmp-XXXXXXXXXXXX``) under ``where``, and their sizes."""
+    found = {}
+    for p in where.rglob(".*.tmp-*"):
+        try:
+            found[p] = p.stat().st_size
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def test_a_server_killed_while_two_ranks_upload_leaves_nothing_in_the_committed_checkpoint(srv, tmp_path):
+    """The service is SIGKILLed while two ranks stream their files; restarted, the ranks' retries
+    commit. The killed process's half-written temp files (megabytes per rank) are not left inside
+    the committed checkpoint: its directory holds the files its manifest names, their records and
+    the checkpoint's metadata, and nothing else (``ckptd verify`` names no stray)."""
+    root = Path(srv.root)
+    srv.start()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        ranks = pool.submit(run_ranks, retrying_save_job, 2, srv.url, f"{RUN}/2", 11, tmp=tmp_path, timeout=300)
+        deadline = time.monotonic() + scaled(120)
+        while True:  # both ranks' files half written: at least one 4 MiB window of each on disk
+            temps = _temp_files(ckpt_dir(root, "2"))
+            writing = {p.name[1:8] for p, n in temps.items() if "/files/" in str(p) and n >= 4 << 20}
+            if writing == {"r000000", "r000001"}:
+                break
+            assert not ranks.done(), ranks.result()
+            assert time.monotonic() < deadline, "the ranks never had their files half written at once"
+            time.sleep(0.002)
+        srv.kill()
+        left = {p: n for p, n in _temp_files(ckpt_dir(root, "2")).items() if "/files/" in str(p)}
+        assert marker_bytes(root, "2") is None and sum(left.values()) >= 8 << 20, left
+        srv.start()
+        records = ranks.result()
+    assert [r["result"]["state"] for r in records] == ["committed", "committed"], records
+    manifest = CheckpointReader(LocalStorage(root)).manifest(RUN, "2")
+    named = sum(e.size for e in manifest.files.values())
+    on_disk = sum(p.stat().st_size for p in ckpt_dir(root, "2").rglob("*") if p.is_file())
+    print(f"killed with {sum(left.values())} bytes in temp files; committed: {named} bytes named, {on_disk} on disk")
+    assert named <= on_disk < named + (1 << 20), (named, on_disk)  # the data, and under 1 MiB of records
+    assert _temp_files(ckpt_dir(root, "2")) == {}
+    p = cli("verify", f"{RUN}/2", "--root", str(root))
+    assert p.returncode == 0 and p.stdout.startswith(f"OK {RUN}/2") and "STRAY" not in p.stdout, p.stdout
+    with CheckpointClient(srv.url, retry_seconds=10) as client:
+        got = {"model": {"w": torch.empty(BIG_SHAPE)}}
+        client.load(got, f"{RUN}/2")
+        want = torch.randn(BIG_SHAPE, generator=torch.Generator().manual_seed(11))
+        assert torch.equal(got["model"]["w"], want)
+
+
 # -- stale staging, restarts --------------------------------------------------------------------------------
 
 def _open_and_stage(url: str, name: str, sid: str, payload: bytes) -> None:

@@ -165,6 +165,33 @@ def test_a_dropped_writer_publishes_nothing_and_delete_tree_reaps_its_parts(s3):
     assert small.pending_uploads("sess") == [] and small.list("sess") == []
 
 
+def test_the_commit_aborts_the_unfinished_uploads_of_killed_writers_and_verify_walks_objects(s3):
+    """What a writer killed mid-upload leaves on S3 is no object (invisible to reads, listings and a
+    walk) but an unfinished multipart upload whose parts stay stored until aborted: the commit aborts
+    every one under its session."""
+    from ckptd.store import SessionStore
+    from ckptd.store.verification import verify_unrecorded
+    from ckptd_schemas import OpenSession
+    from store.staging import file_of, put_indexes, stage  # tests/ckptd/store: sessions on a store
+
+    small = open_storage(s3.url, default_block_size=5 * MiB)
+    store = SessionStore(small)
+    store.open("r", "1", OpenSession(session="s1", world_size=2, step=1))
+    killed = store.begin_file("r", "1", "s1", file_of(1))  # never finished nor aborted: a killed writer
+    killed.write(os.urandom(6 * MiB))  # one part uploaded
+    assert small.pending_uploads("runs") == [f"runs/r/1/sessions/s1/files/{file_of(1)}"]
+    assert not [k for k, _ in small.walk("runs") if k.endswith(file_of(1))]
+    stage(store, "r", "1", "s1", world=2)  # the retries
+    put_indexes(store, "r", "1", "s1", world=2)
+    assert small.exists("runs/r/1/COMMITTED") and small.pending_uploads("runs") == []
+    rec = verify_unrecorded(small, "r", "1")
+    assert rec.ok and rec.strays == []
+    small.put("runs/r/1/sessions/s1/files/planted", b"x" * 10)
+    assert [(x.key, x.size) for x in verify_unrecorded(small, "r", "1").strays] == \
+        [("runs/r/1/sessions/s1/files/planted", 10)]
+    del killed
+
+
 # -- create_if_absent: a conditional PUT ----------------------------------------------------------
 
 
@@ -362,7 +389,7 @@ def test_fsdp2_save_2_load_3_verify_and_reshard_on_s3(moto_s3, s3, tmp_path):
         v = _cli(cli_env, "verify", "gpt/3", "--root", s3.url, "--json")
         assert v.returncode == 0, v.stdout + v.stderr
         rep = json.loads(v.stdout)
-        assert rep["ok"] and rep["files"] >= 2 and rep["bytes_read"] > 0
+        assert rep["ok"] and rep["files"] >= 2 and rep["bytes_read"] > 0 and rep["strays"] == []
         r = _cli(cli_env, "reshard", "gpt/3", "--to", "fsdp2:dp=3", "--root", s3.url, "--json", "--device", "cpu")
         assert r.returncode == 0, r.stdout + r.stderr
         res = json.loads(r.stdout)

@@ -1,8 +1,9 @@
 """The sweep removes what writers killed mid-write left inside a committed session, and nothing else.
 
 A replica SIGKILLed while it writes an upload, a digest record or a rank index leaves a hidden
-``.NAME.tmp-XXXXXXXXXXXX`` file in the session; when the session is committed through another
-replica, the sweep (which never touches a committed session's data) deletes such files once they
+``.NAME.tmp-XXXXXXXXXXXX`` file in the session. The commit deletes those it finds right after the
+marker (test_unfinished_writes.py); for one killed after that (a write that began before the
+marker), the sweep (which never touches a committed session's data) deletes such files once they
 are older than the stale-session TTL, once a TTL has passed since the commit (no write comes into a
 committed session, so the sweep walks each one once). Files that are not unfinished writes (the
 direct-write probe, data, records) and recent temp files stay; the checkpoint verifies.
