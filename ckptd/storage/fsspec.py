@@ -153,6 +153,12 @@ class FsspecStorage(Storage):
         names = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
         return sorted(n for n in names if n and not n.startswith(".") and ".tmp-" not in n)
 
+    def free_space(self) -> tuple[int, int] | None:
+        return self._local.free_space() if self._local is not None else None
+
+    def usage(self, prefix: str) -> int | None:
+        return self._local.usage(prefix) if self._local is not None else None
+
     def create_if_absent(self, key: str, data: bytes) -> bool:
         if self._local is not None:
             return self._local.create_if_absent(key, data)

@@ -410,6 +410,17 @@ class S3Storage(Storage):
                 return []
         return sorted(n for n in names if n and "/" not in n and not n.startswith(".") and ".tmp-" not in n)
 
+    def usage(self, prefix: str) -> int | None:
+        """The sizes of the objects under ``prefix`` (one listing request per 1,000 objects)."""
+        total = 0
+        with _s3_errors("list", prefix, self.url):
+            try:
+                for page in self._walk(self._dir(prefix), None):
+                    total += sum(int(o.get("Size") or 0) for o in page.get("Contents") or ())
+            except FileNotFoundError:
+                return 0
+        return total
+
     def create_if_absent(self, key: str, data: bytes) -> bool:
         k = self._s3key(key)
         for attempt in range(_CONFLICT_ATTEMPTS):

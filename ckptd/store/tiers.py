@@ -150,6 +150,12 @@ class TieredStorage(Storage):
     def reclaim_temps(self, prefix: str, older_than: float) -> int:
         return self.fast.reclaim_temps(prefix, older_than)  # the durable tier's writes are the copier's
 
+    def free_space(self) -> tuple[int, int] | None:
+        return self.fast.free_space()  # every write lands on the fast tier
+
+    def usage(self, prefix: str) -> int | None:
+        return self.fast.usage(prefix)  # what writers hold where they write; the durable tier is the copier's
+
     # -- deletes: a whole checkpoint, or its marker, from both tiers (the durable one first) ----------
     @staticmethod
     def _durable_too(key: str) -> bool:
