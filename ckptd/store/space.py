@@ -5,12 +5,12 @@ they come in: received bytes batch by batch as they arrive, a presigned file's d
 presign (before the client PUTs it), a linked file's size at its link.
 
 **Quotas.** A writer (the token a request acts as: :class:`Holder`) may carry a quota, the bytes it
-may hold. It holds every byte stored under the runs its write scopes match, staged and committed:
-data files, indexes, manifests and records, a linked file counted in every checkpoint that holds it
-(on an object store a link is a copy; on a local disk the name keeps the bytes for as long as any
+may hold. It holds every byte of the sessions of the runs its write scopes match, staged and committed:
+data files, indexes, manifests, a linked file counted in every checkpoint that holds it (on an
+object store a link is a copy; on a local disk the name keeps the bytes for as long as any
 checkpoint holds it). The rule is cheap and survives restarts because the root is the truth: what
-a writer holds is measured there (:meth:`~ckptd.storage.Storage.usage` of each of its runs) the
-first time it writes, again once that measure is :data:`REMEASURE_SECONDS` old, and again (unless
+a writer holds is measured there (:meth:`~ckptd.storage.Storage.usage` of each session of its
+runs; a committed session, whose bytes never grow, once per process) the first time it writes, again once that measure is :data:`REMEASURE_SECONDS` old, and again (unless
 :data:`RECHECK_SECONDS` young) before anything is refused, so bytes deleted since (gc, an abort,
 the sweep) never refuse a write, and another replica's writes are seen within a minute. Between
 measures the bytes a writer brings here are added as they come: one lock and one addition per
@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ckptd_schemas import QuotaExceeded, ReserveReached
+from ckptd_schemas import QuotaExceeded, ReserveReached, StorageError
 
 from ..storage import Storage
 from .paths import Paths
@@ -101,6 +101,7 @@ class Space:
         self.storage = storage
         self.reserve_bytes, self.reserve_fraction = parse_reserve(reserve)
         self._holdings: dict[Holder, _Holding] = {}
+        self._committed: dict[tuple[str, str], tuple[str, int]] = {}  # (run, name) -> its committed session's bytes
         self._lock = threading.Lock()
 
     def charge(self, holder: Holder | None, run: str, file: str, nbytes: int, *, on_root: bool) -> None:
@@ -151,9 +152,45 @@ class Space:
         total = 0
         for run in self.storage.list(Paths.runs()):
             if holder.can_write(run):
-                used = self.storage.usage(Paths.run(run))
+                used = self._run_usage(run)
                 if used is None:
                     h.measured_at = time.monotonic()
                     return
                 total += used
         h.held, h.measured_at = total, time.monotonic()
+
+    def _run_usage(self, run: str) -> int | None:
+        """The bytes of every session of ``run``'s checkpoints. A committed session's bytes never grow once
+        its marker exists, so they are walked once per process and then taken from :attr:`_committed`;
+        the others (staging) are walked each time. The checkpoints' own small records are not counted."""
+        total = 0
+        seen: dict[tuple[str, str], tuple[str, int]] = {}
+        for name in self.storage.list(Paths.run(run)):
+            committed = _marker_session(self.storage, run, name)
+            for sid in self.storage.list(Paths.sessions(run, name)):
+                with self._lock:
+                    known = self._committed.get((run, name))
+                if sid == committed and known is not None and known[0] == sid:
+                    used: int | None = known[1]
+                else:
+                    used = self.storage.usage(Paths.session(run, name, sid))
+                if used is None:
+                    return None
+                if sid == committed:
+                    seen[(run, name)] = (sid, used)
+                total += used
+        with self._lock:  # checkpoints gone since are forgotten
+            for key in [k for k in self._committed if k[0] == run and k not in seen]:
+                del self._committed[key]
+            self._committed.update(seen)
+        return total
+
+
+def _marker_session(storage: Storage, run: str, name: str) -> str | None:
+    """The session ``run/name``'s marker names, or None (no marker, or one that does not parse: walked as staging)."""
+    try:
+        marker = storage.read_json_or_none(Paths.marker(run, name))
+    except StorageError:
+        return None
+    session = marker.get("session") if isinstance(marker, dict) else None
+    return session if isinstance(session, str) else None

@@ -34,13 +34,19 @@ def _store(storage) -> SessionStore:
     return SessionStore(storage, space=Space(storage))
 
 
+def _held(storage, run: str) -> int:
+    """What the rule counts: the bytes of every session of the run's checkpoints."""
+    return sum(storage.usage(Paths.session(run, name, sid)) for name in storage.list(Paths.run(run))
+               for sid in storage.list(Paths.sessions(run, name)))
+
+
 def test_received_bytes_past_the_quota_are_refused_and_leave_nothing(tmp_path):
     storage = LocalStorage(tmp_path)
     store = _store(storage)
     stage(store, "r", "src", "s-src")  # staged bytes in run r, which the writer may write: counted
     stage(store, "other", "1", "s-o")  # ... and in a run it may not: never counted
     store.open("r", "2", OpenSession(session="s-b", world_size=1))
-    writer = Principal("w", write=("r",), quota=storage.usage(Paths.run("r")) + 1000)
+    writer = Principal("w", write=("r",), quota=_held(storage, "r") + 1000)
     sink = store.begin_file("r", "2", "s-b", "a.bin", writer)
     sink.write(b"x" * 600)  # within the quota
     with pytest.raises(QuotaExceeded) as info:
@@ -65,7 +71,7 @@ def test_a_link_is_charged_its_size_before_it_is_made(tmp_path):
     stage(store, "r", "src", "s-src")
     put_indexes(store, "r", "src", "s-src")
     stage(store, "r", "2", "s-b", ranks=[])
-    held = storage.usage(Paths.run("r"))
+    held = _held(storage, "r")
     name = linked_name("src", file_of(0))
     with pytest.raises(QuotaExceeded):
         store.link_file("r", "2", "s-b", name, LinkFile(checkpoint="src", file=file_of(0)),
@@ -82,7 +88,7 @@ def test_what_a_writer_holds_is_measured_and_deletions_count_before_a_refusal(tm
     stage(store, "r", "1", "s-1")
     put_indexes(store, "r", "1", "s-1")  # committed: its bytes count
     store.open("r", "2", OpenSession(session="s-2", world_size=1))
-    held = storage.usage(Paths.run("r"))
+    held = _held(storage, "r")
     writer = Principal("w", write=("r",), quota=held + 100)
     sink = store.begin_file("r", "2", "s-2", "a.bin", writer)
     sink.write(b"x" * 100)  # exactly the quota
