@@ -166,7 +166,7 @@ def upload_router(svc: Services) -> APIRouter:
         _refuse_declared_digests(index)
         st: SessionStatus | None = None
         try:
-            st = await run_in_threadpool(sessions.put_index, run, name, sid, index)
+            st = await run_in_threadpool(sessions.put_index, run, name, sid, index, principal_of(request))
             return st
         finally:
             if st is None or st.state != "open":  # committed, or refused: the session's waiters read it now

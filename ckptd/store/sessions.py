@@ -194,7 +194,10 @@ class SessionStore:
         return self.intake.link(run, name, sid, file, body, holder)
 
     # -- 3. rank index -----------------------------------------------------------------
-    def put_index(self, run: str, name: str, sid: str, index: RankIndex) -> SessionStatus:
+    def put_index(self, run: str, name: str, sid: str, index: RankIndex, holder: Holder | None = None) -> SessionStatus:
+        """Store rank ``index.rank``'s index, checked against the session's files, charged to ``holder``'s
+        quota (not to the root's reserve: the commit of a save in progress writes into it); commit when
+        it completes the set."""
         check_run(run), check_name(name), check_session(sid)
         answer = self._committed_with(run, name, sid, index)
         if answer is not None:
@@ -237,6 +240,7 @@ class SessionStore:
                     f"rank {index.rank}: {what} bytes [{offset}, {offset + length}) exceed file "
                     f"{file!r} of {sizes[file]} bytes", rank=index.rank, file=file)
         key, raw = Paths.rank_index(run, name, sid, index.rank), index.model_dump_json().encode()
+        self.intake.space.charge(holder, run, key[len(Paths.session(run, name, sid)) + 1:], len(raw), on_root=False)
         self.storage.put(key, raw)
         self._indexes.put(key, raw, index)
         self.activity.touch(run, name, sid)  # a writer: ranks' indexes may arrive for minutes after the last file

@@ -2,19 +2,22 @@
 
 Asked at the one ingest seam (:mod:`.intake`) before a data file's bytes are stored, whichever way
 they come in: received bytes batch by batch as they arrive, a presigned file's declared size at its
-presign (before the client PUTs it), a linked file's size at its link.
+presign (before the client PUTs it), a linked file's size at its link; and by the session store for a
+rank index's size (its quota only).
 
 **Quotas.** A writer (the token a request acts as: :class:`Holder`) may carry a quota, the bytes it
-may hold. It holds every byte of the sessions of the runs its write scopes match, staged and committed:
-data files, indexes, manifests, a linked file counted in every checkpoint that holds it (on an
-object store a link is a copy; on a local disk the name keeps the bytes for as long as any
-checkpoint holds it). The rule is cheap and survives restarts because the root is the truth: what
-a writer holds is measured there (:meth:`~ckptd.storage.Storage.usage` of each session of its
-runs; a committed session, whose bytes never grow, once per process) the first time it writes, again once that measure is :data:`REMEASURE_SECONDS` old, and again (unless
-:data:`RECHECK_SECONDS` young) before anything is refused, so bytes deleted since (gc, an abort,
-the sweep) never refuse a write, and another replica's writes are seen within a minute. Between
-measures the bytes a writer brings here are added as they come: one lock and one addition per
-batch, whatever the world size. A write that would take the writer past its quota is refused with
+may hold. It holds every byte of the sessions of the runs its write scopes match, staged and
+committed: data files, indexes, manifests, a linked file counted in every checkpoint that holds it
+(on an object store a link is a copy; on a local disk the name keeps the bytes for as long as any
+checkpoint holds it). The rule is cheap and survives restarts because the root is the truth: what a
+writer holds is measured there (:meth:`~ckptd.storage.Storage.usage` of each session of its runs; a
+committed session, whose bytes never grow, once per process) the first time it writes, again once
+that measure is :data:`REMEASURE_SECONDS` old, and again (unless :data:`RECHECK_SECONDS` young)
+before anything is refused, so bytes deleted since (gc, an abort, the sweep) never refuse a write,
+and another replica's writes are seen within a minute. Between measures the bytes a writer brings
+here are added as they come: one lock and one addition per batch, whatever the world size (bytes
+still in a write window when measured, up to 4 MiB per upload in progress, are missed until the next
+measure). A write that would take the writer past its quota is refused with
 :class:`~ckptd_schemas.QuotaExceeded` naming the token, its quota and what it holds; the writer's
 other uploads and every other token's go on. A writer without a quota is never measured.
 
@@ -25,7 +28,8 @@ indexes, the manifest, the marker, verification records), so a save whose data f
 still commits, into the reserve. Object stores have no disk to fill, and no reserve.
 
 Call order: the service builds one :class:`Space` (``CKPTD_ROOT_RESERVE``) and gives it to the
-session store; the intake calls :meth:`Space.charge` with the request's holder before it stores.
+session store; the intake (and ``SessionStore.put_index``) calls :meth:`Space.charge` with the
+request's holder before it stores.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ Over a real local root (and moto's S3 for presigned uploads), a session store wi
 * received bytes are charged batch by batch: the batch that would pass the quota is refused
   (``QuotaExceeded`` naming token, quota, holding, run, file), and no file or record is left;
 * a link is charged the linked file's size before it is made, a presign its declared size before
-  any claim or URL exists;
+  any claim or URL exists, a rank index its size (to the quota only: the reserve takes indexes,
+  manifests and markers, so a save whose data has arrived commits);
 * what the writer holds is measured on the root: the runs its write scopes match and no others,
   committed checkpoints included; bytes deleted since the last measure stop counting before a refusal;
 * the sizes of the tokens file and of ``CKPTD_ROOT_RESERVE`` parse, or name the grammar.
@@ -25,9 +26,9 @@ from ckptd.store import space as space_mod
 from ckptd.store.intake import recorded_file
 from ckptd.store.paths import Paths
 from ckptd.store.space import Space, parse_reserve, parse_size
-from ckptd_schemas import LinkFile, OpenSession, PresignUpload, QuotaExceeded, linked_name
+from ckptd_schemas import LinkFile, OpenSession, PresignUpload, QuotaExceeded, ReserveReached, linked_name
 
-from .staging import data, file_of, put_indexes, stage
+from .staging import data, file_of, index, put_indexes, stage
 
 
 def _store(storage) -> SessionStore:
@@ -80,6 +81,27 @@ def test_a_link_is_charged_its_size_before_it_is_made(tmp_path):
     res = store.link_file("r", "2", "s-b", name, LinkFile(checkpoint="src", file=file_of(0)),
                           Principal("w", write=("r*",), quota=held + len(data(0))))
     assert res.size == len(data(0))
+
+
+def test_a_rank_index_is_charged_to_its_writer_but_not_to_the_reserve(tmp_path):
+    storage = LocalStorage(tmp_path)
+    writer = Principal("w", write=("r",), quota=1 << 30)
+    full = SessionStore(storage, space=Space(storage, "99.99%"))  # a reserve no data file can pass
+    full.open("r", "1", OpenSession(session="s-1", world_size=1, step=1))
+    sink = full.begin_file("r", "1", "s-1", file_of(0), writer)
+    with pytest.raises(ReserveReached):  # data files are refused at the reserve ...
+        sink.write(data(0))
+    sink.abort()
+    stage(_store(storage), "r", "1", "s-1")
+    full.put_index("r", "1", "s-1", index(0, 1), writer)  # ... an index, the manifest, the marker are not
+    assert full.status("r", "1", "s-1").state == "committed"
+    store = _store(storage)
+    stage(store, "r", "2", "s-2")
+    tight = Principal("w", write=("r",), quota=_held(storage, "r"))
+    with pytest.raises(QuotaExceeded) as info:  # an index is bytes its writer brings, like a data file
+        store.put_index("r", "2", "s-2", index(0, 1), tight)
+    assert info.value.details["file"] == "ranks/0000000.json", info.value.details
+    assert not (tmp_path / Paths.rank_index("r", "2", "s-2", 0)).exists()
 
 
 def test_what_a_writer_holds_is_measured_and_deletions_count_before_a_refusal(tmp_path, monkeypatch):
