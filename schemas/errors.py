@@ -42,6 +42,10 @@ identically on either side of the wire.
             │                                                 change (e.g. the service may not read a file):
             │                                                 not retried
             ├── StorageFull           507 storage_full        no space left (ENOSPC, EDQUOT): staging dropped
+            │   ├── QuotaExceeded     507 quota_exceeded      the token holds its quota (names the token,
+            │   │                                             its quota and what it holds): not retried
+            │   └── ReserveReached    507 reserve_reached     the root's free space is down to its reserve:
+            │                                                 new staged bytes are refused, commits go on
             └── StorageReadOnly       507 storage_read_only   the root cannot be written: a read-only
                                                               filesystem (EROFS), or one the service's user
                                                               may not write (EACCES, EPERM; S3 AccessDenied)
@@ -71,7 +75,9 @@ __all__ = [
     "InvalidRequest",
     "NotFound",
     "PayloadTooLarge",
+    "QuotaExceeded",
     "RequestTimeout",
+    "ReserveReached",
     "SessionConflict",
     "SessionNotFound",
     "StateDictMismatch",
@@ -257,6 +263,26 @@ class StorageFull(StoragePermanent):
     """The storage has no space left (ENOSPC, EDQUOT). Waiting will not help, so clients do not retry it."""
 
     code = "storage_full"
+    status = 507
+
+
+class QuotaExceeded(StorageFull):
+    """The writer's token holds its quota (``quota=`` in its tokens line): the bytes of the runs it
+    may write, staged and committed, plus this file would exceed it. Not retried (507): the writer
+    frees space (``ckptd gc``, ``rm``) or is given a larger quota; other tokens keep saving.
+    ``details``: ``token``, ``quota``, ``held`` (bytes), ``run``, ``file``."""
+
+    code = "quota_exceeded"
+    status = 507
+
+
+class ReserveReached(StorageFull):
+    """The storage root's free space is down to its reserve (``CKPTD_ROOT_RESERVE``): new staged bytes
+    are refused so that the saves in progress can still commit (their manifests, markers and indexes
+    are written into the reserve). Not retried (507). ``details``: ``root``, ``free``, ``reserve``,
+    ``file``."""
+
+    code = "reserve_reached"
     status = 507
 
 

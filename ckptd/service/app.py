@@ -61,6 +61,7 @@ from ..store.leases import ReadLeases
 from ..store.retention import RetentionPolicy
 from ..store.events import AfterCommit, CommitEvent
 from ..store.sessions import SessionStore
+from ..store.space import Space
 from ..store.verification import VerifyRecord, verify_and_record
 from ..store.visibility import Visibility
 from .auth import ROUTE_RULES, AccessMiddleware, TokenStore, authorize, check_routes, iter_routes
@@ -126,7 +127,9 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
         copier = DurableCopier(storage, keep_fast=settings.fast_keep_last, scan_seconds=settings.durable_scan_seconds)
         metrics.watch_durable(copier)
     drills = DrillPolicy(storage, settings, job_watch, metrics)  # CKPTD_DRILL_EVERY: a drill every N commits of a run
-    sessions = SessionStore(storage, visibility=visibility, dead_after=settings.dead_session_after)
+    # Every way bytes enter a session asks the root's space first: the writer's quota, the root's reserve.
+    sessions = SessionStore(storage, visibility=visibility, dead_after=settings.dead_session_after,
+                            space=Space(storage, settings.root_reserve))
     # The store's one observer channel: metrics first (commits, refusals, open and reclaimed sessions),
     # then what follows every commit made here, whichever path committed.
     metrics.watch_sessions(sessions)

@@ -3,8 +3,8 @@
 Tokens come from a file (``CKPTD_TOKENS_FILE``) and/or inline (``CKPTD_TOKENS``),
 one token per line::
 
-    # NAME        TOKEN                                                                      SCOPES
-    trainer-gpt   sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08   write:gpt*
+    # NAME        TOKEN                                                                      SCOPES     [QUOTA]
+    trainer-gpt   sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08   write:gpt*  quota=500GiB
     dashboard     sha256:2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae   read:*
     ops           a-plain-token-of-at-least-16-characters                                    admin
 
@@ -16,7 +16,12 @@ least); ``SCOPES`` is a comma-separated list of
 * ``read:PATTERN``: list and load the checkpoints of runs matching PATTERN
   (shell-style, ``fnmatch``: ``*``, ``?``, ``[...]``),
 * ``write:PATTERN``: save to (and read) runs matching PATTERN,
-* ``admin``: everything, including reshard jobs (and future gc/import routes).
+* ``admin``: everything, including reshard jobs (and future gc/import routes);
+
+and ``quota=SIZE``, optional (``500GiB``, ``2TB``, a number of bytes: ``ckptd.store.space.parse_size``),
+the bytes the runs the token may write may hold, staged and committed; a write past it is refused
+with 507 ``quota_exceeded`` (:mod:`ckptd.store.space` measures and counts). A line without it has no
+quota, as before. A malformed line stops start-up naming the source and line, never the token.
 
 Blank lines and ``#`` comments are ignored (so a plain token cannot hold ``#``
 or blanks); in ``CKPTD_TOKENS`` a ``;`` also ends a line. A presented token is hashed and compared with every entry's hash
@@ -51,6 +56,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ckptd_schemas import Forbidden, PayloadTooLarge, Unauthorized
 
+from ..store.space import parse_size
 from .error_body import send_error
 
 __all__ = ["OPEN", "ROUTE_RULES", "AccessMiddleware", "AuthConfigError", "Principal", "Rule", "TokenStore",
@@ -79,12 +85,13 @@ class AuthConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a request acts as: a token's name and its scopes."""
+    """Who a request acts as: a token's name, its scopes and its quota (bytes; None: none)."""
 
     name: str
     read: tuple[str, ...] = ()
     write: tuple[str, ...] = ()
     admin: bool = False
+    quota: int | None = None
 
     def can_read(self, run: str) -> bool:
         return self.admin or any(fnmatch.fnmatchcase(run, p) for p in (*self.read, *self.write))
@@ -134,10 +141,10 @@ def parse_tokens(text: str, source: str) -> list[_Entry]:
             continue
         where = f"{source} line {no}"
         fields = line.split()
-        if len(fields) != 3:
-            raise AuthConfigError(f"{where}: expected NAME TOKEN SCOPES (3 fields separated by blanks), "
-                                  f"found {len(fields)} fields")
-        name, token, scopes = fields
+        if len(fields) not in (3, 4):
+            raise AuthConfigError(f"{where}: expected NAME TOKEN SCOPES [quota=SIZE] (3 or 4 fields separated by "
+                                  f"blanks), found {len(fields)} fields")
+        name, token, scopes = fields[:3]
         if not _NAME_RE.fullmatch(name):
             raise AuthConfigError(f"{where}: invalid token name (field 1, not shown): must match {_NAME_RE.pattern}")
         if name in names:
@@ -167,10 +174,26 @@ def parse_tokens(text: str, source: str) -> list[_Entry]:
                 admin = True
             else:
                 (read if sm[1] == "read" else write).append(sm[2])
+        quota = _quota(fields[3], f"{where} ({name})") if len(fields) == 4 else None
         names.add(name)
         digests.add(digest)
-        entries.append(_Entry(digest, Principal(name, tuple(read), tuple(write), admin)))
+        entries.append(_Entry(digest, Principal(name, tuple(read), tuple(write), admin, quota)))
     return entries
+
+
+def _quota(item: str, where: str) -> int:
+    """The bytes of a ``quota=SIZE`` field; anything else is refused (shown only when it says ``quota=``:
+    a field out of place may be a token)."""
+    key, eq, value = item.partition("=")
+    if key != "quota" or not eq:
+        raise AuthConfigError(f"{where}: the field after SCOPES (not shown) must be quota=SIZE")
+    try:
+        quota = parse_size(value)
+    except ValueError as e:
+        raise AuthConfigError(f"{where}: invalid quota: {e}") from None
+    if quota <= 0:
+        raise AuthConfigError(f"{where}: invalid quota {value[:40]!r}: more than 0 bytes (leave it out for no quota)")
+    return quota
 
 
 class TokenStore:

@@ -9,7 +9,8 @@ socket (``SCM_RIGHTS``) with a one-line header. The rank keeps no way to change 
 HTTP: what the service reads is what it stores and checks.
 
 It is the HTTP upload's strategy, not a new rule: the same token rule (``auth.principal_for``), the
-same write scope on the run, the same per-token upload slots, and the same intake: the memory file,
+same write scope on the run, the same per-token upload slots, and the same intake (the token's
+quota and the root's reserve asked there): the memory file,
 mapped read-only, goes through ``SessionStore.begin_file`` (hashed, block digests, written past the
 page cache) and ``finish`` with the declared digest; the commit's checker reads the stored bytes
 back as for any upload. A descriptor that is not a memory file sealed so is refused (unsealed, the
@@ -177,7 +178,7 @@ class LocalUploads:
         size = seen["bytes_in"] = _sealed_size(fd, file)
         release = self.uploads.acquire(principal.name, file)
         try:
-            sink = self.sessions.begin_file(run, name, sid, file)
+            sink = self.sessions.begin_file(run, name, sid, file, principal)
             try:
                 for at in range(0, size, PIECE):  # one piece mapped at a time: resident memory stays a piece
                     with mmap.mmap(fd, min(PIECE, size - at), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,

@@ -105,6 +105,12 @@ class Settings(BaseSettings):
         "service's CPU per byte")
     direct_upload_seconds: float = Field(
         900.0, gt=0, le=7 * 86400, description="how long a presigned upload URL stays valid")
+    root_reserve: str = Field(
+        "1%", description="free space a local root keeps for the commits of saves in progress: a size (`4GiB`) or "
+        "a percentage of its filesystem (`5%`); a data file's bytes that would take the free space below it are "
+        "refused with 507 `reserve_reached`, while rank indexes, manifests and markers are still written, so a save "
+        "whose data has arrived commits (docs/security.md, Quotas and the reserve; 0 = no reserve; object stores "
+        "have none)")
     max_header_bytes: int = Field(64 << 10, description="largest accepted request line plus headers (431 beyond)")
     header_timeout_seconds: float = Field(
         30.0, ge=0, description="seconds a connection has to send a request's line and headers, from when it "
@@ -171,6 +177,14 @@ class Settings(BaseSettings):
                 raise ValueError(e.message) from None
         return value
 
+    @field_validator("root_reserve")
+    @classmethod
+    def _root_reserve(cls, value: str) -> str:
+        from ..store.space import parse_reserve
+
+        parse_reserve(value)  # its ValueError names the grammar
+        return value
+
     @field_validator("job_takeover_seconds")
     @classmethod
     def _takeover_after_heartbeats(cls, value: float, info: ValidationInfo) -> float:
@@ -190,7 +204,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Service": ("root", "durable", "fast_keep_last", "durable_scan_seconds", "host", "port", "log_level", "log_format"),
     "Authentication": ("tokens_file", "tokens", "insecure_open"),
     "Saving and loading": ("direct_uploads", "direct_upload_seconds", "local_uploads", "direct_reads",
-                           "write_batch_bytes", "manifest_cache_bytes", "verify_after_commit", "stale_session_ttl", "dead_session_after",
+                           "write_batch_bytes", "root_reserve", "manifest_cache_bytes", "verify_after_commit", "stale_session_ttl", "dead_session_after",
                            "reclaim_interval"),
     "Retention and leases": ("retention_keep_last", "retention_keep_every", "read_lease_seconds",
                              "read_leases_per_token"),

@@ -90,7 +90,7 @@ def upload_router(svc: Services) -> APIRouter:
         release = uploads.acquire(principal_of(request).name, file)  # a multipart upload created for it: a slot
         try:
             return await run_in_threadpool(sessions.presign_file, run, name, sid, file, body,
-                                           settings.direct_upload_seconds)
+                                           settings.direct_upload_seconds, principal_of(request))
         finally:
             release()
 
@@ -111,7 +111,7 @@ def upload_router(svc: Services) -> APIRouter:
                           x_ckptd_xxh3: str = Header(..., pattern=r"^[0-9a-fA-F]{16}$")) -> UploadResult:
         release = uploads.acquire(principal_of(request).name, file)  # 429 past this token's uploads at once
         try:
-            sink = await run_in_threadpool(sessions.begin_file, run, name, sid, file)
+            sink = await run_in_threadpool(sessions.begin_file, run, name, sid, file, principal_of(request))
         except BaseException:
             release()
             raise
@@ -152,7 +152,7 @@ def upload_router(svc: Services) -> APIRouter:
         Refused 400 when the source is not visible or the store cannot link: the saver sends the bytes."""
         release = uploads.acquire(principal_of(request).name, file)  # on S3 a link is a copy: a slot, as an upload
         try:
-            return await run_in_threadpool(sessions.link_file, run, name, sid, file, body)
+            return await run_in_threadpool(sessions.link_file, run, name, sid, file, body, principal_of(request))
         finally:
             release()
 
@@ -166,7 +166,7 @@ def upload_router(svc: Services) -> APIRouter:
         _refuse_declared_digests(index)
         st: SessionStatus | None = None
         try:
-            st = await run_in_threadpool(sessions.put_index, run, name, sid, index)
+            st = await run_in_threadpool(sessions.put_index, run, name, sid, index, principal_of(request))
             return st
         finally:
             if st is None or st.state != "open":  # committed, or refused: the session's waiters read it now

@@ -22,7 +22,10 @@ have changed, so a reader can cache what it learned from an object's bytes (its 
 long as the stamp holds.
 
 Optional: :meth:`Storage.local_path` (None unless the key is a file on this host) lets the
-service offer direct reads to clients that share its filesystem.
+service offer direct reads to clients that share its filesystem. :meth:`Storage.free_space` (a
+local root's filesystem: free and total bytes; None on object stores, which have no disk to fill)
+and :meth:`Storage.walk` (every key under a prefix with its size, unfinished writes included) let the
+store keep a reserve on the root and measure what a writer holds (:mod:`ckptd.store.space`).
 
 Errors from the backend surface as :class:`ckptd_schemas.StorageError`
 naming the key (transient: callers retry), except those that waiting cannot change: a read-only
@@ -199,6 +202,11 @@ class Storage(ABC):
     def local_path(self, key: str) -> str | None:
         """An absolute path that opens ``key`` on this host, or None (an object store): offered to
         loading clients for direct reads (``ReadPlan.local_paths``)."""
+        return None
+
+    def free_space(self) -> tuple[int, int] | None:
+        """(bytes an unprivileged writer may still write, total bytes) of the filesystem holding the
+        root; None where there is no disk to fill (an object store)."""
         return None
 
     def link(self, src: str, dst: str) -> bool:

@@ -153,6 +153,22 @@ class FsspecStorage(Storage):
         names = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
         return sorted(n for n in names if n and not n.startswith(".") and ".tmp-" not in n)
 
+    def free_space(self) -> tuple[int, int] | None:
+        return self._local.free_space() if self._local is not None else None
+
+    def walk(self, prefix: str) -> list[tuple[str, int]]:
+        if self._local is not None:
+            return self._local.walk(prefix)
+        base = self.root.rstrip("/") + "/"
+        try:
+            found = self.fs.find(self._path(prefix), detail=True)
+        except FileNotFoundError:
+            return []
+        except Exception as e:  # noqa: BLE001
+            raise _wrap("list", prefix, e, self.url) from e
+        return sorted((str(p)[len(base):] if str(p).startswith(base) else str(p), int(i.get("size") or 0))
+                      for p, i in found.items() if i.get("type") != "directory")
+
     def create_if_absent(self, key: str, data: bytes) -> bool:
         if self._local is not None:
             return self._local.create_if_absent(key, data)

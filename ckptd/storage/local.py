@@ -276,6 +276,14 @@ class LocalStorage(Storage):
             raise _storage_error("stat", key, e, self.url) from e
         return st.st_size if not os.path.isdir(self._path(key)) else 0
 
+    def free_space(self) -> tuple[int, int] | None:
+        """``statvfs`` of the root: the blocks an unprivileged writer may still use, and the size."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError as e:
+            raise _storage_error("statvfs", "", e, self.url) from e
+        return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
     def reclaim_temps(self, prefix: str, older_than: float) -> int:
         """The hidden ``.NAME.tmp-XXXXXXXXXXXX`` files a killed writer left under ``prefix``."""
         n = 0

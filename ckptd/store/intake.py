@@ -10,6 +10,10 @@ session with a digest record created once (:func:`record_file`):
   create it once (:meth:`Intake.presign` then :meth:`Intake.confirm`), or an incremental save links
   a file of an earlier visible checkpoint of the run (:func:`check_link` then :meth:`Intake.link`).
 
+Before a file's bytes are stored, whichever way, the root's space is asked (:class:`~.space.Space`:
+the writer's quota, the root's reserve): received bytes batch by batch, a presigned file's declared
+size at its presign, a linked file's size at its link.
+
 A record is a claim whichever way the file came: the commit reads and checks every byte of it
 (:mod:`.checker`) after the last write anyone could make. Call order per file: the session store
 (:mod:`.sessions`) checks the names and that the session takes writes, then calls one way in here;
@@ -31,6 +35,7 @@ from ..storage import Storage, Writer
 from .activity import SessionActivity
 from .paths import Paths
 from .records import record_vouches
+from .space import Holder, Space
 from .visibility import Visibility
 
 __all__ = ["FileSink", "Intake", "check_link", "record_file", "recorded_file", "stored_digest"]
@@ -43,9 +48,10 @@ class FileSink:
     same, and is refused when they differ: a stored file of a session is never written again."""
 
     def __init__(self, storage: Storage, key: str, digest_key: str, file: str, block_size: int,
-                 on_stored: Callable[[], None] = lambda: None) -> None:
+                 on_stored: Callable[[], None] = lambda: None, charge: Callable[[int], None] = lambda n: None) -> None:
         self._storage = storage
         self._on_stored = on_stored
+        self._charge = charge  # asked before each batch is written: the writer's quota, the root's reserve
         self._key, self._digest_key = key, digest_key
         self.file = file
         self._digest = StreamDigest(block_size)
@@ -62,11 +68,13 @@ class FileSink:
         return self._done
 
     def write(self, data: bytes | memoryview) -> None:
+        self._charge(len(data))
         self._digest.update(data)
         self._writer.write(data)
 
     def write_parts(self, parts: list[bytes]) -> None:
         """Several pieces in one call (one ``writev`` on local disks): no copy into a batch buffer."""
+        self._charge(sum(map(len, parts)))
         for p in parts:
             self._digest.update(p)
         self._writer.write_parts(parts)
@@ -139,15 +147,18 @@ class Intake:
     checked the names and that the session takes writes."""
 
     def __init__(self, storage: Storage, visibility: Visibility, activity: SessionActivity,
-                 block_size: int) -> None:
+                 block_size: int, space: Space | None = None) -> None:
         self.storage, self.visibility, self.activity, self.block_size = storage, visibility, activity, block_size
+        self.space = space or Space(storage)
         self._receiving: dict[str, weakref.WeakSet[FileSink]] = {}  # session -> files being received here
 
     # -- received: the bytes stream through here ----------------------------------------
-    def receive(self, run: str, name: str, sid: str, file: str) -> FileSink:
-        """A sink for ``file``'s bytes; stored, it is recorded and the session marked active."""
+    def receive(self, run: str, name: str, sid: str, file: str, holder: Holder | None = None) -> FileSink:
+        """A sink for ``file``'s bytes, each batch charged to ``holder`` on the root; stored, it is
+        recorded and the session marked active."""
         sink = FileSink(self.storage, Paths.file(run, name, sid, file), Paths.digest(run, name, sid, file),
-                        file, self.block_size, on_stored=lambda: self.activity.touch(run, name, sid))
+                        file, self.block_size, on_stored=lambda: self.activity.touch(run, name, sid),
+                        charge=lambda n: self.space.charge(holder, run, file, n, on_root=True))
         key = Paths.session(run, name, sid)
         if len(self._receiving) > 256:  # sessions whose sinks are all gone (a sink lives as long as its request)
             for k in [k for k, v in self._receiving.items() if not len(v)]:
@@ -169,18 +180,20 @@ class Intake:
         return UploadResult(file=file, size=entry.size, xxh3=entry.xxh3)
 
     def presign(self, run: str, name: str, sid: str, file: str, body: PresignUpload,
-                seconds: float) -> PresignedUpload:
+                seconds: float, holder: Holder | None = None) -> PresignedUpload:
         """Presigned URLs for the client to PUT ``file`` of the session straight into the object store,
         part by part (each of the length and SHA-256 ``body`` gives). A file is presigned once: the
         claim (``body``) is created at :meth:`Paths.presign_claim` first, and a second presign of the
         file is refused (``Conflict``), as is a presign of a file already stored. The URLs create the
         object only while it is absent (``If-None-Match: *``, :meth:`Storage.presign_put`), so nothing
-        they allow can replace it once it exists. Refused (``InvalidRequest``, which the client answers
+        they allow can replace it once it exists. The declared size is charged to ``holder`` first
+        (an object store: its quota, no reserve). Refused (``InvalidRequest``, which the client answers
         by sending the bytes here) where the store takes no presigned uploads."""
         if not self.storage.presigns:
             raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) takes no presigned uploads; "
                                  f"upload the file", file=file)
         key = Paths.file(run, name, sid, file)
+        self.space.charge(holder, run, file, body.size, on_root=False)
         if self.storage.exists(key) or not self.storage.create_if_absent(
                 Paths.presign_claim(run, name, sid, file), body.model_dump_json().encode()):
             raise Conflict(f"file {file!r} of session {sid} was already presigned or stored; a file is presigned "
@@ -228,7 +241,8 @@ class Intake:
         return self.place(run, name, sid, file,
                           FileEntry(size=body.size, xxh3=body.xxh3, block_size=body.block_size, blocks=body.blocks))
 
-    def link(self, run: str, name: str, sid: str, file: str, body: LinkFile) -> UploadResult:
+    def link(self, run: str, name: str, sid: str, file: str, body: LinkFile,
+             holder: Holder | None = None) -> UploadResult:
         """Place ``body.file`` of the visible checkpoint ``run/body.checkpoint`` as ``file`` (checked by
         :func:`check_link`), without its bytes passing through here: the storage links it (a hard
         link, or a copy inside the store), creating the session's key once, and the source manifest's
@@ -238,13 +252,15 @@ class Intake:
         every byte all the same, since the source may have changed since its own commit. A source
         file whose storage stamp moved since its checkpoint's last recorded verification (an edit, or
         a file never verified here) is not linked at all: the saver sends the bytes, so a damaged
-        earlier file costs one file's upload, never a refused save."""
+        earlier file costs one file's upload, never a refused save. The file's size is charged to
+        ``holder`` (its quota: the checkpoint holds the bytes; no reserve: a local link takes no space)."""
         source = self.visibility.check(run, body.checkpoint)
         entry = self.visibility.manifest(source).files.get(body.file) if source is not None else None
         if source is None or entry is None:
             raise InvalidRequest(f"file {file!r}: {run}/{body.checkpoint} is not a visible checkpoint holding "
                                  f"{body.file!r}; send the bytes", file=file, source=f"{run}/{body.checkpoint}")
         key, src_key = Paths.file(run, name, sid, file), Paths.file(run, body.checkpoint, source.session, body.file)
+        self.space.charge(holder, run, file, entry.size, on_root=False)
         if not record_vouches(self.storage, source, body.file, src_key):
             raise InvalidRequest(f"file {file!r}: {run}/{body.checkpoint}/{body.file} is not as its last verification "
                                  f"found it (changed since, or never verified here); send the bytes", file=file)

@@ -9,7 +9,8 @@ Call order for one save attempt (each step idempotent, any replica may serve it)
    hashed as they are written), or placed, the object already stored: presigned
    (:meth:`SessionStore.presign_file` then :meth:`SessionStore.confirm_file`: a rank PUTs the file
    straight into an object store) or linked (:meth:`SessionStore.link_file`: incremental saves, a
-   file of an earlier visible checkpoint of the run). Whichever way a file came, the commit reads
+   file of an earlier visible checkpoint of the run). Each way asks the root's space first
+   (:mod:`.space`: the writer's quota, the root's reserve). Whichever way a file came, the commit reads
    and checks every byte of it (:mod:`.checker`) after the last write anyone could make.
 3. :meth:`SessionStore.put_index` - per rank, after its files: stores the rank's chunk index; the
    call that completes the set commits.
@@ -50,6 +51,7 @@ from .index_cache import IndexCache
 from .intake import FileSink, Intake, check_link, recorded_file
 from .paths import Marker, Paths, SessionMeta
 from .session_reads import committed_by, ranks_done, read_meta, taken_error
+from .space import Holder, Space
 from .sweep import Sweeper
 from .visibility import BadMarker, Visibility
 
@@ -60,7 +62,8 @@ class SessionStore:
     """Upload sessions and commits over one :class:`Storage`."""
 
     def __init__(self, storage: Storage, *, block_size: int = BLOCK_SIZE, visibility: Visibility | None = None,
-                 observers: Sequence[SessionEvents] = (), dead_after: float = DEAD_SESSION_AFTER) -> None:
+                 observers: Sequence[SessionEvents] = (), dead_after: float = DEAD_SESSION_AFTER,
+                 space: Space | None = None) -> None:
         self.storage = storage
         self.dead_after = dead_after  # seconds without a live writer before the sweep reclaims a session
         self.activity = SessionActivity(self.storage, every=dead_after / KEEPALIVE_PER_WINDOW / 2)
@@ -68,7 +71,7 @@ class SessionStore:
         self.visibility = visibility or Visibility(self.storage)
         self.observers = Observers(observers)
         self._indexes = IndexCache()
-        self.intake = Intake(self.storage, self.visibility, self.activity, block_size)
+        self.intake = Intake(self.storage, self.visibility, self.activity, block_size, space)
         self.committer = Committer(self.storage, self.visibility, self._indexes, self.activity, self.observers)
         self.sweeper = Sweeper(self.storage, self.visibility, self.activity, self.committer, self.observers,
                                dead_after)
@@ -157,11 +160,12 @@ class SessionStore:
             raise InvalidRequest(f"parent {parent!r} is not a visible checkpoint", field="parent", ref=parent)
 
     # -- 2. data files: the ingest seam (.intake) ---------------------------------------
-    def begin_file(self, run: str, name: str, sid: str, file: str) -> FileSink:
-        """Receive ``file``'s bytes (:meth:`.intake.Intake.receive`)."""
+    def begin_file(self, run: str, name: str, sid: str, file: str, holder: Holder | None = None) -> FileSink:
+        """Receive ``file``'s bytes for ``holder`` (:meth:`.intake.Intake.receive`; the writer's token:
+        its quota, :mod:`.space`)."""
         check_run(run), check_name(name), check_session(sid), check_file(file)
         self._check_writable(run, name, sid)
-        return self.intake.receive(run, name, sid, file)
+        return self.intake.receive(run, name, sid, file, holder)
 
     def receiving(self, run: str, name: str, sid: str) -> tuple[int, int]:
         """The files of session ``sid`` this process is receiving now, and their bytes so far (the web
@@ -169,11 +173,11 @@ class SessionStore:
         return self.intake.receiving(run, name, sid)
 
     def presign_file(self, run: str, name: str, sid: str, file: str, body: PresignUpload,
-                     seconds: float) -> PresignedUpload:
+                     seconds: float, holder: Holder | None = None) -> PresignedUpload:
         """Presigned URLs to PUT ``file`` straight into the object store (:meth:`.intake.Intake.presign`)."""
         check_run(run), check_name(name), check_session(sid), check_file(file)
         self._check_writable(run, name, sid)
-        return self.intake.presign(run, name, sid, file, body, seconds)
+        return self.intake.presign(run, name, sid, file, body, seconds, holder)
 
     def confirm_file(self, run: str, name: str, sid: str, file: str, body: ConfirmUpload) -> UploadResult:
         """Place the object PUT with presigned URLs as ``file`` (:meth:`.intake.Intake.confirm`)."""
@@ -181,15 +185,19 @@ class SessionStore:
         self._check_writable(run, name, sid)
         return self.intake.confirm(run, name, sid, file, body)
 
-    def link_file(self, run: str, name: str, sid: str, file: str, body: LinkFile) -> UploadResult:
+    def link_file(self, run: str, name: str, sid: str, file: str, body: LinkFile,
+                  holder: Holder | None = None) -> UploadResult:
         """Place a file of an earlier visible checkpoint of the run as ``file`` (:meth:`.intake.Intake.link`)."""
         check_run(run), check_name(name), check_session(sid), check_file(file)
         check_link(name, file, body)
         self._check_writable(run, name, sid)
-        return self.intake.link(run, name, sid, file, body)
+        return self.intake.link(run, name, sid, file, body, holder)
 
     # -- 3. rank index -----------------------------------------------------------------
-    def put_index(self, run: str, name: str, sid: str, index: RankIndex) -> SessionStatus:
+    def put_index(self, run: str, name: str, sid: str, index: RankIndex, holder: Holder | None = None) -> SessionStatus:
+        """Store rank ``index.rank``'s index, checked against the session's files, charged to ``holder``'s
+        quota (not to the root's reserve: the commit of a save in progress writes into it); commit when
+        it completes the set."""
         check_run(run), check_name(name), check_session(sid)
         answer = self._committed_with(run, name, sid, index)
         if answer is not None:
@@ -232,6 +240,7 @@ class SessionStore:
                     f"rank {index.rank}: {what} bytes [{offset}, {offset + length}) exceed file "
                     f"{file!r} of {sizes[file]} bytes", rank=index.rank, file=file)
         key, raw = Paths.rank_index(run, name, sid, index.rank), index.model_dump_json().encode()
+        self.intake.space.charge(holder, run, key[len(Paths.session(run, name, sid)) + 1:], len(raw), on_root=False)
         self.storage.put(key, raw)
         self._indexes.put(key, raw, index)
         self.activity.touch(run, name, sid)  # a writer: ranks' indexes may arrive for minutes after the last file

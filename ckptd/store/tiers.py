@@ -153,6 +153,9 @@ class TieredStorage(Storage):
     def walk(self, prefix: str) -> list[tuple[str, int]]:
         return self.fast.walk(prefix)  # what the durable tier holds is the copier's (checked as it copies)
 
+    def free_space(self) -> tuple[int, int] | None:
+        return self.fast.free_space()  # every write lands on the fast tier
+
     # -- deletes: a whole checkpoint, or its marker, from both tiers (the durable one first) ----------
     @staticmethod
     def _durable_too(key: str) -> bool:

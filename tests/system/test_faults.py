@@ -546,7 +546,8 @@ def small_fs(tmp_path):
 
 def test_disk_full_mid_write_typed_error_staging_dropped_previous_loads(small_fs, tmp_path):
     root = small_fs
-    server = ServerProcess(root, env=SMALL_BATCH, log=tmp_path / "server.log").start()
+    # No reserve: the disk itself fills (the reserve that stops a writer before it: tests/adversary/test_quotas.py).
+    server = ServerProcess(root, env={**SMALL_BATCH, "CKPTD_ROOT_RESERVE": "0"}, log=tmp_path / "server.log").start()
     # A long retry budget: a full disk must not be retried (507), so the error arrives at once.
     client = CheckpointClient(server.url, retry_seconds=120, streams=1, file_bytes=256 * KIB)
     try:

@@ -244,8 +244,25 @@ def test_tokens_format_hashed_plain_and_comments():
     assert TokenStore(inline=f"a {ADMIN} admin; b {WRITER} write:*").authenticate(WRITER).name == "b"
 
 
+def test_a_quota_is_an_optional_fourth_field_and_lines_without_it_have_none():
+    entries = parse_tokens(f"a {ADMIN} write:gpt* quota=500GiB\nb {WRITER} admin   # quota=1GiB is a comment\n"
+                           f"c sha256:{hash_token('c' * 20)} read:x quota=1.5TB\nd {'d' * 16} write:d quota=4096", "t")
+    assert [(e.principal.name, e.principal.quota) for e in entries] == [
+        ("a", 500 << 30), ("b", None), ("c", 1_500_000_000_000), ("d", 4096)]
+    assert entries[0].principal.write == ("gpt*",) and entries[0].principal.scopes == "write:gpt*"
+    store = TokenStore(inline=f"a {ADMIN} write:gpt* quota=2MiB; b {WRITER} write:*")
+    assert store.authenticate(ADMIN).quota == 2 << 20 and store.authenticate(WRITER).quota is None
+
+
 @pytest.mark.parametrize("text, match", [
-    ("ops admin", "3 fields"),
+    ("ops admin", "3 or 4 fields"),
+    (f"ops {ADMIN} admin quota=1GiB extra", "3 or 4 fields"),
+    (f"ops {ADMIN} admin quota=lots", "invalid quota: 'lots' is not a size"),
+    (f"ops {ADMIN} admin quota=0", "more than 0 bytes"),
+    (f"ops {ADMIN} admin quota=-5GiB", "invalid quota"),
+    (f"ops {ADMIN} admin quota=5XB", "invalid quota"),
+    (f"ops {ADMIN} admin {WRITER}", "must be quota=SIZE"),  # a token out of place: not quoted
+    (f"ops {ADMIN} admin size=5GiB", "must be quota=SIZE"),
     (f"ops {ADMIN} admin,root", "invalid scope"),
     (f"ops {ADMIN} {WRITER}", "invalid scope"),         # fields in the wrong order: not quoted
     (f"{ADMIN}/x ops admin", "invalid token name"),
@@ -314,6 +331,10 @@ def test_serve_refuses_open_mode_on_a_non_loopback_host(tmp_path):
     bad.write_text(f"ops {ADMIN}\n")
     r = _serve_cmd(tmp_path, "--host", "0.0.0.0", "--tokens-file", str(bad))
     assert r.returncode == 2 and f"{bad} line 1" in r.stderr and ADMIN not in r.stderr + r.stdout
+    bad.write_text(f"ops {ADMIN} admin quota=1GiB\ntrainer {WRITER} write:gpt quota=many\n")  # a malformed quota
+    r = _serve_cmd(tmp_path, "--tokens-file", str(bad))
+    assert r.returncode == 2 and f"{bad} line 2 (trainer): invalid quota" in r.stderr, r.stderr
+    assert ADMIN not in r.stderr + r.stdout and WRITER not in r.stderr + r.stdout
 
 
 # -- a real service ----------------------------------------------------------------------------------------

@@ -69,6 +69,16 @@ def test_environment_sets_fields(monkeypatch):
     assert s.host == "127.0.0.1"  # unset: the default
 
 
+def test_the_root_reserve_is_a_size_or_a_percentage(monkeypatch, capsys, served):
+    for value in ("0", "5%", "8GiB", "1048576"):
+        assert Settings(root_reserve=value).root_reserve == value
+    monkeypatch.setenv("CKPTD_ROOT_RESERVE", "lots")
+    assert main(["serve"]) == 2  # one line naming the variable and the grammar, no traceback
+    err = capsys.readouterr().err
+    assert "CKPTD_ROOT_RESERVE" in err and "is not a size" in err and "Traceback" not in err, err
+    assert not served
+
+
 @pytest.fixture
 def served(monkeypatch):
     """``ckptd serve`` with the server replaced: records the Settings it would run with."""

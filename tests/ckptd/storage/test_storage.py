@@ -291,6 +291,23 @@ def test_delete_tree(storage):
 UNSAFE = ["..", "../x", "a/../b", "a/..", "/abs", "/etc/passwd", "a//b", "a/./b", ".", "./a", "a/", "a\\b", "a\x00b"]
 
 
+def test_walk_sizes_the_objects_under_a_prefix_and_free_space_is_the_local_disks(storage):
+    """What the store measures a writer's holding and the root's reserve with (ckptd.store.space)."""
+    storage.put("runs/a/1/x.bin", b"x" * 5000)
+    storage.put("runs/a/2/sessions/s/y.bin", b"y" * 300)
+    storage.put("runs/ab/1/z.bin", b"z" * 7)
+    def usage(prefix: str) -> int:
+        return sum(size for _, size in storage.walk(prefix))
+
+    assert usage("runs/a") == 5300 and usage("runs/ab") == 7 and usage("runs/none") == 0
+    fs = storage.free_space()
+    if isinstance(storage, (LocalStorage, FsspecStorage)) and getattr(storage, "_local", storage) is not None:
+        free, total = fs
+        assert 0 <= free <= total and total > 0
+    else:
+        assert fs is None  # an object store: no disk to fill
+
+
 @pytest.mark.parametrize("key", UNSAFE)
 def test_unsafe_keys_refused(storage, key):
     ops = {

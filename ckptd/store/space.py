@@ -1,0 +1,190 @@
+"""What a root may still take: each writer's quota, and the reserve that keeps commits possible.
+
+Asked at the one ingest seam (:mod:`.intake`) before a data file's bytes are stored, whichever way
+they come in: received bytes batch by batch as they arrive, a presigned file's declared size at its
+presign (before the client PUTs it), a linked file's size at its link; and by the session store for a
+rank index's size (its quota only).
+
+**Quotas.** A writer (the token a request acts as: :class:`Holder`) may carry a quota, the bytes it
+may hold. It holds every byte of the sessions of the runs its write scopes match, staged and
+committed: data files, indexes, manifests, a linked file counted in every checkpoint that holds it
+(on an object store a link is a copy; on a local disk the name keeps the bytes for as long as any
+checkpoint holds it). The rule is cheap and survives restarts because the root is the truth: what a
+writer holds is measured there (:meth:`~ckptd.storage.Storage.walk` of each session of its runs; a
+committed session, whose bytes never grow, once per process) the first time it writes, again once
+that measure is :data:`REMEASURE_SECONDS` old, and again (unless :data:`RECHECK_SECONDS` young)
+before anything is refused, so bytes deleted since (gc, an abort, the sweep) never refuse a write,
+and another replica's writes are seen within a minute. Between measures the bytes a writer brings
+here are added as they come: one lock and one addition per batch, whatever the world size (bytes
+still in a write window when measured, up to 4 MiB per upload in progress, are missed until the next
+measure). A write that would take the writer past its quota is refused with
+:class:`~ckptd_schemas.QuotaExceeded` naming the token, its quota and what it holds; the writer's
+other uploads and every other token's go on. A writer without a quota is never measured.
+
+**The reserve.** A local root keeps ``reserve`` bytes free (a size, or a percentage of its
+filesystem): received bytes that would take the free space below it are refused with
+:class:`~ckptd_schemas.ReserveReached`. Nothing else a save writes asks (session records, rank
+indexes, the manifest, the marker, verification records), so a save whose data files have arrived
+still commits, into the reserve. Object stores have no disk to fill, and no reserve.
+
+Call order: the service builds one :class:`Space` (``CKPTD_ROOT_RESERVE``) and gives it to the
+session store; the intake (and ``SessionStore.put_index``) calls :meth:`Space.charge` with the
+request's holder before it stores.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ckptd_schemas import QuotaExceeded, ReserveReached, StorageError
+
+from ..storage import Storage
+from .paths import Paths
+
+__all__ = ["RECHECK_SECONDS", "REMEASURE_SECONDS", "Holder", "Space", "parse_reserve", "parse_size"]
+
+REMEASURE_SECONDS = 60.0  # a writer's holding is measured again at its first write this long after the last measure
+RECHECK_SECONDS = 2.0  # ... and before a refusal, unless measured this recently
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(|b|[kmgtp]i?b?)", re.IGNORECASE)
+_POWERS = "kmgtp"
+SIZE_GRAMMAR = "a number of bytes with an optional unit (B, KiB, MiB, GiB, TiB, PiB, or kB, MB, GB, TB, PB)"
+
+
+def parse_size(text: str) -> int:
+    """``500GiB``, ``1.5TB``, ``4096`` -> bytes (``K``, ``Ki``, ``KB`` and ``KiB`` alike: ``i`` binary,
+    none decimal). ``ValueError`` naming the grammar."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m:
+        raise ValueError(f"{text[:40]!r} is not a size: {SIZE_GRAMMAR}")
+    unit = m[2].lower()
+    scale = 1 if unit in ("", "b") else (1024 if "i" in unit else 1000) ** (_POWERS.index(unit[0]) + 1)
+    return int(float(m[1]) * scale)
+
+
+def parse_reserve(text: str) -> tuple[int, float]:
+    """``"5%"`` -> (0, 0.05); ``"2GiB"`` -> (2 GiB, 0.0); ``"0"``: no reserve. ``ValueError``."""
+    t = text.strip()
+    if t.endswith("%"):
+        pct = float(t[:-1]) if re.fullmatch(r"\d+(\.\d+)?", t[:-1].strip()) else math.nan
+        if not 0 <= pct < 100:
+            raise ValueError(f"{text[:40]!r}: a percentage of the root's filesystem from 0 to under 100, or {SIZE_GRAMMAR}")
+        return 0, pct / 100
+    return parse_size(t), 0.0
+
+
+class Holder(Protocol):
+    """Who writes (the service's ``auth.Principal``): its name, its quota in bytes (None: none) and
+    the runs it may write."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def quota(self) -> int | None: ...
+
+    def can_write(self, run: str) -> bool: ...
+
+
+@dataclass
+class _Holding:
+    held: int = 0
+    measured_at: float = -math.inf
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Space:
+    """Quotas and the reserve of one root (module docstring)."""
+
+    def __init__(self, storage: Storage, reserve: str = "0") -> None:
+        self.storage = storage
+        self.reserve_bytes, self.reserve_fraction = parse_reserve(reserve)
+        self._holdings: dict[Holder, _Holding] = {}
+        self._committed: dict[tuple[str, str], tuple[str, int]] = {}  # (run, name) -> its committed session's bytes
+        self._lock = threading.Lock()
+
+    def charge(self, holder: Holder | None, run: str, file: str, nbytes: int, *, on_root: bool) -> None:
+        """Before ``nbytes`` of ``file`` of ``run`` are stored for ``holder``: refused with
+        :class:`ReserveReached` (``on_root``: they land on the root's disk) or :class:`QuotaExceeded`,
+        else counted as the holder's."""
+        if on_root:
+            self._check_reserve(file, nbytes)
+        if holder is not None and holder.quota is not None:
+            self._charge_quota(holder, holder.quota, run, file, nbytes)
+
+    def _check_reserve(self, file: str, nbytes: int) -> None:
+        if not (self.reserve_bytes or self.reserve_fraction):
+            return
+        fs = self.storage.free_space()
+        if fs is None:
+            return
+        free, total = fs
+        keep = max(self.reserve_bytes, int(total * self.reserve_fraction))
+        if free - nbytes < keep:
+            raise ReserveReached(
+                f"file {file!r}: the storage root {self.storage.url} has {free} bytes free and keeps {keep} in reserve "
+                f"(CKPTD_ROOT_RESERVE) for the commits of saves in progress: no new data is taken until space is "
+                f"freed (ckptd gc, rm)", root=self.storage.url, free=free, reserve=keep, file=file)
+
+    def _holding(self, holder: Holder) -> _Holding:
+        with self._lock:
+            return self._holdings.setdefault(holder, _Holding())
+
+    def _charge_quota(self, holder: Holder, quota: int, run: str, file: str, nbytes: int) -> None:
+        h = self._holding(holder)
+        with h.lock:
+            if time.monotonic() - h.measured_at > REMEASURE_SECONDS:
+                self._measure(holder, h)
+            if h.held + nbytes > quota and time.monotonic() - h.measured_at > RECHECK_SECONDS:
+                self._measure(holder, h)  # deleted since the last measure: not counted against the writer
+            if h.held + nbytes > quota:
+                raise QuotaExceeded(
+                    f"token {holder.name!r} holds {h.held} bytes of its quota of {quota} (the runs its write scopes "
+                    f"match, staged and committed): {nbytes} more bytes of file {file!r} of run {run!r} were refused; "
+                    f"delete checkpoints (ckptd gc, rm) or raise the token's quota", token=holder.name, quota=quota,
+                    held=h.held, run=run, file=file)
+            h.held += nbytes
+
+    def _measure(self, holder: Holder, h: _Holding) -> None:
+        """``h.held`` := the bytes stored under the runs ``holder`` may write (the caller holds ``h.lock``)."""
+        total = sum(self._run_usage(run) for run in self.storage.list(Paths.runs()) if holder.can_write(run))
+        h.held, h.measured_at = total, time.monotonic()
+
+    def _run_usage(self, run: str) -> int:
+        """The bytes of every session of ``run``'s checkpoints. A committed session's bytes never grow once
+        its marker exists, so they are walked once per process and then taken from :attr:`_committed`;
+        the others (staging) are walked each time. The checkpoints' own small records are not counted."""
+        total = 0
+        seen: dict[tuple[str, str], tuple[str, int]] = {}
+        for name in self.storage.list(Paths.run(run)):
+            committed = _marker_session(self.storage, run, name)
+            for sid in self.storage.list(Paths.sessions(run, name)):
+                with self._lock:
+                    known = self._committed.get((run, name))
+                if sid == committed and known is not None and known[0] == sid:
+                    used = known[1]
+                else:
+                    used = sum(size for _, size in self.storage.walk(Paths.session(run, name, sid)))
+                if sid == committed:
+                    seen[(run, name)] = (sid, used)
+                total += used
+        with self._lock:  # checkpoints gone since are forgotten
+            for key in [k for k in self._committed if k[0] == run and k not in seen]:
+                del self._committed[key]
+            self._committed.update(seen)
+        return total
+
+
+def _marker_session(storage: Storage, run: str, name: str) -> str | None:
+    """The session ``run/name``'s marker names, or None (no marker, or one that does not parse: walked as staging)."""
+    try:
+        marker = storage.read_json_or_none(Paths.marker(run, name))
+    except StorageError:
+        return None
+    session = marker.get("session") if isinstance(marker, dict) else None
+    return session if isinstance(session, str) else None

@@ -1,0 +1,181 @@
+"""Attacks on the root's space: one run's writer filling it so that every other run's save fails.
+
+Threat (docs/security.md, Quotas and the reserve): a holder of a write token saves without end, or
+saves one huge checkpoint, and the root fills; every other run's save then fails with 507 until the
+filler's sessions are reclaimed, and a save in progress cannot even write its manifest. Two defences,
+each attacked here through the public surface (a real ``ckptd serve``, real clients, a real small
+filesystem where the disk must fill):
+
+* a token's quota (``quota=`` in its tokens line): the filler gets 507 ``quota_exceeded`` at once,
+  naming its token, quota and holding, while another token's save commits beside it; what it holds
+  is measured on the root (committed checkpoints count, a restart forgets nothing, deleted ones stop
+  counting);
+* the root's reserve (``CKPTD_ROOT_RESERVE``): a writer without a quota fills the disk down to the
+  reserve and no further (507 ``reserve_reached``, then again at once), and another run's save whose
+  data had arrived still commits into the reserve; the last good checkpoint loads.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import xxhash
+
+from ckptd.store.space import RECHECK_SECONDS
+from ckptd_client import CheckpointClient, QuotaExceeded, ReserveReached, StorageFull
+from ckptd_client._save import build_snapshot, upload_files
+from ckptd_client.session_calls import open_session, put_index, wait_committed
+from ckptd_client.transport import Transport
+from support import ServerProcess, assert_bits_equal, blank_like, make_state, scaled
+
+KIB, MIB = 1 << 10, 1 << 20
+FILLER, SAVER = "filler-token-0123456789", "saver-token-0123456789"
+TOKENS = f"filler {FILLER} write:fill* quota=2MiB; saver {SAVER} write:good*"
+
+
+def loads(client: CheckpointClient, ref: str, want: dict) -> None:
+    got = blank_like(want)
+    client.load(got, ref)
+    assert_bits_equal(got, want)
+
+
+def saved(client: CheckpointClient, sd: dict, ref: str) -> None:
+    assert client.save(sd, ref).wait(timeout=scaled(60)).state == "committed"
+
+
+def test_a_writer_past_its_quota_is_refused_at_once_while_another_token_saves(tmp_path):
+    root = tmp_path / "root"
+    srv = ServerProcess(root, env={"CKPTD_TOKENS": TOKENS}, log=tmp_path / "server.log").start()
+    # Retries for 10 minutes: a refusal that were retried would outlast every wait below.
+    filler = CheckpointClient(srv.url, token=FILLER, retry_seconds=600, streams=1, file_bytes=128 * KIB)
+    saver = CheckpointClient(srv.url, token=SAVER, retry_seconds=600)
+    try:
+        kept = {n: make_state(n, mib=0.75) for n in (1, 2)}
+        for n, sd in kept.items():  # 1.5 MiB committed: within the quota, one at a time
+            saved(filler, sd, f"fill/{n}")
+        good = {n: make_state(10 + n, mib=0.75) for n in (1, 2, 3)}
+
+        # The filler's third checkpoint would take it past 2 MiB: refused, while the saver's saves commit.
+        other = saver.save(good[1], "good/1")
+        with pytest.raises(QuotaExceeded) as ei:
+            filler.save(make_state(3, mib=0.75), "fill/3").wait(timeout=scaled(60))
+        err = ei.value
+        assert isinstance(err, StorageFull) and err.status == 507 and err.code == "quota_exceeded"
+        assert err.details["token"] == "filler" and err.details["quota"] == 2 * MIB, err.details
+        assert 1.5 * MIB <= err.details["held"] <= 2 * MIB and err.details["run"] == "fill", err.details
+        assert "'filler'" in err.message and str(2 * MIB) in err.message and FILLER not in err.message
+        assert other.wait(timeout=scaled(60)).state == "committed"
+        saved(saver, good[2], "good/2")  # the other token keeps saving, past the filler's quota itself
+
+        # Over HTTP too (the client above handed its files over on this host): a typed 507 naming the token.
+        requests = filler._transport  # the same token, its requests as sent by the client
+        requests.request("POST", "/v1/checkpoints/fill/4/sessions", json={"session": "s4", "world_size": 1})
+        data = os.urandom(MIB)
+        r = httpx.put(f"{srv.url}/v1/checkpoints/fill/4/sessions/s4/files/f.bin", content=data, timeout=60,
+                      headers={"Authorization": f"Bearer {FILLER}", "X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(data)})
+        assert r.status_code == 507 and r.json()["error"]["code"] == "quota_exceeded", r.text
+        assert r.json()["error"]["details"]["token"] == "filler"
+
+        # What it holds is read from the root: a restart forgets nothing ...
+        srv.restart()
+        with pytest.raises(QuotaExceeded):
+            filler.save(make_state(3, mib=0.75), "fill/3").wait(timeout=scaled(60))
+        # ... and a checkpoint it deletes stops counting.
+        assert filler.remove("fill/1")["removed"] is True
+        time.sleep(RECHECK_SECONDS)  # the measure before a refusal is taken at most this often
+        saved(filler, make_state(3, mib=0.75), "fill/3")
+        saved(saver, good[3], "good/3")
+        for n in (2, 3):
+            loads(filler, f"fill/{n}", kept[n] if n == 2 else make_state(3, mib=0.75))
+        for n, sd in good.items():
+            loads(saver, f"good/{n}", sd)
+        assert srv.proc is not None and srv.proc.poll() is None
+    finally:
+        filler.close(wait=False)
+        saver.close(wait=False)
+        srv.kill()
+
+
+@pytest.fixture
+def small_root(tmp_path):
+    """A real 4 MiB tmpfs (needs root, or skips), unmounted afterwards."""
+    mnt = tmp_path / "small-fs"
+    mnt.mkdir()
+    if not shutil.which("mount") or os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root and mount(8)")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755", "ckptd-test-reserve", str(mnt)],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+def test_a_writer_filling_the_root_stops_at_the_reserve_and_a_save_in_progress_commits(small_root, tmp_path):
+    root = small_root
+    reserve = 512 * KIB
+    srv = ServerProcess(root, env={"CKPTD_ROOT_RESERVE": "512KiB", "CKPTD_WRITE_BATCH_BYTES": str(64 * KIB)},
+                        log=tmp_path / "server.log").start()
+    client = CheckpointClient(srv.url, retry_seconds=600, streams=1, file_bytes=256 * KIB)
+    t = Transport(srv.url, retry_seconds=600, timeout=60)
+    try:
+        first = make_state(1, mib=0.25)
+        saved(client, first, "good/1")  # the last good checkpoint
+
+        # Another run's save in progress: its data files have arrived, its index not yet.
+        second = make_state(2, mib=0.25)
+        base = "/v1/checkpoints/good/2"
+        open_session(t, base, "s2", 1, 2)
+        index = upload_files(t, base, "s2", build_snapshot(second, 0, 1), compression=None, file_bytes=64 * KIB,
+                             streams=1)
+
+        # The filler, hostile: files of 256 KiB into what is left of 4 MiB, then of 4 KiB to take the last
+        # pages, never aborting. They are stored until the free space is down to the reserve; then refused (not
+        # at a full disk), and again at once.
+        requests = client._transport
+        requests.request("POST", "/v1/checkpoints/fill/1/sessions", json={"session": "s1", "world_size": 1})
+        sent = 0
+        for size in (256 * KIB, 4 * KIB):
+            data = os.urandom(size)
+            headers = {"X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(data)}
+            while (r := httpx.put(f"{srv.url}/v1/checkpoints/fill/1/sessions/s1/files/f{sent}.bin", content=data,
+                                  headers=headers, timeout=60)).status_code == 200:
+                sent += 1
+                assert sent < 1100, "a 4 MiB filesystem took more than 4 MiB of files"
+            assert r.status_code == 507 and r.json()["error"]["code"] == "reserve_reached", r.text
+            details = r.json()["error"]["details"]
+            assert details["reserve"] == reserve and details["free"] < reserve + size, details
+            assert details["file"] == f"f{sent}.bin" and "CKPTD_ROOT_RESERVE" in r.json()["error"]["message"]
+        # No write took the disk further than the bytes of the file in progress that were still in the service's
+        # write window when they were taken (one upload at a time here).
+        assert shutil.disk_usage(root).free >= reserve - 256 * KIB
+        # A client's save (its files handed over on this host) raises the typed error, not retried.
+        g = torch.Generator().manual_seed(3)
+        flood = {"model": {f"t{i}": torch.randn(64 * KIB, generator=g) for i in range(4)}}
+        with pytest.raises(ReserveReached) as ei:
+            client.save(flood, "fill/2").wait(timeout=scaled(60))
+        assert isinstance(ei.value, StorageFull) and ei.value.status == 507 and ei.value.details["reserve"] == reserve
+
+        # The save in progress commits into the reserve (index, manifest, marker, records).
+        status = put_index(t, base, "s2", index)
+        status = wait_committed(t, base, "good/2", status, time.monotonic() + scaled(60))
+        assert status.state == "committed", status
+        loads(client, "good/2", second)
+        loads(client, "good/1", first)
+        loads(client, "good/latest", second)
+        assert [c.name for c in client.list_checkpoints("good")] == ["1", "2"]
+        assert client.list_checkpoints("fill") == []
+        assert srv.proc is not None and srv.proc.poll() is None
+    finally:
+        t.close()
+        client.close(wait=False)
+        srv.kill()
