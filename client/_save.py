@@ -405,9 +405,8 @@ def ways_in(transport: Transport, base: str, session: str, opened: Opened, *,
     the service on this host, unless ``local_uploads`` is False); closed at the end."""
     direct = DirectUploads(transport, base, session, transport.timeout) if opened.presigned else None
     ref = parse_ref(base.removeprefix("/v1/checkpoints/"))
-    local = LocalHandover.offered(opened.local_socket, opened.local_host, run=ref.run, name=ref.name,
-                                  session=session, token=transport.token,
-                                  timeout=transport.timeout) if local_uploads else None
+    local = LocalHandover.offered(opened.local_socket, opened.local_host, opened.local_key, run=ref.run,
+                                  name=ref.name, session=session, timeout=transport.timeout) if local_uploads else None
     try:
         yield {"direct": direct, "local": local}
     finally:

@@ -26,6 +26,7 @@ import xxhash
 
 from ckptd.service.auth import hash_token
 from ckptd_client import CheckpointClient
+from ckptd_schemas.handover import new_nonce, prove, proven, split_key
 from support import ServerProcess
 
 WRITER, OTHER = "writer-token-0123456789", "other-token-0123456789"
@@ -67,25 +68,53 @@ def _memfd(data: bytes, seals: int = SEALS) -> int:
     return fd
 
 
-def _hand(path: str, header: dict | bytes, fds: list[int]) -> dict:
-    """One raw connection: the header line with ``fds``, then the service's answer."""
-    line = header if isinstance(header, bytes) else json.dumps(header).encode() + b"\n"
+def _line(value: dict) -> bytes:
+    return json.dumps(value).encode() + b"\n"
+
+
+def _read(s: socket.socket, buf: bytearray) -> dict | None:
+    """The next answer line (None when the service closed first)."""
+    while b"\n" not in buf:
+        data = s.recv(65536)
+        if not data:
+            return None
+        buf += data
+    cut = buf.index(b"\n")
+    line = bytes(buf[:cut])
+    del buf[:cut + 1]
+    return json.loads(line)
+
+
+def _hand(info: dict, header: dict | bytes, fds: list[int], *, key: str | None = None,
+          hello: dict | None = None) -> dict:
+    """One raw connection as a rank speaks (``ckptd_schemas.handover``), for the session ``info`` (its
+    answer): the hello, then the header with ``fds``, its proof made with ``key`` (the session's own by
+    default) over the service's nonce; the service's answer (to the hello, when it refused that)."""
+    principal, k = split_key(key or info["local_key"])
+    nonce = new_nonce()
+    hello = {"principal": principal, "run": info["run"], "name": info["name"], "session": info["session"],
+             "nonce": nonce, **(hello or {})}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(60)
-        s.connect(path)
+        s.connect(info["local_socket"])
+        s.sendall(_line(hello))
+        buf = bytearray()
+        challenge = _read(s, buf)
+        assert challenge is not None
+        if "status" in challenge:
+            return challenge
+        if key is None:  # the service proves the session's key before anything else is sent
+            assert proven(k, "service", nonce, challenge["proof"]), challenge
+        line = header if isinstance(header, bytes) else _line({"proof": prove(k, "rank", challenge["nonce"]),
+                                                               **header})
         socket.send_fds(s, [line], fds)
-        buf = b""
-        while not buf.endswith(b"\n"):
-            data = s.recv(65536)
-            if not data:
-                break
-            buf += data
-    return json.loads(buf)
+        answer = _read(s, buf)
+    assert answer is not None
+    return answer
 
 
-def _header(sid: str, file: str, data: bytes, *, run: str = "run", token: str | None = WRITER, **kw) -> dict:
-    return {"token": token, "run": run, "name": "1", "session": sid, "file": file,
-            "xxh3": xxhash.xxh3_64_hexdigest(data), **kw}
+def _header(file: str, data: bytes, **kw) -> dict:
+    return {"file": file, "size": len(data), "xxh3": xxhash.xxh3_64_hexdigest(data), **kw}
 
 
 def test_a_save_on_the_services_host_hands_its_files_over_and_loads_bit_for_bit(srv):
@@ -103,15 +132,18 @@ def test_a_save_on_the_services_host_hands_its_files_over_and_loads_bit_for_bit(
     assert not [k for k in _metric(srv.url, "ckptd_http_requests_total") if 'route="upload_file"' in k]
 
 
-@pytest.mark.parametrize("case", ["unsealed", "growable", "plain file", "two descriptors", "no descriptor",
-                                  "not json", "wrong digest", "no token", "other run's token", "bad file name"])
+@pytest.mark.parametrize("case", ["unsealed", "growable", "plain file", "write-only", "two descriptors",
+                                  "no descriptor", "not json", "larger than declared", "smaller than declared",
+                                  "wrong digest", "wrong proof", "another session's key", "another run's key",
+                                  "bad file name"])
 def test_what_the_socket_refuses_is_not_stored_and_the_file_then_uploads(srv, case):
     sid = f"{abs(hash(case)):016x}"[:16].ljust(16, "0")
-    info = _open(srv.url, "run", "1" if case != "other run's token" else "1", sid)
-    path = info["local_socket"]
-    assert path and info["local_host"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    info = _open(srv.url, "run", "1", sid)
+    assert info["local_socket"] and info["local_key"]
+    assert info["local_host"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     data = os.urandom(300_000)
-    header, fds = _header(sid, "r000000-0000.bin", data), []
+    header, fds, key = _header("r000000-0000.bin", data), [], None
+    bytes_in = _metric(srv.url, "ckptd_bytes_in_total").get('route="local_upload"', 0.0)
     try:
         if case == "unsealed":
             fds = [_memfd(data, seals=0)]
@@ -123,40 +155,55 @@ def test_what_the_socket_refuses_is_not_stored_and_the_file_then_uploads(srv, ca
             f.flush()
             fds = [os.dup(f.fileno())]
             f.close()
+        elif case == "write-only":  # the same sealed memory file, opened again for writing only
+            sealed = _memfd(data)
+            fds = [os.open(f"/proc/self/fd/{sealed}", os.O_WRONLY)]
+            os.close(sealed)
         elif case == "two descriptors":
             fds = [_memfd(data), _memfd(data)]
         elif case == "no descriptor":
             fds = []
         elif case == "not json":
             fds = [_memfd(data)]
-            header = b"{'token': nope\n"
+            header = b"{'proof': nope\n"
+        elif case in ("larger than declared", "smaller than declared"):
+            fds = [_memfd(data)]
+            header["size"] = len(data) - 1 if case == "larger than declared" else len(data) + 1
         elif case == "wrong digest":
             fds = [_memfd(data)]
             header["xxh3"] = "0" * 16
-        elif case == "no token":
+        elif case == "wrong proof":
             fds = [_memfd(data)]
-            header["token"] = None
-        elif case == "other run's token":
+            header["proof"] = "0" * 64
+        elif case == "another session's key":  # the same writer's key of its other session
             fds = [_memfd(data)]
-            header["token"] = OTHER
+            key = _open(srv.url, "run", "1", sid[::-1])["local_key"]
+        elif case == "another run's key":  # a writer of another run: its key, its name
+            fds = [_memfd(data)]
+            key = _open(srv.url, "else", "1", sid, token=OTHER)["local_key"]
         elif case == "bad file name":
             fds = [_memfd(data)]
             header["file"] = "../../COMMITTED"
-        answer = _hand(path, header, fds)
+        answer = _hand(info, header, fds, key=key)
     finally:
         for fd in fds:
             os.close(fd)
     want = {"unsealed": (400, "not sealed"), "growable": (400, "not sealed"), "plain file": (400, "not sealed"),
+            "write-only": (400, "not open for reading"),
             "two descriptors": (400, "one file descriptor"), "no descriptor": (400, "one file descriptor"),
-            "not json": (400, "header"), "wrong digest": (422, "declared"), "no token": (401, "bearer token"),
-            "other run's token": (403, "may not write run"), "bad file name": (400, "")}[case]
+            "not json": (400, "header"), "larger than declared": (400, "declares"),
+            "smaller than declared": (400, "declares"), "wrong digest": (422, "declared"),
+            "wrong proof": (401, "does not prove"), "another session's key": (401, "does not prove"),
+            "another run's key": (401, "does not prove"), "bad file name": (400, "")}[case]
     assert answer["status"] == want[0] and want[1] in answer["error"]["message"], answer
     session = Path(srv.root) / "runs/run/1/sessions" / sid
     assert not [p for p in session.rglob("r000000-0000.bin*")], list(session.rglob("*"))  # nothing stored
+    if case != "wrong digest":  # refused before a byte was read
+        assert _metric(srv.url, "ckptd_bytes_in_total").get('route="local_upload"', 0.0) == bytes_in
     # the same file, sealed and declared right, is taken; the checkpoint commits with it
     fd = _memfd(data)
     try:
-        ok = _hand(path, _header(sid, "r000000-0000.bin", data), [fd])
+        ok = _hand(info, _header("r000000-0000.bin", data), [fd])
     finally:
         os.close(fd)
     assert ok["status"] == 200 and ok["result"]["size"] == len(data), ok
@@ -164,14 +211,13 @@ def test_what_the_socket_refuses_is_not_stored_and_the_file_then_uploads(srv, ca
 
 
 def test_a_connection_that_sends_nothing_holds_no_other_upload_up(srv):
-    sid = "a" * 16
-    info = _open(srv.url, "run", "2", sid)
+    info = _open(srv.url, "run", "2", "a" * 16)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle:
         idle.connect(info["local_socket"])  # says nothing
         data = os.urandom(10_000)
         fd = _memfd(data)
         try:
-            ok = _hand(info["local_socket"], {**_header(sid, "r000000-0000.bin", data), "name": "2"}, [fd])
+            ok = _hand(info, _header("r000000-0000.bin", data), [fd])
         finally:
             os.close(fd)
     assert ok["status"] == 200, ok
@@ -204,7 +250,7 @@ def test_idle_connections_are_answered_and_cannot_keep_a_save_off_the_socket(srv
         idle.settimeout(60)
         idle.connect(sock)
         answer = json.loads(idle.recv(65536))
-    assert answer["status"] == 400 and "header" in answer["error"]["message"], answer
+    assert answer["status"] == 400 and "hello" in answer["error"]["message"], answer
     held = []
     try:
         for _ in range(80):  # more than the service holds at once (64)
