@@ -1,22 +1,39 @@
 """Co-located uploads (``ckptd.service.local_uploads``, ``ckptd_client._handover``): a rank on the service's
-host hands each data file over as a sealed memory file through the Unix socket its session's answer names.
+host hands each data file over as a sealed memory file through the Unix socket its session's answer names,
+once the service proved the session's key (``local_key``) and before the rank proves it in turn.
 
 A real ``ckptd serve`` (tokens on, one test without): a save by ``CheckpointClient`` goes through the socket
-file by file and loads bit for bit; then, as a writer with a valid token could, raw connections to the socket
+file by file and loads bit for bit; then, as a writer with a valid key could, raw connections to the socket
 try what HTTP would refuse and what only this path could allow: a memory file not sealed (its bytes could
-change while they are read), sealed but growable, a plain file, two descriptors, none, a header that is
-not JSON, a wrong digest, no token, a token of another run. Each is refused with the typed error, nothing
-is stored under the file's name, and the same file then uploads and commits. A connection that never sends
-its header does not hold the others up. A socket that cannot be reached sends the files over HTTP.
+change while they are read), sealed but growable, a plain file, one opened write-only, two descriptors,
+none, a header that is not JSON, a size other than the file's, a wrong digest, a wrong proof, the key of
+another session or of another run's writer. Each is refused with the typed error, nothing is stored under
+the file's name (nor a byte read, but for the wrong digest), and the same file then uploads and commits.
+A connection that never sends its hello does not hold the others up; connections past the bound are
+closed. A socket that cannot be reached sends the files over HTTP.
+
+Then as another local user (uid 65534 where the tests run as root): a listener at the path a restart
+freed, and one planted at the path a service with a private temporary directory advertises, with a
+forged proof or one under its own session's key (it holds a write token of another run), receive a hello
+and nothing else (no token, no descriptor, no byte); the save commits over HTTP and the client says so
+once. Peers that trickle a hello are cut at one deadline for the whole of it while a save hands its
+files over; a sparse memory file of 1 GiB costs the service its read window, not the file; a key given
+before the tokens file changed holds only what its principal still may.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
+import shutil
 import socket
+import subprocess
+import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -26,8 +43,11 @@ import xxhash
 
 from ckptd.service.auth import hash_token
 from ckptd_client import CheckpointClient
+from ckptd_client._save import build_snapshot, upload_snapshot
+from ckptd_client.session_calls import open_session
+from ckptd_client.transport import Transport
 from ckptd_schemas.handover import new_nonce, prove, proven, split_key
-from support import ServerProcess
+from support import ServerProcess, as_user, scaled
 
 WRITER, OTHER = "writer-token-0123456789", "other-token-0123456789"
 TOKENS = f"trainer sha256:{hash_token(WRITER)} write:run*\nelse sha256:{hash_token(OTHER)} write:else\n"
@@ -269,3 +289,304 @@ def test_idle_connections_are_answered_and_cannot_keep_a_save_off_the_socket(srv
     finally:
         for s in held:
             s.close()
+
+
+# -- a local user at the socket's path -----------------------------------------------------------------
+
+NOBODY = 65534
+#: A listener of another local user at a path a rank was told (run as that user): it records what each
+#: connection sent and how many descriptors came; with a key (``PRINCIPAL:HEX``, its own session's, from a
+#: write token of another run) it answers the hello with a proof under that key, else with a forged one.
+_LISTENER = r"""
+import hashlib, hmac, json, os, socket, sys
+path, out, key = sys.argv[1], sys.argv[2], sys.argv[3]
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(path)
+srv.listen(64)
+srv.settimeout(0.2)
+open(out + ".ready", "w").close()
+while not os.path.exists(out + ".stop"):
+    try:
+        conn, _ = srv.accept()
+    except (TimeoutError, OSError):
+        continue
+    got, fds, answered = b"", 0, False
+    conn.settimeout(3)
+    try:
+        while True:
+            data, fs, _, _ = socket.recv_fds(conn, 65536, 8)
+            fds += len(fs)
+            for f in fs:
+                os.close(f)
+            if not data:
+                break
+            got += data
+            if b"\n" in got and not answered:
+                nonce = json.loads(got.split(b"\n")[0])["nonce"]
+                k = bytes.fromhex(key.rpartition(":")[2]) if ":" in key else b"forged"
+                proof = hmac.new(k, f"ckptd handover service {nonce}".encode(), hashlib.sha256).hexdigest()
+                conn.sendall(json.dumps({"proof": proof, "nonce": "1" * 64}).encode() + b"\n")
+                answered = True
+    except OSError:
+        pass
+    conn.close()
+    with open(out, "a") as f:
+        f.write(json.dumps({"got": got.decode("utf-8", "replace"), "fds": fds}) + "\n")
+"""
+
+
+@pytest.fixture
+def shared_tmp():
+    """A temporary directory any local user may reach and create in (sticky, as /tmp), for the service's
+    socket and the other user's listener."""
+    d = Path(tempfile.mkdtemp(prefix="ckptd-shared-", dir="/tmp"))
+    os.chmod(d, 0o1777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class _Listener:
+    """:data:`_LISTENER` at ``path``, as another user where this test runs as root."""
+
+    def __init__(self, path: str, shared: Path, key: str = "-") -> None:
+        out_dir = shared / "listener"
+        out_dir.mkdir(exist_ok=True)
+        os.chmod(out_dir, 0o777)
+        self.out = out_dir / "conns"
+        user = NOBODY if os.geteuid() == 0 else None
+        self.proc = subprocess.Popen(as_user(user, [sys.executable, "-c", _LISTENER, path, str(self.out), key]))
+        deadline = time.monotonic() + scaled(30)
+        while not Path(f"{self.out}.ready").exists():
+            assert self.proc.poll() is None and time.monotonic() < deadline, "the listener did not start"
+            time.sleep(0.05)
+        if user is not None:
+            assert os.stat(path).st_uid == NOBODY  # the path is the other user's
+
+    def stop(self) -> list[dict]:
+        """What every connection gave it."""
+        Path(f"{self.out}.stop").touch()
+        self.proc.wait(scaled(30))
+        return [json.loads(line) for line in self.out.read_text().splitlines()] if self.out.exists() else []
+
+
+def _gave_nothing(conns: list[dict], info: dict) -> None:
+    """Each connection brought a hello of the session and nothing else: no token, no descriptor, no byte."""
+    assert conns, "the rank never came to the listener"
+    for c in conns:
+        assert c["fds"] == 0, c
+        assert c["got"].count("\n") == 1 and c["got"].endswith("\n"), c  # the hello alone
+        hello = json.loads(c["got"])
+        assert set(hello) == {"principal", "run", "name", "session", "nonce"}, hello
+        assert hello["session"] == info["session"] and WRITER not in c["got"], hello
+
+
+def _fallbacks(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "ckptd_client" and "co-located uploads off" in r.getMessage()]
+
+
+def test_a_listener_at_the_path_a_restart_freed_gets_no_token_and_no_byte(tmp_path, shared_tmp, caplog):
+    """A rank's session answer names the socket; the service restarts (its path freed, its new socket
+    elsewhere); another local user, who holds a write token of another run and so a key of its own,
+    binds the old path. The rank, still saving, gives that listener a hello and nothing else, and the
+    save commits over HTTP, the fallback said once in the client's log."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKENS)
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_TOKENS_FILE": str(tokens),
+                                               "TMPDIR": str(shared_tmp)}).start()
+    listener = None
+    try:
+        transport = Transport(srv.url, token=WRITER)
+        base, sid = "/v1/checkpoints/run-r/1", "e" * 16
+        opened = open_session(transport, base, sid, 1, 1)
+        info = {"session": sid}
+        srv.stop()
+        assert not os.path.exists(opened.local_socket)  # freed: anyone may bind it now
+        srv.start()
+        own = _open(srv.url, "else", "1", "f" * 16, token=OTHER)
+        assert own["local_socket"] != opened.local_socket
+        listener = _Listener(opened.local_socket, shared_tmp, key=own["local_key"])
+        want = {"w": torch.randn(512, 512), "b": torch.randn(1000)}
+        snap = build_snapshot(want, 0, 1)
+        with caplog.at_level(logging.INFO, logger="ckptd_client"):
+            status = upload_snapshot(transport, base, sid, snap, 1, compression=None, file_bytes=256 << 10,
+                                     streams=2, opened=opened)
+        assert status.state == "committed", status
+        conns = listener.stop()
+        listener = None
+        _gave_nothing(conns, info)
+        said = _fallbacks(caplog)
+        assert len(said) == 1 and "did not prove" in said[0].getMessage(), [r.getMessage() for r in said]
+        assert not _metric(srv.url, "ckptd_local_uploads_total")  # every file over HTTP
+        with CheckpointClient(srv.url, token=WRITER) as c:
+            got = {"w": torch.zeros(512, 512), "b": torch.zeros(1000)}
+            c.load(got, "run-r/1")
+        assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"])
+    finally:
+        if listener is not None:
+            listener.stop()
+        transport.close()
+        srv.stop()
+
+
+@pytest.mark.parametrize("answer", ["a proof under its own key", "a forged proof"])
+def test_a_listener_planted_at_the_advertised_path_gets_no_token_and_no_byte(tmp_path, shared_tmp, caplog,
+                                                                            answer):
+    """A service whose temporary directory the ranks do not see (a container; simulated: its socket moved
+    aside, so the path it advertises is free on the ranks' side) and another local user bound there first.
+    ``CheckpointClient.save`` gives the listener a hello only, commits over HTTP, says so once."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKENS)
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_TOKENS_FILE": str(tokens),
+                                               "TMPDIR": str(shared_tmp)}).start()
+    listener = None
+    try:
+        own = _open(srv.url, "else", "1", "f" * 16, token=OTHER)
+        path = own["local_socket"]
+        os.rename(path, path + ".private")
+        listener = _Listener(path, shared_tmp, key=own["local_key"] if answer.endswith("own key") else "-")
+        want = {"w": torch.randn(512, 512)}
+        with caplog.at_level(logging.INFO, logger="ckptd_client"), \
+                CheckpointClient(srv.url, token=WRITER, file_bytes=256 << 10) as c:
+            handle = c.save(want, "run-p/1")
+            handle.wait(scaled(120))
+            got = {"w": torch.zeros(512, 512)}
+            c.load(got, "run-p/1")
+        assert torch.equal(got["w"], want["w"])
+        conns = listener.stop()
+        listener = None
+        _gave_nothing(conns, {"session": handle.session})
+        said = _fallbacks(caplog)
+        assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
+        assert not _metric(srv.url, "ckptd_local_uploads_total")
+    finally:
+        if listener is not None:
+            listener.stop()
+        srv.stop()
+
+
+# -- the socket bounded as HTTP is -----------------------------------------------------------------------
+
+def test_trickled_hellos_are_cut_at_one_deadline_and_a_save_meanwhile_hands_its_files_over(srv):
+    """More peers than the service has socket workers (16), no key needed, each trickling a hello a byte
+    per 0.5 s: each is answered 400 and closed once the deadline for the whole hello passes (a deadline
+    per read never would), and a save started meanwhile hands every file over through the socket."""
+    path = _open(srv.url, "run", "4", "d" * 16)["local_socket"]
+    stop, cut = threading.Event(), {}
+
+    def trickle(i: int) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(path)
+            s.setblocking(False)
+            line = b'{"principal": "' + b"x" * 20000
+            for n, b in enumerate(line):
+                if stop.is_set():
+                    return
+                try:
+                    answer = s.recv(65536)
+                    cut[i] = (n, answer)  # answered (or closed: b"") while still trickling
+                    return
+                except BlockingIOError:
+                    pass
+                except OSError as e:
+                    cut[i] = (n, repr(e))
+                    return
+                try:
+                    s.send(bytes([b]))
+                except OSError as e:
+                    cut[i] = (n, repr(e))
+                    return
+                time.sleep(0.5)
+
+    peers = [threading.Thread(target=trickle, args=(i,), daemon=True) for i in range(20)]
+    for t in peers:
+        t.start()
+    try:
+        time.sleep(1.0)  # the workers are all the tricklers' now
+        before = _metric(srv.url, "ckptd_local_uploads_total").get('status="200"', 0.0)
+        want = {"w": torch.randn(512, 512), "v": torch.randn(512, 512)}
+        with CheckpointClient(srv.url, token=WRITER, file_bytes=256 << 10, timeout=3600) as c:
+            c.save(want, "run-t/1").wait(scaled(60))  # waited for the trickle, the client would time out at 3600 s
+            files = len(c.manifest("run-t/1").files)
+        handed = _metric(srv.url, "ckptd_local_uploads_total").get('status="200"', 0.0) - before
+        assert handed == files >= 2, (handed, files)  # every file through the socket, none over HTTP
+        for t in peers:
+            t.join(scaled(30))
+    finally:
+        stop.set()
+    assert sorted(cut) == list(range(20)), sorted(cut)  # every trickler was cut while it trickled
+    answers = [a for _, a in cut.values() if isinstance(a, bytes) and a]
+    assert answers and all(b'"status":400' in a and b"within 2 s" in a for a in answers), answers[:3]
+
+
+def _vm(pid: int, field: str) -> int:
+    """A field of /proc/PID/status, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def test_a_sparse_memory_file_costs_the_service_its_read_window_not_the_file(tmp_path):
+    """A sealed memory file of 1 GiB with nothing resident: declared smaller, it is refused 400 before a
+    byte is read; declared at its size, the service reads all of it (a wrong digest: 422, nothing
+    stored), its peak resident memory growing by far less than the file, and the file's holes stay
+    holes (read, not mapped: nothing allocated for them on the service's behalf)."""
+    srv = ServerProcess(tmp_path / "root").start()
+    try:
+        pid = srv.proc.pid
+        info = _open(srv.url, "run", "5", "s" * 16)
+        size = 1 << 30
+        fd = os.memfd_create("sparse", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            assert os.fstat(fd).st_blocks == 0
+            small = _hand(info, {"file": "r000000-0000.bin", "size": 4096, "xxh3": "0" * 16}, [fd])
+            assert small["status"] == 400 and "declares 4096" in small["error"]["message"], small
+            assert not _metric(srv.url, "ckptd_bytes_in_total").get('route="local_upload"')  # not a byte read
+            peak = _vm(pid, "VmHWM")
+            whole = _hand(info, {"file": "r000000-0000.bin", "size": size, "xxh3": "0" * 16}, [fd])
+            assert whole["status"] == 422, whole  # every byte read and hashed, then refused
+            assert _metric(srv.url, "ckptd_bytes_in_total")['route="local_upload"'] == size
+            grown = _vm(pid, "VmHWM") - peak
+            assert grown < size // 4, (grown, size)  # the window (8 MiB) and the intake's, not the file
+            assert os.fstat(fd).st_blocks == 0  # no hole was filled
+        finally:
+            os.close(fd)
+        assert not list((Path(srv.root) / "runs/run/5/sessions").rglob("r000000-0000.bin*"))
+    finally:
+        srv.stop()
+
+
+def test_a_key_given_before_the_tokens_file_changed_holds_only_what_the_principal_still_may(tmp_path):
+    """The key of a session outlives nothing: its principal is looked up again at each handover. Scope
+    narrowed to reading: 403; the token removed: 401; nothing stored by either."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKENS)
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_TOKENS_FILE": str(tokens)}).start()
+    try:
+        info = _open(srv.url, "run", "6", "k" * 16)
+        data = os.urandom(4096)
+
+        def hand_until(want: int, first: int) -> tuple[int, dict]:
+            deadline = time.monotonic() + scaled(30)
+            for i in range(first, first + 1000):  # a new file each time: the tokens file is re-read every 2 s
+                fd = _memfd(data)
+                try:
+                    answer = _hand(info, _header(f"r000000-{i:04d}.bin", data), [fd])
+                finally:
+                    os.close(fd)
+                if answer["status"] == want or time.monotonic() > deadline:
+                    return i, answer
+                time.sleep(0.2)
+            raise AssertionError(f"never answered {want}")
+
+        for i, (scopes, want) in enumerate([("read:run*", 403), (None, 401)]):
+            line = f"trainer sha256:{hash_token(WRITER)} {scopes}\n" if scopes else ""
+            tokens.write_text(line + f"else sha256:{hash_token(OTHER)} write:else\n")
+            os.utime(tokens, (time.time() + 10 * (i + 1),) * 2)  # a new mtime, whatever the clock's grain
+            n, answer = hand_until(want, 1000 * i)
+            assert answer["status"] == want, answer
+            assert not list((Path(srv.root) / "runs/run/6/sessions").rglob(f"r000000-{n:04d}.bin*"))
+    finally:
+        srv.stop()
