@@ -137,11 +137,13 @@ def _header(file: str, data: bytes, **kw) -> dict:
     return {"file": file, "size": len(data), "xxh3": xxhash.xxh3_64_hexdigest(data), **kw}
 
 
-def test_a_save_on_the_services_host_hands_its_files_over_and_loads_bit_for_bit(srv):
+def test_a_save_on_the_services_host_hands_its_files_over_and_loads_bit_for_bit(srv, caplog):
     before = _metric(srv.url, "ckptd_local_uploads_total").get('status="200"', 0.0)
     want = {"model": {"w": torch.randn(512, 1024), "b": torch.arange(7.0)}, "step": 3}
-    with CheckpointClient(srv.url, token=WRITER, file_bytes=1 << 20) as c:
-        c.save(want, "run-a/1").wait()
+    with CheckpointClient(srv.url, token=WRITER, file_bytes=1 << 20) as c, \
+            caplog.at_level(logging.INFO, logger="ckptd_client"):
+        handle = c.save(want, "run-a/1")
+        handle.wait()
         got = {"model": {"w": torch.zeros(512, 1024), "b": torch.zeros(7)}, "step": 0}
         c.load(got, "run-a/1")
     assert torch.equal(got["model"]["w"], want["model"]["w"]) and got["step"] == 3
@@ -150,6 +152,13 @@ def test_a_save_on_the_services_host_hands_its_files_over_and_loads_bit_for_bit(
     handed = _metric(srv.url, "ckptd_local_uploads_total")['status="200"'] - before
     assert handed == len(manifest["files"]) >= 2, (handed, manifest["files"])  # every file, none over HTTP
     assert not [k for k in _metric(srv.url, "ckptd_http_requests_total") if 'route="upload_file"' in k]
+    # the save's handle, and its finished line, say which way its bytes went
+    ways = handle.ways
+    assert ways.files == {"socket": len(manifest["files"]), "http": 0, "direct": 0, "linked": 0}, ways
+    assert ways.bytes["socket"] == sum(f["size"] for f in manifest["files"].values()), ways
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("saved run-a/1 rank 0")]
+    assert len(done) == 1 and f"socket {len(manifest['files'])} files" in done[0], done
+    assert not _fallbacks(caplog)
 
 
 @pytest.mark.parametrize("case", ["unsealed", "growable", "plain file", "write-only", "two descriptors",
@@ -455,6 +464,7 @@ def test_a_listener_planted_at_the_advertised_path_gets_no_token_and_no_byte(tmp
         conns = listener.stop()
         listener = None
         _gave_nothing(conns, {"session": handle.session})
+        assert handle.ways.files["socket"] == 0 and handle.ways.files["http"] >= 1, handle.ways
         said = _fallbacks(caplog)
         assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
         assert not _metric(srv.url, "ckptd_local_uploads_total")
