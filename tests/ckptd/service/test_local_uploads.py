@@ -252,17 +252,19 @@ def test_a_connection_that_sends_nothing_holds_no_other_upload_up(srv):
     assert ok["status"] == 200, ok
 
 
-def test_a_socket_that_cannot_be_reached_sends_the_files_over_http(tmp_path):
+def test_a_socket_that_cannot_be_reached_sends_the_files_over_http(tmp_path, caplog):
     s = ServerProcess(tmp_path / "root").start()
     try:
         sock = _open(s.url, "run", "0", "b" * 16)["local_socket"]
         os.unlink(sock)  # as from another container: the path is not there
-        want = {"w": torch.randn(300, 300)}
-        with CheckpointClient(s.url) as c:
+        want = {"w": torch.randn(300, 300), "v": torch.randn(300, 300)}
+        with CheckpointClient(s.url, file_bytes=256 << 10) as c, caplog.at_level(logging.INFO, logger="ckptd_client"):
             c.save(want, "run/1").wait()
-            got = {"w": torch.zeros(300, 300)}
+            said = _fallbacks(caplog)
+            assert len(said) == 1 and "FileNotFoundError" in said[0].getMessage(), [r.getMessage() for r in said]
+            got = {"w": torch.zeros(300, 300), "v": torch.zeros(300, 300)}
             c.load(got, "run/1")
-        assert torch.equal(got["w"], want["w"])
+        assert torch.equal(got["w"], want["w"]) and torch.equal(got["v"], want["v"])
         assert not _metric(s.url, "ckptd_local_uploads_total")
         assert [k for k in _metric(s.url, "ckptd_http_requests_total") if 'route="upload_file"' in k]
     finally:
