@@ -370,7 +370,8 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
     With ``direct`` (direct uploads, ``ckptd_client._presigned``), each file is PUT straight into the
     object store, until a fallback turns that off. With ``local`` (co-located uploads,
     ``ckptd_client._handover``), each file is handed to the service on this host as a sealed memory
-    file, until the socket cannot be reached; otherwise, and for a file either sends back, HTTP.
+    file, until the socket cannot be reached or its peer does not prove the session's key; otherwise,
+    and for a file either sends back, HTTP.
     ``ways`` receives which way each file went (and the files linked). With a :class:`CompressionPolicy`,
     the upload's throughput is fed back to it: the next save decides against the store as it is now.
     Once the service answers that this very session is committed (``committed`` is set, here or by the

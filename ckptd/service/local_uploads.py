@@ -184,7 +184,7 @@ class LocalUploads:
         if not all(isinstance(v, str) for v in (principal, run, name, sid)) or not is_nonce(nonce):
             raise InvalidRequest("a co-located upload's hello names principal, run, name, session and a nonce "
                                  "(64 hex digits)", field="hello")
-        seen.update(run=run[:200], checkpoint=name[:200], principal=principal[:64])
+        seen.update(run=run[:200], checkpoint=name[:200])  # its principal once proven (``_upload``)
         check_run(run), check_name(name), check_session(sid)
         key = self.key_for(principal, run, name, sid).rpartition(":")[2]
         ours = new_nonce()
