@@ -34,12 +34,15 @@ from ckptd_schemas.handover import SEALS, boot_id, is_nonce, new_nonce, prove, p
 
 from .transport import RETRY_STATUS
 
-__all__ = ["LocalHandover"]
+__all__ = ["PROOF_SECONDS", "LocalHandover"]
 
 log = logging.getLogger("ckptd_client")
 
 _SEALS = SEALS | fcntl.F_SEAL_SEAL  # and no seal taken off: none can be
 _IOV = 512  # pieces per pwritev
+#: The longest a rank waits for the service's proof (its answer to the hello, queued behind the service's
+#: other handovers): a listener at the path that never answers costs a save this much once, not its timeout.
+PROOF_SECONDS = 30.0
 
 
 class _NotTheService(Exception):
@@ -110,7 +113,7 @@ class LocalHandover:
             s.sendall(_line({"principal": self.principal, "run": self.run, "name": self.name,
                              "session": self.session, "nonce": ours}))
             buf = bytearray()
-            challenge = _read_line(s, buf, time.monotonic() + self.timeout)
+            challenge = _read_line(s, buf, time.monotonic() + min(self.timeout, PROOF_SECONDS))
             theirs = challenge.get("nonce") if isinstance(challenge, dict) else None
             if not isinstance(challenge, dict) or not proven(self.key, "service", ours, challenge.get("proof")) \
                     or not is_nonce(theirs):

@@ -43,6 +43,7 @@ import xxhash
 
 from ckptd.service.auth import hash_token
 from ckptd_client import CheckpointClient
+from ckptd_client._handover import PROOF_SECONDS
 from ckptd_client._save import build_snapshot, upload_snapshot
 from ckptd_client.session_calls import open_session
 from ckptd_client.transport import Transport
@@ -307,7 +308,8 @@ def test_idle_connections_are_answered_and_cannot_keep_a_save_off_the_socket(srv
 NOBODY = 65534
 #: A listener of another local user at a path a rank was told (run as that user): it records what each
 #: connection sent and how many descriptors came; with a key (``PRINCIPAL:HEX``, its own session's, from a
-#: write token of another run) it answers the hello with a proof under that key, else with a forged one.
+#: write token of another run) it answers the hello with a proof under that key; ``silent``: never answers;
+#: else with a forged proof.
 _LISTENER = r"""
 import hashlib, hmac, json, os, socket, sys
 path, out, key = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -321,8 +323,8 @@ while not os.path.exists(out + ".stop"):
         conn, _ = srv.accept()
     except (TimeoutError, OSError):
         continue
-    got, fds, answered = b"", 0, False
-    conn.settimeout(3)
+    got, fds, answered = b"", 0, key == "silent"
+    conn.settimeout(300 if answered else 3)
     try:
         while True:
             data, fs, _, _ = socket.recv_fds(conn, 65536, 8)
@@ -439,12 +441,13 @@ def test_a_listener_at_the_path_a_restart_freed_gets_no_token_and_no_byte(tmp_pa
         srv.stop()
 
 
-@pytest.mark.parametrize("answer", ["a proof under its own key", "a forged proof"])
+@pytest.mark.parametrize("answer", ["a proof under its own key", "a forged proof", "silence"])
 def test_a_listener_planted_at_the_advertised_path_gets_no_token_and_no_byte(tmp_path, shared_tmp, caplog,
                                                                             answer):
     """A service whose temporary directory the ranks do not see (a container; simulated: its socket moved
     aside, so the path it advertises is free on the ranks' side) and another local user bound there first.
-    ``CheckpointClient.save`` gives the listener a hello only, commits over HTTP, says so once."""
+    ``CheckpointClient.save`` gives the listener a hello only, commits over HTTP, says so once; a listener
+    that never answers costs the save ``PROOF_SECONDS``, not its client's timeout (here an hour)."""
     tokens = tmp_path / "tokens"
     tokens.write_text(TOKENS)
     srv = ServerProcess(tmp_path / "root", env={"CKPTD_TOKENS_FILE": str(tokens),
@@ -454,12 +457,13 @@ def test_a_listener_planted_at_the_advertised_path_gets_no_token_and_no_byte(tmp
         own = _open(srv.url, "else", "1", "f" * 16, token=OTHER)
         path = own["local_socket"]
         os.rename(path, path + ".private")
-        listener = _Listener(path, shared_tmp, key=own["local_key"] if answer.endswith("own key") else "-")
+        key = {"a proof under its own key": own["local_key"], "a forged proof": "-", "silence": "silent"}[answer]
+        listener = _Listener(path, shared_tmp, key=key)
         want = {"w": torch.randn(512, 512)}
         with caplog.at_level(logging.INFO, logger="ckptd_client"), \
-                CheckpointClient(srv.url, token=WRITER, file_bytes=256 << 10) as c:
+                CheckpointClient(srv.url, token=WRITER, file_bytes=256 << 10, timeout=3600) as c:
             handle = c.save(want, "run-p/1")
-            handle.wait(scaled(120))
+            handle.wait(PROOF_SECONDS + scaled(120))
             got = {"w": torch.zeros(512, 512)}
             c.load(got, "run-p/1")
         assert torch.equal(got["w"], want["w"])
@@ -468,7 +472,8 @@ def test_a_listener_planted_at_the_advertised_path_gets_no_token_and_no_byte(tmp
         _gave_nothing(conns, {"session": handle.session})
         assert handle.ways.files["socket"] == 0 and handle.ways.files["http"] >= 1, handle.ways
         said = _fallbacks(caplog)
-        assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
+        assert len(said) == 1 and said[0].levelno == (logging.INFO if answer == "silence" else logging.WARNING), \
+            [r.getMessage() for r in said]
         assert not _metric(srv.url, "ckptd_local_uploads_total")
     finally:
         if listener is not None:
