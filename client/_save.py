@@ -20,6 +20,7 @@ Call order inside :meth:`CheckpointClient.save`:
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,7 +49,9 @@ from ._presigned import DirectUploads
 from ._handover import LocalHandover
 from .session_calls import Opened, abort_session, open_session, put_index, wait_committed
 
-__all__ = ["Compression", "SaveHandle", "Snapshot", "build_snapshot", "upload_snapshot", "ways_in"]
+__all__ = ["Compression", "SaveHandle", "SaveWays", "Snapshot", "build_snapshot", "upload_snapshot", "ways_in"]
+
+log = logging.getLogger("ckptd_client")
 
 Compression = str | CompressionPolicy | None
 """``None`` (raw), ``"zstd"`` (always zstd), ``"planes"`` (always ``codec_for``'s codec: byte planes for
@@ -211,6 +214,34 @@ def _copy(snap: Snapshot, plan: SavePlan, sources: Mapping[str, LocalPiece], dig
 
 # -- upload ----------------------------------------------------------------------------------------
 
+class SaveWays:
+    """Which way this rank's bytes of a save went, files and bytes per way: ``socket`` (handed over as a
+    sealed memory file, co-located), ``http`` (sent through the service), ``direct`` (presigned, into the
+    object store), ``linked`` (an earlier checkpoint's files held, not sent: the bytes of the chunks in
+    them). ``upload_files`` adds each file as it is stored; whole once the save's index is accepted
+    (``SaveHandle.wait`` returned). ``str()``: the ways used, as the save's finished log line says them."""
+
+    WAYS = ("socket", "http", "direct", "linked")
+
+    def __init__(self) -> None:
+        self.files = dict.fromkeys(self.WAYS, 0)
+        self.bytes = dict.fromkeys(self.WAYS, 0)
+        self._lock = threading.Lock()
+
+    def add(self, way: str, nbytes: int, files: int = 1) -> None:
+        with self._lock:
+            self.files[way] += files
+            self.bytes[way] += nbytes
+
+    def __str__(self) -> str:
+        used = [f"{w} {self.files[w]} file{'s' if self.files[w] != 1 else ''} {self.bytes[w]:,} B"
+                for w in self.WAYS if self.files[w]]
+        return ", ".join(used) or "no file"
+
+    def __repr__(self) -> str:
+        return f"SaveWays({self})"
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
@@ -333,15 +364,16 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
                  file_bytes: int, streams: int, prefix: str | None = None,
                  committed: threading.Event | None = None,
                  links: SaveLinks | None = None, direct: DirectUploads | None = None,
-                 local: LocalHandover | None = None) -> RankIndex:
+                 local: LocalHandover | None = None, ways: SaveWays | None = None) -> RankIndex:
     """Pack the snapshot into files, stream them (several at once), return the rank's index.
 
     With ``direct`` (direct uploads, ``ckptd_client._presigned``), each file is PUT straight into the
     object store, until a fallback turns that off. With ``local`` (co-located uploads,
     ``ckptd_client._handover``), each file is handed to the service on this host as a sealed memory
-    file, until the socket cannot be reached; otherwise, and for a file either sends back, HTTP.
-    With a :class:`CompressionPolicy`, the upload's throughput is fed back to it: the next save
-    decides against the store as it is now.
+    file, until the socket cannot be reached or its peer does not prove the session's key; otherwise,
+    and for a file either sends back, HTTP.
+    ``ways`` receives which way each file went (and the files linked). With a :class:`CompressionPolicy`,
+    the upload's throughput is fed back to it: the next save decides against the store as it is now.
     Once the service answers that this very session is committed (``committed`` is set, here or by the
     caller), the remaining files are packed and hashed but not sent: the index still comes back whole,
     for the service to compare with the one it committed.
@@ -354,22 +386,27 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
     starts: list[float] = []  # the upload's rate, for the compression policy, runs from the first PUT
     linked = links.link(transport, base, session, snap.rank) if links is not None and not committed.is_set() else None
     order = snap.order(linked, links.unchanged if links is not None else ())
+    ways = ways if ways is not None else SaveWays()
+    held = [p.location for w in order for p in w.linked or ()]
+    if held:
+        ways.add("linked", sum(at.length for at in held), files=len({at.file for at in held}))
 
-    def send(f: _File) -> None:
+    def send(f: _File) -> str:
         starts.append(time.perf_counter())
         if direct is not None and direct.enabled and direct.put(f.name, f.size, lambda: _pieces(f)):
-            return
+            return "direct"
         if local is not None and local.enabled and local.put(f.name, f.size, f.xxh3, lambda: _pieces(f)):
-            return
+            return "socket"
         transport.request("PUT", f"{base}/sessions/{session}/files/{f.name}", content=lambda: _stream(f),
                           headers={"X-Ckptd-Xxh3": f.xxh3, "Content-Length": str(f.size),
                                    "Content-Type": "application/octet-stream"})
+        return "http"
 
     def put(f: _File) -> None:
         if committed.is_set():
             return
         try:
-            send(f)
+            ways.add(send(f), f.size)
         except AlreadyCommitted as e:
             if not _ours(e, session):
                 raise
@@ -405,9 +442,8 @@ def ways_in(transport: Transport, base: str, session: str, opened: Opened, *,
     the service on this host, unless ``local_uploads`` is False); closed at the end."""
     direct = DirectUploads(transport, base, session, transport.timeout) if opened.presigned else None
     ref = parse_ref(base.removeprefix("/v1/checkpoints/"))
-    local = LocalHandover.offered(opened.local_socket, opened.local_host, run=ref.run, name=ref.name,
-                                  session=session, token=transport.token,
-                                  timeout=transport.timeout) if local_uploads else None
+    local = LocalHandover.offered(opened.local_socket, opened.local_host, opened.local_key, run=ref.run,
+                                  name=ref.name, session=session, timeout=transport.timeout) if local_uploads else None
     try:
         yield {"direct": direct, "local": local}
     finally:
@@ -419,7 +455,7 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
                     compression: Compression, file_bytes: int, streams: int,
                     direct_uploads: bool = False, history: ChunkHistory | None = None,
                     parent: str | None = None, opened: Opened | None = None,
-                    local_uploads: bool = True) -> SessionStatus:
+                    local_uploads: bool = True, ways: SaveWays | None = None) -> SessionStatus:
     """Open-or-join (recording ``parent``) unless the stall opened the session (``opened``: what it
     answered), upload files, send the index; return the session status after it.
 
@@ -434,7 +470,11 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
 
     With ``history`` (incremental saves), unchanged chunks are linked from the rank's previous save
     to the run, and the history learns this save once the service accepted its index.
+
+    ``ways`` (``SaveHandle.ways``) receives which way each file went; once the index is accepted, the
+    save's finished line (INFO) says them.
     """
+    ways = ways if ways is not None else SaveWays()
     committed = threading.Event()
     ref = parse_ref(base.removeprefix("/v1/checkpoints/"))
     links = history.begin(ref.run, ref.name, snap) if history is not None else None
@@ -448,23 +488,27 @@ def upload_snapshot(transport: Transport, base: str, session: str, snap: Snapsho
                 raise
             opened = Opened()
             committed.set()
-        with ways_in(transport, base, session, opened, local_uploads=local_uploads) as ways:
+        with ways_in(transport, base, session, opened, local_uploads=local_uploads) as offered:
             index = upload_files(transport, base, session, snap, compression=compression, file_bytes=file_bytes,
-                                 streams=streams, committed=committed, links=links, **ways)
+                                 streams=streams, committed=committed, links=links, ways=ways, **offered)
     except Exception:
         abort_session(transport, base, session)
         raise
     status = put_index(transport, base, session, index)
     if history is not None and links is not None:
         history.remember(links)
+    log.info("saved %s/%s rank %d (session %s, %s): %s", ref.run, ref.name, snap.rank, session, status.state, ways)
     return status
 
 
 class SaveHandle:
-    """A save in flight. ``wait()`` returns once the checkpoint is committed, or raises why not."""
+    """A save in flight. ``wait()`` returns once the checkpoint is committed, or raises why not.
+    ``ways``: which way this rank's bytes went (:class:`SaveWays`: socket, HTTP, direct, linked)."""
 
-    def __init__(self, ref: str, session: str, future: Future, transport: Transport, base: str) -> None:
+    def __init__(self, ref: str, session: str, future: Future, transport: Transport, base: str,
+                 ways: SaveWays | None = None) -> None:
         self.ref, self.session = ref, session
+        self.ways = ways if ways is not None else SaveWays()
         self._future, self._transport, self._base = future, transport, base
         self._status: SessionStatus | None = None
         self._observed = False

@@ -19,7 +19,7 @@ from ._load import LoadReport, load_into
 from ._pool import SnapshotPool
 from ._incremental import ChunkHistory, link_early
 from .session_calls import Opened, open_session
-from ._save import SaveHandle, Snapshot, build_snapshot, upload_snapshot
+from ._save import SaveHandle, SaveWays, Snapshot, build_snapshot, upload_snapshot
 from ckptd_schemas.format.objects import ObjectPolicy, SafeGlobal
 from ._flatten import flatten
 from ._writers import ReplicaWriters, plain_tensors
@@ -262,16 +262,17 @@ class CheckpointClient(CatalogClient):
                 raise refused
             snap.release()
             raise CommitFailed(f"{ref} was not started: {why}", ref=ref)
+        ways = SaveWays()
         try:
             future = self._uploader.submit(_upload_then_release, self._transport, base, session, snap, step,
                                            compression=self._codec, file_bytes=self.file_bytes,
                                            streams=self.streams, direct_uploads=self.direct_uploads,
                                            history=self.history, parent=parent, opened=opened,
-                                           local_uploads=self.local_uploads)
+                                           local_uploads=self.local_uploads, ways=ways)
         except BaseException:
             snap.release()
             raise
-        handle = SaveHandle(str(r), session, future, self._transport, base)
+        handle = SaveHandle(str(r), session, future, self._transport, base, ways)
         with self._lock:
             self._pending.append(handle)
         return handle

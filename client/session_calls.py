@@ -32,6 +32,7 @@ class Opened:
     presigned: bool = False
     local_socket: str | None = None  # co-located uploads: the service's socket, and its host's boot id
     local_host: str | None = None
+    local_key: str | None = None  # and the key through which the service and this principal prove themselves
 
 
 def _path(base: str, session: str) -> str:
@@ -53,7 +54,8 @@ def open_session(transport: Transport, base: str, session: str, world: int, step
                                                         timeout=timeout))
     if info.keepalive_seconds:  # until the session is committed, refused or gone (the keep-alive's answer says)
         KEEPALIVE.hold(transport, _path(base, session), info.keepalive_seconds)
-    return Opened(presigned=bool(info.presigned), local_socket=info.local_socket, local_host=info.local_host)
+    return Opened(presigned=bool(info.presigned), local_socket=info.local_socket, local_host=info.local_host,
+                  local_key=info.local_key)
 
 
 def put_index(transport: Transport, base: str, session: str, index: RankIndex) -> SessionStatus:

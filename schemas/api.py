@@ -94,6 +94,10 @@ class SessionInfo(_Answer):
         None, description="a Unix socket through which a rank on the service's host (local_host) hands each data "
         "file over as a sealed memory file instead of sending it (co-located uploads)")
     local_host: str | None = Field(None, description="the boot id of the service's host, for local_socket")
+    local_key: str | None = Field(
+        None, description="for local_socket: PRINCIPAL:KEY, the key through which this principal and the service "
+        "prove themselves to each other before a file is handed over (ckptd_schemas.handover); it authorizes "
+        "only this principal's uploads to this session")
 
 
 _SHA256 = Annotated[str, Field(pattern=r"^[A-Za-z0-9+/]{43}=$")]  # base64, as S3's x-amz-checksum-sha256

@@ -60,7 +60,8 @@ from ..store.space import parse_size
 from .error_body import send_error
 
 __all__ = ["OPEN", "ROUTE_RULES", "AccessMiddleware", "AuthConfigError", "Principal", "Rule", "TokenStore",
-           "authorize", "check_routes", "hash_token", "iter_routes", "parse_tokens", "principal_for", "principal_of"]
+           "authorize", "check_routes", "hash_token", "iter_routes", "parse_tokens", "principal_for", "principal_named",
+           "principal_of"]
 
 log = logging.getLogger("ckptd.service")
 
@@ -352,6 +353,19 @@ def principal_for(tokens: TokenStore, token: str | None) -> Principal:
     if principal is None:
         raise Unauthorized(NO_TOKEN if token is None else "the bearer token is not valid")
     return principal
+
+
+def principal_named(tokens: TokenStore, name: str) -> Principal:
+    """The principal called ``name`` now (the tokens file re-read when it changed), for a way in whose
+    proof names its principal rather than presenting its token (co-located uploads: a key the service
+    gave that principal over HTTP); :class:`Unauthorized` when no token has that name any more."""
+    if not tokens.enabled:
+        return OPEN_PRINCIPAL
+    tokens._maybe_reload()
+    found = next((e.principal for e in tokens.entries if e.principal.name == name), None)
+    if found is None:
+        raise Unauthorized(f"no token is named {name[:64]!r} any more")
+    return found
 
 
 def principal_of(request: Request) -> Principal:

@@ -5,26 +5,32 @@ the socket and Python work per body piece (``BENCHMARKS.md``: where the service'
 on the same host (the session's answer names this host's boot id and this socket:
 ``SessionInfo.local_socket``) writes the file into a memory file instead, seals it against every
 change (``F_SEAL_WRITE``, ``F_SEAL_SHRINK``, ``F_SEAL_GROW``) and passes its descriptor over a Unix
-socket (``SCM_RIGHTS``) with a one-line header. The rank keeps no way to change those bytes, as with
-HTTP: what the service reads is what it stores and checks.
+socket (``SCM_RIGHTS``). The rank keeps no way to change those bytes, as with HTTP: what the service
+reads is what it stores and checks.
 
-It is the HTTP upload's strategy, not a new rule: the same token rule (``auth.principal_for``), the
-same write scope on the run, the same per-token upload slots, and the same intake (the token's
-quota and the root's reserve asked there): the memory file,
-mapped read-only, goes through ``SessionStore.begin_file`` (hashed, block digests, written past the
-page cache) and ``finish`` with the declared digest; the commit's checker reads the stored bytes
-back as for any upload. A descriptor that is not a memory file sealed so is refused (unsealed, the
-rank could change the bytes while they are read, or shrink the file under the service's mapping).
+The socket trusts a key, not a token: the session's answer gives its writer ``local_key``
+(:meth:`LocalUploads.key_for`: this process's random secret over the principal, run, name and session),
+and each side proves it holds that key to the other before anything is handed over
+(``ckptd_schemas.handover``: the wire). The rank thus gives nothing to a listener that is not this
+service (a path freed by a restart, or planted where this service's temporary directory is private),
+and what crosses the socket authorizes only that principal's uploads to that session; the principal
+is then looked up again (the tokens file may have changed) and must still have write on the run.
 
-The wire (one file per connection, a header line with the descriptor, an answer line) is
-``ckptd_schemas.handover``.
+The rest is the HTTP upload's: the same per-principal upload slots, and the same intake (the
+principal's quota and the root's reserve asked there): the memory
+file, read a window at a time into one buffer (never mapped: reading a hole of a sparse memory file
+allocates nothing), goes through ``SessionStore.begin_file`` (hashed, block digests, written past the
+page cache) and ``finish`` with the declared digest; the commit's checker reads the stored bytes back
+as for any upload. A descriptor that is not a memory file sealed so, not open for reading, or of
+another size than declared is refused 400 before a byte is read (unsealed, the rank could change the
+bytes while they are read).
 
 Call order: ``create_app`` builds one :class:`LocalUploads` (``CKPTD_LOCAL_UPLOADS``, on by default)
-and names its socket in every session's answer; the lifespan calls :meth:`start` (the socket bound
-at a fresh path in the temporary directory, a thread accepting, a small pool serving; a connection
-must send its header within :data:`HEADER_SECONDS`, and past :data:`MAX_CONNECTIONS` held at once a
-new one is closed, so idle connections only send other ranks to HTTP) and :meth:`stop` (closed and
-unlinked).
+and names its socket and a session key in every session's answer; the lifespan calls :meth:`start`
+(the socket bound at a fresh path in the temporary directory, a thread accepting, a small pool
+serving; a connection must send its hello and header, whole, within :data:`HEADER_SECONDS` of being
+served, and past :data:`MAX_CONNECTIONS` held at once a new one is closed, so idle connections only
+send other ranks to HTTP) and :meth:`stop` (closed and unlinked).
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
-import mmap
 import os
+import secrets
 import socket
 import stat
 import tempfile
@@ -43,10 +49,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ckptd_schemas import CkptdError, Forbidden, InvalidRequest, check_file, check_name, check_run, check_session
-from ckptd_schemas.handover import HEADER_BYTES, SEALS, boot_id
+from ckptd_schemas import (
+    CkptdError, Forbidden, InvalidRequest, Unauthorized, check_file, check_name, check_run, check_session,
+)
+from ckptd_schemas.handover import HEADER_BYTES, SEALS, boot_id, is_nonce, new_nonce, prove, proven, session_key
 
-from .auth import TokenStore, principal_for
+from .auth import TokenStore, principal_named
 from .error_body import error_body
 from .limits import UploadSlots
 from .logs import access_log
@@ -59,9 +67,10 @@ __all__ = ["LocalUploads"]
 
 log = logging.getLogger("ckptd.service")
 
-PIECE = 8 << 20  # bytes handed to the intake at a time
-HEADER_SECONDS = 2.0  # a connection that sends no header within this is closed (a rank sends it at once)
+PIECE = 8 << 20  # the read window: bytes read into the buffer and handed to the intake at a time
+HEADER_SECONDS = 2.0  # a connection's hello and header, whole, arrive within this (a rank sends them at once)
 MAX_CONNECTIONS = 64  # held at once (served or waiting); one more is closed at once: that rank uses HTTP
+_XXH3 = frozenset("0123456789abcdefABCDEF")
 
 
 class LocalUploads:
@@ -72,21 +81,28 @@ class LocalUploads:
         self.sessions, self.tokens, self.uploads, self.metrics = sessions, tokens, uploads, metrics
         self.path = os.path.join(tempfile.gettempdir(), f"ckptd-{uuid.uuid4().hex[:16]}.sock")
         self.host = boot_id()
+        self._secret = secrets.token_bytes(32)  # this process's: a restarted service's keys are new ones
         self._sock: socket.socket | None = None
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptd-local-upload")
         self._thread: threading.Thread | None = None
         self._held = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._buffers = threading.local()  # each worker's read window, reused for every file it reads
 
     @property
     def address(self) -> str | None:
         """The socket's path while it accepts, for the session's answer; None when it does not."""
         return self.path if self._sock is not None and self.host is not None else None
 
+    def key_for(self, principal: str, run: str, name: str, session: str) -> str:
+        """``SessionInfo.local_key``: what ``principal`` proves itself with here for its uploads to this
+        session, and what proves this service to it (given only in an HTTP answer to that principal)."""
+        return session_key(self._secret, principal, run, name, session)
+
     def start(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(self.path)
-            os.chmod(self.path, 0o666)  # who may write is decided by the token, as over HTTP on 127.0.0.1
+            os.chmod(self.path, 0o666)  # who may hand a file over is decided by the session key
             sock.listen(64)
         except OSError as e:
             sock.close()
@@ -129,15 +145,17 @@ class LocalUploads:
             self._held.release()
 
     def _serve(self, conn: socket.socket) -> None:
-        fds: list[int] = []
+        lines = _Lines(conn, time.monotonic() + HEADER_SECONDS)
         seen: dict[str, Any] = {"route": "local_upload"}  # what the access log says of it
         t0 = time.perf_counter()
         try:
-            conn.settimeout(HEADER_SECONDS)
-            header, fds = _receive(conn)
-            if len(fds) != 1:
-                raise InvalidRequest(f"a co-located upload passes one file descriptor, not {len(fds)}", field="fd")
-            result = self._upload(header, fds[0], seen)
+            hello = lines.read("hello")
+            key = self._challenge(conn, hello, seen)
+            header = lines.read("header")
+            if len(lines.fds) != 1:
+                raise InvalidRequest(f"a co-located upload passes one file descriptor with its header, not "
+                                     f"{len(lines.fds)}", field="fd")
+            result = self._upload(hello, key, header, lines.fds[0], seen)
             reply: dict[str, Any] = {"status": 200, "result": result}
         except CkptdError as e:
             reply = {"status": e.status, **error_body(e)}
@@ -145,8 +163,7 @@ class LocalUploads:
             log.exception("co-located upload failed")
             reply = {"status": 500, **error_body(CkptdError(f"internal error: {type(e).__name__}: {e}"))}
         finally:
-            for fd in fds:
-                os.close(fd)
+            lines.close_fds()
         status = seen["status"] = reply["status"]
         seen["duration_ms"] = round((time.perf_counter() - t0) * 1000, 1)
         if self.metrics is not None:
@@ -161,29 +178,49 @@ class LocalUploads:
         finally:
             conn.close()
 
-    def _upload(self, header: dict[str, Any], fd: int, seen: dict[str, Any]) -> dict[str, Any]:
-        """The file behind ``fd`` through the intake, as ``PUT .../files/{file}`` takes a body; ``seen``
-        gathers what the access log says of it (run, checkpoint, file, principal, bytes)."""
-        run, name, sid, file, xxh3 = (header.get(k) for k in ("run", "name", "session", "file", "xxh3"))
-        if not all(isinstance(v, str) for v in (run, name, sid, file, xxh3)):
-            raise InvalidRequest("a co-located upload's header names run, name, session, file and xxh3", field="header")
-        seen.update(run=run[:200], checkpoint=name[:200], file=file[:200])
-        check_run(run), check_name(name), check_session(sid), check_file(file)
-        token = header.get("token")
-        principal = principal_for(self.tokens, token if isinstance(token, str) else None)
+    def _challenge(self, conn: socket.socket, hello: dict[str, Any], seen: dict[str, Any]) -> tuple[str, str]:
+        """Answer the hello: this service's proof of the session's key over the rank's nonce, and a nonce of
+        its own for the rank's proof; returns ``(key, that nonce)``. Anyone may ask (the key is never sent)."""
+        principal, run, name, sid, nonce = (hello.get(k) for k in ("principal", "run", "name", "session", "nonce"))
+        if not all(isinstance(v, str) for v in (principal, run, name, sid)) or not is_nonce(nonce):
+            raise InvalidRequest("a co-located upload's hello names principal, run, name, session and a nonce "
+                                 "(64 hex digits)", field="hello")
+        seen.update(run=run[:200], checkpoint=name[:200])  # its principal once proven (``_upload``)
+        check_run(run), check_name(name), check_session(sid)
+        key = self.key_for(principal, run, name, sid).rpartition(":")[2]
+        ours = new_nonce()
+        try:
+            conn.sendall(json.dumps({"proof": prove(key, "service", nonce), "nonce": ours}).encode() + b"\n")
+        except OSError as e:
+            raise InvalidRequest(f"a co-located upload's rank went away after its hello: {e}", field="hello") from None
+        return key, ours
+
+    def _upload(self, hello: dict[str, Any], key: tuple[str, str], header: dict[str, Any], fd: int,
+                seen: dict[str, Any]) -> dict[str, Any]:
+        """The file behind ``fd`` through the intake, as ``PUT .../files/{file}`` takes a body, once the
+        header proves the session's key; ``seen`` gathers what the access log says of it."""
+        file, size, xxh3 = header.get("file"), header.get("size"), header.get("xxh3")
+        if not isinstance(file, str) or not isinstance(xxh3, str) or type(size) is not int or size < 0:
+            raise InvalidRequest("a co-located upload's header names proof, file, size and xxh3", field="header")
+        seen["file"] = file[:200]
+        if not proven(key[0], "rank", key[1], header.get("proof")):
+            raise Unauthorized(f"file {file[:200]!r}: the header does not prove the session's key (local_key of "
+                               f"this service's answer to the session)", file=file[:200])
+        run, name, sid = hello["run"], hello["name"], hello["session"]
+        check_file(file)
+        if len(xxh3) != 16 or not set(xxh3) <= _XXH3:
+            raise InvalidRequest(f"file {file!r}: xxh3 is 16 hex digits", file=file, field="xxh3")
+        principal = principal_named(self.tokens, hello["principal"])
         seen["principal"] = principal.name
         if not principal.can_write(run):
             raise Forbidden(f"token {principal.name!r} (scopes {principal.scopes}) may not write run {run!r}",
                             token=principal.name, needs=f"write:{run}")
-        size = seen["bytes_in"] = _sealed_size(fd, file)
+        _check_handed(fd, file, size)
         release = self.uploads.acquire(principal.name, file)
         try:
             sink = self.sessions.begin_file(run, name, sid, file, principal)
             try:
-                for at in range(0, size, PIECE):  # one piece mapped at a time: resident memory stays a piece
-                    with mmap.mmap(fd, min(PIECE, size - at), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
-                                   offset=at) as mm, memoryview(mm) as piece:
-                        sink.write(piece)
+                self._read_into(fd, size, sink, seen)
                 return sink.finish(xxh3).model_dump(mode="json")
             except BaseException:
                 sink.abort()
@@ -191,40 +228,83 @@ class LocalUploads:
         finally:
             release()
 
+    def _read_into(self, fd: int, size: int, sink: Any, seen: dict[str, Any]) -> None:
+        """``size`` bytes of ``fd`` into ``sink``, a window at a time through this worker's one buffer:
+        the service's memory per handover is the window, whatever the file (holes read as zeros,
+        allocating nothing)."""
+        buf = getattr(self._buffers, "window", None)
+        if buf is None:
+            buf = self._buffers.window = memoryview(bytearray(PIECE))
+        seen["bytes_in"] = 0
+        at = 0
+        while at < size:
+            n = os.preadv(fd, [buf[:min(PIECE, size - at)]], at)
+            if n <= 0:  # sealed against shrinking: cannot happen, but never loop
+                raise InvalidRequest(f"file {seen.get('file')!r}: the memory file ended at {at} of {size} bytes",
+                                     file=seen.get("file"))
+            sink.write(buf[:n])
+            at += n
+            seen["bytes_in"] = at
 
-def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    """The header line and the descriptors that came with it."""
-    fds: list[int] = []
-    try:
-        data, fds, _, _ = socket.recv_fds(conn, HEADER_BYTES, 4)
-        buf = bytearray(data)
-        while b"\n" not in buf:
-            if not data or len(buf) >= HEADER_BYTES:
-                raise InvalidRequest(f"a co-located upload starts with a header line of at most {HEADER_BYTES} "
-                                     f"bytes", field="header")
-            data = conn.recv(HEADER_BYTES - len(buf))
-            buf += data
-        header = json.loads(bytes(buf[:buf.index(b"\n")]))
-    except (OSError, ValueError, InvalidRequest) as e:
-        for fd in fds:
+
+class _Lines:
+    """The lines a rank sends on one connection, and the descriptors that came with them, all within
+    one deadline (``time.monotonic``): each read waits only for what is left of it, so a peer that
+    trickles bytes is cut when the deadline passes, not per read; :data:`HEADER_BYTES` in all."""
+
+    def __init__(self, conn: socket.socket, deadline: float) -> None:
+        self.conn, self.deadline = conn, deadline
+        self.fds: list[int] = []
+        self._buf = bytearray()
+        self._taken = 0
+
+    def read(self, what: str) -> dict[str, Any]:
+        while b"\n" not in self._buf:
+            if self._taken >= HEADER_BYTES:
+                raise InvalidRequest(f"a co-located upload's hello and header take at most {HEADER_BYTES} bytes",
+                                     field=what)
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise InvalidRequest(f"a co-located upload's {what} did not arrive whole within {HEADER_SECONDS:g} s",
+                                     field=what)
+            try:
+                self.conn.settimeout(left)
+                data, fds, _, _ = socket.recv_fds(self.conn, HEADER_BYTES - self._taken, 4)
+            except TimeoutError:
+                continue  # the deadline, said above
+            except OSError as e:
+                raise InvalidRequest(f"a co-located upload's {what} did not arrive whole: {e}", field=what) from None
+            self.fds += fds
+            if not data:
+                raise InvalidRequest(f"a co-located upload's {what} did not arrive whole: the rank closed the "
+                                     f"connection", field=what)
+            self._buf += data
+            self._taken += len(data)
+        cut = self._buf.index(b"\n")
+        line, self._buf = bytes(self._buf[:cut]), self._buf[cut + 1:]
+        try:
+            value = json.loads(line)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise InvalidRequest(f"a co-located upload's {what} is one line of a JSON object", field=what)
+        return value
+
+    def close_fds(self) -> None:
+        for fd in self.fds:
             os.close(fd)
-        if isinstance(e, InvalidRequest):
-            raise
-        raise InvalidRequest(f"a co-located upload's header did not arrive whole: {e}", field="header") from None
-    if not isinstance(header, dict):
-        for fd in fds:
-            os.close(fd)
-        raise InvalidRequest("a co-located upload's header is a JSON object", field="header")
-    return header, list(fds)
+        self.fds = []
 
 
-def _sealed_size(fd: int, file: str) -> int:
-    """The size of the memory file ``fd``; :class:`InvalidRequest` unless it is a regular memory file
-    sealed against writes, shrinking and growth."""
+def _check_handed(fd: int, file: str, size: int) -> None:
+    """:class:`InvalidRequest` unless ``fd`` is a regular memory file open for reading, sealed against
+    writes, shrinking and growth, of the ``size`` declared: all decided before a byte is read."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise InvalidRequest(f"file {file!r}: a co-located upload passes a memory file, not this descriptor",
                              file=file)
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE not in (os.O_RDONLY, os.O_RDWR):
+        raise InvalidRequest(f"file {file!r}: the memory file passed is not open for reading", file=file)
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
@@ -233,4 +313,6 @@ def _sealed_size(fd: int, file: str) -> int:
         raise InvalidRequest(f"file {file!r}: the memory file passed is not sealed against writes, shrinking and "
                              f"growth (F_SEAL_WRITE, F_SEAL_SHRINK, F_SEAL_GROW): its bytes could change while "
                              f"they are read", file=file)
-    return st.st_size
+    if st.st_size != size:
+        raise InvalidRequest(f"file {file!r}: the memory file passed holds {st.st_size} bytes, the header declares "
+                             f"{size}", file=file, field="size", declared=size, actual=st.st_size)

@@ -77,6 +77,7 @@ def upload_router(svc: Services) -> APIRouter:
             info.presigned = True
         if svc.local is not None and svc.local.address is not None:  # ranks on this host hand files over there
             info.local_socket, info.local_host = svc.local.address, svc.local.host
+            info.local_key = svc.local.key_for(principal_of(request).name, run, name, info.session)
         return info
 
     @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/presign", response_model=PresignedUpload)

@@ -222,10 +222,16 @@ def test_compressed_and_raw_chunks_link_alike(server, compression):
 
 def test_show_reports_bytes_written_and_linked(server):
     client = CheckpointClient(server.url, file_bytes=MIB)
+    handles = []
     for s in (1, 2):
-        client.save(_state(s), f"show/{s}").wait()
+        handles.append(client.save(_state(s), f"show/{s}"))
+        handles[-1].wait()
     client.close()
     m = _manifest(server.url, "show/2")
+    ways = handles[1].ways  # the save's handle says the same: what it wrote, which way, and what it linked
+    assert ways.files["linked"] == len([f for f in m.files.values() if f.linked is not None]) > 0, ways
+    assert ways.bytes["linked"] == m.unchanged_bytes and sum(ways.files.values()) == len(m.files), ways
+    assert sum(ways.bytes[w] for w in ("socket", "http", "direct")) == _written(m), (ways, _written(m))
     r = _ckptd("show", "show/2", "--root", str(server.root))
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stdout.splitlines() if x.startswith("written"))

@@ -5,7 +5,11 @@
   read or is empty, so a rank on a host without one never hands a file over;
 * :data:`SEALS` are exactly the seals that make a memory file immutable: a file carrying them
   refuses a write, a shrink and a growth, and still reads;
-* :data:`HEADER_BYTES` bounds a header line: a header of the largest names and a token fits in it.
+* :data:`HEADER_BYTES` bounds what a rank sends: a hello and a header of the longest names fit in it;
+* the session key (:func:`session_key`) is one per secret, principal, run, name and session, and
+  :func:`split_key` gives back its principal (a name with ``:`` too) and key; anything else is no key;
+* a proof (:func:`prove`) holds for its key, role and nonce only (:func:`proven`): one side's answer
+  is never the other's, and a proof under another session's key, or not a string, is no proof.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import pytest
 
 import ckptd_schemas.handover as handover
 from ckptd_schemas import check_file, check_name, check_run, check_session
-from ckptd_schemas.handover import HEADER_BYTES, SEALS, boot_id
+from ckptd_schemas.handover import (
+    HEADER_BYTES, SEALS, boot_id, is_nonce, new_nonce, prove, proven, session_key, split_key,
+)
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
@@ -97,8 +103,41 @@ def test_a_memory_file_with_the_seals_cannot_change_but_reads():
         os.close(fd)
 
 
-def test_a_header_of_the_longest_names_fits_the_bound():
-    header = {"token": "t" * 4096, "run": check_run("r" * 128), "name": check_name("n" * 128),
-              "session": check_session("s" * 64), "file": check_file("f" * 128), "xxh3": "0" * 16}
-    line = json.dumps(header).encode() + b"\n"
-    assert len(line) < HEADER_BYTES == 16 << 10
+def test_a_hello_and_header_of_the_longest_names_fit_the_bound():
+    run, name, sid = check_run("r" * 128), check_name("n" * 128), check_session("s" * 64)
+    key = split_key(session_key(b"x" * 32, "p" * 64, run, name, sid))
+    assert key is not None
+    hello = {"principal": "p" * 64, "run": run, "name": name, "session": sid, "nonce": new_nonce()}
+    header = {"proof": prove(key[1], "rank", new_nonce()), "file": check_file("f" * 128), "size": 1 << 62,
+              "xxh3": "0" * 16}
+    sent = sum(len(json.dumps(m).encode()) + 1 for m in (hello, header))
+    assert sent < HEADER_BYTES == 16 << 10
+
+
+def test_a_session_key_is_one_per_secret_principal_and_session():
+    coords = ("trainer", "gpt", "100", "a" * 16)
+    key = session_key(b"s" * 32, *coords)
+    assert key == session_key(b"s" * 32, *coords)  # the service derives it again from a hello
+    others = {session_key(b"t" * 32, *coords), session_key(b"s" * 32, "other", *coords[1:]),
+              session_key(b"s" * 32, "trainer", "gpt2", "100", "a" * 16),
+              session_key(b"s" * 32, "trainer", "gpt", "101", "a" * 16),
+              session_key(b"s" * 32, "trainer", "gpt", "100", "b" * 16),
+              session_key(b"s" * 32, "trainer", "gpt1", "00", "a" * 16)}  # the fields cannot slide into each other
+    assert len({split_key(k)[1] for k in others | {key}}) == 7
+    assert split_key(key)[0] == "trainer" and len(split_key(key)[1]) == 64
+    assert split_key(session_key(b"s" * 32, "team:ci", *coords[1:]))[0] == "team:ci"
+    for bad in ("", "trainer", ":" + "0" * 64, "trainer:" + "0" * 63, "trainer:" + "G" * 64):
+        assert split_key(bad) is None, bad
+
+
+def test_a_proof_holds_for_its_key_role_and_nonce_only():
+    key = split_key(session_key(b"s" * 32, "trainer", "gpt", "100", "a" * 16))[1]
+    other = split_key(session_key(b"s" * 32, "trainer", "gpt", "100", "b" * 16))[1]
+    nonce = new_nonce()
+    assert is_nonce(nonce) and nonce != new_nonce() and not is_nonce("0" * 63) and not is_nonce(None)
+    assert proven(key, "service", nonce, prove(key, "service", nonce))
+    assert not proven(key, "rank", nonce, prove(key, "service", nonce))  # the service's answer is not the rank's
+    assert not proven(key, "service", nonce, prove(other, "service", nonce))
+    assert not proven(key, "service", new_nonce(), prove(key, "service", nonce))
+    for bad in (None, 0, "", "0" * 64, prove(key, "service", nonce).upper(), "é" * 64):
+        assert not proven(key, "service", nonce, bad), bad

@@ -55,7 +55,7 @@ def _upload(app, data: bytes, *, sid: str = "s1", rank: int = 0, digest: str | N
 def test_the_last_index_commits_and_the_status_says_so(app, svc):
     info = _open(app)
     assert (info.run, info.name, info.session, info.world_size, info.step) == ("up", "1", "s1", 1, 1)
-    assert info.local_socket is None and info.local_host is None and not info.presigned
+    assert info.local_socket is None and info.local_host is None and info.local_key is None and not info.presigned
     r = _upload(app, DATA)
     assert r.status_code == 200
     assert r.json() == {"file": FILE, "size": len(DATA), "xxh3": xxhash.xxh3_64_hexdigest(DATA)}
