@@ -212,7 +212,7 @@ class Transport:
                     if len(self.urls) > 1:
                         self._fail_over(active)
                     unreachable.add(active)
-                    if len(unreachable) < len(self.urls):
+                    if len(unreachable | hopeless) < len(self.urls):
                         continue  # another replica not tried yet: at once, no pause
                     if not self.retry_refused:
                         raise Unavailable(f"cannot connect to ckptd at {', '.join(self.urls)}: {e} (is `ckptd serve` "

@@ -39,7 +39,9 @@ from typing import Iterator
 import pytest
 import torch
 
-from ckptd_client import CatalogClient, CheckpointClient, KindMismatch, StateDictMismatch, Unreachable
+from ckptd_client import (
+    CatalogClient, CheckpointClient, KindMismatch, StateDictMismatch, Unavailable, Unreachable,
+)
 from support import ServerProcess, read_only_view, scaled
 
 #: What every test's client would retry for, were the failure retried: far longer than its hang guard.
@@ -252,6 +254,15 @@ def test_a_tls_mismatch_is_final_at_once_and_names_what_is_wrong(servers):
     e = _final_at_once(tls.url)
     assert e.details["cause"] == "tls" and "certificate is not trusted" in e.message and "SSL_CERT_FILE" in e.message
     assert tls.accepted == 1, tls.accepted
+    # Replicas: one whose TLS fails is passed over for the next; a refused one beside it does not loop.
+    with CatalogClient([https_to_plain, plain.url], retry_seconds=BUDGET, token="") as c:
+        assert c.list_runs() == []
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: refused
+        refused = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        with CatalogClient([tls.url, refused], retry_seconds=BUDGET, token="", retry_refused=False) as c, \
+                pytest.raises(Unavailable):
+            c.list_runs()
     # The CLI: one line, exit 2.
     for url in (https_to_plain, tls.url):
         line = _one_line(_cli("ls", "--server", url), 2)
