@@ -14,8 +14,8 @@ identically on either side of the wire.
     │   ├── InvalidName               400 invalid_name        run, name, file or ref unsafe or malformed
     │   ├── InvalidIndex              422 invalid_index       a rank's index is inconsistent
     │   ├── StateDictMismatch         422 state_dict_mismatch load: keys, shapes or dtypes differ
-    │   │   └── KindMismatch          422 kind_mismatch       load: a key stored as a tensor is asked for as an
-    │   │                                                     object, or the other way round (names the key)
+    │   │   └── KindMismatch          422 kind_mismatch       load: a key stored as a tensor asked for as
+    │   │                                                     an object, or the other way round
     │   ├── CollectiveMismatch        422 collective_mismatch the ranks of a collective save or load make
     │   │                                                     different calls (ref, save or load), or some
     │   │                                                     do not join in time (raised by the client,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ckptd_schemas import InvalidName, parse_ref
+from ckptd_schemas import InvalidName, NotFound, parse_ref
 from ckptd_schemas.dtypes import FLOATING
 
 from .output import human, progress_bar
@@ -18,8 +18,6 @@ CAST_DTYPES = sorted(FLOATING)  # what --dtype casts to, and which tensors it ca
 
 def cmd_import_dcp(args: argparse.Namespace) -> int:
     from ..interop.dcp_import import import_dcp, inspect_dcp
-
-    from ckptd_schemas import NotFound
 
     r = parse_ref(args.ref)  # refused before any I/O
     if r.is_latest:

@@ -80,8 +80,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             derived = f"  derived from {r.derived_from}" if r.derived_from else ""
             parent = f"  parent {r.parent}" if r.parent else ""
             step = f"step={r.step}" if r.step is not None else "no step"
-            print(f"{r.run}/{r.name}\t{step}\t{r.committed_at:%Y-%m-%d %H:%M:%S}\t{status_words(r.status, r.status_reason)}"
-                  f"{derived}{parent}")
+            status = status_words(r.status, r.status_reason)
+            print(f"{r.run}/{r.name}\t{step}\t{r.committed_at:%Y-%m-%d %H:%M:%S}\t{status}{derived}{parent}")
         return 0
     runs = b.list_runs()
     if args.json:

@@ -13,7 +13,9 @@ it instead of reading everything again.
 A record that failed (``ok`` false) for the manifest committed now makes the checkpoint **known to
 be bad** (:func:`known_bad`): ``RUN/latest`` skips it (:meth:`.visibility.Visibility.latest`) and
 retention does not count it among the newest it keeps. A checkpoint never verified, or whose record
-is about another manifest under the same name, is not known to be bad.
+is about another manifest under the same name, is not known to be bad. ``ckptd ls`` and ``show`` say
+which of ``verified``, ``pending`` (no record of that manifest) or ``known bad`` the same record makes
+a checkpoint (:func:`status_of`).
 
 This module reads and writes records only: it knows nothing of how a checkpoint becomes visible,
 so the visibility rule can ask it (:func:`known_bad`) without a loop.

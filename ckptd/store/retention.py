@@ -55,7 +55,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ckptd_schemas import (
-    CheckpointNotFound, CheckpointSummary, CkptdError, InvalidRequest, StorageFull, StorageReadOnly, check_name, check_run,
+    CheckpointNotFound, CheckpointSummary, CkptdError, InvalidRequest, StorageFull, StorageReadOnly, check_name,
+    check_run,
 )
 
 from ..storage import Storage
