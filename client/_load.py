@@ -50,7 +50,8 @@ import httpx
 import xxhash
 
 from ckptd_schemas import (
-    ChecksumMismatch, CorruptCheckpoint, Fetch, Manifest, ObjectEntry, ReadPlan, ReadRequest, StateDictMismatch,
+    ChecksumMismatch, CorruptCheckpoint, Fetch, KindMismatch, Manifest, ObjectEntry, ReadPlan, ReadRequest,
+    StateDictMismatch,
 )
 
 from ._coverage import agree_keys
@@ -278,6 +279,12 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
     tensor_leaves = [leaf for leaf in leaves if leaf.kind == "tensor"]
 
     present = {leaf.fqn for leaf in leaves}
+    for leaf in leaves:  # a key of the other kind is not missing: say which kind each side holds
+        stored = "a tensor" if leaf.fqn in shapes else "an object" if leaf.fqn in object_names else None
+        held = "a tensor" if leaf.kind == "tensor" else "an object"
+        if stored is not None and stored != held:
+            raise KindMismatch(f"key {leaf.fqn!r} is stored as {stored} in checkpoint {ref}, the state dict holds "
+                               f"{held}", key=leaf.fqn, stored=stored.split()[-1], asked=held.split()[-1], rank=rank)
     report.missing = sorted(leaf.fqn for leaf in tensor_leaves if leaf.fqn not in shapes)
     report.missing += sorted(leaf.fqn for leaf in leaves if leaf.kind != "tensor" and leaf.fqn not in object_names)
     report.unexpected = sorted(set(shapes) - present)

@@ -7,6 +7,8 @@ import functools
 import logging
 import os
 import random
+import socket
+import ssl
 import threading
 import time
 import uuid
@@ -14,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import httpx
 
-from ckptd_schemas import CkptdError, InvalidRequest, Unavailable, error_from_body
+from ckptd_schemas import CkptdError, InvalidRequest, Unavailable, Unreachable, error_from_body
 from ckptd_schemas.api import LEASE_HEADER
 
 __all__ = ["LEASE_HEADER", "Transport", "split_urls"]
@@ -23,6 +25,13 @@ log = logging.getLogger("ckptd_client")
 RETRY_STATUS = {429, 500, 502, 503, 504}  # 429: over a limit of the service (e.g. a token's uploads at once)
 FAILOVER_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)  # the replica is not there: try the next
 HOPELESS_ERRORS = (httpx.UnsupportedProtocol, httpx.InvalidURL, httpx.LocalProtocolError)  # retrying changes nothing
+#: A TLS handshake's failures that a restarting or busy service can cause (the peer closed the connection
+#: mid-handshake): retried. Any other TLS failure at connect (a certificate not verified, TLS spoken to
+#: a plain-HTTP server) is final at once (:func:`final_cause`).
+TRANSIENT_TLS = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
+#: Name-resolution failures that say the name does not exist (EAI_AGAIN, a resolver that did not answer
+#: in time, is retried).
+NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
 
 @functools.cache
@@ -30,6 +39,26 @@ def _tls() -> Any:
     """One TLS context per process: httpx builds one per client otherwise, loading the CA bundle
     each time, a cost every client paid even for an ``http://`` URL (BENCHMARKS.md, Figures behind the code)."""
     return httpx.create_ssl_context()
+
+
+def final_cause(e: httpx.TransportError) -> tuple[str, str] | None:
+    """(``tls`` or ``dns``, what failed) when ``e``, a connection that could not be made, failed in a way
+    that waiting will not change: a TLS handshake refused for a reason other than a dropped connection,
+    or a host name that does not exist. None for everything else (refused, reset, timed out: retried)."""
+    if not isinstance(e, httpx.ConnectError):
+        return None
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return "tls", f"the service's TLS certificate is not trusted here ({seen.verify_message or seen}); give " \
+                          f"its CA with SSL_CERT_FILE, or check the URL"
+        if isinstance(seen, ssl.SSLError) and not isinstance(seen, TRANSIENT_TLS):
+            return "tls", f"the TLS handshake failed ({seen.reason or seen}): is the service served over https? " \
+                          f"A plain-HTTP service is reached with http://"
+        if isinstance(seen, socket.gaierror) and seen.errno in NO_SUCH_NAME:
+            return "dns", f"the host name does not resolve ({seen.strerror or seen})"
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def split_urls(url: str | Sequence[str]) -> list[str]:
@@ -67,7 +96,8 @@ class Transport:
     With several URLs (replicas sharing one storage root), a connection that
     cannot be made moves every later call to the next URL (sticky failover).
     A URL without an ``http(s)://`` scheme is refused at once (``InvalidRequest``),
-    and so is an error no retry can change; ``retry_refused=False`` (the CLI's
+    and so is an error no retry can change: a TLS handshake that fails or a host name that does not
+    resolve raise ``Unreachable`` at once (:func:`final_cause`); ``retry_refused=False`` (the CLI's
     choice) also gives up at once when no replica accepts a connection, where a
     trainer waits out a service restart. The first failure of a call is logged
     as a warning, its retries at debug level.
@@ -147,6 +177,7 @@ class Transport:
         if holder is not None:  # a read under this client's own lease: the service renews that one
             headers.setdefault(LEASE_HEADER, holder)
         unreachable: set[int] = set()  # replicas refused since the last pause
+        hopeless: set[int] = set()  # replicas whose TLS or host name failed (final_cause)
         while True:
             attempt += 1
             active = self._active
@@ -170,11 +201,18 @@ class Transport:
                 raise InvalidRequest(f"{method} {self.urls[active]}{path}: {e}", url=self.urls[active]) from e
             except httpx.TransportError as e:
                 failure = e
+                if (final := final_cause(e)) is not None:  # waiting will not change it: at once, typed
+                    hopeless.add(active)
+                    if len(hopeless) == len(self.urls):
+                        raise Unreachable(f"cannot reach ckptd at {self.urls[active]}: {final[1]}",
+                                          url=self.urls[active], cause=final[0]) from e
+                    self._fail_over(active)  # another replica may be reachable
+                    continue
                 if isinstance(e, FAILOVER_ERRORS):
                     if len(self.urls) > 1:
                         self._fail_over(active)
                     unreachable.add(active)
-                    if len(unreachable) < len(self.urls):
+                    if len(unreachable | hopeless) < len(self.urls):
                         continue  # another replica not tried yet: at once, no pause
                     if not self.retry_refused:
                         raise Unavailable(f"cannot connect to ckptd at {', '.join(self.urls)}: {e} (is `ckptd serve` "

@@ -327,6 +327,11 @@ class CheckpointSummary(_Answer):
     session: str
     committed_at: datetime
     manifest_xxh3: str
+    #: ``verified``, ``pending`` (no verification of this manifest recorded yet) or ``known bad`` (its
+    #: recorded verification failed: ``RUN/latest`` skips it), with ``status_reason`` saying why; None
+    #: from a service that does not say
+    status: Literal["verified", "pending", "known bad"] | None = None
+    status_reason: str | None = None
 
 
 class RunSummary(_Answer):

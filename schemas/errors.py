@@ -14,6 +14,8 @@ identically on either side of the wire.
     │   ├── InvalidName               400 invalid_name        run, name, file or ref unsafe or malformed
     │   ├── InvalidIndex              422 invalid_index       a rank's index is inconsistent
     │   ├── StateDictMismatch         422 state_dict_mismatch load: keys, shapes or dtypes differ
+    │   │   └── KindMismatch          422 kind_mismatch       load: a key stored as a tensor asked for as
+    │   │                                                     an object, or the other way round
     │   ├── CollectiveMismatch        422 collective_mismatch the ranks of a collective save or load make
     │   │                                                     different calls (ref, save or load), or some
     │   │                                                     do not join in time (raised by the client,
@@ -37,6 +39,10 @@ identically on either side of the wire.
     ├── RequestTimeout                408 request_timeout     the request's body stalled (connection closed)
     ├── TooManyRequests               429 too_many_requests   e.g. this token's concurrent uploads (retried)
     ├── Unavailable                   503 unavailable         server unreachable after retries
+    │   └── Unreachable               503 unreachable         the client cannot reach the service in a way
+    │                                                         waiting will not change (a TLS handshake that
+    │                                                         fails, a host name that does not resolve):
+    │                                                         raised at once, never retried
     └── StorageError                  503 storage             the storage backend failed (retried)
         └── StoragePermanent          507 storage_permanent   storage refused in a way that waiting will not
             │                                                 change (e.g. the service may not read a file):
@@ -73,6 +79,7 @@ __all__ = [
     "InvalidIndex",
     "InvalidName",
     "InvalidRequest",
+    "KindMismatch",
     "NotFound",
     "PayloadTooLarge",
     "QuotaExceeded",
@@ -89,6 +96,7 @@ __all__ = [
     "TooManyRequests",
     "Unauthorized",
     "Unavailable",
+    "Unreachable",
     "UnsafeObject",
     "error_from_body",
 ]
@@ -141,6 +149,14 @@ class InvalidIndex(InvalidRequest):
 
 class StateDictMismatch(InvalidRequest):
     code = "state_dict_mismatch"
+    status = 422
+
+
+class KindMismatch(StateDictMismatch):
+    """A load asks for a key as a tensor that the checkpoint holds as an object (or the other way round):
+    the message says which kind each side holds. ``details``: ``key``, ``stored``, ``asked``."""
+
+    code = "kind_mismatch"
     status = 422
 
 
@@ -241,6 +257,17 @@ class TooManyRequests(CkptdError):
 
 class Unavailable(CkptdError):
     code = "unavailable"
+    status = 503
+
+
+class Unreachable(Unavailable):
+    """Raised by the client, never sent: the service's address cannot be reached in a way that waiting
+    will not change, so it is final at once, not after the retry budget: its TLS handshake fails (a
+    certificate not verified, ``https://`` spoken to a plain-HTTP server, or the other way round) or its
+    host name does not resolve. ``details``: ``url``, ``cause`` (``tls`` or ``dns``). A refused
+    connection is not this: a restarting service refuses for a moment."""
+
+    code = "unreachable"
     status = 503
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ckptd_schemas import parse_ref
+from ckptd_schemas import InvalidName, NotFound, parse_ref
 from ckptd_schemas.dtypes import FLOATING
 
 from .output import human, progress_bar
@@ -20,8 +20,20 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
     from ..interop.dcp_import import import_dcp, inspect_dcp
 
     r = parse_ref(args.ref)  # refused before any I/O
+    if r.is_latest:
+        raise InvalidName("cannot import to RUN/latest: name the checkpoint", ref=args.ref)
+    target = resolve_target(args)
+    try:  # a taken name is refused before the source is read (its metadata can take long to load)
+        seen = open_backend(target)
+    except NotFound:
+        pass  # no root there yet: no name is taken
+    else:
+        try:
+            seen.require_new(r.run, r.name)
+        finally:
+            seen.close()
     src = inspect_dcp(args.dir)  # refuses a damaged directory, naming the files, before anything is written
-    backend = open_backend(resolve_target(args), create=True)  # a write: a new root is made
+    backend = open_backend(target, create=True)  # a write: a new root is made
     advance, stop = progress_bar(src.total_bytes, f"import {r}", args.json)
     try:
         res = import_dcp(src, str(r), backend.import_target(), progress=advance)

@@ -63,6 +63,11 @@ class HttpBackend:
         bad (``X-Ckptd-Skipped`` of the same answer)."""
         return self.client.resolve(f"{run}/{name}")
 
+    def status(self, manifest: Manifest) -> tuple[str | None, str | None]:
+        """The service's listing row of the checkpoint (the service applies the rule to its store)."""
+        row = next((r for r in self.client.list_checkpoints(manifest.run) if r.name == manifest.name), None)
+        return (row.status, row.status_reason) if row is not None else (None, None)
+
     def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes:
         ref = manifest.ref
         with self._lock:
@@ -108,6 +113,17 @@ class HttpBackend:
         return self.client.verify(ref)  # the service's worker reads and checks; this process only asks
 
     # -- writes -----------------------------------------------------------------------------------
+    def require_new(self, run: str, name: str) -> None:
+        """The run's listing (what the service says is committed); a name taken by a marker that does
+        not parse is refused by the session's open, still before any data file is read."""
+        if run not in self.run_names():
+            return
+        row = next((r for r in self.client.list_checkpoints(run) if r.name == name), None)
+        if row is not None:
+            raise AlreadyCommitted(f"checkpoint {run}/{name} is already committed (session {row.session}); "
+                                   f"committed checkpoints are immutable (import under a new name)",
+                                   ref=f"{run}/{name}", session=row.session)
+
     def import_target(self) -> _HttpImport:
         return _HttpImport(self.where)
 

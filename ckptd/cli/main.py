@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from math import prod
+from typing import NoReturn
 from ckptd_schemas import CkptdError, Forbidden, IntegrityError, Manifest, NotFound, parse_ref
 
 from .. import __version__
@@ -48,7 +49,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for err in e.errors():
             field = str(err["loc"][0]) if err["loc"] else "?"
             flag = f"--{field.replace('_', '-')}" if field in overrides else env_name(field)
-            print(f"ckptd serve: {flag}: {err['msg']} (got {err.get('input')!r})", file=sys.stderr)
+            msg = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]  # no "Value error, "
+            print(f"ckptd serve: {flag}: {msg} (got {err.get('input')!r})", file=sys.stderr)
         return 2
     for flag, where in (("--root", settings.root), ("--durable", settings.durable)):
         if where and "://" not in where and os.path.exists(where) and not os.path.isdir(where):
@@ -78,7 +80,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             derived = f"  derived from {r.derived_from}" if r.derived_from else ""
             parent = f"  parent {r.parent}" if r.parent else ""
             step = f"step={r.step}" if r.step is not None else "no step"
-            print(f"{r.run}/{r.name}\t{step}\t{r.committed_at:%Y-%m-%d %H:%M:%S}{derived}{parent}")
+            status = status_words(r.status, r.status_reason)
+            print(f"{r.run}/{r.name}\t{step}\t{r.committed_at:%Y-%m-%d %H:%M:%S}\t{status}{derived}{parent}")
         return 0
     runs = b.list_runs()
     if args.json:
@@ -89,6 +92,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not runs:
         print(f"no runs in {resolve_target(args).describe()}", file=sys.stderr)
     return 0
+
+
+def status_words(status: str | None, reason: str | None) -> str:
+    """A checkpoint's status as ``ls`` and ``show`` print it: ``known bad (verification failed at ...)``."""
+    return f"{status or 'unknown'}{f' ({reason})' if reason else ''}"
 
 
 MAX_LINEAGE = 64  # parents followed by ``ckptd show``
@@ -118,8 +126,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     ref = parse_ref(args.ref)
     b = _backend(args)
     m, skipped = b.resolve(ref.run, ref.name)  # RUN/latest: the newest not known to be bad, and what it skipped
+    status, reason = b.status(m)
     if args.json:
         print(m.model_dump_json(indent=2))
+        if status is not None:
+            print(f"ckptd show: {m.ref} is {status_words(status, reason)}", file=sys.stderr)
         for s in skipped:  # stdout is the manifest alone
             print(f"ckptd show: {args.ref} is {m.ref}: skipped {s.ref}: {s.reason}", file=sys.stderr)
         return 0
@@ -127,6 +138,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"checkpoint {m.ref}  {f'step={m.step}' if m.step is not None else 'no step'}  created={m.created_at:%Y-%m-%d %H:%M:%S}  session={m.session}")
     for s in skipped:
         print(f"skipped    {s.ref}: {s.reason}")
+    print(f"status     {status_words(status, reason)}")
     if m.derived_from:
         print(f"derived from {m.derived_from}")
     if m.parent:
@@ -211,8 +223,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if rep["ok"] else 1
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose usage error is one line naming the flag (``ckptd serve: argument --port: invalid
+    int value: 'abc' (ckptd serve --help)``), exit 2; subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} ({self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckptd", description="Distributed checkpoint and reshard service.",
+    p = _Parser(prog="ckptd", description="Distributed checkpoint and reshard service.",
                                 epilog="Exit status: 0 success; 1 what was checked is wrong (corrupt, invalid, not "
                                        "found); 2 usage or connection error.")
     p.add_argument("--version", action="version", version=f"ckptd {__version__}")
@@ -224,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "commit on the root, then are copied there and marked durable (or $CKPTD_DURABLE)")
     s.add_argument("--host", help="address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (default 8470)")
-    s.add_argument("--log-level", help="debug, info, warning")
+    s.add_argument("--log-level", help="debug, info (default), warning, error, critical")
     s.add_argument("--log-format", choices=["text", "json"], help="log lines as text (default) or JSON objects")
     s.add_argument("--tokens-file", help="bearer tokens and their scopes (docs/security.md, Tokens)")
     s.add_argument("--insecure-open", action="store_true", default=None,

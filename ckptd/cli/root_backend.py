@@ -40,18 +40,24 @@ def open_checked_root(root: str, *, create: bool) -> Storage:
             raise InvalidRequest(str(e), root=root, field="root") from e
     else:
         parts = (root,)
+    from ..storage import check_scheme
+
     for part in parts:
         path = Path(part)
         if "://" not in part and not create and not path.is_dir():
             what = "is not a directory" if path.exists() else "does not exist"
             raise NotFound(f"no such root: {part} {what} (pass --root PATH or --server URL)", root=part)
+        try:
+            check_scheme(part)
+        except ValueError as e:
+            raise InvalidRequest(f"cannot open root {part}: {e}", root=part, field="root") from None
     try:
         return open_root(root)
-    except ImportError as e:
+    except ImportError as e:  # s3:// without boto3
         scheme = root.split("://", 1)[0]
         raise InvalidRequest(f"no storage backend for {scheme}:// roots: {e} (install the fsspec package for "
                              f"{scheme!r}, e.g. pip install 's3fs' for s3://)", root=root, field="root") from e
-    except ValueError as e:  # fsspec: "Protocol not known"
+    except ValueError as e:
         raise InvalidRequest(f"cannot open root {root}: {e}", root=root, field="root") from e
 
 
@@ -87,6 +93,11 @@ class RootBackend:
         c, skipped = vis.resolve_ref(run, name)
         return vis.manifest(c), [SkippedCheckpoint(ref=s.ref, reason=s.reason) for s in skipped]
 
+    def status(self, manifest: Manifest) -> tuple[str | None, str | None]:
+        vis = self.reader.visibility
+        c = vis.check(manifest.run, manifest.name)
+        return vis.status(c) if c is not None else (None, None)
+
     def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes:
         return self.reader.read_range(manifest.run, manifest.name, file, start, end)
 
@@ -117,6 +128,14 @@ class RootBackend:
         raise InvalidRequest("ckptd verify --in-service needs --server URL (or $CKPTD_URL)", field="in_service")
 
     # -- writes -----------------------------------------------------------------------------------
+    def require_new(self, run: str, name: str) -> None:
+        """The write side's own rule (``SessionStore.open``): any marker there, parsed or not, takes the name."""
+        from ..store.session_reads import taken_error
+
+        m = self.reader.visibility.marker(run, name)
+        if m is not None:
+            raise taken_error(run, name, m)
+
     def import_target(self) -> _RootImport:
         from ..store import SessionStore
 

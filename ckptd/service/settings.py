@@ -78,7 +78,7 @@ class Settings(BaseSettings):
     read_leases_per_token: int = Field(
         100_000, ge=1, description="the most unexpired read leases one token may hold at a replica (a load takes "
         "one per rank; 429 past it)")
-    log_level: str = Field("info", description="log level")
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = Field("info", description="log level")
     log_format: Literal["text", "json"] = Field(
         "text", description="log lines as text or as JSON objects (one per line, with request ids)")
     tokens_file: str | None = Field(
@@ -159,6 +159,21 @@ class Settings(BaseSettings):
     read_plan_answer_budget: int = Field(
         1 << 16, ge=0, description="copies plus fetches a read plan may answer, plus 1 per byte of its request; "
         "more is refused 413")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_any_case(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("root", "durable")
+    @classmethod
+    def _openable(cls, value: str | None) -> str | None:
+        """A URL whose scheme has no storage backend here is refused with the flags, not at start-up."""
+        from ..storage import check_scheme
+
+        if value is not None:
+            check_scheme(value)
+        return value
 
     @field_validator("drill_layouts")
     @classmethod

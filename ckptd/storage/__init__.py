@@ -5,7 +5,11 @@ from __future__ import annotations
 from .base import Presigned, Storage, Writer, check_key
 from .local import LocalStorage
 
-__all__ = ["LocalStorage", "Presigned", "Storage", "Writer", "check_key", "open_storage"]
+__all__ = ["LocalStorage", "Presigned", "Storage", "Writer", "check_key", "check_scheme", "open_storage"]
+
+#: What :func:`open_storage` opens, as an error about a root names it.
+SUPPORTED = ("a directory, s3://bucket/prefix (s3a://), or the URL of a filesystem whose fsspec package is "
+             "installed (memory://, file://; gs:// with gcsfs, az:// with adlfs...)")
 
 
 def open_storage(root: str, **options: object) -> Storage:
@@ -21,3 +25,19 @@ def open_storage(root: str, **options: object) -> Storage:
 
         return FsspecStorage(root, **options)
     return LocalStorage(root, **options)  # type: ignore[arg-type]
+
+
+def check_scheme(root: str) -> None:
+    """Raise ``ValueError`` naming the supported roots when :func:`open_storage` has no backend for
+    ``root``'s scheme here (an unknown protocol, or an fsspec filesystem whose package is not
+    installed); called before a root is opened (``ckptd serve``'s settings, a command's ``--root``),
+    so the mistake is one line, not a failure at start-up."""
+    if "://" not in root or root.startswith(("s3://", "s3a://")):
+        return
+    scheme = root.split("://", 1)[0]
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError) as e:  # fsspec: "Please install gcsfs...", "Protocol not known: x"
+        raise ValueError(f"no storage backend for {scheme}:// here ({e}); a root is {SUPPORTED}") from None

@@ -202,10 +202,12 @@ class Committed:
     def committed_at(self) -> datetime:
         return self.marker.committed_at
 
-    def summary(self) -> CheckpointSummary:
+    def summary(self, status: tuple[str | None, str | None] = (None, None)) -> CheckpointSummary:
+        """The listing's row; ``status``: ``Visibility.status`` of this checkpoint, when the caller read it."""
         m = self.marker
         return CheckpointSummary(run=self.run, name=self.name, step=m.step, derived_from=m.derived_from, parent=m.parent,
-                                 session=m.session, committed_at=m.committed_at, manifest_xxh3=m.manifest_xxh3)
+                                 session=m.session, committed_at=m.committed_at, manifest_xxh3=m.manifest_xxh3,
+                                 status=status[0], status_reason=status[1])
 
 
 def strays(keys: Iterable[str], c: Committed, files: Collection[str], world_size: int) -> list[str]:

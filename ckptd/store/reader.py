@@ -65,7 +65,8 @@ class CheckpointReader:
         return out
 
     def list_checkpoints(self, run: str) -> list[CheckpointSummary]:
-        return [c.summary() for c in self.visibility.listing(run)]
+        """The run's visible checkpoints, oldest first, each with its status (``Visibility.status``)."""
+        return [c.summary(self.visibility.status(c)) for c in self.visibility.listing(run)]
 
     def committed(self, run: str, name: str) -> Committed:
         """The visible checkpoint ``run/name`` (``latest`` allowed), or :class:`CheckpointNotFound`."""

@@ -13,7 +13,9 @@ it instead of reading everything again.
 A record that failed (``ok`` false) for the manifest committed now makes the checkpoint **known to
 be bad** (:func:`known_bad`): ``RUN/latest`` skips it (:meth:`.visibility.Visibility.latest`) and
 retention does not count it among the newest it keeps. A checkpoint never verified, or whose record
-is about another manifest under the same name, is not known to be bad.
+is about another manifest under the same name, is not known to be bad. ``ckptd ls`` and ``show`` say
+which of ``verified``, ``pending`` (no record of that manifest) or ``known bad`` the same record makes
+a checkpoint (:func:`status_of`).
 
 This module reads and writes records only: it knows nothing of how a checkpoint becomes visible,
 so the visibility rule can ask it (:func:`known_bad`) without a loop.
@@ -37,7 +39,7 @@ from .inflight import ordered_map, requests_in_flight
 from .paths import Committed, Paths
 
 __all__ = ["CommitCheck", "MAX_PROBLEMS", "Stray", "VerifyRecord", "file_stamps", "known_bad", "record_commit_check",
-           "record_holds", "record_of", "record_vouches", "stamps_of"]
+           "record_holds", "record_of", "record_vouches", "stamps_of", "status_of"]
 
 log = logging.getLogger("ckptd.store")
 
@@ -49,6 +51,9 @@ MAX_RECORD_BYTES = 1 << 20
 
 #: The most characters of a reason :func:`known_bad` gives.
 MAX_REASON = 300
+
+#: A visible checkpoint's status (:func:`status_of`).
+VERIFIED, PENDING, KNOWN_BAD = "verified", "pending", "known bad"
 
 
 class Stray(BaseModel):
@@ -141,6 +146,22 @@ def known_bad(storage: Storage, c: Committed) -> str | None:
     opened: a FIFO would block the reader). Called by :meth:`.visibility.Visibility.latest` on every
     resolve of ``RUN/latest``, newest first, and by retention; an object store's failure to read is
     the backend's (:class:`StorageError`, answered 503), as for markers."""
+    rec = _stored_record(storage, c)
+    return None if rec is None or rec.ok else _why_bad(rec)
+
+
+def status_of(storage: Storage, c: Committed) -> tuple[str, str | None]:
+    """What ``ckptd ls`` and ``ckptd show`` say of the visible checkpoint ``c``, from the same record
+    :func:`known_bad` reads: ``known bad`` with its reason, ``verified`` (a record of the manifest
+    committed now found it good), or ``pending`` (no verification of that manifest recorded yet)."""
+    rec = _stored_record(storage, c)
+    if rec is None:
+        return PENDING, None
+    return (VERIFIED, None) if rec.ok else (KNOWN_BAD, _why_bad(rec))
+
+
+def _stored_record(storage: Storage, c: Committed) -> VerifyRecord | None:
+    """The record about ``c``'s manifest, read only when it can be one (:func:`known_bad` says which)."""
     key = Paths.verification(c.run, c.name)
     path = storage.local_path(key)
     if path is not None:
@@ -158,9 +179,10 @@ def known_bad(storage: Storage, c: Committed) -> str | None:
         return None
     if raw is None or len(raw) > MAX_RECORD_BYTES:
         return None
-    rec = _record_for(raw, c)
-    if rec is None or rec.ok:
-        return None
+    return _record_for(raw, c)
+
+
+def _why_bad(rec: VerifyRecord) -> str:
     when = rec.verified_at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     first = rec.problems[0] if rec.problems else "no problem named"
     reason = f"verification failed at {when}: {first}"

@@ -54,7 +54,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from ckptd_schemas import CheckpointNotFound, CheckpointSummary, CkptdError, InvalidRequest, check_name, check_run
+from ckptd_schemas import (
+    CheckpointNotFound, CheckpointSummary, CkptdError, InvalidRequest, StorageFull, StorageReadOnly, check_name,
+    check_run,
+)
 
 from ..storage import Storage
 from .leases import Leases
@@ -317,7 +320,9 @@ def _known_bad_newest(vis: Visibility, visible: list[Committed], keep_last: int)
 def _newest_verified(storage: Storage, vis: Visibility, visible: list, verify: Verifier
                      ) -> tuple[str | None, str | None, dict[str, str]]:
     """The newest trainer checkpoint that verifies, how that was established, and why each newer one
-    did not. A record is relied on only while it vouches for exactly the stored bytes."""
+    did not. A record is relied on only while it vouches for exactly the stored bytes. A root that
+    cannot be written (the fresh verification's record refused) raises its ``StorageReadOnly`` or
+    ``StorageFull``: nothing could be deleted there anyway, and no checkpoint is to blame."""
     failed: dict[str, str] = {}
     trainer = [c for c in visible if c.derived_from is None and c.step is not None]
     for c in reversed(trainer):  # newest first
@@ -326,6 +331,8 @@ def _newest_verified(storage: Storage, vis: Visibility, visible: list, verify: V
             if record_holds(storage, c, read_record(storage, c.run, c.name), files):
                 return c.name, "recorded verification of the stored bytes", failed
             rec = verify(c.run, c.name)
+        except (StorageReadOnly, StorageFull):  # the root cannot record (nor delete): its reason, not the checkpoint's
+            raise
         except CkptdError as e:
             failed[c.name] = e.message
             continue

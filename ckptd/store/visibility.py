@@ -56,7 +56,7 @@ from ..storage import Storage
 from .gcpause import gc_paused
 from ckptd_schemas.filedigest import xxh3_hex
 from .paths import Committed, Marker, Paths
-from .records import known_bad
+from .records import known_bad, status_of
 
 __all__ = ["BadMarker", "Committed", "Latest", "Skipped", "Visibility", "manifest_file_name"]
 
@@ -441,6 +441,11 @@ class Visibility:
         """Why the visible checkpoint ``c`` is known to be bad, or None (:func:`.records.known_bad`:
         a recorded verification of the manifest committed now that failed)."""
         return self._known_bad(c) if self._known_bad is not None else known_bad(self.storage, c)
+
+    def status(self, c: Committed) -> tuple[str, str | None]:
+        """``verified``, ``pending`` or ``known bad`` (with why) for the visible checkpoint ``c``, from the
+        record :meth:`known_bad` reads (:func:`.records.status_of`): what ``ckptd ls`` and ``show`` print."""
+        return status_of(self.storage, c)
 
     def latest(self, visible: list[Committed]) -> Latest:
         """What ``RUN/latest`` names among ``visible`` (a :meth:`listing`): the newest trainer checkpoint

@@ -115,6 +115,16 @@ def test_a_failed_verification_makes_latest_skip_the_checkpoint_everywhere(tmp_p
             assert f"skipped {RUN}/3: verification failed" in js.stderr, js.stderr
             ls = _cli("ls", *target)
             assert ls.returncode == 0 and f"{RUN}\t3 checkpoints\tlatest=2" in ls.stdout, ls.stdout + ls.stderr
+            # ls and show mark the known-bad checkpoint, with why, and the others verified
+            ls = _cli("ls", RUN, *target)
+            rows = {line.split("\t")[0]: line.split("\t")[3] for line in ls.stdout.splitlines()}
+            assert rows[f"{RUN}/3"].startswith("known bad (verification failed at "), ls.stdout
+            assert rows[f"{RUN}/2"] == rows[f"{RUN}/1"] == "verified", ls.stdout
+            js = {r["name"]: r for r in json.loads(_cli("ls", RUN, "--json", *target).stdout)}
+            assert js["3"]["status"] == "known bad" and js["3"]["status_reason"] == skipped["reason"], js
+            assert js["2"]["status"] == "verified" and js["2"]["status_reason"] is None, js
+            show = _cli("show", f"{RUN}/3", *target)
+            assert f"status     known bad ({skipped['reason']})" in show.stdout.splitlines(), show.stdout
             verify = _cli("verify", f"{RUN}/latest", *target)  # the good one: exit 0
             assert verify.returncode == 0 and verify.stdout.startswith(f"OK {RUN}/2"), verify.stdout + verify.stderr
 
