@@ -129,16 +129,19 @@ class Sweeper:
         a TTL after the commit, those older than the TTL: a write that began before the marker and
         was killed after it; none comes after (the session takes no more writes), so later sweeps
         do not walk the session again."""
-        key = f"{run}/{name}/{m.session}"
-        if key not in self._commits_checked:
-            self._commits_checked.add(key)
-            n = self.storage.reclaim_temps(Paths.session(run, name, m.session), m.committed_at.timestamp())
-            if n:
-                log.info("sweep: %d unfinished writes from before the commit removed from %s/%s", n, run, name)
-        if key in self._temps_reclaimed or now - m.committed_at.timestamp() < ttl_seconds:
+        key, at = f"{run}/{name}/{m.session}", m.committed_at.timestamp()
+        if key in self._temps_reclaimed:
             return
-        n = self.storage.reclaim_temps(Paths.session(run, name, m.session), now - ttl_seconds)
+        if now - at < ttl_seconds:
+            if key not in self._commits_checked:
+                self._commits_checked.add(key)
+                n = self.storage.reclaim_temps(Paths.session(run, name, m.session), at)
+                if n:
+                    log.info("sweep: %d unfinished writes from before the commit removed from %s/%s", n, run, name)
+            return
+        n = self.storage.reclaim_temps(Paths.session(run, name, m.session), now - ttl_seconds)  # covers the above
         self._temps_reclaimed.add(key)
+        self._commits_checked.discard(key)
         if n:
             log.info("sweep: %d unfinished writes removed from committed %s/%s", n, run, name)
 

@@ -28,7 +28,7 @@ from ckptd_client import CheckpointClient
 from ckptd_schemas import AlreadyCommitted, OpenSession, StorageError
 from support import ServerProcess
 
-from .staging import data, file_of, index, put_indexes, stage
+from .staging import data, file_of, put_indexes, stage
 
 
 def _temps(path: Path) -> list[Path]:
