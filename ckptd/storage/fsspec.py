@@ -158,16 +158,19 @@ class FsspecStorage(Storage):
 
     def walk(self, prefix: str) -> list[tuple[str, int]]:
         if self._local is not None:
-            return self._local.walk(prefix)
-        base = self.root.rstrip("/") + "/"
+            return self._local.walk(prefix)  # its writes are the local root's (hidden temp files)
+        path = self._path(prefix)
         try:
-            found = self.fs.find(self._path(prefix), detail=True)
+            found = self.fs.find(path, detail=True) if self.fs.exists(path) else {}
         except FileNotFoundError:
             return []
         except Exception as e:  # noqa: BLE001
             raise _wrap("list", prefix, e, self.url) from e
-        return sorted((str(p)[len(base):] if str(p).startswith(base) else str(p), int(i.get("size") or 0))
-                      for p, i in found.items() if i.get("type") != "directory")
+        return sorted((str(p)[len(self.root) + 1:].lstrip("/"), int(i.get("size") or 0)) for p, i in found.items()
+                      if i.get("type") != "directory")
+
+    def reclaim_temps(self, prefix: str, older_than: float) -> int:
+        return self._local.reclaim_temps(prefix, older_than) if self._local is not None else 0
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
         if self._local is not None:

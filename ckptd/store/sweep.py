@@ -5,7 +5,8 @@ on the service's timer (and ``ckptd gc --root``): for each checkpoint, a complet
 without its marker (the process that took the last index died before the marker) is committed
 (:meth:`~.commit.Committer.commit`), then a session no marker names whose time is up
 (:func:`.activity.reclaim_at`, also asked by the web view through :meth:`Sweeper.reclaim_of`) is
-deleted, and a committed session's unfinished writes are deleted once its TTL passed. What the
+deleted, and a committed session's unfinished writes are deleted (those from before its commit at
+first sight, the others once its TTL passed). What the
 sweep deleted is told to the observers (:class:`~.events.Observers`).
 """
 
@@ -39,6 +40,7 @@ class Sweeper:
         self.committer, self.observers, self.dead_after = committer, observers, dead_after
         self._orphans_seen: set[str] = set()
         self._temps_reclaimed: set[str] = set()  # committed sessions the sweep cleared of temp files
+        self._commits_checked: set[str] = set()  # committed sessions cleared of what was left before the marker
         self._settled: dict[str, str] = {}  # run/name -> the marker's session, nothing else left to sweep
 
     def abort(self, run: str, name: str, sid: str) -> None:
@@ -121,14 +123,25 @@ class Sweeper:
         return removed
 
     def _reclaim_temps_once(self, run: str, name: str, m: Marker, ttl_seconds: float, now: float) -> None:
-        """In a committed session, delete what writers killed mid-write left (temp files), once per
-        process: a TTL after the commit every such file is older than the TTL, and none comes after
-        (the session takes no more writes), so later sweeps do not walk the session again."""
-        key = f"{run}/{name}/{m.session}"
-        if key in self._temps_reclaimed or now - m.committed_at.timestamp() < ttl_seconds:
+        """In a committed session, delete what writers killed mid-write left (temp files, unfinished
+        uploads). At first sight in this process, those last written before the commit: the commit
+        deletes them right after its marker, unless its process died first. Then once per process,
+        a TTL after the commit, those older than the TTL: a write that began before the marker and
+        was killed after it; none comes after (the session takes no more writes), so later sweeps
+        do not walk the session again."""
+        key, at = f"{run}/{name}/{m.session}", m.committed_at.timestamp()
+        if key in self._temps_reclaimed:
             return
-        n = self.storage.reclaim_temps(Paths.session(run, name, m.session), now - ttl_seconds)
+        if now - at < ttl_seconds:
+            if key not in self._commits_checked:
+                self._commits_checked.add(key)
+                n = self.storage.reclaim_temps(Paths.session(run, name, m.session), at)
+                if n:
+                    log.info("sweep: %d unfinished writes from before the commit removed from %s/%s", n, run, name)
+            return
+        n = self.storage.reclaim_temps(Paths.session(run, name, m.session), now - ttl_seconds)  # covers the above
         self._temps_reclaimed.add(key)
+        self._commits_checked.discard(key)
         if n:
             log.info("sweep: %d unfinished writes removed from committed %s/%s", n, run, name)
 

@@ -11,9 +11,11 @@ data is intact, and a file someone planted beside it must not make ``RUN/latest`
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ from ckptd_client import CheckpointClient
 from ckptd_schemas import AlreadyCommitted, OpenSession, StorageError
 from support import ServerProcess
 
-from .staging import data, file_of, index, put_indexes, stage
+from .staging import data, file_of, put_indexes, stage
 
 
 def _temps(path: Path) -> list[Path]:
@@ -53,12 +55,36 @@ def test_the_commit_deletes_the_temp_files_of_killed_uploads(tmp_path):
     assert (root / "runs" / "r" / "1" / "COMMITTED").exists()
     assert _temps(session) == []
     # A write still going when its session committed lost its temp: it fails, and leaves nothing.
+    dead[0].write(data(0)[500:])
     with pytest.raises(StorageError):
-        dead[0].write(data(0)[500:]), dead[0].finish(xxhash.xxh3_64_hexdigest(data(0)))
+        dead[0].finish(xxhash.xxh3_64_hexdigest(data(0)))
     with pytest.raises(AlreadyCommitted):  # a new write into a committed session is refused before it writes
         store.begin_file("r", "1", "s1", "r000002-0000.bin")
     assert _temps(session) == [] and not (session / "files" / "r000002-0000.bin").exists()
     assert sorted(p.name for p in (session / "files").iterdir()) == [file_of(0), file_of(1)]
+
+
+def test_the_sweep_deletes_what_a_committer_that_died_after_its_marker_left(tmp_path):
+    """The process that created the marker died before it deleted the session's unfinished writes:
+    the first sweep that sees the committed session deletes those written before the commit. A temp
+    written since (a write that began before the marker and may still be going) is left for the
+    sweep a TTL after the commit."""
+    root = tmp_path / "root"
+    store = SessionStore(LocalStorage(root, durable=False))
+    stage(store, "r", "1", "s1", world=1)
+    put_indexes(store, "r", "1", "s1", world=1)
+    committed = json.loads((root / "runs" / "r" / "1" / "COMMITTED").read_text())["committed_at"]
+    at = datetime.fromisoformat(committed).timestamp()
+    files = root / "runs" / "r" / "1" / "sessions" / "s1" / "files"
+    before, since = files / ".r000001-0000.bin.tmp-0123456789ab", files / ".r000002-0000.bin.tmp-aaaaaaaaaaaa"
+    for p, t in ((before, at - 5), (since, at + 5)):
+        p.write_bytes(b"half a write")
+        os.utime(p, (t, t))
+    other = SessionStore(LocalStorage(root, durable=False))  # a restarted service, or another replica
+    assert other.reclaim_stale(3600.0) == []
+    assert not before.exists() and since.exists()
+    other.reclaim_stale(3600.0, now=at + 3700)
+    assert _temps(root) == []
 
 
 def test_abort_and_the_sweep_delete_the_temp_files_of_killed_uploads(tmp_path):
