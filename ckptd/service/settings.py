@@ -151,7 +151,7 @@ class Settings(BaseSettings):
         16384, ge=1, description="regions one read-plan or load-tree request may name (and object names one "
         "load-tree request may name); its body may be 256 bytes per region, 4 MiB at the default. A rank names "
         "one region per piece of a tensor it loads (a few thousand for a large model, whatever the world size); "
-        "the client sends more as several requests of at most 16,384. More is refused 413 before the body is "
+        "the client sends more as several requests, split by the limit a 413 names. More is refused 413 before the body is "
         "parsed")
     read_plan_chunk_budget: int = Field(
         1 << 20, ge=0, description="chunks a read plan or load-tree request may visit (the chunks each requested "
