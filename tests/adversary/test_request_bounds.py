@@ -8,9 +8,10 @@ whatever the requests and the store do. Against a real ``ckptd serve``, with a r
   memory (``VmHWM``) grows by a bounded amount over all of it, and ``/healthz`` and ``/readyz``,
   probed meanwhile from another thread, answer every time;
 * with the S3 store answering every request 503 SlowDown (which the service's own calls retry for a
-  minute or more), ``/readyz`` answers 503 with the store's cause at once; with a store that
-  answers nothing, 503 naming the probe's deadline; a long poll (``?wait=599``) on a session that
-  does not exist is answered 404 at once.
+  minute or more), ``/readyz`` answers 503 with the store's cause at once, and so does a long poll
+  (``?wait=599``; 175 s before); with a store that answers nothing, ``/readyz`` answers 503 naming
+  the probe's deadline; with the store well, a long poll on a session that does not exist is
+  answered 404 at once.
 
 The deadlines here are hang guards (scaled by ``CKPTD_TEST_TIME_SCALE``), never timings.
 """
@@ -164,6 +165,9 @@ def test_readyz_answers_at_once_while_s3_fails_or_hangs_and_a_long_poll_on_no_se
                 # the store's own answer (s3fs says a 503 SlowDown as EBUSY with the store's message)
                 assert body["error"]["code"] == "storage" and "injected by the test proxy" in body["reason"], r.text
             assert rule.hits <= 8  # one attempt per call: no retry storm
+            # a long poll: its first read is tried once, so the store's failure is said at once (clients retry)
+            r = c.get(f"{srv.url}/v1/checkpoints/gpt/1/sessions/nope?wait=599", headers=alice)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "storage", r.text
 
             s3_proxy.log.clear()
             rule.times = 0
