@@ -52,10 +52,11 @@ __all__ = ["ANSWER_PER_REQUEST", "CHUNKS_PER_REQUEST", "BodyTimeouts", "Principa
 
 log = logging.getLogger("ckptd.service")
 
-CHUNKS_PER_REQUEST = 256
+CHUNKS_PER_REQUEST = 64
 """Chunk visits a read plan may make per region it names, beyond the settings' constant: a region visits
 the chunks it may meet (its tensor's interval index): one or two for a rank's slice at any world size,
-every chunk for a whole tensor."""
+every chunk for a whole tensor (a reshard from W ranks to fewer meets about W over their number). A
+load-tree answer holds a chunk row (about 2 KiB with its proof) per chunk visited, at most."""
 ANSWER_PER_REQUEST = 2
 """Copies plus fetches a read plan may answer per region it names, beyond the settings' constant (each
 costs the service about 4 KiB of memory while the answer is built, and time: BENCHMARKS.md, Figures

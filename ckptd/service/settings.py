@@ -151,12 +151,12 @@ class Settings(BaseSettings):
         16384, ge=1, description="regions one read-plan or load-tree request may name (and object names one "
         "load-tree request may name); its body may be 256 bytes per region, 4 MiB at the default. A rank names "
         "one region per piece of a tensor it loads (a few thousand for a large model, whatever the world size); "
-        "the client sends more as several requests, split by the limit a 413 names. More is refused 413 before the body is "
-        "parsed")
+        "the client sends more as several requests, split by the limit a 413 names. More is refused 413 before "
+        "the body is parsed")
     read_plan_chunk_budget: int = Field(
         1 << 20, ge=0, description="chunks a read plan or load-tree request may visit (the chunks each requested "
-        "region may meet, found through the tensor's interval index), plus 256 per region it names; more is "
-        "refused 413 before any work")
+        "region may meet, found through the tensor's interval index), plus 64 per region it names (a load-tree "
+        "answer holds at most as many chunk rows); more is refused 413 before any work")
     read_plan_answer_budget: int = Field(
         1 << 16, ge=0, description="copies plus fetches a read plan may answer, plus 2 per region it names; more "
         "is refused 413")
