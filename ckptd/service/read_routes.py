@@ -174,7 +174,7 @@ def read_router(svc: Services) -> APIRouter:
     @router.get("/v1/runs", response_model=list[RunSummary])
     async def list_runs(request: Request) -> list[RunSummary]:
         principal = principal_of(request)
-        return [r for r in await run_in_threadpool(reader.list_runs) if principal.can_read(r.run)]
+        return await run_in_threadpool(reader.list_runs, principal.can_read)
 
     @router.get("/v1/runs/{run}/checkpoints", response_model=list[CheckpointSummary])
     async def list_checkpoints(run: str) -> list[CheckpointSummary]:
