@@ -66,7 +66,7 @@ from .transport import Transport
 from ._placement import LocalPiece, dtype_name, local_piece
 from ._damage import reported
 from ._lease import LoadLease
-from ._loadtree import fetch_head, fetch_pieces
+from ._loadtree import fetch_head, fetch_pieces, post_read_plan
 from ._resolve import resolve_manifest
 from ckptd_schemas.api import SkippedCheckpoint
 from ckptd_schemas.format.assemble import Destination, copy_into
@@ -330,9 +330,9 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
                 objects_by_name.setdefault(o.name, []).append(o)
 
         def plan(ps: list[tuple[Leaf, LocalPiece]]) -> ReadPlan:
-            raw_plan = _plan(transport, base, ps, direct_reads)
-            report.metadata_bytes += len(raw_plan)
-            return ReadPlan.model_validate_json(raw_plan)
+            got_plan, size = _plan(transport, base, ps, direct_reads)
+            report.metadata_bytes += size
+            return got_plan
     for leaf in leaves:
         entries = objects_by_name.get(leaf.fqn) if strict and leaf.kind != "tensor" else None
         if entries is not None and _pick_object(entries, rank) is None:
@@ -341,12 +341,11 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
     return _Prepared(manifest, report, leaves, pieces, objects_by_name, plan, sorted({*shapes, *object_names}))
 
 
-def _plan(transport: Transport, base: str, pieces: list[tuple[Leaf, LocalPiece]], direct_reads: bool) -> bytes:
-    """The service's read plan for ``pieces`` (its JSON)."""
-    body: dict[str, Any] = {"requests": [_request(leaf.fqn, p).model_dump(exclude_none=True) for leaf, p in pieces]}
-    if direct_reads:
-        body["local_paths"] = True
-    return transport.request("POST", f"{base}/read-plan", json=body, sink=lambda r: r.read())
+def _plan(transport: Transport, base: str, pieces: list[tuple[Leaf, LocalPiece]], direct_reads: bool
+          ) -> tuple[ReadPlan, int]:
+    """The service's read plan for ``pieces``, and the bytes of its JSON (``post_read_plan``)."""
+    return post_read_plan(transport, f"{base}/read-plan", [_request(leaf.fqn, p) for leaf, p in pieces],
+                          direct_reads)
 
 
 def _key(leaf: Leaf, p: LocalPiece) -> Any:

@@ -7,9 +7,10 @@ Call order inside a load (``_load._prepare``):
    the root the checkpoint's ``COMMITTED`` marker names (``X-Ckptd-Load-Tree``). ``None`` from a
    service, or for a checkpoint, without load trees: the load reads the whole manifest instead;
 2. the state dict is matched against the head, and the rank's regions are described;
-3. :func:`fetch_pieces`: ``POST .../load-tree`` with those regions and the object names it restores;
-   every chunk row, file and object entry of the answer is checked against the head
-   (``verify_answer``), which gives a manifest of just those pieces;
+3. :func:`fetch_pieces`: ``POST .../load-tree`` with those regions and the object names it restores
+   (several requests, their answers merged, when they are more than one request may name:
+   ``request_batches``); every chunk row, file and object entry of the answer is checked against the
+   head (``verify_answer``), which gives a manifest of just those pieces;
 4. :meth:`Pieces.plan` plans the reads from that manifest here (``plan_reads``, as the service would)
    and refuses a plan that leaves part of a region unfilled (``check_covered``).
 
@@ -20,18 +21,35 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import httpx
 
-from ckptd_schemas import CheckpointNotFound, CorruptCheckpoint, Manifest, NotFound, ObjectEntry, ReadPlan, \
-    ReadRequest, plan_reads
+from ckptd_schemas import CheckpointNotFound, CorruptCheckpoint, Manifest, NotFound, ObjectEntry, PayloadTooLarge, \
+    ReadPlan, ReadRequest, plan_reads
+from ckptd_schemas.api import MAX_READ_REQUESTS
+from ckptd_schemas.readplan import merge_plans, request_batches
 from ckptd_schemas.api import LOAD_TREE_HEADER, SKIPPED_HEADER, SkippedCheckpoint
 from ckptd_schemas.loadtree import LoadHead, check_covered, verify_answer
 
 from .transport import Transport
 
-__all__ = ["Head", "Pieces", "fetch_head", "fetch_pieces"]
+__all__ = ["Head", "Pieces", "fetch_head", "fetch_pieces", "post_read_plan"]
+
+T = TypeVar("T")
+
+
+def _split_by_service(send: Callable[[int], T]) -> T:
+    """``send(most)`` with batches of the default limit (``MAX_READ_REQUESTS``), and once more with the
+    service's own when it refused a batch as more than it takes (413 with ``max_requests``: a service
+    configured under the default)."""
+    try:
+        return send(MAX_READ_REQUESTS)
+    except PayloadTooLarge as e:
+        limit = e.details.get("max_requests")
+        if not isinstance(limit, int) or not 0 < limit < MAX_READ_REQUESTS:
+            raise
+        return send(limit)
 
 
 @dataclass
@@ -90,15 +108,74 @@ def fetch_head(transport: Transport, run: str, name: str) -> Head | None:
 
 def fetch_pieces(transport: Transport, base: str, head: LoadHead, requests: Sequence[ReadRequest],
                  objects: Sequence[str], rank: int, *, local_paths: bool) -> Pieces:
-    """The rank's pieces of the checkpoint at ``base``, every one checked against ``head``."""
-    body = {"requests": [r.model_dump(exclude_none=True) for r in requests], "objects": list(objects),
-            "rank": rank, "local_paths": local_paths}
-    raw = transport.request("POST", f"{base}/load-tree", json=body, sink=lambda r: r.read())
+    """The rank's pieces of the checkpoint at ``base``, every one checked against ``head``: one request
+    per batch of its regions (``request_batches``), the object names spread over them, the answers'
+    rows, files and objects merged (each keeps its own proof) before they are checked together."""
+    names = list(objects)
+
+    def send(most: int) -> tuple[dict[str, Any], int]:
+        batches = request_batches(requests, most) or [(0, 0)]
+        per = -(-len(names) // len(batches)) if names else 0
+        if per > most:  # more names than regions to carry them: more requests
+            batches += [(len(requests), len(requests))] * (-(-len(names) // most) - len(batches))
+            per = most
+        answer: dict[str, Any] = {}
+        size = 0
+        for k, (start, end) in enumerate(batches):
+            body = {"requests": [r.model_dump(exclude_none=True) for r in requests[start:end]],
+                    "objects": names[k * per:(k + 1) * per], "rank": rank, "local_paths": local_paths}
+            raw = transport.request("POST", f"{base}/load-tree", json=body, sink=lambda r: r.read())
+            size += len(raw)
+            try:
+                _merge_answer(answer, json.loads(raw))
+            except (ValueError, TypeError, KeyError, AttributeError) as e:  # not the shape of an answer
+                raise CorruptCheckpoint(f"{head.ref}: the service's load-tree answer does not parse: {e}"[:400],
+                                        file="load tree") from None
+        return answer, size
+
+    answer, size = _split_by_service(send)
     try:
-        answer = json.loads(raw)
         manifest, chosen = verify_answer(head, answer, requests, rank)
     except (ValueError, TypeError, KeyError, AttributeError) as e:  # not the shape of an answer
         raise CorruptCheckpoint(f"{head.ref}: the service's load-tree answer does not parse: {e}"[:400],
                                 file="load tree") from None
     paths = answer.get("local_paths")
-    return Pieces(manifest, chosen, paths if isinstance(paths, dict) else None, len(raw))
+    return Pieces(manifest, chosen, paths if isinstance(paths, dict) else None, size)
+
+
+def _merge_answer(into: dict[str, Any], part: dict[str, Any]) -> None:
+    """Add one load-tree answer to ``into``: rows, proofs, files and objects by their keys (each piece
+    is still checked against the head, so a part cannot vouch for another's); ``local_paths`` only
+    when every part has them."""
+    if not into:
+        into.update(part)
+        return
+    into["root"] = into.get("root") if into.get("root") == part.get("root") else None  # parts of one tree
+    for name, t in part["tensors"].items():
+        mine = into["tensors"].setdefault(name, {"rows": {}, "proofs": {}})
+        mine["rows"].update(t["rows"])
+        mine["proofs"].update(t["proofs"])
+    into["files"].update(part["files"])
+    into["objects"].update(part["objects"])
+    paths = into.get("local_paths")
+    into["local_paths"] = {**paths, **part["local_paths"]} if isinstance(paths, dict) and isinstance(
+        part.get("local_paths"), dict) else None
+
+
+def post_read_plan(transport: Transport, url: str, requests: Sequence[ReadRequest], local_paths: bool
+                   ) -> tuple[ReadPlan, int]:
+    """The service's read plan (``POST url``) for ``requests``, as one request per batch of them
+    (``request_batches``: one for a rank's usual few thousand), merged; and the bytes of the answers."""
+    def send(most: int) -> tuple[ReadPlan, int]:
+        parts: list[tuple[int, ReadPlan]] = []
+        size = 0
+        for start, end in request_batches(requests, most):
+            body: dict[str, Any] = {"requests": [r.model_dump(exclude_none=True) for r in requests[start:end]]}
+            if local_paths:
+                body["local_paths"] = True
+            raw = transport.request("POST", url, json=body, sink=lambda r: r.read())
+            size += len(raw)
+            parts.append((start, ReadPlan.model_validate_json(raw)))
+        return (merge_plans(parts) if parts else ReadPlan(fetches=[], copies=[])), size
+
+    return _split_by_service(send)

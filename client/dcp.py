@@ -56,7 +56,7 @@ import xxhash
 
 from ckptd_schemas import (
     Box, ChecksumMismatch, CkptdError, CorruptCheckpoint, IntegrityError, InvalidRequest, Manifest,
-    ObjectEntry, RankIndex, ReadPlan, ReadRequest, StateDictMismatch, TensorEntry, check_new_name, parse_ref,
+    ObjectEntry, RankIndex, ReadRequest, StateDictMismatch, TensorEntry, check_new_name, parse_ref,
 )
 
 from .codec import CompressionPolicy, compression_of
@@ -68,6 +68,7 @@ from .session_calls import open_session, put_index, wait_committed
 from ._damage import reported
 from ._lease import LoadLease
 from ._load import execute, local_files
+from ._loadtree import post_read_plan
 from ._join import mismatch
 from ckptd_schemas.names import DCP_METADATA
 from ckptd_schemas.format.assemble import Destination, torch_dtype
@@ -438,10 +439,7 @@ class CkptdStorageReader(_Endpoint, StorageReader):
             requests.append(ReadRequest(name=t.name, offsets=offsets, sizes=list(it.lengths)))
             dests.append(Destination(target, t.shape, box_offsets=offsets))
             targets.append(target)
-        body: dict[str, Any] = {"requests": [r.model_dump(exclude_none=True) for r in requests]}
-        if self.direct_reads:
-            body["local_paths"] = True
-        rp = ReadPlan.model_validate(self.transport.request("POST", f"{self.base}/read-plan", json=body))
+        rp, _ = post_read_plan(self.transport, f"{self.base}/read-plan", requests, self.direct_reads)
         files = local_files(rp, m)
         try:  # every block verified, from this host's files (direct reads) or over HTTP
             execute(self.transport, self.base, rp, dests, self.streams, files)

@@ -24,6 +24,8 @@ __all__ = [
     "RunSummary",
     "LEASE_HEADER",
     "LOAD_TREE_HEADER",
+    "MAX_READ_REQUESTS",
+    "READ_REQUEST_BYTES",
     "SKIPPED_HEADER",
     "SessionInfo",
     "SessionStatus",
@@ -345,6 +347,14 @@ class RunSummary(_Answer):
 #: JSON array (ASCII) of :class:`SkippedCheckpoint`, newest first, at most ``MAX_SKIPPED_SENT``.
 SKIPPED_HEADER = "X-Ckptd-Skipped"
 MAX_SKIPPED_SENT = 16
+
+#: The most regions (and, apart, object names) a client puts in one ``POST .../read-plan`` or
+#: ``POST .../load-tree`` request: a rank with more pieces sends several, under the service's limit
+#: (``CKPTD_READ_PLAN_MAX_REQUESTS``, by default this), whose answers it merges.
+MAX_READ_REQUESTS = 16384
+#: Bytes of body per region the service reads of such a request at most (a region names its tensor in
+#: about 40 to 200 bytes): its body limit is this times its limit of regions, 4 MiB by default.
+READ_REQUEST_BYTES = 256
 
 #: Sent by a reader with each request made under its own read lease (the lease's holder name): the
 #: service renews that lease on the read instead of leasing the checkpoint for a while on its own, so

@@ -30,16 +30,19 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Callable, Sequence
 
+import json
+
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .api import MAX_READ_REQUESTS, READ_REQUEST_BYTES
 from .dtypes import itemsize
 from .errors import ChecksumMismatch, PayloadTooLarge, StateDictMismatch
 from .geometry import Box, Region, box_flat_span, intersect_regions, row_major_strides
 from .manifest import FileEntry, Manifest, TensorEntry
 
-__all__ = ["Copy", "Fetch", "PlanBudget", "ReadPlan", "ReadRequest", "dest_region", "plan_reads", "run_fetches",
-           "verify_fetch", "wanted_region"]
+__all__ = ["Copy", "Fetch", "PlanBudget", "ReadPlan", "ReadRequest", "dest_region", "merge_plans", "plan_reads",
+           "request_batches", "run_fetches", "verify_fetch", "wanted_region"]
 
 
 class _Body(BaseModel):
@@ -173,6 +176,45 @@ class ReadPlan(_Body):
     @property
     def bytes_to_read(self) -> int:
         return sum(f.end - f.start for f in self.fetches)
+
+
+def request_batches(requests: Sequence[ReadRequest], most: int | None = None,
+                    body_bytes: int | None = None) -> list[tuple[int, int]]:
+    """``[start, end)`` of consecutive ``requests``, each at most ``most`` of them whose JSON takes at most
+    ``body_bytes`` (by default the service's limits: ``api.MAX_READ_REQUESTS`` regions, ``api.READ_REQUEST_BYTES``
+    each on average): what a client sends as one read-plan or load-tree request. One batch for a rank's
+    usual few thousand; none for none."""
+    most = most or MAX_READ_REQUESTS
+    body_bytes = (body_bytes or most * READ_REQUEST_BYTES) - 1024  # room for the body's other keys
+    out: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for i, r in enumerate(requests):
+        n = len(json.dumps(r.model_dump(exclude_none=True))) + 2  # at least what the client's encoder sends
+        if i > start and (i - start >= most or size + n > body_bytes):
+            out.append((start, i))
+            start, size = i, 0
+        size += n
+    if start < len(requests):
+        out.append((start, len(requests)))
+    return out
+
+
+def merge_plans(parts: Sequence[tuple[int, "ReadPlan"]]) -> "ReadPlan":
+    """One plan of the plans of consecutive batches of requests, each with its batch's first request
+    (``request_batches``): copies renumbered to the whole list's requests and fetches, in order;
+    ``local_paths`` only when every part offered them."""
+    if len(parts) == 1 and parts[0][0] == 0:
+        return parts[0][1]
+    fetches: list[Fetch] = []
+    copies: list[Copy] = []
+    paths: dict[str, str] | None = {}
+    for first, plan in parts:
+        base = len(fetches)
+        fetches.extend(plan.fetches)
+        copies.extend(c.model_copy(update={"request": c.request + first, "fetch": c.fetch + base})
+                      for c in plan.copies)
+        paths = None if paths is None or plan.local_paths is None else {**paths, **plan.local_paths}
+    return ReadPlan(fetches=fetches, copies=copies, local_paths=paths or None)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Literal
 
 from fastapi import Depends, FastAPI, Query, Request, Response
@@ -73,7 +72,7 @@ from .errors import install_error_handlers
 from .limits import BodyTimeouts, PrincipalRequests, UploadSlots
 from .logs import RequestContextMiddleware
 from .metrics import CONTENT_TYPE_LATEST, Metrics
-from .readiness import Readiness, answer
+from .readiness import PROBE_DEADLINE, Readiness, answer
 from .read_routes import read_router
 from .reshard_routes import reshard_router
 from .workers import Workers
@@ -166,7 +165,6 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
             yield
         finally:
             task.cancel()
-            probe_threads.shutdown(wait=False)
             if local is not None:
                 local.stop()
             drills.close()  # no drill queued past this point
@@ -193,8 +191,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     async def healthz() -> dict:
         return {"status": "ok", "version": __version__}
 
-    # /readyz probes the storage on threads of its own: requests that fill the shared pool never delay it.
-    probe_threads = ThreadPoolExecutor(2, thread_name_prefix="ckptd-probe")
+    # /readyz probes the storage on a thread of its own, and waits for it at most PROBE_DEADLINE: requests
+    # that fill the shared pool never delay it, nor does a store that retries or hangs.
 
     @app.get("/readyz", tags=["probes"])
     async def readyz(request: Request, need: Literal["writes", "reads"] = Query(
@@ -202,7 +200,10 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
             "saves); reads: it can be listed (a service that serves loads from a read-only root)")) -> JSONResponse:
         """Ready when the storage answers a listing and, unless ``for=reads``, its root can be written (a
         hidden object created and deleted, at most once per few seconds); the body says both, and why not."""
-        probe = await asyncio.get_running_loop().run_in_executor(probe_threads, readiness.check)
+        try:
+            probe = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(readiness.start())), PROBE_DEADLINE)
+        except asyncio.TimeoutError:
+            probe = readiness.overdue(PROBE_DEADLINE)
         status, body = answer(probe, storage.url, need, request.scope.get("state", {}).get("request_id"))
         return JSONResponse(body, status_code=status)
 

@@ -21,10 +21,11 @@ meets them, after ``AccessMiddleware`` has named its principal):
    of one token at once; the next is refused 429 (``TooManyRequests``), which
    the client retries with backoff. One token's uploads cannot take every
    worker thread, so another token's still run.
-4. :func:`read_plan_budget` (in the ``read_plan`` handler): the work a plan
-   may do, a constant plus a multiple of the request body's size
-   (:class:`ckptd_schemas.PlanBudget`); over it the request is refused 413
-   before the work is done.
+4. :func:`read_plan_budget` (in the ``read_plan`` and ``load_tree_pieces`` handlers): the work a
+   plan may do, a constant plus a multiple of the regions its request names
+   (:class:`ckptd_schemas.PlanBudget`); over it the request is refused 413 before the work is
+   done. The regions are at most ``read_plan_max_requests`` (counted before the body is parsed:
+   ``bodies.parse_read_requests``), so no read request costs more than a fixed bound.
 
 Connection-level limits (request heads that never complete, idle sockets
 exhausting file descriptors, the connection cap and which connection it sheds)
@@ -46,26 +47,28 @@ from ckptd_schemas import PlanBudget, RequestTimeout, TooManyRequests
 from .auth import ANONYMOUS, Principal, iter_routes
 from .error_body import send_error
 
-__all__ = ["ANSWER_PER_BODY_BYTE", "CHUNKS_PER_BODY_BYTE", "BodyTimeouts", "PrincipalRequests", "UploadSlots",
+__all__ = ["ANSWER_PER_REQUEST", "CHUNKS_PER_REQUEST", "BodyTimeouts", "PrincipalRequests", "UploadSlots",
            "mark_answered", "read_plan_budget", "was_answered"]
 
 log = logging.getLogger("ckptd.service")
 
-CHUNKS_PER_BODY_BYTE = 16
-"""Chunk visits a read plan may make per byte of its request, beyond the settings' constant: a request
-names a region in about 40 bytes, and a region visits the chunks it may meet (its tensor's interval
-index): one or two for a rank's slice at any world size, every chunk for a whole tensor."""
-ANSWER_PER_BODY_BYTE = 1
-"""Copies plus fetches a read plan may answer per byte of its request, beyond the settings' constant
-(each costs the service memory and time to build and bytes to send: BENCHMARKS.md, Figures behind
-the code)."""
+CHUNKS_PER_REQUEST = 64
+"""Chunk visits a read plan may make per region it names, beyond the settings' constant: a region visits
+the chunks it may meet (its tensor's interval index): one or two for a rank's slice at any world size,
+every chunk for a whole tensor (a reshard from W ranks to fewer meets about W over their number). A
+load-tree answer holds a chunk row (about 2 KiB with its proof) per chunk visited, at most."""
+ANSWER_PER_REQUEST = 2
+"""Copies plus fetches a read plan may answer per region it names, beyond the settings' constant (each
+costs the service about 4 KiB of memory while the answer is built, and time: BENCHMARKS.md, Figures
+behind the code). With at most ``read_plan_max_requests`` regions, a plan's memory is bounded whatever
+its request says."""
 _ANSWERED = "ckptd_answered"  # scope state key: a middleware has answered the request itself
 
 
-def read_plan_budget(body_bytes: int, base_chunks: int, base_answer: int) -> PlanBudget:
-    """The budget of a read-plan request of ``body_bytes`` bytes."""
-    return PlanBudget(max_chunks=base_chunks + CHUNKS_PER_BODY_BYTE * body_bytes,
-                      max_answer=base_answer + ANSWER_PER_BODY_BYTE * body_bytes,
+def read_plan_budget(requests: int, base_chunks: int, base_answer: int) -> PlanBudget:
+    """The budget of a read-plan (or load-tree) request naming ``requests`` regions."""
+    return PlanBudget(max_chunks=base_chunks + CHUNKS_PER_REQUEST * requests,
+                      max_answer=base_answer + ANSWER_PER_REQUEST * requests,
                       setting="CKPTD_READ_PLAN_CHUNK_BUDGET / CKPTD_READ_PLAN_ANSWER_BUDGET")
 
 

@@ -35,8 +35,11 @@ replica's account for a while (``store.leases``, which decides this), so gc spar
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import json
-from typing import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import StreamingResponse
@@ -48,16 +51,21 @@ from ckptd_schemas import (
     TooManyRequests, check_file, check_session, plan_reads,
 )
 
-from ckptd_schemas.api import LOAD_TREE_HEADER, MAX_SKIPPED_SENT, SKIPPED_HEADER
+from ckptd_schemas.api import LOAD_TREE_HEADER, MAX_SKIPPED_SENT, READ_REQUEST_BYTES, SKIPPED_HEADER
 
 from ..store.paths import Paths
 from ..store.verification import VerifyRecord, read_record, recheck_and_record, verify_and_record
 from .auth import principal_of
-from .bodies import parse_body, read_body_limited
+from .bodies import parse_read_requests, read_body_limited
 from .limits import read_plan_budget
 from .services import Services
 
-__all__ = ["DamageReport", "DamageVerdict", "LoadTreeBody", "ReadPlanBody", "read_router"]
+__all__ = ["PLAN_THREADS", "DamageReport", "DamageVerdict", "LoadTreeBody", "ReadPlanBody", "read_router"]
+
+#: Threads of a replica that parse read-plan and load-tree requests, plan them and serialize their
+#: answers: the CPU and memory all such requests take at once are at most this many bounded requests'
+#: (``CKPTD_READ_PLAN_MAX_REQUESTS``); more wait their turn, off the event loop, which keeps answering.
+PLAN_THREADS = 2
 
 
 class LoadTreeBody(BaseModel):
@@ -141,11 +149,32 @@ def read_router(svc: Services) -> APIRouter:
     router = APIRouter(tags=["read"])
     settings, storage, metrics, reader = svc.settings, svc.storage, svc.metrics, svc.reader
     visibility, read_leases, workers = svc.visibility, svc.read_leases, svc.workers
+    plan_threads = ThreadPoolExecutor(PLAN_THREADS, thread_name_prefix="ckptd-plan")
+    max_requests = settings.read_plan_max_requests
+
+    async def planned(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """``fn`` on the plan threads (the request's context along: its id in the log lines)."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args, **kw)
+        return await asyncio.get_running_loop().run_in_executor(plan_threads, call)
+
+    async def read_requests(request: Request, model: type[BaseModel], what: str) -> Any:
+        """A read-plan or load-tree request's body: at most ``max_requests`` regions (and object names)
+        in at most ``READ_REQUEST_BYTES`` a region, counted before it is parsed; 413 past either, with
+        ``max_requests`` in its details (a client splits its regions by it)."""
+        try:
+            raw = await read_body_limited(
+                request, max_requests * READ_REQUEST_BYTES,
+                f"{max_requests} regions of {READ_REQUEST_BYTES} bytes, CKPTD_READ_PLAN_MAX_REQUESTS",
+                field="body", setting="CKPTD_READ_PLAN_MAX_REQUESTS", max_requests=max_requests)
+            return await planned(parse_read_requests, model, raw, what, max_requests)
+        except PayloadTooLarge:
+            metrics.limit_refusals.labels("read_plan").inc()
+            raise
 
     @router.get("/v1/runs", response_model=list[RunSummary])
     async def list_runs(request: Request) -> list[RunSummary]:
         principal = principal_of(request)
-        return [r for r in await run_in_threadpool(reader.list_runs) if principal.can_read(r.run)]
+        return await run_in_threadpool(reader.list_runs, principal.can_read)
 
     @router.get("/v1/runs/{run}/checkpoints", response_model=list[CheckpointSummary])
     async def list_checkpoints(run: str) -> list[CheckpointSummary]:
@@ -170,12 +199,12 @@ def read_router(svc: Services) -> APIRouter:
     @router.post("/v1/checkpoints/{run}/{name}/read-plan", response_model=ReadPlan,
                  response_model_exclude_none=True)  # no local_paths key unless offered: older clients parse it
     async def read_plan(request: Request, run: str, name: str) -> ReadPlan:
-        raw = await read_body_limited(request, settings.max_index_bytes)
-        body = await run_in_threadpool(parse_body, ReadPlanBody, raw, "read-plan request")  # off the event loop
+        body = await read_requests(request, ReadPlanBody, "read-plan request")
         manifest = await run_in_threadpool(reader.manifest, run, name)
-        budget = read_plan_budget(len(raw), settings.read_plan_chunk_budget, settings.read_plan_answer_budget)
+        budget = read_plan_budget(len(body.requests), settings.read_plan_chunk_budget,
+                                  settings.read_plan_answer_budget)
         try:
-            plan = await run_in_threadpool(plan_reads, manifest, body.requests, budget=budget)
+            plan = await planned(plan_reads, manifest, body.requests, budget=budget)
         except PayloadTooLarge:
             metrics.limit_refusals.labels("read_plan").inc()
             raise
@@ -184,7 +213,7 @@ def read_router(svc: Services) -> APIRouter:
                      for f in plan.fetches}
             if all(paths.values()):
                 plan.local_paths = paths  # type: ignore[assignment]
-        raw_plan = await run_in_threadpool(plan.model_dump_json, exclude_none=True)  # a large answer: not on the loop
+        raw_plan = await planned(plan.model_dump_json, exclude_none=True)  # a large answer: not on the loop
         return Response(raw_plan, media_type="application/json")  # type: ignore[return-value]
 
     @router.get("/v1/checkpoints/{run}/{name}/load-tree", responses={200: {"content": {"application/json": {}}}})
@@ -207,13 +236,13 @@ def read_router(svc: Services) -> APIRouter:
         the head's root: the chunk rows its regions' interval indexes find, the files they lie in, the
         entries that decide the objects it restores (``LoadTree.answer``); with ``local_paths``, each
         file's path on a local root (direct reads). Budgeted as a read plan."""
-        raw = await read_body_limited(request, settings.max_index_bytes)
-        body = await run_in_threadpool(parse_body, LoadTreeBody, raw, "load-tree request")
+        body = await read_requests(request, LoadTreeBody, "load-tree request")
         c = await run_in_threadpool(reader.committed, run, name)
         tree = await run_in_threadpool(visibility.load_tree, c)
-        budget = read_plan_budget(len(raw), settings.read_plan_chunk_budget, settings.read_plan_answer_budget)
+        budget = read_plan_budget(len(body.requests), settings.read_plan_chunk_budget,
+                                  settings.read_plan_answer_budget)
         try:
-            answer = await run_in_threadpool(tree.answer, body.requests, body.objects, body.rank, budget)
+            answer = await planned(tree.answer, body.requests, body.objects, body.rank, budget)
         except PayloadTooLarge:
             metrics.limit_refusals.labels("read_plan").inc()
             raise
@@ -221,7 +250,7 @@ def read_router(svc: Services) -> APIRouter:
             paths = {f: storage.local_path(Paths.file(run, c.name, c.marker.session, f)) for f in answer["files"]}
             if all(paths.values()):
                 answer["local_paths"] = paths
-        data = await run_in_threadpool(json.dumps, answer, separators=(",", ":"))
+        data = await planned(json.dumps, answer, separators=(",", ":"))
         return Response(data, media_type="application/json")
 
     @router.post("/v1/checkpoints/{run}/{name}/verify", response_model=VerifyRecord)

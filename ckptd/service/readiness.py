@@ -3,7 +3,14 @@
 Call order: ``create_app`` builds one :class:`Readiness` over the service's storage
 (``app.state.readiness``); ``ckptd serve`` calls :meth:`Readiness.announce` before it listens, which
 probes once and says in the first lines of the log when the root cannot be written; each ``/readyz``
-calls :meth:`Readiness.check` on the probe threads and :func:`answer` builds the response.
+calls :meth:`Readiness.start` and waits for its outcome at most :data:`PROBE_DEADLINE` (past it,
+:meth:`Readiness.overdue`), and :func:`answer` builds the response.
+
+A probe answers within a second whatever the store does: it reads and writes through
+``Storage.for_probes`` (each call tried once, within a short timeout: a store that answers 503 fails
+the probe in one round trip, where the service's own calls retry for a minute or more), on a thread
+of its own, one at a time; a probe still running at the deadline is answered 503 naming the
+deadline, and its outcome, when it comes, answers the next ``/readyz``.
 
 The write probe creates and deletes a small hidden object at the root (``.ckptd-ready-<id>``: never
 listed, and written with ``create_if_absent``, the one write no save protocol step is made of). Its
@@ -23,6 +30,7 @@ import logging
 import threading
 import time
 import uuid
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -31,10 +39,11 @@ from ckptd_schemas import CkptdError, StorageError, StoragePermanent
 from ..storage import Storage
 from .error_body import error_body
 
-__all__ = ["PROBE_SECONDS", "Probe", "Readiness", "answer"]
+__all__ = ["PROBE_DEADLINE", "PROBE_SECONDS", "Probe", "Readiness", "answer"]
 
 log = logging.getLogger("ckptd.service")
 PROBE_SECONDS = 5.0  # how long one probe's outcome answers /readyz
+PROBE_DEADLINE = 0.8  # seconds /readyz waits for a probe before it answers 503 (the probe goes on)
 
 
 @dataclass(frozen=True)
@@ -60,17 +69,53 @@ class Readiness:
 
     def __init__(self, storage: Storage, seconds: float = PROBE_SECONDS,
                  on_failure: Callable[[StorageError], None] | None = None) -> None:
-        self.storage, self.seconds, self.on_failure = storage, seconds, on_failure
+        self.storage, self.seconds, self.on_failure = storage.for_probes(), seconds, on_failure
         self._last: Probe | None = None
-        self._lock = threading.Lock()  # one probe at a time; the others wait and take its outcome
+        self._running: Future | None = None  # the probe in progress: one at a time, the others take its outcome
+        self._lock = threading.Lock()  # held only to look at the two above, never while probing
 
-    def check(self) -> Probe:
-        """The last outcome while it is fresh, else a new probe (blocking: call it off the event loop)."""
+    def start(self) -> Future:
+        """The last outcome while it is fresh (a done future), else the probe in progress, started here
+        when none is (on a thread of its own). Never blocks."""
         with self._lock:
             last = self._last
-            if last is None or time.monotonic() - last.at >= self.seconds:
-                last = self._last = self._probe()
-            return last
+            if last is not None and time.monotonic() - last.at < self.seconds:
+                done: Future = Future()
+                done.set_result(last)
+                return done
+            if self._running is None:
+                self._running = Future()
+                threading.Thread(target=self._run, args=(self._running,), name="ckptd-readiness",
+                                 daemon=True).start()
+            return self._running
+
+    def check(self, deadline: float | None = None) -> Probe:
+        """The last outcome while it is fresh, else a new probe's (blocking: call it off the event
+        loop); past ``deadline`` seconds, :meth:`overdue` (the probe goes on)."""
+        try:
+            return self.start().result(timeout=deadline)
+        except FutureTimeout:
+            return self.overdue(deadline or 0.0)
+
+    def overdue(self, deadline: float) -> Probe:
+        """The outcome of a probe that has not answered in ``deadline`` seconds: neither part holds."""
+        err = StorageError(f"the storage did not answer the readiness probe (a listing and a small write at the "
+                           f"root) within {deadline:g} s", timeout_s=deadline)
+        if self.on_failure is not None:
+            self.on_failure(err)
+        return Probe(err, err, time.monotonic())
+
+    def _run(self, fut: Future) -> None:
+        try:
+            probe = self._probe()
+        except BaseException as e:  # noqa: BLE001 - the waiters raise it; the next start probes again
+            with self._lock:
+                self._running = None
+            fut.set_exception(e)
+            return
+        with self._lock:
+            self._last, self._running = probe, None
+        fut.set_result(probe)
 
     def _probe(self) -> Probe:
         read_error = self._attempt(lambda: self.storage.list("runs"))

@@ -39,9 +39,10 @@ class Settings(BaseSettings):
         "keep-alive) before the sweep aborts it and deletes its staged bytes")
     reclaim_interval: float = Field(120.0, description="seconds between stale-session sweeps")
     max_index_bytes: int = Field(
-        64 << 20, description="largest accepted rank index or read-plan body (a one-rank index of 1,024 ranks x 500 "
+        64 << 20, description="largest accepted rank index (a one-rank index of 1,024 ranks x 500 "
         "tensors, as `ckptd import dcp` sends, is about 26 MB; parsing and checking an index costs up to 20 times "
-        "its size in memory)")
+        "its size in memory); read-plan and load-tree bodies have their own, smaller limit "
+        "(CKPTD_READ_PLAN_MAX_REQUESTS)")
     write_batch_bytes: int = Field(8 << 20, description="bytes gathered before each storage write")
     reshard_workers: int = Field(1, description="worker processes for reshard jobs")
     reshard_max_mbps: float = Field(256.0, description="bandwidth cap of one reshard job, MiB/s (0 = none)")
@@ -152,13 +153,19 @@ class Settings(BaseSettings):
         1 << 30, ge=0, description="memory the parsed manifests kept for reads may take (about 6 bytes per byte of "
         "manifest JSON, their read-plan indexes included); the least recently read go first, the one in use "
         "always stays")
+    read_plan_max_requests: int = Field(
+        16384, ge=1, description="regions one read-plan or load-tree request may name (and object names one "
+        "load-tree request may name); its body may be 256 bytes per region, 4 MiB at the default. A rank names "
+        "one region per piece of a tensor it loads (a few thousand for a large model, whatever the world size); "
+        "the client sends more as several requests, split by the limit a 413 names. More is refused 413 before "
+        "the body is parsed")
     read_plan_chunk_budget: int = Field(
-        1 << 20, ge=0, description="chunks a read plan may visit (the chunks each requested region may meet, found "
-        "through the tensor's interval index), "
-        "plus 16 per byte of its request; more is refused 413 before any work")
+        1 << 20, ge=0, description="chunks a read plan or load-tree request may visit (the chunks each requested "
+        "region may meet, found through the tensor's interval index), plus 64 per region it names (a load-tree "
+        "answer holds at most as many chunk rows); more is refused 413 before any work")
     read_plan_answer_budget: int = Field(
-        1 << 16, ge=0, description="copies plus fetches a read plan may answer, plus 1 per byte of its request; "
-        "more is refused 413")
+        1 << 16, ge=0, description="copies plus fetches a read plan may answer, plus 2 per region it names; more "
+        "is refused 413")
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -228,7 +235,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Request limits": ("max_index_bytes", "max_header_bytes", "header_timeout_seconds", "body_idle_timeout_seconds",
                        "body_min_bytes_per_second", "body_rate_grace_seconds", "send_idle_timeout_seconds",
                        "max_connections", "max_requests_per_principal", "max_uploads_per_principal",
-                       "read_plan_chunk_budget", "read_plan_answer_budget"),
+                       "read_plan_max_requests", "read_plan_chunk_budget", "read_plan_answer_budget"),
 }
 
 

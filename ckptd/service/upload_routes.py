@@ -27,9 +27,10 @@ from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
     ConfirmUpload, Forbidden, InvalidIndex, InvalidRequest, LinkFile, OpenSession, PresignedUpload, PresignUpload,
-    RankIndex, SessionInfo, SessionStatus, UploadResult, parse_ref,
+    RankIndex, SessionInfo, SessionStatus, UploadResult, check_name, check_run, check_session, parse_ref,
 )
 
+from ..store.session_reads import read_meta
 from .auth import principal_of
 from .bodies import parse_body, read_body_limited
 from .services import Services
@@ -184,8 +185,16 @@ def upload_router(svc: Services) -> APIRouter:
                 st.durable, st.durable_error = found.durable, found.error
         return st
 
+    quick = svc.storage.for_probes()  # each call tried once: a long poll's first read
+
+    def precheck(run: str, name: str, sid: str) -> None:
+        """The session's record read once, tried once (``StorageError`` at once while the store fails);
+        whether it is there or not, the state's own reads decide the answer (404 without a record)."""
+        check_run(run), check_name(name), check_session(sid)
+        read_meta(quick, run, name, sid)
+
     watches = SessionWatches(lambda run, name, sid: sessions.status(run, name, sid, list_ranks=False),
-                             with_durability)
+                             with_durability, precheck)
 
     @router.get("/v1/checkpoints/{run}/{name}/sessions/{sid}", response_model=SessionStatus)
     async def session_status(run: str, name: str, sid: str, wait: float = Query(0.0, ge=0.0, le=MAX_WAIT_SECONDS),

@@ -199,6 +199,12 @@ class Storage(ABC):
         has none (the caller must then read the bytes to know)."""
         return "" if self.exists(key) else None
 
+    def for_probes(self) -> "Storage":
+        """This root as the readiness probe reads it: each call tried once, within a short timeout, so
+        that a probe says at once what the store answers now (``ckptd.service.readiness``); a backend
+        that retries (S3) overrides it."""
+        return self
+
     def local_path(self, key: str) -> str | None:
         """An absolute path that opens ``key`` on this host, or None (an object store): offered to
         loading clients for direct reads (``ReadPlan.local_paths``)."""

@@ -67,6 +67,8 @@ _COPY_PART = 1 << 30  # bytes per UploadPartCopy beyond it
 # when the error is SlowDown, and re-reads a body cut off mid-stream (which botocore cannot).
 # Kept small: the attempts multiply.
 _S3FS_RETRIES = 3
+#: Seconds the readiness probe's S3 calls wait to connect and for an answer (``S3Storage.for_probes``).
+PROBE_TIMEOUT = 2.0
 
 
 def s3_options_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -258,6 +260,7 @@ class S3Storage(Storage):
         opts: dict[str, Any] = {"default_block_size": DEFAULT_BLOCK_SIZE, "use_listings_cache": False,
                                 **s3_options_from_env(), **storage_options}
         self.url = url.rstrip("/")
+        self._options = opts
         try:
             self.fs, root = fsspec.url_to_fs(self.url, **opts)
         except ImportError as e:
@@ -270,6 +273,16 @@ class S3Storage(Storage):
         self._in_flight = threading.BoundedSemaphore(self.parts_in_flight)
         if self.block_size < 5 << 20:
             raise StorageError(f"{url}: S3 multipart parts are at least 5 MiB (block size {self.block_size})", key="")
+
+    def for_probes(self) -> "S3Storage":
+        """This root with one attempt per call (no botocore or s3fs retries) and :data:`PROBE_TIMEOUT`
+        to connect and to answer: a store answering 503 fails the readiness probe in one round trip,
+        where the service's own calls retry with backoff for a minute or more."""
+        config = {**self._options.get("config_kwargs", {}), "connect_timeout": PROBE_TIMEOUT,
+                  "read_timeout": PROBE_TIMEOUT, "retries": {"mode": "standard", "total_max_attempts": 1}}
+        st = S3Storage(self.url, **{**self._options, "config_kwargs": config})
+        st.fs.retries = 1
+        return st
 
     # -- helpers ------------------------------------------------------------------
     def _path(self, key: str) -> str:

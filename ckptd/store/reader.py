@@ -56,9 +56,13 @@ class CheckpointReader:
         c = self.visibility.check(run, name)
         return c.marker if c is not None else None
 
-    def list_runs(self) -> list[RunSummary]:
+    def list_runs(self, may_read: Callable[[str], bool] | None = None) -> list[RunSummary]:
+        """Every run's summary, or only those ``may_read`` lets through, chosen before each run's listing
+        is read (a token that reads one run costs one listing, not one per run of the root)."""
         out = []
         for run in self.visibility.runs():
+            if may_read is not None and not may_read(run):
+                continue
             visible = self.visibility.listing(run)
             latest = self.visibility.latest_of(visible)
             out.append(RunSummary(run=run, checkpoints=len(visible), latest=latest.name if latest else None))

@@ -77,6 +77,9 @@ class TieredStorage(Storage):
         self.url = f"{TIERED}{fast.url}|{durable.url}"
         self.read_piece = max(fast.read_piece, durable.read_piece)
 
+    def for_probes(self) -> "TieredStorage":
+        return TieredStorage(self.fast.for_probes(), self.durable.for_probes())
+
     def _behind(self, key: str) -> bool:
         """True when ``key`` lies under a checkpoint whose marker the fast tier holds: the durable tier
         may hold the key (the fast copy was dropped); under any other name it holds nothing visible."""

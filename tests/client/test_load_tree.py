@@ -128,3 +128,27 @@ def test_a_marker_without_a_tree_is_loaded_through_its_manifest(served) -> None:
     report = _load(srv.url, "old", 4, 2)
     manifest = len(httpx.get(f"{srv.url}/v1/checkpoints/tree/old", timeout=30).content)
     assert report.metadata_bytes > manifest  # the manifest, then the service's read plan
+
+
+def test_a_rank_with_more_regions_than_a_request_may_name_sends_several(tmp_path) -> None:
+    """A service that takes 4 regions per request (``CKPTD_READ_PLAN_MAX_REQUESTS``) and a rank of 6
+    tensors: the client splits its load-tree request, and its read-plan request (a marker without a
+    tree), by the limit the service's 413 names, and every value arrives."""
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_PLAN_MAX_REQUESTS": "4"},
+                        log=tmp_path / "server.log").start()
+    try:
+        _save(srv.url, "tree", 8)
+        one = httpx.post(f"{srv.url}/v1/checkpoints/tree/tree/load-tree", timeout=30,
+                         json={"requests": [{"name": f"model.w{t}"} for t in range(TENSORS)]})
+        err = one.json()["error"]
+        assert one.status_code == 413 and err["details"]["max_requests"] == 4, one.text
+        assert "CKPTD_READ_PLAN_MAX_REQUESTS" in err["message"]
+        _load(srv.url, "tree", 8, 5)
+        _save(srv.url, "old", 8)
+        path = _marker(tmp_path / "root", "old")
+        marker = json.loads(path.read_bytes())
+        del marker["load_tree"]
+        path.write_text(json.dumps(marker))
+        _load(srv.url, "old", 8, 3)
+    finally:
+        srv.stop()

@@ -5,7 +5,10 @@
   an empty one, is read whole;
 * :func:`parse_body`: a body that does not validate is the client's fault, the given typed error
   (``InvalidIndex`` for an index) naming where it is wrong and carrying the caller's details, never
-  a pydantic ``ValidationError`` (a 500).
+  a pydantic ``ValidationError`` (a 500);
+* :func:`parse_read_requests`: a read-plan or load-tree body of more regions (JSON objects, braces
+  inside strings not counted) or object names than the limit is ``PayloadTooLarge`` naming the field
+  and ``CKPTD_READ_PLAN_MAX_REQUESTS``; at the limit it parses.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ import asyncio
 import pytest
 from starlette.requests import Request
 
-from ckptd.service.bodies import parse_body, read_body_limited
+import json
+
+from ckptd.service.bodies import count_objects, parse_body, parse_read_requests, read_body_limited
+from ckptd.service.read_routes import LoadTreeBody, ReadPlanBody
 from ckptd_schemas import InvalidIndex, InvalidRequest, PayloadTooLarge, RankIndex
 
 
@@ -81,3 +87,22 @@ def test_only_the_first_twenty_errors_are_carried():
     with pytest.raises(InvalidRequest) as e:
         parse_body(RankIndex, raw, "index of rank 0")
     assert len(e.value.details["errors"]) == 20
+
+
+def test_objects_are_counted_outside_strings():
+    assert count_objects(b'{"a": [{"n": "x{y\\"{"}, {}]}') == 3
+    assert count_objects(b'[]') == 0
+
+
+def test_a_read_request_over_the_limit_is_refused_naming_the_field_and_the_setting():
+    def body(n: int, name: str = "w", **more: object) -> bytes:
+        return json.dumps({"requests": [{"name": name}] * n, **more}).encode()
+
+    assert len(parse_read_requests(ReadPlanBody, body(4), "read-plan request", 4).requests) == 4
+    assert len(parse_read_requests(ReadPlanBody, body(4, "{{{{"), "read-plan request", 4).requests) == 4
+    for raw, model, field in ((body(5), ReadPlanBody, "requests"),
+                              (body(1, objects=["o"] * 5), LoadTreeBody, "objects")):
+        with pytest.raises(PayloadTooLarge) as e:
+            parse_read_requests(model, raw, "read-plan request", 4)
+        assert e.value.details["field"] == field and e.value.details["max_requests"] == 4
+        assert "CKPTD_READ_PLAN_MAX_REQUESTS" in e.value.message

@@ -27,7 +27,7 @@ import pytest
 
 from ckptd.service.auth import ANONYMOUS, Principal
 from ckptd.service.limits import (
-    ANSWER_PER_BODY_BYTE, CHUNKS_PER_BODY_BYTE, BodyTimeouts, PrincipalRequests, UploadSlots, mark_answered,
+    ANSWER_PER_REQUEST, CHUNKS_PER_REQUEST, BodyTimeouts, PrincipalRequests, UploadSlots, mark_answered,
     read_plan_budget, was_answered,
 )
 from ckptd_schemas import TooManyRequests
@@ -58,9 +58,9 @@ async def _ok(send: Any, status: int = 200) -> None:
 # -- read_plan_budget, mark_answered --------------------------------------------------------------------
 
 
-def test_the_read_plan_budget_grows_with_the_body():
+def test_the_read_plan_budget_grows_with_the_regions_named():
     b = read_plan_budget(1000, base_chunks=5, base_answer=7)
-    assert (b.max_chunks, b.max_answer) == (5 + CHUNKS_PER_BODY_BYTE * 1000, 7 + ANSWER_PER_BODY_BYTE * 1000)
+    assert (b.max_chunks, b.max_answer) == (5 + CHUNKS_PER_REQUEST * 1000, 7 + ANSWER_PER_REQUEST * 1000)
     assert "CKPTD_READ_PLAN_CHUNK_BUDGET" in b.setting and "CKPTD_READ_PLAN_ANSWER_BUDGET" in b.setting
     empty = read_plan_budget(0, base_chunks=5, base_answer=7)
     assert (empty.max_chunks, empty.max_answer) == (5, 7)
