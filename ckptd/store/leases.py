@@ -35,8 +35,8 @@ withdrawn meanwhile was a deleter that saw this lease and kept the checkpoint), 
 (:class:`~ckptd_schemas.CheckpointNotFound`: deleted before the lease was written). Each side writes
 before it reads what the other writes, so at least one of them sees the other: a lease that stands
 was seen by every deleter that went on to delete, and that deleter kept the checkpoint
-(:class:`~ckptd_schemas.CheckpointLeased`, naming the holders). A renewal of a lease still unexpired
-stands whatever it sees (every deleter since read it). A dead deleter's claim stops counting after
+(:class:`~ckptd_schemas.CheckpointLeased`, naming the holders). A renewal takes the same steps (a
+renewal refused keeps its record: a deleter may have read it). A dead deleter's claim stops counting after
 :data:`CLAIM_SECONDS` (a deleter that took longer than :data:`CLAIM_USE_SECONDS` to read the leases
 gives up instead). The storage must show a write to every read that starts after it (a local or
 network filesystem, S3); the hosts' clocks must agree to within ``CLAIM_SECONDS - CLAIM_USE_SECONDS``.
@@ -56,8 +56,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from ckptd_schemas import (
-    CheckpointBeingDeleted, CheckpointLeased, CheckpointNotFound, CkptdError, Forbidden, StorageReadOnly,
-    TooManyRequests,
+    CheckpointBeingDeleted, CheckpointLeased, CheckpointNotFound, CkptdError, Forbidden, StorageError,
+    StorageReadOnly, TooManyRequests,
 )
 
 from ..storage import Storage
@@ -93,10 +93,11 @@ class Leases:
         return f"leases/{run}/{name}/{holder}.json"
 
     def acquire(self, run: str, name: str, holder: str, *, ttl: float, owner: str = SERVICE) -> bool:
-        """Write (or renew) the lease, then make sure it protects (module docstring): a new lease is
-        withdrawn when a deletion of ``run/name`` is under way (``CheckpointBeingDeleted``) or done
-        (``CheckpointNotFound``). False where this process may not write the root (a read-only mount:
-        nothing deletes there from here, so the read goes on without one; logged once)."""
+        """Write (or renew) the lease, then make sure it protects (module docstring): it is refused
+        while a deletion of ``run/name`` is under way (``CheckpointBeingDeleted``; a new lease is
+        withdrawn, a renewal's record stays) or once it is done (``CheckpointNotFound``). False where
+        this process may not write the root (a read-only mount: nothing deletes there from here, so the
+        read goes on without one; logged once)."""
         key = self._key(run, name, holder)
         before = self._parse(key, holder)
         try:
@@ -105,8 +106,11 @@ class Leases:
         except StorageReadOnly as e:
             _unleased(run, name, e)
             return False
-        if before is not None and before.expires_at > time.time():
-            return True  # a renewal: every deleter since read this lease, and kept the checkpoint
+        except StorageError:  # the leases' directory deleted under the write: with the checkpoint, marker first
+            if not self.storage.exists(Paths.marker(run, name)):
+                raise CheckpointNotFound(f"checkpoint {run}/{name} was deleted", ref=f"{run}/{name}") from None
+            raise
+        renewal = before is not None and before.expires_at > time.time()
         try:
             claim = self._claim(run, name)
             until = time.monotonic() + CLAIM_WAIT_SECONDS
@@ -118,7 +122,12 @@ class Leases:
                                              f"granted on it", ref=f"{run}/{name}", holder=holder)
             if not self.storage.exists(Paths.marker(run, name)):
                 raise CheckpointNotFound(f"checkpoint {run}/{name} was deleted", ref=f"{run}/{name}")
-        except CkptdError:
+        except CheckpointBeingDeleted:
+            if not renewal:  # a renewal's record stays: a deleter that read it keeps the checkpoint
+                with contextlib.suppress(CkptdError, OSError):
+                    self.storage.delete(key)
+            raise
+        except CheckpointNotFound:
             with contextlib.suppress(CkptdError, OSError):
                 self.storage.delete(key)
             raise
@@ -319,11 +328,9 @@ class ReadLeases:
                         f"hold (CKPTD_READ_LEASES_PER_TOKEN); release finished ones", ref=f"{run}/{name}",
                         holder=holder)
             mine[(run, name, holder)] = now + self.seconds
-        try:
+        written = False
+        try:  # refused while the checkpoint is being deleted, or once it is gone: no lease
             written = self.leases.acquire(run, name, f"client-{holder}", ttl=self.seconds, owner=principal)
-        except CkptdError:  # the checkpoint is being deleted, or is gone: no lease
-            written = False
-            raise
         finally:
             if not written:
                 with self._lock:

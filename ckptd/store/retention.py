@@ -238,8 +238,9 @@ def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | Non
             leases.delete(run, name, lambda n=name: (storage.delete(Paths.marker(run, n)),  # type: ignore[misc]
                                                      storage.delete_tree(Paths.ckpt(run, n))))
         except (CheckpointLeased, CheckpointBeingDeleted, CheckpointNotFound) as e:
-            plan.keep[name] = e.message
             plan.refused[name] = e
+            if not isinstance(e, CheckpointNotFound):  # gone already (another request deleted it): not kept
+                plan.keep[name] = e.message
             continue
         plan.deleted.append(name)
     plan.delete = [n for n in plan.delete if n in plan.deleted]
