@@ -34,7 +34,8 @@ def get_manifest(transport: Transport, run: str, name: str) -> bytes:
         if want is not None and xxhash.xxh3_64_hexdigest(raw) != want.lower():
             raise CorruptCheckpoint(f"manifest of {run}/{resp.headers.get('X-Ckptd-Name', name)}: the "
                                     f"{len(raw)} bytes received hash to {xxhash.xxh3_64_hexdigest(raw)}, "
-                                    f"its COMMITTED marker says {want}", ref=f"{run}/{name}", file="manifest")
+                                    f"its COMMITTED marker says {want}",
+                                    ref=f"{run}/{resp.headers.get('X-Ckptd-Name', name)}", file="manifest")
         return raw
 
     return transport.request("GET", f"/v1/checkpoints/{run}/{name}", sink=sink)

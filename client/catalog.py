@@ -93,9 +93,11 @@ class CatalogClient:
 
     def remove(self, ref: str, *, dry_run: bool = False) -> dict:
         """Delete the checkpoint ``ref`` (write scope on its run) unless retention protects it: the
-        newest, the newest verified, a leased one, or the parent of another run's checkpoint. Returns
-        ``{"ref", "removed": bool, "reason"}``: ``reason`` is ``"removed"`` or why it stays; a protected
-        checkpoint is not an error. Raises ``CheckpointNotFound`` when ``ref`` is not visible."""
+        newest, the newest verified, or the parent of another run's checkpoint. Returns ``{"ref",
+        "removed": bool, "reason"}``: ``reason`` is ``"removed"`` or why it stays; a protected checkpoint
+        is not an error. Raises ``CheckpointLeased`` (409, naming the holders) when a lease holds it,
+        ``CheckpointBeingDeleted`` (409) while another deletion of it is under way, and
+        ``CheckpointNotFound`` when ``ref`` is not visible (or was gone by the time it was claimed)."""
         r = parse_ref(ref)
         if r.is_latest:
             raise InvalidName("remove names a checkpoint, not RUN/latest", ref=ref)

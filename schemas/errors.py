@@ -26,7 +26,11 @@ identically on either side of the wire.
     │   └── SessionNotFound           404 session_not_found
     ├── Conflict                      409 conflict
     │   ├── AlreadyCommitted          409 already_committed   committed refs are immutable
-    │   └── SessionConflict           409 session_conflict    e.g. world size disagrees
+    │   ├── SessionConflict           409 session_conflict    e.g. world size disagrees
+    │   ├── CheckpointLeased          409 checkpoint_leased   rm of a checkpoint a lease holds (names the
+    │   │                                                     holders and until when)
+    │   └── CheckpointBeingDeleted    409 checkpoint_being_deleted  a lease (or a second rm) asked while
+    │                                                     a deletion of the checkpoint is under way
     ├── IntegrityError                422 integrity
     │   ├── ChecksumMismatch          422 checksum_mismatch   bytes differ from their digest
     │   │   └── CorruptCheckpoint     422 corrupt_checkpoint  a committed file is missing, resized or fails
@@ -66,6 +70,8 @@ from typing import Any, ClassVar
 
 __all__ = [
     "AlreadyCommitted",
+    "CheckpointBeingDeleted",
+    "CheckpointLeased",
     "CheckpointNotFound",
     "ChecksumMismatch",
     "CkptdError",
@@ -202,6 +208,19 @@ class AlreadyCommitted(Conflict):
 
 class SessionConflict(Conflict):
     code = "session_conflict"
+
+
+class CheckpointLeased(Conflict):
+    """``rm`` (or gc) of a checkpoint that an unexpired lease holds: it stays (``details["holders"]``)."""
+
+    code = "checkpoint_leased"
+
+
+class CheckpointBeingDeleted(Conflict):
+    """A lease asked for, or a second ``rm``, while a deletion of the checkpoint is under way: no lease
+    is granted on a checkpoint about to go (retry: it is then gone, or still there and leasable)."""
+
+    code = "checkpoint_being_deleted"
 
 
 class IntegrityError(CkptdError):

@@ -1,8 +1,8 @@
 """Retention (``ckptd.store.retention``) from the command line.
 
 ``ckptd gc RUN --keep-last N [--keep-every K] [--dry-run] [--drop-parents]``: the run's policy.
-``ckptd rm RUN/NAME [--dry-run]``: one checkpoint, unless retention protects it (exit 1 then, with
-the reason).
+``ckptd rm RUN/NAME [--dry-run]``: one checkpoint, unless retention protects it or a lease holds it
+(exit 1 then, with the reason); not there: exit 1, ``ckptd: ...`` on stderr.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ckptd_schemas import InvalidName, parse_ref
+from ckptd_schemas import CheckpointBeingDeleted, CheckpointLeased, InvalidName, parse_ref
 
 from ..store.activity import DEAD_SESSION_AFTER
 from .backends import require_run
@@ -57,11 +57,11 @@ def cmd_rm(args: argparse.Namespace) -> int:
     b = open_backend(resolve_target(args))
     try:
         out = b.remove(ref.run, ref.name, dry_run=args.dry_run)
+    except (CheckpointLeased, CheckpointBeingDeleted) as e:  # kept: a lease holds it, or a deletion is under way
+        out = {"ref": f"{ref.run}/{ref.name}", "removed": False, "reason": e.message, "error": e.code}
     finally:
         b.close()
-    from ..store.retention import Removal
-
-    gone = Removal(**out).gone
+    gone = out["reason"] in ("removed", "would be removed") and "error" not in out
     if args.json:
         print(json.dumps(out))
     elif gone:

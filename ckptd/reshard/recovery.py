@@ -130,7 +130,10 @@ def _resume_drill(storage: Storage, job: JobStatus, owner: str, why: str) -> Job
                           f"resumed again: submit it again", job=job.id, source=job.source)
         return job.model_copy(update={"state": "failed", "updated_at": now, "error": err.to_body()["error"]})
     src = parse_ref(job.source)
-    Leases(storage).acquire(src.run, src.name, job.id, ttl=300)  # as at submission; the worker holds its own
+    try:
+        Leases(storage).acquire(src.run, src.name, job.id, ttl=300)  # as at submission; the worker holds its own
+    except NotFound as e:  # its source was deleted meanwhile: nothing to resume
+        return job.model_copy(update={"state": "failed", "updated_at": now, "error": e.to_body()["error"]})
     return job.model_copy(update={"state": "queued", "owner": owner, "attempts": job.attempts + 1,
                                   "updated_at": now})
 

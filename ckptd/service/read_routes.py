@@ -23,8 +23,9 @@ lists only the runs it may read). Call order of a load::
 and, at any time::
 
     POST   /v1/checkpoints/{run}/{name}/verify           re-read and check every byte, record the outcome
-    POST   /v1/checkpoints/{run}/{name}/damaged          a reader found damaged bytes in these files: re-read
-                                                         them, record a failure (RUN/latest then skips it)
+    POST   /v1/checkpoints/{run}/{name}/damaged          a reader found damaged bytes in these files, or a
+                                                         damaged marker, manifest or load tree: check them
+                                                         again, record a failure (RUN/latest then skips it)
     GET    /v1/checkpoints/{run}/{name}/verification     the last recorded verification
 
 Reading metadata takes no lease; a load holds its own (the lease routes, owned by its token), and
@@ -39,11 +40,11 @@ import contextvars
 import functools
 import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Literal
 
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
@@ -83,10 +84,18 @@ class ReadPlanBody(BaseModel):
 
 
 class DamageReport(BaseModel):
-    """A reader's report: these data files of the checkpoint gave it bytes that fail their digests."""
+    """A reader's report: these data files of the checkpoint gave it bytes that fail their digests, or
+    these parts of its metadata failed the load (``verification.DAMAGE_PARTS``); one or the other."""
 
     model_config = ConfigDict(extra="forbid")
-    files: list[str] = Field(min_length=1, max_length=16)
+    files: list[str] = Field([], max_length=16)
+    parts: list[Literal["marker", "manifest", "load tree"]] = Field([], max_length=3)
+
+    @model_validator(mode="after")
+    def _something(self) -> "DamageReport":
+        if not self.files and not self.parts:
+            raise ValueError("a report names the damaged data files, or the damaged parts, or both")
+        return self
 
 
 class DamageVerdict(BaseModel):
@@ -94,6 +103,7 @@ class DamageVerdict(BaseModel):
 
     ref: str
     files: list[str]
+    parts: list[str] = []
     damaged: bool
     problems: list[str]
     recorded: bool = Field(description="this report stored the failed verification record (false when one was "
@@ -261,26 +271,27 @@ def read_router(svc: Services) -> APIRouter:
         rec = await asyncio.wrap_future(workers().submit(verify_and_record, storage.url, run, name))
         return VerifyRecord.model_validate(rec)
 
-    rechecks: dict[tuple[str, str, tuple[str, ...]], asyncio.Future] = {}  # at most MAX_RECHECKS
+    rechecks: dict[tuple[str, str, tuple[str, ...], tuple[str, ...]], asyncio.Future] = {}  # at most MAX_RECHECKS
 
     @router.post("/v1/checkpoints/{run}/{name}/damaged", response_model=DamageVerdict)
     async def report_damage(run: str, name: str, body: DamageReport) -> DamageVerdict:
-        """A reader found bytes of ``files`` that fail their digests: read those files again with the one
-        checker (in a worker) and, when they are damaged, record the failed verification, so that
-        ``RUN/latest`` resolves past this checkpoint from now on; a reader's word alone changes nothing.
-        Concurrent reports of the same files share one check; once a failure is recorded, a report is
-        answered from the record."""
+        """A reader found bytes of ``files`` that fail their digests, or a load failed on ``parts`` of the
+        checkpoint's metadata: check those files again, and the metadata, with the one checker (in a
+        worker) and, when they are damaged, record the failed verification, so that ``RUN/latest``
+        resolves past this checkpoint from now on; a reader's word alone changes nothing. Concurrent
+        reports of the same files share one check; once a failure is recorded, a report is answered
+        from the record."""
         for f in body.files:
             check_file(f)
         c = await run_in_threadpool(reader.committed, run, name)
-        key = (run, c.name, tuple(sorted(set(body.files))))
+        key = (run, c.name, tuple(sorted(set(body.files))), tuple(sorted(set(body.parts))))
         fut = rechecks.get(key)
         if fut is None and len(rechecks) >= MAX_RECHECKS:
             raise TooManyRequests(f"{len(rechecks)} reports of damaged bytes are being checked already; report "
                                   f"again later", ref=f"{run}/{c.name}")
         if fut is None:
             fut = rechecks[key] = asyncio.wrap_future(workers().submit(recheck_and_record, storage.url, run, c.name,
-                                                                       list(key[2])))
+                                                                       list(key[2]), list(key[3])))
             fut.add_done_callback(lambda _: rechecks.pop(key, None))
         return DamageVerdict.model_validate(await asyncio.shield(fut))
 

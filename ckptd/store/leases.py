@@ -23,6 +23,23 @@ What leases what (the rule the docs state, decided here):
   this replica's account until ``seconds`` after the read (to within :data:`REPLICA_RENEW_SECONDS`:
   the lease is rewritten at most that often);
 * on a root this process may not write (``StorageReadOnly``), reads go on without leases (logged once).
+
+A lease granted protects, whatever it races with (``rm``, gc, the retention policy): one rule, two
+halves, both here. A deleter (:meth:`Leases.delete`) first claims the checkpoint
+(``leases/<run>/<name>/deleting``, created only if absent), *then* reads its leases, and deletes
+(marker first) only when none is held, within :data:`CLAIM_USE_SECONDS` of its claim; the claim goes
+with the leases' directory, after the checkpoint. A new lease (:meth:`Leases.acquire`) is written
+*first*, then the claim is read, then the marker: a claim still live after
+:data:`CLAIM_WAIT_SECONDS` withdraws it (:class:`~ckptd_schemas.CheckpointBeingDeleted`; a claim
+withdrawn meanwhile was a deleter that saw this lease and kept the checkpoint), and so does a marker gone
+(:class:`~ckptd_schemas.CheckpointNotFound`: deleted before the lease was written). Each side writes
+before it reads what the other writes, so at least one of them sees the other: a lease that stands
+was seen by every deleter that went on to delete, and that deleter kept the checkpoint
+(:class:`~ckptd_schemas.CheckpointLeased`, naming the holders). A renewal takes the same steps (a
+renewal refused keeps its record: a deleter may have read it). A dead deleter's claim stops counting after
+:data:`CLAIM_SECONDS` (a deleter that took longer than :data:`CLAIM_USE_SECONDS` to read the leases
+gives up instead). The storage must show a write to every read that starts after it (a local or
+network filesystem, S3); the hosts' clocks must agree to within ``CLAIM_SECONDS - CLAIM_USE_SECONDS``.
 """
 
 from __future__ import annotations
@@ -36,19 +53,28 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
-from ckptd_schemas import CkptdError, Forbidden, StorageReadOnly, TooManyRequests
+from ckptd_schemas import (
+    CheckpointBeingDeleted, CheckpointLeased, CheckpointNotFound, CkptdError, Forbidden, StorageError,
+    StorageReadOnly, TooManyRequests,
+)
 
 from ..storage import Storage
+from .paths import Paths
 
-__all__ = ["EXPIRED_KEPT_SECONDS", "LeaseRecord", "Leases", "ReadLeases", "REPLICA_RENEW_SECONDS", "SERVICE"]
+__all__ = ["CLAIM_SECONDS", "CLAIM_USE_SECONDS", "EXPIRED_KEPT_SECONDS", "LeaseRecord", "Leases", "ReadLeases",
+           "REPLICA_RENEW_SECONDS", "SERVICE"]
 
 log = logging.getLogger("ckptd.service")
 
 SERVICE = "ckptd"  # the owner of the service's own leases
 EXPIRED_KEPT_SECONDS = 300.0  # a holder renewing late finds its record still there
 REPLICA_RENEW_SECONDS = 30.0  # the most a replica's lease for reads may end early after the last read
+CLAIM = "deleting"  # a deleter's claim on a checkpoint, beside its leases (no ``.json``: never a lease)
+CLAIM_SECONDS = 120.0  # a claim older than this is a dead deleter's: leases and deleters pass over it
+CLAIM_USE_SECONDS = 30.0  # a deleter deletes only this soon after its claim, else it gives up
+CLAIM_WAIT_SECONDS = 2.0  # a new lease that finds a live claim waits this long for the deleter's decision
 
 
 @dataclass(frozen=True)
@@ -67,15 +93,94 @@ class Leases:
         return f"leases/{run}/{name}/{holder}.json"
 
     def acquire(self, run: str, name: str, holder: str, *, ttl: float, owner: str = SERVICE) -> bool:
-        """Write (or renew) the lease; False where this process may not write the root (a read-only
-        mount: nothing deletes there from here, so the read goes on without one; logged once)."""
+        """Write (or renew) the lease, then make sure it protects (module docstring): it is refused
+        while a deletion of ``run/name`` is under way (``CheckpointBeingDeleted``; a new lease is
+        withdrawn, a renewal's record stays) or once it is done (``CheckpointNotFound``). False where
+        this process may not write the root (a read-only mount: nothing deletes there from here, so the
+        read goes on without one; logged once)."""
+        key = self._key(run, name, holder)
+        before = self._parse(key, holder)
         try:
-            self.storage.put(self._key(run, name, holder),
-                             json.dumps({"holder": holder, "owner": owner, "expires_at": time.time() + ttl}).encode())
+            self.storage.put(key, json.dumps({"holder": holder, "owner": owner,
+                                              "expires_at": time.time() + ttl}).encode())
         except StorageReadOnly as e:
             _unleased(run, name, e)
             return False
+        except StorageError:  # the leases' directory deleted under the write: with the checkpoint, marker first
+            if not self.storage.exists(Paths.marker(run, name)):
+                raise CheckpointNotFound(f"checkpoint {run}/{name} was deleted", ref=f"{run}/{name}") from None
+            raise
+        renewal = before is not None and before.expires_at > time.time()
+        try:
+            claim = self._claim(run, name)
+            until = time.monotonic() + CLAIM_WAIT_SECONDS
+            while claim is not None and time.monotonic() < until:  # a deleter decides in milliseconds
+                time.sleep(0.005)
+                claim = self._claim(run, name)
+            if claim is not None:
+                raise CheckpointBeingDeleted(f"checkpoint {run}/{name} is being deleted ({claim}): no lease is "
+                                             f"granted on it", ref=f"{run}/{name}", holder=holder)
+            if not self.storage.exists(Paths.marker(run, name)):
+                raise CheckpointNotFound(f"checkpoint {run}/{name} was deleted", ref=f"{run}/{name}")
+        except CheckpointBeingDeleted:
+            if not renewal:  # a renewal's record stays: a deleter that read it keeps the checkpoint
+                with contextlib.suppress(CkptdError, OSError):
+                    self.storage.delete(key)
+            raise
+        except CheckpointNotFound:
+            with contextlib.suppress(CkptdError, OSError):
+                self.storage.delete(key)
+            raise
         return True
+
+    def _claim(self, run: str, name: str) -> str | None:
+        """Who claims ``run/name`` for deletion and since when, while that claim counts; else None."""
+        raw = self.storage.read_or_none(f"leases/{run}/{name}/{CLAIM}")
+        if raw is None:
+            return None
+        try:
+            data = json.loads(raw)
+            at, by = float(data["at"]), str(data["by"])
+        except (ValueError, TypeError, KeyError, OverflowError):
+            return "by a deleter whose claim does not parse"  # counts: only a deleter's own writes go there
+        if at < time.time() - CLAIM_SECONDS:
+            return None
+        return f"by {by} since {time.strftime('%H:%M:%S', time.gmtime(at))} UTC"
+
+    def delete(self, run: str, name: str, remove: Callable[[], None]) -> None:
+        """Delete ``run/name`` (``remove``: its marker first, then its files) unless a lease holds it,
+        the one way retention deletes (module docstring). Raises ``CheckpointLeased`` (naming the
+        holders), ``CheckpointBeingDeleted`` (another deleter's claim is live, or this one's read took
+        too long) or ``CheckpointNotFound`` (gone already), deleting nothing; returns once deleted."""
+        key, me = f"leases/{run}/{name}/{CLAIM}", f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        mine = json.dumps({"by": me, "at": time.time()}).encode()
+        if not self.storage.create_if_absent(key, mine):
+            held = self._claim(run, name)
+            if held is not None:
+                raise CheckpointBeingDeleted(f"checkpoint {run}/{name} is being deleted {held}", ref=f"{run}/{name}")
+            self.storage.put(key, mine)  # a dead deleter's claim, overwritten: the key is never absent
+        started = time.monotonic()
+        try:
+            if self.storage.read_or_none(key) != mine:
+                raise CheckpointBeingDeleted(f"checkpoint {run}/{name} is being deleted by another request",
+                                             ref=f"{run}/{name}")
+            held_by = self.holding(run, name)
+            if held_by:
+                raise CheckpointLeased(f"{self.describe(run, name, held_by)} (checkpoint {run}/{name} stays)",
+                                       ref=f"{run}/{name}", holders=[h for h, _ in held_by])
+            if not self.storage.exists(Paths.marker(run, name)):
+                raise CheckpointNotFound(f"checkpoint {run}/{name} is gone already", ref=f"{run}/{name}")
+            if time.monotonic() - started > CLAIM_USE_SECONDS:
+                raise CheckpointBeingDeleted(f"checkpoint {run}/{name}: reading its leases took longer than "
+                                             f"{CLAIM_USE_SECONDS:g} s; nothing deleted (try again)",
+                                             ref=f"{run}/{name}")
+        except CkptdError:
+            if self.storage.read_or_none(key) == mine:
+                with contextlib.suppress(CkptdError, OSError):
+                    self.storage.delete(key)
+            raise
+        remove()
+        self.storage.delete_tree(f"leases/{run}/{name}")  # the claim and expired records: after the checkpoint
 
     def release(self, run: str, name: str, holder: str) -> None:
         self.storage.delete(self._key(run, name, holder))
@@ -103,10 +208,10 @@ class Leases:
         """The holders of the unexpired leases on ``run/name``."""
         return [holder for holder, _ in self.holding(run, name, now=now)]
 
-    def describe(self, run: str, name: str) -> str:
+    def describe(self, run: str, name: str, held: list[tuple[str, float]] | None = None) -> str:
         """Why retention keeps a leased checkpoint: each holder and when its lease ends (``leased`` when
-        they are gone by now)."""
-        held = self.holding(run, name)
+        they are gone by now); ``held``: :meth:`holding`'s answer, when read already."""
+        held = self.holding(run, name) if held is None else held
         if not held:
             return "leased"
         return "leased by " + ", ".join(
@@ -122,6 +227,8 @@ class Leases:
             # A read that fails raises (gc then deletes nothing); an entry that is not a lease this
             # store wrote (a directory, not JSON, no expiry) holds nothing.
             key = f"leases/{run}/{name}/{entry}"
+            if entry == CLAIM:
+                continue
             rec = self._parse(key, entry)
             if rec is None:
                 continue
@@ -146,7 +253,10 @@ class Leases:
 
         def renew() -> None:
             while not stop.wait(ttl / 3):
-                self.acquire(run, name, holder, ttl=ttl)
+                try:
+                    self.acquire(run, name, holder, ttl=ttl)
+                except CkptdError as e:  # renewed too late, and the checkpoint is going: the work finds out
+                    log.warning("lease %s on %s/%s not renewed: %s", holder, run, name, e.message)
 
         t = threading.Thread(target=renew, name="ckptd-lease", daemon=True)
         t.start()
@@ -195,7 +305,8 @@ class ReadLeases:
     def hold(self, run: str, name: str, holder: str, principal: str, *, admin: bool = False) -> None:
         """Take or renew lease ``holder`` on ``run/name`` for ``principal``, for one period from now.
         Forbidden when another principal holds it unexpired (an admin takes it over: logged);
-        TooManyRequests past ``per_principal`` unexpired leases of this principal taken here."""
+        TooManyRequests past ``per_principal`` unexpired leases of this principal taken here;
+        CheckpointBeingDeleted or CheckpointNotFound as :meth:`Leases.acquire` (no lease then)."""
         if self.seconds <= 0:
             return
         rec = self.leases.record(run, name, f"client-{holder}")
@@ -217,9 +328,13 @@ class ReadLeases:
                         f"hold (CKPTD_READ_LEASES_PER_TOKEN); release finished ones", ref=f"{run}/{name}",
                         holder=holder)
             mine[(run, name, holder)] = now + self.seconds
-        if not self.leases.acquire(run, name, f"client-{holder}", ttl=self.seconds, owner=principal):
-            with self._lock:
-                mine.pop((run, name, holder), None)
+        written = False
+        try:  # refused while the checkpoint is being deleted, or once it is gone: no lease
+            written = self.leases.acquire(run, name, f"client-{holder}", ttl=self.seconds, owner=principal)
+        finally:
+            if not written:
+                with self._lock:
+                    mine.pop((run, name, holder), None)
 
     def release(self, run: str, name: str, holder: str, principal: str, *, admin: bool = False) -> None:
         """Release lease ``holder``: only its owner may (Forbidden otherwise), or an admin, who breaks
@@ -256,7 +371,12 @@ class ReadLeases:
             self._written[(run, name)] = now
             if len(self._written) > 10_000:
                 self._written = {k: v for k, v in self._written.items() if now - v < self._renew_every}
-        self.leases.acquire(run, name, self.holder, ttl=self.seconds)
+        try:
+            self.leases.acquire(run, name, self.holder, ttl=self.seconds)
+        except CkptdError:  # being deleted, or gone: this read is refused, and the next one asks again
+            with self._lock:
+                self._written.pop((run, name), None)
+            raise
 
     def _holds(self, run: str, name: str, holder: str, principal: str) -> bool:
         """Whether ``principal`` holds lease ``holder`` unexpired (read once per ``_renew_every`` s)."""

@@ -41,10 +41,12 @@ Call order: ``plan_retention`` (pure) decides; ``collect`` lists the run,
 reads leases and the records of the newest checkpoints (rule 2), establishes
 the newest verified checkpoint (whose fresh verifications are recorded, so the
 known-bad ones and ``RUN/latest`` are read again after it), plans and, unless
-``dry_run``, deletes: first the ``COMMITTED`` marker (the checkpoint
-disappears atomically: a reader resolves it or gets 404, never half a
-checkpoint), then its files. Leases are read again right before each marker
-goes, so a lease taken while gc runs still protects.
+``dry_run``, deletes each through :meth:`.leases.Leases.delete`: a claim on
+its deletion, its leases read again, then the ``COMMITTED`` marker (the
+checkpoint disappears atomically: a reader resolves it or gets 404, never half
+a checkpoint), then its files; so a lease answered 200 while gc or ``rm`` runs
+protects its checkpoint whatever the interleaving (the rule is in
+:mod:`.leases`).
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ckptd_schemas import (
-    CheckpointNotFound, CheckpointSummary, CkptdError, InvalidRequest, StorageFull, StorageReadOnly, check_name,
-    check_run,
+    CheckpointBeingDeleted, CheckpointLeased, CheckpointNotFound, CheckpointSummary, CkptdError, InvalidRequest,
+    StorageFull, StorageReadOnly, check_name, check_run,
 )
 
 from ..storage import Storage
@@ -87,6 +89,8 @@ class RetentionPlan:
     failed_verification: dict[str, str] = field(default_factory=dict)  # newer ones that did not verify: why
     latest: str | None = None  # what RUN/latest resolves to (``collect``: the visibility rule's answer)
     known_bad: dict[str, str] = field(default_factory=dict)  # not counted by keep_last (rule 2): why
+    #: kept for a lease, for another deletion under way, or gone already: the typed error ``rm`` answers
+    refused: dict[str, CkptdError] = field(default_factory=dict, repr=False)
 
     def as_json(self) -> dict:
         return {"run": self.run, "keep": self.keep, "delete": self.delete, "deleted": self.deleted,
@@ -230,29 +234,35 @@ def collect(storage: Storage, run: str, *, keep_last: int, keep_every: int | Non
     if dry_run:
         return plan
     for name in plan.delete:
-        if leases.active(run, name):  # leased since the listing: keep it
-            plan.keep[name] = leases.describe(run, name)
+        try:  # claimed, its leases read again, then marker first (a lease taken meanwhile still protects)
+            leases.delete(run, name, lambda n=name: (storage.delete(Paths.marker(run, n)),  # type: ignore[misc]
+                                                     storage.delete_tree(Paths.ckpt(run, n))))
+        except (CheckpointLeased, CheckpointBeingDeleted, CheckpointNotFound) as e:
+            plan.refused[name] = e
+            if not isinstance(e, CheckpointNotFound):  # gone already (another request deleted it): not kept
+                plan.keep[name] = e.message
             continue
-        storage.delete(Paths.marker(run, name))
-        storage.delete_tree(Paths.ckpt(run, name))
-        storage.delete_tree(f"leases/{run}/{name}")  # only expired ones are left
         plan.deleted.append(name)
     plan.delete = [n for n in plan.delete if n in plan.deleted]
     return plan
 
 
 def _name_holders(plan: RetentionPlan, leases: Leases, run: str) -> RetentionPlan:
-    """Each checkpoint kept for its lease says who holds it and until when."""
+    """Each checkpoint kept for its lease says who holds it and until when (``rm`` refuses with it)."""
     for name, why in plan.keep.items():
         if why == "leased":
-            plan.keep[name] = leases.describe(run, name)
+            held = leases.holding(run, name)
+            plan.keep[name] = leases.describe(run, name, held)
+            plan.refused[name] = CheckpointLeased(f"{plan.keep[name]} (checkpoint {run}/{name} stays)",
+                                                  ref=f"{run}/{name}", holders=[h for h, _ in held])
     return plan
 
 
 @dataclass(frozen=True)
 class Removal:
     """What :func:`remove` did: ``reason`` is ``"removed"`` (``"would be removed"`` in a dry run) or
-    why retention keeps the checkpoint."""
+    why retention keeps the checkpoint (the newest, the newest verified, a parent...). A lease, another
+    deletion under way and a checkpoint gone already are not a Removal: :func:`remove` raises."""
 
     ref: str
     removed: bool
@@ -281,8 +291,11 @@ def gc_run(storage: Storage, run: str, *, keep_last: int, keep_every: int | None
 
 def remove(storage: Storage, run: str, name: str, *, dry_run: bool = False, verify: Verifier | None = None,
            drop_parents: bool = False) -> Removal:
-    """Delete the visible checkpoint ``run/name`` unless rules 3-6 keep it. Raises
-    :class:`~ckptd_schemas.CheckpointNotFound` when it is not visible."""
+    """Delete the visible checkpoint ``run/name`` unless rules 3-6 keep it, and say truly which it did:
+    removed (or kept by a rule, with the reason); ``CheckpointLeased`` naming the holders when a lease
+    holds it (rule 4, read again after the claim on its deletion: :meth:`~.leases.Leases.delete`);
+    ``CheckpointBeingDeleted`` while another deletion of it is under way; ``CheckpointNotFound`` when it
+    is not visible, or was gone by the time this one claimed it."""
     check_run(run), check_name(name)
     if Visibility(storage).check(run, name) is None:
         raise CheckpointNotFound(f"checkpoint {run}/{name} is not visible", ref=f"{run}/{name}")
@@ -290,7 +303,11 @@ def remove(storage: Storage, run: str, name: str, *, dry_run: bool = False, veri
                    only={name})
     if name in (plan.delete if dry_run else plan.deleted):
         return Removal(f"{run}/{name}", not dry_run, "would be removed" if dry_run else "removed")
-    return Removal(f"{run}/{name}", False, plan.keep.get(name, "no longer visible"))
+    if name in plan.refused:
+        raise plan.refused[name]
+    if name not in plan.keep:  # not in the listing any more: deleted by another request meanwhile
+        raise CheckpointNotFound(f"checkpoint {run}/{name} is gone already", ref=f"{run}/{name}")
+    return Removal(f"{run}/{name}", False, plan.keep[name])
 
 
 def _known_bad_newest(vis: Visibility, visible: list[Committed], keep_last: int) -> dict[str, str]:

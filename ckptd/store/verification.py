@@ -31,7 +31,10 @@ from .records import MAX_PROBLEMS, Stray, VerifyRecord, known_bad, record_holds,
 from .session_reads import read_meta
 from .visibility import Visibility
 
-__all__ = ["VerifyRecord", "load_tree_problem", "strays_of", "read_record", "recheck_and_record", "recheck_files",
+#: The parts of a checkpoint besides its data files that a load can find damaged and report.
+DAMAGE_PARTS = ("marker", "manifest", "load tree")
+
+__all__ = ["DAMAGE_PARTS", "VerifyRecord", "load_tree_problem", "strays_of", "read_record", "recheck_and_record", "recheck_files",
            "require_verified", "verify_and_record", "verify_committed", "verify_unrecorded"]
 
 
@@ -153,12 +156,15 @@ def verify_and_record(root: str, run: str, name: str) -> dict:
     return verify_committed(open_root(root), run, name).model_dump(mode="json")
 
 
-def recheck_files(storage: Storage, run: str, name: str, files: list[str]) -> dict:
+def recheck_files(storage: Storage, run: str, name: str, files: list[str], parts: list[str] = ()) -> dict:
     """A reader's report that ``files`` of the visible checkpoint ``run/name`` (a concrete name) hold
-    damaged bytes: the one checker reads those files again. Damaged: a failed record is stored (so
-    ``RUN/latest`` skips the checkpoint from now on: an auto-resume that hit it does not hit it again),
-    unless one is stored already. Intact: nothing is stored (a check of some files vouches for no
-    checkpoint; a reader's word alone never marks one bad). Returns ``{"ref", "files", "damaged",
+    damaged bytes, or that ``parts`` of it (:data:`DAMAGE_PARTS`: the load failed on its marker, its
+    manifest or its load tree): the one checker reads those files again, and checks the metadata as
+    every verification does (the manifest against its marker's digest, the load tree against its
+    marker's root), whatever the report names. Damaged: a failed record is stored (so ``RUN/latest``
+    skips the checkpoint from now on: an auto-resume that hit it does not hit it again), unless one is
+    stored already. Intact: nothing is stored (a check of some files vouches for no checkpoint; a
+    reader's word alone never marks one bad). Returns ``{"ref", "files", "parts", "damaged",
     "problems", "recorded", "latest"}``: ``latest`` is what ``RUN/latest`` resolves to now (None: nothing).
 
     Unknown files are refused (``InvalidRequest``) before anything is read."""
@@ -184,13 +190,13 @@ def recheck_files(storage: Storage, run: str, name: str, files: list[str]) -> di
         latest: str | None = vis.resolve_ref(run, LATEST)[0].name
     except CheckpointNotFound:
         latest = None
-    return {"ref": c.ref, "files": sorted(set(files)), "damaged": bool(problems), "problems": problems[:8],
-            "recorded": recorded, "latest": latest}
+    return {"ref": c.ref, "files": sorted(set(files)), "parts": sorted(set(parts)), "damaged": bool(problems),
+            "problems": problems[:8], "recorded": recorded, "latest": latest}
 
 
-def recheck_and_record(root: str, run: str, name: str, files: list[str]) -> dict:
+def recheck_and_record(root: str, run: str, name: str, files: list[str], parts: list[str] = ()) -> dict:
     """In a worker process: :func:`recheck_files` on the storage at ``root``."""
-    return recheck_files(open_root(root), run, name, files)
+    return recheck_files(open_root(root), run, name, files, parts)
 
 
 def read_record(storage: Storage, run: str, name: str) -> VerifyRecord | None:

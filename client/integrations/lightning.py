@@ -37,7 +37,9 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from ckptd_schemas import CheckpointNotFound, InvalidRequest, StateDictMismatch, parse_ref
+from ckptd_schemas import (
+    CheckpointBeingDeleted, CheckpointLeased, CheckpointNotFound, InvalidRequest, StateDictMismatch, parse_ref,
+)
 
 from .._dist import solo
 from .._save import SaveHandle
@@ -233,6 +235,8 @@ class CkptdCheckpointIO(CheckpointIO):
             result = dict(self.client.remove(ref))
         except CheckpointNotFound:
             result = {"ref": ref, "removed": False, "reason": "not found"}
+        except (CheckpointLeased, CheckpointBeingDeleted) as e:  # a reader holds it, or it is being deleted
+            result = {"ref": ref, "removed": False, "reason": e.message}
         result.setdefault("ref", ref)
         self.removals.append(result)
         if not result.get("removed"):

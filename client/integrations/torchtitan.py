@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import fsspec
 from fsspec.spec import AbstractFileSystem
 
-from ckptd_schemas import InvalidName, NotFound, check_run
+from ckptd_schemas import CheckpointBeingDeleted, CheckpointLeased, InvalidName, NotFound, check_run
 
 from ..catalog import CatalogClient
 
@@ -202,6 +202,8 @@ class CkptdFileSystem(AbstractFileSystem):
                 answer = self.catalog.remove(ref)
             except NotFound as e:
                 raise FileNotFoundError(f"{PROTOCOL}://{ref}: {e.message}") from e
+            except (CheckpointLeased, CheckpointBeingDeleted) as e:  # a reader holds it, or it is being deleted
+                answer = {"removed": False, "reason": e.message}
             if not answer.get("removed"):
                 log.info("ckptd keeps %s: %s", ref, answer.get("reason"))
 

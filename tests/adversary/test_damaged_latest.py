@@ -1,4 +1,5 @@
-"""A damaged newest checkpoint does not crash-loop an auto-resume (docs/retention.md, Damaged bytes).
+"""A damaged newest checkpoint does not crash-loop an auto-resume (docs/retention.md, Damaged bytes),
+whatever part of it is damaged: its data, an object's bytes, its manifest, its marker, its load tree.
 
 A job that restarts on ``RUN/latest`` after every failure, as an auto-resume does: the newest
 checkpoint's data file has one byte flipped on disk after its commit (and after the service's own
@@ -11,6 +12,7 @@ file that is intact changes nothing: the service judges by its own check.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -108,11 +110,17 @@ def test_a_report_of_intact_bytes_changes_nothing(srv):
     assert v["damaged"] is False and v["recorded"] is False and v["latest"] == "3", v
     after = httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/3/verification", timeout=10)
     assert after.status_code == before.status_code and after.text == before.text
+    for parts in (["marker"], ["manifest"], ["load tree"], ["marker", "manifest", "load tree"]):  # intact too
+        r = httpx.post(f"{srv.url}/v1/checkpoints/{RUN}/3/damaged", json={"parts": parts}, timeout=120)
+        assert r.status_code == 200 and r.json()["damaged"] is False and r.json()["recorded"] is False, r.text
+    after = httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/3/verification", timeout=10)
+    assert after.status_code == before.status_code and after.text == before.text
     _, ref = _resume(srv.url)
     assert ref == f"{RUN}/3"
-    # files the checkpoint does not have, names that are not file names, too many: refused, nothing read
+    # files the checkpoint does not have, names that are not file names, too many, no part: refused, nothing read
     for body, code in (({"files": ["nope.bin"]}, 400), ({"files": ["../x"]}, 400), ({"files": []}, 422),
-                       ({"files": [file] * 17}, 422), ({"files": [file], "extra": 1}, 422)):
+                       ({"files": [file] * 17}, 422), ({"files": [file], "extra": 1}, 422),
+                       ({"parts": ["data"]}, 422), ({"parts": []}, 422), ({"parts": ["marker"] * 4}, 422)):
         r = httpx.post(f"{srv.url}/v1/checkpoints/{RUN}/3/damaged", json=body, timeout=60)
         assert r.status_code == code, (body, r.status_code, r.text)
 
@@ -159,3 +167,86 @@ def test_a_flood_of_damage_reports_is_bounded_and_nothing_is_lost(tmp_path):
         assert not any(r.exists() and json.loads(r.read_text())["ok"] is False for r in records)  # nothing marked bad
     finally:
         s.stop()
+
+
+# -- every part of the newest checkpoint ----------------------------------------------------------
+
+def _state_with_object(step: int) -> dict:
+    return {**_state(step), "shape": torch.Size([step, 2])}  # not JSON: its bytes lie in the data file
+
+
+def _flip_digit(path: Path, at: int) -> None:
+    """One hexadecimal or decimal digit at ``at`` changed to another; the file's times kept (a stat
+    cache sees nothing)."""
+    st = path.stat()
+    raw = bytearray(path.read_bytes())
+    raw[at] = ord("1") if raw[at] != ord("1") else ord("2")
+    path.write_bytes(bytes(raw))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _damage(root: Path, name: str, part: str) -> None:
+    ckpt = root / "runs" / RUN / name
+    (manifest,) = ckpt.glob("sessions/*/manifest-*.json")
+    (data,) = [p for p in ckpt.glob("sessions/*/files/*") if p.is_file()]
+    m = json.loads(manifest.read_text())
+    if part in ("data", "object"):
+        at = next(o["location"]["offset"] for o in m["objects"] if o["location"]) if part == "object" else 100
+        raw = bytearray(data.read_bytes())
+        raw[at + 3] ^= 0x10
+        data.write_bytes(bytes(raw))
+    elif part == "manifest":
+        text = manifest.read_text()
+        _flip_digit(manifest, text.index('"xxh3"') + len('"xxh3": "') + 2 if '"xxh3": "' in text
+                    else text.index('"xxh3":"') + len('"xxh3":"') + 2)
+    else:  # a digit of one of the marker's fields: the manifest's digest, the step, the load tree's root
+        marker = ckpt / "COMMITTED"
+        field = {"marker digest": "manifest_xxh3", "marker step": "step", "load tree": "load_tree"}[part]
+        text = marker.read_text()
+        start = text.index(f'"{field}":') + len(f'"{field}":')
+        _flip_digit(marker, start + (2 if text[start] == '"' else 0))
+
+
+PARTS = ["data", "object", "manifest", "marker digest", "marker step", "load tree"]
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_a_damaged_newest_checkpoint_costs_at_most_one_failed_restart_whatever_part_is_damaged(tmp_path, part):
+    """A digit flipped in one part of the newest checkpoint, after its commit and its verification:
+    the restart loop on ``RUN/latest`` fails at most once; a failure is recorded by the load that found
+    it (the service's own check confirms it: the record says ``ok: false``), and the next start loads
+    the step before, bit for bit. Damage that makes the checkpoint invisible (its manifest, its marker's
+    digest or step) costs no failure at all."""
+    s = ServerProcess(tmp_path / "root").start()
+    try:
+        with CheckpointClient(s.url, incremental=False) as c:
+            for step in (1, 2, 3):
+                c.save(_state_with_object(step), f"{RUN}/{step}").wait()
+        _resume_with(s.url, _state_with_object)  # the newest loads, and every cache is warm
+        _damage(Path(s.root), "3", part)
+        outcomes: list = []
+        for _ in range(3):  # the restart loop
+            try:
+                got, ref = _resume_with(s.url, _state_with_object)
+            except CorruptCheckpoint as e:
+                outcomes.append(e)
+                continue
+            outcomes.append(ref)
+            break
+        assert outcomes[-1] == f"{RUN}/2" and len(outcomes) <= 2, outcomes
+        assert_bits_equal(got, _state_with_object(2))
+        if len(outcomes) == 2:
+            err = outcomes[0]
+            assert f"recorded {RUN}/3 as bad: {RUN}/latest now resolves to {RUN}/2" in err.message, err.message
+            rec = httpx.get(f"{s.url}/v1/checkpoints/{RUN}/3/verification", timeout=10).json()
+            assert rec["ok"] is False and rec["problems"], rec
+        assert part in ("data", "object", "load tree") or len(outcomes) == 1, outcomes
+    finally:
+        s.stop()
+
+
+def _resume_with(url: str, state) -> tuple[dict, str]:
+    got = blank_like(state(0))
+    with CheckpointClient(url) as c:
+        report = c.load(got, f"{RUN}/latest")
+    return got, report.ref

@@ -144,9 +144,9 @@ def test_a_byte_read_that_names_another_token_s_lease_is_leased_on_the_service_s
 def test_expired_lease_records_go_when_leases_are_read(tmp_path):
     storage = LocalStorage(tmp_path)
     leases = Leases(storage)
-    leases.acquire("r", "c", "old", ttl=-(EXPIRED_KEPT_SECONDS + 1))
-    leases.acquire("r", "c", "just-expired", ttl=-1)
-    leases.acquire("r", "c", "live", ttl=60)
+    for holder, ttl in (("old", -(EXPIRED_KEPT_SECONDS + 1)), ("just-expired", -1), ("live", 60)):
+        storage.put(f"leases/r/c/{holder}.json", json.dumps({"holder": holder, "owner": "ckptd",
+                                                              "expires_at": time.time() + ttl}).encode())
     assert leases.active("r", "c") == ["live"]
     names = sorted(p.name for p in (tmp_path / "leases/r/c").iterdir())
     assert names == ["just-expired.json", "live.json"], names  # a late renewal still finds its record

@@ -2,7 +2,9 @@
 what the service found.
 
 A real ``Transport`` over loopback HTTP to a peer that answers as told (``canned_http``), standing for
-the service's ``POST .../damaged``: the report names exactly the file of the error; the error that
+the service's ``POST .../damaged``: the report names exactly the file of the error (or the part: the
+marker, the manifest, the load tree), of the checkpoint the load read or, failing before it knew, the
+one the error names; the error that
 comes back keeps the original message, details and request id, and adds what the service found (the
 file damaged, and what ``RUN/latest`` resolves to now, or nothing left; or the file intact: the
 bytes were damaged on the way). An error with no data file to report, a load of no checkpoint, a
@@ -69,11 +71,32 @@ def test_a_file_found_intact_means_the_bytes_were_damaged_on_the_way():
     assert out.details["reported"] == {"damaged": False}
 
 
-@pytest.mark.parametrize("details", [{"file": "load tree"}, {"file": None}, {"file": 3}])
-def test_an_error_about_no_data_file_is_not_reported(details):
+@pytest.mark.parametrize("details", [{"file": None}, {"file": 3}])
+def test_an_error_about_no_part_is_not_reported(details):
     e = _error(**details)
     out, seen = _report(e, 200, {"damaged": True, "latest": "11"})
     assert out is e and seen == []
+
+
+@pytest.mark.parametrize(("file", "part"), [("COMMITTED", "marker"), ("manifest", "manifest"),
+                                            ("load tree", "load tree")])
+def test_a_damaged_marker_manifest_or_load_tree_is_reported_as_that_part(file, part):
+    e = _error(file=file)
+    out, seen = _report(e, 200, {"damaged": True, "latest": "11"})
+    assert [(s.method, s.path, json.loads(s.body)) for s in seen] == [("POST", f"{BASE}/damaged", {"parts": [part]})]
+    assert out.message == (e.message + f"; the service checked its {part} again, found it damaged and recorded "
+                           "gpt/12 as bad: gpt/latest now resolves to gpt/11")
+    out, _ = _report(e, 200, {"damaged": False})
+    assert out.message.endswith(f"found it intact: the {part} was damaged on its way here (a retry may succeed)")
+
+
+def test_a_load_that_failed_before_it_knew_its_checkpoint_reports_the_one_the_error_names():
+    e = _error(file="COMMITTED", ref="gpt/12")  # the service's 422 for a marker naming another load tree
+    out, seen = _report(e, 200, {"damaged": True, "latest": "11"}, base=None)
+    assert [(s.path, json.loads(s.body)) for s in seen] == [(f"{BASE}/damaged", {"parts": ["marker"]})]
+    for ref in ("gpt/latest", "gpt", 7):  # not one checkpoint: nothing to report
+        out, seen = _report(_error(file="COMMITTED", ref=ref), 200, {"damaged": True}, base=None)
+        assert seen == []
 
 
 def test_a_load_of_no_checkpoint_reports_nothing():

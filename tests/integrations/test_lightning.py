@@ -126,6 +126,10 @@ def test_save_top_k_removes_old_checkpoints_and_keeps_the_newest(server, tmp_pat
         assert sorted(c.name for c in client.list_checkpoints("topk")) == names
         io.remove_checkpoint(tmp_path / "ckpt" / "epoch=9-step=99.ckpt")  # never saved: skipped
         assert io.removals[-1] == {"ref": "topk/epoch9-step99", "removed": False, "reason": "not found"}
+        with client.lease("topk/epoch2-step6"):  # a reader holds it: kept, the reader named (409 on the wire)
+            io.remove_checkpoint(tmp_path / "ckpt" / "epoch=2-step=6.ckpt")
+        assert io.removals[-1]["removed"] is False and "leased by client-" in io.removals[-1]["reason"], io.removals
+        assert sorted(c.name for c in client.list_checkpoints("topk")) == names
     io.teardown()
 
 

@@ -392,9 +392,13 @@ def test_the_docs_quote_the_example():
 def test_the_folder_lists_committed_steps_and_removes_through_retention(server, monkeypatch):
     monkeypatch.setenv("CKPTD_URL", server.url)  # what url_to_fs("ckptd://...") connects to
     with CheckpointClient(server.url) as client:
-        for name in ("3", "10", "notastep"):
+        for name in ("2", "3", "10", "notastep"):
             client.save({"w": torch.full((4,), float(len(name)))}, f"fsrun/{name}").wait()
         fs = tt.CkptdFileSystem(server.url)
+        with client.lease("fsrun/2"):  # a reader holds it: the purge keeps it (409 on the wire), and says so
+            fs.rm("fsrun/step-2", recursive=True)
+        assert "2" in {c.name for c in client.list_checkpoints("fsrun")}
+        fs.rm("fsrun/step-2", recursive=True)  # released: it goes
         assert fs.ls("fsrun", detail=False) == ["fsrun/step-3", "fsrun/step-10"]
         assert fs_listdir("ckptd://fsrun") == ["step-3", "step-10"]
         assert fs.isdir("fsrun") and fs.isdir("fsrun/step-10") and fs.isfile("fsrun/step-3/.metadata")

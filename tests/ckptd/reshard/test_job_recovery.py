@@ -90,6 +90,15 @@ def test_an_orphaned_drill_is_resumed_once_then_failed_after_max_starts(storage,
     assert "submit it again" in end.error["message"] and active(storage) == []
 
 
+def test_an_orphaned_drill_whose_source_was_deleted_is_failed_not_resumed(storage):
+    job_id = _drill(storage)
+    Leases(storage).release("src", "1", job_id)  # the submission's lease expired, and rm took the source
+    storage.delete("runs/src/1/COMMITTED")
+    new = take_over(storage, "drill", job_id, "livereplica", after=AFTER, now=time.time() + LATER)
+    assert new is not None and new.state == "failed" and new.error["code"] == "checkpoint_not_found", new
+    assert active(storage) == [] and Leases(storage).active("src", "1") == []  # no lease left behind
+
+
 def test_an_orphaned_reshard_job_is_failed_with_its_reason_and_its_source_released(storage):
     job_id = _reshard(storage)
     assert job_id in Leases(storage).active("src", "1")

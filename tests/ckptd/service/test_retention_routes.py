@@ -27,7 +27,7 @@ from ckptd.service.auth import iter_routes
 from ckptd.storage import LocalStorage
 from ckptd.store import SessionStore
 from ckptd.store.offline import write_tensors
-from ckptd_schemas import CheckpointNotFound, InvalidName, InvalidRequest, OpenSession, error_from_body
+from ckptd_schemas import CheckpointLeased, CheckpointNotFound, InvalidName, InvalidRequest, OpenSession, error_from_body
 
 
 @pytest.fixture
@@ -103,8 +103,10 @@ def test_rm_removes_an_unprotected_checkpoint_and_keeps_a_protected_one_saying_w
     r = _call(app, "DELETE", "/v1/checkpoints/rt/4")  # the newest
     assert r.status_code == 200 and r.json()["removed"] is False and r.json()["reason"] != "removed"
     assert _call(app, "PUT", "/v1/checkpoints/rt/2/leases/reader7").status_code == 200
-    r = _call(app, "DELETE", "/v1/checkpoints/rt/2")
-    assert r.json()["removed"] is False and "reader7" in r.json()["reason"]
+    r = _call(app, "DELETE", "/v1/checkpoints/rt/2")  # leased: refused, naming the lease
+    err = error_from_body(r.json(), r.status_code)
+    assert r.status_code == 409 and isinstance(err, CheckpointLeased) and "client-reader7" in err.message, r.text
+    assert err.details["holders"] == ["client-reader7"]
     assert _names(root) == ["2", "3", "4"]
 
     r = _call(app, "DELETE", "/v1/checkpoints/rt/1")  # gone now

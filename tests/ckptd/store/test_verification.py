@@ -15,6 +15,8 @@ of step 2 is damaged on disk. What each public call must do:
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -114,9 +116,25 @@ def test_recheck_refuses_an_unknown_file_before_reading(storage):
 def test_recheck_of_intact_bytes_records_nothing(storage):
     before = read_record(storage, "r", "2")
     out = recheck_files(storage, "r", "2", [DATA, DATA])
-    assert out == {"ref": "r/2", "files": [DATA], "damaged": False, "problems": [], "recorded": False,
+    assert out == {"ref": "r/2", "files": [DATA], "parts": [], "damaged": False, "problems": [], "recorded": False,
                    "latest": "2"}
     assert read_record(storage, "r", "2") == before
+    out = recheck_files(storage, "r", "2", [], ["marker", "manifest", "load tree"])  # no data file read
+    assert not out["damaged"] and not out["recorded"] and out["parts"] == ["load tree", "manifest", "marker"]
+    assert read_record(storage, "r", "2") == before
+
+
+def test_recheck_of_a_marker_naming_another_load_tree_records_it_and_moves_latest(storage):
+    key = Paths.marker("r", "2")
+    marker = json.loads(storage.read(key))
+    if marker.get("load_tree") is None:
+        pytest.skip("this commit names no load tree")
+    marker["load_tree"] = ("1" if marker["load_tree"][0] != "1" else "2") + marker["load_tree"][1:]
+    storage.put(key, json.dumps(marker).encode())
+    out = recheck_files(storage, "r", "2", [], ["marker"])
+    assert out["damaged"] and out["recorded"] and out["latest"] == "1", out
+    assert any("load tree" in p for p in out["problems"]), out
+    assert not read_record(storage, "r", "2").ok
 
 
 def test_recheck_of_damaged_bytes_records_once_and_moves_latest(storage):
