@@ -130,8 +130,12 @@ class LocalUploads:
         while (sock := self._sock) is not None:
             try:
                 conn, _ = sock.accept()
-            except OSError:
-                return  # closed by stop()
+            except OSError as e:
+                if self._sock is not sock:
+                    return  # closed by stop()
+                log.warning("co-located uploads: accept failed (%s); accepting again", e)
+                time.sleep(0.1)  # out of descriptors (EMFILE): the accepted connections close theirs
+                continue
             if not self._held.acquire(blocking=False):  # idle connections cannot queue up the others
                 conn.close()
                 continue
@@ -250,7 +254,8 @@ class LocalUploads:
 class _Lines:
     """The lines a rank sends on one connection, and the descriptors that came with them, all within
     one deadline (``time.monotonic``): each read waits only for what is left of it, so a peer that
-    trickles bytes is cut when the deadline passes, not per read; :data:`HEADER_BYTES` in all."""
+    trickles bytes is cut when the deadline passes, not per read; :data:`HEADER_BYTES` in all, and one
+    descriptor (each is held until the answer)."""
 
     def __init__(self, conn: socket.socket, deadline: float) -> None:
         self.conn, self.deadline = conn, deadline
@@ -275,6 +280,9 @@ class _Lines:
             except OSError as e:
                 raise InvalidRequest(f"a co-located upload's {what} did not arrive whole: {e}", field=what) from None
             self.fds += fds
+            if len(self.fds) > 1:  # held until the answer: a peer sending more would fill this process's table
+                raise InvalidRequest(f"a co-located upload passes one file descriptor with its header, not "
+                                     f"{len(self.fds)}", field="fd")
             if not data:
                 raise InvalidRequest(f"a co-located upload's {what} did not arrive whole: the rank closed the "
                                      f"connection", field=what)
