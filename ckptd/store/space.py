@@ -9,7 +9,8 @@ rank index's size (its quota only).
 may hold. It holds every byte of the sessions of the runs its write scopes match, staged and
 committed: data files, indexes, manifests, a linked file counted in every checkpoint that holds it
 (on an object store a link is a copy; on a local disk the name keeps the bytes for as long as any
-checkpoint holds it). The rule is cheap and survives restarts because the root is the truth: what a
+checkpoint holds it), and a file presigned and not yet stored at its declared size (its parts, PUT
+straight into the object store, are no object until its confirm). The rule is cheap and survives restarts because the root is the truth: what a
 writer holds is measured there (:meth:`~ckptd.storage.Storage.walk` of each session of its runs; a
 committed session, whose bytes never grow, once per process) the first time it writes, again once
 that measure is :data:`REMEASURE_SECONDS` old, and again (unless :data:`RECHECK_SECONDS` young)
@@ -169,7 +170,10 @@ class Space:
                 if sid == committed and known is not None and known[0] == sid:
                     used = known[1]
                 else:
-                    used = sum(size for _, size in self.storage.walk(Paths.session(run, name, sid)))
+                    walked = self.storage.walk(Paths.session(run, name, sid))
+                    used = sum(size for _, size in walked)
+                    if sid != committed:
+                        used += self._presigned(run, name, sid, walked)
                 if sid == committed:
                     seen[(run, name)] = (sid, used)
                 total += used
@@ -177,6 +181,23 @@ class Space:
             for key in [k for k in self._committed if k[0] == run and k not in seen]:
                 del self._committed[key]
             self._committed.update(seen)
+        return total
+
+    def _presigned(self, run: str, name: str, sid: str, walked: list[tuple[str, int]]) -> int:
+        """The declared sizes of the files of staging session ``sid`` presigned and not stored yet: their
+        parts are kept by the store as they are PUT (a multipart upload, not walked) until the confirm
+        or the sweep, so the claim (:meth:`Paths.presign_claim`) stands for them."""
+        keys = {k for k, _ in walked}
+        claims = Paths.presign_claim(run, name, sid, "")
+        total = 0
+        for key in keys:
+            if key.startswith(claims) and Paths.file(run, name, sid, key[len(claims):]) not in keys:
+                try:
+                    claim = self.storage.read_json_or_none(key)
+                except StorageError:
+                    continue
+                size = claim.get("size") if isinstance(claim, dict) else None
+                total += size if type(size) is int and size > 0 else 0
         return total
 
 

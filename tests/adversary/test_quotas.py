@@ -179,3 +179,35 @@ def test_a_writer_filling_the_root_stops_at_the_reserve_and_a_save_in_progress_c
         t.close()
         client.close(wait=False)
         srv.kill()
+
+
+def test_a_presigned_file_counts_toward_its_writers_quota_until_it_is_stored(moto_s3, tmp_path):
+    """On an object store a presigned file's parts are stored as they are PUT, in a multipart upload
+    that is no object (not listed) until its confirm; the claim's declared size is what the quota sees
+    of it. Before, a measure forgot it: 2 s after a refusal the writer presigned again, without end."""
+    import base64
+    import hashlib
+
+    from s3_server import aws_env
+
+    tokens = f"filler {FILLER} write:fill* quota=8MiB"
+    srv = ServerProcess(moto_s3.url("quota"), env={**aws_env(moto_s3.endpoint), "CKPTD_TOKENS": tokens},
+                        log=tmp_path / "server.log").start()
+    try:
+        http = httpx.Client(base_url=srv.url, timeout=scaled(60), headers={"Authorization": f"Bearer {FILLER}"})
+        base, sid = "/v1/checkpoints/fill-s3/1/sessions", "p" * 32
+        r = http.post(base, json={"session": sid, "world_size": 1, "direct_uploads": True})
+        assert r.status_code == 200 and r.json()["presigned"] is True, r.text
+        data = os.urandom(6 * MIB)  # two parts, never confirmed: 6 MiB of the quota's 8 MiB
+        parts = [data[:5 * MIB], data[5 * MIB:]]
+        claim = {"size": len(data), "part_size": 5 * MIB,
+                 "sha256": [base64.b64encode(hashlib.sha256(p).digest()).decode() for p in parts]}
+        signed = http.post(f"{base}/{sid}/files/r0.bin/presign", json=claim)
+        assert signed.status_code == 200 and signed.json()["upload_id"], signed.text
+        for url, headers, part in zip(signed.json()["urls"], signed.json()["headers"], parts):
+            assert httpx.put(url, content=part, headers=headers, timeout=scaled(60)).status_code == 200
+        time.sleep(RECHECK_SECONDS + 0.2)  # measured again before the refusal: the parts stored are still held
+        r = http.post(f"{base}/{sid}/files/r1.bin/presign", json=claim)
+        assert r.status_code == 507 and r.json()["error"]["code"] == "quota_exceeded", r.text
+    finally:
+        srv.stop()
