@@ -9,7 +9,8 @@ socket (``SCM_RIGHTS``). The rank keeps no way to change those bytes, as with HT
 reads is what it stores and checks.
 
 The socket trusts a key, not a token: the session's answer gives its writer ``local_key``
-(:meth:`LocalUploads.key_for`: this process's random secret over the principal, run, name and session),
+(:meth:`LocalUploads.key_for`: this process's random secret and the principal's token over the
+principal, run, name and session),
 and each side proves it holds that key to the other before anything is handed over
 (``ckptd_schemas.handover``: the wire). The rank thus gives nothing to a listener that is not this
 service (a path freed by a restart, or planted where this service's temporary directory is private),
@@ -54,7 +55,7 @@ from ckptd_schemas import (
 )
 from ckptd_schemas.handover import HEADER_BYTES, SEALS, boot_id, is_nonce, new_nonce, prove, proven, session_key
 
-from .auth import TokenStore, principal_named
+from .auth import TokenStore, principal_named, token_named
 from .error_body import error_body
 from .limits import UploadSlots
 from .logs import access_log
@@ -95,8 +96,9 @@ class LocalUploads:
 
     def key_for(self, principal: str, run: str, name: str, session: str) -> str:
         """``SessionInfo.local_key``: what ``principal`` proves itself with here for its uploads to this
-        session, and what proves this service to it (given only in an HTTP answer to that principal)."""
-        return session_key(self._secret, principal, run, name, session)
+        session, and what proves this service to it (given only in an HTTP answer to that principal).
+        Keyed with the principal's token as well: a token replaced under the same name ends its keys."""
+        return session_key(self._secret + token_named(self.tokens, principal), principal, run, name, session)
 
     def start(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
