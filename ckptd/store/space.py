@@ -106,7 +106,8 @@ class Space:
         self.storage = storage
         self.reserve_bytes, self.reserve_fraction = parse_reserve(reserve)
         self._holdings: dict[Holder, _Holding] = {}
-        self._committed: dict[tuple[str, str], tuple[str, int]] = {}  # (run, name) -> its committed session's bytes
+        # (run, name) -> its marker's (session, manifest digest) and that session's bytes
+        self._committed: dict[tuple[str, str], tuple[tuple[str, str], int]] = {}
         self._lock = threading.Lock()
 
     def charge(self, holder: Holder | None, run: str, file: str, nbytes: int, *, on_root: bool) -> None:
@@ -158,24 +159,27 @@ class Space:
 
     def _run_usage(self, run: str) -> int:
         """The bytes of every session of ``run``'s checkpoints. A committed session's bytes never grow once
-        its marker exists, so they are walked once per process and then taken from :attr:`_committed`;
+        its marker exists, so they are walked once per process and then taken from :attr:`_committed`
+        while the marker names the same session and manifest (a checkpoint removed and saved again under
+        its name and session id is walked again);
         the others (staging) are walked each time. The checkpoints' own small records are not counted."""
         total = 0
-        seen: dict[tuple[str, str], tuple[str, int]] = {}
+        seen: dict[tuple[str, str], tuple[tuple[str, str], int]] = {}
         for name in self.storage.list(Paths.run(run)):
-            committed = _marker_session(self.storage, run, name)
+            mark = _marker_session(self.storage, run, name)
+            committed = mark[0] if mark is not None else None
             for sid in self.storage.list(Paths.sessions(run, name)):
                 with self._lock:
                     known = self._committed.get((run, name))
-                if sid == committed and known is not None and known[0] == sid:
+                if sid == committed and known is not None and known[0] == mark:
                     used = known[1]
                 else:
                     walked = self.storage.walk(Paths.session(run, name, sid))
                     used = sum(size for _, size in walked)
                     if sid != committed:
                         used += self._presigned(run, name, sid, walked)
-                if sid == committed:
-                    seen[(run, name)] = (sid, used)
+                if mark is not None and sid == committed:
+                    seen[(run, name)] = (mark, used)
                 total += used
         with self._lock:  # checkpoints gone since are forgotten
             for key in [k for k in self._committed if k[0] == run and k not in seen]:
@@ -201,11 +205,14 @@ class Space:
         return total
 
 
-def _marker_session(storage: Storage, run: str, name: str) -> str | None:
-    """The session ``run/name``'s marker names, or None (no marker, or one that does not parse: walked as staging)."""
+def _marker_session(storage: Storage, run: str, name: str) -> tuple[str, str] | None:
+    """The session and manifest digest ``run/name``'s marker names, or None (no marker, or one that does
+    not parse: walked as staging)."""
     try:
         marker = storage.read_json_or_none(Paths.marker(run, name))
     except StorageError:
         return None
-    session = marker.get("session") if isinstance(marker, dict) else None
-    return session if isinstance(session, str) else None
+    if not isinstance(marker, dict):
+        return None
+    session, digest = marker.get("session"), marker.get("manifest_xxh3")
+    return (session, str(digest)) if isinstance(session, str) else None
