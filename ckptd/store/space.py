@@ -17,7 +17,7 @@ that measure is :data:`REMEASURE_SECONDS` old, and again (unless :data:`RECHECK_
 before anything is refused, so bytes deleted since (gc, an abort, the sweep) never refuse a write,
 and another replica's writes are seen within a minute. Between measures the bytes a writer brings
 here are added as they come: one lock and one addition per batch, whatever the world size (bytes
-still in a write window when measured, up to 4 MiB per upload in progress, are missed until the next
+still in a write window when measured, up to 12 MiB per upload in progress, are missed until the next
 measure). A write that would take the writer past its quota is refused with
 :class:`~ckptd_schemas.QuotaExceeded` naming the token, its quota and what it holds; the writer's
 other uploads and every other token's go on. A writer without a quota is never measured.
