@@ -129,15 +129,19 @@ class LocalUploads:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _accept(self) -> None:
+        failing = False
         while (sock := self._sock) is not None:
             try:
                 conn, _ = sock.accept()
             except OSError as e:
                 if self._sock is not sock:
                     return  # closed by stop()
-                log.warning("co-located uploads: accept failed (%s); accepting again", e)
-                time.sleep(0.1)  # out of descriptors (EMFILE): the accepted connections close theirs
+                if not failing:  # once per spell: out of descriptors (EMFILE) until connections close theirs
+                    log.warning("co-located uploads: accept failed (%s); accepting again as it clears", e)
+                failing = True
+                time.sleep(0.1)
                 continue
+            failing = False
             if not self._held.acquire(blocking=False):  # idle connections cannot queue up the others
                 conn.close()
                 continue
