@@ -298,7 +298,7 @@ class _Lines:
         line, self._buf = bytes(self._buf[:cut]), self._buf[cut + 1:]
         try:
             value = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the parser's depth: not a line of a JSON object either
             value = None
         if not isinstance(value, dict):
             raise InvalidRequest(f"a co-located upload's {what} is one line of a JSON object", field=what)

@@ -13,7 +13,8 @@ descriptor limit is lowered to what a service under systemd gets by default (``L
 * the service's table filled for a moment (idle TCP connections) while a rank connects: the socket's
   accept failed (``EMFILE``) and, before, its thread ended, so the socket stayed bound but was never
   served again (every later save waited for a proof that never came, then went over HTTP); now it
-  accepts again once descriptors are free and the waiting rank's hello is answered.
+  accepts again once descriptors are free and the waiting rank's hello is answered;
+* a hello nested past the JSON parser's depth: answered 400 ``hello`` (before, a 500 and a traceback).
 """
 
 from __future__ import annotations
@@ -124,3 +125,16 @@ def test_the_socket_accepts_again_after_the_service_ran_out_of_descriptors(srv):
         rank.close()
         for c in idle:
             c.close()
+
+
+def test_a_hello_nested_past_the_parsers_depth_is_refused_typed_not_a_500(srv):
+    """A peer without a key sends a hello of 10,000 nested arrays (within the header's 16 KiB): before,
+    the parser's ``RecursionError`` escaped as a 500 with a traceback in the service's log."""
+    path = _session(srv.url, "4")["local_socket"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as p:
+        p.settimeout(scaled(10))
+        p.connect(path)
+        p.sendall(b"[" * 10_000 + b"\n")
+        answer = _answer(p)
+    assert answer is not None and answer["status"] == 400 and answer["error"]["details"]["field"] == "hello", answer
+    assert "Traceback" not in srv.log.read_text()
