@@ -10,8 +10,8 @@ may hold. It holds every byte of the sessions of the runs its write scopes match
 committed: data files, indexes, manifests, a linked file counted in every checkpoint that holds it
 (on an object store a link is a copy; on a local disk the name keeps the bytes for as long as any
 checkpoint holds it), and a file presigned and not yet stored at its declared size (its parts, PUT
-straight into the object store, are no object until its confirm). The rule is cheap and survives restarts because the root is the truth: what a
-writer holds is measured there (:meth:`~ckptd.storage.Storage.walk` of each session of its runs; a
+straight into the object store, are no object until its confirm). The rule is cheap and survives
+restarts because the root is the truth: what a writer holds is measured there (:meth:`~ckptd.storage.Storage.walk` of each session of its runs; a
 committed session, whose bytes never grow, once per process) the first time it writes, again once
 that measure is :data:`REMEASURE_SECONDS` old, and again (unless :data:`RECHECK_SECONDS` young)
 before anything is refused, so bytes deleted since (gc, an abort, the sweep) never refuse a write,
