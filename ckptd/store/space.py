@@ -11,8 +11,9 @@ committed: data files, indexes, manifests, a linked file counted in every checkp
 (on an object store a link is a copy; on a local disk the name keeps the bytes for as long as any
 checkpoint holds it), and a file presigned and not yet stored at its declared size (its parts, PUT
 straight into the object store, are no object until its confirm). The rule is cheap and survives
-restarts because the root is the truth: what a writer holds is measured there (:meth:`~ckptd.storage.Storage.walk` of each session of its runs; a
-committed session, whose bytes never grow, once per process) the first time it writes, again once
+restarts because the root is the truth: what a writer holds is measured there
+(:meth:`~ckptd.storage.Storage.walk` of each session of its runs; a committed session, whose bytes
+never grow, once per process) the first time it writes, again once
 that measure is :data:`REMEASURE_SECONDS` old, and again (unless :data:`RECHECK_SECONDS` young)
 before anything is refused, so bytes deleted since (gc, an abort, the sweep) never refuse a write,
 and another replica's writes are seen within a minute. Between measures the bytes a writer brings
