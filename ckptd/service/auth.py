@@ -61,7 +61,7 @@ from .error_body import send_error
 
 __all__ = ["OPEN", "ROUTE_RULES", "AccessMiddleware", "AuthConfigError", "Principal", "Rule", "TokenStore",
            "authorize", "check_routes", "hash_token", "iter_routes", "parse_tokens", "principal_for", "principal_named",
-           "principal_of"]
+           "principal_of", "token_named"]
 
 log = logging.getLogger("ckptd.service")
 
@@ -366,6 +366,16 @@ def principal_named(tokens: TokenStore, name: str) -> Principal:
     if found is None:
         raise Unauthorized(f"no token is named {name[:64]!r} any more")
     return found
+
+
+def token_named(tokens: TokenStore, name: str) -> bytes:
+    """The SHA-256 of the token called ``name`` now (empty where there is none, or authentication is
+    off): what a key given to that principal is bound to as well, so that a token replaced under the
+    same name (rotated after a leak) takes every key given to its holder with it."""
+    if not tokens.enabled:
+        return b""
+    tokens._maybe_reload()
+    return next((e.digest for e in tokens.entries if e.principal.name == name), b"")
 
 
 def principal_of(request: Request) -> Principal:

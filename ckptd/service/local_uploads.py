@@ -9,7 +9,8 @@ socket (``SCM_RIGHTS``). The rank keeps no way to change those bytes, as with HT
 reads is what it stores and checks.
 
 The socket trusts a key, not a token: the session's answer gives its writer ``local_key``
-(:meth:`LocalUploads.key_for`: this process's random secret over the principal, run, name and session),
+(:meth:`LocalUploads.key_for`: this process's random secret and the principal's token over the
+principal, run, name and session),
 and each side proves it holds that key to the other before anything is handed over
 (``ckptd_schemas.handover``: the wire). The rank thus gives nothing to a listener that is not this
 service (a path freed by a restart, or planted where this service's temporary directory is private),
@@ -54,7 +55,7 @@ from ckptd_schemas import (
 )
 from ckptd_schemas.handover import HEADER_BYTES, SEALS, boot_id, is_nonce, new_nonce, prove, proven, session_key
 
-from .auth import TokenStore, principal_named
+from .auth import TokenStore, principal_named, token_named
 from .error_body import error_body
 from .limits import UploadSlots
 from .logs import access_log
@@ -95,8 +96,9 @@ class LocalUploads:
 
     def key_for(self, principal: str, run: str, name: str, session: str) -> str:
         """``SessionInfo.local_key``: what ``principal`` proves itself with here for its uploads to this
-        session, and what proves this service to it (given only in an HTTP answer to that principal)."""
-        return session_key(self._secret, principal, run, name, session)
+        session, and what proves this service to it (given only in an HTTP answer to that principal).
+        Keyed with the principal's token as well: a token replaced under the same name ends its keys."""
+        return session_key(self._secret + token_named(self.tokens, principal), principal, run, name, session)
 
     def start(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -127,11 +129,19 @@ class LocalUploads:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _accept(self) -> None:
+        failing = False
         while (sock := self._sock) is not None:
             try:
                 conn, _ = sock.accept()
-            except OSError:
-                return  # closed by stop()
+            except OSError as e:
+                if self._sock is not sock:
+                    return  # closed by stop()
+                if not failing:  # once per spell: out of descriptors (EMFILE) until connections close theirs
+                    log.warning("co-located uploads: accept failed (%s); accepting again as it clears", e)
+                failing = True
+                time.sleep(0.1)
+                continue
+            failing = False
             if not self._held.acquire(blocking=False):  # idle connections cannot queue up the others
                 conn.close()
                 continue
@@ -250,7 +260,8 @@ class LocalUploads:
 class _Lines:
     """The lines a rank sends on one connection, and the descriptors that came with them, all within
     one deadline (``time.monotonic``): each read waits only for what is left of it, so a peer that
-    trickles bytes is cut when the deadline passes, not per read; :data:`HEADER_BYTES` in all."""
+    trickles bytes is cut when the deadline passes, not per read; :data:`HEADER_BYTES` in all, and one
+    descriptor (each is held until the answer)."""
 
     def __init__(self, conn: socket.socket, deadline: float) -> None:
         self.conn, self.deadline = conn, deadline
@@ -275,6 +286,9 @@ class _Lines:
             except OSError as e:
                 raise InvalidRequest(f"a co-located upload's {what} did not arrive whole: {e}", field=what) from None
             self.fds += fds
+            if len(self.fds) > 1:  # held until the answer: a peer sending more would fill this process's table
+                raise InvalidRequest(f"a co-located upload passes one file descriptor with its header, not "
+                                     f"{len(self.fds)}", field="fd")
             if not data:
                 raise InvalidRequest(f"a co-located upload's {what} did not arrive whole: the rank closed the "
                                      f"connection", field=what)
@@ -284,7 +298,7 @@ class _Lines:
         line, self._buf = bytes(self._buf[:cut]), self._buf[cut + 1:]
         try:
             value = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the parser's depth: not a line of a JSON object either
             value = None
         if not isinstance(value, dict):
             raise InvalidRequest(f"a co-located upload's {what} is one line of a JSON object", field=what)

@@ -9,14 +9,16 @@ rank index's size (its quota only).
 may hold. It holds every byte of the sessions of the runs its write scopes match, staged and
 committed: data files, indexes, manifests, a linked file counted in every checkpoint that holds it
 (on an object store a link is a copy; on a local disk the name keeps the bytes for as long as any
-checkpoint holds it). The rule is cheap and survives restarts because the root is the truth: what a
-writer holds is measured there (:meth:`~ckptd.storage.Storage.walk` of each session of its runs; a
-committed session, whose bytes never grow, once per process) the first time it writes, again once
+checkpoint holds it), and a file presigned and not yet stored at its declared size (its parts, PUT
+straight into the object store, are no object until its confirm). The rule is cheap and survives
+restarts because the root is the truth: what a writer holds is measured there
+(:meth:`~ckptd.storage.Storage.walk` of each session of its runs; a committed session, whose bytes
+never grow, once per process) the first time it writes, again once
 that measure is :data:`REMEASURE_SECONDS` old, and again (unless :data:`RECHECK_SECONDS` young)
 before anything is refused, so bytes deleted since (gc, an abort, the sweep) never refuse a write,
 and another replica's writes are seen within a minute. Between measures the bytes a writer brings
 here are added as they come: one lock and one addition per batch, whatever the world size (bytes
-still in a write window when measured, up to 4 MiB per upload in progress, are missed until the next
+still in a write window when measured, up to 12 MiB per upload in progress, are missed until the next
 measure). A write that would take the writer past its quota is refused with
 :class:`~ckptd_schemas.QuotaExceeded` naming the token, its quota and what it holds; the writer's
 other uploads and every other token's go on. A writer without a quota is never measured.
@@ -105,7 +107,8 @@ class Space:
         self.storage = storage
         self.reserve_bytes, self.reserve_fraction = parse_reserve(reserve)
         self._holdings: dict[Holder, _Holding] = {}
-        self._committed: dict[tuple[str, str], tuple[str, int]] = {}  # (run, name) -> its committed session's bytes
+        # (run, name) -> its marker's (session, manifest digest) and that session's bytes
+        self._committed: dict[tuple[str, str], tuple[tuple[str, str], int]] = {}
         self._lock = threading.Lock()
 
     def charge(self, holder: Holder | None, run: str, file: str, nbytes: int, *, on_root: bool) -> None:
@@ -157,21 +160,27 @@ class Space:
 
     def _run_usage(self, run: str) -> int:
         """The bytes of every session of ``run``'s checkpoints. A committed session's bytes never grow once
-        its marker exists, so they are walked once per process and then taken from :attr:`_committed`;
+        its marker exists, so they are walked once per process and then taken from :attr:`_committed`
+        while the marker names the same session and manifest (a checkpoint removed and saved again under
+        its name and session id is walked again);
         the others (staging) are walked each time. The checkpoints' own small records are not counted."""
         total = 0
-        seen: dict[tuple[str, str], tuple[str, int]] = {}
+        seen: dict[tuple[str, str], tuple[tuple[str, str], int]] = {}
         for name in self.storage.list(Paths.run(run)):
-            committed = _marker_session(self.storage, run, name)
+            mark = _marker_session(self.storage, run, name)
+            committed = mark[0] if mark is not None else None
             for sid in self.storage.list(Paths.sessions(run, name)):
                 with self._lock:
                     known = self._committed.get((run, name))
-                if sid == committed and known is not None and known[0] == sid:
+                if sid == committed and known is not None and known[0] == mark:
                     used = known[1]
                 else:
-                    used = sum(size for _, size in self.storage.walk(Paths.session(run, name, sid)))
-                if sid == committed:
-                    seen[(run, name)] = (sid, used)
+                    walked = self.storage.walk(Paths.session(run, name, sid))
+                    used = sum(size for _, size in walked)
+                    if sid != committed:
+                        used += self._presigned(run, name, sid, walked)
+                if mark is not None and sid == committed:
+                    seen[(run, name)] = (mark, used)
                 total += used
         with self._lock:  # checkpoints gone since are forgotten
             for key in [k for k in self._committed if k[0] == run and k not in seen]:
@@ -179,12 +188,32 @@ class Space:
             self._committed.update(seen)
         return total
 
+    def _presigned(self, run: str, name: str, sid: str, walked: list[tuple[str, int]]) -> int:
+        """The declared sizes of the files of staging session ``sid`` presigned and not stored yet: their
+        parts are kept by the store as they are PUT (a multipart upload, not walked) until the confirm
+        or the sweep, so the claim (:meth:`Paths.presign_claim`) stands for them."""
+        keys = {k for k, _ in walked}
+        claims = Paths.presign_claim(run, name, sid, "")
+        total = 0
+        for key in keys:
+            if key.startswith(claims) and Paths.file(run, name, sid, key[len(claims):]) not in keys:
+                try:
+                    claim = self.storage.read_json_or_none(key)
+                except StorageError:
+                    continue
+                size = claim.get("size") if isinstance(claim, dict) else None
+                total += size if type(size) is int and size > 0 else 0
+        return total
 
-def _marker_session(storage: Storage, run: str, name: str) -> str | None:
-    """The session ``run/name``'s marker names, or None (no marker, or one that does not parse: walked as staging)."""
+
+def _marker_session(storage: Storage, run: str, name: str) -> tuple[str, str] | None:
+    """The session and manifest digest ``run/name``'s marker names, or None (no marker, or one that does
+    not parse: walked as staging)."""
     try:
         marker = storage.read_json_or_none(Paths.marker(run, name))
     except StorageError:
         return None
-    session = marker.get("session") if isinstance(marker, dict) else None
-    return session if isinstance(session, str) else None
+    if not isinstance(marker, dict):
+        return None
+    session, digest = marker.get("session"), marker.get("manifest_xxh3")
+    return (session, str(digest)) if isinstance(session, str) else None

@@ -179,3 +179,76 @@ def test_a_writer_filling_the_root_stops_at_the_reserve_and_a_save_in_progress_c
         t.close()
         client.close(wait=False)
         srv.kill()
+
+
+def test_a_presigned_file_counts_toward_its_writers_quota_until_it_is_stored(moto_s3, tmp_path):
+    """On an object store a presigned file's parts are stored as they are PUT, in a multipart upload
+    that is no object (not listed) until its confirm; the claim's declared size is what the quota sees
+    of it. Before, a measure forgot it: 2 s after a refusal the writer presigned again, without end."""
+    import base64
+    import hashlib
+
+    from s3_server import aws_env
+
+    tokens = f"filler {FILLER} write:fill* quota=8MiB"
+    srv = ServerProcess(moto_s3.url("quota"), env={**aws_env(moto_s3.endpoint), "CKPTD_TOKENS": tokens},
+                        log=tmp_path / "server.log").start()
+    try:
+        http = httpx.Client(base_url=srv.url, timeout=scaled(60), headers={"Authorization": f"Bearer {FILLER}"})
+        base, sid = "/v1/checkpoints/fill-s3/1/sessions", "p" * 32
+        r = http.post(base, json={"session": sid, "world_size": 1, "direct_uploads": True})
+        assert r.status_code == 200 and r.json()["presigned"] is True, r.text
+        data = os.urandom(6 * MIB)  # two parts, never confirmed: 6 MiB of the quota's 8 MiB
+        parts = [data[:5 * MIB], data[5 * MIB:]]
+        claim = {"size": len(data), "part_size": 5 * MIB,
+                 "sha256": [base64.b64encode(hashlib.sha256(p).digest()).decode() for p in parts]}
+        signed = http.post(f"{base}/{sid}/files/r0.bin/presign", json=claim)
+        assert signed.status_code == 200 and signed.json()["upload_id"], signed.text
+        for url, headers, part in zip(signed.json()["urls"], signed.json()["headers"], parts):
+            assert httpx.put(url, content=part, headers=headers, timeout=scaled(60)).status_code == 200
+        time.sleep(RECHECK_SECONDS + 0.2)  # measured again before the refusal: the parts stored are still held
+        r = http.post(f"{base}/{sid}/files/r1.bin/presign", json=claim)
+        assert r.status_code == 507 and r.json()["error"]["code"] == "quota_exceeded", r.text
+    finally:
+        srv.stop()
+
+
+def test_a_checkpoint_removed_and_saved_again_under_its_session_counts_at_its_new_size(tmp_path):
+    """A committed session's bytes are measured once per process and remembered by its checkpoint and
+    session; the writer names both. Before, a checkpoint measured small, removed (``DELETE``, a trainer's
+    own right) and saved again under the same name and session id kept its first size in the quota's
+    measure for the life of the process: 1.5 MiB counted as 60 KiB, and then the next write past the quota
+    was taken."""
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_TOKENS": TOKENS}, log=tmp_path / "server.log").start()
+    t = Transport(srv.url, retry_seconds=600, timeout=60, token=FILLER)
+    http = httpx.Client(base_url=srv.url, timeout=scaled(60), headers={"Authorization": f"Bearer {FILLER}"})
+
+    def save(name: str, sid: str, mib: float) -> None:
+        base = f"/v1/checkpoints/fill/{name}"
+        open_session(t, base, sid, 1, int(name))
+        index = upload_files(t, base, sid, build_snapshot(make_state(int(name), mib=mib), 0, 1), compression=None,
+                             file_bytes=256 * KIB, streams=1)
+        status = wait_committed(t, base, f"fill/{name}", put_index(t, base, sid, index), time.monotonic() + scaled(60))
+        assert status.state == "committed", status
+
+    def put(name: str, size: int) -> httpx.Response:
+        data = os.urandom(size)
+        http.post(f"/v1/checkpoints/fill/{name}/sessions", json={"session": "u", "world_size": 1})
+        return http.put(f"/v1/checkpoints/fill/{name}/sessions/u/files/f.bin", content=data,
+                        headers={"X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(data)})
+
+    try:
+        save("1", "s", 0.06)
+        save("2", "t", 0.06)
+        time.sleep(RECHECK_SECONDS + 0.2)
+        assert put("8", 3 * MIB).status_code == 507  # measured before the refusal: fill/1 is known, small
+        r = http.delete("/v1/checkpoints/fill/1")
+        assert r.status_code == 200, r.text
+        save("1", "s", 1.5)  # the same name and session, 1.5 MiB
+        time.sleep(RECHECK_SECONDS + 0.2)
+        r = put("9", MIB)  # measured again before a refusal: 1.6 MiB held, 1 MiB more is past 2 MiB
+        assert r.status_code == 507 and r.json()["error"]["code"] == "quota_exceeded", r.text
+        assert r.json()["error"]["details"]["held"] >= 3 * MIB // 2, r.text
+    finally:
+        http.close()
+        srv.stop()

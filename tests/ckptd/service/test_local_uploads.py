@@ -576,8 +576,9 @@ def test_a_sparse_memory_file_costs_the_service_its_read_window_not_the_file(tmp
 
 
 def test_a_key_given_before_the_tokens_file_changed_holds_only_what_the_principal_still_may(tmp_path):
-    """The key of a session outlives nothing: its principal is looked up again at each handover. Scope
-    narrowed to reading: 403; the token removed: 401; nothing stored by either."""
+    """The key of a session outlives nothing: its principal is looked up again at each handover. The
+    token replaced under the same name and scopes (rotated after a leak): 401; scope narrowed to
+    reading: 403; the token removed: 401; nothing stored by any."""
     tokens = tmp_path / "tokens"
     tokens.write_text(TOKENS)
     srv = ServerProcess(tmp_path / "root", env={"CKPTD_TOKENS_FILE": str(tokens)}).start()
@@ -590,7 +591,8 @@ def test_a_key_given_before_the_tokens_file_changed_holds_only_what_the_principa
             for i in range(first, first + 1000):  # a new file each time: the tokens file is re-read every 2 s
                 fd = _memfd(data)
                 try:
-                    answer = _hand(info, _header(f"r000000-{i:04d}.bin", data), [fd])
+                    # as the key's holder would, whether the service still proves that key or not
+                    answer = _hand(info, _header(f"r000000-{i:04d}.bin", data), [fd], key=info["local_key"])
                 finally:
                     os.close(fd)
                 if answer["status"] == want or time.monotonic() > deadline:
@@ -598,8 +600,9 @@ def test_a_key_given_before_the_tokens_file_changed_holds_only_what_the_principa
                 time.sleep(0.2)
             raise AssertionError(f"never answered {want}")
 
-        for i, (scopes, want) in enumerate([("read:run*", 403), (None, 401)]):
-            line = f"trainer sha256:{hash_token(WRITER)} {scopes}\n" if scopes else ""
+        rotated = f"trainer sha256:{hash_token(WRITER + '-rotated')} write:run*\n"
+        for i, (line, want) in enumerate([(rotated, 401), (f"trainer sha256:{hash_token(WRITER)} read:run*\n", 403),
+                                          ("", 401)]):
             tokens.write_text(line + f"else sha256:{hash_token(OTHER)} write:else\n")
             os.utime(tokens, (time.time() + 10 * (i + 1),) * 2)  # a new mtime, whatever the clock's grain
             n, answer = hand_until(want, 1000 * i)
