@@ -371,7 +371,7 @@ def _read_tensors(transport: Transport, base: str, manifest: Manifest, pieces: l
         except Exception as e:
             err = e
         if not sharing.empty:  # the receivers must not wait for a reader that failed
-            agree(err)
+            agree(err, sharing)
         elif err is not None:
             raise err
     finally:
