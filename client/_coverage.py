@@ -11,68 +11,72 @@ Call order inside ``load`` (every rank, collectively):
 1. each rank matches its own keys (``_load._prepare``): with ``strict`` (the default) a key of its
    state dict that the checkpoint lacks, a shape or dtype that differs, an object saved per rank
    for other ranks only, fails that rank;
-2. :func:`agree_keys`: one ``all_gather_object`` of (that failure, the checkpoint the rank
-   resolved, a bitmap over the checkpoint's keys of those the rank holds). Every rank then
-   raises, or none: the failing rank its own error, the others a :class:`StateDictMismatch` (or
-   :class:`CkptdError` for other failures) naming the rank and its keys; the checkpoint's keys
-   that no rank holds are returned (``LoadReport.uncovered``), and with ``cover`` they fail every
-   rank, naming them. No rank is left waiting in a later collective for a rank that stopped.
+2. :func:`agree_keys`, whose cost per rank does not grow with the world size: one all-reduce of a
+   fixed size (``_dist.check``: whether some rank failed, and the lowest that did; whether every rank
+   resolved the same checkpoint, as a digest of its ref, session and key count), then one bitwise-or
+   all-reduce of a bitmap over the checkpoint's keys (a bit per key: those some rank holds). Every
+   rank then raises, or none: the failing rank its own error, the others a
+   :class:`StateDictMismatch` (or :class:`CkptdError` for other failures) naming the rank and its
+   keys, told in a rare second round (``_dist.failure``: a broadcast from the failing rank); ranks
+   that resolved different checkpoints are named by a rare round that gathers each rank's ref. The
+   checkpoint's keys that no rank holds are returned (``LoadReport.uncovered``), and with ``cover``
+   they fail every rank, naming them. No rank is left waiting in a later collective for a rank that
+   stopped.
 """
 
 from __future__ import annotations
 
 from ckptd_schemas import CkptdError, StateDictMismatch
 
-from ._dist import cpu_group
+from ._dist import check, cpu_group, failure
 
 __all__ = ["agree_keys"]
 
 
-def _bitmap(keys: list[str], held: set[str]) -> int:
-    """Bit i set iff this rank holds ``keys[i]`` (an int: the ranks' bitmaps are OR-ed at C speed)."""
+def _bitmap(keys: list[str], held: set[str]) -> bytearray:
+    """Bit i set iff this rank holds ``keys[i]`` (the ranks' bitmaps are or-ed in one all-reduce)."""
     bits = bytearray((len(keys) + 7) // 8)
     for i, k in enumerate(keys):
         if k in held:
             bits[i >> 3] |= 1 << (i & 7)
-    return int.from_bytes(bits, "little")
+    return bits
 
 
-def _unset(keys: list[str], bits: int) -> list[str]:
-    raw = bits.to_bytes((len(keys) + 7) // 8, "little")
+def _unset(keys: list[str], raw: bytes) -> list[str]:
     return [k for i, k in enumerate(keys) if not raw[i >> 3] & (1 << (i & 7))]
 
 
 def agree_keys(err: BaseException | None, ckpt: tuple[str, str] | None, keys: list[str], held: set[str], *,
                cover: bool) -> tuple[int, list[str]]:
-    """Collective (see the module docstring); returns the number of ranks whose keys were gathered
+    """Collective (see the module docstring); returns the number of ranks whose keys were checked
     and the checkpoint's keys that none of them holds. ``ckpt``: the checkpoint this rank resolved
     (ref and session; None when it failed first), ``keys``: every key a state dict can restore from
     it, sorted. Raises on every rank, or on none."""
+    import torch
     import torch.distributed as dist
 
     world, me = dist.get_world_size(), dist.get_rank()
-    mine: dict = {"error": None if err is None else f"{type(err).__name__}: {err}",
-                  "mismatch": isinstance(err, StateDictMismatch),
-                  "ckpt": ckpt, "bits": _bitmap(keys, held) if ckpt is not None else 0}
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, mine, group=cpu_group())
-    failed = [(r, g) for r, g in enumerate(gathered) if g["error"] is not None]
-    if failed:
+    failed = err is not None or ckpt is None
+    first, same = check(failed, repr((ckpt, len(keys))).encode())
+    if first is not None:  # the rare round: what the failing rank raised
+        message, kinds, _ = failure(first, err if err is not None else "it resolved no checkpoint")
         if err is not None:
             raise err
-        r, g = failed[0]
-        kind = StateDictMismatch if g["mismatch"] else CkptdError
-        raise kind(f"load failed on rank {r} ({g['error']}); rank {me} stops as well", rank=r)
-    ckpts = {g["ckpt"] for g in gathered}
-    if len(ckpts) > 1:
+        kind = StateDictMismatch if "StateDictMismatch" in kinds else CkptdError
+        raise kind(f"load failed on rank {first} ({message}); rank {me} stops as well", rank=first)
+    assert ckpt is not None
+    if not same:  # the rare round: which checkpoints the ranks resolved (a short ref each)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, ckpt, group=cpu_group())
+        ckpts = set(gathered)
         raise CkptdError(f"the ranks resolved different checkpoints: {sorted(ckpts)[:4]}; "
                          f"load a named checkpoint instead of RUN/latest while saves commit", checkpoints=len(ckpts))
-    if ckpt is None:
-        return 0, []
-    union = 0
-    for g in gathered:
-        union |= g["bits"]
-    uncovered = _unset(keys, union)
+    bits = _bitmap(keys, held)
+    if bits:
+        t = torch.frombuffer(bits, dtype=torch.uint8)
+        dist.all_reduce(t, op=dist.ReduceOp.BOR, group=cpu_group())
+        bits = bytearray(t.numpy().tobytes())
+    uncovered = _unset(keys, bits)
     if cover and uncovered:
         raise StateDictMismatch(
             f"checkpoint {ckpt[0]} has keys that no rank's state_dict holds (checked across {world} "

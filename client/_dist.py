@@ -5,6 +5,11 @@ backend: the default group when it has one (gloo, or ``cpu:gloo,cuda:nccl``), el
 made once for the default group (a trainer that called ``init_process_group("nccl")``), whose
 creation is itself collective: the first save or load, which every rank calls, makes it.
 
+The client's agreements cost each rank the same whatever the world size: :func:`check` is one
+all-reduce of ten integers (the lowest rank that failed, whether every rank passed the same digest),
+and only when it finds a failure does :func:`failure`, a rare second round, tell every rank what the
+failing rank raised (a broadcast from it). No common path gathers an object from every rank.
+
 :func:`solo` turns all of that off for the calls made inside it, on the thread that makes them: a
 trainer that saves from one rank only (Lightning's DDP calls its ``CheckpointIO`` on rank 0 alone)
 saves as rank 0 of a world of one, so that no collective waits for ranks that never call.
@@ -13,13 +18,15 @@ saves as rank 0 of a world of one, so that no collective waits for ranks that ne
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from contextvars import ContextVar
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["any_rank", "any_ranks", "barrier", "broadcast_str", "cpu_group", "distributed", "rank_and_world", "solo"]
+__all__ = ["any_rank", "any_ranks", "barrier", "broadcast_str", "check", "cpu_backend", "cpu_group", "distributed",
+           "failure", "rank_and_world", "reduce_max", "solo"]
 
 _SOLO: ContextVar[bool] = ContextVar("ckptd_solo", default=False)
 
@@ -45,9 +52,20 @@ def _active() -> bool:
 _gloo: dict[int, object] = {}  # id of the default group -> a gloo group over the same ranks
 
 
+def cpu_backend() -> str:
+    """The backend of the default group for CPU tensors (``gloo``; a test's ``fake``), else ``gloo``."""
+    config = dist.get_backend_config()
+    for part in config.split(","):
+        device, _, name = part.rpartition(":")
+        if device in ("", "cpu") and name in ("gloo", "fake"):
+            return name
+    return "gloo"
+
+
 def cpu_group() -> object | None:
     """The group for the client's CPU collectives (None: the default group)."""
-    if "gloo" in dist.get_backend_config():
+    config = dist.get_backend_config()
+    if "gloo" in config or "cpu:fake" in config:
         return None
     key = id(dist.group.WORLD)
     if key not in _gloo:
@@ -102,3 +120,45 @@ def agree(flags: tuple[bool, ...], token: bytes) -> tuple[tuple[bool, ...], byte
 def any_ranks(*flags: bool) -> tuple[bool, ...]:
     """Each flag true on every rank iff it is true on some rank: one all-reduce for all of them."""
     return agree(flags, b"")[0]
+
+
+_CPU = object()  # the ``group`` default of the helpers below: :func:`cpu_group`
+_NONE = -(1 << 62)  # below any value a rank contributes to a MAX
+
+
+def reduce_max(values: list[int], *, group: object = _CPU) -> list[int]:
+    """Collective: the element-wise maximum over the ranks of ``values`` (int64), one all-reduce."""
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group() if group is _CPU else group)
+    return t.tolist()
+
+
+def check(failed: bool, digest: bytes = b"", *, group: object = _CPU) -> tuple[int | None, bool]:
+    """Collective, one all-reduce of ten int64 whatever the world size: the lowest (global) rank of
+    ``group`` on which ``failed`` is true (None: none), and whether every rank that did not fail
+    passed the same ``digest`` (hashed to 128 bits: their maximum and minimum agree)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    h = hashlib.blake2b(digest, digest_size=16).digest()
+    parts = [int.from_bytes(h[i:i + 4], "little") for i in range(0, 16, 4)]
+    mine = [_NONE] * 8 if failed else parts + [-p for p in parts]
+    got = reduce_max([1 if failed else 0, world - rank if failed else 0, *mine], group=group)
+    same = all(got[2 + i] == -got[6 + i] for i in range(4)) or got[2] == _NONE
+    return (world - got[1] if got[0] else None), same
+
+
+def failure(src: int, err: BaseException | str | None, *, group: object = _CPU) -> tuple[str, tuple[str, ...], int]:
+    """Collective, the rare round after :func:`check` found a failure: on every rank of ``group``, what
+    rank ``src`` raised (``Type: message``), the names of its error's classes (``type(err).__mro__``)
+    and how many ranks failed. Two small collectives whatever the world size: a sum, a broadcast."""
+    g = cpu_group() if group is _CPU else group
+    count = torch.tensor([0 if err is None else 1], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM, group=g)
+    if dist.get_rank() != src:
+        box: list = [None]
+    elif isinstance(err, BaseException):
+        box = [(f"{type(err).__name__}: {err}", tuple(c.__name__ for c in type(err).__mro__))]
+    else:
+        box = [(str(err), ())]
+    dist.broadcast_object_list(box, src=src, group=g)
+    message, kinds = box[0]
+    return message, tuple(kinds), int(count.item())

@@ -11,7 +11,7 @@ Call order inside :meth:`CheckpointClient.load`:
    missing on either side, a shape or a dtype mismatch raises, naming the key).
    In a distributed load a rank may hold any subset of the checkpoint: each
    rank's keys must exist in it, and the ranks' keys together must cover it,
-   checked in one collective (``_coverage``) that also lets every rank raise
+   checked in two all-reduces whatever the world size (``_coverage``) that also let every rank raise
    when one fails;
 2. describe the regions this rank's tensors cover (DTensor boxes from their
    placements, FlatShard ranges, whole plain tensors), fetch the load tree's
@@ -377,7 +377,7 @@ def _read_tensors(transport: Transport, base: str, manifest: Manifest, pieces: l
         except Exception as e:
             err = e
         if not sharing.empty:  # the receivers must not wait for a reader that failed
-            agree(err)
+            agree(err, sharing)
         elif err is not None:
             raise err
     finally:

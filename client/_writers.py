@@ -4,7 +4,7 @@ A plain ``torch.Tensor`` is a replica (``torch.distributed.checkpoint``'s rule t
 that holds its key holds the same bytes (DDP weights, a step counter), and it is written once.
 Ranks need not hold the same keys (the layers of pipeline stages, per-stage optimizer state), so
 the writer of a key is chosen among the ranks that hold it, largest first onto the holder with the
-fewest bytes so far (``lpt_assign``), identically on every rank from what all ranks hold.
+fewest bytes so far (``lpt_assign``), from what all ranks hold.
 
 Call order inside ``save`` (every rank, collectively):
 
@@ -13,10 +13,14 @@ Call order inside ``save`` (every rank, collectively):
 2. :meth:`ReplicaWriters.stale`: whether the cached assignment was made from another signature.
    The flag rides on the save's first all-reduce (``any_ranks``), so a save whose ranks all hold
    what they held last time runs no collective here at all;
-3. :meth:`ReplicaWriters.owners`: after a change on any rank, one ``all_gather_object`` of the
-   ranks' signatures; when they all name the same keys, shapes and dtypes (DDP) the balance is over
-   every rank, else a second ``all_gather_object`` of each rank's ``{key: nbytes}`` and the balance
-   is among each key's holders. The result is kept until the next change.
+3. :meth:`ReplicaWriters.owners`: after a change on any rank, one all-reduce of a fixed size
+   (``_dist.check``) says whether every rank holds the same plain tensors (keys and sizes, as a
+   digest). When they do (DDP, FSDP's replicated buffers and step) every rank computes the same
+   balance over all ranks from what it holds: no rank's cost grows with the world size beyond that
+   all-reduce. When they do not (pipeline stages), rank 0 plans, as DCP's coordinator does: it
+   gathers each rank's ``{key: nbytes}`` (``gather_object``), balances each key among its holders,
+   and scatters to each rank the writers of its own keys (``scatter_object_list``). The result is
+   kept until the next change.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from ckptd_schemas.balance import lpt_assign
 
-from ._dist import cpu_group
+from ._dist import check, cpu_group
 from ._flatten import Flattened
 from ._placement import check_savable
 
@@ -77,19 +81,29 @@ class ReplicaWriters:
     def _assign(sizes: Mapping[str, int], rank: int, world: int) -> dict[str, int]:
         if world == 1:
             return {k: 0 for k in sizes}
-        import torch.distributed as dist
-
-        keyset = hashlib.blake2b(repr(sorted(sizes.items())).encode(), digest_size=16).hexdigest()
-        sets: list = [None] * world
-        dist.all_gather_object(sets, keyset, group=cpu_group())
-        if len(set(sets)) == 1:  # every rank holds the same plain tensors: balance over all of them
+        _, same = check(False, repr(sorted(sizes.items())).encode())
+        if same:  # every rank holds the same plain tensors: balance over all of them, each rank alike
             return lpt_assign(list(sizes.items()), world)
-        held: list = [None] * world
-        dist.all_gather_object(held, dict(sizes), group=cpu_group())
+        return _coordinated(dict(sizes), rank, world)
+
+
+def _coordinated(sizes: dict[str, int], rank: int, world: int) -> dict[str, int]:
+    """The writers when ranks hold different plain tensors: rank 0 gathers every rank's sizes, balances
+    each key among its holders (``lpt_assign``) and scatters to each rank the writers of its own keys."""
+    import torch.distributed as dist
+
+    held: list | None = [None] * world if rank == 0 else None
+    dist.gather_object(sizes, held, dst=0, group=cpu_group())
+    plans: list | None = None
+    if held is not None:
         holders: dict[str, list[int]] = {}
         nbytes: dict[str, int] = {}
         for r, their in enumerate(held):
             for k, n in their.items():
                 holders.setdefault(k, []).append(r)
                 nbytes[k] = max(nbytes.get(k, 0), n)
-        return lpt_assign(sorted(nbytes.items()), world, holders=holders)
+        owners = lpt_assign(sorted(nbytes.items()), world, holders=holders)
+        plans = [{k: owners[k] for k in their} for their in held]
+    mine: list = [None]
+    dist.scatter_object_list(mine, plans, src=0, group=cpu_group())
+    return mine[0]

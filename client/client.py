@@ -12,7 +12,7 @@ from ckptd_schemas import CommitFailed, InvalidName, SessionStatus, check_new_na
 
 from .catalog import CatalogClient
 from .codec import CompressionPolicy, compression_of
-from ._dist import agree, any_ranks, rank_and_world
+from ._dist import agree, any_ranks, check, failure, rank_and_world
 from ._join import joined
 from .transport import Transport
 from ._load import LoadReport, load_into
@@ -54,17 +54,17 @@ def _call(what: str, ref: str, **options: object) -> str:
 
 
 def _reasons(err: BaseException | str | None, world: int) -> str:
-    """Collective (every rank of a failed save calls it): what each failing rank raised, named by rank."""
+    """Collective (every rank of a failed save calls it): what the lowest failing rank raised, named by
+    rank, and how many others failed; a few fixed-size collectives whatever the world size."""
     mine = None if err is None else err if isinstance(err, str) else f"{type(err).__name__}: {err}"
     if world == 1:
         return str(mine)
-    import torch.distributed as dist
-
-    from ._dist import cpu_group
-
-    got: list = [None] * world
-    dist.all_gather_object(got, mine, group=cpu_group())
-    return "; ".join(f"rank {r}: {m}" for r, m in enumerate(got) if m is not None)
+    first, _ = check(mine is not None)
+    if first is None:
+        return "no rank says why"
+    message, _, count = failure(first, mine)
+    return f"rank {first}: {message}" + (f"; {count - 1} other rank{'s' if count > 2 else ''} failed too"
+                                         if count > 1 else "")
 
 
 class CheckpointClient(CatalogClient):

@@ -7,6 +7,7 @@ writers of replicated tensors and for whole-matrix ownership (``owner:``).
 
 from __future__ import annotations
 
+import heapq
 from typing import Collection, Mapping, Sequence
 
 from .errors import InvalidRequest
@@ -35,6 +36,8 @@ def lpt_assign(items: Sequence[tuple[str, int]], bins: int, *, cap: int | None =
         return 1 if name in counted else 0
 
     loads = list(load) if load is not None else [0] * bins
+    if cap is None and holders is None and loads:  # any rank may take any item: a heap, O(n log bins) whatever bins
+        return _lpt_heap(items, loads)
     counts = [0] * bins
     owner: dict[str, int] = {}
     for name, size in sorted(items, key=lambda x: (-x[1], x[0])):
@@ -52,4 +55,17 @@ def lpt_assign(items: Sequence[tuple[str, int]], bins: int, *, cap: int | None =
         owner[name] = r
         loads[r] += size
         counts[r] += w
+    return owner
+
+
+def _lpt_heap(items: Sequence[tuple[str, int]], loads: list[int]) -> dict[str, int]:
+    """``lpt_assign`` without a cap or holders: the same assignment (the least loaded rank, the lowest
+    on a tie), from a heap of (load, rank) instead of a scan of every rank per item."""
+    heap = [(n, r) for r, n in enumerate(loads)]
+    heapq.heapify(heap)
+    owner: dict[str, int] = {}
+    for name, size in sorted(items, key=lambda x: (-x[1], x[0])):
+        n, r = heap[0]
+        owner[name] = r
+        heapq.heapreplace(heap, (n + size, r))
     return owner

@@ -165,20 +165,25 @@ def test_pipeline_stages_save_and_load_at_1_2_and_3_ranks(server, tmp_path):
 
 
 def cache_job(rank: int, world: int, url: str) -> dict:
-    """Count the all_gather_object calls of each save: the writers are agreed again only on a change."""
+    """Count the object collectives of each save (rank 0's plan gathered and scattered when the keys
+    differ): the writers are agreed again only on a change."""
     import torch.distributed as dist
 
     from ckptd_client import CheckpointClient
     from ckptd_client._writers import ReplicaWriters
 
     calls = [0]
-    real = dist.all_gather_object
+    names = ("all_gather_object", "gather_object", "scatter_object_list")
+    real = {n: getattr(dist, n) for n in names}
 
-    def counting(*a, **kw):
-        calls[0] += 1
-        return real(*a, **kw)
+    def counting(name):
+        def call(*a, **kw):
+            calls[0] += 1
+            return real[name](*a, **kw)
+        return call
 
-    dist.all_gather_object = counting
+    for n in names:
+        setattr(dist, n, counting(n))
     base = {"step": torch.tensor(1), f"stage{rank}.w": torch.full((64, 8), float(rank))}
     rounds = [base, base, {**base, "stage1.extra": torch.ones(3)} if rank == 1 else base,
               {**base, "stage1.extra": torch.ones(3)} if rank == 1 else base,
@@ -202,7 +207,8 @@ def cache_job(rank: int, world: int, url: str) -> dict:
         for _ in range(20):
             ReplicaWriters._assign(same, rank, world)
         agree_same = (time.perf_counter() - t0) / 20
-    dist.all_gather_object = real
+    for n in names:
+        setattr(dist, n, real[n])
     return {"counts": counts, "agree_s": agree, "agree_same_s": agree_same}
 
 
@@ -211,7 +217,8 @@ def test_writers_are_agreed_once_while_the_keys_stay_the_same(server, tmp_path, 
     from ckptd_client import CheckpointClient
 
     recs = [r["result"] for r in run_ranks(cache_job, 2, server.url, tmp=tmp_path)]
-    # a change on either rank (keys differ: a digest gather, then the key sets) repeats it on every rank
+    # a change on either rank (keys differ: a digest all-reduce, then rank 0 gathers the key sets and
+    # scatters the writers) repeats it on every rank
     assert all(r["counts"] == [2, 0, 2, 0, 2] for r in recs), recs
     with CheckpointClient(server.url) as c:
         for i in range(5):
