@@ -108,9 +108,9 @@ class Settings(BaseSettings):
         900.0, gt=0, le=7 * 86400, description="how long a presigned upload URL stays valid")
     root_reserve: str = Field(
         "1%", description="free space a local root keeps for the commits of saves in progress: a size (`4GiB`) or "
-        "a percentage of its filesystem (`5%`); a data file's bytes that would take the free space below it are "
-        "refused with 507 `reserve_reached`, while rank indexes, manifests and markers are still written, so a save "
-        "whose data has arrived commits (docs/security.md, Quotas and the reserve; 0 = no reserve; object stores "
+        "a percentage of its filesystem (`5%`); a data file's bytes, or a new session, that would take the free "
+        "space below it are refused with 507 `reserve_reached`, while rank indexes, manifests and markers are still "
+        "written, so a save whose data has arrived commits (docs/security.md, Quotas and the reserve; 0 = no reserve; object stores "
         "have none)")
     max_header_bytes: int = Field(64 << 10, description="largest accepted request line plus headers (431 beyond)")
     header_timeout_seconds: float = Field(

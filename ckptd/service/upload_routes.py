@@ -73,7 +73,7 @@ def upload_router(svc: Services) -> APIRouter:
             if not principal_of(request).can_read(parent_run):
                 raise Forbidden(f"parent {body.parent!r}: this token may not read run {parent_run}",
                                 field="parent", run=parent_run)
-        info = await run_in_threadpool(sessions.open, run, name, body)
+        info = await run_in_threadpool(sessions.open, run, name, body, principal_of(request))
         if body.direct_uploads and settings.direct_uploads and sessions.storage.presigns:
             info.presigned = True
         if svc.local is not None and svc.local.address is not None:  # ranks on this host hand files over there

@@ -2,7 +2,8 @@
 
 Call order for one save attempt (each step idempotent, any replica may serve it):
 
-1. :meth:`SessionStore.open` - every rank, same session id: open-or-join.
+1. :meth:`SessionStore.open` - every rank, same session id: open-or-join (a new session asks the root's
+   space first, :mod:`.space`; joining one does not).
 2. Data files, through the one ingest seam (:mod:`.intake`), each ending as a write-once object of
    the session whose digest record is created once (:func:`~.intake.record_file`): received
    (:meth:`SessionStore.begin_file` -> :class:`~.intake.FileSink`: the bytes stream through here,
@@ -117,7 +118,10 @@ class SessionStore:
         self.activity.touch(run, name, sid)
 
     # -- 1. open ---------------------------------------------------------------
-    def open(self, run: str, name: str, req: OpenSession) -> SessionInfo:
+    def open(self, run: str, name: str, req: OpenSession, holder: Holder | None = None) -> SessionInfo:
+        """Open session ``req.session`` of ``run/name``, or join it. A new session is charged to ``holder``
+        and refused at the root's reserve first (:meth:`.space.Space.charge_open`); joining one is not,
+        so a save already open always commits."""
         check_run(run), check_new_name(name), check_session(req.session)
         m = self._taken(run, name)
         if m is not None:
@@ -128,6 +132,7 @@ class SessionStore:
         meta = read_meta(self.storage, run, name, req.session)
         if meta is None:
             self._check_parent(run, req.parent)
+            self.intake.space.charge_open(holder, run, name, req.session)
             meta = SessionMeta(session=req.session, world_size=req.world_size, step=req.step,
                                created_at=datetime.now(timezone.utc), derived_from=req.derived_from,
                                parent=req.parent)
@@ -240,7 +245,7 @@ class SessionStore:
                     f"rank {index.rank}: {what} bytes [{offset}, {offset + length}) exceed file "
                     f"{file!r} of {sizes[file]} bytes", rank=index.rank, file=file)
         key, raw = Paths.rank_index(run, name, sid, index.rank), index.model_dump_json().encode()
-        self.intake.space.charge(holder, run, key[len(Paths.session(run, name, sid)) + 1:], len(raw), on_root=False)
+        self.intake.space.charge_record(holder, run, key[len(Paths.session(run, name, sid)) + 1:], len(raw))
         self.storage.put(key, raw)
         self._indexes.put(key, raw, index)
         self.activity.touch(run, name, sid)  # a writer: ranks' indexes may arrive for minutes after the last file

@@ -2,14 +2,16 @@
 
 Asked at the one ingest seam (:mod:`.intake`) before a data file's bytes are stored, whichever way
 they come in: received bytes batch by batch as they arrive, a presigned file's declared size at its
-presign (before the client PUTs it), a linked file's size at its link; and by the session store for a
-rank index's size (its quota only).
+presign (before the client PUTs it), a linked file's size at its link; and by the session store before
+a new session is made (:data:`OPEN_BYTES`, quota and reserve; a rank joining it asks nothing) and for a
+rank index's blocks (its quota only).
 
 **Quotas.** A writer (the token a request acts as: :class:`Holder`) may carry a quota, the bytes it
 may hold. It holds every byte of the sessions of the runs its write scopes match, staged and
-committed: data files, indexes, manifests, a linked file counted in every checkpoint that holds it
-(on an object store a link is a copy; on a local disk the name keeps the bytes for as long as any
-checkpoint holds it), and a file presigned and not yet stored at its declared size (its parts, PUT
+committed: data files, indexes, manifests and records, each at its blocks (:func:`on_disk`: a
+200-byte record takes a 4 KiB block), each session's directories, a linked file counted in every
+checkpoint that holds it (on an object store a link is a copy; on a local disk the name keeps the
+bytes for as long as any checkpoint holds it), and a file presigned and not yet stored at its declared size (its parts, PUT
 straight into the object store, are no object until its confirm). The rule is cheap and survives
 restarts because the root is the truth: what a writer holds is measured there
 (:meth:`~ckptd.storage.Storage.walk` of each session of its runs; a committed session, whose bytes
@@ -19,19 +21,24 @@ before anything is refused, so bytes deleted since (gc, an abort, the sweep) nev
 and another replica's writes are seen within a minute. Between measures the bytes a writer brings
 here are added as they come: one lock and one addition per batch, whatever the world size (bytes
 still in a write window when measured, up to 12 MiB per upload in progress, are missed until the next
-measure). A write that would take the writer past its quota is refused with
+measure). One thread at a time measures a writer, outside its lock: the writer's other writes meanwhile
+are answered at once from the last measure plus what was counted since (and added to the new measure's
+total), so a slow root (20,000 sessions walk in seconds) holds one request thread, never the pool, and
+never delays another token. A write that would take the writer past its quota is refused with
 :class:`~ckptd_schemas.QuotaExceeded` naming the token, its quota and what it holds; the writer's
 other uploads and every other token's go on. A writer without a quota is never measured.
 
 **The reserve.** A local root keeps ``reserve`` bytes free (a size, or a percentage of its
-filesystem): received bytes that would take the free space below it are refused with
-:class:`~ckptd_schemas.ReserveReached`. Nothing else a save writes asks (session records, rank
-indexes, the manifest, the marker, verification records), so a save whose data files have arrived
-still commits, into the reserve. Object stores have no disk to fill, and no reserve.
+filesystem): received bytes, and a new session, that would take the free space below it are refused
+with :class:`~ckptd_schemas.ReserveReached`. Nothing else a save writes asks (a rank joining a session,
+rank indexes, the manifest, the marker, verification records), so a save already open whose data files
+have arrived still commits, into the reserve: at most one index per rank of its declared world size
+(a rank past it is refused), each at most the service's index limit. Object stores have no disk to
+fill, and no reserve.
 
 Call order: the service builds one :class:`Space` (``CKPTD_ROOT_RESERVE``) and gives it to the
-session store; the intake (and ``SessionStore.put_index``) calls :meth:`Space.charge` with the
-request's holder before it stores.
+session store; the intake calls :meth:`Space.charge`, ``SessionStore.open`` :meth:`Space.charge_open`
+and ``SessionStore.put_index`` :meth:`Space.charge_record`, with the request's holder, before they store.
 """
 
 from __future__ import annotations
@@ -48,14 +55,24 @@ from ckptd_schemas import QuotaExceeded, ReserveReached, StorageError
 from ..storage import Storage
 from .paths import Paths
 
-__all__ = ["RECHECK_SECONDS", "REMEASURE_SECONDS", "Holder", "Space", "parse_reserve", "parse_size"]
+__all__ = ["BLOCK", "OPEN_BYTES", "RECHECK_SECONDS", "REMEASURE_SECONDS", "SESSION_DIRS_BYTES", "Holder", "Space",
+           "on_disk", "parse_reserve", "parse_size"]
 
 REMEASURE_SECONDS = 60.0  # a writer's holding is measured again at its first write this long after the last measure
 RECHECK_SECONDS = 2.0  # ... and before a refusal, unless measured this recently
+BLOCK = 4096  # what a file or directory takes of a disk at least (a local filesystem's block; an object's floor)
+SESSION_DIRS_BYTES = 3 * BLOCK  # a session's directories: its checkpoint's, the checkpoint's sessions', its own
+OPEN_BYTES = SESSION_DIRS_BYTES + BLOCK  # what opening a session takes: its directories and its record
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(|b|[kmgtp]i?b?)", re.IGNORECASE)
 _POWERS = "kmgtp"
 SIZE_GRAMMAR = "a number of bytes with an optional unit (B, KiB, MiB, GiB, TiB, PiB, or kB, MB, GB, TB, PB)"
+
+
+def on_disk(size: int) -> int:
+    """The bytes a stored file of ``size`` bytes is counted at: whole blocks, one at least (an empty file's
+    inode and directory entry, a 200-byte record's block)."""
+    return max(1, -(-size // BLOCK)) * BLOCK
 
 
 def parse_size(text: str) -> int:
@@ -97,7 +114,9 @@ class Holder(Protocol):
 class _Holding:
     held: int = 0
     measured_at: float = -math.inf
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    measuring: bool = False  # one thread walks the root for this holder; the others answer from ``held``
+    since: int = 0  # bytes counted while that walk runs, added to its total
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held for an addition, never for a walk
 
 
 class Space:
@@ -120,6 +139,16 @@ class Space:
         if holder is not None and holder.quota is not None:
             self._charge_quota(holder, holder.quota, run, file, nbytes)
 
+    def charge_record(self, holder: Holder | None, run: str, file: str, nbytes: int) -> None:
+        """Before a record of ``nbytes`` a save writes for ``holder`` (a rank index) is stored: its blocks
+        (:func:`on_disk`), to the quota only; the reserve takes a session's records, so it commits."""
+        self.charge(holder, run, file, on_disk(nbytes), on_root=False)
+
+    def charge_open(self, holder: Holder | None, run: str, name: str, sid: str) -> None:
+        """Before a new session ``sid`` of ``run/name`` is created for ``holder``: its :data:`OPEN_BYTES`,
+        asked of the reserve and the quota alike (a rank joining a session already open asks nothing)."""
+        self.charge(holder, run, f"{name}/sessions/{sid}", OPEN_BYTES, on_root=True)
+
     def _check_reserve(self, file: str, nbytes: int) -> None:
         if not (self.reserve_bytes or self.reserve_fraction):
             return
@@ -139,24 +168,49 @@ class Space:
             return self._holdings.setdefault(holder, _Holding())
 
     def _charge_quota(self, holder: Holder, quota: int, run: str, file: str, nbytes: int) -> None:
+        """Count ``nbytes`` for ``holder``, measuring first when its measure is stale, and again before a
+        refusal: by this thread alone, outside the holding's lock. While another thread measures, the
+        answer is the last measure's plus what was counted since, at once."""
         h = self._holding(holder)
-        with h.lock:
-            if time.monotonic() - h.measured_at > REMEASURE_SECONDS:
-                self._measure(holder, h)
-            if h.held + nbytes > quota and time.monotonic() - h.measured_at > RECHECK_SECONDS:
-                self._measure(holder, h)  # deleted since the last measure: not counted against the writer
-            if h.held + nbytes > quota:
-                raise QuotaExceeded(
-                    f"token {holder.name!r} holds {h.held} bytes of its quota of {quota} (the runs its write scopes "
-                    f"match, staged and committed): {nbytes} more bytes of file {file!r} of run {run!r} were refused; "
-                    f"delete checkpoints (ckptd gc, rm) or raise the token's quota", token=holder.name, quota=quota,
-                    held=h.held, run=run, file=file)
-            h.held += nbytes
+        if self._claim_measure(h, REMEASURE_SECONDS):
+            self._measure(holder, h)
+        for last_try in (False, True):
+            with h.lock:
+                if h.held + nbytes <= quota:
+                    h.held += nbytes
+                    h.since += nbytes if h.measuring else 0
+                    return
+                if last_try or not self._claim_measure(h, RECHECK_SECONDS, locked=True):
+                    raise QuotaExceeded(
+                        f"token {holder.name!r} holds {h.held} bytes of its quota of {quota} (the runs its write "
+                        f"scopes match, staged and committed): {nbytes} more bytes of {file!r} of run {run!r} "
+                        f"were refused; delete checkpoints (ckptd gc, rm) or raise the token's quota",
+                        token=holder.name, quota=quota, held=h.held, run=run, file=file)
+            self._measure(holder, h)  # deleted since the last measure: not counted against the writer
+
+    @staticmethod
+    def _claim_measure(h: _Holding, older_than: float, *, locked: bool = False) -> bool:
+        """Whether this thread is the one to measure ``h`` now: its measure is over ``older_than`` seconds
+        old and no other thread is measuring it (``locked``: the caller holds ``h.lock``)."""
+        if not locked:
+            with h.lock:
+                return Space._claim_measure(h, older_than, locked=True)
+        if h.measuring or time.monotonic() - h.measured_at <= older_than:
+            return False
+        h.measuring, h.since = True, 0
+        return True
 
     def _measure(self, holder: Holder, h: _Holding) -> None:
-        """``h.held`` := the bytes stored under the runs ``holder`` may write (the caller holds ``h.lock``)."""
-        total = sum(self._run_usage(run) for run in self.storage.list(Paths.runs()) if holder.can_write(run))
-        h.held, h.measured_at = total, time.monotonic()
+        """``h.held`` := the bytes stored under the runs ``holder`` may write, plus what was counted while
+        they were walked (the caller claimed the measure: :meth:`_claim_measure`)."""
+        try:
+            total = sum(self._run_usage(run) for run in self.storage.list(Paths.runs()) if holder.can_write(run))
+        except BaseException:
+            with h.lock:
+                h.measuring = False
+            raise
+        with h.lock:
+            h.held, h.measured_at, h.measuring = total + h.since, time.monotonic(), False
 
     def _run_usage(self, run: str) -> int:
         """The bytes of every session of ``run``'s checkpoints. A committed session's bytes never grow once
@@ -176,7 +230,7 @@ class Space:
                     used = known[1]
                 else:
                     walked = self.storage.walk(Paths.session(run, name, sid))
-                    used = sum(size for _, size in walked)
+                    used = SESSION_DIRS_BYTES + sum(on_disk(size) for _, size in walked)
                     if sid != committed:
                         used += self._presigned(run, name, sid, walked)
                 if mark is not None and sid == committed:

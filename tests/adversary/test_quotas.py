@@ -155,6 +155,13 @@ def test_a_writer_filling_the_root_stops_at_the_reserve_and_a_save_in_progress_c
             details = r.json()["error"]["details"]
             assert details["reserve"] == reserve and details["free"] < reserve + size, details
             assert details["file"] == f"f{sent}.bin" and "CKPTD_ROOT_RESERVE" in r.json()["error"]["message"]
+        # A new session is refused at the reserve too (its directories and record take blocks); a rank joining
+        # the save in progress is not.
+        r = httpx.post(f"{srv.url}/v1/checkpoints/fill/9/sessions", json={"session": "s9", "world_size": 1}, timeout=60)
+        assert r.status_code == 507 and r.json()["error"]["code"] == "reserve_reached", r.text
+        assert not (root / "runs" / "fill" / "9").exists()
+        r = httpx.post(f"{srv.url}{base}/sessions", json={"session": "s2", "world_size": 1, "step": 2}, timeout=60)
+        assert r.status_code == 200, r.text
         # No write took the disk further than the bytes of the file in progress that were still in the service's
         # write window when they were taken (one upload at a time here).
         assert shutil.disk_usage(root).free >= reserve - 256 * KIB
@@ -249,6 +256,88 @@ def test_a_checkpoint_removed_and_saved_again_under_its_session_counts_at_its_ne
         r = put("9", MIB)  # measured again before a refusal: 1.6 MiB held, 1 MiB more is past 2 MiB
         assert r.status_code == 507 and r.json()["error"]["code"] == "quota_exceeded", r.text
         assert r.json()["error"]["details"]["held"] >= 3 * MIB // 2, r.text
+    finally:
+        http.close()
+        srv.stop()
+
+
+def test_a_writer_whose_measure_hangs_holds_one_thread_and_another_token_saves(tmp_path):
+    """A measure of what a writer holds walks its runs on the root: 20,000 open sessions take 5 s. Before,
+    it ran under the writer's lock in a request thread, and the writer's other uploads queued on that lock,
+    each holding one of the service's 40 request threads: a writer past its quota keeping 64 uploads going
+    stalled every other token's opens, uploads and indexes. Here the measure is made to hang (a marker that
+    is a FIFO nobody writes: a root that never answers), the strongest form of slow: the writer's uploads are
+    still refused at once, from its last measure, and the other token's save commits."""
+    root = tmp_path / "root"
+    tokens = f"filler {FILLER} write:fill* quota=256KiB; saver {SAVER} write:good*"
+    srv = ServerProcess(root, env={"CKPTD_TOKENS": tokens}, log=tmp_path / "server.log").start()
+    saver = CheckpointClient(srv.url, token=SAVER, retry_seconds=600)
+    http = httpx.Client(base_url=srv.url, timeout=scaled(120), headers={"Authorization": f"Bearer {FILLER}"})
+    base = "/v1/checkpoints/fill/1/sessions"
+    stop = threading.Event()
+    codes: list[int] = []
+
+    def put(file: str, size: int) -> int:
+        data = os.urandom(size)
+        try:
+            return http.put(f"{base}/s1/files/{file}", content=data,
+                            headers={"X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(data)}).status_code
+        except httpx.HTTPError:
+            return 0  # no answer (the service kept it waiting)
+
+    def flood(n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            codes.append(put(f"flood-{n}-{i}.bin", 100 * KIB))
+            i += 1
+
+    fifo = root / "runs" / "fill" / "0" / "COMMITTED"
+    flooders = [threading.Thread(target=flood, args=(n,), daemon=True) for n in range(64)]
+    try:
+        assert http.post(base, json={"session": "s1", "world_size": 1}).status_code == 200
+        assert put("first.bin", 200 * KIB) == 200  # measured (nothing yet), then counted: 200 KiB of 256
+        fifo.parent.mkdir(parents=True)
+        os.mkfifo(fifo)  # from now on a measure of the filler's runs never ends
+        time.sleep(RECHECK_SECONDS + 0.2)  # the next refusal measures again
+        for f in flooders:
+            f.start()
+        sd = make_state(7, mib=0.25)
+        assert saver.save(sd, "good/1").wait(timeout=scaled(60)).state == "committed"
+        loads(saver, "good/1", sd)
+        assert 507 in codes and 200 not in codes, codes[:20]  # refused at once, from the last measure
+    finally:
+        stop.set()
+        for _ in range(8):  # let any measure blocked on the FIFO end (it reads an empty marker)
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                break
+        for f in flooders:
+            if f.ident is not None:
+                f.join(scaled(60))
+        http.close()
+        saver.close(wait=False)
+        srv.kill()
+
+
+def test_session_opens_are_charged_to_the_quota(tmp_path):
+    """Before, an open (a checkpoint's directories and session record: 16 KiB of a 4 KiB-block disk) was
+    charged nothing: 500 opens took 8 MiB on disk while the quota counted none of it, so a writer with a
+    quota filled the disk by opening checkpoints. Each new session is charged a fixed cost now (joining one
+    is not), and refused past the quota."""
+    tokens = f"filler {FILLER} write:fill* quota=256KiB"
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_TOKENS": tokens}, log=tmp_path / "server.log").start()
+    http = httpx.Client(base_url=srv.url, timeout=scaled(60), headers={"Authorization": f"Bearer {FILLER}"})
+    try:
+        codes = [http.post(f"/v1/checkpoints/fill/{n}/sessions", json={"session": "s", "world_size": 1})
+                 for n in range(40)]
+        refused = [r for r in codes if r.status_code != 200]
+        assert refused, "40 opens of 16 KiB each were taken within a 256 KiB quota"
+        assert refused[0].status_code == 507 and refused[0].json()["error"]["code"] == "quota_exceeded", refused[0].text
+        first = codes.index(refused[0])
+        assert 8 <= first <= 16 and all(r.status_code == 507 for r in codes[first:]), [r.status_code for r in codes]
+        r = http.post("/v1/checkpoints/fill/0/sessions", json={"session": "s", "world_size": 1})
+        assert r.status_code == 200, r.text  # a rank joining a session already open is not charged again
     finally:
         http.close()
         srv.stop()

@@ -15,6 +15,7 @@ Over a real local root (and moto's S3 for presigned uploads), a session store wi
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -25,8 +26,11 @@ from ckptd.store import SessionStore
 from ckptd.store import space as space_mod
 from ckptd.store.intake import recorded_file
 from ckptd.store.paths import Paths
-from ckptd.store.space import Space, parse_reserve, parse_size
-from ckptd_schemas import LinkFile, OpenSession, PresignUpload, QuotaExceeded, ReserveReached, linked_name
+from ckptd.store.space import OPEN_BYTES, SESSION_DIRS_BYTES, Space, on_disk, parse_reserve, parse_size
+from ckptd_schemas import (
+    InvalidIndex, LinkFile, OpenSession, PresignUpload, QuotaExceeded, RankIndex, ReserveReached, linked_name,
+)
+from support import scaled
 
 from .staging import data, file_of, index, put_indexes, stage
 
@@ -36,9 +40,9 @@ def _store(storage) -> SessionStore:
 
 
 def _held(storage, run: str) -> int:
-    """What the rule counts: the bytes of every session of the run's checkpoints."""
-    return sum(size for name in storage.list(Paths.run(run)) for sid in storage.list(Paths.sessions(run, name))
-               for _, size in storage.walk(Paths.session(run, name, sid)))
+    """What the rule counts: every session of the run's checkpoints, its directories and its files' blocks."""
+    return sum(SESSION_DIRS_BYTES + sum(on_disk(size) for _, size in storage.walk(Paths.session(run, name, sid)))
+               for name in storage.list(Paths.run(run)) for sid in storage.list(Paths.sessions(run, name)))
 
 
 def test_received_bytes_past_the_quota_are_refused_and_leave_nothing(tmp_path):
@@ -47,7 +51,7 @@ def test_received_bytes_past_the_quota_are_refused_and_leave_nothing(tmp_path):
     stage(store, "r", "src", "s-src")  # staged bytes in run r, which the writer may write: counted
     stage(store, "other", "1", "s-o")  # ... and in a run it may not: never counted
     store.open("r", "2", OpenSession(session="s-b", world_size=1))
-    writer = Principal("w", write=("r",), quota=_held(storage, "r") + 1000)
+    writer = Principal("w", write=("r",), quota=_held(storage, "r") + on_disk(0) + 1000)  # + the file written: a block
     sink = store.begin_file("r", "2", "s-b", "a.bin", writer)
     sink.write(b"x" * 600)  # within the quota
     with pytest.raises(QuotaExceeded) as info:
@@ -87,7 +91,11 @@ def test_a_rank_index_is_charged_to_its_writer_but_not_to_the_reserve(tmp_path):
     storage = LocalStorage(tmp_path)
     writer = Principal("w", write=("r",), quota=1 << 30)
     full = SessionStore(storage, space=Space(storage, "99.99%"))  # a reserve no data file can pass
-    full.open("r", "1", OpenSession(session="s-1", world_size=1, step=1))
+    with pytest.raises(ReserveReached):  # nor a new session ...
+        full.open("r", "1", OpenSession(session="s-1", world_size=1, step=1), writer)
+    assert not (tmp_path / Paths.ckpt("r", "1")).exists()
+    _store(storage).open("r", "1", OpenSession(session="s-1", world_size=1, step=1), writer)
+    full.open("r", "1", OpenSession(session="s-1", world_size=1, step=1), writer)  # ... a rank joining one is
     sink = full.begin_file("r", "1", "s-1", file_of(0), writer)
     with pytest.raises(ReserveReached):  # data files are refused at the reserve ...
         sink.write(data(0))
@@ -110,8 +118,10 @@ def test_what_a_writer_holds_is_measured_and_deletions_count_before_a_refusal(tm
     stage(store, "r", "1", "s-1")
     put_indexes(store, "r", "1", "s-1")  # committed: its bytes count
     store.open("r", "2", OpenSession(session="s-2", world_size=1))
-    held = _held(storage, "r")
+    sink = store.begin_file("r", "2", "s-2", "a.bin")
+    held = _held(storage, "r")  # the file being written (a block) included
     writer = Principal("w", write=("r",), quota=held + 100)
+    sink.abort()
     sink = store.begin_file("r", "2", "s-2", "a.bin", writer)
     sink.write(b"x" * 100)  # exactly the quota
     with pytest.raises(QuotaExceeded) as info:
@@ -140,6 +150,77 @@ def test_a_presign_is_charged_its_declared_size_before_any_claim(moto_s3, s3_env
         assert len(signed.urls) == 2
     finally:
         moto_s3.clear(storage._prefix)
+
+
+def test_a_new_session_is_charged_its_blocks_and_a_rank_joining_it_nothing(tmp_path, monkeypatch):
+    storage = LocalStorage(tmp_path)
+    store = _store(storage)
+    writer = Principal("w", write=("r",), quota=2 * OPEN_BYTES)
+    for name in ("1", "2"):
+        store.open("r", name, OpenSession(session="s", world_size=4), writer)
+    with pytest.raises(QuotaExceeded) as info:
+        store.open("r", "3", OpenSession(session="s", world_size=4), writer)
+    assert info.value.details["file"] == "3/sessions/s" and info.value.details["held"] == 2 * OPEN_BYTES
+    assert not (tmp_path / Paths.ckpt("r", "3")).exists()
+    store.open("r", "1", OpenSession(session="s", world_size=4), writer)  # the other ranks join: not charged
+    monkeypatch.setattr(space_mod, "RECHECK_SECONDS", 0.0)
+    time.sleep(0.01)
+    with pytest.raises(QuotaExceeded):  # the measure counts the opens as they were charged
+        store.open("r", "3", OpenSession(session="s", world_size=4), writer)
+    assert _held(storage, "r") == 2 * OPEN_BYTES
+    # A session holds one index per rank of its declared world size, no more: its exposure is bounded.
+    with pytest.raises(InvalidIndex) as bad:
+        store.put_index("r", "1", "s", RankIndex.model_validate({"rank": 4, "world_size": 4, "files": [], "tensors": []}),
+                        writer)
+    assert bad.value.details["rank"] == 4
+
+
+def test_one_thread_measures_a_writer_and_its_other_writes_are_answered_at_once(tmp_path, monkeypatch):
+    """A measure walks the writer's runs on the root (seconds for many sessions); the writer's other
+    writes are answered from its last measure meanwhile, never queued behind it, and other writers'
+    writes are not touched."""
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowRoot(LocalStorage):
+        slow = False
+
+        def walk(self, prefix):
+            if self.slow:
+                entered.set()
+                assert release.wait(scaled(60))
+            return super().walk(prefix)
+
+    storage = SlowRoot(tmp_path)
+    store = _store(storage)
+    stage(store, "r", "1", "s-1")
+    space = store.intake.space
+    writer = Principal("w", write=("r",), quota=_held(storage, "r") + 100)
+    space.charge(writer, "r", "a.bin", 100, on_root=False)  # measured, then counted: exactly the quota
+    monkeypatch.setattr(space_mod, "RECHECK_SECONDS", 0.0)
+    storage.slow = True
+    errors: list[BaseException] = []
+
+    def write(who: Principal) -> None:
+        try:
+            space.charge(who, "r", "b.bin", 1, on_root=False)
+        except QuotaExceeded as e:
+            errors.append(e)
+
+    measuring = threading.Thread(target=write, args=(writer,), daemon=True)
+    measuring.start()  # past the quota: measures again before refusing, and the walk hangs
+    assert entered.wait(scaled(30))
+    others = [threading.Thread(target=write, args=(writer,), daemon=True) for _ in range(20)]
+    others.append(threading.Thread(target=write, args=(Principal("v", write=("q",), quota=1 << 20),), daemon=True))
+    for t in others:
+        t.start()
+    for t in others:
+        t.join(scaled(30))
+    assert not any(t.is_alive() for t in others), "a write waited on another thread's measure"
+    assert len(errors) == 20 and all(e.details["token"] == "w" for e in errors)  # refused from the last measure
+    assert measuring.is_alive()
+    release.set()
+    measuring.join(scaled(30))
+    assert not measuring.is_alive() and len(errors) == 20  # measured: the 100 bytes counted were never stored
 
 
 @pytest.mark.parametrize("text, size", [
