@@ -150,8 +150,8 @@ class Settings(BaseSettings):
         "refused 429, which clients retry (0 = no limit)")
     manifest_cache_bytes: int = Field(
         1 << 30, ge=0, description="memory the parsed manifests kept for reads may take (about 6 bytes per byte of "
-        "manifest JSON, their read-plan indexes included); the least recently read go first, the one in use "
-        "always stays")
+        "manifest JSON, their load trees and interval indexes included; ckptd_manifest_cache_bytes on /metrics); "
+        "the least recently read go first, the one in use always stays")
     read_plan_chunk_budget: int = Field(
         1 << 20, ge=0, description="chunks a read plan may visit (the chunks each requested region may meet, found "
         "through the tensor's interval index), "

@@ -30,6 +30,11 @@ on the listing, and :meth:`Visibility.resolve_ref` (``resolve`` with what ``late
 Cost: a check reads the marker and stats the manifest (:meth:`Storage.stamp`). The manifest's bytes
 are read, hashed and parsed only when its stamp is new; the verdict is cached by (key, stamp) and
 the parsed manifest by digest, never by name, so a manifest changed on storage is seen at once.
+The first look at a checkpoint (its manifest read, hashed and parsed; its load tree and every
+tensor's interval index) is built once per process, whatever the number of callers asking at once:
+they wait on the one build (``_one_at_a_time``) and take it from the cache, which is bounded by
+``cache_bytes`` (``MEMORY_PER_MANIFEST_BYTE`` per byte of JSON) and reports each build
+(``on_build``) and its size (:meth:`Visibility.cache_usage`).
 """
 
 from __future__ import annotations
