@@ -98,6 +98,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     uploads = UploadSlots(settings.max_uploads_per_principal)  # file uploads in progress, per token
     visibility = Visibility(storage, cache_bytes=settings.manifest_cache_bytes,
                             on_invisible=metrics.observe_invisible)
+    metrics.watch_visibility(visibility)
     reader = CheckpointReader(storage, visibility=visibility)
     workers = Workers(settings.reshard_workers)  # reshard jobs, verifications and drills: one pool
     # Job records name this replica; jobs of replicas that stopped are resumed (drills) or failed (reshard).

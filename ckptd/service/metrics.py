@@ -26,6 +26,12 @@ ckptd_verify_failures_total{code}      counter    integrity refusals: uploads wh
 ckptd_storage_errors_total{op}         counter    storage backend failures, by route (or ``reclaim``)
 ckptd_invisible_checkpoints_total      counter    checkpoints found failing the visibility rule, by reason
   {reason}                                        (each ref and reason once per replica; store.visibility)
+ckptd_first_looks_total{what}          counter    first looks at a checkpoint built here, once for every concurrent
+                                                  request: its manifest read, hashed and parsed (manifest), its
+                                                  load tree and interval indexes built (load_tree)
+ckptd_manifest_cache_bytes             gauge      estimated memory of the parsed manifests kept with their trees
+                                                  and indexes (within CKPTD_MANIFEST_CACHE_BYTES)
+ckptd_manifest_cache_entries           gauge      parsed manifests kept
 ckptd_auth_refusals_total{status}      counter    requests refused 401 or 403
 ckptd_client_disconnects_total{route}  counter    requests whose client went away before its body was complete
 ckptd_limit_refusals_total{limit}      counter    requests refused by a limit: read_plan (413), uploads (429),
@@ -66,6 +72,7 @@ from ..store.durable import Copied, DurableCopier
 from ..store.events import SessionEvents
 from ..store.events import CommitEvent
 from ..store.sessions import SessionStore
+from ..store.visibility import Visibility
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
@@ -167,6 +174,22 @@ class Metrics(SessionEvents):
 
         copier.on_copied = copied
         copier.on_refused = lambda ref, err: self.durable_copies.labels("refused").inc()
+
+    def watch_visibility(self, visibility: Visibility) -> None:
+        """The first looks at checkpoints built here (each built once for every concurrent request) and the
+        memory of what they keep (read from ``visibility`` at scrape time)."""
+        built = Counter("ckptd_first_looks", "First looks at a checkpoint built by this process: its manifest "
+                        "read, hashed and parsed (manifest), its load tree and interval indexes built (load_tree).",
+                        ["what"], registry=self.registry)
+        for what in ("manifest", "load_tree"):
+            built.labels(what)
+        visibility.on_build = lambda what: built.labels(what).inc()
+        kept = Gauge("ckptd_manifest_cache_bytes", "Estimated memory of the parsed manifests kept, with their load "
+                     "trees and interval indexes (at most CKPTD_MANIFEST_CACHE_BYTES, the one in use always kept).",
+                     registry=self.registry)
+        kept.set_function(lambda: visibility.cache_usage()[0])
+        entries = Gauge("ckptd_manifest_cache_entries", "Parsed manifests kept.", registry=self.registry)
+        entries.set_function(lambda: visibility.cache_usage()[1])
 
     def observe_request(self, route: str, method: str, status: int, seconds: float, bytes_in: int,
                         bytes_out: int) -> None:

@@ -13,8 +13,10 @@ process, whatever the number of waiters:
   ``interval`` seconds (another replica may commit the session) or at once when :meth:`wake` says
   this process just stored an index that settled it;
 * the answer is built once and shared: every waiter gets the same :class:`SessionStatus` (it names
-  no ranks: ``ranks_done`` is empty; a status read without ``wait`` lists them). Serializing it once
-  for every waiter measured no gain (1.11x and 1.12x at 10,000 ranks), so each response is its own;
+  no ranks: ``ranks_done`` is empty; a status read without ``wait`` lists them), serialized once per
+  read of the state (:meth:`SessionWatches.answer`: the JSON bytes every waiter is sent as they are);
+* a waiter parks on the watch's one future (``asyncio.wait``: no task, no shield of its own) and the
+  settling read wakes them all at once: a waiting rank costs its request, one wake-up and a send;
 * the watch ends when its last waiter leaves.
 
 A read that fails (the session is gone: 404) fails every waiter with that error, once. Before its
@@ -55,6 +57,8 @@ class _Watch:
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())  # settled
     woken: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
+    reads: int = 0  # reads of the state so far (a durability read may update the same status object)
+    answer: tuple[int, bytes] | None = None  # the JSON of the status as of that many reads
 
     @property
     def settled(self) -> bool:
@@ -83,6 +87,10 @@ class SessionWatches:
     async def wait(self, run: str, name: str, sid: str, *, seconds: float, durable: bool) -> SessionStatus:
         """The session's status once it settles, or the last one read when ``seconds`` pass (one object
         per read of the state, whatever the number of waiters)."""
+        return (await self._wait(run, name, sid, seconds=seconds, durable=durable))[0]
+
+    async def _wait(self, run: str, name: str, sid: str, *, seconds: float, durable: bool
+                    ) -> tuple[SessionStatus, _Watch]:
         key = (run, name, sid, durable)
         watch = self._watches.get(key)
         if watch is None:
@@ -91,8 +99,7 @@ class SessionWatches:
         watch.waiters += 1
         try:
             # woken once: when the session settles or its read fails, not at every read of an open one
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(watch.done), seconds)
+            await asyncio.wait((watch.done,), timeout=seconds)
             if watch.error is not None:
                 raise watch.error
             if watch.status is None:  # out of time before the first read ended: wait for that read
@@ -100,13 +107,21 @@ class SessionWatches:
                 if watch.error is not None:
                     raise watch.error
             assert watch.status is not None
-            return watch.status
+            return watch.status, watch
         finally:
             watch.waiters -= 1
             if watch.waiters == 0 and self._watches.get(key) is watch:
                 del self._watches[key]
                 if watch.task is not None and not watch.task.done():
                     watch.task.cancel()
+
+    async def answer(self, run: str, name: str, sid: str, *, seconds: float, durable: bool) -> bytes:
+        """:meth:`wait`, as the JSON bytes of the status: serialized once per read of the state and sent
+        as they are to every waiter of the watch."""
+        st, watch = await self._wait(run, name, sid, seconds=seconds, durable=durable)
+        if watch.answer is None or watch.answer[0] != watch.reads:
+            watch.answer = (watch.reads, st.model_dump_json().encode())
+        return watch.answer[1]
 
     def wake(self, sid: str) -> None:
         """This process just stored an index of session ``sid`` that settled it: read its state now."""
@@ -127,6 +142,7 @@ class SessionWatches:
                 if durable:
                     st = await run_in_threadpool(self._with_durability, st)
                 watch.status = st
+                watch.reads += 1
             except Exception as e:  # noqa: BLE001 - handed to every waiter, which raises it
                 watch.error = e
             watch.first_read.set()

@@ -151,8 +151,8 @@ class Settings(BaseSettings):
         "refused 429, which clients retry (0 = no limit)")
     manifest_cache_bytes: int = Field(
         1 << 30, ge=0, description="memory the parsed manifests kept for reads may take (about 6 bytes per byte of "
-        "manifest JSON, their read-plan indexes included); the least recently read go first, the one in use "
-        "always stays")
+        "manifest JSON, their load trees and interval indexes included; ckptd_manifest_cache_bytes on /metrics); "
+        "the least recently read go first, the one in use always stays")
     read_plan_max_requests: int = Field(
         16384, ge=1, description="regions one read-plan or load-tree request may name (and object names one "
         "load-tree request may name); its body may be 256 bytes per region, 4 MiB at the default. A rank names "

@@ -203,8 +203,9 @@ def upload_router(svc: Services) -> APIRouter:
         committed checkpoint is durable, and long-poll while it is not yet. A long poll's answer is
         shared by every rank waiting on the session (``session_watch``) and lists no ranks
         (``ranks_done`` empty); without ``wait`` the ranks whose index is stored are listed."""
-        if wait > 0:  # the one answer of the session's watch
-            return await watches.wait(run, name, sid, seconds=wait, durable=durable)
+        if wait > 0:  # the one answer of the session's watch, serialized once for every waiter
+            body = await watches.answer(run, name, sid, seconds=wait, durable=durable)
+            return Response(body, media_type="application/json")  # type: ignore[return-value]
         st = await run_in_threadpool(sessions.status, run, name, sid)
         return await run_in_threadpool(with_durability, st) if durable else st
 

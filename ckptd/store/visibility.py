@@ -30,6 +30,11 @@ on the listing, and :meth:`Visibility.resolve_ref` (``resolve`` with what ``late
 Cost: a check reads the marker and stats the manifest (:meth:`Storage.stamp`). The manifest's bytes
 are read, hashed and parsed only when its stamp is new; the verdict is cached by (key, stamp) and
 the parsed manifest by digest, never by name, so a manifest changed on storage is seen at once.
+The first look at a checkpoint (its manifest read, hashed and parsed; its load tree and every
+tensor's interval index) is built once per process, whatever the number of callers asking at once:
+they wait on the one build (``_one_at_a_time``) and take it from the cache, which is bounded by
+``cache_bytes`` (``MEMORY_PER_MANIFEST_BYTE`` per byte of JSON) and reports each build
+(``on_build``) and its size (:meth:`Visibility.cache_usage`).
 """
 
 from __future__ import annotations
@@ -146,6 +151,8 @@ class Visibility:
         self._reported: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._flights: dict[tuple, list] = {}  # key -> [lock, callers]: work done once for concurrent callers
+        # a first look built here: "manifest" (read, hashed, parsed) or "load_tree" (with its interval indexes)
+        self.on_build: Callable[[str], None] | None = None
 
     # -- the one marker reader ----------------------------------------------------------------
     def marker(self, run: str, name: str) -> Marker | BadMarker | None:
@@ -247,24 +254,20 @@ class Visibility:
         if stamp is None:
             raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names ({m.manifest}) is missing")
         claim = (m.manifest_xxh3, run, name, m.session, m.step, m.derived_from, m.parent)
-        if stamp:
-            with self._lock:
-                said = self._verdicts.get((key, stamp))
-            if said is not None and said[0] == m.manifest_xxh3:
-                if said[:7] != claim:
-                    raise _Invisible("disagrees", _disagreement(said, m))
-                return Committed(run, name, m, key, said[7])
-        manifest = self._load(run, name, m, key)
-        said = (m.manifest_xxh3, manifest.run, manifest.name, manifest.session, manifest.step, manifest.derived_from,
-                manifest.parent, manifest.created_at)
-        if stamp:  # taken before the read: a change during the read only makes the next check read again
-            with self._lock:
-                if len(self._verdicts) > 100_000:
-                    self._verdicts.clear()
-                self._verdicts[(key, stamp)] = said
+        said = self._verdict(key, stamp, m.manifest_xxh3)
+        if said is None:
+            said = _says(m.manifest_xxh3, self._load(run, name, m, key, stamp))
         if said[:7] != claim:
             raise _Invisible("disagrees", _disagreement(said, m))
-        return Committed(run, name, m, key, manifest.created_at)
+        return Committed(run, name, m, key, said[7])
+
+    def _verdict(self, key: str, stamp: str, digest: str) -> tuple | None:
+        """What the manifest ``key`` of that stamp says, if a check or the commit found it of ``digest``."""
+        if not stamp:
+            return None
+        with self._lock:
+            said = self._verdicts.get((key, stamp))
+        return said if said is not None and said[0] == digest else None
 
     def note_written(self, key: str, digest: str, says: tuple) -> None:
         """The commit wrote the manifest ``key`` (bytes of ``digest``) and knows what it says (run,
@@ -279,29 +282,40 @@ class Visibility:
             with self._lock:
                 self._verdicts[(key, stamp)] = (digest, *says)
 
-    def _load(self, run: str, name: str, m: Marker, key: str) -> Manifest:
-        raw = self._read_manifest(key, m)
-        if raw is None:
-            raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names ({m.manifest}) is missing")
-        if xxh3_hex(raw) != m.manifest_xxh3:
-            raise _Invisible("manifest_digest", f"its manifest does not hash to the digest its COMMITTED marker "
-                                                f"names ({m.manifest_xxh3})")
-        cached = self.cached(m.manifest_xxh3)
-        if cached is not None:
-            return cached
-        with self._one_at_a_time(("manifest", m.manifest_xxh3)):  # 10,000 ranks resuming at once: one parse
-            cached = self.cached(m.manifest_xxh3)
-            if cached is not None:
-                return cached
-            try:
-                with gc_paused():  # a 1,024-rank manifest is a million small objects
-                    manifest = Manifest.model_validate_json(raw)
-            except ValidationError as e:
-                first = e.errors()[0] if e.errors() else {}
-                where = ".".join(str(p) for p in first.get("loc", ())) or "manifest"
-                raise _Invisible("manifest_malformed", f"its manifest does not parse at {where}: "
-                                                       f"{first.get('msg', 'invalid')}"[:300]) from None
-            self._keep(m.manifest_xxh3, manifest, MEMORY_PER_MANIFEST_BYTE * len(raw))
+    def _load(self, run: str, name: str, m: Marker, key: str, stamp: str) -> Manifest:
+        """Read, hash and parse the manifest ``key`` (of ``stamp``), once for every concurrent caller:
+        the first look at a checkpoint after a start, by 10,000 ranks at once, holds one copy of its
+        bytes and one parse; the others wait, then find the verdict and the parsed manifest it left."""
+        with self._one_at_a_time(("manifest", key)):
+            if self._verdict(key, stamp, m.manifest_xxh3) is not None:
+                cached = self.cached(m.manifest_xxh3)
+                if cached is not None:
+                    return cached
+            raw = self._read_manifest(key, m)
+            if raw is None:
+                raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names ({m.manifest}) is "
+                                                     f"missing")
+            if xxh3_hex(raw) != m.manifest_xxh3:
+                raise _Invisible("manifest_digest", f"its manifest does not hash to the digest its COMMITTED marker "
+                                                    f"names ({m.manifest_xxh3})")
+            manifest = self.cached(m.manifest_xxh3)
+            if manifest is None:
+                try:
+                    with gc_paused():  # a 1,024-rank manifest is a million small objects
+                        manifest = Manifest.model_validate_json(raw)
+                except ValidationError as e:
+                    first = e.errors()[0] if e.errors() else {}
+                    where = ".".join(str(p) for p in first.get("loc", ())) or "manifest"
+                    raise _Invisible("manifest_malformed", f"its manifest does not parse at {where}: "
+                                                           f"{first.get('msg', 'invalid')}"[:300]) from None
+                self._keep(m.manifest_xxh3, manifest, MEMORY_PER_MANIFEST_BYTE * len(raw))
+                self._built("manifest")
+            del raw
+            if stamp:  # taken before the read: a change during the read only makes the next check read again
+                with self._lock:
+                    if len(self._verdicts) > 100_000:
+                        self._verdicts.clear()
+                    self._verdicts[(key, stamp)] = _says(m.manifest_xxh3, manifest)
         return manifest
 
     @contextlib.contextmanager
@@ -341,6 +355,15 @@ class Visibility:
                 _, (_, freed, _) = self._manifests.popitem(last=False)
                 self._cached_bytes -= freed
 
+    def cache_usage(self) -> tuple[int, int]:
+        """The parsed manifests kept (with their load trees and interval indexes): estimated bytes, entries."""
+        with self._lock:
+            return self._cached_bytes, len(self._manifests)
+
+    def _built(self, what: str) -> None:
+        if self.on_build is not None:
+            self.on_build(what)
+
     def _report(self, ref: str, reason: str, message: str) -> None:
         message = message if len(message) <= 500 else message[:500] + "..."
         with self._lock:
@@ -363,18 +386,15 @@ class Visibility:
         except _Invisible as e:
             self._report(c.ref, e.reason, e.message)
             raise CheckpointNotFound(f"checkpoint {c.ref} is not visible: {e.message}", ref=c.ref) from None
-        if stamp:
-            with self._lock:
-                said = self._verdicts.get((c.manifest_key, stamp))
-            if said is not None and said[0] == c.digest:
-                cached = self.cached(c.digest)
-                if cached is not None:
-                    return cached
+        if self._verdict(c.manifest_key, stamp or "", c.digest) is not None:
+            cached = self.cached(c.digest)
+            if cached is not None:
+                return cached
         try:
             if stamp is None:
                 raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names "
                                                      f"({c.marker.manifest}) is missing")
-            manifest = self._load(c.run, c.name, c.marker, c.manifest_key)
+            manifest = self._load(c.run, c.name, c.marker, c.manifest_key, stamp)
         except _Invisible as e:
             self._report(c.ref, e.reason, e.message)
             raise CheckpointNotFound(f"checkpoint {c.ref} is not visible: {e.message}", ref=c.ref) from None
@@ -400,6 +420,9 @@ class Visibility:
                 tree = kept()
                 if tree is None:
                     tree = LoadTree(manifest)
+                    for t in manifest.tensors:  # every tensor's interval index, once: each answer bisects them
+                        t.index
+                    self._built("load_tree")
                     with self._lock:
                         entry = self._manifests.get(c.digest)
                         if entry is not None and entry[0] is manifest:
@@ -496,6 +519,11 @@ class Visibility:
             self._report(f"{run}/{name}", e.reason, e.message)
             raise CheckpointNotFound(f"checkpoint {run}/{name} is not visible: {e.message}", ref=f"{run}/{name}",
                                      reason=e.reason) from None
+
+
+def _says(digest: str, m: Manifest) -> tuple:
+    """A verdict: what the manifest of ``digest`` says (see ``Visibility._verdicts``)."""
+    return (digest, m.run, m.name, m.session, m.step, m.derived_from, m.parent, m.created_at)
 
 
 def _disagreement(said: tuple, m: Marker) -> str:

@@ -59,7 +59,7 @@ def test_bytes_that_do_not_hash_to_the_declared_digest_are_corrupt(damage):
     assert e.message.startswith("manifest of gpt/12: ")  # the name latest resolved to
     assert f"the {len(sent)} bytes received hash to {xxhash.xxh3_64_hexdigest(sent)}" in e.message
     assert xxhash.xxh3_64_hexdigest(BODY) in e.message
-    assert e.details == {"ref": "gpt/latest", "file": "manifest"}
+    assert e.details == {"ref": "gpt/12", "file": "manifest"}  # the checkpoint a damage report names
 
 
 def test_an_empty_declared_digest_matches_nothing():

@@ -59,6 +59,36 @@ def test_two_hundred_waiters_cost_the_reads_of_one() -> None:
     assert session.reads <= elapsed / session_watch.OPEN_INTERVAL + 3, (session.reads, elapsed)
 
 
+def test_every_waiter_is_sent_the_bytes_serialized_once_and_a_durability_read_is_sent_anew() -> None:
+    """200 waiters of a committed session get one body, serialized once; waiters for durability get the
+    status the durability read changed in place (not the bytes of the read before it)."""
+    session = _Session()
+    session.state = "committed"
+    durable_reads = []
+
+    def with_durability(st: SessionStatus) -> SessionStatus:  # as the route's: updates the same object
+        durable_reads.append(1)
+        st.durable = len(durable_reads) >= 3
+        return st
+
+    async def main() -> tuple[list[bytes], list[bytes], bytes]:
+        watches = SessionWatches(session.read, with_durability)
+        many = await asyncio.gather(*(watches.answer("r", "1", "s", seconds=scaled(10), durable=False)
+                                      for _ in range(200)))
+        settled = [asyncio.create_task(watches.answer("r", "1", "s", seconds=scaled(10), durable=True))
+                   for _ in range(20)]
+        # one watch: a waiter out of time is sent the first read's status (not durable yet) ...
+        early = await watches.answer("r", "1", "s", seconds=0.05, durable=True)
+        return many, await asyncio.gather(*settled), early  # ... the others the third's, in the same watch
+
+    many, settled, early = asyncio.run(main())
+    assert len({id(b) for b in many}) == 1, "each waiter's answer was serialized for it"
+    assert SessionStatus.model_validate_json(many[0]) == _status("committed")
+    assert SessionStatus.model_validate_json(early).durable is False
+    assert len({id(b) for b in settled}) == 1
+    assert SessionStatus.model_validate_json(settled[0]).durable is True, settled[0]
+
+
 def test_an_index_that_settles_the_session_wakes_its_waiters_at_once(monkeypatch) -> None:
     monkeypatch.setattr(session_watch, "OPEN_INTERVAL", 3600.0)  # no timed read: only the wake can tell them
     session = _Session()
