@@ -15,12 +15,12 @@ import contextlib
 import os
 import time
 import uuid
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from ckptd_schemas import (
-    CheckpointSummary, InvalidName, Manifest, RankIndex, RunSummary, SessionStatus, parse_ref,
+    CheckpointSummary, InvalidName, InvalidRequest, Manifest, RankIndex, RunSummary, SessionStatus, parse_ref,
 )
-from ckptd_schemas.api import SkippedCheckpoint
+from ckptd_schemas.api import NEXT_HEADER, SkippedCheckpoint
 
 from .transport import Transport
 from ._lease import read_lease
@@ -77,11 +77,35 @@ class CatalogClient:
         return Manifest.model_validate_json(raw), skipped
 
     def list_runs(self) -> list[RunSummary]:
-        return [RunSummary.model_validate(x) for x in self._transport.request("GET", "/v1/runs")]
+        """Every run the token may read, following the service's pages (:meth:`_pages`)."""
+        return [RunSummary.model_validate(x) for x in self._pages("/v1/runs")]
 
     def list_checkpoints(self, run: str) -> list[CheckpointSummary]:
-        return [CheckpointSummary.model_validate(x)
-                for x in self._transport.request("GET", f"/v1/runs/{run}/checkpoints")]
+        """Every committed checkpoint of ``run``, oldest first, following the service's pages: each page
+        is oldest first, and a listing of several is ordered by step, then commit time, then name."""
+        pages: list[list[Any]] = []
+        rows = [CheckpointSummary.model_validate(x) for x in self._pages(f"/v1/runs/{run}/checkpoints", pages)]
+        if len(pages) > 1:  # pages are cut in name order
+            rows.sort(key=lambda c: (c.step if c.step is not None else -1, c.committed_at, c.name))
+        return rows
+
+    def _pages(self, path: str, pages: list[list[Any]] | None = None) -> list[Any]:
+        """The items of a paged listing: page after page, each after the name the last one's ``X-Ckptd-Next``
+        header gave, until one gives none (a service of an earlier release gives none: one page). A
+        cursor that does not move forward is refused, so a service cannot keep a client listing."""
+        pages = [] if pages is None else pages
+        after: str | None = None
+        while True:
+            items, following = self._transport.request(
+                "GET", path, params=None if after is None else {"after": after},
+                sink=lambda r: (r.read(), r.json(), r.headers.get(NEXT_HEADER))[1:])
+            pages.append(items)
+            if following is None:
+                return [x for page in pages for x in page]
+            if after is not None and following <= after:
+                raise InvalidRequest(f"GET {path}: the service's next page starts after {following!r}, "
+                                     f"not after {after!r}", path=path)
+            after = following
 
     def gc(self, run: str, *, keep_last: int, keep_every: int | None = None, dry_run: bool = False,
            drop_parents: bool = False) -> dict:

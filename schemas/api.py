@@ -24,6 +24,7 @@ __all__ = [
     "RunSummary",
     "LEASE_HEADER",
     "LOAD_TREE_HEADER",
+    "NEXT_HEADER",
     "MAX_READ_REQUESTS",
     "READ_REQUEST_BYTES",
     "SKIPPED_HEADER",
@@ -355,6 +356,11 @@ MAX_READ_REQUESTS = 16384
 #: Bytes of body per region the service reads of such a request at most (a region names its tensor in
 #: about 40 to 200 bytes): its body limit is this times its limit of regions, 4 MiB by default.
 READ_REQUEST_BYTES = 256
+
+#: Header of a listing's answer (``GET /v1/runs``, ``GET /v1/runs/{run}/checkpoints``) when more follow:
+#: the name the next page starts after (``?after=NAME``). Pages are cut in name order; the body stays a
+#: JSON list, so a client of an earlier release reads the first page as it read the whole listing.
+NEXT_HEADER = "X-Ckptd-Next"
 
 #: Sent by a reader with each request made under its own read lease (the lease's holder name): the
 #: service renews that lease on the read instead of leasing the checkpoint for a while on its own, so

@@ -127,7 +127,7 @@ class Metrics(SessionEvents):
                                           registry=r)
         self.limit_refusals = Counter("ckptd_limit_refusals", "Requests or connections refused by a limit "
                                       "(read_plan, uploads, requests, body_idle, body_rate, header_bytes, "
-                                      "header_timeout, send_idle, connections).",
+                                      "header_timeout, send_idle, connections, list).",
                                       ["limit"],
                                       registry=r)
         self.reshard_active = Gauge("ckptd_reshard_jobs_active", "Reshard jobs submitted here, queued or running.",

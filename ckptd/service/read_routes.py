@@ -3,8 +3,10 @@
 All need the ``read`` scope on their run (``auth.ROUTE_RULES``; ``GET /v1/runs`` takes any token and
 lists only the runs it may read). Call order of a load::
 
-    GET    /v1/runs                                      runs (those the token may read)
-    GET    /v1/runs/{run}/checkpoints                    committed checkpoints of a run
+    GET    /v1/runs                                      runs (those the token may read), a page at a time
+    GET    /v1/runs/{run}/checkpoints                    committed checkpoints of a run, a page at a time
+                                                         (?limit=, ?after=NAME; X-Ckptd-Next: where the
+                                                         next page starts; CKPTD_LIST_MAX_ITEMS at most)
     GET    /v1/checkpoints/{run}/{name}                  manifest ({name} may be "latest": the newest
                                                          trainer checkpoint not known to be bad, named in
                                                          X-Ckptd-Name; the newer ones it skipped, and why,
@@ -49,10 +51,10 @@ from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
     CheckpointSummary, InvalidRequest, Manifest, NotFound, PayloadTooLarge, ReadPlan, ReadRequest, RunSummary,
-    TooManyRequests, check_file, check_session, plan_reads,
+    TooManyRequests, check_file, check_name, check_run, check_session, plan_reads,
 )
 
-from ckptd_schemas.api import LOAD_TREE_HEADER, MAX_SKIPPED_SENT, READ_REQUEST_BYTES, SKIPPED_HEADER
+from ckptd_schemas.api import LOAD_TREE_HEADER, MAX_SKIPPED_SENT, NEXT_HEADER, READ_REQUEST_BYTES, SKIPPED_HEADER
 
 from ..store.paths import Paths
 from ..store.verification import VerifyRecord, read_record, recheck_and_record, verify_and_record
@@ -181,14 +183,46 @@ def read_router(svc: Services) -> APIRouter:
             metrics.limit_refusals.labels("read_plan").inc()
             raise
 
+    def page_limit(limit: int | None) -> int:
+        """The items one listing answer holds: ``limit`` when asked, at most ``CKPTD_LIST_MAX_ITEMS`` (also
+        the default); 413 beyond it, naming the parameter and the setting (the pages are what to follow)."""
+        most = settings.list_max_items
+        if limit is None:
+            return most
+        if limit < 1:
+            raise InvalidRequest(f"limit {limit} is not a page size: ask for 1 to {most} items", field="limit")
+        if limit > most:
+            metrics.limit_refusals.labels("list").inc()
+            raise PayloadTooLarge(f"limit {limit} is over the most one listing answers, {most} (CKPTD_LIST_MAX_ITEMS): "
+                                  f"follow the pages its {NEXT_HEADER} header names", field="limit", needed=limit,
+                                  limit=most, setting="CKPTD_LIST_MAX_ITEMS")
+        return limit
+
+    def paged(response: Response, page: tuple[list, str | None]) -> list:
+        if page[1] is not None:
+            response.headers[NEXT_HEADER] = page[1]
+        return page[0]
+
     @router.get("/v1/runs", response_model=list[RunSummary])
-    async def list_runs(request: Request) -> list[RunSummary]:
-        principal = principal_of(request)
-        return await run_in_threadpool(reader.list_runs, principal.can_read)
+    async def list_runs(request: Request, response: Response, limit: int | None = None,
+                        after: str | None = None) -> list[RunSummary]:
+        """The runs the token may read, by name: one page (``limit``, after the run ``after``); the
+        ``X-Ckptd-Next`` header names where the next starts."""
+        principal, most = principal_of(request), page_limit(limit)
+        if after is not None:
+            check_run(after)
+        return paged(response, await run_in_threadpool(reader.runs_page, principal.can_read, after=after,
+                                                       limit=most))
 
     @router.get("/v1/runs/{run}/checkpoints", response_model=list[CheckpointSummary])
-    async def list_checkpoints(run: str) -> list[CheckpointSummary]:
-        return await run_in_threadpool(reader.list_checkpoints, run)
+    async def list_checkpoints(run: str, response: Response, limit: int | None = None,
+                               after: str | None = None) -> list[CheckpointSummary]:
+        """A page of the run's committed checkpoints: those among ``limit`` of its names after ``after``,
+        oldest first; the ``X-Ckptd-Next`` header names where the next page starts."""
+        most = page_limit(limit)
+        if after is not None:
+            check_name(after)
+        return paged(response, await run_in_threadpool(reader.checkpoints_page, run, after=after, limit=most))
 
     @router.get("/v1/checkpoints/{run}/{name}", response_model=Manifest)
     async def get_manifest(run: str, name: str) -> Response:

@@ -159,6 +159,11 @@ class Settings(BaseSettings):
         "one region per piece of a tensor it loads (a few thousand for a large model, whatever the world size); "
         "the client sends more as several requests, split by the limit a 413 names. More is refused 413 before "
         "the body is parsed")
+    list_max_items: int = Field(
+        1000, ge=1, description="items one listing answer holds at most (GET /v1/runs, GET /v1/runs/{run}/checkpoints), "
+        "its default page: a page reads the markers and records of at most this many checkpoints (of a run's "
+        "names, in name order), or lists at most this many runs; X-Ckptd-Next names where the next page starts "
+        "(?after=NAME), and the client follows it. A larger ?limit= is refused 413")
     read_plan_chunk_budget: int = Field(
         1 << 20, ge=0, description="chunks a read plan or load-tree request may visit (the chunks each requested "
         "region may meet, found through the tensor's interval index), plus 64 per region it names (a load-tree "
@@ -235,7 +240,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Request limits": ("max_index_bytes", "max_header_bytes", "header_timeout_seconds", "body_idle_timeout_seconds",
                        "body_min_bytes_per_second", "body_rate_grace_seconds", "send_idle_timeout_seconds",
                        "max_connections", "max_requests_per_principal", "max_uploads_per_principal",
-                       "read_plan_max_requests", "read_plan_chunk_budget", "read_plan_answer_budget"),
+                       "read_plan_max_requests", "read_plan_chunk_budget", "read_plan_answer_budget", "list_max_items"),
 }
 
 

@@ -20,12 +20,21 @@ from ckptd_schemas import (
 from ..storage import Storage
 from .paths import Marker, Paths
 from .paths import Committed
-from .visibility import Visibility
+from .visibility import Visibility, order_key
 
-__all__ = ["CheckpointReader", "naming_tensor"]
+__all__ = ["CheckpointReader", "naming_tensor", "page_of"]
 
 MARKER_TTL = 2.0  # seconds a data read may reuse a concrete checkpoint's visibility check
 MAX_CHECKED = 256  # concrete checkpoints whose last check data reads remember
+
+
+def page_of(names: list[str], after: str | None, limit: int | None) -> tuple[list[str], str | None]:
+    """One page of a listing in name order: at most ``limit`` of ``names`` (sorted) after ``after``, and
+    the last of them when more follow (where the next page starts after), else None."""
+    rest = names if after is None else [n for n in names if n > after]
+    if limit is None or len(rest) <= limit:
+        return rest, None
+    return rest[:limit], rest[limit - 1]
 
 
 @contextmanager
@@ -57,20 +66,34 @@ class CheckpointReader:
         return c.marker if c is not None else None
 
     def list_runs(self, may_read: Callable[[str], bool] | None = None) -> list[RunSummary]:
-        """Every run's summary, or only those ``may_read`` lets through, chosen before each run's listing
-        is read (a token that reads one run costs one listing, not one per run of the root)."""
+        """Every run's summary, or only those ``may_read`` lets through (:meth:`runs_page`, one page)."""
+        return self.runs_page(may_read)[0]
+
+    def runs_page(self, may_read: Callable[[str], bool] | None = None, *, after: str | None = None,
+                  limit: int | None = None) -> tuple[list[RunSummary], str | None]:
+        """At most ``limit`` summaries of the runs ``may_read`` lets through, by name after ``after``, and
+        the name the next page follows (None: none follow). ``may_read`` chooses before any run's listing
+        is read, and only the page's runs are listed (a token that reads one run costs one listing)."""
+        runs = [r for r in self.visibility.runs() if may_read is None or may_read(r)]
         out = []
-        for run in self.visibility.runs():
-            if may_read is not None and not may_read(run):
-                continue
+        for run in (window := page_of(runs, after, limit))[0]:
             visible = self.visibility.listing(run)
             latest = self.visibility.latest_of(visible)
             out.append(RunSummary(run=run, checkpoints=len(visible), latest=latest.name if latest else None))
-        return out
+        return out, window[1]
 
     def list_checkpoints(self, run: str) -> list[CheckpointSummary]:
         """The run's visible checkpoints, oldest first, each with its status (``Visibility.status``)."""
-        return [c.summary(self.visibility.status(c)) for c in self.visibility.listing(run)]
+        return self.checkpoints_page(run)[0]
+
+    def checkpoints_page(self, run: str, *, after: str | None = None,
+                         limit: int | None = None) -> tuple[list[CheckpointSummary], str | None]:
+        """The visible checkpoints among at most ``limit`` of the run's names after ``after`` (by name),
+        oldest first (``order_key``), each with its status, and the name the next page follows (None:
+        none follow). Only those names' markers and records are read: the run's names are one listing."""
+        names, after_this = page_of(self.visibility.names(run), after, limit)
+        visible = sorted((c for n in names if (c := self.visibility.check(run, n)) is not None), key=order_key)
+        return [c.summary(self.visibility.status(c)) for c in visible], after_this
 
     def committed(self, run: str, name: str) -> Committed:
         """The visible checkpoint ``run/name`` (``latest`` allowed), or :class:`CheckpointNotFound`."""
