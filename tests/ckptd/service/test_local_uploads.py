@@ -441,7 +441,8 @@ def test_a_listener_at_the_path_a_restart_freed_gets_no_token_and_no_byte(tmp_pa
         srv.stop()
 
 
-@pytest.mark.parametrize("answer", ["a proof under its own key", "a forged proof", "silence"])
+@pytest.mark.parametrize("answer", ["a proof under its own key", "a forged proof",
+                                    pytest.param("silence", marks=pytest.mark.slow)])  # waits PROOF_SECONDS
 def test_a_listener_planted_at_the_advertised_path_gets_no_token_and_no_byte(tmp_path, shared_tmp, caplog,
                                                                             answer):
     """A service whose temporary directory the ranks do not see (a container; simulated: its socket moved
