@@ -233,6 +233,12 @@ class SaveWays:
             self.files[way] += files
             self.bytes[way] += nbytes
 
+    def __getstate__(self) -> dict:  # a DCP writer holding it is pickled into an async save's process
+        return {"files": self.files, "bytes": self.bytes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.files, self.bytes, self._lock = state["files"], state["bytes"], threading.Lock()
+
     def __str__(self) -> str:
         used = [f"{w} {self.files[w]} file{'s' if self.files[w] != 1 else ''} {self.bytes[w]:,} B"
                 for w in self.WAYS if self.files[w]]

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import uuid
 from typing import Any
 
@@ -63,7 +64,7 @@ from .codec import CompressionPolicy, compression_of
 from .transport import Transport
 from ._placement import dtype_name
 from ._manifest import get_manifest
-from ._save import Snapshot, _Chunk, _Object, upload_files, ways_in
+from ._save import SaveWays, Snapshot, _Chunk, _Object, upload_files, ways_in
 from .session_calls import open_session, put_index, wait_committed
 from ._damage import reported
 from ._lease import LoadLease
@@ -75,6 +76,8 @@ from ckptd_schemas.format.assemble import Destination, torch_dtype
 from ckptd_schemas.format.objects import SAFE, ObjectPolicy, check_payload, load_dcp_metadata, reencode_for_dcp
 
 __all__ = ["DCP_METADATA", "CkptdStorageReader", "CkptdStorageWriter"]
+
+log = logging.getLogger("ckptd_client")
 
 
 
@@ -131,7 +134,8 @@ def _done(value: Any) -> Future:
 class CkptdStorageWriter(_Endpoint, StorageWriter):
     """DCP ``StorageWriter``; ``compression``, ``direct_uploads``, ``local_uploads`` and ``parent`` as for
     :class:`CheckpointClient` (``compression``: ``None``, ``"zstd"``, ``"auto"`` or a
-    ``CompressionPolicy``, which then learns this writer's upload throughput)."""
+    ``CompressionPolicy``, which then learns this writer's upload throughput). ``ways``: which way this
+    rank's bytes of the last save went (:class:`~ckptd_client._save.SaveWays`, as ``SaveHandle.ways``)."""
 
     def __init__(self, url: str, ref: str, *, token: str | None = None,
                  compression: str | CompressionPolicy | None = None, file_bytes: int = 256 << 20,
@@ -143,6 +147,7 @@ class CkptdStorageWriter(_Endpoint, StorageWriter):
         self.direct_uploads, self.local_uploads = direct_uploads, local_uploads
         self.objects = objects
         self.is_coordinator = False
+        self.ways = SaveWays()
         self.set_ref(None)
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -201,9 +206,11 @@ class CkptdStorageWriter(_Endpoint, StorageWriter):
             sizes.append((item.index, data.numel() * data.element_size()))
         opened = open_session(self.transport, self.base, pd.session, pd.world, _step_of(self.ref),
                               parent=self.parent, direct_uploads=self.direct_uploads)
-        with ways_in(self.transport, self.base, pd.session, opened, local_uploads=self.local_uploads) as ways:
+        self.ways = SaveWays()
+        with ways_in(self.transport, self.base, pd.session, opened, local_uploads=self.local_uploads) as offered:
             index = upload_files(self.transport, self.base, pd.session, snap, compression=self.compression,
-                                 file_bytes=self.file_bytes, streams=self.streams, **ways)
+                                 file_bytes=self.file_bytes, streams=self.streams, ways=self.ways, **offered)
+        log.info("uploaded %s rank %d (session %s): %s", self.ref, pd.rank, pd.session, self.ways)
         # DCP keeps one value per key (its planner dedups replicated items), so every object is global:
         # any rank, at any world size, may load it (client.load included).
         index = index.model_copy(update={"tensors": _merge_entries(index.tensors),

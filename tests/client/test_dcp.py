@@ -94,7 +94,9 @@ def save_job(rank: int, world: int, url: str) -> dict:
     torch.manual_seed(77)  # an RNG state every rank shares (DCP keeps one copy of a plain tensor)
     at3 = _snapshot(model, opt, sched, loader)
 
-    dcp.save(_app_state(model, opt, sched, loader, rng), storage_writer=client.dcp_writer("dcp/3"))
+    writer = client.dcp_writer("dcp/3")
+    dcp.save(_app_state(model, opt, sched, loader, rng), storage_writer=writer)
+    ways = dict(writer.ways.bytes)  # which way this rank's bytes went
     client.save(_app_state(model, opt, sched, loader, rng, stateful=False), "cli/3").wait()
 
     # Async saves get their own process groups, so their collectives never interleave with training's.
@@ -114,7 +116,7 @@ def save_job(rank: int, world: int, url: str) -> dict:
     sched.step()
     fut.result()
     client.close()
-    return {"at3": at3, "at4": at4}
+    return {"at3": at3, "at4": at4, "ways": ways}
 
 
 def load_job(rank: int, world: int, url: str, loads: list[tuple[str, str]]) -> dict:
@@ -160,6 +162,8 @@ def ckptd(*args: str) -> subprocess.CompletedProcess:
 def test_fsdp2_dcp_save_4_load_3_2(server, tmp_path):
     saved = run_ranks(save_job, 4, server.url, tmp=tmp_path, timeout=240)[0]["result"]
     at3, at4 = saved["at3"], saved["at4"]
+    # The DCP writer says which way its rank's bytes went: on the service's host, handed over or sent.
+    assert sum(saved["ways"].values()) > 0 and {w for w, n in saved["ways"].items() if n} <= {"socket", "http"}
     assert any(k.endswith("exp_avg_sq") for k in at3["tensors"])
     assert at3["lr"] == LR * 0.5 and at3["sched"]["last_epoch"] == 3 and at3["loader"]["epoch"] == 1
     assert not all(torch.equal(at3["tensors"][k], at4["tensors"][k]) for k in at3["tensors"])
