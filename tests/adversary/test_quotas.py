@@ -188,6 +188,7 @@ def test_a_writer_filling_the_root_stops_at_the_reserve_and_a_save_in_progress_c
         srv.kill()
 
 
+@pytest.mark.slow  # several seconds: with the slow tests, so the default run stays within its budget
 def test_a_presigned_file_counts_toward_its_writers_quota_until_it_is_stored(moto_s3, tmp_path):
     """On an object store a presigned file's parts are stored as they are PUT, in a multipart upload
     that is no object (not listed) until its confirm; the claim's declared size is what the quota sees
@@ -220,6 +221,7 @@ def test_a_presigned_file_counts_toward_its_writers_quota_until_it_is_stored(mot
         srv.stop()
 
 
+@pytest.mark.slow  # several seconds: with the slow tests, so the default run stays within its budget
 def test_a_checkpoint_removed_and_saved_again_under_its_session_counts_at_its_new_size(tmp_path):
     """A committed session's bytes are measured once per process and remembered by its checkpoint and
     session; the writer names both. Before, a checkpoint measured small, removed (``DELETE``, a trainer's

@@ -137,6 +137,7 @@ def s3_proxy(moto_s3):
         yield proxy
 
 
+@pytest.mark.slow  # several seconds: with the slow tests, so the default run stays within its budget
 def test_readyz_answers_at_once_while_s3_fails_or_hangs_and_a_long_poll_on_no_session_is_404(
         moto_s3, s3_proxy, tmp_path):
     from s3_server import FaultRule, aws_env

@@ -8,8 +8,9 @@ import json
 import pytest
 from support import BENCH_TIMEOUT_S, run_bench
 
-# Not marked slow: about 11 s on 2 shared cores (the bench smokes marked slow take longer).
+# With the slow tests, as the other benchmark smoke runs (about 11 s on 2 shared cores).
 
+@pytest.mark.slow
 @pytest.mark.timeout(BENCH_TIMEOUT_S + 60)
 def test_bench_gpu_runs_small_on_the_cpu(tmp_path):
     out = tmp_path / "gpu.json"

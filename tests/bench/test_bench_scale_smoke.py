@@ -10,6 +10,7 @@ import pytest
 from support import BENCH_TIMEOUT_S, run_bench
 
 
+@pytest.mark.slow  # several seconds: with the slow tests, so the default run stays within its budget
 @pytest.mark.timeout(BENCH_TIMEOUT_S + 60)
 def test_bench_scale_runs_small(tmp_path):
     out = tmp_path / "scale.json"

@@ -81,6 +81,7 @@ def _open_sessions(server, run: str) -> list:
     return items + beside
 
 
+@pytest.mark.slow  # several seconds: with the slow tests, so the default run stays within its budget
 def test_ranks_that_make_different_calls_fail_fast_on_every_rank_naming_what_differs(server, tmp_path):
     from ckptd_client import CheckpointClient
     from ckptd_schemas import CheckpointNotFound

@@ -129,6 +129,7 @@ def agree_job(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # several seconds: with the slow tests, so the default run stays within its budget
 def test_ranks_that_disagree_are_found_in_one_reduction_and_named_in_a_second_round(tmp_path):
     recs = [r["result"] for r in run_ranks(agree_job, 4, tmp=tmp_path)]
     for r, rec in enumerate(recs):
@@ -174,6 +175,7 @@ def host_job(rank: int, world: int) -> dict:
             "failed": failed}
 
 
+@pytest.mark.slow  # several seconds: with the slow tests, so the default run stays within its budget
 def test_replicated_regions_are_shared_within_the_launcher_s_hosts_only(tmp_path):
     recs = [r["result"] for r in run_ranks(host_job, 4, tmp=tmp_path)]
     for r, rec in enumerate(recs):

@@ -294,6 +294,7 @@ def test_a_refused_connection_is_still_retried_by_a_trainer(tmp_path):
 
 
 # -- import onto a taken name --------------------------------------------------------------------------------
+@pytest.mark.slow  # several seconds: with the slow tests, so the default run stays within its budget
 def test_an_import_onto_a_taken_name_is_refused_before_its_source_is_read(tmp_path):
     """The source's ``.metadata`` is a FIFO that no writer opens: an import that read it would block
     (until the hang guard). A taken name is refused first, offline and through a service; and a free

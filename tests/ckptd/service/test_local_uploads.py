@@ -576,6 +576,7 @@ def test_a_sparse_memory_file_costs_the_service_its_read_window_not_the_file(tmp
         srv.stop()
 
 
+@pytest.mark.slow  # several seconds: with the slow tests, so the default run stays within its budget
 def test_a_key_given_before_the_tokens_file_changed_holds_only_what_the_principal_still_may(tmp_path):
     """The key of a session outlives nothing: its principal is looked up again at each handover. The
     token replaced under the same name and scopes (rotated after a leak): 401; scope narrowed to
