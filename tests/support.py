@@ -335,6 +335,21 @@ def read_only_view(src: Path, at: Path) -> Callable[[], None]:
     return unmount
 
 
+def small_tmpfs(at: Path, size: str) -> Callable[[], None]:
+    """Mount a real tmpfs of ``size`` (``"1m"``) at ``at``, a disk that fills for real; return the unmount.
+    Skips the test where that cannot be done (not root, no mount(8))."""
+    import pytest
+
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a small tmpfs needs root and mount(8)")
+    at.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "ckptd-test", str(at)],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    return lambda: subprocess.run(["umount", "-l", str(at)], capture_output=True, timeout=30)
+
+
 def plant_file(root: Path, run: str, name: str, file: str, stored: bytes,
                edit: Callable[[dict], None] = lambda manifest: None, *, load_tree: bool = False) -> None:
     """Replace data file ``file`` of the committed ``run/name`` with ``stored`` on disk and make its

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import threading
 import time
 
@@ -33,7 +32,7 @@ from ckptd_client import CheckpointClient, QuotaExceeded, ReserveReached, Storag
 from ckptd_client._save import build_snapshot, upload_files
 from ckptd_client.session_calls import open_session, put_index, wait_committed
 from ckptd_client.transport import Transport
-from support import ServerProcess, assert_bits_equal, blank_like, make_state, scaled
+from support import ServerProcess, assert_bits_equal, blank_like, make_state, scaled, small_tmpfs
 
 KIB, MIB = 1 << 10, 1 << 20
 FILLER, SAVER = "filler-token-0123456789", "saver-token-0123456789"
@@ -106,18 +105,11 @@ def test_a_writer_past_its_quota_is_refused_at_once_while_another_token_saves(tm
 @pytest.fixture
 def small_root(tmp_path):
     """A real 4 MiB tmpfs (needs root, or skips), unmounted afterwards."""
-    mnt = tmp_path / "small-fs"
-    mnt.mkdir()
-    if not shutil.which("mount") or os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root and mount(8)")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755", "ckptd-test-reserve", str(mnt)],
-                       capture_output=True, text=True, timeout=30)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    unmount = small_tmpfs(tmp_path / "small-fs", "4m")
     try:
-        yield mnt
+        yield tmp_path / "small-fs"
     finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+        unmount()
 
 
 def test_a_writer_filling_the_root_stops_at_the_reserve_and_a_save_in_progress_commits(small_root, tmp_path):

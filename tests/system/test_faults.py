@@ -44,7 +44,7 @@ from ckptd_client.transport import Transport
 from ckptd_client._save import build_snapshot, open_session, upload_files, upload_snapshot, wait_committed
 from ckptd_schemas import SessionStatus
 from fault_proxy import CutProxy
-from support import ServerProcess, make_state, run_ranks, scaled
+from support import ServerProcess, make_state, run_ranks, scaled, small_tmpfs
 from .test_crash import (
     RUN, SD1, SMALL_BATCH, VisibilityWatcher, _ReaderSource, assert_loads, assert_verifies, ckpt_dir, full_state,
     good_save_job, ls_names, marker_bytes, rank_state, sessions_of, wait_for_a_dead_peer,
@@ -530,18 +530,11 @@ def test_a_resumed_rank_finds_its_session_committed_by_the_others_and_gets_commi
 @pytest.fixture
 def small_fs(tmp_path):
     """A 1 MiB tmpfs mounted at a fresh directory (needs root, or skips), unmounted afterwards."""
-    mnt = tmp_path / "small-fs"
-    mnt.mkdir()
-    if not shutil.which("mount") or os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root and mount(8)")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "ckptd-test-full", str(mnt)],
-                       capture_output=True, text=True, timeout=30)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    unmount = small_tmpfs(tmp_path / "small-fs", "1m")
     try:
-        yield mnt
+        yield tmp_path / "small-fs"
     finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+        unmount()
 
 
 def test_disk_full_mid_write_typed_error_staging_dropped_previous_loads(small_fs, tmp_path):
