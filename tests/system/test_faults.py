@@ -24,7 +24,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import threading
 import time
 import uuid
