@@ -179,9 +179,10 @@ class Metrics(SessionEvents):
         """The first looks at checkpoints built here (each built once for every concurrent request) and the
         memory of what they keep (read from ``visibility`` at scrape time)."""
         built = Counter("ckptd_first_looks", "First looks at a checkpoint built by this process: its manifest "
-                        "read, hashed and parsed (manifest), its load tree and interval indexes built (load_tree).",
+                        "read, hashed and parsed (manifest), its load tree and interval indexes built (load_tree), a run's "
+                        "listing read for the summaries that share it (listing).",
                         ["what"], registry=self.registry)
-        for what in ("manifest", "load_tree"):
+        for what in ("manifest", "load_tree", "listing"):
             built.labels(what)
         visibility.on_build = lambda what: built.labels(what).inc()
         kept = Gauge("ckptd_manifest_cache_bytes", "Estimated memory of the parsed manifests kept, with their load "

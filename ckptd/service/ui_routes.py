@@ -19,8 +19,9 @@ nothing here decides it. Call order of the view::
     GET /v1/ui/runs/{run}/jobs/{job_id}/plan           live page: a job's plan (recomputed, pure planner)
     GET /v1/ui/runs/{run}/retention                    live page: the last gc decisions and their reasons
 
-Cost: a run page lists the run (one marker read and one stat per checkpoint, as ``GET
-/v1/runs/{run}/checkpoints``) and parses only the manifests of the page it shows; their figures
+Cost: a run page lists the run (one marker read and one stat per checkpoint, shared with every other
+summary of the run for a moment: ``Visibility.recent_listing``) and parses only the manifests of the
+page it shows; their figures
 are cached by manifest digest (a digest fixes the bytes, so the cache never outlives them). The
 view takes no read lease: looking at a checkpoint does not keep it from gc.
 
@@ -35,7 +36,6 @@ import json
 import os
 import re
 import threading
-import time
 from collections import OrderedDict
 from datetime import datetime, timezone
 from typing import Any
@@ -62,7 +62,6 @@ __all__ = ["ui_router"]
 MAX_RUNS, MAX_CHECKPOINTS, MAX_STEPS, MAX_TENSORS, MAX_OBJECTS = 500, 500, 5000, 200, 500
 MAX_UPLOADS, MAX_JOBS, MAX_UNITS, MAX_DECISIONS = 100, 100, 200, 20
 STATS_CACHE = 20_000  # manifest digests whose figures are kept (a few hundred bytes each)
-LISTING_SECONDS = 2.0  # a run's listing is reused this long (the page's calls share one; a commit shows within it)
 _CLIENT_FILE = re.compile(r"r(\d{6})-\d{4}\.bin")  # the client's data file names: r<rank>-<n>.bin
 # what a writer leaves while it writes (or was killed writing): the hidden temp of a local root
 # (``ckptd.storage.local``: ``.NAME.tmp-XXXXXXXXXXXX``), renamed to NAME when the file is complete
@@ -88,30 +87,8 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
     session_ttl = svc.settings.stale_session_ttl
     leases = Leases(storage)
     stats: OrderedDict[str, dict[str, Any]] = OrderedDict()
-    listings: dict[str, tuple[float, list[Committed]]] = {}
-    run_locks: dict[str, threading.Lock] = {}
     lock = threading.Lock()
-
-    def listed(run: str) -> list[Committed]:
-        """``visibility.listing(run)``, reused for :data:`LISTING_SECONDS`; calls that arrive together
-        for one run wait for one listing instead of each making their own."""
-        check_run(run)  # before it keys anything
-        with lock:
-            run_lock = run_locks.setdefault(run, threading.Lock())
-        with run_lock:
-            with lock:
-                hit = listings.get(run)
-            if hit is not None and time.monotonic() - hit[0] < LISTING_SECONDS:
-                return hit[1]
-            out = visibility.listing(run)
-            now = time.monotonic()
-            with lock:
-                listings[run] = (now, out)
-                if len(listings) > 256:  # forget the stale ones (and their locks)
-                    for r in [r for r, (t, _) in listings.items() if now - t >= LISTING_SECONDS]:
-                        del listings[r]
-                        run_locks.pop(r, None)
-            return out
+    listed = visibility.recent_listing  # one listing per run shared for a moment by every page and summary
 
     def no_such_run(run: str) -> NotFound | None:
         """The 404 of a run that is not under the root (asked only once something came back empty)."""

@@ -195,6 +195,7 @@ class Committer:
             if existing is None:
                 raise Conflict(f"{run}/{name} was committed by another session", ref=f"{run}/{name}")
             return existing.manifest_xxh3, None
+        self.visibility.forget_listing(run)
         record_commit_check(self.storage, run, name, digest, check, nfiles)
         self._drop_unfinished(run, name, sid)
         log.info("committed %s/%s session %s (%d files, %d bytes)", run, name, sid, nfiles, nbytes)

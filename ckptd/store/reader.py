@@ -73,11 +73,12 @@ class CheckpointReader:
                   limit: int | None = None) -> tuple[list[RunSummary], str | None]:
         """At most ``limit`` summaries of the runs ``may_read`` lets through, by name after ``after``, and
         the name the next page follows (None: none follow). ``may_read`` chooses before any run's listing
-        is read, and only the page's runs are listed (a token that reads one run costs one listing)."""
+        is read, and only the page's runs are listed (a token that reads one run costs one listing),
+        each shared for a moment with every other summary (``Visibility.recent_listing``)."""
         runs = [r for r in self.visibility.runs() if may_read is None or may_read(r)]
         out = []
         for run in (window := page_of(runs, after, limit))[0]:
-            visible = self.visibility.listing(run)
+            visible = self.visibility.recent_listing(run)
             latest = self.visibility.latest_of(visible)
             out.append(RunSummary(run=run, checkpoints=len(visible), latest=latest.name if latest else None))
         return out, window[1]

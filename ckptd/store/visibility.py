@@ -35,6 +35,13 @@ tensor's interval index) is built once per process, whatever the number of calle
 they wait on the one build (``_one_at_a_time``) and take it from the cache, which is bounded by
 ``cache_bytes`` (``MEMORY_PER_MANIFEST_BYTE`` per byte of JSON) and reports each build
 (``on_build``) and its size (:meth:`Visibility.cache_usage`).
+
+A run's listing costs one marker read and one stat per checkpoint of the run. What summarizes runs
+(``GET /v1/runs``, the web view) reads :meth:`Visibility.recent_listing`: one listing per run shared
+by every caller for :data:`LISTING_SECONDS` (concurrent callers wait for the one read, ``listing``
+in ``on_build``), so a storm of listings costs what one does. A commit through this object forgets
+its run's (:meth:`forget_listing`); another replica's commit shows within :data:`LISTING_SECONDS`.
+What a load resolves (``latest``) always reads the listing now.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import os
 import re
 import stat as statmod
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple
@@ -82,6 +90,8 @@ _DIGEST = re.compile(r"[0-9a-f]{16}")
 MEMORY_PER_MANIFEST_BYTE = 6
 #: What the parsed manifests a :class:`Visibility` keeps may take, as counted above.
 DEFAULT_CACHE_BYTES = 1 << 30
+LISTING_SECONDS = 2.0  # a run's listing is shared this long by what summarizes runs (recent_listing)
+MAX_LISTINGS = 256  # runs whose recent listing is kept
 
 
 def manifest_file_name(digest: str) -> str:
@@ -150,6 +160,7 @@ class Visibility:
         self._cache_bytes, self._cached_bytes = cache_bytes, 0
         self._reported: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+        self._listings: OrderedDict[str, tuple[float, list[Committed]]] = OrderedDict()  # recent_listing's
         self._flights: dict[tuple, list] = {}  # key -> [lock, callers]: work done once for concurrent callers
         # a first look built here: "manifest" (read, hashed, parsed) or "load_tree" (with its interval indexes)
         self.on_build: Callable[[str], None] | None = None
@@ -445,6 +456,28 @@ class Visibility:
             self._report(c.ref, reason, msg)
             raise CheckpointNotFound(f"checkpoint {c.ref} is not visible: {msg}", ref=c.ref)
         return raw
+
+    def recent_listing(self, run: str) -> list[Committed]:
+        """:meth:`listing`, as read at most :data:`LISTING_SECONDS` ago, once for every concurrent caller."""
+        check_run(run)  # before it keys anything
+        with self._one_at_a_time(("listing", run)):
+            with self._lock:
+                hit = self._listings.get(run)
+            if hit is not None and time.monotonic() - hit[0] < LISTING_SECONDS:
+                return hit[1]
+            self._built("listing")
+            out = self.listing(run)
+            with self._lock:
+                self._listings[run] = (time.monotonic(), out)
+                self._listings.move_to_end(run)
+                while len(self._listings) > MAX_LISTINGS:
+                    self._listings.popitem(last=False)
+            return out
+
+    def forget_listing(self, run: str) -> None:
+        """A checkpoint of ``run`` was committed or deleted here: its next :meth:`recent_listing` reads."""
+        with self._lock:
+            self._listings.pop(run, None)
 
     def runs(self) -> list[str]:
         """Run names under the root; entries that are not valid run names are skipped."""

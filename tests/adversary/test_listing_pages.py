@@ -7,7 +7,10 @@ planted name whose ``COMMITTED`` marker does not parse:
 * one page reads only its names' markers: the planted marker, in the last page, is found malformed
   (``ckptd_invisible_checkpoints_total{reason="marker_malformed"}`` on ``/metrics``) only once that
   page is asked for, not by the pages before it (the whole run's markers were read per request before);
-* a ``limit`` past the setting is refused 413 naming the parameter and the setting; 0 is refused 400.
+* a ``limit`` past the setting is refused 413 naming the parameter and the setting; 0 is refused 400;
+* what summarizes a run (``GET /v1/runs``, the web view's runs and run pages) shares one listing of
+  it: 48 such requests at once read the run's markers once per ``LISTING_SECONDS``, not once each
+  (``ckptd_first_looks_total{what="listing"}``), and a commit shows in the next summary at once.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -23,6 +28,7 @@ import xxhash
 from adversary.test_requests import ALICE, _auth, _chunk, _metric, _server
 from ckptd_client import CatalogClient
 from ckptd_schemas.api import NEXT_HEADER
+from ckptd.store.visibility import LISTING_SECONDS
 
 #: checkpoint names and their steps: name order is the reverse of step order
 STEPS = {"a": 5, "b": 4, "c": 3, "d": 2, "e": 1}
@@ -102,5 +108,30 @@ def test_listings_are_paged_bounded_and_followed_whole(tmp_path: Path) -> None:
         assert _metric(srv.url, 'ckptd_limit_refusals_total{limit="list"}') == 2
         r = httpx.get(url, params={"after": "../x"}, headers=_auth())
         assert r.status_code == 400, r.text
+    finally:
+        srv.stop()
+
+
+def test_a_storm_of_summaries_reads_a_run_once(tmp_path: Path) -> None:
+    srv = _server(tmp_path).start()
+    try:
+        for name, step in STEPS.items():
+            _commit(srv.url, "r", name, step)
+        listings = 'ckptd_first_looks_total{what="listing"}'
+        before = _metric(srv.url, listings)
+        paths = ["/v1/runs", "/v1/ui/runs", "/v1/ui/runs/r/checkpoints", "/v1/ui/runs/r/steps"] * 12
+        with httpx.Client(headers=_auth(), timeout=120) as http, ThreadPoolExecutor(16) as pool:
+            t0 = time.monotonic()
+            answers = list(pool.map(lambda p: http.get(f"{srv.url}{p}"), paths))
+            elapsed = time.monotonic() - t0
+        assert all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200]
+        assert next(r for r in answers[0].json() if r["run"] == "r")["checkpoints"] == 5
+        read = _metric(srv.url, listings) - before
+        # one listing per window the storm lasted (the old summaries read the run's markers per request)
+        assert 1 <= read <= 1 + elapsed / LISTING_SECONDS, (read, elapsed)
+
+        _commit(srv.url, "r", "f", 6)  # committed here: the next summary lists it, without waiting
+        summary = next(r for r in httpx.get(f"{srv.url}/v1/runs", headers=_auth()).json() if r["run"] == "r")
+        assert summary["checkpoints"] == 6 and summary["latest"] == "f", summary
     finally:
         srv.stop()
