@@ -69,25 +69,27 @@ class LocalHandover:
             return None
         return cls(socket_path, run, name, session, *keyed, timeout)
 
-    def put(self, file: str, size: int, xxh3: str, pieces: Callable[[], Iterable[bytes | memoryview]]) -> bool:
-        """Hand ``file`` over; True when the service stored it, False when it goes over HTTP instead."""
+    def put(self, file: str, size: int, xxh3: str, pieces: Callable[[], Iterable[bytes | memoryview]],
+            declared: bytes = b"") -> bool:
+        """Hand ``file`` over, its chunks' ``declared`` bytes first (``ckptd_schemas.arrival``); True when the
+        service stored it, False when it goes over HTTP instead."""
         try:
             fd = os.memfd_create(f"ckptd-{file}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as e:
             return self._off(f"no memory file: {e}")
         try:
-            os.ftruncate(fd, size)
-            at, batch = 0, []
+            os.ftruncate(fd, len(declared) + size)
+            at, batch = 0, [declared] if declared else []
             for p in pieces():
                 batch.append(p)
                 if len(batch) == _IOV:
                     at = _write(fd, batch, at)
                     batch = []
             at = _write(fd, batch, at)
-            if at != size:
-                raise CkptdError(f"file {file!r}: {at} bytes packed, {size} declared")
+            if at != len(declared) + size:
+                raise CkptdError(f"file {file!r}: {at - len(declared)} bytes packed, {size} declared")
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            reply = self._send(file, size, xxh3, fd)
+            reply = self._send(file, size, xxh3, fd, len(declared))
         except _NotTheService as e:  # nothing was given to it: this save's files go over HTTP
             return self._off(str(e), logging.WARNING)
         except OSError as e:  # the socket or the memory: this save's other files go over HTTP too
@@ -102,7 +104,7 @@ class LocalHandover:
             return False
         raise error_from_body(reply, status)
 
-    def _send(self, file: str, size: int, xxh3: str, fd: int) -> dict:
+    def _send(self, file: str, size: int, xxh3: str, fd: int, chunks: int) -> dict:
         """One connection (``ckptd_schemas.handover``): the hello, the service's proof checked, then the
         header with ``fd``; the service's answer. :class:`_NotTheService` before anything but the hello
         went out when the peer does not prove the session's key."""
@@ -119,8 +121,8 @@ class LocalHandover:
                     or not is_nonce(theirs):
                 raise _NotTheService(f"the peer at {self.path} did not prove it is the service that answered the "
                                      f"session over HTTP")
-            socket.send_fds(s, [_line({"proof": prove(self.key, "rank", theirs), "file": file, "size": size,
-                                       "xxh3": xxh3})], [fd])
+            header = {"proof": prove(self.key, "rank", theirs), "file": file, "size": size, "xxh3": xxh3}
+            socket.send_fds(s, [_line({**header, "chunks": chunks} if chunks else header)], [fd])
             return _read_line(s, buf, time.monotonic() + self.timeout)
 
     def _off(self, why: str, level: int = logging.INFO) -> bool:

@@ -20,6 +20,7 @@ Call order inside :meth:`CheckpointClient.save`:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 import threading
@@ -35,6 +36,7 @@ from ckptd_schemas import (
     parse_ref,
 )
 
+from ckptd_schemas import arrival
 from ckptd_schemas.format.encoding import codec_for, encode
 from .codec import CompressionPolicy
 from ._flatten import Flattened, flatten
@@ -345,6 +347,16 @@ def _frames(c: _Chunk, compression: Compression) -> Iterator[tuple[memoryview | 
         yield stored, "raw" if stored is data else codec, len(data), (box, flat)  # type: ignore[misc]
 
 
+def _declaration(f: _File, order: Sequence[Write]) -> bytes:
+    """The declaration of ``f``'s chunks and objects (``ckptd_schemas.arrival``); empty past its limit."""
+    rows = [arrival.Declared(p.location.offset, p.location.length, p.location.xxh3, p.location.codec,
+                             p.location.raw_length, "tensor", order[i].chunk.fqn) for i, p in f.pieces]
+    rows += [arrival.Declared(o.location.offset, o.location.length, o.location.xxh3, o.location.codec,
+                              o.location.raw_length, "object", o.name) for o in f.objects if o.location is not None]
+    head = arrival.encode(rows)
+    return head if len(head) <= arrival.MAX_BYTES else b""
+
+
 def _pieces(f: _File) -> Iterator[bytes | memoryview]:
     """The file's bytes in order: each chunk's data, then its alignment padding."""
     for data, pad in f.parts:
@@ -370,8 +382,13 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
                  file_bytes: int, streams: int, prefix: str | None = None,
                  committed: threading.Event | None = None,
                  links: SaveLinks | None = None, direct: DirectUploads | None = None,
-                 local: LocalHandover | None = None, ways: SaveWays | None = None) -> RankIndex:
+                 local: LocalHandover | None = None, ways: SaveWays | None = None,
+                 declare: bool = False) -> RankIndex:
     """Pack the snapshot into files, stream them (several at once), return the rank's index.
+
+    With ``declare`` (the service offers ``arrival_checks``), each file's chunks are declared ahead of
+    its bytes over HTTP and the socket (``ckptd_schemas.arrival``), for the service to check each as it
+    arrives instead of reading the file back at the commit.
 
     With ``direct`` (direct uploads, ``ckptd_client._presigned``), each file is PUT straight into the
     object store, until a fallback turns that off. With ``local`` (co-located uploads,
@@ -401,11 +418,15 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
         starts.append(time.perf_counter())
         if direct is not None and direct.enabled and direct.put(f.name, f.size, lambda: _pieces(f)):
             return "direct"
-        if local is not None and local.enabled and local.put(f.name, f.size, f.xxh3, lambda: _pieces(f)):
+        head = _declaration(f, order) if declare else b""
+        if local is not None and local.enabled and local.put(f.name, f.size, f.xxh3, lambda: _pieces(f), head):
             return "socket"
-        transport.request("PUT", f"{base}/sessions/{session}/files/{f.name}", content=lambda: _stream(f),
-                          headers={"X-Ckptd-Xxh3": f.xxh3, "Content-Length": str(f.size),
-                                   "Content-Type": "application/octet-stream"})
+        headers = {"X-Ckptd-Xxh3": f.xxh3, "Content-Length": str(len(head) + f.size),
+                   "Content-Type": "application/octet-stream"}
+        if head:
+            headers[arrival.CHUNKS_HEADER] = str(len(head))
+        transport.request("PUT", f"{base}/sessions/{session}/files/{f.name}",
+                          content=lambda: itertools.chain([head] if head else [], _stream(f)), headers=headers)
         return "http"
 
     def put(f: _File) -> None:
@@ -451,7 +472,7 @@ def ways_in(transport: Transport, base: str, session: str, opened: Opened, *,
     local = LocalHandover.offered(opened.local_socket, opened.local_host, opened.local_key, run=ref.run,
                                   name=ref.name, session=session, timeout=transport.timeout) if local_uploads else None
     try:
-        yield {"direct": direct, "local": local}
+        yield {"direct": direct, "local": local, "declare": opened.arrival_checks}
     finally:
         if direct is not None:
             direct.close()

@@ -33,6 +33,7 @@ class Opened:
     local_socket: str | None = None  # co-located uploads: the service's socket, and its host's boot id
     local_host: str | None = None
     local_key: str | None = None  # and the key through which the service and this principal prove themselves
+    arrival_checks: bool = False  # the service checks each file's chunks as they arrive, from their declaration
 
 
 def _path(base: str, session: str) -> str:
@@ -55,7 +56,7 @@ def open_session(transport: Transport, base: str, session: str, world: int, step
     if info.keepalive_seconds:  # until the session is committed, refused or gone (the keep-alive's answer says)
         KEEPALIVE.hold(transport, _path(base, session), info.keepalive_seconds)
     return Opened(presigned=bool(info.presigned), local_socket=info.local_socket, local_host=info.local_host,
-                  local_key=info.local_key)
+                  local_key=info.local_key, arrival_checks=bool(info.arrival_checks))
 
 
 def put_index(transport: Transport, base: str, session: str, index: RankIndex) -> SessionStatus:

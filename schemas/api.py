@@ -101,6 +101,9 @@ class SessionInfo(_Answer):
         None, description="for local_socket: PRINCIPAL:KEY, the key through which this principal and the service "
         "prove themselves to each other before a file is handed over (ckptd_schemas.handover); it authorizes "
         "only this principal's uploads to this session")
+    arrival_checks: bool | None = Field(
+        None, description="true when the service checks each file's chunks as they arrive, from the declaration a "
+        "rank sends ahead of the file's bytes (ckptd_schemas.arrival, header X-Ckptd-Chunks)")
 
 
 _SHA256 = Annotated[str, Field(pattern=r"^[A-Za-z0-9+/]{43}=$")]  # base64, as S3's x-amz-checksum-sha256

@@ -18,7 +18,9 @@ One file per connection, each message one JSON line (all the lines a rank sends 
 2. service: ``{"proof": prove(key, "service", rank's nonce), "nonce": its own}``; the rank checks it
    (:func:`proven`) and otherwise closes, sending nothing more;
 3. rank: the header, ``{"proof": prove(key, "rank", service's nonce), "file", "size", "xxh3"}``, with the
-   memory file's descriptor (``SCM_RIGHTS``), carrying at least :data:`SEALS`;
+   memory file's descriptor (``SCM_RIGHTS``), carrying at least :data:`SEALS`; with ``"chunks": N``
+   the memory file's first ``N`` bytes declare the file's chunks (:mod:`ckptd_schemas.arrival`) and
+   its ``size`` bytes follow;
 4. service: ``{"status": 200, "result": UploadResult}`` or ``{"status": N, "error": {...}}`` (the error
    body of any route); an error may also answer 1 or 3.
 

@@ -115,8 +115,10 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
 
     def after_commit(ev: CommitEvent) -> None:
         """Every commit that creates a marker here, on whichever path: verify (then retention, which
-        relies on that record), or retention alone."""
-        if settings.verify_after_commit:
+        relies on that record), or retention alone. The independent re-read of bytes the commit did not
+        read (checked as they arrived: ``ev.reread``) is always due; ``CKPTD_VERIFY_AFTER_COMMIT`` asks
+        for it after every commit."""
+        if settings.verify_after_commit or ev.reread:
             fut = workers().submit(verify_and_record, storage.url, ev.run, ev.name)
             fut.add_done_callback(lambda _: retention.after_commit(ev.run))
         else:
@@ -129,7 +131,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     drills = DrillPolicy(storage, settings, job_watch, metrics)  # CKPTD_DRILL_EVERY: a drill every N commits of a run
     # Every way bytes enter a session asks the root's space first: the writer's quota, the root's reserve.
     sessions = SessionStore(storage, visibility=visibility, dead_after=settings.dead_session_after,
-                            space=Space(storage, settings.root_reserve))
+                            space=Space(storage, settings.root_reserve), read_back=settings.verify_before_visible)
     # The store's one observer channel: metrics first (commits, refusals, open and reclaimed sessions),
     # then what follows every commit made here, whichever path committed.
     metrics.watch_sessions(sessions)

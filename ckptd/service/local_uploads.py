@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 from ckptd_schemas import (
     CkptdError, Forbidden, InvalidRequest, Unauthorized, check_file, check_name, check_run, check_session,
 )
+from ckptd_schemas import arrival
 from ckptd_schemas.handover import HEADER_BYTES, SEALS, boot_id, is_nonce, new_nonce, prove, proven, session_key
 
 from .auth import TokenStore, principal_named, token_named
@@ -210,8 +211,11 @@ class LocalUploads:
         """The file behind ``fd`` through the intake, as ``PUT .../files/{file}`` takes a body, once the
         header proves the session's key; ``seen`` gathers what the access log says of it."""
         file, size, xxh3 = header.get("file"), header.get("size"), header.get("xxh3")
-        if not isinstance(file, str) or not isinstance(xxh3, str) or type(size) is not int or size < 0:
-            raise InvalidRequest("a co-located upload's header names proof, file, size and xxh3", field="header")
+        chunks = header.get("chunks", 0)  # the memory file's first bytes declare the file's chunks
+        if not isinstance(file, str) or not isinstance(xxh3, str) or type(size) is not int or size < 0 \
+                or type(chunks) is not int or not 0 <= chunks <= arrival.MAX_BYTES:
+            raise InvalidRequest("a co-located upload's header names proof, file, size and xxh3 (and chunks: the "
+                                 f"length of its chunk declaration, at most {arrival.MAX_BYTES})", field="header")
         seen["file"] = file[:200]
         if not proven(key[0], "rank", key[1], header.get("proof")):
             raise Unauthorized(f"file {file[:200]!r}: the header does not prove the session's key (local_key of "
@@ -225,12 +229,13 @@ class LocalUploads:
         if not principal.can_write(run):
             raise Forbidden(f"token {principal.name!r} (scopes {principal.scopes}) may not write run {run!r}",
                             token=principal.name, needs=f"write:{run}")
-        _check_handed(fd, file, size)
+        _check_handed(fd, file, chunks + size)
         release = self.uploads.acquire(principal.name, file)
         try:
-            sink = self.sessions.begin_file(run, name, sid, file, principal)
+            declared = arrival.parse(os.pread(fd, chunks, 0), file) if chunks else None
+            sink = self.sessions.begin_file(run, name, sid, file, principal, declared)
             try:
-                self._read_into(fd, size, sink, seen)
+                self._read_into(fd, chunks, size, sink, seen)
                 return sink.finish(xxh3).model_dump(mode="json")
             except BaseException:
                 sink.abort()
@@ -238,8 +243,8 @@ class LocalUploads:
         finally:
             release()
 
-    def _read_into(self, fd: int, size: int, sink: Any, seen: dict[str, Any]) -> None:
-        """``size`` bytes of ``fd`` into ``sink``, a window at a time through this worker's one buffer:
+    def _read_into(self, fd: int, start: int, size: int, sink: Any, seen: dict[str, Any]) -> None:
+        """``size`` bytes of ``fd`` from ``start`` into ``sink``, a window at a time through this worker's one buffer:
         the service's memory per handover is the window, whatever the file (holes read as zeros,
         allocating nothing)."""
         buf = getattr(self._buffers, "window", None)
@@ -248,7 +253,7 @@ class LocalUploads:
         seen["bytes_in"] = 0
         at = 0
         while at < size:
-            n = os.preadv(fd, [buf[:min(PIECE, size - at)]], at)
+            n = os.preadv(fd, [buf[:min(PIECE, size - at)]], start + at)
             if n <= 0:  # sealed against shrinking: cannot happen, but never loop
                 raise InvalidRequest(f"file {seen.get('file')!r}: the memory file ended at {at} of {size} bytes",
                                      file=seen.get("file"))

@@ -16,6 +16,8 @@ ckptd_http_requests_total{route,...}   counter    requests answered, by route, m
 ckptd_http_request_seconds{route}      histogram  time to answer a request
 ckptd_commit_seconds                   histogram  one commit: merge, validate, write manifest and marker
 ckptd_commits_total                    counter    checkpoints committed by this replica
+ckptd_commit_checked_bytes_total{how}  counter    data bytes its commits checked: "read back" before the marker,
+                                                  or "on arrival" (confirmed by stored identity, re-read after it)
 ckptd_upload_sessions_open             gauge      sessions opened through this replica, not yet committed,
                                                   failed or aborted
 ckptd_sessions_reclaimed_total         counter    uncommitted sessions the sweep here deleted with their staged
@@ -98,6 +100,9 @@ class Metrics(SessionEvents):
                                         "Time of one commit: merge and validate the indexes, write the manifest "
                                         "and the COMMITTED marker.", buckets=COMMIT_BUCKETS, registry=r)
         self.commits = Counter("ckptd_commits", "Checkpoints committed by this replica.", registry=r)
+        self.commit_checked = Counter("ckptd_commit_checked_bytes", "Data bytes this replica's commits checked: "
+                                      "read back before the marker, or checked on arrival (confirmed by their "
+                                      "stored identity, re-read after the marker).", ["how"], registry=r)
         self.local_uploads = Counter("ckptd_local_uploads", "Data files handed over by co-located ranks, by the "
                                      "status answered.", ["status"], registry=r)
         self.committed_bytes = Counter("ckptd_committed_bytes", "Bytes of the data files of the checkpoints "
@@ -230,6 +235,8 @@ class Metrics(SessionEvents):
         self.commit_seconds.observe(seconds)
         self.commits.inc()
         self.committed_bytes.inc(event.bytes)
+        self.commit_checked.labels("read back").inc(event.bytes_read)
+        self.commit_checked.labels("on arrival").inc(event.bytes_arrived)
         with self._lock:
             self._sessions.pop(event.session, None)
 

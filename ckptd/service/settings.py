@@ -91,7 +91,12 @@ class Settings(BaseSettings):
                            "and write)")
     verify_after_commit: bool = Field(
         False, description="after each commit, re-read and check the checkpoint in a worker process (as `ckptd "
-        "verify` does) and record the outcome (`GET .../verification`)")
+        "verify` does) and record the outcome (`GET .../verification`); a commit that did not read every byte "
+        "(checked as they arrived) is re-read so whatever this says")
+    verify_before_visible: bool = Field(
+        False, description="read every byte of a checkpoint back and check it before its marker, even bytes "
+        "checked as they arrived (the commit then lags by the checkpoint's read time); by default they are "
+        "confirmed by their stored identity and re-read after the marker, the checkpoint pending until then")
     direct_reads: bool = Field(
         True, description="when the root is a local directory, give loading clients each data file's path so that "
         "ranks on this host (or on a shared filesystem mounted at the same path) read the bytes themselves, with "
@@ -231,7 +236,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Service": ("root", "durable", "fast_keep_last", "durable_scan_seconds", "host", "port", "log_level", "log_format"),
     "Authentication": ("tokens_file", "tokens", "insecure_open"),
     "Saving and loading": ("direct_uploads", "direct_upload_seconds", "local_uploads", "direct_reads",
-                           "write_batch_bytes", "root_reserve", "manifest_cache_bytes", "verify_after_commit", "stale_session_ttl", "dead_session_after",
+                           "write_batch_bytes", "root_reserve", "manifest_cache_bytes", "verify_after_commit", "verify_before_visible", "stale_session_ttl", "dead_session_after",
                            "reclaim_interval"),
     "Retention and leases": ("retention_keep_last", "retention_keep_every", "read_lease_seconds",
                              "read_leases_per_token"),

@@ -3,7 +3,8 @@
 Call order of a save::
 
     POST   /v1/checkpoints/{run}/{name}/sessions                        open or join an upload session
-    PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}        stream a data file (X-Ckptd-Xxh3), or
+    PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}        stream a data file (X-Ckptd-Xxh3; with
+                                                                        X-Ckptd-Chunks, its chunks declared first), or
     POST   /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}/link   hold an earlier checkpoint's file (incremental), or
     POST   .../files/{f}/presign, then PUT to the store, then .../confirm  upload to the object store (direct uploads)
     PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/ranks/{r}        each rank's index; the last one commits
@@ -21,14 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import AsyncIterator
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
-    ConfirmUpload, Forbidden, InvalidIndex, InvalidRequest, LinkFile, OpenSession, PresignedUpload, PresignUpload,
-    RankIndex, SessionInfo, SessionStatus, UploadResult, check_name, check_run, check_session, parse_ref,
+    ConfirmUpload, Forbidden, InvalidIndex, InvalidRequest, LinkFile, OpenSession, PayloadTooLarge, PresignedUpload,
+    PresignUpload, RankIndex, SessionInfo, SessionStatus, UploadResult, check_name, check_run, check_session, parse_ref,
 )
+
+from ckptd_schemas import arrival
+from ckptd_schemas.arrival import CHUNKS_HEADER
 
 from ..store.session_reads import read_meta
 from .auth import principal_of
@@ -60,6 +65,22 @@ def _refuse_declared_digests(index: RankIndex) -> None:
                            rank=index.rank, tensor=named[0])
 
 
+async def _first_bytes(body: AsyncIterator[bytes], n: int) -> tuple[bytes, bytes]:
+    """The first ``n`` bytes of ``body`` and what came with them past ``n`` (400 when it ends before)."""
+    got: list[bytes] = []
+    have = 0
+    async for piece in body:
+        got.append(piece)
+        have += len(piece)
+        if have >= n:
+            break
+    if have < n:
+        raise InvalidRequest(f"the body ended after {have} of the {n} bytes its {CHUNKS_HEADER} header declares",
+                             field=CHUNKS_HEADER)
+    joined = b"".join(got)
+    return joined[:n], joined[n:]
+
+
 def upload_router(svc: Services) -> APIRouter:
     router = APIRouter(tags=["upload"])
     settings, sessions, uploads = svc.settings, svc.sessions, svc.uploads
@@ -74,6 +95,7 @@ def upload_router(svc: Services) -> APIRouter:
                 raise Forbidden(f"parent {body.parent!r}: this token may not read run {parent_run}",
                                 field="parent", run=parent_run)
         info = await run_in_threadpool(sessions.open, run, name, body, principal_of(request))
+        info.arrival_checks = True
         if body.direct_uploads and settings.direct_uploads and sessions.storage.presigns:
             info.presigned = True
         if svc.local is not None and svc.local.address is not None:  # ranks on this host hand files over there
@@ -110,19 +132,31 @@ def upload_router(svc: Services) -> APIRouter:
 
     @router.put("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}", response_model=UploadResult)
     async def upload_file(request: Request, run: str, name: str, sid: str, file: str,
-                          x_ckptd_xxh3: str = Header(..., pattern=r"^[0-9a-fA-F]{16}$")) -> UploadResult:
+                          x_ckptd_xxh3: str = Header(..., pattern=r"^[0-9a-fA-F]{16}$"),
+                          x_ckptd_chunks: int | None = Header(None, ge=0)) -> UploadResult:
+        """The file's bytes, hashed as they are written; with ``X-Ckptd-Chunks: N``, the body's first N
+        bytes declare its chunks (``ckptd_schemas.arrival``), each checked as it passes."""
+        if x_ckptd_chunks is not None and x_ckptd_chunks > arrival.MAX_BYTES:
+            raise PayloadTooLarge(f"file {file!r}: a chunk declaration of {x_ckptd_chunks} bytes is over the "
+                                  f"{arrival.MAX_BYTES} a service takes", file=file, field=CHUNKS_HEADER,
+                                  limit=arrival.MAX_BYTES)
         release = uploads.acquire(principal_of(request).name, file)  # 429 past this token's uploads at once
+        body = request.stream()
         try:
-            sink = await run_in_threadpool(sessions.begin_file, run, name, sid, file, principal_of(request))
+            declared = None
+            if x_ckptd_chunks is not None:
+                head, rest = await _first_bytes(body, x_ckptd_chunks)
+                declared = await run_in_threadpool(arrival.parse, head, file)
+            sink = await run_in_threadpool(sessions.begin_file, run, name, sid, file, principal_of(request), declared)
         except BaseException:
             release()
             raise
         batch_limit = settings.write_batch_bytes
         pending: asyncio.Future | None = None
-        parts: list[bytes] = []  # the body's pieces as uvicorn hands them over: batched, never copied
-        nbytes = 0
+        parts: list[bytes] = [rest] if declared is not None and rest else []  # batched, never copied
+        nbytes = sum(map(len, parts))
         try:
-            async for piece in request.stream():
+            async for piece in body:
                 parts.append(piece)
                 nbytes += len(piece)
                 if nbytes >= batch_limit:
@@ -134,9 +168,9 @@ def upload_router(svc: Services) -> APIRouter:
                 await pending
             if parts:
                 await run_in_threadpool(sink.write_parts, parts)
-            declared = request.headers.get("content-length")
-            if declared is not None and int(declared) != sink.size:
-                raise InvalidRequest(f"file {file!r}: received {sink.size} of {declared} bytes", file=file)
+            declared_length = request.headers.get("content-length")
+            if declared_length is not None and int(declared_length) != sink.size + (x_ckptd_chunks or 0):
+                raise InvalidRequest(f"file {file!r}: received {sink.size} of {declared_length} bytes", file=file)
             return await run_in_threadpool(sink.finish, x_ckptd_xxh3)
         except BaseException:
             if pending is not None and not pending.done():

@@ -53,13 +53,14 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from math import prod
 from operator import itemgetter, le, sub
-from typing import Callable, Collection, Iterable, Protocol, Sequence
+from typing import Callable, Collection, Iterable, Mapping, Protocol, Sequence
 
 import xxhash
 
 from ckptd_schemas import (
     Box, ChecksumMismatch, CkptdError, FileEntry, IntegrityError, Manifest, Region, StorageError, itemsize,
 )
+from ckptd_schemas.arrival import Declared, rows_digest
 from ckptd_schemas.chunktable import check_columns_tiling
 
 from ..storage import Storage
@@ -67,8 +68,8 @@ from .inflight import is_remote
 from ckptd_schemas.format.frames import ChunkCheck, frame_check
 from ckptd_schemas.filedigest import StreamDigest
 
-__all__ = ["JOBS", "READ_SIZE", "REMOTE_JOBS", "Findings", "Problem", "StorageFiles", "StoredBytes", "Verdict",
-           "check_commit", "jobs_for", "judge", "verify_manifest"]
+__all__ = ["JOBS", "READ_SIZE", "REMOTE_JOBS", "FileCheck", "Findings", "Problem", "StorageFiles", "StoredBytes",
+           "Verdict", "arrival_check", "check_commit", "jobs_for", "judge", "verify_manifest"]
 
 READ_SIZE = 4 << 20
 JOBS = 2  # a second file's reads keep the device busy while the first one's windows are hashed
@@ -78,8 +79,11 @@ _hex = xxhash.xxh3_64_hexdigest
 
 class StoredBytes(Protocol):
     """Where the checker reads a file's bytes. Optional: ``size(file)``, the stored size (a file longer
-    than its record is a problem too), and ``done(file, ok)``, called once each file is checked
-    (``ok``: no problem found in it), before the next file of its thread starts."""
+    than its record is a problem too), ``done(file, ok)``, called once each file is checked
+    (``ok``: no problem found in it), before the next file of its thread starts, and
+    ``arrived(file)``, the :func:`~ckptd_schemas.arrival.rows_digest` of the rows checked as the file
+    arrived when its stored identity is still the one it was stored with, else None: a file whose
+    rows are exactly those, none of them a replica, is not read again."""
 
     def read_into(self, file: str, start: int, view: memoryview) -> int: ...
 
@@ -87,8 +91,15 @@ class StoredBytes(Protocol):
 class StorageFiles:
     """A session's files in a :class:`Storage`, by file name."""
 
-    def __init__(self, storage: Storage, key_of: Callable[[str], str], keep_cached: frozenset[str] = frozenset()) -> None:
+    def __init__(self, storage: Storage, key_of: Callable[[str], str], keep_cached: frozenset[str] = frozenset(),
+                 arrivals: Mapping[str, tuple[str, str]] | None = None) -> None:
         self.storage, self.key_of, self.keep_cached = storage, key_of, keep_cached
+        self.arrivals = arrivals or {}  # file -> (rows digest, stamp) checked as it arrived
+
+    def arrived(self, file: str) -> str | None:
+        """The rows checked as ``file`` arrived, when it is still the object stored then (its stamp)."""
+        rec = self.arrivals.get(file)
+        return rec[0] if rec is not None and rec[1] and self.storage.stamp(self.key_of(file)) == rec[1] else None
 
     def read_into(self, file: str, start: int, view: memoryview) -> int:
         """Past the page cache (``uncached``: each byte is read once here, and no cache page is filled
@@ -115,13 +126,17 @@ class StorageFiles:
                 os.close(fd)
 
 
-def check_commit(manifest: Manifest, storage: Storage, key_of: Callable[[str], str]) -> int:
+def check_commit(manifest: Manifest, storage: Storage, key_of: Callable[[str], str],
+                 arrivals: Mapping[str, tuple[str, str]] | None = None) -> Verdict:
     """:func:`judge` over a session's files (``key_of`` gives a file's storage key), reading in the
-    store's own piece size (S3: 16 MiB, a ranged GET each) where that is larger; raise the first
-    problem, or return the bytes read."""
+    store's own piece size (S3: 16 MiB, a ranged GET each) where that is larger, except the files
+    ``arrivals`` vouches for (:meth:`StorageFiles.arrived`); raise the first problem, or return the
+    verdict (bytes read, bytes vouched for by their arrival check)."""
     linked = frozenset(f for f, e in manifest.files.items() if e.linked)
-    return judge(manifest, StorageFiles(storage, key_of, linked), jobs=jobs_for(manifest, storage, key_of),
-                 read_size=max(READ_SIZE, storage.read_piece)).raise_first()
+    verdict = judge(manifest, StorageFiles(storage, key_of, linked, arrivals), jobs=jobs_for(manifest, storage, key_of),
+                    read_size=max(READ_SIZE, storage.read_piece))
+    verdict.raise_first()
+    return verdict
 
 
 def jobs_for(manifest: Manifest, storage: Storage, key_of: Callable[[str], str]) -> int:
@@ -248,8 +263,8 @@ class Problem:
     message: str
     details: dict
 
-    def exception(self, prefix: str = "") -> IntegrityError:
-        return self.error(prefix + self.message, **{k: v for k, v in self.details.items() if v is not None})
+    def exception(self, prefix: str = "", suffix: str = "") -> IntegrityError:
+        return self.error(prefix + self.message + suffix, **{k: v for k, v in self.details.items() if v is not None})
 
 
 @dataclass
@@ -258,6 +273,8 @@ class Verdict:
 
     problems: list[Problem]
     bytes_read: int
+    bytes_arrived: int = 0  # bytes of files checked as they arrived, not read again (``arrived``)
+    files_arrived: frozenset[str] = frozenset()
 
     @property
     def ok(self) -> bool:
@@ -347,67 +364,65 @@ class _Frames:
         return self.whys.get(s.twin_of) if s.twin_of is not None else None
 
 
-def _check_file(fname: str, entry: FileEntry, members: Sequence[int], rows: _Rows, source: StoredBytes,
-                buf: memoryview, progress: Callable[[int], None] | None) -> tuple[list[Problem], dict[int, bytes], int]:
-    """One file read in order once. Returns its problems, the SHA-256 of its replica rows, bytes read.
+class FileCheck:
+    """One file's rows checked as its bytes pass, in order (push): fed by :func:`_check_file`'s reads
+    (the commit, a verification) or by the bytes as they arrive (:func:`arrival_check`), the same code.
 
     A row that needs a stream is judged as soon as its last byte has passed (its digest, its frame:
     :meth:`_Frames.verdict`), so memory holds only the rows in progress, never the file's."""
-    problems: list[Problem] = []
-    shas: dict[int, bytes] = {}
-    offs = itemgetter(*members)(rows.offset) if len(members) > 1 else tuple(rows.offset[i] for i in members)
-    if not all(map(le, offs, offs[1:])):
-        members = [i for _, i in sorted(zip(offs, members))]
-        offs = tuple(rows.offset[i] for i in members)
-    lens = [rows.length[i] for i in members]
-    ends = [o + n for o, n in zip(offs, lens)]
-    special = rows.special
-    frames = _Frames(fname, rows, problems)
-    streams: list[_Stream] = []
 
-    def start(q: int) -> _Stream:
-        s = _Stream(members[q], sp := special.get(members[q]))
+    def __init__(self, fname: str, members: Sequence[int], rows: _Rows) -> None:
+        self.fname, self.rows = fname, rows
+        self.problems: list[Problem] = []
+        self.shas: dict[int, bytes] = {}  # the SHA-256 of its replica rows
+        offs = itemgetter(*members)(rows.offset) if len(members) > 1 else tuple(rows.offset[i] for i in members)
+        if not all(map(le, offs, offs[1:])):
+            members = [i for _, i in sorted(zip(offs, members))]
+            offs = tuple(rows.offset[i] for i in members)
+        self.members, self.offs = members, offs
+        self.ends = [o + rows.length[i] for o, i in zip(offs, members)]
+        self.frames = _Frames(fname, rows, self.problems)
+        self.streams: list[_Stream] = []
+        self.k, self.pos = 0, 0  # members[:k] have started; bytes [0, pos) have passed
+
+    def _start(self, q: int) -> _Stream:
+        s = _Stream(self.members[q], sp := self.rows.special.get(self.members[q]))
         if sp is not None and sp.raw_length is not None:
-            frames.start(s, sp)
+            self.frames.start(s, sp)
         return s
 
-    def finish(s: _Stream) -> None:
+    def _finish(self, s: _Stream) -> None:
+        rows, fname = self.rows, self.fname
         got = s.xxh3.hexdigest()
         if got != rows.xxh3[s.i]:
-            problems.append(_chunk_problem(rows, s.i, got))
-        if (why := frames.verdict(s)) is not None:
+            self.problems.append(_chunk_problem(rows, s.i, got))
+        if (why := self.frames.verdict(s)) is not None:
             kind, name = rows.whats[rows.owner[s.i]]
-            problems.append(Problem(IntegrityError, f"{rows.what(s.i)}: file {fname!r} bytes [{rows.offset[s.i]}, "
-                                     f"{rows.offset[s.i] + rows.length[s.i]}): {why}",
-                                     {kind: name, "rank": rows.rank[s.i], "file": fname}))
+            self.problems.append(Problem(IntegrityError, f"{rows.what(s.i)}: file {fname!r} bytes [{rows.offset[s.i]}, "
+                                         f"{rows.offset[s.i] + rows.length[s.i]}): {why}",
+                                         {kind: name, "rank": rows.rank[s.i], "file": fname}))
         if s.sha is not None:
-            shas[s.i] = s.sha.digest()
+            self.shas[s.i] = s.sha.digest()
 
-    digest = StreamDigest(entry.block_size)
-    k, pos = 0, 0  # members[:k] have started
-    while pos < entry.size:
-        n = source.read_into(fname, pos, buf[:min(len(buf), entry.size - pos)])
-        if n <= 0:
-            problems.append(Problem(IntegrityError, f"file {fname!r}: short read at byte {pos} of {entry.size}",
-                                     {"file": fname}))
-            return problems, shas, pos
-        view, end = buf[:n], pos + n
-        digest.update(view)
-        if progress is not None:
-            progress(n)
+    def feed(self, view: memoryview | bytes) -> None:
+        """The file's next bytes."""
+        view = memoryview(view)
+        rows, members, offs, ends, pos = self.rows, self.members, self.offs, self.ends, self.pos
+        end = pos + len(view)
         still = []
-        for s in streams:  # rows begun in an earlier window
+        for s in self.streams:  # rows begun in an earlier window
             i = s.i
             s.feed(view[:min(rows.offset[i] + rows.length[i], end) - pos])
             if rows.offset[i] + rows.length[i] <= end:
-                finish(s)
+                self._finish(s)
             else:
                 still.append(s)
-        streams = still
-        j = k
+        self.streams = still
+        k = j = self.k
         while j < len(members) and offs[j] < end:
             j += 1
         # Rows that start here: whole, plain ones hashed at C speed in one map; the rest streamed.
+        special = rows.special
         plain = [q for q in range(k, j) if ends[q] <= end and members[q] not in special]
         if plain:
             lo = list(map(sub, map(offs.__getitem__, plain), repeat(pos)))
@@ -415,21 +430,50 @@ def _check_file(fname: str, entry: FileEntry, members: Sequence[int], rows: _Row
             got = list(map(_hex, map(view.__getitem__, map(slice, lo, hi))))
             want = [rows.xxh3[members[q]] for q in plain]
             if got != want:
-                problems += [_chunk_problem(rows, members[q], g) for q, g, w in zip(plain, got, want) if g != w]
+                self.problems += [_chunk_problem(rows, members[q], g) for q, g, w in zip(plain, got, want) if g != w]
         if len(plain) != j - k:
             taken = set(plain)
             for q in range(k, j):
                 if q not in taken:
-                    s = start(q)
+                    s = self._start(q)
                     s.feed(view[offs[q] - pos:min(ends[q], end) - pos])
                     if ends[q] <= end:
-                        finish(s)
+                        self._finish(s)
                     else:
-                        streams.append(s)
-        k = j
-        pos = end
-    for q in range(k, len(members)):  # empty rows at the very end of the file
-        finish(start(q))
+                        self.streams.append(s)
+        self.k, self.pos = j, end
+
+    def finish(self) -> list[Problem]:
+        """After the last byte: the problems found (a row past the bytes fed is one)."""
+        for s in self.streams:  # rows the bytes ended inside of
+            self._finish(s)
+        self.streams = []
+        for q in range(self.k, len(self.members)):  # rows at the very end (empty) or past it
+            self._finish(self._start(q))
+        self.k = len(self.members)
+        return self.problems
+
+
+def _check_file(fname: str, entry: FileEntry, members: Sequence[int], rows: _Rows, source: StoredBytes,
+                buf: memoryview, progress: Callable[[int], None] | None) -> tuple[list[Problem], dict[int, bytes], int]:
+    """One file read in order once, through a :class:`FileCheck`, its whole-file and block digests
+    compared with its record. Returns its problems, the SHA-256 of its replica rows, bytes read."""
+    check = FileCheck(fname, members, rows)
+    digest = StreamDigest(entry.block_size)
+    pos = 0
+    while pos < entry.size:
+        n = source.read_into(fname, pos, buf[:min(len(buf), entry.size - pos)])
+        if n <= 0:
+            check.problems.append(Problem(IntegrityError, f"file {fname!r}: short read at byte {pos} of {entry.size}",
+                                          {"file": fname}))
+            return check.problems, check.shas, pos
+        view = buf[:n]
+        digest.update(view)
+        if progress is not None:
+            progress(n)
+        check.feed(view)
+        pos += n
+    problems = check.finish()
     whole, blocks = digest.finish()
     if whole != entry.xxh3 or blocks != entry.blocks:
         bad = next((b for b, (x, y) in enumerate(zip(blocks, entry.blocks)) if x != y), None)
@@ -438,7 +482,39 @@ def _check_file(fname: str, entry: FileEntry, members: Sequence[int], rows: _Row
         problems.append(Problem(ChecksumMismatch, f"file {fname!r}: its {entry.size} bytes hash to {whole}, the "
                                  f"service recorded {entry.xxh3} when it received them{where}",
                                  {"file": fname, "declared": entry.xxh3, "actual": whole}))
-    return problems, shas, pos
+    return problems, check.shas, pos
+
+
+def arrival_check(fname: str, declared: Sequence[Declared]) -> FileCheck:
+    """The check of a file's bytes as they arrive against the rows its writer declared (XXH3-64 of each,
+    frames decoded to their length, compressed rows apart): fed by the ingest seam
+    (:class:`~.intake.FileSink`), finished after the last byte; what it covered is
+    ``rows_digest(declared)``. Replicas are compared at the commit, which reads their files."""
+    rows = _Rows()
+    for d in declared:
+        rows.whats.append((d.kind, d.name))
+        if d.codec != "raw":
+            rows.special[len(rows.xxh3)] = _Special(raw_length=d.raw_length, codec=d.codec)
+        rows.file.append(fname)
+        rows.offset.append(d.offset)
+        rows.length.append(d.length)
+        rows.xxh3.append(d.xxh3)
+        rows.owner.append(len(rows.whats) - 1)
+        rows.rank.append(None)
+    return FileCheck(fname, range(len(rows.xxh3)), rows)
+
+
+def _covered(rows: _Rows, members: Sequence[int]) -> str | None:
+    """``rows_digest`` of a file's rows in the manifest, or None when one is a replica (compared by reading)."""
+    out = []
+    for i in members:
+        sp = rows.special.get(i)
+        if sp is not None and sp.replica_of is not None:
+            return None
+        raw = sp is None or sp.raw_length is None
+        out.append((rows.offset[i], rows.length[i], rows.xxh3[i], "raw" if raw else sp.codec,
+                    rows.length[i] if raw else sp.raw_length))
+    return rows_digest(out)
 
 
 # -- all of it -------------------------------------------------------------------------------------------
@@ -474,6 +550,8 @@ def judge(manifest: Manifest, source: StoredBytes, *, jobs: int = JOBS, read_siz
 
     local = threading.local()  # one read buffer per thread, reused for all its files
     done = getattr(source, "done", None)
+    arrived = getattr(source, "arrived", None)
+    skipped: list[int] = []
     stored_size = getattr(source, "size", None)
     unreadable = (IntegrityError, StorageError) if storage_errors_are_problems else (IntegrityError,)
 
@@ -482,6 +560,11 @@ def judge(manifest: Manifest, source: StoredBytes, *, jobs: int = JOBS, read_siz
         if buf is None:  # page-aligned (an anonymous mapping): a local store reads into it past the cache
             buf = local.buf = memoryview(mmap.mmap(-1, read_size))
         fname, members = item
+        if arrived is not None and (when := arrived(fname)) is not None and when == _covered(rows, members):
+            skipped.append(fname)  # checked as it arrived, still those bytes
+            if done is not None:
+                done(fname, True)
+            return [], {}, 0
         try:
             out = _check_file(fname, manifest.files[fname], members, rows, source, buf, progress)
             size = stored_size(fname) if stored_size is not None else None
@@ -521,7 +604,7 @@ def judge(manifest: Manifest, source: StoredBytes, *, jobs: int = JOBS, read_siz
             problems.append(Problem(IntegrityError, f"{kind} {name!r}: ranks {ranks} store one region as replicas "
                                     f"with digest {rows.xxh3[i]}, but their bytes differ (files {files})",
                                     {kind: name, "ranks": ranks, "file": files[0]}))
-    return Verdict(problems, nbytes)
+    return Verdict(problems, nbytes, sum(manifest.files[f].size for f in skipped), frozenset(skipped))
 
 
 # -- every problem of a committed checkpoint, for `ckptd verify` and the service's verification --

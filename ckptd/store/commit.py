@@ -42,7 +42,7 @@ from .inflight import ordered_map, requests_in_flight
 from .intake import recorded_file
 from .merge import ManifestFold
 from .paths import Marker, Paths, SessionMeta
-from .records import CommitCheck, file_stamps, record_commit_check
+from .records import CommitCheck, arrival_of, file_stamps, record_arrival, record_commit_check
 from .links import check_links
 from .session_reads import committed_by, ranks_done
 from .visibility import Visibility, manifest_file_name
@@ -56,8 +56,9 @@ class Committer:
     """Commits the sessions of one store (module docstring)."""
 
     def __init__(self, storage: Storage, visibility: Visibility, indexes: IndexCache, activity: SessionActivity,
-                 observers: Observers) -> None:
+                 observers: Observers, *, read_back: bool = False) -> None:
         self.storage, self.visibility, self.activity, self.observers = storage, visibility, activity, observers
+        self.read_back = read_back  # read every byte before the marker, even those checked as they arrived
         self._indexes = indexes  # shared with the session store, which puts each index it stores here
 
     def if_complete(self, run: str, name: str, sid: str, meta: SessionMeta, rank: int) -> SessionStatus:
@@ -107,30 +108,36 @@ class Committer:
             self.observers.tell("committed", event, time.perf_counter() - t0)
         return digest
 
-    def merged(self, run: str, name: str, sid: str, meta: SessionMeta) -> tuple[Manifest, dict[str, FileEntry]]:
-        """The merged manifest and the digest records of its files. Indexes are read, folded
+    def merged(self, run: str, name: str, sid: str, meta: SessionMeta
+               ) -> tuple[Manifest, dict[str, FileEntry], dict[str, tuple[str, str]]]:
+        """The merged manifest, the digest records of its files and their arrival records (unless
+        :attr:`read_back`: the commit then reads every file). Indexes are read, folded
         (:class:`~.merge.ManifestFold`) and dropped rank by rank: the commit holds the manifest
         being built and a few indexes, not every index. On a remote store the next ranks' indexes
         and digest records are read while one is folded (:mod:`.inflight`)."""
         fold = ManifestFold(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
                             world_size=meta.world_size, derived_from=meta.derived_from, parent=meta.parent)
 
-        def read_rank(r: int) -> tuple[RankIndex, list[tuple[str, FileEntry | None]]]:
+        def read_rank(r: int) -> tuple[RankIndex, list[tuple[str, FileEntry | None, tuple[str, str] | None]]]:
             ix = self._read_index(Paths.rank_index(run, name, sid, r))
-            return ix, [(f, recorded_file(self.storage, run, name, sid, f)) for f in ix.files]
+            return ix, [(f, recorded_file(self.storage, run, name, sid, f),
+                         None if self.read_back else arrival_of(self.storage, run, name, sid, f)) for f in ix.files]
 
         files: dict[str, FileEntry] = {}
+        arrivals: dict[str, tuple[str, str]] = {}
         n = requests_in_flight(self.storage, Paths.rank_index(run, name, sid, 0))
         # Closed on the way out, refusal included: the reads ahead stop and their threads end with it.
         with contextlib.closing(ordered_map(read_rank, range(meta.world_size), n)) as ranks:
             for ix, entries in ranks:
-                for f, entry in entries:
+                for f, entry, arrived in entries:
                     if entry is None:
                         raise InvalidIndex(f"rank {ix.rank}: file {f!r} has no verified upload", file=f)
                     files[f] = entry
+                    if arrived is not None:
+                        arrivals[f] = arrived
                 fold.add(ix)
                 del ix, entries
-        return fold.manifest(files), files
+        return fold.manifest(files), files, arrivals
 
     def _drop_unfinished(self, run: str, name: str, sid: str) -> None:
         """Right after the marker: delete every unfinished write left in the committed session (temp
@@ -156,13 +163,14 @@ class Committer:
     def _commit(self, run: str, name: str, sid: str, meta: SessionMeta) -> tuple[str, CommitEvent | None]:
         with gc_paused():  # 512,000 chunks allocate enough for the collector to run dozens of full passes
             try:
-                manifest, files = self.merged(run, name, sid, meta)
+                manifest, files, arrivals = self.merged(run, name, sid, meta)
                 check_links(manifest)  # a linked file must be at least half used: references pay for themselves
                 key_of = lambda f: Paths.file(run, name, sid, f)  # noqa: E731
                 before = file_stamps(self.storage, key_of, sorted(files))
                 t0 = time.perf_counter()
-                nread = check_commit(manifest, self.storage, key_of)  # every byte, whichever way it entered
-                check = CommitCheck(before, file_stamps(self.storage, key_of, sorted(files)), nread,
+                # every byte, whichever way it entered, except what was checked as it arrived and is still there
+                verdict = check_commit(manifest, self.storage, key_of, arrivals)
+                check = CommitCheck(before, file_stamps(self.storage, key_of, sorted(files)), verdict.bytes_read,
                                     time.perf_counter() - t0, len(manifest.tensors),
                                     sum(len(t.table) for t in manifest.tensors))
             except StorageError:
@@ -196,8 +204,16 @@ class Committer:
                 raise Conflict(f"{run}/{name} was committed by another session", ref=f"{run}/{name}")
             return existing.manifest_xxh3, None
         self.visibility.forget_listing(run)
-        record_commit_check(self.storage, run, name, digest, check, nfiles)
+        reread = verdict.bytes_arrived > 0
+        if not reread:  # every byte read here: the commit's check is the first verification
+            record_commit_check(self.storage, run, name, digest, check, nfiles)
+        else:  # until the re-read: what the commit read vouches for itself (a later save links it)
+            for f, stamp in check.before.items():
+                if f not in verdict.files_arrived and stamp == check.after.get(f):
+                    record_arrival(self.storage, Paths.arrival(run, name, sid, f), stamp)
         self._drop_unfinished(run, name, sid)
-        log.info("committed %s/%s session %s (%d files, %d bytes)", run, name, sid, nfiles, nbytes)
+        log.info("committed %s/%s session %s (%d files, %d bytes; %d read back, %d checked as they arrived)", run,
+                 name, sid, nfiles, nbytes, verdict.bytes_read, verdict.bytes_arrived)
         return digest, CommitEvent(run=run, name=name, session=sid, manifest_xxh3=digest, derived_from=derived_from,
-                                   files=nfiles, bytes=nbytes)
+                                   files=nfiles, bytes=nbytes, bytes_read=verdict.bytes_read,
+                                   bytes_arrived=verdict.bytes_arrived)

@@ -38,6 +38,13 @@ class CommitEvent:
     derived_from: str | None
     files: int
     bytes: int
+    bytes_read: int = 0  # data bytes the commit read back and checked
+    bytes_arrived: int = 0  # data bytes checked as they arrived, confirmed by their stored identity
+
+    @property
+    def reread(self) -> bool:
+        """Some bytes were not read by the commit: the independent re-read after the marker is due."""
+        return self.bytes_arrived > 0
 
 
 class SessionEvents:

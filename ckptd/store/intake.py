@@ -4,7 +4,11 @@ A file comes in one of two ways, and either way it ends as a write-once object a
 session with a digest record created once (:func:`record_file`):
 
 * **received**: the bytes stream through this process (:meth:`Intake.receive` -> :class:`FileSink`),
-  hashed as they are written; a digest mismatch is refused and the partial file dropped.
+  hashed as they are written; a digest mismatch is refused and the partial file dropped. With the
+  writer's declaration of the file's chunks (:mod:`ckptd_schemas.arrival`), the one checker runs over
+  the bytes as they pass (:func:`~.checker.arrival_check`): a problem is refused the same way, and the
+  rows it covered are recorded with the file's stored identity (:func:`record_arrival`), for the
+  commit to confirm instead of reading the file again.
 * **placed**: the object is already in the store, and the declared record is taken for it
   (:meth:`Intake.place`): a rank PUT it straight into an object store through presigned URLs that
   create it once (:meth:`Intake.presign` then :meth:`Intake.confirm`), or an incremental save links
@@ -15,7 +19,8 @@ the writer's quota, the root's reserve): received bytes batch by batch, a presig
 size at its presign, a linked file's size at its link.
 
 A record is a claim whichever way the file came: the commit reads and checks every byte of it
-(:mod:`.checker`) after the last write anyone could make. Call order per file: the session store
+(:mod:`.checker`) after the last write anyone could make, except a file checked as it arrived whose
+stored identity (``Storage.stamp``: inode, size, mtime and ctime; an object's ETag) is unchanged. Call order per file: the session store
 (:mod:`.sessions`) checks the names and that the session takes writes, then calls one way in here;
 a way that succeeded marks the session active (:class:`~.activity.SessionActivity`).
 """
@@ -23,18 +28,20 @@ a way that succeeded marks the session active (:class:`~.activity.SessionActivit
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Callable, Sequence
 
 from ckptd_schemas import (
     ChecksumMismatch, Conflict, ConfirmUpload, FileEntry, InvalidRequest, LinkFile, PresignedUpload, PresignUpload,
     StorageError, UploadResult, check_file, check_name, linked_name,
 )
+from ckptd_schemas.arrival import Declared, rows_digest
 from ckptd_schemas.filedigest import StreamDigest
 
 from ..storage import Storage, Writer
 from .activity import SessionActivity
+from .checker import FileCheck, arrival_check
 from .paths import Paths
-from .records import record_vouches
+from .records import record_arrival, record_vouches
 from .space import Holder, Space
 from .visibility import Visibility
 
@@ -57,6 +64,15 @@ class FileSink:
         self._digest = StreamDigest(block_size)
         self._writer: Writer = storage.open_write(key, once=True)
         self._done = False
+        self._check: FileCheck | None = None
+        self._declared: Sequence[Declared] = ()
+        self._arrival_key = ""
+
+    def declare(self, rows: Sequence[Declared], arrival_key: str) -> None:
+        """The writer's declaration of the file's chunks, before its first byte: each is checked as it
+        passes, and what was covered recorded at ``arrival_key`` once the file is stored."""
+        assert self._digest.size == 0, "declared after bytes"
+        self._check, self._declared, self._arrival_key = arrival_check(self.file, rows), rows, arrival_key
 
     @property
     def size(self) -> int:
@@ -70,6 +86,8 @@ class FileSink:
     def write(self, data: bytes | memoryview) -> None:
         self._charge(len(data))
         self._digest.update(data)
+        if self._check is not None:
+            self._check.feed(data)
         self._writer.write(data)
 
     def write_parts(self, parts: list[bytes]) -> None:
@@ -77,6 +95,8 @@ class FileSink:
         self._charge(sum(map(len, parts)))
         for p in parts:
             self._digest.update(p)
+            if self._check is not None:
+                self._check.feed(p)
         self._writer.write_parts(parts)
 
     def finish(self, declared_xxh3: str | None) -> UploadResult:
@@ -87,6 +107,11 @@ class FileSink:
                 f"file {self.file!r}: received {self._digest.size} bytes with XXH3 {digest}, "
                 f"client declared {declared_xxh3}; the partial file was dropped",
                 file=self.file, declared=declared_xxh3, actual=digest, size=self._digest.size)
+        problems = self._check.finish() if self._check is not None else []
+        if problems:
+            self.abort()
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise problems[0].exception("refused on arrival: ", f"; the partial file was dropped{more}")
         created = self._writer.commit()
         self._done = True
         entry = FileEntry(size=self._digest.size, xxh3=digest, block_size=self._digest.block_size, blocks=blocks)
@@ -94,6 +119,11 @@ class FileSink:
             raise Conflict(f"file {self.file!r} is already stored in this session with other bytes; a stored "
                            f"file is never replaced (save again with a new session)", file=self.file)
         record_file(self._storage, self._digest_key, self.file, entry)
+        if self._check is not None and created:  # its identity right after it was stored, what was checked
+            # (only where these bytes made the file: a repeat's digests match the stored ones, which a
+            # writer able to forge XXH3 collisions could make of other bytes: the commit reads those)
+            record_arrival(self._storage, self._arrival_key, self._storage.stamp(self._key),
+                           rows_digest((d.offset, d.length, d.xxh3, d.codec, d.raw_length) for d in self._declared))
         self._on_stored()
         return UploadResult(file=self.file, size=entry.size, xxh3=digest)
 
@@ -153,12 +183,16 @@ class Intake:
         self._receiving: dict[str, weakref.WeakSet[FileSink]] = {}  # session -> files being received here
 
     # -- received: the bytes stream through here ----------------------------------------
-    def receive(self, run: str, name: str, sid: str, file: str, holder: Holder | None = None) -> FileSink:
-        """A sink for ``file``'s bytes, each batch charged to ``holder`` on the root; stored, it is
+    def receive(self, run: str, name: str, sid: str, file: str, holder: Holder | None = None,
+                declared: Sequence[Declared] | None = None) -> FileSink:
+        """A sink for ``file``'s bytes, each batch charged to ``holder`` on the root, checked as they
+        pass against ``declared`` (the writer's declaration of its chunks) when given; stored, it is
         recorded and the session marked active."""
         sink = FileSink(self.storage, Paths.file(run, name, sid, file), Paths.digest(run, name, sid, file),
                         file, self.block_size, on_stored=lambda: self.activity.touch(run, name, sid),
                         charge=lambda n: self.space.charge(holder, run, file, n, on_root=True))
+        if declared is not None:
+            sink.declare(declared, Paths.arrival(run, name, sid, file))
         key = Paths.session(run, name, sid)
         if len(self._receiving) > 256:  # sessions whose sinks are all gone (a sink lives as long as its request)
             for k in [k for k, v in self._receiving.items() if not len(v)]:

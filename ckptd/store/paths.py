@@ -10,6 +10,7 @@
     runs/<run>/<name>/sessions/<sid>/ACTIVE.json        when a writer was last heard from (store.activity)
     runs/<run>/<name>/sessions/<sid>/files/<file>       data streamed by ranks (staging)
     runs/<run>/<name>/sessions/<sid>/digests/<file>     size, XXH3 and block digests of a file (created once)
+    runs/<run>/<name>/sessions/<sid>/arrived/<file>     the rows checked as the file arrived, its stored identity
     runs/<run>/<name>/sessions/<sid>/presigned/<file>   the presign of a file uploaded by URL (created once)
     runs/<run>/<name>/sessions/<sid>/ranks/<rank>.json  a rank's index: its chunks; written last
     runs/<run>/<name>/sessions/<sid>/manifest-<xxh3>.json
@@ -135,6 +136,10 @@ class Paths:
         return f"{cls.session(run, name, sid)}/digests/{file}"
 
     @classmethod
+    def arrival(cls, run: str, name: str, sid: str, file: str) -> str:
+        return f"{cls.session(run, name, sid)}/arrived/{file}"
+
+    @classmethod
     def presign_claim(cls, run: str, name: str, sid: str, file: str) -> str:
         return f"{cls.session(run, name, sid)}/presigned/{file}"
 
@@ -216,7 +221,7 @@ def strays(keys: Iterable[str], c: Committed, files: Collection[str], world_size
 
     Its own are the marker and records beside it (:data:`CHECKPOINT_RECORDS`) and, in its session,
     the session's record and last activity, its manifest, one index per rank, and each named file
-    with its digest record (and presign claim). Anything else in the session (a temp file a writer
+    with its digest record (and presign claim, or arrival record). Anything else in the session (a temp file a writer
     killed mid-write left, a file no index names, a planted one) is a stray. The directories of
     other sessions (save attempts that lost, reclaimed by the sweep) are theirs, not strays."""
     run, name, sid = c.run, c.name, c.session
@@ -226,7 +231,7 @@ def strays(keys: Iterable[str], c: Committed, files: Collection[str], world_size
     own |= {Paths.rank_index(run, name, sid, r) for r in range(world_size)}
     for f in files:
         own |= {Paths.file(run, name, sid, f), Paths.digest(run, name, sid, f),
-                Paths.presign_claim(run, name, sid, f)}
+                Paths.presign_claim(run, name, sid, f), Paths.arrival(run, name, sid, f)}
     sessions = Paths.sessions(run, name) + "/"
     out = []
     for key in keys:

@@ -23,6 +23,7 @@ so the visibility rule can ask it (:func:`known_bad`) without a loop.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat as statmod
@@ -38,8 +39,9 @@ from ..storage import Storage
 from .inflight import ordered_map, requests_in_flight
 from .paths import Committed, Paths
 
-__all__ = ["CommitCheck", "MAX_PROBLEMS", "Stray", "VerifyRecord", "file_stamps", "known_bad", "record_commit_check",
-           "record_holds", "record_of", "record_vouches", "stamps_of", "status_of"]
+__all__ = ["CommitCheck", "MAX_PROBLEMS", "Stray", "VerifyRecord", "arrival_of", "file_stamps", "known_bad",
+           "record_arrival", "record_commit_check", "record_holds", "record_of", "record_vouches", "stamps_of",
+           "status_of"]
 
 log = logging.getLogger("ckptd.store")
 
@@ -198,14 +200,39 @@ def _record_for(raw: bytes, c: Committed) -> VerifyRecord | None:
     return rec if rec.manifest_xxh3 == c.digest else None
 
 
+def record_arrival(storage: Storage, key: str, stamp: str | None, rows: str = "") -> None:
+    """Record at ``key`` (``Paths.arrival``) that a session's file of stored identity ``stamp`` was checked:
+    as it arrived, against the rows of digest ``rows`` (``ckptd_schemas.arrival.rows_digest``), or
+    (``rows`` empty) read back by a commit that re-reads the rest after its marker. ``{"rows", "stamp"}``,
+    created once; without a stamp (a backend that has none) nothing: the commit reads the file."""
+    if stamp:
+        storage.create_if_absent(key, json.dumps({"rows": rows, "stamp": stamp}).encode())
+
+
+def arrival_of(storage: Storage, run: str, name: str, sid: str, file: str) -> tuple[str, str] | None:
+    """The arrival record of ``file`` (rows digest, stamp), or None where there is none (or not one)."""
+    try:
+        raw = storage.read_json_or_none(Paths.arrival(run, name, sid, file))
+    except ValueError:
+        return None
+    if isinstance(raw, dict) and isinstance(raw.get("rows"), str) and isinstance(raw.get("stamp"), str):
+        return raw["rows"], raw["stamp"]
+    return None
+
+
 def record_vouches(storage: Storage, c: Committed, file: str, key: str) -> bool:
-    """True when checkpoint ``c``'s recorded verification found it good and ``file`` (stored at ``key``)
-    still has the stamp it had then (inode, size, mtime and ctime locally: no writer sets ctime back;
-    ETag and size on S3): a file worth linking into a new save. The commit reads it again anyway."""
+    """True when ``file`` of checkpoint ``c`` (stored at ``key``) still has the stamp it had when it was
+    last checked (inode, size, mtime and ctime locally: no writer sets ctime back; ETag and size on
+    S3): its recorded verification's, when that found it good, or, before one (pending), its arrival
+    record's (the commit of ``c`` succeeded, so those bytes hold what its manifest says). A file
+    worth linking into a new save; the commit reads it again anyway."""
     rec = record_of(storage, c)
-    if rec is None or not rec.ok:
+    if rec is not None and not rec.ok:
         return False
-    want = rec.stamps.get(file)
+    want = rec.stamps.get(file) if rec is not None else None
+    if not want:
+        arrived = arrival_of(storage, c.run, c.name, c.session, file)
+        want = arrived[1] if arrived is not None else None
     return bool(want) and storage.stamp(key) == want
 
 

@@ -42,6 +42,7 @@ from ckptd_schemas import (
     PresignedUpload, PresignUpload, RankIndex, SessionConflict, SessionInfo, SessionNotFound, SessionStatus,
     UploadResult, check_file, check_name, check_new_name, check_run, check_session, parse_ref,
 )
+from ckptd_schemas.arrival import Declared
 from ckptd_schemas.filedigest import BLOCK_SIZE
 
 from ..storage import Storage
@@ -64,7 +65,7 @@ class SessionStore:
 
     def __init__(self, storage: Storage, *, block_size: int = BLOCK_SIZE, visibility: Visibility | None = None,
                  observers: Sequence[SessionEvents] = (), dead_after: float = DEAD_SESSION_AFTER,
-                 space: Space | None = None) -> None:
+                 space: Space | None = None, read_back: bool = False) -> None:
         self.storage = storage
         self.dead_after = dead_after  # seconds without a live writer before the sweep reclaims a session
         self.activity = SessionActivity(self.storage, every=dead_after / KEEPALIVE_PER_WINDOW / 2)
@@ -73,7 +74,8 @@ class SessionStore:
         self.observers = Observers(observers)
         self._indexes = IndexCache()
         self.intake = Intake(self.storage, self.visibility, self.activity, block_size, space)
-        self.committer = Committer(self.storage, self.visibility, self._indexes, self.activity, self.observers)
+        self.committer = Committer(self.storage, self.visibility, self._indexes, self.activity, self.observers,
+                                   read_back=read_back)
         self.sweeper = Sweeper(self.storage, self.visibility, self.activity, self.committer, self.observers,
                                dead_after)
 
@@ -165,12 +167,13 @@ class SessionStore:
             raise InvalidRequest(f"parent {parent!r} is not a visible checkpoint", field="parent", ref=parent)
 
     # -- 2. data files: the ingest seam (.intake) ---------------------------------------
-    def begin_file(self, run: str, name: str, sid: str, file: str, holder: Holder | None = None) -> FileSink:
+    def begin_file(self, run: str, name: str, sid: str, file: str, holder: Holder | None = None,
+                   declared: Sequence[Declared] | None = None) -> FileSink:
         """Receive ``file``'s bytes for ``holder`` (:meth:`.intake.Intake.receive`; the writer's token:
-        its quota, :mod:`.space`)."""
+        its quota, :mod:`.space`), checked as they arrive against ``declared`` when the writer sent it."""
         check_run(run), check_name(name), check_session(sid), check_file(file)
         self._check_writable(run, name, sid)
-        return self.intake.receive(run, name, sid, file, holder)
+        return self.intake.receive(run, name, sid, file, holder, declared)
 
     def receiving(self, run: str, name: str, sid: str) -> tuple[int, int]:
         """The files of session ``sid`` this process is receiving now, and their bytes so far (the web

@@ -25,6 +25,8 @@ from ckptd.store.checker import StorageFiles
 from ckptd.store.paths import Paths
 from ckptd.store.sessions import SessionStore
 from ckptd.store.checker import verify_manifest
+from ckptd.store.events import SessionEvents
+from ckptd_schemas.arrival import Declared
 from ckptd_schemas import ChecksumMismatch, CkptdError, CorruptCheckpoint, OpenSession, RankIndex
 from ckptd_schemas.format.encoding import decode_frame
 
@@ -116,7 +118,7 @@ def _verdicts(tmp_path, uploaded: dict[str, bytes], indexes: list[dict],
         committed, why = True, ""
     except CkptdError as e:
         committed, why = False, e.message
-    manifest, _ = store.committer.merged("run", "2", "s", store._meta("run", "2", "s"))  # both indexes are stored
+    manifest = store.committer.merged("run", "2", "s", store._meta("run", "2", "s"))[0]  # both indexes are stored
 
     class Source:  # as ``ckptd verify --root`` reads: a file of another size than recorded is damage
         def read(self, file: str, start: int, end: int) -> bytes:
@@ -205,3 +207,68 @@ def test_the_commit_keeps_linked_files_cached_and_drops_the_files_it_received(tm
     every = (4 << 20) // mmap.PAGESIZE
     assert _resident_pages(storage.local_path("s/linked.bin")) == every  # all kept
     assert _resident_pages(storage.local_path("s/new.bin")) < every
+
+
+# -- the same checker on the bytes as they arrive ---------------------------------------------------------
+
+def _declared(indexes: list[dict], file: str) -> list[Declared]:
+    """The honest declaration of ``file``: every chunk and object its index places there."""
+    out = []
+    for ix in indexes:
+        pieces = [("tensor", t["name"], c["location"]) for t in ix["tensors"] for c in t["chunks"]]
+        pieces += [("object", o["name"], o["location"]) for o in ix.get("objects", ())]
+        out += [Declared(loc["offset"], loc["length"], loc["xxh3"], loc["codec"], loc["raw_length"], kind, name)
+                for kind, name, loc in pieces if loc["file"] == file]
+    return out
+
+
+def _arrival_verdict(tmp_path, uploaded: dict[str, bytes], indexes: list[dict],
+                     stored: dict[str, bytes] | None = None) -> tuple[bool, int, str]:
+    """(committed, bytes the commit read, why): ``uploaded`` sent with the honest declaration of each file
+    (``_declared``), replaced with ``stored`` after their arrival (when given), then the indexes."""
+    store = SessionStore(LocalStorage(tmp_path))
+    store.open("run", "2", OpenSession(session="s", world_size=2, step=2))
+    read: list[int] = []
+    store.observe(type("Seen", (SessionEvents,), {"committed": lambda self, ev, s: read.append(ev.bytes_read)})())
+    try:
+        for f, data in uploaded.items():
+            sink = store.begin_file("run", "2", "s", f, declared=_declared(indexes, f))
+            sink.write(data)
+            sink.finish(_h(data))
+    except CkptdError as e:
+        return False, 0, f"on arrival: {e.message}"
+    for f, data in (stored or {}).items():
+        (tmp_path / Paths.file("run", "2", "s", f)).write_bytes(data)
+    try:
+        for ix in indexes:
+            store.put_index("run", "2", "s", RankIndex.model_validate(ix))
+    except CkptdError as e:
+        return False, 0, f"at commit: {e.message}"
+    return True, read[0], ""
+
+
+def test_declared_files_commit_without_a_read_and_replicas_are_read(tmp_path):
+    files, indexes = _layout()
+    committed, nread, why = _arrival_verdict(tmp_path, files, indexes)
+    assert committed, why
+    assert nread == len(files["r0.bin"]) + len(files["r1.bin"])  # both hold a replica of model.r: compared by reading
+    no_replica = [{**ix, "tensors": [t for t in ix["tensors"] if t["name"] != "model.r"]} for ix in indexes]
+    committed, nread, why = _arrival_verdict(tmp_path / "b", files, no_replica)
+    assert committed and nread == 0, (nread, why)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(DAMAGES), at=st.integers(0, 10_000), after=st.booleans())
+def test_every_damage_is_refused_on_arrival_or_at_the_commit(tmp_path_factory, kind, at, after):
+    """The honest declaration and index; the bytes damaged as they are sent (``after`` False: the
+    whole-file digest is of the damaged bytes, so only the chunk checks can see it) or once stored.
+    A longer file sent whole is no damage (its record says its size), so only a stored one is."""
+    files, indexes = _layout()
+    damaged = _damage(kind, at, files)
+    if not after and kind == "extend":
+        return
+    if kind in FRAMES:  # the honest index of the frames sent, as the writer of that frame declares it
+        indexes = _layout(FRAMES[kind]())[1]
+    sent, stored = (files, damaged) if after and kind not in FRAMES else (damaged, None)
+    committed, _, why = _arrival_verdict(tmp_path_factory.mktemp("d"), sent, indexes, stored)
+    assert not committed, f"{kind} at {at} ({'stored' if after else 'sent'}) passed"

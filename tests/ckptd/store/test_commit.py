@@ -174,7 +174,7 @@ def test_merged_gives_the_manifest_and_the_file_records_without_committing(store
     parts = Parts(LocalStorage(tmp_path))
     for rank in range(2):
         _store_index(parts, "7", "s-a", rank, 2)
-    m, files = parts.committer.merged(RUN, "7", "s-a", read_meta(parts.storage, RUN, "7", "s-a"))
+    m, files, _ = parts.committer.merged(RUN, "7", "s-a", read_meta(parts.storage, RUN, "7", "s-a"))
     assert sorted(files) == [file_of(0), file_of(1)] and m.files == files
     assert [files[file_of(r)].xxh3 for r in range(2)] == [xxh3_hex(data(r)) for r in range(2)]
     assert [c.rank for c in m.tensor("model.x").chunks] == [0, 1]
