@@ -178,6 +178,25 @@ class ServerProcess:
         return self.start(env=env)
 
 
+def verified(url: str, *refs: str, token: str | None = None) -> list[dict]:
+    """Wait until each ``RUN/NAME`` has its verification recorded: the service's re-read after a commit
+    that confirmed bytes checked on arrival (a commit that read every byte records its own at once).
+    Tests that look at the root or at records after a save wait here, so the re-read's record does
+    not land in the middle of what they look at. The records, in order."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    out = []
+    for ref in refs:
+        deadline = time.monotonic() + scaled(60)
+        while True:
+            r = httpx.get(f"{url}/v1/checkpoints/{ref}/verification", headers=headers, timeout=10)
+            if r.status_code == 200:
+                out.append(r.json())
+                break
+            assert time.monotonic() < deadline, f"{ref}: no verification recorded: {r.text}"
+            time.sleep(0.05)
+    return out
+
+
 def server_errors(*servers: ServerProcess) -> list[str]:
     """Lines of the servers' logs that tell of a 5xx or an unhandled exception."""
     bad = []

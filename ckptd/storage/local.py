@@ -350,12 +350,18 @@ class LocalStorage(Storage):
             raise _storage_error("delete", key, e, self.url) from e
 
     def delete_tree(self, prefix: str) -> None:
+        """Delete ``prefix`` and everything under it; a file another writer creates there meanwhile (a
+        record written beside a checkpoint being deleted) is deleted with it (ENOTEMPTY: walk again)."""
         path = self._path(prefix)
-        try:
-            shutil.rmtree(path)
-        except FileNotFoundError:
-            pass
-        except NotADirectoryError:
-            path.unlink(missing_ok=True)
-        except OSError as e:
-            raise _storage_error("delete", prefix, e, self.url) from e
+        for attempt in range(3):
+            try:
+                shutil.rmtree(path)
+                return
+            except FileNotFoundError:
+                return
+            except NotADirectoryError:
+                path.unlink(missing_ok=True)
+                return
+            except OSError as e:
+                if e.errno != errno.ENOTEMPTY or attempt == 2:
+                    raise _storage_error("delete", prefix, e, self.url) from e

@@ -21,8 +21,10 @@ import contextlib
 import json
 import logging
 import math
+import threading
 import time
 from datetime import datetime, timezone
+from typing import Iterator
 
 from pydantic import ValidationError
 
@@ -59,6 +61,8 @@ class Committer:
                  observers: Observers, *, read_back: bool = False) -> None:
         self.storage, self.visibility, self.activity, self.observers = storage, visibility, activity, observers
         self.read_back = read_back  # read every byte before the marker, even those checked as they arrived
+        self._lock = threading.Lock()
+        self._commits: dict[tuple[str, str, str], list] = {}  # (run, name, session) -> [lock, callers]
         self._indexes = indexes  # shared with the session store, which puts each index it stores here
 
     def if_complete(self, run: str, name: str, sid: str, meta: SessionMeta, rank: int) -> SessionStatus:
@@ -88,25 +92,46 @@ class Committer:
         base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=done)
         if len(done) < meta.world_size:
             return SessionStatus(state="open", **base)
-        failed = self.storage.read_json_or_none(Paths.failed(run, name, sid))
-        if failed is not None:
-            raise CommitFailed(failed["error"]["message"], **failed["error"].get("details", {}))
         digest = self.commit(run, name, sid, meta)  # StorageError: not a verdict, the caller retries (503)
         return SessionStatus(state="committed", manifest_xxh3=digest, **base)
 
     def commit(self, run: str, name: str, sid: str, meta: SessionMeta) -> str:
-        """Merge, validate, write the manifest, create the marker; return the manifest digest. When this
-        call created the marker, tell the observers (a failing one is logged: the checkpoint is
-        committed whatever they do)."""
+        """Merge, validate, write the manifest, create the marker; return the manifest digest, or raise
+        the session's recorded refusal (``CommitFailed``). One call per session at a time here: one that
+        waited finds the marker or the refusal the first made. When this call created the marker, tell
+        the observers (a failing one is logged: the checkpoint is committed whatever they do)."""
         t0 = time.perf_counter()
         try:
-            digest, event = self._commit(run, name, sid, meta)
+            with self._one_commit(run, name, sid):  # then committed or refused by the call it waited for?
+                done = committed_by(self.visibility, run, name, sid)
+                failed = self.storage.read_json_or_none(Paths.failed(run, name, sid)) if done is None else None
+                if failed is not None:
+                    raise CommitFailed(failed["error"]["message"], **failed["error"].get("details", {}))
+                digest, event = (done.manifest_xxh3, None) if done is not None else self._commit(run, name, sid, meta)
         finally:
             self._indexes.drop_under(Paths.session(run, name, sid) + "/")
             self.activity.forget(run, name, sid)  # a keep-alive from now on is answered from the store: 409
         if event is not None:
             self.observers.tell("committed", event, time.perf_counter() - t0)
         return digest
+
+    @contextlib.contextmanager
+    def _one_commit(self, run: str, name: str, sid: str) -> Iterator[None]:
+        """One commit of a session at a time in this process: the ranks' last indexes arrive together,
+        each finding every index stored, and each would merge and check the whole checkpoint; the
+        others wait for the first and find its marker."""
+        key = (run, name, sid)
+        with self._lock:
+            entry = self._commits.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._commits[key]
 
     def merged(self, run: str, name: str, sid: str, meta: SessionMeta
                ) -> tuple[Manifest, dict[str, FileEntry], dict[str, tuple[str, str]]]:

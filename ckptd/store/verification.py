@@ -54,7 +54,10 @@ class _StorageSource:
 def verify_committed(storage: Storage, run: str, name: str) -> VerifyRecord:
     """Verify the visible checkpoint ``run/name`` (``latest`` allowed) here, store the record, return it."""
     rec, c = _verify_here(storage, run, name)
-    storage.put(Paths.verification(c.run, c.name), rec.model_dump_json().encode())
+    key = Paths.verification(c.run, c.name)
+    storage.put(key, rec.model_dump_json().encode())
+    if Visibility(storage).check(c.run, c.name) is None:  # deleted meanwhile (rm, gc): leave nothing behind
+        storage.delete(key)
     return rec
 
 

@@ -184,19 +184,20 @@ def test_a_staged_file_changed_between_arrival_and_commit_is_refused(tmp_path):
 def test_the_commit_reads_nothing_declared_and_the_reread_after_the_marker_finds_a_flip(tmp_path):
     srv = _server(tmp_path).start()
     try:
-        good = _data(1)
+        good, data = _data(1), _data(2)
+        # Two saves at once on a fresh service: their re-reads wait for the worker process to start (a new
+        # interpreter importing the checker: hundreds of milliseconds), while the byte below is flipped
+        # within a millisecond of the second commit's answer.
         _save(srv.url, "1", 1, good)
-        assert _verification(srv.url, "1", 60)["ok"] is True  # the re-read after its marker
-        assert _metric(srv.url, 'ckptd_commit_checked_bytes_total{how="on arrival"}') == len(good)
-        assert _metric(srv.url, 'ckptd_commit_checked_bytes_total{how="read back"}') == 0
-
-        data = _data(2)
         _save(srv.url, "2", 2, data)
         with open(_staged(tmp_path / "root", "2"), "r+b") as f:  # right after the marker, before the re-read
             f.seek(8000)
             b = f.read(1)
             f.seek(8000)
             f.write(bytes([b[0] ^ 1]))
+        assert _metric(srv.url, 'ckptd_commit_checked_bytes_total{how="on arrival"}') == 2 * len(good)
+        assert _metric(srv.url, 'ckptd_commit_checked_bytes_total{how="read back"}') == 0
+        assert _verification(srv.url, "1", 60)["ok"] is True  # the re-read after its marker
         rec = _verification(srv.url, "2", 60)
         assert rec is not None and rec["ok"] is False and "f.bin" in rec["problems"][0], rec
         assert _latest(srv.url) == "1" and _loads(srv.url, "1", good)

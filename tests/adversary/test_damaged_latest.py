@@ -22,7 +22,7 @@ import torch
 
 from ckptd_client import CheckpointClient
 from ckptd_schemas import CorruptCheckpoint
-from support import ServerProcess, assert_bits_equal, blank_like
+from support import ServerProcess, assert_bits_equal, blank_like, verified
 
 RUN = "auto"
 
@@ -46,6 +46,7 @@ def srv(tmp_path):
     with CheckpointClient(s.url, incremental=False) as c:
         for step in (1, 2, 3):
             c.save(_state(step), f"{RUN}/{step}").wait()
+    verified(s.url, *(f"{RUN}/{step}" for step in (1, 2, 3)))  # the re-reads found them good, before any flip
     yield s
     s.stop()
 

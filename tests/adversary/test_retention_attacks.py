@@ -23,7 +23,7 @@ import torch
 
 import ckptd_client._files as client_files
 from ckptd_client import CheckpointClient
-from support import ServerProcess, assert_bits_equal, blank_like, make_state, scaled
+from support import ServerProcess, assert_bits_equal, blank_like, make_state, scaled, verified
 
 RUN = "ret"
 
@@ -77,9 +77,11 @@ def test_gc_keeps_the_newest_verified_checkpoint_when_the_newest_is_corrupt(tmp_
         with CheckpointClient(srv.url) as c:
             for s, sd in states.items():
                 c.save(sd, f"{RUN}/{s}").wait()
+        verified(srv.url, *(f"{RUN}/{s}" for s in states))
         _flip_data_byte(root, "3")
         # A dry run says which checkpoint is the newest verified one and how that was established: step 2's
-        # commit recorded its full check, whose stamps still hold (step 3's no longer do: it is read again).
+        # re-read after its commit recorded its check, whose stamps still hold (step 3's no longer do: it is
+        # read again).
         for target, how in ((["--root", str(root)], "recorded verification of the stored bytes"),
                             (["--server", srv.url], "recorded verification of the stored bytes")):
             dry = _cli("gc", RUN, "--keep-last", "1", "--dry-run", "--json", *target)

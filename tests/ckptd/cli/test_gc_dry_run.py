@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from ckptd_client import CheckpointClient
-from support import ServerProcess, make_state
+from support import ServerProcess, make_state, verified
 
 RUN = "dry"
 
@@ -39,6 +39,7 @@ def _root_with_three(tmp_path: Path) -> Path:
         with CheckpointClient(srv.url, incremental=False) as c:
             for step in (1, 2, 3):
                 c.save(make_state(step), f"{RUN}/{step}").wait()
+        verified(srv.url, *(f"{RUN}/{step}" for step in (1, 2, 3)))  # no re-read writes once they are removed
     finally:
         srv.stop()
     for rec in (root / "runs" / RUN).glob("*/VERIFIED.json"):

@@ -27,7 +27,7 @@ import xxhash
 
 from ckptd_client import (AlreadyCommitted, CheckpointNotFound, ChecksumMismatch, CheckpointClient, CorruptCheckpoint,
                           IntegrityError, InvalidName)
-from support import ServerProcess, assert_bits_equal, blank_like, make_state
+from support import ServerProcess, assert_bits_equal, blank_like, make_state, verified
 
 
 
@@ -125,6 +125,7 @@ def env(server):
     sd1 = make_state(1)
     try:
         assert client.save(sd1, f"{run}/1").wait(timeout=60).state == "committed"
+        verified(server.url, f"{run}/1")  # the re-read after the commit has written its record
         yield Env(server, root.parent, root, client, http, sd1, run)
     finally:
         http.close()

@@ -16,7 +16,7 @@ import torch
 import xxhash
 
 from ckptd_client import CheckpointClient
-from support import ServerProcess, make_state
+from support import ServerProcess, make_state, verified
 
 
 def _wait_record(url: str, ref: str, timeout: float = 90.0) -> dict:
@@ -31,9 +31,11 @@ def _wait_record(url: str, ref: str, timeout: float = 90.0) -> dict:
 
 
 def test_the_commit_records_its_own_check_without_a_second_read(tmp_path):
-    """Without CKPTD_VERIFY_AFTER_COMMIT: the record is there the moment the save returns, about this
-    manifest, and counts every byte the commit read with the one checker."""
-    srv = ServerProcess(tmp_path / "root").start()
+    """With CKPTD_VERIFY_BEFORE_VISIBLE (the commit reads every byte back before its marker): the record
+    is there the moment the save returns, about this manifest, and counts every byte the commit read
+    with the one checker. (By default the bytes are checked as they arrive and the record is the
+    re-read's, after the marker: tests/adversary/test_arrival.py.)"""
+    srv = ServerProcess(tmp_path / "root", env={"CKPTD_VERIFY_BEFORE_VISIBLE": "true"}).start()
     try:
         with CheckpointClient(srv.url) as c:
             c.save(make_state(1, mib=1.0), "c/1").wait()
@@ -72,7 +74,7 @@ def test_every_commit_is_verified_and_recorded(tmp_path):
 def test_verify_on_request_finds_a_corrupt_byte_and_names_the_file(server):
     with CheckpointClient(server.url) as c:
         c.save({"w": torch.randn(256, 512)}, "v/3").wait()
-    first = httpx.get(f"{server.url}/v1/checkpoints/v/3/verification", timeout=10).json()  # the commit's check
+    (first,) = verified(server.url, "v/3")  # the re-read after the commit
     assert first["ok"] is True and first["bytes_read"] == 256 * 512 * 4 and first["stamps"], first
     good = httpx.post(f"{server.url}/v1/checkpoints/v/3/verify", timeout=120).json()
     assert good["ok"] is True and good["bytes_read"] > 0
