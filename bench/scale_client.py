@@ -311,7 +311,8 @@ def _table(rows: list[dict]) -> str:
         return f"{x['cpu_s']:.3f} / {x['wall_s']:.3f}"
 
     head = ("| ranks x tensors | ckptd load (first) | DCP load (first) | ckptd save: first, later | DCP save: first, "
-            "later | service CPU-s per load, later save | ckptd collectives per load / save: calls, KB sent, KB received |\n"
+            "later | service CPU-s per load, later save | ckptd collectives per load / save: calls, KB sent, "
+            "KB received |\n"
             + "| --- " * 7 + "|\n")
     lines = []
     for r in rows:
@@ -321,9 +322,11 @@ def _table(rows: list[dict]) -> str:
             for k in ("ckptd_load_collectives", "ckptd_save_collectives"))
         lines.append(f"| {r['ranks']:,} x {r['tensors']} | {cell(r, 'ckptd_load', 'later')} "
                      f"({cell(r, 'ckptd_load', 'first')}) | {cell(r, 'dcp_load', 'later')} "
-                     f"({cell(r, 'dcp_load', 'first')}) | {cell(r, 'ckptd_save', 'first')}, {cell(r, 'ckptd_save', 'later')} | "
+                     f"({cell(r, 'dcp_load', 'first')}) | "
+                     f"{cell(r, 'ckptd_save', 'first')}, {cell(r, 'ckptd_save', 'later')} | "
                      f"{cell(r, 'dcp_save', 'first')}, {cell(r, 'dcp_save', 'later')} | "
-                     f"{r['ckptd_load']['later']['service_cpu_s']:.2f}, {r['ckptd_save']['later']['service_cpu_s']:.2f} | "
+                     f"{r['ckptd_load']['later']['service_cpu_s']:.2f}, "
+                     f"{r['ckptd_save']['later']['service_cpu_s']:.2f} | "
                      f"{coll} |")
     return ("One rank's CPU-s / wall s per call (later: the least CPU of the later calls; DCP: its metadata share "
             "only, bytes not moved).\n\n"
