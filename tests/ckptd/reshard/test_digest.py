@@ -271,7 +271,8 @@ def test_a_unit_hashes_each_small_source_chunk_once_however_often_its_block_is_f
     ex.open_target(sessions, plan, "small/dp2", sid)
     pieces = ex.source_pieces(reader, plan)
     for unit in plan.units:
-        res = ex.run_unit(reader, sessions, plan, unit, "small/dp2", sid, engine=HostEngine(), pieces=pieces)
+        res = ex.run_unit(reader, plan, unit, lambda f: sessions.begin_file("small", "dp2", sid, f),
+                          engine=HostEngine(), pieces=pieces)
         src = [p for p in res.digests if p.side == "src"]
         assert len(src) <= len(tensors), (unit.index, len(src))
     sessions.abort("small", "dp2", sid)
