@@ -1,9 +1,8 @@
 """Compression as a choice made by measurement: whether a chunk is stored compressed.
 
 What a compressed chunk is (the ``"zstd"`` and ``"blosc2"`` codecs, frames of at most
-:data:`FRAME_BYTES` raw bytes, the bounded decode) is the byte format's, in
-:mod:`ckptd_schemas.format.encoding`; its public names are re-exported here. This module holds the
-writer's choice.
+``FRAME_BYTES`` raw bytes, the bounded decode) is the byte format's, in
+:mod:`ckptd_schemas.format.encoding`. This module holds the writer's choice.
 
 Either codec compresses more slowly per core than a local disk takes durable writes (BENCHMARKS.md,
 Compression): there compression only makes a save slower. On a slow store (remote S3) the bytes
@@ -25,14 +24,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ckptd_schemas.format.encoding import (
-    BLOSC2_OVERHEAD, CODECS, FRAME_BYTES, blosc2_problem, codec_for, compressor, decode_frame, encode, source_bytes,
-    split_frames,
-)
+from ckptd_schemas.format.encoding import codec_for, compressor, encode
 
-__all__ = ["CODECS", "DEFAULT_STORE_BW", "FRAME_BYTES", "SAMPLE_BYTES", "CompressionPolicy", "Measurement",
-           "BLOSC2_OVERHEAD", "blosc2_problem", "codec_for", "compression_of", "decode_frame", "encode", "measure",
-           "measure_zstd", "source_bytes", "split_frames"]
+__all__ = ["DEFAULT_STORE_BW", "SAMPLE_BYTES", "CompressionPolicy", "Measurement", "compression_of", "measure",
+           "measure_zstd"]
 
 SAMPLE_BYTES = 1 << 20
 """Bytes of each chunk (from its middle) compressed to measure speed and ratio."""

@@ -73,7 +73,7 @@ from .pieces import SourcePieces, target_place
 from .planner import ALIGN, ReshardChunk, ReshardPlan, WorkUnit, plan_reshard
 
 __all__ = ["MAX_PROBLEMS", "DrillProblem", "DrillRecord", "LayoutDrill", "drill_bytes", "drill_checkpoint", "drill_plan",
-           "plan_drill", "problems_of", "read_record", "write_record"]
+           "plan_drill", "read_record", "write_record"]
 
 log = logging.getLogger("ckptd.reshard")
 
@@ -364,8 +364,4 @@ def read_record(storage: Storage, run: str, name: str) -> DrillRecord | None:
     except ValidationError:
         return None
     return rec if rec.manifest_xxh3 == c.digest else None
-
-
-def problems_of(rec: DrillRecord) -> list[DrillProblem]:
-    return [p for x in rec.layouts for p in x.problems]
 

@@ -11,7 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from ckptd_client import CheckpointClient, FlatShard
-from ckptd_client.codec import FRAME_BYTES, CompressionPolicy, Measurement, measure_zstd, split_frames
+from ckptd_client.codec import CompressionPolicy, Measurement, measure_zstd
+from ckptd_schemas.format.encoding import FRAME_BYTES, split_frames
 from support import run_ranks
 
 MiB = 1 << 20
@@ -256,6 +257,6 @@ def test_each_file_is_handed_on_hashed_before_the_next_is_packed(compression):
 def test_the_blosc2_overhead_bound_is_the_library_s():
     import blosc2
 
-    from ckptd_client.codec import BLOSC2_OVERHEAD
+    from ckptd_schemas.format.encoding import BLOSC2_OVERHEAD
 
     assert BLOSC2_OVERHEAD == blosc2.MAX_OVERHEAD
