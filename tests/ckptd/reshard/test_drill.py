@@ -22,7 +22,10 @@ from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
 from ckptd.store.offline import write_tensors
 from ckptd_schemas import InvalidRequest, Topology
+from ckptd_schemas.format.engines import HostEngine
 from support import ServerProcess, run_ranks, scaled
+
+from .test_digest import Corrupting
 
 WORLD = 2
 SHAPES = {  # FSDP2 shards of these over 2 ranks: uneven rows (torch.chunk), a row-parallel weight for tp's Shard(1)
@@ -282,35 +285,6 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(saved):
     assert _tree(root) == before and not (Path(root) / "runs/fresh/1/DRILL.json").exists()
 
 
-class _FlipOnce:
-    """The host engine, but the first target chunk of at least 1 KiB it assembles has one byte flipped: the
-    bug a drill exists to find, in the reshard's own assembly."""
-
-    name = "host"
-
-    def __init__(self) -> None:
-        from ckptd_schemas.format.engines import HostEngine
-
-        self.inner, self.hit = HostEngine(), []
-
-    def running(self):
-        return self.inner.running()
-
-    def buffer(self, nbytes: int):
-        inner, hit = self.inner.buffer(nbytes), self.hit
-
-        class Buf:
-            begin, copy = inner.begin, inner.copy
-
-            def result(self, dtype: str):
-                raw = inner.result(dtype)
-                if not hit and len(raw) >= 1024:
-                    hit.append(1)
-                    raw[len(raw) // 2] ^= 1
-                return raw
-        return Buf()
-
-
 @pytest.mark.parametrize("layout", ["fsdp2:dp=2", "tp=2"])
 def test_a_wrong_byte_in_the_assembly_is_a_problem_naming_tensor_and_layout(tmp_path, monkeypatch, layout):
     """A drill runs the reshard's own work units into a digest sink that stores nothing: one byte flipped in
@@ -324,7 +298,7 @@ def test_a_wrong_byte_in_the_assembly_is_a_problem_naming_tensor_and_layout(tmp_
     state = {"model.layers.0.attn.o_proj.weight": torch.randn(32, 64, generator=g),
              "model.layers.0.norm.weight": torch.randn(32, generator=g)}
     write_tensors(SessionStore(storage), "flip/1", state, step=1)
-    flip = _FlipOnce()
+    flip = Corrupting(HostEngine(), least=1024)  # a chunk of o_proj, not the norm's 128 bytes
     monkeypatch.setattr(drill, "plan_engine", lambda plan, device: flip)
     before = _tree(tmp_path)
     rec = drill.drill_checkpoint(storage, "flip/1", [layout])
