@@ -67,13 +67,13 @@ from ..store import CheckpointReader
 from ..store.paths import Paths
 from .digest import tensor_digest
 from .drill_layouts import check_layout, resolve_layout
-from .executor import UnitResult, plan_engine, run_unit
+from .executor import UnitResult, plan_engine, reader_of, run_unit
 from .models import MAX_LAYOUTS
 from .pieces import SourcePieces, target_place
 from .planner import ALIGN, ReshardChunk, ReshardPlan, WorkUnit, plan_reshard
 
-__all__ = ["MAX_PROBLEMS", "DrillProblem", "DrillRecord", "LayoutDrill", "drill_bytes", "drill_checkpoint", "drill_plan",
-           "plan_drill", "read_record", "write_record"]
+__all__ = ["MAX_PROBLEMS", "DrillProblem", "DrillRecord", "LayoutDrill", "drill_bytes", "drill_checkpoint",
+           "drill_plan", "plan_drill", "read_record", "write_record"]
 
 log = logging.getLogger("ckptd.reshard")
 
@@ -156,13 +156,8 @@ def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: 
                                                      f"does not hold"))
     engine = plan_engine(plan, "cpu")  # no cast: the host's numpy engine moves the bytes
     pieces = SourcePieces(manifest, (t.name for t in manifest.tensors if t.digest is None))
-    src_keys = {f: Paths.file(manifest.run, manifest.name, manifest.session, f) for f in manifest.files}
-    storage = reader.storage
-
-    def read_source(file: str, start: int, end: int) -> bytes:
-        buf = bytearray(end - start)
-        got = storage.read_into(src_keys[file], start, memoryview(buf))
-        return bytes(buf[:got])
+    read_source = reader_of(reader.storage, lambda file: Paths.file(manifest.run, manifest.name, manifest.session,
+                                                                    file))
 
     lock, local = threading.Lock(), threading.local()  # local: each thread's buffers, reused tensor to tensor
     counts = [0, 0]  # bytes assembled, bytes read
@@ -248,8 +243,9 @@ class _DigestSink:
 
 
 def _target_digest(reader: CheckpointReader, plan: ReshardPlan, t: TensorEntry,
-                   chunks: list[tuple[int, ReshardChunk]], engine: Engine, pieces: SourcePieces, read_source: Callable[[str, int, int], bytes],
-                   progress: Callable[[int], None], scratch: dict[str, Any]) -> tuple[dict[str, str], int]:
+                   chunks: list[tuple[int, ReshardChunk]], engine: Engine, pieces: SourcePieces,
+                   read_source: Callable[[str, int, int], bytes], progress: Callable[[int], None],
+                   scratch: dict[str, Any]) -> tuple[dict[str, str], int]:
     """Tensor ``t``'s target chunks (with their ranks), laid out as one work unit of their own (each chunk
     padded to ``ALIGN``, as the planner lays a unit) and run by the reshard's own ``run_unit`` into a
     :class:`_DigestSink`: ({"dst": the target's layout-independent digest, "src": the source's where the

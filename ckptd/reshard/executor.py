@@ -71,7 +71,7 @@ from .spec import parse_spec
 
 __all__ = ["GPU_CAST_MIN_BYTES", "PROCESS_MIN_CHUNKS", "DeviceChoice", "ReshardResult", "Throttle", "UnitResult",
            "cast_bytes", "choose_device", "finalize", "open_target", "outline_again", "plan_device", "plan_engine",
-           "run_plan", "run_share", "run_unit", "source_pieces"]
+           "reader_of", "run_plan", "run_share", "run_unit", "source_pieces"]
 
 log = logging.getLogger("ckptd.reshard")
 _PAD = bytes(ALIGN)
@@ -403,7 +403,8 @@ def _nbytes(t: TensorEntry) -> int:
     return n
 
 
-def _reader_of(storage: object, key_of: Callable[[str], str]) -> Callable[[str, int, int], bytearray]:
+def reader_of(storage: object, key_of: Callable[[str], str]) -> Callable[[str, int, int], bytearray]:
+    """``read(file, start, end)``: the stored bytes of ``file`` (at ``key_of(file)``), short at its end."""
     def read(file: str, start: int, end: int) -> bytearray:
         buf = bytearray(end - start)
         got = storage.read_into(key_of(file), start, memoryview(buf))
@@ -432,9 +433,9 @@ def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
                            derived_from=plan.source)
     storage = sessions.storage
 
-    read_target = _reader_of(storage, lambda file: Paths.file(out.run, out.name, session, file))
+    read_target = reader_of(storage, lambda file: Paths.file(out.run, out.name, session, file))
     src_keys = {f: Paths.file(source.run, source.name, source.session, f) for f in source.files}
-    read_source = _reader_of(reader.storage, lambda file: src_keys[file])
+    read_source = reader_of(reader.storage, lambda file: src_keys[file])
 
     want = {t.name: t.digest for t in source.tensors if t.digest is not None and not _cast(plan, t.dtype)}
     sizes = {("src", t.name): _nbytes(t) for t in source.tensors if t.name not in want and not _cast(plan, t.dtype)}
