@@ -26,8 +26,7 @@ from typing import Callable
 
 from ckptd_schemas.format.encoding import codec_for, compressor, encode
 
-__all__ = ["DEFAULT_STORE_BW", "SAMPLE_BYTES", "CompressionPolicy", "Measurement", "compression_of", "measure",
-           "measure_zstd"]
+__all__ = ["DEFAULT_STORE_BW", "SAMPLE_BYTES", "CompressionPolicy", "Measurement", "compression_of", "measure"]
 
 SAMPLE_BYTES = 1 << 20
 """Bytes of each chunk (from its middle) compressed to measure speed and ratio."""
@@ -77,12 +76,6 @@ def measure(data: memoryview | bytes, codec: str = "zstd", itemsize: int = 1, *,
     t0 = clock()
     stored = len(encode(sample, codec, itemsize))
     return Measurement(len(sample), stored, clock() - t0)
-
-
-def measure_zstd(data: memoryview | bytes, *, sample_bytes: int = SAMPLE_BYTES,
-                 clock: Callable[[], float] = time.perf_counter) -> Measurement:
-    """:func:`measure` with plain zstd."""
-    return measure(data, "zstd", 1, sample_bytes=sample_bytes, clock=clock)
 
 
 class CompressionPolicy:
