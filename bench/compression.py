@@ -39,7 +39,8 @@ if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
 
 from ckptd_client import CheckpointClient  # noqa: E402
-from ckptd_client.codec import FRAME_BYTES, CompressionPolicy, codec_for, decode_frame, encode  # noqa: E402
+from ckptd_client.codec import CompressionPolicy  # noqa: E402
+from ckptd_schemas.format.encoding import FRAME_BYTES, codec_for, decode_frame, encode  # noqa: E402
 from support import ServerProcess  # noqa: E402  (tests/support.py)
 
 MiB, MB = 1 << 20, 1e6

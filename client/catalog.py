@@ -15,6 +15,7 @@ import contextlib
 import os
 import time
 import uuid
+import warnings
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from ckptd_schemas import (
@@ -171,13 +172,13 @@ class CatalogClient:
         service plans the conversion of ``source`` (``RUN/NAME`` or ``RUN/latest``) into each layout of
         ``to`` (specs, or ``half`` / ``double``), assembles every target chunk and checks every tensor's
         digest against the source's, writing only the record. Returns the job (``id``, ``state``), which
-        :meth:`drill_job` follows."""
+        :meth:`job` follows (``result``: the record, ``ok`` and per layout ``problems``)."""
         return self._transport.request("POST", "/v1/drill", json={"source": source, "to": list(to), "jobs": jobs})
 
     def drill_job(self, job_id: str) -> dict:
-        """The status of drill job ``job_id`` (``GET /v1/drills/{id}``): ``state`` (queued, running, done,
-        failed), then ``result`` (the record: ``ok``, per layout ``problems``) or ``error``."""
-        return self._transport.request("GET", f"/v1/drills/{job_id}")
+        """Deprecated, removed in 0.2.0 with ``GET /v1/drills/{id}``: :meth:`job`."""
+        warnings.warn("CatalogClient.drill_job is CatalogClient.job", DeprecationWarning, stacklevel=2)
+        return self.job(job_id)
 
     def drill_record(self, ref: str) -> dict:
         """The last drill recorded for checkpoint ``ref`` (``GET /v1/checkpoints/{run}/{name}/drill``, read

@@ -131,7 +131,7 @@ class CheckpointClient(CatalogClient):
         safe_globals: classes and functions added, for this client, to the allow-list of
             ``torch.load(weights_only=True)`` that non-tensor objects are saved for and loaded with
             (as for ``torch.serialization.add_safe_globals``, which is honoured too). Only list what is
-            harmless to construct from untrusted data. See ``ckptd_client.objects`` and docs/security.md.
+            harmless to construct from untrusted data. See ``ckptd_schemas.format.objects`` and docs/security.md.
         trust_objects: ``False`` (default): an object that needs an unrestricted unpickler (a ``pickle``
             payload, or ``torch.save`` data naming anything outside the allow-list) is refused with
             ``UnsafeObject`` naming its key, at save and at load, so loading never runs code from a

@@ -1,9 +1,8 @@
 """Compression as a choice made by measurement: whether a chunk is stored compressed.
 
 What a compressed chunk is (the ``"zstd"`` and ``"blosc2"`` codecs, frames of at most
-:data:`FRAME_BYTES` raw bytes, the bounded decode) is the byte format's, in
-:mod:`ckptd_schemas.format.encoding`; its public names are re-exported here. This module holds the
-writer's choice.
+``FRAME_BYTES`` raw bytes, the bounded decode) is the byte format's, in
+:mod:`ckptd_schemas.format.encoding`. This module holds the writer's choice.
 
 Either codec compresses more slowly per core than a local disk takes durable writes (BENCHMARKS.md,
 Compression): there compression only makes a save slower. On a slow store (remote S3) the bytes
@@ -25,14 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ckptd_schemas.format.encoding import (
-    BLOSC2_OVERHEAD, CODECS, FRAME_BYTES, blosc2_problem, codec_for, compressor, decode_frame, encode, source_bytes,
-    split_frames,
-)
+from ckptd_schemas.format.encoding import codec_for, compressor, encode
 
-__all__ = ["CODECS", "DEFAULT_STORE_BW", "FRAME_BYTES", "SAMPLE_BYTES", "CompressionPolicy", "Measurement",
-           "BLOSC2_OVERHEAD", "blosc2_problem", "codec_for", "compression_of", "decode_frame", "encode", "measure",
-           "measure_zstd", "source_bytes", "split_frames"]
+__all__ = ["DEFAULT_STORE_BW", "SAMPLE_BYTES", "CompressionPolicy", "Measurement", "compression_of", "measure"]
 
 SAMPLE_BYTES = 1 << 20
 """Bytes of each chunk (from its middle) compressed to measure speed and ratio."""
@@ -82,12 +76,6 @@ def measure(data: memoryview | bytes, codec: str = "zstd", itemsize: int = 1, *,
     t0 = clock()
     stored = len(encode(sample, codec, itemsize))
     return Measurement(len(sample), stored, clock() - t0)
-
-
-def measure_zstd(data: memoryview | bytes, *, sample_bytes: int = SAMPLE_BYTES,
-                 clock: Callable[[], float] = time.perf_counter) -> Measurement:
-    """:func:`measure` with plain zstd."""
-    return measure(data, "zstd", 1, sample_bytes=sample_bytes, clock=clock)
 
 
 class CompressionPolicy:

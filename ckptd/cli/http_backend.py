@@ -162,7 +162,7 @@ class HttpBackend:
         job = self.client.drill(ref, layouts, jobs=jobs)
         if not bar.quiet and sys.stderr.isatty():
             print(f"drill job {job['id']} of {job['source']} queued", file=sys.stderr)
-        return _follow(job, self.client.drill_job, bar)["result"]
+        return _follow(job, self.client.job, bar)["result"]
 
     def close(self) -> None:
         for ahead in self._ahead.values():

@@ -191,16 +191,14 @@ class RootBackend:
                               imbalance=summary["imbalance"])
 
     def drill(self, ref: str, layouts: list[str], *, jobs: int, bar: Bar) -> dict[str, Any]:
-        """Every layout planned before anything is read, then the drill here (``reshard.drill``)."""
-        from ..reshard.drill import drill_checkpoint, plan_drill
+        """What a service drill job does (``reshard.drill.drill_checkpoint``), here, under a lease."""
+        from ..reshard.drill import drill_checkpoint
 
         src = parse_ref(ref)
         manifest = self.reader.manifest(src.run, src.name)
-        plans = plan_drill(manifest, layouts)
-        total = sum(pc.nbytes for _, p in plans for u in p.units for pc in u.chunks)
         with self.lease(manifest, "drill"):
-            return drill_checkpoint(self.storage, manifest.ref, layouts, jobs=jobs, progress=bar.start(total),
-                                    plans=plans).model_dump(mode="json")
+            rec = drill_checkpoint(self.storage, manifest.ref, layouts, jobs=jobs, start=bar.start)
+        return rec.model_dump(mode="json")
 
     def close(self) -> None:
         pass

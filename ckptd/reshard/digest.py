@@ -17,7 +17,7 @@ from ckptd_schemas.dtypes import FLOATING as FLOATS
 from ckptd_schemas.format.engines import HostEngine, TorchEngine
 from ..store.offline import ReadFn, iter_slabs
 
-__all__ = ["ReadFn", "tensor_digest", "tensor_digests"]
+__all__ = ["tensor_digest"]
 
 
 def tensor_digest(manifest: Manifest, t: TensorEntry, read: ReadFn, *, cast: str | None = None,
@@ -32,9 +32,3 @@ def tensor_digest(manifest: Manifest, t: TensorEntry, read: ReadFn, *, cast: str
                              buffer=engine.buffer(slab_bytes), dtype=out):
         h.update(raw)
     return h.hexdigest()
-
-
-def tensor_digests(manifest: Manifest, read: ReadFn, *, cast: str | None = None,
-                   names: set[str] | None = None) -> dict[str, str]:
-    return {t.name: tensor_digest(manifest, t, read, cast=cast) for t in manifest.tensors
-            if names is None or t.name in names}

@@ -7,17 +7,18 @@ does up to its commit, and nothing after it:
 1. **plan** the conversion (``plan_reshard``, the same pure planner); every layout is planned before
    anything is read, so a spec that does not parse, or a layout the checkpoint cannot take, is
    refused (:class:`InvalidRequest`) with no record written;
-2. **check the target's geometry**: each tensor's target chunks tile its global shape exactly
-   (``ckptd_schemas.geometry.check_tiling``, the commit's own rule);
-3. **assemble every target chunk** with the executor's reading half (:class:`~.executor.ChunkAssembler`:
-   source byte ranges fetched and block-verified, copied into the chunk on the host engine), tensor by
-   tensor, and hash the assembled target into its **layout-independent digest**
-   (``ckptd_schemas.digest``): chunks that are row-major runs (``full``, ``fsdp2``, ``zero*``,
-   ``owner``, ``pp``, ``replicate``) in stream order through one ``StreamHasher``, so memory stays at
-   one target chunk plus the fetches that fill it; a tensor with other chunks (``tp``'s row-parallel
-   ``Shard(1)`` boxes) is placed whole into one buffer first, so it holds that tensor's bytes;
+2. **run the reshard's own work units** (``executor.run_unit``: source byte ranges fetched and
+   block-verified, each target chunk assembled on the host engine and hashed as the reshard writes it),
+   a tensor at a time (its target chunks as one unit), into a **digest sink** that stores nothing
+   (:class:`_DigestSink`), and combine the target's **layout-independent digest** from the parts the
+   unit returns (``ckptd_schemas.digest.combine``), as the reshard's commit does. Memory: one target
+   chunk and the fetches that fill it, and the ragged digest-block ends of the tensor's chunks (at most
+   256 KiB a chunk); a tensor whose chunks are not row-major runs (``tp``'s row-parallel ``Shard(1)``
+   boxes) is kept and placed whole into one buffer, so it holds that tensor's target bytes twice;
+3. **check the target's geometry**: the tensor's target chunks tile its global shape exactly, replicas
+   alike (``ckptd_schemas.geometry.check_tiling``, the commit's own rule);
 4. **compare** with the source's digest: the one its manifest records (derived checkpoints), else
-   the one computed from the verified source bytes the chunks were read from (``SourcePieces``), else
+   the one combined from the verified source bytes the unit fetched (``SourcePieces``), else
    a walk over the stored tensor (``tensor_digest``).
 
 No target file is written and no upload session opened. A damaged source byte, a target chunk that
@@ -44,32 +45,35 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from bisect import bisect_right
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
-from typing import Callable
+from math import prod
+from typing import Any, Callable
 
 import numpy as np
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ckptd_schemas import (
-    ChecksumMismatch, CkptdError, InvalidRequest, Manifest, StorageError, TensorEntry, itemsize, parse_ref,
+    ChecksumMismatch, CkptdError, FlatChunk, InvalidRequest, Manifest, StorageError, TensorEntry, itemsize, parse_ref,
 )
-from ckptd_schemas.digest import StreamHasher, combine
-from ckptd_schemas.geometry import Box, Region, check_tiling
+from ckptd_schemas.digest import DIGEST_BLOCK, StreamHasher, combine
+from ckptd_schemas.format.engines import Engine
+from ckptd_schemas.geometry import check_tiling
 
 from ..storage import Storage
 from ..store import CheckpointReader
 from ..store.paths import Paths
 from .digest import tensor_digest
 from .drill_layouts import check_layout, resolve_layout
-from .executor import ChunkAssembler, plan_engine
+from .executor import UnitResult, plan_engine, reader_of, run_unit
 from .models import MAX_LAYOUTS
 from .pieces import SourcePieces, target_place
-from .planner import ReshardChunk, ReshardPlan, plan_reshard
+from .planner import ALIGN, ReshardChunk, ReshardPlan, WorkUnit, plan_reshard
 
-__all__ = ["MAX_PROBLEMS", "DrillProblem", "DrillRecord", "LayoutDrill", "drill_checkpoint", "drill_plan", "plan_drill",
-           "problems_of", "read_record", "write_record"]
+__all__ = ["MAX_PROBLEMS", "DrillProblem", "DrillRecord", "LayoutDrill", "drill_bytes", "drill_checkpoint",
+           "drill_plan", "plan_drill", "read_record", "write_record"]
 
 log = logging.getLogger("ckptd.reshard")
 
@@ -114,10 +118,6 @@ class DrillRecord(_M):
 
 # -- one layout -----------------------------------------------------------------------------------------
 
-class _Problem(Exception):
-    pass
-
-
 def plan_drill(manifest: Manifest, layouts: list[str]) -> list[tuple[str, ReshardPlan]]:
     """(layout as asked, its plan) for each of ``layouts``: every spec parsed and planned before any I/O;
     :class:`InvalidRequest` (with the grammar) for any that does not parse or that this checkpoint cannot
@@ -140,8 +140,9 @@ def plan_drill(manifest: Manifest, layouts: list[str]) -> list[tuple[str, Reshar
 
 def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: ReshardPlan, *, jobs: int = 1,
                progress: Callable[[int], None] | None = None) -> LayoutDrill:
-    """Assemble every target chunk of ``plan`` (the conversion of ``manifest`` into ``layout``) and check
-    each tensor against the source (module docstring); ``jobs`` tensors at a time. Writes nothing."""
+    """Run every unit of ``plan`` (the conversion of ``manifest`` into ``layout``) into a digest sink, a
+    tensor at a time, and check each tensor against the source (module docstring); ``jobs`` tensors at a
+    time. Writes nothing."""
     t0 = time.monotonic()
     chunks: dict[str, list[tuple[int, ReshardChunk]]] = {t.name: [] for t in manifest.tensors}
     problems: list[DrillProblem] = []
@@ -153,50 +154,32 @@ def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: 
                 problems.append(DrillProblem(layout=layout, tensor=pc.tensor,
                                              message=f"the plan has a target chunk of a tensor {manifest.ref} "
                                                      f"does not hold"))
-    every = [pc for u in plan.units for pc in u.chunks]
     engine = plan_engine(plan, "cpu")  # no cast: the host's numpy engine moves the bytes
     pieces = SourcePieces(manifest, (t.name for t in manifest.tensors if t.digest is None))
-    src_keys = {f: Paths.file(manifest.run, manifest.name, manifest.session, f) for f in manifest.files}
-    storage = reader.storage
+    read_source = reader_of(reader.storage, lambda file: Paths.file(manifest.run, manifest.name, manifest.session,
+                                                                    file))
 
-    def read_source(file: str, start: int, end: int) -> bytes:
-        buf = bytearray(end - start)
-        got = storage.read_into(src_keys[file], start, memoryview(buf))
-        return bytes(buf[:got])
-
-    local = threading.local()
-    lock = threading.Lock()
-    assemblers: list[ChunkAssembler] = []
-    assembled = [0]
+    lock, local = threading.Lock(), threading.local()  # local: each thread's buffers, reused tensor to tensor
+    counts = [0, 0]  # bytes assembled, bytes read
 
     def advance(n: int) -> None:
         with lock:
-            assembled[0] += n
+            counts[0] += n
         if progress is not None:
             progress(n)
 
-    def assembler() -> ChunkAssembler:
-        a = getattr(local, "assembler", None)
-        if a is None:
-            a = local.assembler = ChunkAssembler(reader, plan, every, engine=engine, pieces=pieces)
-            with lock:
-                assemblers.append(a)
-        return a
-
     def one(t: TensorEntry) -> DrillProblem | None:
         try:
-            a = assembler()
-            a.forget_parts()  # this tensor's source parts only: memory stays per tensor
-            got = _target_digest(a, t, chunks[t.name], advance)
-            want = t.digest if t.digest is not None else _source_digest(manifest, t, a, read_source)
-            if got != want:
-                raise _Problem(f"the assembled target's layout-independent digest {got} differs from the "
-                               f"source's {want}")
-            return None
+            scratch = local.__dict__.setdefault("scratch", {})
+            got, n_read = _target_digest(reader, plan, t, chunks[t.name], engine, pieces, read_source, advance,
+                                         scratch)
+            with lock:
+                counts[1] += n_read
+            want = t.digest or got.get("src") or tensor_digest(manifest, t, read_source)
+            return None if got["dst"] == want else DrillProblem(layout=layout, tensor=t.name, message=(
+                f"the assembled target's layout-independent digest {got['dst']} differs from the source's {want}"))
         except StorageError:
             raise  # the store failed, not the checkpoint: the drill stops, nothing is recorded
-        except _Problem as e:
-            return DrillProblem(layout=layout, tensor=t.name, message=str(e))
         except ChecksumMismatch as e:  # a fetch failed its block digests: whose bytes are damaged?
             own = _damaged_chunk(t, read_source)
             message = (f"its stored bytes are damaged: {own}" if own is not None else
@@ -220,76 +203,85 @@ def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: 
     if len(problems) > MAX_PROBLEMS:
         rest = len(problems) - MAX_PROBLEMS + 1
         problems = problems[:MAX_PROBLEMS - 1] + [DrillProblem(layout=layout, message=f"{rest} more problems")]
-    return LayoutDrill(layout=layout, spec=plan.target_spec, ok=not problems, tensors=len(tensors),
-                       bytes=assembled[0], bytes_read=sum(a.bytes_read for a in assemblers),
-                       seconds=round(time.monotonic() - t0, 3), problems=problems)
+    return LayoutDrill(layout=layout, spec=plan.target_spec, ok=not problems, tensors=len(tensors), bytes=counts[0],
+                       bytes_read=counts[1], seconds=round(time.monotonic() - t0, 3), problems=problems)
 
 
-def _target_digest(a: ChunkAssembler, t: TensorEntry, chunks: list[tuple[int, ReshardChunk]],
-                   progress: Callable[[int], None] | None) -> str:
-    """The layout-independent digest of tensor ``t`` as the target layout's chunks hold it, each chunk
-    assembled from the source. Raises :class:`TilingError` when the chunks do not tile ``t`` exactly."""
+class _DigestSink:
+    """A drill's target file (``run_unit``'s ``open_file``), of one tensor: hashed by ``run_unit`` as it is
+    written, stored nowhere. Kept: each write shorter than two digest blocks (``write_hashed`` cuts a chunk
+    at its digest-block bounds, so these hold every ragged end its digest part refers to, which ``combine``
+    reads back: at most 4 blocks a chunk); or, given a ``whole`` buffer of the file's size, every write, in
+    it (the chunks are then placed, :func:`_placed_digest`)."""
+
+    def __init__(self, whole: memoryview | None) -> None:
+        self.whole, self.size, self.starts, self.pieces = whole, 0, [], []
+
+    def open(self, file: str) -> "_DigestSink":
+        return self
+
+    def write(self, data: memoryview | bytes) -> None:
+        if self.whole is not None:
+            self.whole[self.size:self.size + len(data)] = data
+        elif len(data) < 2 * DIGEST_BLOCK:
+            self.starts.append(self.size)
+            self.pieces.append(bytes(data))
+        self.size += len(data)
+
+    def finish(self, expected: str | None = None) -> None:
+        pass
+
+    abort = finish
+
+    def read(self, file: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the file from the writes kept (short where they leave a gap)."""
+        i, out = max(0, bisect_right(self.starts, start) - 1), bytearray()
+        while i < len(self.starts) and self.starts[i] <= start + len(out) < end:
+            out += self.pieces[i][start + len(out) - self.starts[i]:end - self.starts[i]]
+            i += 1
+        return bytes(out)
+
+
+def _target_digest(reader: CheckpointReader, plan: ReshardPlan, t: TensorEntry,
+                   chunks: list[tuple[int, ReshardChunk]], engine: Engine, pieces: SourcePieces,
+                   read_source: Callable[[str, int, int], bytes], progress: Callable[[int], None],
+                   scratch: dict[str, Any]) -> tuple[dict[str, str], int]:
+    """Tensor ``t``'s target chunks (with their ranks), laid out as one work unit of their own (each chunk
+    padded to ``ALIGN``, as the planner lays a unit) and run by the reshard's own ``run_unit`` into a
+    :class:`_DigestSink`: ({"dst": the target's layout-independent digest, "src": the source's where the
+    verified fetches yielded it}, bytes read). Raises :class:`TilingError` when the chunks do not tile ``t``
+    exactly (replicas, one region on several ranks, must hold the same bytes: the commit's rule)."""
     shape = list(t.shape)
-    check_tiling(t.name, shape, [(_region(pc), rank, "") for rank, pc in chunks])
-    held = [pc for _, pc in chunks if pc.numel]
-    places = [target_place(shape, pc.dtype, (pc.offsets, pc.sizes, pc.flat_start)) for pc in held]
-    if all(p is not None for p in places):
-        return _stream_digest(a, t, sorted(zip(places, held), key=lambda x: x[0][0]), progress)  # type: ignore[index]
-    return _placed_digest(a, t, held, progress)
+    at, laid = 0, []
+    for _, pc in chunks:
+        laid.append(pc.model_copy(update={"file_offset": at}))
+        at += pc.nbytes + (-pc.nbytes) % ALIGN
+    runs = all(target_place(shape, pc.dtype, (pc.offsets, pc.sizes, pc.flat_start)) is not None
+               for pc in laid if pc.numel)
+    sink = _DigestSink(None if runs else memoryview(np.empty(at, dtype=np.uint8)))
+    nbytes = itemsize(t.dtype) * prod(shape)
+    r = run_unit(reader, plan, WorkUnit(index=0, rank=0, file="target", size=at, chunks=laid), sink.open,
+                 engine=engine, progress=progress, pieces=pieces, scratch=scratch)
+    check_tiling(t.name, shape, [(c.region, rank, c.location.xxh3) for (rank, _), (_, c) in zip(chunks, r.chunks)])
+    got = combine(r.digests, {("src", t.name): nbytes, ("dst", t.name): nbytes},
+                  lambda side, file, a, b: (sink.read if side == "dst" else read_source)(file, a, b))
+    if not runs:
+        got[("dst", t.name)] = _placed_digest(shape, itemsize(t.dtype), r, sink.whole)
+    return {side: v for (side, _), v in got.items()}, r.bytes_read
 
 
-def _region(pc: ReshardChunk) -> Region:
-    if pc.sizes is not None:
-        return Region(box=Box(tuple(pc.offsets or ()), tuple(pc.sizes)))
-    return Region(flat=(pc.flat_start or 0, pc.flat_length or 0))
-
-
-def _stream_digest(a: ChunkAssembler, t: TensorEntry, ordered: list[tuple[tuple[int, int], ReshardChunk]],
-                   progress: Callable[[int], None] | None) -> str:
-    """Chunks that are row-major runs, in stream order: one pass, one chunk in memory. Replicas (a range
-    held twice) must be byte-identical and are hashed once."""
-    h = StreamHasher()
-    covered, last = 0, (-1, -1)
-    last_xxh3: str | None = None
-    for i, ((start, _), pc) in enumerate(ordered):
-        end = start + pc.nbytes
-        raw = a.assemble(pc, list(t.shape))
-        if progress:
-            progress(pc.nbytes)
-        if (start, end) == last:
-            if xxhash.xxh3_64_hexdigest(raw) != last_xxh3:
-                raise _Problem(f"two target chunks hold bytes [{start}, {end}) with different contents")
-            continue
-        if start != covered:
-            raise _Problem(f"target chunks leave bytes [{covered}, {start}) uncovered" if start > covered
-                           else f"target chunks overlap at bytes [{start}, {covered})")
-        h.update(raw)
-        nxt = ordered[i + 1][0][0] if i + 1 < len(ordered) else None
-        last_xxh3 = xxhash.xxh3_64_hexdigest(raw) if nxt == start else None  # hashed only when a replica follows
-        covered, last = end, (start, end)
-    return h.hexdigest()
-
-
-def _placed_digest(a: ChunkAssembler, t: TensorEntry, held: list[ReshardChunk],
-                   progress: Callable[[int], None] | None) -> str:
-    """Chunks that are not all row-major runs: each placed into one buffer of the whole tensor (its bytes
-    in memory), then hashed in stream order."""
-    shape = list(t.shape)
-    isz = itemsize(t.dtype)
-    n = isz
-    for d in shape:
-        n *= d
-    whole = np.zeros(n, dtype=np.uint8)
+def _placed_digest(shape: list[int], isz: int, r: UnitResult, data: memoryview) -> str:
+    """The digest of a tensor whose chunks are not all row-major runs: the chunks of unit result ``r`` (their
+    bytes: the unit's file, ``data``) placed into one buffer of the tensor's row-major bytes, hashed."""
+    whole = np.empty(isz * prod(shape), dtype=np.uint8)  # the chunks tile it: every byte is written
     rows = whole.reshape(*shape[:-1], shape[-1] * isz)  # a 0-d tensor is a run: never here
-    for pc in held:
-        raw = np.frombuffer(a.assemble(pc, shape), dtype=np.uint8)
-        if progress:
-            progress(pc.nbytes)
-        if pc.sizes is None:
-            start = (pc.flat_start or 0) * isz
-            whole[start:start + raw.size] = raw
+    src = np.frombuffer(data, dtype=np.uint8)
+    for _, c in r.chunks:
+        raw = src[c.location.offset:c.location.offset + c.location.length]
+        if isinstance(c, FlatChunk):
+            whole[c.start * isz:c.start * isz + raw.size] = raw
             continue
-        off, size = list(pc.offsets or ()), list(pc.sizes)
+        off, size = list(c.offsets), list(c.sizes)
         index = tuple(slice(o, o + s) for o, s in zip(off[:-1], size[:-1])) + (
             slice(off[-1] * isz, (off[-1] + size[-1]) * isz),)
         rows[index] = raw.reshape(*size[:-1], size[-1] * isz)
@@ -321,43 +313,33 @@ def _damaged_chunk(t: TensorEntry, read_source: Callable[[str, int, int], bytes]
     return None
 
 
-def _source_digest(manifest: Manifest, t: TensorEntry, a: ChunkAssembler,
-                   read_source: Callable[[str, int, int], bytes]) -> str:
-    """The source tensor's digest from the parts its verified fetches yielded while its target chunks were
-    assembled (ragged ends read back from the source files); failing that (chunks that are not row-major
-    runs, compressed chunks), by walking the stored tensor in slabs."""
-    n = itemsize(t.dtype)
-    for d in t.shape:
-        n *= d
-    got = combine((p for p in a.parts if p.tensor == t.name), {("src", t.name): n},
-                  lambda side, file, start, end: read_source(file, start, end))
-    if ("src", t.name) in got:
-        return got[("src", t.name)]
-    return tensor_digest(manifest, t, read_source)
-
-
 # -- one checkpoint ------------------------------------------------------------------------------------
 
 def drill_checkpoint(storage: Storage, ref: str, layouts: list[str], *, jobs: int = 1,
-                     progress: Callable[[int], None] | None = None, record: bool = True,
-                     plans: list[tuple[str, ReshardPlan]] | None = None) -> DrillRecord:
+                     start: Callable[[int], Callable[[int], None] | None] = lambda total: None,
+                     record: bool = True) -> DrillRecord:
     """Drill the visible checkpoint ``ref`` into each of ``layouts`` and (``record``) store the record
-    beside it. ``plans``: from :func:`plan_drill` of the same manifest, when the caller planned already.
-    The caller holds a lease on ``ref`` meanwhile (so retention spares it): the job runner
-    (``jobs.run_job``) or ``ckptd drill --root``."""
+    beside it. ``start(total)``: called once every layout is planned, with the bytes the drill will
+    assemble; it returns the callback those bytes are counted to as they are. The caller holds a lease on
+    ``ref`` meanwhile (so retention spares it): the job runner (``jobs.run_job``) or ``ckptd drill --root``."""
     t0 = time.monotonic()
     r = parse_ref(ref)
     reader = CheckpointReader(storage)
     c = reader.committed(r.run, r.name)  # not visible: CheckpointNotFound, nothing recorded
     manifest = reader.visibility.manifest(c)
-    if plans is None or any(p.source != manifest.ref or p.source_session != manifest.session for _, p in plans):
-        plans = plan_drill(manifest, layouts)  # planned here, or again: the caller's plans are of another manifest
+    plans = plan_drill(manifest, layouts)
+    progress = start(drill_bytes(plans))
     results = [drill_plan(reader, manifest, layout, plan, jobs=jobs, progress=progress) for layout, plan in plans]
     rec = DrillRecord(ref=c.ref, manifest_xxh3=c.digest, ok=all(x.ok for x in results), layouts=results,
                       seconds=round(time.monotonic() - t0, 3), drilled_at=datetime.now(timezone.utc))
     if record:
         write_record(storage, rec)
     return rec
+
+
+def drill_bytes(plans: list[tuple[str, ReshardPlan]]) -> int:
+    """The bytes of target chunks a drill of ``plans`` assembles."""
+    return sum(pc.nbytes for _, p in plans for u in p.units for pc in u.chunks)
 
 
 def write_record(storage: Storage, rec: DrillRecord) -> None:
@@ -378,8 +360,4 @@ def read_record(storage: Storage, run: str, name: str) -> DrillRecord | None:
     except ValidationError:
         return None
     return rec if rec.manifest_xxh3 == c.digest else None
-
-
-def problems_of(rec: DrillRecord) -> list[DrillProblem]:
-    return [p for x in rec.layouts for p in x.problems]
 

@@ -11,10 +11,9 @@ and 2 for one unit):
 2. ``run_unit`` per work unit, in any order or process: for each target chunk,
    fetch its source byte ranges (block digests verified), assemble it on the
    chosen device (cast there if asked), stream it into the unit's target file.
-   Memory held: one target chunk plus the fetches that fill it. The reading
-   half (:class:`ChunkAssembler`) is shared with ``ckptd drill``
-   (``ckptd.reshard.drill``), which assembles every target chunk the same way
-   and writes none.
+   Memory held: one target chunk plus the fetches that fill it. A drill
+   (``ckptd.reshard.drill``) runs the same units into a sink that stores
+   nothing (``open_file``: the session's files, or a digest sink).
 3. ``finalize``: build each target rank's index, and compare every tensor's
    layout-independent digest on the source and on the target; any difference
    aborts the session (nothing becomes visible). Otherwise the indexes go in
@@ -70,9 +69,9 @@ from .planner import (
 )
 from .spec import parse_spec
 
-__all__ = ["GPU_CAST_MIN_BYTES", "PROCESS_MIN_CHUNKS", "ChunkAssembler", "DeviceChoice", "ReshardResult", "Throttle",
-           "UnitResult", "cast_bytes", "choose_device", "finalize", "open_target", "outline_again", "plan_device",
-           "plan_engine", "run_plan", "run_share", "run_unit", "source_pieces"]
+__all__ = ["GPU_CAST_MIN_BYTES", "PROCESS_MIN_CHUNKS", "DeviceChoice", "ReshardResult", "Throttle", "UnitResult",
+           "cast_bytes", "choose_device", "finalize", "open_target", "outline_again", "plan_device", "plan_engine",
+           "reader_of", "run_plan", "run_share", "run_unit", "source_pieces"]
 
 log = logging.getLogger("ckptd.reshard")
 _PAD = bytes(ALIGN)
@@ -198,63 +197,44 @@ def _cast(plan: ReshardPlan, dtype: str) -> bool:
     return plan.dtype is not None and dtype in FLOATING and plan.dtype != dtype
 
 
-class ChunkAssembler:
-    """The reading half of a work unit, shared by :func:`run_unit` and the drill (``ckptd.reshard.drill``):
-    fills one target chunk at a time from its source byte ranges, each fetch block-verified (a damaged one
-    raises naming the tensor), in buffers allocated once at the largest size ``chunks`` need.
-
-    While it reads, it collects the source tensors' digest parts (``pieces``) in :attr:`parts` and counts
-    the bytes read from storage in :attr:`bytes_read`. Not thread-safe: one per thread.
-    """
-
-    def __init__(self, reader: CheckpointReader, plan: ReshardPlan, chunks: list[ReshardChunk], *, engine: Engine,
-                 pieces: SourcePieces) -> None:
-        src = parse_ref(plan.source)
-        fetch_bytes, chunk_bytes = _largest(chunks)
-        self.source, self.pieces = plan.source, pieces
-        self.fetches = _Fetches(reader, src.run, src.name, fetch_bytes)
-        self.staging = engine.buffer(chunk_bytes)  # one target chunk, reused chunk to chunk
-        self.parts: list[DigestPart] = []
-        self._whole: set[tuple[str, int]] = set()  # source chunks already in ``parts`` whole
-        self.bytes_read = 0
-
-    def forget_parts(self) -> None:
-        """Start :attr:`parts` afresh (the drill keeps one tensor's at a time): the source chunks already
-        hashed whole are hashed again when next fetched."""
-        self.parts = []
-        self._whole.clear()
-
-    def assemble(self, pc: ReshardChunk, shape: list[int]) -> memoryview:
-        """Target chunk ``pc`` of a tensor of global ``shape``, as ``pc.dtype``: a view valid until the next
-        call."""
-        self.staging.begin(pc.src_dtype, pc.numel, shape, sizes=pc.sizes, offsets=pc.offsets,
-                           flat_start=pc.flat_start)
-        def read(f: Fetch) -> memoryview:
-            data, n_read = self.fetches.get(f)
-            self.bytes_read += n_read
-            return data
-
-        def fetched(f: Fetch, data: memoryview) -> None:
-            self.parts += self.pieces.parts(f.file, f.start, data, self._whole)
-
-        with naming_tensor(pc.tensor, self.source):  # a damaged fetch raises naming the tensor
-            run_fetches(pc.reads, read, self.staging.copy, fetched)
-        return self.staging.result(pc.dtype)
-
-
-def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan, unit: WorkUnit, out_ref: str,
-             session: str, *, engine: Engine, progress: Callable[[int], None] | None = None,
-             pieces: SourcePieces | None = None) -> UnitResult:
-    out = parse_ref(out_ref)
+def run_unit(reader: CheckpointReader, plan: ReshardPlan, unit: WorkUnit, open_file: Callable[[str], Any], *,
+             engine: Engine, progress: Callable[[int], None] | None = None, pieces: SourcePieces | None = None,
+             scratch: dict[str, Any] | None = None) -> UnitResult:
+    """Fill ``unit``'s target chunks one at a time from their source byte ranges (each fetch block-verified:
+    a damaged one raises naming the tensor) and write them into ``open_file(unit.file)``: a file sink
+    (``size``, ``write``, ``finish``, ``abort``), the output session's (``SessionStore.begin_file``) or a
+    drill's digest sink. The buffers are allocated once, at the largest size the chunks need; a caller that
+    runs many units keeps them in ``scratch``. The result holds the source tensors' digest parts
+    (``pieces``) seen in the fetches and the target chunks' parts."""
     pieces = pieces or source_pieces(reader, plan)
-    written: list[DigestPart] = []
-    sink = sessions.begin_file(out.run, out.name, session, unit.file)
+    src = parse_ref(plan.source)
+    fetch_bytes, chunk_bytes = _largest(unit.chunks)
+    scratch = {} if scratch is None else scratch  # what a caller keeps unit to unit (the buffers grow as needed)
+    if not scratch:
+        scratch.update(fetches=_Fetches(reader, src.run, src.name, fetch_bytes), staging=engine.buffer(chunk_bytes),
+                       shapes={t.name: t.shape for t in reader.manifest(src.run, src.name).tensors})
+    fetches, staging, shapes = scratch["fetches"], scratch["staging"], scratch["shapes"]
+    parts: list[DigestPart] = []
+    whole: set[tuple[str, int]] = set()  # source chunks already in ``parts`` whole
+    bytes_read = [0]
+
+    def read(f: Fetch) -> memoryview:
+        data, n_read = fetches.get(f)
+        bytes_read[0] += n_read
+        return data
+
+    def fetched(f: Fetch, data: memoryview) -> None:
+        parts.extend(pieces.parts(f.file, f.start, data, whole))
+
+    sink = open_file(unit.file)
     chunks: list[tuple[str, Chunk]] = []
-    chunk_source = ChunkAssembler(reader, plan, unit.chunks, engine=engine, pieces=pieces)
     try:
         for pc in unit.chunks:
-            shape = _shape(reader, plan, pc.tensor)
-            raw = chunk_source.assemble(pc, shape)
+            shape = shapes[pc.tensor]
+            staging.begin(pc.src_dtype, pc.numel, shape, sizes=pc.sizes, offsets=pc.offsets, flat_start=pc.flat_start)
+            with naming_tensor(pc.tensor, plan.source):  # a damaged fetch raises naming the tensor
+                run_fetches(pc.reads, read, staging.copy, fetched)
+            raw = staging.result(pc.dtype)
             assert sink.size == pc.file_offset, "work unit layout out of step with the plan"
             place = target_place(shape, pc.dtype, (pc.offsets, pc.sizes, pc.flat_start))
             xxh3, values = write_hashed(sink.write, raw, place)
@@ -263,8 +243,8 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
                 sink.write(_PAD[:pad])
             loc = Location(file=unit.file, offset=pc.file_offset, length=len(raw), raw_length=len(raw), xxh3=xxh3)
             if place is not None:
-                written.append(digest_piece("dst", pc.tensor, place[1], place[0], raw, file=unit.file,
-                                            file_offset=pc.file_offset, values=values))
+                parts.append(digest_piece("dst", pc.tensor, place[1], place[0], raw, file=unit.file,
+                                          file_offset=pc.file_offset, values=values))
             if pc.sizes is not None:
                 chunk: Chunk = BoxChunk(rank=unit.rank, offsets=pc.offsets, sizes=pc.sizes, location=loc)
             else:
@@ -276,8 +256,8 @@ def run_unit(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     except BaseException:
         sink.abort()
         raise
-    return UnitResult(index=unit.index, rank=unit.rank, file=unit.file, chunks=chunks,
-                      bytes_read=chunk_source.bytes_read, bytes_written=unit.size, digests=chunk_source.parts + written)
+    return UnitResult(index=unit.index, rank=unit.rank, file=unit.file, chunks=chunks, bytes_read=bytes_read[0],
+                      bytes_written=unit.size, digests=parts)
 
 
 def _largest(chunks: list[ReshardChunk]) -> tuple[int, int]:
@@ -339,13 +319,6 @@ class _Fetches:
             self.tails[f.file] = _Tail(f.block_size)
         self.tails[f.file].keep(k0, view[k0 - start:])
         return view, got
-
-
-def _shape(reader: CheckpointReader, plan: ReshardPlan, tensor: str) -> list[int]:
-    src = parse_ref(plan.source)
-    t = reader.manifest(src.run, src.name).tensor(tensor)
-    assert t is not None
-    return t.shape
 
 
 def _indexes(plan: ReshardPlan, source: Manifest, results: list[UnitResult],
@@ -430,7 +403,8 @@ def _nbytes(t: TensorEntry) -> int:
     return n
 
 
-def _reader_of(storage: object, key_of: Callable[[str], str]) -> Callable[[str, int, int], bytearray]:
+def reader_of(storage: object, key_of: Callable[[str], str]) -> Callable[[str, int, int], bytearray]:
+    """``read(file, start, end)``: the stored bytes of ``file`` (at ``key_of(file)``), short at its end."""
     def read(file: str, start: int, end: int) -> bytearray:
         buf = bytearray(end - start)
         got = storage.read_into(key_of(file), start, memoryview(buf))
@@ -459,9 +433,9 @@ def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
                            derived_from=plan.source)
     storage = sessions.storage
 
-    read_target = _reader_of(storage, lambda file: Paths.file(out.run, out.name, session, file))
+    read_target = reader_of(storage, lambda file: Paths.file(out.run, out.name, session, file))
     src_keys = {f: Paths.file(source.run, source.name, source.session, f) for f in source.files}
-    read_source = _reader_of(reader.storage, lambda file: src_keys[file])
+    read_source = reader_of(reader.storage, lambda file: src_keys[file])
 
     want = {t.name: t.digest for t in source.tensors if t.digest is not None and not _cast(plan, t.dtype)}
     sizes = {("src", t.name): _nbytes(t) for t in source.tensors if t.name not in want and not _cast(plan, t.dtype)}
@@ -535,11 +509,11 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: Planned, ou
                                         max_bytes_per_s, progress)
             else:
                 pieces = source_pieces(reader, header)
+                open_file = partial(sessions.begin_file, out.run, out.name, session)
                 spend = _spending(Throttle(max_bytes_per_s), progress)
 
                 def unit(make: Callable[[], WorkUnit]) -> UnitResult:
-                    return run_unit(reader, sessions, header, make(), out_ref, session, engine=engine, progress=spend,
-                                    pieces=pieces)
+                    return run_unit(reader, header, make(), open_file, engine=engine, progress=spend, pieces=pieces)
 
                 with engine.running():
                     if jobs > 1 and len(todo) > 1:
@@ -662,6 +636,8 @@ def run_share(reader: CheckpointReader, sessions: SessionStore, outline: Reshard
     open session (a share's process, a ``ckptd reshard-worker`` pod): one unit's reads held at a time."""
     header = outline.plan(reads=False)
     pieces = source_pieces(reader, header)
+    out = parse_ref(out_ref)
+    open_file = partial(sessions.begin_file, out.run, out.name, session)
     with engine.running():
-        return [run_unit(reader, sessions, header, outline.unit(c), out_ref, session, engine=engine,
-                         progress=progress, pieces=pieces) for c in outline.share_of(share, shares)]
+        return [run_unit(reader, header, outline.unit(c), open_file, engine=engine, progress=progress, pieces=pieces)
+                for c in outline.share_of(share, shares)]

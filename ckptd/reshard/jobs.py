@@ -44,7 +44,7 @@ from ckptd_schemas import AlreadyCommitted, CheckpointNotFound, CkptdError, Mani
 from ..storage import Storage
 from ..store.tiers import open_root
 from ..store import CheckpointReader, SessionStore
-from .drill import drill_checkpoint, plan_drill
+from .drill import drill_bytes, drill_checkpoint, plan_drill
 from .drill_layouts import check_layout
 from .executor import (
     UnitResult, finalize, open_target, outline_again, plan_device, plan_engine, run_plan, run_share,
@@ -131,10 +131,8 @@ def submit_drill(storage: Storage, req: DrillRequest, owner: Owner | None = None
     take, is refused here), then :func:`enqueue`."""
     src = parse_ref(req.source)
     manifest = CheckpointReader(storage).manifest(src.run, src.name)
-    plans = plan_drill(manifest, req.to)
-    total = sum(pc.nbytes for _, p in plans for u in p.units for pc in u.chunks)
     return enqueue(storage, uuid.uuid4().hex, "drill", manifest.ref, owner, request=req.model_dump(mode="json"),
-                   layouts=[check_layout(x) for x in req.to], bytes_total=total)
+                   layouts=[check_layout(x) for x in req.to], bytes_total=drill_bytes(plan_drill(manifest, req.to)))
 
 
 def enqueue(storage: Storage, job_id: str, kind: Kind, source: str, owner: Owner | None,
@@ -208,7 +206,8 @@ def _reshard(storage: Storage, job: JobStatus, progress: Callable[[int], None], 
 
 def _drill(storage: Storage, job: JobStatus, progress: Callable[[int], None], rate: float) -> dict[str, Any]:
     req = DrillRequest.model_validate(job.request)
-    return drill_checkpoint(storage, job.source, job.layouts, jobs=req.jobs, progress=progress).model_dump(mode="json")
+    return drill_checkpoint(storage, job.source, job.layouts, jobs=req.jobs,
+                            start=lambda total: progress).model_dump(mode="json")
 
 
 _BODIES: dict[str, Callable[[Storage, JobStatus, Callable[[int], None], float], dict[str, Any]]] = {

@@ -19,7 +19,7 @@ under ``/v1`` except probes)::
     PUT    /v1/checkpoints/{run}/{name}/leases/{holder}                 read_routes: hold a read lease
     DELETE /v1/checkpoints/{run}/{name}/leases/{holder}                 read_routes: release it
     POST   /v1/reshard, /v1/reshard/preview; GET /v1/jobs/{job_id}      reshard_routes: reshard jobs (and any job)
-    POST   /v1/drill; GET /v1/drills/{job_id}                           drill_routes: conversion drill jobs
+    POST   /v1/drill (GET /v1/drills/{job_id}: deprecated)             drill_routes: conversion drill jobs
     GET    /v1/checkpoints/{run}/{name}/drill                           drill_routes: the last recorded drill
     POST   /v1/runs/{run}/gc                                            retention_routes: retention
     DELETE /v1/checkpoints/{run}/{name}                                 retention_routes: remove one, if unprotected

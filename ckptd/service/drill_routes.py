@@ -2,9 +2,9 @@
 
 ::
 
-    POST /v1/drill                               submit a drill job: 202 + the job (admin)
-    GET  /v1/drills/{job_id}                     the job: queued, running, done (with the record) or failed (admin;
-                                                 GET /v1/jobs/{job_id} answers it too)
+    POST /v1/drill                               submit a drill job: 202 + the job (admin), followed at
+                                                 GET /v1/jobs/{job_id}: queued, running, done (with the record) or failed
+    GET  /v1/drills/{job_id}                     deprecated (removed in 0.2.0): the same, for a drill job only
     GET  /v1/checkpoints/{run}/{name}/drill      the last drill recorded for the manifest committed there (read)
 
 A drill (``ckptd.reshard.drill``) reads a committed checkpoint, assembles every target chunk of each
@@ -145,17 +145,20 @@ def drill_router(storage: Storage, watch: "JobWatch", metrics: "Metrics") -> API
     @router.post("/v1/drill", status_code=202, response_model=JobStatus)
     async def create_drill(body: DrillRequest, response: Response) -> JobStatus:
         """Plan every layout (400 for a bad spec or a layout this checkpoint cannot take, nothing written),
-        then run the drill in a worker process; follow it at ``GET /v1/drills/{id}``."""
+        then run the drill in a worker process; follow it at ``GET /v1/jobs/{id}``."""
         from ..reshard.jobs import submit_drill
 
         job = await run_in_threadpool(submit_drill, storage, body, watch.owner)
         watch.submit(job).add_done_callback(count_drill(metrics, f"job {job.id}"))
-        response.headers["Location"] = f"/v1/drills/{job.id}"
+        response.headers["Location"] = f"/v1/jobs/{job.id}"
         return job
 
-    @router.get("/v1/drills/{job_id}", response_model=JobStatus)
-    async def drill_status(job_id: str) -> JobStatus:
-        """The drill job; one whose replica stopped is resumed first (module docstring)."""
+    @router.get("/v1/drills/{job_id}", response_model=JobStatus, deprecated=True)
+    async def drill_status(job_id: str, response: Response) -> JobStatus:
+        """Deprecated, removed in 0.2.0: ``GET /v1/jobs/{id}`` answers a job of any kind. The drill job; one
+        whose replica stopped is resumed first (module docstring)."""
+        response.headers["Deprecation"] = "true"
+        response.headers["Link"] = f'</v1/jobs/{job_id}>; rel="successor-version"'
         return await run_in_threadpool(watch.read, job_id, "drill")
 
     @router.get("/v1/checkpoints/{run}/{name}/drill", response_model=DrillRecord)

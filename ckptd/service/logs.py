@@ -31,18 +31,13 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["JsonFormatter", "RequestContextMiddleware", "TextFormatter", "configure_logging", "current_request_id",
-           "request_id_var"]
+__all__ = ["JsonFormatter", "RequestContextMiddleware", "TextFormatter", "configure_logging", "request_id_var"]
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("ckptd_request_id", default=None)
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _BEARER_RE = re.compile(r"(?i)(bearer\s+)[^\s'\",;)\]}]+")
 _STD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "color_message"}
 access_log = logging.getLogger("ckptd.access")
-
-
-def current_request_id() -> str | None:
-    return request_id_var.get()
 
 
 def redact(text: str) -> str:

@@ -75,9 +75,6 @@ __all__ = ["BadMarker", "Committed", "Latest", "Skipped", "Visibility", "manifes
 
 log = logging.getLogger("ckptd.store")
 
-#: Why a checkpoint is invisible (the label of ``ckptd_invisible_checkpoints_total``).
-REASONS = ("marker_malformed", "manifest_missing", "manifest_digest", "manifest_malformed", "disagrees")
-
 #: A ``COMMITTED`` marker is a few hundred bytes; a larger object there is not read, and the
 #: checkpoint is invisible.
 MAX_MARKER_BYTES = 64 << 10

@@ -2,7 +2,7 @@
 
 A checkpoint's objects come from whoever could write to its run, so loading one must not run code
 from it. Every encode and decode of an object, by the client and by the service, goes through this
-module (the client re-exports its public names as ``ckptd_client.objects``):
+module:
 
 save (``build_snapshot``, the DCP writer): :func:`encode_object` for each object leaf. A value that
 round-trips through JSON exactly (same types: ``dict`` with ``str`` keys, ``list``, ``str``,

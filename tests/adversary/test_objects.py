@@ -58,7 +58,7 @@ import xxhash
 
 from ckptd.service.auth import hash_token
 from ckptd_client import CheckpointClient, CheckpointNotFound, UnsafeObject
-from ckptd_client.objects import TrustedObjectWarning
+from ckptd_schemas.format.objects import TrustedObjectWarning
 from ckptd_schemas import BoxChunk, Location, ObjectEntry, RankIndex, TensorEntry
 from ckptd_schemas.names import DCP_METADATA
 from support import ServerProcess, assert_bits_equal, blank_like, make_state, scaled

@@ -53,7 +53,7 @@ import xxhash
 import zstandard
 
 from ckptd.service.auth import hash_token
-from ckptd_client.codec import decode_frame
+from ckptd_schemas.format.encoding import decode_frame
 from ckptd_client.transport import Transport
 from ckptd_schemas import ChecksumMismatch
 from support import ServerProcess, plant_file, scaled

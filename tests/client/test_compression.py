@@ -11,7 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from ckptd_client import CheckpointClient, FlatShard
-from ckptd_client.codec import FRAME_BYTES, CompressionPolicy, Measurement, measure_zstd, split_frames
+from ckptd_client.codec import CompressionPolicy, Measurement, measure
+from ckptd_schemas.format.encoding import FRAME_BYTES, split_frames
 from support import run_ranks
 
 MiB = 1 << 20
@@ -71,7 +72,7 @@ def test_decision_compares_upload_time_with_compress_plus_smaller_upload():
 
 def test_measurement_uses_the_injected_clock_and_a_middle_sample():
     data = bytes(4 * MiB)
-    m = measure_zstd(data, clock=fixed_speed_clock(0.25))
+    m = measure(data, "zstd", 1, clock=fixed_speed_clock(0.25))
     assert m.raw == MiB and m.seconds == 0.25 and m.ratio < 0.01
     assert policy(100 * MB).should_compress(raw(low_entropy_bf16(1024, 1024)))
     assert not policy(100 * MB).should_compress(raw(random_fp32(512, 1024)))    # 8% is not worth 2 ms/MiB
@@ -256,6 +257,6 @@ def test_each_file_is_handed_on_hashed_before_the_next_is_packed(compression):
 def test_the_blosc2_overhead_bound_is_the_library_s():
     import blosc2
 
-    from ckptd_client.codec import BLOSC2_OVERHEAD
+    from ckptd_schemas.format.encoding import BLOSC2_OVERHEAD
 
     assert BLOSC2_OVERHEAD == blosc2.MAX_OVERHEAD

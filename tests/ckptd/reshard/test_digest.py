@@ -220,24 +220,25 @@ def test_row_layouts_are_checked_from_the_units_bytes_without_a_second_pass(root
     assert tensor_digest(m, m.tensor("model.a"), read) == digests["model.a"]
 
 
-class _Corrupting:
-    """An engine whose first target chunk comes out with one bit flipped, after the source was verified."""
+class Corrupting:
+    """An engine whose first target chunk (of at least ``least`` bytes) comes out with one bit flipped, after
+    the source was verified."""
 
-    def __init__(self, inner) -> None:
-        self.inner, self.name, self.hit = inner, "corrupting", []
+    def __init__(self, inner, least: int = 1) -> None:
+        self.inner, self.name, self.hit, self.least = inner, "corrupting", [], least
 
     def running(self):
         return self.inner.running()
 
     def buffer(self, nbytes: int):
-        inner, hit = self.inner.buffer(nbytes), self.hit
+        inner, hit, least = self.inner.buffer(nbytes), self.hit, self.least
 
         class Buf:
             begin, copy = inner.begin, inner.copy
 
             def result(self, dtype: str):
                 raw = inner.result(dtype)
-                if not hit and len(raw):
+                if not hit and len(raw) >= least:
                     hit.append(1)
                     raw[0] ^= 1
                 return raw
@@ -248,7 +249,7 @@ class _Corrupting:
 def test_a_wrong_byte_in_assembly_fails_the_job_and_commits_nothing(root, engine):
     storage, reader, sessions = root
     write_tensors(sessions, "bad/src", _state(2), step=1)
-    corrupting = _Corrupting(engine())
+    corrupting = Corrupting(engine())
     plan = plan_reshard(reader.manifest("bad", "src"), parse_spec("fsdp2:dp=2"))
     with pytest.raises(IntegrityError, match="digests differ"):
         ex.run_plan(reader, sessions, plan, "bad/out", uuid.uuid4().hex, engine=corrupting, jobs=2)
@@ -271,7 +272,8 @@ def test_a_unit_hashes_each_small_source_chunk_once_however_often_its_block_is_f
     ex.open_target(sessions, plan, "small/dp2", sid)
     pieces = ex.source_pieces(reader, plan)
     for unit in plan.units:
-        res = ex.run_unit(reader, sessions, plan, unit, "small/dp2", sid, engine=HostEngine(), pieces=pieces)
+        res = ex.run_unit(reader, plan, unit, lambda f: sessions.begin_file("small", "dp2", sid, f),
+                          engine=HostEngine(), pieces=pieces)
         src = [p for p in res.digests if p.side == "src"]
         assert len(src) <= len(tensors), (unit.index, len(src))
     sessions.abort("small", "dp2", sid)

@@ -22,7 +22,10 @@ from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
 from ckptd.store.offline import write_tensors
 from ckptd_schemas import InvalidRequest, Topology
+from ckptd_schemas.format.engines import HostEngine
 from support import ServerProcess, run_ranks, scaled
+
+from .test_digest import Corrupting
 
 WORLD = 2
 SHAPES = {  # FSDP2 shards of these over 2 ranks: uneven rows (torch.chunk), a row-parallel weight for tp's Shard(1)
@@ -280,3 +283,29 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(saved):
         if "--jobs" not in args:  # argparse's own refusals print the usage line too
             assert len(lines) == 1, (args, out.stderr)
     assert _tree(root) == before and not (Path(root) / "runs/fresh/1/DRILL.json").exists()
+
+
+@pytest.mark.parametrize("layout", ["fsdp2:dp=2", "tp=2"])
+def test_a_wrong_byte_in_the_assembly_is_a_problem_naming_tensor_and_layout(tmp_path, monkeypatch, layout):
+    """A drill runs the reshard's own work units into a digest sink that stores nothing: one byte flipped in
+    one assembled target chunk, of row-major runs (fsdp2) or of ``tp``'s ``Shard(1)`` boxes (placed whole),
+    fails the tensor, naming it and the layout; the other tensor passes, and nothing but the record is
+    written."""
+    from ckptd.reshard import drill
+
+    storage = LocalStorage(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    state = {"model.layers.0.attn.o_proj.weight": torch.randn(32, 64, generator=g),
+             "model.layers.0.norm.weight": torch.randn(32, generator=g)}
+    write_tensors(SessionStore(storage), "flip/1", state, step=1)
+    flip = Corrupting(HostEngine(), least=1024)  # a chunk of o_proj, not the norm's 128 bytes
+    monkeypatch.setattr(drill, "plan_engine", lambda plan, device: flip)
+    before = _tree(tmp_path)
+    rec = drill.drill_checkpoint(storage, "flip/1", [layout])
+    assert flip.hit and not rec.ok, rec
+    (x,) = rec.layouts
+    assert [(p.layout, p.tensor) for p in x.problems] == [(layout, "model.layers.0.attn.o_proj.weight")], x.problems
+    assert "differs from the source's" in x.problems[0].message and x.tensors == 2
+    assert _tree(tmp_path) - before == {"runs/flip/1/DRILL.json"}
+    monkeypatch.undo()  # the same drill with the host engine as it is: every tensor passes
+    assert drill.drill_checkpoint(storage, "flip/1", [layout], record=False).ok

@@ -77,10 +77,14 @@ def test_a_drill_runs_in_the_pool_and_its_record_is_the_checkpoints_drill(app, p
     r = call(app, "POST", "/v1/drill", json={"source": "dr/1", "to": ["full", "tp=2"]})
     assert r.status_code == 202, r.text
     job = r.json()
-    assert job["kind"] == "drill" and job["state"] == "queued" and r.headers["location"] == f"/v1/drills/{job['id']}"
-    done = _wait_until(lambda: (st := call(app, "GET", f"/v1/drills/{job['id']}").json())["state"] in (
+    assert job["kind"] == "drill" and job["state"] == "queued" and r.headers["location"] == f"/v1/jobs/{job['id']}"
+    done = _wait_until(lambda: (st := call(app, "GET", f"/v1/jobs/{job['id']}").json())["state"] in (
         "done", "failed") and st)
     assert done["state"] == "done" and done["result"]["ok"] is True, done
+    old = call(app, "GET", f"/v1/drills/{job['id']}")  # the deprecated alias: the same record, marked so
+    assert old.json() == done and old.headers["deprecation"] == "true", old.headers
+    assert old.headers["link"] == f'</v1/jobs/{job["id"]}>; rel="successor-version"'
+    assert call(app, "GET", "/openapi.json").json()["paths"]["/v1/drills/{job_id}"]["get"]["deprecated"] is True
     rec = call(app, "GET", "/v1/checkpoints/dr/1/drill").json()
     assert rec["ok"] is True and rec["ref"] == "dr/1" and [x["layout"] for x in rec["layouts"]] == ["full", "tp=2"]
     _wait_until(lambda: _drills(metrics, "ok") == 1)  # the future's callback, once
