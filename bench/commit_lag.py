@@ -1,7 +1,7 @@
 """Commit lag: the time from a save's last stored byte to its marker, by size, world size and store.
 
     .venv/bin/python -m bench.commit_lag --out bench/results/commit_lag.json
-    .venv/bin/python -m bench.commit_lag --sizes 64M,256M,1G,4G --ranks 2,8,64 --stores local,s3,s3-direct
+    .venv/bin/python -m bench.commit_lag --sizes 64M,256M,1G,4G --s3-sizes 64M,256M,1G,4G --ranks 2,8,64
 
 R simulated ranks save one checkpoint of S bytes in all against a real ``ckptd serve`` (its own
 process) over the documented wire protocol (``docs/http-api.md``), the way bench/scale.py drives
@@ -12,13 +12,15 @@ one chunk per file. All ranks at once. Every save's bytes differ from every othe
 pool, each 4 MiB piece XORed with its own 64-bit salt per save, rank, file and piece), streamed, so
 the harness holds no file whole; digests are computed before the save (untimed).
 
-Stores (``--stores``): ``local`` (a root in the work directory), ``s3`` (``s3://`` on one moto server,
-tests/s3_server.py ``MotoServer``, as bench/s3.py starts it; every byte through the service), and
-``s3-direct`` (the same root, each file PUT straight into the bucket with the presigned URLs the
-service signs, ``POST .../presign`` then ``.../confirm``, as the default client does: parts of
-``PART_BYTES``, 4 in flight per rank). Per store one service process serves every save (one untimed
-2-rank save first); the settings are the defaults but for the per-principal limits (off: every
-simulated rank is one principal).
+Stores (``--stores``): ``local`` (a root in the work directory; sizes ``--sizes``), ``s3`` (``s3://``
+on one moto server, tests/s3_server.py ``MotoServer``, as bench/s3.py starts it; every byte through
+the service) and ``s3-direct`` (the same root, each file PUT straight into the bucket with the
+presigned URLs the service signs, ``POST .../presign`` then ``.../confirm``, as the default client
+does: parts of ``PART_BYTES``, 4 in flight per rank); the S3 stores save ``--s3-sizes`` (default up
+to 256 MiB: moto serves a ranged GET by copying the whole object, so a GiB there takes ~50 s a
+save). Per store one service process serves every save (one untimed 2-rank save first); the
+settings are the defaults but for the per-principal limits (off: every simulated rank is one
+principal).
 
 Per save:
 
@@ -431,6 +433,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="64M,256M,1G", help="total checkpoint sizes, comma-separated (M, G: MiB, GiB)")
     ap.add_argument("--ranks", default="2,8", help="world sizes, comma-separated")
+    ap.add_argument("--s3-sizes", default="64M,256M",
+                    help="the sizes on the S3 stores (moto takes ~50 s per GiB saved and committed here)")
     ap.add_argument("--stores", default="local,s3,s3-direct", help=f"of {', '.join(STORES)}")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "commit_lag.json")
@@ -438,12 +442,16 @@ def main(argv: list[str] | None = None) -> None:
     add_workdir_args(ap)
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    s3_sizes = [parse_size(s) for s in args.s3_sizes.split(",")]
     worlds = [int(x) for x in args.ranks.split(",")]
     stores = [s.strip() for s in args.stores.split(",")]
     assert set(stores) <= set(STORES), stores
     t0 = time.perf_counter()
-    result: dict = {"command": " ".join([Path(sys.executable).name, "-m", "bench.commit_lag", *(argv or sys.argv[1:])]),
-                    "config": {"sizes": sizes, "ranks": worlds, "stores": stores, "repeat": args.repeat,
+    command = (f".venv/bin/python -m bench.commit_lag --sizes {args.sizes} --s3-sizes {args.s3_sizes} --ranks "
+               f"{args.ranks} --stores {args.stores} --repeat {args.repeat}")  # every setting, defaults too
+    result: dict = {"command": command,
+                    "config": {"sizes": sizes, "s3_sizes": s3_sizes, "ranks": worlds, "stores": stores,
+                               "repeat": args.repeat,
                                "file_bytes": FILE_BYTES, "part_bytes": PART_BYTES, "env": ENV},
                     "git": git_state(), "nproc": os.cpu_count(), "stores": []}
     with work_dir("ckptd-bench-lag-", args.workdir, args.keep) as work:
@@ -457,7 +465,8 @@ def main(argv: list[str] | None = None) -> None:
                 import importlib.metadata as md
                 result["config"]["moto"] = md.version("moto")
             for which in stores:
-                result["stores"].append(run_store(which, sizes, worlds, args.repeat, work, data, moto))
+                result["stores"].append(run_store(which, sizes if which == "local" else s3_sizes, worlds, args.repeat,
+                                                  work, data, moto))
         finally:
             if moto is not None:
                 moto.stop()
