@@ -8,7 +8,7 @@
   (check-jsonschema's bundled copy), and consistent: the bucket ckptd's root names is the one the
   creation step makes, credentials and endpoint point at the store, probes name real routes. With
   moto installed, the ckptd service's compose environment serves from a moto S3 server.
-- ``deploy/k8s/`` and ``deploy/k8s/tiered/``: every manifest valid against the Kubernetes JSON
+- ``deploy/k8s/``, ``deploy/k8s/tiered/`` and ``deploy/k8s/node-local/``: every manifest valid against the Kubernetes JSON
   schemas (kubernetes-validate, strict: unknown fields refused, schemas bundled, no network), names
   and ports consistent across the files; each ``kustomization.yaml`` renders (here, and with
   ``kubectl kustomize`` where it is installed) to valid manifests whose every image is the one its
@@ -17,6 +17,9 @@
 - The tiered layout (fast tier on a node-local volume, durable tier in the bucket): its replicas'
   environment serves here as two processes with their own fast tiers, the reshard Job's workers
   read and commit on the durable tier only, and a replica with a new fast tier serves their output.
+- The node-local layout (a replica per training node on one S3 root): its DaemonSet's environment
+  serves here with the socket where the trainer pods of docs/deployment.md mount it, and a rank here
+  hands its files over through it.
 - The image's build behind a registry mirror: it pulls ``BASE_IMAGE`` alone and takes every package
   index from a build argument, the ones docs/deployment.md's mirror command passes.
 """
@@ -49,9 +52,10 @@ from support import REPO, free_port
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 TIERED = K8S / "tiered"
+NODE_LOCAL = K8S / "node-local"
 KUSTOMIZATION = "kustomization.yaml"
 #: Files of each folder that ``kubectl apply -k`` leaves out: templates filled in per use.
-TEMPLATES = {K8S: {"secret.yaml", "reshard-job.yaml"}, TIERED: {"local-pv.yaml"}}
+TEMPLATES = {K8S: {"secret.yaml", "reshard-job.yaml"}, TIERED: {"local-pv.yaml"}, NODE_LOCAL: set()}
 MIRROR_IMAGE = "mirror.example.com/ml/ckptd"
 VENV_BIN = Path(sys.executable).parent
 
@@ -502,7 +506,8 @@ def _validate(where: str, doc: dict) -> None:
 @pytest.mark.parametrize("folder, kinds", [
     (K8S, ["ConfigMap", "Deployment", "Job", "PodDisruptionBudget", "Secret", "Service"]),
     (TIERED, ["ConfigMap", "PersistentVolume", "PodDisruptionBudget", "Service", "StatefulSet", "StorageClass"]),
-], ids=["plain", "tiered"])
+    (NODE_LOCAL, ["ConfigMap", "DaemonSet", "Service"]),
+], ids=["plain", "tiered", "node-local"])
 def test_k8s_manifests_validate_against_the_kubernetes_schemas(folder, kinds):
     docs = _manifests(folder)
     assert sorted({d["kind"] for _, d in docs}) == kinds
@@ -566,7 +571,7 @@ def _by_kind_and_name(docs: list[dict]) -> dict[tuple[str, str], dict]:
     return out
 
 
-@pytest.mark.parametrize("folder", [K8S, TIERED], ids=["plain", "tiered"])
+@pytest.mark.parametrize("folder", [K8S, TIERED, NODE_LOCAL], ids=["plain", "tiered", "node-local"])
 def test_k8s_kustomization_renders_and_every_image_is_the_operators(folder, tmp_path):
     """``kubectl apply -k`` applies every manifest of the folder but its templates, valid; the image the
     operator names in ``images:`` (a registry mirror's path) is the image of every container, so no pull
@@ -611,7 +616,7 @@ def _selects(selector: dict, labels: dict) -> bool:
 
 
 def _workloads() -> list[tuple[Path, dict]]:
-    return [(f, d) for f in (K8S, TIERED) for _, d in _manifests(f) if _pod_specs(d)]
+    return [(f, d) for f in (K8S, TIERED, NODE_LOCAL) for _, d in _manifests(f) if _pod_specs(d)]
 
 
 @pytest.mark.parametrize("folder, kind", [(K8S, "Deployment"), (TIERED, "StatefulSet")], ids=["plain", "tiered"])
@@ -777,10 +782,148 @@ def test_k8s_tiered_manifests_agree(routes):
     # Service of either layout balances over them.
     assert svc["spec"].get("clusterIP") == "None" and sts["spec"]["serviceName"] == svc["metadata"]["name"]
     assert all(p["targetPort"] in ports for p in svc["spec"]["ports"])
-    for folder in (K8S, TIERED):
+    for folder in (K8S, TIERED, NODE_LOCAL):
         for _, other in _manifests(folder):
             if other["kind"] == "Service" and other["spec"].get("clusterIP") != "None":
                 assert not other["spec"]["selector"].items() <= labels.items(), other["metadata"]["name"]
+
+
+def _trainer_pod() -> dict:
+    """The trainer pod of docs/deployment.md's "Node-local replicas": its one YAML block."""
+    blocks = re.findall(r"^```yaml\n(.*?)^```", _doc_section("Node-local replicas"), re.M | re.S)
+    assert len(blocks) == 1, "docs/deployment.md, Node-local replicas: one yaml block, the trainer pod"
+    return yaml.safe_load(blocks[0])
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` in an env value, from the variables defined before it."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], value)
+
+
+def test_k8s_node_local_manifests_agree(routes):
+    """The node-local layout: a replica on every training node (a DaemonSet with placeholders for the
+    nodes' label and taints) on the plain layout's bucket, direct uploads off so each node's ranks hand
+    their bytes to their own node's replica; reached at the node's address (``hostPort``, the pod's own
+    network namespace kept), with a Service over every replica as the trainers' second URL; the socket
+    made where TMPDIR points, a node directory that only a CHOWN-only init step touches as root and that
+    the trainer pod of docs/deployment.md mounts at the same path, read-only, and whose URLs it names."""
+    _, stages = _stages()
+    image_uid = int(_last(stages[-1], "USER").value[0].split(":")[0])
+    cm, ds, svc = (_one(k, folder=NODE_LOCAL) for k in ("ConfigMap", "DaemonSet", "Service"))
+    plain_cm, dep = _one("ConfigMap"), _one("Deployment")
+    secrets = {d["metadata"]["name"]: d for _, d in _manifests() if d["kind"] == "Secret"}
+    config = cm["data"]
+    _check_ckptd_vars(config, "node-local ConfigMap")
+    assert cm["metadata"]["name"] == plain_cm["metadata"]["name"]
+    assert config["CKPTD_ROOT"] == plain_cm["data"]["CKPTD_ROOT"] and urlsplit(config["CKPTD_ROOT"]).scheme == "s3"
+    settings = Settings(direct_uploads=config["CKPTD_DIRECT_UPLOADS"], local_uploads=config["CKPTD_LOCAL_UPLOADS"])
+    assert settings.direct_uploads is False and settings.local_uploads is True
+    port = int(config["CKPTD_PORT"])
+
+    pod = ds["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert _selects(ds["spec"]["selector"], labels) and svc["spec"]["selector"].items() <= labels.items()
+    spec = pod["spec"]
+    assert spec["nodeSelector"] and spec["tolerations"], "the training nodes' label and taints, to fill in"
+    assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC")
+    (ctr,) = spec["containers"]
+    assert ctr["args"] == ["serve"] and ctr["image"] == dep["spec"]["template"]["spec"]["containers"][0]["image"]
+    (p,) = ctr["ports"]
+    assert p["containerPort"] == p["hostPort"] == port
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz"), ("startupProbe", "/healthz")):
+        get = ctr[probe]["httpGet"]
+        assert get["path"] == path and path in routes and get["port"] == p["name"], (probe, get)
+    for src in ctr["envFrom"]:
+        if "configMapRef" in src:
+            assert src["configMapRef"]["name"] == cm["metadata"]["name"]
+        else:
+            assert src["secretRef"]["name"] in secrets
+    env = {e["name"]: e.get("value") for e in ctr["env"]}
+    _check_ckptd_vars(env, "DaemonSet")
+    tokens_file = Path(env["CKPTD_TOKENS_FILE"])
+    vol = next(v for v in spec["volumes"] if "secret" in v)
+    mount = next(m for m in ctr["volumeMounts"] if m["name"] == vol["name"])
+    assert mount["readOnly"] and Path(mount["mountPath"]) == tokens_file.parent
+    assert vol["secret"]["secretName"] in secrets
+    assert svc["spec"].get("clusterIP") != "None" and all(pt["targetPort"] == p["name"] for pt in svc["spec"]["ports"])
+
+    # The socket's directory: TMPDIR, the node's directory mounted there, at the same path.
+    (sock_mount,) = [m for m in ctr["volumeMounts"] if Path(m["mountPath"]) == Path(env["TMPDIR"])]
+    (sockets,) = [v for v in spec["volumes"] if v["name"] == sock_mount["name"]]
+    assert "hostPath" in sockets, f"TMPDIR={env['TMPDIR']}: the volume there is not the node's directory"
+    assert sockets["hostPath"]["path"] == sock_mount["mountPath"] and not sock_mount.get("readOnly")
+
+    # Non-root as the image's user; the one root step changes the directory's owner, with CHOWN alone.
+    sec = spec["securityContext"]
+    assert sec["runAsNonRoot"] is True and sec["runAsUser"] == image_uid
+    assert ctr["securityContext"]["allowPrivilegeEscalation"] is False
+    assert ctr["securityContext"]["readOnlyRootFilesystem"] is True and ctr["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    (init,) = spec["initContainers"]
+    assert init["image"] == ctr["image"]
+    assert init["command"] == ["chown", f"{image_uid}:{sec['runAsGroup']}", sock_mount["mountPath"]]
+    assert [m["mountPath"] for m in init["volumeMounts"]] == [sock_mount["mountPath"]]
+    isec = init["securityContext"]
+    assert isec["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]} and isec["allowPrivilegeEscalation"] is False
+
+    # The trainer pod of docs/deployment.md: valid; its URLs are its node's replica, then the Service;
+    # the node's socket directory at the replica's TMPDIR, read-only (it connects, it binds nothing).
+    trainer = _trainer_pod()
+    _validate("docs/deployment.md, Node-local replicas", trainer)
+    (tctr,) = trainer["spec"]["containers"]
+    tenv: dict[str, str] = {}
+    for e in tctr["env"]:
+        if e.get("valueFrom"):
+            assert e["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP", e
+            tenv[e["name"]] = "10.0.0.7"  # the node's address
+        else:
+            tenv[e["name"]] = _expand(e["value"], tenv)
+    from ckptd_client.transport import split_urls
+
+    own, other = split_urls(tenv["CKPTD_URL"])
+    assert (urlsplit(own).hostname, urlsplit(own).port) == ("10.0.0.7", p["hostPort"])
+    assert urlsplit(other).hostname.split(".")[0] == svc["metadata"]["name"]
+    assert urlsplit(other).port == svc["spec"]["ports"][0]["port"]
+    (tmount,) = tctr["volumeMounts"]
+    (tvol,) = trainer["spec"]["volumes"]
+    assert tmount["name"] == tvol["name"] and tmount["mountPath"] == env["TMPDIR"] and tmount["readOnly"] is True
+    assert tvol["hostPath"]["path"] == sockets["hostPath"]["path"]
+
+
+@pytest.mark.slow
+def test_node_local_replica_serves_its_socket_where_the_trainers_mount_it(tmp_path):
+    """The DaemonSet's container, with the node-local ConfigMap's environment, runs here (the bucket a
+    directory, the node's socket directory one of this machine's): the socket is made in that
+    directory, and a rank here, given only the replica's URL, hands every file over through it; the
+    checkpoint loads bit for bit."""
+    import torch
+    from ckptd_client import CheckpointClient
+    from support import assert_bits_equal, blank_like
+
+    config = _one("ConfigMap", folder=NODE_LOCAL)["data"]
+    (ctr,) = _one("DaemonSet", folder=NODE_LOCAL)["spec"]["template"]["spec"]["containers"]
+    _, stages = _stages()
+    entry = _exec_form(next(_last(s, "ENTRYPOINT") for s in reversed(_chain(stages, stages[-1]))
+                            if _last(s, "ENTRYPOINT")))
+    sockets = tmp_path / "run-ckptd"  # the node's directory (the pod's TMPDIR, the trainers' mount)
+    sockets.mkdir()
+    env = _pod_env(config, CKPTD_ROOT=str(tmp_path / "bucket"), TMPDIR=str(sockets))
+    log = tmp_path / "replica.log"
+    proc = _start(entry + ctr["args"], env, log)
+    url = f"http://127.0.0.1:{env['CKPTD_PORT']}"
+    try:
+        _wait_http(f"{url}/healthz", proc, log)
+        assert [p.suffix for p in sockets.iterdir()] == [".sock"], list(sockets.iterdir())
+        g = torch.Generator().manual_seed(3)
+        src = {"model": {"w": torch.randn(256, 64, generator=g), "b": torch.randn(256, generator=g)}}
+        with CheckpointClient(url, incremental=False) as c:
+            h = c.save(src, "node/1")
+            h.wait()
+            assert h.ways.files["socket"] > 0 and h.ways.files["http"] == 0, str(h.ways)
+            got = blank_like(src)
+            c.load(got, "node/1")
+        assert_bits_equal(got, src)
+    finally:
+        assert _stop(proc) in (0, -signal.SIGTERM), log.read_text()[-3000:]
 
 
 PLAN_PLACEHOLDER = "s3://ckptd/plans/PLAN.json"
