@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.commit_lag --out bench/results/commit_lag.json
     .venv/bin/python -m bench.commit_lag --sizes 64M,256M,1G,4G --s3-sizes 64M,256M,1G,4G --ranks 2,8,64
+    .venv/bin/python -m bench.commit_lag --sizes 64M,1G,4G --ranks 2,8,64 --stores local,local-read-back
 
 R simulated ranks save one checkpoint of S bytes in all against a real ``ckptd serve`` (its own
 process) over the documented wire protocol (``docs/http-api.md``), the way bench/scale.py drives
@@ -18,7 +19,10 @@ the service) and ``s3-direct`` (the same root, each file PUT straight into the b
 presigned URLs the service signs, ``POST .../presign`` then ``.../confirm``, as the default client
 does: parts of ``PART_BYTES``, 4 in flight per rank); the S3 stores save ``--s3-sizes`` (default up
 to 256 MiB: moto serves a ranged GET by copying the whole object, so a GiB there takes ~50 s a
-save). Per store one service process serves every save (one untimed 2-rank save first); the
+save). A rank declares each file's chunk ahead of its bytes (``X-Ckptd-Chunks``) where the session
+offers ``arrival_checks``, as the client does, so the commit confirms instead of reading back;
+``local-read-back`` and ``s3-read-back`` send the same files undeclared (as older clients do): the
+commit reads every byte back, the A beside the B in one run. Per store one service process serves every save (one untimed 2-rank save first); the
 settings are the defaults but for the per-principal limits (off: every simulated rank is one
 principal).
 
@@ -65,6 +69,7 @@ import xxhash
 
 from ckptd_client._presigned import PART_BYTES, PARTS_IN_FLIGHT
 from ckptd_client._saveplan import FILE_BYTES
+from ckptd_schemas import arrival
 from ckptd_schemas.filedigest import StreamDigest
 
 from ._report import add_workdir_args, git_state, work_dir, write_report
@@ -81,7 +86,9 @@ RUN = "lag"
 BUCKET = "bucket"
 PIECE = 4 * MiB  # the streamed body's piece; also divides PART_BYTES and FILE_BYTES
 POOL = 64 * MiB  # random bytes generated once
-STORES = ("local", "s3", "s3-direct")
+#: ``*-read-back``: the same store, files sent without their chunks declared (as older clients do), so the
+#: commit reads every byte back: the A beside each B in one run
+STORES = ("local", "s3", "s3-direct", "local-read-back", "s3-read-back")
 ENV = {"CKPTD_MAX_REQUESTS_PER_PRINCIPAL": "0", "CKPTD_MAX_UPLOADS_PER_PRINCIPAL": "0",
        "CKPTD_MAX_CONNECTIONS": "4096"}
 
@@ -237,6 +244,12 @@ def _index(rank: int, world: int, per_rank: int, files: list[tuple[str, int]], d
                          "chunks": chunks}]}
 
 
+async def _prefixed(head: bytes, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield head
+    async for piece in body:
+        yield piece
+
+
 # -- one save ----------------------------------------------------------------------------------------
 
 async def _direct_put(c: httpx.AsyncClient, store: httpx.AsyncClient, url: str, data: Bytes, key: str,
@@ -266,7 +279,7 @@ async def _direct_put(c: httpx.AsyncClient, store: httpx.AsyncClient, url: str, 
 
 
 async def save(url: str, pid: int, data: Bytes, name: str, step: int, world: int, size: int, *,
-               direct: bool = False, moto_pid: int = 0, moto_log: Path | None = None) -> dict:
+               direct: bool = False, moto_pid: int = 0, moto_log: Path | None = None, declare: bool = True) -> dict:
     """One checkpoint ``RUN/name`` of ``size`` bytes by ``world`` ranks; its commit lag (module docstring)."""
     base = f"/v1/checkpoints/{RUN}/{name}"
     sid = f"lag-{name}"
@@ -293,10 +306,16 @@ async def save(url: str, pid: int, data: Bytes, name: str, step: int, world: int
                                                         "direct_uploads": direct})
         opened.raise_for_status()
         assert bool(opened.json().get("presigned")) == direct, opened.text
+        declared = declare and bool(opened.json().get("arrival_checks"))
         for (file, length), d in zip(layout[r], digests[r]):
             furl = f"{base}/sessions/{sid}/files/{file}"
             if direct:
                 await _direct_put(c, store, furl, data, f"{name}/{file}", length, d)
+            elif declared:  # its one chunk declared ahead of its bytes, as the client does where offered
+                head = arrival.encode([arrival.Declared(0, length, d["xxh3"], "raw", length, "tensor", "w")])
+                resp = await c.put(furl, content=_prefixed(head, data.body(f"{name}/{file}", length)),
+                                   headers={"X-Ckptd-Xxh3": d["xxh3"], "Content-Length": str(len(head) + length),
+                                            arrival.CHUNKS_HEADER: str(len(head))})
             else:
                 resp = await c.put(furl, content=data.body(f"{name}/{file}", length),
                                    headers={"X-Ckptd-Xxh3": d["xxh3"], "Content-Length": str(length)})
@@ -342,16 +361,16 @@ async def save(url: str, pid: int, data: Bytes, name: str, step: int, world: int
 def run_store(which: str, sizes: list[int], worlds: list[int], repeat: int, work: Path, data: Bytes,
               moto: MotoServer | None) -> dict:
     """Every (size, world) ``repeat`` times on one service of store ``which``."""
-    direct = which == "s3-direct"
-    if which == "local":
-        root: str = str(work / "root")
+    direct, declare = which == "s3-direct", not which.endswith("-read-back")
+    if which.startswith("local"):
+        root: str = str(work / f"root-{which}")  # its own: the names of a run repeat per store
         env = dict(ENV)
     else:
         assert moto is not None
         root, env = f"s3://{BUCKET}/{which}", {**ENV, **moto.env}
     srv = ServerProcess(root, env=env, log=work / f"server-{which}.log").start()
     pid = srv.proc.pid  # type: ignore[union-attr]
-    moto_pid = moto.proc.pid if moto is not None and which != "local" else 0  # type: ignore[union-attr]
+    moto_pid = moto.proc.pid if moto is not None and not which.startswith("local") else 0  # type: ignore[union-attr]
     moto_log = moto.log if moto_pid else None  # type: ignore[union-attr]
     load0 = os.getloadavg()
     saves: list[dict] = []
@@ -365,7 +384,7 @@ def run_store(which: str, sizes: list[int], worlds: list[int], repeat: int, work
 
             step += 1
             asyncio.run(save(srv.url, pid, data, "warmup", step, 2, 2 * MiB, direct=direct, moto_pid=moto_pid,
-                             moto_log=moto_log))
+                             moto_log=moto_log, declare=declare))
             prev = "warmup"
             for rep in range(repeat):
                 for size in sizes:
@@ -373,8 +392,8 @@ def run_store(which: str, sizes: list[int], worlds: list[int], repeat: int, work
                         step += 1
                         name = f"s{size // MiB}m-r{world}-{rep}"
                         got = asyncio.run(save(srv.url, pid, data, name, step, world, size, direct=direct,
-                                               moto_pid=moto_pid, moto_log=moto_log))
-                        if which == "local":
+                                               moto_pid=moto_pid, moto_log=moto_log, declare=declare))
+                        if which.startswith("local"):
                             marker = Path(root) / "runs" / RUN / name / "COMMITTED"
                             got["marker_lag_s"] = marker.stat().st_mtime - got["last_byte_wall"]
                         got.update(store=which, size=size, ranks=world, repeat=rep)
@@ -402,7 +421,7 @@ def summarise(saves: list[dict]) -> list[dict]:
                "lag_min_s": min(g["lag_s"] for g in group), "lag_max_s": max(g["lag_s"] for g in group),
                "committed_by": sorted({g["committed_by"] for g in group}),
                "s3_file_gets": statistics.median(g["s3_requests"].get("file_get", 0) for g in group)}
-        if store != "local":
+        if not store.startswith("local"):
             from ckptd.storage.s3 import S3Storage  # the s3 extra
 
             row["file_pieces"] = sum(-(-n // S3Storage.read_piece) for _, n in _layout(size, ranks))
@@ -416,7 +435,7 @@ def markdown(result: dict) -> str:
     lines = ["| store | size | ranks | commit lag s (min–max) | service CPU-s in the lag | what the service read in "
              "the lag | moto CPU-s in the lag | upload s |", "| --- " * 8 + "|"]
     for r in result["rows"]:
-        local = r["store"] == "local"
+        local = r["store"].startswith("local")
         read = (f"{r['read_bytes'] / MiB:.0f} MiB from the device ({r['rchar'] / MiB:.0f} MiB read())" if local else
                 f"{r['s3_file_gets']:.0f} file GETs ({r['file_pieces']} pieces in all), "
                 f"{r['loopback_bytes'] / MiB:.0f} MiB over loopback")
@@ -458,14 +477,14 @@ def main(argv: list[str] | None = None) -> None:
         data = Bytes()
         moto = None
         try:
-            if any(s != "local" for s in stores):
+            if any(not s.startswith("local") for s in stores):
                 moto = MotoServer(work / "moto.log", bucket=BUCKET).start()
                 for k in AWS_VARS_TO_CLEAR:
                     os.environ.pop(k, None)
                 import importlib.metadata as md
                 result["config"]["moto"] = md.version("moto")
             for which in stores:
-                result["stores"].append(run_store(which, sizes if which == "local" else s3_sizes, worlds, args.repeat,
+                result["stores"].append(run_store(which, sizes if which.startswith("local") else s3_sizes, worlds, args.repeat,
                                                   work, data, moto))
         finally:
             if moto is not None:

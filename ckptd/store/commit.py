@@ -21,10 +21,8 @@ import contextlib
 import json
 import logging
 import math
-import threading
 import time
 from datetime import datetime, timezone
-from typing import Iterator
 
 from pydantic import ValidationError
 
@@ -38,6 +36,7 @@ from ..storage import Storage
 from .activity import SessionActivity
 from .checker import check_commit
 from .events import CommitEvent, Observers
+from .flights import OneAtATime
 from .gcpause import gc_paused
 from .index_cache import IndexCache
 from .inflight import ordered_map, requests_in_flight
@@ -61,8 +60,9 @@ class Committer:
                  observers: Observers, *, read_back: bool = False) -> None:
         self.storage, self.visibility, self.activity, self.observers = storage, visibility, activity, observers
         self.read_back = read_back  # read every byte before the marker, even those checked as they arrived
-        self._lock = threading.Lock()
-        self._commits: dict[tuple[str, str, str], list] = {}  # (run, name, session) -> [lock, callers]
+        # One commit of a session at a time here: the ranks' last indexes arrive together, each finding
+        # every index stored, and each would merge and check the whole checkpoint.
+        self._one_commit = OneAtATime()
         self._indexes = indexes  # shared with the session store, which puts each index it stores here
 
     def if_complete(self, run: str, name: str, sid: str, meta: SessionMeta, rank: int) -> SessionStatus:
@@ -102,7 +102,7 @@ class Committer:
         the observers (a failing one is logged: the checkpoint is committed whatever they do)."""
         t0 = time.perf_counter()
         try:
-            with self._one_commit(run, name, sid):  # then committed or refused by the call it waited for?
+            with self._one_commit((run, name, sid)):  # then committed or refused by the call it waited for?
                 done = committed_by(self.visibility, run, name, sid)
                 failed = self.storage.read_json_or_none(Paths.failed(run, name, sid)) if done is None else None
                 if failed is not None:
@@ -114,24 +114,6 @@ class Committer:
         if event is not None:
             self.observers.tell("committed", event, time.perf_counter() - t0)
         return digest
-
-    @contextlib.contextmanager
-    def _one_commit(self, run: str, name: str, sid: str) -> Iterator[None]:
-        """One commit of a session at a time in this process: the ranks' last indexes arrive together,
-        each finding every index stored, and each would merge and check the whole checkpoint; the
-        others wait for the first and find its marker."""
-        key = (run, name, sid)
-        with self._lock:
-            entry = self._commits.setdefault(key, [threading.Lock(), 0])
-            entry[1] += 1
-        try:
-            with entry[0]:
-                yield
-        finally:
-            with self._lock:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del self._commits[key]
 
     def merged(self, run: str, name: str, sid: str, meta: SessionMeta
                ) -> tuple[Manifest, dict[str, FileEntry], dict[str, tuple[str, str]]]:

@@ -32,7 +32,7 @@ are read, hashed and parsed only when its stamp is new; the verdict is cached by
 the parsed manifest by digest, never by name, so a manifest changed on storage is seen at once.
 The first look at a checkpoint (its manifest read, hashed and parsed; its load tree and every
 tensor's interval index) is built once per process, whatever the number of callers asking at once:
-they wait on the one build (``_one_at_a_time``) and take it from the cache, which is bounded by
+they wait on the one build (:class:`~.flights.OneAtATime`) and take it from the cache, which is bounded by
 ``cache_bytes`` (``MEMORY_PER_MANIFEST_BYTE`` per byte of JSON) and reports each build
 (``on_build``) and its size (:meth:`Visibility.cache_usage`).
 
@@ -46,7 +46,6 @@ What a load resolves (``latest``) always reads the listing now.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -66,6 +65,7 @@ from ckptd_schemas import (
 from ckptd_schemas.loadtree import LoadTree
 
 from ..storage import Storage
+from .flights import OneAtATime
 from .gcpause import gc_paused
 from ckptd_schemas.filedigest import xxh3_hex
 from .paths import Committed, Marker, Paths
@@ -158,7 +158,7 @@ class Visibility:
         self._reported: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._listings: OrderedDict[str, tuple[float, list[Committed]]] = OrderedDict()  # recent_listing's
-        self._flights: dict[tuple, list] = {}  # key -> [lock, callers]: work done once for concurrent callers
+        self._one_at_a_time = OneAtATime()  # work done once for concurrent callers
         # a first look built here: "manifest" (read, hashed, parsed) or "load_tree" (with its interval indexes)
         self.on_build: Callable[[str], None] | None = None
 
@@ -325,22 +325,6 @@ class Visibility:
                         self._verdicts.clear()
                     self._verdicts[(key, stamp)] = _says(m.manifest_xxh3, manifest)
         return manifest
-
-    @contextlib.contextmanager
-    def _one_at_a_time(self, key: tuple) -> Iterator[None]:
-        """Run the body for one caller per ``key`` at a time: the others wait for it, then find its
-        result in the cache instead of computing it again."""
-        with self._lock:
-            entry = self._flights.setdefault(key, [threading.Lock(), 0])
-            entry[1] += 1
-        try:
-            with entry[0]:
-                yield
-        finally:
-            with self._lock:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del self._flights[key]
 
     def cached(self, digest: str) -> Manifest | None:
         """The parsed manifest of that digest if the cache holds it (no I/O): only for a digest a

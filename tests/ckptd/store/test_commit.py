@@ -180,3 +180,53 @@ def test_merged_gives_the_manifest_and_the_file_records_without_committing(store
     assert [c.rank for c in m.tensor("model.x").chunks] == [0, 1]
     assert parts.visibility.marker(RUN, "7") is None
     assert not list((tmp_path / Paths.session(RUN, "7", "s-a")).glob("manifest-*.json"))
+
+
+class _CountingReads(LocalStorage):
+    """A local root that counts the data bytes read back from session files (the commit's check)."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.read_back = 0
+
+    def read_into(self, key, start, view, *, uncached=False):
+        n = super().read_into(key, start, view, uncached=uncached)
+        if "/files/" in key:
+            self.read_back += n
+        return n
+
+
+def test_last_indexes_arriving_together_make_one_commit(tmp_path):
+    """Eight calls at once for a complete session (what the ranks' last indexes do): one merges and
+    checks the bytes, the others wait and answer its digest; a refused session is refused to every one
+    without a second check."""
+    import concurrent.futures
+
+    storage = _CountingReads(tmp_path)
+    store = SessionStore(storage)
+    stage(store, RUN, "1", "s-a", world=4)
+    parts = Parts(storage)
+    for rank in range(4):
+        _store_index(parts, "1", "s-a", rank, 4)
+    meta = read_meta(storage, RUN, "1", "s-a")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        digests = list(pool.map(lambda _: parts.committer.commit(RUN, "1", "s-a", meta), range(8)))
+    assert len(set(digests)) == 1 and len(parts.heard.commits) == 1
+    assert storage.read_back == 4 * len(data(0))  # every file read once, not once per call
+
+    stage(store, RUN, "2", "s-b", world=2)
+    _store_index(parts, "2", "s-b", 0, 2)
+    _store_index(parts, "2", "s-b", 1, 2, payload=b"\x01" * len(data(1)))  # not the bytes uploaded
+    storage.read_back = 0
+    meta = read_meta(storage, RUN, "2", "s-b")
+
+    def one(_: int) -> str:
+        try:
+            parts.committer.commit(RUN, "2", "s-b", meta)
+            return "committed"
+        except (ChecksumMismatch, CommitFailed) as e:
+            return type(e).__name__
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(one, range(8)))
+    assert outcomes.count("ChecksumMismatch") == 1 and outcomes.count("CommitFailed") == 7, outcomes
+    assert storage.read_back <= 2 * len(data(0))
