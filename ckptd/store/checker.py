@@ -444,7 +444,15 @@ class FileCheck:
         self.k, self.pos = j, end
 
     def finish(self) -> list[Problem]:
-        """After the last byte: the problems found (a row past the bytes fed is one)."""
+        """After the last byte: the problems found. A row that ends past the bytes fed is one, whatever
+        its digest (the digest of the part that is there, or of nothing, would otherwise pass)."""
+        rows, past = self.rows, [q for q, e in enumerate(self.ends) if e > self.pos]
+        for q in past:
+            i = self.members[q]
+            kind, name = rows.whats[rows.owner[i]]
+            self.problems.append(Problem(IntegrityError, f"{rows.what(i)}: bytes [{self.offs[q]}, {self.ends[q]}) "
+                                         f"of file {self.fname!r} end past its {self.pos} bytes",
+                                         {kind: name, "rank": rows.rank[i], "file": self.fname}))
         for s in self.streams:  # rows the bytes ended inside of
             self._finish(s)
         self.streams = []

@@ -118,6 +118,8 @@ def _verdicts(tmp_path, uploaded: dict[str, bytes], indexes: list[dict],
         committed, why = True, ""
     except CkptdError as e:
         committed, why = False, e.message
+    if not committed and not (tmp_path / Paths.rank_index("run", "2", "s", 1)).exists():
+        return False, False, why  # refused before it was stored: nothing to verify
     manifest = store.committer.merged("run", "2", "s", store._meta("run", "2", "s"))[0]  # both indexes are stored
 
     class Source:  # as ``ckptd verify --root`` reads: a file of another size than recorded is damage
@@ -272,3 +274,20 @@ def test_every_damage_is_refused_on_arrival_or_at_the_commit(tmp_path_factory, k
     sent, stored = (files, damaged) if after and kind not in FRAMES else (damaged, None)
     committed, _, why = _arrival_verdict(tmp_path_factory.mktemp("d"), sent, indexes, stored)
     assert not committed, f"{kind} at {at} ({'stored' if after else 'sent'}) passed"
+
+
+@pytest.mark.parametrize("where", ["past", "across"])
+def test_a_chunk_that_ends_past_its_file_is_refused_whatever_its_digest(tmp_path, where):
+    """A row placed past the end of its file with the digest of nothing, or across the end with the
+    digest of the part that is there: no digest vouches for bytes that are not stored. Declared so, it
+    is refused on arrival; in an index, the merge refuses it before any byte is read."""
+    files, indexes = _layout()
+    size = len(files["r1.bin"])
+    tail = b"" if where == "past" else files["r1.bin"][-3:]
+    at = size + 100 if where == "past" else size - 3
+    indexes[1]["objects"].append({"name": "ghost", "rank": 1, "encoding": "torch", "location": {
+        "file": "r1.bin", "offset": at, "length": 8, "codec": "raw", "raw_length": 8, "xxh3": _h(tail)}})
+    committed, _, why = _arrival_verdict(tmp_path / "b", files, indexes)
+    assert not committed and why.startswith("on arrival") and "end past" in why, why
+    committed, _, why = _verdicts(tmp_path / "a", files, indexes)
+    assert not committed and "exceed file 'r1.bin'" in why, why
