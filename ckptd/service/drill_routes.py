@@ -34,6 +34,7 @@ import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
+from urllib.parse import quote
 
 from fastapi import APIRouter, Response
 from starlette.concurrency import run_in_threadpool
@@ -157,9 +158,10 @@ def drill_router(storage: Storage, watch: "JobWatch", metrics: "Metrics") -> API
     async def drill_status(job_id: str, response: Response) -> JobStatus:
         """Deprecated, removed in 0.2.0: ``GET /v1/jobs/{id}`` answers a job of any kind. The drill job; one
         whose replica stopped is resumed first (module docstring)."""
+        status = await run_in_threadpool(watch.read, job_id, "drill")  # an id that is not one: 4xx first
         response.headers["Deprecation"] = "true"
-        response.headers["Link"] = f'</v1/jobs/{job_id}>; rel="successor-version"'
-        return await run_in_threadpool(watch.read, job_id, "drill")
+        response.headers["Link"] = f'</v1/jobs/{quote(job_id, safe="")}>; rel="successor-version"'
+        return status
 
     @router.get("/v1/checkpoints/{run}/{name}/drill", response_model=DrillRecord)
     async def get_drill(run: str, name: str) -> DrillRecord:

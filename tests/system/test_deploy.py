@@ -35,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -904,8 +905,9 @@ def test_node_local_replica_serves_its_socket_where_the_trainers_mount_it(tmp_pa
     _, stages = _stages()
     entry = _exec_form(next(_last(s, "ENTRYPOINT") for s in reversed(_chain(stages, stages[-1]))
                             if _last(s, "ENTRYPOINT")))
-    sockets = tmp_path / "run-ckptd"  # the node's directory (the pod's TMPDIR, the trainers' mount)
-    sockets.mkdir()
+    # the node's directory (the pod's TMPDIR, the trainers' mount): short, as /run/ckptd is, since a
+    # socket's path must fit in 107 bytes (pytest's temporary paths can be longer)
+    sockets = Path(tempfile.mkdtemp(prefix="ckptd-s-", dir="/tmp"))
     env = _pod_env(config, CKPTD_ROOT=str(tmp_path / "bucket"), TMPDIR=str(sockets))
     log = tmp_path / "replica.log"
     proc = _start(entry + ctr["args"], env, log)
@@ -923,7 +925,9 @@ def test_node_local_replica_serves_its_socket_where_the_trainers_mount_it(tmp_pa
             c.load(got, "node/1")
         assert_bits_equal(got, src)
     finally:
-        assert _stop(proc) in (0, -signal.SIGTERM), log.read_text()[-3000:]
+        stopped = _stop(proc)
+        shutil.rmtree(sockets, ignore_errors=True)
+        assert stopped in (0, -signal.SIGTERM), log.read_text()[-3000:]
 
 
 PLAN_PLACEHOLDER = "s3://ckptd/plans/PLAN.json"
