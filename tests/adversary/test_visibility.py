@@ -31,7 +31,7 @@ import xxhash
 
 from ckptd_client import CheckpointClient
 from ckptd_schemas import CheckpointNotFound
-from support import ServerProcess, assert_bits_equal, blank_like, scaled
+from support import ServerProcess, assert_bits_equal, blank_like, scaled, verified
 
 RUN = "vis"
 
@@ -186,6 +186,7 @@ def test_one_malformed_marker_breaks_no_listing_and_no_sweep(tmp_path):
         with CheckpointClient(srv.url) as c:
             c.save(_state(1), f"{RUN}/1").wait()
             c.save(_state(2), f"{RUN}/2").wait()
+        verified(srv.url, f"{RUN}/1", f"{RUN}/2")  # the re-reads after the commits are done: the log is ours
         root = Path(srv.root)
         _marker(root, RUN, "2").write_bytes(b"")
         (root / "runs" / "NOT A RUN").mkdir()  # junk beside the runs: not a valid run name
