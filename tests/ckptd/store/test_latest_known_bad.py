@@ -30,7 +30,7 @@ from ckptd.store.retention import plan_retention
 from ckptd.store.visibility import Skipped
 from ckptd_client import CheckpointClient
 from ckptd_schemas import CheckpointNotFound, ChecksumMismatch
-from support import ServerProcess, assert_bits_equal, blank_like, make_state
+from support import ServerProcess, assert_bits_equal, blank_like, make_state, verified
 
 from .test_retention import ckpt_lists
 
@@ -62,6 +62,7 @@ def _save(srv: ServerProcess, steps: list[int]) -> dict[int, dict]:
     with CheckpointClient(srv.url) as c:
         for s, sd in states.items():
             c.save(sd, f"{RUN}/{s}").wait()
+    verified(srv.url, *(f"{RUN}/{s}" for s in steps))  # the re-reads after the commits, before any damage
     return states
 
 
