@@ -1,9 +1,10 @@
 """The verification record of a committed checkpoint (``VERIFIED.json``), and what it vouches for.
 
-Every commit reads and checks every byte with the one checker (:mod:`.checker`) and records that
-check as the checkpoint's first verification (:func:`record_commit_check`), beside the marker: a
-committed checkpoint shows as verified without a second read; a later verification
-(:mod:`.verification`) records in the same place. The record names the manifest digest it
+A commit that read and checked every byte with the one checker (:mod:`.checker`) records that check
+as the checkpoint's first verification (:func:`record_commit_check`), beside the marker; one that
+confirmed files checked as they arrived leaves it pending (their arrival records, :func:`record_arrival`,
+vouch for those files meanwhile) until the re-read after the marker (:mod:`.verification`) records in
+the same place. The record names the manifest digest it
 checked, so it can never be mistaken for the verification of another checkpoint under the same
 ref, and the stamp (:meth:`Storage.stamp`) of every data file as it was before and after the
 reading: while every stamp still holds, the record vouches for exactly the bytes now stored
