@@ -330,14 +330,19 @@ def _fresh(fn: Callable, *args: object) -> dict:
 
 # -- one world size ---------------------------------------------------------------------------------
 
-def run_world(world: int, tensors: int, sample: int, manifest_sample: int, dcp: bool, reshard_max: int,
-              work: Path, reshard_workers: int = 2, waits_max: int = 10_000) -> dict:
-    root = work / f"root-{world}"
+def serve_world(world: int, work: Path) -> tuple[ServerProcess, int]:
+    """A real ``ckptd serve`` over ``work/root-{world}`` for ``world`` simulated ranks (one principal: its
+    per-principal limits off, connections for every rank), and its pid."""
     env = {"CKPTD_MAX_CONNECTIONS": str(max(4096, 2 * world + 256)),
            "CKPTD_MAX_REQUESTS_PER_PRINCIPAL": "0", "CKPTD_MAX_UPLOADS_PER_PRINCIPAL": "0",
            "CKPTD_VERIFY_AFTER_COMMIT": "false"}
-    srv = ServerProcess(root, env=env, log=work / f"server-{world}.log").start()
-    pid = srv.proc.pid  # type: ignore[union-attr]
+    srv = ServerProcess(work / f"root-{world}", env=env, log=work / f"server-{world}.log").start()
+    return srv, srv.proc.pid  # type: ignore[union-attr]
+
+
+def run_world(world: int, tensors: int, sample: int, manifest_sample: int, dcp: bool, reshard_max: int,
+              work: Path, reshard_workers: int = 2, waits_max: int = 10_000) -> dict:
+    srv, pid = serve_world(world, work)
     out: dict = {"ranks": world, "tensors": tensors, "chunks": world * tensors}
     try:
         asyncio.run(_save(srv.url, pid, "warmup", min(world, 8), 2, wait=True))  # the service's first save
@@ -356,7 +361,7 @@ def run_world(world: int, tensors: int, sample: int, manifest_sample: int, dcp: 
     finally:
         srv.stop()
     if world <= reshard_max:
-        out.update(_plan_reshard(str(root), name, max(1, world // 2), reshard_workers))
+        out.update(_plan_reshard(str(srv.root), name, max(1, world // 2), reshard_workers))
     else:
         out["reshard_skipped"] = f"{world} ranks > --reshard-max-ranks {reshard_max}"
     if dcp:

@@ -53,13 +53,9 @@ from typing import Any, Callable
 
 from ._report import work_dir, write_report
 from .manifest import COLS, ROWS_PER_RANK
-from .scale import RUN, _proc_cpu, _save
+from .scale import RUN, _proc_cpu, _save, serve_world
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO / "tests") not in sys.path:
-    sys.path.insert(0, str(REPO / "tests"))
-
-from support import ServerProcess  # noqa: E402  (tests/support.py)
 
 HOST_RANKS = 8  # LOCAL_WORLD_SIZE, as torchrun sets it on a host of 8 GPUs
 
@@ -282,12 +278,7 @@ def _first_later(runs: list[dict]) -> dict:
 
 
 def run_world(world: int, tensors: int, repeats: int, work: Path) -> dict:
-    root = work / f"root-{world}"
-    env = {"CKPTD_MAX_CONNECTIONS": str(max(4096, 2 * world + 256)),
-           "CKPTD_MAX_REQUESTS_PER_PRINCIPAL": "0", "CKPTD_MAX_UPLOADS_PER_PRINCIPAL": "0",
-           "CKPTD_VERIFY_AFTER_COMMIT": "false"}
-    srv = ServerProcess(root, env=env, log=work / f"server-{world}.log").start()
-    pid = srv.proc.pid  # type: ignore[union-attr]
+    srv, pid = serve_world(world, work)
     out: dict = {"ranks": world, "tensors": tensors}
     try:
         t0 = time.perf_counter()

@@ -94,7 +94,7 @@ class DamageReport(BaseModel):
     parts: list[Literal["marker", "manifest", "load tree"]] = Field([], max_length=3)
 
     @model_validator(mode="after")
-    def _something(self) -> "DamageReport":
+    def _names_files_or_parts(self) -> "DamageReport":
         if not self.files and not self.parts:
             raise ValueError("a report names the damaged data files, or the damaged parts, or both")
         return self

@@ -65,14 +65,14 @@ class FileSink:
         self._writer: Writer = storage.open_write(key, once=True)
         self._done = False
         self._check: FileCheck | None = None
-        self._declared: Sequence[Declared] = ()
-        self._arrival_key = ""
+        self._rows, self._arrival_key = "", ""  # what the check covers (rows_digest), where it is recorded
 
     def declare(self, rows: Sequence[Declared], arrival_key: str) -> None:
         """The writer's declaration of the file's chunks, before its first byte: each is checked as it
         passes, and what was covered recorded at ``arrival_key`` once the file is stored."""
         assert self._digest.size == 0, "declared after bytes"
-        self._check, self._declared, self._arrival_key = arrival_check(self.file, rows), rows, arrival_key
+        self._check, self._arrival_key = arrival_check(self.file, rows), arrival_key
+        self._rows = rows_digest(d[:5] for d in rows)  # (offset, length, xxh3, codec, raw length)
 
     @property
     def size(self) -> int:
@@ -122,8 +122,7 @@ class FileSink:
         if self._check is not None and created:  # its identity right after it was stored, what was checked
             # (only where these bytes made the file: a repeat's digests match the stored ones, which a
             # writer able to forge XXH3 collisions could make of other bytes: the commit reads those)
-            record_arrival(self._storage, self._arrival_key, self._storage.stamp(self._key),
-                           rows_digest((d.offset, d.length, d.xxh3, d.codec, d.raw_length) for d in self._declared))
+            record_arrival(self._storage, self._arrival_key, self._storage.stamp(self._key), self._rows)
         self._on_stored()
         return UploadResult(file=self.file, size=entry.size, xxh3=digest)
 

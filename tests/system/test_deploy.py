@@ -80,6 +80,34 @@ def _settings_envs() -> set[str]:
     return {env_name(n) for n in Settings.model_fields}
 
 
+def _check_env_from(ctr: dict, cm: dict, secrets: dict) -> None:
+    """The container's config and secrets come from the manifests that define them."""
+    for src in ctr["envFrom"]:
+        if "configMapRef" in src:
+            assert src["configMapRef"]["name"] == cm["metadata"]["name"]
+        else:
+            assert src["secretRef"]["name"] in secrets
+
+
+def _check_server_container(ctr: dict, pod_spec: dict, kind: str, ports: set, routes: set, cm: dict,
+                            secrets: dict) -> tuple[dict, dict, Path]:
+    """What every ``ckptd serve`` container must hold: probes on the service's own routes and on one of
+    ``ports``, config and secrets from their manifests, the CKPTD_ variables it sets, and the tokens
+    Secret mounted read-only where CKPTD_TOKENS_FILE points. Returns its env, the Secret's volume and
+    the tokens file's path."""
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz"), ("startupProbe", "/healthz")):
+        get = ctr[probe]["httpGet"]
+        assert get["path"] == path and path in routes and get["port"] in ports, (probe, get)
+    _check_env_from(ctr, cm, secrets)
+    env = {e["name"]: e.get("value") for e in ctr["env"]}
+    _check_ckptd_vars(env, kind)
+    tokens_file = Path(env["CKPTD_TOKENS_FILE"])
+    vol = next(v for v in pod_spec["volumes"] if "secret" in v)
+    mount = next(m for m in ctr["volumeMounts"] if m["name"] == vol["name"])
+    assert mount["readOnly"] and Path(mount["mountPath"]) == tokens_file.parent
+    return env, vol, tokens_file
+
+
 def _check_ckptd_vars(names, where: str) -> None:
     unknown = {n for n in names if n.startswith("CKPTD_")} - _settings_envs() - PENDING_SETTINGS
     assert not unknown, f"{where} sets {sorted(unknown)}, which are not Settings fields"
@@ -661,25 +689,10 @@ def test_k8s_manifests_agree(routes):
     ports = {p["name"]: p["containerPort"] for p in ctr["ports"]}
     assert list(ports.values()) == [port]
     assert all(p["targetPort"] in ports or p["targetPort"] == port for p in svc["spec"]["ports"])
-    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz"), ("startupProbe", "/healthz")):
-        get = ctr[probe]["httpGet"]
-        assert get["path"] == path and path in routes and get["port"] in ports, (probe, get)
-
-    # Config and secrets come from the manifests that define them.
-    for spec in (ctr, job["spec"]["template"]["spec"]["containers"][0]):
-        for src in spec["envFrom"]:
-            if "configMapRef" in src:
-                assert src["configMapRef"]["name"] == cm["metadata"]["name"]
-            else:
-                assert src["secretRef"]["name"] in secrets
-    env = {e["name"]: e.get("value") for e in ctr["env"]}
-    _check_ckptd_vars(env, "Deployment")
-
-    # The tokens Secret is the file CKPTD_TOKENS_FILE names.
-    tokens_file = Path(env["CKPTD_TOKENS_FILE"])
-    vol = next(v for v in pod["spec"]["volumes"] if "secret" in v)
-    mount = next(m for m in ctr["volumeMounts"] if m["name"] == vol["name"])
-    assert mount["readOnly"] and Path(mount["mountPath"]) == tokens_file.parent
+    # Probes on routes the service has; config and secrets from the manifests that define them; the
+    # tokens Secret is the file CKPTD_TOKENS_FILE names.
+    env, vol, tokens_file = _check_server_container(ctr, pod["spec"], "Deployment", set(ports), routes, cm, secrets)
+    _check_env_from(job["spec"]["template"]["spec"]["containers"][0], cm, secrets)
     (item,) = vol["secret"]["items"]
     assert item["path"] == tokens_file.name and item["key"] in secrets[vol["secret"]["secretName"]]["stringData"]
 
@@ -831,20 +844,7 @@ def test_k8s_node_local_manifests_agree(routes):
     assert ctr["args"] == ["serve"] and ctr["image"] == dep["spec"]["template"]["spec"]["containers"][0]["image"]
     (p,) = ctr["ports"]
     assert p["containerPort"] == p["hostPort"] == port
-    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz"), ("startupProbe", "/healthz")):
-        get = ctr[probe]["httpGet"]
-        assert get["path"] == path and path in routes and get["port"] == p["name"], (probe, get)
-    for src in ctr["envFrom"]:
-        if "configMapRef" in src:
-            assert src["configMapRef"]["name"] == cm["metadata"]["name"]
-        else:
-            assert src["secretRef"]["name"] in secrets
-    env = {e["name"]: e.get("value") for e in ctr["env"]}
-    _check_ckptd_vars(env, "DaemonSet")
-    tokens_file = Path(env["CKPTD_TOKENS_FILE"])
-    vol = next(v for v in spec["volumes"] if "secret" in v)
-    mount = next(m for m in ctr["volumeMounts"] if m["name"] == vol["name"])
-    assert mount["readOnly"] and Path(mount["mountPath"]) == tokens_file.parent
+    env, vol, tokens_file = _check_server_container(ctr, spec, "DaemonSet", {p["name"]}, routes, cm, secrets)
     assert vol["secret"]["secretName"] in secrets
     assert svc["spec"].get("clusterIP") != "None" and all(pt["targetPort"] == p["name"] for pt in svc["spec"]["ports"])
 
