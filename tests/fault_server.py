@@ -280,9 +280,9 @@ class FaultStorage(Storage):
             self.faults.reached("commit-after-marker")
         return created
 
-    def link(self, src: str, dst: str) -> bool:
+    def link(self, src: str, dst: str, stamp: str | None = None) -> bool:
         self._before(dst)
-        return self.inner.link(src, dst)
+        return self.inner.link(src, dst, stamp)
 
     @property
     def presigns(self) -> bool:  # type: ignore[override]

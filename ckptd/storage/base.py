@@ -215,11 +215,13 @@ class Storage(ABC):
         root; None where there is no disk to fill (an object store)."""
         return None
 
-    def link(self, src: str, dst: str) -> bool:
+    def link(self, src: str, dst: str, stamp: str | None = None) -> bool:
         """Make ``dst`` hold ``src``'s bytes without this process reading them: a hard link on a local
         root, a copy inside the store on an object store (incremental saves). False when it cannot:
         no such ``src``, or a backend (or filesystem) with neither; the caller then has the bytes
-        sent. A repeat after success finds ``dst`` already the same file and is not an error."""
+        sent. A repeat after success finds ``dst`` already the same file and is not an error. With
+        ``stamp`` (:meth:`stamp` of ``src`` when its bytes were checked), False too, and nothing
+        linked, where ``src`` is no longer that object: the linked bytes are the checked ones."""
         return False
 
     def reclaim_temps(self, prefix: str, older_than: float) -> int:

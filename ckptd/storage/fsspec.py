@@ -184,9 +184,11 @@ class FsspecStorage(Storage):
             self.put(key, data)
             return True
 
-    def link(self, src: str, dst: str) -> bool:
+    def link(self, src: str, dst: str, stamp: str | None = None) -> bool:
         if self._local is not None:
-            return self._local.link(src, dst)
+            return self._local.link(src, dst, stamp)
+        if stamp is not None:
+            return False  # a copy here is not conditional: the bytes are sent and checked
         try:
             self.fs.copy(self._path(src), self._path(dst))  # S3: a server-side copy, no bytes through here
         except FileNotFoundError:

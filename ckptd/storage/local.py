@@ -225,8 +225,12 @@ class LocalStorage(Storage):
     def local_path(self, key: str) -> str | None:
         return str(self._path(key))
 
-    def link(self, src: str, dst: str) -> bool:
+    def link(self, src: str, dst: str, stamp: str | None = None) -> bool:
+        """A hard link; with ``stamp``, kept only when the inode linked has that stamp's inode, size and
+        mtime (the link itself moves its ctime) and had all of it just before."""
         source, target = self._path(src), self._path(dst)
+        if stamp is not None and self.stamp(src) != stamp:
+            return False
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -234,6 +238,10 @@ class LocalStorage(Storage):
             except FileExistsError:
                 if not os.path.samefile(source, target):
                     return False  # the name holds another file (an upload under it): nothing is replaced
+            now = self.stamp(dst)
+            if stamp is not None and (now or "").split(":")[:3] != stamp.split(":")[:3]:
+                target.unlink(missing_ok=True)  # changed between the look and the link
+                return False
         except (FileNotFoundError, NotADirectoryError):
             return False
         except OSError as e:

@@ -439,25 +439,29 @@ class S3Storage(Storage):
                 raise _wrap("create", key, e, self.url) from e
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def link(self, src: str, dst: str) -> bool:
+    def link(self, src: str, dst: str, stamp: str | None = None) -> bool:
         """A copy inside the store that creates ``dst`` once (``If-None-Match: *``): ``CopyObject`` up to
         5 GiB, else ``UploadPartCopy`` of :data:`_COPY_PART` ranges and a conditional completion. False
-        when ``src`` is absent or ``dst`` already holds an object (nothing is replaced)."""
+        when ``src`` is absent or ``dst`` already holds an object (nothing is replaced). With ``stamp``,
+        every copy is conditional on ``src``'s ETag (``CopySourceIfMatch``): the store copies the object
+        that was checked or nothing."""
         size = self.size(src)
-        if size is None:
+        if size is None or (stamp is not None and self.stamp(src) != stamp):
             return False
         source = {"Bucket": self.bucket, "Key": self._s3key(src)}
+        cond = {"CopySourceIfMatch": stamp.rsplit(":", 1)[0]} if stamp is not None else {}
         k = self._s3key(dst)
         try:
             if size <= _COPY_ONE:
-                self.fs.call_s3("copy_object", Bucket=self.bucket, Key=k, CopySource=source, IfNoneMatch="*")
+                self.fs.call_s3("copy_object", Bucket=self.bucket, Key=k, CopySource=source, IfNoneMatch="*", **cond)
                 return True
             uid = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=k)["UploadId"]
             try:
                 parts = []
                 for n, lo in enumerate(range(0, size, _COPY_PART), start=1):
                     out = self.fs.call_s3("upload_part_copy", Bucket=self.bucket, Key=k, UploadId=uid, PartNumber=n,
-                                          CopySource=source, CopySourceRange=f"bytes={lo}-{min(size, lo + _COPY_PART) - 1}")
+                                          CopySource=source, CopySourceRange=f"bytes={lo}-{min(size, lo + _COPY_PART) - 1}",
+                                          **cond)
                     parts.append({"PartNumber": n, "ETag": out["CopyPartResult"]["ETag"]})
                 self.fs.call_s3("complete_multipart_upload", Bucket=self.bucket, Key=k, UploadId=uid,
                                 MultipartUpload={"Parts": parts}, IfNoneMatch="*")

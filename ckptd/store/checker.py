@@ -32,8 +32,10 @@ and, as its bytes pass:
 With ``tiling=True`` (verify: the manifest is read back from storage) each tensor's chunks must
 also tile its shape exactly; the commit's merge checked that already (:mod:`.merge`).
 
-Every file is read, whichever way it entered the session (streamed, uploaded by URL, linked
-from an earlier checkpoint): a record made once is never trusted later without the bytes.
+At a commit, a file checked as it arrived, or linked from a checked file, whose stored identity is
+still the one recorded then is confirmed by that identity (:meth:`StorageFiles.arrived`) and read
+after the marker by the re-read; every other file is read, whichever way it entered the session
+(an upload by URL, a file changed since): a record made once is never trusted later without the bytes.
 A problem names the tensor, rank and file (:class:`Problem`); the commit raises the first
 (:class:`~ckptd_schemas.ChecksumMismatch` for a digest, :class:`~ckptd_schemas.IntegrityError`
 otherwise) and marks the session failed like any other refusal; verify lists them all. Pure over
@@ -69,7 +71,7 @@ from ckptd_schemas.format.frames import ChunkCheck, frame_check
 from ckptd_schemas.filedigest import StreamDigest
 
 __all__ = ["JOBS", "READ_SIZE", "REMOTE_JOBS", "FileCheck", "Findings", "Problem", "StorageFiles", "StoredBytes",
-           "Verdict", "arrival_check", "check_commit", "jobs_for", "judge", "verify_manifest"]
+           "Verdict", "arrival_check", "check_commit", "file_rows", "jobs_for", "judge", "verify_manifest"]
 
 READ_SIZE = 4 << 20
 JOBS = 2  # a second file's reads keep the device busy while the first one's windows are hashed
@@ -512,8 +514,9 @@ def arrival_check(fname: str, declared: Sequence[Declared]) -> FileCheck:
     return FileCheck(fname, range(len(rows.xxh3)), rows)
 
 
-def _covered(rows: _Rows, members: Sequence[int]) -> str | None:
-    """``rows_digest`` of a file's rows in the manifest, or None when one is a replica (compared by reading)."""
+def _row_set(rows: _Rows, members: Sequence[int]) -> frozenset | None:
+    """A file's rows in the manifest as ``rows_digest`` takes them, or None when one is a replica
+    (compared by reading)."""
     out = []
     for i in members:
         sp = rows.special.get(i)
@@ -522,7 +525,24 @@ def _covered(rows: _Rows, members: Sequence[int]) -> str | None:
         raw = sp is None or sp.raw_length is None
         out.append((rows.offset[i], rows.length[i], rows.xxh3[i], "raw" if raw else sp.codec,
                     rows.length[i] if raw else sp.raw_length))
-    return rows_digest(out)
+    return frozenset(out)
+
+
+def _covered(rows: _Rows, members: Sequence[int]) -> str | None:
+    """``rows_digest`` of a file's rows in the manifest, or None when one is a replica."""
+    out = _row_set(rows, members)
+    return None if out is None else rows_digest(out)
+
+
+def file_rows(manifest: Manifest, files: Collection[str]) -> dict[str, frozenset | None]:
+    """The rows of each of ``files`` in ``manifest`` (offset, length, XXH3, codec, decoded length), None
+    for a file holding a replica: what the commit compares between a linked file and its source."""
+    rows, _ = _rows(manifest)
+    members: dict[str, list[int]] = {f: [] for f in files}
+    for i, f in enumerate(rows.file):
+        if f in members:
+            members[f].append(i)
+    return {f: _row_set(rows, m) for f, m in members.items()}
 
 
 # -- all of it -------------------------------------------------------------------------------------------

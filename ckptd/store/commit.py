@@ -29,12 +29,13 @@ from pydantic import ValidationError
 from ckptd_schemas import (
     CkptdError, CommitFailed, Conflict, FileEntry, InvalidIndex, Manifest, RankIndex, SessionStatus, StorageError,
 )
+from ckptd_schemas.arrival import rows_digest
 from ckptd_schemas.filedigest import xxh3_hex
 from ckptd_schemas.loadtree import load_tree_root
 
 from ..storage import Storage
 from .activity import SessionActivity
-from .checker import check_commit
+from .checker import check_commit, file_rows
 from .events import CommitEvent, Observers
 from .flights import OneAtATime
 from .gcpause import gc_paused
@@ -43,7 +44,7 @@ from .inflight import ordered_map, requests_in_flight
 from .intake import recorded_file
 from .merge import ManifestFold
 from .paths import Marker, Paths, SessionMeta
-from .records import CommitCheck, arrival_of, file_stamps, record_arrival, record_commit_check
+from .records import LINKED, CommitCheck, arrival_of, file_stamps, known_bad, record_arrival, record_commit_check
 from .links import check_links
 from .session_reads import committed_by, ranks_done
 from .visibility import Visibility, manifest_file_name
@@ -146,6 +147,29 @@ class Committer:
                 del ix, entries
         return fold.manifest(files), files, arrivals
 
+    def _linked(self, run: str, manifest: Manifest, arrivals: dict[str, tuple[str, str]]
+                ) -> dict[str, tuple[str, str]]:
+        """The linked files confirmed, like files checked as they arrived, by their identity (the
+        :data:`~.records.LINKED` arrival record ``Intake.link`` made): each whose rows in ``manifest``
+        are rows of its source file in the source checkpoint's manifest, a checkpoint not known bad, so
+        the source's check covers them. Any other row in a linked file has it read back."""
+        mine = [f for f, (rows, _) in arrivals.items() if rows == LINKED and manifest.files[f].linked]
+        by_source: dict[str, list[str]] = {}
+        for f in mine:
+            by_source.setdefault(manifest.files[f].linked.split("/", 1)[0], []).append(f)
+        here, out = file_rows(manifest, mine) if mine else {}, {}
+        for ckpt, fs in by_source.items():
+            c = self.visibility.check(run, ckpt)
+            if c is None or known_bad(self.storage, c) is not None:
+                continue
+            source = {f: manifest.files[f].linked.split("/", 1)[1] for f in fs}
+            theirs = file_rows(self.visibility.manifest(c), set(source.values()))
+            for f in fs:
+                rows, held = here[f], theirs[source[f]]
+                if rows is not None and held is not None and rows <= held:
+                    out[f] = (rows_digest(rows), arrivals[f][1])
+        return out
+
     def _drop_unfinished(self, run: str, name: str, sid: str) -> None:
         """Right after the marker: delete every unfinished write left in the committed session (temp
         files of writers killed mid-upload, unfinished multipart uploads). None of them can still be
@@ -172,6 +196,7 @@ class Committer:
             try:
                 manifest, files, arrivals = self.merged(run, name, sid, meta)
                 check_links(manifest)  # a linked file must be at least half used: references pay for themselves
+                arrivals.update(self._linked(run, manifest, arrivals))
                 key_of = lambda f: Paths.file(run, name, sid, f)  # noqa: E731
                 before = file_stamps(self.storage, key_of, sorted(files))
                 t0 = time.perf_counter()

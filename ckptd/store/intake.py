@@ -19,8 +19,9 @@ the writer's quota, the root's reserve): received bytes batch by batch, a presig
 size at its presign, a linked file's size at its link.
 
 A record is a claim whichever way the file came: the commit reads and checks every byte of it
-(:mod:`.checker`) after the last write anyone could make, except a file checked as it arrived whose
-stored identity (``Storage.stamp``: inode, size, mtime and ctime; an object's ETag) is unchanged. Call order per file: the session store
+(:mod:`.checker`) after the last write anyone could make, except a file checked as it arrived, or
+linked as a checked file, whose stored identity (``Storage.stamp``: inode, size, mtime and ctime; an
+object's ETag) is unchanged. Call order per file: the session store
 (:mod:`.sessions`) checks the names and that the session takes writes, then calls one way in here;
 a way that succeeded marks the session active (:class:`~.activity.SessionActivity`).
 """
@@ -41,7 +42,7 @@ from ..storage import Storage, Writer
 from .activity import SessionActivity
 from .checker import FileCheck, arrival_check
 from .paths import Paths
-from .records import record_arrival, record_vouches
+from .records import LINKED, record_arrival, record_vouches
 from .space import Holder, Space
 from .visibility import Visibility
 
@@ -281,8 +282,10 @@ class Intake:
         link, or a copy inside the store), creating the session's key once, and the source manifest's
         record of it (size, digests) becomes the session's, marked ``linked``. Refused
         (``InvalidRequest``, which the saver answers by sending the bytes) when the source is not a
-        visible checkpoint of the run holding that file, or the store cannot link. The commit checks
-        every byte all the same, since the source may have changed since its own commit. A source
+        visible checkpoint of the run holding that file, or the store cannot link. Only the object its
+        checkpoint's record vouches for is linked (``Storage.link`` with its stamp), and the link's
+        stamp is recorded (:data:`~.records.LINKED`): the commit confirms the file by it while its rows
+        are the source's (``Committer._linked``), else reads it. A source
         file whose storage stamp moved since its checkpoint's last recorded verification (an edit, or
         a file never verified here) is not linked at all: the saver sends the bytes, so a damaged
         earlier file costs one file's upload, never a refused save. The file's size is charged to
@@ -294,12 +297,15 @@ class Intake:
                                  f"{body.file!r}; send the bytes", file=file, source=f"{run}/{body.checkpoint}")
         key, src_key = Paths.file(run, name, sid, file), Paths.file(run, body.checkpoint, source.session, body.file)
         self.space.charge(holder, run, file, entry.size, on_root=False)
-        if not record_vouches(self.storage, source, body.file, src_key):
+        checked = record_vouches(self.storage, source, body.file, src_key)
+        if checked is None:
             raise InvalidRequest(f"file {file!r}: {run}/{body.checkpoint}/{body.file} is not as its last verification "
                                  f"found it (changed since, or never verified here); send the bytes", file=file)
-        if not self.storage.link(src_key, key):
+        if not self.storage.link(src_key, key, checked):
             raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) cannot link "
-                                 f"{run}/{body.checkpoint}/{body.file}; send the bytes", file=file)
+                                 f"{run}/{body.checkpoint}/{body.file} as it was checked; send the bytes", file=file)
+        # the commit confirms this identity and the manifest's rows against the source's, instead of reading
+        record_arrival(self.storage, Paths.arrival(run, name, sid, file), self.storage.stamp(key), LINKED)
         if self.storage.size(key) != entry.size:
             raise InvalidRequest(f"file {file!r}: the stored {run}/{body.checkpoint}/{body.file} is not the "
                                  f"{entry.size} bytes its manifest records; send the bytes", file=file)

@@ -40,7 +40,7 @@ from ..storage import Storage
 from .inflight import ordered_map, requests_in_flight
 from .paths import Committed, Paths
 
-__all__ = ["CommitCheck", "MAX_PROBLEMS", "Stray", "VerifyRecord", "arrival_of", "file_stamps", "known_bad",
+__all__ = ["CommitCheck", "LINKED", "MAX_PROBLEMS", "Stray", "VerifyRecord", "arrival_of", "file_stamps", "known_bad",
            "record_arrival", "record_commit_check", "record_holds", "record_of", "record_vouches", "stamps_of",
            "status_of"]
 
@@ -201,10 +201,15 @@ def _record_for(raw: bytes, c: Committed) -> VerifyRecord | None:
     return rec if rec.manifest_xxh3 == c.digest else None
 
 
+#: The ``rows`` of an arrival record of a linked file: its bytes are a checked file's (``Storage.link``).
+LINKED = "linked"
+
+
 def record_arrival(storage: Storage, key: str, stamp: str | None, rows: str = "") -> None:
     """Record at ``key`` (``Paths.arrival``) that a session's file of stored identity ``stamp`` was checked:
-    as it arrived, against the rows of digest ``rows`` (``ckptd_schemas.arrival.rows_digest``), or
-    (``rows`` empty) read back by a commit that re-reads the rest after its marker. ``{"rows", "stamp"}``,
+    as it arrived, against the rows of digest ``rows`` (``ckptd_schemas.arrival.rows_digest``), linked
+    from a checked file (:data:`LINKED`), or (``rows`` empty) read back by a commit that re-reads the
+    rest after its marker. ``{"rows", "stamp"}``,
     created once; without a stamp (a backend that has none) nothing: the commit reads the file."""
     if stamp:
         storage.create_if_absent(key, json.dumps({"rows": rows, "stamp": stamp}).encode())
@@ -221,20 +226,21 @@ def arrival_of(storage: Storage, run: str, name: str, sid: str, file: str) -> tu
     return None
 
 
-def record_vouches(storage: Storage, c: Committed, file: str, key: str) -> bool:
-    """True when ``file`` of checkpoint ``c`` (stored at ``key``) still has the stamp it had when it was
-    last checked (inode, size, mtime and ctime locally: no writer sets ctime back; ETag and size on
+def record_vouches(storage: Storage, c: Committed, file: str, key: str) -> str | None:
+    """The stamp ``file`` of checkpoint ``c`` (stored at ``key``) had when it was last checked, when it
+    still has it (inode, size, mtime and ctime locally: no writer sets ctime back; ETag and size on
     S3): its recorded verification's, when that found it good, or, before one (pending), its arrival
-    record's (the commit of ``c`` succeeded, so those bytes hold what its manifest says). A file
-    worth linking into a new save; the commit reads it again anyway."""
+    record's (the commit of ``c`` succeeded, so those bytes hold what its manifest says); else None.
+    A file worth linking into a new save, whose commit then rests on this check (``Storage.link``
+    links that object or nothing)."""
     rec = record_of(storage, c)
     if rec is not None and not rec.ok:
-        return False
+        return None
     want = rec.stamps.get(file) if rec is not None else None
     if not want:
         arrived = arrival_of(storage, c.run, c.name, c.session, file)
         want = arrived[1] if arrived is not None else None
-    return bool(want) and storage.stamp(key) == want
+    return want if want and storage.stamp(key) == want else None
 
 
 def record_holds(storage: Storage, c: Committed, rec: VerifyRecord | None, files: list[str]) -> bool:

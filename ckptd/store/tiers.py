@@ -114,9 +114,9 @@ class TieredStorage(Storage):
                                        f"emptied; retried once either is back", key=key) from None
         return self.fast.create_if_absent(key, data)
 
-    def link(self, src: str, dst: str) -> bool:
+    def link(self, src: str, dst: str, stamp: str | None = None) -> bool:
         """A link inside the fast tier; a source only the durable tier holds is sent again instead."""
-        return self.fast.link(src, dst)
+        return self.fast.link(src, dst, stamp)
 
     def list(self, prefix: str) -> list[str]:
         return self.fast.list(prefix)

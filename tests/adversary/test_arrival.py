@@ -15,7 +15,10 @@ index. As an attacker with a valid token, or with write access to the root while
   flipped right after the marker is found by that re-read: recorded known bad, ``latest`` moves on
   to the last good checkpoint, which still loads;
 * ``CKPTD_VERIFY_BEFORE_VISIBLE``: the commit reads every byte before its marker, and the checkpoint
-  is verified when its commit answers.
+  is verified when its commit answers;
+* a file linked from a checked checkpoint (an incremental save) rests on that check: the commit reads
+  none of it while its rows are the source's; one replaced, truncated, extended or edited between
+  the link and the commit is refused, and one whose source was found bad meanwhile is read back.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import xxhash
 
 from adversary.test_requests import _auth, _metric, _server
+from ckptd_schemas import linked_name
 from ckptd_schemas.arrival import CHUNKS_HEADER, Declared, encode
 from support import scaled
 
@@ -44,11 +49,11 @@ def _rows(data: bytes) -> list[Declared]:
             Declared(half, half, xxhash.xxh3_64_hexdigest(data[half:]), "raw", half, "tensor", "w")]
 
 
-def _index(rows: list[Declared]) -> dict:
+def _index(rows: list[Declared], file: str = "f.bin") -> dict:
     chunks = [{"kind": "flat", "rank": 0, "start": r.offset // 4, "length": r.length // 4,
-               "location": {"file": "f.bin", "offset": r.offset, "length": r.length, "codec": "raw",
+               "location": {"file": file, "offset": r.offset, "length": r.length, "codec": "raw",
                             "raw_length": r.length, "xxh3": r.xxh3}} for r in rows]
-    return {"rank": 0, "world_size": 1, "files": ["f.bin"],
+    return {"rank": 0, "world_size": 1, "files": [file],
             "tensors": [{"name": "w", "shape": [N], "dtype": "int32", "group": "model", "chunks": chunks}]}
 
 
@@ -67,8 +72,8 @@ def _put(url: str, name: str, data: bytes, declared: bytes | None) -> httpx.Resp
                      content=(declared or b"") + data, timeout=60)
 
 
-def _index_put(url: str, name: str, rows: list[Declared]) -> httpx.Response:
-    return httpx.put(f"{url}/v1/checkpoints/r/{name}/sessions/s1/ranks/0", json=_index(rows), headers=_auth(),
+def _index_put(url: str, name: str, rows: list[Declared], file: str = "f.bin") -> httpx.Response:
+    return httpx.put(f"{url}/v1/checkpoints/r/{name}/sessions/s1/ranks/0", json=_index(rows, file), headers=_auth(),
                      timeout=60)
 
 
@@ -80,8 +85,8 @@ def _save(url: str, name: str, step: int, data: bytes) -> None:
     assert r.status_code == 200 and r.json()["state"] == "committed", r.text
 
 
-def _staged(root: Path, name: str) -> Path:
-    return root / "runs" / "r" / name / "sessions" / "s1" / "files" / "f.bin"
+def _staged(root: Path, name: str, file: str = "f.bin") -> Path:
+    return root / "runs" / "r" / name / "sessions" / "s1" / "files" / file
 
 
 def _verification(url: str, name: str, wait: float) -> dict | None:
@@ -216,5 +221,61 @@ def test_verify_before_visible_reads_every_byte_before_the_marker(tmp_path):
         assert rec["ok"] is True and rec["bytes_read"] == len(data), rec
         assert _metric(srv.url, 'ckptd_commit_checked_bytes_total{how="read back"}') == len(data)
         assert _metric(srv.url, 'ckptd_commit_checked_bytes_total{how="on arrival"}') == 0
+    finally:
+        srv.stop()
+
+
+def _link(url: str, name: str, step: int, source: str = "1") -> str:
+    """A session of ``name`` holding ``f.bin`` of checkpoint ``source``, linked; the linked file's name."""
+    _open(url, name, step)
+    file = linked_name(source, "f.bin")
+    r = httpx.post(f"{url}/v1/checkpoints/r/{name}/sessions/s1/files/{file}/link", headers=_auth(),
+                   json={"checkpoint": source, "file": "f.bin"}, timeout=30)
+    assert r.status_code == 200, r.text
+    return file
+
+
+@pytest.mark.slow
+def test_a_linked_file_rests_on_its_source_check_and_is_refused_when_changed(tmp_path):
+    srv = _server(tmp_path).start()
+    root = tmp_path / "root"
+    try:
+        data = _data(1)
+        _save(srv.url, "1", 1, data)
+        assert _verification(srv.url, "1", 60)["ok"] is True
+        file = _link(srv.url, "2", 2)
+        r = _index_put(srv.url, "2", _rows(data), file)
+        assert r.status_code == 200 and r.json()["state"] == "committed", r.text
+        assert _metric(srv.url, 'ckptd_commit_checked_bytes_total{how="read back"}') == 0
+        assert _metric(srv.url, 'ckptd_commit_checked_bytes_total{how="on arrival"}') == 2 * len(data)
+        assert _verification(srv.url, "2", 60)["ok"] is True  # the re-read after the marker read it
+        # changed between the link and the commit: each from a source of its own (a hard link moves the
+        # shared inode's ctime, so a source's record vouches for one link)
+        for step, how in enumerate(("replaced", "truncated", "extended", "edited"), start=3):
+            _save(srv.url, f"src-{how}", step, data)
+            assert _verification(srv.url, f"src-{how}", 60)["ok"] is True
+            file = _link(srv.url, how, step, f"src-{how}")
+            CHANGES[how](_staged(root, how, file))
+            r = _index_put(srv.url, how, _rows(data), file)
+            assert r.status_code == 422 and "refused at commit" in r.json()["error"]["message"], (how, r.text)
+        assert _metric(srv.url, 'ckptd_commit_checked_bytes_total{how="on arrival"}') == 6 * len(data)
+    finally:
+        srv.stop()
+
+
+def test_a_link_whose_source_is_found_bad_before_the_commit_is_read_back(tmp_path):
+    srv = _server(tmp_path).start()
+    root = tmp_path / "root"
+    try:
+        data = _data(1)
+        _save(srv.url, "1", 1, data)
+        rec = _verification(srv.url, "1", 60)
+        file = _link(srv.url, "2", 2)
+        # what a re-read of checkpoint 1 records when it finds a byte rotted in place (no stamp moves)
+        rec.update(ok=False, problems=["file 'f.bin': chunk of tensor 'w' hashes to 0000000000000000"])
+        (root / "runs" / "r" / "1" / "VERIFIED.json").write_text(__import__("json").dumps(rec))
+        r = _index_put(srv.url, "2", _rows(data), file)
+        assert r.status_code == 200 and r.json()["state"] == "committed", r.text
+        assert _metric(srv.url, 'ckptd_commit_checked_bytes_total{how="read back"}') == len(data)
     finally:
         srv.stop()

@@ -429,7 +429,8 @@ def test_fsdp2_save_2_load_3_verify_and_reshard_on_s3(moto_s3, s3, tmp_path):
 
 def test_incremental_saves_copy_unchanged_files_inside_the_store(moto_s3, s3, tmp_path):
     """On S3 a link is a copy inside the store (no byte of the frozen part passes the rank or the
-    service); the later checkpoint loads bit for bit after the earlier one is deleted."""
+    service), conditional on the checked object's ETag, and the commit rests on that check instead of
+    reading the copy; the later checkpoint loads bit for bit after the earlier one is deleted."""
     from s3_server import aws_env
     from support import ServerProcess, assert_bits_equal, blank_like
 
@@ -440,15 +441,25 @@ def test_incremental_saves_copy_unchanged_files_inside_the_store(moto_s3, s3, tm
     states = [{"model": {**frozen, "adapter": torch.full((1000,), float(s))}} for s in (1, 2)]
     server = ServerProcess(s3.url, env=aws_env(moto_s3.endpoint), log=tmp_path / "server.log").start()
     try:
-        client = CheckpointClient(server.url, file_bytes=MiB)
-        for s, sd in enumerate(states, start=1):
-            client.save(sd, f"inc/{s}").wait()
-        from ckptd_schemas import Manifest
         import httpx
+        from support import verified
+
+        def read_back() -> float:
+            text = httpx.get(f"{server.url}/metrics").text
+            return sum(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith('ckptd_commit_checked_bytes_total{how="read back"'))
+
+        client = CheckpointClient(server.url, file_bytes=MiB)
+        client.save(states[0], "inc/1").wait()
+        verified(server.url, "inc/1")  # a file is linked only as its last check found it
+        before = read_back()
+        client.save(states[1], "inc/2").wait()
+        from ckptd_schemas import Manifest
 
         m = Manifest.model_validate_json(httpx.get(f"{server.url}/v1/checkpoints/inc/2").content)
         frozen_bytes = sum(t.numel() * 4 for t in frozen.values())
         assert m.linked_bytes >= frozen_bytes and m.total_bytes - m.linked_bytes < frozen_bytes / 4
+        assert read_back() - before < frozen_bytes / 4, (before, read_back())
         s3.delete_tree("runs/inc/1")
         got = blank_like(states[1])
         client.load(got, "inc/2")
