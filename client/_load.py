@@ -55,9 +55,7 @@ from ckptd_schemas import (
 )
 
 from ._coverage import agree_keys
-from ._scatter import (
-    BUFFER_BYTES, DeviceStager, Fill, PieceFill, direct_targets, fill_buffer, fill_targets, staged_runs, whole,
-)
+from ._scatter import BUFFER_BYTES, DeviceStager, Fill, PieceFill, direct_targets, fill_buffer, fill_targets, staged_runs
 from ._dist import distributed as _distributed
 from ._files import LocalFiles
 from ._share import Sharing, agree, exchange, region_key, share_plan
@@ -69,6 +67,7 @@ from ._lease import LoadLease
 from ._loadtree import fetch_head, fetch_pieces, post_read_plan
 from ._resolve import resolve_manifest
 from ckptd_schemas.api import SkippedCheckpoint
+from ckptd_schemas.readplan import whole
 from ckptd_schemas.format.assemble import Destination, copy_into
 from ckptd_schemas.format.objects import SAFE, ObjectPolicy, decode_object
 
