@@ -41,8 +41,13 @@ from .errors import ChecksumMismatch, PayloadTooLarge, StateDictMismatch
 from .geometry import Box, Region, box_flat_span, intersect_regions, row_major_strides
 from .manifest import FileEntry, Manifest, TensorEntry
 
-__all__ = ["BlockVerifier", "Copy", "Fetch", "PlanBudget", "ReadPlan", "ReadRequest", "dest_region", "merge_plans", "plan_reads",
+__all__ = ["BlockVerifier", "Copy", "Fetch", "PlanBudget", "ReadFn", "ReadPlan", "ReadRequest", "dest_region", "merge_plans", "plan_reads",
            "request_batches", "run_fetches", "verify_fetch", "wanted_region", "whole"]
+
+
+ReadFn = Callable[[str, int, int], bytes]
+"""The one byte source every reader of stored bytes takes: ``read(file, start, end)``, bytes ``[start, end)``
+of a data file (the store's, the service's over HTTP, a drill's sink); short only at the file's end."""
 
 
 class _Body(BaseModel):
