@@ -438,10 +438,7 @@ def _dcp_layout(manifest: Manifest, read: ReadFn, policy: "ObjectPolicy") -> tup
 def _object_bytes(manifest: Manifest, o: ObjectEntry, read: ReadFn) -> bytes:
     loc = o.location
     assert loc is not None
-    data = read(loc.file, loc.offset, loc.offset + loc.length)
-    if xxhash.xxh3_64_hexdigest(data) != loc.xxh3:
-        raise IntegrityError(f"object {o.name!r} of {manifest.ref} fails its checksum", file=loc.file)
-    return data
+    return o.checked(read(loc.file, loc.offset, loc.offset + loc.length), manifest.ref)
 
 
 def _set(root: dict, path: tuple, value: Any) -> None:
