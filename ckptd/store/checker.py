@@ -287,9 +287,7 @@ class Verdict:
         """Raise the first problem (the commit's refusal); the bytes read when there is none."""
         if self.problems:
             more = f" (and {len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
-            first = self.problems[0]
-            raise first.error(f"refused at commit: {first.message}{more}",
-                              **{k: v for k, v in first.details.items() if v is not None})
+            raise self.problems[0].exception("refused at commit: ", more)
         return self.bytes_read
 
 
