@@ -389,7 +389,7 @@ def check_output(ctx: dict, spec: str, out: str) -> dict:
     layout-independent, so every output of one source must share it (``same_digests``)."""
     from ckptd.storage import LocalStorage
     from ckptd.store import CheckpointReader
-    from ckptd.store.offline import read_tensor
+    from stored_tensors import read_tensor
 
     root = ctx["root"]
     reader = CheckpointReader(LocalStorage(root, durable=False))

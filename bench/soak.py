@@ -228,7 +228,7 @@ def run(ranks: int, checkpoints: int, mib: float, work: Path, timeout: float) ->
                                                    for c in reader.list_checkpoints(f"{run_name}-dp4")]
         for r, n in refs:
             m = reader.manifest(r, n)
-            rep = verify_manifest(m, _Source(reader, r, n))
+            rep = verify_manifest(m, _Source(reader, r, n).read)
             verified[f"{r}/{n}"] = rep.ok
             if not rep.ok:
                 problems.append(f"verify {r}/{n}: {rep.problems[:3]}")
@@ -621,7 +621,7 @@ def _verify_all(root: Path, steps: int) -> dict[str, bool | list]:
     for step in range(1, steps + 1):
         name = str(step)
         try:
-            rep = verify_manifest(reader.manifest(RUN, name), _Source(reader, RUN, name))
+            rep = verify_manifest(reader.manifest(RUN, name), _Source(reader, RUN, name).read)
             out[name] = True if rep.ok else rep.problems[:3]
         except Exception as e:  # noqa: BLE001 - a checkpoint that cannot even be read is a failed verify
             out[name] = [f"{type(e).__name__}: {e}"]

@@ -31,8 +31,9 @@ import threading
 from typing import Callable, Mapping, TypeVar
 
 from ckptd_schemas import ChecksumMismatch, Fetch
+from ckptd_schemas.readplan import BlockVerifier
 
-from ._scatter import BlockVerifier, Fill
+from ._scatter import Fill
 
 __all__ = ["LocalFiles", "READ_SIZE"]
 

@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 import httpx
-import xxhash
 
 from ckptd_schemas import (
     ChecksumMismatch, CorruptCheckpoint, Fetch, KindMismatch, Manifest, ObjectEntry, ReadPlan, ReadRequest,
@@ -55,9 +54,7 @@ from ckptd_schemas import (
 )
 
 from ._coverage import agree_keys
-from ._scatter import (
-    BUFFER_BYTES, DeviceStager, Fill, PieceFill, direct_targets, fill_buffer, fill_targets, staged_runs, whole,
-)
+from ._scatter import BUFFER_BYTES, DeviceStager, Fill, PieceFill, direct_targets, fill_buffer, fill_targets, staged_runs
 from ._dist import distributed as _distributed
 from ._files import LocalFiles
 from ._share import Sharing, agree, exchange, region_key, share_plan
@@ -69,12 +66,14 @@ from ._lease import LoadLease
 from ._loadtree import fetch_head, fetch_pieces, post_read_plan
 from ._resolve import resolve_manifest
 from ckptd_schemas.api import SkippedCheckpoint
+from ckptd_schemas.readplan import whole
 from ckptd_schemas.format.assemble import Destination, copy_into
 from ckptd_schemas.format.objects import SAFE, ObjectPolicy, decode_object
 
 from ckptd_schemas.names import RESERVED
 
-__all__ = ["HttpRanges", "LoadReport", "RESERVED", "execute", "load_into", "local_files", "resolve_manifest"]
+__all__ = ["HttpRanges", "LoadReport", "RESERVED", "execute", "load_into", "local_files", "resolve_manifest",
+           "stored_object"]
 
 log = logging.getLogger("ckptd_client")
 T = TypeVar("T")
@@ -142,11 +141,8 @@ class HttpRanges:
                                       headers={"Range": f"bytes={f.start}-{f.end - 1}"}, sink=sink)
 
 
-def _load_object(transport: Transport, base: str, o: ObjectEntry, ref: str, policy: ObjectPolicy) -> Any:
-    """The object's value; its bytes are checked, then decoded without running code
-    (``ckptd_schemas.format.objects``)."""
-    if o.encoding == "json":
-        return o.value
+def stored_object(transport: Transport, base: str, o: ObjectEntry, ref: str) -> bytes:
+    """The stored bytes of object ``o`` (not a JSON one), checked against its digest (``ObjectEntry.checked``)."""
     loc = o.location
     assert loc is not None
     try:
@@ -155,10 +151,7 @@ def _load_object(transport: Transport, base: str, o: ObjectEntry, ref: str, poli
                                  sink=lambda r: r.read())
     except ChecksumMismatch as e:  # the service found the file damaged (CorruptCheckpoint)
         raise CorruptCheckpoint(f"object {o.name!r}: {e.message}", **{**e.details, "object": o.name}) from e
-    if xxhash.xxh3_64_hexdigest(data) != loc.xxh3:
-        raise CorruptCheckpoint(f"object {o.name!r} in file {loc.file!r} fails its checksum", file=loc.file,
-                                object=o.name)
-    return decode_object(o, data, ref=ref, policy=policy)
+    return o.checked(data, ref)
 
 
 def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, rank: int, strict: bool,
@@ -215,7 +208,8 @@ def _load_into(transport: Transport, run: str, name: str, state_dict: dict, leas
                                         f"{[o.rank for o in entries][:8]}, not for rank {rank}", key=leaf.fqn)
             report.missing.append(leaf.fqn)
             continue
-        leaf.container[leaf.key] = _load_object(transport, base, entry, manifest.ref, objects)
+        data = stored_object(transport, base, entry, manifest.ref) if entry.location is not None else None
+        leaf.container[leaf.key] = decode_object(entry, data, ref=manifest.ref, policy=objects)
         report.objects.append(leaf.fqn)
     return report
 

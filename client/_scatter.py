@@ -36,15 +36,15 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
-import xxhash
 
 from ckptd_schemas import ChecksumMismatch, Copy, Fetch
+from ckptd_schemas.readplan import BlockVerifier, whole
 
 from ckptd_schemas.format.assemble import Destination, torch_dtype
 from ckptd_schemas.format.encoding import source_bytes
 
-__all__ = ["BUFFER_BYTES", "BlockVerifier", "DeviceStager", "Fill", "PieceFill", "direct_targets", "fill_buffer",
-           "fill_targets", "staged_runs", "whole"]
+__all__ = ["BUFFER_BYTES", "DeviceStager", "Fill", "PieceFill", "direct_targets", "fill_buffer", "fill_targets",
+           "staged_runs"]
 
 Target = tuple[int, int, memoryview]  # [lo, hi) of the fetch -> the destination's bytes
 Run = tuple[int, int, torch.Tensor]   # [lo, hi) of the fetch -> the destination's bytes, a uint8 tensor on its device
@@ -96,40 +96,6 @@ def direct_targets(copies: Iterable[Copy], dests: Sequence[Destination]) -> list
 def staged_runs(copies: Iterable[Copy], dests: Sequence[Destination], device: torch.device) -> list[Run] | None:
     """As :func:`direct_targets` for destinations on ``device`` (for :meth:`DeviceStager.stream`)."""
     return _runs(copies, dests, torch.device(device))
-
-
-class BlockVerifier:
-    """Checks a fetch's block digests on the stream (blocks start at ``fetch.start``)."""
-
-    def __init__(self, fetch: Fetch) -> None:
-        self.fetch = fetch
-        self.size = fetch.end - fetch.start
-        self.got = 0
-        self._block = 0
-        self._h = xxhash.xxh3_64()
-
-    def update(self, piece: memoryview) -> None:
-        bs, pos = self.fetch.block_size, 0
-        while pos < len(piece):
-            room = bs - (self.got % bs)
-            take = min(room, len(piece) - pos)
-            self._h.update(piece[pos:pos + take])
-            pos += take
-            self.got += take
-            if self.got % bs == 0 or self.got == self.size:
-                self._check()
-
-    def _check(self) -> None:
-        i, f = self._block, self.fetch
-        got = self._h.hexdigest()
-        if i >= len(f.blocks) or got != f.blocks[i]:
-            start = f.start + i * f.block_size
-            raise ChecksumMismatch(
-                f"file {f.file!r}: bytes [{start}, {min(start + f.block_size, f.end)}) hash to {got}, "
-                f"manifest says {f.blocks[i] if i < len(f.blocks) else 'nothing'}: the checkpoint is corrupt",
-                file=f.file, offset=start)
-        self._block += 1
-        self._h.reset()
 
 
 # -- staging onto a device ---------------------------------------------------------------------------
@@ -184,13 +150,6 @@ class PieceFill:
         """After the fetch's bytes: raise if the body holds more."""
         if self._rest or any(len(raw) for raw in self._it):
             self._more()
-
-
-def whole(fetch: Fetch, got: int) -> None:
-    """Raise unless a sink received every byte of ``fetch`` (``got`` of them)."""
-    if got != fetch.end - fetch.start:
-        raise ChecksumMismatch(f"file {fetch.file!r}: got {got} of {fetch.end - fetch.start} bytes at offset "
-                               f"{fetch.start}", file=fetch.file)
 
 
 def fill_buffer(fetch: Fetch, fill: Fill) -> bytearray:

@@ -16,6 +16,7 @@ from math import prod
 from operator import add, le
 from typing import Annotated, Literal, Union
 
+import xxhash
 from pydantic import (
     Field, JsonValue, PrivateAttr, SerializerFunctionWrapHandler, ValidationInfo,
     field_validator, model_serializer, model_validator,
@@ -25,6 +26,7 @@ from .chunks import HEX64, BoxChunk, Chunk, FileName, FlatChunk, Location, NonNe
 from .chunkindex import ChunkIndex
 from .chunktable import ChunkColumns, check_columns, columns_of
 from .dtypes import ITEMSIZE, DType, itemsize
+from .errors import CorruptCheckpoint
 
 __all__ = [
     "FORMAT_VERSION",
@@ -161,6 +163,17 @@ class ObjectEntry(_Model):
         """What two entries of one object share when they hold the same value (a load restores the one
         value that every rank which saved it saved: ``ckptd_client._load``, ``loadtree``)."""
         return (self.encoding, repr(self.value)) if self.location is None else (self.encoding, self.location.xxh3)
+
+    def checked(self, data: bytes, ref: str) -> bytes:
+        """``data``, this object's stored bytes, once they hash to the digest its location records; else
+        :class:`~ckptd_schemas.CorruptCheckpoint` naming the object and its file. Every reader of a stored
+        object asks (a load, the DCP reader, a conversion, an export)."""
+        loc = self.location
+        assert loc is not None
+        if xxhash.xxh3_64_hexdigest(data) != loc.xxh3:
+            raise CorruptCheckpoint(f"object {self.name!r} of {ref} in file {loc.file!r} fails its checksum",
+                                    file=loc.file, object=self.name)
+        return data
 
 
 class ParamGroup(_Model):

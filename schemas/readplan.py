@@ -41,8 +41,13 @@ from .errors import ChecksumMismatch, PayloadTooLarge, StateDictMismatch
 from .geometry import Box, Region, box_flat_span, intersect_regions, row_major_strides
 from .manifest import FileEntry, Manifest, TensorEntry
 
-__all__ = ["Copy", "Fetch", "PlanBudget", "ReadPlan", "ReadRequest", "dest_region", "merge_plans", "plan_reads",
-           "request_batches", "run_fetches", "verify_fetch", "wanted_region"]
+__all__ = ["BlockVerifier", "Copy", "Fetch", "PlanBudget", "ReadFn", "ReadPlan", "ReadRequest", "dest_region", "merge_plans", "plan_reads",
+           "request_batches", "run_fetches", "verify_fetch", "wanted_region", "whole"]
+
+
+ReadFn = Callable[[str, int, int], bytes]
+"""The one byte source every reader of stored bytes takes: ``read(file, start, end)``, bytes ``[start, end)``
+of a data file (the store's, the service's over HTTP, a drill's sink); short only at the file's end."""
 
 
 class _Body(BaseModel):
@@ -87,23 +92,54 @@ class Fetch(_Body):
     blocks: list[str] = Field(description="XXH3-64 of each block in [start, end)")
 
 
+class BlockVerifier:
+    """The one block-verify rule: a fetch's bytes, fed in any pieces (blocks start at ``fetch.start``),
+    each block's XXH3-64 compared with the manifest's as soon as its last byte has passed."""
+
+    def __init__(self, fetch: Fetch) -> None:
+        self.fetch = fetch
+        self.size = fetch.end - fetch.start
+        self.got = 0
+        self._block = 0
+        self._h = xxhash.xxh3_64()
+
+    def update(self, piece: memoryview) -> None:
+        bs, pos = self.fetch.block_size, 0
+        while pos < len(piece):
+            take = min(bs - (self.got % bs), len(piece) - pos)
+            self._h.update(piece[pos:pos + take])
+            pos += take
+            self.got += take
+            if self.got % bs == 0 or self.got == self.size:
+                self._check()
+
+    def _check(self) -> None:
+        i, f = self._block, self.fetch
+        got = self._h.hexdigest()
+        if i >= len(f.blocks) or got != f.blocks[i]:
+            start = f.start + i * f.block_size
+            raise ChecksumMismatch(
+                f"file {f.file!r}: bytes [{start}, {min(start + f.block_size, f.end)}) hash to {got}, "
+                f"manifest says {f.blocks[i] if i < len(f.blocks) else 'nothing'}: the checkpoint is corrupt",
+                file=f.file, offset=start)
+        self._block += 1
+        self._h.reset()
+
+
+def whole(fetch: Fetch, got: int) -> None:
+    """Raise unless ``got`` is every byte of ``fetch`` (what a reader received, or holds)."""
+    if got != fetch.end - fetch.start:
+        raise ChecksumMismatch(f"file {fetch.file!r}: got {got} of {fetch.end - fetch.start} bytes at offset "
+                               f"{fetch.start}", file=fetch.file)
+
+
 def verify_fetch(buf: bytes | bytearray | memoryview, fetch: Fetch) -> None:
-    """Raise ChecksumMismatch unless every block of the fetched range matches its digest.
+    """Raise ChecksumMismatch unless ``buf`` is the fetch's bytes, every block matching its digest.
 
     Call it on a fetch's bytes before any copy reads them: the copies trust what they are given."""
     mv = memoryview(buf)
-    size = fetch.end - fetch.start
-    if len(mv) != size:
-        raise ChecksumMismatch(f"file {fetch.file!r}: got {len(mv)} of {size} bytes at offset {fetch.start}",
-                               file=fetch.file)
-    for i, want in enumerate(fetch.blocks):
-        lo = i * fetch.block_size
-        got = xxhash.xxh3_64_hexdigest(mv[lo:lo + fetch.block_size])
-        if got != want:
-            start = fetch.start + lo
-            raise ChecksumMismatch(
-                f"file {fetch.file!r}: bytes [{start}, {start + min(fetch.block_size, size - lo)}) hash to {got}, "
-                f"manifest says {want}: the checkpoint is corrupt", file=fetch.file, offset=start)
+    whole(fetch, len(mv))
+    BlockVerifier(fetch).update(mv)
 
 
 def run_fetches(plan: "ReadPlan", read: Callable[[Fetch], bytes | bytearray | memoryview],

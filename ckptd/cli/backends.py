@@ -20,6 +20,7 @@ from ckptd_schemas import Manifest, NotFound
 if TYPE_CHECKING:  # annotations only: the API bodies are not built for commands that never list
     from ckptd_schemas import CheckpointSummary, RunSummary
     from ckptd_schemas.api import SkippedCheckpoint
+    from ckptd_schemas.readplan import ReadFn
 
     from ..interop.dcp_import import ImportTarget
     from ..reshard.models import ReshardRequest
@@ -68,7 +69,10 @@ class Backend(Protocol):
         None when the checkpoint went meanwhile or the service does not say."""
         ...
 
-    def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes: ...
+    def byte_source(self, manifest: Manifest) -> ReadFn:
+        """The byte source of ``manifest``'s data files (``ckptd export``, ``ckptd verify``)."""
+        ...
+
     def lease(self, manifest: Manifest, what: str) -> ContextManager[object]: ...
 
     # -- checks -----------------------------------------------------------------------------------

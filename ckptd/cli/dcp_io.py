@@ -59,9 +59,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     backend = open_backend(resolve_target(args))
     manifest = backend.manifest(ref.run, ref.name)
     backend.check_source(manifest)  # the one checker's verdict on the source first (its record, usually)
-
-    def read(file: str, start: int, end: int) -> bytes:
-        return backend.read(manifest, file, start, end)
+    read = backend.byte_source(manifest)
 
     prefix = args.prefix if args.prefix is not None else default_prefix(manifest, args.format)
     total = sum(tensor_bytes(t.shape, args.dtype if args.dtype and t.dtype in CAST_DTYPES else t.dtype)

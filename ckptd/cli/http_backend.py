@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from ckptd_client.catalog import Upload
     from ckptd_schemas import CheckpointSummary, RunSummary
     from ckptd_schemas.api import SkippedCheckpoint
+    from ckptd_schemas.readplan import ReadFn
 
     from ..interop.dcp_import import FileOut
     from ..reshard.models import ReshardRequest
@@ -68,14 +69,15 @@ class HttpBackend:
         row = next((r for r in self.client.list_checkpoints(manifest.run) if r.name == manifest.name), None)
         return (row.status, row.status_reason) if row is not None else (None, None)
 
-    def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes:
+    def byte_source(self, manifest: Manifest) -> ReadFn:
+        """Ranges a request each, with read-ahead (one :class:`ReadAhead` per checkpoint read)."""
         ref = manifest.ref
         with self._lock:
             ahead = self._ahead.get(ref)
             if ahead is None:
                 ahead = self._ahead[ref] = ReadAhead(lambda f, s, e: self.client.read_range(ref, f, s, e),
                                                      {name: f.size for name, f in manifest.files.items()})
-        return ahead.read(file, start, end)
+        return ahead.read
 
     def lease(self, manifest: Manifest, what: str) -> ContextManager[object]:
         """A read lease held through the service for the block: the service renews a lease only on
@@ -96,7 +98,7 @@ class HttpBackend:
 
         from ..store.checker import verify_manifest
 
-        report = verify_manifest(manifest, _Ranges(self, manifest), progress=progress)
+        report = verify_manifest(manifest, self.byte_source(manifest), progress=progress)
         try:
             named = self.client.load_tree_root(manifest.ref)
         except CorruptCheckpoint as e:
@@ -253,12 +255,3 @@ class _HttpImport:
         finally:
             self.client.close()
 
-
-class _Ranges:
-    """The checker's byte source over the backend's ranged reads (with read-ahead)."""
-
-    def __init__(self, backend: HttpBackend, manifest: Manifest) -> None:
-        self.backend, self.manifest = backend, manifest
-
-    def read(self, file: str, start: int, end: int) -> bytes:
-        return self.backend.read(self.manifest, file, start, end)

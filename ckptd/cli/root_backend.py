@@ -9,6 +9,7 @@ run here, under a lease on their source, from a source the one checker passes.
 from __future__ import annotations
 
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
@@ -20,6 +21,7 @@ from .backends import DEFAULT_WORKERS, Bar, ReshardOutcome
 if TYPE_CHECKING:
     from ckptd_schemas import CheckpointSummary, RunSummary
     from ckptd_schemas.api import SkippedCheckpoint
+    from ckptd_schemas.readplan import ReadFn
 
     from ..interop.dcp_import import FileOut
     from ..reshard.models import ReshardRequest
@@ -98,8 +100,8 @@ class RootBackend:
         c = vis.check(manifest.run, manifest.name)
         return vis.status(c) if c is not None else (None, None)
 
-    def read(self, manifest: Manifest, file: str, start: int, end: int) -> bytes:
-        return self.reader.read_range(manifest.run, manifest.name, file, start, end)
+    def byte_source(self, manifest: Manifest) -> ReadFn:
+        return partial(self.reader.read_range, manifest.run, manifest.name)
 
     def lease(self, manifest: Manifest, what: str) -> ContextManager[object]:
         """Keep ``manifest``'s checkpoint from retention while a tool reads it (``what``: verify,

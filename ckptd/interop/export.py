@@ -59,8 +59,8 @@ from ckptd_schemas.digest import StreamHasher
 from ckptd_schemas.dtypes import FLOATING as FLOATS
 
 from ..storage.local import LocalStorage, fsync_dir
-from ckptd_schemas.format.engines import ChunkBuffer, Engine, HostEngine, TorchEngine
-from ..store.offline import ReadFn, iter_slabs
+from ckptd_schemas.format.engines import ChunkBuffer, Engine, HostEngine, TorchEngine, iter_slabs
+from ckptd_schemas.readplan import ReadFn
 from ..store.reader import naming_tensor
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
     from ckptd_schemas.format.objects import ObjectPolicy
 
-__all__ = ["ExportResult", "FLOATS", "MODEL_PREFIX", "ReadFn", "SAFETENSORS_DTYPES", "default_prefix",
+__all__ = ["ExportResult", "FLOATS", "MODEL_PREFIX", "SAFETENSORS_DTYPES", "default_prefix",
            "export_safetensors", "export_torch", "parse_size", "tensor_bytes"]
 
 MODEL_PREFIX = "model."  # the key a state dict of a model and its optimizer keeps the weights under
@@ -438,10 +438,7 @@ def _dcp_layout(manifest: Manifest, read: ReadFn, policy: "ObjectPolicy") -> tup
 def _object_bytes(manifest: Manifest, o: ObjectEntry, read: ReadFn) -> bytes:
     loc = o.location
     assert loc is not None
-    data = read(loc.file, loc.offset, loc.offset + loc.length)
-    if xxhash.xxh3_64_hexdigest(data) != loc.xxh3:
-        raise IntegrityError(f"object {o.name!r} of {manifest.ref} fails its checksum", file=loc.file)
-    return data
+    return o.checked(read(loc.file, loc.offset, loc.offset + loc.length), manifest.ref)
 
 
 def _set(root: dict, path: tuple, value: Any) -> None:

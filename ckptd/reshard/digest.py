@@ -14,8 +14,8 @@ from ckptd_schemas import Manifest, TensorEntry, itemsize
 from ckptd_schemas.digest import DIGEST_BLOCK, StreamHasher
 from ckptd_schemas.dtypes import FLOATING as FLOATS
 
-from ckptd_schemas.format.engines import HostEngine, TorchEngine
-from ..store.offline import ReadFn, iter_slabs
+from ckptd_schemas.format.engines import HostEngine, TorchEngine, iter_slabs
+from ckptd_schemas.readplan import ReadFn
 
 __all__ = ["tensor_digest"]
 

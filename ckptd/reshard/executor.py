@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Literal
 
-import xxhash
 from pydantic import BaseModel, ConfigDict
 
 from ckptd_schemas import (
@@ -364,10 +363,8 @@ def _copy_objects(reader: CheckpointReader, sessions: SessionStore, source: Mani
             if o.location is None:
                 moved.append(o)
                 continue
-            data = reader.read_range(source.run, source.name, o.location.file, o.location.offset,
-                                     o.location.offset + o.location.length)
-            if xxhash.xxh3_64_hexdigest(data) != o.location.xxh3:
-                raise IntegrityError(f"object {o.name!r} of {source.ref} fails its checksum", file=o.location.file)
+            data = o.checked(reader.read_range(source.run, source.name, o.location.file, o.location.offset,
+                                               o.location.offset + o.location.length), source.ref)
             loc = o.location.model_copy(update={"file": fname, "offset": sink.size})
             sink.write(data)
             pad = (-len(data)) % ALIGN

@@ -4,7 +4,7 @@ Every path that judges stored bytes asks :func:`judge`: the commit (:func:`check
 from :meth:`Committer._commit <ckptd.store.commit.Committer._commit>` after the merge and
 before the manifest is written), ``ckptd verify`` and the service's verification
 (:func:`verify_manifest`, which reports every problem instead of raising the first, over the
-bytes a :class:`ByteSource` returns: storage directly for ``--root``, the service over HTTP for
+bytes a :data:`~ckptd_schemas.readplan.ReadFn` returns: storage directly for ``--root``, the service over HTTP for
 ``--server``, so ``ckptd verify`` never trusts the process that wrote them), and the durable copy (:mod:`ckptd.store.durable`,
 which writes each window to the durable tier as it passes). Their verdicts cannot differ: it is
 the same code over the same bytes.
@@ -64,6 +64,7 @@ from ckptd_schemas import (
 )
 from ckptd_schemas.arrival import Declared, rows_digest
 from ckptd_schemas.chunktable import check_columns_tiling
+from ckptd_schemas.readplan import ReadFn
 
 from ..storage import Storage
 from .inflight import is_remote
@@ -286,9 +287,7 @@ class Verdict:
         """Raise the first problem (the commit's refusal); the bytes read when there is none."""
         if self.problems:
             more = f" (and {len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
-            first = self.problems[0]
-            raise first.error(f"refused at commit: {first.message}{more}",
-                              **{k: v for k, v in first.details.items() if v is not None})
+            raise self.problems[0].exception("refused at commit: ", more)
         return self.bytes_read
 
 
@@ -637,10 +636,6 @@ def judge(manifest: Manifest, source: StoredBytes, *, jobs: int = JOBS, read_siz
 
 # -- every problem of a committed checkpoint, for `ckptd verify` and the service's verification --
 
-class ByteSource(Protocol):
-    def read(self, file: str, start: int, end: int) -> bytes: ...
-
-
 @dataclass
 class Findings:
     """What one pass of the checker over a committed checkpoint found (:func:`verify_manifest`). A
@@ -660,28 +655,28 @@ class Findings:
 
 
 class _Windows:
-    """A :class:`ByteSource` as the checker reads: into its buffer, window by window."""
+    """A :data:`~ckptd_schemas.readplan.ReadFn` as the checker reads: into its buffer, window by window."""
 
-    def __init__(self, source: ByteSource) -> None:
-        self.source = source
+    def __init__(self, read: ReadFn) -> None:
+        self.read = read
 
     def read_into(self, file: str, start: int, view: memoryview) -> int:
-        data = self.source.read(file, start, start + len(view))
+        data = self.read(file, start, start + len(view))
         view[:len(data)] = data
         return len(data)
 
 
 def verify_manifest(
-    manifest: Manifest, source: ByteSource, *, progress: Callable[[int], None] | None = None, jobs: int = JOBS,
+    manifest: Manifest, read: ReadFn, *, progress: Callable[[int], None] | None = None, jobs: int = JOBS,
     storage_errors_are_problems: bool = True, files: Collection[str] | None = None,
 ) -> Findings:
-    """Check every file, chunk and tensor of ``manifest`` against the bytes ``source`` returns, ``jobs``
+    """Check every file, chunk and tensor of ``manifest`` against the bytes ``read`` returns, ``jobs``
     files at a time (a read waits on the device or the network without the GIL, so a second file's
     reads keep it busy while the first one's windows are hashed). Problems in file order. A store that
     fails a read (``StorageError``) is a problem of that file, or, with ``storage_errors_are_problems``
     False, raised: a verification whose outcome is recorded must not call a checkpoint bad because
     its store was briefly unreachable."""
-    verdict = judge(manifest, _Windows(source), jobs=jobs, read_size=READ_SIZE, tiling=files is None,
+    verdict = judge(manifest, _Windows(read), jobs=jobs, read_size=READ_SIZE, tiling=files is None,
                     progress=progress, storage_errors_are_problems=storage_errors_are_problems, files=files)
     chunks = sum(len(t.table) for t in manifest.tensors) + sum(1 for o in manifest.objects if o.location is not None)
     return Findings(ref=manifest.ref, files=len(manifest.files), tensors=len(manifest.tensors), chunks=chunks,

@@ -23,6 +23,8 @@ from ckptd_schemas import (
     LATEST, CheckpointNotFound, CkptdError, CorruptCheckpoint, InvalidRequest, Manifest, StorageError,
 )
 
+from ckptd_schemas.readplan import ReadFn
+
 from ..storage import Storage
 from .tiers import open_root
 from .checker import Findings, jobs_for, verify_manifest
@@ -38,17 +40,14 @@ __all__ = ["DAMAGE_PARTS", "VerifyRecord", "load_tree_problem", "strays_of", "re
            "require_verified", "verify_and_record", "verify_committed", "verify_unrecorded"]
 
 
-class _StorageSource:
+def _committed_reads(storage: Storage, c: Committed, manifest: Manifest) -> ReadFn:
     """Reads as ``CheckpointReader.read_range`` does (``ckptd verify --root``): a file absent or of
     another size than the manifest says is :class:`CorruptCheckpoint`, so every verifier agrees."""
-
-    def __init__(self, storage: Storage, run: str, name: str, session: str, sizes: dict[str, int]) -> None:
-        self.storage, self.run, self.name, self.session, self.sizes = storage, run, name, session, sizes
-
-    def read(self, file: str, start: int, end: int) -> bytes:
-        key, size = Paths.file(self.run, self.name, self.session, file), self.sizes[file]
-        self.storage.check_committed(key, size, file=file)
-        return self.storage.read_committed(key, start, end, size, file=file)
+    def read(file: str, start: int, end: int) -> bytes:
+        key, size = Paths.file(c.run, c.name, c.session, file), manifest.files[file].size
+        storage.check_committed(key, size, file=file)
+        return storage.read_committed(key, start, end, size, file=file)
+    return read
 
 
 def verify_committed(storage: Storage, run: str, name: str) -> VerifyRecord:
@@ -121,8 +120,7 @@ def _verify_here(storage: Storage, run: str, name: str, files: list[str] | None 
     try:
         manifest = vis.manifest(c)
         before = stamps_of(storage, c, sorted(manifest.files))
-        report = verify_manifest(manifest, _StorageSource(storage, c.run, c.name, c.session,
-                                                             {f: e.size for f, e in manifest.files.items()}),
+        report = verify_manifest(manifest, _committed_reads(storage, c, manifest),
                                  jobs=jobs_for(manifest, storage, lambda f: Paths.file(c.run, c.name, c.session, f)),
                                  storage_errors_are_problems=False, files=files, progress=progress)
         problem = load_tree_problem(vis, c)

@@ -4,7 +4,7 @@ reshard, drills, digests and export use them; they live with the byte format, be
 
 A reshard work unit fills one target chunk at a time from verified source
 bytes (``ckptd_schemas.Copy`` regions), then hands its bytes to the writer;
-:func:`ckptd.store.offline.iter_slabs` (digests, export) fills row-major slabs
+:func:`iter_slabs` (digests, export) fills row-major slabs
 the same way. The two engines do exactly that and nothing else:
 
 * :class:`HostEngine` - numpy views over the unit's buffer, one strided copy
@@ -27,18 +27,23 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import AbstractContextManager, contextmanager
+from math import prod
 from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ckptd_schemas import Copy, IntegrityError, InvalidRequest, dest_region, itemsize, row_major_strides
+from ckptd_schemas import (
+    Copy, IntegrityError, InvalidRequest, Manifest, ReadRequest, TensorEntry, dest_region, itemsize, plan_reads,
+    row_major_strides, run_fetches,
+)
+from ckptd_schemas.readplan import ReadFn
 from ckptd_schemas.format.encoding import source_bytes
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ChunkBuffer", "Engine", "HostEngine", "TorchEngine", "cuda_present", "pick_engine"]
+__all__ = ["ChunkBuffer", "Engine", "HostEngine", "TorchEngine", "cuda_present", "iter_slabs", "pick_engine"]
 
 
 class ChunkBuffer(Protocol):
@@ -220,3 +225,21 @@ def pick_engine(device: str, *, casts: bool = False) -> Engine:
     if device == "cuda" or (device == "auto" and cuda_present()):
         return TorchEngine("cuda")
     return TorchEngine("cpu") if casts else HostEngine()
+
+
+def iter_slabs(manifest: Manifest, t: TensorEntry, read: ReadFn, *, slab_elems: int, buffer: ChunkBuffer,
+               dtype: str | None = None) -> Iterator[tuple[memoryview, memoryview]]:
+    """The tensor's row-major flattening in slabs of at most ``slab_elems`` elements, each assembled in
+    ``buffer`` from whatever chunks hold it and block-verified: bounded memory for any layout.
+
+    Yields (the slab's stored bytes, the same slab as ``dtype``), views valid until the next slab; a
+    ``dtype`` other than the stored one needs a buffer that casts (``TorchEngine``)."""
+    numel = prod(t.shape)
+    step = max(1, slab_elems)
+    for start in range(0, numel, step):
+        n = min(step, numel - start)
+        plan = plan_reads(manifest, [ReadRequest(name=t.name, flat_start=start, flat_length=n)])
+        buffer.begin(t.dtype, n, t.shape, flat_start=start)
+        run_fetches(plan, lambda f: read(f.file, f.start, f.end), buffer.copy)  # no copy: the engine copies out
+        stored = buffer.result(t.dtype)
+        yield stored, (stored if dtype is None or dtype == t.dtype else buffer.result(dtype))

@@ -20,7 +20,7 @@ import torch
 
 from ckptd.storage import open_storage
 from ckptd.store import SessionStore
-from ckptd.store.offline import write_tensors
+from stored_tensors import write_tensors
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -27,7 +27,7 @@ from torch.optim.lr_scheduler import StepLR
 
 from ckptd.storage import open_storage
 from ckptd.store import CheckpointReader
-from ckptd.store.offline import read_tensor
+from stored_tensors import read_tensor
 from ckptd_client import CheckpointClient, InvalidName, InvalidRequest
 from ckptd_client.dcp import DCP_METADATA, CkptdStorageReader, CkptdStorageWriter
 from fsdp_job import LR, apply, build, full_tensors, train_step

@@ -24,7 +24,7 @@ import torch
 
 from ckptd.storage import open_storage
 from ckptd.store import SessionStore
-from ckptd.store.offline import write_tensors
+from stored_tensors import write_tensors
 from ckptd_client._lease import LoadLease, read_lease
 from ckptd_client.transport import Transport
 from support import ServerProcess, scaled

@@ -19,8 +19,8 @@ from ckptd.reshard.planner import plan_reshard
 from ckptd.reshard.spec import parse_spec
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
-from ckptd_schemas.format.engines import HostEngine, TorchEngine, pick_engine
-from ckptd.store.offline import iter_slabs, read_tensor, write_tensors
+from ckptd_schemas.format.engines import HostEngine, TorchEngine, iter_slabs, pick_engine
+from stored_tensors import read_tensor, write_tensors
 from ckptd_client import CheckpointClient
 from ckptd_schemas import Copy, IntegrityError, InvalidRequest
 

@@ -126,7 +126,7 @@ class VisibilityWatcher:
                 continue
             try:
                 m = self.reader.manifest(self.run, s.name)
-                report = verify_manifest(m, _ReaderSource(self.reader, m))
+                report = verify_manifest(m, _ReaderSource(self.reader, m).read)
             except Exception as e:  # noqa: BLE001
                 self.problems.append(f"{self.run}/{s.name} listed but unreadable: {type(e).__name__}: {e}")
                 continue

@@ -983,7 +983,7 @@ def test_reshard_job_arguments_run_one_unit_per_index(tmp_path):
     from ckptd.cli.main import build_parser
     from ckptd.storage import open_storage
     from ckptd.store import CheckpointReader, SessionStore
-    from ckptd.store.offline import read_tensor, write_tensors
+    from stored_tensors import read_tensor, write_tensors
 
     root = str(tmp_path / "root")
     g = torch.Generator().manual_seed(5)

@@ -58,7 +58,7 @@ def verify_in_process(root: Path, run: str, name: str) -> None:
     """Re-read and re-hash every byte of a committed checkpoint (ckptd verify's code, in this process)."""
     reader = CheckpointReader(LocalStorage(root, durable=False))
     m = reader.manifest(run, name)
-    report = verify_manifest(m, _ReaderSource(reader, m))
+    report = verify_manifest(m, _ReaderSource(reader, m).read)
     assert report.ok, f"{run}/{name} does not verify: {report.problems[:5]}"
 
 

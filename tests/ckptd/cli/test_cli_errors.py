@@ -43,7 +43,7 @@ def root(tmp_path, monkeypatch):
     monkeypatch.delenv("CKPTD_ROOT", raising=False)
     from ckptd.storage import open_storage
     from ckptd.store import SessionStore
-    from ckptd.store.offline import write_tensors
+    from stored_tensors import write_tensors
 
     path = tmp_path / "root"
     write_tensors(SessionStore(open_storage(str(path))), "cli/7", {"model.w": torch.arange(6.0).reshape(2, 3)}, step=7)

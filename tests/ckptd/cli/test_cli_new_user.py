@@ -68,7 +68,7 @@ def _root(path: Path, *, recorded: bool = True) -> Path:
     record is gone (what a commit whose record could not be written leaves)."""
     from ckptd.storage import open_storage
     from ckptd.store import SessionStore
-    from ckptd.store.offline import write_tensors
+    from stored_tensors import write_tensors
 
     sessions = SessionStore(open_storage(str(path)))
     for step in (7, 8):

@@ -27,7 +27,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def _root(tmp_path):
     from ckptd.storage import open_storage
     from ckptd.store import SessionStore
-    from ckptd.store.offline import write_tensors
+    from stored_tensors import write_tensors
 
     path = tmp_path / "root"
     sessions = SessionStore(open_storage(str(path)))
@@ -122,7 +122,7 @@ def test_a_safetensors_export_holds_the_models_weights_unless_told_otherwise(tmp
 
     from ckptd.storage import open_storage
     from ckptd.store import SessionStore
-    from ckptd.store.offline import write_tensors
+    from stored_tensors import write_tensors
 
     root = tmp_path / "root"
     sessions = SessionStore(open_storage(str(root)))

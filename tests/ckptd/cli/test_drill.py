@@ -22,7 +22,7 @@ from ckptd.cli.drill import print_record
 from ckptd.cli.main import main
 from ckptd.storage import LocalStorage
 from ckptd.store import SessionStore
-from ckptd.store.offline import write_tensors
+from stored_tensors import write_tensors
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from ckptd.cli.main import main
 from ckptd.cli.target import add_target
 from ckptd.storage import LocalStorage
 from ckptd.store import SessionStore
-from ckptd.store.offline import write_tensors
+from stored_tensors import write_tensors
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from ckptd.interop.dcp_import import DcpImportError, import_dcp, inspect_dcp
 from ckptd.interop.export import INDEX_FILE, check_safetensors, export_safetensors, export_torch, parse_size
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
-from ckptd.store.offline import read_tensor, write_tensors
+from stored_tensors import read_tensor, write_tensors
 from ckptd_client import CheckpointClient
 from ckptd_client.dcp import DCP_METADATA
 from ckptd_schemas import IntegrityError

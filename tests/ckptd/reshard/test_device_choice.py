@@ -17,7 +17,7 @@ from ckptd.reshard.planner import plan_reshard
 from ckptd.reshard.spec import parse_spec
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
-from ckptd.store.offline import write_tensors
+from stored_tensors import write_tensors
 
 T = GPU_CAST_MIN_BYTES
 

@@ -21,7 +21,7 @@ from ckptd.reshard.planner import plan_reshard
 from ckptd.reshard.spec import parse_spec
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
-from ckptd.store.offline import read_tensor, write_tensors
+from stored_tensors import read_tensor, write_tensors
 from ckptd_schemas import IntegrityError
 from ckptd_schemas.digest import DIGEST_BLOCK, DigestPart, Edge, StreamHasher, combine, digest_of_blocks, digest_piece
 

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ckptd.reshard.drill_layouts import check_layout, data_parallel_degree, resolve_layout, split_layouts
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
-from ckptd.store.offline import write_tensors
+from stored_tensors import write_tensors
 from ckptd_schemas import InvalidRequest, Topology
 from ckptd_schemas.format.engines import HostEngine
 from support import ServerProcess, run_ranks, scaled

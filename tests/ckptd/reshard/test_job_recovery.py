@@ -22,7 +22,7 @@ from ckptd.reshard.recovery import CLAIMS, MAX_DRILL_STARTS, orphaned, take_over
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
 from ckptd.store.leases import Leases
-from ckptd.store.offline import write_tensors
+from stored_tensors import write_tensors
 from support import ServerProcess, scaled
 
 AFTER = 60.0  # the takeover bound of the pure tests (their clock is passed in: nothing waits for it)

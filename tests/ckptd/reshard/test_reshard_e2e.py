@@ -30,7 +30,7 @@ from ckptd.reshard.planner import plan_reshard
 from ckptd.reshard.spec import parse_spec
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
-from ckptd.store.offline import read_tensor, write_tensors
+from stored_tensors import read_tensor, write_tensors
 from ckptd_client import CheckpointClient, flat_partition
 from ckptd_client._flatten import flatten_state_dict
 from ckptd_client._placement import local_piece

@@ -23,7 +23,7 @@ from ckptd.store.leases import Leases
 from ckptd.reshard.spec import GRAMMAR
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader
-from ckptd.store.offline import read_tensor
+from stored_tensors import read_tensor
 from ckptd_client import CheckpointClient
 from support import ServerProcess, run_ranks, scaled
 

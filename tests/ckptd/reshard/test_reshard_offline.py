@@ -18,7 +18,7 @@ from ckptd.reshard.spec import parse_spec
 from ckptd.storage import LocalStorage
 from ckptd_schemas.format.engines import HostEngine, TorchEngine
 from ckptd.store import CheckpointReader, SessionStore
-from ckptd.store.offline import read_tensor, write_tensors
+from stored_tensors import read_tensor, write_tensors
 from ckptd_schemas import CheckpointNotFound, IntegrityError, InvalidRequest
 
 SPECS = ["full", "replicate:dp=2", "fsdp2:dp=3", "fsdp2:dp=4", "zero3:dp=4,align=16", "zero1:dp=3", "fsdp1:dp=2",

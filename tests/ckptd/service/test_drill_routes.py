@@ -29,7 +29,7 @@ from ckptd.service.settings import Settings
 from ckptd.storage import LocalStorage
 from ckptd.store import SessionStore
 from ckptd.store.events import CommitEvent
-from ckptd.store.offline import write_tensors
+from stored_tensors import write_tensors
 from ckptd_schemas import CheckpointNotFound, InvalidRequest, NotFound, error_from_body
 from support import scaled
 

@@ -23,7 +23,7 @@ from ckptd.reshard.models import JobStatus, now_utc, put_status
 from ckptd.service.reshard_routes import reshard_router
 from ckptd.storage import LocalStorage
 from ckptd.store import SessionStore
-from ckptd.store.offline import write_tensors
+from stored_tensors import write_tensors
 from ckptd_schemas import AlreadyCommitted, CheckpointNotFound, InvalidRequest, NotFound, error_from_body
 from support import scaled
 

@@ -26,7 +26,7 @@ from ckptd.service import Settings, create_app
 from ckptd.service.auth import iter_routes
 from ckptd.storage import LocalStorage
 from ckptd.store import SessionStore
-from ckptd.store.offline import write_tensors
+from stored_tensors import write_tensors
 from ckptd_schemas import CheckpointLeased, CheckpointNotFound, InvalidName, InvalidRequest, OpenSession, error_from_body
 
 

@@ -129,7 +129,7 @@ def _verdicts(tmp_path, uploaded: dict[str, bytes], indexes: list[dict],
                 raise CorruptCheckpoint(f"file {file!r} holds {len(data)} bytes", file=file)
             return data[start:end]
 
-    report = verify_manifest(manifest, Source())
+    report = verify_manifest(manifest, Source().read)
     return committed, report.ok, why + " | " + "; ".join(report.problems)
 
 

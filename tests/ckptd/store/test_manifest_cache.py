@@ -12,7 +12,7 @@ import weakref
 import torch
 
 from ckptd.storage.local import LocalStorage
-from ckptd.store.offline import write_tensors
+from stored_tensors import write_tensors
 from ckptd.store.reader import CheckpointReader
 from ckptd.store.sessions import SessionStore
 from ckptd.store.visibility import MEMORY_PER_MANIFEST_BYTE, Visibility

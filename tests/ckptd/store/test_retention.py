@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
 from ckptd.store.leases import Leases
-from ckptd.store.offline import read_tensor, write_tensors
+from stored_tensors import read_tensor, write_tensors
 from ckptd.store.retention import collect, plan_retention
 from ckptd_schemas import CheckpointSummary, InvalidRequest, OpenSession
 from support import scaled

@@ -1,7 +1,7 @@
 """The store's own verification of committed checkpoints (:mod:`ckptd.store.verification`), without a service.
 
 Two checkpoints of run ``r`` (steps 1 and 2) are committed offline on a local root through the same
-session and commit code as the service (``ckptd.store.offline.write_tensors``); then the data file
+session and commit code as the service (``stored_tensors.write_tensors``); then the data file
 of step 2 is damaged on disk. What each public call must do:
 
 * ``require_verified`` takes the commit's record while it still vouches for the stored bytes (no
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ckptd.storage import LocalStorage
-from ckptd.store.offline import write_tensors
+from stored_tensors import write_tensors
 from ckptd.store.paths import Paths
 from ckptd.store.sessions import SessionStore
 from ckptd.store.verification import (
