@@ -1,29 +1,25 @@
 """The independent re-read after a marker, in shares that the workers of every replica on the root take.
 
-A commit that confirmed files checked as they arrived leaves their bytes to a re-read after its marker,
-and stores, before the marker, that the re-read is due (:func:`mark_due`), under one prefix of the root::
+A commit that leaves bytes checked on arrival to the re-read stores, before its marker, that it is due
+(:func:`mark_due`), under one prefix: a killed service loses none of it, and a replica finds all of it by
+listing that prefix, never every run::
 
     reread/<run>/<name>/<sid>/DUE             the re-read of what session sid commits is due
-    reread/<run>/<name>/<sid>/PLAN            its data files in shares of about equal bytes (created once)
-    reread/<run>/<name>/<sid>/claim-<i>-<a>   who checks share i, until when (attempt a, created once)
+    reread/<run>/<name>/<sid>/PLAN            the data files in shares of about equal bytes (created once)
+    reread/<run>/<name>/<sid>/claim-<i>-<a>   who checks share i until when (attempt a, created once)
     reread/<run>/<name>/<sid>/part-<i>        share i's verification record
 
-So the store holds the work: a service killed after the marker, restarted or not, loses none of it, and
-a replica finds all of it by listing that one prefix, never every run. There is no scheduler: each
-service's :class:`Rereads` takes the entry of its own commit at once (:meth:`Rereads.start`), and every
-entry on each sweep (:meth:`Rereads.sweep`: at startup, then every ``CKPTD_RECLAIM_INTERVAL``).
-
-Taking an entry (a thread of this replica): the plan, the first taker's (as many shares as it has worker
-processes, or one per :data:`SHARE_BYTES` where that is more, never more than files); then share after
-share, claimed where no claim is (a sweep also takes over a claim whose time passed, by creating the next
-attempt's: its taker died), at most as many at once as this replica has workers, each checked in a
-worker process by the one checker (:func:`.verification.check_share`) and its record stored as the part.
-Claims in flight are renewed every ``CKPTD_JOB_HEARTBEAT_SECONDS`` to ``CKPTD_JOB_TAKEOVER_SECONDS``
-ahead. A share that fails records the checkpoint known bad at once (``latest`` moves on); a taker that
-finds every part stored writes the one verification record (:func:`.verification.compose_record`, the
-format of a whole verification's) and deletes the entry. An entry whose checkpoint is verified or known
-bad meanwhile, or is gone (or was never committed, once the takeover time has passed), is deleted. The
-hosts' clocks must agree to well within the takeover time (as for jobs).
+No scheduler: each service's :class:`Rereads` takes its own commit's entry at once (:meth:`Rereads.start`)
+and every entry on each sweep (:meth:`Rereads.sweep`: at startup, then every ``CKPTD_RECLAIM_INTERVAL``).
+The plan is the first taker's (a share per worker process, or per :data:`SHARE_BYTES` where more, at
+most one per file). A taker claims shares no one claimed (a sweep also those whose claim expired: their
+taker died), as many at once as it has workers, has each checked by the one checker in a worker process
+(:func:`.verification.check_share`), stores its record, and renews its claims every
+``CKPTD_JOB_HEARTBEAT_SECONDS`` to ``CKPTD_JOB_TAKEOVER_SECONDS`` ahead. A failed share records the
+checkpoint known bad at once; the taker that finds every part stored records the one verification
+(:func:`.verification.compose_record`) and deletes the entry, as does any taker of an entry whose
+checkpoint is verified, known bad or gone (or never committed, after the takeover time). Hosts' clocks
+must agree to well within the takeover time (as for jobs).
 """
 
 from __future__ import annotations
