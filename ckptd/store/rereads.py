@@ -81,6 +81,7 @@ class Rereads:
         self.me = uuid.uuid4().hex[:16]
         self._taking: set[str] = set()
         self._lock = threading.Lock()
+        self._stopped = threading.Event()
 
     def start(self, run: str, name: str, sid: str) -> None:
         """Take the entry of this replica's commit of ``run/name`` by session ``sid``, in a thread."""
@@ -92,7 +93,14 @@ class Rereads:
         self._spawn(sorted({k.rsplit("/", 1)[0] for k, _ in self.storage.walk(PREFIX) if k.count("/") == 4}),
                     takeover=True)
 
+    def stop(self) -> None:
+        """At shutdown, before the workers stop: nothing is claimed or submitted from here on (the claims
+        held expire, and another replica, or this one restarted, takes their shares over)."""
+        self._stopped.set()
+
     def _spawn(self, entries: list[str], takeover: bool) -> None:
+        if self._stopped.is_set():
+            return
         with self._lock:
             entries = [e for e in entries if e not in self._taking]
             self._taking.update(entries)
@@ -126,7 +134,7 @@ class Rereads:
         claims = self._claims(entry, len(shares), listed, takeover)
         renew_at, more = time.monotonic() + self.renew_every, True
         while True:
-            while more and len(futures) < self.workers:
+            while more and len(futures) < self.workers and not self._stopped.is_set():
                 if (claim := next(claims, None)) is None:
                     more = False
                 else:
@@ -134,6 +142,8 @@ class Rereads:
             if not futures:
                 break
             done, _ = wait(futures, timeout=max(0.0, renew_at - time.monotonic()), return_when=FIRST_COMPLETED)
+            if self._stopped.is_set():
+                return
             if time.monotonic() >= renew_at:
                 for _, key in futures.values():
                     self.storage.put(key, self._claim())
