@@ -11,7 +11,8 @@ declared ahead of its bytes, so the commit reads none of them and leaves them to
   second replica on the root takes the claimed share over once its claim expires, reads only that share,
   and records the checkpoint verified, every byte counted once;
 * two worker processes split one checkpoint: two shares, each read once (``ckptd_reread_bytes_total``
-  and the record's ``bytes_read`` are the checkpoint's bytes, not twice them).
+  and the record's ``bytes_read`` are the checkpoint's bytes, not twice them), on a local root and on
+  S3 (moto), where no entry is left behind.
 """
 
 from __future__ import annotations
@@ -175,3 +176,28 @@ def test_two_workers_split_one_checkpoints_reread_and_read_each_share_once(tmp_p
         assert _metric(srv.url, "ckptd_reread_bytes_total") == total
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_two_workers_split_a_reread_on_s3_and_leave_no_entry_behind(moto_s3, s3_env, tmp_path):
+    """The same on an S3 root (moto): the plan, the claims (conditional PUTs) and the parts are objects."""
+    from ckptd.storage import open_storage
+
+    st = open_storage(moto_s3.url())
+    srv = ServerProcess(st.url, env={**moto_s3.env, **_env(CKPTD_RESHARD_WORKERS="2")},
+                        log=tmp_path / "server.log").start()
+    try:
+        files = _files(5, 4)
+        total = sum(map(len, files.values()))
+        assert _save(srv.url, "1", 1, files).status_code == 200
+        rec = verified(srv.url, "r/1", token=ALICE)[0]
+        assert rec["ok"] is True and rec["bytes_read"] == total and sorted(rec["stamps"]) == sorted(files), rec
+        assert _metric(srv.url, "ckptd_reread_shares_total") == 2
+        assert _metric(srv.url, "ckptd_reread_bytes_total") == total
+        deadline = time.monotonic() + scaled(30)
+        while st.walk("reread"):
+            assert time.monotonic() < deadline, st.walk("reread")
+            time.sleep(0.05)
+    finally:
+        srv.stop()
+        moto_s3.clear(st._prefix)
