@@ -18,6 +18,8 @@ ckptd_commit_seconds                   histogram  one commit: merge, validate, w
 ckptd_commits_total                    counter    checkpoints committed by this replica
 ckptd_commit_checked_bytes_total{how}  counter    data bytes its commits checked: "read back" before the marker,
                                                   or "on arrival" (confirmed by stored identity, re-read after it)
+ckptd_reread_bytes_total               counter    data bytes this replica's workers re-read after markers
+ckptd_reread_shares_total              counter    shares of those re-reads checked here (store.rereads)
 ckptd_upload_sessions_open             gauge      sessions opened through this replica, not yet committed,
                                                   failed or aborted
 ckptd_sessions_reclaimed_total         counter    uncommitted sessions the sweep here deleted with their staged
@@ -74,6 +76,7 @@ from ..store.durable import Copied, DurableCopier
 from ..store.events import SessionEvents
 from ..store.events import CommitEvent
 from ..store.sessions import SessionStore
+from ..store.records import VerifyRecord
 from ..store.visibility import Visibility
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
@@ -103,6 +106,9 @@ class Metrics(SessionEvents):
         self.commit_checked = Counter("ckptd_commit_checked_bytes", "Data bytes this replica's commits checked: "
                                       "read back before the marker, or checked on arrival (confirmed by their "
                                       "stored identity, re-read after the marker).", ["how"], registry=r)
+        self.reread_bytes = Counter("ckptd_reread_bytes", "Data bytes this replica's workers re-read after "
+                                    "markers.", registry=r)
+        self.reread_shares = Counter("ckptd_reread_shares", "Shares of re-reads checked here.", registry=r)
         self.local_uploads = Counter("ckptd_local_uploads", "Data files handed over by co-located ranks, by the "
                                      "status answered.", ["status"], registry=r)
         self.committed_bytes = Counter("ckptd_committed_bytes", "Bytes of the data files of the checkpoints "
@@ -220,6 +226,11 @@ class Metrics(SessionEvents):
     def observe_invisible(self, ref: str, reason: str, message: str) -> None:
         """From :class:`~ckptd.store.visibility.Visibility`: a checkpoint failed the rule."""
         self.invisible.labels(reason).inc()
+
+    def observe_reread(self, share: VerifyRecord) -> None:
+        """From :class:`~ckptd.store.rereads.Rereads`: a share re-read and checked here."""
+        self.reread_bytes.inc(share.bytes_read)
+        self.reread_shares.inc()
 
     # -- the write side's events (SessionEvents: SessionStore calls these) ------------------------------
     def watch_sessions(self, store: SessionStore) -> None:
