@@ -118,11 +118,11 @@ def test_read_missing_names_key(storage):
 
 def test_read_json(storage):
     storage.put("j/ok.json", b'{"a": [1, 2]}')
-    assert storage.read_json("j/ok.json") == {"a": [1, 2]}
+    assert storage.read_json_or_none("j/ok.json") == {"a": [1, 2]}
     assert storage.read_json_or_none("j/absent.json") is None
     storage.put("j/bad.json", b"{not json")
     with pytest.raises(StorageError) as ei:
-        storage.read_json("j/bad.json")
+        storage.read_json_or_none("j/bad.json")
     assert "j/bad.json" in ei.value.message
 
 
