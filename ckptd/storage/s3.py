@@ -540,15 +540,3 @@ class S3Storage(Storage):
             except FileNotFoundError:
                 return []
 
-    def pending_uploads(self, prefix: str = "") -> list[str]:
-        """Keys (relative to the root) of multipart uploads in flight under ``prefix``: diagnostics and tests."""
-        pfx = self._dir(prefix)
-        root = f"{self._prefix}/" if self._prefix else ""
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": pfx}
-        keys: list[str] = []
-        while True:
-            out = self.fs.call_s3("list_multipart_uploads", **kw)
-            keys.extend(u["Key"][len(root):] for u in out.get("Uploads") or ())
-            if not out.get("IsTruncated"):
-                return sorted(keys)
-            kw["KeyMarker"], kw["UploadIdMarker"] = out.get("NextKeyMarker"), out.get("NextUploadIdMarker")

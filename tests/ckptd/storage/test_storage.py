@@ -25,6 +25,7 @@ from ckptd.storage import LocalStorage, Storage, open_storage
 from ckptd.storage.fsspec import FsspecStorage
 from ckptd.storage.s3 import S3Storage
 from ckptd_schemas import InvalidName, StorageError
+from s3_server import pending_uploads
 
 BACKENDS = ["local", "fsspec-file", "fsspec-memory", "s3"]
 
@@ -64,7 +65,7 @@ def raw_names(st: Storage, prefix: str) -> list[str]:
         names = sorted(str(p).rstrip("/").rsplit("/", 1)[-1] for p in st.fs.ls(path, detail=False, refresh=True))
     if isinstance(st, S3Storage):  # unfinished multipart uploads are storage left behind too
         depth = prefix.count("/") + 1 if prefix else 0
-        names += [f"{k.split('/')[depth]} (upload in flight)" for k in st.pending_uploads(prefix)]
+        names += [f"{k.split('/')[depth]} (upload in flight)" for k in pending_uploads(st, prefix)]
     return names
 
 
@@ -118,11 +119,11 @@ def test_read_missing_names_key(storage):
 
 def test_read_json(storage):
     storage.put("j/ok.json", b'{"a": [1, 2]}')
-    assert storage.read_json("j/ok.json") == {"a": [1, 2]}
+    assert storage.read_json_or_none("j/ok.json") == {"a": [1, 2]}
     assert storage.read_json_or_none("j/absent.json") is None
     storage.put("j/bad.json", b"{not json")
     with pytest.raises(StorageError) as ei:
-        storage.read_json("j/bad.json")
+        storage.read_json_or_none("j/bad.json")
     assert "j/bad.json" in ei.value.message
 
 
