@@ -3,7 +3,7 @@
 Call order inside :meth:`CheckpointClient.save`:
 
 1. ``build_snapshot`` (caller's thread; this is the training stall): flatten the state dict once
-   and plan the save (``ckptd_client._saveplan``: ``replica_owners``, then ``plan_save``), then
+   and plan the save (``ckptd_client._saveplan.plan_save``, from the replica owners), then
    two steps driven by the plan: reuse (the reuse candidates, hashed in place, that ``link`` linked
    into the session it opened: not copied) and copy (the rest, to host memory: into a claimed
    :class:`SnapshotPool` slab when the client has one; from CUDA on a side stream, synchronised
@@ -45,8 +45,7 @@ from ._placement import LocalPiece, dtype_name, local_piece
 from ckptd_schemas.format.objects import SAFE, ObjectPolicy, encode_object
 from ._incremental import ChunkHistory, ChunkKey, SaveLinks, chunk_key, digest_source
 from ._pool import SlabClaim, SnapshotPool, aligned
-from ._saveplan import (ALIGN, FILE_BYTES, PlannedChunk, SavePlan, Write, file_prefix, lay_out, plan_save,
-                        replica_owners, write_order)
+from ._saveplan import ALIGN, FILE_BYTES, PlannedChunk, SavePlan, Write, file_prefix, lay_out, plan_save, write_order
 from ._presigned import DirectUploads
 from ._handover import LocalHandover
 from .session_calls import Opened, abort_session, open_session, put_index, wait_committed
@@ -161,7 +160,7 @@ def build_snapshot(state_dict: dict | Flattened, rank: int, world: int, pool: Sn
 
     With ``pool``, the copies go into its slab (claimed until ``snap.release()``, which the uploader
     calls); on failure here the claim is given back before raising. ``owners``: the writer of each
-    plain tensor agreed among the ranks (``ReplicaWriters.owners``), else ``replica_owners`` balances
+    plain tensor agreed among the ranks (``ReplicaWriters.owners``), else ``plan_save`` balances
     them over all ranks. ``objects`` decides how non-tensor values are stored (an unsafe one raises
     ``UnsafeObject`` here, naming its key). ``link`` (incremental saves) is given the digests of the
     chunks in ``stall_keys`` that this rank holds on the CPU and returns those it linked into the
@@ -171,8 +170,7 @@ def build_snapshot(state_dict: dict | Flattened, rank: int, world: int, pool: Sn
     """
     flat = state_dict if isinstance(state_dict, Flattened) else flatten(state_dict)
     sources = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in flat.leaves if leaf.kind == "tensor"}
-    plan = plan_save(flat, sources, rank, world, replica_owners(sources, world, owners), stall_keys=stall_keys,
-                     file_bytes=file_bytes)
+    plan = plan_save(flat, sources, rank, world, owners, stall_keys=stall_keys, file_bytes=file_bytes)
     snap = Snapshot(rank, world, tensors=plan.tensors, param_groups=plan.param_groups, mesh=plan.mesh,
                     coords=plan.coords, layouts=plan.layouts, plan=plan)
     side: dict[torch.device, Any] = {}

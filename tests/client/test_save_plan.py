@@ -2,7 +2,7 @@
 
 What each checks: a plain state dict's chunks, entries and raw layout; boxes and flat ranges (pieces
 built directly, on the meta device: the planner reads no tensor's bytes); replicas written by one rank
-across all ranks, by the global step (``replica_owners``: the agreed owners, else ``assign_replicated``);
+across all ranks, by the owners given (the agreed ones, else ``lpt_assign``'s balance);
 objects and param groups; files cut at ``file_bytes``, 64-byte aligned; reuse candidates (only chunks
 unchanged at the last save that can be hashed in place); the stall's two steps driven by the plan
 (reuse: not copied; copy: the rest); the upload's order and the one layout rule (``write_order``,
@@ -22,12 +22,13 @@ import xxhash
 
 from ckptd_client._flatten import flatten
 from ckptd_client._incremental import chunk_key
-from ckptd_client._placement import LocalPiece, assign_replicated, local_piece
+from ckptd_client._placement import LocalPiece, local_piece
 from ckptd_client import CheckpointClient
 from ckptd_client._save import _index, _pack, _pieces, build_snapshot
-from ckptd_client._saveplan import ALIGN, Placement, PlannedFile, lay_out, plan_save, replica_owners, write_order
+from ckptd_client._saveplan import ALIGN, Placement, PlannedFile, lay_out, plan_save, write_order
 from ckptd_client.flat import FlatShard
 from ckptd_schemas import Box, Manifest
+from ckptd_schemas.balance import lpt_assign
 
 KIB = 1 << 10
 
@@ -35,7 +36,7 @@ KIB = 1 << 10
 def _plan(sd: dict, rank: int = 0, world: int = 1, owners: dict | None = None, **kw):
     flat = flatten(sd)
     pieces = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in flat.leaves if leaf.kind == "tensor"}
-    return plan_save(flat, pieces, rank, world, replica_owners(pieces, world, owners), **kw)
+    return plan_save(flat, pieces, rank, world, owners, **kw)
 
 
 def _packed(snap, compression, file_bytes: int):
@@ -113,7 +114,7 @@ def test_boxes_and_flat_ranges_are_planned_from_pieces_alone():
         for leaf in flat.leaves:
             leaf.kind = "tensor"
         stall = {chunk_key("model.w", "float32", ([lo, 0], [n, 8]), None)}
-        plan = plan_save(flat, pieces, rank, 3, replica_owners(pieces, 3), file_bytes=1 << 20, stall_keys=stall)
+        plan = plan_save(flat, pieces, rank, 3, file_bytes=1 << 20, stall_keys=stall)
         w, m = plan.chunks
         assert (w.box, w.shape, w.nbytes) == (([lo, 0], [n, 8]), (n, 8), n * 8 * 4)
         assert (m.flat, m.box, m.nbytes) == (flats[rank], None, flats[rank][1] * 2)
@@ -130,7 +131,7 @@ def test_a_piece_this_rank_does_not_write_is_described_but_not_planned():
     flat = flatten({"a": 0, "b": 0})
     for leaf in flat.leaves:
         leaf.kind = "tensor"
-    plan = plan_save(flat, pieces, 1, 2, replica_owners(pieces, 2))
+    plan = plan_save(flat, pieces, 1, 2)
     assert [t.name for t in plan.tensors] == ["a", "b"] and plan.chunks == [] and plan.files == []
 
 
@@ -139,7 +140,7 @@ def test_replicated_tensors_are_written_once_across_ranks(world):
     sd = {"model": {f"t{i}": torch.zeros(16 * (i + 1)) for i in range(7)}}
     names = [f"model.t{i}" for i in range(7)]
     plans = [_plan(sd, rank, world) for rank in range(world)]
-    owners = assign_replicated([(n, 64 * (i + 1)) for i, n in enumerate(names)], world)
+    owners = lpt_assign([(n, 64 * (i + 1)) for i, n in enumerate(names)], world)
     for rank, plan in enumerate(plans):
         assert [c.fqn for c in plan.chunks] == [n for n in names if owners[n] == rank]  # in the state dict's order
         assert len(plan.tensors) == 7  # every rank describes every tensor
