@@ -29,9 +29,10 @@ from ckptd_schemas import CheckpointNotFound, CorruptCheckpoint, Manifest, NotFo
     ReadPlan, ReadRequest, plan_reads
 from ckptd_schemas.api import MAX_READ_REQUESTS
 from ckptd_schemas.readplan import merge_plans, request_batches
-from ckptd_schemas.api import LOAD_TREE_HEADER, SKIPPED_HEADER, SkippedCheckpoint
+from ckptd_schemas.api import LOAD_TREE_HEADER, SkippedCheckpoint
 from ckptd_schemas.loadtree import LoadHead, check_covered, verify_answer
 
+from ._manifest import skipped_in
 from .transport import Transport
 
 __all__ = ["Head", "Pieces", "fetch_head", "fetch_pieces", "post_read_plan"]
@@ -61,7 +62,8 @@ class Head:
 
 @dataclass
 class Pieces:
-    """The checked pieces of the checkpoint a rank loads, and the objects it restores."""
+    """The checked pieces of the checkpoint a rank loads, and the objects it restores (a checkpoint
+    without a load tree: its whole manifest, checked against its digest, and no objects)."""
 
     manifest: Manifest  # only the rows, files and objects the answer proved
     objects: dict[str, ObjectEntry | None]
@@ -97,13 +99,7 @@ def fetch_head(transport: Transport, run: str, name: str) -> Head | None:
     if not root:  # not an answer about a load tree: the manifest, checked against its own digest, is read
         return None
     head = LoadHead.parse(raw, root.lower())
-    skipped: list[SkippedCheckpoint] = []
-    if headers.get(SKIPPED_HEADER):
-        try:
-            skipped = [SkippedCheckpoint.model_validate(x) for x in json.loads(headers[SKIPPED_HEADER])]
-        except (ValueError, TypeError):
-            skipped = []
-    return Head(head, headers.get("X-Ckptd-Name", name), skipped)
+    return Head(head, headers.get("X-Ckptd-Name", name), skipped_in(headers, f"{run}/{name}"))
 
 
 def fetch_pieces(transport: Transport, base: str, head: LoadHead, requests: Sequence[ReadRequest],

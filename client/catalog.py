@@ -55,8 +55,7 @@ class CatalogClient:
 
     def manifest(self, ref: str) -> Manifest:
         """The manifest of ``ref``, its bytes checked against the digest its marker names."""
-        r = parse_ref(ref)
-        return Manifest.model_validate_json(get_manifest(self._transport, r.run, r.name))
+        return self.resolve(ref)[0]
 
     def load_tree_root(self, ref: str) -> str | None:
         """The root of ``ref``'s load tree as its marker names it, its head checked against it (None: the
@@ -71,10 +70,8 @@ class CatalogClient:
     def resolve(self, ref: str) -> tuple[Manifest, list[SkippedCheckpoint]]:
         """:meth:`manifest`, and for ``RUN/latest`` the newer checkpoints the service skipped as known to
         be bad (its ``X-Ckptd-Skipped`` header), newest first."""
-        from ._resolve import resolve_manifest
-
         r = parse_ref(ref)
-        raw, skipped = resolve_manifest(self._transport, r.run, r.name)
+        raw, skipped = get_manifest(self._transport, r.run, r.name)
         return Manifest.model_validate_json(raw), skipped
 
     def list_runs(self) -> list[RunSummary]:

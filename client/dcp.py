@@ -348,7 +348,7 @@ class CkptdStorageReader(_Endpoint, StorageReader):
             r = parse_ref(self.ref)
             if self._lease is None:
                 self._lease = LoadLease(self.transport, r.run, r.name)
-            self._manifest = Manifest.model_validate_json(get_manifest(self.transport, r.run, r.name))
+            self._manifest = Manifest.model_validate_json(get_manifest(self.transport, r.run, r.name)[0])
             self.ref = f"{r.run}/{self._manifest.name}"  # pin RUN/latest to what it resolved to
             self._lease.hold(self.base)
         return self._manifest
