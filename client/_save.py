@@ -45,7 +45,7 @@ from ._placement import LocalPiece, dtype_name, local_piece
 from ckptd_schemas.format.objects import SAFE, ObjectPolicy, encode_object
 from ._incremental import ChunkHistory, ChunkKey, SaveLinks, chunk_key, digest_source
 from ._pool import SlabClaim, SnapshotPool, aligned
-from ._saveplan import ALIGN, FILE_BYTES, PlannedChunk, SavePlan, Write, file_prefix, lay_out, plan_save, write_order
+from ._saveplan import ALIGN, PlannedChunk, SavePlan, Write, file_prefix, lay_out, plan_save, write_order
 from ._presigned import DirectUploads
 from ._handover import LocalHandover
 from .session_calls import Opened, abort_session, open_session, put_index, wait_committed
@@ -154,8 +154,7 @@ def _to_host(src: torch.Tensor, claim: SlabClaim | None, side: dict[torch.device
 
 def build_snapshot(state_dict: dict | Flattened, rank: int, world: int, pool: SnapshotPool | None = None, *,
                    owners: Mapping[str, int] | None = None, objects: ObjectPolicy = SAFE,
-                   link: Link | None = None, stall_keys: Container[tuple] = (),
-                   file_bytes: int = FILE_BYTES) -> Snapshot:
+                   link: Link | None = None, stall_keys: Container[tuple] = ()) -> Snapshot:
     """Copy what this rank writes to host memory; afterwards training may mutate its tensors.
 
     With ``pool``, the copies go into its slab (claimed until ``snap.release()``, which the uploader
@@ -165,12 +164,12 @@ def build_snapshot(state_dict: dict | Flattened, rank: int, world: int, pool: Sn
     ``UnsafeObject`` here, naming its key). ``link`` (incremental saves) is given the digests of the
     chunks in ``stall_keys`` that this rank holds on the CPU and returns those it linked into the
     session from the previous checkpoint (``ckptd_client._incremental.link_early``): they are not
-    copied. ``file_bytes``: the plan's file size (``Snapshot.plan.files``). ``state_dict`` may come
-    flattened already (``client.save`` flattens once, for the writers' agreement and this).
+    copied. ``state_dict`` may come flattened already (``client.save`` flattens once, for the writers'
+    agreement and this).
     """
     flat = state_dict if isinstance(state_dict, Flattened) else flatten(state_dict)
     sources = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in flat.leaves if leaf.kind == "tensor"}
-    plan = plan_save(flat, sources, rank, world, owners, stall_keys=stall_keys, file_bytes=file_bytes)
+    plan = plan_save(flat, sources, rank, world, owners, stall_keys=stall_keys)
     snap = Snapshot(rank, world, tensors=plan.tensors, param_groups=plan.param_groups, mesh=plan.mesh,
                     coords=plan.coords, layouts=plan.layouts, plan=plan)
     side: dict[torch.device, Any] = {}

@@ -8,16 +8,16 @@ Call order inside a save (``ckptd_client._save``):
    tensor, one of the ranks that hold it (:func:`plain_tensors`, then :meth:`ReplicaWriters.owners`);
 3. :func:`plan_save` from those owners: the index's tensor entries, the chunks this rank writes,
    the reuse candidates (chunks unchanged at the rank's last save to the run, ``stall_keys``, that
-   can be hashed in place), the objects, and the raw layout of the data files;
+   can be hashed in place), and the objects;
 4. ``build_snapshot``: reuse (the candidates found unchanged and linked), then copy the rest;
 5. the upload: :func:`write_order` (with what the save linked and lays apart), which ``_pack``
    lays out by :func:`lay_out` as it stores each piece.
 
 Pure but for the global step's collective: reads names, shapes, dtypes, devices and strides, never a
-tensor's bytes, and makes no request; so a test builds and compares a plan with no service and no processes, as load does with
-``ckptd_schemas.readplan.plan_reads``. One layout rule, :func:`lay_out`, runs in the plan over raw
-lengths and in the upload over stored ones (a compressed frame's is known once compressed): the
-upload writes the plan's files whenever every chunk is stored raw and none is linked or apart.
+tensor's bytes, and makes no request; so a test builds and compares a plan with no service and no
+processes, as load does with ``ckptd_schemas.readplan.plan_reads``. One layout rule, :func:`lay_out`,
+runs in the upload over the stored lengths (a compressed frame's is known once compressed); run over
+the plan's raw lengths it gives the files a raw save writes.
 
 The global step. A plain ``torch.Tensor`` is a replica (``torch.distributed.checkpoint``'s rule too):
 every rank that holds its key holds the same bytes (DDP weights, a step counter), and it is written
@@ -53,7 +53,7 @@ from ._flatten import Flattened
 from ._incremental import ChunkKey, chunk_key
 from ._placement import LocalPiece, check_savable, dtype_name, mesh_of
 
-__all__ = ["ALIGN", "FILE_BYTES", "Placement", "PlannedChunk", "PlannedFile", "PlannedObject", "ReplicaWriters",
+__all__ = ["ALIGN", "FILE_BYTES", "Placement", "PlannedChunk", "PlannedObject", "ReplicaWriters",
            "SavePlan", "Write", "file_prefix", "lay_out", "plain_tensors", "plan_save", "write_order"]
 
 ALIGN = 64
@@ -90,12 +90,6 @@ class PlannedObject:
 
 
 @dataclass(slots=True)
-class PlannedFile:
-    name: str
-    size: int = 0  # bytes, alignment padding included
-
-
-@dataclass(slots=True)
 class Placement:
     file: str
     offset: int
@@ -110,8 +104,6 @@ class SavePlan:
     chunks: list[PlannedChunk]          # what this rank writes, in the order it copies and lays them out
     objects: list[PlannedObject]
     reuse: frozenset[ChunkKey]          # the reuse candidates' keys
-    files: list[PlannedFile]            # the raw layout: every chunk stored raw, none linked
-    placements: dict[ChunkKey, Placement]
     param_groups: list[ParamGroup] = field(default_factory=list)
     mesh: dict[str, int] = field(default_factory=dict)
     coords: dict[str, int] = field(default_factory=dict)
@@ -216,8 +208,7 @@ class ReplicaWriters:
 
 
 def plan_save(flat: Flattened, pieces: Mapping[str, LocalPiece], rank: int, world: int,
-              owners: Mapping[str, int] | None = None, *, stall_keys: Container[ChunkKey] = (),
-              file_bytes: int = FILE_BYTES) -> SavePlan:
+              owners: Mapping[str, int] | None = None, *, stall_keys: Container[ChunkKey] = ()) -> SavePlan:
     """The plan of one rank's save from one flattening (``flat``) and its tensor leaves' pieces.
 
     ``owners`` names the rank that writes each replicated tensor (:class:`ReplicaWriters`; without
@@ -244,12 +235,9 @@ def plan_save(flat: Flattened, pieces: Mapping[str, LocalPiece], rank: int, worl
         src = p.local
         chunks.append(PlannedChunk(leaf.fqn, dtype, src.element_size(), tuple(src.shape), box, p.flat, key,
                                    candidate=key in stall_keys and src.device.type == "cpu" and src.is_contiguous()))
-    placements = dict(lay_out(((w.chunk.key, w.chunk.nbytes, w.apart) for w in write_order(chunks)),
-                              file_prefix(rank), file_bytes))
-    files = {p.file: PlannedFile(p.file, p.offset + p.length + (-p.length) % ALIGN) for p in placements.values()}
     mesh, coords = mesh_of([leaf.value for leaf in flat.leaves], world)
     return SavePlan(rank, world, tensors, chunks, objects, frozenset(c.key for c in chunks if c.candidate),
-                    list(files.values()), placements, param_groups=_param_groups(flat.param_groups),
+                    param_groups=_param_groups(flat.param_groups),
                     mesh=mesh, coords=coords, layouts={g: _layout_name(k, mesh, world) for g, k in kinds.items()})
 
 

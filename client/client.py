@@ -250,7 +250,7 @@ class CheckpointClient(CatalogClient):
                 return linked
         try:
             snap = build_snapshot(flat, rank, world, self.snapshot_pool, owners=owners,
-                                  objects=self.objects, link=link, stall_keys=stall_keys, file_bytes=self.file_bytes)
+                                  objects=self.objects, link=link, stall_keys=stall_keys)
             refused = None
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
             refused = e
