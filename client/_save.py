@@ -20,7 +20,6 @@ Call order inside :meth:`CheckpointClient.save`:
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import time
 import threading
@@ -48,7 +47,7 @@ from ._pool import SlabClaim, SnapshotPool, aligned
 from ._saveplan import ALIGN, PlannedChunk, SavePlan, Write, file_prefix, lay_out, plan_save, write_order
 from ._presigned import DirectUploads
 from ._handover import LocalHandover
-from .session_calls import Opened, abort_session, open_session, put_index, wait_committed
+from .session_calls import Opened, abort_session, open_session, put_file, put_index, wait_committed
 
 __all__ = ["Compression", "SaveHandle", "SaveWays", "Snapshot", "build_snapshot", "upload_snapshot", "ways_in"]
 
@@ -418,12 +417,7 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
         head = _declaration(f, order) if declare else b""
         if local is not None and local.enabled and local.put(f.name, f.size, f.xxh3, lambda: _pieces(f), head):
             return "socket"
-        headers = {"X-Ckptd-Xxh3": f.xxh3, "Content-Length": str(len(head) + f.size),
-                   "Content-Type": "application/octet-stream"}
-        if head:
-            headers[arrival.CHUNKS_HEADER] = str(len(head))
-        transport.request("PUT", f"{base}/sessions/{session}/files/{f.name}",
-                          content=lambda: itertools.chain([head] if head else [], _stream(f)), headers=headers)
+        put_file(transport, base, session, f.name, lambda: _stream(f), size=f.size, xxh3=f.xxh3, head=head)
         return "http"
 
     def put(f: _File) -> None:

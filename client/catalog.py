@@ -26,7 +26,7 @@ from ckptd_schemas.api import NEXT_HEADER, SkippedCheckpoint
 from .transport import Transport
 from ._lease import read_lease
 from ._manifest import get_manifest
-from .session_calls import abort_session, open_session, put_index, wait_committed
+from .session_calls import abort_session, open_session, put_file, put_index, wait_committed
 
 __all__ = ["DEFAULT_URL", "CatalogClient", "Upload"]
 
@@ -220,10 +220,8 @@ class Upload:
     def put_file(self, file: str, content: bytes | Callable[[], Iterable[bytes]], *, size: int, xxh3: str) -> None:
         """Send the data file ``file`` of ``size`` bytes whose XXH3-64 is ``xxh3`` (hex). ``content``: the
         bytes, or a function returning an iterable of its pieces (called again when a retry resends it)."""
-        body = content if callable(content) else (lambda: content)
-        self._transport.request("PUT", f"{self._base}/sessions/{self.session}/files/{file}", content=body,
-                                headers={"X-Ckptd-Xxh3": xxh3, "Content-Length": str(size),
-                                         "Content-Type": "application/octet-stream"})
+        put_file(self._transport, self._base, self.session, file,
+                 content if callable(content) else (lambda: [content]), size=size, xxh3=xxh3)
 
     def commit(self, index: RankIndex, *, timeout: float = 600.0) -> SessionStatus:
         """Send the rank's index and wait up to ``timeout`` seconds for the commit; returns the session's
