@@ -74,7 +74,7 @@ from ckptd_schemas.format.objects import SAFE, ObjectPolicy, decode_object
 
 from ckptd_schemas.names import RESERVED
 
-__all__ = ["HttpRanges", "LoadReport", "RESERVED", "execute", "load_into", "local_files"]
+__all__ = ["HttpRanges", "LoadReport", "RESERVED", "execute", "load_into", "local_files", "stored_object"]
 
 log = logging.getLogger("ckptd_client")
 T = TypeVar("T")
@@ -142,13 +142,12 @@ class HttpRanges:
                                       headers={"Range": f"bytes={f.start}-{f.end - 1}"}, sink=sink)
 
 
-def _load_object(transport: Transport, base: str, o: ObjectEntry, ref: str, policy: ObjectPolicy) -> Any:
-    """The object's value; its bytes are checked, then decoded without running code
-    (``ckptd_schemas.format.objects``)."""
-    if o.encoding == "json":
-        return o.value
+def stored_object(transport: Transport, base: str, o: ObjectEntry) -> bytes | None:
+    """The object's stored bytes, checked against its digest (None for a JSON object: its value is inline);
+    the load and the DCP reader decode them without running code (``ckptd_schemas.format.objects``)."""
     loc = o.location
-    assert loc is not None
+    if loc is None:
+        return None
     try:
         data = transport.request("GET", f"{base}/files/{loc.file}",
                                  headers={"Range": f"bytes={loc.offset}-{loc.offset + loc.length - 1}"},
@@ -158,7 +157,7 @@ def _load_object(transport: Transport, base: str, o: ObjectEntry, ref: str, poli
     if xxhash.xxh3_64_hexdigest(data) != loc.xxh3:
         raise CorruptCheckpoint(f"object {o.name!r} in file {loc.file!r} fails its checksum", file=loc.file,
                                 object=o.name)
-    return decode_object(o, data, ref=ref, policy=policy)
+    return data
 
 
 def load_into(transport: Transport, run: str, name: str, state_dict: dict, *, rank: int, strict: bool,
@@ -209,13 +208,11 @@ def _load_into(transport: Transport, run: str, name: str, state_dict: dict, leas
             continue
         entries = objects_by_name[leaf.fqn]
         entry = _pick_object(entries, rank)
-        if entry is None:
-            if strict:
-                raise StateDictMismatch(f"object {leaf.fqn!r} was saved per rank for ranks "
-                                        f"{[o.rank for o in entries][:8]}, not for rank {rank}", key=leaf.fqn)
+        if entry is None:  # saved per rank for other ranks (``strict`` refused it in ``_prepare``)
             report.missing.append(leaf.fqn)
             continue
-        leaf.container[leaf.key] = _load_object(transport, base, entry, manifest.ref, objects)
+        leaf.container[leaf.key] = entry.value if entry.encoding == "json" else decode_object(
+            entry, stored_object(transport, base, entry), ref=manifest.ref, policy=objects)
         report.objects.append(leaf.fqn)
     return report
 

@@ -53,10 +53,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-import xxhash
-
 from ckptd_schemas import (
-    Box, ChecksumMismatch, CkptdError, CorruptCheckpoint, IntegrityError, InvalidRequest, Manifest,
+    Box, CkptdError, CorruptCheckpoint, IntegrityError, InvalidRequest, Manifest,
     ObjectEntry, RankIndex, ReadRequest, StateDictMismatch, TensorEntry, check_new_name, parse_ref,
 )
 
@@ -68,7 +66,7 @@ from ._save import SaveWays, Snapshot, _Chunk, _Object, upload_files, ways_in
 from .session_calls import open_session, put_index, wait_committed
 from ._damage import reported
 from ._lease import LoadLease
-from ._load import execute, local_files
+from ._load import execute, local_files, stored_object
 from ._loadtree import post_read_plan
 from ._join import mismatch
 from ckptd_schemas.names import DCP_METADATA
@@ -359,32 +357,16 @@ class CkptdStorageReader(_Endpoint, StorageReader):
             self._release()
             self.ref, self._manifest = ref, None
 
-    def _stored_bytes(self, o: ObjectEntry) -> bytes | None:
-        """The object's stored bytes, checksum verified (None for a JSON object)."""
-        loc = o.location
-        if loc is None:
-            return None
-        try:
-            data = self.transport.request("GET", f"{self.base}/files/{loc.file}",
-                                          headers={"Range": f"bytes={loc.offset}-{loc.offset + loc.length - 1}"},
-                                          sink=lambda r: r.read())
-        except ChecksumMismatch as e:  # the service found the file damaged (absent, resized)
-            raise CorruptCheckpoint(f"object {o.name!r}: {e.message}", **{**e.details, "object": o.name}) from e
-        if xxhash.xxh3_64_hexdigest(data) != loc.xxh3:
-            raise CorruptCheckpoint(f"object {o.name!r} in file {loc.file!r} fails its checksum", file=loc.file,
-                                    object=o.name)
-        return data
-
     def _object_bytes(self, o: ObjectEntry) -> bytes:
         """torch.save bytes for DCP's planner (which unpickles them without restriction): decoded under
         this reader's object policy first, so they hold nothing the policy refuses."""
-        return reencode_for_dcp(o, self._stored_bytes(o), ref=self.ref, policy=self.objects)
+        return reencode_for_dcp(o, stored_object(self.transport, self.base, o), ref=self.ref, policy=self.objects)
 
     def read_metadata(self) -> Metadata:
         m = self._get_manifest()
         stored = next((o for o in m.objects if o.name == DCP_METADATA), None)
         if stored is not None:
-            data = self._stored_bytes(stored)
+            data = stored_object(self.transport, self.base, stored)
             md = None if data is None else load_dcp_metadata(data, key=DCP_METADATA, ref=self.ref, policy=self.objects)
             if not isinstance(md, Metadata):
                 raise IntegrityError(f"{self.ref}: object {DCP_METADATA!r} is not DCP metadata "
