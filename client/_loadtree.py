@@ -23,13 +23,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
-import httpx
-
 from ckptd_schemas import CheckpointNotFound, CorruptCheckpoint, Manifest, NotFound, ObjectEntry, PayloadTooLarge, \
     ReadPlan, ReadRequest, plan_reads
-from ckptd_schemas.api import MAX_READ_REQUESTS
+from ckptd_schemas.api import LOAD_TREE_HEADER, MAX_READ_REQUESTS, SkippedCheckpoint
 from ckptd_schemas.readplan import merge_plans, request_batches
-from ckptd_schemas.api import LOAD_TREE_HEADER, SkippedCheckpoint
 from ckptd_schemas.loadtree import LoadHead, check_covered, verify_answer
 
 from ._manifest import skipped_in
@@ -82,19 +79,13 @@ class Pieces:
 def fetch_head(transport: Transport, run: str, name: str) -> Head | None:
     """The checkpoint's load-tree head, checked against its marker's root; None when the service or the
     checkpoint has none (the caller reads the manifest)."""
-    got: dict[str, Any] = {}
-
-    def sink(resp: httpx.Response) -> bytes:
-        got["headers"] = resp.headers
-        return resp.read()
-
     try:
-        raw = transport.request("GET", f"/v1/checkpoints/{run}/{name}/load-tree", sink=sink)
+        raw, headers = transport.request("GET", f"/v1/checkpoints/{run}/{name}/load-tree",
+                                         sink=lambda r: (r.read(), r.headers))
     except CheckpointNotFound:
         raise
     except NotFound:
         return None
-    headers = got["headers"]
     root = headers.get(LOAD_TREE_HEADER)
     if not root:  # not an answer about a load tree: the manifest, checked against its own digest, is read
         return None

@@ -19,18 +19,13 @@ processes, as load does with ``ckptd_schemas.readplan.plan_reads``. One layout r
 runs in the upload over the stored lengths (a compressed frame's is known once compressed); run over
 the plan's raw lengths it gives the files a raw save writes.
 
-The global step. A plain ``torch.Tensor`` is a replica (``torch.distributed.checkpoint``'s rule too):
-every rank that holds its key holds the same bytes (DDP weights, a step counter), and it is written
-once. Ranks need not hold the same keys (pipeline stages), so the writer of a key is chosen among the
-ranks that hold it, largest first onto the holder with the fewest bytes so far (``lpt_assign``).
-:func:`plain_tensors` gives this rank's plain tensors and their signature; whether the cached
-assignment is :meth:`ReplicaWriters.stale` rides on the save's first all-reduce, so a save whose
-ranks all hold what they held last time runs no collective here at all. After a change on any rank,
-one all-reduce of a fixed size (``_dist.check``) says whether every rank holds the same plain tensors
-(a digest): then every rank computes the same balance over all ranks, and no rank's cost grows with
-the world size beyond that all-reduce. Otherwise (pipeline stages) rank 0 plans, as DCP's coordinator
-does: it gathers each rank's ``{key: nbytes}``, balances each key among its holders, and scatters to
-each rank the writers of its own keys.
+The global step. A plain ``torch.Tensor`` is a replica (DCP's rule too): every rank that holds its
+key holds the same bytes, and one of them writes it, largest first onto the holder with the fewest
+bytes so far (``lpt_assign``). Whether any rank's plain tensors changed rides on the save's first
+all-reduce; after a change one fixed-size all-reduce (``_dist.check``) says whether every rank holds
+the same ones: then each computes the same balance, and no rank's cost grows with the world size.
+Otherwise (pipeline stages) rank 0 gathers each rank's ``{key: nbytes}``, balances each key among
+its holders and scatters to each rank the writers of its own keys, as DCP's coordinator plans.
 """
 
 from __future__ import annotations
