@@ -42,7 +42,7 @@ from ._flatten import Flattened, flatten
 from .transport import Transport
 from ._placement import LocalPiece, dtype_name, local_piece
 from ckptd_schemas.format.objects import SAFE, ObjectPolicy, encode_object
-from ._incremental import ChunkHistory, ChunkKey, SaveLinks, chunk_key, digest_source
+from ._incremental import ChunkHistory, ChunkKey, SaveLinks, bytes_of, chunk_key, digest_source
 from ._pool import SlabClaim, SnapshotPool, aligned
 from ._saveplan import ALIGN, PlannedChunk, SavePlan, Write, file_prefix, lay_out, plan_save, write_order
 from ._presigned import DirectUploads
@@ -246,10 +246,6 @@ class SaveWays:
         return f"SaveWays({self})"
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
 @dataclass
 class _File:
     name: str
@@ -325,7 +321,7 @@ def _frames(c: _Chunk, compression: Compression) -> Iterator[tuple[memoryview | 
     frame by frame (the plan's ``frames``: independently decodable, so a ranged read decodes only
     those it overlaps)."""
     assert c.data is not None and c.plan is not None
-    raw = _bytes_of(c.data)
+    raw = bytes_of(c.data)
     isz = c.plan.itemsize
     policy = compression if isinstance(compression, CompressionPolicy) else None
     frames: Sequence[tuple[int, int, Any, Any]]
