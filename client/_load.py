@@ -326,6 +326,7 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
 
     def plan(ps: list[tuple[Leaf, LocalPiece]]) -> ReadPlan:
         return got.plan([_request(leaf.fqn, p) for leaf, p in ps])
+
     for leaf in leaves:
         entries = objects_by_name.get(leaf.fqn) if strict and leaf.kind != "tensor" else None
         if entries is not None and _pick_object(entries, rank) is None:

@@ -105,7 +105,6 @@ class Snapshot:
     coords: dict[str, int] = field(default_factory=dict)
     layouts: dict[str, str] = field(default_factory=dict)
     claim: SlabClaim | None = None  # the pool slab the chunks are views of, until release()
-    plan: SavePlan | None = None    # what ``build_snapshot`` planned (None for a snapshot built by hand)
 
     def order(self, linked: Mapping[tuple, list] | None = None, apart: Container[tuple] = ()) -> list[Write]:
         """The upload's order (``write_order``): chunks the stall or ``linked`` linked not written, ``apart`` first."""
@@ -170,7 +169,7 @@ def build_snapshot(state_dict: dict | Flattened, rank: int, world: int, pool: Sn
     sources = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in flat.leaves if leaf.kind == "tensor"}
     plan = plan_save(flat, sources, rank, world, owners, stall_keys=stall_keys)
     snap = Snapshot(rank, world, tensors=plan.tensors, param_groups=plan.param_groups, mesh=plan.mesh,
-                    coords=plan.coords, layouts=plan.layouts, plan=plan)
+                    coords=plan.coords, layouts=plan.layouts)
     side: dict[torch.device, Any] = {}
     try:
         try:
