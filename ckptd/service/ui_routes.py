@@ -298,16 +298,16 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
         done = set(st.ranks_done)
         ranks = [{"rank": r, "files": per_rank.get(r, [0, 0, 0])[0], "bytes": per_rank.get(r, [0, 0, 0])[1],
                   "partial_bytes": per_rank.get(r, [0, 0, 0])[2], "index": r in done} for r in range(min(world, 1024))]
-        # stale as the service's sweep decides (SessionStore.reclaim_of): no live writer for
+        # stale as the service's sweep decides (Sweeper.reclaim_of): no live writer for
         # CKPTD_DEAD_SESSION_AFTER, or opened longer ago than the TTL, so the next sweep deletes it
         # (it never commits a session whose indexes are missing)
-        reclaim = sessions.reclaim_of(run, name, sid, meta, session_ttl) if meta else None
+        reclaim = sessions.sweeper.reclaim_of(run, name, sid, meta, session_ttl) if meta else None
         stale = reclaim is not None and reclaim.at <= datetime.now(timezone.utc)
         return {"name": name, "session": sid, "state": st.state, "world_size": world, "ranks_done": len(done),
                 "step": meta.step if meta else None, "created_at": meta.created_at.isoformat() if meta else None,
                 "derived_from": meta.derived_from if meta else None, "ranks": ranks, **held,
                 "last_activity": reclaim.last.isoformat() if reclaim else None,
-                "receiving": dict(zip(("files", "bytes"), sessions.receiving(run, name, sid))),
+                "receiving": dict(zip(("files", "bytes"), sessions.intake.receiving(run, name, sid))),
                 "ttl_seconds": session_ttl, "dead_after_seconds": sessions.dead_after,
                 "reclaim_at": reclaim.at.isoformat() if reclaim else None,
                 "reclaim_reason": reclaim.reason if reclaim else None, "stale": stale, "error": st.error}

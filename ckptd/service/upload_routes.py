@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
@@ -46,6 +46,7 @@ __all__ = ["MAX_WAIT_SECONDS", "upload_router"]
 #: The longest a status request may wait for its session to settle: long enough that a rank waits for a
 #: save of 10,000 ranks in one request (each request is about a millisecond of the service's CPU).
 MAX_WAIT_SECONDS = 600.0
+T = TypeVar("T")
 
 
 def _refuse_declared_digests(index: RankIndex) -> None:
@@ -103,6 +104,15 @@ def upload_router(svc: Services) -> APIRouter:
             info.local_key = svc.local.key_for(principal_of(request).name, run, name, info.session)
         return info
 
+    async def in_slot(request: Request, file: str, way: Callable[..., T], *args: Any) -> T:
+        """``way(*args)`` off the event loop, holding one of the token's upload slots (a presign creates a
+        multipart upload, a confirmation assembles it, a link on S3 is a copy): 429 past them."""
+        release = uploads.acquire(principal_of(request).name, file)
+        try:
+            return await run_in_threadpool(way, *args)
+        finally:
+            release()
+
     @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/presign", response_model=PresignedUpload)
     async def presign_file(request: Request, run: str, name: str, sid: str, file: str,
                            body: PresignUpload) -> PresignedUpload:
@@ -111,24 +121,24 @@ def upload_router(svc: Services) -> APIRouter:
         if not settings.direct_uploads:
             raise InvalidRequest(f"file {file!r}: direct uploads are off on this service (CKPTD_DIRECT_UPLOADS); "
                                  f"upload the file", file=file)
-        release = uploads.acquire(principal_of(request).name, file)  # a multipart upload created for it: a slot
-        try:
-            return await run_in_threadpool(sessions.presign_file, run, name, sid, file, body,
-                                           settings.direct_upload_seconds, principal_of(request))
-        finally:
-            release()
+        return await in_slot(request, file, sessions.intake.presign, run, name, sid, file, body,
+                             settings.direct_upload_seconds, principal_of(request))
 
-    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/confirm", response_model=UploadResult)
-    async def confirm_file(request: Request, run: str, name: str, sid: str, file: str,
-                           body: ConfirmUpload) -> UploadResult:
-        """Direct uploads: the file PUT with presigned URLs is in place (its parts are assembled now); its
-        size (and the store's SHA-256, where kept) is checked now, every byte against the declared
-        digests at the commit."""
-        release = uploads.acquire(principal_of(request).name, file)  # store requests on a writer's behalf: a slot
-        try:
-            return await run_in_threadpool(sessions.confirm_file, run, name, sid, file, body)
-        finally:
-            release()
+    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/confirm", response_model=UploadResult,
+                 name="confirm_file")
+    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/link", response_model=UploadResult,
+                 name="link_file")
+    async def place_file(request: Request, run: str, name: str, sid: str, file: str,
+                         body: ConfirmUpload | LinkFile) -> UploadResult:
+        """A file whose bytes are already in the store (``Intake.place``). ``.../confirm``, direct uploads:
+        the file PUT with presigned URLs, its parts assembled now, its size (and the store's SHA-256,
+        where kept) checked now. ``.../link``, incremental saves: a file of an earlier visible checkpoint
+        of the run (``body``) held as ``file`` (``linked_name(body.checkpoint, body.file)``), linked in
+        the store, not sent; 400 when the source is not visible or the store cannot link (the saver then
+        sends the bytes). Every byte is checked against the declared digests at the commit."""
+        if isinstance(body, LinkFile) != (request.scope["route"].name == "link_file"):
+            raise InvalidRequest(f"file {file!r}: a link goes to .../link, a confirmation to .../confirm", file=file)
+        return await in_slot(request, file, sessions.intake.place, run, name, sid, file, body, principal_of(request))
 
     @router.put("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}", response_model=UploadResult)
     async def upload_file(request: Request, run: str, name: str, sid: str, file: str,
@@ -147,7 +157,8 @@ def upload_router(svc: Services) -> APIRouter:
             if x_ckptd_chunks is not None:
                 head, rest = await _first_bytes(body, x_ckptd_chunks)
                 declared = await run_in_threadpool(arrival.parse, head, file)
-            sink = await run_in_threadpool(sessions.begin_file, run, name, sid, file, principal_of(request), declared)
+            sink = await run_in_threadpool(sessions.intake.receive, run, name, sid, file, principal_of(request),
+                                           declared)
         except BaseException:
             release()
             raise
@@ -178,17 +189,6 @@ def upload_router(svc: Services) -> APIRouter:
                     await pending
             await run_in_threadpool(sink.abort)
             raise
-        finally:
-            release()
-
-    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/link", response_model=UploadResult)
-    async def link_file(request: Request, run: str, name: str, sid: str, file: str, body: LinkFile) -> UploadResult:
-        """Incremental saves: hold a file of an earlier visible checkpoint of the run (``body``) as this
-        session's ``file`` (``linked_name(body.checkpoint, body.file)``), linked in the store, not sent.
-        Refused 400 when the source is not visible or the store cannot link: the saver sends the bytes."""
-        release = uploads.acquire(principal_of(request).name, file)  # on S3 a link is a copy: a slot, as an upload
-        try:
-            return await run_in_threadpool(sessions.link_file, run, name, sid, file, body, principal_of(request))
         finally:
             release()
 
@@ -252,7 +252,7 @@ def upload_router(svc: Services) -> APIRouter:
 
     @router.delete("/v1/checkpoints/{run}/{name}/sessions/{sid}", status_code=204)
     async def abort_session(run: str, name: str, sid: str) -> Response:
-        await run_in_threadpool(sessions.abort, run, name, sid)
+        await run_in_threadpool(sessions.sweeper.abort, run, name, sid)
         return Response(status_code=204)
 
     return router

@@ -221,7 +221,7 @@ def test_two_session_stores_racing_on_the_last_indexes_commit_once(tmp_path):
         indexes = []
         for r in range(world):
             data, ix = _hand_index(r, world, full)
-            sink = stores[r % 2].begin_file(RUN, name, sid, f"r{r}.bin")
+            sink = stores[r % 2].intake.receive(RUN, name, sid, f"r{r}.bin")
             sink.write(data)
             sink.finish(xxhash.xxh3_64_hexdigest(data))
             indexes.append(ix)
@@ -268,11 +268,12 @@ class _CommitInBetween(SessionStore):
         super().__init__(storage)
         self.other: RankIndex | None = None  # armed by the test
 
-    def _check_writable(self, run: str, name: str, sid: str):
+    def _committed_with(self, run: str, name: str, sid: str, index: RankIndex):
+        answer = super()._committed_with(run, name, sid, index)
         if self.other is not None:
             other, self.other = self.other, None
             assert self.put_index(run, name, sid, other).state == "committed"
-        return super()._check_writable(run, name, sid)
+        return answer
 
 
 def test_an_index_retry_that_loses_the_race_to_the_commit_is_answered_not_refused(tmp_path):
@@ -286,7 +287,7 @@ def test_an_index_retry_that_loses_the_race_to_the_commit_is_answered_not_refuse
     store = _CommitInBetween(LocalStorage(tmp_path, durable=False))
     store.open(RUN, "5", OpenSession(session="s", world_size=2, step=5))
     for r, data in enumerate((d0, d1)):
-        sink = store.begin_file(RUN, "5", "s", f"r{r}.bin")
+        sink = store.intake.receive(RUN, "5", "s", f"r{r}.bin")
         sink.write(data)
         sink.finish(xxhash.xxh3_64_hexdigest(data))
     for r, ix in enumerate((ix0, ix1)):  # as the dead replica stored them
