@@ -144,7 +144,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     # then what follows every commit made here, whichever path committed.
     metrics.watch_sessions(sessions)
     for action in [after_commit, drills.after_commit] + ([copier.notify] if copier is not None else []):
-        sessions.observe(AfterCommit(action))
+        sessions.observers.add(AfterCommit(action))
     local = LocalUploads(sessions, tokens, uploads, metrics) if settings.local_uploads else None
     services = Services(settings=settings, storage=storage, metrics=metrics, visibility=visibility, reader=reader,
                         sessions=sessions, uploads=uploads, read_leases=read_leases, workers=workers, durable=copier,

@@ -101,7 +101,7 @@ class FileSink:
                 self._check.feed(p)
         self._writer.write_parts(parts)
 
-    def finish(self, declared_xxh3: str | None) -> UploadResult:
+    def finish(self, declared_xxh3: str | None = None) -> UploadResult:
         digest, blocks = self._digest.finish()
         if declared_xxh3 is not None and declared_xxh3.lower() != digest:
             self.abort()

@@ -14,7 +14,7 @@ Call order for one save attempt (each step idempotent, any replica may serve it)
    (``SessionStore.sweeper``, :mod:`.sweep`, which also aborts) finishes the job.
 
 What happened is told through one channel, the store's observers (:mod:`.events`, added at
-construction or with :meth:`SessionStore.observe`): sessions opened, every commit that created a
+construction or later to ``SessionStore.observers``): sessions opened, every commit that created a
 marker here whichever path committed, refusals and what a sweep reclaimed. A failing observer is
 logged, never raised into the save, and never undoes a commit.
 
@@ -40,7 +40,7 @@ from .index_cache import IndexCache
 from .intake import Intake, recorded_file
 from .paths import Paths, SessionMeta
 from .session_reads import committed_by, ranks_done, read_meta, session_meta, taken_error, writable
-from .space import Holder, Space
+from .space import OPEN_BYTES, Holder, Space, on_disk
 from .sweep import Sweeper
 from .visibility import Visibility
 
@@ -66,11 +66,6 @@ class SessionStore:
         self.sweeper = Sweeper(self.storage, self.visibility, self.activity, self.committer, self.observers,
                                dead_after)
 
-    def observe(self, observer: SessionEvents) -> None:
-        """Add ``observer`` to the store's one channel: it hears what happens from now on, after
-        the observers added before it."""
-        self.observers.add(observer)
-
     def keep_alive(self, run: str, name: str, sid: str) -> None:
         """A rank that joined the session says it is alive (between its writes, while one long write
         streams, while it waits for the others): the sweep keeps the session while a rank is
@@ -84,7 +79,7 @@ class SessionStore:
     # -- 1. open ---------------------------------------------------------------
     def open(self, run: str, name: str, req: OpenSession, holder: Holder | None = None) -> SessionInfo:
         """Open session ``req.session`` of ``run/name``, or join it. A new session is charged to ``holder``
-        and refused at the root's reserve first (:meth:`.space.Space.charge_open`); joining one is not,
+        and refused at the root's reserve first (:data:`.space.OPEN_BYTES`); joining one is not,
         so a save already open always commits."""
         check_run(run), check_new_name(name), check_session(req.session)
         m = self.visibility.marker(run, name)  # any marker, parsed or not, takes the ref
@@ -96,7 +91,7 @@ class SessionStore:
         meta = read_meta(self.storage, run, name, req.session)
         if meta is None:
             self._check_parent(run, req.parent)
-            self.intake.space.charge_open(holder, run, name, req.session)
+            self.intake.space.charge(holder, run, f"{name}/sessions/{req.session}", OPEN_BYTES, on_root=True)
             meta = SessionMeta(session=req.session, world_size=req.world_size, step=req.step,
                                created_at=datetime.now(timezone.utc), derived_from=req.derived_from,
                                parent=req.parent)
@@ -175,7 +170,8 @@ class SessionStore:
                     f"rank {index.rank}: {what} bytes [{offset}, {offset + length}) exceed file "
                     f"{file!r} of {sizes[file]} bytes", rank=index.rank, file=file)
         key, raw = Paths.rank_index(run, name, sid, index.rank), index.model_dump_json().encode()
-        self.intake.space.charge_record(holder, run, key[len(Paths.session(run, name, sid)) + 1:], len(raw))
+        self.intake.space.charge(holder, run, key[len(Paths.session(run, name, sid)) + 1:], on_disk(len(raw)),
+                                 on_root=False)  # its blocks; the reserve takes a save's records, so it commits
         self.storage.put(key, raw)
         self._indexes.put(key, raw, index)
         self.activity.touch(run, name, sid)  # a writer: ranks' indexes may arrive for minutes after the last file

@@ -232,7 +232,7 @@ def _arrival_verdict(tmp_path, uploaded: dict[str, bytes], indexes: list[dict],
     store = SessionStore(LocalStorage(tmp_path))
     store.open("run", "2", OpenSession(session="s", world_size=2, step=2))
     read: list[int] = []
-    store.observe(type("Seen", (SessionEvents,), {"committed": lambda self, ev, s: read.append(ev.bytes_read)})())
+    store.observers.add(type("Seen", (SessionEvents,), {"committed": lambda self, ev, s: read.append(ev.bytes_read)})())
     try:
         for f, data in uploaded.items():
             sink = store.intake.receive("run", "2", "s", f, declared=_declared(indexes, f))

@@ -69,7 +69,7 @@ class Heard(SessionEvents):
 def test_a_failing_observer_never_changes_a_commit_and_the_others_still_hear(tmp_path, caplog):
     heard, after = Heard(), []
     store = SessionStore(LocalStorage(tmp_path), observers=[Failing(), AfterCommit(after.append)])
-    store.observe(heard)
+    store.observers.add(heard)
     caplog.set_level(logging.ERROR, logger="ckptd.store")
     _stage(store, "1")
     assert store.put_index("r", "1", "s0000001", _index()).state == "committed"
