@@ -47,7 +47,8 @@ from ckptd_schemas import (
     CheckpointNotFound, CkptdError, Forbidden, Manifest, NotFound, check_run, check_session, parse_ref,
 )
 
-from ..store.paths import Paths, SessionMeta
+from ..store.paths import Paths
+from ..store.session_reads import read_meta
 from ..store.leases import Leases
 from ..store.records import record_of
 from ..store.paths import Committed
@@ -290,8 +291,7 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
             st = sessions.status(run, name, sid)  # only reads
         except CkptdError:
             return None  # gone meanwhile, or not a session
-        meta_raw = storage.read_json_or_none(Paths.session_meta(run, name, sid))
-        meta = SessionMeta.model_validate(meta_raw) if meta_raw is not None else None
+        meta = read_meta(storage, run, name, sid)
         world = st.world_size
         held = held_by(run, name, sid, world)
         per_rank = held.pop("per_rank")

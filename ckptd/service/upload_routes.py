@@ -151,26 +151,20 @@ def upload_router(svc: Services) -> APIRouter:
                                   f"{arrival.MAX_BYTES} a service takes", file=file, field=CHUNKS_HEADER,
                                   limit=arrival.MAX_BYTES)
         release = uploads.acquire(principal_of(request).name, file)  # 429 past this token's uploads at once
-        body = request.stream()
+        body, sink, pending = request.stream(), None, None
         try:
+            parts: list[bytes] = []  # batched, never copied
             declared = None
             if x_ckptd_chunks is not None:
                 head, rest = await _first_bytes(body, x_ckptd_chunks)
-                declared = await run_in_threadpool(arrival.parse, head, file)
+                declared, parts = await run_in_threadpool(arrival.parse, head, file), [rest] if rest else []
             sink = await run_in_threadpool(sessions.intake.receive, run, name, sid, file, principal_of(request),
                                            declared)
-        except BaseException:
-            release()
-            raise
-        batch_limit = settings.write_batch_bytes
-        pending: asyncio.Future | None = None
-        parts: list[bytes] = [rest] if declared is not None and rest else []  # batched, never copied
-        nbytes = sum(map(len, parts))
-        try:
+            nbytes = sum(map(len, parts))
             async for piece in body:
                 parts.append(piece)
                 nbytes += len(piece)
-                if nbytes >= batch_limit:
+                if nbytes >= settings.write_batch_bytes:
                     if pending is not None:
                         await pending
                     pending = asyncio.ensure_future(run_in_threadpool(sink.write_parts, parts))
@@ -187,7 +181,8 @@ def upload_router(svc: Services) -> APIRouter:
             if pending is not None and not pending.done():
                 with contextlib.suppress(BaseException):
                     await pending
-            await run_in_threadpool(sink.abort)
+            if sink is not None:
+                await run_in_threadpool(sink.abort)
             raise
         finally:
             release()

@@ -86,13 +86,9 @@ class FileSink:
         return self._done
 
     def write(self, data: bytes | memoryview) -> None:
-        self._charge(len(data))
-        self._digest.update(data)
-        if self._check is not None:
-            self._check.feed(data)
-        self._writer.write(data)
+        self.write_parts([data])
 
-    def write_parts(self, parts: list[bytes]) -> None:
+    def write_parts(self, parts: list[bytes | memoryview]) -> None:
         """Several pieces in one call (one ``writev`` on local disks): no copy into a batch buffer."""
         self._charge(sum(map(len, parts)))
         for p in parts:
@@ -181,7 +177,7 @@ class Intake:
                  block_size: int, space: Space | None = None) -> None:
         self.storage, self.visibility, self.activity, self.block_size = storage, visibility, activity, block_size
         self.space = space or Space(storage)
-        self._receiving: dict[str, weakref.WeakSet[FileSink]] = {}  # session -> files being received here
+        self._receiving: weakref.WeakSet[FileSink] = weakref.WeakSet()  # files being received here
 
     # -- received: the bytes stream through here ----------------------------------------
     def receive(self, run: str, name: str, sid: str, file: str, holder: Holder | None = None,
@@ -195,16 +191,13 @@ class Intake:
                         charge=lambda n: self.space.charge(holder, run, file, n, on_root=True))
         if declared is not None:
             sink.declare(declared, Paths.arrival(run, name, sid, file))
-        key = Paths.session(run, name, sid)
-        if len(self._receiving) > 256:  # sessions whose sinks are all gone (a sink lives as long as its request)
-            for k in [k for k, v in self._receiving.items() if not len(v)]:
-                del self._receiving[k]
-        self._receiving.setdefault(key, weakref.WeakSet()).add(sink)
+        self._receiving.add(sink)  # as long as its request holds it
         return sink
 
     def receiving(self, run: str, name: str, sid: str) -> tuple[int, int]:
         """The files of session ``sid`` this process is receiving now, and their bytes so far."""
-        sinks = [x for x in self._receiving.get(Paths.session(run, name, sid), ()) if not x.done]
+        key = Paths.session(run, name, sid) + "/"
+        sinks = [x for x in list(self._receiving) if not x.done and x._key.startswith(key)]
         return len(sinks), sum(x.size for x in sinks)
 
     # -- placed: the object is already stored ---------------------------------------------
