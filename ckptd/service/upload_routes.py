@@ -56,10 +56,7 @@ def _refuse_declared_digests(index: RankIndex) -> None:
     checkpoint that verifies fail there. Only the service's own conversions record it, computed from
     the bytes they wrote; a client has no use for it, so the claim is refused rather than checked.
     """
-    digests = index.tensor_table.digest
-    if digests is None:
-        return
-    named = [n for n, d in zip(index.tensor_table.name, digests) if d is not None]
+    named = [n for n, d in zip(index.tensor_table.name, index.tensor_table.digest or ()) if d is not None]
     if named:
         raise InvalidIndex(f"index of rank {index.rank} declares the layout-independent digest of tensor "
                            f"{named[0]!r}: only the service's own conversions record tensor digests",
@@ -124,20 +121,17 @@ def upload_router(svc: Services) -> APIRouter:
         return await in_slot(request, file, sessions.intake.presign, run, name, sid, file, body,
                              settings.direct_upload_seconds, principal_of(request))
 
-    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/confirm", response_model=UploadResult,
-                 name="confirm_file")
-    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/link", response_model=UploadResult,
-                 name="link_file")
-    async def place_file(request: Request, run: str, name: str, sid: str, file: str,
-                         body: ConfirmUpload | LinkFile) -> UploadResult:
-        """A file whose bytes are already in the store (``Intake.place``). ``.../confirm``, direct uploads:
-        the file PUT with presigned URLs, its parts assembled now, its size (and the store's SHA-256,
-        where kept) checked now. ``.../link``, incremental saves: a file of an earlier visible checkpoint
-        of the run (``body``) held as ``file`` (``linked_name(body.checkpoint, body.file)``), linked in
-        the store, not sent; 400 when the source is not visible or the store cannot link (the saver then
-        sends the bytes). Every byte is checked against the declared digests at the commit."""
-        if isinstance(body, LinkFile) != (request.scope["route"].name == "link_file"):
-            raise InvalidRequest(f"file {file!r}: a link goes to .../link, a confirmation to .../confirm", file=file)
+    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/confirm", response_model=UploadResult)
+    async def confirm_file(request: Request, run: str, name: str, sid: str, file: str,
+                           body: ConfirmUpload) -> UploadResult:
+        """Direct uploads: the file PUT with presigned URLs is in place (``Intake.place``: its parts are
+        assembled now, its size and the store's SHA-256, where kept, checked now; every byte at the commit)."""
+        return await in_slot(request, file, sessions.intake.place, run, name, sid, file, body)
+
+    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/link", response_model=UploadResult)
+    async def link_file(request: Request, run: str, name: str, sid: str, file: str, body: LinkFile) -> UploadResult:
+        """Incremental saves: a file of an earlier visible checkpoint of the run held as ``file``, linked in
+        the store, not sent (``Intake.place``); 400 when it cannot be (the saver then sends the bytes)."""
         return await in_slot(request, file, sessions.intake.place, run, name, sid, file, body, principal_of(request))
 
     @router.put("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}", response_model=UploadResult)

@@ -277,19 +277,14 @@ class Intake:
         return FileEntry(size=body.size, xxh3=body.xxh3, block_size=body.block_size, blocks=body.blocks)
 
     def _linked(self, run: str, name: str, sid: str, file: str, body: LinkFile, holder: Holder | None) -> FileEntry:
-        """The record of ``body.file`` of the visible checkpoint ``run/body.checkpoint`` as ``file`` (checked by
-        :func:`check_link`), without its bytes passing through here: the storage links it (a hard
-        link, or a copy inside the store), creating the session's key once, and the source manifest's
-        record of it (size, digests) becomes the session's, marked ``linked``. Refused
-        (``InvalidRequest``, which the saver answers by sending the bytes) when the source is not a
-        visible checkpoint of the run holding that file, or the store cannot link. Only the object its
-        checkpoint's record vouches for is linked (``Storage.link`` with its stamp), and the link's
-        stamp is recorded (:data:`~.records.LINKED`): the commit confirms the file by it while its rows
-        are the source's (``Committer._linked``), else reads it. A source
-        file whose storage stamp moved since its checkpoint's last recorded verification (an edit, or
-        a file never verified here) is not linked at all: the saver sends the bytes, so a damaged
-        earlier file costs one file's upload, never a refused save. The file's size is charged to
-        ``holder`` (its quota: the checkpoint holds the bytes; no reserve: a local link takes no space)."""
+        """The record of ``body.file`` of the visible checkpoint ``run/body.checkpoint`` linked as ``file``
+        (:func:`check_link`; a hard link, or a copy inside the store, creating the key once): the source
+        manifest's record, marked ``linked``. Only the object its checkpoint's record vouches for is
+        linked (``Storage.link`` with its stamp), and the link's stamp recorded
+        (:data:`~.records.LINKED`) for the commit to confirm. Refused (``InvalidRequest``: the saver sends
+        the bytes, so a damaged earlier file costs one upload, never a refused save) when the source is
+        not visible, holds no such file, moved since its last verification or cannot be linked. The
+        file's size is charged to ``holder`` (its quota; no reserve: a local link takes no space)."""
         check_link(name, file, body)
         source = self.visibility.check(run, body.checkpoint)
         entry = self.visibility.manifest(source).files.get(body.file) if source is not None else None
