@@ -56,7 +56,6 @@ class SessionStore:
         self.storage = storage
         self.dead_after = dead_after  # seconds without a live writer before the sweep reclaims a session
         self.activity = SessionActivity(self.storage, every=dead_after / KEEPALIVE_PER_WINDOW / 2)
-        self.block_size = block_size
         self.visibility = visibility or Visibility(self.storage)
         self.observers = Observers(observers)
         self._indexes = IndexCache()
