@@ -127,15 +127,9 @@ class SessionStore:
         """Store rank ``index.rank``'s index, checked against the session's files, charged to ``holder``'s
         quota (not to the root's reserve: the commit of a save in progress writes into it); commit when
         it completes the set."""
-        check_run(run), check_name(name), check_session(sid)
-        answer = self._committed_with(run, name, sid, index)
-        if answer is not None:
-            return answer
         try:
             meta = writable(self.storage, self.visibility, run, name, sid)
-        except AlreadyCommitted:
-            # Committed since the check above, by another request of this session that brought the last
-            # index (ranks retrying at a restarted server or another replica race like this).
+        except AlreadyCommitted:  # answered as before when this index is part of the commit
             answer = self._committed_with(run, name, sid, index)
             if answer is None:
                 raise
@@ -177,11 +171,10 @@ class SessionStore:
         return self.committer.if_complete(run, name, sid, meta, index.rank)
 
     def _committed_with(self, run: str, name: str, sid: str, index: RankIndex) -> SessionStatus | None:
-        """The committed status, when session ``sid`` is committed with exactly ``index`` for its rank.
-
-        That is a retry of an index already part of the commit (its answer was lost, e.g. the server
-        died right after creating the marker), or one that raced the commit: answer as before.
-        """
+        """The committed status, when session ``sid`` is committed with exactly ``index`` for its rank: a
+        retry of an index already part of the commit (its answer was lost, e.g. the server died right
+        after creating the marker), or one that raced the commit (ranks retrying at a restarted server
+        or another replica); else None."""
         if committed_by(self.visibility, run, name, sid) is None:
             return None
         stored = self.storage.read_json_or_none(Paths.rank_index(run, name, sid, index.rank))

@@ -109,7 +109,7 @@ def test_streaming_multipart_upload_larger_than_a_block(moto_s3, s3):
 
 def test_default_block_size_upload_through_the_service_path(s3):
     """A shard larger than the default block (32 MiB) streams through the protocol's FileSink."""
-    from ckptd.store.sessions import FileSink
+    from ckptd.store.intake import FileSink
     from ckptd_schemas.filedigest import xxh3_hex
 
     data = os.urandom(DEFAULT_BLOCK_SIZE + 3 * MiB + 1)
