@@ -12,10 +12,8 @@ Call order of a save::
                                                                         until durable, with a durable tier)
     DELETE /v1/checkpoints/{run}/{name}/sessions/{sid}                  abort
 
-The ranks long-polling a session's status share one watch of it in each process
-(``session_watch``): its state is read every 0.1 s (another replica may take the
-last index) without listing the ranks, and at once when an index stored here
-settles it; the settled answer is built once for every waiter.
+Every file route ends in the store's intake, behind its one write gate (``session_reads.writable``); the
+ranks long-polling a session's status share one watch of it in each process (``session_watch``).
 """
 
 from __future__ import annotations
