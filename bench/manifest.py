@@ -114,7 +114,7 @@ def populate(root: str, world: int, tensors: int, trial: int) -> None:
         store.open(RUN, name, OpenSession(session=sid, world_size=world, step=trial))
         for r in range(world):
             file, data, body = _rank(r, world, tensors)
-            sink = store.begin_file(RUN, name, sid, file)
+            sink = store.intake.receive(RUN, name, sid, file)
             sink.write(data)
             sink.finish(None)
             if kind == "cold":
@@ -161,7 +161,7 @@ def cold(root: str, world: int, tensors: int, trial: int) -> dict:
     gc.collect()
     start = _memory()["VmRSS"]
     t0, c0 = time.perf_counter(), time.process_time()
-    digest = store.commit(RUN, name, sid)
+    digest = store.committer.commit(RUN, name, sid)
     out = {"commit_cold_s": time.perf_counter() - t0, "commit_cold_cpu_s": time.process_time() - c0,
            "cold_start_rss": start,
            "cold_commit_peak_rss": _memory()["VmHWM"]}

@@ -32,7 +32,7 @@ def write_tensors(sessions: SessionStore, ref: str, tensors: Mapping[str, torch.
     r = parse_ref(ref)
     sid = uuid.uuid4().hex
     sessions.open(r.run, r.name, OpenSession(session=sid, world_size=1, step=step))
-    sink = sessions.begin_file(r.run, r.name, sid, FILE)
+    sink = sessions.intake.receive(r.run, r.name, sid, FILE)
     entries = []
     try:
         for name, t in tensors.items():

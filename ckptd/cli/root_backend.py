@@ -150,7 +150,7 @@ class RootBackend:
 
         return gc_run(self.storage, run, keep_last=keep_last, keep_every=keep_every, dry_run=dry_run,
                       drop_parents=drop_parents,
-                      sweep=lambda: SessionStore(self.storage, dead_after=dead_after).reclaim_stale(stale_ttl))
+                      sweep=lambda: SessionStore(self.storage, dead_after=dead_after).sweeper.reclaim_stale(stale_ttl))
 
     def remove(self, run: str, name: str, *, dry_run: bool) -> dict[str, Any]:
         from ..store.retention import remove
@@ -206,26 +206,6 @@ class RootBackend:
         pass
 
 
-class _SinkOut:
-    """A file of the import, streamed into the store's write-once sink (hashed as written)."""
-
-    def __init__(self, sink: Any) -> None:
-        self._sink = sink
-
-    @property
-    def size(self) -> int:
-        return self._sink.size
-
-    def write(self, data: bytes | memoryview) -> None:
-        self._sink.write(data)
-
-    def finish(self) -> None:
-        self._sink.finish(None)
-
-    def abort(self) -> None:
-        self._sink.abort()
-
-
 class _RootImport:
     """``interop.dcp_import.ImportTarget`` over the store's own session and commit code."""
 
@@ -240,7 +220,7 @@ class _RootImport:
 
     def begin_file(self, file: str) -> FileOut:
         assert self._at is not None
-        return _SinkOut(self.sessions.begin_file(*self._at, file))
+        return self.sessions.intake.receive(*self._at, file)  # a file sink: hashed as written, no digest declared
 
     def commit(self, index: RankIndex) -> str:
         assert self._at is not None
@@ -252,4 +232,4 @@ class _RootImport:
     def abort(self) -> None:
         if self._at is not None:
             self.sessions.activity.release(*self._at)
-            self.sessions.abort(*self._at)
+            self.sessions.sweeper.abort(*self._at)

@@ -201,7 +201,7 @@ def run_unit(reader: CheckpointReader, plan: ReshardPlan, unit: WorkUnit, open_f
              scratch: dict[str, Any] | None = None) -> UnitResult:
     """Fill ``unit``'s target chunks one at a time from their source byte ranges (each fetch block-verified:
     a damaged one raises naming the tensor) and write them into ``open_file(unit.file)``: a file sink
-    (``size``, ``write``, ``finish``, ``abort``), the output session's (``SessionStore.begin_file``) or a
+    (``size``, ``write``, ``finish``, ``abort``), the output session's (``SessionStore.intake.receive``) or a
     drill's digest sink. The buffers are allocated once, at the largest size the chunks need; a caller that
     runs many units keeps them in ``scratch``. The result holds the source tensors' digest parts
     (``pieces``) seen in the fetches and the target chunks' parts."""
@@ -356,7 +356,7 @@ def _copy_objects(reader: CheckpointReader, sessions: SessionStore, source: Mani
         return [o.model_copy(update={"rank": None}) if o.rank is None else o for o in keep], None
     out = parse_ref(out_ref)
     fname = "objects.bin"
-    sink = sessions.begin_file(out.run, out.name, session, fname)
+    sink = sessions.intake.receive(out.run, out.name, session, fname)
     moved: list[ObjectEntry] = []
     try:
         for o in keep:
@@ -448,7 +448,7 @@ def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     got = {name: v for (side, name), v in digests.items() if side == "dst"}
     bad = sorted(n for n in want if got.get(n) != want[n])
     if bad:
-        sessions.abort(out.run, out.name, session)
+        sessions.sweeper.abort(out.run, out.name, session)
         raise IntegrityError(f"reshard {plan.source} -> {plan.target_spec}: digests differ for {len(bad)} tensors "
                              f"({bad[:5]}); the output was discarded", tensors=bad[:64])
     digest = ""
@@ -506,7 +506,7 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: Planned, ou
                                         max_bytes_per_s, progress)
             else:
                 pieces = source_pieces(reader, header)
-                open_file = partial(sessions.begin_file, out.run, out.name, session)
+                open_file = partial(sessions.intake.receive, out.run, out.name, session)
                 spend = _spending(Throttle(max_bytes_per_s), progress)
 
                 def unit(make: Callable[[], WorkUnit]) -> UnitResult:
@@ -522,7 +522,7 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: Planned, ou
     except BaseException:
         try:
             if sessions.status(out.run, out.name, session).state != "committed":
-                sessions.abort(out.run, out.name, session)
+                sessions.sweeper.abort(out.run, out.name, session)
         except Exception:  # noqa: BLE001 - best effort cleanup; the session stays invisible anyway
             pass
         raise
@@ -634,7 +634,7 @@ def run_share(reader: CheckpointReader, sessions: SessionStore, outline: Reshard
     header = outline.plan(reads=False)
     pieces = source_pieces(reader, header)
     out = parse_ref(out_ref)
-    open_file = partial(sessions.begin_file, out.run, out.name, session)
+    open_file = partial(sessions.intake.receive, out.run, out.name, session)
     with engine.running():
         return [run_unit(reader, header, outline.unit(c), open_file, engine=engine, progress=progress, pieces=pieces)
                 for c in outline.share_of(share, shares)]

@@ -144,7 +144,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     # then what follows every commit made here, whichever path committed.
     metrics.watch_sessions(sessions)
     for action in [after_commit, drills.after_commit] + ([copier.notify] if copier is not None else []):
-        sessions.observe(AfterCommit(action))
+        sessions.observers.add(AfterCommit(action))
     local = LocalUploads(sessions, tokens, uploads, metrics) if settings.local_uploads else None
     services = Services(settings=settings, storage=storage, metrics=metrics, visibility=visibility, reader=reader,
                         sessions=sessions, uploads=uploads, read_leases=read_leases, workers=workers, durable=copier,
@@ -157,7 +157,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
         async def reclaim_loop() -> None:
             while True:
                 try:
-                    await run_in_threadpool(sessions.reclaim_stale, settings.stale_session_ttl)
+                    await run_in_threadpool(sessions.sweeper.reclaim_stale, settings.stale_session_ttl)
                 except StoragePermanent as e:  # a read-only root: nothing to reclaim there, one line each sweep
                     metrics.storage_errors.labels("reclaim").inc()
                     log.warning("stale-session sweep skipped: %s", e.message)
@@ -234,7 +234,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     app.include_router(read_router(services))
     app.include_router(jobs_router)
     app.include_router(drill_router(storage, job_watch, metrics))
-    app.include_router(gc_router(storage, lambda: sessions.reclaim_stale(settings.stale_session_ttl),
+    app.include_router(gc_router(storage, lambda: sessions.sweeper.reclaim_stale(settings.stale_session_ttl),
                                  verify_in_worker, record=gc_log.record))
     app.include_router(ui_router(services, gc_log))
     install_ui(app)

@@ -20,7 +20,7 @@ is then looked up again (the tokens file may have changed) and must still have w
 The rest is the HTTP upload's: the same per-principal upload slots, and the same intake (the
 principal's quota and the root's reserve asked there): the memory
 file, read a window at a time into one buffer (never mapped: reading a hole of a sparse memory file
-allocates nothing), goes through ``SessionStore.begin_file`` (hashed, block digests, written past the
+allocates nothing), goes through ``SessionStore.intake.receive`` (hashed, block digests, written past the
 page cache) and ``finish`` with the declared digest; the commit's checker reads the stored bytes back
 as for any upload. A descriptor that is not a memory file sealed so, not open for reading, or of
 another size than declared is refused 400 before a byte is read (unsealed, the rank could change the
@@ -233,7 +233,7 @@ class LocalUploads:
         release = self.uploads.acquire(principal.name, file)
         try:
             declared = arrival.parse(os.pread(fd, chunks, 0), file) if chunks else None
-            sink = self.sessions.begin_file(run, name, sid, file, principal, declared)
+            sink = self.sessions.intake.receive(run, name, sid, file, principal, declared)
             try:
                 self._read_into(fd, chunks, size, sink, seen)
                 return sink.finish(xxh3).model_dump(mode="json")

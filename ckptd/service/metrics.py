@@ -183,7 +183,7 @@ class Metrics(SessionEvents):
     # -- the write side's events (SessionEvents: SessionStore calls these) ------------------------------
     def watch_sessions(self, store: SessionStore) -> None:
         """Observe ``store``: its events come here, and a scrape asks it which sessions are still open."""
-        store.observe(self)
+        store.observers.add(self)
         self._session_store = store
 
     def opened(self, run: str, name: str, sid: str) -> None:

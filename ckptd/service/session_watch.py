@@ -6,7 +6,7 @@ time, they would cost the service O(R) per poll and O(R²) per event, and right 
 every waiter would check the new checkpoint at once. Here a session has at most one poller per
 process, whatever the number of waiters:
 
-* :meth:`SessionWatches.wait` joins (or starts) the watch of a session and waits for it to settle
+* :meth:`SessionWatches.answer` joins (or starts) the watch of a session and waits for it to settle
   (committed or failed; with ``durable``, durable or refused), or for the caller's deadline;
 * the watch reads the session's **state** (``SessionStore.status(..., list_ranks=False)``: the
   marker, the session's record and its failure record, O(1) reads, no listing), every
@@ -14,7 +14,7 @@ process, whatever the number of waiters:
   this process just stored an index that settled it;
 * the answer is built once and shared: every waiter gets the same :class:`SessionStatus` (it names
   no ranks: ``ranks_done`` is empty; a status read without ``wait`` lists them), serialized once per
-  read of the state (:meth:`SessionWatches.answer`: the JSON bytes every waiter is sent as they are);
+  read of the state (the JSON bytes every waiter is sent as they are);
 * a waiter parks on the watch's one future (``asyncio.wait``: no task, no shield of its own) and the
   settling read wakes them all at once: a waiting rank costs its request, one wake-up and a send;
 * the watch ends when its last waiter leaves.
@@ -79,11 +79,6 @@ class SessionWatches:
         self._read_state, self._with_durability, self._precheck = read_state, with_durability, precheck
         self._watches: dict[Key, _Watch] = {}
 
-    async def wait(self, run: str, name: str, sid: str, *, seconds: float, durable: bool) -> SessionStatus:
-        """The session's status once it settles, or the last one read when ``seconds`` pass (one object
-        per read of the state, whatever the number of waiters)."""
-        return (await self._wait(run, name, sid, seconds=seconds, durable=durable))[0]
-
     async def _wait(self, run: str, name: str, sid: str, *, seconds: float, durable: bool
                     ) -> tuple[SessionStatus, _Watch]:
         key = (run, name, sid, durable)
@@ -111,8 +106,8 @@ class SessionWatches:
                     watch.task.cancel()
 
     async def answer(self, run: str, name: str, sid: str, *, seconds: float, durable: bool) -> bytes:
-        """:meth:`wait`, as the JSON bytes of the status: serialized once per read of the state and sent
-        as they are to every waiter of the watch."""
+        """The session's status once it settles, or the last one read when ``seconds`` pass, as JSON bytes:
+        serialized once per read of the state and sent as they are to every waiter of the watch."""
         st, watch = await self._wait(run, name, sid, seconds=seconds, durable=durable)
         if watch.answer is None or watch.answer[0] != watch.reads:
             watch.answer = (watch.reads, st.model_dump_json().encode())

@@ -47,7 +47,8 @@ from ckptd_schemas import (
     CheckpointNotFound, CkptdError, Forbidden, Manifest, NotFound, check_run, check_session, parse_ref,
 )
 
-from ..store.paths import Paths, SessionMeta
+from ..store.paths import Paths
+from ..store.session_reads import read_meta
 from ..store.leases import Leases
 from ..store.records import record_of
 from ..store.paths import Committed
@@ -290,24 +291,23 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
             st = sessions.status(run, name, sid)  # only reads
         except CkptdError:
             return None  # gone meanwhile, or not a session
-        meta_raw = storage.read_json_or_none(Paths.session_meta(run, name, sid))
-        meta = SessionMeta.model_validate(meta_raw) if meta_raw is not None else None
+        meta = read_meta(storage, run, name, sid)
         world = st.world_size
         held = held_by(run, name, sid, world)
         per_rank = held.pop("per_rank")
         done = set(st.ranks_done)
         ranks = [{"rank": r, "files": per_rank.get(r, [0, 0, 0])[0], "bytes": per_rank.get(r, [0, 0, 0])[1],
                   "partial_bytes": per_rank.get(r, [0, 0, 0])[2], "index": r in done} for r in range(min(world, 1024))]
-        # stale as the service's sweep decides (SessionStore.reclaim_of): no live writer for
+        # stale as the service's sweep decides (Sweeper.reclaim_of): no live writer for
         # CKPTD_DEAD_SESSION_AFTER, or opened longer ago than the TTL, so the next sweep deletes it
         # (it never commits a session whose indexes are missing)
-        reclaim = sessions.reclaim_of(run, name, sid, meta, session_ttl) if meta else None
+        reclaim = sessions.sweeper.reclaim_of(run, name, sid, meta, session_ttl) if meta else None
         stale = reclaim is not None and reclaim.at <= datetime.now(timezone.utc)
         return {"name": name, "session": sid, "state": st.state, "world_size": world, "ranks_done": len(done),
                 "step": meta.step if meta else None, "created_at": meta.created_at.isoformat() if meta else None,
                 "derived_from": meta.derived_from if meta else None, "ranks": ranks, **held,
                 "last_activity": reclaim.last.isoformat() if reclaim else None,
-                "receiving": dict(zip(("files", "bytes"), sessions.receiving(run, name, sid))),
+                "receiving": dict(zip(("files", "bytes"), sessions.intake.receiving(run, name, sid))),
                 "ttl_seconds": session_ttl, "dead_after_seconds": sessions.dead_after,
                 "reclaim_at": reclaim.at.isoformat() if reclaim else None,
                 "reclaim_reason": reclaim.reason if reclaim else None, "stale": stale, "error": st.error}

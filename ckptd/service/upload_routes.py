@@ -12,17 +12,15 @@ Call order of a save::
                                                                         until durable, with a durable tier)
     DELETE /v1/checkpoints/{run}/{name}/sessions/{sid}                  abort
 
-The ranks long-polling a session's status share one watch of it in each process
-(``session_watch``): its state is read every 0.1 s (another replica may take the
-last index) without listing the ranks, and at once when an index stored here
-settles it; the settled answer is built once for every waiter.
+Every file route ends in the store's intake, behind its one write gate (``session_reads.writable``); the
+ranks long-polling a session's status share one watch of it in each process (``session_watch``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
@@ -46,6 +44,7 @@ __all__ = ["MAX_WAIT_SECONDS", "upload_router"]
 #: The longest a status request may wait for its session to settle: long enough that a rank waits for a
 #: save of 10,000 ranks in one request (each request is about a millisecond of the service's CPU).
 MAX_WAIT_SECONDS = 600.0
+T = TypeVar("T")
 
 
 def _refuse_declared_digests(index: RankIndex) -> None:
@@ -55,10 +54,7 @@ def _refuse_declared_digests(index: RankIndex) -> None:
     checkpoint that verifies fail there. Only the service's own conversions record it, computed from
     the bytes they wrote; a client has no use for it, so the claim is refused rather than checked.
     """
-    digests = index.tensor_table.digest
-    if digests is None:
-        return
-    named = [n for n, d in zip(index.tensor_table.name, digests) if d is not None]
+    named = [n for n, d in zip(index.tensor_table.name, index.tensor_table.digest or ()) if d is not None]
     if named:
         raise InvalidIndex(f"index of rank {index.rank} declares the layout-independent digest of tensor "
                            f"{named[0]!r}: only the service's own conversions record tensor digests",
@@ -103,6 +99,15 @@ def upload_router(svc: Services) -> APIRouter:
             info.local_key = svc.local.key_for(principal_of(request).name, run, name, info.session)
         return info
 
+    async def in_slot(request: Request, file: str, way: Callable[..., T], *args: Any) -> T:
+        """``way(*args)`` off the event loop, holding one of the token's upload slots (a presign creates a
+        multipart upload, a confirmation assembles it, a link on S3 is a copy): 429 past them."""
+        release = uploads.acquire(principal_of(request).name, file)
+        try:
+            return await run_in_threadpool(way, *args)
+        finally:
+            release()
+
     @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/presign", response_model=PresignedUpload)
     async def presign_file(request: Request, run: str, name: str, sid: str, file: str,
                            body: PresignUpload) -> PresignedUpload:
@@ -111,24 +116,21 @@ def upload_router(svc: Services) -> APIRouter:
         if not settings.direct_uploads:
             raise InvalidRequest(f"file {file!r}: direct uploads are off on this service (CKPTD_DIRECT_UPLOADS); "
                                  f"upload the file", file=file)
-        release = uploads.acquire(principal_of(request).name, file)  # a multipart upload created for it: a slot
-        try:
-            return await run_in_threadpool(sessions.presign_file, run, name, sid, file, body,
-                                           settings.direct_upload_seconds, principal_of(request))
-        finally:
-            release()
+        return await in_slot(request, file, sessions.intake.presign, run, name, sid, file, body,
+                             settings.direct_upload_seconds, principal_of(request))
 
     @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/confirm", response_model=UploadResult)
     async def confirm_file(request: Request, run: str, name: str, sid: str, file: str,
                            body: ConfirmUpload) -> UploadResult:
-        """Direct uploads: the file PUT with presigned URLs is in place (its parts are assembled now); its
-        size (and the store's SHA-256, where kept) is checked now, every byte against the declared
-        digests at the commit."""
-        release = uploads.acquire(principal_of(request).name, file)  # store requests on a writer's behalf: a slot
-        try:
-            return await run_in_threadpool(sessions.confirm_file, run, name, sid, file, body)
-        finally:
-            release()
+        """Direct uploads: the file PUT with presigned URLs is in place (``Intake.place``: its parts are
+        assembled now, its size and the store's SHA-256, where kept, checked now; every byte at the commit)."""
+        return await in_slot(request, file, sessions.intake.place, run, name, sid, file, body)
+
+    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/link", response_model=UploadResult)
+    async def link_file(request: Request, run: str, name: str, sid: str, file: str, body: LinkFile) -> UploadResult:
+        """Incremental saves: a file of an earlier visible checkpoint of the run held as ``file``, linked in
+        the store, not sent (``Intake.place``); 400 when it cannot be (the saver then sends the bytes)."""
+        return await in_slot(request, file, sessions.intake.place, run, name, sid, file, body, principal_of(request))
 
     @router.put("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}", response_model=UploadResult)
     async def upload_file(request: Request, run: str, name: str, sid: str, file: str,
@@ -141,25 +143,20 @@ def upload_router(svc: Services) -> APIRouter:
                                   f"{arrival.MAX_BYTES} a service takes", file=file, field=CHUNKS_HEADER,
                                   limit=arrival.MAX_BYTES)
         release = uploads.acquire(principal_of(request).name, file)  # 429 past this token's uploads at once
-        body = request.stream()
+        body, sink, pending = request.stream(), None, None
         try:
+            parts: list[bytes] = []  # batched, never copied
             declared = None
             if x_ckptd_chunks is not None:
                 head, rest = await _first_bytes(body, x_ckptd_chunks)
-                declared = await run_in_threadpool(arrival.parse, head, file)
-            sink = await run_in_threadpool(sessions.begin_file, run, name, sid, file, principal_of(request), declared)
-        except BaseException:
-            release()
-            raise
-        batch_limit = settings.write_batch_bytes
-        pending: asyncio.Future | None = None
-        parts: list[bytes] = [rest] if declared is not None and rest else []  # batched, never copied
-        nbytes = sum(map(len, parts))
-        try:
+                declared, parts = await run_in_threadpool(arrival.parse, head, file), [rest] if rest else []
+            sink = await run_in_threadpool(sessions.intake.receive, run, name, sid, file, principal_of(request),
+                                           declared)
+            nbytes = sum(map(len, parts))
             async for piece in body:
                 parts.append(piece)
                 nbytes += len(piece)
-                if nbytes >= batch_limit:
+                if nbytes >= settings.write_batch_bytes:
                     if pending is not None:
                         await pending
                     pending = asyncio.ensure_future(run_in_threadpool(sink.write_parts, parts))
@@ -176,19 +173,9 @@ def upload_router(svc: Services) -> APIRouter:
             if pending is not None and not pending.done():
                 with contextlib.suppress(BaseException):
                     await pending
-            await run_in_threadpool(sink.abort)
+            if sink is not None:
+                await run_in_threadpool(sink.abort)
             raise
-        finally:
-            release()
-
-    @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/link", response_model=UploadResult)
-    async def link_file(request: Request, run: str, name: str, sid: str, file: str, body: LinkFile) -> UploadResult:
-        """Incremental saves: hold a file of an earlier visible checkpoint of the run (``body``) as this
-        session's ``file`` (``linked_name(body.checkpoint, body.file)``), linked in the store, not sent.
-        Refused 400 when the source is not visible or the store cannot link: the saver sends the bytes."""
-        release = uploads.acquire(principal_of(request).name, file)  # on S3 a link is a copy: a slot, as an upload
-        try:
-            return await run_in_threadpool(sessions.link_file, run, name, sid, file, body, principal_of(request))
         finally:
             release()
 
@@ -252,7 +239,7 @@ def upload_router(svc: Services) -> APIRouter:
 
     @router.delete("/v1/checkpoints/{run}/{name}/sessions/{sid}", status_code=204)
     async def abort_session(run: str, name: str, sid: str) -> Response:
-        await run_in_threadpool(sessions.abort, run, name, sid)
+        await run_in_threadpool(sessions.sweeper.abort, run, name, sid)
         return Response(status_code=204)
 
     return router

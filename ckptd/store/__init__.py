@@ -10,11 +10,9 @@ from ckptd_schemas.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .reader import CheckpointReader
-    from .intake import FileSink
     from .sessions import SessionStore
 
-__all__ = ["CheckpointReader", "FileSink", "SessionStore"]
+__all__ = ["CheckpointReader", "SessionStore"]
 
 # Imported when first named: ``ckptd verify`` needs neither the write side nor the reader.
-__getattr__ = lazy_exports(__name__, {"CheckpointReader": ".reader", "FileSink": ".intake",
-                                      "SessionStore": ".sessions"}, globals())
+__getattr__ = lazy_exports(__name__, {"CheckpointReader": ".reader", "SessionStore": ".sessions"}, globals())

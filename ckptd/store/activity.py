@@ -10,7 +10,7 @@ status poll counts for nothing (it changes nothing).
 Call order: :meth:`SessionActivity.touch` once a writer request of the session succeeded (a refused
 one writes nothing) and on ``SessionStore.keep_alive``; :meth:`SessionActivity.held` around a writer
 inside the service's process (a reshard job, an import), which has no client to send keep-alives;
-:meth:`SessionActivity.last` and :func:`reclaim_at` when the sweep (``SessionStore.reclaim_stale``)
+:meth:`SessionActivity.last` and :func:`reclaim_at` when the sweep (``Sweeper.reclaim_stale``)
 or the web view asks when a session goes. The record is one
 small object per session (``Paths.activity``), written at most every ``every`` seconds by each
 process, so a thousand ranks' keep-alives cost a write per interval, not a thousand.

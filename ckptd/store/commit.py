@@ -48,7 +48,7 @@ from .paths import Marker, Paths, SessionMeta
 from .records import LINKED, CommitCheck, arrival_of, file_stamps, known_bad, record_arrival, record_commit_check
 from .links import check_links
 from .rereads import mark_due
-from .session_reads import committed_by, ranks_done
+from .session_reads import committed_by, ranks_done, session_meta
 from .visibility import Visibility, manifest_file_name
 
 __all__ = ["Committer"]
@@ -98,9 +98,10 @@ class Committer:
         digest = self.commit(run, name, sid, meta)  # StorageError: not a verdict, the caller retries (503)
         return SessionStatus(state="committed", manifest_xxh3=digest, **base)
 
-    def commit(self, run: str, name: str, sid: str, meta: SessionMeta) -> str:
-        """Merge, validate, write the manifest, create the marker; return the manifest digest, or raise
-        the session's recorded refusal (``CommitFailed``). One call per session at a time here: one that
+    def commit(self, run: str, name: str, sid: str, meta: SessionMeta | None = None) -> str:
+        """Merge, validate, write the manifest, create the marker (``meta``: the session's record, read
+        here when not given); return the manifest digest, or raise the session's recorded refusal
+        (``CommitFailed``). One call per session at a time here: one that
         waited finds the marker or the refusal the first made. When this call created the marker, tell
         the observers (a failing one is logged: the checkpoint is committed whatever they do)."""
         t0 = time.perf_counter()
@@ -110,7 +111,8 @@ class Committer:
                 failed = self.storage.read_json_or_none(Paths.failed(run, name, sid)) if done is None else None
                 if failed is not None:
                     raise CommitFailed(failed["error"]["message"], **failed["error"].get("details", {}))
-                digest, event = (done.manifest_xxh3, None) if done is not None else self._commit(run, name, sid, meta)
+                digest, event = (done.manifest_xxh3, None) if done is not None else self._commit(
+                    run, name, sid, meta or session_meta(self.storage, run, name, sid))
         finally:
             self._indexes.drop_under(Paths.session(run, name, sid) + "/")
             self.activity.forget(run, name, sid)  # a keep-alive from now on is answered from the store: 409

@@ -9,10 +9,10 @@ session with a digest record created once (:func:`record_file`):
   the bytes as they pass (:func:`~.checker.arrival_check`): a problem is refused the same way, and the
   rows it covered are recorded with the file's stored identity (:func:`record_arrival`), for the
   commit to confirm instead of reading the file again.
-* **placed**: the object is already in the store, and the declared record is taken for it
-  (:meth:`Intake.place`): a rank PUT it straight into an object store through presigned URLs that
-  create it once (:meth:`Intake.presign` then :meth:`Intake.confirm`), or an incremental save links
-  a file of an earlier visible checkpoint of the run (:func:`check_link` then :meth:`Intake.link`).
+* **placed** (:meth:`Intake.place`): the object is already in the store, and the declared record is
+  taken for it: a rank PUT it straight into an object store through presigned URLs that create it
+  once (:meth:`Intake.presign`, then its confirmation), or an incremental save links a file of an
+  earlier visible checkpoint of the run.
 
 Before a file's bytes are stored, whichever way, the root's space is asked (:class:`~.space.Space`:
 the writer's quota, the root's reserve): received bytes batch by batch, a presigned file's declared
@@ -21,9 +21,9 @@ size at its presign, a linked file's size at its link.
 A record is a claim whichever way the file came: the commit reads and checks every byte of it
 (:mod:`.checker`) after the last write anyone could make, except a file checked as it arrived, or
 linked as a checked file, whose stored identity (``Storage.stamp``: inode, size, mtime and ctime; an
-object's ETag) is unchanged. Call order per file: the session store
-(:mod:`.sessions`) checks the names and that the session takes writes, then calls one way in here;
-a way that succeeded marks the session active (:class:`~.activity.SessionActivity`).
+object's ETag) is unchanged. Call order per file: each way first passes the one write gate
+(:func:`~.session_reads.writable`: the names, and that the session takes writes), and one that
+succeeded marks the session active (:class:`~.activity.SessionActivity`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from .activity import SessionActivity
 from .checker import FileCheck, arrival_check
 from .paths import Paths
 from .records import LINKED, record_arrival, record_vouches
+from .session_reads import writable
 from .space import Holder, Space
 from .visibility import Visibility
 
@@ -85,13 +86,9 @@ class FileSink:
         return self._done
 
     def write(self, data: bytes | memoryview) -> None:
-        self._charge(len(data))
-        self._digest.update(data)
-        if self._check is not None:
-            self._check.feed(data)
-        self._writer.write(data)
+        self.write_parts([data])
 
-    def write_parts(self, parts: list[bytes]) -> None:
+    def write_parts(self, parts: list[bytes | memoryview]) -> None:
         """Several pieces in one call (one ``writev`` on local disks): no copy into a batch buffer."""
         self._charge(sum(map(len, parts)))
         for p in parts:
@@ -100,7 +97,7 @@ class FileSink:
                 self._check.feed(p)
         self._writer.write_parts(parts)
 
-    def finish(self, declared_xxh3: str | None) -> UploadResult:
+    def finish(self, declared_xxh3: str | None = None) -> UploadResult:
         digest, blocks = self._digest.finish()
         if declared_xxh3 is not None and declared_xxh3.lower() != digest:
             self.abort()
@@ -162,8 +159,8 @@ def recorded_file(storage: Storage, run: str, name: str, sid: str, file: str) ->
 
 
 def check_link(name: str, file: str, body: LinkFile) -> None:
-    """What a link request says of itself, checked before the session is read: ``file`` is the
-    ``linked_name`` of the source, and the source is another checkpoint."""
+    """What a link request says of itself: ``file`` is the ``linked_name`` of the source, and the
+    source is another checkpoint."""
     check_name(body.checkpoint), check_file(body.file)
     if file != linked_name(body.checkpoint, body.file):
         raise InvalidRequest(f"file {file!r}: a link of {body.checkpoint}/{body.file} is named "
@@ -173,14 +170,14 @@ def check_link(name: str, file: str, body: LinkFile) -> None:
 
 
 class Intake:
-    """The ways a data file comes into a session of one store (module docstring); the caller has
-    checked the names and that the session takes writes."""
+    """The ways a data file comes into a session of one store (module docstring), each behind the
+    one write gate."""
 
     def __init__(self, storage: Storage, visibility: Visibility, activity: SessionActivity,
                  block_size: int, space: Space | None = None) -> None:
         self.storage, self.visibility, self.activity, self.block_size = storage, visibility, activity, block_size
         self.space = space or Space(storage)
-        self._receiving: dict[str, weakref.WeakSet[FileSink]] = {}  # session -> files being received here
+        self._receiving: weakref.WeakSet[FileSink] = weakref.WeakSet()  # files being received here
 
     # -- received: the bytes stream through here ----------------------------------------
     def receive(self, run: str, name: str, sid: str, file: str, holder: Holder | None = None,
@@ -188,27 +185,31 @@ class Intake:
         """A sink for ``file``'s bytes, each batch charged to ``holder`` on the root, checked as they
         pass against ``declared`` (the writer's declaration of its chunks) when given; stored, it is
         recorded and the session marked active."""
+        writable(self.storage, self.visibility, run, name, sid, file)
         sink = FileSink(self.storage, Paths.file(run, name, sid, file), Paths.digest(run, name, sid, file),
                         file, self.block_size, on_stored=lambda: self.activity.touch(run, name, sid),
                         charge=lambda n: self.space.charge(holder, run, file, n, on_root=True))
         if declared is not None:
             sink.declare(declared, Paths.arrival(run, name, sid, file))
-        key = Paths.session(run, name, sid)
-        if len(self._receiving) > 256:  # sessions whose sinks are all gone (a sink lives as long as its request)
-            for k in [k for k, v in self._receiving.items() if not len(v)]:
-                del self._receiving[k]
-        self._receiving.setdefault(key, weakref.WeakSet()).add(sink)
+        self._receiving.add(sink)  # as long as its request holds it
         return sink
 
     def receiving(self, run: str, name: str, sid: str) -> tuple[int, int]:
         """The files of session ``sid`` this process is receiving now, and their bytes so far."""
-        sinks = [x for x in self._receiving.get(Paths.session(run, name, sid), ()) if not x.done]
+        key = Paths.session(run, name, sid) + "/"
+        sinks = [x for x in list(self._receiving) if not x.done and x._key.startswith(key)]
         return len(sinks), sum(x.size for x in sinks)
 
     # -- placed: the object is already stored ---------------------------------------------
-    def place(self, run: str, name: str, sid: str, file: str, entry: FileEntry) -> UploadResult:
-        """Take ``entry`` as the record of the object already stored at ``file``'s key (the caller
-        checked its size): recorded once, the session marked active."""
+    def place(self, run: str, name: str, sid: str, file: str, body: ConfirmUpload | LinkFile,
+              holder: Holder | None = None) -> UploadResult:
+        """Take the object already stored at ``file``'s key, or linked there, as the session's ``file``:
+        ``body`` confirms a presigned upload (:meth:`_confirmed`) or links a file of an earlier checkpoint
+        (:meth:`_linked`, charged to ``holder``); its digest record is created once, the session marked
+        active."""
+        writable(self.storage, self.visibility, run, name, sid, file)
+        entry = (self._linked(run, name, sid, file, body, holder) if isinstance(body, LinkFile)
+                 else self._confirmed(run, name, sid, file, body))
         record_file(self.storage, Paths.digest(run, name, sid, file), file, entry)
         self.activity.touch(run, name, sid)
         return UploadResult(file=file, size=entry.size, xxh3=entry.xxh3)
@@ -223,9 +224,11 @@ class Intake:
         they allow can replace it once it exists. The declared size is charged to ``holder`` first
         (an object store: its quota, no reserve). Refused (``InvalidRequest``, which the client answers
         by sending the bytes here) where the store takes no presigned uploads."""
+        writable(self.storage, self.visibility, run, name, sid, file)
+        none = InvalidRequest(f"file {file!r}: this store ({self.storage.url}) takes no presigned uploads; "
+                              f"upload the file", file=file)
         if not self.storage.presigns:
-            raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) takes no presigned uploads; "
-                                 f"upload the file", file=file)
+            raise none
         key = Paths.file(run, name, sid, file)
         self.space.charge(holder, run, file, body.size, on_root=False)
         if self.storage.exists(key) or not self.storage.create_if_absent(
@@ -234,14 +237,13 @@ class Intake:
                            f"once (send it through the service, or save again with a new session)", file=file)
         signed = self.storage.presign_put(key, body.size, body.part_size, body.sha256, seconds)
         if signed is None:
-            raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) takes no presigned uploads; "
-                                 f"upload the file", file=file)
+            raise none
         self.activity.touch(run, name, sid)
         return PresignedUpload(upload_id=signed.upload_id, urls=signed.urls, headers=signed.headers,
                                expires_in=seconds, block_size=self.block_size)
 
-    def confirm(self, run: str, name: str, sid: str, file: str, body: ConfirmUpload) -> UploadResult:
-        """Place the object a client PUT with presigned URLs as ``file`` (completing the multipart
+    def _confirmed(self, run: str, name: str, sid: str, file: str, body: ConfirmUpload) -> FileEntry:
+        """The record of the object a client PUT with presigned URLs as ``file`` (completing the multipart
         upload of its parts first, without replacing an object): the presign's claim must say the same
         size and SHA-256s, and the store's object must have that size (and the SHA-256 the store kept
         for a one-part upload, where it keeps one). ``body``'s digest record becomes the file's."""
@@ -272,24 +274,18 @@ class Intake:
             what = f"{size} bytes" if size != body.size else f"SHA-256 {kept}"
             raise InvalidRequest(f"file {file!r}: the store holds {what}, the client declared {body.size} bytes "
                                  f"with SHA-256 {body.sha256[0]}", file=file)
-        return self.place(run, name, sid, file,
-                          FileEntry(size=body.size, xxh3=body.xxh3, block_size=body.block_size, blocks=body.blocks))
+        return FileEntry(size=body.size, xxh3=body.xxh3, block_size=body.block_size, blocks=body.blocks)
 
-    def link(self, run: str, name: str, sid: str, file: str, body: LinkFile,
-             holder: Holder | None = None) -> UploadResult:
-        """Place ``body.file`` of the visible checkpoint ``run/body.checkpoint`` as ``file`` (checked by
-        :func:`check_link`), without its bytes passing through here: the storage links it (a hard
-        link, or a copy inside the store), creating the session's key once, and the source manifest's
-        record of it (size, digests) becomes the session's, marked ``linked``. Refused
-        (``InvalidRequest``, which the saver answers by sending the bytes) when the source is not a
-        visible checkpoint of the run holding that file, or the store cannot link. Only the object its
-        checkpoint's record vouches for is linked (``Storage.link`` with its stamp), and the link's
-        stamp is recorded (:data:`~.records.LINKED`): the commit confirms the file by it while its rows
-        are the source's (``Committer._linked``), else reads it. A source
-        file whose storage stamp moved since its checkpoint's last recorded verification (an edit, or
-        a file never verified here) is not linked at all: the saver sends the bytes, so a damaged
-        earlier file costs one file's upload, never a refused save. The file's size is charged to
-        ``holder`` (its quota: the checkpoint holds the bytes; no reserve: a local link takes no space)."""
+    def _linked(self, run: str, name: str, sid: str, file: str, body: LinkFile, holder: Holder | None) -> FileEntry:
+        """The record of ``body.file`` of the visible checkpoint ``run/body.checkpoint`` linked as ``file``
+        (:func:`check_link`; a hard link, or a copy inside the store, creating the key once): the source
+        manifest's record, marked ``linked``. Only the object its checkpoint's record vouches for is
+        linked (``Storage.link`` with its stamp), and the link's stamp recorded
+        (:data:`~.records.LINKED`) for the commit to confirm. Refused (``InvalidRequest``: the saver sends
+        the bytes, so a damaged earlier file costs one upload, never a refused save) when the source is
+        not visible, holds no such file, moved since its last verification or cannot be linked. The
+        file's size is charged to ``holder`` (its quota; no reserve: a local link takes no space)."""
+        check_link(name, file, body)
         source = self.visibility.check(run, body.checkpoint)
         entry = self.visibility.manifest(source).files.get(body.file) if source is not None else None
         if source is None or entry is None:
@@ -309,5 +305,5 @@ class Intake:
         if self.storage.size(key) != entry.size:
             raise InvalidRequest(f"file {file!r}: the stored {run}/{body.checkpoint}/{body.file} is not the "
                                  f"{entry.size} bytes its manifest records; send the bytes", file=file)
-        return self.place(run, name, sid, file, FileEntry(size=entry.size, xxh3=entry.xxh3, block_size=entry.block_size,
-                                                          blocks=entry.blocks, linked=f"{body.checkpoint}/{body.file}"))
+        return FileEntry(size=entry.size, xxh3=entry.xxh3, block_size=entry.block_size, blocks=entry.blocks,
+                         linked=f"{body.checkpoint}/{body.file}")

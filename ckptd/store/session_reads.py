@@ -1,27 +1,59 @@
 """What the write side reads of one upload session and of the ref it would commit; reads only.
 
-The session store (:mod:`.sessions`), the commit (:mod:`.commit`) and the sweep (:mod:`.sweep`)
-ask these the same questions: the session's record (:func:`read_meta`), which session's marker
-took the ref (:func:`committed_by`, through :class:`~.visibility.Visibility`, the one reader of
-markers), why a taken ref refuses a write (:func:`taken_error`), and which ranks' indexes are stored
+The session store (:mod:`.sessions`), the intake (:mod:`.intake`), the commit (:mod:`.commit`) and
+the sweep (:mod:`.sweep`) ask these the same questions: the session's record (:func:`read_meta`,
+:func:`session_meta`), which session's marker took the ref (:func:`committed_by`, through
+:class:`~.visibility.Visibility`, the one reader of markers), why a taken ref refuses a write
+(:func:`taken_error`), whether the session takes writes (:func:`writable`, the one write gate: every
+file, index and keep-alive asks it before anything is stored) and which ranks' indexes are stored
 (:func:`ranks_done`).
 """
 
 from __future__ import annotations
 
-from ckptd_schemas import AlreadyCommitted, Conflict
+from ckptd_schemas import (
+    AlreadyCommitted, Conflict, SessionConflict, SessionNotFound, check_file, check_name, check_run, check_session,
+)
 
 from ..storage import Storage
 from .paths import Marker, Paths, SessionMeta
 from .visibility import BadMarker, Visibility
 
-__all__ = ["committed_by", "ranks_done", "read_meta", "taken_error"]
+__all__ = ["committed_by", "ranks_done", "read_meta", "session_meta", "taken_error", "writable"]
 
 
 def read_meta(storage: Storage, run: str, name: str, sid: str) -> SessionMeta | None:
     """Session ``sid``'s record, or None where it has none (aborted, reclaimed or never opened)."""
     data = storage.read_json_or_none(Paths.session_meta(run, name, sid))
     return SessionMeta.model_validate(data) if data is not None else None
+
+
+def session_meta(storage: Storage, run: str, name: str, sid: str) -> SessionMeta:
+    """Session ``sid``'s record; :class:`SessionNotFound` where it has none."""
+    meta = read_meta(storage, run, name, sid)
+    if meta is None:
+        raise SessionNotFound(f"no upload session {sid!r} for {run}/{name} (aborted, reclaimed or never opened)",
+                              ref=f"{run}/{name}", session=sid)
+    return meta
+
+
+def writable(storage: Storage, visibility: Visibility, run: str, name: str, sid: str,
+             file: str | None = None) -> SessionMeta:
+    """The one write gate: the names are valid, session ``sid`` is open, no marker took the ref and
+    the commit did not refuse it; its record, else the typed refusal (nothing is written)."""
+    check_run(run), check_name(name), check_session(sid)
+    if file is not None:
+        check_file(file)
+    meta = session_meta(storage, run, name, sid)
+    m = visibility.marker(run, name)
+    if m is not None:
+        raise taken_error(run, name, m)
+    failed = storage.read_json_or_none(Paths.failed(run, name, sid))
+    if failed is not None:
+        raise SessionConflict(
+            f"session {sid} of {run}/{name} was refused at commit ({failed['error']['message']}); "
+            f"save again with a new session", ref=f"{run}/{name}", session=sid)
+    return meta
 
 
 def committed_by(visibility: Visibility, run: str, name: str, sid: str,

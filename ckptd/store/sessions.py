@@ -1,35 +1,24 @@
-"""Write side of the store: upload sessions (docs/design.md §2), one facade over modules with one job each.
+"""Write side of the store: upload sessions (docs/design.md §2), over modules with one job each.
 
 Call order for one save attempt (each step idempotent, any replica may serve it):
 
 1. :meth:`SessionStore.open` - every rank, same session id: open-or-join (a new session asks the root's
    space first, :mod:`.space`; joining one does not).
-2. Data files, through the one ingest seam (:mod:`.intake`), each ending as a write-once object of
-   the session whose digest record is created once (:func:`~.intake.record_file`): received
-   (:meth:`SessionStore.begin_file` -> :class:`~.intake.FileSink`: the bytes stream through here,
-   hashed as they are written), or placed, the object already stored: presigned
-   (:meth:`SessionStore.presign_file` then :meth:`SessionStore.confirm_file`: a rank PUTs the file
-   straight into an object store) or linked (:meth:`SessionStore.link_file`: incremental saves, a
-   file of an earlier visible checkpoint of the run). Each way asks the root's space first
-   (:mod:`.space`: the writer's quota, the root's reserve). Whichever way a file came, the commit reads
-   and checks every byte of it (:mod:`.checker`) after the last write anyone could make.
+2. Data files, through the one ingest seam, ``SessionStore.intake`` (:mod:`.intake`): received,
+   presigned and confirmed, or linked; each way passes the one write gate
+   (:func:`~.session_reads.writable`) and asks the root's space before it stores.
 3. :meth:`SessionStore.put_index` - per rank, after its files: stores the rank's chunk index; the
-   call that completes the set commits.
-4. :meth:`SessionStore.commit` (:mod:`.commit`) - merge + validate -> manifest (durable) ->
-   ``COMMITTED`` created once, then the commit's check recorded as the checkpoint's first
-   verification. Re-entrant: a crash anywhere before the marker leaves the session invisible, and
-   the rank's retried ``put_index`` or the sweep (:meth:`SessionStore.reclaim_stale`, :mod:`.sweep`)
-   finishes the job.
+   call that completes the set commits (``SessionStore.committer``, :mod:`.commit`): merge, check
+   every byte, manifest, ``COMMITTED`` created once. Re-entrant: a crash anywhere before the marker
+   leaves the session invisible, and the rank's retried ``put_index`` or the sweep
+   (``SessionStore.sweeper``, :mod:`.sweep`, which also aborts) finishes the job.
 
 What happened is told through one channel, the store's observers (:mod:`.events`, added at
-construction or with :meth:`SessionStore.observe`): sessions opened, every commit that created a
-marker here whichever path committed (the service's metrics, verify-after-commit, retention,
-drills and durable copy hear it), refusals and what a sweep reclaimed. A failing observer is
+construction or later to ``SessionStore.observers``): sessions opened, every commit that created a
+marker here whichever path committed, refusals and what a sweep reclaimed. A failing observer is
 logged, never raised into the save, and never undoes a commit.
 
-:meth:`SessionStore.status` only reads: a status poll or a metrics scrape never commits. Whether a
-ref is committed, and by which session, is asked of :class:`~.visibility.Visibility`, the one
-reader of markers (:mod:`.session_reads`).
+:meth:`SessionStore.status` only reads: a status poll or a metrics scrape never commits.
 """
 
 from __future__ import annotations
@@ -38,26 +27,24 @@ from datetime import datetime, timezone
 from typing import Sequence
 
 from ckptd_schemas import (
-    AlreadyCommitted, ConfirmUpload, InvalidIndex, InvalidRequest, LinkFile, OpenSession,
-    PresignedUpload, PresignUpload, RankIndex, SessionConflict, SessionInfo, SessionNotFound, SessionStatus,
-    UploadResult, check_file, check_name, check_new_name, check_run, check_session, parse_ref,
+    AlreadyCommitted, InvalidIndex, InvalidRequest, OpenSession, RankIndex, SessionConflict, SessionInfo,
+    SessionStatus, check_file, check_name, check_new_name, check_run, check_session, parse_ref,
 )
-from ckptd_schemas.arrival import Declared
 from ckptd_schemas.filedigest import BLOCK_SIZE
 
 from ..storage import Storage
-from .activity import DEAD_SESSION_AFTER, KEEPALIVE_PER_WINDOW, Reclaim, SessionActivity
+from .activity import DEAD_SESSION_AFTER, KEEPALIVE_PER_WINDOW, SessionActivity
 from .commit import Committer
 from .events import Observers, SessionEvents
 from .index_cache import IndexCache
-from .intake import FileSink, Intake, check_link, recorded_file
-from .paths import Marker, Paths, SessionMeta
-from .session_reads import committed_by, ranks_done, read_meta, taken_error
-from .space import Holder, Space
+from .intake import Intake, recorded_file
+from .paths import Paths, SessionMeta
+from .session_reads import committed_by, ranks_done, read_meta, session_meta, taken_error, writable
+from .space import OPEN_BYTES, Holder, Space, on_disk
 from .sweep import Sweeper
-from .visibility import BadMarker, Visibility
+from .visibility import Visibility
 
-__all__ = ["FileSink", "SessionStore"]
+__all__ = ["SessionStore"]
 
 
 class SessionStore:
@@ -69,7 +56,6 @@ class SessionStore:
         self.storage = storage
         self.dead_after = dead_after  # seconds without a live writer before the sweep reclaims a session
         self.activity = SessionActivity(self.storage, every=dead_after / KEEPALIVE_PER_WINDOW / 2)
-        self.block_size = block_size
         self.visibility = visibility or Visibility(self.storage)
         self.observers = Observers(observers)
         self._indexes = IndexCache()
@@ -79,53 +65,23 @@ class SessionStore:
         self.sweeper = Sweeper(self.storage, self.visibility, self.activity, self.committer, self.observers,
                                dead_after)
 
-    def observe(self, observer: SessionEvents) -> None:
-        """Add ``observer`` to the store's one channel: it hears what happens from now on, after
-        the observers added before it."""
-        self.observers.add(observer)
-
-    # -- helpers ---------------------------------------------------------------
-    def _taken(self, run: str, name: str) -> Marker | BadMarker | None:
-        """The ref's marker as the write side sees it: any marker, parsed or not, takes the ref."""
-        return self.visibility.marker(run, name)
-
-    def _meta(self, run: str, name: str, sid: str) -> SessionMeta:
-        meta = read_meta(self.storage, run, name, sid)
-        if meta is None:
-            raise SessionNotFound(f"no upload session {sid!r} for {run}/{name} (aborted, reclaimed or never opened)",
-                                  ref=f"{run}/{name}", session=sid)
-        return meta
-
-    def _check_writable(self, run: str, name: str, sid: str) -> SessionMeta:
-        meta = self._meta(run, name, sid)
-        m = self._taken(run, name)
-        if m is not None:
-            raise taken_error(run, name, m)
-        failed = self.storage.read_json_or_none(Paths.failed(run, name, sid))
-        if failed is not None:
-            raise SessionConflict(
-                f"session {sid} of {run}/{name} was refused at commit ({failed['error']['message']}); "
-                f"save again with a new session", ref=f"{run}/{name}", session=sid)
-        return meta
-
     def keep_alive(self, run: str, name: str, sid: str) -> None:
         """A rank that joined the session says it is alive (between its writes, while one long write
         streams, while it waits for the others): the sweep keeps the session while a rank is
         (:mod:`.activity`). Every writer request that succeeds counts too; a refused one writes
         nothing, not even this record."""
-        check_run(run), check_name(name), check_session(sid)
         if self.activity.fresh(run, name, sid):
             return  # recorded moments ago by this process: a thousand ranks' keep-alives cost no request to the store
-        self._check_writable(run, name, sid)
+        writable(self.storage, self.visibility, run, name, sid)
         self.activity.touch(run, name, sid)
 
     # -- 1. open ---------------------------------------------------------------
     def open(self, run: str, name: str, req: OpenSession, holder: Holder | None = None) -> SessionInfo:
         """Open session ``req.session`` of ``run/name``, or join it. A new session is charged to ``holder``
-        and refused at the root's reserve first (:meth:`.space.Space.charge_open`); joining one is not,
+        and refused at the root's reserve first (:data:`.space.OPEN_BYTES`); joining one is not,
         so a save already open always commits."""
         check_run(run), check_new_name(name), check_session(req.session)
-        m = self._taken(run, name)
+        m = self.visibility.marker(run, name)  # any marker, parsed or not, takes the ref
         if m is not None:
             raise taken_error(run, name, m)
         if req.derived_from is not None:
@@ -134,12 +90,12 @@ class SessionStore:
         meta = read_meta(self.storage, run, name, req.session)
         if meta is None:
             self._check_parent(run, req.parent)
-            self.intake.space.charge_open(holder, run, name, req.session)
+            self.intake.space.charge(holder, run, f"{name}/sessions/{req.session}", OPEN_BYTES, on_root=True)
             meta = SessionMeta(session=req.session, world_size=req.world_size, step=req.step,
                                created_at=datetime.now(timezone.utc), derived_from=req.derived_from,
                                parent=req.parent)
             if not self.storage.create_if_absent(key, meta.model_dump_json().encode()):
-                meta = self._meta(run, name, req.session)
+                meta = session_meta(self.storage, run, name, req.session)
         if (meta.world_size, meta.step, meta.derived_from, meta.parent) != \
                 (req.world_size, req.step, req.derived_from, req.parent):
             raise SessionConflict(
@@ -166,55 +122,14 @@ class SessionStore:
         if self.visibility.check(ref.run, ref.name) is None:
             raise InvalidRequest(f"parent {parent!r} is not a visible checkpoint", field="parent", ref=parent)
 
-    # -- 2. data files: the ingest seam (.intake) ---------------------------------------
-    def begin_file(self, run: str, name: str, sid: str, file: str, holder: Holder | None = None,
-                   declared: Sequence[Declared] | None = None) -> FileSink:
-        """Receive ``file``'s bytes for ``holder`` (:meth:`.intake.Intake.receive`; the writer's token:
-        its quota, :mod:`.space`), checked as they arrive against ``declared`` when the writer sent it."""
-        check_run(run), check_name(name), check_session(sid), check_file(file)
-        self._check_writable(run, name, sid)
-        return self.intake.receive(run, name, sid, file, holder, declared)
-
-    def receiving(self, run: str, name: str, sid: str) -> tuple[int, int]:
-        """The files of session ``sid`` this process is receiving now, and their bytes so far (the web
-        view: a writer streaming a large file is active although its last recorded activity is older)."""
-        return self.intake.receiving(run, name, sid)
-
-    def presign_file(self, run: str, name: str, sid: str, file: str, body: PresignUpload,
-                     seconds: float, holder: Holder | None = None) -> PresignedUpload:
-        """Presigned URLs to PUT ``file`` straight into the object store (:meth:`.intake.Intake.presign`)."""
-        check_run(run), check_name(name), check_session(sid), check_file(file)
-        self._check_writable(run, name, sid)
-        return self.intake.presign(run, name, sid, file, body, seconds, holder)
-
-    def confirm_file(self, run: str, name: str, sid: str, file: str, body: ConfirmUpload) -> UploadResult:
-        """Place the object PUT with presigned URLs as ``file`` (:meth:`.intake.Intake.confirm`)."""
-        check_run(run), check_name(name), check_session(sid), check_file(file)
-        self._check_writable(run, name, sid)
-        return self.intake.confirm(run, name, sid, file, body)
-
-    def link_file(self, run: str, name: str, sid: str, file: str, body: LinkFile,
-                  holder: Holder | None = None) -> UploadResult:
-        """Place a file of an earlier visible checkpoint of the run as ``file`` (:meth:`.intake.Intake.link`)."""
-        check_run(run), check_name(name), check_session(sid), check_file(file)
-        check_link(name, file, body)
-        self._check_writable(run, name, sid)
-        return self.intake.link(run, name, sid, file, body, holder)
-
     # -- 3. rank index -----------------------------------------------------------------
     def put_index(self, run: str, name: str, sid: str, index: RankIndex, holder: Holder | None = None) -> SessionStatus:
         """Store rank ``index.rank``'s index, checked against the session's files, charged to ``holder``'s
         quota (not to the root's reserve: the commit of a save in progress writes into it); commit when
         it completes the set."""
-        check_run(run), check_name(name), check_session(sid)
-        answer = self._committed_with(run, name, sid, index)
-        if answer is not None:
-            return answer
         try:
-            meta = self._check_writable(run, name, sid)
-        except AlreadyCommitted:
-            # Committed since the check above, by another request of this session that brought the last
-            # index (ranks retrying at a restarted server or another replica race like this).
+            meta = writable(self.storage, self.visibility, run, name, sid)
+        except AlreadyCommitted:  # answered as before when this index is part of the commit
             answer = self._committed_with(run, name, sid, index)
             if answer is None:
                 raise
@@ -248,18 +163,18 @@ class SessionStore:
                     f"rank {index.rank}: {what} bytes [{offset}, {offset + length}) exceed file "
                     f"{file!r} of {sizes[file]} bytes", rank=index.rank, file=file)
         key, raw = Paths.rank_index(run, name, sid, index.rank), index.model_dump_json().encode()
-        self.intake.space.charge_record(holder, run, key[len(Paths.session(run, name, sid)) + 1:], len(raw))
+        self.intake.space.charge(holder, run, key[len(Paths.session(run, name, sid)) + 1:], on_disk(len(raw)),
+                                 on_root=False)  # its blocks; the reserve takes a save's records, so it commits
         self.storage.put(key, raw)
         self._indexes.put(key, raw, index)
         self.activity.touch(run, name, sid)  # a writer: ranks' indexes may arrive for minutes after the last file
         return self.committer.if_complete(run, name, sid, meta, index.rank)
 
     def _committed_with(self, run: str, name: str, sid: str, index: RankIndex) -> SessionStatus | None:
-        """The committed status, when session ``sid`` is committed with exactly ``index`` for its rank.
-
-        That is a retry of an index already part of the commit (its answer was lost, e.g. the server
-        died right after creating the marker), or one that raced the commit: answer as before.
-        """
+        """The committed status, when session ``sid`` is committed with exactly ``index`` for its rank: a
+        retry of an index already part of the commit (its answer was lost, e.g. the server died right
+        after creating the marker), or one that raced the commit (ranks retrying at a restarted server
+        or another replica); else None."""
         if committed_by(self.visibility, run, name, sid) is None:
             return None
         stored = self.storage.read_json_or_none(Paths.rank_index(run, name, sid, index.rank))
@@ -267,26 +182,23 @@ class SessionStore:
             return None
         return self.status(run, name, sid)
 
-    # -- status / commit ---------------------------------------------------------------
-    def ranks_done(self, run: str, name: str, sid: str) -> list[int]:
-        return ranks_done(self.storage, run, name, sid)
-
+    # -- status ------------------------------------------------------------------------
     def status(self, run: str, name: str, sid: str, *, list_ranks: bool = True) -> SessionStatus:
         """Where the session stands. Only reads: a complete session that is not committed yet (its
         last index arrived at a process that died before the marker) is finished by the rank's
-        retried index or by :meth:`reclaim_stale`, never by asking. Without ``list_ranks`` an open or
+        retried index or by the sweep (``sweeper``), never by asking. Without ``list_ranks`` an open or
         failed session's ``ranks_done`` is left empty: a few reads whatever the world size (what a
         waiting rank needs), where listing the ranks is O(world size)."""
         check_run(run), check_name(name), check_session(sid)
-        taken = self._taken(run, name)  # read once: a commit finishing meanwhile is seen on the next poll
+        taken = self.visibility.marker(run, name)  # read once: a commit finishing meanwhile is seen on the next poll
         m = committed_by(self.visibility, run, name, sid, taken) if taken is not None else None
         if m is not None:
             meta = read_meta(self.storage, run, name, sid)
             return SessionStatus(run=run, name=name, session=sid, state="committed",
                                  world_size=meta.world_size if meta else 0, ranks_done=[],
                                  manifest_xxh3=m.manifest_xxh3)
-        meta = self._meta(run, name, sid)
-        done = self.ranks_done(run, name, sid) if list_ranks else []
+        meta = session_meta(self.storage, run, name, sid)
+        done = ranks_done(self.storage, run, name, sid) if list_ranks else []
         base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=done)
         if taken is not None:
             return SessionStatus(state="failed", error=taken_error(run, name, taken).to_body()["error"], **base)
@@ -294,21 +206,3 @@ class SessionStore:
         if failed is not None:
             return SessionStatus(state="failed", error=failed["error"], **base)
         return SessionStatus(state="open", **base)
-
-    def commit(self, run: str, name: str, sid: str, meta: SessionMeta | None = None) -> str:
-        """Merge, validate, write the manifest, create the marker; return the manifest digest
-        (:meth:`.commit.Committer.commit`: when this call created the marker, the observers hear it)."""
-        return self.committer.commit(run, name, sid, meta or self._meta(run, name, sid))
-
-    # -- abort / sweep (.sweep) --------------------------------------------------------
-    def abort(self, run: str, name: str, sid: str) -> None:
-        self.sweeper.abort(run, name, sid)
-
-    def reclaim_stale(self, ttl_seconds: float, *, now: float | None = None) -> list[str]:
-        """The sweep (:meth:`.sweep.Sweeper.reclaim_stale`): commit complete sessions left without
-        their marker, delete those whose time is up; return the reclaimed ``run/name/session``s."""
-        return self.sweeper.reclaim_stale(ttl_seconds, now=now)
-
-    def reclaim_of(self, run: str, name: str, sid: str, meta: SessionMeta, ttl_seconds: float) -> Reclaim:
-        """When the sweep reclaims this uncommitted session, and why (the web view shows it)."""
-        return self.sweeper.reclaim_of(run, name, sid, meta, ttl_seconds)

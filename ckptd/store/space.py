@@ -37,8 +37,9 @@ have arrived still commits, into the reserve: at most one index per rank of its 
 fill, and no reserve.
 
 Call order: the service builds one :class:`Space` (``CKPTD_ROOT_RESERVE``) and gives it to the
-session store; the intake calls :meth:`Space.charge`, ``SessionStore.open`` :meth:`Space.charge_open`
-and ``SessionStore.put_index`` :meth:`Space.charge_record`, with the request's holder, before they store.
+session store; the intake, ``SessionStore.open`` (:data:`OPEN_BYTES`, on the root) and
+``SessionStore.put_index`` (the index's blocks, :func:`on_disk`, not on the root) call
+:meth:`Space.charge` with the request's holder before they store.
 """
 
 from __future__ import annotations
@@ -138,16 +139,6 @@ class Space:
             self._check_reserve(file, nbytes)
         if holder is not None and holder.quota is not None:
             self._charge_quota(holder, holder.quota, run, file, nbytes)
-
-    def charge_record(self, holder: Holder | None, run: str, file: str, nbytes: int) -> None:
-        """Before a record of ``nbytes`` a save writes for ``holder`` (a rank index) is stored: its blocks
-        (:func:`on_disk`), to the quota only; the reserve takes a session's records, so it commits."""
-        self.charge(holder, run, file, on_disk(nbytes), on_root=False)
-
-    def charge_open(self, holder: Holder | None, run: str, name: str, sid: str) -> None:
-        """Before a new session ``sid`` of ``run/name`` is created for ``holder``: its :data:`OPEN_BYTES`,
-        asked of the reserve and the quota alike (a rank joining a session already open asks nothing)."""
-        self.charge(holder, run, f"{name}/sessions/{sid}", OPEN_BYTES, on_root=True)
 
     def _check_reserve(self, file: str, nbytes: int) -> None:
         if not (self.reserve_bytes or self.reserve_fraction):

@@ -538,14 +538,14 @@ def test_stale_staging_reclaimed_after_ttl_never_the_committed(fresh_srv, tmp_pa
         assert sessions_of(root, "1") == sorted(["abandoned1", committed])
 
         store = SessionStore(LocalStorage(root), dead_after=86400)  # the TTL alone (test_dead_sessions: idle)
-        assert store.reclaim_stale(3600) == []                       # younger than the TTL: kept
-        assert store.reclaim_stale(3600, now=time.time() + 1800) == []
-        removed = store.reclaim_stale(3600, now=time.time() + 7200)   # two hours later
+        assert store.sweeper.reclaim_stale(3600) == []                       # younger than the TTL: kept
+        assert store.sweeper.reclaim_stale(3600, now=time.time() + 1800) == []
+        removed = store.sweeper.reclaim_stale(3600, now=time.time() + 7200)   # two hours later
         assert sorted(removed) == [f"{RUN}/1/abandoned1", f"{RUN}/2/abandoned2"]
         assert sessions_of(root, "1") == [committed]
         assert sessions_of(root, "2") == []
         # Even a zero TTL never touches the committed session.
-        assert store.reclaim_stale(0) == []
+        assert store.sweeper.reclaim_stale(0) == []
         assert sessions_of(root, "1") == [committed]
         r = httpx.get(f"{srv.url}/v1/checkpoints/{RUN}/2/sessions/abandoned2")
         assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
@@ -613,7 +613,7 @@ def test_a_session_folder_without_its_record_is_removed_only_on_the_second_sweep
     storage = LocalStorage(tmp_path)
     storage.put("runs/r/1/sessions/abc/files/x.bin", b"partial")
     store = SessionStore(storage)
-    assert store.reclaim_stale(0) == []
+    assert store.sweeper.reclaim_stale(0) == []
     assert storage.exists("runs/r/1/sessions/abc/files/x.bin")
-    assert store.reclaim_stale(0) == ["r/1/abc"]
+    assert store.sweeper.reclaim_stale(0) == ["r/1/abc"]
     assert storage.list("runs/r/1/sessions") == []

@@ -578,7 +578,7 @@ def test_disk_full_mid_write_typed_error_staging_dropped_previous_loads(small_fs
         st = httpx.get(f"{server.url}/v1/checkpoints/{RUN}/2/sessions/{handle.session}", timeout=10)
         assert st.status_code == 404, st.text
         assert sessions_of(root, "2") == []
-        assert SessionStore(LocalStorage(root)).reclaim_stale(0) == []
+        assert SessionStore(LocalStorage(root)).sweeper.reclaim_stale(0) == []
         assert shutil.disk_usage(root).free >= free_before - 16 * KIB  # (empty directories remain)
         sd3 = make_state(3, mib=0.25)
         assert client.save(sd3, f"{RUN}/3").wait(timeout=60).state == "committed"
@@ -835,7 +835,7 @@ def test_the_fault_server_finds_each_protocol_step_in_the_storage_calls(tmp_path
     store = SessionStore(FaultStorage(LocalStorage(tmp_path / "root", durable=False), faults))
     sid = uuid.uuid4().hex
     store.open("r", "1", OpenSession(session=sid, world_size=1, step=1))
-    sink = store.begin_file("r", "1", sid, "f.bin")
+    sink = store.intake.receive("r", "1", sid, "f.bin")
     sink.write_parts([b"x" * 1000, b"y" * 1000])
     sink.finish(xxh3_64_hexdigest(b"x" * 1000 + b"y" * 1000))
     assert store.put_index("r", "1", sid, RankIndex(rank=0, world_size=1, files=["f.bin"])).state == "committed"

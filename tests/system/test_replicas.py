@@ -221,7 +221,7 @@ def test_two_session_stores_racing_on_the_last_indexes_commit_once(tmp_path):
         indexes = []
         for r in range(world):
             data, ix = _hand_index(r, world, full)
-            sink = stores[r % 2].begin_file(RUN, name, sid, f"r{r}.bin")
+            sink = stores[r % 2].intake.receive(RUN, name, sid, f"r{r}.bin")
             sink.write(data)
             sink.finish(xxhash.xxh3_64_hexdigest(data))
             indexes.append(ix)
@@ -261,24 +261,27 @@ def test_two_session_stores_racing_on_the_last_indexes_commit_once(tmp_path):
 
 
 class _CommitInBetween(SessionStore):
-    """A store where, once, another request's index commits the session right after this request's
-    first look at the marker: the moment a rank's retried index loses the race to the commit."""
+    """A store where, once, another request's index commits the session right before this request's
+    look at the marker (the write gate's): the moment a rank's retried index loses the race to the commit."""
 
     def __init__(self, storage: LocalStorage) -> None:
         super().__init__(storage)
         self.other: RankIndex | None = None  # armed by the test
+        marker = self.visibility.marker
 
-    def _check_writable(self, run: str, name: str, sid: str):
-        if self.other is not None:
-            other, self.other = self.other, None
-            assert self.put_index(run, name, sid, other).state == "committed"
-        return super()._check_writable(run, name, sid)
+        def look(run: str, name: str):
+            if self.other is not None:
+                other, self.other = self.other, None
+                assert self.put_index(run, name, "s", other).state == "committed"
+            return marker(run, name)
+
+        self.visibility.marker = look  # type: ignore[method-assign]
 
 
 def test_an_index_retry_that_loses_the_race_to_the_commit_is_answered_not_refused(tmp_path):
     """Both indexes were stored before the replica died between them and the marker; the ranks retry
-    at the other replica at once. Rank 1's retry commits while rank 0's is past its first look at the
-    marker: rank 0 gets the committed status, not a 409 (the race
+    at the other replica at once. Rank 1's retry commits right before rank 0's looks at the marker
+    (the write gate's look): rank 0 gets the committed status, not a 409 (the race
     ``test_replica_dying_at_a_crash_point_the_other_finishes[commit-before-marker]`` can meet). An index
     that differs from the committed one is still refused, and the marker stays as it was."""
     full = torch.randn(9, 4, generator=torch.Generator().manual_seed(3))
@@ -286,7 +289,7 @@ def test_an_index_retry_that_loses_the_race_to_the_commit_is_answered_not_refuse
     store = _CommitInBetween(LocalStorage(tmp_path, durable=False))
     store.open(RUN, "5", OpenSession(session="s", world_size=2, step=5))
     for r, data in enumerate((d0, d1)):
-        sink = store.begin_file(RUN, "5", "s", f"r{r}.bin")
+        sink = store.intake.receive(RUN, "5", "s", f"r{r}.bin")
         sink.write(data)
         sink.finish(xxhash.xxh3_64_hexdigest(data))
     for r, ix in enumerate((ix0, ix1)):  # as the dead replica stored them

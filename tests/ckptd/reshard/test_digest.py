@@ -272,11 +272,11 @@ def test_a_unit_hashes_each_small_source_chunk_once_however_often_its_block_is_f
     ex.open_target(sessions, plan, "small/dp2", sid)
     pieces = ex.source_pieces(reader, plan)
     for unit in plan.units:
-        res = ex.run_unit(reader, plan, unit, lambda f: sessions.begin_file("small", "dp2", sid, f),
+        res = ex.run_unit(reader, plan, unit, lambda f: sessions.intake.receive("small", "dp2", sid, f),
                           engine=HostEngine(), pieces=pieces)
         src = [p for p in res.digests if p.side == "src"]
         assert len(src) <= len(tensors), (unit.index, len(src))
-    sessions.abort("small", "dp2", sid)
+    sessions.sweeper.abort("small", "dp2", sid)
     out = "small/dp2-run"
     ex.run_plan(reader, sessions, plan, out, uuid.uuid4().hex, engine=HostEngine())
     for name, t in tensors.items():

@@ -45,7 +45,7 @@ def _commit(root: Path) -> None:
     store.open(RUN, "big", OpenSession(session="s-big", world_size=WORLD, step=1))
     for r in range(WORLD):
         file, data, body = _rank(r, WORLD, TENSORS)
-        sink = store.begin_file(RUN, "big", "s-big", file)
+        sink = store.intake.receive(RUN, "big", "s-big", file)
         sink.write(data)
         sink.finish(None)
         st = store.put_index(RUN, "big", "s-big", RankIndex.model_validate_json(body))

@@ -41,10 +41,10 @@ class _Session:
 def test_two_hundred_waiters_cost_the_reads_of_one() -> None:
     session = _Session()
 
-    async def main() -> tuple[list[SessionStatus], float]:
+    async def main() -> tuple[list[bytes], float]:
         watches = SessionWatches(session.read, lambda st: st)
         t0 = time.monotonic()
-        waiters = [asyncio.create_task(watches.wait("r", "1", "s", seconds=scaled(30), durable=False))
+        waiters = [asyncio.create_task(watches.answer("r", "1", "s", seconds=scaled(30), durable=False))
                    for _ in range(200)]
         await asyncio.sleep(0.6)
         session.state = "committed"
@@ -53,7 +53,7 @@ def test_two_hundred_waiters_cost_the_reads_of_one() -> None:
         return out, time.monotonic() - t0
 
     answers, elapsed = asyncio.run(main())
-    assert all(a.state == "committed" for a in answers)
+    assert all(SessionStatus.model_validate_json(a).state == "committed" for a in answers)
     assert len({id(a) for a in answers}) == 1, "each waiter got an answer built for it"
     # one read per interval of the one watch (a slow machine reads less often, never more)
     assert session.reads <= elapsed / session_watch.OPEN_INTERVAL + 3, (session.reads, elapsed)
@@ -93,9 +93,9 @@ def test_an_index_that_settles_the_session_wakes_its_waiters_at_once(monkeypatch
     monkeypatch.setattr(session_watch, "OPEN_INTERVAL", 3600.0)  # no timed read: only the wake can tell them
     session = _Session()
 
-    async def main() -> list[SessionStatus]:
+    async def main() -> list[bytes]:
         watches = SessionWatches(session.read, lambda st: st)
-        waiters = [asyncio.create_task(watches.wait("r", "1", "s", seconds=scaled(20), durable=False))
+        waiters = [asyncio.create_task(watches.answer("r", "1", "s", seconds=scaled(20), durable=False))
                    for _ in range(5)]
         await asyncio.sleep(0.2)
         session.state = "committed"
@@ -105,7 +105,7 @@ def test_an_index_that_settles_the_session_wakes_its_waiters_at_once(monkeypatch
         watches.wake("s")
         return await asyncio.gather(*waiters)
 
-    assert [a.state for a in asyncio.run(main())] == ["committed"] * 5
+    assert [SessionStatus.model_validate_json(a).state for a in asyncio.run(main())] == ["committed"] * 5
     assert session.reads == 2
 
 
@@ -115,7 +115,7 @@ def test_a_session_that_is_gone_fails_every_waiter_with_its_error() -> None:
 
     async def main() -> list:
         watches = SessionWatches(session.read, lambda st: st)
-        return await asyncio.gather(*(watches.wait("r", "1", "s", seconds=scaled(10), durable=False)
+        return await asyncio.gather(*(watches.answer("r", "1", "s", seconds=scaled(10), durable=False)
                                       for _ in range(3)), return_exceptions=True)
 
     out = asyncio.run(main())
@@ -126,10 +126,10 @@ def test_a_session_that_is_gone_fails_every_waiter_with_its_error() -> None:
 def test_a_waiter_past_its_deadline_gets_the_open_status() -> None:
     session = _Session()
 
-    async def main() -> SessionStatus:
-        return await SessionWatches(session.read, lambda st: st).wait("r", "1", "s", seconds=0.3, durable=False)
+    async def main() -> bytes:
+        return await SessionWatches(session.read, lambda st: st).answer("r", "1", "s", seconds=0.3, durable=False)
 
-    assert asyncio.run(main()).state == "open"
+    assert SessionStatus.model_validate_json(asyncio.run(main())).state == "open"
 
 
 @pytest.mark.slow

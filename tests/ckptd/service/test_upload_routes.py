@@ -10,6 +10,9 @@
 * the status without ``wait`` lists the ranks whose index is stored; a long poll of an open session
   answers open after its wait, listing none; a wait over :data:`MAX_WAIT_SECONDS` is refused;
 * presigned uploads on a service that has them off are refused 400 naming the file;
+* the confirm and link paths end in one place way (``Intake.place``), each validating its own body:
+  a link's body sent to ``.../confirm``, a confirmation's to ``.../link`` or a link without its file
+  is 422 naming the field, nothing placed;
 * a rank's keep-alive is 204; an abort deletes the session (its status is then 404).
 """
 
@@ -19,6 +22,7 @@ import pytest
 import xxhash
 
 from ckptd.service.upload_routes import MAX_WAIT_SECONDS, upload_router
+from ckptd.store.intake import recorded_file
 from ckptd_schemas import (
     ChecksumMismatch, InvalidIndex, InvalidRequest, SessionInfo, SessionNotFound, SessionStatus, error_from_body,
 )
@@ -130,6 +134,19 @@ def test_presigned_uploads_are_refused_where_they_are_off(tmp_path):
     err = error_from_body(r.json(), r.status_code)
     assert r.status_code == 400 and type(err) is InvalidRequest and err.details == {"file": FILE}
     assert "direct uploads are off" in err.message
+
+
+def test_each_place_path_takes_its_own_body_only(app, svc):
+    _open(app)
+    link = {"checkpoint": "0", "file": FILE}
+    confirm = {"size": 10, "part_size": 5 << 20, "sha256": ["A" * 43 + "="], "xxh3": "0" * 16,
+               "block_size": 4096, "blocks": ["0" * 16]}
+    for path, body, field in (("confirm", link, "size"), ("link", confirm, "checkpoint"),
+                              ("link", {"checkpoint": "0"}, "file")):
+        r = call(app, "POST", f"{BASE}/s1/files/{FILE}/{path}", json=body)
+        assert r.status_code == 422 and r.json()["error"]["message"].startswith(f"invalid request at body.{field}:"), \
+            r.text
+    assert recorded_file(svc.storage, "up", "1", "s1", FILE) is None
 
 
 def test_keep_alive_and_abort(app, svc):

@@ -109,7 +109,7 @@ def test_streaming_multipart_upload_larger_than_a_block(moto_s3, s3):
 
 def test_default_block_size_upload_through_the_service_path(s3):
     """A shard larger than the default block (32 MiB) streams through the protocol's FileSink."""
-    from ckptd.store.sessions import FileSink
+    from ckptd.store.intake import FileSink
     from ckptd_schemas.filedigest import xxh3_hex
 
     data = os.urandom(DEFAULT_BLOCK_SIZE + 3 * MiB + 1)
@@ -178,7 +178,7 @@ def test_the_commit_aborts_the_unfinished_uploads_of_killed_writers_and_verify_w
     small = open_storage(s3.url, default_block_size=5 * MiB)
     store = SessionStore(small)
     store.open("r", "1", OpenSession(session="s1", world_size=2, step=1))
-    killed = store.begin_file("r", "1", "s1", file_of(1))  # never finished nor aborted: a killed writer
+    killed = store.intake.receive("r", "1", "s1", file_of(1))  # never finished nor aborted: a killed writer
     killed.write(os.urandom(6 * MiB))  # one part uploaded
     assert pending_uploads(small, "runs") == [f"runs/r/1/sessions/s1/files/{file_of(1)}"]
     assert not [k for k, _ in small.walk("runs") if k.endswith(file_of(1))]

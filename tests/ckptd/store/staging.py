@@ -51,7 +51,7 @@ def stage(store: SessionStore, run: str, name: str, sid: str, world: int = 1, ra
     """Open the session and upload the files of ``ranks`` (all by default)."""
     store.open(run, name, OpenSession(session=sid, world_size=world, step=step))
     for r in range(world) if ranks is None else ranks:
-        sink = store.begin_file(run, name, sid, file_of(r))
+        sink = store.intake.receive(run, name, sid, file_of(r))
         sink.write(data(r))
         sink.finish(xxhash.xxh3_64_hexdigest(data(r)))
 

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from ckptd.storage import LocalStorage
 from ckptd.store.checker import StorageFiles
 from ckptd.store.paths import Paths
+from ckptd.store.session_reads import read_meta
 from ckptd.store.sessions import SessionStore
 from ckptd.store.checker import verify_manifest
 from ckptd.store.events import SessionEvents
@@ -107,7 +108,7 @@ def _verdicts(tmp_path, uploaded: dict[str, bytes], indexes: list[dict],
     store = SessionStore(LocalStorage(tmp_path))
     store.open("run", "2", OpenSession(session="s", world_size=2, step=2))
     for f, data in uploaded.items():
-        sink = store.begin_file("run", "2", "s", f)
+        sink = store.intake.receive("run", "2", "s", f)
         sink.write(data)
         sink.finish(_h(data))
     for f, data in (stored or {}).items():
@@ -120,7 +121,7 @@ def _verdicts(tmp_path, uploaded: dict[str, bytes], indexes: list[dict],
         committed, why = False, e.message
     if not committed and not (tmp_path / Paths.rank_index("run", "2", "s", 1)).exists():
         return False, False, why  # refused before it was stored: nothing to verify
-    manifest = store.committer.merged("run", "2", "s", store._meta("run", "2", "s"))[0]  # both indexes are stored
+    manifest = store.committer.merged("run", "2", "s", read_meta(store.storage, "run", "2", "s"))[0]  # both indexes are stored
 
     class Source:  # as ``ckptd verify --root`` reads: a file of another size than recorded is damage
         def read(self, file: str, start: int, end: int) -> bytes:
@@ -231,10 +232,10 @@ def _arrival_verdict(tmp_path, uploaded: dict[str, bytes], indexes: list[dict],
     store = SessionStore(LocalStorage(tmp_path))
     store.open("run", "2", OpenSession(session="s", world_size=2, step=2))
     read: list[int] = []
-    store.observe(type("Seen", (SessionEvents,), {"committed": lambda self, ev, s: read.append(ev.bytes_read)})())
+    store.observers.add(type("Seen", (SessionEvents,), {"committed": lambda self, ev, s: read.append(ev.bytes_read)})())
     try:
         for f, data in uploaded.items():
-            sink = store.begin_file("run", "2", "s", f, declared=_declared(indexes, f))
+            sink = store.intake.receive("run", "2", "s", f, declared=_declared(indexes, f))
             sink.write(data)
             sink.finish(_h(data))
     except CkptdError as e:

@@ -25,6 +25,7 @@ from ckptd.storage.local import LocalStorage
 from ckptd.store.paths import Paths
 from ckptd.store.events import AfterCommit
 from ckptd.store.merge import merge_indexes
+from ckptd.store.session_reads import read_meta
 from ckptd.store.sessions import SessionStore
 from ckptd_schemas import (
     BoxChunk, FileEntry, FlatChunk, InvalidIndex, Location, Manifest, ObjectEntry, OpenSession, ParamGroup,
@@ -170,7 +171,7 @@ class CountingStorage(LocalStorage):
 def _upload(store: SessionStore, save: Save, name: str, sid: str = "s0000001") -> None:
     store.open("run", name, OpenSession(session=sid, world_size=len(save), step=1))
     for file, data, _ in save:
-        sink = store.begin_file("run", name, sid, file)
+        sink = store.intake.receive("run", name, sid, file)
         sink.write(data)
         sink.finish(None)
 
@@ -189,12 +190,12 @@ def test_streaming_commit_writes_the_merged_manifest_warm_and_cold(tmp_path):
     assert got.state == "committed" and got.ranks_done == list(range(6))
     for _, _, ix in save:  # stored by another replica: the commit parses every index
         cold.storage.put(Paths.rank_index("run", "b", "s0000001", ix.rank), ix.model_dump_json().encode())
-    digest_b = SessionStore(LocalStorage(tmp_path)).commit("run", "b", "s0000001")
+    digest_b = SessionStore(LocalStorage(tmp_path)).committer.commit("run", "b", "s0000001")
     for name, digest in (("a", got.manifest_xxh3), ("b", digest_b)):
         files = {f: FileEntry.model_validate(warm.storage.read_json_or_none(Paths.digest("run", name, "s0000001", f)))
                  for f, _, _ in save}
         want = merge_indexes(run="run", name=name, session="s0000001", step=1,
-                             created_at=warm._meta("run", name, "s0000001").created_at, world_size=6,
+                             created_at=read_meta(warm.storage, "run", name, "s0000001").created_at, world_size=6,
                              indexes=[ix for _, _, ix in save], files=files)
         assert _stored_manifest(warm, name, "s0000001", digest) == want.model_dump_json().encode()
 
@@ -251,7 +252,7 @@ def test_a_missing_index_leaves_the_session_open_and_its_retry_commits(tmp_path)
         store.storage.put(Paths.rank_index("run", "m", "s0000001", ix.rank), ix.model_dump_json().encode())
     store.storage.delete(Paths.rank_index("run", "m", "s0000001", 3))
     with pytest.raises(StorageError, match="0000003.json"):
-        SessionStore(LocalStorage(tmp_path)).commit("run", "m", "s0000001")
+        SessionStore(LocalStorage(tmp_path)).committer.commit("run", "m", "s0000001")
     assert store.status("run", "m", "s0000001").state == "open"
     assert store.put_index("run", "m", "s0000001", save[3][2]).state == "committed"
 
@@ -277,7 +278,7 @@ def test_completeness_is_found_without_listing_every_rank_at_every_index(tmp_pat
     _upload(stale, save, "d")
     for _, _, ix in save[:-1]:
         stale.put_index("run", "d", "s0000001", ix)
-    stale.abort("run", "d", "s0000001")
+    stale.sweeper.abort("run", "d", "s0000001")
     _upload(stale, save, "d")
     assert stale.put_index("run", "d", "s0000001", save[-1][2]).state == "open"  # ranks 0..38 are gone
     for _, _, ix in save[:-1]:
@@ -299,7 +300,7 @@ def _cold_commit_peak(root: Path, world: int, tensors: int) -> tuple[int, int]:
     gc.collect()
     tracemalloc.start()
     try:
-        digest = SessionStore(LocalStorage(root)).commit("run", name, "s0000001")
+        digest = SessionStore(LocalStorage(root)).committer.commit("run", name, "s0000001")
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

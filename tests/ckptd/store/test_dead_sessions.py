@@ -49,7 +49,7 @@ def _index(rank: int = 0, world: int = 1) -> RankIndex:
 
 def _stage(store: SessionStore, name: str, sid: str, world: int = 1) -> None:
     store.open("r", name, OpenSession(session=sid, world_size=world, step=1))
-    sink = store.begin_file("r", name, sid, "r000000-0000.bin")
+    sink = store.intake.receive("r", name, sid, "r000000-0000.bin")
     sink.write(DATA)
     sink.finish(xxhash.xxh3_64_hexdigest(DATA))
 
@@ -97,13 +97,13 @@ def test_a_session_with_no_live_writer_is_reclaimed_long_before_the_ttl(tmp_path
     _set(tmp_path, "dead", "s-dead", opened_ago=900, active_ago=400)  # its ranks stopped 400 s ago
     _set(tmp_path, "slow", "s-slow", opened_ago=900, active_ago=100)  # a rank heard from 100 s ago
     now = _set(tmp_path, "new", "s-new", opened_ago=60, active_ago=None)  # just opened, no write recorded
-    removed = store.reclaim_stale(6 * 3600, now=now.timestamp())
+    removed = store.sweeper.reclaim_stale(6 * 3600, now=now.timestamp())
     assert removed == ["r/dead/s-dead"]
     assert not (tmp_path / "runs" / "r" / "dead" / "sessions" / "s-dead").exists()
     assert (tmp_path / "runs" / "r" / "slow" / "sessions" / "s-slow" / "files" / "r000000-0000.bin").exists()
     # each goes once its writer was silent for the window (the new one: since its opening), not before
     def at(seconds: float) -> list[str]:
-        return store.reclaim_stale(6 * 3600, now=(now + timedelta(seconds=seconds)).timestamp())
+        return store.sweeper.reclaim_stale(6 * 3600, now=(now + timedelta(seconds=seconds)).timestamp())
 
     assert at(199) == []
     assert at(201) == ["r/slow/s-slow"]
@@ -116,7 +116,7 @@ def test_a_writer_that_keeps_a_session_alive_forever_is_still_bounded_by_the_ttl
     _stage(store, "hog", "s-hog")
     now = _set(tmp_path, "hog", "s-hog", opened_ago=6 * 3600 + 5, active_ago=1)
     store.keep_alive("r", "hog", "s-hog")  # a valid token's keep-alive: accepted, but it cannot outlive the TTL
-    assert store.reclaim_stale(6 * 3600, now=now.timestamp()) == ["r/hog/s-hog"]
+    assert store.sweeper.reclaim_stale(6 * 3600, now=now.timestamp()) == ["r/hog/s-hog"]
 
 
 def test_a_rank_index_is_a_live_writer(tmp_path):
@@ -127,7 +127,7 @@ def test_a_rank_index_is_a_live_writer(tmp_path):
     _set(tmp_path, "idx", "s-idx", opened_ago=900, active_ago=400)  # the last file went in 400 s ago
     ranks = SessionStore(LocalStorage(tmp_path), dead_after=300)  # another process: it has touched nothing yet
     assert ranks.put_index("r", "idx", "s-idx", _index(0, 2)).state == "open"
-    assert ranks.reclaim_stale(6 * 3600, now=datetime.now(timezone.utc).timestamp()) == []
+    assert ranks.sweeper.reclaim_stale(6 * 3600, now=datetime.now(timezone.utc).timestamp()) == []
 
 
 def test_a_complete_session_whose_ranks_died_is_committed_not_deleted(tmp_path):
@@ -135,7 +135,7 @@ def test_a_complete_session_whose_ranks_died_is_committed_not_deleted(tmp_path):
     _stage(store, "done", "s-done")
     store.storage.put(Paths.rank_index("r", "done", "s-done", 0), _index().model_dump_json().encode())
     now = _set(tmp_path, "done", "s-done", opened_ago=900, active_ago=800)
-    assert store.reclaim_stale(6 * 3600, now=now.timestamp()) == []
+    assert store.sweeper.reclaim_stale(6 * 3600, now=now.timestamp()) == []
     assert store.visibility.check("r", "done") is not None
 
 
@@ -152,9 +152,9 @@ def test_an_in_process_writer_is_kept_alive_between_writes(tmp_path):
         while store.activity.last("r", "job", "s-job") == first:  # touched again with no write in between
             assert time.monotonic() < deadline, "the holder's thread never recorded activity"
             time.sleep(0.05)
-        assert store.reclaim_stale(3600, now=time.time() + dead_after / 2) == []
+        assert store.sweeper.reclaim_stale(3600, now=time.time() + dead_after / 2) == []
     deadline = time.monotonic() + scaled(dead_after + 30)
-    while not (removed := store.reclaim_stale(3600)):  # no longer held: it goes once its window has passed
+    while not (removed := store.sweeper.reclaim_stale(3600)):  # no longer held: it goes once its window has passed
         assert time.monotonic() < deadline, "a session nobody holds was never reclaimed"
         time.sleep(0.1)
     assert removed == ["r/job/s-job"]
@@ -166,7 +166,7 @@ def test_an_unreadable_activity_record_counts_as_none(tmp_path):
     now = _set(tmp_path, "x", "s-x", opened_ago=30, active_ago=None)
     (tmp_path / "runs" / "r" / "x" / "sessions" / "s-x" / "ACTIVE.json").write_text("{not json")
     assert store.activity.last("r", "x", "s-x") is None
-    assert store.reclaim_stale(6 * 3600, now=now.timestamp()) == []  # counted from its opening: 30 s ago
+    assert store.sweeper.reclaim_stale(6 * 3600, now=now.timestamp()) == []  # counted from its opening: 30 s ago
 
 
 # -- end to end: writer processes against ckptd serve --------------------------------------------------
@@ -371,6 +371,6 @@ def test_a_keep_alive_right_after_the_commit_or_abort_is_told_so(tmp_path):
         store.keep_alive("r", "k", "s-k")
     _stage(store, "a", "s-a")
     store.keep_alive("r", "a", "s-a")
-    store.abort("r", "a", "s-a")
+    store.sweeper.abort("r", "a", "s-a")
     with pytest.raises(SessionNotFound):
         store.keep_alive("r", "a", "s-a")

@@ -98,7 +98,7 @@ def _commit(store: SessionStore, world: int) -> None:
     store.open("r", "1", OpenSession(session=sid, world_size=world, step=1))
     for r in range(world):
         for k in range(2):
-            sink = store.begin_file("r", "1", sid, f"r{r}-{k}.bin")
+            sink = store.intake.receive("r", "1", sid, f"r{r}-{k}.bin")
             data = f"rank {r} file {k}".encode() * 100
             sink.write(data)
             sink.finish(xxhash.xxh3_64_hexdigest(data))

@@ -9,11 +9,14 @@ digest blocks), on sessions opened through the session store:
   temp file; a second upload of a stored file answers as the first when its bytes are the same and is
   refused when they differ, leaving the stored bytes and record as they were;
 * ``record_file``: a record is created once; the same again is fine, another is a ``Conflict``;
-* placed: ``place`` takes a record for a stored object; ``presign`` is refused on a store without
-  presigned uploads, ``confirm`` refuses a confirmation that matches no presign or this service's blocks;
+* every way (``receive``, ``presign``, ``place``) passes the one write gate first: a session never
+  opened, committed or refused at its commit is refused with the gate's typed error, nothing stored;
+* placed: ``presign`` is refused on a store without presigned uploads, ``place`` refuses a confirmation
+  that matches no presign or this service's blocks;
 * linked: ``check_link`` refuses a name that is not the source's ``linked_name`` and a link to the
-  checkpoint itself; ``link`` places a file of a visible, verified checkpoint of the run (a hard link,
-  recorded as ``linked``) and refuses a source that is not visible or changed since its verification.
+  checkpoint itself; ``place`` with a link places a file of a visible, verified checkpoint of the run
+  (a hard link, recorded as ``linked``, the session marked active) and refuses a source that is not
+  visible or changed since its verification.
 """
 
 from __future__ import annotations
@@ -28,12 +31,12 @@ from ckptd.store import SessionStore
 from ckptd.store.intake import FileSink, check_link, record_file, recorded_file, stored_digest
 from ckptd.store.paths import Paths
 from ckptd_schemas import (
-    ChecksumMismatch, ConfirmUpload, Conflict, FileEntry, InvalidName, InvalidRequest, LinkFile, PresignUpload,
-    linked_name,
+    AlreadyCommitted, ChecksumMismatch, ConfirmUpload, Conflict, FileEntry, InvalidName, InvalidRequest, LinkFile,
+    PresignUpload, SessionConflict, SessionNotFound, linked_name,
 )
 from ckptd_schemas.filedigest import StreamDigest
 
-from .staging import Parts, data, file_of, put_indexes, stage
+from .staging import Parts, data, file_of, index, put_indexes, stage
 
 BLOCK = 4096
 PAYLOAD = bytes(range(256)) * 40  # 10,240 bytes: three 4 KiB blocks, the last one short
@@ -140,15 +143,31 @@ def test_a_record_is_created_once(root):
     assert recorded_file(parts.storage, "r", "1", "s-a", "x.bin") == entry
 
 
-def test_place_records_a_stored_object(root):
-    _, _, parts = root
-    entry = FileEntry(size=7, xxh3="3" * 16, block_size=BLOCK, blocks=["4" * 16])
-    res = parts.intake.place("r", "1", "s-a", "placed.bin", entry)
-    assert (res.file, res.size, res.xxh3) == ("placed.bin", 7, "3" * 16)
-    assert recorded_file(parts.storage, "r", "1", "s-a", "placed.bin") == entry
-    assert parts.activity.last("r", "1", "s-a") is not None
-    with pytest.raises(Conflict):
-        parts.intake.place("r", "1", "s-a", "placed.bin", entry.model_copy(update={"size": 8}))
+def test_every_way_in_passes_the_one_write_gate(tmp_path):
+    """A session that takes no writes (never opened, committed, refused at its commit) is refused by
+    every way a file comes in, with the gate's typed error, before anything is stored."""
+    store = _committed_source(tmp_path)  # r/src committed by s-src
+    stage(store, "r", "3", "s-c")
+    with pytest.raises(ChecksumMismatch):  # refused at its commit: FAILED recorded
+        store.put_index("r", "3", "s-c", index(0, 1, payload=b"\x01" * 1000))
+    parts = Parts(LocalStorage(tmp_path), block_size=BLOCK)
+    sha = "A" * 43 + "="
+    presign = PresignUpload(size=10, part_size=5 << 20, sha256=[sha])
+    confirm = ConfirmUpload(**presign.model_dump(), xxh3="0" * 16, block_size=BLOCK, blocks=["0" * 16])
+    ways = {"receive": lambda *at: parts.intake.receive(*at),
+            "presign": lambda *at: parts.intake.presign(*at, presign, 60.0),
+            "confirm": lambda *at: parts.intake.place(*at, confirm),
+            "link": lambda *at: parts.intake.place(*at, LinkFile(checkpoint="src", file=file_of(0)))}
+    f = linked_name("src", file_of(0))
+    for at, refusal in ((("r", "2", "s-x"), SessionNotFound), (("r", "src", "s-src"), AlreadyCommitted),
+                        (("r", "3", "s-c"), SessionConflict)):
+        for way, call in ways.items():
+            with pytest.raises(refusal):
+                call(*at, f)
+            assert not (tmp_path / Paths.file(*at, f)).exists(), way
+            assert recorded_file(parts.storage, *at, f) is None, way
+            assert not (tmp_path / Paths.presign_claim(*at, f)).exists(), way
+    assert not (tmp_path / Paths.session("r", "2", "s-x")).exists()
 
 
 def test_presigned_uploads_are_refused_where_the_store_takes_none(root):
@@ -161,9 +180,9 @@ def test_presigned_uploads_are_refused_where_the_store_takes_none(root):
     whole, blocks = _digest(PAYLOAD)
     body = dict(size=len(PAYLOAD), part_size=5 << 20, sha256=[sha], xxh3=whole, block_size=BLOCK, blocks=blocks)
     with pytest.raises(InvalidRequest, match="does not match the file's presign"):  # nothing was presigned
-        parts.intake.confirm("r", "1", "s-a", F, ConfirmUpload(**body))
+        parts.intake.place("r", "1", "s-a", F, ConfirmUpload(**body))
     with pytest.raises(InvalidRequest) as info:  # digest blocks of another size than this service's
-        parts.intake.confirm("r", "1", "s-a", F, ConfirmUpload(**{**body, "block_size": 8192, "blocks": blocks[:2]}))
+        parts.intake.place("r", "1", "s-a", F, ConfirmUpload(**{**body, "block_size": 8192, "blocks": blocks[:2]}))
     assert info.value.details == {"file": F, "field": "blocks"}
     assert recorded_file(parts.storage, "r", "1", "s-a", F) is None
 
@@ -194,7 +213,7 @@ def test_link_places_a_verified_file_of_a_visible_checkpoint(tmp_path):
     _committed_source(tmp_path)
     parts = Parts(LocalStorage(tmp_path))
     name = linked_name("src", file_of(0))
-    res = parts.intake.link("r", "2", "s-b", name, LinkFile(checkpoint="src", file=file_of(0)))
+    res = parts.intake.place("r", "2", "s-b", name, LinkFile(checkpoint="src", file=file_of(0)))
     source = parts.visibility.manifest(parts.visibility.check("r", "src")).files[file_of(0)]
     assert (res.file, res.size, res.xxh3) == (name, source.size, source.xxh3)
     rec = recorded_file(parts.storage, "r", "2", "s-b", name)
@@ -202,6 +221,7 @@ def test_link_places_a_verified_file_of_a_visible_checkpoint(tmp_path):
     linked = tmp_path / Paths.file("r", "2", "s-b", name)
     assert os.path.samefile(linked, tmp_path / Paths.file("r", "src", "s-src", file_of(0)))
     assert linked.read_bytes() == data(0)
+    assert parts.activity.last("r", "2", "s-b") is not None
 
 
 def test_link_refuses_what_is_not_a_visible_verified_source(tmp_path):
@@ -211,13 +231,13 @@ def test_link_refuses_what_is_not_a_visible_verified_source(tmp_path):
                                   ("src", "other.bin", "r/src is not a visible checkpoint holding 'other.bin'")):
         name = linked_name(checkpoint, file)
         with pytest.raises(InvalidRequest, match=why) as info:
-            parts.intake.link("r", "2", "s-b", name, LinkFile(checkpoint=checkpoint, file=file))
+            parts.intake.place("r", "2", "s-b", name, LinkFile(checkpoint=checkpoint, file=file))
         assert info.value.details == {"file": name, "source": f"r/{checkpoint}"}
     src = tmp_path / Paths.file("r", "src", "s-src", file_of(0))
     src.write_bytes(data(0))  # rewritten in place since its verification (same bytes: the stamp moved)
     name = linked_name("src", file_of(0))
     with pytest.raises(InvalidRequest, match="is not as its last verification found it"):
-        parts.intake.link("r", "2", "s-b", name, LinkFile(checkpoint="src", file=file_of(0)))
+        parts.intake.place("r", "2", "s-b", name, LinkFile(checkpoint="src", file=file_of(0)))
     assert not (tmp_path / Paths.file("r", "2", "s-b", name)).exists()
     assert recorded_file(parts.storage, "r", "2", "s-b", name) is None
 

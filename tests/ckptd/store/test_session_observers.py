@@ -35,7 +35,7 @@ def _index(xxh3: str = xxhash.xxh3_64_hexdigest(DATA)) -> RankIndex:
 
 def _stage(store: SessionStore, name: str, sid: str = "s0000001") -> None:
     store.open("r", name, OpenSession(session=sid, world_size=1, step=1))
-    sink = store.begin_file("r", name, sid, FILE)
+    sink = store.intake.receive("r", name, sid, FILE)
     sink.write(DATA)
     sink.finish(xxhash.xxh3_64_hexdigest(DATA))
 
@@ -69,7 +69,7 @@ class Heard(SessionEvents):
 def test_a_failing_observer_never_changes_a_commit_and_the_others_still_hear(tmp_path, caplog):
     heard, after = Heard(), []
     store = SessionStore(LocalStorage(tmp_path), observers=[Failing(), AfterCommit(after.append)])
-    store.observe(heard)
+    store.observers.add(heard)
     caplog.set_level(logging.ERROR, logger="ckptd.store")
     _stage(store, "1")
     assert store.put_index("r", "1", "s0000001", _index()).state == "committed"
@@ -91,7 +91,7 @@ def test_the_sweeps_commit_and_reclaim_and_a_refusal_are_told_on_the_same_channe
     storage.put(Paths.rank_index("r", "2", "s0000001", 0), _index().model_dump_json().encode())
     _stage(writer, "3")  # a session whose writer is gone
     store = SessionStore(LocalStorage(tmp_path), dead_after=300, observers=[Failing(), heard, AfterCommit(after.append)])
-    assert store.reclaim_stale(3600, now=time.time() + 1000) == ["r/3/s0000001"]
+    assert store.sweeper.reclaim_stale(3600, now=time.time() + 1000) == ["r/3/s0000001"]
     assert store.visibility.check("r", "2") is not None
     assert heard.heard == [("committed", "r/2/s0000001"), ("reclaimed", ["r/3/s0000001"])]
     assert [(e.name, e.session) for e in after] == [("2", "s0000001")]

@@ -37,7 +37,7 @@ def test_read_meta_is_the_sessions_record_while_it_exists(store):
     assert (meta.session, meta.world_size, meta.step) == ("s-a", 2, 7)
     assert meta == SessionMeta.model_validate_json(store.storage.read(Paths.session_meta("r", "1", "s-a")))
     assert read_meta(store.storage, "r", "1", "s-b") is None  # another session of the ref
-    store.abort("r", "1", "s-a")
+    store.sweeper.abort("r", "1", "s-a")
     assert read_meta(store.storage, "r", "1", "s-a") is None
 
 

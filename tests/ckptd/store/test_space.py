@@ -52,7 +52,7 @@ def test_received_bytes_past_the_quota_are_refused_and_leave_nothing(tmp_path):
     stage(store, "other", "1", "s-o")  # ... and in a run it may not: never counted
     store.open("r", "2", OpenSession(session="s-b", world_size=1))
     writer = Principal("w", write=("r",), quota=_held(storage, "r") + on_disk(0) + 1000)  # + the file written: a block
-    sink = store.begin_file("r", "2", "s-b", "a.bin", writer)
+    sink = store.intake.receive("r", "2", "s-b", "a.bin", writer)
     sink.write(b"x" * 600)  # within the quota
     with pytest.raises(QuotaExceeded) as info:
         sink.write_parts([b"y" * 400, b"z" * 400])
@@ -65,7 +65,7 @@ def test_received_bytes_past_the_quota_are_refused_and_leave_nothing(tmp_path):
     assert not (tmp_path / Paths.file("r", "2", "s-b", "a.bin")).exists()
     # The same writer without a quota, and another writer, are not limited by it.
     for other in (Principal("w", write=("r",)), Principal("v", write=("r",), quota=1 << 30), None):
-        sink = store.begin_file("r", "2", "s-b", "a.bin", other)
+        sink = store.intake.receive("r", "2", "s-b", "a.bin", other)
         sink.write(b"x" * 2000)
         sink.abort()
 
@@ -79,11 +79,11 @@ def test_a_link_is_charged_its_size_before_it_is_made(tmp_path):
     held = _held(storage, "r")
     name = linked_name("src", file_of(0))
     with pytest.raises(QuotaExceeded):
-        store.link_file("r", "2", "s-b", name, LinkFile(checkpoint="src", file=file_of(0)),
-                        Principal("w", write=("r*",), quota=held + len(data(0)) - 1))
+        store.intake.place("r", "2", "s-b", name, LinkFile(checkpoint="src", file=file_of(0)),
+                           Principal("w", write=("r*",), quota=held + len(data(0)) - 1))
     assert not (tmp_path / Paths.file("r", "2", "s-b", name)).exists()
-    res = store.link_file("r", "2", "s-b", name, LinkFile(checkpoint="src", file=file_of(0)),
-                          Principal("w", write=("r*",), quota=held + len(data(0))))
+    res = store.intake.place("r", "2", "s-b", name, LinkFile(checkpoint="src", file=file_of(0)),
+                             Principal("w", write=("r*",), quota=held + len(data(0))))
     assert res.size == len(data(0))
 
 
@@ -96,7 +96,7 @@ def test_a_rank_index_is_charged_to_its_writer_but_not_to_the_reserve(tmp_path):
     assert not (tmp_path / Paths.ckpt("r", "1")).exists()
     _store(storage).open("r", "1", OpenSession(session="s-1", world_size=1, step=1), writer)
     full.open("r", "1", OpenSession(session="s-1", world_size=1, step=1), writer)  # ... a rank joining one is
-    sink = full.begin_file("r", "1", "s-1", file_of(0), writer)
+    sink = full.intake.receive("r", "1", "s-1", file_of(0), writer)
     with pytest.raises(ReserveReached):  # data files are refused at the reserve ...
         sink.write(data(0))
     sink.abort()
@@ -118,11 +118,11 @@ def test_what_a_writer_holds_is_measured_and_deletions_count_before_a_refusal(tm
     stage(store, "r", "1", "s-1")
     put_indexes(store, "r", "1", "s-1")  # committed: its bytes count
     store.open("r", "2", OpenSession(session="s-2", world_size=1))
-    sink = store.begin_file("r", "2", "s-2", "a.bin")
+    sink = store.intake.receive("r", "2", "s-2", "a.bin")
     held = _held(storage, "r")  # the file being written (a block) included
     writer = Principal("w", write=("r",), quota=held + 100)
     sink.abort()
-    sink = store.begin_file("r", "2", "s-2", "a.bin", writer)
+    sink = store.intake.receive("r", "2", "s-2", "a.bin", writer)
     sink.write(b"x" * 100)  # exactly the quota
     with pytest.raises(QuotaExceeded) as info:
         sink.write(b"y")
@@ -131,7 +131,7 @@ def test_what_a_writer_holds_is_measured_and_deletions_count_before_a_refusal(tm
     storage.delete_tree(Paths.ckpt("r", "1"))  # deleted behind the count (gc, another replica)
     monkeypatch.setattr(space_mod, "RECHECK_SECONDS", 0.0)  # the next refusal measures again at once
     time.sleep(0.01)
-    sink = store.begin_file("r", "2", "s-2", "a.bin", writer)
+    sink = store.intake.receive("r", "2", "s-2", "a.bin", writer)
     sink.write(b"x" * 100)  # the deleted checkpoint no longer counts
     sink.abort()
 
@@ -143,10 +143,10 @@ def test_a_presign_is_charged_its_declared_size_before_any_claim(moto_s3, s3_env
         store.open("r", "1", OpenSession(session="s-1", world_size=1))
         body = PresignUpload(size=10 << 20, part_size=5 << 20, sha256=["A" * 43 + "="] * 2)
         with pytest.raises(QuotaExceeded) as info:
-            store.presign_file("r", "1", "s-1", "big.bin", body, 60.0, Principal("w", write=("r",), quota=1 << 20))
+            store.intake.presign("r", "1", "s-1", "big.bin", body, 60.0, Principal("w", write=("r",), quota=1 << 20))
         assert info.value.details["file"] == "big.bin"
         assert storage.read_or_none(Paths.presign_claim("r", "1", "s-1", "big.bin")) is None
-        signed = store.presign_file("r", "1", "s-1", "big.bin", body, 60.0, Principal("w", write=("r",), quota=1 << 30))
+        signed = store.intake.presign("r", "1", "s-1", "big.bin", body, 60.0, Principal("w", write=("r",), quota=1 << 30))
         assert len(signed.urls) == 2
     finally:
         moto_s3.clear(storage._prefix)

@@ -48,14 +48,14 @@ def test_the_sweep_removes_stale_temp_files_from_a_committed_session(tmp_path):
     os.utime(lookalike, (old, old))
     kept = sorted(p for p in session.rglob("*") if p.is_file() and p not in left)
     store = SessionStore(LocalStorage(root))
-    store.reclaim_stale(3600.0, now=now)
+    store.sweeper.reclaim_stale(3600.0, now=now)
     assert not any(p.exists() for p in left)
     assert sorted(p for p in session.rglob("*") if p.is_file()) == kept
     assert recent.exists() and lookalike.exists()
     later = session / "files" / ".r000002-0000.bin.tmp-bbbbbbbbbbbb"  # a committed session is walked once
     later.write_bytes(b"x")
     os.utime(later, (old, old))
-    store.reclaim_stale(3600.0, now=now + 600)
+    store.sweeper.reclaim_stale(3600.0, now=now + 600)
     assert later.exists()
     out = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "verify", "t/1", "--root", str(root)],
                          capture_output=True, text=True, timeout=120)

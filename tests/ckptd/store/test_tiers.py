@@ -564,7 +564,7 @@ def test_a_checkpoint_deleted_while_it_is_copied_leaves_nothing_on_either_tier(t
     for name in ("1", "2"):
         store.open("t", name, OpenSession(session=f"s{name}", world_size=1, step=int(name)))
         data = f"checkpoint {name}".encode() * 1000
-        sink = store.begin_file("t", name, f"s{name}", "f.bin")
+        sink = store.intake.receive("t", name, f"s{name}", "f.bin")
         sink.write(data)
         sink.finish(xxhash.xxh3_64_hexdigest(data))
         assert store.put_index("t", name, f"s{name}", RankIndex(rank=0, world_size=1, files=["f.bin"])).state == "committed"

@@ -38,7 +38,7 @@ def _temps(path: Path) -> list[Path]:
 def _killed_upload(store: SessionStore, run: str, name: str, sid: str, rank: int):
     """A write of rank ``rank``'s file that stops halfway and is never heard of again (a killed
     writer: nothing aborts it); its temp file is in the session."""
-    sink = store.begin_file(run, name, sid, file_of(rank))
+    sink = store.intake.receive(run, name, sid, file_of(rank))
     sink.write(data(rank)[:500])
     return sink
 
@@ -59,7 +59,7 @@ def test_the_commit_deletes_the_temp_files_of_killed_uploads(tmp_path):
     with pytest.raises(StorageError):
         dead[0].finish(xxhash.xxh3_64_hexdigest(data(0)))
     with pytest.raises(AlreadyCommitted):  # a new write into a committed session is refused before it writes
-        store.begin_file("r", "1", "s1", "r000002-0000.bin")
+        store.intake.receive("r", "1", "s1", "r000002-0000.bin")
     assert _temps(session) == [] and not (session / "files" / "r000002-0000.bin").exists()
     assert sorted(p.name for p in (session / "files").iterdir()) == [file_of(0), file_of(1)]
 
@@ -81,9 +81,9 @@ def test_the_sweep_deletes_what_a_committer_that_died_after_its_marker_left(tmp_
         p.write_bytes(b"half a write")
         os.utime(p, (t, t))
     other = SessionStore(LocalStorage(root, durable=False))  # a restarted service, or another replica
-    assert other.reclaim_stale(3600.0) == []
+    assert other.sweeper.reclaim_stale(3600.0) == []
     assert not before.exists() and since.exists()
-    other.reclaim_stale(3600.0, now=at + 3700)
+    other.sweeper.reclaim_stale(3600.0, now=at + 3700)
     assert _temps(root) == []
 
 
@@ -95,9 +95,9 @@ def test_abort_and_the_sweep_delete_the_temp_files_of_killed_uploads(tmp_path):
     stage(store, "r", "2", "b", world=2, ranks=[0])
     _killed_upload(store, "r", "2", "b", 1)
     assert len(_temps(root)) == 2
-    store.abort("r", "1", "a")
+    store.sweeper.abort("r", "1", "a")
     assert not (root / "runs" / "r" / "1" / "sessions" / "a").exists()
-    assert store.reclaim_stale(3600.0, now=time.time() + 120) == ["r/2/b"]
+    assert store.sweeper.reclaim_stale(3600.0, now=time.time() + 120) == ["r/2/b"]
     assert _temps(root) == [] and not (root / "runs" / "r" / "2" / "sessions" / "b").exists()
 
 
