@@ -260,12 +260,6 @@ class Storage(ABC):
         """The SHA-256 (base64) the store verified and kept for ``key``'s object, where it keeps one."""
         return None
 
-    def read_json(self, key: str) -> Any:
-        try:
-            return json.loads(self.read(key))
-        except json.JSONDecodeError as e:
-            raise StorageError(f"{self.url}/{key} is not valid JSON: {e}", key=key) from e
-
     def read_json_or_none(self, key: str) -> Any:
         """The object parsed as JSON, or None when it is absent (one read: :meth:`read_or_none`)."""
         raw = self.read_or_none(key)

@@ -108,6 +108,11 @@ def permanent_error(op: str, key: str, e: BaseException, root: str) -> StoragePe
                            **details)
 
 
-def classify(op: str, key: str, e: BaseException, root: str, message: str, **details: object) -> StorageError:
-    """:func:`permanent_error`, or else a transient :class:`StorageError` of ``message`` and ``details``."""
-    return permanent_error(op, key, e, root) or StorageError(message, key=key, **details)
+def classify(op: str, key: str, e: BaseException, root: str) -> StorageError:
+    """:func:`permanent_error`, or else a transient :class:`StorageError` naming ``op``, ``key`` and the
+    cause (an OS error's text and errno, any other exception's type and text): every backend's one wrapping."""
+    if (perm := permanent_error(op, key, e, root)) is not None:
+        return perm
+    if isinstance(e, OSError) and e.errno is not None:
+        return StorageError(f"storage {op} of {key!r} failed: {e.strerror or e}", key=key, errno=e.errno)
+    return StorageError(f"storage {op} of {key!r} failed: {type(e).__name__}: {e}", key=key)

@@ -92,11 +92,6 @@ def s3_options_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     return opts
 
 
-def _wrap(op: str, key: str, e: BaseException, root: str) -> StorageError:
-    """A permanent error (credentials refused: :mod:`.failures`) or a transient one, naming the key."""
-    return classify(op, key, e, root, f"storage {op} of {key!r} failed: {type(e).__name__}: {e}")
-
-
 @contextlib.contextmanager
 def _s3_errors(op: str, key: str, root: str) -> Iterator[None]:
     """The one error wrapper of every S3 call: a backend failure becomes :class:`StorageError` naming
@@ -107,7 +102,7 @@ def _s3_errors(op: str, key: str, root: str) -> Iterator[None]:
     except (FileNotFoundError, CkptdError):
         raise
     except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
-        raise _wrap(op, key, e, root) from e
+        raise classify(op, key, e, root) from e
 
 
 def _client_errors(e: BaseException) -> Iterator[tuple[str, int | None]]:
@@ -208,7 +203,7 @@ class _S3Writer(Writer):
                 self._upload_part(body)
         except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
             self.abort()
-            raise _wrap("write", self._key, e, self._st.url) from e
+            raise classify("write", self._key, e, self._st.url) from e
 
     def commit(self) -> bool:
         if self._closed:
@@ -229,7 +224,7 @@ class _S3Writer(Writer):
             self.abort()
             if self._once and _create_outcome(e) == "exists":
                 return False
-            raise _wrap("commit", self._key, e, self._st.url) from e
+            raise classify("commit", self._key, e, self._st.url) from e
 
     def abort(self) -> None:
         if self._closed:
@@ -336,7 +331,7 @@ class S3Storage(Storage):
                 size = self.size(key)
                 if size is not None and start >= size:
                     return b""
-            raise _wrap("read", key, e, self.url) from e
+            raise classify("read", key, e, self.url) from e
 
     def _head(self, key: str, **kw: Any) -> dict | None:
         """One HEAD of ``key``; None when it is absent."""
@@ -385,7 +380,7 @@ class S3Storage(Storage):
         try:
             return asyncio.run_coroutine_threadsafe(presign(), self.fs.loop).result(120)
         except Exception as e:  # noqa: BLE001
-            raise _wrap("presign", key, e, self.url) from e
+            raise classify("presign", key, e, self.url) from e
 
     def complete_presigned(self, key: str, upload_id: str, etags: list[str], sha256s: list[str]) -> None:
         parts = [{"PartNumber": n, "ETag": etag, "ChecksumSHA256": sha}
@@ -397,7 +392,7 @@ class S3Storage(Storage):
             with contextlib.suppress(Exception):
                 self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self._s3key(key),
                                 UploadId=upload_id)
-            raise _wrap("complete", key, e, self.url) from e
+            raise classify("complete", key, e, self.url) from e
 
     def stored_sha256(self, key: str) -> str | None:
         out = self._head(key, ChecksumMode="ENABLED")
@@ -436,7 +431,7 @@ class S3Storage(Storage):
                 if outcome == "conflict" and attempt + 1 < _CONFLICT_ATTEMPTS:
                     time.sleep(min(0.05 * 2 ** attempt, 2.0) * (0.5 + random.random()))
                     continue
-                raise _wrap("create", key, e, self.url) from e
+                raise classify("create", key, e, self.url) from e
         raise AssertionError("unreachable")  # pragma: no cover
 
     def link(self, src: str, dst: str, stamp: str | None = None) -> bool:
@@ -475,7 +470,7 @@ class S3Storage(Storage):
         except Exception as e:  # noqa: BLE001
             if _create_outcome(e) == "exists":
                 return False
-            raise _wrap("link", dst, e, self.url) from e
+            raise classify("link", dst, e, self.url) from e
 
     def delete(self, key: str) -> None:
         with _s3_errors("delete", key, self.url), contextlib.suppress(FileNotFoundError):
@@ -500,7 +495,7 @@ class S3Storage(Storage):
         except FileNotFoundError:
             pass
         except Exception as e:  # noqa: BLE001
-            raise _wrap("delete", prefix, e, self.url) from e
+            raise classify("delete", prefix, e, self.url) from e
         self.fs.invalidate_cache(self._path(prefix))
 
     def _abort_uploads(self, pfx: str, older_than: float = float("inf")) -> int:

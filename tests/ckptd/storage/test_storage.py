@@ -1,7 +1,7 @@
 """Conformance suite for the storage interface (``ckptd.storage``).
 
 Every backend must behave the same through :class:`ckptd.storage.Storage`:
-LocalStorage on a directory, FsspecStorage on ``file://`` and on ``memory://``,
+LocalStorage on a directory (and on a ``file://`` URL), FsspecStorage on ``memory://``,
 and S3Storage on ``s3://`` against a real S3 protocol server on loopback
 (moto in server mode, started by the ``moto_s3`` fixture; more S3 cases in
 test_s3.py). A few local-only cases (disk full) follow at the end.
@@ -26,15 +26,15 @@ from ckptd.storage.fsspec import FsspecStorage
 from ckptd.storage.s3 import S3Storage
 from ckptd_schemas import InvalidName, StorageError
 
-BACKENDS = ["local", "fsspec-file", "fsspec-memory", "s3"]
+BACKENDS = ["local", "file-url", "fsspec-memory", "s3"]
 
 
 @pytest.fixture(params=BACKENDS)
 def storage(request, tmp_path):
     if request.param == "local":
         yield LocalStorage(tmp_path / "root", durable=True)
-    elif request.param == "fsspec-file":
-        yield FsspecStorage("file://" + str(tmp_path / "root"))
+    elif request.param == "file-url":
+        yield open_storage("file://" + str(tmp_path / "root"))
     elif request.param == "s3":
         moto = request.getfixturevalue("moto_s3")
         request.getfixturevalue("s3_env")  # endpoint and credentials from the standard AWS environment
@@ -118,11 +118,11 @@ def test_read_missing_names_key(storage):
 
 def test_read_json(storage):
     storage.put("j/ok.json", b'{"a": [1, 2]}')
-    assert storage.read_json("j/ok.json") == {"a": [1, 2]}
+    assert storage.read_json_or_none("j/ok.json") == {"a": [1, 2]}
     assert storage.read_json_or_none("j/absent.json") is None
     storage.put("j/bad.json", b"{not json")
     with pytest.raises(StorageError) as ei:
-        storage.read_json("j/bad.json")
+        storage.read_json_or_none("j/bad.json")
     assert "j/bad.json" in ei.value.message
 
 
@@ -325,7 +325,7 @@ def test_walk_sizes_the_objects_under_a_prefix_and_free_space_is_the_local_disks
 
     assert usage("runs/a") == 5300 and usage("runs/ab") == 7 and usage("runs/none") == 0
     fs = storage.free_space()
-    if isinstance(storage, (LocalStorage, FsspecStorage)) and getattr(storage, "_local", storage) is not None:
+    if isinstance(storage, LocalStorage):
         free, total = fs
         assert 0 <= free <= total and total > 0
     else:
@@ -362,7 +362,8 @@ def test_empty_key_refused(storage):
 def test_open_storage_dispatch(tmp_path):
     assert isinstance(open_storage(str(tmp_path / "a")), LocalStorage)
     st = open_storage("file://" + str(tmp_path / "b"))
-    assert isinstance(st, FsspecStorage)
+    assert isinstance(st, LocalStorage)  # a file:// root is a local one, whichever way it is named
+    assert isinstance(open_storage("memory://ckptd-dispatch"), FsspecStorage)
     st.put("k", b"v")
     assert (tmp_path / "b" / "k").read_bytes() == b"v"
 
@@ -370,7 +371,7 @@ def test_open_storage_dispatch(tmp_path):
 def test_file_url_and_local_share_layout(tmp_path):
     """A root opened both ways sees the same objects (service on a path, CLI on a URL)."""
     local = LocalStorage(tmp_path / "root")
-    url = FsspecStorage("file://" + str(tmp_path / "root"))
+    url = open_storage("file://" + str(tmp_path / "root"))
     local.put("r/c/manifest.json", b"{}")
     assert url.read("r/c/manifest.json") == b"{}"
     assert url.create_if_absent("r/c/COMMITTED", b"m")

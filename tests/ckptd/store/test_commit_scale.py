@@ -191,7 +191,7 @@ def test_streaming_commit_writes_the_merged_manifest_warm_and_cold(tmp_path):
         cold.storage.put(Paths.rank_index("run", "b", "s0000001", ix.rank), ix.model_dump_json().encode())
     digest_b = SessionStore(LocalStorage(tmp_path)).commit("run", "b", "s0000001")
     for name, digest in (("a", got.manifest_xxh3), ("b", digest_b)):
-        files = {f: FileEntry.model_validate(warm.storage.read_json(Paths.digest("run", name, "s0000001", f)))
+        files = {f: FileEntry.model_validate(warm.storage.read_json_or_none(Paths.digest("run", name, "s0000001", f)))
                  for f, _, _ in save}
         want = merge_indexes(run="run", name=name, session="s0000001", step=1,
                              created_at=warm._meta("run", name, "s0000001").created_at, world_size=6,
