@@ -90,10 +90,6 @@ class UploadSlots:
         self._active: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def active(self, principal: str) -> int:
-        with self._lock:
-            return self._active.get(principal, 0)
-
     def acquire(self, principal: str, file: str) -> Callable[[], None]:
         """Take one slot of ``principal`` (``TooManyRequests`` when none is free); returns its release,
         which the caller runs once the upload has finished either way (a second call does nothing)."""
@@ -136,9 +132,6 @@ class PrincipalRequests:
                  metrics: Any = None) -> None:
         self.app, self.limit, self.open_paths, self.routes, self.metrics = app, limit, open_paths, routes, metrics
         self._active: dict[str, int] = {}  # one event loop: no lock
-
-    def active(self, principal: str) -> int:
-        return self._active.get(principal, 0)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         principal = scope.get("state", {}).get("principal") if scope["type"] == "http" else None

@@ -130,12 +130,8 @@ class Readiness:
     def _attempt(self, fn: Callable[[], Any]) -> StorageError | None:
         try:
             fn()
-        except StorageError as e:
-            if self.on_failure is not None:
-                self.on_failure(e)
-            return e
-        except CkptdError as e:  # the backend's own refusal (an unsafe key): as a storage failure
-            err = StorageError(e.message, **e.details)
+        except CkptdError as e:  # the backend's own refusal (an unsafe key) too: as a storage failure
+            err = e if isinstance(e, StorageError) else StorageError(e.message, **e.details)
             if self.on_failure is not None:
                 self.on_failure(err)
             return err

@@ -46,10 +46,9 @@ from ckptd_schemas import CkptdError, Conflict, CorruptCheckpoint, Manifest, Sto
 
 from ..storage import Writer
 from .tiers import ADOPTED, TieredStorage
-from .paths import Marker, Paths
+from .paths import Committed, Marker, Paths
 from .leases import Leases
 from .checker import StorageFiles, judge
-from .paths import Committed
 from .visibility import Visibility, order_key
 
 __all__ = ["DURABLE_CRASH_POINTS", "Copied", "DurableCopier", "DurableState"]
@@ -66,10 +65,6 @@ PARALLEL_FILES = 4  # files copied at once (object stores: one request each in f
 
 TIERS_KEY = "TIERS.json"  # on the fast tier, once it adopted the durable tier's markers
 ADOPT_EVERY = 30  # scans between two adoptions while running (5 minutes at the default scan interval)
-
-
-def not_durable_key(run: str, name: str) -> str:
-    return Paths.not_durable(run, name)
 
 
 class _Copies(StorageFiles):
@@ -157,7 +152,7 @@ class DurableCopier:
             return DurableState(False)
         if c is not None and c.digest == manifest_xxh3:
             return DurableState(True)
-        refused = self.tiers.fast.read_or_none(not_durable_key(run, name))
+        refused = self.tiers.fast.read_or_none(Paths.not_durable(run, name))
         if refused is not None:
             rec = json.loads(refused)
             if rec.get("manifest_xxh3") == manifest_xxh3:
@@ -290,7 +285,7 @@ class DurableCopier:
     def _refuse(self, c: Committed, e: CkptdError) -> None:
         log.error("durable tier: %s cannot be made durable: %s", c.ref, e.message)
         rec = {"manifest_xxh3": c.digest, "error": e.to_body()["error"]}
-        self.tiers.fast.put(not_durable_key(c.run, c.name), json.dumps(rec).encode())
+        self.tiers.fast.put(Paths.not_durable(c.run, c.name), json.dumps(rec).encode())
         self.pending.pop(c.ref, None)
         if self.on_refused is not None:
             self.on_refused(c.ref, e)

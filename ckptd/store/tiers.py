@@ -94,9 +94,6 @@ class TieredStorage(Storage):
     def open_write(self, key: str, *, once: bool = False) -> Writer:
         return self.fast.open_write(key, once=once)
 
-    def put(self, key: str, data: bytes) -> None:
-        self.fast.put(key, data)
-
     def create_if_absent(self, key: str, data: bytes) -> bool:
         """On the fast tier; a checkpoint's marker only while the durable tier holds none under the name
         either (a name is taken on every tier at once: a fast tier that lost its markers never lets a
