@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ckptd_schemas import CorruptCheckpoint, InvalidName, StorageError
 
@@ -166,28 +166,26 @@ class Storage(ABC):
     def read_committed(self, key: str, start: int, end: int, size: int, **details: Any) -> bytes:
         """Bytes ``[start, end)`` of a committed data file of ``size`` bytes. Absent, resized or read
         short: :class:`CorruptCheckpoint`; any other failure stays a (transient) :class:`StorageError`."""
-        try:
-            data = self.read(key, start, end)
-        except StorageError:
-            self.check_committed(key, size, **details)  # there, whole: the failure was the backend's
-            raise
-        if len(data) != end - start:
-            self.check_committed(key, size, **details)
-            raise CorruptCheckpoint(f"committed file {key!r} gave {len(data)} of the {end - start} bytes at "
-                                    f"{start}", key=key, size=size, **details)
-        return data
+        return self._committed(lambda: self.read(key, start, end), key, start, end - start, size, details)
 
     def read_committed_into(self, key: str, start: int, view: memoryview, size: int, **details: Any) -> None:
         """:meth:`read_committed` into a caller's buffer: all of ``view`` is filled, or it raises."""
+        self._committed(lambda: self.read_into(key, start, view), key, start, len(view), size, details)
+
+    def _committed(self, read: Callable[[], Any], key: str, start: int, want: int, size: int, details: dict) -> Any:
+        """``read()`` (bytes, or a count of bytes read) of ``want`` bytes at ``start`` of a committed file,
+        judged by the rule of :meth:`read_committed`."""
         try:
-            got = self.read_into(key, start, view)
+            got = read()
         except StorageError:
-            self.check_committed(key, size, **details)
+            self.check_committed(key, size, **details)  # there, whole: the failure was the backend's
             raise
-        if got != len(view):
+        n = got if isinstance(got, int) else len(got)
+        if n != want:
             self.check_committed(key, size, **details)
-            raise CorruptCheckpoint(f"committed file {key!r} gave {got} of the {len(view)} bytes at {start}",
-                                    key=key, size=size, **details)
+            raise CorruptCheckpoint(f"committed file {key!r} gave {n} of the {want} bytes at {start}", key=key,
+                                    size=size, **details)
+        return got
 
     def read_or_none(self, key: str) -> bytes | None:
         """The whole object, or None when it is absent."""

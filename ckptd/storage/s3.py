@@ -53,7 +53,7 @@ from ckptd_schemas import CkptdError, StorageError
 import fsspec
 
 from .base import Presigned, Storage, Writer, check_key
-from .failures import classify
+from .failures import classify, client_errors
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_ATTEMPTS", "S3Storage", "s3_options_from_env"]
 
@@ -105,25 +105,11 @@ def _s3_errors(op: str, key: str, root: str) -> Iterator[None]:
         raise classify(op, key, e, root) from e
 
 
-def _client_errors(e: BaseException) -> Iterator[tuple[str, int | None]]:
-    """(error code, HTTP status) of every botocore ClientError in ``e``'s cause chain."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        resp = getattr(cur, "response", None)
-        if isinstance(resp, dict):
-            err = resp.get("Error") or {}
-            status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            yield str(err.get("Code") or ""), status
-        cur = cur.__cause__ or cur.__context__
-
-
 def _create_outcome(e: BaseException) -> str:
     """``exists`` (412: the key is there), ``conflict`` (409: retry) or ``error``."""
     if isinstance(e, FileExistsError):
         return "exists"
-    for code, status in _client_errors(e):
+    for code, status in client_errors(e):
         if code == "PreconditionFailed" or status == 412:
             return "exists"
         if code == "ConditionalRequestConflict" or status == 409:
@@ -498,26 +484,27 @@ class S3Storage(Storage):
             raise classify("delete", prefix, e, self.url) from e
         self.fs.invalidate_cache(self._path(prefix))
 
+    def _uploads(self, pfx: str) -> Iterator[dict]:
+        """The multipart uploads in flight under the S3 key prefix ``pfx``, page after page."""
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": pfx}
+        while True:
+            out = self.fs.call_s3("list_multipart_uploads", **kw)
+            yield from out.get("Uploads") or ()
+            if not out.get("IsTruncated"):
+                return
+            kw["KeyMarker"], kw["UploadIdMarker"] = out.get("NextKeyMarker"), out.get("NextUploadIdMarker")
+
     def _abort_uploads(self, pfx: str, older_than: float = float("inf")) -> int:
         """Abort the multipart uploads in flight under ``pfx`` (parts of crashed or abandoned writers)
         begun before ``older_than`` (epoch seconds); return how many."""
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": pfx}
         n = 0
-        while True:
-            out = self.fs.call_s3("list_multipart_uploads", **kw)
-            for u in out.get("Uploads") or ():
-                begun = u.get("Initiated")
-                if begun is not None and begun.timestamp() >= older_than:
-                    continue
-                try:
-                    self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=u["Key"],
-                                    UploadId=u["UploadId"])
+        for u in list(self._uploads(pfx)):
+            begun = u.get("Initiated")
+            if begun is None or begun.timestamp() < older_than:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
                     n += 1
-                except FileNotFoundError:
-                    pass
-            if not out.get("IsTruncated"):
-                return n
-            kw["KeyMarker"], kw["UploadIdMarker"] = out.get("NextKeyMarker"), out.get("NextUploadIdMarker")
+        return n
 
     def reclaim_temps(self, prefix: str, older_than: float) -> int:
         """The unfinished multipart uploads under ``prefix`` (a writer killed mid-upload, or a presigned
@@ -537,13 +524,5 @@ class S3Storage(Storage):
 
     def pending_uploads(self, prefix: str = "") -> list[str]:
         """Keys (relative to the root) of multipart uploads in flight under ``prefix``: diagnostics and tests."""
-        pfx = self._dir(prefix)
         root = f"{self._prefix}/" if self._prefix else ""
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": pfx}
-        keys: list[str] = []
-        while True:
-            out = self.fs.call_s3("list_multipart_uploads", **kw)
-            keys.extend(u["Key"][len(root):] for u in out.get("Uploads") or ())
-            if not out.get("IsTruncated"):
-                return sorted(keys)
-            kw["KeyMarker"], kw["UploadIdMarker"] = out.get("NextKeyMarker"), out.get("NextUploadIdMarker")
+        return sorted(u["Key"][len(root):] for u in self._uploads(self._dir(prefix)))
