@@ -7,6 +7,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
@@ -271,13 +272,8 @@ class LocalStorage(Storage):
             raise classify("read", key, e, self.url) from e
 
     def size(self, key: str) -> int | None:
-        try:
-            st = self._path(key).stat()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise classify("stat", key, e, self.url) from e
-        return st.st_size if not os.path.isdir(self._path(key)) else 0
+        st = self._stat(key)
+        return None if st is None else 0 if stat.S_ISDIR(st.st_mode) else st.st_size
 
     def free_space(self) -> tuple[int, int] | None:
         """``statvfs`` of the root: the blocks an unprivileged writer may still use, and the size."""

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 from ckptd_schemas import (
@@ -93,10 +93,7 @@ class RetentionPlan:
     refused: dict[str, CkptdError] = field(default_factory=dict, repr=False)
 
     def as_json(self) -> dict:
-        return {"run": self.run, "keep": self.keep, "delete": self.delete, "deleted": self.deleted,
-                "newest_verified": self.newest_verified, "verified_how": self.verified_how,
-                "failed_verification": self.failed_verification, "latest": self.latest,
-                "known_bad": self.known_bad}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.repr}  # every field but ``refused``
 
 
 def plan_retention(run: str, ckpts: list[CheckpointSummary], *, keep_last: int, keep_every: int | None = None,
@@ -274,7 +271,7 @@ class Removal:
         return self.reason in ("removed", "would be removed")
 
     def as_json(self) -> dict:
-        return {"ref": self.ref, "removed": self.removed, "reason": self.reason}
+        return asdict(self)
 
 
 def gc_run(storage: Storage, run: str, *, keep_last: int, keep_every: int | None, dry_run: bool, drop_parents: bool,
