@@ -372,24 +372,27 @@ def read_router(svc: Services) -> APIRouter:
         return StreamingResponse(pieces(), status_code=status, headers=headers,
                                  media_type="application/octet-stream")
 
+    async def on_lease(act: Callable[..., None], request: Request, run: str, name: str, holder: str) -> Any:
+        """``act`` (``ReadLeases.hold`` or ``release``) on lease ``holder`` of the committed ``run/name``, for
+        the request's token; the committed checkpoint."""
+        check_session(holder)  # the same safe-name rule as a session id
+        c = await run_in_threadpool(reader.committed, run, name)
+        p = principal_of(request)
+        await run_in_threadpool(lambda: act(run, c.name, holder, p.name, admin=p.admin))
+        return c
+
     @router.put("/v1/checkpoints/{run}/{name}/leases/{holder}")
     async def hold_lease(request: Request, run: str, name: str, holder: str) -> dict:
         """Take or renew the request's token's read lease ``holder`` (``ckptd.store.leases``): renewed by
         the reader every third of ``seconds``; gc spares the checkpoint meanwhile. 403 when another
         token holds that lease (an admin token takes it over, logged), 429 past the leases one token may hold."""
-        check_session(holder)  # the same safe-name rule as a session id
-        c = await run_in_threadpool(reader.committed, run, name)
-        p = principal_of(request)
-        await run_in_threadpool(lambda: read_leases.hold(run, c.name, holder, p.name, admin=p.admin))
+        c = await on_lease(read_leases.hold, request, run, name, holder)
         return {"ref": c.ref, "holder": holder, "seconds": settings.read_lease_seconds}
 
     @router.delete("/v1/checkpoints/{run}/{name}/leases/{holder}", status_code=204)
     async def release_lease(request: Request, run: str, name: str, holder: str) -> Response:
         """Release read lease ``holder``: its own token may, and an admin token, which breaks it (logged)."""
-        check_session(holder)  # the same safe-name rule as a session id
-        c = await run_in_threadpool(reader.committed, run, name)
-        p = principal_of(request)
-        await run_in_threadpool(lambda: read_leases.release(run, c.name, holder, p.name, admin=p.admin))
+        await on_lease(read_leases.release, request, run, name, holder)
         return Response(status_code=204)
 
     return router

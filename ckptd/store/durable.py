@@ -51,14 +51,10 @@ from .leases import Leases
 from .checker import StorageFiles, judge
 from .visibility import Visibility, order_key
 
-__all__ = ["DURABLE_CRASH_POINTS", "Copied", "DurableCopier", "DurableState"]
+__all__ = ["Copied", "DurableCopier", "DurableState"]
 
 log = logging.getLogger("ckptd.durable")
 
-DURABLE_CRASH_POINTS = (
-    "durable-mid-copy",       # some data files on the durable tier, not all
-    "durable-before-marker",  # every file and the manifest there, the marker not yet created
-)
 WINDOW = 16 << 20  # bytes per read and write while copying (one request per window on object stores)
 PARALLEL_FILES = 4  # files copied at once (object stores: one request each in flight)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 from ckptd_schemas import CkptdError
 
@@ -82,10 +82,6 @@ class Observers:
 
     def add(self, observer: SessionEvents) -> None:
         self._observers = (*self._observers, observer)
-
-    def __iter__(self) -> Iterator[SessionEvents]:
-        """The observers, in the order they hear."""
-        return iter(self._observers)
 
     def tell(self, hook: str, *args: object) -> None:
         """Call ``hook`` of each observer; what one raises is logged, never raised into the save."""
