@@ -119,14 +119,9 @@ class UploadSlots:
 
 
 class PrincipalRequests:
-    """At most ``limit`` requests of one principal (token) in progress at once, of every kind (0: no limit).
-
-    Call order: ``AccessMiddleware`` names the request's principal, then this counts the request from
-    here until the app has answered it (a streamed download until its last byte is sent); the next one
-    over the limit is answered 429 at once, unrouted and unread. Open routes (``open_paths``: probes,
-    metrics) and requests without a token are never counted, so no token's flood holds a probe back,
-    and one token's slow requests cannot take every connection and worker from the others.
-    """
+    """At most ``limit`` requests of one principal (token) in progress at once, of every kind (0: no limit;
+    module docstring, 1): a request counts from here until the app has answered it (a streamed download
+    until its last byte is sent); ``open_paths`` (probes, metrics) never count."""
 
     def __init__(self, app: ASGIApp, limit: int, open_paths: Collection[str] = (), routes: Sequence[Any] = (),
                  metrics: Any = None) -> None:

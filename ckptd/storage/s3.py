@@ -289,11 +289,8 @@ class S3Storage(Storage):
                 return
             kw["ContinuationToken"] = out["NextContinuationToken"]
 
-    def _missing(self, key: str, e: BaseException | None = None) -> StorageError:
-        err = StorageError(f"storage object {key!r} does not exist", key=key)
-        if e is not None:
-            err.__cause__ = e
-        return err
+    def _missing(self, key: str) -> StorageError:
+        return StorageError(f"storage object {key!r} does not exist", key=key)
 
     # -- primitives ---------------------------------------------------------------
     def open_write(self, key: str, *, once: bool = False) -> Writer:
@@ -311,7 +308,7 @@ class S3Storage(Storage):
                 return self.fs.cat_file(path)
             return self.fs.cat_file(path, start=start, end=end)
         except FileNotFoundError as e:
-            raise self._missing(key, e) from e
+            raise self._missing(key) from e
         except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
             if not isinstance(e, StorageError):  # 416 InvalidRange past the end: a short read, as on a file
                 size = self.size(key)
@@ -521,8 +518,3 @@ class S3Storage(Storage):
                               for o in page.get("Contents") or ())
             except FileNotFoundError:
                 return []
-
-    def pending_uploads(self, prefix: str = "") -> list[str]:
-        """Keys (relative to the root) of multipart uploads in flight under ``prefix``: diagnostics and tests."""
-        root = f"{self._prefix}/" if self._prefix else ""
-        return sorted(u["Key"][len(root):] for u in self._uploads(self._dir(prefix)))

@@ -265,11 +265,6 @@ class Removal:
     removed: bool
     reason: str
 
-    @property
-    def gone(self) -> bool:
-        """Removed, or would be in a dry run."""
-        return self.reason in ("removed", "would be removed")
-
     def as_json(self) -> dict:
         return asdict(self)
 

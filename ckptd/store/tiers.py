@@ -6,12 +6,9 @@ with, the durable tier. The durable tier (an object store, or any root) receives
 checkpoint afterwards, whole and verified, from :mod:`ckptd.store.durable`, which writes it
 there directly (``TieredStorage.durable``).
 
-The fast tier holds the marker of every checkpoint committed through it, for good: dropping a
-fast copy (``DurableCopier.trim``) removes its data and keeps its marker, and a new or emptied
-fast tier first takes the durable tier's markers (``DurableCopier.adopt``). The fast tier answers
-which checkpoints exist (:meth:`list`); a name is taken on both tiers at once: a marker is created
-on the fast tier only while the durable tier holds none under the name (:meth:`create_if_absent`),
-so a fast tier that lost its markers never lets a save reuse a durable name.
+The fast tier holds every checkpoint's marker for good (:mod:`.durable` trims a fast copy's data,
+never its marker, and adopts the durable tier's markers), so it answers which checkpoints exist
+(:meth:`list`); a name is taken on both tiers at once (:meth:`create_if_absent`).
 
 A read of a key under ``runs/RUN/NAME/`` that the fast tier lacks goes to the durable tier when
 the fast tier holds that checkpoint's marker (its fast copy was dropped, or lost): such a

@@ -24,6 +24,8 @@ import pytest
 from ckptd.storage import LocalStorage, Storage, open_storage
 from ckptd.storage.fsspec import FsspecStorage
 from ckptd.storage.s3 import S3Storage
+
+from .test_s3 import pending_uploads
 from ckptd_schemas import InvalidName, StorageError
 
 BACKENDS = ["local", "file-url", "fsspec-memory", "s3"]
@@ -64,7 +66,7 @@ def raw_names(st: Storage, prefix: str) -> list[str]:
         names = sorted(str(p).rstrip("/").rsplit("/", 1)[-1] for p in st.fs.ls(path, detail=False, refresh=True))
     if isinstance(st, S3Storage):  # unfinished multipart uploads are storage left behind too
         depth = prefix.count("/") + 1 if prefix else 0
-        names += [f"{k.split('/')[depth]} (upload in flight)" for k in st.pending_uploads(prefix)]
+        names += [f"{k.split('/')[depth]} (upload in flight)" for k in pending_uploads(st, prefix)]
     return names
 
 
