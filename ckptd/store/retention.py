@@ -365,14 +365,10 @@ class RetentionPolicy:
         self._again: set[str] = set()  # of those, runs committed to meanwhile
         self._lock = threading.Lock()
 
-    @property
-    def enabled(self) -> bool:
-        return self.keep_last is not None
-
     def after_commit(self, run: str) -> None:
         """Collect ``run`` in a thread; a commit while it runs has it collect once more after (its
         listing may predate that commit)."""
-        if not self.enabled:
+        if self.keep_last is None:  # no policy
             return
         with self._lock:
             if run in self._busy:

@@ -144,9 +144,7 @@ class TieredStorage(Storage):
     def local_path(self, key: str) -> str | None:
         """A fast-tier path (also for a key not written yet); for a key only the durable tier holds, its
         path if that is a local root."""
-        if self._holder(key) is self.durable:
-            return self.durable.local_path(key)
-        return self.fast.local_path(key)
+        return self._holder(key).local_path(key)
 
     # -- deletes: a whole checkpoint, or its marker, from both tiers (the durable one first) ----------
     @staticmethod
