@@ -56,12 +56,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 import torch
 import xxhash
 
-from ckptd_schemas import BoxChunk, CkptdError, FlatChunk, InvalidRequest, NotFound, linked_name
+from ckptd_schemas import CkptdError, InvalidRequest, NotFound, linked_name
 
 if TYPE_CHECKING:
     from .transport import Transport
 
-__all__ = ["SLOT", "ChunkHistory", "SaveLinks", "chunk_key", "digest_source", "link_early", "link_files", "relocated",
+__all__ = ["SLOT", "ChunkHistory", "SaveLinks", "bytes_of", "chunk_key", "digest_source", "link_early", "link_files", "relocated",
            "worth_linking"]
 
 log = logging.getLogger("ckptd_client")
@@ -208,7 +208,7 @@ class ChunkHistory:
         copied: dict[ChunkKey, bytes] = {}
         placed: list[list] = []
         for c in (c for cs in snap.chunks.values() for c in cs):
-            digests[c.key] = c.digest if c.digest is not None else digest(_raw(c.data))
+            digests[c.key] = c.digest if c.digest is not None else xxhash.xxh3_128_digest(bytes_of(c.data))
             if c.reused is None:
                 copied[c.key] = digests[c.key]
             else:
@@ -241,11 +241,8 @@ class ChunkHistory:
         self._last = _Last(links.run, links.name, chunks, sizes)
 
 
-def digest(data: memoryview) -> bytes:
-    return xxhash.xxh3_128_digest(data)
-
-
-def _raw(t: Any) -> memoryview:
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, in place."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
@@ -254,7 +251,7 @@ def digest_source(t: torch.Tensor) -> bytes | None:
     GPU tensor is digested once copied to the host)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         return None
-    return digest(_raw(t.detach()))
+    return xxhash.xxh3_128_digest(bytes_of(t.detach()))
 
 
 def _files_of(candidates: dict[ChunkKey, list]) -> set[str]:
@@ -314,9 +311,5 @@ def relocated(pieces: list, linked: dict[str, str], rank: int) -> list | None:
         name = linked.get(p.location.file)
         if name is None:
             return None
-        loc = p.location.model_copy(update={"file": name})
-        if isinstance(p, FlatChunk):
-            out.append(FlatChunk.model_construct(kind="flat", rank=rank, start=p.start, length=p.length, location=loc))
-        else:
-            out.append(BoxChunk.model_construct(kind="box", rank=rank, offsets=p.offsets, sizes=p.sizes, location=loc))
+        out.append(p.model_copy(update={"rank": rank, "location": p.location.model_copy(update={"file": name})}))
     return out

@@ -17,7 +17,7 @@ Call order inside :meth:`CheckpointClient.load`:
    placements, FlatShard ranges, whole plain tensors), fetch the load tree's
    pieces they need (chunk rows, files, the objects it restores), check each,
    and plan the reads here: coalesced, block-aligned byte ranges (without a load
-   tree, the service plans them from the manifest);
+   tree, from the whole manifest, checked against its digest);
 3. fetch the ranges in parallel and verify every block digest. Where every
    overlap of a fetch is a contiguous run on both sides (row bands into row
    bands, raw, same dtype, CPU) the response is scattered straight into the
@@ -63,8 +63,8 @@ from .transport import Transport
 from ._placement import LocalPiece, dtype_name, local_piece
 from ._damage import reported
 from ._lease import LoadLease
-from ._loadtree import fetch_head, fetch_pieces, post_read_plan
-from ._resolve import resolve_manifest
+from ._loadtree import Pieces, fetch_head, fetch_pieces
+from ._manifest import get_manifest
 from ckptd_schemas.api import SkippedCheckpoint
 from ckptd_schemas.readplan import whole
 from ckptd_schemas.format.assemble import Destination, copy_into
@@ -72,8 +72,7 @@ from ckptd_schemas.format.objects import SAFE, ObjectPolicy, decode_object
 
 from ckptd_schemas.names import RESERVED
 
-__all__ = ["HttpRanges", "LoadReport", "RESERVED", "execute", "load_into", "local_files", "resolve_manifest",
-           "stored_object"]
+__all__ = ["HttpRanges", "LoadReport", "RESERVED", "execute", "load_into", "local_files", "stored_object"]
 
 log = logging.getLogger("ckptd_client")
 T = TypeVar("T")
@@ -93,7 +92,7 @@ class LoadReport:
     bytes_read_direct: int = 0  # of bytes_read, read from the service's files on this host (not HTTP)
     bytes_shared_in: int = 0  # received from the rank of this host that read them (``_share``)
     # metadata fetched before the bytes: the load tree's head and this rank's pieces of it (or, from a
-    # service or checkpoint without load trees, the whole manifest and the read plans)
+    # service or checkpoint without load trees, the whole manifest)
     metadata_bytes: int = 0
     # how many ranks' keys were gathered to find what the checkpoint holds that none of them restored
     # (1: this rank alone; N: a distributed load, ``_coverage``); 0 when nothing was checked
@@ -141,10 +140,13 @@ class HttpRanges:
                                       headers={"Range": f"bytes={f.start}-{f.end - 1}"}, sink=sink)
 
 
-def stored_object(transport: Transport, base: str, o: ObjectEntry, ref: str) -> bytes:
-    """The stored bytes of object ``o`` (not a JSON one), checked against its digest (``ObjectEntry.checked``)."""
+def stored_object(transport: Transport, base: str, o: ObjectEntry, ref: str) -> bytes | None:
+    """The object's stored bytes, checked against its digest (``ObjectEntry.checked``; None for a JSON
+    object: its value is inline); the load and the DCP reader decode them without running code
+    (``ckptd_schemas.format.objects``)."""
     loc = o.location
-    assert loc is not None
+    if loc is None:
+        return None
     try:
         data = transport.request("GET", f"{base}/files/{loc.file}",
                                  headers={"Range": f"bytes={loc.offset}-{loc.offset + loc.length - 1}"},
@@ -202,14 +204,11 @@ def _load_into(transport: Transport, run: str, name: str, state_dict: dict, leas
             continue
         entries = objects_by_name[leaf.fqn]
         entry = _pick_object(entries, rank)
-        if entry is None:
-            if strict:
-                raise StateDictMismatch(f"object {leaf.fqn!r} was saved per rank for ranks "
-                                        f"{[o.rank for o in entries][:8]}, not for rank {rank}", key=leaf.fqn)
+        if entry is None:  # saved per rank for other ranks (``strict`` refused it in ``_prepare``)
             report.missing.append(leaf.fqn)
             continue
-        data = stored_object(transport, base, entry, manifest.ref) if entry.location is not None else None
-        leaf.container[leaf.key] = decode_object(entry, data, ref=manifest.ref, policy=objects)
+        leaf.container[leaf.key] = decode_object(entry, stored_object(transport, base, entry, manifest.ref),
+                                                 ref=manifest.ref, policy=objects)
         report.objects.append(leaf.fqn)
     return report
 
@@ -245,8 +244,8 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
     fills, and how their reads are planned.
 
     Through the checkpoint's load tree where the service offers one (``_loadtree``: the head, then
-    this rank's pieces, each checked; the reads planned here), else the whole manifest (the service
-    plans the reads). With ``strict``, a key of the state dict that the checkpoint lacks (or holds
+    this rank's pieces, each checked), else the whole manifest (checked against its digest); the
+    reads are planned here from either. With ``strict``, a key of the state dict that the checkpoint lacks (or holds
     only per rank, for other ranks) fails this rank. With ``cover``, a key of the checkpoint that the
     state dict lacks fails it when it loads ``alone``; otherwise ``_coverage.agree_keys`` checks that
     some rank holds it. ``hold(base)`` takes the load's read lease on the checkpoint ``name`` resolved
@@ -254,7 +253,7 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
     found = fetch_head(transport, run, name)
     manifest: Manifest | None = None
     if found is None:
-        raw, skipped = resolve_manifest(transport, run, name)
+        raw, skipped = get_manifest(transport, run, name)
         manifest = Manifest.model_validate_json(raw)  # inline objects: checked
         ref, concrete = manifest.ref, manifest.name
         shapes = {t.name: (t.shape, t.dtype) for t in manifest.tensors}
@@ -314,32 +313,22 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
         manifest = got.manifest
         report.metadata_bytes += got.answer_bytes
         objects_by_name = {n: [o] if o is not None else [] for n, o in got.objects.items()}
-
-        def plan(ps: list[tuple[Leaf, LocalPiece]]) -> ReadPlan:
-            return got.plan([_request(leaf.fqn, p) for leaf, p in ps])
     else:
+        got = Pieces(manifest, {}, None, 0)
         objects_by_name = {}
         for o in manifest.objects:
             if o.name in object_names:
                 objects_by_name.setdefault(o.name, []).append(o)
 
-        def plan(ps: list[tuple[Leaf, LocalPiece]]) -> ReadPlan:
-            got_plan, size = _plan(transport, base, ps, direct_reads)
-            report.metadata_bytes += size
-            return got_plan
+    def plan(ps: list[tuple[Leaf, LocalPiece]]) -> ReadPlan:
+        return got.plan([_request(leaf.fqn, p) for leaf, p in ps])
+
     for leaf in leaves:
         entries = objects_by_name.get(leaf.fqn) if strict and leaf.kind != "tensor" else None
         if entries is not None and _pick_object(entries, rank) is None:
             raise StateDictMismatch(f"object {leaf.fqn!r} was saved per rank for ranks "
                                     f"{[o.rank for o in entries][:8]}, not for rank {rank}", key=leaf.fqn)
     return _Prepared(manifest, report, leaves, pieces, objects_by_name, plan, sorted({*shapes, *object_names}))
-
-
-def _plan(transport: Transport, base: str, pieces: list[tuple[Leaf, LocalPiece]], direct_reads: bool
-          ) -> tuple[ReadPlan, int]:
-    """The service's read plan for ``pieces``, and the bytes of its JSON (``post_read_plan``)."""
-    return post_read_plan(transport, f"{base}/read-plan", [_request(leaf.fqn, p) for leaf, p in pieces],
-                          direct_reads)
 
 
 def _key(leaf: Leaf, p: LocalPiece) -> Any:

@@ -23,15 +23,13 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
-import httpx
-
 from ckptd_schemas import CheckpointNotFound, CorruptCheckpoint, Manifest, NotFound, ObjectEntry, PayloadTooLarge, \
     ReadPlan, ReadRequest, plan_reads
-from ckptd_schemas.api import MAX_READ_REQUESTS
+from ckptd_schemas.api import LOAD_TREE_HEADER, MAX_READ_REQUESTS, SkippedCheckpoint
 from ckptd_schemas.readplan import merge_plans, request_batches
-from ckptd_schemas.api import LOAD_TREE_HEADER, SKIPPED_HEADER, SkippedCheckpoint
 from ckptd_schemas.loadtree import LoadHead, check_covered, verify_answer
 
+from ._manifest import skipped_in
 from .transport import Transport
 
 __all__ = ["Head", "Pieces", "fetch_head", "fetch_pieces", "post_read_plan"]
@@ -61,7 +59,8 @@ class Head:
 
 @dataclass
 class Pieces:
-    """The checked pieces of the checkpoint a rank loads, and the objects it restores."""
+    """The checked pieces of the checkpoint a rank loads, and the objects it restores (a checkpoint
+    without a load tree: its whole manifest, checked against its digest, and no objects)."""
 
     manifest: Manifest  # only the rows, files and objects the answer proved
     objects: dict[str, ObjectEntry | None]
@@ -80,30 +79,18 @@ class Pieces:
 def fetch_head(transport: Transport, run: str, name: str) -> Head | None:
     """The checkpoint's load-tree head, checked against its marker's root; None when the service or the
     checkpoint has none (the caller reads the manifest)."""
-    got: dict[str, Any] = {}
-
-    def sink(resp: httpx.Response) -> bytes:
-        got["headers"] = resp.headers
-        return resp.read()
-
     try:
-        raw = transport.request("GET", f"/v1/checkpoints/{run}/{name}/load-tree", sink=sink)
+        raw, headers = transport.request("GET", f"/v1/checkpoints/{run}/{name}/load-tree",
+                                         sink=lambda r: (r.read(), r.headers))
     except CheckpointNotFound:
         raise
     except NotFound:
         return None
-    headers = got["headers"]
     root = headers.get(LOAD_TREE_HEADER)
     if not root:  # not an answer about a load tree: the manifest, checked against its own digest, is read
         return None
     head = LoadHead.parse(raw, root.lower())
-    skipped: list[SkippedCheckpoint] = []
-    if headers.get(SKIPPED_HEADER):
-        try:
-            skipped = [SkippedCheckpoint.model_validate(x) for x in json.loads(headers[SKIPPED_HEADER])]
-        except (ValueError, TypeError):
-            skipped = []
-    return Head(head, headers.get("X-Ckptd-Name", name), skipped)
+    return Head(head, headers.get("X-Ckptd-Name", name), skipped_in(headers, f"{run}/{name}"))
 
 
 def fetch_pieces(transport: Transport, base: str, head: LoadHead, requests: Sequence[ReadRequest],

@@ -14,12 +14,11 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ckptd_schemas import Box, InvalidRequest
-from ckptd_schemas.balance import lpt_assign
 from ckptd_schemas.dtypes import ITEMSIZE
 
 from .flat import FlatShard
 
-__all__ = ["LocalPiece", "assign_replicated", "check_savable", "dtype_name", "local_piece", "mesh_of", "shard_box"]
+__all__ = ["LocalPiece", "check_savable", "dtype_name", "local_piece", "mesh_of", "shard_box"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -136,12 +135,6 @@ def local_piece(fqn: str, value: object) -> LocalPiece:
         return LocalPiece(tuple(value.shape), value.dtype, value.detach(), box=Box.full(value.shape),
                           replicated=True, placement="replicate")
     raise TypeError(f"{fqn!r} is not a tensor")
-
-
-def assign_replicated(sizes: Sequence[tuple[str, int]], world: int) -> dict[str, int]:
-    """Which rank writes each replicated tensor: balanced by bytes, computed identically on
-    every rank from names and sizes alone (no communication)."""
-    return lpt_assign(sizes, world)
 
 
 def mesh_of(values: Sequence[object], world: int) -> tuple[dict[str, int], dict[str, int]]:

@@ -3,7 +3,7 @@
 Call order inside :meth:`CheckpointClient.save`:
 
 1. ``build_snapshot`` (caller's thread; this is the training stall): flatten the state dict once
-   and plan the save (``ckptd_client._saveplan``: ``replica_owners``, then ``plan_save``), then
+   and plan the save (``ckptd_client._saveplan.plan_save``, from the replica owners), then
    two steps driven by the plan: reuse (the reuse candidates, hashed in place, that ``link`` linked
    into the session it opened: not copied) and copy (the rest, to host memory: into a claimed
    :class:`SnapshotPool` slab when the client has one; from CUDA on a side stream, synchronised
@@ -20,7 +20,6 @@ Call order inside :meth:`CheckpointClient.save`:
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import time
 import threading
@@ -43,13 +42,12 @@ from ._flatten import Flattened, flatten
 from .transport import Transport
 from ._placement import LocalPiece, dtype_name, local_piece
 from ckptd_schemas.format.objects import SAFE, ObjectPolicy, encode_object
-from ._incremental import ChunkHistory, ChunkKey, SaveLinks, chunk_key, digest_source
+from ._incremental import ChunkHistory, ChunkKey, SaveLinks, bytes_of, chunk_key, digest_source
 from ._pool import SlabClaim, SnapshotPool, aligned
-from ._saveplan import (ALIGN, FILE_BYTES, PlannedChunk, SavePlan, Write, file_prefix, lay_out, plan_save,
-                        replica_owners, write_order)
+from ._saveplan import ALIGN, PlannedChunk, SavePlan, Write, file_prefix, lay_out, plan_save, write_order
 from ._presigned import DirectUploads
 from ._handover import LocalHandover
-from .session_calls import Opened, abort_session, open_session, put_index, wait_committed
+from .session_calls import Opened, abort_session, open_session, put_file, put_index, wait_committed
 
 __all__ = ["Compression", "SaveHandle", "SaveWays", "Snapshot", "build_snapshot", "upload_snapshot", "ways_in"]
 
@@ -107,7 +105,6 @@ class Snapshot:
     coords: dict[str, int] = field(default_factory=dict)
     layouts: dict[str, str] = field(default_factory=dict)
     claim: SlabClaim | None = None  # the pool slab the chunks are views of, until release()
-    plan: SavePlan | None = None    # what ``build_snapshot`` planned (None for a snapshot built by hand)
 
     def order(self, linked: Mapping[tuple, list] | None = None, apart: Container[tuple] = ()) -> list[Write]:
         """The upload's order (``write_order``): chunks the stall or ``linked`` linked not written, ``apart`` first."""
@@ -155,26 +152,24 @@ def _to_host(src: torch.Tensor, claim: SlabClaim | None, side: dict[torch.device
 
 def build_snapshot(state_dict: dict | Flattened, rank: int, world: int, pool: SnapshotPool | None = None, *,
                    owners: Mapping[str, int] | None = None, objects: ObjectPolicy = SAFE,
-                   link: Link | None = None, stall_keys: Container[tuple] = (),
-                   file_bytes: int = FILE_BYTES) -> Snapshot:
+                   link: Link | None = None, stall_keys: Container[tuple] = ()) -> Snapshot:
     """Copy what this rank writes to host memory; afterwards training may mutate its tensors.
 
     With ``pool``, the copies go into its slab (claimed until ``snap.release()``, which the uploader
     calls); on failure here the claim is given back before raising. ``owners``: the writer of each
-    plain tensor agreed among the ranks (``ReplicaWriters.owners``), else ``replica_owners`` balances
+    plain tensor agreed among the ranks (``ReplicaWriters.owners``), else ``plan_save`` balances
     them over all ranks. ``objects`` decides how non-tensor values are stored (an unsafe one raises
     ``UnsafeObject`` here, naming its key). ``link`` (incremental saves) is given the digests of the
     chunks in ``stall_keys`` that this rank holds on the CPU and returns those it linked into the
     session from the previous checkpoint (``ckptd_client._incremental.link_early``): they are not
-    copied. ``file_bytes``: the plan's file size (``Snapshot.plan.files``). ``state_dict`` may come
-    flattened already (``client.save`` flattens once, for the writers' agreement and this).
+    copied. ``state_dict`` may come flattened already (``client.save`` flattens once, for the writers'
+    agreement and this).
     """
     flat = state_dict if isinstance(state_dict, Flattened) else flatten(state_dict)
     sources = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in flat.leaves if leaf.kind == "tensor"}
-    plan = plan_save(flat, sources, rank, world, replica_owners(sources, world, owners), stall_keys=stall_keys,
-                     file_bytes=file_bytes)
+    plan = plan_save(flat, sources, rank, world, owners, stall_keys=stall_keys)
     snap = Snapshot(rank, world, tensors=plan.tensors, param_groups=plan.param_groups, mesh=plan.mesh,
-                    coords=plan.coords, layouts=plan.layouts, plan=plan)
+                    coords=plan.coords, layouts=plan.layouts)
     side: dict[torch.device, Any] = {}
     try:
         try:
@@ -248,10 +243,6 @@ class SaveWays:
 
     def __repr__(self) -> str:
         return f"SaveWays({self})"
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 @dataclass
@@ -329,7 +320,7 @@ def _frames(c: _Chunk, compression: Compression) -> Iterator[tuple[memoryview | 
     frame by frame (the plan's ``frames``: independently decodable, so a ranged read decodes only
     those it overlaps)."""
     assert c.data is not None and c.plan is not None
-    raw = _bytes_of(c.data)
+    raw = bytes_of(c.data)
     isz = c.plan.itemsize
     policy = compression if isinstance(compression, CompressionPolicy) else None
     frames: Sequence[tuple[int, int, Any, Any]]
@@ -421,12 +412,7 @@ def upload_files(transport: Transport, base: str, session: str, snap: Snapshot, 
         head = _declaration(f, order) if declare else b""
         if local is not None and local.enabled and local.put(f.name, f.size, f.xxh3, lambda: _pieces(f), head):
             return "socket"
-        headers = {"X-Ckptd-Xxh3": f.xxh3, "Content-Length": str(len(head) + f.size),
-                   "Content-Type": "application/octet-stream"}
-        if head:
-            headers[arrival.CHUNKS_HEADER] = str(len(head))
-        transport.request("PUT", f"{base}/sessions/{session}/files/{f.name}",
-                          content=lambda: itertools.chain([head] if head else [], _stream(f)), headers=headers)
+        put_file(transport, base, session, f.name, lambda: _stream(f), size=f.size, xxh3=f.xxh3, head=head)
         return "http"
 
     def put(f: _File) -> None:

@@ -4,39 +4,52 @@ Call order inside a save (``ckptd_client._save``):
 
 1. ``flatten`` the state dict once (``ckptd_client._flatten``) and describe each tensor leaf
    (``ckptd_client._placement.local_piece``: the box or flat range this rank holds);
-2. :func:`replica_owners`, the save's one global step (DCP's ``create_global_plan``): who writes
-   each replicated tensor (the writers the ranks agreed on, else ``assign_replicated``);
+2. the save's one global step (DCP's ``create_global_plan``): who writes each plain (replicated)
+   tensor, one of the ranks that hold it (:func:`plain_tensors`, then :meth:`ReplicaWriters.owners`);
 3. :func:`plan_save` from those owners: the index's tensor entries, the chunks this rank writes,
    the reuse candidates (chunks unchanged at the rank's last save to the run, ``stall_keys``, that
-   can be hashed in place), the objects, and the raw layout of the data files;
+   can be hashed in place), and the objects;
 4. ``build_snapshot``: reuse (the candidates found unchanged and linked), then copy the rest;
 5. the upload: :func:`write_order` (with what the save linked and lays apart), which ``_pack``
    lays out by :func:`lay_out` as it stores each piece.
 
-Pure: reads names, shapes, dtypes, devices and strides, never a tensor's bytes, and makes no
-request; so a test builds and compares a plan with no service and no processes, as load does with
-``ckptd_schemas.readplan.plan_reads``. One layout rule, :func:`lay_out`, runs in the plan over raw
-lengths and in the upload over stored ones (a compressed frame's is known once compressed): the
-upload writes the plan's files whenever every chunk is stored raw and none is linked or apart.
+Pure but for the global step's collective: reads names, shapes, dtypes, devices and strides, never a
+tensor's bytes, and makes no request; so a test builds and compares a plan with no service and no
+processes, as load does with ``ckptd_schemas.readplan.plan_reads``. One layout rule, :func:`lay_out`,
+runs in the upload over the stored lengths (a compressed frame's is known once compressed); run over
+the plan's raw lengths it gives the files a raw save writes.
+
+The global step. A plain ``torch.Tensor`` is a replica (DCP's rule too): every rank that holds its
+key holds the same bytes, and one of them writes it, largest first onto the holder with the fewest
+bytes so far (``lpt_assign``). Whether any rank's plain tensors changed rides on the save's first
+all-reduce; after a change one fixed-size all-reduce (``_dist.check``) says whether every rank holds
+the same ones: then each computes the same balance, and no rank's cost grows with the world size.
+Otherwise (pipeline stages) rank 0 gathers each rank's ``{key: nbytes}``, balances each key among
+its holders and scatters to each rank the writers of its own keys, as DCP's coordinator plans.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Container, Iterable, Iterator, Mapping, NamedTuple, Sequence, TypeVar
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ckptd_schemas import ParamGroup, TensorEntry
+from ckptd_schemas.balance import lpt_assign
 from ckptd_schemas.format.encoding import FRAME_BYTES, split_frames
 
+from ._dist import check, cpu_group
 from ._flatten import Flattened
 from ._incremental import ChunkKey, chunk_key
-from ._placement import LocalPiece, assign_replicated, dtype_name, mesh_of
+from ._placement import LocalPiece, check_savable, dtype_name, mesh_of
 
-__all__ = ["ALIGN", "FILE_BYTES", "Placement", "PlannedChunk", "PlannedFile", "PlannedObject", "SavePlan", "Write",
-           "file_prefix", "lay_out", "plan_save", "replica_owners", "write_order"]
+__all__ = ["ALIGN", "FILE_BYTES", "Placement", "PlannedChunk", "PlannedObject", "ReplicaWriters",
+           "SavePlan", "Write", "file_prefix", "lay_out", "plain_tensors", "plan_save", "write_order"]
 
 ALIGN = 64
 FILE_BYTES = 256 << 20  # the client's default ``file_bytes``
@@ -72,12 +85,6 @@ class PlannedObject:
 
 
 @dataclass(slots=True)
-class PlannedFile:
-    name: str
-    size: int = 0  # bytes, alignment padding included
-
-
-@dataclass(slots=True)
 class Placement:
     file: str
     offset: int
@@ -92,8 +99,6 @@ class SavePlan:
     chunks: list[PlannedChunk]          # what this rank writes, in the order it copies and lays them out
     objects: list[PlannedObject]
     reuse: frozenset[ChunkKey]          # the reuse candidates' keys
-    files: list[PlannedFile]            # the raw layout: every chunk stored raw, none linked
-    placements: dict[ChunkKey, Placement]
     param_groups: list[ParamGroup] = field(default_factory=list)
     mesh: dict[str, int] = field(default_factory=dict)
     coords: dict[str, int] = field(default_factory=dict)
@@ -138,22 +143,73 @@ def write_order(chunks: Iterable[Any], linked: Mapping[ChunkKey, list] | None = 
     return [Write(c, (linked or {}).get(c.key), c.key in apart) for c in chunks]
 
 
-def replica_owners(pieces: Mapping[str, LocalPiece], world: int,
-                   agreed: Mapping[str, int] | None = None) -> dict[str, int]:
-    """The save's global step (DCP's ``create_global_plan``): the rank that writes each replicated
-    tensor. ``agreed``: the ranks' agreement (``client.save``: ``ReplicaWriters.owners``); without it
-    (no agreement: tests, tools) balanced over all ranks by ``assign_replicated``, the same on each."""
-    sizes = [(n, p.numel * p.local.element_size()) for n, p in pieces.items() if p.replicated]
-    return dict(agreed) if agreed is not None else assign_replicated(sizes, world)
+def plain_tensors(flat: Flattened, rank: int, world: int) -> tuple[dict[str, int], str]:
+    """This rank's plain (replicated) tensors as ``{key: nbytes}``, and a digest of their keys,
+    shapes and dtypes with ``rank`` and ``world`` (the cache key of :class:`ReplicaWriters`).
+
+    Every tensor leaf is checked first (``check_savable``): one that cannot be saved raises
+    ``InvalidRequest`` naming its key here, where ``save`` makes every rank raise together."""
+    sizes: dict[str, int] = {}
+    h = hashlib.blake2b(f"{rank}/{world}".encode(), digest_size=16)
+    for leaf in flat.leaves:
+        v = leaf.value
+        if leaf.kind == "tensor":
+            check_savable(leaf.fqn, v)
+        if leaf.kind == "tensor" and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+            sizes[leaf.fqn] = v.numel() * v.element_size()
+            h.update(f"\0{leaf.fqn}\0{tuple(v.shape)}\0{v.dtype}".encode())
+    return sizes, h.hexdigest()
+
+
+class ReplicaWriters:
+    """The writers of plain tensors, cached while no rank's plain tensors change (one per client)."""
+
+    def __init__(self) -> None:
+        self._signature: str | None = None
+        self._owners: dict[str, int] = {}
+
+    def stale(self, signature: str) -> bool:
+        """True when the cached assignment was made for another signature (or none was made)."""
+        return signature != self._signature
+
+    def owners(self, sizes: Mapping[str, int], signature: str, *, refresh: bool, rank: int,
+               world: int) -> dict[str, int]:
+        """Collective when ``refresh`` (which must be the same on every rank): ``{key: writer}``."""
+        if refresh or self._signature is None:
+            self._owners, self._signature = self._assign(sizes, rank, world), signature
+        return self._owners
+
+    @staticmethod
+    def _assign(sizes: Mapping[str, int], rank: int, world: int) -> dict[str, int]:
+        if world == 1:
+            return {k: 0 for k in sizes}
+        if check(False, repr(sorted(sizes.items())).encode())[1]:  # the same on every rank: balanced alike
+            return lpt_assign(list(sizes.items()), world)
+        held: list | None = [None] * world if rank == 0 else None  # rank 0 plans, as DCP's coordinator
+        dist.gather_object(dict(sizes), held, dst=0, group=cpu_group())
+        plans: list | None = None
+        if held is not None:
+            holders: dict[str, list[int]] = {}
+            nbytes: dict[str, int] = {}
+            for r, their in enumerate(held):
+                for k, n in their.items():
+                    holders.setdefault(k, []).append(r)
+                    nbytes[k] = max(nbytes.get(k, 0), n)
+            owners = lpt_assign(sorted(nbytes.items()), world, holders=holders)
+            plans = [{k: owners[k] for k in their} for their in held]
+        mine: list = [None]
+        dist.scatter_object_list(mine, plans, src=0, group=cpu_group())
+        return mine[0]
 
 
 def plan_save(flat: Flattened, pieces: Mapping[str, LocalPiece], rank: int, world: int,
-              owners: Mapping[str, int], *, stall_keys: Container[ChunkKey] = (),
-              file_bytes: int = FILE_BYTES) -> SavePlan:
+              owners: Mapping[str, int] | None = None, *, stall_keys: Container[ChunkKey] = ()) -> SavePlan:
     """The plan of one rank's save from one flattening (``flat``) and its tensor leaves' pieces.
 
-    ``owners`` names the rank that writes each replicated tensor (:func:`replica_owners`). A chunk
-    in ``stall_keys`` whose source is a contiguous CPU tensor is a reuse candidate."""
+    ``owners`` names the rank that writes each replicated tensor (:class:`ReplicaWriters`; without
+    them, balanced over all ranks by ``lpt_assign``, the same on each). A chunk in ``stall_keys`` whose source is a contiguous CPU tensor is a reuse candidate."""
+    if owners is None:
+        owners = lpt_assign([(n, p.numel * p.local.element_size()) for n, p in pieces.items() if p.replicated], world)
     tensors: list[TensorEntry] = []
     chunks: list[PlannedChunk] = []
     objects: list[PlannedObject] = []
@@ -174,12 +230,9 @@ def plan_save(flat: Flattened, pieces: Mapping[str, LocalPiece], rank: int, worl
         src = p.local
         chunks.append(PlannedChunk(leaf.fqn, dtype, src.element_size(), tuple(src.shape), box, p.flat, key,
                                    candidate=key in stall_keys and src.device.type == "cpu" and src.is_contiguous()))
-    placements = dict(lay_out(((w.chunk.key, w.chunk.nbytes, w.apart) for w in write_order(chunks)),
-                              file_prefix(rank), file_bytes))
-    files = {p.file: PlannedFile(p.file, p.offset + p.length + (-p.length) % ALIGN) for p in placements.values()}
     mesh, coords = mesh_of([leaf.value for leaf in flat.leaves], world)
     return SavePlan(rank, world, tensors, chunks, objects, frozenset(c.key for c in chunks if c.candidate),
-                    list(files.values()), placements, param_groups=_param_groups(flat.param_groups),
+                    param_groups=_param_groups(flat.param_groups),
                     mesh=mesh, coords=coords, layouts={g: _layout_name(k, mesh, world) for g, k in kinds.items()})
 
 

@@ -26,7 +26,7 @@ from ckptd_schemas.api import NEXT_HEADER, SkippedCheckpoint
 from .transport import Transport
 from ._lease import read_lease
 from ._manifest import get_manifest
-from .session_calls import abort_session, open_session, put_index, wait_committed
+from .session_calls import abort_session, open_session, put_file, put_index, wait_committed
 
 __all__ = ["DEFAULT_URL", "CatalogClient", "Upload"]
 
@@ -55,8 +55,7 @@ class CatalogClient:
 
     def manifest(self, ref: str) -> Manifest:
         """The manifest of ``ref``, its bytes checked against the digest its marker names."""
-        r = parse_ref(ref)
-        return Manifest.model_validate_json(get_manifest(self._transport, r.run, r.name))
+        return self.resolve(ref)[0]
 
     def load_tree_root(self, ref: str) -> str | None:
         """The root of ``ref``'s load tree as its marker names it, its head checked against it (None: the
@@ -71,10 +70,8 @@ class CatalogClient:
     def resolve(self, ref: str) -> tuple[Manifest, list[SkippedCheckpoint]]:
         """:meth:`manifest`, and for ``RUN/latest`` the newer checkpoints the service skipped as known to
         be bad (its ``X-Ckptd-Skipped`` header), newest first."""
-        from ._resolve import resolve_manifest
-
         r = parse_ref(ref)
-        raw, skipped = resolve_manifest(self._transport, r.run, r.name)
+        raw, skipped = get_manifest(self._transport, r.run, r.name)
         return Manifest.model_validate_json(raw), skipped
 
     def list_runs(self) -> list[RunSummary]:
@@ -223,10 +220,8 @@ class Upload:
     def put_file(self, file: str, content: bytes | Callable[[], Iterable[bytes]], *, size: int, xxh3: str) -> None:
         """Send the data file ``file`` of ``size`` bytes whose XXH3-64 is ``xxh3`` (hex). ``content``: the
         bytes, or a function returning an iterable of its pieces (called again when a retry resends it)."""
-        body = content if callable(content) else (lambda: content)
-        self._transport.request("PUT", f"{self._base}/sessions/{self.session}/files/{file}", content=body,
-                                headers={"X-Ckptd-Xxh3": xxh3, "Content-Length": str(size),
-                                         "Content-Type": "application/octet-stream"})
+        put_file(self._transport, self._base, self.session, file,
+                 content if callable(content) else (lambda: [content]), size=size, xxh3=xxh3)
 
     def commit(self, index: RankIndex, *, timeout: float = 600.0) -> SessionStatus:
         """Send the rank's index and wait up to ``timeout`` seconds for the commit; returns the session's

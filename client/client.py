@@ -22,7 +22,7 @@ from .session_calls import Opened, open_session
 from ._save import SaveHandle, SaveWays, Snapshot, build_snapshot, upload_snapshot
 from ckptd_schemas.format.objects import ObjectPolicy, SafeGlobal
 from ._flatten import flatten
-from ._writers import ReplicaWriters, plain_tensors
+from ._saveplan import ReplicaWriters, plain_tensors
 
 if TYPE_CHECKING:
     from .dcp import CkptdStorageReader, CkptdStorageWriter
@@ -220,7 +220,7 @@ class CheckpointClient(CatalogClient):
             flat, plain, signature, refused = None, {}, "", e
         # Every rank raises, or none: a rank that raised alone would leave the others blocked in
         # the collectives below. The same all-reduce tells every rank whether some rank's plain
-        # tensors changed since their writers were last agreed (``_writers``), and gives every rank
+        # tensors changed since their writers were last agreed (``_saveplan.ReplicaWriters``), and gives every rank
         # rank 0's session id.
         (stop, stale), token = agree((failed is not None or refused is not None, self._writers.stale(signature)),
                                      uuid.uuid4().bytes)
@@ -232,7 +232,7 @@ class CheckpointClient(CatalogClient):
                 failed.wait()  # raises the stored failure
             raise CommitFailed(f"{ref} was not started: {why}", ref=ref)
         session = token.hex()
-        owners = self._writers.owners(plain, signature, refresh=stale, rank=rank, world=world)  # -> replica_owners
+        owners = self._writers.owners(plain, signature, refresh=stale, rank=rank, world=world)  # the global step
         base = f"/v1/checkpoints/{r.run}/{r.name}"
         link = None
         opened: Opened | None = None  # the session as the stall opened it: the upload does not open it again
@@ -250,7 +250,7 @@ class CheckpointClient(CatalogClient):
                 return linked
         try:
             snap = build_snapshot(flat, rank, world, self.snapshot_pool, owners=owners,
-                                  objects=self.objects, link=link, stall_keys=stall_keys, file_bytes=self.file_bytes)
+                                  objects=self.objects, link=link, stall_keys=stall_keys)
             refused = None
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
             refused = e

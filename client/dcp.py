@@ -53,7 +53,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-
 from ckptd_schemas import (
     Box, CkptdError, CorruptCheckpoint, IntegrityError, InvalidRequest, Manifest,
     ObjectEntry, RankIndex, ReadRequest, StateDictMismatch, TensorEntry, check_new_name, parse_ref,
@@ -347,7 +346,7 @@ class CkptdStorageReader(_Endpoint, StorageReader):
             r = parse_ref(self.ref)
             if self._lease is None:
                 self._lease = LoadLease(self.transport, r.run, r.name)
-            self._manifest = Manifest.model_validate_json(get_manifest(self.transport, r.run, r.name))
+            self._manifest = Manifest.model_validate_json(get_manifest(self.transport, r.run, r.name)[0])
             self.ref = f"{r.run}/{self._manifest.name}"  # pin RUN/latest to what it resolved to
             self._lease.hold(self.base)
         return self._manifest
@@ -358,20 +357,17 @@ class CkptdStorageReader(_Endpoint, StorageReader):
             self._release()
             self.ref, self._manifest = ref, None
 
-    def _stored_bytes(self, o: ObjectEntry) -> bytes | None:
-        """The object's stored bytes, checksum verified (None for a JSON object)."""
-        return None if o.location is None else stored_object(self.transport, self.base, o, self.ref)
-
     def _object_bytes(self, o: ObjectEntry) -> bytes:
         """torch.save bytes for DCP's planner (which unpickles them without restriction): decoded under
         this reader's object policy first, so they hold nothing the policy refuses."""
-        return reencode_for_dcp(o, self._stored_bytes(o), ref=self.ref, policy=self.objects)
+        return reencode_for_dcp(o, stored_object(self.transport, self.base, o, self.ref), ref=self.ref,
+                                policy=self.objects)
 
     def read_metadata(self) -> Metadata:
         m = self._get_manifest()
         stored = next((o for o in m.objects if o.name == DCP_METADATA), None)
         if stored is not None:
-            data = self._stored_bytes(stored)
+            data = stored_object(self.transport, self.base, stored, self.ref)
             md = None if data is None else load_dcp_metadata(data, key=DCP_METADATA, ref=self.ref, policy=self.objects)
             if not isinstance(md, Metadata):
                 raise IntegrityError(f"{self.ref}: object {DCP_METADATA!r} is not DCP metadata "

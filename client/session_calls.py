@@ -2,7 +2,7 @@
 
 Call order for one rank of a save (``_save.upload_snapshot`` and the DCP writer run it; so does
 ``ckptd import --server``): :func:`open_session` (open or join; the answer says whether the
-service gives presigned URLs into its object store), upload the files, then
+service gives presigned URLs into its object store), upload the files (over HTTP: :func:`put_file`), then
 :func:`put_index` with the rank's index; the service commits when the last rank's index arrives,
 and :func:`wait_committed` long-polls until the session leaves ``open``, raising its typed error if
 the commit was refused. From the opening until the session is committed, refused or gone, the rank
@@ -12,15 +12,17 @@ sends keep-alives (``_keepalive``); :func:`abort_session` stops them and drops t
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
-from ckptd_schemas import RankIndex, SessionInfo, SessionStatus, Unavailable, error_from_body
+from ckptd_schemas import RankIndex, SessionInfo, SessionStatus, Unavailable, arrival, error_from_body
 
 from ._keepalive import KEEPALIVE
 from .transport import Transport
 
-__all__ = ["Opened", "abort_session", "open_session", "put_index", "wait_committed"]
+__all__ = ["Opened", "abort_session", "open_session", "put_file", "put_index", "wait_committed"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,17 @@ def open_session(transport: Transport, base: str, session: str, world: int, step
         KEEPALIVE.hold(transport, _path(base, session), info.keepalive_seconds)
     return Opened(presigned=bool(info.presigned), local_socket=info.local_socket, local_host=info.local_host,
                   local_key=info.local_key, arrival_checks=bool(info.arrival_checks))
+
+
+def put_file(transport: Transport, base: str, session: str, name: str, content: Callable[[], Iterable[bytes]], *,
+             size: int, xxh3: str, head: bytes = b"") -> None:
+    """Send the data file ``name``: ``size`` bytes whose XXH3-64 is ``xxh3`` (hex), from ``content()`` (called
+    again when a retry resends it), after ``head``, the declaration of its chunks (``arrival``) if any."""
+    headers = {"X-Ckptd-Xxh3": xxh3, "Content-Length": str(len(head) + size), "Content-Type": "application/octet-stream"}
+    if head:
+        headers[arrival.CHUNKS_HEADER] = str(len(head))
+    transport.request("PUT", f"{_path(base, session)}/files/{name}", headers=headers,
+                      content=lambda: itertools.chain([head] if head else [], content()))
 
 
 def put_index(transport: Transport, base: str, session: str, index: RankIndex) -> SessionStatus:

@@ -45,13 +45,10 @@ _LAZY = {
 __getattr__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = [
-    *_errors_all,
-    "FORMAT_VERSION", "ITEMSIZE", "LATEST",
-    "Box", "BoxChunk", "CheckpointRef", "CheckpointSummary", "Chunk", "ChunkColumns", "ConfirmUpload", "Copy", "DType", "Fetch", "FileEntry", "LinkFile",
-    "FlatChunk", "Location", "Manifest", "ObjectEntry", "OpenSession", "ParamGroup", "PresignUpload", "PresignedUpload", "RankIndex",
-    "RankInfo", "PlanBudget", "ReadPlan", "ReadRequest", "Region", "RunSummary", "SessionInfo", "SessionStatus", "TensorColumns", "TensorEntry",
-    "Topology", "UploadResult",
-    "check_file", "check_name", "check_new_name", "check_run", "check_session", "check_tiling", "dest_region",
-    "flat_range_to_boxes", "intersect_regions", "itemsize", "parse_ref", "plan_reads", "row_major_strides",
-    "linked_name", "run_fetches", "verify_fetch",
+    *_errors_all, *_LAZY,
+    "Box", "BoxChunk", "CheckpointRef", "Chunk", "ChunkColumns", "DType", "FORMAT_VERSION", "FileEntry",
+    "FlatChunk", "ITEMSIZE", "LATEST", "Location", "Manifest", "ObjectEntry", "ParamGroup", "RankInfo", "Region",
+    "TensorEntry", "Topology", "check_file", "check_name", "check_new_name", "check_run", "check_session",
+    "check_tiling", "flat_range_to_boxes", "intersect_regions", "itemsize", "linked_name", "parse_ref",
+    "row_major_strides",
 ]

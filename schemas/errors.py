@@ -68,44 +68,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-__all__ = [
-    "AlreadyCommitted",
-    "CheckpointBeingDeleted",
-    "CheckpointLeased",
-    "CheckpointNotFound",
-    "ChecksumMismatch",
-    "CkptdError",
-    "CollectiveMismatch",
-    "CommitFailed",
-    "CorruptCheckpoint",
-    "Conflict",
-    "DcpImportError",
-    "Forbidden",
-    "IntegrityError",
-    "InvalidIndex",
-    "InvalidName",
-    "InvalidRequest",
-    "KindMismatch",
-    "NotFound",
-    "PayloadTooLarge",
-    "QuotaExceeded",
-    "RequestTimeout",
-    "ReserveReached",
-    "SessionConflict",
-    "SessionNotFound",
-    "StateDictMismatch",
-    "StorageError",
-    "StorageFull",
-    "StoragePermanent",
-    "StorageReadOnly",
-    "TilingError",
-    "TooManyRequests",
-    "Unauthorized",
-    "Unavailable",
-    "Unreachable",
-    "UnsafeObject",
-    "error_from_body",
-]
 
 
 class CkptdError(Exception):
@@ -113,6 +75,13 @@ class CkptdError(Exception):
 
     code: ClassVar[str] = "internal"
     status: ClassVar[int] = 500
+
+    def __init_subclass__(cls, *, code: str, status: int | None = None) -> None:
+        """``class X(Parent, code=..., status=...)``: the code is the class's own; the status, the parent's
+        unless named."""
+        cls.code = code
+        if status is not None:
+            cls.status = status
 
     def __init__(self, message: str, **details: Any) -> None:
         super().__init__(message)
@@ -124,221 +93,146 @@ class CkptdError(Exception):
         return {"error": {"code": self.code, "message": self.message, "details": self.details}}
 
 
-class Unauthorized(CkptdError):
+class Unauthorized(CkptdError, code="unauthorized", status=401):
     """No bearer token, or one the service does not know (never retried by the client)."""
 
-    code = "unauthorized"
-    status = 401
 
-
-class Forbidden(CkptdError):
+class Forbidden(CkptdError, code="forbidden", status=403):
     """A known token whose scopes do not cover the request (never retried by the client)."""
 
-    code = "forbidden"
-    status = 403
+
+class InvalidRequest(CkptdError, code="invalid_request", status=400): ...
 
 
-class InvalidRequest(CkptdError):
-    code = "invalid_request"
-    status = 400
+class InvalidName(InvalidRequest, code="invalid_name"): ...
 
 
-class InvalidName(InvalidRequest):
-    code = "invalid_name"
-    status = 400
+class InvalidIndex(InvalidRequest, code="invalid_index", status=422): ...
 
 
-class InvalidIndex(InvalidRequest):
-    code = "invalid_index"
-    status = 422
+class StateDictMismatch(InvalidRequest, code="state_dict_mismatch", status=422): ...
 
 
-class StateDictMismatch(InvalidRequest):
-    code = "state_dict_mismatch"
-    status = 422
-
-
-class KindMismatch(StateDictMismatch):
+class KindMismatch(StateDictMismatch, code="kind_mismatch"):
     """A load asks for a key as a tensor that the checkpoint holds as an object (or the other way round):
     the message says which kind each side holds. ``details``: ``key``, ``stored``, ``asked``."""
 
-    code = "kind_mismatch"
-    status = 422
 
-
-class CollectiveMismatch(InvalidRequest):
+class CollectiveMismatch(InvalidRequest, code="collective_mismatch", status=422):
     """The ranks of a collective ``save`` or ``load`` did not all make the same call: another ref,
     a save beside a load, other options, or no call within the client's ``join_seconds``. Raised on
     every rank that came, before any session is opened; ``details``: ``calls`` (each call and its
     ranks), ``missing`` (the ranks that did not join)."""
 
-    code = "collective_mismatch"
-    status = 422
 
-
-class UnsafeObject(InvalidRequest):
+class UnsafeObject(InvalidRequest, code="unsafe_object", status=422):
     """A non-tensor object that only an unrestricted unpickler can rebuild (so loading it could run code):
     refused at save and at load unless the client trusts objects; ``details`` name the key (and ref)."""
 
-    code = "unsafe_object"
-    status = 422
+
+class NotFound(CkptdError, code="not_found", status=404): ...
 
 
-class NotFound(CkptdError):
-    code = "not_found"
-    status = 404
+class CheckpointNotFound(NotFound, code="checkpoint_not_found"): ...
 
 
-class CheckpointNotFound(NotFound):
-    code = "checkpoint_not_found"
+class SessionNotFound(NotFound, code="session_not_found"): ...
 
 
-class SessionNotFound(NotFound):
-    code = "session_not_found"
+class Conflict(CkptdError, code="conflict", status=409): ...
 
 
-class Conflict(CkptdError):
-    code = "conflict"
-    status = 409
+class AlreadyCommitted(Conflict, code="already_committed"): ...
 
 
-class AlreadyCommitted(Conflict):
-    code = "already_committed"
+class SessionConflict(Conflict, code="session_conflict"): ...
 
 
-class SessionConflict(Conflict):
-    code = "session_conflict"
-
-
-class CheckpointLeased(Conflict):
+class CheckpointLeased(Conflict, code="checkpoint_leased"):
     """``rm`` (or gc) of a checkpoint that an unexpired lease holds: it stays (``details["holders"]``)."""
 
-    code = "checkpoint_leased"
 
-
-class CheckpointBeingDeleted(Conflict):
+class CheckpointBeingDeleted(Conflict, code="checkpoint_being_deleted"):
     """A lease asked for, or a second ``rm``, while a deletion of the checkpoint is under way: no lease
     is granted on a checkpoint about to go (retry: it is then gone, or still there and leasable)."""
 
-    code = "checkpoint_being_deleted"
+
+class IntegrityError(CkptdError, code="integrity", status=422): ...
 
 
-class IntegrityError(CkptdError):
-    code = "integrity"
-    status = 422
+class ChecksumMismatch(IntegrityError, code="checksum_mismatch"): ...
 
 
-class ChecksumMismatch(IntegrityError):
-    code = "checksum_mismatch"
-
-
-class CorruptCheckpoint(ChecksumMismatch):
+class CorruptCheckpoint(ChecksumMismatch, code="corrupt_checkpoint"):
     """A data file of a committed checkpoint is absent, of another size than its manifest says, or its
     bytes fail their digests. Committed files never change, so waiting will not help: raised at once,
     never retried. ``details``: ``file``, and on the client ``tensors`` (or ``object``) it would fill."""
 
-    code = "corrupt_checkpoint"
+
+class TilingError(IntegrityError, code="tiling"): ...
 
 
-class TilingError(IntegrityError):
-    code = "tiling"
-
-
-class DcpImportError(IntegrityError):
+class DcpImportError(IntegrityError, code="dcp_import"):
     """The directory is not an importable DCP checkpoint; the message names the files at fault."""
 
-    code = "dcp_import"
+
+class CommitFailed(CkptdError, code="commit_failed", status=422): ...
 
 
-class CommitFailed(CkptdError):
-    code = "commit_failed"
-    status = 422
+class PayloadTooLarge(CkptdError, code="payload_too_large", status=413): ...
 
 
-class PayloadTooLarge(CkptdError):
-    code = "payload_too_large"
-    status = 413
-
-
-class RequestTimeout(CkptdError):
+class RequestTimeout(CkptdError, code="request_timeout", status=408):
     """The request's body stopped arriving for longer than the service waits; the connection is closed."""
 
-    code = "request_timeout"
-    status = 408
 
-
-class TooManyRequests(CkptdError):
+class TooManyRequests(CkptdError, code="too_many_requests", status=429):
     """Over a concurrency limit (e.g. a token's uploads at once): the client retries with backoff."""
 
-    code = "too_many_requests"
-    status = 429
+
+class Unavailable(CkptdError, code="unavailable", status=503): ...
 
 
-class Unavailable(CkptdError):
-    code = "unavailable"
-    status = 503
-
-
-class Unreachable(Unavailable):
+class Unreachable(Unavailable, code="unreachable"):
     """Raised by the client, never sent: the service's address cannot be reached in a way that waiting
     will not change, so it is final at once, not after the retry budget: its TLS handshake fails (a
     certificate not verified, ``https://`` spoken to a plain-HTTP server, or the other way round) or its
     host name does not resolve. ``details``: ``url``, ``cause`` (``tls`` or ``dns``). A refused
     connection is not this: a restarting service refuses for a moment."""
 
-    code = "unreachable"
-    status = 503
+
+class StorageError(CkptdError, code="storage", status=503): ...
 
 
-class StorageError(CkptdError):
-    code = "storage"
-    status = 503
-
-
-class StoragePermanent(StorageError):
+class StoragePermanent(StorageError, code="storage_permanent", status=507):
     """The storage refused an operation in a way that waiting will not change (a permission, a
     read-only filesystem, no space): answered 507, which clients do not retry, so the cause arrives
     at once instead of after the client's retry budget. ``details``: ``key``, and ``root`` (the
     storage root) with ``errno`` (a local root) or ``s3_code`` (an object store)."""
 
-    code = "storage_permanent"
-    status = 507
 
-
-class StorageFull(StoragePermanent):
+class StorageFull(StoragePermanent, code="storage_full"):
     """The storage has no space left (ENOSPC, EDQUOT). Waiting will not help, so clients do not retry it."""
 
-    code = "storage_full"
-    status = 507
 
-
-class QuotaExceeded(StorageFull):
+class QuotaExceeded(StorageFull, code="quota_exceeded"):
     """The writer's token holds its quota (``quota=`` in its tokens line): the bytes of the runs it
     may write, staged and committed, plus this file would exceed it. Not retried (507): the writer
     frees space (``ckptd gc``, ``rm``) or is given a larger quota; other tokens keep saving.
     ``details``: ``token``, ``quota``, ``held`` (bytes), ``run``, ``file``."""
 
-    code = "quota_exceeded"
-    status = 507
 
-
-class ReserveReached(StorageFull):
+class ReserveReached(StorageFull, code="reserve_reached"):
     """The storage root's free space is down to its reserve (``CKPTD_ROOT_RESERVE``): new staged bytes
     are refused so that the saves in progress can still commit (their manifests, markers and indexes
     are written into the reserve). Not retried (507). ``details``: ``root``, ``free``, ``reserve``,
     ``file``."""
 
-    code = "reserve_reached"
-    status = 507
 
-
-class StorageReadOnly(StoragePermanent):
+class StorageReadOnly(StoragePermanent, code="storage_read_only"):
     """The storage root cannot be written: a read-only filesystem (EROFS), or a root the service's user
     may not write (EACCES, EPERM: e.g. a root-owned bind mount in a container; S3 AccessDenied on a
     write). Saves fail at once at session open with it; committed checkpoints can still be read."""
-
-    code = "storage_read_only"
-    status = 507
 
 
 def _all_subclasses(cls: type[CkptdError]) -> list[type[CkptdError]]:
@@ -349,6 +243,12 @@ def _all_subclasses(cls: type[CkptdError]) -> list[type[CkptdError]]:
 
 
 _BY_CODE: dict[str, type[CkptdError]] = {c.code: c for c in _all_subclasses(CkptdError)}
+# A body without a code (FastAPI's own 422, a proxy's answer): the class its status stands for.
+_BY_STATUS: dict[int, tuple[type[CkptdError], str]] = {
+    401: (Unauthorized, "unauthorized"), 403: (Forbidden, "forbidden"), 400: (InvalidRequest, "request refused"),
+    422: (InvalidRequest, "request refused"), 404: (NotFound, "not found"), 429: (TooManyRequests, "too many requests"),
+    507: (StoragePermanent, "the storage refused the request")}
+__all__ = [c.__name__ for c in _all_subclasses(CkptdError)] + ["error_from_body"]
 
 
 def error_from_body(body: Any, status: int) -> CkptdError:
@@ -362,17 +262,5 @@ def error_from_body(body: Any, status: int) -> CkptdError:
         if isinstance(err.get("request_id"), str):
             exc.request_id = err["request_id"]  # the service's log lines for this request carry it
         return exc
-    # FastAPI's own 422 (request validation), a proxy's answer, and anything unexpected.
-    if status == 401:
-        return Unauthorized(f"unauthorized (401): {body}")
-    if status == 403:
-        return Forbidden(f"forbidden (403): {body}")
-    if status == 422 or status == 400:
-        return InvalidRequest(f"request refused ({status}): {body}")
-    if status == 404:
-        return NotFound(f"not found: {body}")
-    if status == 429:
-        return TooManyRequests(f"too many requests (429): {body}")
-    if status == 507:
-        return StoragePermanent(f"the storage refused the request (507): {body}")
-    return CkptdError(f"server answered {status}: {body}")
+    cls, what = _BY_STATUS.get(status, (CkptdError, "server answered"))
+    return cls(f"{what} ({status}): {body}")

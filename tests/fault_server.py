@@ -11,7 +11,8 @@ environment sets ``CKPTD_FAULTS``; the service's own settings come from the envi
 ``CKPTD_FAULTS``: clauses separated by ``;``, each ``kind=value``:
 
 * ``crash-at=<point>``: the process SIGKILLs itself when it reaches the named point
-  (:data:`CRASH_POINTS`, or a point of the durable tier's copy, :data:`DURABLE_CRASH_POINTS`).
+  (:data:`CRASH_POINTS`, a point of the durable tier's copy, :data:`DURABLE_CRASH_POINTS`, or of the
+  re-read after a marker, :data:`REREAD_CRASH_POINTS`).
 * ``crash-random=<seed>:<probability>[:<point>,<point>...]``: every kill point the process passes
   (the named points, and two inside every storage write: ``storage-write-partial``, half of a
   write's bytes in the temp object, and ``storage-before-rename``, the object complete but not yet
@@ -45,7 +46,8 @@ from ckptd.store.paths import Paths
 from ckptd.store.tiers import TieredStorage
 from ckptd_schemas import StorageError
 
-__all__ = ["CRASH_POINTS", "DURABLE_CRASH_POINTS", "STORAGE_CRASH_POINTS", "FaultStorage", "Faults", "main", "wrap"]
+__all__ = ["CRASH_POINTS", "DURABLE_CRASH_POINTS", "REREAD_CRASH_POINTS", "STORAGE_CRASH_POINTS", "FaultStorage",
+           "Faults", "main", "wrap"]
 
 CRASH_POINTS = (
     "upload-mid-stream",      # part of a data file written to its temp object, not yet in place
@@ -57,6 +59,9 @@ CRASH_POINTS = (
 )
 DURABLE_CRASH_POINTS = (
     "durable-before-marker",  # every file and the manifest on the durable tier, its marker not yet
+)
+REREAD_CRASH_POINTS = (
+    "reread-part-stored",     # a share of the re-read after a marker checked and stored, its other claims held
 )
 STORAGE_CRASH_POINTS = (
     "storage-write-partial",  # half of one write's bytes in the temp object
@@ -267,6 +272,8 @@ class FaultStorage(Storage):
     def _after_commit(self, key: str) -> None:
         if not self.durable_tier and _kind(key) == "index":
             self.faults.reached("index-written")
+        elif key.startswith("reread/") and "/part-" in key:
+            self.faults.reached("reread-part-stored")
 
     # -- writes ----------------------------------------------------------------------------------------
     def open_write(self, key: str, *, once: bool = False) -> Writer:

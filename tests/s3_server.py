@@ -24,9 +24,18 @@ from typing import Callable
 
 from support import stop_process
 
-__all__ = ["FaultProxy", "FaultRule", "MotoServer", "aws_env"]
+__all__ = ["FaultProxy", "FaultRule", "MotoServer", "aws_env", "pending_uploads"]
 
 BUCKET = "ckptd-test"
+
+
+def pending_uploads(st, prefix: str = "") -> list[str]:
+    """Keys (relative to the root) of the multipart uploads in flight under ``prefix`` of the S3 root ``st``:
+    what a finished or aborted write must leave none of (the tests' few, on one page of the listing)."""
+    root = f"{st._prefix}/" if st._prefix else ""
+    out = st.fs.call_s3("list_multipart_uploads", Bucket=st.bucket, Prefix=st._dir(prefix))
+    assert not out.get("IsTruncated")
+    return sorted(u["Key"][len(root):] for u in out.get("Uploads") or ())
 
 
 def _free_port() -> int:

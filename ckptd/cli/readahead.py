@@ -55,12 +55,6 @@ class ReadAhead:
                     self._pending[key] = self._pool.submit(self._fetch, *key)
         return fut.result()
 
-    @property
-    def in_flight(self) -> int:
-        """Prefetched ranges not taken yet (done or not)."""
-        with self._lock:
-            return len(self._pending)
-
     def close(self) -> None:
         """Drop what was fetched ahead and not read; wait for the fetches already running."""
         with self._lock:

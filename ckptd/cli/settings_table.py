@@ -32,23 +32,12 @@ def serve_flags() -> dict[str, str]:
 
 
 def _default(value: object) -> str:
-    import json
-    from pathlib import PurePath
-
-    from pydantic import SecretBytes, SecretStr
-
+    """A default as the table shows it (every default is None, a bool, a number or a string)."""
     if value is None:
         return "unset"
-    if isinstance(value, (SecretStr, SecretBytes)):
-        return "hidden"
     if isinstance(value, bool):
-        text = "true" if value else "false"
-    elif isinstance(value, float) and value.is_integer():
-        text = str(int(value))
-    elif isinstance(value, (str, int, float, PurePath)):
-        text = str(value)
-    else:
-        text = json.dumps(value, default=str)
+        return f"`{str(value).lower()}`"
+    text = str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
     return f"`{text}`" if text else '`""`'
 
 

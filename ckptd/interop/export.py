@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import struct
 import sys
 import tempfile
@@ -62,6 +61,7 @@ from ..storage.local import LocalStorage, fsync_dir
 from ckptd_schemas.format.engines import ChunkBuffer, Engine, HostEngine, TorchEngine, iter_slabs
 from ckptd_schemas.readplan import ReadFn
 from ..store.reader import naming_tensor
+from ..store.space import parse_size as store_size
 
 if TYPE_CHECKING:
     import torch
@@ -80,19 +80,15 @@ SAFETENSORS_DTYPES = {
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
     "bool": "BOOL", "complex64": "C64",
 }
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_size(text: str | int) -> int:
-    """``5GB`` (10^9, as Hugging Face counts), ``500MiB`` (2^20), or plain bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())
-    if not m or m.group(2) not in _UNITS:
-        raise InvalidRequest(f"invalid size {text!r}: expected e.g. 5GB, 500MB, 2GiB or a number of bytes",
-                             value=str(text))
-    n = int(float(m.group(1)) * _UNITS[m.group(2)])
+    """``5GB`` (10^9, as Hugging Face counts), ``500MiB`` (2^20), or plain bytes (the one size grammar:
+    :func:`ckptd.store.space.parse_size`), more than 0."""
+    try:
+        n = text if isinstance(text, int) else store_size(str(text))
+    except ValueError as e:
+        raise InvalidRequest(f"invalid size {text!r}: {e}", value=str(text)) from None
     if n <= 0:
         raise InvalidRequest(f"size {text!r} must be positive", value=str(text))
     return n

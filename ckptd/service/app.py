@@ -57,6 +57,7 @@ from ..store.tiers import TieredStorage, open_root
 from ..store import CheckpointReader
 from ..store.durable import DurableCopier
 from ..store.leases import ReadLeases
+from ..store.rereads import Rereads
 from ..store.retention import RetentionPolicy
 from ..store.events import AfterCommit, CommitEvent
 from ..store.sessions import SessionStore
@@ -113,12 +114,19 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
                                 verify=verify_in_worker, record=gc_log.record)
     read_leases = ReadLeases(storage, settings.read_lease_seconds, settings.read_leases_per_token)
 
+    # The re-reads due on the root (store.rereads): this replica's commits at once, any replica's on each sweep.
+    rereads = Rereads(storage, visibility, lambda fn, *args: workers().submit(fn, *args), settings.reshard_workers,
+                      renew_every=settings.job_heartbeat_seconds, claim_for=settings.job_takeover_seconds,
+                      on_share=metrics.observe_reread, on_done=retention.after_commit)
+
     def after_commit(ev: CommitEvent) -> None:
         """Every commit that creates a marker here, on whichever path: verify (then retention, which
         relies on that record), or retention alone. The independent re-read of bytes the commit did not
-        read (checked as they arrived: ``ev.reread``) is always due; ``CKPTD_VERIFY_AFTER_COMMIT`` asks
-        for it after every commit."""
-        if settings.verify_after_commit or ev.reread:
+        read (checked as they arrived: ``ev.reread``) is always due, in shares; ``CKPTD_VERIFY_AFTER_COMMIT``
+        asks for a verification after every other commit."""
+        if ev.reread:
+            rereads.start(ev.run, ev.name, ev.session)
+        elif settings.verify_after_commit:
             fut = workers().submit(verify_and_record, storage.url, ev.run, ev.name)
             fut.add_done_callback(lambda _: retention.after_commit(ev.run))
         else:
@@ -144,7 +152,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        # The sweep: commits complete sessions left without a marker, then reclaims stale staging.
+        # The sweep: commits complete sessions left without a marker, then reclaims stale staging, then
+        # takes the re-reads due.
         async def reclaim_loop() -> None:
             while True:
                 try:
@@ -155,6 +164,10 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
                 except Exception:  # noqa: BLE001 - a failed sweep must not stop the service
                     metrics.storage_errors.labels("reclaim").inc()
                     log.exception("stale-session sweep failed")
+                try:  # the re-reads due: a stopped replica's, or this one's before a restart
+                    await run_in_threadpool(rereads.sweep)
+                except Exception:  # noqa: BLE001 - a failed sweep must not stop the service
+                    log.exception("re-read sweep failed")
                 await asyncio.sleep(settings.reclaim_interval)
 
         task = asyncio.create_task(reclaim_loop())
@@ -171,6 +184,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
             if local is not None:
                 local.stop()
             drills.close()  # no drill queued past this point
+            rereads.stop()  # nor a re-read's share
             await run_in_threadpool(job_watch.stop)  # heartbeat deleted: its jobs are taken over at once
             if copier is not None:
                 await run_in_threadpool(copier.stop)

@@ -22,7 +22,7 @@ from fastapi.openapi.docs import get_swagger_ui_html, get_swagger_ui_oauth2_redi
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 
-from ckptd_schemas import NotFound
+from ckptd_schemas import NotFound, errors
 
 from .auth import iter_routes
 
@@ -43,22 +43,20 @@ ERROR_BODY = {
         }}},
 }
 
-# status -> when an operation answers it (the codes behind each status: ckptd_schemas.errors)
-ERROR_RESPONSES: dict[int, str] = {
-    400: "invalid_request, invalid_name: a malformed body, parameter or name",
-    401: "unauthorized: no bearer token, or one the service does not know",
-    403: "forbidden: the token's scopes do not cover the run or the operation",
-    404: "not_found, checkpoint_not_found, session_not_found",
-    408: "request_timeout: the request body stopped arriving",
-    409: "conflict, already_committed, session_conflict",
-    413: "payload_too_large: a body, or the work it asks for, over a limit",
-    422: "integrity, checksum_mismatch, corrupt_checkpoint, tiling, invalid_index, commit_failed, validation",
-    429: "too_many_requests: this token's uploads at once over the cap (Retry-After)",
-    500: "internal: a failure of the service itself",
-    503: "unavailable, storage: the storage backend failed (retry); /readyz: not ready (the body says why)",
-    507: "storage_full, storage_read_only, storage_permanent: the storage refused in a way that waiting will not "
-         "change (no space left, a root that cannot be written, a permission the service lacks): not retried",
-}
+_NOTES = {422: " (and a request that fails validation)", 429: " (retried after Retry-After)",
+          503: " (retried); /readyz: not ready, the body says why", 507: " (not retried)"}
+
+
+def _error_responses() -> dict[int, str]:
+    """Status -> the codes an operation may answer with it, read off the error tree (``ckptd_schemas.errors``)."""
+    codes: dict[int, list[str]] = {}
+    for cls in (getattr(errors, n) for n in errors.__all__):
+        if isinstance(cls, type) and cls is not errors.Unreachable:  # raised by the client, never answered
+            codes.setdefault(cls.status, []).append(cls.code)
+    return {status: ", ".join(c) + _NOTES.get(status, "") for status, c in sorted(codes.items())}
+
+
+ERROR_RESPONSES = _error_responses()
 _OPEN_ERRORS = (500, 503)
 
 

@@ -27,6 +27,7 @@ from ckptd_schemas import CkptdError, InvalidRequest, NotFound, PayloadTooLarge,
 
 from .error_body import error_body
 from .limits import was_answered
+from .logs import route_name
 
 __all__ = ["install_error_handlers"]
 
@@ -38,18 +39,14 @@ def _body(request: Request, err: CkptdError) -> dict:
     return error_body(err, request.scope.get("state", {}).get("request_id"))
 
 
-def _op(request: Request) -> str:
-    return getattr(request.scope.get("route"), "name", None) or "unmatched"
-
-
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(CkptdError)
     async def _ckptd(request: Request, exc: CkptdError) -> JSONResponse:
         metrics = getattr(request.app.state, "metrics", None)
         if metrics is not None:
-            metrics.observe_error(exc, _op(request))
+            metrics.observe_error(exc, route_name(request.scope))
         if exc.status >= 500:
-            log.warning("%s answered %d: %s", _op(request), exc.status, exc.message)
+            log.warning("%s answered %d: %s", route_name(request.scope), exc.status, exc.message)
         headers = {"WWW-Authenticate": 'Bearer realm="ckptd", error="insufficient_scope"'} if exc.status == 403 else None
         if isinstance(exc, TooManyRequests):
             headers = {"Retry-After": "1"}
@@ -64,9 +61,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if not was_answered(request.scope):  # not a 408 or 413 the service sent itself
             metrics = getattr(request.app.state, "metrics", None)
             if metrics is not None:
-                metrics.client_disconnects.labels(_op(request)).inc()
-            log.warning("%s: the client disconnected before the request body was complete (%s %s)", _op(request),
-                        request.method, request.url.path[:200])
+                metrics.client_disconnects.labels(route_name(request.scope)).inc()
+            log.warning("%s: the client disconnected before the request body was complete (%s %s)",
+                        route_name(request.scope), request.method, request.url.path[:200])
         return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(RequestValidationError)

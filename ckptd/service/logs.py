@@ -31,7 +31,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["JsonFormatter", "RequestContextMiddleware", "TextFormatter", "configure_logging", "request_id_var"]
+__all__ = ["JsonFormatter", "RequestContextMiddleware", "TextFormatter", "configure_logging", "request_id_var", "route_name"]
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("ckptd_request_id", default=None)
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -107,7 +107,8 @@ def configure_logging(level: str, fmt: str) -> None:
         lg.propagate = True
 
 
-def _route_name(scope: Scope) -> str:
+def route_name(scope: Scope) -> str:
+    """The matched route's handler name, the label of its metrics and log lines (``unmatched``: none)."""
     route = scope.get("route")
     return getattr(route, "name", None) or "unmatched"
 
@@ -157,7 +158,7 @@ class RequestContextMiddleware:
             await self.app(scope, receive_counted, send_tagged)
         finally:
             duration = time.perf_counter() - t0
-            route = _route_name(scope)
+            route = route_name(scope)
             if self.metrics is not None:
                 self.metrics.observe_request(route, scope["method"], counts["status"], duration,
                                              counts["in"], counts["out"])

@@ -1,61 +1,11 @@
 """Prometheus metrics (``GET /metrics``), one registry per app.
 
-Instrumented at the service's edges: the request middleware (bytes, requests,
-latency), the error handler (storage errors, integrity refusals), a
-the store core's events (:class:`~ckptd.store.events.SessionEvents`: commits, refusals, open
-and reclaimed sessions) and
-the reshard routes (job progress, read from the job records at scrape time).
-No label carries a run or checkpoint name; route labels are handler names.
-
-=====================================  =========  ==========================================================
-metric                                 type       meaning
-=====================================  =========  ==========================================================
-ckptd_bytes_in_total{route}            counter    request body bytes received (``local_upload``: files handed over)
-ckptd_bytes_out_total{route}           counter    response body bytes sent
-ckptd_http_requests_total{route,...}   counter    requests answered, by route, method and status
-ckptd_http_request_seconds{route}      histogram  time to answer a request
-ckptd_commit_seconds                   histogram  one commit: merge, validate, write manifest and marker
-ckptd_commits_total                    counter    checkpoints committed by this replica
-ckptd_commit_checked_bytes_total{how}  counter    data bytes its commits checked: "read back" before the marker,
-                                                  or "on arrival" (confirmed by stored identity, re-read after it)
-ckptd_upload_sessions_open             gauge      sessions opened through this replica, not yet committed,
-                                                  failed or aborted
-ckptd_sessions_reclaimed_total         counter    uncommitted sessions the sweep here deleted with their staged
-                                                  bytes: no rank heard from for CKPTD_DEAD_SESSION_AFTER, or
-                                                  past CKPTD_STALE_SESSION_TTL
-ckptd_verify_failures_total{code}      counter    integrity refusals: uploads whose bytes differ from their
-                                                  digest, commits refused at validation, corrupt manifests
-ckptd_storage_errors_total{op}         counter    storage backend failures, by route (or ``reclaim``)
-ckptd_invisible_checkpoints_total      counter    checkpoints found failing the visibility rule, by reason
-  {reason}                                        (each ref and reason once per replica; store.visibility)
-ckptd_first_looks_total{what}          counter    first looks at a checkpoint built here, once for every concurrent
-                                                  request: its manifest read, hashed and parsed (manifest), its
-                                                  load tree and interval indexes built (load_tree)
-ckptd_manifest_cache_bytes             gauge      estimated memory of the parsed manifests kept with their trees
-                                                  and indexes (within CKPTD_MANIFEST_CACHE_BYTES)
-ckptd_manifest_cache_entries           gauge      parsed manifests kept
-ckptd_auth_refusals_total{status}      counter    requests refused 401 or 403
-ckptd_client_disconnects_total{route}  counter    requests whose client went away before its body was complete
-ckptd_limit_refusals_total{limit}      counter    requests refused by a limit: read_plan (413), uploads (429),
-                                                  requests (429, a token's requests at once), body_idle and
-                                                  body_rate (408), header_bytes (431), header_timeout,
-                                                  send_idle, connections (shed or closed at the cap, 503)
-ckptd_reshard_jobs_active              gauge      reshard jobs submitted here and queued or running
-ckptd_reshard_job_bytes_done{job}      gauge      bytes written so far by a job
-ckptd_reshard_job_bytes_planned{job}   gauge      bytes a job will write
-ckptd_reshard_jobs_finished_total      counter    reshard jobs finished, by state (done, failed)
-ckptd_drills_total{result}             counter    conversion drills finished here (POST /v1/drill and the
-                                                  CKPTD_DRILL_EVERY policy): ok, or failed (a problem found,
-                                                  or the drill could not run)
-ckptd_local_uploads_total{status}      counter    data files handed over by co-located ranks (sealed memory files
-                                                  through the Unix socket), by the status answered
-ckptd_durable_pending                  gauge      with a durable tier: committed checkpoints not durable yet
-ckptd_durable_lag_seconds              gauge      age of the oldest of them (0 when none): the lag between tiers
-ckptd_durable_seconds                  histogram  from a commit to its durable marker, per checkpoint copied here
-ckptd_durable_copies_total{outcome}    counter    checkpoints copied to the durable tier here (copied), or refused
-                                                  there because the fast copy does not match its manifest (refused)
-ckptd_durable_bytes_total              counter    bytes copied to the durable tier here
-=====================================  =========  ==========================================================
+Instrumented at the service's edges: the request middleware (bytes, requests, latency), the error
+handler (storage errors, integrity refusals), the store core's events
+(:class:`~ckptd.store.events.SessionEvents`: commits, refusals, open and reclaimed sessions) and the
+reshard routes (job progress, read from the job records at scrape time).
+No label carries a run or checkpoint name; route labels are handler names. The metrics and what each
+means: docs/http-api.md, Metrics and logs (each one's help text below says it in short).
 """
 
 from __future__ import annotations
@@ -74,6 +24,7 @@ from ..store.durable import Copied, DurableCopier
 from ..store.events import SessionEvents
 from ..store.events import CommitEvent
 from ..store.sessions import SessionStore
+from ..store.records import VerifyRecord
 from ..store.visibility import Visibility
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
@@ -103,6 +54,9 @@ class Metrics(SessionEvents):
         self.commit_checked = Counter("ckptd_commit_checked_bytes", "Data bytes this replica's commits checked: "
                                       "read back before the marker, or checked on arrival (confirmed by their "
                                       "stored identity, re-read after the marker).", ["how"], registry=r)
+        self.reread_bytes = Counter("ckptd_reread_bytes", "Data bytes this replica's workers re-read after "
+                                    "markers.", registry=r)
+        self.reread_shares = Counter("ckptd_reread_shares", "Shares of re-reads checked here.", registry=r)
         self.local_uploads = Counter("ckptd_local_uploads", "Data files handed over by co-located ranks, by the "
                                      "status answered.", ["status"], registry=r)
         self.committed_bytes = Counter("ckptd_committed_bytes", "Bytes of the data files of the checkpoints "
@@ -220,6 +174,11 @@ class Metrics(SessionEvents):
     def observe_invisible(self, ref: str, reason: str, message: str) -> None:
         """From :class:`~ckptd.store.visibility.Visibility`: a checkpoint failed the rule."""
         self.invisible.labels(reason).inc()
+
+    def observe_reread(self, share: VerifyRecord) -> None:
+        """From :class:`~ckptd.store.rereads.Rereads`: a share re-read and checked here."""
+        self.reread_bytes.inc(share.bytes_read)
+        self.reread_shares.inc()
 
     # -- the write side's events (SessionEvents: SessionStore calls these) ------------------------------
     def watch_sessions(self, store: SessionStore) -> None:

@@ -45,7 +45,7 @@ def reshard_router(storage: Storage, watch: "JobWatch", metrics: "Metrics | None
         return st
 
     @router.post("/v1/reshard/preview")
-    async def preview_job(body: ReshardRequest) -> dict:
+    def preview_job(body: ReshardRequest) -> dict:  # plans on FastAPI's thread pool
         from ckptd_schemas import parse_ref
 
         from ..reshard.planner import plan_reshard
@@ -53,17 +53,14 @@ def reshard_router(storage: Storage, watch: "JobWatch", metrics: "Metrics | None
         from ..reshard.spec import parse_spec
         from ..store import CheckpointReader
 
-        def run() -> dict:
-            src = parse_ref(body.source)
-            manifest = CheckpointReader(storage).manifest(src.run, src.name)
-            return asdict(preview(plan_reshard(manifest, parse_spec(body.to), dtype=body.dtype)))
-
-        return await run_in_threadpool(run)
+        src = parse_ref(body.source)
+        manifest = CheckpointReader(storage).manifest(src.run, src.name)
+        return asdict(preview(plan_reshard(manifest, parse_spec(body.to), dtype=body.dtype)))
 
     @router.get("/v1/jobs/{job_id}", response_model=JobStatus)
-    async def job_status(job_id: str) -> JobStatus:
+    def job_status(job_id: str) -> JobStatus:
         """The job, of either kind (a reshard job or a drill); one whose replica stopped is taken over
-        first (module docstring)."""
-        return await run_in_threadpool(watch.read, job_id)
+        first (module docstring). Read on FastAPI's thread pool."""
+        return watch.read(job_id)
 
     return router

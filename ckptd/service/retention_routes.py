@@ -23,7 +23,6 @@ from typing import Any, Callable
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import check_run
 
@@ -61,22 +60,18 @@ def gc_router(storage: Storage, sweep: Callable[[], list[str]], verify: Verifier
     """The routes; ``sweep`` is the service's own stale-session sweep (its settings, its metrics)."""
     router = APIRouter(tags=["retention"])
 
+    # plain functions: they read and delete storage, and FastAPI runs them in its thread pool
     @router.post("/v1/runs/{run}/gc")
-    async def run_gc(run: str, body: GcRequest) -> dict:
+    def run_gc(run: str, body: GcRequest) -> dict:
         check_run(run)
-
-        def work() -> dict:
-            plan = gc_run(storage, run, keep_last=body.keep_last, keep_every=body.keep_every, dry_run=body.dry_run,
-                          drop_parents=body.drop_parents, sweep=sweep, verify=verify)
-            if record is not None:
-                record(run, plan, "POST /v1/runs/{run}/gc", body.dry_run)
-            return plan
-
-        return await run_in_threadpool(work)
+        plan = gc_run(storage, run, keep_last=body.keep_last, keep_every=body.keep_every, dry_run=body.dry_run,
+                      drop_parents=body.drop_parents, sweep=sweep, verify=verify)
+        if record is not None:
+            record(run, plan, "POST /v1/runs/{run}/gc", body.dry_run)
+        return plan
 
     @router.delete("/v1/checkpoints/{run}/{name}", response_model=RemovalBody)
-    async def remove_checkpoint(run: str, name: str, dry_run: bool = False) -> RemovalBody:
-        out = await run_in_threadpool(remove, storage, run, name, dry_run=dry_run, verify=verify)
-        return RemovalBody(**out.as_json())
+    def remove_checkpoint(run: str, name: str, dry_run: bool = False) -> RemovalBody:
+        return RemovalBody(**remove(storage, run, name, dry_run=dry_run, verify=verify).as_json())
 
     return router

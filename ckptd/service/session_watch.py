@@ -79,11 +79,6 @@ class SessionWatches:
         self._read_state, self._with_durability, self._precheck = read_state, with_durability, precheck
         self._watches: dict[Key, _Watch] = {}
 
-    @property
-    def watching(self) -> int:
-        """Sessions watched now (one poller each)."""
-        return len(self._watches)
-
     async def wait(self, run: str, name: str, sid: str, *, seconds: float, durable: bool) -> SessionStatus:
         """The session's status once it settles, or the last one read when ``seconds`` pass (one object
         per read of the state, whatever the number of waiters)."""

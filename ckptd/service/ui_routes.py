@@ -21,9 +21,9 @@ nothing here decides it. Call order of the view::
 
 Cost: a run page lists the run (one marker read and one stat per checkpoint, shared with every other
 summary of the run for a moment: ``Visibility.recent_listing``) and parses only the manifests of the
-page it shows; their figures
-are cached by manifest digest (a digest fixes the bytes, so the cache never outlives them). The
-view takes no read lease: looking at a checkpoint does not keep it from gc.
+page it shows; their figures are cached by manifest digest (a digest fixes the bytes, so the cache
+never outlives them). The view takes no read lease: looking at a checkpoint does not keep it from gc.
+The handlers are plain functions: they read storage, and FastAPI runs them in its thread pool.
 
 A run that is not under the root (no directory of it) is answered ``404 not_found`` with
 ``details.run`` by the run page's routes and the checkpoint routes ("no such run"), never an empty
@@ -42,7 +42,6 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from ckptd_schemas import (
     CheckpointNotFound, CkptdError, Forbidden, Manifest, NotFound, check_run, check_session, parse_ref,
@@ -137,62 +136,52 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
 
     # -- runs and checkpoints --------------------------------------------------------------------
     @router.get("/v1/ui/runs", response_class=Response)
-    async def ui_runs(request: Request, offset: int = _offset(),
-                      limit: int = _limit(MAX_RUNS, 100)) -> Response:
+    def ui_runs(request: Request, offset: int = _offset(),
+                limit: int = _limit(MAX_RUNS, 100)) -> Response:
         """The runs the token may read, by name: checkpoint count, latest, newest step."""
         principal = principal_of(request)
-
-        def work() -> dict:
-            runs = [r for r in visibility.runs() if principal.can_read(r)]
-            out = page(runs, offset, limit)
-            items = []
-            for run in out["items"]:
-                listing = listed(run)
-                latest = visibility.latest_of(listing)
-                items.append({"run": run, "checkpoints": len(listing), "latest": latest.name if latest else None,
-                              "newest_step": max((c.step for c in listing if c.step is not None), default=None),
-                              "last_commit": max((c.committed_at for c in listing), default=None)})
-            out["items"] = items
-            return out
-
-        return _json(await run_in_threadpool(work))
+        runs = [r for r in visibility.runs() if principal.can_read(r)]
+        out = page(runs, offset, limit)
+        items = []
+        for run in out["items"]:
+            listing = listed(run)
+            latest = visibility.latest_of(listing)
+            items.append({"run": run, "checkpoints": len(listing), "latest": latest.name if latest else None,
+                          "newest_step": max((c.step for c in listing if c.step is not None), default=None),
+                          "last_commit": max((c.committed_at for c in listing), default=None)})
+        out["items"] = items
+        return _json(out)
 
     @router.get("/v1/ui/runs/{run}/checkpoints", response_class=Response)
-    async def ui_checkpoints(run: str, offset: int = _offset(),
-                             limit: int = _limit(MAX_CHECKPOINTS, 100),
-                             order: str = Query("desc", pattern="^(asc|desc)$")) -> Response:
+    def ui_checkpoints(run: str, offset: int = _offset(),
+                       limit: int = _limit(MAX_CHECKPOINTS, 100),
+                       order: str = Query("desc", pattern="^(asc|desc)$")) -> Response:
         """One page of the run's visible checkpoints (``desc``: newest first), each with its sizes,
         layout, verification, leases and lineage."""
-        def work() -> dict:
-            listing = listed(run)
-            if not listing and (err := no_such_run(run)) is not None:
-                raise err
-            latest = visibility.latest_of(listing)
-            if order == "desc":
-                listing = listing[::-1]
-            out = page(listing, offset, limit, run=run, latest=latest.name if latest else None)
-            held = leases_of(run, [c.name for c in out["items"]])
-            out["items"] = [row(c, held) for c in out["items"]]
-            return out
-
-        return _json(await run_in_threadpool(work))
+        listing = listed(run)
+        if not listing and (err := no_such_run(run)) is not None:
+            raise err
+        latest = visibility.latest_of(listing)
+        if order == "desc":
+            listing = listing[::-1]
+        out = page(listing, offset, limit, run=run, latest=latest.name if latest else None)
+        held = leases_of(run, [c.name for c in out["items"]])
+        out["items"] = [row(c, held) for c in out["items"]]
+        return _json(out)
 
     @router.get("/v1/ui/runs/{run}/steps", response_class=Response)
-    async def ui_steps(run: str, offset: int = _offset(),
-                       limit: int = _limit(MAX_STEPS, MAX_STEPS)) -> Response:
+    def ui_steps(run: str, offset: int = _offset(),
+                 limit: int = _limit(MAX_STEPS, MAX_STEPS)) -> Response:
         """The run's step timeline, oldest first, as columns (markers only: no manifest is parsed)."""
-        def work() -> dict:
-            listing = listed(run)
-            if not listing and (err := no_such_run(run)) is not None:
-                raise err
-            out = page(listing, offset, limit)
-            cs = out.pop("items")
-            out["columns"] = {"name": [c.name for c in cs], "step": [c.step for c in cs],
-                              "derived_from": [c.derived_from for c in cs],
-                              "committed_at": [c.committed_at.isoformat() for c in cs]}
-            return out
-
-        return _json(await run_in_threadpool(work))
+        listing = listed(run)
+        if not listing and (err := no_such_run(run)) is not None:
+            raise err
+        out = page(listing, offset, limit)
+        cs = out.pop("items")
+        out["columns"] = {"name": [c.name for c in cs], "step": [c.step for c in cs],
+                          "derived_from": [c.derived_from for c in cs],
+                          "committed_at": [c.committed_at.isoformat() for c in cs]}
+        return _json(out)
 
     # -- one checkpoint ---------------------------------------------------------------------------
     def manifest_of(run: str, name: str) -> tuple[Committed, Manifest]:
@@ -205,50 +194,41 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
         return c, visibility.manifest(c)
 
     @router.get("/v1/ui/checkpoints/{run}/{name}", response_class=Response)
-    async def ui_checkpoint(run: str, name: str) -> Response:
+    def ui_checkpoint(run: str, name: str) -> Response:
         """One checkpoint: its row, topology, files (the first 200), param groups (the first 100),
         and lineage (its sources, and the checkpoints of the run derived from it)."""
-        def work() -> dict:
-            c, m = manifest_of(run, name)
-            held = leases_of(run, [c.name])
-            derived = [d.name for d in listed(run) if d.derived_from == c.ref]
-            files = sorted(m.files.items())
-            topo = m.topology
-            return {**row(c, held), "run": run, "ref": c.ref, "derived": derived[:200],
-                    "topology": {"world_size": topo.world_size, "mesh": dict(topo.mesh), "layouts": dict(topo.layouts),
-                                 "ranks": [{"rank": r.rank, "coords": dict(r.coords)} for r in topo.ranks[:256]]},
-                    "files": [{"file": f, "size": e.size, "linked": e.linked, "xxh3": e.xxh3} for f, e in files[:200]],
-                    "param_groups": [param_group_row(g) for g in m.param_groups[:100]]}
-
-        return _json(await run_in_threadpool(work))
+        c, m = manifest_of(run, name)
+        held = leases_of(run, [c.name])
+        derived = [d.name for d in listed(run) if d.derived_from == c.ref]
+        files = sorted(m.files.items())
+        topo = m.topology
+        return _json({**row(c, held), "run": run, "ref": c.ref, "derived": derived[:200],
+                      "topology": {"world_size": topo.world_size, "mesh": dict(topo.mesh), "layouts": dict(topo.layouts),
+                                   "ranks": [{"rank": r.rank, "coords": dict(r.coords)} for r in topo.ranks[:256]]},
+                      "files": [{"file": f, "size": e.size, "linked": e.linked, "xxh3": e.xxh3} for f, e in files[:200]],
+                      "param_groups": [param_group_row(g) for g in m.param_groups[:100]]})
 
     @router.get("/v1/ui/checkpoints/{run}/{name}/tensors", response_class=Response)
-    async def ui_tensors(run: str, name: str, offset: int = _offset(),
-                         limit: int = _limit(MAX_TENSORS, 50),
-                         q: str = Query("", max_length=200, description="only tensors whose name contains this")
-                         ) -> Response:
+    def ui_tensors(run: str, name: str, offset: int = _offset(),
+                   limit: int = _limit(MAX_TENSORS, 50),
+                   q: str = Query("", max_length=200, description="only tensors whose name contains this")
+                   ) -> Response:
         """One page of the manifest's tensors (in manifest order), each with its chunks and the part
         of the tensor each rank holds."""
-        def work() -> dict:
-            _, m = manifest_of(run, name)
-            tensors = [t for t in m.tensors if q in t.name] if q else m.tensors
-            out = page(tensors, offset, limit, q=q)
-            out["items"] = [tensor_row(t) for t in out["items"]]
-            return out
-
-        return _json(await run_in_threadpool(work))
+        _, m = manifest_of(run, name)
+        tensors = [t for t in m.tensors if q in t.name] if q else m.tensors
+        out = page(tensors, offset, limit, q=q)
+        out["items"] = [tensor_row(t) for t in out["items"]]
+        return _json(out)
 
     @router.get("/v1/ui/checkpoints/{run}/{name}/objects", response_class=Response)
-    async def ui_objects(run: str, name: str, offset: int = _offset(),
-                         limit: int = _limit(MAX_OBJECTS, 100)) -> Response:
+    def ui_objects(run: str, name: str, offset: int = _offset(),
+                   limit: int = _limit(MAX_OBJECTS, 100)) -> Response:
         """One page of the manifest's objects (JSON values cut short)."""
-        def work() -> dict:
-            _, m = manifest_of(run, name)
-            out = page(m.objects, offset, limit)
-            out["items"] = [object_row(o) for o in out["items"]]
-            return out
-
-        return _json(await run_in_threadpool(work))
+        _, m = manifest_of(run, name)
+        out = page(m.objects, offset, limit)
+        out["items"] = [object_row(o) for o in out["items"]]
+        return _json(out)
 
     # -- live: uploads, reshard jobs, gc ------------------------------------------------------------
     def held_by(run: str, name: str, sid: str, world: int) -> dict[str, Any]:
@@ -333,31 +313,28 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
                 "reclaim_reason": reclaim.reason if reclaim else None, "stale": stale, "error": st.error}
 
     @router.get("/v1/ui/runs/{run}/uploads", response_class=Response)
-    async def ui_uploads(run: str, offset: int = _offset(),
-                         limit: int = _limit(MAX_UPLOADS, 20)) -> Response:
+    def ui_uploads(run: str, offset: int = _offset(),
+                   limit: int = _limit(MAX_UPLOADS, 20)) -> Response:
         """Upload sessions of checkpoints not committed yet (open, or refused at commit), with each
         rank's progress: data files stored (by the client's file names, ``r<rank>-<n>.bin``) and
         whether its index arrived; the bytes the session holds (stored, and on a local root not yet
         finished), its last activity, and whether it is stale (opened longer ago than
         ``CKPTD_STALE_SESSION_TTL``: the next sweep deletes it). ``run_exists`` is false for a run
         that is not under the root (the live page then says so, unless a reshard job is to write it)."""
-        def work() -> dict:
-            found: list[tuple[str, str]] = []
-            names = visibility.names(run)
-            for name in names:
-                if visibility.marker(run, name) is not None:
-                    continue  # committed (or taken): its sessions are no upload in progress
-                for sid in storage.list(Paths.sessions(run, name)):
-                    try:
-                        check_session(sid)
-                    except CkptdError:
-                        continue
-                    found.append((name, sid))
-            out = page(found, offset, limit, run_exists=bool(names) or no_such_run(run) is None)
-            out["items"] = [u for n, s in out["items"] if (u := upload_of(run, n, s)) is not None]
-            return out
-
-        return _json(await run_in_threadpool(work))
+        found: list[tuple[str, str]] = []
+        names = visibility.names(run)
+        for name in names:
+            if visibility.marker(run, name) is not None:
+                continue  # committed (or taken): its sessions are no upload in progress
+            for sid in storage.list(Paths.sessions(run, name)):
+                try:
+                    check_session(sid)
+                except CkptdError:
+                    continue
+                found.append((name, sid))
+        out = page(found, offset, limit, run_exists=bool(names) or no_such_run(run) is None)
+        out["items"] = [u for n, s in out["items"] if (u := upload_of(run, n, s)) is not None]
+        return _json(out)
 
     def jobs_of(run: str) -> list[Any]:
         from ..reshard.models import get_job
@@ -375,38 +352,30 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
         return sorted(out, key=lambda j: j.updated_at, reverse=True)
 
     @router.get("/v1/ui/runs/{run}/jobs", response_class=Response)
-    async def ui_jobs(run: str, offset: int = _offset(), limit: int = _limit(MAX_JOBS, 20)
-                      ) -> Response:
+    def ui_jobs(run: str, offset: int = _offset(), limit: int = _limit(MAX_JOBS, 20)) -> Response:
         """Reshard jobs whose source or output is in the run, most recently updated first."""
-        def work() -> dict:
-            out = page(jobs_of(run), offset, limit)
-            out["items"] = [j.model_dump(mode="json") for j in out["items"]]
-            return out
-
-        return _json(await run_in_threadpool(work))
+        out = page(jobs_of(run), offset, limit)
+        out["items"] = [j.model_dump(mode="json") for j in out["items"]]
+        return _json(out)
 
     @router.get("/v1/ui/runs/{run}/jobs/{job_id}/plan", response_class=Response)
-    async def ui_job_plan(request: Request, run: str, job_id: str,
-                          limit: int = Query(50, ge=1, le=MAX_UNITS, description="work units shown")) -> Response:
+    def ui_job_plan(request: Request, run: str, job_id: str,
+                    limit: int = Query(50, ge=1, le=MAX_UNITS, description="work units shown")) -> Response:
         """A job's plan as recorded when the job was planned (``reshard.models.get_plan_summary``; nothing
         plans it again): work units, bytes per target rank, imbalance."""
+        from ..reshard.models import get_job, get_plan_summary
+
         principal = principal_of(request)
-
-        def work() -> dict:
-            from ..reshard.models import get_job, get_plan_summary
-
-            job = get_job(storage, job_id)
-            src, out_ref = parse_ref(job.source), parse_ref(job.out)
-            if run not in (src.run, out_ref.run):
-                raise NotFound(f"reshard job {job_id!r} does not touch run {run!r}", job=job_id, run=run)
-            if not principal.can_read(src.run):
-                raise Forbidden(f"token {principal.name!r} may not read run {src.run!r}, the source of job {job_id}",
-                                token=principal.name, needs=f"read:{src.run}")
-            summary = get_plan_summary(storage, job_id)
-            return {"job": job.id, "source": job.source, "out": job.out,
-                    **{k: v for k, v in summary.items() if k != "units"}, "units": summary["units"][:limit]}
-
-        return _json(await run_in_threadpool(work))
+        job = get_job(storage, job_id)
+        src, out_ref = parse_ref(job.source), parse_ref(job.out)
+        if run not in (src.run, out_ref.run):
+            raise NotFound(f"reshard job {job_id!r} does not touch run {run!r}", job=job_id, run=run)
+        if not principal.can_read(src.run):
+            raise Forbidden(f"token {principal.name!r} may not read run {src.run!r}, the source of job {job_id}",
+                            token=principal.name, needs=f"read:{src.run}")
+        summary = get_plan_summary(storage, job_id)
+        return _json({"job": job.id, "source": job.source, "out": job.out,
+                      **{k: v for k, v in summary.items() if k != "units"}, "units": summary["units"][:limit]})
 
     @router.get("/v1/ui/runs/{run}/retention", response_class=Response)
     async def ui_retention(run: str, offset: int = _offset(),

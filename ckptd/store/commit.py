@@ -6,7 +6,8 @@ Call order: the session store (:mod:`.sessions`) stores a rank's index and asks
 merges the indexes (:class:`~.merge.ManifestFold`), checks reuse and every stored byte
 (:func:`~.checker.check_commit`), writes the manifest (durable), creates ``COMMITTED`` once, and
 records the commit's check as the checkpoint's first verification
-(:func:`~.records.record_commit_check`), then deletes what writers killed mid-upload left in the
+(:func:`~.records.record_commit_check`) or, where bytes checked as they arrived are left to the
+re-read after the marker, stores that re-read due before the marker (:func:`~.rereads.mark_due`), then deletes what writers killed mid-upload left in the
 session (:meth:`Committer._drop_unfinished`). A refusal is recorded (``FAILED``) and raised; a storage
 error is raised and leaves the session open for a retry. Re-entrant: a crash anywhere before the
 marker leaves the session invisible, and the rank's retried index or the sweep finishes the job.
@@ -46,6 +47,7 @@ from .merge import ManifestFold
 from .paths import Marker, Paths, SessionMeta
 from .records import LINKED, CommitCheck, arrival_of, file_stamps, known_bad, record_arrival, record_commit_check
 from .links import check_links
+from .rereads import mark_due
 from .session_reads import committed_by, ranks_done
 from .visibility import Visibility, manifest_file_name
 
@@ -227,6 +229,8 @@ class Committer:
             # what these bytes say, known without reading them back: the first status of a commit of
             # 10,000 ranks does not parse its manifest again
             self.visibility.note_written(mkey, digest, says)
+        if verdict.bytes_arrived > 0:  # the re-read after the marker is due: the store holds that first
+            mark_due(self.storage, run, name, sid)
         marker = Marker(ref=f"{run}/{name}", session=sid, manifest=manifest_file_name(digest), manifest_xxh3=digest,
                         step=meta.step, derived_from=derived_from, committed_at=datetime.now(timezone.utc),
                         parent=meta.parent, load_tree=tree)

@@ -15,6 +15,7 @@
     runs/<run>/<name>/sessions/<sid>/ranks/<rank>.json  a rank's index: its chunks; written last
     runs/<run>/<name>/sessions/<sid>/manifest-<xxh3>.json
     runs/<run>/<name>/sessions/<sid>/FAILED.json        why the commit was refused
+    reread/<run>/<name>/<sid>/...                       a re-read due after a marker, its shares (store.rereads)
 
 A session directory is the staging area of one save attempt: nothing outside
 it changes until the marker is created. The marker is created exactly once

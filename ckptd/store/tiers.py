@@ -25,7 +25,7 @@ fast tier alone.
 
 The URL is ``tiered:FAST|DURABLE`` so that worker processes (verification, reshard jobs) reopen
 the same two tiers with :func:`open_root`. The tiers are the store's: they know where a
-checkpoint's marker lies and what it says (:mod:`.layout`); the storage backends know keys only.
+checkpoint's marker lies and what it says (:mod:`.paths`); the storage backends know keys only.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ the outcome as the checkpoint's verification record (:mod:`.records`). The check
 (marker, manifest, data) is not touched.
 
 Call order: :func:`verify_committed` checks and records in the calling process (``ckptd gc``
-offline); the service submits :func:`verify_and_record` to a worker, and :func:`recheck_and_record`
-when a reader reports damaged bytes; conversions call
+offline); the service submits :func:`verify_and_record` to a worker, :func:`check_share` for each
+share of the re-read after a marker (:mod:`.rereads`, which stores :func:`compose_record`'s record),
+and :func:`recheck_and_record` when a reader reports damaged bytes; conversions call
 :func:`require_verified` on their source; a dry run :func:`verify_unrecorded`; readers
 :func:`read_record`.
 """
@@ -36,8 +37,9 @@ from .visibility import Visibility
 #: The parts of a checkpoint besides its data files that a load can find damaged and report.
 DAMAGE_PARTS = ("marker", "manifest", "load tree")
 
-__all__ = ["DAMAGE_PARTS", "VerifyRecord", "load_tree_problem", "strays_of", "read_record", "recheck_and_record", "recheck_files",
-           "require_verified", "verify_and_record", "verify_committed", "verify_unrecorded"]
+__all__ = ["DAMAGE_PARTS", "VerifyRecord", "check_share", "compose_record", "load_tree_problem", "strays_of",
+           "read_record", "recheck_and_record", "recheck_files", "require_verified", "verify_and_record",
+           "verify_committed", "verify_unrecorded"]
 
 
 def _committed_reads(storage: Storage, c: Committed, manifest: Manifest) -> ReadFn:
@@ -108,8 +110,8 @@ def verify_unrecorded(storage: Storage, run: str, name: str, progress: Callable[
 def _verify_here(storage: Storage, run: str, name: str, files: list[str] | None = None,
                  vis: Visibility | None = None,
                  progress: Callable[[int], None] | None = None) -> tuple[VerifyRecord, Committed]:
-    """Check ``run/name``'s stored bytes (only ``files``'s, when given: no stamps then, the record
-    vouches for nothing) and its load tree; the record, not stored. ``vis``: the caller's, whose
+    """Check ``run/name``'s stored bytes (only ``files``'s, when given: the stamps are theirs, and no
+    strays are looked for) and its load tree; the record, not stored. ``vis``: the caller's, whose
     parsed manifest is used again."""
     vis = vis or Visibility(storage)
     t0 = time.perf_counter()
@@ -119,14 +121,15 @@ def _verify_here(storage: Storage, run: str, name: str, files: list[str] | None 
     found: list[Stray] = []
     try:
         manifest = vis.manifest(c)
-        before = stamps_of(storage, c, sorted(manifest.files))
+        names = sorted(files if files is not None else manifest.files)
+        before = stamps_of(storage, c, names)
         report = verify_manifest(manifest, _committed_reads(storage, c, manifest),
                                  jobs=jobs_for(manifest, storage, lambda f: Paths.file(c.run, c.name, c.session, f)),
                                  storage_errors_are_problems=False, files=files, progress=progress)
         problem = load_tree_problem(vis, c)
         if problem is not None:
             report.problems.append(problem)
-        if files is None and before == stamps_of(storage, c, sorted(manifest.files)) and all(before.values()):
+        if before == stamps_of(storage, c, names) and all(before.values()):
             stamps = before
         if files is None:
             found = strays_of(storage, c, manifest)
@@ -155,6 +158,24 @@ def verify_and_record(root: str, run: str, name: str) -> dict:
     """In a worker process: :func:`verify_committed` on the storage at ``root``; the record as a dict
     (it crosses the process boundary)."""
     return verify_committed(open_root(root), run, name).model_dump(mode="json")
+
+
+def check_share(root: str, run: str, name: str, files: list[str]) -> dict:
+    """In a worker process: one share of the re-read after a marker (:mod:`.rereads`): ``files`` of the
+    visible checkpoint ``run/name`` read and checked by the one checker, with their stamps and the load
+    tree; the share's record as a dict, not stored."""
+    return _verify_here(open_root(root), run, name, files=files)[0].model_dump(mode="json")
+
+
+def compose_record(parts: list[VerifyRecord], found: list[Stray]) -> VerifyRecord:
+    """The one verification record of a checkpoint re-read in shares (:mod:`.rereads`), from the shares'
+    records (every one, or, to record it known bad at once, those so far with one that failed): good
+    only when every share was; their problems, bytes, reading time and stamps together."""
+    problems = list(dict.fromkeys(p for part in parts for p in part.problems))  # the load tree's, once
+    return parts[0].model_copy(update=dict(
+        ok=all(p.ok for p in parts), problems=problems[:MAX_PROBLEMS], bytes_read=sum(p.bytes_read for p in parts),
+        seconds=sum(p.seconds for p in parts), verified_at=datetime.now(timezone.utc), strays=found[:MAX_PROBLEMS],
+        stamps={f: s for p in parts for f, s in p.stamps.items()}))
 
 
 def recheck_files(storage: Storage, run: str, name: str, files: list[str], parts: list[str] = ()) -> dict:

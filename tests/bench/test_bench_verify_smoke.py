@@ -22,7 +22,7 @@ def test_bench_verify_runs_small(tmp_path):
     s = res["summary"]
     for key in ("cold_read_gbps", "verify_cli_gbps", "verify_inproc_gbps", "verify_inproc_alt_gbps",
                 "verify_server_gbps", "verify_ratio", "verify_inproc_ratio", "verify_server_ratio",
-                "verify_service_gbps", "verify_service_ratio", "service_warmup_s"):
+                "verify_service_gbps", "verify_service_ratio", "service_warmup_s", "reread_1_gbps", "reread_2_gbps"):
         assert isinstance(s[key], float) and math.isfinite(s[key]) and s[key] > 0, key
     assert s["goal"] == 0.8 and isinstance(s["goal_met"], bool)
     assert set(s["cold_read_by_block_gbps"]) == {"1 MiB", "4 MiB"}

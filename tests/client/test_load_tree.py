@@ -127,13 +127,13 @@ def test_a_marker_without_a_tree_is_loaded_through_its_manifest(served) -> None:
     path.write_text(json.dumps(marker))
     report = _load(srv.url, "old", 4, 2)
     manifest = len(httpx.get(f"{srv.url}/v1/checkpoints/tree/old", timeout=30).content)
-    assert report.metadata_bytes > manifest  # the manifest, then the service's read plan
+    assert report.metadata_bytes == manifest  # the manifest alone: the reads are planned here
 
 
 def test_a_rank_with_more_regions_than_a_request_may_name_sends_several(tmp_path) -> None:
     """A service that takes 4 regions per request (``CKPTD_READ_PLAN_MAX_REQUESTS``) and a rank of 6
-    tensors: the client splits its load-tree request, and its read-plan request (a marker without a
-    tree), by the limit the service's 413 names, and every value arrives."""
+    tensors: the client splits its load-tree request by the limit the service's 413 names, and every
+    value arrives (a marker without a tree: planned here from the manifest)."""
     srv = ServerProcess(tmp_path / "root", env={"CKPTD_READ_PLAN_MAX_REQUESTS": "4"},
                         log=tmp_path / "server.log").start()
     try:

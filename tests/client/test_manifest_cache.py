@@ -28,7 +28,7 @@ def _get(answer, run: str = "gpt", name: str = "12") -> tuple[bytes, CannedPeer]
     with CannedPeer(answer) as peer:
         t = Transport(peer.url, retry_seconds=0, token="")
         try:
-            return get_manifest(t, run, name), peer
+            return get_manifest(t, run, name)[0], peer
         finally:
             t.close()
 

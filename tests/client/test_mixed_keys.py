@@ -2,7 +2,7 @@
 
 Each rank of a pipeline holds its own layers and their optimizer state, plus keys every stage
 holds (the step). The writer of each plain tensor is agreed among the ranks that hold it
-(``ckptd_client._writers``): one collective, run again only when some rank's plain tensors change.
+(``ckptd_client._saveplan``): one collective, run again only when some rank's plain tensors change.
 Real gloo ranks save through a real ``ckptd serve``; ranks at world sizes 1, 2 and 3 load the
 checkpoint back (at 3, ranks restore keys another rank wrote) bit for bit.
 """
@@ -170,7 +170,7 @@ def cache_job(rank: int, world: int, url: str) -> dict:
     import torch.distributed as dist
 
     from ckptd_client import CheckpointClient
-    from ckptd_client._writers import ReplicaWriters
+    from ckptd_client._saveplan import ReplicaWriters
 
     calls = [0]
     names = ("all_gather_object", "gather_object", "scatter_object_list")

@@ -1,4 +1,4 @@
-"""``ckptd_client._resolve.resolve_manifest``: the manifest a ref resolved to, and the newer checkpoints
+"""``ckptd_client._manifest.get_manifest``: the manifest a ref resolved to, and the newer checkpoints
 the service skipped as known to be bad (``X-Ckptd-Skipped``).
 
 A real ``Transport`` over loopback HTTP to a peer that answers as told (``canned_http``): the skipped
@@ -15,7 +15,7 @@ import logging
 import pytest
 import xxhash
 
-from ckptd_client._resolve import resolve_manifest
+from ckptd_client._manifest import get_manifest
 from ckptd_client.transport import Transport
 from ckptd_schemas import CorruptCheckpoint
 from ckptd_schemas.api import SKIPPED_HEADER, SkippedCheckpoint
@@ -37,7 +37,7 @@ def _resolve(skipped: str | None, body: bytes = BODY, digest: str | None = None)
     with CannedPeer(answer) as peer:
         t = Transport(peer.url, retry_seconds=0, token="")
         try:
-            return resolve_manifest(t, "gpt", "latest"), peer.seen
+            return get_manifest(t, "gpt", "latest"), peer.seen
         finally:
             t.close()
 

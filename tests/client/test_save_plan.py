@@ -1,8 +1,9 @@
 """The save plan (``ckptd_client._saveplan.plan_save``), unit-tested with no server and no processes.
 
 What each checks: a plain state dict's chunks, entries and raw layout; boxes and flat ranges (pieces
-built directly, on the meta device: the planner reads no tensor's bytes); replicas written by one rank
-across all ranks, by the global step (``replica_owners``: the agreed owners, else ``assign_replicated``);
+built directly, on the meta device: the planner reads no tensor's bytes); the layout a raw save writes
+(the upload's rule, ``lay_out`` over ``write_order``, run on the plan's raw lengths); replicas written by one rank
+across all ranks, by the owners given (the agreed ones, else ``lpt_assign``'s balance);
 objects and param groups; files cut at ``file_bytes``, 64-byte aligned; reuse candidates (only chunks
 unchanged at the last save that can be hashed in place); the stall's two steps driven by the plan
 (reuse: not copied; copy: the rest); the upload's order and the one layout rule (``write_order``,
@@ -22,12 +23,13 @@ import xxhash
 
 from ckptd_client._flatten import flatten
 from ckptd_client._incremental import chunk_key
-from ckptd_client._placement import LocalPiece, assign_replicated, local_piece
+from ckptd_client._placement import LocalPiece, local_piece
 from ckptd_client import CheckpointClient
 from ckptd_client._save import _index, _pack, _pieces, build_snapshot
-from ckptd_client._saveplan import ALIGN, Placement, PlannedFile, lay_out, plan_save, replica_owners, write_order
+from ckptd_client._saveplan import ALIGN, FILE_BYTES, Placement, file_prefix, lay_out, plan_save, write_order
 from ckptd_client.flat import FlatShard
 from ckptd_schemas import Box, Manifest
+from ckptd_schemas.balance import lpt_assign
 
 KIB = 1 << 10
 
@@ -35,7 +37,15 @@ KIB = 1 << 10
 def _plan(sd: dict, rank: int = 0, world: int = 1, owners: dict | None = None, **kw):
     flat = flatten(sd)
     pieces = {leaf.fqn: local_piece(leaf.fqn, leaf.value) for leaf in flat.leaves if leaf.kind == "tensor"}
-    return plan_save(flat, pieces, rank, world, replica_owners(pieces, world, owners), **kw)
+    return plan_save(flat, pieces, rank, world, owners, **kw)
+
+
+def _layout(plan, file_bytes: int = FILE_BYTES):
+    """The plan's chunks as a raw save lays them out (``lay_out`` over ``write_order``, raw lengths):
+    where each goes, and the files it writes, ``{name: size}`` with the alignment padding."""
+    placements = dict(lay_out(((w.chunk.key, w.chunk.nbytes, w.apart) for w in write_order(plan.chunks)),
+                              file_prefix(plan.rank), file_bytes))
+    return placements, {p.file: p.offset + p.length + (-p.length) % ALIGN for p in placements.values()}
 
 
 def _packed(snap, compression, file_bytes: int):
@@ -64,7 +74,7 @@ def _file_bytes(files) -> dict[str, bytes]:
 
 def test_a_plain_state_dict_is_planned_in_order_with_every_chunk_laid_out_raw():
     sd = _state()
-    plan = _plan(sd, file_bytes=1 << 20)
+    plan = _plan(sd)
     assert [t.name for t in plan.tensors] == ["model.w", "model.b", "model.ids", "model.none", "model.flat",
                                               "optim.state.0.step"]
     assert [t.dtype for t in plan.tensors][:3] == ["float32", "bfloat16", "int64"]
@@ -80,7 +90,7 @@ def test_a_plain_state_dict_is_planned_in_order_with_every_chunk_laid_out_raw():
     for c in plan.chunks:
         want[c.key] = Placement("r000000-0000.bin", offset, c.nbytes)
         offset += c.nbytes + (-c.nbytes) % ALIGN
-    assert plan.placements == want and plan.files == [PlannedFile("r000000-0000.bin", offset)]
+    assert _layout(plan, 1 << 20) == (want, {"r000000-0000.bin": offset})
     assert plan.layouts == {"model": "flat:dp=1", "optim": "replicate"} and plan.mesh == {} == plan.coords
 
 
@@ -113,14 +123,15 @@ def test_boxes_and_flat_ranges_are_planned_from_pieces_alone():
         for leaf in flat.leaves:
             leaf.kind = "tensor"
         stall = {chunk_key("model.w", "float32", ([lo, 0], [n, 8]), None)}
-        plan = plan_save(flat, pieces, rank, 3, replica_owners(pieces, 3), file_bytes=1 << 20, stall_keys=stall)
+        plan = plan_save(flat, pieces, rank, 3, stall_keys=stall)
         w, m = plan.chunks
         assert (w.box, w.shape, w.nbytes) == (([lo, 0], [n, 8]), (n, 8), n * 8 * 4)
         assert (m.flat, m.box, m.nbytes) == (flats[rank], None, flats[rank][1] * 2)
         assert [t.placement for t in plan.tensors] == ["(Shard(dim=0),)", "flat"]
         assert plan.reuse == frozenset()  # in stall_keys, but on no CPU: hashed after the copy, not in place
-        assert plan.files[0].name == f"r{rank:06d}-0000.bin"
-        assert plan.placements[m.key].offset == math.ceil(w.nbytes / ALIGN) * ALIGN
+        placements, files = _layout(plan, 1 << 20)
+        assert list(files) == [f"r{rank:06d}-0000.bin"]
+        assert placements[m.key].offset == math.ceil(w.nbytes / ALIGN) * ALIGN
 
 
 def test_a_piece_this_rank_does_not_write_is_described_but_not_planned():
@@ -130,8 +141,8 @@ def test_a_piece_this_rank_does_not_write_is_described_but_not_planned():
     flat = flatten({"a": 0, "b": 0})
     for leaf in flat.leaves:
         leaf.kind = "tensor"
-    plan = plan_save(flat, pieces, 1, 2, replica_owners(pieces, 2))
-    assert [t.name for t in plan.tensors] == ["a", "b"] and plan.chunks == [] and plan.files == []
+    plan = plan_save(flat, pieces, 1, 2)
+    assert [t.name for t in plan.tensors] == ["a", "b"] and plan.chunks == [] and _layout(plan) == ({}, {})
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -139,7 +150,7 @@ def test_replicated_tensors_are_written_once_across_ranks(world):
     sd = {"model": {f"t{i}": torch.zeros(16 * (i + 1)) for i in range(7)}}
     names = [f"model.t{i}" for i in range(7)]
     plans = [_plan(sd, rank, world) for rank in range(world)]
-    owners = assign_replicated([(n, 64 * (i + 1)) for i, n in enumerate(names)], world)
+    owners = lpt_assign([(n, 64 * (i + 1)) for i, n in enumerate(names)], world)
     for rank, plan in enumerate(plans):
         assert [c.fqn for c in plan.chunks] == [n for n in names if owners[n] == rank]  # in the state dict's order
         assert len(plan.tensors) == 7  # every rank describes every tensor
@@ -152,19 +163,19 @@ def test_replicated_tensors_are_written_once_across_ranks(world):
 def test_files_are_cut_at_file_bytes_and_every_offset_is_aligned():
     sd = {"m": {"a": torch.zeros(100), "b": torch.zeros(3000), "c": torch.zeros(10), "big": torch.zeros(9000),
                 "d": torch.zeros(1)}}
-    plan = _plan(sd, rank=2, world=3, owners={k: 2 for k in ("m.a", "m.b", "m.c", "m.big", "m.d")},
-                 file_bytes=16 * KIB)
-    where = {c.fqn: plan.placements[c.key] for c in plan.chunks}
-    assert [f.name for f in plan.files] == ["r000002-0000.bin", "r000002-0001.bin", "r000002-0002.bin"]
+    plan = _plan(sd, rank=2, world=3, owners={k: 2 for k in ("m.a", "m.b", "m.c", "m.big", "m.d")})
+    placements, files = _layout(plan, 16 * KIB)
+    where = {c.fqn: placements[c.key] for c in plan.chunks}
+    assert list(files) == ["r000002-0000.bin", "r000002-0001.bin", "r000002-0002.bin"]
     assert {n: p.file[-8:-4] for n, p in where.items()} == {"m.a": "0000", "m.b": "0000", "m.c": "0000",
                                                             "m.big": "0001", "m.d": "0002"}
     assert all(p.offset % ALIGN == 0 for p in where.values())
     assert (where["m.b"].offset, where["m.c"].offset) == (448, 448 + 12032)
-    assert plan.files[1].size == 36032 > 16 * KIB  # a chunk larger than a file fills one alone
-    for f in plan.files:
-        in_file = sorted((p.offset, p.length) for p in where.values() if p.file == f.name)
-        assert f.size == sum(n + (-n) % ALIGN for _, n in in_file)
-        assert f.size <= 16 * KIB or len(in_file) == 1
+    assert files["r000002-0001.bin"] == 36032 > 16 * KIB  # a chunk larger than a file fills one alone
+    for name, size in files.items():
+        in_file = sorted((p.offset, p.length) for p in where.values() if p.file == name)
+        assert size == sum(n + (-n) % ALIGN for _, n in in_file)
+        assert size <= 16 * KIB or len(in_file) == 1
 
 
 def test_the_layout_keeps_pieces_laid_out_apart_in_files_of_their_own():
@@ -224,8 +235,7 @@ def test_the_stall_reuses_what_the_plan_offers_and_links_and_copies_the_rest():
     assert frozen.data is None and frozen.reused == ["pieces of frozen in a linked file"]
     assert torch.equal(moving.data, sd["moving"]) and moving.digest is not None and moving.reused is None
     assert torch.equal(opt.data, sd["opt"]) and opt.digest is None
-    assert snap.plan is not None and [c.key for cs in snap.chunks.values() for c in cs] == \
-        [c.key for c in snap.plan.chunks]
+    assert [c.key for cs in snap.chunks.values() for c in cs] == [c.key for c in _plan(sd).chunks]
 
 
 def test_a_save_flattens_the_state_dict_once(monkeypatch):
@@ -249,20 +259,21 @@ def test_the_executor_writes_what_the_plan_predicts(world):
     sd = {"model": {f"w{i}": torch.randn(17 * (i + 1), 31) for i in range(6)},
           "ids": torch.arange(1000, dtype=torch.int16), "meta": (1, "x"), "step": 12}
     for rank in range(world):
-        plan = _plan(sd, rank, world, file_bytes=fb)
-        snap = build_snapshot(sd, rank, world, file_bytes=fb)
-        assert snap.plan == plan
+        plan = _plan(sd, rank, world)
+        placements, planned = _layout(plan, fb)
+        snap = build_snapshot(sd, rank, world)
+        assert [c.plan for cs in snap.chunks.values() for c in cs] == plan.chunks and snap.tensors == plan.tensors
         files, index = _packed(snap, None, fb)
         data = _file_bytes(files)
-        assert [f.name for f in files][:len(plan.files)] == [f.name for f in plan.files]
+        assert [f.name for f in files][:len(planned)] == list(planned)
         sizes = {f.name: f.size for f in files}
-        for pf in plan.files[:-1]:
-            assert sizes[pf.name] == pf.size
+        for name in list(planned)[:-1]:
+            assert sizes[name] == planned[name]
         got = {chunk_key(t.name, t.dtype, (c.offsets, c.sizes), None): c.location for t in index.tensors
                for c in t.chunks}
-        assert set(got) == set(plan.placements)
+        assert set(got) == set(placements)
         for c in plan.chunks:
-            p, loc = plan.placements[c.key], got[c.key]
+            p, loc = placements[c.key], got[c.key]
             assert (loc.file, loc.offset, loc.length, loc.raw_length, loc.codec) == \
                 (p.file, p.offset, p.length, p.length, "raw")
             stored = data[p.file][p.offset:p.offset + p.length]
@@ -274,10 +285,10 @@ def test_the_executor_writes_what_the_plan_predicts(world):
             assert f.xxh3 == xxhash.xxh3_64_hexdigest(data[f.name])
         stored_objects = [o for o in index.objects if o.location is not None]
         assert [o.name for o in stored_objects] == ["meta"]
-        last = plan.files[-1] if plan.files else None
+        last = list(planned)[-1] if planned else None
         loc = stored_objects[0].location
-        if last is not None and loc.file == last.name:
-            assert loc.offset == last.size  # right after the plan's last chunk
+        if last is not None and loc.file == last:
+            assert loc.offset == planned[last]  # right after the plan's last chunk
         assert [t.name for t in index.tensors] == [t.name for t in plan.tensors]
         snap.release()
 
@@ -306,13 +317,13 @@ def test_a_raw_save_commits_the_plan_s_files_and_chunk_locations(server):
     g = torch.Generator().manual_seed(5)
     sd = {"model": {f"w{i}": torch.randn(9 * (i + 1), 61, generator=g) for i in range(8)},
           "ids": torch.arange(3000, dtype=torch.int16), "half": torch.randn(777, generator=g).half(), "step": 7}
-    plan = _plan(sd, file_bytes=fb)
-    assert len(plan.files) >= 3  # cut at file_bytes, a chunk larger than a file alone in one
+    placements, planned = _layout(_plan(sd), fb)
+    assert len(planned) >= 3  # cut at file_bytes, a chunk larger than a file alone in one
     with CheckpointClient(server.url, file_bytes=fb, compression=None, incremental=False) as client:
         client.save(sd, "plan/1").wait()
     m = Manifest.model_validate_json(httpx.get(f"{server.url}/v1/checkpoints/plan/1", timeout=30).content)
-    assert {name: f.size for name, f in m.files.items()} == {f.name: f.size for f in plan.files}
+    assert {name: f.size for name, f in m.files.items()} == planned
     committed = {chunk_key(t.name, t.dtype, (c.offsets, c.sizes), None): c.location
                  for t in m.tensors for c in t.chunks}
     assert {k: (loc.file, loc.offset, loc.length) for k, loc in committed.items()} == \
-        {k: (p.file, p.offset, p.length) for k, p in plan.placements.items()}
+        {k: (p.file, p.offset, p.length) for k, p in placements.items()}

@@ -113,7 +113,7 @@ def test_the_launcher_s_layout_is_taken_only_where_it_fits():
 
 def agree_job(rank: int, world: int) -> dict:
     from ckptd_client._dist import check, failure
-    from ckptd_client._writers import ReplicaWriters
+    from ckptd_client._saveplan import ReplicaWriters
     from ckptd_schemas import StateDictMismatch
 
     out: dict = {"same": check(False, b"one digest"), "differ": check(False, b"x" if rank == 2 else b"y"),

@@ -25,15 +25,9 @@ import torch
 from ckptd.storage import open_storage
 from ckptd.storage.s3 import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ATTEMPTS, S3Storage, s3_options_from_env
 from ckptd_schemas import StorageError
+from s3_server import pending_uploads
 
 MiB = 1 << 20
-
-
-def pending_uploads(st: S3Storage, prefix: str = "") -> list[str]:
-    """Keys (relative to the root) of the multipart uploads in flight under ``prefix``: what a writer
-    that never completed leaves in the bucket (not an object: no listing shows it)."""
-    root = f"{st._prefix}/" if st._prefix else ""
-    return sorted(u["Key"][len(root):] for u in st._uploads(st._dir(prefix)))
 
 
 @pytest.fixture
@@ -388,7 +382,7 @@ def test_fsdp2_save_2_load_3_verify_and_reshard_on_s3(moto_s3, s3, tmp_path):
         assert throttled.hits == 2 and lost.hits == 1
         # Everything is in the bucket: the marker, the manifest, the rank files; no upload left over,
         # and nothing was ever copied (no rename emulation).
-        assert s3.exists("runs/gpt/3/COMMITTED") and pending_uploads(s3) == []
+        assert s3.exists("runs/gpt/3/COMMITTED") and pending_uploads(s3, "") == []
         assert not [line for line in proxy.log if "copy-source" in line]
 
         # Offline, in their own processes, on the same s3:// root (endpoint from AWS_ENDPOINT_URL this time).

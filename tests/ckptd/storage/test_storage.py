@@ -24,9 +24,8 @@ import pytest
 from ckptd.storage import LocalStorage, Storage, open_storage
 from ckptd.storage.fsspec import FsspecStorage
 from ckptd.storage.s3 import S3Storage
-
-from .test_s3 import pending_uploads
 from ckptd_schemas import InvalidName, StorageError
+from s3_server import pending_uploads
 
 BACKENDS = ["local", "file-url", "fsspec-memory", "s3"]
 
