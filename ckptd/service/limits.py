@@ -82,6 +82,14 @@ def was_answered(scope: Scope) -> bool:
     return bool(scope.get("state", {}).get(_ANSWERED))
 
 
+def _leave(active: dict[str, int], name: str) -> None:
+    """One upload or request of ``name`` ended: its count down, and no entry left at zero."""
+    if left := active[name] - 1:
+        active[name] = left
+    else:
+        del active[name]
+
+
 class UploadSlots:
     """Concurrent uploads per principal (token name), at most ``limit`` each (0: no limit)."""
 
@@ -106,14 +114,9 @@ class UploadSlots:
         def release() -> None:
             nonlocal released
             with self._lock:
-                if released:
-                    return
-                released = True
-                left = self._active[principal] - 1
-                if left:
-                    self._active[principal] = left
-                else:
-                    del self._active[principal]
+                if not released:
+                    released = True
+                    _leave(self._active, principal)
 
         return release
 
@@ -143,11 +146,7 @@ class PrincipalRequests:
         try:
             await self.app(scope, receive, send)
         finally:
-            left = self._active[name] - 1
-            if left:
-                self._active[name] = left
-            else:
-                del self._active[name]
+            _leave(self._active, name)
 
     async def _refuse(self, scope: Scope, send: Send, name: str, n: int) -> None:
         """429 in the error shape; the connection closes when a body follows (it is never read)."""

@@ -352,9 +352,8 @@ def read_router(svc: Services) -> APIRouter:
         # A committed file absent or resized on storage is corrupt: 422 before any byte is sent.
         await run_in_threadpool(storage.check_committed, key, size, file=file)
         headers = {"Accept-Ranges": "bytes", "Content-Length": str(end - start)}
-        status = 200
+        status = 206 if range else 200
         if range:
-            status = 206
             headers["Content-Range"] = f"bytes {start}-{max(end - 1, start)}/{size}"
         piece = storage.read_piece  # per read and send: bounds the memory of one GET
         if end - start <= piece:

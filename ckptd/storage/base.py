@@ -16,16 +16,9 @@ Keys are ``/``-separated paths relative to the storage root. Primitives:
   writer wins): the commit marker's primitive.
 * :meth:`Storage.delete` and :meth:`Storage.delete_tree`.
 
-Derived, overridden where a backend does better: :meth:`Storage.read_or_none` (one GET on
-object stores) and :meth:`Storage.stamp`, a token that changes whenever an object's bytes may
-have changed, so a reader can cache what it learned from an object's bytes (its digest) for as
-long as the stamp holds.
-
-Optional: :meth:`Storage.local_path` (None unless the key is a file on this host) lets the
-service offer direct reads to clients that share its filesystem. :meth:`Storage.free_space` (a
-local root's filesystem: free and total bytes; None on object stores, which have no disk to fill)
-and :meth:`Storage.walk` (every key under a prefix with its size, unfinished writes included) let the
-store keep a reserve on the root and measure what a writer holds (:mod:`ckptd.store.space`).
+Derived, overridden where a backend does better (:meth:`Storage.read_or_none`, :meth:`Storage.stamp`,
+:meth:`Storage.walk`), or optional, each saying so where it is not there (:meth:`Storage.local_path`,
+:meth:`Storage.free_space`, :meth:`Storage.link`, presigned uploads): each method's docstring says what.
 
 Errors from the backend surface as :class:`ckptd_schemas.StorageError`
 naming the key (transient: callers retry), except those that waiting cannot change: a read-only
@@ -76,15 +69,6 @@ class Writer(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Drop what was written; never raises for an already-closed writer."""
-
-    def __enter__(self) -> "Writer":
-        return self
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
 
 
 @dataclass(frozen=True)

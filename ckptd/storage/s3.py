@@ -481,27 +481,23 @@ class S3Storage(Storage):
             raise classify("delete", prefix, e, self.url) from e
         self.fs.invalidate_cache(self._path(prefix))
 
-    def _uploads(self, pfx: str) -> Iterator[dict]:
-        """The multipart uploads in flight under the S3 key prefix ``pfx``, page after page."""
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": pfx}
-        while True:
-            out = self.fs.call_s3("list_multipart_uploads", **kw)
-            yield from out.get("Uploads") or ()
-            if not out.get("IsTruncated"):
-                return
-            kw["KeyMarker"], kw["UploadIdMarker"] = out.get("NextKeyMarker"), out.get("NextUploadIdMarker")
-
     def _abort_uploads(self, pfx: str, older_than: float = float("inf")) -> int:
         """Abort the multipart uploads in flight under ``pfx`` (parts of crashed or abandoned writers)
         begun before ``older_than`` (epoch seconds); return how many."""
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": pfx}
         n = 0
-        for u in list(self._uploads(pfx)):
-            begun = u.get("Initiated")
-            if begun is None or begun.timestamp() < older_than:
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
-                    n += 1
-        return n
+        while True:
+            out = self.fs.call_s3("list_multipart_uploads", **kw)
+            for u in out.get("Uploads") or ():
+                begun = u.get("Initiated")
+                if begun is None or begun.timestamp() < older_than:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=u["Key"],
+                                        UploadId=u["UploadId"])
+                        n += 1
+            if not out.get("IsTruncated"):
+                return n
+            kw["KeyMarker"], kw["UploadIdMarker"] = out.get("NextKeyMarker"), out.get("NextUploadIdMarker")
 
     def reclaim_temps(self, prefix: str, older_than: float) -> int:
         """The unfinished multipart uploads under ``prefix`` (a writer killed mid-upload, or a presigned

@@ -37,16 +37,10 @@ The rules, each a guarantee tested in ``tests/ckptd/store/test_retention.py``:
 ``remove`` deletes one named checkpoint under the same rules 3-6 (the retention policy is the
 caller's: a trainer's own ``keep the best k``): a protected one stays, with the reason.
 
-Call order: ``plan_retention`` (pure) decides; ``collect`` lists the run,
-reads leases and the records of the newest checkpoints (rule 2), establishes
-the newest verified checkpoint (whose fresh verifications are recorded, so the
-known-bad ones and ``RUN/latest`` are read again after it), plans and, unless
-``dry_run``, deletes each through :meth:`.leases.Leases.delete`: a claim on
-its deletion, its leases read again, then the ``COMMITTED`` marker (the
-checkpoint disappears atomically: a reader resolves it or gets 404, never half
-a checkpoint), then its files; so a lease answered 200 while gc or ``rm`` runs
-protects its checkpoint whatever the interleaving (the rule is in
-:mod:`.leases`).
+Call order: ``plan_retention`` (pure) decides; ``collect`` gathers the facts of rules 2-6, plans
+and, unless ``dry_run``, deletes each checkpoint through :meth:`.leases.Leases.delete` (its
+``COMMITTED`` marker first: a reader resolves it or gets 404, never half a checkpoint; a lease
+answered 200 meanwhile protects it whatever the interleaving: :mod:`.leases`).
 """
 
 from __future__ import annotations
