@@ -13,6 +13,7 @@ Call order: :func:`install_docs` once, after every other route is registered.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -100,12 +101,9 @@ def _document(app: FastAPI, rules: dict[str, Any]) -> dict:
 def install_docs(app: FastAPI, rules: dict[str, Any]) -> None:
     """Serve ``/openapi.json`` and ``/docs`` (create the app with ``openapi_url=None, docs_url=None,
     redoc_url=None``). ``rules``: route name -> its access rule (``ckptd.service.auth.ROUTE_RULES``)."""
-    cache: list[dict] = []
-
+    @functools.cache
     def openapi_document() -> dict:
-        if not cache:
-            cache.append(_document(app, rules))
-        return cache[0]
+        return _document(app, rules)
 
     app.openapi = openapi_document  # type: ignore[method-assign]
     assets = _assets_dir()

@@ -7,13 +7,9 @@
     GET  /v1/drills/{job_id}                     deprecated (removed in 0.2.0): the same, for a drill job only
     GET  /v1/checkpoints/{run}/{name}/drill      the last drill recorded for the manifest committed there (read)
 
-A drill (``ckptd.reshard.drill``) reads a committed checkpoint, assembles every target chunk of each
-layout and compares every tensor's layout-independent digest with the source's; it writes only its
-record (``runs/RUN/NAME/DRILL.json``). A drill is a service job like a reshard job: one record
-(``jobs/<id>.json``, kind ``drill``), run by the one runner in the service's worker pool (at low CPU
-and I/O priority), so saves keep priority (``ckptd.reshard.jobs``). The submission plans every layout
-first: a spec that does not parse, or a layout the checkpoint cannot take, is refused 400 and nothing
-is queued or written.
+A drill (what it checks and the one record it writes: ``ckptd.reshard.drill``) is a service job like a
+reshard job (``ckptd.reshard.jobs``: one record, kind ``drill``, run in the service's worker pool at low
+priority). Its submission plans every layout first: a bad spec or layout is refused 400, nothing queued.
 
 The policy (:class:`DrillPolicy`, ``CKPTD_DRILL_EVERY`` = N > 0): every N-th commit of a trainer
 checkpoint of a run (derived checkpoints do not count; counted by this replica since it started)

@@ -82,6 +82,14 @@ def was_answered(scope: Scope) -> bool:
     return bool(scope.get("state", {}).get(_ANSWERED))
 
 
+def _leave(active: dict[str, int], name: str) -> None:
+    """One upload or request of ``name`` ended: its count down, and no entry left at zero."""
+    if left := active[name] - 1:
+        active[name] = left
+    else:
+        del active[name]
+
+
 class UploadSlots:
     """Concurrent uploads per principal (token name), at most ``limit`` each (0: no limit)."""
 
@@ -89,10 +97,6 @@ class UploadSlots:
         self.limit = limit
         self._active: dict[str, int] = {}
         self._lock = threading.Lock()
-
-    def active(self, principal: str) -> int:
-        with self._lock:
-            return self._active.get(principal, 0)
 
     def acquire(self, principal: str, file: str) -> Callable[[], None]:
         """Take one slot of ``principal`` (``TooManyRequests`` when none is free); returns its release,
@@ -110,35 +114,22 @@ class UploadSlots:
         def release() -> None:
             nonlocal released
             with self._lock:
-                if released:
-                    return
-                released = True
-                left = self._active[principal] - 1
-                if left:
-                    self._active[principal] = left
-                else:
-                    del self._active[principal]
+                if not released:
+                    released = True
+                    _leave(self._active, principal)
 
         return release
 
 
 class PrincipalRequests:
-    """At most ``limit`` requests of one principal (token) in progress at once, of every kind (0: no limit).
-
-    Call order: ``AccessMiddleware`` names the request's principal, then this counts the request from
-    here until the app has answered it (a streamed download until its last byte is sent); the next one
-    over the limit is answered 429 at once, unrouted and unread. Open routes (``open_paths``: probes,
-    metrics) and requests without a token are never counted, so no token's flood holds a probe back,
-    and one token's slow requests cannot take every connection and worker from the others.
-    """
+    """At most ``limit`` requests of one principal (token) in progress at once, of every kind (0: no limit;
+    module docstring, 1): a request counts from here until the app has answered it (a streamed download
+    until its last byte is sent); ``open_paths`` (probes, metrics) never count."""
 
     def __init__(self, app: ASGIApp, limit: int, open_paths: Collection[str] = (), routes: Sequence[Any] = (),
                  metrics: Any = None) -> None:
         self.app, self.limit, self.open_paths, self.routes, self.metrics = app, limit, open_paths, routes, metrics
         self._active: dict[str, int] = {}  # one event loop: no lock
-
-    def active(self, principal: str) -> int:
-        return self._active.get(principal, 0)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         principal = scope.get("state", {}).get("principal") if scope["type"] == "http" else None
@@ -155,11 +146,7 @@ class PrincipalRequests:
         try:
             await self.app(scope, receive, send)
         finally:
-            left = self._active[name] - 1
-            if left:
-                self._active[name] = left
-            else:
-                del self._active[name]
+            _leave(self._active, name)
 
     async def _refuse(self, scope: Scope, send: Send, name: str, n: int) -> None:
         """429 in the error shape; the connection closes when a body follows (it is never read)."""

@@ -198,6 +198,32 @@ def read_router(svc: Services) -> APIRouter:
                                   limit=most, setting="CKPTD_LIST_MAX_ITEMS")
         return limit
 
+    async def budgeted(fn: Callable[..., Any], regions: int, *args: Any) -> Any:
+        """``fn(*args, budget=...)`` on the plan threads, within the budget of a request naming ``regions``
+        regions (``limits.read_plan_budget``); 413 past it, counted."""
+        budget = read_plan_budget(regions, settings.read_plan_chunk_budget, settings.read_plan_answer_budget)
+        try:
+            return await planned(fn, *args, budget=budget)
+        except PayloadTooLarge:
+            metrics.limit_refusals.labels("read_plan").inc()
+            raise
+
+    def local_paths(body: ReadPlanBody | LoadTreeBody, run: str, name: str, session: str,
+                    files: list[str]) -> dict[str, str] | None:
+        """Each file's path on this host (direct reads) where the request asks, the service offers them and
+        every file has one; else None."""
+        if not (body.local_paths and settings.direct_reads):
+            return None
+        paths = {f: storage.local_path(Paths.file(run, name, session, f)) for f in files}
+        return paths if all(paths.values()) else None  # type: ignore[return-value]
+
+    def ref_headers(c: Any, skipped: tuple, **more: str) -> dict[str, str]:
+        """What a ref resolved to (``X-Ckptd-Name``; for ``latest``, ``X-Ckptd-Skipped``) and the lease period."""
+        headers = {"X-Ckptd-Name": c.name, **more, "X-Ckptd-Lease-Seconds": f"{settings.read_lease_seconds:g}"}
+        if skipped:
+            headers[SKIPPED_HEADER] = _skipped_header(skipped)
+        return headers
+
     def paged(response: Response, page: tuple[list, str | None]) -> list:
         if page[1] is not None:
             response.headers[NEXT_HEADER] = page[1]
@@ -234,29 +260,16 @@ def read_router(svc: Services) -> APIRouter:
         (``SkippedCheckpoint``: ref and reason, newest first), decided by ``Visibility.resolve_ref``."""
         c, skipped = await run_in_threadpool(visibility.resolve_ref, run, name)
         raw = await run_in_threadpool(visibility.manifest_bytes, c)
-        headers = {"X-Ckptd-Name": c.name, "X-Ckptd-Manifest-Xxh3": c.digest,
-                   "X-Ckptd-Lease-Seconds": f"{settings.read_lease_seconds:g}"}
-        if skipped:
-            headers[SKIPPED_HEADER] = _skipped_header(skipped)
-        return Response(raw, media_type="application/json", headers=headers)
+        return Response(raw, media_type="application/json", headers=ref_headers(c, skipped, **{
+            "X-Ckptd-Manifest-Xxh3": c.digest}))
 
     @router.post("/v1/checkpoints/{run}/{name}/read-plan", response_model=ReadPlan,
                  response_model_exclude_none=True)  # no local_paths key unless offered: older clients parse it
     async def read_plan(request: Request, run: str, name: str) -> ReadPlan:
         body = await read_requests(request, ReadPlanBody, "read-plan request")
         manifest = await run_in_threadpool(reader.manifest, run, name)
-        budget = read_plan_budget(len(body.requests), settings.read_plan_chunk_budget,
-                                  settings.read_plan_answer_budget)
-        try:
-            plan = await planned(plan_reads, manifest, body.requests, budget=budget)
-        except PayloadTooLarge:
-            metrics.limit_refusals.labels("read_plan").inc()
-            raise
-        if body.local_paths and settings.direct_reads:
-            paths = {f.file: storage.local_path(Paths.file(run, manifest.name, manifest.session, f.file))
-                     for f in plan.fetches}
-            if all(paths.values()):
-                plan.local_paths = paths  # type: ignore[assignment]
+        plan = await budgeted(plan_reads, len(body.requests), manifest, body.requests)
+        plan.local_paths = local_paths(body, run, manifest.name, manifest.session, [f.file for f in plan.fetches])
         raw_plan = await planned(plan.model_dump_json, exclude_none=True)  # a large answer: not on the loop
         return Response(raw_plan, media_type="application/json")  # type: ignore[return-value]
 
@@ -268,11 +281,8 @@ def read_router(svc: Services) -> APIRouter:
         may be ``latest``, resolved as for the manifest (``X-Ckptd-Name``, ``X-Ckptd-Skipped``)."""
         c, skipped = await run_in_threadpool(visibility.resolve_ref, run, name)
         tree = await run_in_threadpool(visibility.load_tree, c)
-        headers = {"X-Ckptd-Name": c.name, LOAD_TREE_HEADER: c.marker.load_tree or "",
-                   "X-Ckptd-Lease-Seconds": f"{settings.read_lease_seconds:g}"}
-        if skipped:
-            headers[SKIPPED_HEADER] = _skipped_header(skipped)
-        return Response(tree.head, media_type="application/json", headers=headers)
+        return Response(tree.head, media_type="application/json", headers=ref_headers(c, skipped, **{
+            LOAD_TREE_HEADER: c.marker.load_tree or ""}))
 
     @router.post("/v1/checkpoints/{run}/{name}/load-tree")
     async def load_tree_pieces(request: Request, run: str, name: str) -> Response:
@@ -283,17 +293,9 @@ def read_router(svc: Services) -> APIRouter:
         body = await read_requests(request, LoadTreeBody, "load-tree request")
         c = await run_in_threadpool(reader.committed, run, name)
         tree = await run_in_threadpool(visibility.load_tree, c)
-        budget = read_plan_budget(len(body.requests), settings.read_plan_chunk_budget,
-                                  settings.read_plan_answer_budget)
-        try:
-            answer = await planned(tree.answer, body.requests, body.objects, body.rank, budget)
-        except PayloadTooLarge:
-            metrics.limit_refusals.labels("read_plan").inc()
-            raise
-        if body.local_paths and settings.direct_reads and answer["files"]:
-            paths = {f: storage.local_path(Paths.file(run, c.name, c.marker.session, f)) for f in answer["files"]}
-            if all(paths.values()):
-                answer["local_paths"] = paths
+        answer = await budgeted(tree.answer, len(body.requests), body.requests, body.objects, body.rank)
+        if answer["files"] and (paths := local_paths(body, run, c.name, c.marker.session, answer["files"])):
+            answer["local_paths"] = paths
         data = await planned(json.dumps, answer, separators=(",", ":"))
         return Response(data, media_type="application/json")
 
@@ -350,9 +352,8 @@ def read_router(svc: Services) -> APIRouter:
         # A committed file absent or resized on storage is corrupt: 422 before any byte is sent.
         await run_in_threadpool(storage.check_committed, key, size, file=file)
         headers = {"Accept-Ranges": "bytes", "Content-Length": str(end - start)}
-        status = 200
+        status = 206 if range else 200
         if range:
-            status = 206
             headers["Content-Range"] = f"bytes {start}-{max(end - 1, start)}/{size}"
         piece = storage.read_piece  # per read and send: bounds the memory of one GET
         if end - start <= piece:
@@ -370,24 +371,27 @@ def read_router(svc: Services) -> APIRouter:
         return StreamingResponse(pieces(), status_code=status, headers=headers,
                                  media_type="application/octet-stream")
 
+    async def on_lease(act: Callable[..., None], request: Request, run: str, name: str, holder: str) -> Any:
+        """``act`` (``ReadLeases.hold`` or ``release``) on lease ``holder`` of the committed ``run/name``, for
+        the request's token; the committed checkpoint."""
+        check_session(holder)  # the same safe-name rule as a session id
+        c = await run_in_threadpool(reader.committed, run, name)
+        p = principal_of(request)
+        await run_in_threadpool(lambda: act(run, c.name, holder, p.name, admin=p.admin))
+        return c
+
     @router.put("/v1/checkpoints/{run}/{name}/leases/{holder}")
     async def hold_lease(request: Request, run: str, name: str, holder: str) -> dict:
         """Take or renew the request's token's read lease ``holder`` (``ckptd.store.leases``): renewed by
         the reader every third of ``seconds``; gc spares the checkpoint meanwhile. 403 when another
         token holds that lease (an admin token takes it over, logged), 429 past the leases one token may hold."""
-        check_session(holder)  # the same safe-name rule as a session id
-        c = await run_in_threadpool(reader.committed, run, name)
-        p = principal_of(request)
-        await run_in_threadpool(lambda: read_leases.hold(run, c.name, holder, p.name, admin=p.admin))
+        c = await on_lease(read_leases.hold, request, run, name, holder)
         return {"ref": c.ref, "holder": holder, "seconds": settings.read_lease_seconds}
 
     @router.delete("/v1/checkpoints/{run}/{name}/leases/{holder}", status_code=204)
     async def release_lease(request: Request, run: str, name: str, holder: str) -> Response:
         """Release read lease ``holder``: its own token may, and an admin token, which breaks it (logged)."""
-        check_session(holder)  # the same safe-name rule as a session id
-        c = await run_in_threadpool(reader.committed, run, name)
-        p = principal_of(request)
-        await run_in_threadpool(lambda: read_leases.release(run, c.name, holder, p.name, admin=p.admin))
+        await on_lease(read_leases.release, request, run, name, holder)
         return Response(status_code=204)
 
     return router

@@ -69,7 +69,8 @@ class Readiness:
 
     def __init__(self, storage: Storage, seconds: float = PROBE_SECONDS,
                  on_failure: Callable[[StorageError], None] | None = None) -> None:
-        self.storage, self.seconds, self.on_failure = storage.for_probes(), seconds, on_failure
+        self.storage, self.seconds = storage.for_probes(), seconds
+        self.on_failure: Callable[[StorageError], None] = on_failure or (lambda _: None)
         self._last: Probe | None = None
         self._running: Future | None = None  # the probe in progress: one at a time, the others take its outcome
         self._lock = threading.Lock()  # held only to look at the two above, never while probing
@@ -101,8 +102,7 @@ class Readiness:
         """The outcome of a probe that has not answered in ``deadline`` seconds: neither part holds."""
         err = StorageError(f"the storage did not answer the readiness probe (a listing and a small write at the "
                            f"root) within {deadline:g} s", timeout_s=deadline)
-        if self.on_failure is not None:
-            self.on_failure(err)
+        self.on_failure(err)
         return Probe(err, err, time.monotonic())
 
     def _run(self, fut: Future) -> None:
@@ -130,14 +130,9 @@ class Readiness:
     def _attempt(self, fn: Callable[[], Any]) -> StorageError | None:
         try:
             fn()
-        except StorageError as e:
-            if self.on_failure is not None:
-                self.on_failure(e)
-            return e
-        except CkptdError as e:  # the backend's own refusal (an unsafe key): as a storage failure
-            err = StorageError(e.message, **e.details)
-            if self.on_failure is not None:
-                self.on_failure(err)
+        except CkptdError as e:  # the backend's own refusal (an unsafe key) too: as a storage failure
+            err = e if isinstance(e, StorageError) else StorageError(e.message, **e.details)
+            self.on_failure(err)
             return err
         return None
 

@@ -12,6 +12,7 @@ Workers are spawned, not forked: a fork of a threaded server would inherit its l
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -50,25 +51,15 @@ class Workers:
 
 
 def _start_worker(parent: int) -> None:
-    _lower_priority()
-    _exit_with_parent(parent)
-
-
-def _lower_priority() -> None:
-    try:
+    """Lower this worker's CPU and I/O priority, and exit when its service dies (even by SIGKILL)."""
+    with contextlib.suppress(OSError):
         os.nice(10)
-    except OSError:
-        pass
     try:  # the idle I/O class where the platform allows it (Linux: ionice -c3)
         import psutil  # type: ignore[import-not-found]
 
         psutil.Process().ionice(psutil.IOPRIO_CLASS_IDLE)
     except Exception:  # noqa: BLE001 - optional
         pass
-
-
-def _exit_with_parent(parent: int) -> None:
-    """A worker whose service died (even by SIGKILL) exits too."""
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -13,14 +13,16 @@ SUPPORTED = ("a directory, s3://bucket/prefix (s3a://), or the URL of a filesyst
 
 
 def open_storage(root: str, **options: object) -> Storage:
-    """A plain path opens :class:`LocalStorage`; ``s3://`` (``s3a://``) :class:`~ckptd.storage.s3.S3Storage`;
-    any other ``scheme://`` URL :class:`~ckptd.storage.fsspec.FsspecStorage`. (A service's root with a
-    durable tier, ``tiered:FAST|DURABLE``, is the store's: :func:`ckptd.store.tiers.open_root`.)"""
+    """A plain path (or ``file://`` URL) opens :class:`LocalStorage`; ``s3://`` (``s3a://``)
+    :class:`~ckptd.storage.s3.S3Storage`; any other ``scheme://`` URL :class:`~ckptd.storage.fsspec.FsspecStorage`.
+    (A service's root with a durable tier, ``tiered:FAST|DURABLE``, is the store's: :func:`ckptd.store.tiers.open_root`.)"""
     if root.startswith(("s3://", "s3a://")):
         from .s3 import S3Storage
 
         return S3Storage(root, **options)
-    if "://" in root:
+    if root.startswith("file://"):
+        root = root[len("file://"):]
+    elif "://" in root:
         from .fsspec import FsspecStorage
 
         return FsspecStorage(root, **options)
@@ -32,7 +34,7 @@ def check_scheme(root: str) -> None:
     ``root``'s scheme here (an unknown protocol, or an fsspec filesystem whose package is not
     installed); called before a root is opened (``ckptd serve``'s settings, a command's ``--root``),
     so the mistake is one line, not a failure at start-up."""
-    if "://" not in root or root.startswith(("s3://", "s3a://")):
+    if "://" not in root or root.startswith(("s3://", "s3a://", "file://")):
         return
     scheme = root.split("://", 1)[0]
     try:

@@ -16,16 +16,9 @@ Keys are ``/``-separated paths relative to the storage root. Primitives:
   writer wins): the commit marker's primitive.
 * :meth:`Storage.delete` and :meth:`Storage.delete_tree`.
 
-Derived, overridden where a backend does better: :meth:`Storage.read_or_none` (one GET on
-object stores) and :meth:`Storage.stamp`, a token that changes whenever an object's bytes may
-have changed, so a reader can cache what it learned from an object's bytes (its digest) for as
-long as the stamp holds.
-
-Optional: :meth:`Storage.local_path` (None unless the key is a file on this host) lets the
-service offer direct reads to clients that share its filesystem. :meth:`Storage.free_space` (a
-local root's filesystem: free and total bytes; None on object stores, which have no disk to fill)
-and :meth:`Storage.walk` (every key under a prefix with its size, unfinished writes included) let the
-store keep a reserve on the root and measure what a writer holds (:mod:`ckptd.store.space`).
+Derived, overridden where a backend does better (:meth:`Storage.read_or_none`, :meth:`Storage.stamp`,
+:meth:`Storage.walk`), or optional, each saying so where it is not there (:meth:`Storage.local_path`,
+:meth:`Storage.free_space`, :meth:`Storage.link`, presigned uploads): each method's docstring says what.
 
 Errors from the backend surface as :class:`ckptd_schemas.StorageError`
 naming the key (transient: callers retry), except those that waiting cannot change: a read-only
@@ -42,7 +35,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ckptd_schemas import CorruptCheckpoint, InvalidName, StorageError
 
@@ -76,15 +69,6 @@ class Writer(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Drop what was written; never raises for an already-closed writer."""
-
-    def __enter__(self) -> "Writer":
-        return self
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
 
 
 @dataclass(frozen=True)
@@ -166,28 +150,26 @@ class Storage(ABC):
     def read_committed(self, key: str, start: int, end: int, size: int, **details: Any) -> bytes:
         """Bytes ``[start, end)`` of a committed data file of ``size`` bytes. Absent, resized or read
         short: :class:`CorruptCheckpoint`; any other failure stays a (transient) :class:`StorageError`."""
-        try:
-            data = self.read(key, start, end)
-        except StorageError:
-            self.check_committed(key, size, **details)  # there, whole: the failure was the backend's
-            raise
-        if len(data) != end - start:
-            self.check_committed(key, size, **details)
-            raise CorruptCheckpoint(f"committed file {key!r} gave {len(data)} of the {end - start} bytes at "
-                                    f"{start}", key=key, size=size, **details)
-        return data
+        return self._committed(lambda: self.read(key, start, end), key, start, end - start, size, details)
 
     def read_committed_into(self, key: str, start: int, view: memoryview, size: int, **details: Any) -> None:
         """:meth:`read_committed` into a caller's buffer: all of ``view`` is filled, or it raises."""
+        self._committed(lambda: self.read_into(key, start, view), key, start, len(view), size, details)
+
+    def _committed(self, read: Callable[[], Any], key: str, start: int, want: int, size: int, details: dict) -> Any:
+        """``read()`` (bytes, or a count of bytes read) of ``want`` bytes at ``start`` of a committed file,
+        judged by the rule of :meth:`read_committed`."""
         try:
-            got = self.read_into(key, start, view)
+            got = read()
         except StorageError:
-            self.check_committed(key, size, **details)
+            self.check_committed(key, size, **details)  # there, whole: the failure was the backend's
             raise
-        if got != len(view):
+        n = got if isinstance(got, int) else len(got)
+        if n != want:
             self.check_committed(key, size, **details)
-            raise CorruptCheckpoint(f"committed file {key!r} gave {got} of the {len(view)} bytes at {start}",
-                                    key=key, size=size, **details)
+            raise CorruptCheckpoint(f"committed file {key!r} gave {n} of the {want} bytes at {start}", key=key,
+                                    size=size, **details)
+        return got
 
     def read_or_none(self, key: str) -> bytes | None:
         """The whole object, or None when it is absent."""

@@ -28,7 +28,7 @@ from typing import Iterator
 
 from ckptd_schemas import StorageError, StorageFull, StoragePermanent, StorageReadOnly
 
-__all__ = ["READ_OPS", "S3_DENIED", "classify", "permanent_error"]
+__all__ = ["READ_OPS", "S3_DENIED", "classify", "client_errors", "permanent_error"]
 
 #: Operations that only read; a permission refused to any other is a root that cannot be written.
 READ_OPS = frozenset({"read", "stat", "list"})
@@ -48,15 +48,13 @@ def _chain(e: BaseException) -> Iterator[BaseException]:
         cur = cur.__cause__ or cur.__context__
 
 
-def _s3_code(e: BaseException) -> str | None:
-    """The first S3 error code of :data:`S3_DENIED` among the botocore responses in ``e``'s chain."""
+def client_errors(e: BaseException) -> Iterator[tuple[str, int | None]]:
+    """(error code, HTTP status) of every botocore ClientError response in ``e``'s cause chain."""
     for cur in _chain(e):
         resp = getattr(cur, "response", None)
         if isinstance(resp, dict):
-            code = str((resp.get("Error") or {}).get("Code") or "")
-            if code in S3_DENIED:
-                return code
-    return None
+            yield str((resp.get("Error") or {}).get("Code") or ""), (resp.get("ResponseMetadata") or {}).get(
+                "HTTPStatusCode")
 
 
 def _errno(e: BaseException) -> tuple[int, str] | None:
@@ -85,7 +83,7 @@ def permanent_error(op: str, key: str, e: BaseException, root: str) -> StoragePe
     URL) stands for, naming the root's cause; None when waiting may change it (transient)."""
     where = f"storage {op} of {key!r} failed"
     verb = "read" if op in READ_OPS else "write"
-    s3 = _s3_code(e)
+    s3 = next((code for code, _ in client_errors(e) if code in S3_DENIED), None)
     if s3 is not None:
         cls = StoragePermanent if op in READ_OPS else StorageReadOnly
         return cls(f"{where}: {_who(root)} may not {verb} under the storage root {root} ({s3}: {e})",
@@ -108,6 +106,11 @@ def permanent_error(op: str, key: str, e: BaseException, root: str) -> StoragePe
                            **details)
 
 
-def classify(op: str, key: str, e: BaseException, root: str, message: str, **details: object) -> StorageError:
-    """:func:`permanent_error`, or else a transient :class:`StorageError` of ``message`` and ``details``."""
-    return permanent_error(op, key, e, root) or StorageError(message, key=key, **details)
+def classify(op: str, key: str, e: BaseException, root: str) -> StorageError:
+    """:func:`permanent_error`, or else a transient :class:`StorageError` naming ``op``, ``key`` and the
+    cause (an OS error's text and errno, any other exception's type and text): every backend's one wrapping."""
+    if (perm := permanent_error(op, key, e, root)) is not None:
+        return perm
+    if isinstance(e, OSError) and e.errno is not None:
+        return StorageError(f"storage {op} of {key!r} failed: {e.strerror or e}", key=key, errno=e.errno)
+    return StorageError(f"storage {op} of {key!r} failed: {type(e).__name__}: {e}", key=key)

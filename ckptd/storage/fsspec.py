@@ -1,6 +1,6 @@
-"""Storage on any fsspec filesystem (``file://``, ``memory://``, ``gs://``...; ``s3://`` is
-:class:`ckptd.storage.s3.S3Storage`, its own backend over s3fs's client, via
-:func:`ckptd.storage.open_storage`).
+"""Storage on any fsspec filesystem without a backend of its own (``memory://``, ``gs://``, ``az://``...;
+:func:`ckptd.storage.open_storage` opens ``file://`` as :class:`~ckptd.storage.local.LocalStorage` and ``s3://``
+as :class:`ckptd.storage.s3.S3Storage`, its own backend over s3fs's client).
 
 Object stores (no rename) write the object in place: it becomes visible only
 when the upload completes (single PUT or multipart completion), which is the
@@ -14,24 +14,17 @@ import uuid
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from ckptd_schemas import StorageError
 
 from .base import Storage, Writer, check_key
 from .failures import classify
-from .local import LocalStorage
 
 __all__ = ["FsspecStorage"]
 
 # memory:// is not one: its files appear in the store as soon as they are opened
 # for writing (and stay after discard), so it needs the temp key + mv path.
-_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs"}
-
-
-def _wrap(op: str, key: str, e: Exception, root: str) -> StorageError:
-    """A permanent error (read-only, permission, full: :mod:`.failures`) or a transient one."""
-    return classify(op, key, e, root, f"storage {op} of {key!r} failed: {type(e).__name__}: {e}")
+_OBJECT_STORES = {"gs", "gcs", "az", "abfs"}
 
 
 class _FsspecWriter(Writer):
@@ -46,14 +39,14 @@ class _FsspecWriter(Writer):
                 fs.makedirs(parent, exist_ok=True)
             self._f = fs.open(self._path, "wb")
         except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
-            raise _wrap("open", key, e, root) from e
+            raise classify("open", key, e, root) from e
 
     def write(self, data: bytes | memoryview) -> None:
         try:
             self._f.write(data)
         except Exception as e:  # noqa: BLE001
             self.abort()
-            raise _wrap("write", self._key, e, self._root) from e
+            raise classify("write", self._key, e, self._root) from e
 
     def commit(self) -> bool:
         try:
@@ -64,7 +57,7 @@ class _FsspecWriter(Writer):
             return True
         except Exception as e:  # noqa: BLE001
             self.abort()
-            raise _wrap("commit", self._key, e, self._root) from e
+            raise classify("commit", self._key, e, self._root) from e
 
     def abort(self) -> None:
         if not self._closed:
@@ -100,7 +93,7 @@ class _OnceWriter(Writer):
 
 
 class FsspecStorage(Storage):
-    """Storage rooted at an fsspec URL such as ``memory://ckpt`` or ``s3://bucket/prefix``."""
+    """Storage rooted at an fsspec URL such as ``memory://ckpt`` or ``gs://bucket/prefix``."""
 
     def __init__(self, url: str, **storage_options: Any) -> None:
         self.url = url.rstrip("/")
@@ -108,7 +101,6 @@ class FsspecStorage(Storage):
         self.root = root.rstrip("/")
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self._in_place = protocol in _OBJECT_STORES
-        self._local = LocalStorage(self.root) if isinstance(self.fs, LocalFileSystem) else None
         self._create_lock = threading.Lock()
         if not self._in_place:
             self.fs.makedirs(self.root, exist_ok=True)
@@ -117,8 +109,6 @@ class FsspecStorage(Storage):
         return f"{self.root}/{check_key(key)}"
 
     def open_write(self, key: str, *, once: bool = False) -> Writer:
-        if self._local is not None:
-            return self._local.open_write(key, once=once)
         if once:  # no native conditional create here: exactly-once within this process only
             return _OnceWriter(self, key)
         return _FsspecWriter(self.fs, self._path(key), key, self._in_place, self.url)
@@ -130,7 +120,7 @@ class FsspecStorage(Storage):
         except FileNotFoundError as e:
             raise StorageError(f"storage object {key!r} does not exist", key=key) from e
         except Exception as e:  # noqa: BLE001
-            raise _wrap("read", key, e, self.url) from e
+            raise classify("read", key, e, self.url) from e
 
     def size(self, key: str) -> int | None:
         path = self._path(key)
@@ -139,7 +129,7 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001
-            raise _wrap("stat", key, e, self.url) from e
+            raise classify("stat", key, e, self.url) from e
         return int(info.get("size") or 0) if info.get("type") != "directory" else 0
 
     def list(self, prefix: str) -> list[str]:
@@ -149,32 +139,22 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             return []
         except Exception as e:  # noqa: BLE001
-            raise _wrap("list", prefix, e, self.url) from e
+            raise classify("list", prefix, e, self.url) from e
         names = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
         return sorted(n for n in names if n and not n.startswith(".") and ".tmp-" not in n)
 
-    def free_space(self) -> tuple[int, int] | None:
-        return self._local.free_space() if self._local is not None else None
-
     def walk(self, prefix: str) -> list[tuple[str, int]]:
-        if self._local is not None:
-            return self._local.walk(prefix)  # its writes are the local root's (hidden temp files)
         path = self._path(prefix)
         try:
             found = self.fs.find(path, detail=True) if self.fs.exists(path) else {}
         except FileNotFoundError:
             return []
         except Exception as e:  # noqa: BLE001
-            raise _wrap("list", prefix, e, self.url) from e
+            raise classify("list", prefix, e, self.url) from e
         return sorted((str(p)[len(self.root) + 1:].lstrip("/"), int(i.get("size") or 0)) for p, i in found.items()
                       if i.get("type") != "directory")
 
-    def reclaim_temps(self, prefix: str, older_than: float) -> int:
-        return self._local.reclaim_temps(prefix, older_than) if self._local is not None else 0
-
     def create_if_absent(self, key: str, data: bytes) -> bool:
-        if self._local is not None:
-            return self._local.create_if_absent(key, data)
         # Backends without a native conditional create: exactly-once within this
         # process only. S3 has one (a conditional PUT): open s3:// roots with
         # open_storage, which gives S3Storage (ckptd.storage.s3).
@@ -185,28 +165,24 @@ class FsspecStorage(Storage):
             return True
 
     def link(self, src: str, dst: str, stamp: str | None = None) -> bool:
-        if self._local is not None:
-            return self._local.link(src, dst, stamp)
         if stamp is not None:
             return False  # a copy here is not conditional: the bytes are sent and checked
         try:
-            self.fs.copy(self._path(src), self._path(dst))  # S3: a server-side copy, no bytes through here
+            self.fs.copy(self._path(src), self._path(dst))  # an object store: a server-side copy
         except FileNotFoundError:
             return False
         except Exception as e:  # noqa: BLE001
-            raise _wrap("link", dst, e, self.url) from e
+            raise classify("link", dst, e, self.url) from e
         return True
 
     def delete(self, key: str) -> None:
-        if self._local is not None:
-            return self._local.delete(key)
         path = self._path(key)
         try:
             self.fs.rm_file(path)
         except FileNotFoundError:
             pass
         except Exception as e:  # noqa: BLE001
-            raise _wrap("delete", key, e, self.url) from e
+            raise classify("delete", key, e, self.url) from e
 
     def delete_tree(self, prefix: str) -> None:
         path = self._path(prefix)
@@ -216,4 +192,4 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             pass
         except Exception as e:  # noqa: BLE001
-            raise _wrap("delete", prefix, e, self.url) from e
+            raise classify("delete", prefix, e, self.url) from e

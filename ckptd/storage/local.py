@@ -7,6 +7,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
@@ -33,11 +34,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _storage_error(op: str, key: str, e: OSError, root: str) -> StorageError:
-    """A permanent error (full, read-only, permission: :mod:`.failures`) or a transient one."""
-    return classify(op, key, e, root, f"storage {op} of {key!r} failed: {e.strerror or e}", errno=e.errno)
 
 
 _TEMP = re.compile(r"\..+\.tmp-[0-9a-f]{12}")  # what _LocalWriter and put() write before the rename
@@ -68,7 +64,7 @@ class _LocalWriter(Writer):
                 self._fd = os.open(self._tmp, flags, 0o644)
         except OSError as e:
             self.abort()
-            raise _storage_error("open", key, e, root) from e
+            raise classify("open", key, e, root) from e
 
     def _early_writeback(self, n: int) -> None:
         """Every WRITEBACK_BYTES of a durable file written through the page cache (where the filesystem
@@ -96,7 +92,7 @@ class _LocalWriter(Writer):
             self._early_writeback(total)
         except OSError as e:
             self.abort()
-            raise _storage_error("write", self._key, e, self._root) from e
+            raise classify("write", self._key, e, self._root) from e
 
     def write_parts(self, parts: list[bytes]) -> None:
         """Past the page cache: each piece into the aligned window. Through it: ``os.writev`` of the
@@ -119,7 +115,7 @@ class _LocalWriter(Writer):
                         n = 0
         except OSError as e:
             self.abort()
-            raise _storage_error("write", self._key, e, self._root) from e
+            raise classify("write", self._key, e, self._root) from e
 
     def commit(self) -> bool:
         try:
@@ -144,7 +140,7 @@ class _LocalWriter(Writer):
             return True
         except OSError as e:
             self.abort()
-            raise _storage_error("commit", self._key, e, self._root) from e
+            raise classify("commit", self._key, e, self._root) from e
 
     def abort(self) -> None:
         if self._direct is not None:
@@ -173,7 +169,7 @@ class LocalStorage(Storage):
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise _storage_error("create", self.url, e, self.url) from e
+            raise classify("create", self.url, e, self.url) from e
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
@@ -202,7 +198,7 @@ class LocalStorage(Storage):
         except FileNotFoundError as e:
             raise StorageError(f"storage object {key!r} does not exist", key=key, errno=errno.ENOENT) from e
         except OSError as e:
-            raise _storage_error("read", key, e, self.url) from e
+            raise classify("read", key, e, self.url) from e
 
     def read_into(self, key: str, start: int, view: memoryview, *, uncached: bool = False) -> int:
         try:
@@ -220,7 +216,7 @@ class LocalStorage(Storage):
         except FileNotFoundError as e:
             raise StorageError(f"storage object {key!r} does not exist", key=key, errno=errno.ENOENT) from e
         except OSError as e:
-            raise _storage_error("read", key, e, self.url) from e
+            raise classify("read", key, e, self.url) from e
 
     def local_path(self, key: str) -> str | None:
         return str(self._path(key))
@@ -247,7 +243,7 @@ class LocalStorage(Storage):
         except OSError as e:
             if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
                 return False  # another filesystem, or one without hard links: the bytes are sent instead
-            raise _storage_error("link", dst, e, self.url) from e
+            raise classify("link", dst, e, self.url) from e
         if self.durable:
             fsync_dir(target.parent)
         return True
@@ -258,7 +254,7 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise _storage_error("stat", key, e, self.url) from e
+            raise classify("stat", key, e, self.url) from e
 
     def stamp(self, key: str) -> str | None:
         """Inode, size, mtime and ctime: ctime moves on every write, rename or ``utime``, and no
@@ -273,23 +269,18 @@ class LocalStorage(Storage):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None
         except OSError as e:
-            raise _storage_error("read", key, e, self.url) from e
+            raise classify("read", key, e, self.url) from e
 
     def size(self, key: str) -> int | None:
-        try:
-            st = self._path(key).stat()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise _storage_error("stat", key, e, self.url) from e
-        return st.st_size if not os.path.isdir(self._path(key)) else 0
+        st = self._stat(key)
+        return None if st is None else 0 if stat.S_ISDIR(st.st_mode) else st.st_size
 
     def free_space(self) -> tuple[int, int] | None:
         """``statvfs`` of the root: the blocks an unprivileged writer may still use, and the size."""
         try:
             st = os.statvfs(self.root)
         except OSError as e:
-            raise _storage_error("statvfs", "", e, self.url) from e
+            raise classify("statvfs", "", e, self.url) from e
         return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
     def reclaim_temps(self, prefix: str, older_than: float) -> int:
@@ -322,7 +313,7 @@ class LocalStorage(Storage):
         except (FileNotFoundError, NotADirectoryError):
             return []
         except OSError as e:
-            raise _storage_error("list", prefix, e, self.url) from e
+            raise classify("list", prefix, e, self.url) from e
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
         final = self._path(key)
@@ -343,7 +334,7 @@ class LocalStorage(Storage):
                 fsync_dir(final.parent)
             return created
         except OSError as e:
-            raise _storage_error("create", key, e, self.url) from e
+            raise classify("create", key, e, self.url) from e
         finally:
             with contextlib.suppress(OSError):  # a read-only filesystem refuses even this (EROFS), temp or none
                 tmp.unlink(missing_ok=True)
@@ -355,7 +346,7 @@ class LocalStorage(Storage):
         except OSError as e:
             if not os.path.lexists(path):  # a read-only filesystem answers EROFS before it looks: absent is fine
                 return
-            raise _storage_error("delete", key, e, self.url) from e
+            raise classify("delete", key, e, self.url) from e
 
     def delete_tree(self, prefix: str) -> None:
         """Delete ``prefix`` and everything under it; a file another writer creates there meanwhile (a
@@ -372,4 +363,4 @@ class LocalStorage(Storage):
                 return
             except OSError as e:
                 if e.errno != errno.ENOTEMPTY or attempt == 2:
-                    raise _storage_error("delete", prefix, e, self.url) from e
+                    raise classify("delete", prefix, e, self.url) from e

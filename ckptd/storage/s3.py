@@ -53,7 +53,7 @@ from ckptd_schemas import CkptdError, StorageError
 import fsspec
 
 from .base import Presigned, Storage, Writer, check_key
-from .failures import classify
+from .failures import classify, client_errors
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_ATTEMPTS", "S3Storage", "s3_options_from_env"]
 
@@ -92,11 +92,6 @@ def s3_options_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     return opts
 
 
-def _wrap(op: str, key: str, e: BaseException, root: str) -> StorageError:
-    """A permanent error (credentials refused: :mod:`.failures`) or a transient one, naming the key."""
-    return classify(op, key, e, root, f"storage {op} of {key!r} failed: {type(e).__name__}: {e}")
-
-
 @contextlib.contextmanager
 def _s3_errors(op: str, key: str, root: str) -> Iterator[None]:
     """The one error wrapper of every S3 call: a backend failure becomes :class:`StorageError` naming
@@ -107,28 +102,14 @@ def _s3_errors(op: str, key: str, root: str) -> Iterator[None]:
     except (FileNotFoundError, CkptdError):
         raise
     except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
-        raise _wrap(op, key, e, root) from e
-
-
-def _client_errors(e: BaseException) -> Iterator[tuple[str, int | None]]:
-    """(error code, HTTP status) of every botocore ClientError in ``e``'s cause chain."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        resp = getattr(cur, "response", None)
-        if isinstance(resp, dict):
-            err = resp.get("Error") or {}
-            status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            yield str(err.get("Code") or ""), status
-        cur = cur.__cause__ or cur.__context__
+        raise classify(op, key, e, root) from e
 
 
 def _create_outcome(e: BaseException) -> str:
     """``exists`` (412: the key is there), ``conflict`` (409: retry) or ``error``."""
     if isinstance(e, FileExistsError):
         return "exists"
-    for code, status in _client_errors(e):
+    for code, status in client_errors(e):
         if code == "PreconditionFailed" or status == 412:
             return "exists"
         if code == "ConditionalRequestConflict" or status == 409:
@@ -208,7 +189,7 @@ class _S3Writer(Writer):
                 self._upload_part(body)
         except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
             self.abort()
-            raise _wrap("write", self._key, e, self._st.url) from e
+            raise classify("write", self._key, e, self._st.url) from e
 
     def commit(self) -> bool:
         if self._closed:
@@ -229,7 +210,7 @@ class _S3Writer(Writer):
             self.abort()
             if self._once and _create_outcome(e) == "exists":
                 return False
-            raise _wrap("commit", self._key, e, self._st.url) from e
+            raise classify("commit", self._key, e, self._st.url) from e
 
     def abort(self) -> None:
         if self._closed:
@@ -308,11 +289,8 @@ class S3Storage(Storage):
                 return
             kw["ContinuationToken"] = out["NextContinuationToken"]
 
-    def _missing(self, key: str, e: BaseException | None = None) -> StorageError:
-        err = StorageError(f"storage object {key!r} does not exist", key=key)
-        if e is not None:
-            err.__cause__ = e
-        return err
+    def _missing(self, key: str) -> StorageError:
+        return StorageError(f"storage object {key!r} does not exist", key=key)
 
     # -- primitives ---------------------------------------------------------------
     def open_write(self, key: str, *, once: bool = False) -> Writer:
@@ -330,13 +308,13 @@ class S3Storage(Storage):
                 return self.fs.cat_file(path)
             return self.fs.cat_file(path, start=start, end=end)
         except FileNotFoundError as e:
-            raise self._missing(key, e) from e
+            raise self._missing(key) from e
         except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
             if not isinstance(e, StorageError):  # 416 InvalidRange past the end: a short read, as on a file
                 size = self.size(key)
                 if size is not None and start >= size:
                     return b""
-            raise _wrap("read", key, e, self.url) from e
+            raise classify("read", key, e, self.url) from e
 
     def _head(self, key: str, **kw: Any) -> dict | None:
         """One HEAD of ``key``; None when it is absent."""
@@ -385,7 +363,7 @@ class S3Storage(Storage):
         try:
             return asyncio.run_coroutine_threadsafe(presign(), self.fs.loop).result(120)
         except Exception as e:  # noqa: BLE001
-            raise _wrap("presign", key, e, self.url) from e
+            raise classify("presign", key, e, self.url) from e
 
     def complete_presigned(self, key: str, upload_id: str, etags: list[str], sha256s: list[str]) -> None:
         parts = [{"PartNumber": n, "ETag": etag, "ChecksumSHA256": sha}
@@ -397,7 +375,7 @@ class S3Storage(Storage):
             with contextlib.suppress(Exception):
                 self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self._s3key(key),
                                 UploadId=upload_id)
-            raise _wrap("complete", key, e, self.url) from e
+            raise classify("complete", key, e, self.url) from e
 
     def stored_sha256(self, key: str) -> str | None:
         out = self._head(key, ChecksumMode="ENABLED")
@@ -436,7 +414,7 @@ class S3Storage(Storage):
                 if outcome == "conflict" and attempt + 1 < _CONFLICT_ATTEMPTS:
                     time.sleep(min(0.05 * 2 ** attempt, 2.0) * (0.5 + random.random()))
                     continue
-                raise _wrap("create", key, e, self.url) from e
+                raise classify("create", key, e, self.url) from e
         raise AssertionError("unreachable")  # pragma: no cover
 
     def link(self, src: str, dst: str, stamp: str | None = None) -> bool:
@@ -475,7 +453,7 @@ class S3Storage(Storage):
         except Exception as e:  # noqa: BLE001
             if _create_outcome(e) == "exists":
                 return False
-            raise _wrap("link", dst, e, self.url) from e
+            raise classify("link", dst, e, self.url) from e
 
     def delete(self, key: str) -> None:
         with _s3_errors("delete", key, self.url), contextlib.suppress(FileNotFoundError):
@@ -500,7 +478,7 @@ class S3Storage(Storage):
         except FileNotFoundError:
             pass
         except Exception as e:  # noqa: BLE001
-            raise _wrap("delete", prefix, e, self.url) from e
+            raise classify("delete", prefix, e, self.url) from e
         self.fs.invalidate_cache(self._path(prefix))
 
     def _abort_uploads(self, pfx: str, older_than: float = float("inf")) -> int:
@@ -512,14 +490,11 @@ class S3Storage(Storage):
             out = self.fs.call_s3("list_multipart_uploads", **kw)
             for u in out.get("Uploads") or ():
                 begun = u.get("Initiated")
-                if begun is not None and begun.timestamp() >= older_than:
-                    continue
-                try:
-                    self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=u["Key"],
-                                    UploadId=u["UploadId"])
-                    n += 1
-                except FileNotFoundError:
-                    pass
+                if begun is None or begun.timestamp() < older_than:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=u["Key"],
+                                        UploadId=u["UploadId"])
+                        n += 1
             if not out.get("IsTruncated"):
                 return n
             kw["KeyMarker"], kw["UploadIdMarker"] = out.get("NextKeyMarker"), out.get("NextUploadIdMarker")
@@ -539,4 +514,3 @@ class S3Storage(Storage):
                               for o in page.get("Contents") or ())
             except FileNotFoundError:
                 return []
-

@@ -46,10 +46,9 @@ from ckptd_schemas import CkptdError, Conflict, CorruptCheckpoint, Manifest, Sto
 
 from ..storage import Writer
 from .tiers import ADOPTED, TieredStorage
-from .paths import Marker, Paths
+from .paths import Committed, Marker, Paths
 from .leases import Leases
 from .checker import StorageFiles, judge
-from .paths import Committed
 from .visibility import Visibility, order_key
 
 __all__ = ["Copied", "DurableCopier", "DurableState"]
@@ -126,8 +125,8 @@ class DurableCopier:
     tiers: TieredStorage
     keep_fast: int = 2
     scan_seconds: float = 10.0
-    on_copied: Callable[[Copied], None] | None = None
-    on_refused: Callable[[str, CkptdError], None] | None = None
+    on_copied: Callable[[Copied], None] = lambda _: None  # the service's metrics set both
+    on_refused: Callable[[str, CkptdError], None] = lambda ref, e: None
     pending: dict[str, datetime] = field(default_factory=dict)  # ref -> committed_at, not durable yet
 
     def __post_init__(self) -> None:
@@ -284,8 +283,7 @@ class DurableCopier:
         rec = {"manifest_xxh3": c.digest, "error": e.to_body()["error"]}
         self.tiers.fast.put(Paths.not_durable(c.run, c.name), json.dumps(rec).encode())
         self.pending.pop(c.ref, None)
-        if self.on_refused is not None:
-            self.on_refused(c.ref, e)
+        self.on_refused(c.ref, e)
 
     # -- 2. copy -----------------------------------------------------------------------------------
     def copy(self, c: Committed) -> Copied:
@@ -312,8 +310,7 @@ class DurableCopier:
         lag = max(0.0, (datetime.now(timezone.utc) - c.committed_at).total_seconds())
         done = Copied(c.run, c.name, manifest.total_bytes + len(raw), lag)
         log.info("durable tier: %s is durable (%d bytes, %.2f s after its commit)", c.ref, done.bytes, lag)
-        if self.on_copied is not None:
-            self.on_copied(done)
+        self.on_copied(done)
         return done
 
     def _on_fast(self, c: Committed) -> bool:

@@ -61,20 +61,15 @@ class IndexCache:
             while self._bytes > self.max_bytes:
                 self._drop(next(iter(self._items)))
 
-    def get(self, key: str, raw: bytes) -> RankIndex | None:
-        """The parsed index if ``raw`` is exactly what was parsed, else None."""
+    def take(self, key: str, raw: bytes) -> RankIndex | None:
+        """The parsed index if ``raw`` is exactly what was parsed, else None; the entry is dropped either
+        way (the commit folds each index once)."""
         with self._lock:
             entry = self._items.get(key)
+            self._drop(key)
         if entry is None or entry[2] != PARSED_PER_RAW * len(raw) or entry[0] != xxh3_hex(raw):
             return None
         return entry[1]
-
-    def take(self, key: str, raw: bytes) -> RankIndex | None:
-        """As :meth:`get`, and the entry is dropped (the commit folds each index once)."""
-        found = self.get(key, raw)
-        with self._lock:
-            self._drop(key)
-        return found
 
     def stored_below(self, prefix: str) -> int | None:
         """The rank below which every index of the session ``prefix`` was found stored (None: unknown)."""

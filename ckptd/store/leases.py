@@ -122,14 +122,10 @@ class Leases:
                                              f"granted on it", ref=f"{run}/{name}", holder=holder)
             if not self.storage.exists(Paths.marker(run, name)):
                 raise CheckpointNotFound(f"checkpoint {run}/{name} was deleted", ref=f"{run}/{name}")
-        except CheckpointBeingDeleted:
-            if not renewal:  # a renewal's record stays: a deleter that read it keeps the checkpoint
-                with contextlib.suppress(CkptdError, OSError):
+        except (CheckpointBeingDeleted, CheckpointNotFound) as e:
+            if not (renewal and isinstance(e, CheckpointBeingDeleted)):  # a renewal's record stays (a deleter
+                with contextlib.suppress(CkptdError, OSError):  # that read it keeps the checkpoint); a new one goes
                     self.storage.delete(key)
-            raise
-        except CheckpointNotFound:
-            with contextlib.suppress(CkptdError, OSError):
-                self.storage.delete(key)
             raise
         return True
 

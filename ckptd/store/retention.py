@@ -37,23 +37,17 @@ The rules, each a guarantee tested in ``tests/ckptd/store/test_retention.py``:
 ``remove`` deletes one named checkpoint under the same rules 3-6 (the retention policy is the
 caller's: a trainer's own ``keep the best k``): a protected one stays, with the reason.
 
-Call order: ``plan_retention`` (pure) decides; ``collect`` lists the run,
-reads leases and the records of the newest checkpoints (rule 2), establishes
-the newest verified checkpoint (whose fresh verifications are recorded, so the
-known-bad ones and ``RUN/latest`` are read again after it), plans and, unless
-``dry_run``, deletes each through :meth:`.leases.Leases.delete`: a claim on
-its deletion, its leases read again, then the ``COMMITTED`` marker (the
-checkpoint disappears atomically: a reader resolves it or gets 404, never half
-a checkpoint), then its files; so a lease answered 200 while gc or ``rm`` runs
-protects its checkpoint whatever the interleaving (the rule is in
-:mod:`.leases`).
+Call order: ``plan_retention`` (pure) decides; ``collect`` gathers the facts of rules 2-6, plans
+and, unless ``dry_run``, deletes each checkpoint through :meth:`.leases.Leases.delete` (its
+``COMMITTED`` marker first: a reader resolves it or gets 404, never half a checkpoint; a lease
+answered 200 meanwhile protects it whatever the interleaving: :mod:`.leases`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 from ckptd_schemas import (
@@ -93,10 +87,7 @@ class RetentionPlan:
     refused: dict[str, CkptdError] = field(default_factory=dict, repr=False)
 
     def as_json(self) -> dict:
-        return {"run": self.run, "keep": self.keep, "delete": self.delete, "deleted": self.deleted,
-                "newest_verified": self.newest_verified, "verified_how": self.verified_how,
-                "failed_verification": self.failed_verification, "latest": self.latest,
-                "known_bad": self.known_bad}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.repr}  # every field but ``refused``
 
 
 def plan_retention(run: str, ckpts: list[CheckpointSummary], *, keep_last: int, keep_every: int | None = None,
@@ -268,13 +259,8 @@ class Removal:
     removed: bool
     reason: str
 
-    @property
-    def gone(self) -> bool:
-        """Removed, or would be in a dry run."""
-        return self.reason in ("removed", "would be removed")
-
     def as_json(self) -> dict:
-        return {"ref": self.ref, "removed": self.removed, "reason": self.reason}
+        return asdict(self)
 
 
 def gc_run(storage: Storage, run: str, *, keep_last: int, keep_every: int | None, dry_run: bool, drop_parents: bool,
@@ -373,14 +359,10 @@ class RetentionPolicy:
         self._again: set[str] = set()  # of those, runs committed to meanwhile
         self._lock = threading.Lock()
 
-    @property
-    def enabled(self) -> bool:
-        return self.keep_last is not None
-
     def after_commit(self, run: str) -> None:
         """Collect ``run`` in a thread; a commit while it runs has it collect once more after (its
         listing may predate that commit)."""
-        if not self.enabled:
+        if self.keep_last is None:  # no policy
             return
         with self._lock:
             if run in self._busy:

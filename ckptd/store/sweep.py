@@ -55,11 +55,8 @@ class Sweeper:
         self.activity.forget(run, name, sid)
 
     def reclaim_stale(self, ttl_seconds: float, *, now: float | None = None) -> list[str]:
-        """The sweep: commit sessions whose every index is stored but that have no marker (the process
-        that took the last index died before the marker), then delete session directories that no
-        marker names and whose time is up (:func:`.activity.reclaim_at`: no live writer for
-        ``dead_after`` seconds, or opened longer ago than ``ttl_seconds``). Return the reclaimed
-        ``run/name/session``s.
+        """The sweep (module docstring; a session's time is up at :func:`.activity.reclaim_at`, with
+        ``dead_after`` and ``ttl_seconds``). Return the reclaimed ``run/name/session``s.
 
         Under a marker that fails the visibility rule (it does not parse, or names another ref, a
         missing session or manifest), nothing is touched (the checkpoint is invisible, and its data is

@@ -6,12 +6,9 @@ with, the durable tier. The durable tier (an object store, or any root) receives
 checkpoint afterwards, whole and verified, from :mod:`ckptd.store.durable`, which writes it
 there directly (``TieredStorage.durable``).
 
-The fast tier holds the marker of every checkpoint committed through it, for good: dropping a
-fast copy (``DurableCopier.trim``) removes its data and keeps its marker, and a new or emptied
-fast tier first takes the durable tier's markers (``DurableCopier.adopt``). The fast tier answers
-which checkpoints exist (:meth:`list`); a name is taken on both tiers at once: a marker is created
-on the fast tier only while the durable tier holds none under the name (:meth:`create_if_absent`),
-so a fast tier that lost its markers never lets a save reuse a durable name.
+The fast tier holds every checkpoint's marker for good (:mod:`.durable` trims a fast copy's data,
+never its marker, and adopts the durable tier's markers), so it answers which checkpoints exist
+(:meth:`list`); a name is taken on both tiers at once (:meth:`create_if_absent`).
 
 A read of a key under ``runs/RUN/NAME/`` that the fast tier lacks goes to the durable tier when
 the fast tier holds that checkpoint's marker (its fast copy was dropped, or lost): such a
@@ -34,12 +31,13 @@ checkpoint's marker lies and what it says (:mod:`.paths`); the storage backends 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from pydantic import ValidationError
 
 from ckptd_schemas import StorageError
 
-from ..storage import Presigned, Storage, Writer, open_storage
+from ..storage import Storage, open_storage
 from .paths import Marker, Paths
 
 __all__ = ["ADOPTED", "TIERED", "TieredStorage", "open_root", "split_tiered"]
@@ -69,6 +67,14 @@ def split_tiered(url: str) -> tuple[str, str]:
     return fast, durable
 
 
+def _fast(name: str) -> Any:
+    """A method of :class:`TieredStorage` that is the fast tier's own."""
+    def call(self: "TieredStorage", *args: Any, **kw: Any) -> Any:
+        return getattr(self.fast, name)(*args, **kw)
+    call.__name__ = name
+    return call
+
+
 class TieredStorage(Storage):
     """The fast tier, with the durable tier behind it for reads (see the module docstring)."""
 
@@ -90,12 +96,11 @@ class TieredStorage(Storage):
         """The tier a read of ``key`` goes to: the fast one while it holds the key."""
         return self.durable if self.fast.size(key) is None and self._behind(key) else self.fast
 
-    # -- writes, names and listings: the fast tier ---------------------------------------------------
-    def open_write(self, key: str, *, once: bool = False) -> Writer:
-        return self.fast.open_write(key, once=once)
-
-    def put(self, key: str, data: bytes) -> None:
-        self.fast.put(key, data)
+    # -- writes, names and listings: the fast tier (a link: within it; a source only the durable tier
+    # holds is sent again instead); its temp files, what it holds and its free space (every write lands
+    # there; the durable tier's writes are the copier's, checked as it copies) -------------------------
+    open_write, list, link = _fast("open_write"), _fast("list"), _fast("link")
+    reclaim_temps, walk, free_space = _fast("reclaim_temps"), _fast("walk"), _fast("free_space")
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
         """On the fast tier; a checkpoint's marker only while the durable tier holds none under the name
@@ -113,13 +118,6 @@ class TieredStorage(Storage):
                                        f"the fast tier has not taken the durable tier's markers since it was "
                                        f"emptied; retried once either is back", key=key) from None
         return self.fast.create_if_absent(key, data)
-
-    def link(self, src: str, dst: str, stamp: str | None = None) -> bool:
-        """A link inside the fast tier; a source only the durable tier holds is sent again instead."""
-        return self.fast.link(src, dst, stamp)
-
-    def list(self, prefix: str) -> list[str]:
-        return self.fast.list(prefix)
 
     # -- reads: the fast tier, else (for a dropped fast copy) the durable one ---------------------------
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
@@ -146,18 +144,7 @@ class TieredStorage(Storage):
     def local_path(self, key: str) -> str | None:
         """A fast-tier path (also for a key not written yet); for a key only the durable tier holds, its
         path if that is a local root."""
-        if self._holder(key) is self.durable:
-            return self.durable.local_path(key)
-        return self.fast.local_path(key)
-
-    def reclaim_temps(self, prefix: str, older_than: float) -> int:
-        return self.fast.reclaim_temps(prefix, older_than)  # the durable tier's writes are the copier's
-
-    def walk(self, prefix: str) -> list[tuple[str, int]]:
-        return self.fast.walk(prefix)  # what the durable tier holds is the copier's (checked as it copies)
-
-    def free_space(self) -> tuple[int, int] | None:
-        return self.fast.free_space()  # every write lands on the fast tier
+        return self._holder(key).local_path(key)
 
     # -- deletes: a whole checkpoint, or its marker, from both tiers (the durable one first) ----------
     @staticmethod
@@ -224,12 +211,5 @@ class TieredStorage(Storage):
     def presigns(self) -> bool:  # type: ignore[override]
         return self.fast.presigns
 
-    def presign_put(self, key: str, size: int, part_size: int, sha256s: list[str],
-                    seconds: float) -> Presigned | None:
-        return self.fast.presign_put(key, size, part_size, sha256s, seconds)
-
-    def complete_presigned(self, key: str, upload_id: str, etags: list[str], sha256s: list[str]) -> None:
-        self.fast.complete_presigned(key, upload_id, etags, sha256s)
-
-    def stored_sha256(self, key: str) -> str | None:
-        return self.fast.stored_sha256(key)
+    presign_put, complete_presigned = _fast("presign_put"), _fast("complete_presigned")
+    stored_sha256 = _fast("stored_sha256")

@@ -238,14 +238,17 @@ def test_index_cache_reuses_only_identical_bytes_and_stays_bounded():
     raw = ix.model_dump_json().encode()
     cache = IndexCache(max_bytes=3 * PARSED_PER_RAW * len(raw))
     cache.put("run/1/sessions/s/ranks/0.json", raw, ix)
-    assert cache.get("run/1/sessions/s/ranks/0.json", raw) is ix
-    assert cache.get("run/1/sessions/s/ranks/0.json", raw.replace(b'"rank":0', b'"rank":1')) is None
-    for r in range(1, 5):
+    assert cache.take("run/1/sessions/s/ranks/0.json", raw.replace(b'"rank":0', b'"rank":1')) is None
+    cache.put("run/1/sessions/s/ranks/0.json", raw, ix)
+    assert cache.take("run/1/sessions/s/ranks/0.json", raw) is ix
+    assert cache.take("run/1/sessions/s/ranks/0.json", raw) is None  # taken once
+    for r in range(5):
         cache.put(f"run/1/sessions/s/ranks/{r}.json", raw, ix)
-    assert cache.get("run/1/sessions/s/ranks/0.json", raw) is None  # evicted, oldest first
-    assert cache.get("run/1/sessions/s/ranks/4.json", raw) is ix
+    assert cache.take("run/1/sessions/s/ranks/0.json", raw) is None  # evicted, oldest first
+    assert cache.take("run/1/sessions/s/ranks/4.json", raw) is ix
+    cache.put("run/1/sessions/s/ranks/4.json", raw, ix)
     cache.drop_under("run/1/sessions/s/")
-    assert cache.get("run/1/sessions/s/ranks/4.json", raw) is None
+    assert cache.take("run/1/sessions/s/ranks/4.json", raw) is None
 
 
 def test_gc_pause_nests_across_threads_and_restores():

@@ -87,22 +87,22 @@ def test_upload_slots_refuse_the_token_over_its_limit_naming_token_file_and_limi
     assert "'alice'" in e.value.message and "'a2.bin'" in e.value.message
     assert "CKPTD_MAX_UPLOADS_PER_PRINCIPAL" in e.value.message
     bob = slots.acquire("bob", "b0.bin")  # another token is not held back
-    assert (slots.active("alice"), slots.active("bob")) == (2, 1)
+    assert (slots._active.get("alice", 0), slots._active.get("bob", 0)) == (2, 1)
     releases[0]()
     releases[0]()  # a second release gives back nothing more
-    assert slots.active("alice") == 1
+    assert slots._active.get("alice", 0) == 1
     slots.acquire("alice", "a3.bin")
     with pytest.raises(TooManyRequests):
         slots.acquire("alice", "a4.bin")
     bob()
-    assert slots.active("bob") == 0 and "bob" not in slots._active  # no entry left behind per token
+    assert slots._active.get("bob", 0) == 0 and "bob" not in slots._active  # no entry left behind per token
 
 
 def test_upload_slots_without_a_limit_never_refuse():
     slots = UploadSlots(0)
     for i in range(100):
         slots.acquire("alice", f"f{i}.bin")
-    assert slots.active("alice") == 100
+    assert slots._active.get("alice", 0) == 100
 
 
 # -- PrincipalRequests ---------------------------------------------------------------------------------
@@ -144,7 +144,7 @@ def test_a_tokens_requests_over_the_limit_are_answered_429_before_the_app():
         mw = PrincipalRequests(app, limit=2, open_paths={"/healthz"})
         held = [asyncio.create_task(_drive(mw, _scope(alice, f"/held{i}"))) for i in range(2)]
         await asyncio.sleep(0)
-        assert mw.active("alice") == 2
+        assert mw._active.get("alice", 0) == 2
         refused = await _drive(mw, _scope(alice, "/v1/runs/r/checkpoints"))
         status, headers, body = _answer(refused)
         assert status == 429 and headers[b"retry-after"] == b"1" and b"connection" not in headers
@@ -160,11 +160,11 @@ def test_a_tokens_requests_over_the_limit_are_answered_429_before_the_app():
                   (_scope(bob, "/b"), _scope(alice, "/healthz"), _scope(ANONYMOUS, "/anon"), _scope(None, "/none"))]
         await asyncio.sleep(0)
         assert sorted(app.seen[2:]) == ["/anon", "/b", "/healthz", "/none"]
-        assert (mw.active("alice"), mw.active("bob")) == (2, 1)
+        assert (mw._active.get("alice", 0), mw._active.get("bob", 0)) == (2, 1)
         app.release.set()
         for sent in await asyncio.gather(*held, *others):
             assert _answer(sent)[0] == 200
-        assert mw.active("alice") == 0 and mw._active == {}
+        assert mw._active.get("alice", 0) == 0 and mw._active == {}
         assert _answer(await _drive(mw, _scope(alice, "/again")))[0] == 200
 
     asyncio.run(main())
@@ -176,7 +176,7 @@ def test_a_request_that_fails_gives_its_slot_back():
         mw = PrincipalRequests(app, limit=1)
         with pytest.raises(RuntimeError):
             await _drive(mw, _scope(Principal("alice"), "/boom"))
-        assert mw.active("alice") == 0
+        assert mw._active.get("alice", 0) == 0
         app.release.set()
         assert _answer(await _drive(mw, _scope(Principal("alice"), "/next")))[0] == 200
 
@@ -189,7 +189,7 @@ def test_no_limit_counts_nothing():
         mw = PrincipalRequests(app, limit=0)
         tasks = [asyncio.create_task(_drive(mw, _scope(Principal("alice"), f"/{i}"))) for i in range(5)]
         await asyncio.sleep(0)
-        assert len(app.seen) == 5 and mw.active("alice") == 0
+        assert len(app.seen) == 5 and mw._active.get("alice", 0) == 0
         app.release.set()
         await asyncio.gather(*tasks)
 

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.storage import LocalStorage
+from ckptd.storage import LocalStorage, open_storage
 from ckptd.storage.failures import permanent_error
-from ckptd.storage.fsspec import FsspecStorage
 from ckptd_schemas import (
     StorageError, StorageFull, StoragePermanent, StorageReadOnly, error_from_body,
 )
@@ -104,7 +103,7 @@ def test_read_only_mount_refuses_writes_at_once_and_still_reads(tmp_path):
     LocalStorage(src).put("runs/r/1/data", b"committed bytes")
     unmount = read_only_view(src, tmp_path / "ro")
     try:
-        for st in (LocalStorage(tmp_path / "ro"), FsspecStorage("file://" + str(tmp_path / "ro"))):
+        for st in (LocalStorage(tmp_path / "ro"), open_storage("file://" + str(tmp_path / "ro"))):
             root = str((tmp_path / "ro").resolve())
             assert st.read("runs/r/1/data") == b"committed bytes"
             assert st.list("runs/r") == ["1"]
