@@ -23,6 +23,7 @@ index. As an attacker with a valid token, or with write access to the root while
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -225,25 +226,26 @@ def test_verify_before_visible_reads_every_byte_before_the_marker(tmp_path):
         srv.stop()
 
 
-def _link(url: str, name: str, step: int, source: str = "1") -> str:
-    """A session of ``name`` holding ``f.bin`` of checkpoint ``source``, linked; the linked file's name."""
+def _link(url: str, name: str, step: int, source: str, data: bytes) -> tuple[str, dict]:
+    """Checkpoint ``source`` of ``data`` saved and verified, then a session of ``name`` holding its
+    ``f.bin``, linked: the linked file's name and the source's verification record."""
+    _save(url, source, step - 1, data)
+    rec = _verification(url, source, 60)
+    assert rec["ok"] is True
     _open(url, name, step)
     file = linked_name(source, "f.bin")
     r = httpx.post(f"{url}/v1/checkpoints/r/{name}/sessions/s1/files/{file}/link", headers=_auth(),
                    json={"checkpoint": source, "file": "f.bin"}, timeout=30)
     assert r.status_code == 200, r.text
-    return file
+    return file, rec
 
 
 @pytest.mark.slow
 def test_a_linked_file_rests_on_its_source_check_and_is_refused_when_changed(tmp_path):
     srv = _server(tmp_path).start()
-    root = tmp_path / "root"
+    data = _data(1)
     try:
-        data = _data(1)
-        _save(srv.url, "1", 1, data)
-        assert _verification(srv.url, "1", 60)["ok"] is True
-        file = _link(srv.url, "2", 2)
+        file, _ = _link(srv.url, "2", 2, "1", data)
         r = _index_put(srv.url, "2", _rows(data), file)
         assert r.status_code == 200 and r.json()["state"] == "committed", r.text
         assert _metric(srv.url, 'ckptd_commit_checked_bytes_total{how="read back"}') == 0
@@ -252,10 +254,8 @@ def test_a_linked_file_rests_on_its_source_check_and_is_refused_when_changed(tmp
         # changed between the link and the commit: each from a source of its own (a hard link moves the
         # shared inode's ctime, so a source's record vouches for one link)
         for step, how in enumerate(("replaced", "truncated", "extended", "edited"), start=3):
-            _save(srv.url, f"src-{how}", step, data)
-            assert _verification(srv.url, f"src-{how}", 60)["ok"] is True
-            file = _link(srv.url, how, step, f"src-{how}")
-            CHANGES[how](_staged(root, how, file))
+            file, _ = _link(srv.url, how, 2 * step, f"src-{how}", data)
+            CHANGES[how](_staged(tmp_path / "root", how, file))
             r = _index_put(srv.url, how, _rows(data), file)
             assert r.status_code == 422 and "refused at commit" in r.json()["error"]["message"], (how, r.text)
         assert _metric(srv.url, 'ckptd_commit_checked_bytes_total{how="on arrival"}') == 6 * len(data)
@@ -265,15 +265,12 @@ def test_a_linked_file_rests_on_its_source_check_and_is_refused_when_changed(tmp
 
 def test_a_link_whose_source_is_found_bad_before_the_commit_is_read_back(tmp_path):
     srv = _server(tmp_path).start()
-    root = tmp_path / "root"
+    data = _data(1)
     try:
-        data = _data(1)
-        _save(srv.url, "1", 1, data)
-        rec = _verification(srv.url, "1", 60)
-        file = _link(srv.url, "2", 2)
+        file, rec = _link(srv.url, "2", 2, "1", data)
         # what a re-read of checkpoint 1 records when it finds a byte rotted in place (no stamp moves)
         rec.update(ok=False, problems=["file 'f.bin': chunk of tensor 'w' hashes to 0000000000000000"])
-        (root / "runs" / "r" / "1" / "VERIFIED.json").write_text(__import__("json").dumps(rec))
+        (tmp_path / "root" / "runs" / "r" / "1" / "VERIFIED.json").write_text(json.dumps(rec))
         r = _index_put(srv.url, "2", _rows(data), file)
         assert r.status_code == 200 and r.json()["state"] == "committed", r.text
         assert _metric(srv.url, 'ckptd_commit_checked_bytes_total{how="read back"}') == len(data)
