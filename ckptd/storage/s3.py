@@ -421,11 +421,13 @@ class S3Storage(Storage):
         """A copy inside the store that creates ``dst`` once (``If-None-Match: *``): ``CopyObject`` up to
         5 GiB, else ``UploadPartCopy`` of :data:`_COPY_PART` ranges and a conditional completion. False
         when ``src`` is absent or ``dst`` already holds an object (nothing is replaced). With ``stamp``,
-        every copy is conditional on ``src``'s ETag (``CopySourceIfMatch``): the store copies the object
-        that was checked or nothing."""
-        size = self.size(src)
-        if size is None or (stamp is not None and self.stamp(src) != stamp):
+        ``src`` is looked at first (one HEAD: its stamp and size), and every copy is conditional on its
+        ETag (``CopySourceIfMatch``): a store that enforces the condition (AWS S3; moto does not) copies
+        the object that was checked or nothing, even if it is replaced between the look and the copy."""
+        now = self.stamp(src)
+        if now is None or stamp is not None and now != stamp:
             return False
+        size = int(now.rsplit(":", 1)[1])
         source = {"Bucket": self.bucket, "Key": self._s3key(src)}
         cond = {"CopySourceIfMatch": stamp.rsplit(":", 1)[0]} if stamp is not None else {}
         k = self._s3key(dst)

@@ -300,10 +300,10 @@ class Intake:
         if not self.storage.link(src_key, key, checked):
             raise InvalidRequest(f"file {file!r}: this store ({self.storage.url}) cannot link "
                                  f"{run}/{body.checkpoint}/{body.file} as it was checked; send the bytes", file=file)
-        # the commit confirms this identity and the manifest's rows against the source's, instead of reading
-        record_arrival(self.storage, Paths.arrival(run, name, sid, file), self.storage.stamp(key), LINKED)
         if self.storage.size(key) != entry.size:
             raise InvalidRequest(f"file {file!r}: the stored {run}/{body.checkpoint}/{body.file} is not the "
                                  f"{entry.size} bytes its manifest records; send the bytes", file=file)
+        # the commit confirms this identity and the manifest's rows against the source's, instead of reading
+        record_arrival(self.storage, Paths.arrival(run, name, sid, file), self.storage.stamp(key), LINKED)
         return FileEntry(size=entry.size, xxh3=entry.xxh3, block_size=entry.block_size, blocks=entry.blocks,
                          linked=f"{body.checkpoint}/{body.file}")

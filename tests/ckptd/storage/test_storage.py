@@ -489,3 +489,23 @@ def test_read_into_fills_a_callers_buffer_like_read(storage):
     assert bytes(tail[:200]) == data[-200:]
     with pytest.raises(StorageError, match="a/missing"):
         storage.read_into("a/missing", 0, memoryview(bytearray(4)))
+
+
+def test_a_local_link_under_a_stamp_the_source_no_longer_has_links_nothing(tmp_path):
+    """A hard link is kept only on the inode, size and mtime the stamp names: a source edited after its
+    stamp was taken, even with its mtime put back, or replaced, is not linked."""
+    import os
+
+    from ckptd.storage import open_storage
+
+    st = open_storage(str(tmp_path / "root"))
+    st.put("ln/src", b"checked bytes")
+    checked, path = st.stamp("ln/src"), tmp_path / "root" / "ln" / "src"
+    before = os.stat(path)
+    path.write_bytes(b"other bytes!!")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # the ctime moved
+    assert st.link("ln/src", "ln/a", checked) is False and not st.exists("ln/a")
+    st.delete("ln/src")
+    st.put("ln/src", b"checked bytes")  # the same bytes again: another inode
+    assert st.link("ln/src", "ln/b", checked) is False and not st.exists("ln/b")
+    assert st.link("ln/src", "ln/c", st.stamp("ln/src")) is True and st.read("ln/c") == b"checked bytes"
