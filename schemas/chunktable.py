@@ -58,16 +58,19 @@ class ChunkColumns(BaseModel):
     def codec_of(self, i: int) -> str:
         return "raw" if self.codec is None else self.codec[i]
 
-    def take(self, rows: Sequence[int], *, rank: int | None = None) -> dict:
-        """Columns of the given rows, as keyword arguments for a new table (``rank`` fills the rank column)."""
+    def region(self, i: int) -> Region:
+        """What chunk ``i`` covers: its flat range, or its box."""
+        if self.is_flat(i):
+            return Region(flat=(self.offsets[i][0], self.sizes[i][0]))
+        return Region(box=Box(tuple(self.offsets[i]), tuple(self.sizes[i])))
+
+    def take(self, rows: Sequence[int], *, rank: int) -> dict:
+        """Columns of the given rows, as keyword arguments for a new table whose rank column is ``rank``."""
         out: dict = {k: [getattr(self, k)[i] for i in rows] for k in _COLUMNS}
         out["flat"] = None if self.flat is None or not any(self.flat[i] for i in rows) else [self.flat[i] for i in rows]
         out["codec"] = (None if self.codec is None or all(self.codec[i] == "raw" for i in rows)
                         else [self.codec[i] for i in rows])
-        if rank is not None:
-            out["rank"] = [rank] * len(rows)
-        elif self.rank is not None:
-            out["rank"] = [self.rank[i] for i in rows]
+        out["rank"] = [rank] * len(rows)
         return out
 
     def materialize(self, itemsize: int) -> list:
@@ -237,14 +240,7 @@ def check_columns_tiling(name: str, shape: Sequence[int], t: ChunkColumns, dims:
     if n and _bands_tile(shape, t, dims):
         return
     ranks = t.rank or [0] * n
-    pieces = []
-    for i in range(n):
-        if t.is_flat(i):
-            region = Region(flat=(t.offsets[i][0], t.sizes[i][0]))
-        else:
-            region = Region(box=Box(tuple(t.offsets[i]), tuple(t.sizes[i])))
-        pieces.append((region, ranks[i], t.xxh3[i]))
-    check_tiling(name, shape, pieces)
+    check_tiling(name, shape, [(t.region(i), ranks[i], t.xxh3[i]) for i in range(n)])
 
 
 def _bands_tile(shape: Sequence[int], t: ChunkColumns, dims: Dims | None) -> bool:

@@ -118,6 +118,11 @@ def _row_leaf(row: Sequence[Any]) -> bytes:
                            str(rank), "1" if flat else "0"]).encode())
 
 
+def _table(rows: Sequence[Sequence[Any]]) -> ChunkColumns:
+    """The chunk table of answered rows (:data:`ROWS_COLUMNS`), validated as any table is."""
+    return ChunkColumns(**{c: [r[k] for r in rows] for k, c in enumerate(ROWS_COLUMNS)})
+
+
 def _json(x: Any) -> bytes:
     return json.dumps(x, separators=(",", ":"), sort_keys=True, ensure_ascii=True).encode()
 
@@ -298,19 +303,12 @@ def verify_answer(head: LoadHead, answer: dict, requests: Sequence[ReadRequest],
                 raise CorruptCheckpoint(f"tensor {name!r}: chunk row {i} is not one of its {t['rows']}", tensor=name)
             _check_path(_row_leaf(row), i, t["rows"], got["proofs"].get(key), t["root"], f"tensor {name!r}: chunk row {i}")
             rows.append(row)
-        cols = {c: [r[k] for r in rows] for k, c in enumerate(ROWS_COLUMNS)}
-        table = ChunkColumns(rank=cols["rank"], flat=cols["flat"] if any(cols["flat"]) else None,
-                             offsets=[tuple(o) for o in cols["offsets"]], sizes=[tuple(s) for s in cols["sizes"]],
-                             file=cols["file"], offset=cols["offset"], length=cols["length"],
-                             codec=None if all(c == "raw" for c in cols["codec"]) else cols["codec"], xxh3=cols["xxh3"])
         tensors.append(TensorEntry(name=name, shape=t["shape"], dtype=t["dtype"], group=t["group"],
-                                   digest=t["digest"], placement=t["placement"], table=table))
+                                   digest=t["digest"], placement=t["placement"], table=_table(rows)))
     for name in wanted - set(answer["tensors"]):
         t = meta.get(name)
         if t is not None and t["rows"]:
-            tensors.append(TensorEntry(name=name, shape=t["shape"], dtype=t["dtype"], group=t["group"],
-                                       table=ChunkColumns(rank=[], offsets=[], sizes=[], file=[], offset=[],
-                                                          length=[], xxh3=[])))
+            tensors.append(TensorEntry(name=name, shape=t["shape"], dtype=t["dtype"], group=t["group"], table=_table([])))
     files: dict[str, FileEntry] = {}
     nfiles, froot = doc["files"]["count"], doc["files"]["root"]
     for f, got in answer["files"].items():

@@ -139,14 +139,13 @@ def decode_frame(frame: bytes | bytearray | memoryview, raw_length: int, what: s
     return out
 
 
-def source_bytes(buf: bytes | bytearray | memoryview, c: Copy, file: str | None = None) -> memoryview:
+def source_bytes(buf: bytes | bytearray | memoryview, c: Copy) -> memoryview:
     """The raw bytes of ``c``'s source positions ``[pos0, pos0 + npos)``: a view into the verified fetch
     ``buf`` when stored raw, the decoded frame (writable, its own memory) when compressed, decoded
     to at most the chunk's size (``npos`` x itemsize of its dtype, at most :data:`FRAME_BYTES`;
     :func:`decode_frame`)."""
     mv = memoryview(buf)[c.byte_start:c.byte_start + c.byte_length]
     if c.codec != "raw":
-        where = f"file {file!r}, " if file else ""
-        what = f"tensor {c.tensor!r} ({where}chunk {c.chunk_xxh3} at byte {c.byte_start} of fetch {c.fetch})"
+        what = f"tensor {c.tensor!r} (chunk {c.chunk_xxh3} at byte {c.byte_start} of fetch {c.fetch})"
         return memoryview(decode_frame(mv, c.npos * itemsize(c.dtype), what, c.codec))
     return mv
