@@ -141,11 +141,7 @@ def check_columns(name: str, shape: Sequence[int], dtype: str, itemsize: int, t:
     columns (``map``, slices, list equality) when the rows are uniform, the
     per-row loop only to name the culprit or for mixed box/flat tensors.
     """
-    n = len(t.xxh3)
-    for k in ("rank", "tensor", "flat", "codec", *_COLUMNS):
-        col = getattr(t, k)
-        if col is not None and len(col) != n:
-            raise ValueError(f"tensor {name!r}: chunk column {k!r} has {len(col)} rows, xxh3 has {n}")
+    n = _rows(f"tensor {name!r}", t)
     if n == 0:
         return None
     ndim = len(shape)
@@ -167,8 +163,19 @@ def check_columns(name: str, shape: Sequence[int], dtype: str, itemsize: int, t:
         if t.codec is not None and all(c != "raw" or w == g for c, w, g in zip(t.codec, want, t.length)):
             return dims
     # Mixed box/flat rows, or something is off: check row by row (naming the first bad one).
-    _check_rows(name, shape, dtype, itemsize, t)
+    for i in range(n):
+        _check_row(name, shape, dtype, itemsize, t, i, t.rank[i] if t.rank is not None else "?")
     return dims
+
+
+def _rows(what: str, t: ChunkColumns) -> int:
+    """The table's rows, once every column has one entry a row (else ``ValueError`` naming ``what``)."""
+    n = len(t.xxh3)
+    for k in ("rank", "tensor", "flat", "codec", *_COLUMNS):
+        col = getattr(t, k)
+        if col is not None and len(col) != n:
+            raise ValueError(f"{what}: chunk column {k!r} has {len(col)} rows, xxh3 has {n}")
+    return n
 
 
 def _by_dim(ndim: int, t: ChunkColumns) -> Dims | None:
@@ -188,21 +195,12 @@ def _box_numels(n: int, sizes: list[tuple[int, ...]]) -> list[int]:
     return out
 
 
-def _check_rows(name: str, shape: Sequence[int], dtype: str, itemsize: int, t: ChunkColumns) -> None:
-    for i in range(len(t.xxh3)):
-        _check_row(name, shape, dtype, itemsize, t, i, t.rank[i] if t.rank is not None else "?")
-
-
-def index_rows_valid(rank: int, names: Sequence[str], shapes: Sequence[Sequence[int]], itemsizes: Sequence[int],
-                     dtypes: Sequence[str], t: ChunkColumns) -> None:
+def index_rows_valid(rank: int, names: Sequence[str], shapes: Sequence[Sequence[int]], dtypes: Sequence[str],
+                     t: ChunkColumns) -> None:
     """:func:`check_columns` for a rank index, whose rows belong to different tensors (``t.tensor``)."""
-    n = len(t.xxh3)
-    for k in ("tensor", "flat", "codec", *_COLUMNS):
-        col = getattr(t, k)
-        if col is not None and len(col) != n:
-            raise ValueError(f"rank {rank}: chunk column {k!r} has {len(col)} rows, xxh3 has {n}")
+    _rows(f"rank {rank}", t)
     for i, p in enumerate(t.tensor or ()):
-        _check_row(names[p], shapes[p], dtypes[p], itemsizes[p], t, i, rank)
+        _check_row(names[p], shapes[p], dtypes[p], ITEMSIZE[dtypes[p]], t, i, rank)
 
 
 def _check_row(name: str, shape: Sequence[int], dtype: str, itemsize: int, t: ChunkColumns, i: int,

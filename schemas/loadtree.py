@@ -10,7 +10,7 @@ R x T chunks (134 MB at 10,000 ranks x 200 tensors). The load tree splits what a
 * one **Merkle tree per tensor** over its chunk rows, in table order; one over the files (sorted by
   name); one over the objects (sorted by name, then rank, the global entry first).
 
-The head's XXH3-128 is the **load tree's root**: the commit computes it (:func:`load_tree_root`) and
+The head's XXH3-128 is the **load tree's root**: the commit computes it (``LoadTree(m).root``) and
 writes it into the ``COMMITTED`` marker beside the manifest's digest. The service answers a rank
 with the head and, for the regions it asks, the chunk rows its tensors' interval indexes find, the
 files they lie in and the objects it restores, each with the sibling digests that lead to a root in
@@ -42,7 +42,7 @@ from .errors import CorruptCheckpoint
 from .manifest import FileEntry, Manifest, ObjectEntry, ParamGroup, TensorEntry, Topology
 from .readplan import PlanBudget, ReadPlan, ReadRequest, wanted_region
 
-__all__ = ["LoadHead", "LoadTree", "ROWS_COLUMNS", "check_covered", "load_tree_root", "verify_answer"]
+__all__ = ["LoadHead", "LoadTree", "ROWS_COLUMNS", "check_covered", "verify_answer"]
 
 TREE_FORMAT = "ckptd-load-tree-1"
 _leaf = partial(xxhash.xxh3_128_digest, seed=1)
@@ -270,11 +270,6 @@ def _object_picks(ranks: Sequence[int | None], first: int, is_global: bool, unif
     return out + ([first] if uniform else [])
 
 
-def load_tree_root(m: Manifest) -> str:
-    """The root the commit writes into the marker (the head's XXH3-128)."""
-    return LoadTree(m).root
-
-
 # -- the rank's side -------------------------------------------------------------------------------------
 
 def verify_answer(head: LoadHead, answer: dict, requests: Sequence[ReadRequest], rank: int,
@@ -308,7 +303,8 @@ def verify_answer(head: LoadHead, answer: dict, requests: Sequence[ReadRequest],
     for name in wanted - set(answer["tensors"]):
         t = meta.get(name)
         if t is not None and t["rows"]:
-            tensors.append(TensorEntry(name=name, shape=t["shape"], dtype=t["dtype"], group=t["group"], table=_table([])))
+            tensors.append(TensorEntry(name=name, shape=t["shape"], dtype=t["dtype"], group=t["group"],
+                                       table=_table([])))
     files: dict[str, FileEntry] = {}
     nfiles, froot = doc["files"]["count"], doc["files"]["root"]
     for f, got in answer["files"].items():
