@@ -272,15 +272,12 @@ class RankIndex(_Body):
 
 
 def _columns_of_entries(entries: list | tuple, rank: object) -> tuple[dict, dict]:
-    tt: dict[str, list] = {"name": [], "shape": [], "dtype": [], "group": [], "placement": [], "digest": []}
+    tt = {k: [getattr(e, k) for e in entries] for k in ("name", "shape", "dtype", "group", "placement", "digest")}
     ct: dict[str, list | None] = {"tensor": [], "flat": [], "offsets": [], "sizes": [], "file": [], "offset": [],
                                   "length": [], "codec": [], "xxh3": []}
     for p, e in enumerate(entries):
-        for k in tt:
-            tt[k].append(getattr(e, k))
         tab = e.table
-        if tab.rank and any(r != rank for r in tab.rank):
-            bad = next(r for r in tab.rank if r != rank)
+        if (bad := next((r for r in tab.rank or () if r != rank), None)) is not None:
             raise ValueError(f"tensor {e.name!r}: rank {rank} sent a chunk labelled rank {bad}")
         n = len(tab)
         ct["tensor"] += [p] * n  # type: ignore[operator]

@@ -53,10 +53,6 @@ class Box:
     def numel(self) -> int:
         return prod(self.sizes)
 
-    @property
-    def ends(self) -> tuple[int, ...]:
-        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
-
     def intersect(self, other: "Box") -> "Box | None":
         """The common box, or None when it is empty."""
         offs, sizes = [], []
