@@ -94,7 +94,7 @@ def replicate(root: Path, run: str, seed: str, steps: list[int], derived_every: 
 
     from ckptd.storage import LocalStorage
     from ckptd_schemas.filedigest import xxh3_hex
-    from ckptd_schemas.loadtree import load_tree_root
+    from ckptd_schemas.loadtree import LoadTree
     from ckptd.store.paths import Paths
     from ckptd.store.visibility import Visibility, manifest_file_name
 
@@ -121,7 +121,7 @@ def replicate(root: Path, run: str, seed: str, steps: list[int], derived_every: 
             marker = c.marker.model_copy(update={"ref": f"{run}/{name}", "session": sid, "step": step,
                                                  "derived_from": derived, "committed_at": when,
                                                  "manifest": manifest_file_name(digest), "manifest_xxh3": digest,
-                                                 "load_tree": load_tree_root(m)})
+                                                 "load_tree": LoadTree(m).root})
             assert storage.create_if_absent(Paths.marker(run, name), marker.model_dump_json().encode())
             made += 1
     return made

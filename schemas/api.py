@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from .chunks import HEX64, NonNeg
 from .chunktable import ChunkColumns, index_rows_valid
-from .dtypes import ITEMSIZE, DType
+from .dtypes import DType
 from .manifest import Fqn, ObjectEntry, ParamGroup, TensorEntry
 from .names import SESSION_RE
 
@@ -39,9 +39,14 @@ SessionId = Annotated[str, Field(pattern=SESSION_RE.pattern.join("^$"))]
 
 
 class _Body(BaseModel):
-    # defer_build: validators are built on first use, so a process that reads one manifest (`ckptd verify`)
-    # does not build every model at import (a quarter of the CLI's start-up).
-    model_config = ConfigDict(extra="forbid", defer_build=True)
+    model_config = ConfigDict(extra="forbid", defer_build=True)  # deferred: as ckptd_schemas.chunks._Model
+
+
+class _Request(_Body):
+    """A body FastAPI takes, built at import, not deferred: a deferred model makes pydantic warn about
+    FastAPI's body alias when the route is first called."""
+
+    model_config = ConfigDict(extra="forbid", defer_build=False)
 
 
 class _Answer(_Body):
@@ -55,7 +60,7 @@ class _Answer(_Body):
     model_config = ConfigDict(extra="ignore", defer_build=True)
 
 
-class OpenSession(_Body):
+class OpenSession(_Request):
     """Open or join the upload session ``session`` of a ref.
 
     Every rank of one save attempt sends the same ``session`` (the client's
@@ -63,10 +68,6 @@ class OpenSession(_Body):
     retries and replicas; a new attempt after a crash uses a new id and never
     mixes its ranks with the dead attempt's.
     """
-
-    # Built at import, not deferred: FastAPI takes it as a request body, and a deferred model makes
-    # pydantic warn about FastAPI's body alias when the route is first called.
-    model_config = ConfigDict(extra="forbid", defer_build=False)
 
     session: SessionId
     world_size: Annotated[int, Field(ge=1, le=1 << 20)]
@@ -111,7 +112,7 @@ MIN_PART_BYTES = 5 << 20  # S3's smallest part (but the last)
 MAX_PARTS = 10_000  # S3's most parts of one upload
 
 
-class PresignUpload(_Body):
+class PresignUpload(_Request):
     """Ask for presigned URLs that upload one data file of the session straight to the object store.
 
     Call order: ``POST .../files/<file>/presign`` (this body: the file's size, its part size and the
@@ -122,8 +123,6 @@ class PresignUpload(_Body):
     reads every byte of the file and checks it against the digests the confirmation declared before
     anything is visible. One part is one PUT; more are one multipart upload.
     """
-
-    model_config = ConfigDict(extra="forbid", defer_build=False)  # a FastAPI body
 
     size: Annotated[int, Field(ge=0, le=5 << 40)]
     part_size: Annotated[int, Field(ge=MIN_PART_BYTES, le=5 << 30)]
@@ -160,15 +159,13 @@ class ConfirmUpload(PresignUpload):
     blocks: Annotated[list[Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]], Field(max_length=1 << 22)]
 
 
-class LinkFile(_Body):
+class LinkFile(_Request):
     """Hold ``file`` of the earlier checkpoint ``checkpoint`` of the same run as a file of the upload session,
     without sending its bytes (incremental saves). The URL's file must be
     ``linked_name(checkpoint, file)``. The service links the stored file (a hard link on a local
     root, a server-side copy on an object store) and records the source's digests for it; the
     commit accepts chunks in it only at locations the source's manifest verified, or re-reads it.
     """
-
-    model_config = ConfigDict(extra="forbid", defer_build=False)  # a FastAPI body
 
     checkpoint: Annotated[str, Field(max_length=200)]  # checked: names.check_name
     file: Annotated[str, Field(max_length=200)]  # checked: names.check_file
@@ -241,7 +238,7 @@ class RankIndex(_Body):
         """Raise ``ValueError`` naming the tensor unless every chunk lies inside its tensor's shape and
         every raw chunk's length is ``numel * itemsize`` (one pass over the rows)."""
         tt = self.tensor_table
-        index_rows_valid(self.rank, tt.name, tt.shape, [ITEMSIZE[d] for d in tt.dtype], tt.dtype, self.chunk_table)
+        index_rows_valid(self.rank, tt.name, tt.shape, tt.dtype, self.chunk_table)
 
     @property
     def tensors(self) -> list[TensorEntry]:
@@ -275,15 +272,12 @@ class RankIndex(_Body):
 
 
 def _columns_of_entries(entries: list | tuple, rank: object) -> tuple[dict, dict]:
-    tt: dict[str, list] = {"name": [], "shape": [], "dtype": [], "group": [], "placement": [], "digest": []}
+    tt = {k: [getattr(e, k) for e in entries] for k in ("name", "shape", "dtype", "group", "placement", "digest")}
     ct: dict[str, list | None] = {"tensor": [], "flat": [], "offsets": [], "sizes": [], "file": [], "offset": [],
                                   "length": [], "codec": [], "xxh3": []}
     for p, e in enumerate(entries):
-        for k in tt:
-            tt[k].append(getattr(e, k))
         tab = e.table
-        if tab.rank and any(r != rank for r in tab.rank):
-            bad = next(r for r in tab.rank if r != rank)
+        if (bad := next((r for r in tab.rank or () if r != rank), None)) is not None:
             raise ValueError(f"tensor {e.name!r}: rank {rank} sent a chunk labelled rank {bad}")
         n = len(tab)
         ct["tensor"] += [p] * n  # type: ignore[operator]

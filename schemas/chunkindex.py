@@ -32,7 +32,7 @@ from math import prod
 from typing import Sequence
 
 from .chunktable import ChunkColumns
-from .geometry import Region, row_major_strides
+from .geometry import Region, box_flat_span, row_major_strides
 
 __all__ = ["ChunkIndex"]
 
@@ -77,12 +77,7 @@ class ChunkIndex:
                 return region.flat[0], region.flat[0] + region.flat[1]
             box = region.box
             assert box is not None
-            if box.numel == 0:
-                return 0, 0
-            strides = row_major_strides(self.shape)
-            first = sum(o * s for o, s in zip(box.offsets, strides))
-            last = sum((o + z - 1) * s for o, z, s in zip(box.offsets, box.sizes, strides))
-            return first, last + 1
+            return box_flat_span(box, row_major_strides(self.shape)) if box.numel else (0, 0)
         k = self.axis
         assert k is not None
         if region.box is not None:

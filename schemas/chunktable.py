@@ -58,16 +58,19 @@ class ChunkColumns(BaseModel):
     def codec_of(self, i: int) -> str:
         return "raw" if self.codec is None else self.codec[i]
 
-    def take(self, rows: Sequence[int], *, rank: int | None = None) -> dict:
-        """Columns of the given rows, as keyword arguments for a new table (``rank`` fills the rank column)."""
+    def region(self, i: int) -> Region:
+        """What chunk ``i`` covers: its flat range, or its box."""
+        if self.is_flat(i):
+            return Region(flat=(self.offsets[i][0], self.sizes[i][0]))
+        return Region(box=Box(tuple(self.offsets[i]), tuple(self.sizes[i])))
+
+    def take(self, rows: Sequence[int], *, rank: int) -> dict:
+        """Columns of the given rows, as keyword arguments for a new table whose rank column is ``rank``."""
         out: dict = {k: [getattr(self, k)[i] for i in rows] for k in _COLUMNS}
         out["flat"] = None if self.flat is None or not any(self.flat[i] for i in rows) else [self.flat[i] for i in rows]
         out["codec"] = (None if self.codec is None or all(self.codec[i] == "raw" for i in rows)
                         else [self.codec[i] for i in rows])
-        if rank is not None:
-            out["rank"] = [rank] * len(rows)
-        elif self.rank is not None:
-            out["rank"] = [self.rank[i] for i in rows]
+        out["rank"] = [rank] * len(rows)
         return out
 
     def materialize(self, itemsize: int) -> list:
@@ -138,11 +141,7 @@ def check_columns(name: str, shape: Sequence[int], dtype: str, itemsize: int, t:
     columns (``map``, slices, list equality) when the rows are uniform, the
     per-row loop only to name the culprit or for mixed box/flat tensors.
     """
-    n = len(t.xxh3)
-    for k in ("rank", "tensor", "flat", "codec", *_COLUMNS):
-        col = getattr(t, k)
-        if col is not None and len(col) != n:
-            raise ValueError(f"tensor {name!r}: chunk column {k!r} has {len(col)} rows, xxh3 has {n}")
+    n = _rows(f"tensor {name!r}", t)
     if n == 0:
         return None
     ndim = len(shape)
@@ -164,8 +163,19 @@ def check_columns(name: str, shape: Sequence[int], dtype: str, itemsize: int, t:
         if t.codec is not None and all(c != "raw" or w == g for c, w, g in zip(t.codec, want, t.length)):
             return dims
     # Mixed box/flat rows, or something is off: check row by row (naming the first bad one).
-    _check_rows(name, shape, dtype, itemsize, t)
+    for i in range(n):
+        _check_row(name, shape, dtype, itemsize, t, i, t.rank[i] if t.rank is not None else "?")
     return dims
+
+
+def _rows(what: str, t: ChunkColumns) -> int:
+    """The table's rows, once every column has one entry a row (else ``ValueError`` naming ``what``)."""
+    n = len(t.xxh3)
+    for k in ("rank", "tensor", "flat", "codec", *_COLUMNS):
+        col = getattr(t, k)
+        if col is not None and len(col) != n:
+            raise ValueError(f"{what}: chunk column {k!r} has {len(col)} rows, xxh3 has {n}")
+    return n
 
 
 def _by_dim(ndim: int, t: ChunkColumns) -> Dims | None:
@@ -185,21 +195,12 @@ def _box_numels(n: int, sizes: list[tuple[int, ...]]) -> list[int]:
     return out
 
 
-def _check_rows(name: str, shape: Sequence[int], dtype: str, itemsize: int, t: ChunkColumns) -> None:
-    for i in range(len(t.xxh3)):
-        _check_row(name, shape, dtype, itemsize, t, i, t.rank[i] if t.rank is not None else "?")
-
-
-def index_rows_valid(rank: int, names: Sequence[str], shapes: Sequence[Sequence[int]], itemsizes: Sequence[int],
-                     dtypes: Sequence[str], t: ChunkColumns) -> None:
+def index_rows_valid(rank: int, names: Sequence[str], shapes: Sequence[Sequence[int]], dtypes: Sequence[str],
+                     t: ChunkColumns) -> None:
     """:func:`check_columns` for a rank index, whose rows belong to different tensors (``t.tensor``)."""
-    n = len(t.xxh3)
-    for k in ("tensor", "flat", "codec", *_COLUMNS):
-        col = getattr(t, k)
-        if col is not None and len(col) != n:
-            raise ValueError(f"rank {rank}: chunk column {k!r} has {len(col)} rows, xxh3 has {n}")
+    _rows(f"rank {rank}", t)
     for i, p in enumerate(t.tensor or ()):
-        _check_row(names[p], shapes[p], dtypes[p], itemsizes[p], t, i, rank)
+        _check_row(names[p], shapes[p], dtypes[p], ITEMSIZE[dtypes[p]], t, i, rank)
 
 
 def _check_row(name: str, shape: Sequence[int], dtype: str, itemsize: int, t: ChunkColumns, i: int,
@@ -237,14 +238,7 @@ def check_columns_tiling(name: str, shape: Sequence[int], t: ChunkColumns, dims:
     if n and _bands_tile(shape, t, dims):
         return
     ranks = t.rank or [0] * n
-    pieces = []
-    for i in range(n):
-        if t.is_flat(i):
-            region = Region(flat=(t.offsets[i][0], t.sizes[i][0]))
-        else:
-            region = Region(box=Box(tuple(t.offsets[i]), tuple(t.sizes[i])))
-        pieces.append((region, ranks[i], t.xxh3[i]))
-    check_tiling(name, shape, pieces)
+    check_tiling(name, shape, [(t.region(i), ranks[i], t.xxh3[i]) for i in range(n)])
 
 
 def _bands_tile(shape: Sequence[int], t: ChunkColumns, dims: Dims | None) -> bool:

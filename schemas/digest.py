@@ -69,10 +69,6 @@ class DigestPart(_M):
     edges: list[Edge] = []
 
 
-def _block_end(i: int, nbytes: int) -> int:
-    return min((i + 1) * _B, nbytes)
-
-
 def whole_blocks(offset: int, end: int, nbytes: int) -> tuple[int, int]:
     """[lo, hi): the whole digest blocks inside bytes [offset, end) of an ``nbytes`` stream (none: lo == hi).
     The stream's last block may be short; it is whole when the piece reaches the stream's end."""
@@ -144,7 +140,7 @@ def combine(parts: Iterable[DigestPart], nbytes: dict[tuple[str, str], int],
         count = -(-n // _B)
         for i in range(count):
             if i not in got:
-                v = _finish(key[0], i, _block_end(i, n) - i * _B, edges[key].get(i, []), read)
+                v = _finish(key[0], i, min(_B, n - i * _B), edges[key].get(i, []), read)
                 if v is None:
                     break
                 got[i] = v

@@ -53,10 +53,6 @@ class Box:
     def numel(self) -> int:
         return prod(self.sizes)
 
-    @property
-    def ends(self) -> tuple[int, ...]:
-        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
-
     def intersect(self, other: "Box") -> "Box | None":
         """The common box, or None when it is empty."""
         offs, sizes = [], []
@@ -154,6 +150,14 @@ class Region:
     def numel(self) -> int:
         return self.box.numel if self.box is not None else self.flat[1]  # type: ignore[index]
 
+    def inside(self, shape: Sequence[int]) -> bool:
+        """Whether the region lies in a tensor of ``shape``: a box of its rank within it, or a flat range
+        within its elements."""
+        if self.box is not None:
+            return len(self.box.offsets) == len(shape) and Box.full(shape).contains(self.box)
+        start, length = self.flat  # type: ignore[misc]
+        return start >= 0 and length >= 0 and start + length <= prod(shape)
+
 
 def intersect_regions(shape: Sequence[int], a: Region, b: Region) -> list[Box]:
     """Boxes covering exactly the elements both regions hold."""
@@ -183,27 +187,17 @@ def check_tiling(
     Cost is O(n log n) for the usual layouts (bands along dim 0).
     """
     shape = tuple(shape)
-    full = Box.full(shape)
     unique: dict[Box, tuple[int, str]] = {}
     ranks_seen: set[int] = set()
     total = prod(shape)
     for region, rank, digest in pieces:
         ranks_seen.add(rank)
-        if region.flat is not None and (
-            region.flat[0] < 0 or region.flat[1] < 0 or region.flat[0] + region.flat[1] > total
-        ):
-            raise TilingError(
-                f"tensor {tensor!r}: flat chunk from rank {rank} [{region.flat[0]}, {region.flat[0] + region.flat[1]}) "
-                f"lies outside the {total} elements of global shape {list(shape)}",
-                tensor=tensor, ranks=[rank],
-            )
+        if not region.inside(shape):
+            at = (f"at offsets {list(region.box.offsets)} sizes {list(region.box.sizes)}" if region.box is not None
+                  else f"flat [{region.flat[0]}, {sum(region.flat)}) of {total} elements")  # type: ignore[index,arg-type]
+            raise TilingError(f"tensor {tensor!r}: chunk from rank {rank} {at} lies outside global shape {list(shape)}",
+                              tensor=tensor, ranks=[rank])
         for box in region.boxes(shape):
-            if len(box.offsets) != len(shape) or not full.contains(box):
-                raise TilingError(
-                    f"tensor {tensor!r}: chunk from rank {rank} at offsets {list(box.offsets)} "
-                    f"sizes {list(box.sizes)} lies outside global shape {list(shape)}",
-                    tensor=tensor, ranks=[rank],
-                )
             prev = unique.get(box)
             if prev is None:
                 unique[box] = (rank, digest)

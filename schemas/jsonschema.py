@@ -15,12 +15,8 @@ from .manifest import Manifest
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 
 
-def manifest_schema() -> dict:
-    return Manifest.model_json_schema()
-
-
 def render() -> str:
-    return json.dumps(manifest_schema(), indent=2, sort_keys=True) + "\n"
+    return json.dumps(Manifest.model_json_schema(), indent=2, sort_keys=True) + "\n"
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ R x T chunks (134 MB at 10,000 ranks x 200 tensors). The load tree splits what a
 * one **Merkle tree per tensor** over its chunk rows, in table order; one over the files (sorted by
   name); one over the objects (sorted by name, then rank, the global entry first).
 
-The head's XXH3-128 is the **load tree's root**: the commit computes it (:func:`load_tree_root`) and
+The head's XXH3-128 is the **load tree's root**: the commit computes it (``LoadTree(m).root``) and
 writes it into the ``COMMITTED`` marker beside the manifest's digest. The service answers a rank
 with the head and, for the regions it asks, the chunk rows its tensors' interval indexes find, the
 files they lie in and the objects it restores, each with the sibling digests that lead to a root in
@@ -42,7 +42,7 @@ from .errors import CorruptCheckpoint
 from .manifest import FileEntry, Manifest, ObjectEntry, ParamGroup, TensorEntry, Topology
 from .readplan import PlanBudget, ReadPlan, ReadRequest, wanted_region
 
-__all__ = ["LoadHead", "LoadTree", "ROWS_COLUMNS", "check_covered", "load_tree_root", "verify_answer"]
+__all__ = ["LoadHead", "LoadTree", "ROWS_COLUMNS", "check_covered", "verify_answer"]
 
 TREE_FORMAT = "ckptd-load-tree-1"
 _leaf = partial(xxhash.xxh3_128_digest, seed=1)
@@ -116,6 +116,11 @@ def _row_leaf(row: Sequence[Any]) -> bytes:
     offsets, sizes, file, offset, length, codec, xxh3, rank, flat = row
     return _leaf("|".join([repr(tuple(offsets)), repr(tuple(sizes)), file, str(offset), str(length), codec, xxh3,
                            str(rank), "1" if flat else "0"]).encode())
+
+
+def _table(rows: Sequence[Sequence[Any]]) -> ChunkColumns:
+    """The chunk table of answered rows (:data:`ROWS_COLUMNS`), validated as any table is."""
+    return ChunkColumns(**{c: [r[k] for r in rows] for k, c in enumerate(ROWS_COLUMNS)})
 
 
 def _json(x: Any) -> bytes:
@@ -265,11 +270,6 @@ def _object_picks(ranks: Sequence[int | None], first: int, is_global: bool, unif
     return out + ([first] if uniform else [])
 
 
-def load_tree_root(m: Manifest) -> str:
-    """The root the commit writes into the marker (the head's XXH3-128)."""
-    return LoadTree(m).root
-
-
 # -- the rank's side -------------------------------------------------------------------------------------
 
 def verify_answer(head: LoadHead, answer: dict, requests: Sequence[ReadRequest], rank: int,
@@ -298,19 +298,13 @@ def verify_answer(head: LoadHead, answer: dict, requests: Sequence[ReadRequest],
                 raise CorruptCheckpoint(f"tensor {name!r}: chunk row {i} is not one of its {t['rows']}", tensor=name)
             _check_path(_row_leaf(row), i, t["rows"], got["proofs"].get(key), t["root"], f"tensor {name!r}: chunk row {i}")
             rows.append(row)
-        cols = {c: [r[k] for r in rows] for k, c in enumerate(ROWS_COLUMNS)}
-        table = ChunkColumns(rank=cols["rank"], flat=cols["flat"] if any(cols["flat"]) else None,
-                             offsets=[tuple(o) for o in cols["offsets"]], sizes=[tuple(s) for s in cols["sizes"]],
-                             file=cols["file"], offset=cols["offset"], length=cols["length"],
-                             codec=None if all(c == "raw" for c in cols["codec"]) else cols["codec"], xxh3=cols["xxh3"])
         tensors.append(TensorEntry(name=name, shape=t["shape"], dtype=t["dtype"], group=t["group"],
-                                   digest=t["digest"], placement=t["placement"], table=table))
+                                   digest=t["digest"], placement=t["placement"], table=_table(rows)))
     for name in wanted - set(answer["tensors"]):
         t = meta.get(name)
         if t is not None and t["rows"]:
             tensors.append(TensorEntry(name=name, shape=t["shape"], dtype=t["dtype"], group=t["group"],
-                                       table=ChunkColumns(rank=[], offsets=[], sizes=[], file=[], offset=[],
-                                                          length=[], xxh3=[])))
+                                       table=_table([])))
     files: dict[str, FileEntry] = {}
     nfiles, froot = doc["files"]["count"], doc["files"]["root"]
     for f, got in answer["files"].items():

@@ -225,9 +225,8 @@ class FileEntry(_Model):
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
         out = handler(self)
-        for k in ("linked",):  # absent, not null: the same bytes as without the field
-            if out.get(k, 0) is None:
-                del out[k]
+        if out.get("linked", 0) is None:  # absent, not null: the same bytes as without the field
+            del out["linked"]
         return out
 
     @model_validator(mode="after")

@@ -24,18 +24,18 @@ RESERVED = "__ckptd."  # prefix of every name below; never a state-dict key of t
 DCP_METADATA = RESERVED + "dcp_metadata"  # DCP's own Metadata, torch.save'd (CkptdStorageWriter)
 
 
-def _check(kind: str, value: str, pattern: re.Pattern[str], grammar: str) -> str:
+def _check(kind: str, value: str, pattern: re.Pattern[str]) -> str:
     if not isinstance(value, str) or not pattern.fullmatch(value) or ".." in value:
-        raise InvalidName(f"invalid {kind} {value!r}: must match {grammar}", field=kind, value=str(value)[:200])
+        raise InvalidName(f"invalid {kind} {value!r}: must match {pattern.pattern}", field=kind, value=str(value)[:200])
     return value
 
 
 def check_run(run: str) -> str:
-    return _check("run", run, RUN_RE, "[a-z0-9][a-z0-9._-]{0,127}")
+    return _check("run", run, RUN_RE)
 
 
 def check_name(name: str) -> str:
-    return _check("name", name, NAME_RE, "[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+    return _check("name", name, NAME_RE)
 
 
 def check_new_name(name: str) -> str:
@@ -50,11 +50,11 @@ def check_new_name(name: str) -> str:
 
 
 def check_file(name: str) -> str:
-    return _check("file", name, FILE_RE, "[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+    return _check("file", name, FILE_RE)
 
 
 def check_session(sid: str) -> str:
-    return _check("session", sid, SESSION_RE, "[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+    return _check("session", sid, SESSION_RE)
 
 
 def linked_name(checkpoint: str, file: str) -> str:

@@ -33,9 +33,9 @@ from typing import Callable, Sequence
 import json
 
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from .api import MAX_READ_REQUESTS, READ_REQUEST_BYTES
+from .api import MAX_READ_REQUESTS, READ_REQUEST_BYTES, _Body
 from .dtypes import itemsize
 from .errors import ChecksumMismatch, PayloadTooLarge, StateDictMismatch
 from .geometry import Box, Region, box_flat_span, intersect_regions, row_major_strides
@@ -48,10 +48,6 @@ __all__ = ["BlockVerifier", "Copy", "Fetch", "PlanBudget", "ReadFn", "ReadPlan",
 ReadFn = Callable[[str, int, int], bytes]
 """The one byte source every reader of stored bytes takes: ``read(file, start, end)``, bytes ``[start, end)``
 of a data file (the store's, the service's over HTTP, a drill's sink); short only at the file's end."""
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", defer_build=True)
 
 
 class ReadRequest(_Body):
@@ -300,23 +296,11 @@ def wanted_region(manifest: Manifest, req: ReadRequest) -> tuple[TensorEntry, Re
     if t is None:
         raise StateDictMismatch(f"tensor {req.name!r} is not in checkpoint {manifest.ref}", tensor=req.name)
     want = req.region(t.shape)
-    _check_request(t, req, want)
+    if not want.inside(t.shape):
+        asked = (f"offsets {req.offsets} sizes {req.sizes} do not fit global shape {t.shape}" if want.box is not None
+                 else f"flat range [{req.flat_start}, {sum(want.flat)}) exceeds {prod(t.shape)} elements")
+        raise StateDictMismatch(f"tensor {t.name!r}: requested {asked}", tensor=t.name)
     return t, want
-
-
-def _check_request(t: TensorEntry, req: ReadRequest, region: Region) -> None:
-    full = Box.full(t.shape)
-    if region.box is not None:
-        if len(region.box.offsets) != len(t.shape) or not full.contains(region.box):
-            raise StateDictMismatch(
-                f"tensor {t.name!r}: requested offsets {req.offsets} sizes {req.sizes} "
-                f"do not fit global shape {t.shape}", tensor=t.name)
-    elif region.flat is not None:
-        s, n = region.flat
-        total = full.numel
-        if s < 0 or n < 0 or s + n > total:
-            raise StateDictMismatch(
-                f"tensor {t.name!r}: requested flat range [{s}, {s + n}) exceeds {total} elements", tensor=t.name)
 
 
 def plan_reads(manifest: Manifest, requests: Sequence[ReadRequest], *, coalesce_gap: int = 1 << 20,
@@ -344,13 +328,9 @@ def plan_reads(manifest: Manifest, requests: Sequence[ReadRequest], *, coalesce_
         for i in rows:
             offs, sizes = tab.offsets[i], tab.sizes[i]
             flat = tab.is_flat(i)
-            if flat:
-                region = Region(flat=(offs[0], sizes[0]))
-            elif want.box is not None and not _overlaps(offs, sizes, want.box):
+            if not flat and want.box is not None and not _overlaps(offs, sizes, want.box):
                 continue
-            else:
-                region = Region(box=Box(tuple(offs), tuple(sizes)))
-            boxes = intersect_regions(t.shape, region, want)
+            boxes = intersect_regions(t.shape, tab.region(i), want)
             if not boxes:
                 continue
             if flat:

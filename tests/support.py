@@ -381,7 +381,7 @@ def plant_file(root: Path, run: str, name: str, file: str, stored: bytes,
 
     from ckptd_schemas import Manifest
     from ckptd_schemas.filedigest import StreamDigest
-    from ckptd_schemas.loadtree import load_tree_root
+    from ckptd_schemas.loadtree import LoadTree
 
     ckpt = root / "runs" / run / name
     marker = json.loads((ckpt / "COMMITTED").read_text())
@@ -399,7 +399,7 @@ def plant_file(root: Path, run: str, name: str, file: str, stored: bytes,
     (sdir / f"manifest-{mdigest}.json").write_bytes(raw)
     marker.update(manifest=f"manifest-{mdigest}.json", manifest_xxh3=mdigest)
     if load_tree:
-        marker["load_tree"] = load_tree_root(Manifest.model_validate_json(raw))
+        marker["load_tree"] = LoadTree(Manifest.model_validate_json(raw)).root
     (ckpt / "COMMITTED").write_text(json.dumps(marker))
 
 

@@ -94,7 +94,7 @@ class HttpBackend:
         service's word), and the load tree: the service checks it against the marker, this process
         against the manifest it verified."""
         from ckptd_schemas import CorruptCheckpoint
-        from ckptd_schemas.loadtree import load_tree_root
+        from ckptd_schemas.loadtree import LoadTree
 
         from ..store.checker import verify_manifest
 
@@ -104,7 +104,7 @@ class HttpBackend:
         except CorruptCheckpoint as e:
             report.problems.append(e.message)
         else:
-            mine = load_tree_root(manifest)
+            mine = LoadTree(manifest).root
             if named is not None and named != mine:
                 report.problems.append(f"checkpoint {manifest.ref}: its marker names load tree {named}, its "
                                        f"manifest's is {mine}")

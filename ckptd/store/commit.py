@@ -32,7 +32,7 @@ from ckptd_schemas import (
 )
 from ckptd_schemas.arrival import rows_digest
 from ckptd_schemas.filedigest import xxh3_hex
-from ckptd_schemas.loadtree import load_tree_root
+from ckptd_schemas.loadtree import LoadTree
 
 from ..storage import Storage
 from .activity import SessionActivity
@@ -221,7 +221,7 @@ class Committer:
             derived_from, nfiles, nbytes = manifest.derived_from, len(manifest.files), manifest.total_bytes
             says = (manifest.run, manifest.name, manifest.session, manifest.step, manifest.derived_from,
                     manifest.parent, manifest.created_at)
-            tree = load_tree_root(manifest)  # what each loading rank checks its pieces against
+            tree = LoadTree(manifest).root  # what each loading rank checks its pieces against
             # Freed here by reference counting, so the collector, back on, does not walk them first.
             del manifest, files
         digest = xxh3_hex(raw)

@@ -49,18 +49,11 @@ class Destination:
         return dst.as_strided(list(sizes), strides, dst.storage_offset() + rel)
 
 
-def _source(buf: bytearray | memoryview, c: Copy, device: torch.device | None) -> torch.Tensor:
-    dtype = torch_dtype(c.dtype)
-    raw = source_bytes(buf, c)
-    src = torch.frombuffer(raw, dtype=dtype) if len(raw) else torch.empty(0, dtype=dtype)
-    if device is not None and src.device != device:
-        src = src.to(device, non_blocking=False)
-    return src
-
-
 def copy_into(buf: bytearray | memoryview, c: Copy, dest: Destination) -> None:
     """Copy every region of ``c`` from the fetched bytes into ``dest`` (cast if dtypes differ)."""
-    src = _source(buf, c, dest.tensor.device)
+    dtype, raw = torch_dtype(c.dtype), source_bytes(buf, c)
+    src = torch.frombuffer(raw, dtype=dtype) if len(raw) else torch.empty(0, dtype=dtype)
+    src = src.to(dest.tensor.device)  # a no-op on the host
     with torch.no_grad():
         for offsets, sizes in c.regions:
             view = src.as_strided(sizes, c.strides, src.storage_offset() + c.source_offset(offsets))

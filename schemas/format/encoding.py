@@ -39,11 +39,9 @@ from .frames import BLOSC2_OVERHEAD, FRAME_BYTES, FrameCheck, blosc2_problem, fr
 if TYPE_CHECKING:
     from ..readplan import Copy
 
-__all__ = ["BLOSC2_OVERHEAD", "CODECS", "FRAME_BYTES", "LEVEL", "blosc2_problem", "codec_for", "compressor",
+__all__ = ["BLOSC2_OVERHEAD", "FRAME_BYTES", "LEVEL", "blosc2_problem", "codec_for", "compressor",
            "decode_frame", "encode", "source_bytes", "split_frames"]
 
-CODECS = ("zstd", "blosc2")
-"""The compressed codecs a chunk may be stored with (``"raw"`` besides)."""
 LEVEL = 1
 """The zstd level of both codecs."""
 
@@ -66,7 +64,7 @@ def codec_for(itemsize: int) -> str:
 
 
 def encode(data: memoryview | bytes, codec: str, itemsize: int) -> bytes:
-    """``data`` compressed with ``codec`` (one of :data:`CODECS`), as one independently decodable frame."""
+    """``data`` compressed with ``codec`` (``"zstd"`` or ``"blosc2"``), as one independently decodable frame."""
     if codec == "zstd":
         return compressor().compress(data)
     if codec == "blosc2":
@@ -128,31 +126,26 @@ def decode_frame(frame: bytes | bytearray | memoryview, raw_length: int, what: s
     is refused ``ChecksumMismatch`` naming ``what``, so readers (load, reshard, export) accept exactly
     the frames the commit and ``ckptd verify`` accept.
     """
-    if (why := frame_limit_problem(codec, raw_length)) is not None:
-        raise ChecksumMismatch(f"{what}: {why}", length=raw_length)
-    if codec == "blosc2":
+    if (why := frame_limit_problem(codec, raw_length)) is None:
         out = bytearray(raw_length)
-        why = blosc2_problem(frame, raw_length, out)
-        if why is not None:
-            raise ChecksumMismatch(f"{what}: {why}", length=raw_length)
-        return out
-    out = bytearray(raw_length)
-    check = FrameCheck(raw_length, memoryview(out))
-    check.feed(frame)
-    why = check.problem()
+        if codec == "blosc2":
+            why = blosc2_problem(frame, raw_length, out)
+        else:
+            check = FrameCheck(raw_length, memoryview(out))
+            check.feed(frame)
+            why = check.problem()
     if why is not None:
         raise ChecksumMismatch(f"{what}: {why}", length=raw_length)
     return out
 
 
-def source_bytes(buf: bytes | bytearray | memoryview, c: Copy, file: str | None = None) -> memoryview:
+def source_bytes(buf: bytes | bytearray | memoryview, c: Copy) -> memoryview:
     """The raw bytes of ``c``'s source positions ``[pos0, pos0 + npos)``: a view into the verified fetch
     ``buf`` when stored raw, the decoded frame (writable, its own memory) when compressed, decoded
     to at most the chunk's size (``npos`` x itemsize of its dtype, at most :data:`FRAME_BYTES`;
     :func:`decode_frame`)."""
     mv = memoryview(buf)[c.byte_start:c.byte_start + c.byte_length]
     if c.codec != "raw":
-        where = f"file {file!r}, " if file else ""
-        what = f"tensor {c.tensor!r} ({where}chunk {c.chunk_xxh3} at byte {c.byte_start} of fetch {c.fetch})"
+        what = f"tensor {c.tensor!r} (chunk {c.chunk_xxh3} at byte {c.byte_start} of fetch {c.fetch})"
         return memoryview(decode_frame(mv, c.npos * itemsize(c.dtype), what, c.codec))
     return mv

@@ -27,7 +27,7 @@ decoder once it has its verdict.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Callable, Union
 
 import zstandard
 
@@ -87,9 +87,9 @@ class FrameCheck:
     def __init__(self, raw_length: int, out: memoryview | None = None) -> None:
         self.raw_length = raw_length
         self._out = _Counter(raw_length, out)
-        self._decoder = zstandard.ZstdDecompressor(max_window_size=FRAME_BYTES).stream_writer(
+        self._error = frame_limit_problem("zstd", raw_length)  # refused before a decoder is made
+        self._decoder = None if self._error else zstandard.ZstdDecompressor(max_window_size=FRAME_BYTES).stream_writer(
             self._out, write_size=WRITE_SIZE, write_return_read=True, closefd=False)
-        self._error: str | None = None
         self._pos = 0             # bytes fed
         self._state = "header"    # header -> block (-> checksum) -> done
         self._want = 5            # bytes of the structure being collected (magic + frame header descriptor)
@@ -106,11 +106,12 @@ class FrameCheck:
         view = memoryview(data)
         used = self._walk(view)
         if self._error is None and used:
-            self._decode(view[:used])
+            self._decode(self._decoder.write, view[:used])
 
-    def _decode(self, view: memoryview) -> None:
+    def _decode(self, step: Callable[..., object], *args: memoryview) -> None:
+        """One step of the decoder (a write, or the final flush), its failure kept as the verdict."""
         try:
-            self._decoder.write(view)
+            step(*args)
         except _TooLong:
             self._error = f"zstd frame decodes to more than the {self.raw_length} bytes it should hold"
         except zstandard.ZstdError as e:
@@ -198,12 +199,7 @@ class FrameCheck:
         if self._error is None and self._after:
             self._error = f"{self._after} bytes follow the end of the zstd frame"
         if self._error is None:
-            try:
-                self._decoder.flush()
-            except _TooLong:
-                self._error = f"zstd frame decodes to more than the {self.raw_length} bytes it should hold"
-            except zstandard.ZstdError as e:
-                self._error = f"zstd frame does not decode: {e}"
+            self._decode(self._decoder.flush)
         if self._error is None and self._out.n != self.raw_length:
             self._error = f"zstd frame decodes to {self._out.n} bytes, the chunk holds {self.raw_length}"
         self._decoder = None
@@ -218,11 +214,10 @@ class Blosc2Check:
     bytes. The collected bytes are freed with the verdict."""
 
     def __init__(self, raw_length: int) -> None:
-        self.raw_length, self._check = raw_length, blosc2_problem
-        self._limit = raw_length + BLOSC2_OVERHEAD
-        self._buf: bytearray | None = bytearray()
+        self.raw_length, self._limit = raw_length, raw_length + BLOSC2_OVERHEAD
+        self._why = frame_limit_problem("blosc2", raw_length)  # refused before a byte is collected
+        self._buf: bytearray | None = None if self._why else bytearray()
         self._too_long = False
-        self._why: str | None = None
 
     def feed(self, data: memoryview | bytes) -> None:
         if self._buf is not None and not self._too_long:
@@ -232,35 +227,18 @@ class Blosc2Check:
     def problem(self) -> str | None:
         if self._buf is not None:  # the first call judges and frees the collected bytes
             self._why = (f"Blosc2 frame is longer than any frame of {self.raw_length} bytes" if self._too_long
-                         else self._check(self._buf, self.raw_length))
+                         else blosc2_problem(self._buf, self.raw_length))
             self._buf = None
         return self._why
 
 
-class _Refused:
-    """The check of a chunk refused before its first byte (:func:`frame_limit_problem`): feeding it
-    costs nothing."""
-
-    def __init__(self, why: str) -> None:
-        self.why = why
-
-    def feed(self, data: memoryview | bytes) -> None:
-        pass
-
-    def problem(self) -> str | None:
-        return self.why
-
-
-ChunkCheck = Union[FrameCheck, Blosc2Check, _Refused]
+ChunkCheck = Union[FrameCheck, Blosc2Check]
 """What :func:`frame_check` gives: ``feed(bytes)`` in order, then ``problem()``."""
 
 
 def frame_check(codec: str, raw_length: int) -> ChunkCheck:
     """The check of a chunk stored with ``codec`` (not raw) that must decode to ``raw_length`` bytes;
     a chunk over the frame limit is refused without a decoder or a buffer."""
-    why = frame_limit_problem(codec, raw_length)
-    if why is not None:
-        return _Refused(why)
     return Blosc2Check(raw_length) if codec == "blosc2" else FrameCheck(raw_length)
 
 

@@ -225,26 +225,13 @@ class _DtypeStub:
 class _Stub:
     """Anything else the pre-scan meets: accepts every call, item and state, builds nothing."""
 
-    def __init__(self, *args: Any, **kw: Any) -> None:
+    def _ignore(self, *args: Any, **kw: Any) -> None:
         pass
+
+    __init__ = __setitem__ = append = extend = add = __setstate__ = _ignore
 
     def __call__(self, *args: Any, **kw: Any) -> "_Stub":
         return _Stub()
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, value: Any) -> None:
-        pass
-
-    def extend(self, values: Any) -> None:
-        pass
-
-    def add(self, value: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        pass
 
 
 def _real_dtype(stub: Any, state: Any = None) -> Any:
@@ -325,11 +312,7 @@ class _DtypeScan(pickle._Unpickler):  # type: ignore[name-defined]
         if isinstance(inst, _DtypeStub):
             _real_dtype(inst, state)
 
-    def load_reduce(self) -> None:
-        args = self.stack.pop()
-        self.stack[-1] = self._make(self.stack[-1], tuple(args))
-
-    def load_newobj(self) -> None:
+    def load_reduce(self) -> None:  # REDUCE and NEWOBJ alike: a callable (or class) and its arguments
         args = self.stack.pop()
         self.stack[-1] = self._make(self.stack[-1], tuple(args))
 
@@ -342,7 +325,7 @@ class _DtypeScan(pickle._Unpickler):  # type: ignore[name-defined]
 
     dispatch[pickle.BUILD[0]] = load_build
     dispatch[pickle.REDUCE[0]] = load_reduce
-    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.NEWOBJ[0]] = load_reduce
     dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
 
 

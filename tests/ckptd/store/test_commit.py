@@ -27,7 +27,7 @@ from ckptd.store.paths import Paths
 from ckptd.store.session_reads import read_meta
 from ckptd_schemas import ChecksumMismatch, CommitFailed, Conflict, InvalidIndex, Manifest, StorageError
 from ckptd_schemas.filedigest import xxh3_hex
-from ckptd_schemas.loadtree import load_tree_root
+from ckptd_schemas.loadtree import LoadTree
 
 from .staging import Parts, data, file_of, index, stage
 
@@ -65,7 +65,7 @@ def test_the_last_index_commits(store, tmp_path):
     assert m.tensor("model.x").shape == [750]
     marker = parts.visibility.marker(RUN, "1")
     assert (marker.session, marker.manifest_xxh3, marker.step) == ("s-a", st.manifest_xxh3, 40)
-    assert marker.load_tree == load_tree_root(m)
+    assert marker.load_tree == LoadTree(m).root
     assert parts.visibility.check(RUN, "1").digest == st.manifest_xxh3
     (event,) = parts.heard.commits
     assert (event.run, event.name, event.session, event.manifest_xxh3, event.files, event.bytes) == (
