@@ -46,13 +46,11 @@ import logging
 import threading
 import time
 from bisect import bisect_right
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from math import prod
 from typing import Any, Callable
 
 import numpy as np
-import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ckptd_schemas import (
@@ -64,6 +62,8 @@ from ckptd_schemas.geometry import check_tiling
 
 from ..storage import Storage
 from ..store import CheckpointReader
+from ..store.checker import StorageFiles, judge
+from ..store.inflight import ordered_map
 from ..store.paths import Paths
 from .digest import tensor_digest
 from .drill_layouts import check_layout, resolve_layout
@@ -145,19 +145,13 @@ def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: 
     time. Writes nothing."""
     t0 = time.monotonic()
     chunks: dict[str, list[tuple[int, ReshardChunk]]] = {t.name: [] for t in manifest.tensors}
-    problems: list[DrillProblem] = []
-    for u in plan.units:
+    for u in plan.units:  # planned from this manifest: every target chunk is of one of its tensors
         for pc in u.chunks:
-            if pc.tensor in chunks:
-                chunks[pc.tensor].append((u.rank, pc))
-            elif not any(p.tensor == pc.tensor for p in problems):
-                problems.append(DrillProblem(layout=layout, tensor=pc.tensor,
-                                             message=f"the plan has a target chunk of a tensor {manifest.ref} "
-                                                     f"does not hold"))
+            chunks[pc.tensor].append((u.rank, pc))
     engine = plan_engine(plan, "cpu")  # no cast: the host's numpy engine moves the bytes
     pieces = SourcePieces(manifest, (t.name for t in manifest.tensors if t.digest is None))
-    read_source = reader_of(reader.storage, lambda file: Paths.file(manifest.run, manifest.name, manifest.session,
-                                                                    file))
+    source = StorageFiles(reader.storage, lambda file: Paths.file(manifest.run, manifest.name, manifest.session, file))
+    read_source = reader_of(source.storage, source.key_of)
 
     lock, local = threading.Lock(), threading.local()  # local: each thread's buffers, reused tensor to tensor
     counts = [0, 0]  # bytes assembled, bytes read
@@ -180,8 +174,10 @@ def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: 
                 f"the assembled target's layout-independent digest {got['dst']} differs from the source's {want}"))
         except StorageError:
             raise  # the store failed, not the checkpoint: the drill stops, nothing is recorded
-        except ChecksumMismatch as e:  # a fetch failed its block digests: whose bytes are damaged?
-            own = _damaged_chunk(t, read_source)
+        except ChecksumMismatch as e:  # a fetch failed its block digests: whose bytes are damaged? The one checker
+            # judges the files holding the tensor's chunks and names the damaged ones
+            found = judge(manifest, source, files={c.location.file for c in t.chunks if c.location is not None})
+            own = next((p.message for p in found.problems if p.details.get("tensor") == t.name), None)
             message = (f"its stored bytes are damaged: {own}" if own is not None else
                        f"a verification block it is read from is damaged "
                        f"({e.message.removeprefix(f'tensor {t.name!r} of {manifest.ref}: ')}), but its own chunks "
@@ -193,17 +189,11 @@ def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: 
             log.exception("drill of %s into %s: tensor %s", manifest.ref, layout, t.name)
             return DrillProblem(layout=layout, tensor=t.name, message=f"internal error: {type(e).__name__}: {e}")
 
-    tensors = list(manifest.tensors)
-    if jobs > 1 and len(tensors) > 1:
-        with ThreadPoolExecutor(jobs, thread_name_prefix="ckptd-drill") as pool:
-            found = list(pool.map(one, tensors))
-    else:
-        found = [one(t) for t in tensors]
-    problems += [p for p in found if p is not None]
+    problems = [p for p in ordered_map(one, manifest.tensors, jobs) if p is not None]
     if len(problems) > MAX_PROBLEMS:
         rest = len(problems) - MAX_PROBLEMS + 1
         problems = problems[:MAX_PROBLEMS - 1] + [DrillProblem(layout=layout, message=f"{rest} more problems")]
-    return LayoutDrill(layout=layout, spec=plan.target_spec, ok=not problems, tensors=len(tensors), bytes=counts[0],
+    return LayoutDrill(layout=layout, spec=plan.target_spec, ok=not problems, tensors=len(manifest.tensors), bytes=counts[0],
                        bytes_read=counts[1], seconds=round(time.monotonic() - t0, 3), problems=problems)
 
 
@@ -288,29 +278,6 @@ def _placed_digest(shape: list[int], isz: int, r: UnitResult, data: memoryview) 
     h = StreamHasher()
     h.update(memoryview(whole))
     return h.hexdigest()
-
-
-def _damaged_chunk(t: TensorEntry, read_source: Callable[[str, int, int], bytes],
-                   piece: int = 8 << 20) -> str | None:
-    """The first chunk of ``t`` whose stored bytes do not hash to the XXH3 its manifest records, named; None
-    when every chunk holds. Each chunk is read in pieces of at most ``piece`` bytes."""
-    for c in t.chunks:
-        loc = c.location
-        if loc is None:
-            continue
-        h, pos, end = xxhash.xxh3_64(), loc.offset, loc.offset + loc.length
-        while pos < end:
-            data = read_source(loc.file, pos, min(pos + piece, end))
-            if not data:
-                break
-            h.update(data)
-            pos += len(data)
-        if pos < end:
-            return f"the chunk on rank {c.rank} at bytes [{loc.offset}, {end}) of file {loc.file!r} is cut short"
-        if h.hexdigest() != loc.xxh3:
-            return (f"the chunk on rank {c.rank} at bytes [{loc.offset}, {end}) of file {loc.file!r} hashes to "
-                    f"{h.hexdigest()}, the manifest says {loc.xxh3}")
-    return None
 
 
 # -- one checkpoint ------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import logging
 import multiprocessing
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Literal
@@ -55,6 +55,7 @@ from ckptd_schemas.digest import DigestPart, combine, digest_piece
 from ckptd_schemas.dtypes import FLOATING
 
 from ..store import CheckpointReader, SessionStore
+from ..store.inflight import ordered_map
 from ..store.reader import naming_tensor
 from ..store.paths import Paths
 from ..store.verification import require_verified
@@ -381,15 +382,7 @@ def _copy_objects(reader: CheckpointReader, sessions: SessionStore, source: Mani
 def _digests(todo: list[tuple[str, Manifest, TensorEntry, Callable[[str, int, int], bytes], str | None]],
              jobs: int) -> dict[tuple[str, str], str]:
     """Layout-independent digests of (side, manifest, tensor, read, cast) items, ``jobs`` tensors at a time."""
-    def one(item: tuple) -> str:
-        _, m, t, read, cast = item
-        return tensor_digest(m, t, read, cast=cast)
-
-    if jobs > 1 and len(todo) > 1:
-        with ThreadPoolExecutor(jobs, thread_name_prefix="ckptd-digest") as pool:
-            values = list(pool.map(one, todo))
-    else:
-        values = [one(item) for item in todo]
+    values = ordered_map(lambda item: tensor_digest(item[1], item[2], item[3], cast=item[4]), todo, jobs)
     return {(side, t.name): v for (side, _, t, _, _), v in zip(todo, values)}
 
 
@@ -513,11 +506,7 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: Planned, ou
                     return run_unit(reader, header, make(), open_file, engine=engine, progress=spend, pieces=pieces)
 
                 with engine.running():
-                    if jobs > 1 and len(todo) > 1:
-                        with ThreadPoolExecutor(jobs, thread_name_prefix="ckptd-reshard") as pool:
-                            results = list(pool.map(unit, todo))
-                    else:
-                        results = [unit(u) for u in todo]
+                    results = list(ordered_map(unit, todo, jobs))
             digest = finalize(reader, sessions, header, results, out_ref, session, jobs=jobs)
     except BaseException:
         try:
