@@ -57,7 +57,7 @@ from ckptd_schemas import (
     ChecksumMismatch, CkptdError, FlatChunk, InvalidRequest, Manifest, StorageError, TensorEntry, itemsize, parse_ref,
 )
 from ckptd_schemas.digest import DIGEST_BLOCK, StreamHasher, combine
-from ckptd_schemas.format.engines import Engine
+from ckptd_schemas.format.engines import Engine, HostEngine
 from ckptd_schemas.geometry import check_tiling
 
 from ..storage import Storage
@@ -67,7 +67,7 @@ from ..store.inflight import ordered_map
 from ..store.paths import Paths
 from .digest import tensor_digest
 from .drill_layouts import check_layout, resolve_layout
-from .executor import UnitResult, plan_engine, reader_of, run_unit
+from .executor import UnitResult, reader_of, run_unit
 from .models import MAX_LAYOUTS
 from .pieces import SourcePieces, target_place
 from .planner import ALIGN, ReshardChunk, ReshardPlan, WorkUnit, plan_reshard
@@ -148,7 +148,7 @@ def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: 
     for u in plan.units:  # planned from this manifest: every target chunk is of one of its tensors
         for pc in u.chunks:
             chunks[pc.tensor].append((u.rank, pc))
-    engine = plan_engine(plan, "cpu")  # no cast: the host's numpy engine moves the bytes
+    engine = HostEngine()  # a drill does not cast: the host's numpy engine moves the bytes
     pieces = SourcePieces(manifest, (t.name for t in manifest.tensors if t.digest is None))
     source = StorageFiles(reader.storage, lambda file: Paths.file(manifest.run, manifest.name, manifest.session, file))
     read_source = reader_of(source.storage, source.key_of)

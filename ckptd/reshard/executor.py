@@ -65,7 +65,7 @@ from ckptd_schemas.format.engines import Engine, cuda_present, pick_engine
 from ..store.intake import recorded_file
 from .pieces import SourcePieces, target_place, write_hashed
 from .planner import (
-    ALIGN, ReshardChunk, ReshardOutline, ReshardPlan, WorkUnit, already_read, kept_block, outline_reshard,
+    ALIGN, ReshardChunk, ReshardOutline, ReshardPlan, UnitCut, WorkUnit, already_read, kept_block, outline_reshard,
 )
 from .spec import parse_spec
 
@@ -96,14 +96,9 @@ class DeviceChoice:
     cast_bytes: int = 0
 
 
-Planned = ReshardPlan | ReshardOutline  # a plan with its reads, or the units cut and their reads left to the run
-
-
-def cast_bytes(plan: Planned) -> int:
+def cast_bytes(plan: ReshardOutline) -> int:
     """The source bytes ``plan`` converts to another dtype (0 without ``--dtype``)."""
-    if isinstance(plan, ReshardOutline):
-        return sum(tc.numel * itemsize(src) for c in plan.cuts for tc, src, dtype, _, _ in c.chunks if src != dtype)
-    return sum(pc.numel * itemsize(pc.src_dtype) for u in plan.units for pc in u.chunks if pc.src_dtype != pc.dtype)
+    return sum(tc.numel * itemsize(src) for c in plan.cuts for tc, src, dtype, _, _ in c.chunks if src != dtype)
 
 
 def choose_device(requested: str, cast: int, cuda: Callable[[], bool]) -> DeviceChoice:
@@ -133,17 +128,16 @@ def choose_device(requested: str, cast: int, cuda: Callable[[], bool]) -> Device
                         cast)
 
 
-def plan_device(plan: Planned, device: str) -> DeviceChoice:
+def plan_device(plan: ReshardOutline, device: str) -> DeviceChoice:
     """:func:`choose_device` for ``plan`` on this machine."""
     return choose_device(device, cast_bytes(plan), cuda_present)
 
 
-def plan_engine(plan: Planned, device: "str | DeviceChoice") -> Engine:
+def plan_engine(plan: ReshardOutline, device: "str | DeviceChoice") -> Engine:
     """The engine for ``plan`` on ``device`` (``auto``, ``cpu``, ``cuda``, or a choice already made): torch
     where the plan casts or on the GPU, the host's numpy otherwise."""
     choice = device if isinstance(device, DeviceChoice) else plan_device(plan, device)
-    casts = (plan.header["dtype"] if isinstance(plan, ReshardOutline) else plan.dtype) is not None
-    return pick_engine(choice.device, casts=casts)
+    return pick_engine(choice.device, casts=plan.header["dtype"] is not None)
 
 
 class UnitResult(BaseModel):
@@ -461,12 +455,12 @@ def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
 PROCESS_MIN_CHUNKS = 2_000
 
 
-def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: Planned, out_ref: str, session: str, *,
+def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: ReshardOutline, out_ref: str, session: str, *,
              device: str = "auto", jobs: int = 1, progress: Callable[[int], None] | None = None,
              engine: Engine | None = None, max_bytes_per_s: float = 0.0,
              processes: bool | None = None) -> ReshardResult:
     """Run every unit of ``plan`` (``jobs`` at a time) and commit ``out_ref``; on any error the output
-    session is aborted. Given an outline, each unit's reads are planned by whoever runs it, as it starts
+    session is aborted. Each unit's reads are planned by whoever runs it, as it starts
     it: the run holds the reads of ``jobs`` units at a time, not the whole job's; from
     :data:`PROCESS_MIN_CHUNKS` target chunks (or with ``processes=True``), ``jobs`` spawned processes
     share its units (``i % jobs``), each cutting them again from the source and converting its share.
@@ -474,19 +468,14 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: Planned, ou
     the bytes written as they are. ``engine`` overrides the one ``device`` picks (tests run torch on the
     CPU; threads only); the result names the engine and why it ran (:func:`choose_device`)."""
     t0 = time.monotonic()
+    shares = min(jobs, len(plan.cuts)) if engine is None and (
+        processes if processes is not None else plan.chunks >= PROCESS_MIN_CHUNKS) else 1
     if engine is None:
         choice = plan_device(plan, device)
         engine = plan_engine(plan, choice)
-        given = False
     else:
         choice = DeviceChoice("cuda" if "cuda" in engine.name else "cpu", "engine given by the caller")
-        given = True
-    if isinstance(plan, ReshardOutline):
-        header, todo = plan.plan(reads=False), [partial(plan.unit, c) for c in plan.cuts]
-        shares = min(jobs, len(plan.cuts)) if not given and (
-            processes if processes is not None else plan.chunks >= PROCESS_MIN_CHUNKS) else 1
-    else:
-        header, todo, shares = plan, [(lambda u=u: u) for u in plan.units], 1
+    header = plan.plan(reads=False)
     src = parse_ref(header.source)
     require_verified(reader.storage, src.run, src.name)  # the one checker's verdict on the source first
     open_target(sessions, header, out_ref, session)
@@ -494,19 +483,11 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: Planned, ou
     try:
         with sessions.activity.held(out.run, out.name, session):  # a unit may take minutes between writes
             if shares > 1:
-                assert isinstance(plan, ReshardOutline)
                 results = _in_processes(reader.storage.url, plan, out_ref, session, choice.device, shares,
                                         max_bytes_per_s, progress)
             else:
-                pieces = source_pieces(reader, header)
-                open_file = partial(sessions.intake.receive, out.run, out.name, session)
-                spend = _spending(Throttle(max_bytes_per_s), progress)
-
-                def unit(make: Callable[[], WorkUnit]) -> UnitResult:
-                    return run_unit(reader, header, make(), open_file, engine=engine, progress=spend, pieces=pieces)
-
-                with engine.running():
-                    results = list(ordered_map(unit, todo, jobs))
+                results = run_share(reader, sessions, plan, 0, 1, out_ref, session, engine=engine,
+                                    progress=_spending(Throttle(max_bytes_per_s), progress), jobs=jobs)
             digest = finalize(reader, sessions, header, results, out_ref, session, jobs=jobs)
     except BaseException:
         try:
@@ -515,7 +496,7 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: Planned, ou
         except Exception:  # noqa: BLE001 - best effort cleanup; the session stays invisible anyway
             pass
         raise
-    return ReshardResult(ref=out_ref, manifest_xxh3=digest, units=len(todo),
+    return ReshardResult(ref=out_ref, manifest_xxh3=digest, units=len(plan.cuts),
                          bytes_read=sum(r.bytes_read for r in results),
                          bytes_written=sum(r.bytes_written for r in results), seconds=time.monotonic() - t0,
                          device=choice.device, reason=choice.reason, engine=engine.name, processes=shares)
@@ -605,25 +586,24 @@ def _run_share(root: str, source: str, source_session: str, to: str, dtype: str 
     outline = outline_again(reader, source, source_session, to, dtype, min_units, file_bytes)
     if len(outline.cuts) != units:
         raise CkptdError(f"reshard {source} -> {to}: share {share} cut {len(outline.cuts)} units, not {units}")
-    throttle = Throttle(rate)
-
-    def spend(n: int) -> None:
-        throttle.spend(n)
-        _WRITTEN.put(n)
-
     return run_share(reader, sessions, outline, share, shares, out_ref, session,
-                     engine=plan_engine(outline, device), progress=spend)
+                     engine=plan_engine(outline, device), progress=_spending(Throttle(rate), _WRITTEN.put))
 
 
 def run_share(reader: CheckpointReader, sessions: SessionStore, outline: ReshardOutline, share: int, shares: int,
-              out_ref: str, session: str, *, engine: Engine, progress: Callable[[int], None] | None = None
-              ) -> list[UnitResult]:
+              out_ref: str, session: str, *, engine: Engine, progress: Callable[[int], None] | None = None,
+              jobs: int = 1) -> list[UnitResult]:
     """The units ``i % shares == share`` of ``outline``, each planned as it starts and converted into the
-    open session (a share's process, a ``ckptd reshard-worker`` pod): one unit's reads held at a time."""
+    open session, ``jobs`` at a time (the threads of :func:`run_plan`, a share's process, a ``ckptd
+    reshard-worker`` pod): the reads of ``jobs`` units held at a time."""
     header = outline.plan(reads=False)
     pieces = source_pieces(reader, header)
     out = parse_ref(out_ref)
     open_file = partial(sessions.intake.receive, out.run, out.name, session)
+
+    def unit(cut: UnitCut) -> UnitResult:
+        return run_unit(reader, header, outline.unit(cut), open_file, engine=engine, progress=progress,
+                        pieces=pieces)
+
     with engine.running():
-        return [run_unit(reader, header, outline.unit(c), open_file, engine=engine, progress=progress, pieces=pieces)
-                for c in outline.share_of(share, shares)]
+        return list(ordered_map(unit, outline.share_of(share, shares), jobs))
