@@ -207,9 +207,6 @@ class _DigestSink:
     def __init__(self, whole: memoryview | None) -> None:
         self.whole, self.size, self.starts, self.pieces = whole, 0, [], []
 
-    def open(self, file: str) -> "_DigestSink":
-        return self
-
     def write(self, data: memoryview | bytes) -> None:
         if self.whole is not None:
             self.whole[self.size:self.size + len(data)] = data
@@ -250,7 +247,7 @@ def _target_digest(reader: CheckpointReader, plan: ReshardPlan, t: TensorEntry,
                for pc in laid if pc.numel)
     sink = _DigestSink(None if runs else memoryview(np.empty(at, dtype=np.uint8)))
     nbytes = itemsize(t.dtype) * prod(shape)
-    r = run_unit(reader, plan, WorkUnit(index=0, rank=0, file="target", size=at, chunks=laid), sink.open,
+    r = run_unit(reader, plan, WorkUnit(index=0, rank=0, file="target", size=at, chunks=laid), lambda file: sink,
                  engine=engine, progress=progress, pieces=pieces, scratch=scratch)
     check_tiling(t.name, shape, [(c.region, rank, c.location.xxh3) for (rank, _), (_, c) in zip(chunks, r.chunks)])
     got = combine(r.digests, {("src", t.name): nbytes, ("dst", t.name): nbytes},

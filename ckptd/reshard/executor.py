@@ -42,6 +42,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from math import prod
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -380,13 +381,6 @@ def _digests(todo: list[tuple[str, Manifest, TensorEntry, Callable[[str, int, in
     return {(side, t.name): v for (side, _, t, _, _), v in zip(todo, values)}
 
 
-def _nbytes(t: TensorEntry) -> int:
-    n = itemsize(t.dtype)
-    for d in t.shape:
-        n *= d
-    return n
-
-
 def reader_of(storage: object, key_of: Callable[[str], str]) -> Callable[[str, int, int], bytearray]:
     """``read(file, start, end)``: the stored bytes of ``file`` (at ``key_of(file)``), short at its end."""
     def read(file: str, start: int, end: int) -> bytearray:
@@ -422,8 +416,9 @@ def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     read_source = reader_of(reader.storage, lambda file: src_keys[file])
 
     want = {t.name: t.digest for t in source.tensors if t.digest is not None and not _cast(plan, t.dtype)}
-    sizes = {("src", t.name): _nbytes(t) for t in source.tensors if t.name not in want and not _cast(plan, t.dtype)}
-    sizes.update({("dst", t.name): _nbytes(t) for t in target.tensors})
+    sizes = {("src", t.name): itemsize(t.dtype) * prod(t.shape) for t in source.tensors
+             if t.name not in want and not _cast(plan, t.dtype)}
+    sizes.update({("dst", t.name): itemsize(t.dtype) * prod(t.shape) for t in target.tensors})
     reads = {"src": read_source, "dst": read_target}
     digests = combine((p for r in results for p in r.digests), sizes,
                       lambda side, file, a, b: reads[side](file, a, b))

@@ -16,6 +16,7 @@ job's reads are planned once, split over its workers, and never held whole.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,12 +55,7 @@ class ReshardChunk(_M):
 
     @property
     def numel(self) -> int:
-        if self.sizes is not None:
-            n = 1
-            for s in self.sizes:
-                n *= s
-            return n
-        return self.flat_length or 0
+        return prod(self.sizes) if self.sizes is not None else self.flat_length or 0
 
 
 def kept_block(start: int, end: int, block_size: int) -> tuple[int, int]:
