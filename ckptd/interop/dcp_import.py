@@ -266,11 +266,7 @@ def import_dcp(path: str | os.PathLike | DcpDirectory, ref: str, target: ImportT
     from torch.distributed.checkpoint.planner import LoadPlan
 
     t0 = time.monotonic()
-    r = parse_ref(ref)
-    if r.is_latest:
-        from ckptd_schemas import InvalidName
-
-        raise InvalidName("cannot import to RUN/latest: name the checkpoint", ref=ref)
+    r = parse_ref(ref)  # its name is checked as a new checkpoint's by the target's open
     src = path if isinstance(path, DcpDirectory) else inspect_dcp(path)  # refuses damage before any write
     md = src.metadata
     fs = FileSystemReader(str(src.path))

@@ -145,6 +145,7 @@ def _select(manifest: Manifest, prefix: str | None, dtype: str | None) -> list[_
     if not out:
         raise InvalidRequest(f"checkpoint {manifest.ref} has no tensor starting with {prefix!r}" if prefix
                              else f"checkpoint {manifest.ref} has no tensors", prefix=prefix)
+    _check_names(out)
     return out
 
 
@@ -326,7 +327,6 @@ def export_safetensors(manifest: Manifest, read: ReadFn, out: str | os.PathLike,
         raise InvalidRequest("safetensors export needs a little-endian machine")
     t0 = time.monotonic()
     outs = _select(manifest, prefix, dtype)
-    _check_names(outs)
     for o in outs:
         if o.dtype not in SAFETENSORS_DTYPES:
             raise InvalidRequest(f"tensor {o.src.name!r} has dtype {o.dtype}, which safetensors cannot store",
@@ -421,7 +421,6 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
 
     t0 = time.monotonic()
     outs = _select(manifest, prefix, dtype)
-    _check_names(outs)
     path = Path(out)
     if path.exists():
         raise InvalidRequest(f"{path} already exists: choose a new file", path=str(path))

@@ -33,11 +33,8 @@ checkpoint (``leases/``, released at the end), so retention spares it. A record 
 is: ``RUN/latest`` and retention follow verification records (``VERIFIED.json``) only.
 
 Call order: :func:`plan_drill` (pure), then :func:`drill_checkpoint` (per layout :func:`drill_plan`)
-and :func:`write_record`; readers call :func:`read_record`. In the service a drill is a job like a
-reshard job (``ckptd.reshard.jobs``: ``submit_drill``, then the one runner ``run_job`` in the worker
-pool, one record ``jobs/<id>.json`` of kind ``drill``); a drill job cut by a stop of its service is
-resumed by a live replica (``ckptd.reshard.recovery``): a drill only reads and writes its record, so
-running it again is harmless.
+and :func:`write_record`; readers call :func:`read_record`. In the service a drill is a job
+(``ckptd.reshard.jobs``), resumed by a live replica when its service stops (``ckptd.reshard.recovery``).
 """
 
 from __future__ import annotations
@@ -54,7 +51,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ckptd_schemas import (
-    ChecksumMismatch, CkptdError, FlatChunk, InvalidRequest, Manifest, StorageError, TensorEntry, itemsize, parse_ref,
+    ChecksumMismatch, CkptdError, InvalidRequest, Manifest, StorageError, TensorEntry, itemsize, parse_ref,
 )
 from ckptd_schemas.digest import DIGEST_BLOCK, StreamHasher, combine
 from ckptd_schemas.format.engines import Engine, HostEngine
@@ -90,9 +87,6 @@ class DrillProblem(_M):
     tensor: str | None = Field(None, description="the tensor concerned; None for a problem of the whole layout")
     message: str
 
-    def __str__(self) -> str:
-        return f"layout {self.layout}: " + (f"tensor {self.tensor!r}: " if self.tensor else "") + self.message
-
 
 class LayoutDrill(_M):
     layout: str = Field(description="the layout as asked (half, double, or a spec)")
@@ -127,15 +121,12 @@ def plan_drill(manifest: Manifest, layouts: list[str]) -> list[tuple[str, Reshar
     if len(layouts) > MAX_LAYOUTS:
         raise InvalidRequest(f"a drill takes at most {MAX_LAYOUTS} layouts, not {len(layouts)}", layouts=len(layouts))
     asked = [check_layout(x) for x in layouts]  # every one parsed before any is planned
-    out: list[tuple[str, ReshardPlan]] = []
-    seen: set[str] = set()
+    out: dict[str, tuple[str, ReshardPlan]] = {}  # by the spec resolved
     for name in asked:
         spec = resolve_layout(name, manifest.topology)
-        if str(spec) in seen:
-            continue
-        seen.add(str(spec))
-        out.append((name, plan_reshard(manifest, spec)))
-    return out
+        if str(spec) not in out:
+            out[str(spec)] = (name, plan_reshard(manifest, spec))
+    return list(out.values())
 
 
 def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: ReshardPlan, *, jobs: int = 1,
@@ -193,8 +184,9 @@ def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: 
     if len(problems) > MAX_PROBLEMS:
         rest = len(problems) - MAX_PROBLEMS + 1
         problems = problems[:MAX_PROBLEMS - 1] + [DrillProblem(layout=layout, message=f"{rest} more problems")]
-    return LayoutDrill(layout=layout, spec=plan.target_spec, ok=not problems, tensors=len(manifest.tensors), bytes=counts[0],
-                       bytes_read=counts[1], seconds=round(time.monotonic() - t0, 3), problems=problems)
+    return LayoutDrill(layout=layout, spec=plan.target_spec, ok=not problems, tensors=len(manifest.tensors),
+                       bytes=counts[0], bytes_read=counts[1], seconds=round(time.monotonic() - t0, 3),
+                       problems=problems)
 
 
 class _DigestSink:
@@ -263,11 +255,8 @@ def _placed_digest(shape: list[int], isz: int, r: UnitResult, data: memoryview) 
     whole = np.empty(isz * prod(shape), dtype=np.uint8)  # the chunks tile it: every byte is written
     rows = whole.reshape(*shape[:-1], shape[-1] * isz)  # a 0-d tensor is a run: never here
     src = np.frombuffer(data, dtype=np.uint8)
-    for _, c in r.chunks:
+    for _, c in r.chunks:  # boxes: a flat range is one run
         raw = src[c.location.offset:c.location.offset + c.location.length]
-        if isinstance(c, FlatChunk):
-            whole[c.start * isz:c.start * isz + raw.size] = raw
-            continue
         off, size = list(c.offsets), list(c.sizes)
         index = tuple(slice(o, o + s) for o, s in zip(off[:-1], size[:-1])) + (
             slice(off[-1] * isz, (off[-1] + size[-1]) * isz),)

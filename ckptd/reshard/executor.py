@@ -26,11 +26,8 @@ result; ``finalize`` only reads the ragged ends of pieces. Tensors whose
 chunks are not row-major runs (column shards) or whose source must be cast
 are hashed by walking the stored data instead.
 
-Memory traffic, the cost besides the disk: a unit allocates its fetch buffer
-and its staging chunk once, at the largest size it needs (fresh pages cost
-more to fault in than the bytes cost to copy), and writes each target chunk
-with ``write_hashed``, which hashes it for the chunk digest, the tensor
-digest and the file digests slice by slice while the slice is in cache.
+Memory traffic, the cost besides the disk: :func:`run_unit` allocates its buffers once, and
+``write_hashed`` hashes each slice for every digest while it is in cache.
 """
 
 from __future__ import annotations
@@ -49,11 +46,10 @@ from pydantic import BaseModel, ConfigDict
 
 from ckptd_schemas import (
     BoxChunk, CheckpointNotFound, Chunk, CkptdError, Conflict, Fetch, FlatChunk, IntegrityError, InvalidRequest,
-    Location, Manifest, ObjectEntry, OpenSession, RankIndex, TensorEntry, check_name, check_run, itemsize, parse_ref,
+    Location, Manifest, ObjectEntry, OpenSession, RankIndex, TensorEntry, itemsize, parse_ref,
     run_fetches,
 )
 from ckptd_schemas.digest import DigestPart, combine, digest_piece
-from ckptd_schemas.dtypes import FLOATING
 
 from ..store import CheckpointReader, SessionStore
 from ..store.inflight import ordered_map
@@ -66,7 +62,8 @@ from ckptd_schemas.format.engines import Engine, cuda_present, pick_engine
 from ..store.intake import recorded_file
 from .pieces import SourcePieces, target_place, write_hashed
 from .planner import (
-    ALIGN, ReshardChunk, ReshardOutline, ReshardPlan, UnitCut, WorkUnit, already_read, kept_block, outline_reshard,
+    ALIGN, ReshardChunk, ReshardOutline, ReshardPlan, UnitCut, WorkUnit, already_read, cast_dtype, kept_block,
+    outline_reshard,
 )
 from .spec import parse_spec
 
@@ -106,11 +103,8 @@ def choose_device(requested: str, cast: int, cuda: Callable[[], bool]) -> Device
     """The one rule for ``--device`` (the CLI, service jobs and ``reshard-worker`` pods all come here).
 
     ``cpu`` and ``cuda`` are taken as asked (``cuda`` without a GPU is refused later, by ``pick_engine``).
-    ``auto`` picks the CPU unless the GPU can pay for its start-up: without a cast the GPU's engine only
-    moves bytes, as fast as the CPU's, so it never can; with one, only when ``cast`` (source bytes to
-    convert) reaches :data:`GPU_CAST_MIN_BYTES` and a CUDA device is present. ``cuda`` is called only
-    then: probing for a GPU may import torch (seconds of start-up), which the CPU's byte-moving engine
-    never needs.
+    ``auto`` picks the GPU only when ``cast`` (source bytes to convert) reaches :data:`GPU_CAST_MIN_BYTES`
+    and a CUDA device is present; ``cuda`` is called only then: probing for a GPU may import torch.
     """
     if requested not in ("auto", "cpu", "cuda"):
         raise InvalidRequest(f"device must be auto, cpu or cuda, not {requested!r}", device=requested)
@@ -175,8 +169,7 @@ class ReshardResult:
 
 
 def open_target(sessions: SessionStore, plan: ReshardPlan, out_ref: str, session: str) -> None:
-    r = parse_ref(out_ref)
-    check_run(r.run), check_name(r.name)
+    r = parse_ref(out_ref)  # the run and name are checked by the session's open
     sessions.open(r.run, r.name, OpenSession(session=session, world_size=plan.world_size, step=plan.source_step,
                                              derived_from=plan.source))
 
@@ -189,7 +182,7 @@ def source_pieces(reader: CheckpointReader, plan: ReshardPlan) -> SourcePieces:
 
 
 def _cast(plan: ReshardPlan, dtype: str) -> bool:
-    return plan.dtype is not None and dtype in FLOATING and plan.dtype != dtype
+    return cast_dtype(dtype, plan.dtype) != dtype
 
 
 def run_unit(reader: CheckpointReader, plan: ReshardPlan, unit: WorkUnit, open_file: Callable[[str], Any], *,
@@ -333,9 +326,8 @@ def _indexes(plan: ReshardPlan, source: Manifest, results: list[UnitResult],
             chunks = by_rank[r].get(t.name)
             if chunks is None and r != 0:  # rank 0 declares every tensor: the manifest keeps source order
                 continue
-            dtype = t.dtype if plan.dtype is None or t.dtype not in FLOATING else plan.dtype
-            tensors.append(TensorEntry(name=t.name, shape=t.shape, dtype=dtype, group=t.group, chunks=chunks or [],
-                                       placement=plan.placements.get(t.name)))
+            tensors.append(TensorEntry(name=t.name, shape=t.shape, dtype=cast_dtype(t.dtype, plan.dtype),
+                                       group=t.group, chunks=chunks or [], placement=plan.placements.get(t.name)))
         out.append(RankIndex(rank=r, world_size=plan.world_size, coords=plan.coords[r] if plan.coords else {},
                              mesh=plan.mesh, layouts=plan.group_layouts, tensors=tensors,
                              objects=objects if r == 0 else [],
@@ -347,9 +339,8 @@ def _copy_objects(reader: CheckpointReader, sessions: SessionStore, source: Mani
                   session: str, world: int) -> tuple[list[ObjectEntry], str | None]:
     """Carry objects over: global ones stay global; per-rank ones keep their rank if it exists."""
     keep = [o for o in source.objects if o.rank is None or o.rank < world]
-    pickled = [o for o in keep if o.location is not None]
-    if not pickled:
-        return [o.model_copy(update={"rank": None}) if o.rank is None else o for o in keep], None
+    if all(o.location is None for o in keep):
+        return keep, None
     out = parse_ref(out_ref)
     fname = "objects.bin"
     sink = sessions.intake.receive(out.run, out.name, session, fname)
@@ -409,9 +400,7 @@ def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     target = merge_indexes(run=out.run, name=out.name, session=session, step=plan.source_step,
                            created_at=source.created_at, world_size=plan.world_size, indexes=indexes, files=files,
                            derived_from=plan.source)
-    storage = sessions.storage
-
-    read_target = reader_of(storage, lambda file: Paths.file(out.run, out.name, session, file))
+    read_target = reader_of(sessions.storage, lambda file: Paths.file(out.run, out.name, session, file))
     src_keys = {f: Paths.file(source.run, source.name, source.session, f) for f in source.files}
     read_source = reader_of(reader.storage, lambda file: src_keys[file])
 
@@ -482,7 +471,7 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: ReshardOutl
                                         max_bytes_per_s, progress)
             else:
                 results = run_share(reader, sessions, plan, 0, 1, out_ref, session, engine=engine,
-                                    progress=_spending(Throttle(max_bytes_per_s), progress), jobs=jobs)
+                                    progress=Throttle(max_bytes_per_s, progress).spend, jobs=jobs)
             digest = finalize(reader, sessions, header, results, out_ref, session, jobs=jobs)
     except BaseException:
         try:
@@ -510,30 +499,24 @@ def outline_again(reader: CheckpointReader, source: str, session: str, to: str, 
 
 
 class Throttle:
-    """Token bucket: conversion I/O never exceeds ``rate`` bytes/s (0 = unlimited)."""
+    """Token bucket: conversion I/O never exceeds ``rate`` bytes/s (0 = unlimited); ``spend`` then passes
+    the bytes on to ``progress``."""
 
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
+    def __init__(self, rate: float, progress: Callable[[int], None] | None = None) -> None:
+        self.rate, self.progress = rate, progress
         self.t0 = time.monotonic()
         self.spent = 0
         self._lock = threading.Lock()
 
     def spend(self, n: int) -> None:
-        if self.rate <= 0:
-            return
-        with self._lock:
-            self.spent += n
-            ahead = self.spent / self.rate - (time.monotonic() - self.t0)
-        if ahead > 0:
-            time.sleep(ahead)
-
-
-def _spending(throttle: Throttle, progress: Callable[[int], None] | None) -> Callable[[int], None]:
-    def spend(n: int) -> None:
-        throttle.spend(n)
-        if progress is not None:
-            progress(n)
-    return spend
+        if self.rate > 0:
+            with self._lock:
+                self.spent += n
+                ahead = self.spent / self.rate - (time.monotonic() - self.t0)
+            if ahead > 0:
+                time.sleep(ahead)
+        if self.progress is not None:
+            self.progress(n)
 
 
 def _in_processes(root: str, outline: ReshardOutline, out_ref: str, session: str, device: str, shares: int,
@@ -582,7 +565,7 @@ def _run_share(root: str, source: str, source_session: str, to: str, dtype: str 
     if len(outline.cuts) != units:
         raise CkptdError(f"reshard {source} -> {to}: share {share} cut {len(outline.cuts)} units, not {units}")
     return run_share(reader, sessions, outline, share, shares, out_ref, session,
-                     engine=plan_engine(outline, device), progress=_spending(Throttle(rate), _WRITTEN.put))
+                     engine=plan_engine(outline, device), progress=Throttle(rate, _WRITTEN.put).spend)
 
 
 def run_share(reader: CheckpointReader, sessions: SessionStore, outline: ReshardOutline, share: int, shares: int,
