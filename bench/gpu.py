@@ -349,14 +349,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
         from ckptd.reshard.executor import cast_bytes
-        from ckptd.reshard.planner import plan_reshard
+        from ckptd.reshard.planner import outline_reshard
         from ckptd.reshard.spec import parse_spec
         from ckptd.storage import LocalStorage
         from ckptd.store import CheckpointReader
 
         src = f"gpu/{args.repeat}"
-        cast = cast_bytes(plan_reshard(CheckpointReader(LocalStorage(root)).manifest(*src.split("/")),
-                                       parse_spec(SPEC), dtype="bfloat16"))
+        cast = cast_bytes(outline_reshard(CheckpointReader(LocalStorage(root)).manifest(*src.split("/")),
+                                          parse_spec(SPEC), dtype="bfloat16"))
         rs = reshard_matrix(root, src, rs_repeat, work / "reshard.log")
         result = {
             "command": "python -m bench.gpu " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
-from ckptd_schemas import InvalidName, NotFound, parse_ref
+from ckptd_schemas import NotFound, check_new_name, parse_ref
 from ckptd_schemas.dtypes import FLOATING
 
 from .output import human, progress_bar
@@ -19,9 +20,8 @@ CAST_DTYPES = sorted(FLOATING)  # what --dtype casts to, and which tensors it ca
 def cmd_import_dcp(args: argparse.Namespace) -> int:
     from ..interop.dcp_import import import_dcp, inspect_dcp
 
-    r = parse_ref(args.ref)  # refused before any I/O
-    if r.is_latest:
-        raise InvalidName("cannot import to RUN/latest: name the checkpoint", ref=args.ref)
+    r = parse_ref(args.ref)  # refused before any I/O, as a new checkpoint's name (not latest)
+    check_new_name(r.name)
     target = resolve_target(args)
     try:  # a taken name is refused before the source is read (its metadata can take long to load)
         seen = open_backend(target)
@@ -41,10 +41,7 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
         stop()
         backend.close()
     if args.json:
-        print(json.dumps({"ref": res.ref, "manifest_xxh3": res.manifest_xxh3, "source": res.source,
-                          "tensors": res.tensors, "chunks": res.chunks, "objects": res.objects, "files": res.files,
-                          "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
-                          "seconds": round(res.seconds, 3)}))
+        print(json.dumps({**dataclasses.asdict(res), "seconds": round(res.seconds, 3)}))
     else:
         print(f"committed {res.ref} from DCP checkpoint {res.source}: {res.tensors} tensors ({res.chunks} chunks), "
               f"{res.objects} objects, {human(res.bytes_written)} in {res.files} files, hashed on ingest, in "

@@ -149,10 +149,7 @@ class HttpBackend:
                              field="write_plan")
 
     def reshard(self, req: ReshardRequest, *, bar: Bar) -> ReshardOutcome:
-        try:
-            job = self.client.reshard(req.source, req.to, **self._options(req))
-        except AlreadyCommitted as e:  # the output's name is taken: say how to choose another
-            raise AlreadyCommitted(f"{e.message}; name another output with --out RUN/NAME", **e.details) from None
+        job = self.client.reshard(req.source, req.to, **self._options(req))  # a taken --out: says to name another
         job = _follow(job, self.client.job, bar)
         return ReshardOutcome(result=job["result"], source=job["source"], spec=job["spec"])
 

@@ -7,7 +7,7 @@ import sys
 from dataclasses import asdict
 from typing import Callable
 
-__all__ = ["Bar", "engine_line", "human", "plural", "print_preview", "progress_bar"]
+__all__ = ["Bar", "human", "plural", "print_preview", "progress_bar"]
 
 
 def human(n: float) -> str:
@@ -56,12 +56,6 @@ def print_preview(pv, as_json: bool) -> None:
     print("work units (unit, rank, file, bytes to read):")
     for u, r, f, n in pv.unit_reads:
         print(f"  {u:>5}  {r:>5}  {f}  {human(n)}")
-
-
-def engine_line(device: str, reason: str, impl: str) -> str:
-    """The line ``ckptd reshard`` prints before converting: ``engine: cpu (auto: no dtype cast, the GPU buys
-    nothing; numpy)``. ``impl``: the engine's name (``host`` is numpy; ``torch-cpu``, ``torch-cuda``)."""
-    return f"engine: {device} ({reason}; {'numpy' if impl == 'host' else impl})"
 
 
 class Bar:

@@ -10,7 +10,7 @@ from ckptd_schemas import InvalidRequest
 
 from ..reshard.models import ReshardRequest
 from .dcp_io import CAST_DTYPES
-from .output import Bar, engine_line, human, print_preview
+from .output import Bar, human, print_preview
 from .target import open_backend, resolve_target
 
 __all__ = ["add_parsers"]
@@ -45,9 +45,10 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         print(json.dumps({**res, **extra}))
         return 0
     rate = res["bytes_written"] / res["seconds"] if res["seconds"] else 0
-    engine = res.get("engine")  # which engine ran, and why (executor.choose_device)
+    engine = res.get("engine")  # which engine ran, and why (executor.choose_device); "host" is numpy
     if engine:
-        print(engine_line(engine["device"], engine["reason"], engine["impl"]))
+        print(f"engine: {engine['device']} ({engine['reason']}; "
+              f"{'numpy' if engine['impl'] == 'host' else engine['impl']})")
     print(f"committed {res['ref']} ({done.spec}, derived from {done.source}): {res['units']} work units, "
           f"{human(res['bytes_read'])} read, {human(res['bytes_written'])} written in {res['seconds']:.2f}s "
           f"({human(rate)}/s); every tensor's digest matches the source")

@@ -29,7 +29,7 @@ import io
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -65,13 +65,6 @@ class DcpItem:
     @property
     def is_tensor(self) -> bool:
         return self.dtype is not None
-
-    @property
-    def nbytes(self) -> int:
-        n = ITEMSIZE[self.dtype] if self.dtype else 0
-        for s in self.sizes:
-            n *= s
-        return n
 
 
 @dataclass
@@ -209,15 +202,13 @@ class _Packer:
         return Location(file=self.files[-1], offset=offset, length=len(data), raw_length=len(data),
                         xxh3=xxhash.xxh3_64_hexdigest(data))
 
-    def close(self) -> None:
-        if self._cur is not None:
-            cur, self._cur = self._cur, None
-            cur.finish()
-
-    def abort(self) -> None:
-        if self._cur is not None:
-            cur, self._cur = self._cur, None
+    def close(self, abort: bool = False) -> None:
+        """Finish the current file (``abort``: drop it)."""
+        cur, self._cur = self._cur, None
+        if cur is not None and abort:
             cur.abort()
+        elif cur is not None:
+            cur.finish()
 
 
 class _Capture:
@@ -265,7 +256,6 @@ class ImportResult:
     bytes_written: int
     seconds: float
     source: str = ""
-    skipped_empty: int = field(default=0)
 
 
 def import_dcp(path: str | os.PathLike | DcpDirectory, ref: str, target: ImportTarget, *,
@@ -276,11 +266,7 @@ def import_dcp(path: str | os.PathLike | DcpDirectory, ref: str, target: ImportT
     from torch.distributed.checkpoint.planner import LoadPlan
 
     t0 = time.monotonic()
-    r = parse_ref(ref)
-    if r.is_latest:
-        from ckptd_schemas import InvalidName
-
-        raise InvalidName("cannot import to RUN/latest: name the checkpoint", ref=ref)
+    r = parse_ref(ref)  # its name is checked as a new checkpoint's by the target's open
     src = path if isinstance(path, DcpDirectory) else inspect_dcp(path)  # refuses damage before any write
     md = src.metadata
     fs = FileSystemReader(str(src.path))
@@ -288,21 +274,16 @@ def import_dcp(path: str | os.PathLike | DcpDirectory, ref: str, target: ImportT
 
     chunks: dict[str, list[BoxChunk]] = {}
     objects: list[ObjectEntry] = []
-    skipped = 0
     session = uuid.uuid4().hex
     target.open(r.run, r.name, session, int(r.name) if r.name.isdigit() else None)
     packer = _Packer(target, file_bytes)
 
     def emit(it: DcpItem, value: Any) -> None:
-        nonlocal skipped
         fqn = it.index.fqn
         if it.is_tensor:
             t: torch.Tensor = value.contiguous()
-            if t.numel() == 0:
-                skipped += 1
-            else:
-                raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                loc = packer.place(raw)
+            if t.numel():  # an empty chunk holds no element: not stored
+                loc = packer.place(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
                 chunks.setdefault(fqn, []).append(
                     BoxChunk(rank=0, offsets=list(it.offsets), sizes=list(it.sizes), location=loc))
         else:
@@ -339,7 +320,7 @@ def import_dcp(path: str | os.PathLike | DcpDirectory, ref: str, target: ImportT
         index = RankIndex(rank=0, world_size=1, tensors=tensors, objects=objects, files=packer.files)
         digest = target.commit(index)
     except BaseException:
-        packer.abort()
+        packer.close(abort=True)
         try:
             target.abort()
         except Exception:  # noqa: BLE001 - best effort: an uncommitted session stays invisible anyway
@@ -348,4 +329,4 @@ def import_dcp(path: str | os.PathLike | DcpDirectory, ref: str, target: ImportT
     return ImportResult(ref=str(r), manifest_xxh3=digest, tensors=len(tensors),
                         chunks=sum(len(c) for c in chunks.values()), objects=len(objects) - 1,
                         files=len(packer.files), bytes_read=src.total_bytes, bytes_written=packer.written,
-                        seconds=time.monotonic() - t0, source=str(src.path), skipped_empty=skipped)
+                        seconds=time.monotonic() - t0, source=str(src.path))

@@ -58,14 +58,12 @@ from ckptd_schemas.digest import StreamHasher
 from ckptd_schemas.dtypes import FLOATING as FLOATS
 
 from ..storage.local import LocalStorage, fsync_dir
-from ckptd_schemas.format.engines import ChunkBuffer, Engine, HostEngine, TorchEngine, iter_slabs
+from ckptd_schemas.format.engines import ChunkBuffer, iter_slabs, pick_engine
 from ckptd_schemas.readplan import ReadFn
 from ..store.reader import naming_tensor
 from ..store.space import parse_size as store_size
 
 if TYPE_CHECKING:
-    import torch
-
     from ckptd_schemas.format.objects import ObjectPolicy
 
 __all__ = ["ExportResult", "FLOATS", "MODEL_PREFIX", "SAFETENSORS_DTYPES", "default_prefix",
@@ -147,6 +145,7 @@ def _select(manifest: Manifest, prefix: str | None, dtype: str | None) -> list[_
     if not out:
         raise InvalidRequest(f"checkpoint {manifest.ref} has no tensor starting with {prefix!r}" if prefix
                              else f"checkpoint {manifest.ref} has no tensors", prefix=prefix)
+    _check_names(out)
     return out
 
 
@@ -220,17 +219,6 @@ def _stream(manifest: Manifest, o: _Out, read: ReadFn, buffer: ChunkBuffer, writ
     return h.hexdigest()
 
 
-def _engine(dtype: str | None) -> Engine:
-    """numpy on the host (no torch import) unless the export casts."""
-    return HostEngine() if dtype is None else TorchEngine("cpu")
-
-
-def _durable(f: Any) -> None:
-    """Flush and fsync an open file: an export is renamed into place only once its bytes are on disk."""
-    f.flush()
-    os.fsync(f.fileno())
-
-
 def _shards(outs: list[_Out], max_shard_size: int) -> list[list[_Out]]:
     shards: list[list[_Out]] = []
     size = 0
@@ -246,10 +234,7 @@ def _shards(outs: list[_Out], max_shard_size: int) -> list[list[_Out]]:
 def _header(shard: list[_Out]) -> bytes:
     head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for o in shard:
-        if o.dtype not in SAFETENSORS_DTYPES:
-            raise InvalidRequest(f"tensor {o.src.name!r} has dtype {o.dtype}, which safetensors cannot store",
-                                 tensor=o.src.name)
+    for o in shard:  # every dtype one safetensors stores (export_safetensors refused others)
         head[o.name] = {"dtype": SAFETENSORS_DTYPES[o.dtype], "shape": list(o.src.shape),
                         "data_offsets": [offset, offset + o.nbytes]}
         offset += o.nbytes
@@ -277,24 +262,6 @@ def _prepare_dir(out: Path, names: list[str]) -> None:
     clash = [n for n in names if (out / n).exists()]
     if clash:
         raise InvalidRequest(f"{out} already holds {clash[:3]}: choose an empty directory", path=str(out))
-
-
-def _rowslab_digest(get: Callable[[int, int], torch.Tensor], shape: list[int], itemsize: int,
-                    slab_bytes: int) -> str:
-    import torch
-
-    h = xxhash.xxh3_64()
-    if not shape:
-        t = get(0, 0)
-        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-        return h.hexdigest()
-    row = max(1, prod(shape[1:]) * itemsize)
-    rows = max(1, slab_bytes // row)
-    for a in range(0, shape[0], rows):
-        t = get(a, min(shape[0], a + rows)).contiguous()
-        if t.numel():
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return h.hexdigest()
 
 
 def _data_spans(path: Path) -> dict[str, tuple[int, int]]:
@@ -360,7 +327,6 @@ def export_safetensors(manifest: Manifest, read: ReadFn, out: str | os.PathLike,
         raise InvalidRequest("safetensors export needs a little-endian machine")
     t0 = time.monotonic()
     outs = _select(manifest, prefix, dtype)
-    _check_names(outs)
     for o in outs:
         if o.dtype not in SAFETENSORS_DTYPES:
             raise InvalidRequest(f"tensor {o.src.name!r} has dtype {o.dtype}, which safetensors cannot store",
@@ -375,7 +341,7 @@ def export_safetensors(manifest: Manifest, read: ReadFn, out: str | os.PathLike,
     # Each file is written under a temporary name, handed to write-back every 32 MiB (so the fsync waits
     # for the last window only, while the next slabs are still being read), fsynced and renamed.
     disk = LocalStorage(root, durable=True)
-    engine = _engine(dtype)
+    engine = pick_engine("cpu", casts=dtype is not None)  # numpy on the host (no torch import) unless it casts
     written: list[Path] = []
     writer = None
     try:
@@ -437,13 +403,6 @@ def _object_bytes(manifest: Manifest, o: ObjectEntry, read: ReadFn) -> bytes:
     return o.checked(read(loc.file, loc.offset, loc.offset + loc.length), manifest.ref)
 
 
-def _set(root: dict, path: tuple, value: Any) -> None:
-    """DCP's ``set_element``: walk ``path``, creating dicts (or lists for integer keys)."""
-    from torch.distributed.checkpoint._traverse import set_element
-
-    set_element(root, path, value)
-
-
 def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dtype: str | None = None,
                  prefix: str | None = None, slab_bytes: int = 64 << 20, check: bool = True,
                  progress: Callable[[int], None] | None = None,
@@ -453,6 +412,7 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
     An object that needs an unrestricted unpickler raises ``UnsafeObject`` (and nothing is written)
     unless ``trust_objects``."""
     import torch
+    from torch.distributed.checkpoint._traverse import get_element, set_element  # DCP's own key paths
 
     from ckptd_schemas.format.assemble import torch_dtype
     from ckptd_schemas.format.objects import ObjectPolicy, decode_object, load_torch
@@ -461,7 +421,6 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
 
     t0 = time.monotonic()
     outs = _select(manifest, prefix, dtype)
-    _check_names(outs)
     path = Path(out)
     if path.exists():
         raise InvalidRequest(f"{path} already exists: choose a new file", path=str(path))
@@ -494,7 +453,7 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
     pending.sort(key=lambda p: rank_of.get(p[1].src.name if p[0] == "t" else p[1], len(rank_of)))
     sd: dict = {}
     digests: dict[str, str] = {}
-    buffer = _engine(dtype).buffer(slab_bytes)
+    buffer = pick_engine("cpu", casts=dtype is not None).buffer(slab_bytes)
     tmpdir = tempfile.mkdtemp(prefix=".ckptd-export-", dir=path.parent)
     partial = path.with_name(f".{path.name}.partial")
     try:
@@ -503,7 +462,7 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
                 entry = objects[item]
                 value = decode_object(entry, None if entry.location is None else _object_bytes(manifest, entry, read),
                                       ref=manifest.ref, policy=policy)
-                _set(sd, key_path(item), value)
+                set_element(sd, key_path(item), value)
                 continue
             o = item
             numel = prod(o.src.shape)
@@ -522,7 +481,7 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
                 pos += n
 
             digests[o.name] = _stream(manifest, o, read, buffer, write, slab_bytes=slab_bytes, progress=progress)
-            _set(sd, key_path(o.src.name), flat.view(o.src.shape))
+            set_element(sd, key_path(o.src.name), flat.view(o.src.shape))
         torch.save(sd, partial)
         del sd
         if check:
@@ -530,13 +489,13 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
             back = (torch.load(partial, mmap=True, weights_only=False) if policy.trust
                     else load_torch(partial, allowed=policy.allowed, mmap=True))
             for o in outs:
-                t = _get(back, key_path(o.src.name))
+                t = get_element(back, key_path(o.src.name))  # None where it is missing
                 if not isinstance(t, torch.Tensor) or t.dtype != torch_dtype(o.dtype):
                     raise IntegrityError(f"{path}: {o.name!r} reads back as {type(t).__name__} "
                                          f"{getattr(t, 'dtype', '')}, not a {o.dtype} tensor", file=str(path),
                                          tensor=o.name)
-                got = _rowslab_digest(lambda a, b, t=t: t if t.dim() == 0 else t[a:b], list(t.shape),
-                                      t.element_size(), slab_bytes)
+                # saved contiguous and loaded mapped: hashed where it lies in the file's pages, not copied
+                got = xxhash.xxh3_64_hexdigest(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
                 if got != digests[o.name]:
                     raise IntegrityError(f"{path}: tensor {o.name!r} reads back with digest {got}, the source bytes "
                                          f"have {digests[o.name]}", file=str(path), tensor=o.name)
@@ -544,7 +503,7 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
                     check_progress(o.nbytes)
             del back
         with open(partial, "rb+") as f:
-            _durable(f)
+            os.fsync(f.fileno())  # renamed into place only once its bytes are on disk
         os.replace(partial, path)
         fsync_dir(path.parent)
     except BaseException:
@@ -558,8 +517,3 @@ def export_torch(manifest: Manifest, read: ReadFn, out: str | os.PathLike, *, dt
                         total_size=sum(o.nbytes for o in outs), seconds=time.monotonic() - t0,
                         objects=len(objects), digests=digests, nested=layout is not None)
 
-
-def _get(root: Any, path: tuple) -> Any:
-    for k in path:
-        root = root[k]
-    return root

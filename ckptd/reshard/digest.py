@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from ckptd_schemas import Manifest, TensorEntry, itemsize
 from ckptd_schemas.digest import DIGEST_BLOCK, StreamHasher
-from ckptd_schemas.dtypes import FLOATING as FLOATS
 
 from ckptd_schemas.format.engines import HostEngine, TorchEngine, iter_slabs
 from ckptd_schemas.readplan import ReadFn
+
+from .planner import cast_dtype
 
 __all__ = ["tensor_digest"]
 
@@ -24,7 +25,7 @@ def tensor_digest(manifest: Manifest, t: TensorEntry, read: ReadFn, *, cast: str
                   slab_bytes: int = 32 << 20) -> str:
     """The digest of ``t`` as stored, or cast to ``cast`` (floating tensors only): on the host engine,
     torch only for a cast."""
-    out = cast if cast is not None and t.dtype in FLOATS else t.dtype
+    out = cast_dtype(t.dtype, cast)
     widest = max(itemsize(t.dtype), itemsize(out))
     engine = HostEngine() if out == t.dtype else TorchEngine("cpu")
     h = StreamHasher()

@@ -33,11 +33,8 @@ checkpoint (``leases/``, released at the end), so retention spares it. A record 
 is: ``RUN/latest`` and retention follow verification records (``VERIFIED.json``) only.
 
 Call order: :func:`plan_drill` (pure), then :func:`drill_checkpoint` (per layout :func:`drill_plan`)
-and :func:`write_record`; readers call :func:`read_record`. In the service a drill is a job like a
-reshard job (``ckptd.reshard.jobs``: ``submit_drill``, then the one runner ``run_job`` in the worker
-pool, one record ``jobs/<id>.json`` of kind ``drill``); a drill job cut by a stop of its service is
-resumed by a live replica (``ckptd.reshard.recovery``): a drill only reads and writes its record, so
-running it again is harmless.
+and :func:`write_record`; readers call :func:`read_record`. In the service a drill is a job
+(``ckptd.reshard.jobs``), resumed by a live replica when its service stops (``ckptd.reshard.recovery``).
 """
 
 from __future__ import annotations
@@ -46,28 +43,28 @@ import logging
 import threading
 import time
 from bisect import bisect_right
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from math import prod
 from typing import Any, Callable
 
 import numpy as np
-import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ckptd_schemas import (
-    ChecksumMismatch, CkptdError, FlatChunk, InvalidRequest, Manifest, StorageError, TensorEntry, itemsize, parse_ref,
+    ChecksumMismatch, CkptdError, InvalidRequest, Manifest, StorageError, TensorEntry, itemsize, parse_ref,
 )
 from ckptd_schemas.digest import DIGEST_BLOCK, StreamHasher, combine
-from ckptd_schemas.format.engines import Engine
+from ckptd_schemas.format.engines import Engine, HostEngine
 from ckptd_schemas.geometry import check_tiling
 
 from ..storage import Storage
 from ..store import CheckpointReader
+from ..store.checker import StorageFiles, judge
+from ..store.inflight import ordered_map
 from ..store.paths import Paths
 from .digest import tensor_digest
 from .drill_layouts import check_layout, resolve_layout
-from .executor import UnitResult, plan_engine, reader_of, run_unit
+from .executor import UnitResult, reader_of, run_unit
 from .models import MAX_LAYOUTS
 from .pieces import SourcePieces, target_place
 from .planner import ALIGN, ReshardChunk, ReshardPlan, WorkUnit, plan_reshard
@@ -89,9 +86,6 @@ class DrillProblem(_M):
     layout: str = Field(description="the layout as asked (half, double, or a spec)")
     tensor: str | None = Field(None, description="the tensor concerned; None for a problem of the whole layout")
     message: str
-
-    def __str__(self) -> str:
-        return f"layout {self.layout}: " + (f"tensor {self.tensor!r}: " if self.tensor else "") + self.message
 
 
 class LayoutDrill(_M):
@@ -127,15 +121,12 @@ def plan_drill(manifest: Manifest, layouts: list[str]) -> list[tuple[str, Reshar
     if len(layouts) > MAX_LAYOUTS:
         raise InvalidRequest(f"a drill takes at most {MAX_LAYOUTS} layouts, not {len(layouts)}", layouts=len(layouts))
     asked = [check_layout(x) for x in layouts]  # every one parsed before any is planned
-    out: list[tuple[str, ReshardPlan]] = []
-    seen: set[str] = set()
+    out: dict[str, tuple[str, ReshardPlan]] = {}  # by the spec resolved
     for name in asked:
         spec = resolve_layout(name, manifest.topology)
-        if str(spec) in seen:
-            continue
-        seen.add(str(spec))
-        out.append((name, plan_reshard(manifest, spec)))
-    return out
+        if str(spec) not in out:
+            out[str(spec)] = (name, plan_reshard(manifest, spec))
+    return list(out.values())
 
 
 def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: ReshardPlan, *, jobs: int = 1,
@@ -145,19 +136,13 @@ def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: 
     time. Writes nothing."""
     t0 = time.monotonic()
     chunks: dict[str, list[tuple[int, ReshardChunk]]] = {t.name: [] for t in manifest.tensors}
-    problems: list[DrillProblem] = []
-    for u in plan.units:
+    for u in plan.units:  # planned from this manifest: every target chunk is of one of its tensors
         for pc in u.chunks:
-            if pc.tensor in chunks:
-                chunks[pc.tensor].append((u.rank, pc))
-            elif not any(p.tensor == pc.tensor for p in problems):
-                problems.append(DrillProblem(layout=layout, tensor=pc.tensor,
-                                             message=f"the plan has a target chunk of a tensor {manifest.ref} "
-                                                     f"does not hold"))
-    engine = plan_engine(plan, "cpu")  # no cast: the host's numpy engine moves the bytes
+            chunks[pc.tensor].append((u.rank, pc))
+    engine = HostEngine()  # a drill does not cast: the host's numpy engine moves the bytes
     pieces = SourcePieces(manifest, (t.name for t in manifest.tensors if t.digest is None))
-    read_source = reader_of(reader.storage, lambda file: Paths.file(manifest.run, manifest.name, manifest.session,
-                                                                    file))
+    source = StorageFiles(reader.storage, lambda file: Paths.file(manifest.run, manifest.name, manifest.session, file))
+    read_source = reader_of(source.storage, source.key_of)
 
     lock, local = threading.Lock(), threading.local()  # local: each thread's buffers, reused tensor to tensor
     counts = [0, 0]  # bytes assembled, bytes read
@@ -180,8 +165,10 @@ def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: 
                 f"the assembled target's layout-independent digest {got['dst']} differs from the source's {want}"))
         except StorageError:
             raise  # the store failed, not the checkpoint: the drill stops, nothing is recorded
-        except ChecksumMismatch as e:  # a fetch failed its block digests: whose bytes are damaged?
-            own = _damaged_chunk(t, read_source)
+        except ChecksumMismatch as e:  # a fetch failed its block digests: whose bytes are damaged? The one checker
+            # judges the files holding the tensor's chunks and names the damaged ones
+            found = judge(manifest, source, files={c.location.file for c in t.chunks if c.location is not None})
+            own = next((p.message for p in found.problems if p.details.get("tensor") == t.name), None)
             message = (f"its stored bytes are damaged: {own}" if own is not None else
                        f"a verification block it is read from is damaged "
                        f"({e.message.removeprefix(f'tensor {t.name!r} of {manifest.ref}: ')}), but its own chunks "
@@ -193,18 +180,13 @@ def drill_plan(reader: CheckpointReader, manifest: Manifest, layout: str, plan: 
             log.exception("drill of %s into %s: tensor %s", manifest.ref, layout, t.name)
             return DrillProblem(layout=layout, tensor=t.name, message=f"internal error: {type(e).__name__}: {e}")
 
-    tensors = list(manifest.tensors)
-    if jobs > 1 and len(tensors) > 1:
-        with ThreadPoolExecutor(jobs, thread_name_prefix="ckptd-drill") as pool:
-            found = list(pool.map(one, tensors))
-    else:
-        found = [one(t) for t in tensors]
-    problems += [p for p in found if p is not None]
+    problems = [p for p in ordered_map(one, manifest.tensors, jobs) if p is not None]
     if len(problems) > MAX_PROBLEMS:
         rest = len(problems) - MAX_PROBLEMS + 1
         problems = problems[:MAX_PROBLEMS - 1] + [DrillProblem(layout=layout, message=f"{rest} more problems")]
-    return LayoutDrill(layout=layout, spec=plan.target_spec, ok=not problems, tensors=len(tensors), bytes=counts[0],
-                       bytes_read=counts[1], seconds=round(time.monotonic() - t0, 3), problems=problems)
+    return LayoutDrill(layout=layout, spec=plan.target_spec, ok=not problems, tensors=len(manifest.tensors),
+                       bytes=counts[0], bytes_read=counts[1], seconds=round(time.monotonic() - t0, 3),
+                       problems=problems)
 
 
 class _DigestSink:
@@ -216,9 +198,6 @@ class _DigestSink:
 
     def __init__(self, whole: memoryview | None) -> None:
         self.whole, self.size, self.starts, self.pieces = whole, 0, [], []
-
-    def open(self, file: str) -> "_DigestSink":
-        return self
 
     def write(self, data: memoryview | bytes) -> None:
         if self.whole is not None:
@@ -260,7 +239,7 @@ def _target_digest(reader: CheckpointReader, plan: ReshardPlan, t: TensorEntry,
                for pc in laid if pc.numel)
     sink = _DigestSink(None if runs else memoryview(np.empty(at, dtype=np.uint8)))
     nbytes = itemsize(t.dtype) * prod(shape)
-    r = run_unit(reader, plan, WorkUnit(index=0, rank=0, file="target", size=at, chunks=laid), sink.open,
+    r = run_unit(reader, plan, WorkUnit(index=0, rank=0, file="target", size=at, chunks=laid), lambda file: sink,
                  engine=engine, progress=progress, pieces=pieces, scratch=scratch)
     check_tiling(t.name, shape, [(c.region, rank, c.location.xxh3) for (rank, _), (_, c) in zip(chunks, r.chunks)])
     got = combine(r.digests, {("src", t.name): nbytes, ("dst", t.name): nbytes},
@@ -276,11 +255,8 @@ def _placed_digest(shape: list[int], isz: int, r: UnitResult, data: memoryview) 
     whole = np.empty(isz * prod(shape), dtype=np.uint8)  # the chunks tile it: every byte is written
     rows = whole.reshape(*shape[:-1], shape[-1] * isz)  # a 0-d tensor is a run: never here
     src = np.frombuffer(data, dtype=np.uint8)
-    for _, c in r.chunks:
+    for _, c in r.chunks:  # boxes: a flat range is one run
         raw = src[c.location.offset:c.location.offset + c.location.length]
-        if isinstance(c, FlatChunk):
-            whole[c.start * isz:c.start * isz + raw.size] = raw
-            continue
         off, size = list(c.offsets), list(c.sizes)
         index = tuple(slice(o, o + s) for o, s in zip(off[:-1], size[:-1])) + (
             slice(off[-1] * isz, (off[-1] + size[-1]) * isz),)
@@ -288,29 +264,6 @@ def _placed_digest(shape: list[int], isz: int, r: UnitResult, data: memoryview) 
     h = StreamHasher()
     h.update(memoryview(whole))
     return h.hexdigest()
-
-
-def _damaged_chunk(t: TensorEntry, read_source: Callable[[str, int, int], bytes],
-                   piece: int = 8 << 20) -> str | None:
-    """The first chunk of ``t`` whose stored bytes do not hash to the XXH3 its manifest records, named; None
-    when every chunk holds. Each chunk is read in pieces of at most ``piece`` bytes."""
-    for c in t.chunks:
-        loc = c.location
-        if loc is None:
-            continue
-        h, pos, end = xxhash.xxh3_64(), loc.offset, loc.offset + loc.length
-        while pos < end:
-            data = read_source(loc.file, pos, min(pos + piece, end))
-            if not data:
-                break
-            h.update(data)
-            pos += len(data)
-        if pos < end:
-            return f"the chunk on rank {c.rank} at bytes [{loc.offset}, {end}) of file {loc.file!r} is cut short"
-        if h.hexdigest() != loc.xxh3:
-            return (f"the chunk on rank {c.rank} at bytes [{loc.offset}, {end}) of file {loc.file!r} hashes to "
-                    f"{h.hexdigest()}, the manifest says {loc.xxh3}")
-    return None
 
 
 # -- one checkpoint ------------------------------------------------------------------------------------

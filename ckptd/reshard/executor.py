@@ -26,11 +26,8 @@ result; ``finalize`` only reads the ragged ends of pieces. Tensors whose
 chunks are not row-major runs (column shards) or whose source must be cast
 are hashed by walking the stored data instead.
 
-Memory traffic, the cost besides the disk: a unit allocates its fetch buffer
-and its staging chunk once, at the largest size it needs (fresh pages cost
-more to fault in than the bytes cost to copy), and writes each target chunk
-with ``write_hashed``, which hashes it for the chunk digest, the tensor
-digest and the file digests slice by slice while the slice is in cache.
+Memory traffic, the cost besides the disk: :func:`run_unit` allocates its buffers once, and
+``write_hashed`` hashes each slice for every digest while it is in cache.
 """
 
 from __future__ import annotations
@@ -39,22 +36,23 @@ import logging
 import multiprocessing
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from math import prod
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from ckptd_schemas import (
     BoxChunk, CheckpointNotFound, Chunk, CkptdError, Conflict, Fetch, FlatChunk, IntegrityError, InvalidRequest,
-    Location, Manifest, ObjectEntry, OpenSession, RankIndex, TensorEntry, check_name, check_run, itemsize, parse_ref,
+    Location, Manifest, ObjectEntry, OpenSession, RankIndex, TensorEntry, itemsize, parse_ref,
     run_fetches,
 )
 from ckptd_schemas.digest import DigestPart, combine, digest_piece
-from ckptd_schemas.dtypes import FLOATING
 
 from ..store import CheckpointReader, SessionStore
+from ..store.inflight import ordered_map
 from ..store.reader import naming_tensor
 from ..store.paths import Paths
 from ..store.verification import require_verified
@@ -64,7 +62,8 @@ from ckptd_schemas.format.engines import Engine, cuda_present, pick_engine
 from ..store.intake import recorded_file
 from .pieces import SourcePieces, target_place, write_hashed
 from .planner import (
-    ALIGN, ReshardChunk, ReshardOutline, ReshardPlan, WorkUnit, already_read, kept_block, outline_reshard,
+    ALIGN, ReshardChunk, ReshardOutline, ReshardPlan, UnitCut, WorkUnit, already_read, cast_dtype, kept_block,
+    outline_reshard,
 )
 from .spec import parse_spec
 
@@ -95,25 +94,17 @@ class DeviceChoice:
     cast_bytes: int = 0
 
 
-Planned = ReshardPlan | ReshardOutline  # a plan with its reads, or the units cut and their reads left to the run
-
-
-def cast_bytes(plan: Planned) -> int:
+def cast_bytes(plan: ReshardOutline) -> int:
     """The source bytes ``plan`` converts to another dtype (0 without ``--dtype``)."""
-    if isinstance(plan, ReshardOutline):
-        return sum(tc.numel * itemsize(src) for c in plan.cuts for tc, src, dtype, _, _ in c.chunks if src != dtype)
-    return sum(pc.numel * itemsize(pc.src_dtype) for u in plan.units for pc in u.chunks if pc.src_dtype != pc.dtype)
+    return sum(tc.numel * itemsize(src) for c in plan.cuts for tc, src, dtype, _, _ in c.chunks if src != dtype)
 
 
 def choose_device(requested: str, cast: int, cuda: Callable[[], bool]) -> DeviceChoice:
     """The one rule for ``--device`` (the CLI, service jobs and ``reshard-worker`` pods all come here).
 
     ``cpu`` and ``cuda`` are taken as asked (``cuda`` without a GPU is refused later, by ``pick_engine``).
-    ``auto`` picks the CPU unless the GPU can pay for its start-up: without a cast the GPU's engine only
-    moves bytes, as fast as the CPU's, so it never can; with one, only when ``cast`` (source bytes to
-    convert) reaches :data:`GPU_CAST_MIN_BYTES` and a CUDA device is present. ``cuda`` is called only
-    then: probing for a GPU may import torch (seconds of start-up), which the CPU's byte-moving engine
-    never needs.
+    ``auto`` picks the GPU only when ``cast`` (source bytes to convert) reaches :data:`GPU_CAST_MIN_BYTES`
+    and a CUDA device is present; ``cuda`` is called only then: probing for a GPU may import torch.
     """
     if requested not in ("auto", "cpu", "cuda"):
         raise InvalidRequest(f"device must be auto, cpu or cuda, not {requested!r}", device=requested)
@@ -132,17 +123,16 @@ def choose_device(requested: str, cast: int, cuda: Callable[[], bool]) -> Device
                         cast)
 
 
-def plan_device(plan: Planned, device: str) -> DeviceChoice:
+def plan_device(plan: ReshardOutline, device: str) -> DeviceChoice:
     """:func:`choose_device` for ``plan`` on this machine."""
     return choose_device(device, cast_bytes(plan), cuda_present)
 
 
-def plan_engine(plan: Planned, device: "str | DeviceChoice") -> Engine:
+def plan_engine(plan: ReshardOutline, device: "str | DeviceChoice") -> Engine:
     """The engine for ``plan`` on ``device`` (``auto``, ``cpu``, ``cuda``, or a choice already made): torch
     where the plan casts or on the GPU, the host's numpy otherwise."""
     choice = device if isinstance(device, DeviceChoice) else plan_device(plan, device)
-    casts = (plan.header["dtype"] if isinstance(plan, ReshardOutline) else plan.dtype) is not None
-    return pick_engine(choice.device, casts=casts)
+    return pick_engine(choice.device, casts=plan.header["dtype"] is not None)
 
 
 class UnitResult(BaseModel):
@@ -179,8 +169,7 @@ class ReshardResult:
 
 
 def open_target(sessions: SessionStore, plan: ReshardPlan, out_ref: str, session: str) -> None:
-    r = parse_ref(out_ref)
-    check_run(r.run), check_name(r.name)
+    r = parse_ref(out_ref)  # the run and name are checked by the session's open
     sessions.open(r.run, r.name, OpenSession(session=session, world_size=plan.world_size, step=plan.source_step,
                                              derived_from=plan.source))
 
@@ -193,7 +182,7 @@ def source_pieces(reader: CheckpointReader, plan: ReshardPlan) -> SourcePieces:
 
 
 def _cast(plan: ReshardPlan, dtype: str) -> bool:
-    return plan.dtype is not None and dtype in FLOATING and plan.dtype != dtype
+    return cast_dtype(dtype, plan.dtype) != dtype
 
 
 def run_unit(reader: CheckpointReader, plan: ReshardPlan, unit: WorkUnit, open_file: Callable[[str], Any], *,
@@ -337,9 +326,8 @@ def _indexes(plan: ReshardPlan, source: Manifest, results: list[UnitResult],
             chunks = by_rank[r].get(t.name)
             if chunks is None and r != 0:  # rank 0 declares every tensor: the manifest keeps source order
                 continue
-            dtype = t.dtype if plan.dtype is None or t.dtype not in FLOATING else plan.dtype
-            tensors.append(TensorEntry(name=t.name, shape=t.shape, dtype=dtype, group=t.group, chunks=chunks or [],
-                                       placement=plan.placements.get(t.name)))
+            tensors.append(TensorEntry(name=t.name, shape=t.shape, dtype=cast_dtype(t.dtype, plan.dtype),
+                                       group=t.group, chunks=chunks or [], placement=plan.placements.get(t.name)))
         out.append(RankIndex(rank=r, world_size=plan.world_size, coords=plan.coords[r] if plan.coords else {},
                              mesh=plan.mesh, layouts=plan.group_layouts, tensors=tensors,
                              objects=objects if r == 0 else [],
@@ -351,9 +339,8 @@ def _copy_objects(reader: CheckpointReader, sessions: SessionStore, source: Mani
                   session: str, world: int) -> tuple[list[ObjectEntry], str | None]:
     """Carry objects over: global ones stay global; per-rank ones keep their rank if it exists."""
     keep = [o for o in source.objects if o.rank is None or o.rank < world]
-    pickled = [o for o in keep if o.location is not None]
-    if not pickled:
-        return [o.model_copy(update={"rank": None}) if o.rank is None else o for o in keep], None
+    if all(o.location is None for o in keep):
+        return keep, None
     out = parse_ref(out_ref)
     fname = "objects.bin"
     sink = sessions.intake.receive(out.run, out.name, session, fname)
@@ -381,23 +368,8 @@ def _copy_objects(reader: CheckpointReader, sessions: SessionStore, source: Mani
 def _digests(todo: list[tuple[str, Manifest, TensorEntry, Callable[[str, int, int], bytes], str | None]],
              jobs: int) -> dict[tuple[str, str], str]:
     """Layout-independent digests of (side, manifest, tensor, read, cast) items, ``jobs`` tensors at a time."""
-    def one(item: tuple) -> str:
-        _, m, t, read, cast = item
-        return tensor_digest(m, t, read, cast=cast)
-
-    if jobs > 1 and len(todo) > 1:
-        with ThreadPoolExecutor(jobs, thread_name_prefix="ckptd-digest") as pool:
-            values = list(pool.map(one, todo))
-    else:
-        values = [one(item) for item in todo]
+    values = ordered_map(lambda item: tensor_digest(item[1], item[2], item[3], cast=item[4]), todo, jobs)
     return {(side, t.name): v for (side, _, t, _, _), v in zip(todo, values)}
-
-
-def _nbytes(t: TensorEntry) -> int:
-    n = itemsize(t.dtype)
-    for d in t.shape:
-        n *= d
-    return n
 
 
 def reader_of(storage: object, key_of: Callable[[str], str]) -> Callable[[str, int, int], bytearray]:
@@ -428,15 +400,14 @@ def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
     target = merge_indexes(run=out.run, name=out.name, session=session, step=plan.source_step,
                            created_at=source.created_at, world_size=plan.world_size, indexes=indexes, files=files,
                            derived_from=plan.source)
-    storage = sessions.storage
-
-    read_target = reader_of(storage, lambda file: Paths.file(out.run, out.name, session, file))
+    read_target = reader_of(sessions.storage, lambda file: Paths.file(out.run, out.name, session, file))
     src_keys = {f: Paths.file(source.run, source.name, source.session, f) for f in source.files}
     read_source = reader_of(reader.storage, lambda file: src_keys[file])
 
     want = {t.name: t.digest for t in source.tensors if t.digest is not None and not _cast(plan, t.dtype)}
-    sizes = {("src", t.name): _nbytes(t) for t in source.tensors if t.name not in want and not _cast(plan, t.dtype)}
-    sizes.update({("dst", t.name): _nbytes(t) for t in target.tensors})
+    sizes = {("src", t.name): itemsize(t.dtype) * prod(t.shape) for t in source.tensors
+             if t.name not in want and not _cast(plan, t.dtype)}
+    sizes.update({("dst", t.name): itemsize(t.dtype) * prod(t.shape) for t in target.tensors})
     reads = {"src": read_source, "dst": read_target}
     digests = combine((p for r in results for p in r.digests), sizes,
                       lambda side, file, a, b: reads[side](file, a, b))
@@ -468,12 +439,12 @@ def finalize(reader: CheckpointReader, sessions: SessionStore, plan: ReshardPlan
 PROCESS_MIN_CHUNKS = 2_000
 
 
-def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: Planned, out_ref: str, session: str, *,
+def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: ReshardOutline, out_ref: str, session: str, *,
              device: str = "auto", jobs: int = 1, progress: Callable[[int], None] | None = None,
              engine: Engine | None = None, max_bytes_per_s: float = 0.0,
              processes: bool | None = None) -> ReshardResult:
     """Run every unit of ``plan`` (``jobs`` at a time) and commit ``out_ref``; on any error the output
-    session is aborted. Given an outline, each unit's reads are planned by whoever runs it, as it starts
+    session is aborted. Each unit's reads are planned by whoever runs it, as it starts
     it: the run holds the reads of ``jobs`` units at a time, not the whole job's; from
     :data:`PROCESS_MIN_CHUNKS` target chunks (or with ``processes=True``), ``jobs`` spawned processes
     share its units (``i % jobs``), each cutting them again from the source and converting its share.
@@ -481,19 +452,14 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: Planned, ou
     the bytes written as they are. ``engine`` overrides the one ``device`` picks (tests run torch on the
     CPU; threads only); the result names the engine and why it ran (:func:`choose_device`)."""
     t0 = time.monotonic()
+    shares = min(jobs, len(plan.cuts)) if engine is None and (
+        processes if processes is not None else plan.chunks >= PROCESS_MIN_CHUNKS) else 1
     if engine is None:
         choice = plan_device(plan, device)
         engine = plan_engine(plan, choice)
-        given = False
     else:
         choice = DeviceChoice("cuda" if "cuda" in engine.name else "cpu", "engine given by the caller")
-        given = True
-    if isinstance(plan, ReshardOutline):
-        header, todo = plan.plan(reads=False), [partial(plan.unit, c) for c in plan.cuts]
-        shares = min(jobs, len(plan.cuts)) if not given and (
-            processes if processes is not None else plan.chunks >= PROCESS_MIN_CHUNKS) else 1
-    else:
-        header, todo, shares = plan, [(lambda u=u: u) for u in plan.units], 1
+    header = plan.plan(reads=False)
     src = parse_ref(header.source)
     require_verified(reader.storage, src.run, src.name)  # the one checker's verdict on the source first
     open_target(sessions, header, out_ref, session)
@@ -501,23 +467,11 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: Planned, ou
     try:
         with sessions.activity.held(out.run, out.name, session):  # a unit may take minutes between writes
             if shares > 1:
-                assert isinstance(plan, ReshardOutline)
                 results = _in_processes(reader.storage.url, plan, out_ref, session, choice.device, shares,
                                         max_bytes_per_s, progress)
             else:
-                pieces = source_pieces(reader, header)
-                open_file = partial(sessions.intake.receive, out.run, out.name, session)
-                spend = _spending(Throttle(max_bytes_per_s), progress)
-
-                def unit(make: Callable[[], WorkUnit]) -> UnitResult:
-                    return run_unit(reader, header, make(), open_file, engine=engine, progress=spend, pieces=pieces)
-
-                with engine.running():
-                    if jobs > 1 and len(todo) > 1:
-                        with ThreadPoolExecutor(jobs, thread_name_prefix="ckptd-reshard") as pool:
-                            results = list(pool.map(unit, todo))
-                    else:
-                        results = [unit(u) for u in todo]
+                results = run_share(reader, sessions, plan, 0, 1, out_ref, session, engine=engine,
+                                    progress=Throttle(max_bytes_per_s, progress).spend, jobs=jobs)
             digest = finalize(reader, sessions, header, results, out_ref, session, jobs=jobs)
     except BaseException:
         try:
@@ -526,7 +480,7 @@ def run_plan(reader: CheckpointReader, sessions: SessionStore, plan: Planned, ou
         except Exception:  # noqa: BLE001 - best effort cleanup; the session stays invisible anyway
             pass
         raise
-    return ReshardResult(ref=out_ref, manifest_xxh3=digest, units=len(todo),
+    return ReshardResult(ref=out_ref, manifest_xxh3=digest, units=len(plan.cuts),
                          bytes_read=sum(r.bytes_read for r in results),
                          bytes_written=sum(r.bytes_written for r in results), seconds=time.monotonic() - t0,
                          device=choice.device, reason=choice.reason, engine=engine.name, processes=shares)
@@ -545,30 +499,24 @@ def outline_again(reader: CheckpointReader, source: str, session: str, to: str, 
 
 
 class Throttle:
-    """Token bucket: conversion I/O never exceeds ``rate`` bytes/s (0 = unlimited)."""
+    """Token bucket: conversion I/O never exceeds ``rate`` bytes/s (0 = unlimited); ``spend`` then passes
+    the bytes on to ``progress``."""
 
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
+    def __init__(self, rate: float, progress: Callable[[int], None] | None = None) -> None:
+        self.rate, self.progress = rate, progress
         self.t0 = time.monotonic()
         self.spent = 0
         self._lock = threading.Lock()
 
     def spend(self, n: int) -> None:
-        if self.rate <= 0:
-            return
-        with self._lock:
-            self.spent += n
-            ahead = self.spent / self.rate - (time.monotonic() - self.t0)
-        if ahead > 0:
-            time.sleep(ahead)
-
-
-def _spending(throttle: Throttle, progress: Callable[[int], None] | None) -> Callable[[int], None]:
-    def spend(n: int) -> None:
-        throttle.spend(n)
-        if progress is not None:
-            progress(n)
-    return spend
+        if self.rate > 0:
+            with self._lock:
+                self.spent += n
+                ahead = self.spent / self.rate - (time.monotonic() - self.t0)
+            if ahead > 0:
+                time.sleep(ahead)
+        if self.progress is not None:
+            self.progress(n)
 
 
 def _in_processes(root: str, outline: ReshardOutline, out_ref: str, session: str, device: str, shares: int,
@@ -616,25 +564,24 @@ def _run_share(root: str, source: str, source_session: str, to: str, dtype: str 
     outline = outline_again(reader, source, source_session, to, dtype, min_units, file_bytes)
     if len(outline.cuts) != units:
         raise CkptdError(f"reshard {source} -> {to}: share {share} cut {len(outline.cuts)} units, not {units}")
-    throttle = Throttle(rate)
-
-    def spend(n: int) -> None:
-        throttle.spend(n)
-        _WRITTEN.put(n)
-
     return run_share(reader, sessions, outline, share, shares, out_ref, session,
-                     engine=plan_engine(outline, device), progress=spend)
+                     engine=plan_engine(outline, device), progress=Throttle(rate, _WRITTEN.put).spend)
 
 
 def run_share(reader: CheckpointReader, sessions: SessionStore, outline: ReshardOutline, share: int, shares: int,
-              out_ref: str, session: str, *, engine: Engine, progress: Callable[[int], None] | None = None
-              ) -> list[UnitResult]:
+              out_ref: str, session: str, *, engine: Engine, progress: Callable[[int], None] | None = None,
+              jobs: int = 1) -> list[UnitResult]:
     """The units ``i % shares == share`` of ``outline``, each planned as it starts and converted into the
-    open session (a share's process, a ``ckptd reshard-worker`` pod): one unit's reads held at a time."""
+    open session, ``jobs`` at a time (the threads of :func:`run_plan`, a share's process, a ``ckptd
+    reshard-worker`` pod): the reads of ``jobs`` units held at a time."""
     header = outline.plan(reads=False)
     pieces = source_pieces(reader, header)
     out = parse_ref(out_ref)
     open_file = partial(sessions.intake.receive, out.run, out.name, session)
+
+    def unit(cut: UnitCut) -> UnitResult:
+        return run_unit(reader, header, outline.unit(cut), open_file, engine=engine, progress=progress,
+                        pieces=pieces)
+
     with engine.running():
-        return [run_unit(reader, header, outline.unit(c), open_file, engine=engine, progress=progress, pieces=pieces)
-                for c in outline.share_of(share, shares)]
+        return list(ordered_map(unit, outline.share_of(share, shares), jobs))

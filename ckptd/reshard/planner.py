@@ -16,6 +16,7 @@ job's reads are planned once, split over its workers, and never held whole.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,8 +27,8 @@ from ckptd_schemas.dtypes import FLOATING as FLOATS, ITEMSIZE
 from .layouts import TargetChunk, TargetLayout, build_layout, rank_bytes
 from .spec import LayoutSpec
 
-__all__ = ["ReshardChunk", "ReshardOutline", "ReshardPlan", "UnitCut", "WorkUnit", "already_read", "kept_block",
-           "outline_reshard", "plan_reshard"]
+__all__ = ["ReshardChunk", "ReshardOutline", "ReshardPlan", "UnitCut", "WorkUnit", "already_read", "cast_dtype",
+           "kept_block", "outline_reshard", "plan_reshard"]
 
 ALIGN = 64
 
@@ -54,12 +55,7 @@ class ReshardChunk(_M):
 
     @property
     def numel(self) -> int:
-        if self.sizes is not None:
-            n = 1
-            for s in self.sizes:
-                n *= s
-            return n
-        return self.flat_length or 0
+        return prod(self.sizes) if self.sizes is not None else self.flat_length or 0
 
 
 def kept_block(start: int, end: int, block_size: int) -> tuple[int, int]:
@@ -119,7 +115,8 @@ class ReshardPlan(_M):
         return sum(u.size for u in self.units)
 
 
-def _out_dtype(src: str, cast: str | None) -> str:
+def cast_dtype(src: str, cast: str | None) -> str:
+    """The dtype a tensor stored as ``src`` converts to under ``--dtype cast``: only floating tensors are cast."""
     return cast if cast is not None and src in FLOATS else src
 
 
@@ -205,7 +202,7 @@ def outline_reshard(manifest: Manifest, spec: LayoutSpec, *, dtype: str | None =
     given = file_bytes
     per_rank = -(-max(1, min_units) // max(1, len(by_rank)))
     if per_rank > 1:
-        biggest = max((sum(tc.numel * itemsize(_out_dtype(entries[tc.tensor].dtype, dtype)) for tc in chunks)
+        biggest = max((sum(tc.numel * itemsize(cast_dtype(entries[tc.tensor].dtype, dtype)) for tc in chunks)
                        for chunks in by_rank.values()), default=0)
         file_bytes = max(ALIGN, min(file_bytes, -(-biggest // per_rank)))
     cuts: list[UnitCut] = []
@@ -214,7 +211,7 @@ def outline_reshard(manifest: Manifest, spec: LayoutSpec, *, dtype: str | None =
         size = 0
         for tc in chunks:
             src_dtype = entries[tc.tensor].dtype
-            out_dtype = _out_dtype(src_dtype, dtype)
+            out_dtype = cast_dtype(src_dtype, dtype)
             nbytes = tc.numel * itemsize(out_dtype)
             if current and size and size + nbytes > file_bytes:
                 cuts.append(UnitCut(len(cuts), rank, f"r{rank:06d}-{len(cuts):05d}.bin", size, tuple(current)))

@@ -29,7 +29,6 @@ GRAMMAR = (
     "replicate[:dp=N] | full | fsdp2:dp=N | zero1:dp=N[,align=A] | zero2:dp=N[,align=A] | zero3:dp=N[,align=A] | "
     "fsdp1:dp=N[,align=A] | tp=T[,dp=N] | owner:dp=N[,max-per-rank=K][,group=role] | pp=P"
 )
-KINDS = ("replicate", "full", "fsdp2", "zero1", "zero2", "zero3", "fsdp1", "tp", "owner", "pp")
 _ALLOWED = {
     "replicate": ({"dp"}, set()), "full": (set(), set()), "fsdp2": ({"dp"}, {"dp"}),
     "zero1": ({"dp", "align"}, {"dp"}), "zero2": ({"dp", "align"}, {"dp"}), "zero3": ({"dp", "align"}, {"dp"}),
@@ -54,10 +53,6 @@ class LayoutSpec:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
-    @property
-    def flat(self) -> bool:
-        return self.kind in ("zero1", "zero2", "zero3", "fsdp1")
-
     def __str__(self) -> str:
         if self.kind == "full":
             return "full"
@@ -67,7 +62,7 @@ class LayoutSpec:
             return f"tp={self.tp}" + (f",dp={self.dp}" if self.dp != 1 else "")
         if self.kind == "pp":
             return f"pp={self.pp}"
-        extra = f",align={self.align}" if self.flat and self.align != 1 else ""
+        extra = f",align={self.align}" if self.align != 1 else ""  # only the flat kinds take one
         if self.kind == "owner":
             extra = (f",max-per-rank={self.max_per_rank}" if self.max_per_rank is not None else "") + (
                 f",group={self.group}" if self.group else "")
@@ -90,7 +85,7 @@ def parse_spec(spec: str) -> LayoutSpec:
         kind, rest = m.group(1), m.group(2) or ""
     else:
         raise _bad(s, "unrecognised form")
-    if kind not in KINDS:
+    if kind not in _ALLOWED:
         raise _bad(s, f"unknown layout {kind!r}")
     allowed, required = _ALLOWED[kind]
     params: dict[str, int] = {}

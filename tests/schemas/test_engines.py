@@ -15,7 +15,7 @@ import torch
 
 from ckptd.reshard.digest import tensor_digest
 from ckptd.reshard.executor import plan_engine, run_plan
-from ckptd.reshard.planner import plan_reshard
+from ckptd.reshard.planner import outline_reshard
 from ckptd.reshard.spec import parse_spec
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
@@ -67,7 +67,7 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_engines_reshard_every_dtype_and_codec_bit_for_bit(saved, codec, spec, engine):
     tensors, reader, sessions = saved
-    plan = plan_reshard(reader.manifest("eng", codec), parse_spec(spec))
+    plan = outline_reshard(reader.manifest("eng", codec), parse_spec(spec))
     out = f"eng/{uuid.uuid4().hex[:8]}"
     run_plan(reader, sessions, plan, out, uuid.uuid4().hex, engine=ENGINES[engine](), jobs=2)
     digests = {t.name: t.digest for t in reader.manifest("eng", out.split("/")[1]).tensors}
@@ -149,7 +149,7 @@ def test_cpu_reshard_and_verify_run_without_importing_torch(tmp_path):
     cast = _ckptd_without_torch("reshard", "nt/1", "--to", "full", "--dtype", "bfloat16", "--root", str(tmp_path))
     assert cast.returncode != 0 and "blocked" in cast.stderr
     assert sorted(storage.list("runs/nt")) == sorted(["1", ref.split("/")[1]])
-    assert isinstance(plan_engine(plan_reshard(reader.manifest("nt", "1"), parse_spec("full")), "cpu"), HostEngine)
+    assert isinstance(plan_engine(outline_reshard(reader.manifest("nt", "1"), parse_spec("full")), "cpu"), HostEngine)
     # export to safetensors (no cast) and its read-back check: no torch either
     out = _ckptd_without_torch("export", ref, str(tmp_path / "st"), "--root", str(tmp_path), "--json")
     assert out.returncode == 0, out.stderr

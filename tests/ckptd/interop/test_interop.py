@@ -322,6 +322,19 @@ def test_export_options_and_refusals(dirs, tmp_path):
 
     export_torch(m, read, tmp_path / "model.pt", prefix="model.", slab_bytes=16)
     assert_same(torch.load(tmp_path / "model.pt", weights_only=False), want)
+    # The torch file is read back too: a tensor saved other than assembled is named, and nothing is left.
+    from torch.distributed.checkpoint import _traverse
+
+    real_set = _traverse.set_element
+
+    def changed(root, path, value):
+        real_set(root, path, value + 1 if isinstance(value, torch.Tensor) and value.is_floating_point() else value)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_traverse, "set_element", changed)
+        with pytest.raises(IntegrityError, match=r"tampered.pt: tensor .* reads back with digest"):
+            export_torch(m, read, tmp_path / "tampered.pt", prefix="model.")
+    assert not list(tmp_path.glob("*tampered*"))
 
     # A checkpoint without DCP metadata exports with flat FQN keys.
     write_tensors(SessionStore(storage), "plain/1", {"model.w": torch.arange(6.0).view(2, 3)})

@@ -13,7 +13,7 @@ import torch
 from ckptd_schemas import InvalidRequest
 
 from ckptd.reshard.executor import GPU_CAST_MIN_BYTES, cast_bytes, choose_device, plan_device
-from ckptd.reshard.planner import plan_reshard
+from ckptd.reshard.planner import outline_reshard
 from ckptd.reshard.spec import parse_spec
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
@@ -62,10 +62,10 @@ def test_cast_bytes_counts_the_source_bytes_converted(tmp_path):
     m = CheckpointReader(storage).manifest("dc", "1")
     fp32 = 2 * 33 * 17 * 4  # the fp32 tensors; bf16 stays, the int step is not floating
     for spec in ("full", "fsdp2:dp=4", "tp=2"):
-        assert cast_bytes(plan_reshard(m, parse_spec(spec))) == 0
-        assert cast_bytes(plan_reshard(m, parse_spec(spec), dtype="bfloat16")) == fp32
-    assert cast_bytes(plan_reshard(m, parse_spec("full"), dtype="float32")) == 5 * 9 * 2  # only the bf16 one
-    choice = plan_device(plan_reshard(m, parse_spec("full"), dtype="bfloat16"), "auto")
+        assert cast_bytes(outline_reshard(m, parse_spec(spec))) == 0
+        assert cast_bytes(outline_reshard(m, parse_spec(spec), dtype="bfloat16")) == fp32
+    assert cast_bytes(outline_reshard(m, parse_spec("full"), dtype="float32")) == 5 * 9 * 2  # only the bf16 one
+    choice = plan_device(outline_reshard(m, parse_spec("full"), dtype="bfloat16"), "auto")
     assert choice.device == "cpu" and "under the 4 GiB" in choice.reason  # a few kB never pays for the GPU
 
 

@@ -17,7 +17,7 @@ import ckptd.reshard.executor as ex
 from ckptd.reshard.digest import tensor_digest
 from ckptd_schemas.format.engines import HostEngine, TorchEngine
 from ckptd.reshard.pieces import SLICE, write_hashed
-from ckptd.reshard.planner import plan_reshard
+from ckptd.reshard.planner import outline_reshard
 from ckptd.reshard.spec import parse_spec
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
@@ -190,7 +190,7 @@ def _convert(root, src: str, spec: str, monkeypatch, **kw) -> tuple[str, int]:
     walks = []
     real = ex.tensor_digest
     monkeypatch.setattr(ex, "tensor_digest", lambda m, t, *a, **k: walks.append(t.name) or real(m, t, *a, **k))
-    plan = plan_reshard(reader.manifest(*src.split("/")), parse_spec(spec), **kw)
+    plan = outline_reshard(reader.manifest(*src.split("/")), parse_spec(spec), **kw)
     out = f"{src.split('/')[0]}/{uuid.uuid4().hex[:8]}"
     ex.run_plan(reader, sessions, plan, out, uuid.uuid4().hex, device="cpu", jobs=2)
     return out, len(walks)
@@ -250,7 +250,7 @@ def test_a_wrong_byte_in_assembly_fails_the_job_and_commits_nothing(root, engine
     storage, reader, sessions = root
     write_tensors(sessions, "bad/src", _state(2), step=1)
     corrupting = Corrupting(engine())
-    plan = plan_reshard(reader.manifest("bad", "src"), parse_spec("fsdp2:dp=2"))
+    plan = outline_reshard(reader.manifest("bad", "src"), parse_spec("fsdp2:dp=2"))
     with pytest.raises(IntegrityError, match="digests differ"):
         ex.run_plan(reader, sessions, plan, "bad/out", uuid.uuid4().hex, engine=corrupting, jobs=2)
     hit = corrupting.hit
@@ -267,7 +267,8 @@ def test_a_unit_hashes_each_small_source_chunk_once_however_often_its_block_is_f
     tensors = {f"model.norm{i}.weight": torch.randn(8, generator=g) for i in range(60)}
     write_tensors(sessions, "small/1", tensors, step=1)
     m = reader.manifest("small", "1")
-    plan = plan_reshard(m, parse_spec("fsdp2:dp=2"))
+    outline = outline_reshard(m, parse_spec("fsdp2:dp=2"))
+    plan = outline.plan()
     sid = uuid.uuid4().hex
     ex.open_target(sessions, plan, "small/dp2", sid)
     pieces = ex.source_pieces(reader, plan)
@@ -278,6 +279,6 @@ def test_a_unit_hashes_each_small_source_chunk_once_however_often_its_block_is_f
         assert len(src) <= len(tensors), (unit.index, len(src))
     sessions.sweeper.abort("small", "dp2", sid)
     out = "small/dp2-run"
-    ex.run_plan(reader, sessions, plan, out, uuid.uuid4().hex, engine=HostEngine())
+    ex.run_plan(reader, sessions, outline, out, uuid.uuid4().hex, engine=HostEngine())
     for name, t in tensors.items():
         assert torch.equal(read_tensor(reader, out, name), t), name

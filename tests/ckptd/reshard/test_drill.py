@@ -299,7 +299,7 @@ def test_a_wrong_byte_in_the_assembly_is_a_problem_naming_tensor_and_layout(tmp_
              "model.layers.0.norm.weight": torch.randn(32, generator=g)}
     write_tensors(SessionStore(storage), "flip/1", state, step=1)
     flip = Corrupting(HostEngine(), least=1024)  # a chunk of o_proj, not the norm's 128 bytes
-    monkeypatch.setattr(drill, "plan_engine", lambda plan, device: flip)
+    monkeypatch.setattr(drill, "HostEngine", lambda: flip)
     before = _tree(tmp_path)
     rec = drill.drill_checkpoint(storage, "flip/1", [layout])
     assert flip.hit and not rec.ok, rec

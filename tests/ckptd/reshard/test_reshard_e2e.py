@@ -26,7 +26,7 @@ from ckptd.cli.main import main as ckptd_main
 from ckptd.cli.output import human
 from ckptd.reshard.executor import run_plan
 from ckptd.reshard.layouts import build_layout, logical_param
-from ckptd.reshard.planner import plan_reshard
+from ckptd.reshard.planner import outline_reshard
 from ckptd.reshard.spec import parse_spec
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
@@ -144,7 +144,7 @@ def _convert(store, src: str, spec: str, out: str | None = None) -> str:
     _, reader, sessions = store
     run, name = src.split("/")
     out = out or f"{run}/{uuid.uuid4().hex[:10]}"
-    run_plan(reader, sessions, plan_reshard(reader.manifest(run, name), parse_spec(spec)), out, uuid.uuid4().hex,
+    run_plan(reader, sessions, outline_reshard(reader.manifest(run, name), parse_spec(spec)), out, uuid.uuid4().hex,
              device="cpu", jobs=2)
     return out
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ckptd.reshard.executor import run_plan
-from ckptd.reshard.planner import plan_reshard
+from ckptd.reshard.planner import outline_reshard, plan_reshard
 from ckptd.reshard.spec import parse_spec
 from ckptd.storage import LocalStorage
 from ckptd_schemas.format.engines import HostEngine, TorchEngine
@@ -50,7 +50,7 @@ def _model(seed: int, rows: int) -> dict[str, torch.Tensor]:
 def _reshard(root, src: str, spec: str, engine: str | None = None, **kw) -> str:
     storage, reader, sessions = root
     r = src.split("/")
-    plan = plan_reshard(reader.manifest(*r), parse_spec(spec), **kw)
+    plan = outline_reshard(reader.manifest(*r), parse_spec(spec), **kw)
     out = f"{r[0]}/{uuid.uuid4().hex[:10]}"
     run_plan(reader, sessions, plan, out, uuid.uuid4().hex, device="cpu", jobs=2,
              engine={None: None, "host": HostEngine(), "torch": TorchEngine("cpu")}[engine])
@@ -116,7 +116,7 @@ def test_a_corrupt_source_fails_the_conversion_and_commits_nothing(root, tmp_pat
     data = bytearray(path.read_bytes())
     data[100] ^= 0x01
     path.write_bytes(bytes(data))
-    plan = plan_reshard(m, parse_spec("fsdp2:dp=2"))
+    plan = outline_reshard(m, parse_spec("fsdp2:dp=2"))
     with pytest.raises(IntegrityError, match=fname):
         run_plan(reader, sessions, plan, "corrupt/out", uuid.uuid4().hex, device="cpu")
     assert reader.marker("corrupt", "out") is None
@@ -172,9 +172,10 @@ def test_the_dry_run_reads_what_the_run_reads(root, spec):
     write_tensors(sessions, ref, {"model.w": torch.randn(700, 1024, generator=g),
                                   "model.v": torch.randn(300, 777, generator=g), "model.b": torch.randn(333)}, step=1)
     run, name = ref.split("/")
-    plan = plan_reshard(reader.manifest(run, name), parse_spec(spec), min_units=2)
+    outline = outline_reshard(reader.manifest(run, name), parse_spec(spec), min_units=2)
+    plan = outline.plan()
     planned = sum(n for *_, n in preview(plan).unit_reads)
-    res = run_plan(reader, sessions, plan, f"{run}/out", uuid.uuid4().hex, engine=HostEngine(), jobs=2)
+    res = run_plan(reader, sessions, outline, f"{run}/out", uuid.uuid4().hex, engine=HostEngine(), jobs=2)
     assert planned == plan.bytes_to_read == res.bytes_read, (planned, res.bytes_read)
 
 
