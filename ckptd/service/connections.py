@@ -38,22 +38,21 @@ its ``http=`` protocol-class option and the ASGI scope's ``client``. Its limits:
 * parser errors: what the parser writes while it parses (its plain-text 400 for malformed
   framing) is replaced by the service's JSON 400, or dropped when a response is mid-stream.
 
-Where each request's head and body begin and end is known from the connection's own
-``httptools`` parser (llhttp, tens of GB/s, so parsing the bytes a second time costs little),
-fed the same bytes as uvicorn's, with the same leniency; when it refuses the bytes, uvicorn's
-parser refuses them too and answers 400, and the guard stops tracking.
+Where each request's head and body begin and end comes from the connection's own ``httptools``
+parser (llhttp: parsing the bytes twice costs little), fed the same bytes as uvicorn's, with the
+same leniency, its callbacks the connection's ``on_*`` methods; bytes it refuses, uvicorn's parser
+refuses too (400), and the guard stops tracking.
 
-Call order: ``serve`` builds one guard, passes ``guard.protocol(inner)`` to uvicorn as
-``http=`` and ``guard.track(app)`` as the app; uvicorn calls ``connection_made``,
-``data_received``, ``pause_writing`` ... on each :class:`GuardedConnection`, which calls the
-same on uvicorn's protocol; the middleware calls ``request_started``, ``body_done``,
-``responding`` and ``request_ended`` on the connection a request arrived on; uvicorn's flow
-control calls ``pause_reading``/``resume_reading`` through the transport view, which reports them.
+Call order: ``serve`` passes ``guard.protocol(inner)`` to uvicorn as ``http=`` and ``guard.track(app)``
+as the app; uvicorn calls each :class:`GuardedConnection` as a protocol, which calls uvicorn's; the
+middleware reports ``request_started`` and ``request_ended``; uvicorn's flow control reaches
+``pause_reading``/``resume_reading`` through the transport view, which reports them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 from collections.abc import Callable
@@ -169,8 +168,8 @@ class GuardedConnection(asyncio.Protocol):
         self.transport: Any = None
         self.key: tuple[str, int] | None = None
         self.loop = asyncio.get_running_loop()
-        self.framing: Any = httptools.HttpRequestParser(_Framing(self))
-        self._lenient()
+        self.framing: Any = None
+        self._new_framing()
         self.in_body = False  # between a head's end and its message's end
         self.head_bytes = 0  # bytes received since the current head began
         self.parsed = 0  # request line and headers parsed so far
@@ -300,9 +299,8 @@ class GuardedConnection(asyncio.Protocol):
                 self.body_part(n)
                 return True
             self.body_part(left)
-            self.message_ended()
-            self.framing = httptools.HttpRequestParser(_Framing(self))
-            self._lenient()
+            self.on_message_complete()
+            self._new_framing()
             if n == left:
                 return True
             data = data[left:]
@@ -322,24 +320,37 @@ class GuardedConnection(asyncio.Protocol):
             return False
         return True
 
-    def _lenient(self) -> None:
-        try:
-            self.framing.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn's parser
-        except AttributeError:
-            pass
+    def _new_framing(self) -> None:
+        """A fresh framing parser, as lenient as uvicorn's; its callbacks are the ``on_*`` methods below."""
+        self.framing = httptools.HttpRequestParser(self)
+        with contextlib.suppress(AttributeError):  # httptools < 0.6.3
+            self.framing.set_dangerous_leniencies(lenient_data_after_close=True)
 
-    def message_begun(self) -> None:
+    # -- the framing parser's callbacks (httptools calls them while it parses) ---------------------------------
+
+    def on_message_begin(self) -> None:
         self.parsed, self.in_body = 0, False
         self.content_length = self.body_left = None
         self.chunked = False
         self._arm_head()  # the first byte of a later request on a kept-alive connection
+
+    def on_url(self, url: bytes) -> None:
+        self.head_part(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.head_part(len(name) + len(value) + 4)
+        key = name.lower()
+        if key == b"content-length" and not self.chunked:
+            self.content_length = int(value) if value.strip().isdigit() else None
+        elif key == b"transfer-encoding":  # the parser frames the body (a Content-Length beside it is void)
+            self.content_length, self.chunked = None, True
 
     def head_part(self, size: int) -> None:
         self.parsed += size
         if self.parsed > self.guard.max_header_bytes:
             raise ValueError("request head over the bound")
 
-    def head_ended(self) -> None:
+    def on_headers_complete(self) -> None:
         self.in_body = True
         self.pending_heads += 1
         self._disarm_head()
@@ -347,12 +358,15 @@ class GuardedConnection(asyncio.Protocol):
         self.body_started, self.body_bytes, self.body_paused = now, 0, self.read_paused(now)
         self.body_left = self.content_length
 
+    def on_body(self, body: bytes) -> None:
+        self.body_part(len(body))
+
     def body_part(self, size: int) -> None:
         self.body_bytes += size
         if self.body_left is not None:
             self.body_left -= size
 
-    def message_ended(self) -> None:
+    def on_message_complete(self) -> None:
         self.in_body, self.head_bytes = False, 0
         self.body_left = None
         self.body_started = None
@@ -450,36 +464,6 @@ class GuardedConnection(asyncio.Protocol):
         if not self.responding:
             self.transport.write(self.guard.shed_response(received, seconds))
         self.transport.close()
-
-
-class _Framing:
-    """The framing parser's callbacks, reported to the connection."""
-
-    def __init__(self, conn: GuardedConnection) -> None:
-        self.conn = conn
-
-    def on_message_begin(self) -> None:
-        self.conn.message_begun()
-
-    def on_url(self, url: bytes) -> None:
-        self.conn.head_part(len(url))
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.conn.head_part(len(name) + len(value) + 4)
-        key = name.lower()
-        if key == b"content-length" and not self.conn.chunked:
-            self.conn.content_length = int(value) if value.strip().isdigit() else None
-        elif key == b"transfer-encoding":  # the parser frames the body (a Content-Length beside it is void)
-            self.conn.content_length, self.conn.chunked = None, True
-
-    def on_headers_complete(self) -> None:
-        self.conn.head_ended()
-
-    def on_body(self, body: bytes) -> None:
-        self.conn.body_part(len(body))
-
-    def on_message_complete(self) -> None:
-        self.conn.message_ended()
 
 
 class _TransportView:
