@@ -58,9 +58,10 @@ from ckptd_schemas import Forbidden, PayloadTooLarge, Unauthorized
 
 from ..store.space import parse_size
 from .error_body import send_error
+from .logs import route_name
 
 __all__ = ["OPEN", "ROUTE_RULES", "AccessMiddleware", "AuthConfigError", "Principal", "Rule", "TokenStore",
-           "authorize", "check_routes", "hash_token", "iter_routes", "parse_tokens", "principal_for", "principal_named",
+           "authorize", "check_routes", "hash_token", "iter_routes", "match_route", "parse_tokens", "principal_for", "principal_named",
            "principal_of", "token_named"]
 
 log = logging.getLogger("ckptd.service")
@@ -260,6 +261,11 @@ class TokenStore:
         """True when any token is configured (a tokens file that is set counts, even if empty)."""
         return bool(self.file) or bool(self._inline)
 
+    def named(self, name: str) -> _Entry | None:
+        """The entry of the token called ``name`` now (the file re-read when it changed)."""
+        self._maybe_reload()
+        return next((e for e in self.entries if e.principal.name == name), None)
+
     def authenticate(self, token: str) -> Principal | None:
         self._maybe_reload()
         digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
@@ -337,6 +343,15 @@ def iter_routes(routes: Any) -> Iterator[Any]:
             yield r
 
 
+def match_route(scope: Scope, routes: Sequence[Any]) -> None:
+    """Put the route a request refused before routing was for in its scope, as the router would have:
+    the access log and the metrics then name it instead of ``unmatched``."""
+    for route in iter_routes(routes):
+        if route.matches(scope)[0] == Match.FULL:
+            scope["route"] = route
+            return
+
+
 def check_routes(app: Any) -> None:
     missing = sorted({f"{r.name} ({r.path})" for r in iter_routes(app.router) if r.name not in ROUTE_RULES})
     if missing:
@@ -361,21 +376,17 @@ def principal_named(tokens: TokenStore, name: str) -> Principal:
     gave that principal over HTTP); :class:`Unauthorized` when no token has that name any more."""
     if not tokens.enabled:
         return OPEN_PRINCIPAL
-    tokens._maybe_reload()
-    found = next((e.principal for e in tokens.entries if e.principal.name == name), None)
-    if found is None:
+    if (entry := tokens.named(name)) is None:
         raise Unauthorized(f"no token is named {name[:64]!r} any more")
-    return found
+    return entry.principal
 
 
 def token_named(tokens: TokenStore, name: str) -> bytes:
     """The SHA-256 of the token called ``name`` now (empty where there is none, or authentication is
     off): what a key given to that principal is bound to as well, so that a token replaced under the
     same name (rotated after a leak) takes every key given to its holder with it."""
-    if not tokens.enabled:
-        return b""
-    tokens._maybe_reload()
-    return next((e.digest for e in tokens.entries if e.principal.name == name), b"")
+    entry = tokens.named(name) if tokens.enabled else None
+    return entry.digest if entry is not None else b""
 
 
 def principal_of(request: Request) -> Principal:
@@ -383,19 +394,10 @@ def principal_of(request: Request) -> Principal:
     return p if isinstance(p, Principal) else ANONYMOUS
 
 
-def _route_name(scope: Scope) -> str | None:
-    route = scope.get("route")
-    name = getattr(route, "name", None)
-    if name is None:
-        endpoint = scope.get("endpoint")
-        name = getattr(endpoint, "__name__", None)
-    return name
-
-
 async def authorize(request: Request) -> None:
     """App-wide dependency: the matched route's rule against the request's principal (403)."""
-    name = _route_name(request.scope)
-    rule = ROUTE_RULES.get(name or "")
+    name = route_name(request.scope)
+    rule = ROUTE_RULES.get(name)
     principal = principal_of(request)
     if rule is None:
         raise Forbidden(f"route {name!r} has no access rule", route=name)
@@ -444,16 +446,8 @@ class AccessMiddleware:
         self.app, self.tokens, self.open_paths, self.index_limit = app, tokens, open_paths, index_limit
         self.routes = routes
 
-    def _match(self, scope: Scope) -> None:
-        """Put the route a refused request was for in its scope, as the router would have: the access
-        log and the metrics then name it instead of ``unmatched``."""
-        for route in iter_routes(self.routes):
-            if route.matches(scope)[0] == Match.FULL:
-                scope["route"] = route
-                return
-
     def _limit(self, scope: Scope) -> int | None:
-        rule = ROUTE_RULES.get(_route_name(scope) or "")
+        rule = ROUTE_RULES.get(route_name(scope))
         body = rule.body if rule is not None else "index"
         return None if body == "stream" else self.index_limit if body == "index" else SMALL_BODY_BYTES
 
@@ -470,7 +464,7 @@ class AccessMiddleware:
             try:
                 state["principal"] = principal_for(self.tokens, _bearer(scope))
             except Unauthorized as e:
-                self._match(scope)
+                match_route(scope, self.routes)
                 await send_error(send, scope, e, [(b"www-authenticate", b'Bearer realm="ckptd"')])
                 return
 

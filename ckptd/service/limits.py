@@ -39,13 +39,13 @@ import logging
 import threading
 from typing import Any, Awaitable, Callable, Collection, Sequence
 
-from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ckptd_schemas import PlanBudget, RequestTimeout, TooManyRequests
 
-from .auth import ANONYMOUS, Principal, iter_routes
+from .auth import ANONYMOUS, Principal, match_route
 from .error_body import send_error
+from .logs import route_name
 
 __all__ = ["ANSWER_PER_REQUEST", "CHUNKS_PER_REQUEST", "BodyTimeouts", "PrincipalRequests", "UploadSlots",
            "mark_answered", "read_plan_budget", "was_answered"]
@@ -150,10 +150,7 @@ class PrincipalRequests:
 
     async def _refuse(self, scope: Scope, send: Send, name: str, n: int) -> None:
         """429 in the error shape; the connection closes when a body follows (it is never read)."""
-        for route in iter_routes(self.routes):  # the access log and the metrics name the route
-            if route.matches(scope)[0] == Match.FULL:
-                scope["route"] = route
-                break
+        match_route(scope, self.routes)  # the access log and the metrics name the route
         if self.metrics is not None:
             self.metrics.limit_refusals.labels("requests").inc()
         err = TooManyRequests(
@@ -252,7 +249,7 @@ class BodyTimeouts:
 
     def _timeout(self, scope: Scope, by_rate: bool, received: int, waited: float) -> RequestTimeout:
         """The 408 of a body past a bound (counted and logged here)."""
-        route = getattr(scope.get("route"), "name", None) or "unmatched"
+        route = route_name(scope)
         if self.metrics is not None:
             self.metrics.limit_refusals.labels("body_rate" if by_rate else "body_idle").inc()
         if not by_rate:

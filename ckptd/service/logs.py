@@ -124,17 +124,9 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = None
-        for k, v in scope.get("headers", ()):
-            if k == b"x-request-id":
-                try:
-                    cand = v.decode("ascii")
-                except UnicodeDecodeError:
-                    break
-                if REQUEST_ID_RE.fullmatch(cand):
-                    rid = cand
-                break
-        rid = rid or uuid.uuid4().hex
+        rid = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), b"").decode("latin-1")
+        if not REQUEST_ID_RE.fullmatch(rid):  # ASCII only: a byte past it never matches
+            rid = uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
         token = request_id_var.set(rid)
         t0 = time.perf_counter()
