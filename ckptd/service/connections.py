@@ -430,23 +430,20 @@ class GuardedConnection(asyncio.Protocol):
         stalled = [c for c in others if c.busy() and c.paused_since is not None]
         bodies = [c for c in others if c.busy() and c.receiving_body()]
         probes = [c for c in others if c.probe_only]
+        if len(probes) < PROBE_CONNECTIONS and not (idle or stalled or bodies):
+            self.probe_only = True
+            return
+        self.guard.refused("connections")
         if idle:
-            self.guard.refused("connections")
             min(idle, key=lambda c: c.idle_since).transport.close()
         elif stalled:  # a response its client is not reading: its buffered bytes are dropped
-            self.guard.refused("connections")
             min(stalled, key=lambda c: c.paused_since or 0.0).transport.abort()
         elif bodies:
-            self.guard.refused("connections")
             min(bodies, key=lambda c: (c.body_lead(now), c.body_started or 0.0)).drop_body(now)
-        elif len(probes) < PROBE_CONNECTIONS:
-            self.probe_only = True
         elif waiting := [c for c in probes if not c.busy()]:  # the room for probes is full: of those that
-            self.guard.refused("connections")  # have sent no request, the longest idle makes room
-            min(waiting, key=lambda c: c.idle_since).transport.close()
-            self.probe_only = True
+            min(waiting, key=lambda c: c.idle_since).transport.close()  # have sent no request, the longest
+            self.probe_only = True  # idle makes room
         else:
-            self.guard.refused("connections")
             log.warning("%d connections open (the cap, CKPTD_MAX_CONNECTIONS or the descriptor limit) and %d more "
                         "for probes, every one with a request in progress: a new connection was closed",
                         self.guard.cap, PROBE_CONNECTIONS)
