@@ -1,41 +1,18 @@
 """Bearer-token authentication and per-route scopes.
 
-Tokens come from a file (``CKPTD_TOKENS_FILE``) and/or inline (``CKPTD_TOKENS``),
-one token per line::
+Tokens come from a file (``CKPTD_TOKENS_FILE``, re-read when it changes) and/or inline
+(``CKPTD_TOKENS``, where ``;`` also ends a line), one ``NAME TOKEN SCOPES [quota=SIZE]`` per line:
+the format, the scopes (``read:PATTERN``, ``write:PATTERN``, ``admin``) and quotas are documented in
+docs/security.md, Tokens; :func:`parse_tokens` is its one parser, and a malformed line stops start-up
+naming the source and line, never the token. A presented token is hashed and compared with every
+entry's hash using :func:`hmac.compare_digest`, without stopping at the first match.
 
-    # NAME        TOKEN                                                                      SCOPES     [QUOTA]
-    trainer-gpt   sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08   write:gpt*  quota=500GiB
-    dashboard     sha256:2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae   read:*
-    ops           a-plain-token-of-at-least-16-characters                                    admin
-
-``NAME`` labels the token in logs (the token itself is never logged); ``TOKEN``
-is ``sha256:`` and the hex SHA-256 of the token (so the file holds no secret:
-``printf %s "$TOKEN" | sha256sum``), or the token itself (16 characters at
-least); ``SCOPES`` is a comma-separated list of
-
-* ``read:PATTERN``: list and load the checkpoints of runs matching PATTERN
-  (shell-style, ``fnmatch``: ``*``, ``?``, ``[...]``),
-* ``write:PATTERN``: save to (and read) runs matching PATTERN,
-* ``admin``: everything, including reshard jobs (and future gc/import routes);
-
-and ``quota=SIZE``, optional (``500GiB``, ``2TB``, a number of bytes: ``ckptd.store.space.parse_size``),
-the bytes the runs the token may write may hold, staged and committed; a write past it is refused
-with 507 ``quota_exceeded`` (:mod:`ckptd.store.space` measures and counts). A line without it has no
-quota, as before. A malformed line stops start-up naming the source and line, never the token.
-
-Blank lines and ``#`` comments are ignored (so a plain token cannot hold ``#``
-or blanks); in ``CKPTD_TOKENS`` a ``;`` also ends a line. A presented token is hashed and compared with every entry's hash
-using :func:`hmac.compare_digest`, without stopping at the first match.
-
-Requests send ``Authorization: Bearer TOKEN``. Without a valid token the
-answer is 401 (``unauthorized``); with a token whose scopes do not cover the
-route and run, 403 (``forbidden``). ``/healthz``, ``/readyz``, ``/metrics``
-and the API docs are open. Every route has an entry in :data:`ROUTE_RULES`;
-:func:`check_routes` refuses an app with a route that has none.
-
-With no token configured the service is open (every request allowed); ``ckptd
-serve`` allows that only on a loopback address unless told otherwise
-(``--insecure-open``).
+Requests send ``Authorization: Bearer TOKEN``. Without a valid token the answer is 401
+(``unauthorized``); with a token whose scopes do not cover the route and run, 403 (``forbidden``).
+``/healthz``, ``/readyz``, ``/metrics`` and the API docs are open. Every route has an entry in
+:data:`ROUTE_RULES`; :func:`check_routes` refuses an app with a route that has none. With no token
+configured the service is open; ``ckptd serve`` allows that only on a loopback address unless told
+otherwise (``--insecure-open``).
 """
 
 from __future__ import annotations
@@ -132,7 +109,7 @@ class _Entry:
 
 
 def parse_tokens(text: str, source: str) -> list[_Entry]:
-    """Parse the tokens format (module docstring); errors name the source and line, never the token."""
+    """Parse the tokens format (docs/security.md, Tokens); errors name the source and line, never the token."""
     entries: list[_Entry] = []
     names: set[str] = set()
     digests: set[bytes] = set()

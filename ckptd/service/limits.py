@@ -1,35 +1,19 @@
 """Per-request limits: no request may cost the service more than its size pays for, nor hold it longer
 than its bytes take to arrive.
 
-Four pieces, each used at one place of the request's life (the middleware in the order a request
-meets them, after ``AccessMiddleware`` has named its principal):
+Four pieces, each used at one place of the request's life (each class says its bound):
 
-1. :class:`PrincipalRequests` (ASGI middleware, inside ``AccessMiddleware``): at most
-   ``max_requests_per_principal`` requests of one token in progress at once, of every kind; the
-   next is answered 429 (``TooManyRequests``, ``Retry-After: 1``) before it is routed, which the
-   client retries with backoff. Open routes (probes, metrics, the API description) and requests
-   without a token are never counted, so one token's flood of slow requests holds neither
-   another token's requests nor ``/healthz`` back.
-2. :class:`BodyTimeouts` (ASGI middleware, inside :class:`PrincipalRequests`): while the app
-   waits for the next piece of a request body, at most ``body_idle_timeout_seconds``; and over
-   the whole body an average of ``body_min_bytes_per_second`` at least, after a grace of
-   ``body_rate_grace_seconds``. Past either the request is answered 408 (``RequestTimeout``,
-   ``Connection: close``) and the app sees the client gone. Only the app's own waits count, so
-   a slow storage write that pauses reading never times a client out.
-3. :class:`UploadSlots` (in the ``upload_file``, ``presign_file`` and ``confirm_file`` handlers,
-   before any byte is stored): at most ``max_uploads_per_principal`` uploads
-   of one token at once; the next is refused 429 (``TooManyRequests``), which
-   the client retries with backoff. One token's uploads cannot take every
-   worker thread, so another token's still run.
-4. :func:`read_plan_budget` (in the ``read_plan`` and ``load_tree_pieces`` handlers): the work a
-   plan may do, a constant plus a multiple of the regions its request names
-   (:class:`ckptd_schemas.PlanBudget`); over it the request is refused 413 before the work is
-   done. The regions are at most ``read_plan_max_requests`` (counted before the body is parsed:
-   ``bodies.parse_read_requests``), so no read request costs more than a fixed bound.
+1. :class:`PrincipalRequests` (ASGI middleware, inside ``AccessMiddleware``, which names the
+   principal): one token's requests in progress, 429 before routing; probes are never counted.
+2. :class:`BodyTimeouts` (ASGI middleware, inside it): a request body that stalls or trickles, 408.
+3. :class:`UploadSlots` (the ``upload_file``, ``presign_file`` and ``confirm_file`` handlers, before any
+   byte is stored): one token's uploads at once, 429, so another token's still get worker threads.
+4. :func:`read_plan_budget` (the ``read_plan`` and ``load_tree_pieces`` handlers): the work a plan may
+   do, a constant plus a multiple of the regions its request names, 413 before the work is done; the
+   regions are at most ``read_plan_max_requests`` (``bodies.parse_read_requests``).
 
-Connection-level limits (request heads that never complete, idle sockets
-exhausting file descriptors, the connection cap and which connection it sheds)
-are in :mod:`ckptd.service.connections`.
+Connection-level limits (request heads, unread responses, the connection cap) are in
+:mod:`ckptd.service.connections`.
 """
 
 from __future__ import annotations
