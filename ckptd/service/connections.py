@@ -420,10 +420,7 @@ class GuardedConnection(asyncio.Protocol):
             self.send_timer = None
 
     def _shed(self) -> None:
-        """Over the cap: close the least useful other connection for this one (module docstring: idle,
-        then a response not read, then the body furthest behind); failing that, keep this one for
-        probes, within :data:`PROBE_CONNECTIONS` (when they are all taken, in place of the one kept
-        longest without sending a request); failing that, close it."""
+        """Over the cap: make room by the order of the module docstring's connection cap."""
         now = self.loop.time()
         others = [c for c in self.guard.open.values() if c is not self and not c.transport.is_closing()]
         idle = [c for c in others if not c.busy() and not c.probe_only]  # a probe's head may be on its way
