@@ -45,13 +45,6 @@ def redact(text: str) -> str:
     return _BEARER_RE.sub(r"\1[redacted]", text) if "earer" in text or "EARER" in text else text
 
 
-class _RequestIdFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(record, "request_id", None) is None:
-            record.request_id = request_id_var.get()
-        return True
-
-
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, msg, request_id, then the record's ``extra`` fields."""
 
@@ -94,7 +87,6 @@ def configure_logging(level: str, fmt: str) -> None:
     """Root handler on stderr in ``fmt`` (json or text); uvicorn's loggers write through it."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
-    handler.addFilter(_RequestIdFilter())
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
