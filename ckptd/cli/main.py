@@ -39,10 +39,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"ckptd serve needs the server extra: pip install 'ckptd[server]' ({e})", file=sys.stderr)
         return 2
-    overrides = {k: v for k, v in (("root", args.root), ("durable", args.durable), ("host", args.host), ("port", args.port),
-                                   ("log_level", args.log_level), ("log_format", args.log_format),
-                                   ("tokens_file", args.tokens_file), ("insecure_open", args.insecure_open))
-                 if v is not None}
+    # every flag of serve sets the setting of its name (settings_table.serve_flags reads them the same way)
+    overrides = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
     try:
         settings = Settings(**overrides)
     except ValidationError as e:
