@@ -36,6 +36,7 @@ send other ranks to HTTP) and :meth:`stop` (closed and unlinked).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -118,15 +119,11 @@ class LocalUploads:
     def stop(self) -> None:
         sock, self._sock = self._sock, None
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             sock.close()
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self.path)
-            except OSError:
-                pass
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _accept(self) -> None:
