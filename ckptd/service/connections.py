@@ -22,19 +22,15 @@ its ``http=`` protocol-class option and the ASGI scope's ``client``. Its limits:
 * a send deadline: while a response waits for the client to read (the transport's write
   buffer is over its high-water mark, so uvicorn has paused the response), at most
   ``send_timeout`` seconds; then the connection is aborted (its buffered bytes dropped).
-* a connection cap: at most :func:`connection_cap` connections. A connection over the cap
-  closes the longest-idle connection that has no request in progress (a head still arriving
-  counts as idle); failing that, the one whose response has waited longest for its client to
-  read; failing that, the one whose request body is furthest behind ``min_body_rate`` (bytes
-  received less the rate times the seconds its body has taken, the seconds uvicorn paused
-  reading it not counted), answered 503 (``Unavailable``, ``Retry-After``) before it is closed:
-  a trickled body makes its connection busy, never unsheddable. When every other connection is
-  busy otherwise (each one a request whose body has arrived, such as a long poll: a token holds
-  at most ``CKPTD_MAX_REQUESTS_PER_PRINCIPAL`` of them), up to :data:`PROBE_CONNECTIONS` more are
-  kept for :data:`PROBE_PATHS` only (when all are taken, a new one replaces the one kept longest
-  without sending a request); any other request on one is answered 503 and closed, and a
-  probe's answer closes it. So ``/healthz`` and ``/readyz`` are answered under any load a token
-  holder can create, and only then is a new connection closed.
+* a connection cap: at most :func:`connection_cap` connections. One over it closes, in order, the
+  longest-idle connection with no request in progress (a head still arriving counts as idle), the
+  one whose response has waited longest for its client to read, or the one whose request body is
+  furthest behind ``min_body_rate`` (bytes received less the rate times its seconds, those uvicorn
+  paused reading not counted; answered 503 ``Unavailable``, ``Retry-After``). When every other
+  connection is busy otherwise, up to :data:`PROBE_CONNECTIONS` more are kept for
+  :data:`PROBE_PATHS` only (full: one kept longest without a request makes room); any other request
+  on one is answered 503, a probe's answer closes it; only then is a new connection closed
+  (docs/security.md, "The connection cap sheds the least useful connection").
 * parser errors: what the parser writes while it parses (its plain-text 400 for malformed
   framing) is replaced by the service's JSON 400, or dropped when a response is mid-stream.
 

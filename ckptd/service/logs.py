@@ -5,13 +5,8 @@ Every request gets an id: the caller's ``X-Request-Id`` when it is a safe token
 response's ``X-Request-Id`` header, put in error bodies (``error.request_id``)
 and in every log record written while the request is handled (the store's log
 lines included: the id travels in a context variable, which the thread pool
-copies). Each request ends with one access line on the ``ckptd.access`` logger
-(at ``warning`` for 401, 403 and 5xx answers, ``info`` otherwise)::
-
-    {"ts": "2025-01-01T12:00:00.123Z", "level": "info", "logger": "ckptd.access",
-     "msg": "PUT /v1/checkpoints/gpt/10/sessions/s1/files/f0 200", "request_id": "9c1e...",
-     "method": "PUT", "path": "/v1/...", "route": "upload_file", "status": 200, "duration_ms": 812.4,
-     "bytes_in": 268435456, "bytes_out": 61, "run": "gpt", "checkpoint": "10", "principal": "trainer"}
+copies). Each request ends with one access line on the ``ckptd.access`` logger (at ``warning`` for
+401, 403 and 5xx answers, ``info`` otherwise; its fields: docs/http-api.md, Metrics and logs).
 
 No request header is ever logged, and as a second line of defence every
 formatted line has ``Bearer <token>`` redacted (uvicorn's ``trace`` level

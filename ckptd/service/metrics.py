@@ -10,6 +10,7 @@ means: docs/http-api.md, Metrics and logs (each one's help text below says it in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -246,10 +247,8 @@ class Metrics(SessionEvents):
                         with self._lock:
                             self._jobs.pop(job_id, None)
                         for g in (self.reshard_done, self.reshard_planned):
-                            try:
+                            with contextlib.suppress(KeyError):
                                 g.remove(job_id)
-                            except KeyError:
-                                pass
                     continue
                 try:
                     st = get_job(self._job_storage, job_id)
