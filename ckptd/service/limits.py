@@ -19,9 +19,10 @@ Connection-level limits (request heads, unread responses, the connection cap) ar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
-from typing import Any, Awaitable, Callable, Collection, Sequence
+from typing import Any, Awaitable, Collection, Iterator, Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -82,9 +83,10 @@ class UploadSlots:
         self._active: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def acquire(self, principal: str, file: str) -> Callable[[], None]:
-        """Take one slot of ``principal`` (``TooManyRequests`` when none is free); returns its release,
-        which the caller runs once the upload has finished either way (a second call does nothing)."""
+    @contextlib.contextmanager
+    def held(self, principal: str, file: str) -> Iterator[None]:
+        """One slot of ``principal`` for the block (``TooManyRequests`` when none is free), given back
+        once the upload has finished either way."""
         with self._lock:
             n = self._active.get(principal, 0)
             if self.limit and n >= self.limit:
@@ -93,16 +95,11 @@ class UploadSlots:
                     f"(CKPTD_MAX_UPLOADS_PER_PRINCIPAL) is {self.limit}: file {file!r} was not accepted; "
                     f"retry once one finishes", limit=self.limit, token=principal, file=file)
             self._active[principal] = n + 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
+        try:
+            yield
+        finally:
             with self._lock:
-                if not released:
-                    released = True
-                    _leave(self._active, principal)
-
-        return release
+                _leave(self._active, principal)
 
 
 class PrincipalRequests:
