@@ -26,10 +26,6 @@ from .target import add_target, looked_in, open_backend, resolve_target
 __all__ = ["main"]
 
 
-def _backend(args: argparse.Namespace) -> Backend:
-    return open_backend(resolve_target(args))
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from pydantic import ValidationError
@@ -64,7 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    b = _backend(args)
+    b = open_backend(resolve_target(args))
     if args.run:
         rows = b.list_checkpoints(args.run)
         if not rows:
@@ -122,7 +118,7 @@ def lineage(backend: Backend, m: Manifest) -> list[str]:
 
 def cmd_show(args: argparse.Namespace) -> int:
     ref = parse_ref(args.ref)
-    b = _backend(args)
+    b = open_backend(resolve_target(args))
     m, skipped = b.resolve(ref.run, ref.name)  # RUN/latest: the newest not known to be bad, and what it skipped
     status, reason = b.status(m)
     if args.json:
@@ -185,7 +181,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """The checkpoint checked here (``Backend.verify``: every byte by the one checker, and the load tree),
     under a lease, or with ``--in-service`` by the service's worker (recorded there); 1 when bad."""
     ref = parse_ref(args.ref)
-    b = _backend(args)
+    b = open_backend(resolve_target(args))
     try:
         if args.in_service:
             rep = b.verify_in_service(str(ref))  # the service's worker reads and checks; a root refuses
