@@ -249,8 +249,6 @@ class GuardedConnection(asyncio.Protocol):
         if self.refusing and not self.in_app:
             self._answer_too_large()
 
-    # -- the limits ------------------------------------------------------------------------------------------
-
     def busy(self) -> bool:
         return bool(self.in_app or self.pending_heads)
 

@@ -83,9 +83,7 @@ def configure_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    root.addHandler(handler)
+    root.handlers[:] = [handler]  # ours alone, as uvicorn's loggers below propagate to it
     lvl = level.upper()
     root.setLevel(logging.getLevelName(lvl) if isinstance(logging.getLevelName(lvl), int) else logging.DEBUG)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi"):
@@ -96,8 +94,7 @@ def configure_logging(level: str, fmt: str) -> None:
 
 def route_name(scope: Scope) -> str:
     """The matched route's handler name, the label of its metrics and log lines (``unmatched``: none)."""
-    route = scope.get("route")
-    return getattr(route, "name", None) or "unmatched"
+    return getattr(scope.get("route"), "name", None) or "unmatched"
 
 
 class RequestContextMiddleware:
