@@ -26,10 +26,6 @@ from .target import add_target, looked_in, open_backend, resolve_target
 __all__ = ["main"]
 
 
-def _backend(args: argparse.Namespace) -> Backend:
-    return open_backend(resolve_target(args))
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from pydantic import ValidationError
@@ -39,10 +35,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"ckptd serve needs the server extra: pip install 'ckptd[server]' ({e})", file=sys.stderr)
         return 2
-    overrides = {k: v for k, v in (("root", args.root), ("durable", args.durable), ("host", args.host), ("port", args.port),
-                                   ("log_level", args.log_level), ("log_format", args.log_format),
-                                   ("tokens_file", args.tokens_file), ("insecure_open", args.insecure_open))
-                 if v is not None}
+    # every flag of serve sets the setting of its name (settings_table.serve_flags reads them the same way)
+    overrides = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
     try:
         settings = Settings(**overrides)
     except ValidationError as e:
@@ -66,7 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    b = _backend(args)
+    b = open_backend(resolve_target(args))
     if args.run:
         rows = b.list_checkpoints(args.run)
         if not rows:
@@ -124,7 +118,7 @@ def lineage(backend: Backend, m: Manifest) -> list[str]:
 
 def cmd_show(args: argparse.Namespace) -> int:
     ref = parse_ref(args.ref)
-    b = _backend(args)
+    b = open_backend(resolve_target(args))
     m, skipped = b.resolve(ref.run, ref.name)  # RUN/latest: the newest not known to be bad, and what it skipped
     status, reason = b.status(m)
     if args.json:
@@ -187,7 +181,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """The checkpoint checked here (``Backend.verify``: every byte by the one checker, and the load tree),
     under a lease, or with ``--in-service`` by the service's worker (recorded there); 1 when bad."""
     ref = parse_ref(args.ref)
-    b = _backend(args)
+    b = open_backend(resolve_target(args))
     try:
         if args.in_service:
             rep = b.verify_in_service(str(ref))  # the service's worker reads and checks; a root refuses

@@ -1,32 +1,11 @@
 """The FastAPI application: thin handlers over the store core (``ckptd.store``).
 
-``create_app`` builds the shared objects (``services.Services``) once and includes
-the route modules; each handler lives in the module named beside it. Routes (all
-under ``/v1`` except probes)::
-
-    POST   /v1/checkpoints/{run}/{name}/sessions                        upload_routes: open or join an upload session
-    PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/files/{f}        upload_routes: stream a data file (X-Ckptd-Xxh3)
-    PUT    /v1/checkpoints/{run}/{name}/sessions/{sid}/ranks/{r}        upload_routes: a rank's index; the last commits
-    GET    /v1/checkpoints/{run}/{name}/sessions/{sid}?wait=S           upload_routes: session status (long poll)
-    DELETE /v1/checkpoints/{run}/{name}/sessions/{sid}                  upload_routes: abort
-    GET    /v1/runs                                                     read_routes: runs
-    GET    /v1/runs/{run}/checkpoints                                   read_routes: committed checkpoints of a run
-    GET    /v1/checkpoints/{run}/{name}                                 read_routes: manifest ({name} may be "latest")
-    POST   /v1/checkpoints/{run}/{name}/read-plan                       read_routes: byte ranges that fill regions
-    POST   /v1/checkpoints/{run}/{name}/verify                          read_routes: verify every byte, record it
-    GET    /v1/checkpoints/{run}/{name}/verification                    read_routes: the last recorded verification
-    GET    /v1/checkpoints/{run}/{name}/files/{file}                    read_routes: file bytes (Range supported)
-    PUT    /v1/checkpoints/{run}/{name}/leases/{holder}                 read_routes: hold a read lease
-    DELETE /v1/checkpoints/{run}/{name}/leases/{holder}                 read_routes: release it
-    POST   /v1/reshard, /v1/reshard/preview; GET /v1/jobs/{job_id}      reshard_routes: reshard jobs (and any job)
-    POST   /v1/drill (GET /v1/drills/{job_id}: deprecated)             drill_routes: conversion drill jobs
-    GET    /v1/checkpoints/{run}/{name}/drill                           drill_routes: the last recorded drill
-    POST   /v1/runs/{run}/gc                                            retention_routes: retention
-    DELETE /v1/checkpoints/{run}/{name}                                 retention_routes: remove one, if unprotected
-    GET    /v1/ui/...                                                   ui_routes: the web view's JSON (paged, read)
-    GET    /ui, /ui/static/{asset}                                      ui_static: the web view's shell (open, no data)
-    GET    /, /healthz, /readyz, /metrics                               here: where to go (/ui, /docs), probes
-    GET    /openapi.json, /docs                                         docs: the API description, served offline
+``create_app`` builds the shared objects (``services.Services``) once and includes the route
+modules, each of which lists its routes in call order: ``upload_routes`` (a save's sessions, files
+and indexes), ``read_routes`` (listings, manifests, load trees, read plans, file bytes, verification,
+leases), ``reshard_routes`` and ``drill_routes`` (jobs), ``retention_routes`` (gc, one removal),
+``ui_routes`` and ``ui_static`` (the web view), ``docs`` (``/openapi.json``, ``/docs``); the probes
+(``/``, ``/healthz``, ``/readyz``, ``/metrics``) are here. All routes are under ``/v1`` except these.
 
 Who may call what (bearer tokens and scopes) is declared in ``auth.ROUTE_RULES``
 and enforced by ``auth.AccessMiddleware`` (401) and ``auth.authorize`` (403);

@@ -1,41 +1,18 @@
 """Bearer-token authentication and per-route scopes.
 
-Tokens come from a file (``CKPTD_TOKENS_FILE``) and/or inline (``CKPTD_TOKENS``),
-one token per line::
+Tokens come from a file (``CKPTD_TOKENS_FILE``, re-read when it changes) and/or inline
+(``CKPTD_TOKENS``, where ``;`` also ends a line), one ``NAME TOKEN SCOPES [quota=SIZE]`` per line:
+the format, the scopes (``read:PATTERN``, ``write:PATTERN``, ``admin``) and quotas are documented in
+docs/security.md, Tokens; :func:`parse_tokens` is its one parser, and a malformed line stops start-up
+naming the source and line, never the token. A presented token is hashed and compared with every
+entry's hash using :func:`hmac.compare_digest`, without stopping at the first match.
 
-    # NAME        TOKEN                                                                      SCOPES     [QUOTA]
-    trainer-gpt   sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08   write:gpt*  quota=500GiB
-    dashboard     sha256:2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae   read:*
-    ops           a-plain-token-of-at-least-16-characters                                    admin
-
-``NAME`` labels the token in logs (the token itself is never logged); ``TOKEN``
-is ``sha256:`` and the hex SHA-256 of the token (so the file holds no secret:
-``printf %s "$TOKEN" | sha256sum``), or the token itself (16 characters at
-least); ``SCOPES`` is a comma-separated list of
-
-* ``read:PATTERN``: list and load the checkpoints of runs matching PATTERN
-  (shell-style, ``fnmatch``: ``*``, ``?``, ``[...]``),
-* ``write:PATTERN``: save to (and read) runs matching PATTERN,
-* ``admin``: everything, including reshard jobs (and future gc/import routes);
-
-and ``quota=SIZE``, optional (``500GiB``, ``2TB``, a number of bytes: ``ckptd.store.space.parse_size``),
-the bytes the runs the token may write may hold, staged and committed; a write past it is refused
-with 507 ``quota_exceeded`` (:mod:`ckptd.store.space` measures and counts). A line without it has no
-quota, as before. A malformed line stops start-up naming the source and line, never the token.
-
-Blank lines and ``#`` comments are ignored (so a plain token cannot hold ``#``
-or blanks); in ``CKPTD_TOKENS`` a ``;`` also ends a line. A presented token is hashed and compared with every entry's hash
-using :func:`hmac.compare_digest`, without stopping at the first match.
-
-Requests send ``Authorization: Bearer TOKEN``. Without a valid token the
-answer is 401 (``unauthorized``); with a token whose scopes do not cover the
-route and run, 403 (``forbidden``). ``/healthz``, ``/readyz``, ``/metrics``
-and the API docs are open. Every route has an entry in :data:`ROUTE_RULES`;
-:func:`check_routes` refuses an app with a route that has none.
-
-With no token configured the service is open (every request allowed); ``ckptd
-serve`` allows that only on a loopback address unless told otherwise
-(``--insecure-open``).
+Requests send ``Authorization: Bearer TOKEN``. Without a valid token the answer is 401
+(``unauthorized``); with a token whose scopes do not cover the route and run, 403 (``forbidden``).
+``/healthz``, ``/readyz``, ``/metrics`` and the API docs are open. Every route has an entry in
+:data:`ROUTE_RULES`; :func:`check_routes` refuses an app with a route that has none. With no token
+configured the service is open; ``ckptd serve`` allows that only on a loopback address unless told
+otherwise (``--insecure-open``).
 """
 
 from __future__ import annotations
@@ -58,9 +35,10 @@ from ckptd_schemas import Forbidden, PayloadTooLarge, Unauthorized
 
 from ..store.space import parse_size
 from .error_body import send_error
+from .logs import route_name
 
 __all__ = ["OPEN", "ROUTE_RULES", "AccessMiddleware", "AuthConfigError", "Principal", "Rule", "TokenStore",
-           "authorize", "check_routes", "hash_token", "iter_routes", "parse_tokens", "principal_for", "principal_named",
+           "authorize", "check_routes", "hash_token", "iter_routes", "match_route", "parse_tokens", "principal_for", "principal_named",
            "principal_of", "token_named"]
 
 log = logging.getLogger("ckptd.service")
@@ -131,7 +109,7 @@ class _Entry:
 
 
 def parse_tokens(text: str, source: str) -> list[_Entry]:
-    """Parse the tokens format (module docstring); errors name the source and line, never the token."""
+    """Parse the tokens format (docs/security.md, Tokens); errors name the source and line, never the token."""
     entries: list[_Entry] = []
     names: set[str] = set()
     digests: set[bytes] = set()
@@ -260,6 +238,11 @@ class TokenStore:
         """True when any token is configured (a tokens file that is set counts, even if empty)."""
         return bool(self.file) or bool(self._inline)
 
+    def named(self, name: str) -> _Entry | None:
+        """The entry of the token called ``name`` now (the file re-read when it changed)."""
+        self._maybe_reload()
+        return next((e for e in self.entries if e.principal.name == name), None)
+
     def authenticate(self, token: str) -> Principal | None:
         self._maybe_reload()
         digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
@@ -337,6 +320,15 @@ def iter_routes(routes: Any) -> Iterator[Any]:
             yield r
 
 
+def match_route(scope: Scope, routes: Sequence[Any]) -> None:
+    """Put the route a request refused before routing was for in its scope, as the router would have:
+    the access log and the metrics then name it instead of ``unmatched``."""
+    for route in iter_routes(routes):
+        if route.matches(scope)[0] == Match.FULL:
+            scope["route"] = route
+            return
+
+
 def check_routes(app: Any) -> None:
     missing = sorted({f"{r.name} ({r.path})" for r in iter_routes(app.router) if r.name not in ROUTE_RULES})
     if missing:
@@ -361,21 +353,17 @@ def principal_named(tokens: TokenStore, name: str) -> Principal:
     gave that principal over HTTP); :class:`Unauthorized` when no token has that name any more."""
     if not tokens.enabled:
         return OPEN_PRINCIPAL
-    tokens._maybe_reload()
-    found = next((e.principal for e in tokens.entries if e.principal.name == name), None)
-    if found is None:
+    if (entry := tokens.named(name)) is None:
         raise Unauthorized(f"no token is named {name[:64]!r} any more")
-    return found
+    return entry.principal
 
 
 def token_named(tokens: TokenStore, name: str) -> bytes:
     """The SHA-256 of the token called ``name`` now (empty where there is none, or authentication is
     off): what a key given to that principal is bound to as well, so that a token replaced under the
     same name (rotated after a leak) takes every key given to its holder with it."""
-    if not tokens.enabled:
-        return b""
-    tokens._maybe_reload()
-    return next((e.digest for e in tokens.entries if e.principal.name == name), b"")
+    entry = tokens.named(name) if tokens.enabled else None
+    return entry.digest if entry is not None else b""
 
 
 def principal_of(request: Request) -> Principal:
@@ -383,19 +371,10 @@ def principal_of(request: Request) -> Principal:
     return p if isinstance(p, Principal) else ANONYMOUS
 
 
-def _route_name(scope: Scope) -> str | None:
-    route = scope.get("route")
-    name = getattr(route, "name", None)
-    if name is None:
-        endpoint = scope.get("endpoint")
-        name = getattr(endpoint, "__name__", None)
-    return name
-
-
 async def authorize(request: Request) -> None:
     """App-wide dependency: the matched route's rule against the request's principal (403)."""
-    name = _route_name(request.scope)
-    rule = ROUTE_RULES.get(name or "")
+    name = route_name(request.scope)
+    rule = ROUTE_RULES.get(name)
     principal = principal_of(request)
     if rule is None:
         raise Forbidden(f"route {name!r} has no access rule", route=name)
@@ -444,16 +423,8 @@ class AccessMiddleware:
         self.app, self.tokens, self.open_paths, self.index_limit = app, tokens, open_paths, index_limit
         self.routes = routes
 
-    def _match(self, scope: Scope) -> None:
-        """Put the route a refused request was for in its scope, as the router would have: the access
-        log and the metrics then name it instead of ``unmatched``."""
-        for route in iter_routes(self.routes):
-            if route.matches(scope)[0] == Match.FULL:
-                scope["route"] = route
-                return
-
     def _limit(self, scope: Scope) -> int | None:
-        rule = ROUTE_RULES.get(_route_name(scope) or "")
+        rule = ROUTE_RULES.get(route_name(scope))
         body = rule.body if rule is not None else "index"
         return None if body == "stream" else self.index_limit if body == "index" else SMALL_BODY_BYTES
 
@@ -470,7 +441,7 @@ class AccessMiddleware:
             try:
                 state["principal"] = principal_for(self.tokens, _bearer(scope))
             except Unauthorized as e:
-                self._match(scope)
+                match_route(scope, self.routes)
                 await send_error(send, scope, e, [(b"www-authenticate", b'Bearer realm="ckptd"')])
                 return
 

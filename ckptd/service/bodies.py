@@ -10,13 +10,14 @@ a body of more regions than the limit is refused 413 at the cost of one pass ove
 from __future__ import annotations
 
 import re
+from typing import Any, Sequence
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from ckptd_schemas import InvalidRequest, PayloadTooLarge
 
-__all__ = ["count_objects", "parse_body", "parse_read_requests", "read_body_limited"]
+__all__ = ["count_objects", "invalid", "parse_body", "parse_read_requests", "read_body_limited"]
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')  # a JSON string, escapes included
 
@@ -27,12 +28,18 @@ def parse_body(model: type[BaseModel], raw: bytes, what: str, err: type[InvalidR
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
-        errors = e.errors()
-        first = errors[0] if errors else {}
-        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-        raise err(f"{what} is invalid at {where}: {first.get('msg', 'invalid')}",
-                  errors=[{"loc": [str(p) for p in x.get("loc", ())], "msg": x.get("msg")} for x in errors[:20]],
-                  **details) from None
+        raise invalid(e.errors(), f"{what} is invalid", err, **details) from None
+
+
+def invalid(errors: Sequence[Any], said: str, err: type[InvalidRequest] = InvalidRequest,
+            **details: object) -> InvalidRequest:
+    """The typed error of a failed validation (a body read by hand, or FastAPI's of a request): ``said``,
+    where the first error is and what it says; the first 20 errors in its details."""
+    first = errors[0] if errors else {}
+    where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+    return err(f"{said} at {where}: {first.get('msg', 'invalid')}",
+               errors=[{"loc": [str(p) for p in x.get("loc", ())], "msg": x.get("msg")} for x in errors[:20]],
+               **details)
 
 
 def count_objects(raw: bytes) -> int:

@@ -22,38 +22,33 @@ its ``http=`` protocol-class option and the ASGI scope's ``client``. Its limits:
 * a send deadline: while a response waits for the client to read (the transport's write
   buffer is over its high-water mark, so uvicorn has paused the response), at most
   ``send_timeout`` seconds; then the connection is aborted (its buffered bytes dropped).
-* a connection cap: at most :func:`connection_cap` connections. A connection over the cap
-  closes the longest-idle connection that has no request in progress (a head still arriving
-  counts as idle); failing that, the one whose response has waited longest for its client to
-  read; failing that, the one whose request body is furthest behind ``min_body_rate`` (bytes
-  received less the rate times the seconds its body has taken, the seconds uvicorn paused
-  reading it not counted), answered 503 (``Unavailable``, ``Retry-After``) before it is closed:
-  a trickled body makes its connection busy, never unsheddable. When every other connection is
-  busy otherwise (each one a request whose body has arrived, such as a long poll: a token holds
-  at most ``CKPTD_MAX_REQUESTS_PER_PRINCIPAL`` of them), up to :data:`PROBE_CONNECTIONS` more are
-  kept for :data:`PROBE_PATHS` only (when all are taken, a new one replaces the one kept longest
-  without sending a request); any other request on one is answered 503 and closed, and a
-  probe's answer closes it. So ``/healthz`` and ``/readyz`` are answered under any load a token
-  holder can create, and only then is a new connection closed.
+* a connection cap: at most :func:`connection_cap` connections. One over it closes, in order, the
+  longest-idle connection with no request in progress (a head still arriving counts as idle), the
+  one whose response has waited longest for its client to read, or the one whose request body is
+  furthest behind ``min_body_rate`` (bytes received less the rate times its seconds, those uvicorn
+  paused reading not counted; answered 503 ``Unavailable``, ``Retry-After``). When every other
+  connection is busy otherwise, up to :data:`PROBE_CONNECTIONS` more are kept for
+  :data:`PROBE_PATHS` only (full: one kept longest without a request makes room); any other request
+  on one is answered 503, a probe's answer closes it; only then is a new connection closed
+  (docs/security.md, "The connection cap sheds the least useful connection").
 * parser errors: what the parser writes while it parses (its plain-text 400 for malformed
   framing) is replaced by the service's JSON 400, or dropped when a response is mid-stream.
 
-Where each request's head and body begin and end is known from the connection's own
-``httptools`` parser (llhttp, tens of GB/s, so parsing the bytes a second time costs little),
-fed the same bytes as uvicorn's, with the same leniency; when it refuses the bytes, uvicorn's
-parser refuses them too and answers 400, and the guard stops tracking.
+Where each request's head and body begin and end comes from the connection's own ``httptools``
+parser (llhttp: parsing the bytes twice costs little), fed the same bytes as uvicorn's, with the
+same leniency, its callbacks the connection's ``on_*`` methods; bytes it refuses, uvicorn's parser
+refuses too (400), and the guard stops tracking.
 
-Call order: ``serve`` builds one guard, passes ``guard.protocol(inner)`` to uvicorn as
-``http=`` and ``guard.track(app)`` as the app; uvicorn calls ``connection_made``,
-``data_received``, ``pause_writing`` ... on each :class:`GuardedConnection`, which calls the
-same on uvicorn's protocol; the middleware calls ``request_started``, ``body_done``,
-``responding`` and ``request_ended`` on the connection a request arrived on; uvicorn's flow
-control calls ``pause_reading``/``resume_reading`` through the transport view, which reports them.
+Call order: ``serve`` passes ``guard.protocol(inner)`` to uvicorn as ``http=`` and ``guard.track(app)``
+as the app; uvicorn calls each :class:`GuardedConnection` as a protocol, which calls uvicorn's; the
+middleware reports ``request_started`` and ``request_ended``; uvicorn's flow control reaches
+``pause_reading``/``resume_reading`` through the transport view, which reports them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 from collections.abc import Callable
@@ -169,8 +164,8 @@ class GuardedConnection(asyncio.Protocol):
         self.transport: Any = None
         self.key: tuple[str, int] | None = None
         self.loop = asyncio.get_running_loop()
-        self.framing: Any = httptools.HttpRequestParser(_Framing(self))
-        self._lenient()
+        self.framing: Any = None
+        self._new_framing()
         self.in_body = False  # between a head's end and its message's end
         self.head_bytes = 0  # bytes received since the current head began
         self.parsed = 0  # request line and headers parsed so far
@@ -254,8 +249,6 @@ class GuardedConnection(asyncio.Protocol):
         if self.refusing and not self.in_app:
             self._answer_too_large()
 
-    # -- the limits ------------------------------------------------------------------------------------------
-
     def busy(self) -> bool:
         return bool(self.in_app or self.pending_heads)
 
@@ -300,9 +293,8 @@ class GuardedConnection(asyncio.Protocol):
                 self.body_part(n)
                 return True
             self.body_part(left)
-            self.message_ended()
-            self.framing = httptools.HttpRequestParser(_Framing(self))
-            self._lenient()
+            self.on_message_complete()
+            self._new_framing()
             if n == left:
                 return True
             data = data[left:]
@@ -322,24 +314,37 @@ class GuardedConnection(asyncio.Protocol):
             return False
         return True
 
-    def _lenient(self) -> None:
-        try:
-            self.framing.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn's parser
-        except AttributeError:
-            pass
+    def _new_framing(self) -> None:
+        """A fresh framing parser, as lenient as uvicorn's; its callbacks are the ``on_*`` methods below."""
+        self.framing = httptools.HttpRequestParser(self)
+        with contextlib.suppress(AttributeError):  # httptools < 0.6.3
+            self.framing.set_dangerous_leniencies(lenient_data_after_close=True)
 
-    def message_begun(self) -> None:
+    # -- the framing parser's callbacks (httptools calls them while it parses) ---------------------------------
+
+    def on_message_begin(self) -> None:
         self.parsed, self.in_body = 0, False
         self.content_length = self.body_left = None
         self.chunked = False
         self._arm_head()  # the first byte of a later request on a kept-alive connection
+
+    def on_url(self, url: bytes) -> None:
+        self.head_part(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.head_part(len(name) + len(value) + 4)
+        key = name.lower()
+        if key == b"content-length" and not self.chunked:
+            self.content_length = int(value) if value.strip().isdigit() else None
+        elif key == b"transfer-encoding":  # the parser frames the body (a Content-Length beside it is void)
+            self.content_length, self.chunked = None, True
 
     def head_part(self, size: int) -> None:
         self.parsed += size
         if self.parsed > self.guard.max_header_bytes:
             raise ValueError("request head over the bound")
 
-    def head_ended(self) -> None:
+    def on_headers_complete(self) -> None:
         self.in_body = True
         self.pending_heads += 1
         self._disarm_head()
@@ -347,12 +352,15 @@ class GuardedConnection(asyncio.Protocol):
         self.body_started, self.body_bytes, self.body_paused = now, 0, self.read_paused(now)
         self.body_left = self.content_length
 
+    def on_body(self, body: bytes) -> None:
+        self.body_part(len(body))
+
     def body_part(self, size: int) -> None:
         self.body_bytes += size
         if self.body_left is not None:
             self.body_left -= size
 
-    def message_ended(self) -> None:
+    def on_message_complete(self) -> None:
         self.in_body, self.head_bytes = False, 0
         self.body_left = None
         self.body_started = None
@@ -406,33 +414,27 @@ class GuardedConnection(asyncio.Protocol):
             self.send_timer = None
 
     def _shed(self) -> None:
-        """Over the cap: close the least useful other connection for this one (module docstring: idle,
-        then a response not read, then the body furthest behind); failing that, keep this one for
-        probes, within :data:`PROBE_CONNECTIONS` (when they are all taken, in place of the one kept
-        longest without sending a request); failing that, close it."""
+        """Over the cap: make room by the order of the module docstring's connection cap."""
         now = self.loop.time()
         others = [c for c in self.guard.open.values() if c is not self and not c.transport.is_closing()]
         idle = [c for c in others if not c.busy() and not c.probe_only]  # a probe's head may be on its way
         stalled = [c for c in others if c.busy() and c.paused_since is not None]
         bodies = [c for c in others if c.busy() and c.receiving_body()]
         probes = [c for c in others if c.probe_only]
+        if len(probes) < PROBE_CONNECTIONS and not (idle or stalled or bodies):
+            self.probe_only = True
+            return
+        self.guard.refused("connections")
         if idle:
-            self.guard.refused("connections")
             min(idle, key=lambda c: c.idle_since).transport.close()
         elif stalled:  # a response its client is not reading: its buffered bytes are dropped
-            self.guard.refused("connections")
             min(stalled, key=lambda c: c.paused_since or 0.0).transport.abort()
         elif bodies:
-            self.guard.refused("connections")
             min(bodies, key=lambda c: (c.body_lead(now), c.body_started or 0.0)).drop_body(now)
-        elif len(probes) < PROBE_CONNECTIONS:
-            self.probe_only = True
         elif waiting := [c for c in probes if not c.busy()]:  # the room for probes is full: of those that
-            self.guard.refused("connections")  # have sent no request, the longest idle makes room
-            min(waiting, key=lambda c: c.idle_since).transport.close()
-            self.probe_only = True
+            min(waiting, key=lambda c: c.idle_since).transport.close()  # have sent no request, the longest
+            self.probe_only = True  # idle makes room
         else:
-            self.guard.refused("connections")
             log.warning("%d connections open (the cap, CKPTD_MAX_CONNECTIONS or the descriptor limit) and %d more "
                         "for probes, every one with a request in progress: a new connection was closed",
                         self.guard.cap, PROBE_CONNECTIONS)
@@ -450,36 +452,6 @@ class GuardedConnection(asyncio.Protocol):
         if not self.responding:
             self.transport.write(self.guard.shed_response(received, seconds))
         self.transport.close()
-
-
-class _Framing:
-    """The framing parser's callbacks, reported to the connection."""
-
-    def __init__(self, conn: GuardedConnection) -> None:
-        self.conn = conn
-
-    def on_message_begin(self) -> None:
-        self.conn.message_begun()
-
-    def on_url(self, url: bytes) -> None:
-        self.conn.head_part(len(url))
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.conn.head_part(len(name) + len(value) + 4)
-        key = name.lower()
-        if key == b"content-length" and not self.conn.chunked:
-            self.conn.content_length = int(value) if value.strip().isdigit() else None
-        elif key == b"transfer-encoding":  # the parser frames the body (a Content-Length beside it is void)
-            self.conn.content_length, self.conn.chunked = None, True
-
-    def on_headers_complete(self) -> None:
-        self.conn.head_ended()
-
-    def on_body(self, body: bytes) -> None:
-        self.conn.body_part(len(body))
-
-    def on_message_complete(self) -> None:
-        self.conn.message_ended()
 
 
 class _TransportView:

@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from ckptd_schemas import CkptdError, InvalidRequest, NotFound, PayloadTooLarge, TooManyRequests
 
+from .bodies import invalid
 from .error_body import error_body
 from .limits import was_answered
 from .logs import route_name
@@ -68,13 +69,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        err = InvalidRequest(f"invalid request at {where}: {first.get('msg', 'invalid')}",
-                             errors=[{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg")}
-                                     for e in errors[:20]])
-        return JSONResponse(_body(request, err), status_code=422)
+        return JSONResponse(_body(request, invalid(exc.errors(), "invalid request")), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:

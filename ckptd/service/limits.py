@@ -1,51 +1,36 @@
 """Per-request limits: no request may cost the service more than its size pays for, nor hold it longer
 than its bytes take to arrive.
 
-Four pieces, each used at one place of the request's life (the middleware in the order a request
-meets them, after ``AccessMiddleware`` has named its principal):
+Four pieces, each used at one place of the request's life (each class says its bound):
 
-1. :class:`PrincipalRequests` (ASGI middleware, inside ``AccessMiddleware``): at most
-   ``max_requests_per_principal`` requests of one token in progress at once, of every kind; the
-   next is answered 429 (``TooManyRequests``, ``Retry-After: 1``) before it is routed, which the
-   client retries with backoff. Open routes (probes, metrics, the API description) and requests
-   without a token are never counted, so one token's flood of slow requests holds neither
-   another token's requests nor ``/healthz`` back.
-2. :class:`BodyTimeouts` (ASGI middleware, inside :class:`PrincipalRequests`): while the app
-   waits for the next piece of a request body, at most ``body_idle_timeout_seconds``; and over
-   the whole body an average of ``body_min_bytes_per_second`` at least, after a grace of
-   ``body_rate_grace_seconds``. Past either the request is answered 408 (``RequestTimeout``,
-   ``Connection: close``) and the app sees the client gone. Only the app's own waits count, so
-   a slow storage write that pauses reading never times a client out.
-3. :class:`UploadSlots` (in the ``upload_file``, ``presign_file`` and ``confirm_file`` handlers,
-   before any byte is stored): at most ``max_uploads_per_principal`` uploads
-   of one token at once; the next is refused 429 (``TooManyRequests``), which
-   the client retries with backoff. One token's uploads cannot take every
-   worker thread, so another token's still run.
-4. :func:`read_plan_budget` (in the ``read_plan`` and ``load_tree_pieces`` handlers): the work a
-   plan may do, a constant plus a multiple of the regions its request names
-   (:class:`ckptd_schemas.PlanBudget`); over it the request is refused 413 before the work is
-   done. The regions are at most ``read_plan_max_requests`` (counted before the body is parsed:
-   ``bodies.parse_read_requests``), so no read request costs more than a fixed bound.
+1. :class:`PrincipalRequests` (ASGI middleware, inside ``AccessMiddleware``, which names the
+   principal): one token's requests in progress, 429 before routing; probes are never counted.
+2. :class:`BodyTimeouts` (ASGI middleware, inside it): a request body that stalls or trickles, 408.
+3. :class:`UploadSlots` (the ``upload_file``, ``presign_file`` and ``confirm_file`` handlers, before any
+   byte is stored): one token's uploads at once, 429, so another token's still get worker threads.
+4. :func:`read_plan_budget` (the ``read_plan`` and ``load_tree_pieces`` handlers): the work a plan may
+   do, a constant plus a multiple of the regions its request names, 413 before the work is done; the
+   regions are at most ``read_plan_max_requests`` (``bodies.parse_read_requests``).
 
-Connection-level limits (request heads that never complete, idle sockets
-exhausting file descriptors, the connection cap and which connection it sheds)
-are in :mod:`ckptd.service.connections`.
+Connection-level limits (request heads, unread responses, the connection cap) are in
+:mod:`ckptd.service.connections`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
-from typing import Any, Awaitable, Callable, Collection, Sequence
+from typing import Any, Awaitable, Collection, Iterator, Sequence
 
-from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ckptd_schemas import PlanBudget, RequestTimeout, TooManyRequests
 
-from .auth import ANONYMOUS, Principal, iter_routes
+from .auth import ANONYMOUS, Principal, match_route
 from .error_body import send_error
+from .logs import route_name
 
 __all__ = ["ANSWER_PER_REQUEST", "CHUNKS_PER_REQUEST", "BodyTimeouts", "PrincipalRequests", "UploadSlots",
            "mark_answered", "read_plan_budget", "was_answered"]
@@ -98,9 +83,10 @@ class UploadSlots:
         self._active: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def acquire(self, principal: str, file: str) -> Callable[[], None]:
-        """Take one slot of ``principal`` (``TooManyRequests`` when none is free); returns its release,
-        which the caller runs once the upload has finished either way (a second call does nothing)."""
+    @contextlib.contextmanager
+    def held(self, principal: str, file: str) -> Iterator[None]:
+        """One slot of ``principal`` for the block (``TooManyRequests`` when none is free), given back
+        once the upload has finished either way."""
         with self._lock:
             n = self._active.get(principal, 0)
             if self.limit and n >= self.limit:
@@ -109,16 +95,11 @@ class UploadSlots:
                     f"(CKPTD_MAX_UPLOADS_PER_PRINCIPAL) is {self.limit}: file {file!r} was not accepted; "
                     f"retry once one finishes", limit=self.limit, token=principal, file=file)
             self._active[principal] = n + 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
+        try:
+            yield
+        finally:
             with self._lock:
-                if not released:
-                    released = True
-                    _leave(self._active, principal)
-
-        return release
+                _leave(self._active, principal)
 
 
 class PrincipalRequests:
@@ -150,10 +131,7 @@ class PrincipalRequests:
 
     async def _refuse(self, scope: Scope, send: Send, name: str, n: int) -> None:
         """429 in the error shape; the connection closes when a body follows (it is never read)."""
-        for route in iter_routes(self.routes):  # the access log and the metrics name the route
-            if route.matches(scope)[0] == Match.FULL:
-                scope["route"] = route
-                break
+        match_route(scope, self.routes)  # the access log and the metrics name the route
         if self.metrics is not None:
             self.metrics.limit_refusals.labels("requests").inc()
         err = TooManyRequests(
@@ -252,7 +230,7 @@ class BodyTimeouts:
 
     def _timeout(self, scope: Scope, by_rate: bool, received: int, waited: float) -> RequestTimeout:
         """The 408 of a body past a bound (counted and logged here)."""
-        route = getattr(scope.get("route"), "name", None) or "unmatched"
+        route = route_name(scope)
         if self.metrics is not None:
             self.metrics.limit_refusals.labels("body_rate" if by_rate else "body_idle").inc()
         if not by_rate:

@@ -36,6 +36,7 @@ send other ranks to HTTP) and :meth:`stop` (closed and unlinked).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -118,15 +119,11 @@ class LocalUploads:
     def stop(self) -> None:
         sock, self._sock = self._sock, None
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             sock.close()
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self.path)
-            except OSError:
-                pass
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _accept(self) -> None:
@@ -230,8 +227,7 @@ class LocalUploads:
             raise Forbidden(f"token {principal.name!r} (scopes {principal.scopes}) may not write run {run!r}",
                             token=principal.name, needs=f"write:{run}")
         _check_handed(fd, file, chunks + size)
-        release = self.uploads.acquire(principal.name, file)
-        try:
+        with self.uploads.held(principal.name, file):
             declared = arrival.parse(os.pread(fd, chunks, 0), file) if chunks else None
             sink = self.sessions.intake.receive(run, name, sid, file, principal, declared)
             try:
@@ -240,8 +236,6 @@ class LocalUploads:
             except BaseException:
                 sink.abort()
                 raise
-        finally:
-            release()
 
     def _read_into(self, fd: int, start: int, size: int, sink: Any, seen: dict[str, Any]) -> None:
         """``size`` bytes of ``fd`` from ``start`` into ``sink``, a window at a time through this worker's one buffer:

@@ -5,13 +5,8 @@ Every request gets an id: the caller's ``X-Request-Id`` when it is a safe token
 response's ``X-Request-Id`` header, put in error bodies (``error.request_id``)
 and in every log record written while the request is handled (the store's log
 lines included: the id travels in a context variable, which the thread pool
-copies). Each request ends with one access line on the ``ckptd.access`` logger
-(at ``warning`` for 401, 403 and 5xx answers, ``info`` otherwise)::
-
-    {"ts": "2025-01-01T12:00:00.123Z", "level": "info", "logger": "ckptd.access",
-     "msg": "PUT /v1/checkpoints/gpt/10/sessions/s1/files/f0 200", "request_id": "9c1e...",
-     "method": "PUT", "path": "/v1/...", "route": "upload_file", "status": 200, "duration_ms": 812.4,
-     "bytes_in": 268435456, "bytes_out": 61, "run": "gpt", "checkpoint": "10", "principal": "trainer"}
+copies). Each request ends with one access line on the ``ckptd.access`` logger (at ``warning`` for
+401, 403 and 5xx answers, ``info`` otherwise; its fields: docs/http-api.md, Metrics and logs).
 
 No request header is ever logged, and as a second line of defence every
 formatted line has ``Bearer <token>`` redacted (uvicorn's ``trace`` level
@@ -43,13 +38,6 @@ access_log = logging.getLogger("ckptd.access")
 def redact(text: str) -> str:
     """``Bearer <anything>`` -> ``Bearer [redacted]``."""
     return _BEARER_RE.sub(r"\1[redacted]", text) if "earer" in text or "EARER" in text else text
-
-
-class _RequestIdFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(record, "request_id", None) is None:
-            record.request_id = request_id_var.get()
-        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -94,11 +82,8 @@ def configure_logging(level: str, fmt: str) -> None:
     """Root handler on stderr in ``fmt`` (json or text); uvicorn's loggers write through it."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
-    handler.addFilter(_RequestIdFilter())
     root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    root.addHandler(handler)
+    root.handlers[:] = [handler]  # ours alone, as uvicorn's loggers below propagate to it
     lvl = level.upper()
     root.setLevel(logging.getLevelName(lvl) if isinstance(logging.getLevelName(lvl), int) else logging.DEBUG)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi"):
@@ -109,8 +94,7 @@ def configure_logging(level: str, fmt: str) -> None:
 
 def route_name(scope: Scope) -> str:
     """The matched route's handler name, the label of its metrics and log lines (``unmatched``: none)."""
-    route = scope.get("route")
-    return getattr(route, "name", None) or "unmatched"
+    return getattr(scope.get("route"), "name", None) or "unmatched"
 
 
 class RequestContextMiddleware:
@@ -124,17 +108,9 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = None
-        for k, v in scope.get("headers", ()):
-            if k == b"x-request-id":
-                try:
-                    cand = v.decode("ascii")
-                except UnicodeDecodeError:
-                    break
-                if REQUEST_ID_RE.fullmatch(cand):
-                    rid = cand
-                break
-        rid = rid or uuid.uuid4().hex
+        rid = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), b"").decode("latin-1")
+        if not REQUEST_ID_RE.fullmatch(rid):  # ASCII only: a byte past it never matches
+            rid = uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
         token = request_id_var.set(rid)
         t0 = time.perf_counter()

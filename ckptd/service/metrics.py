@@ -10,6 +10,7 @@ means: docs/http-api.md, Metrics and logs (each one's help text below says it in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -41,74 +42,66 @@ class Metrics(SessionEvents):
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.bytes_in = Counter("ckptd_bytes_in", "Request body bytes received.", ["route"], registry=r)
-        self.bytes_out = Counter("ckptd_bytes_out", "Response body bytes sent.", ["route"], registry=r)
-        self.requests = Counter("ckptd_http_requests", "Requests answered.", ["route", "method", "status"],
-                                registry=r)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def gauge(name: str, doc: str, *labels: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        self.bytes_in = counter("ckptd_bytes_in", "Request body bytes received.", "route")
+        self.bytes_out = counter("ckptd_bytes_out", "Response body bytes sent.", "route")
+        self.requests = counter("ckptd_http_requests", "Requests answered.", "route", "method", "status")
         self.request_seconds = Histogram("ckptd_http_request_seconds", "Time to answer a request.", ["route"],
                                          buckets=REQUEST_BUCKETS, registry=r)
         self.commit_seconds = Histogram("ckptd_commit_seconds",
                                         "Time of one commit: merge and validate the indexes, write the manifest "
                                         "and the COMMITTED marker.", buckets=COMMIT_BUCKETS, registry=r)
-        self.commits = Counter("ckptd_commits", "Checkpoints committed by this replica.", registry=r)
-        self.commit_checked = Counter("ckptd_commit_checked_bytes", "Data bytes this replica's commits checked: "
-                                      "read back before the marker, or checked on arrival (confirmed by their "
-                                      "stored identity, re-read after the marker).", ["how"], registry=r)
-        self.reread_bytes = Counter("ckptd_reread_bytes", "Data bytes this replica's workers re-read after "
-                                    "markers.", registry=r)
-        self.reread_shares = Counter("ckptd_reread_shares", "Shares of re-reads checked here.", registry=r)
-        self.local_uploads = Counter("ckptd_local_uploads", "Data files handed over by co-located ranks, by the "
-                                     "status answered.", ["status"], registry=r)
-        self.committed_bytes = Counter("ckptd_committed_bytes", "Bytes of the data files of the checkpoints "
-                                       "committed by this replica (with process_cpu_seconds_total: the "
-                                       "service's CPU per committed GiB).", registry=r)
+        self.commits = counter("ckptd_commits", "Checkpoints committed by this replica.")
+        self.commit_checked = counter("ckptd_commit_checked_bytes", "Data bytes this replica's commits checked: read "
+                                      "back before the marker, or checked on arrival (confirmed by their stored "
+                                      "identity, re-read after the marker).", "how")
+        self.reread_bytes = counter("ckptd_reread_bytes", "Data bytes this replica's workers re-read after markers.")
+        self.reread_shares = counter("ckptd_reread_shares", "Shares of re-reads checked here.")
+        self.local_uploads = counter("ckptd_local_uploads", "Data files handed over by co-located ranks, by the status "
+                                     "answered.", "status")
+        self.committed_bytes = counter("ckptd_committed_bytes", "Bytes of the data files of the checkpoints committed "
+                                       "by this replica (with process_cpu_seconds_total: the service's CPU per "
+                                       "committed GiB).")
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
-        self.sessions_reclaimed = Counter("ckptd_sessions_reclaimed", "Uncommitted sessions the sweep here deleted "
-                                          "(no rank heard from for CKPTD_DEAD_SESSION_AFTER, or past the TTL).",
-                                          registry=r)
-        self.sessions_open = Gauge("ckptd_upload_sessions_open",
-                                   "Upload sessions opened through this replica and not yet committed, failed "
-                                   "or aborted.", registry=r)
-        self.verify_failures = Counter("ckptd_verify_failures",
-                                       "Integrity refusals: uploads whose bytes differ from their digest, commits "
-                                       "refused at validation, manifests that do not match their marker.",
-                                       ["code"], registry=r)
-        self.invisible = Counter("ckptd_invisible_checkpoints",
-                                 "Checkpoints found failing the visibility rule (a marker or manifest that does not "
-                                 "parse, match or agree), by reason; each ref and reason once.", ["reason"],
-                                 registry=r)
-        self.storage_errors = Counter("ckptd_storage_errors", "Storage backend failures, by operation.", ["op"],
-                                      registry=r)
-        self.auth_refusals = Counter("ckptd_auth_refusals", "Requests refused for authentication (401) or "
-                                     "scope (403).", ["status"], registry=r)
-        self.client_disconnects = Counter("ckptd_client_disconnects", "Requests whose client went away before "
-                                          "its body was complete (answered 499, logged once).", ["route"],
-                                          registry=r)
-        self.limit_refusals = Counter("ckptd_limit_refusals", "Requests or connections refused by a limit "
-                                      "(read_plan, uploads, requests, body_idle, body_rate, header_bytes, "
-                                      "header_timeout, send_idle, connections, list).",
-                                      ["limit"],
-                                      registry=r)
-        self.reshard_active = Gauge("ckptd_reshard_jobs_active", "Reshard jobs submitted here, queued or running.",
-                                    registry=r)
-        self.reshard_done = Gauge("ckptd_reshard_job_bytes_done", "Bytes a reshard job has written so far.", ["job"],
-                                  registry=r)
-        self.reshard_planned = Gauge("ckptd_reshard_job_bytes_planned", "Bytes a reshard job will write.", ["job"],
-                                     registry=r)
-        self.reshard_finished = Counter("ckptd_reshard_jobs_finished", "Reshard jobs finished, by state.",
-                                        ["state"], registry=r)
-        self.drills = Counter("ckptd_drills", "Conversion drills finished here: ok (every tensor of every layout "
-                              "matches the source), or failed (a problem found, or the drill could not run).",
-                              ["result"], registry=r)
+        self.sessions_reclaimed = counter("ckptd_sessions_reclaimed", "Uncommitted sessions the sweep here deleted (no "
+                                          "rank heard from for CKPTD_DEAD_SESSION_AFTER, or past the TTL).")
+        self.sessions_open = gauge("ckptd_upload_sessions_open", "Upload sessions opened through this replica and not "
+                                   "yet committed, failed or aborted.")
+        self.verify_failures = counter("ckptd_verify_failures", "Integrity refusals: uploads whose bytes differ from "
+                                       "their digest, commits refused at validation, manifests that do not match their "
+                                       "marker.", "code")
+        self.invisible = counter("ckptd_invisible_checkpoints", "Checkpoints found failing the visibility rule (a "
+                                 "marker or manifest that does not parse, match or agree), by reason; each ref and "
+                                 "reason once.", "reason")
+        self.storage_errors = counter("ckptd_storage_errors", "Storage backend failures, by operation.", "op")
+        self.auth_refusals = counter("ckptd_auth_refusals", "Requests refused for authentication (401) or scope "
+                                     "(403).", "status")
+        self.client_disconnects = counter("ckptd_client_disconnects", "Requests whose client went away before its body "
+                                          "was complete (answered 499, logged once).", "route")
+        self.limit_refusals = counter("ckptd_limit_refusals", "Requests or connections refused by a limit (read_plan, "
+                                      "uploads, requests, body_idle, body_rate, header_bytes, header_timeout, "
+                                      "send_idle, connections, list).", "limit")
+        self.reshard_active = gauge("ckptd_reshard_jobs_active", "Reshard jobs submitted here, queued or running.")
+        self.reshard_done = gauge("ckptd_reshard_job_bytes_done", "Bytes a reshard job has written so far.", "job")
+        self.reshard_planned = gauge("ckptd_reshard_job_bytes_planned", "Bytes a reshard job will write.", "job")
+        self.reshard_finished = counter("ckptd_reshard_jobs_finished", "Reshard jobs finished, by state.", "state")
+        self.drills = counter("ckptd_drills", "Conversion drills finished here: ok (every tensor of every layout "
+                              "matches the source), or failed (a problem found, or the drill could not run).", "result")
         for result in ("ok", "failed"):  # both series from the first scrape, at 0
             self.drills.labels(result)
         self.durable_seconds = Histogram("ckptd_durable_seconds", "From a commit to its durable marker, per "
                                          "checkpoint copied to the durable tier here.", buckets=REQUEST_BUCKETS,
                                          registry=r)
-        self.durable_copies = Counter("ckptd_durable_copies", "Checkpoints copied to the durable tier (copied), or "
-                                      "refused there: their fast copy does not match the manifest (refused).",
-                                      ["outcome"], registry=r)
-        self.durable_bytes = Counter("ckptd_durable_bytes", "Bytes copied to the durable tier.", registry=r)
+        self.durable_copies = counter("ckptd_durable_copies", "Checkpoints copied to the durable tier (copied), or "
+                                      "refused there: their fast copy does not match the manifest "
+                                      "(refused).", "outcome")
+        self.durable_bytes = counter("ckptd_durable_bytes", "Bytes copied to the durable tier.")
         self._lock = threading.Lock()
         self._sessions: dict[str, tuple[str, str]] = {}  # sid -> (run, name)
         self._jobs: dict[str, float | None] = {}  # job id -> when seen finished (None: still active)
@@ -254,10 +247,8 @@ class Metrics(SessionEvents):
                         with self._lock:
                             self._jobs.pop(job_id, None)
                         for g in (self.reshard_done, self.reshard_planned):
-                            try:
+                            with contextlib.suppress(KeyError):
                                 g.remove(job_id)
-                            except KeyError:
-                                pass
                     continue
                 try:
                     st = get_job(self._job_storage, job_id)

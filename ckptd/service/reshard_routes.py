@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["reshard_router"]
 
 
-def reshard_router(storage: Storage, watch: "JobWatch", metrics: "Metrics | None" = None) -> APIRouter:
+def reshard_router(storage: Storage, watch: "JobWatch", metrics: "Metrics") -> APIRouter:
     """The routes; jobs run in the service's worker pool (:class:`~.workers.Workers`) through ``watch``."""
     router = APIRouter(tags=["reshard"])
 
@@ -39,8 +39,7 @@ def reshard_router(storage: Storage, watch: "JobWatch", metrics: "Metrics | None
 
         st = await run_in_threadpool(submit_job, storage, body, watch.owner)
         watch.submit(st)
-        if metrics is not None:
-            metrics.track_job(storage, st.id)
+        metrics.track_job(storage, st.id)
         response.headers["Location"] = f"/v1/jobs/{st.id}"
         return st
 

@@ -55,8 +55,8 @@ class RemovalBody(BaseModel):
 DecisionLog = Callable[[str, dict[str, Any], str, bool], None]
 
 
-def gc_router(storage: Storage, sweep: Callable[[], list[str]], verify: Verifier | None = None,
-              record: DecisionLog | None = None) -> APIRouter:
+def gc_router(storage: Storage, sweep: Callable[[], list[str]], verify: Verifier | None,
+              record: DecisionLog) -> APIRouter:
     """The routes; ``sweep`` is the service's own stale-session sweep (its settings, its metrics)."""
     router = APIRouter(tags=["retention"])
 
@@ -66,8 +66,7 @@ def gc_router(storage: Storage, sweep: Callable[[], list[str]], verify: Verifier
         check_run(run)
         plan = gc_run(storage, run, keep_last=body.keep_last, keep_every=body.keep_every, dry_run=body.dry_run,
                       drop_parents=body.drop_parents, sweep=sweep, verify=verify)
-        if record is not None:
-            record(run, plan, "POST /v1/runs/{run}/gc", body.dry_run)
+        record(run, plan, "POST /v1/runs/{run}/gc", body.dry_run)
         return plan
 
     @router.delete("/v1/checkpoints/{run}/{name}", response_model=RemovalBody)

@@ -96,7 +96,7 @@ def serve(settings: Settings, *, storage: Storage | None = None) -> None:
     check_open_mode(settings, tokens)
     app = create_app(settings, storage, tokens=tokens)
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol  # httptools (a dependency of the server extra)
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # the guard frames with httptools too
 
     guard = ConnectionGuard(settings.header_timeout_seconds, settings.send_idle_timeout_seconds,
                             settings.max_header_bytes, settings.max_connections, app.state.metrics,
@@ -105,9 +105,8 @@ def serve(settings: Settings, *, storage: Storage | None = None) -> None:
     sock = listen(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     log.info("ckptd listening on http://%s:%d (root %s)", f"[{host}]" if ":" in host else host, port, settings.root)
-    config = uvicorn.Config(guard.track(app), loop=loop, http=guard.protocol(AutoHTTPProtocol), log_config=None,
-                            log_level=settings.log_level.lower(), access_log=False, timeout_keep_alive=30,
-                            h11_max_incomplete_event_size=settings.max_header_bytes)
+    config = uvicorn.Config(guard.track(app), loop=loop, http=guard.protocol(HttpToolsProtocol), log_config=None,
+                            log_level=settings.log_level.lower(), access_log=False, timeout_keep_alive=30)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

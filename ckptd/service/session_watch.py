@@ -90,12 +90,10 @@ class SessionWatches:
         try:
             # woken once: when the session settles or its read fails, not at every read of an open one
             await asyncio.wait((watch.done,), timeout=seconds)
+            if watch.status is None and watch.error is None:  # out of time before the first read ended
+                await watch.first_read.wait()
             if watch.error is not None:
                 raise watch.error
-            if watch.status is None:  # out of time before the first read ended: wait for that read
-                await watch.first_read.wait()
-                if watch.error is not None:
-                    raise watch.error
             assert watch.status is not None
             return watch.status, watch
         finally:

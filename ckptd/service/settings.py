@@ -250,13 +250,5 @@ GROUPS: dict[str, tuple[str, ...]] = {
 
 
 def env_name(name: str) -> str:
-    """The environment variable that sets field ``name``."""
-    from pydantic import AliasChoices
-
-    field = Settings.model_fields[name]
-    alias = field.validation_alias or field.alias
-    if isinstance(alias, AliasChoices):
-        alias = next((a for a in alias.choices if isinstance(a, str)), None)
-    if isinstance(alias, str):
-        return alias.upper()
-    return f"{Settings.model_config.get('env_prefix', '')}{name}".upper()
+    """The environment variable that sets field ``name`` (no field has an alias)."""
+    return f"{Settings.model_config['env_prefix']}{name}".upper()

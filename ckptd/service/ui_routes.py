@@ -90,12 +90,11 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
     lock = threading.Lock()
     listed = visibility.recent_listing  # one listing per run shared for a moment by every page and summary
 
-    def no_such_run(run: str) -> NotFound | None:
-        """The 404 of a run that is not under the root (asked only once something came back empty)."""
-        check_run(run)
-        if run in visibility.runs():
-            return None
-        return NotFound(f"no such run {run!r}", run=run)
+    def require_run(run: str) -> None:
+        """The 404 of a run that is not under the root (asked only once something came back empty; the
+        run's name is checked by then)."""
+        if run not in visibility.runs():
+            raise NotFound(f"no such run {run!r}", run=run)
 
     def stats_of(c: Committed) -> dict[str, Any] | None:
         """The figures of a visible checkpoint's manifest (cached by digest); None if it went meanwhile."""
@@ -160,8 +159,8 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
         """One page of the run's visible checkpoints (``desc``: newest first), each with its sizes,
         layout, verification, leases and lineage."""
         listing = listed(run)
-        if not listing and (err := no_such_run(run)) is not None:
-            raise err
+        if not listing:
+            require_run(run)
         latest = visibility.latest_of(listing)
         if order == "desc":
             listing = listing[::-1]
@@ -175,8 +174,8 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
                  limit: int = _limit(MAX_STEPS, MAX_STEPS)) -> Response:
         """The run's step timeline, oldest first, as columns (markers only: no manifest is parsed)."""
         listing = listed(run)
-        if not listing and (err := no_such_run(run)) is not None:
-            raise err
+        if not listing:
+            require_run(run)
         out = page(listing, offset, limit)
         cs = out.pop("items")
         out["columns"] = {"name": [c.name for c in cs], "step": [c.step for c in cs],
@@ -189,8 +188,7 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
         try:
             c = visibility.resolve(run, name)
         except CheckpointNotFound:
-            if (err := no_such_run(run)) is not None:
-                raise err from None
+            require_run(run)
             raise
         return c, visibility.manifest(c)
 
@@ -332,7 +330,7 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
                 except CkptdError:
                     continue
                 found.append((name, sid))
-        out = page(found, offset, limit, run_exists=bool(names) or no_such_run(run) is None)
+        out = page(found, offset, limit, run_exists=bool(names) or run in visibility.runs())
         out["items"] = [u for n, s in out["items"] if (u := upload_of(run, n, s)) is not None]
         return _json(out)
 

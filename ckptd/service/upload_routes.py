@@ -102,11 +102,8 @@ def upload_router(svc: Services) -> APIRouter:
     async def in_slot(request: Request, file: str, way: Callable[..., T], *args: Any) -> T:
         """``way(*args)`` off the event loop, holding one of the token's upload slots (a presign creates a
         multipart upload, a confirmation assembles it, a link on S3 is a copy): 429 past them."""
-        release = uploads.acquire(principal_of(request).name, file)
-        try:
+        with uploads.held(principal_of(request).name, file):
             return await run_in_threadpool(way, *args)
-        finally:
-            release()
 
     @router.post("/v1/checkpoints/{run}/{name}/sessions/{sid}/files/{file}/presign", response_model=PresignedUpload)
     async def presign_file(request: Request, run: str, name: str, sid: str, file: str,
@@ -142,42 +139,40 @@ def upload_router(svc: Services) -> APIRouter:
             raise PayloadTooLarge(f"file {file!r}: a chunk declaration of {x_ckptd_chunks} bytes is over the "
                                   f"{arrival.MAX_BYTES} a service takes", file=file, field=CHUNKS_HEADER,
                                   limit=arrival.MAX_BYTES)
-        release = uploads.acquire(principal_of(request).name, file)  # 429 past this token's uploads at once
-        body, sink, pending = request.stream(), None, None
-        try:
-            parts: list[bytes] = []  # batched, never copied
-            declared = None
-            if x_ckptd_chunks is not None:
-                head, rest = await _first_bytes(body, x_ckptd_chunks)
-                declared, parts = await run_in_threadpool(arrival.parse, head, file), [rest] if rest else []
-            sink = await run_in_threadpool(sessions.intake.receive, run, name, sid, file, principal_of(request),
-                                           declared)
-            nbytes = sum(map(len, parts))
-            async for piece in body:
-                parts.append(piece)
-                nbytes += len(piece)
-                if nbytes >= settings.write_batch_bytes:
-                    if pending is not None:
-                        await pending
-                    pending = asyncio.ensure_future(run_in_threadpool(sink.write_parts, parts))
-                    parts, nbytes = [], 0
-            if pending is not None:
-                await pending
-            if parts:
-                await run_in_threadpool(sink.write_parts, parts)
-            declared_length = request.headers.get("content-length")
-            if declared_length is not None and int(declared_length) != sink.size + (x_ckptd_chunks or 0):
-                raise InvalidRequest(f"file {file!r}: received {sink.size} of {declared_length} bytes", file=file)
-            return await run_in_threadpool(sink.finish, x_ckptd_xxh3)
-        except BaseException:
-            if pending is not None and not pending.done():
-                with contextlib.suppress(BaseException):
+        with uploads.held(principal_of(request).name, file):  # 429 past this token's uploads at once
+            body, sink, pending = request.stream(), None, None
+            try:
+                parts: list[bytes] = []  # batched, never copied
+                declared = None
+                if x_ckptd_chunks is not None:
+                    head, rest = await _first_bytes(body, x_ckptd_chunks)
+                    declared, parts = await run_in_threadpool(arrival.parse, head, file), [rest] if rest else []
+                sink = await run_in_threadpool(sessions.intake.receive, run, name, sid, file, principal_of(request),
+                                               declared)
+                nbytes = sum(map(len, parts))
+                async for piece in body:
+                    parts.append(piece)
+                    nbytes += len(piece)
+                    if nbytes >= settings.write_batch_bytes:
+                        if pending is not None:
+                            await pending
+                        pending = asyncio.ensure_future(run_in_threadpool(sink.write_parts, parts))
+                        parts, nbytes = [], 0
+                if pending is not None:
                     await pending
-            if sink is not None:
-                await run_in_threadpool(sink.abort)
-            raise
-        finally:
-            release()
+                if parts:
+                    await run_in_threadpool(sink.write_parts, parts)
+                declared_length = request.headers.get("content-length")
+                if declared_length is not None and int(declared_length) != sink.size + (x_ckptd_chunks or 0):
+                    raise InvalidRequest(f"file {file!r}: received {sink.size} of {declared_length} bytes", file=file)
+                return await run_in_threadpool(sink.finish, x_ckptd_xxh3)
+            except BaseException:
+                if pending is not None and not pending.done():
+                    with contextlib.suppress(BaseException):
+                        await pending
+                if sink is not None:
+                    await run_in_threadpool(sink.abort)
+                raise
 
     @router.put("/v1/checkpoints/{run}/{name}/sessions/{sid}/ranks/{rank}", response_model=SessionStatus)
     async def put_index(request: Request, run: str, name: str, sid: str, rank: int) -> SessionStatus:

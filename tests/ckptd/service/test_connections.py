@@ -25,7 +25,7 @@ import time
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ckptd.service import connections
 from ckptd.service.connections import PROBE_PATHS, ConnectionGuard, connection_cap
@@ -82,7 +82,7 @@ class _Server:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(self.guard.track(app), loop="asyncio", http=self.guard.protocol(AutoHTTPProtocol),
+        config = uvicorn.Config(self.guard.track(app), loop="asyncio", http=self.guard.protocol(HttpToolsProtocol),
                                 log_config=None, log_level="warning", access_log=False, timeout_keep_alive=30,
                                 lifespan="off")
         self.server = uvicorn.Server(config)

@@ -20,6 +20,7 @@ tests/adversary/test_request_deadlines.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -79,30 +80,42 @@ def test_an_answer_is_marked_on_the_request_scope():
 
 def test_upload_slots_refuse_the_token_over_its_limit_naming_token_file_and_limit():
     slots = UploadSlots(2)
-    releases = [slots.acquire("alice", "a0.bin"), slots.acquire("alice", "a1.bin")]
-    with pytest.raises(TooManyRequests) as e:
-        slots.acquire("alice", "a2.bin")
-    assert e.value.status == 429
-    assert e.value.details == {"limit": 2, "token": "alice", "file": "a2.bin"}
-    assert "'alice'" in e.value.message and "'a2.bin'" in e.value.message
-    assert "CKPTD_MAX_UPLOADS_PER_PRINCIPAL" in e.value.message
-    bob = slots.acquire("bob", "b0.bin")  # another token is not held back
-    assert (slots._active.get("alice", 0), slots._active.get("bob", 0)) == (2, 1)
-    releases[0]()
-    releases[0]()  # a second release gives back nothing more
-    assert slots._active.get("alice", 0) == 1
-    slots.acquire("alice", "a3.bin")
-    with pytest.raises(TooManyRequests):
-        slots.acquire("alice", "a4.bin")
-    bob()
-    assert slots._active.get("bob", 0) == 0 and "bob" not in slots._active  # no entry left behind per token
+    with contextlib.ExitStack() as alice, contextlib.ExitStack() as bob:
+        first = alice.enter_context(contextlib.ExitStack())
+        first.enter_context(slots.held("alice", "a0.bin"))
+        alice.enter_context(slots.held("alice", "a1.bin"))
+        with pytest.raises(TooManyRequests) as e:
+            alice.enter_context(slots.held("alice", "a2.bin"))
+        assert e.value.status == 429
+        assert e.value.details == {"limit": 2, "token": "alice", "file": "a2.bin"}
+        assert "'alice'" in e.value.message and "'a2.bin'" in e.value.message
+        assert "CKPTD_MAX_UPLOADS_PER_PRINCIPAL" in e.value.message
+        bob.enter_context(slots.held("bob", "b0.bin"))  # another token is not held back
+        assert (slots._active.get("alice", 0), slots._active.get("bob", 0)) == (2, 1)
+        first.close()  # one upload ends: its slot, and only its, is given back
+        assert slots._active.get("alice", 0) == 1
+        alice.enter_context(slots.held("alice", "a3.bin"))
+        with pytest.raises(TooManyRequests):
+            alice.enter_context(slots.held("alice", "a4.bin"))
+        bob.close()
+        assert "bob" not in slots._active  # no entry left behind per token
+    assert slots._active == {}  # every slot given back, the refused ones never taken
+
+
+def test_an_upload_that_fails_gives_its_slot_back():
+    slots = UploadSlots(1)
+    with pytest.raises(OSError), slots.held("alice", "a0.bin"):
+        raise OSError("the store failed mid-upload")
+    with slots.held("alice", "a1.bin"):
+        assert slots._active == {"alice": 1}
 
 
 def test_upload_slots_without_a_limit_never_refuse():
     slots = UploadSlots(0)
-    for i in range(100):
-        slots.acquire("alice", f"f{i}.bin")
-    assert slots._active.get("alice", 0) == 100
+    with contextlib.ExitStack() as stack:
+        for i in range(100):
+            stack.enter_context(slots.held("alice", f"f{i}.bin"))
+        assert slots._active.get("alice", 0) == 100
 
 
 # -- PrincipalRequests ---------------------------------------------------------------------------------
