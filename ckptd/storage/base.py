@@ -12,7 +12,7 @@ Keys are ``/``-separated paths relative to the storage root. Primitives:
 * :meth:`Storage.read` a byte range (:meth:`Storage.read_into` a caller's buffer, derived;
   local files override it to skip a copy); :meth:`Storage.size` (None if absent).
 * :meth:`Storage.list` the immediate children of a prefix.
-* :meth:`Storage.create_if_absent` writes a small object exactly once (first
+* :meth:`Storage.create_if_absent` (derived from ``once``) writes a small object exactly once (first
   writer wins): the commit marker's primitive.
 * :meth:`Storage.delete` and :meth:`Storage.delete_tree`.
 
@@ -104,9 +104,6 @@ class Storage(ABC):
     def list(self, prefix: str) -> list[str]:
         """Sorted names of the immediate children (files and folders) of ``prefix``; [] if none."""
 
-    @abstractmethod
-    def create_if_absent(self, key: str, data: bytes) -> bool:
-        """Create ``key`` with ``data`` unless it exists; True when this call created it."""
 
     @abstractmethod
     def delete(self, key: str) -> None:
@@ -118,13 +115,21 @@ class Storage(ABC):
 
     # -- derived ------------------------------------------------------------
     def put(self, key: str, data: bytes) -> None:
-        w = self.open_write(key)
+        self._write_whole(key, data, once=False)
+
+    def create_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` with ``data`` unless it exists; True when this call created it (a writer opened
+        ``once``: first writer wins; backends with a cheaper conditional create override it)."""
+        return self._write_whole(key, data, once=True)
+
+    def _write_whole(self, key: str, data: bytes, once: bool) -> bool:
+        w = self.open_write(key, once=once)
         try:
             w.write(data)
         except BaseException:
             w.abort()
             raise
-        w.commit()
+        return w.commit()
 
     def read_into(self, key: str, start: int, view: memoryview, *, uncached: bool = False) -> int:
         """Read up to ``len(view)`` bytes from ``start`` into ``view``; return how many arrived.

@@ -315,30 +315,6 @@ class LocalStorage(Storage):
         except OSError as e:
             raise classify("list", prefix, e, self.url) from e
 
-    def create_if_absent(self, key: str, data: bytes) -> bool:
-        final = self._path(key)
-        tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
-        try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                if self.durable:
-                    os.fsync(f.fileno())
-            try:
-                os.link(tmp, final)  # atomic, fails if the key exists: first writer wins
-                created = True
-            except FileExistsError:
-                created = False
-            if created and self.durable:
-                fsync_dir(final.parent)
-            return created
-        except OSError as e:
-            raise classify("create", key, e, self.url) from e
-        finally:
-            with contextlib.suppress(OSError):  # a read-only filesystem refuses even this (EROFS), temp or none
-                tmp.unlink(missing_ok=True)
-
     def delete(self, key: str) -> None:
         path = self._path(key)
         try:
