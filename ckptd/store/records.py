@@ -26,19 +26,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import stat as statmod
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ckptd_schemas import CkptdError, StorageError
+from ckptd_schemas import CkptdError
 
 from ..storage import Storage
 from .inflight import ordered_map, requests_in_flight
-from .paths import Committed, Paths
+from .paths import Committed, Paths, read_small
 
 __all__ = ["CommitCheck", "LINKED", "MAX_PROBLEMS", "Stray", "VerifyRecord", "arrival_of", "file_stamps", "known_bad",
            "record_arrival", "record_commit_check", "record_holds", "record_of", "record_vouches", "stamps_of",
@@ -165,24 +163,8 @@ def status_of(storage: Storage, c: Committed) -> tuple[str, str | None]:
 
 def _stored_record(storage: Storage, c: Committed) -> VerifyRecord | None:
     """The record about ``c``'s manifest, read only when it can be one (:func:`known_bad` says which)."""
-    key = Paths.verification(c.run, c.name)
-    path = storage.local_path(key)
-    if path is not None:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        if not statmod.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
-            return None
-    try:
-        raw = storage.read_or_none(key)
-    except StorageError:
-        if path is None:
-            raise
-        return None
-    if raw is None or len(raw) > MAX_RECORD_BYTES:
-        return None
-    return _record_for(raw, c)
+    raw, _ = read_small(storage, Paths.verification(c.run, c.name), MAX_RECORD_BYTES)
+    return None if raw is None else _record_for(raw, c)
 
 
 def _why_bad(rec: VerifyRecord) -> str:

@@ -47,9 +47,7 @@ What a load resolves (``latest``) always reads the listing now.
 from __future__ import annotations
 
 import logging
-import os
 import re
-import stat as statmod
 import threading
 import time
 from collections import OrderedDict
@@ -68,7 +66,7 @@ from ..storage import Storage
 from .flights import OneAtATime
 from .gcpause import gc_paused
 from ckptd_schemas.filedigest import xxh3_hex
-from .paths import Committed, Marker, Paths
+from .paths import Committed, Marker, Paths, read_small, regular_file
 from .records import known_bad, status_of
 
 __all__ = ["BadMarker", "Committed", "Latest", "Skipped", "Visibility", "manifest_file_name"]
@@ -164,10 +162,11 @@ class Visibility:
 
     # -- the one marker reader ----------------------------------------------------------------
     def marker(self, run: str, name: str) -> Marker | BadMarker | None:
-        """None: no marker (the ref is free). :class:`BadMarker`: one is there but does not parse."""
-        raw = self._read_marker(Paths.marker(run, name))
-        if raw is None or isinstance(raw, BadMarker):
-            return raw
+        """None: no marker (the ref is free). :class:`BadMarker`: one is there but does not parse, or is no
+        marker at all (:func:`.paths.read_small`: too large; on a local root, not a regular readable file)."""
+        raw, why = read_small(self.storage, Paths.marker(run, name), MAX_MARKER_BYTES)
+        if raw is None:
+            return None if why is None else BadMarker(f"COMMITTED marker {why}"[:300])
         try:
             m = Marker.model_validate_json(raw)
             check_session(m.session)
@@ -178,39 +177,12 @@ class Visibility:
             return BadMarker(f"COMMITTED marker does not parse: {first}"[:300])
         return m
 
-    def _read_marker(self, key: str) -> bytes | BadMarker | None:
-        """The marker's bytes; None when nothing is there. On a local root, anything there that is
-        not a regular file of marker size (a directory, a FIFO, a device, a symlink loop, a file
-        this process may not read) takes the ref and is a :class:`BadMarker`: it is never opened
-        (a FIFO would block the reader) and never read whole (a device never ends)."""
-        path = self.storage.local_path(key)
-        if path is not None:
-            st, why = _regular_file(path)
-            if why is not None:
-                return BadMarker(f"COMMITTED marker {why}")
-            if st is None:
-                return None
-            if st.st_size > MAX_MARKER_BYTES:
-                return BadMarker(f"COMMITTED marker holds {st.st_size} bytes, more than a marker's "
-                                 f"{MAX_MARKER_BYTES}")
-        try:
-            raw = self.storage.read_or_none(key)
-        except StorageError as e:
-            if path is None:
-                raise  # an object store's failure is the backend's: answered as such (503), not as invisible
-            return BadMarker(f"COMMITTED marker cannot be read: {e.message}"[:300])
-        if raw is None and path is not None and os.path.lexists(path):
-            return BadMarker("COMMITTED marker is not a regular file")
-        if raw is not None and len(raw) > MAX_MARKER_BYTES:
-            return BadMarker(f"COMMITTED marker holds {len(raw)} bytes, more than a marker's {MAX_MARKER_BYTES}")
-        return raw
-
     def _manifest_stamp(self, key: str, m: Marker) -> str | None:
         """The manifest's storage stamp (None: absent); on a local root, anything there that is not a
         regular readable file is invisible's ``manifest_missing``, never opened."""
         path = self.storage.local_path(key)
         if path is not None:
-            st, why = _regular_file(path)
+            st, why = regular_file(path)
             if why is not None:
                 raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names ({m.manifest}) {why}")
             if st is None:
@@ -545,21 +517,6 @@ def _disagreement(said: tuple, m: Marker) -> str:
     return (f"its manifest says {run}/{name} session {session} step {step} derived from {derived} parent {parent}; "
             f"its COMMITTED marker says {m.ref} session {m.session} step {m.step} derived from {m.derived_from} "
             f"parent {m.parent}")
-
-
-def _regular_file(path: str) -> tuple[os.stat_result | None, str | None]:
-    """``(stat, None)`` for a regular file, ``(None, None)`` when nothing is there, ``(None, why)`` for
-    anything else (a directory, a FIFO, a symlink loop, a path this process may not stat): such an
-    object is never opened, since a FIFO would block the reader."""
-    try:
-        st = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None, None
-    except OSError as e:
-        return None, f"cannot be read: {e.strerror}"
-    if not statmod.S_ISREG(st.st_mode):
-        return None, "is not a regular file"
-    return st, None
 
 
 def _valid(check: Callable[[str], object], value: str) -> bool:
