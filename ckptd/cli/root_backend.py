@@ -96,9 +96,11 @@ class RootBackend:
         return vis.manifest(c), [SkippedCheckpoint(ref=s.ref, reason=s.reason) for s in skipped]
 
     def status(self, manifest: Manifest) -> tuple[str | None, str | None]:
+        from ..store.records import status_of
+
         vis = self.reader.visibility
         c = vis.check(manifest.run, manifest.name)
-        return vis.status(c) if c is not None else (None, None)
+        return status_of(vis.storage, c) if c is not None else (None, None)
 
     def byte_source(self, manifest: Manifest) -> ReadFn:
         return partial(self.reader.read_range, manifest.run, manifest.name)

@@ -18,8 +18,8 @@ from ckptd_schemas import (
 )
 
 from ..storage import Storage
-from .paths import Marker, Paths
-from .paths import Committed
+from .paths import Committed, Marker, Paths
+from .records import status_of
 from .visibility import Visibility, order_key
 
 __all__ = ["CheckpointReader", "naming_tensor", "page_of"]
@@ -79,7 +79,7 @@ class CheckpointReader:
         out = []
         for run in (window := page_of(runs, after, limit))[0]:
             visible = self.visibility.recent_listing(run)
-            latest = self.visibility.latest_of(visible)
+            latest = self.visibility.latest(visible).checkpoint
             out.append(RunSummary(run=run, checkpoints=len(visible), latest=latest.name if latest else None))
         return out, window[1]
 
@@ -94,7 +94,7 @@ class CheckpointReader:
         none follow). Only those names' markers and records are read: the run's names are one listing."""
         names, after_this = page_of(self.visibility.names(run), after, limit)
         visible = sorted((c for n in names if (c := self.visibility.check(run, n)) is not None), key=order_key)
-        return [c.summary(self.visibility.status(c)) for c in visible], after_this
+        return [c.summary(status_of(self.storage, c)) for c in visible], after_this
 
     def committed(self, run: str, name: str) -> Committed:
         """The visible checkpoint ``run/name`` (``latest`` allowed), or :class:`CheckpointNotFound`."""
