@@ -278,16 +278,18 @@ class S3Storage(Storage):
         k = self._s3key(prefix) if prefix else self._prefix
         return f"{k}/" if k else ""
 
-    def _walk(self, prefix: str, delimiter: str | None) -> Iterator[dict]:
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
-        if delimiter:
-            kw["Delimiter"] = delimiter
+    def _walk(self, prefix: str, method: str = "list_objects_v2", **kw: Any) -> Iterator[dict]:
+        """Every page of a listing under ``prefix``: objects (``kw``: a ``Delimiter``) or multipart uploads."""
+        kw.update(Bucket=self.bucket, Prefix=prefix)
         while True:
-            out = self.fs.call_s3("list_objects_v2", **kw)
+            out = self.fs.call_s3(method, **kw)
             yield out
             if not out.get("IsTruncated"):
                 return
-            kw["ContinuationToken"] = out["NextContinuationToken"]
+            if method == "list_objects_v2":
+                kw["ContinuationToken"] = out["NextContinuationToken"]
+            else:
+                kw["KeyMarker"], kw["UploadIdMarker"] = out.get("NextKeyMarker"), out.get("NextUploadIdMarker")
 
     def _missing(self, key: str) -> StorageError:
         return StorageError(f"storage object {key!r} does not exist", key=key)
@@ -394,7 +396,7 @@ class S3Storage(Storage):
         names: set[str] = set()
         with _s3_errors("list", prefix, self.url):
             try:
-                for page in self._walk(pfx, "/"):
+                for page in self._walk(pfx, Delimiter="/"):
                     names.update(c["Prefix"][len(pfx):].rstrip("/") for c in page.get("CommonPrefixes") or ())
                     names.update(o["Key"][len(pfx):] for o in page.get("Contents") or ())
             except FileNotFoundError:
@@ -466,7 +468,7 @@ class S3Storage(Storage):
         pfx = f"{k}/"
         try:
             keys = [k]  # an object at the prefix itself goes too, as a file does locally
-            for page in self._walk(pfx, None):
+            for page in self._walk(pfx):
                 keys.extend(o["Key"] for o in page.get("Contents") or ())
             for i in range(0, len(keys), 1000):
                 out = self.fs.call_s3("delete_objects", Bucket=self.bucket,
@@ -486,10 +488,8 @@ class S3Storage(Storage):
     def _abort_uploads(self, pfx: str, older_than: float = float("inf")) -> int:
         """Abort the multipart uploads in flight under ``pfx`` (parts of crashed or abandoned writers)
         begun before ``older_than`` (epoch seconds); return how many."""
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": pfx}
         n = 0
-        while True:
-            out = self.fs.call_s3("list_multipart_uploads", **kw)
+        for out in self._walk(pfx, "list_multipart_uploads"):
             for u in out.get("Uploads") or ():
                 begun = u.get("Initiated")
                 if begun is None or begun.timestamp() < older_than:
@@ -497,9 +497,7 @@ class S3Storage(Storage):
                         self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=u["Key"],
                                         UploadId=u["UploadId"])
                         n += 1
-            if not out.get("IsTruncated"):
-                return n
-            kw["KeyMarker"], kw["UploadIdMarker"] = out.get("NextKeyMarker"), out.get("NextUploadIdMarker")
+        return n
 
     def reclaim_temps(self, prefix: str, older_than: float) -> int:
         """The unfinished multipart uploads under ``prefix`` (a writer killed mid-upload, or a presigned
@@ -512,7 +510,7 @@ class S3Storage(Storage):
         root = f"{self._prefix}/" if self._prefix else ""
         with _s3_errors("list", prefix, self.url):
             try:
-                return sorted((o["Key"][len(root):], o["Size"]) for page in self._walk(self._dir(prefix), None)
+                return sorted((o["Key"][len(root):], o["Size"]) for page in self._walk(self._dir(prefix))
                               for o in page.get("Contents") or ())
             except FileNotFoundError:
                 return []

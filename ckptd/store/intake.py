@@ -61,7 +61,7 @@ class FileSink:
         self._storage = storage
         self._on_stored = on_stored
         self._charge = charge  # asked before each batch is written: the writer's quota, the root's reserve
-        self._key, self._digest_key = key, digest_key
+        self.key, self._digest_key = key, digest_key  # where it is stored
         self.file = file
         self._digest = StreamDigest(block_size)
         self._writer: Writer = storage.open_write(key, once=True)
@@ -113,14 +113,14 @@ class FileSink:
         created = self._writer.commit()
         self._done = True
         entry = FileEntry(size=self._digest.size, xxh3=digest, block_size=self._digest.block_size, blocks=blocks)
-        if not created and stored_digest(self._storage, self._key, entry.block_size) != (entry.size, digest, blocks):
+        if not created and stored_digest(self._storage, self.key, entry.block_size) != (entry.size, digest, blocks):
             raise Conflict(f"file {self.file!r} is already stored in this session with other bytes; a stored "
                            f"file is never replaced (save again with a new session)", file=self.file)
         record_file(self._storage, self._digest_key, self.file, entry)
         if self._check is not None and created:  # its identity right after it was stored, what was checked
             # (only where these bytes made the file: a repeat's digests match the stored ones, which a
             # writer able to forge XXH3 collisions could make of other bytes: the commit reads those)
-            record_arrival(self._storage, self._arrival_key, self._storage.stamp(self._key), self._rows)
+            record_arrival(self._storage, self._arrival_key, self._storage.stamp(self.key), self._rows)
         self._on_stored()
         return UploadResult(file=self.file, size=entry.size, xxh3=digest)
 
@@ -197,7 +197,7 @@ class Intake:
     def receiving(self, run: str, name: str, sid: str) -> tuple[int, int]:
         """The files of session ``sid`` this process is receiving now, and their bytes so far."""
         key = Paths.session(run, name, sid) + "/"
-        sinks = [x for x in list(self._receiving) if not x.done and x._key.startswith(key)]
+        sinks = [x for x in list(self._receiving) if not x.done and x.key.startswith(key)]
         return len(sinks), sum(x.size for x in sinks)
 
     # -- placed: the object is already stored ---------------------------------------------
