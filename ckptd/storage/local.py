@@ -10,13 +10,14 @@ import shutil
 import stat
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 from ckptd_schemas import StorageError, StorageFull  # noqa: F401 - StorageFull: also reached through this module
 
 from .base import Storage, Writer, check_key
 from .direct import DirectWriter, open_direct
 from .direct import read_into as _read_direct
-from .failures import classify
+from .failures import classified, classify
 
 __all__ = ["LocalStorage", "fsync_dir"]
 
@@ -177,31 +178,34 @@ class LocalStorage(Storage):
     def open_write(self, key: str, *, once: bool = False) -> Writer:
         return _LocalWriter(self._path(key), key, self.durable, once, self.url)
 
+    @contextlib.contextmanager
+    def _reading(self, key: str) -> Iterator[None]:
+        """A read of an object that must be there: absent is a :class:`StorageError` (``ENOENT``)."""
+        with classified("read", key, self.url, OSError):
+            try:
+                yield
+            except FileNotFoundError as e:
+                raise StorageError(f"storage object {key!r} does not exist", key=key, errno=errno.ENOENT) from e
+
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
-        path = self._path(key)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                if start:
-                    f.seek(start)
-                if end is None:
-                    return f.read()
-                want = end - start
-                data = f.read(want)  # unbuffered: one bytes object, read into in place (no second copy)
-                if 0 < len(data) < want:  # a short read (rare on regular files): read on to the end or EOF
-                    parts = [data]
-                    got = len(data)
-                    while got < want and (more := f.read(want - got)):
-                        parts.append(more)
-                        got += len(more)
-                    data = b"".join(parts)
-                return data
-        except FileNotFoundError as e:
-            raise StorageError(f"storage object {key!r} does not exist", key=key, errno=errno.ENOENT) from e
-        except OSError as e:
-            raise classify("read", key, e, self.url) from e
+        with self._reading(key), open(self._path(key), "rb", buffering=0) as f:
+            if start:
+                f.seek(start)
+            if end is None:
+                return f.read()
+            want = end - start
+            data = f.read(want)  # unbuffered: one bytes object, read into in place (no second copy)
+            if 0 < len(data) < want:  # a short read (rare on regular files): read on to the end or EOF
+                parts = [data]
+                got = len(data)
+                while got < want and (more := f.read(want - got)):
+                    parts.append(more)
+                    got += len(more)
+                data = b"".join(parts)
+            return data
 
     def read_into(self, key: str, start: int, view: memoryview, *, uncached: bool = False) -> int:
-        try:
+        with self._reading(key):
             if uncached:
                 return _read_direct(self._path(key), start, view)
             with open(self._path(key), "rb", buffering=0) as f:
@@ -213,10 +217,6 @@ class LocalStorage(Storage):
                         break
                     got += n
                 return got
-        except FileNotFoundError as e:
-            raise StorageError(f"storage object {key!r} does not exist", key=key, errno=errno.ENOENT) from e
-        except OSError as e:
-            raise classify("read", key, e, self.url) from e
 
     def local_path(self, key: str) -> str | None:
         return str(self._path(key))
@@ -249,12 +249,9 @@ class LocalStorage(Storage):
         return True
 
     def _stat(self, key: str) -> os.stat_result | None:
-        try:
+        with classified("stat", key, self.url, OSError), contextlib.suppress(FileNotFoundError):
             return self._path(key).stat()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise classify("stat", key, e, self.url) from e
+        return None
 
     def stamp(self, key: str) -> str | None:
         """Inode, size, mtime and ctime: ctime moves on every write, rename or ``utime``, and no
@@ -277,10 +274,8 @@ class LocalStorage(Storage):
 
     def free_space(self) -> tuple[int, int] | None:
         """``statvfs`` of the root: the blocks an unprivileged writer may still use, and the size."""
-        try:
+        with classified("statvfs", "", self.url, OSError):
             st = os.statvfs(self.root)
-        except OSError as e:
-            raise classify("statvfs", "", e, self.url) from e
         return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
     def reclaim_temps(self, prefix: str, older_than: float) -> int:
@@ -308,12 +303,11 @@ class LocalStorage(Storage):
 
     def list(self, prefix: str) -> list[str]:
         path = self._path(prefix) if prefix else self.root
-        try:
-            return sorted(n for n in os.listdir(path) if not n.startswith("."))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        except OSError as e:
-            raise classify("list", prefix, e, self.url) from e
+        with classified("list", prefix, self.url, OSError):
+            try:
+                return sorted(n for n in os.listdir(path) if not n.startswith("."))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
 
     def delete(self, key: str) -> None:
         path = self._path(key)

@@ -48,12 +48,12 @@ import time
 from concurrent.futures import Future
 from typing import Any, Iterator, Mapping
 
-from ckptd_schemas import CkptdError, StorageError
+from ckptd_schemas import StorageError
 
 import fsspec
 
 from .base import Presigned, Storage, Writer, check_key
-from .failures import classify, client_errors
+from .failures import classified, classify, client_errors
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_ATTEMPTS", "S3Storage", "s3_options_from_env"]
 
@@ -90,19 +90,6 @@ def s3_options_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     # presign with the legacy query signature, which signs neither the checksum nor the length).
     opts["config_kwargs"] = {"retries": {"mode": mode, "total_max_attempts": attempts}, "signature_version": "s3v4"}
     return opts
-
-
-@contextlib.contextmanager
-def _s3_errors(op: str, key: str, root: str) -> Iterator[None]:
-    """The one error wrapper of every S3 call: a backend failure becomes :class:`StorageError` naming
-    the operation and key; a missing object (``FileNotFoundError``, which each call answers its own
-    way) and the project's own errors (an unsafe key's ``InvalidName``) pass as they are."""
-    try:
-        yield
-    except (FileNotFoundError, CkptdError):
-        raise
-    except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
-        raise classify(op, key, e, root) from e
 
 
 def _create_outcome(e: BaseException) -> str:
@@ -320,7 +307,7 @@ class S3Storage(Storage):
 
     def _head(self, key: str, **kw: Any) -> dict | None:
         """One HEAD of ``key``; None when it is absent."""
-        with _s3_errors("stat", key, self.url):
+        with classified("stat", key, self.url):
             try:
                 return self.fs.call_s3("head_object", Bucket=self.bucket, Key=self._s3key(key), **kw)
             except FileNotFoundError:
@@ -385,7 +372,7 @@ class S3Storage(Storage):
 
     def read_or_none(self, key: str) -> bytes | None:
         """One GET (no HEAD first)."""
-        with _s3_errors("read", key, self.url):
+        with classified("read", key, self.url):
             try:
                 return self.fs.cat_file(self._path(key), start=0, end=None)
             except FileNotFoundError:
@@ -394,7 +381,7 @@ class S3Storage(Storage):
     def list(self, prefix: str) -> list[str]:
         pfx = self._dir(prefix)
         names: set[str] = set()
-        with _s3_errors("list", prefix, self.url):
+        with classified("list", prefix, self.url):
             try:
                 for page in self._walk(pfx, Delimiter="/"):
                     names.update(c["Prefix"][len(pfx):].rstrip("/") for c in page.get("CommonPrefixes") or ())
@@ -460,7 +447,7 @@ class S3Storage(Storage):
             raise classify("link", dst, e, self.url) from e
 
     def delete(self, key: str) -> None:
-        with _s3_errors("delete", key, self.url), contextlib.suppress(FileNotFoundError):
+        with classified("delete", key, self.url), contextlib.suppress(FileNotFoundError):
             self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self._s3key(key))
 
     def delete_tree(self, prefix: str) -> None:
@@ -503,12 +490,12 @@ class S3Storage(Storage):
         """The unfinished multipart uploads under ``prefix`` (a writer killed mid-upload, or a presigned
         upload never completed): not objects, invisible to reads and listings, but their parts are
         stored (and billed) until aborted."""
-        with _s3_errors("delete", prefix, self.url):
+        with classified("delete", prefix, self.url):
             return self._abort_uploads(self._dir(prefix), older_than)
 
     def walk(self, prefix: str) -> list[tuple[str, int]]:
         root = f"{self._prefix}/" if self._prefix else ""
-        with _s3_errors("list", prefix, self.url):
+        with classified("list", prefix, self.url):
             try:
                 return sorted((o["Key"][len(root):], o["Size"]) for page in self._walk(self._dir(prefix))
                               for o in page.get("Contents") or ())
