@@ -32,12 +32,15 @@ failure, and raises :class:`ckptd_schemas.CorruptCheckpoint` at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ckptd_schemas import CorruptCheckpoint, InvalidName, StorageError
+
+from .failures import classify
 
 __all__ = ["Presigned", "Storage", "Writer", "check_key"]
 
@@ -69,6 +72,16 @@ class Writer(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Drop what was written; never raises for an already-closed writer."""
+
+    @contextlib.contextmanager
+    def _aborting(self, op: str, key: str, root: str, catch: type[BaseException] = Exception) -> Iterator[None]:
+        """A backend failure (``catch``) inside drops what was written (:meth:`abort`) and is raised as
+        :func:`~.failures.classify` names it: every writer's one error path."""
+        try:
+            yield
+        except catch as e:
+            self.abort()
+            raise classify(op, key, e, root) from e
 
 
 @dataclass(frozen=True)

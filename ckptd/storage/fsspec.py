@@ -19,7 +19,7 @@ import fsspec
 from ckptd_schemas import StorageError
 
 from .base import Storage, Writer, check_key
-from .failures import classified, classify
+from .failures import classified
 
 __all__ = ["FsspecStorage"]
 
@@ -40,22 +40,16 @@ class _FsspecWriter(Writer):
             self._f = fs.open(self._path, "wb")
 
     def write(self, data: bytes | memoryview) -> None:
-        try:
+        with self._aborting("write", self._key, self._root):  # any backend error becomes StorageError
             self._f.write(data)
-        except Exception as e:  # noqa: BLE001
-            self.abort()
-            raise classify("write", self._key, e, self._root) from e
 
     def commit(self) -> bool:
-        try:
+        with self._aborting("commit", self._key, self._root):
             self._f.close()
             self._closed = True
             if not self._in_place:
                 self._fs.mv(self._path, self._final)
             return True
-        except Exception as e:  # noqa: BLE001
-            self.abort()
-            raise classify("commit", self._key, e, self._root) from e
 
     def abort(self) -> None:
         if not self._closed:

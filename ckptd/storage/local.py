@@ -15,7 +15,7 @@ from typing import Iterator
 from ckptd_schemas import StorageError, StorageFull  # noqa: F401 - StorageFull: also reached through this module
 
 from .base import Storage, Writer, check_key
-from .direct import DirectWriter, open_direct
+from .direct import DirectWriter, open_direct, write_all
 from .direct import read_into as _read_direct
 from .failures import classified, classify
 
@@ -54,7 +54,7 @@ class _LocalWriter(Writer):
         self._written = self._flushed = 0  # bytes written; bytes handed to write-back early
         self._fd = -1
         self._direct: DirectWriter | None = None
-        try:
+        with self._aborting("open", key, root, OSError):
             final.parent.mkdir(parents=True, exist_ok=True)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
             if durable:
@@ -63,9 +63,6 @@ class _LocalWriter(Writer):
                     self._direct = DirectWriter(self._fd, True)
             else:
                 self._fd = os.open(self._tmp, flags, 0o644)
-        except OSError as e:
-            self.abort()
-            raise classify("open", key, e, root) from e
 
     def _early_writeback(self, n: int) -> None:
         """Every WRITEBACK_BYTES of a durable file written through the page cache (where the filesystem
@@ -81,19 +78,12 @@ class _LocalWriter(Writer):
         self._flushed = self._written
 
     def write(self, data: bytes | memoryview) -> None:
-        try:
+        with self._aborting("write", self._key, self._root, OSError):
             if self._direct is not None:
                 self._direct.write(data)
                 return
-            view = memoryview(data)
-            total = len(view)
-            while view:
-                n = os.write(self._fd, view)
-                view = view[n:]
-            self._early_writeback(total)
-        except OSError as e:
-            self.abort()
-            raise classify("write", self._key, e, self._root) from e
+            write_all(self._fd, memoryview(data))
+            self._early_writeback(len(data))
 
     def write_parts(self, parts: list[bytes]) -> None:
         """Past the page cache: each piece into the aligned window. Through it: ``os.writev`` of the
@@ -102,7 +92,7 @@ class _LocalWriter(Writer):
             for p in parts:
                 self.write(p)
             return
-        try:
+        with self._aborting("write", self._key, self._root, OSError):
             for i in range(0, len(parts), _IOV_MAX):
                 group = parts[i:i + _IOV_MAX]
                 n = os.writev(self._fd, group)
@@ -114,12 +104,9 @@ class _LocalWriter(Writer):
                             continue
                         self.write(memoryview(p)[n:])
                         n = 0
-        except OSError as e:
-            self.abort()
-            raise classify("write", self._key, e, self._root) from e
 
     def commit(self) -> bool:
-        try:
+        with self._aborting("commit", self._key, self._root, OSError):
             if self._direct is not None:
                 self._direct.close_tail()
                 self._direct = None
@@ -139,9 +126,6 @@ class _LocalWriter(Writer):
             if self._durable:
                 fsync_dir(self._final.parent)
             return True
-        except OSError as e:
-            self.abort()
-            raise classify("commit", self._key, e, self._root) from e
 
     def abort(self) -> None:
         if self._direct is not None:

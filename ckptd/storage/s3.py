@@ -169,14 +169,11 @@ class _S3Writer(Writer):
         if self._closed:
             raise StorageError(f"storage write of {self._key!r} failed: the writer is closed", key=self._key)
         self._buf += data
-        try:
+        with self._aborting("write", self._key, self._st.url):  # any backend error becomes StorageError
             while len(self._buf) >= (n := self.part_size()):
                 body = bytes(memoryview(self._buf)[:n])
                 del self._buf[:n]
                 self._upload_part(body)
-        except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
-            self.abort()
-            raise classify("write", self._key, e, self._st.url) from e
 
     def commit(self) -> bool:
         if self._closed:

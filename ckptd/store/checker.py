@@ -180,10 +180,11 @@ class _Rows:
         self.rank.append(rank)
         return len(self.xxh3) - 1
 
-    def problem(self, i: int, message: str, file: str) -> "Problem":
-        """An :class:`~ckptd_schemas.IntegrityError` of row ``i`` in ``file``: ``message`` after the row's name."""
+    def problem(self, i: int, message: str, file: str, error: type[IntegrityError] = IntegrityError,
+                **more: object) -> "Problem":
+        """A problem of row ``i`` in ``file``: ``message`` after the row's name, ``more`` details."""
         kind, name = self.whats[self.owner[i]]
-        return Problem(IntegrityError, f"{self.what(i)}{message}", {kind: name, "rank": self.rank[i], "file": file})
+        return Problem(error, f"{self.what(i)}{message}", {kind: name, "rank": self.rank[i], "file": file, **more})
 
 
 @dataclass
@@ -306,11 +307,8 @@ class Verdict:
 
 def _chunk_problem(rows: _Rows, i: int, got: str) -> Problem:
     lo, f = rows.offset[i], rows.file[i]
-    kind, name = rows.whats[rows.owner[i]]
-    return Problem(ChecksumMismatch,
-                    f"{rows.what(i)}: bytes [{lo}, {lo + rows.length[i]}) of file {f!r} hash to {got}, its index "
-                    f"says {rows.xxh3[i]}", {kind: name, "rank": rows.rank[i], "file": f, "offset": lo,
-                                             "declared": rows.xxh3[i], "actual": got})
+    return rows.problem(i, f": bytes [{lo}, {lo + rows.length[i]}) of file {f!r} hash to {got}, its index says "
+                           f"{rows.xxh3[i]}", f, ChecksumMismatch, offset=lo, declared=rows.xxh3[i], actual=got)
 
 
 # -- one file ------------------------------------------------------------------------------------------
