@@ -75,10 +75,10 @@ class RootBackend:
 
     # -- reads ------------------------------------------------------------------------------------
     def list_runs(self) -> list[RunSummary]:
-        return self.reader.list_runs()
+        return self.reader.runs_page()[0]
 
     def list_checkpoints(self, run: str) -> list[CheckpointSummary]:
-        return self.reader.list_checkpoints(run)
+        return self.reader.checkpoints_page(run)[0]
 
     def run_names(self) -> list[str]:
         return self.reader.visibility.runs()  # names only: no marker of any run is read

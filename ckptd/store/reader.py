@@ -65,10 +65,6 @@ class CheckpointReader:
         c = self.visibility.check(run, name)
         return c.marker if c is not None else None
 
-    def list_runs(self, may_read: Callable[[str], bool] | None = None) -> list[RunSummary]:
-        """Every run's summary, or only those ``may_read`` lets through (:meth:`runs_page`, one page)."""
-        return self.runs_page(may_read)[0]
-
     def runs_page(self, may_read: Callable[[str], bool] | None = None, *, after: str | None = None,
                   limit: int | None = None) -> tuple[list[RunSummary], str | None]:
         """At most ``limit`` summaries of the runs ``may_read`` lets through, by name after ``after``, and
@@ -82,10 +78,6 @@ class CheckpointReader:
             latest = self.visibility.latest(visible).checkpoint
             out.append(RunSummary(run=run, checkpoints=len(visible), latest=latest.name if latest else None))
         return out, window[1]
-
-    def list_checkpoints(self, run: str) -> list[CheckpointSummary]:
-        """The run's visible checkpoints, oldest first, each with its status (``Visibility.status``)."""
-        return self.checkpoints_page(run)[0]
 
     def checkpoints_page(self, run: str, *, after: str | None = None,
                          limit: int | None = None) -> tuple[list[CheckpointSummary], str | None]:
