@@ -2,23 +2,17 @@
 
 Keys are ``/``-separated paths relative to the storage root. Primitives:
 
-* :meth:`Storage.open_write` -> a :class:`Writer` whose bytes become visible at
-  the key, whole and durable, only on :meth:`Writer.commit` (temp file +
-  rename + fsync locally; single PUT or multipart completion on object
-  stores); :meth:`Writer.abort` leaves nothing behind. With ``once=True`` the
-  commit creates the key only if it is absent (a hard link of the temp file
-  locally; ``If-None-Match: *`` on the PUT or the multipart completion on object
-  stores): a data file of a session is written once, and nothing replaces it.
-* :meth:`Storage.read` a byte range (:meth:`Storage.read_into` a caller's buffer, derived;
-  local files override it to skip a copy); :meth:`Storage.size` (None if absent).
-* :meth:`Storage.list` the immediate children of a prefix.
-* :meth:`Storage.create_if_absent` (derived from ``once``) writes a small object exactly once (first
-  writer wins): the commit marker's primitive.
-* :meth:`Storage.delete` and :meth:`Storage.delete_tree`.
+* :meth:`Storage.open_write` -> a :class:`Writer` whose bytes become visible at the key, whole and
+  durable, only on :meth:`Writer.commit` (temp file + rename + fsync locally; single PUT or multipart
+  completion on object stores); :meth:`Writer.abort` leaves nothing behind. With ``once=True`` the
+  commit creates the key only if it is absent (a hard link of the temp file locally; ``If-None-Match:
+  *`` on object stores): a data file of a session is written once, and nothing replaces it, and
+  :meth:`Storage.create_if_absent` writes a small object exactly once (the commit marker's primitive).
+* :meth:`Storage.read` a byte range, :meth:`Storage.size` (None if absent), :meth:`Storage.list` the
+  immediate children of a prefix, :meth:`Storage.delete` and :meth:`Storage.delete_tree`.
 
-Derived, overridden where a backend does better (:meth:`Storage.read_or_none`, :meth:`Storage.stamp`,
-:meth:`Storage.walk`), or optional, each saying so where it is not there (:meth:`Storage.local_path`,
-:meth:`Storage.free_space`, :meth:`Storage.link`, presigned uploads): each method's docstring says what.
+Derived, overridden where a backend does better, or optional, each saying so where it is not there
+(:meth:`Storage.local_path`, :meth:`Storage.link`, presigned uploads): each method's docstring says what.
 
 Errors from the backend surface as :class:`ckptd_schemas.StorageError`
 naming the key (transient: callers retry), except those that waiting cannot change: a read-only

@@ -141,9 +141,7 @@ class FsspecStorage(Storage):
                       if i.get("type") != "directory")
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
-        # Backends without a native conditional create: exactly-once within this
-        # process only. S3 has one (a conditional PUT): open s3:// roots with
-        # open_storage, which gives S3Storage (ckptd.storage.s3).
+        """Exactly once within this process only (no native conditional create; S3's is ``S3Storage``'s)."""
         with self._create_lock:
             if self.size(key) is not None:
                 return False

@@ -244,13 +244,11 @@ class LocalStorage(Storage):
         return None if st is None else f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
     def read_or_none(self, key: str) -> bytes | None:
-        try:
+        with classified("read", key, self.url, OSError), \
+                contextlib.suppress(FileNotFoundError, NotADirectoryError, IsADirectoryError):
             with open(self._path(key), "rb", buffering=0) as f:
                 return f.read()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return None
-        except OSError as e:
-            raise classify("read", key, e, self.url) from e
+        return None
 
     def size(self, key: str) -> int | None:
         st = self._stat(key)

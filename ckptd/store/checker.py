@@ -144,8 +144,7 @@ def check_commit(manifest: Manifest, storage: Storage, key_of: Callable[[str], s
 
 def jobs_for(manifest: Manifest, storage: Storage, key_of: Callable[[str], str]) -> int:
     """Files checked at once in ``storage``: :data:`JOBS`, or :data:`REMOTE_JOBS` on a remote store."""
-    files = iter(manifest.files)
-    first = next(files, None)
+    first = next(iter(manifest.files), None)
     return REMOTE_JOBS if first is not None and is_remote(storage, key_of(first)) else JOBS
 
 
@@ -297,12 +296,11 @@ class Verdict:
     def ok(self) -> bool:
         return not self.problems
 
-    def raise_first(self) -> int:
-        """Raise the first problem (the commit's refusal); the bytes read when there is none."""
+    def raise_first(self) -> None:
+        """Raise the first problem, if any (the commit's refusal)."""
         if self.problems:
             more = f" (and {len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
             raise self.problems[0].exception("refused at commit: ", more)
-        return self.bytes_read
 
 
 def _chunk_problem(rows: _Rows, i: int, got: str) -> Problem:
