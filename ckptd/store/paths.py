@@ -214,7 +214,7 @@ class Committed:
         return self.marker.committed_at
 
     def summary(self, status: tuple[str | None, str | None] = (None, None)) -> CheckpointSummary:
-        """The listing's row; ``status``: ``Visibility.status`` of this checkpoint, when the caller read it."""
+        """The listing's row; ``status``: ``records.status_of`` of this checkpoint, when the caller read it."""
         m = self.marker
         return CheckpointSummary(run=self.run, name=self.name, step=m.step, derived_from=m.derived_from, parent=m.parent,
                                  session=m.session, committed_at=m.committed_at, manifest_xxh3=m.manifest_xxh3,
