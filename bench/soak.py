@@ -210,7 +210,7 @@ def run(ranks: int, checkpoints: int, mib: float, work: Path, timeout: float) ->
         lat = [r["result"]["latency_s"] for r in recs]
         sessions = [r["result"]["sessions"] for r in recs]
         assert all(s == sessions[0] for s in sessions), "ranks saw different sessions"
-        present = {c.name: c for c in reader.list_checkpoints(run_name)}
+        present = {c.name: c for c in reader.checkpoints_page(run_name)[0]}
         deleted = set(log["gc_deleted"])
         problems: list[str] = []
         for step in range(1, checkpoints + 1):
@@ -225,7 +225,7 @@ def run(ranks: int, checkpoints: int, mib: float, work: Path, timeout: float) ->
                 problems.append(f"{name}: gc deleted a checkpoint the policy keeps")
         verified = {}
         refs = [(run_name, n) for n in present] + [(f"{run_name}-dp4", c.name)
-                                                   for c in reader.list_checkpoints(f"{run_name}-dp4")]
+                                                   for c in reader.checkpoints_page(f"{run_name}-dp4")[0]]
         for r, n in refs:
             m = reader.manifest(r, n)
             rep = verify_manifest(m, _Source(reader, r, n).read)

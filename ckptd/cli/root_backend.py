@@ -75,10 +75,10 @@ class RootBackend:
 
     # -- reads ------------------------------------------------------------------------------------
     def list_runs(self) -> list[RunSummary]:
-        return self.reader.list_runs()
+        return self.reader.runs_page()[0]
 
     def list_checkpoints(self, run: str) -> list[CheckpointSummary]:
-        return self.reader.list_checkpoints(run)
+        return self.reader.checkpoints_page(run)[0]
 
     def run_names(self) -> list[str]:
         return self.reader.visibility.runs()  # names only: no marker of any run is read
@@ -96,9 +96,11 @@ class RootBackend:
         return vis.manifest(c), [SkippedCheckpoint(ref=s.ref, reason=s.reason) for s in skipped]
 
     def status(self, manifest: Manifest) -> tuple[str | None, str | None]:
+        from ..store.records import status_of
+
         vis = self.reader.visibility
         c = vis.check(manifest.run, manifest.name)
-        return vis.status(c) if c is not None else (None, None)
+        return status_of(vis.storage, c) if c is not None else (None, None)
 
     def byte_source(self, manifest: Manifest) -> ReadFn:
         return partial(self.reader.read_range, manifest.run, manifest.name)

@@ -145,7 +145,7 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
         items = []
         for run in out["items"]:
             listing = listed(run)
-            latest = visibility.latest_of(listing)
+            latest = visibility.latest(listing).checkpoint
             items.append({"run": run, "checkpoints": len(listing), "latest": latest.name if latest else None,
                           "newest_step": max((c.step for c in listing if c.step is not None), default=None),
                           "last_commit": max((c.committed_at for c in listing), default=None)})
@@ -161,7 +161,7 @@ def ui_router(svc: Services, gc_log: GcLog) -> APIRouter:
         listing = listed(run)
         if not listing:
             require_run(run)
-        latest = visibility.latest_of(listing)
+        latest = visibility.latest(listing).checkpoint
         if order == "desc":
             listing = listing[::-1]
         out = page(listing, offset, limit, run=run, latest=latest.name if latest else None)

@@ -2,23 +2,17 @@
 
 Keys are ``/``-separated paths relative to the storage root. Primitives:
 
-* :meth:`Storage.open_write` -> a :class:`Writer` whose bytes become visible at
-  the key, whole and durable, only on :meth:`Writer.commit` (temp file +
-  rename + fsync locally; single PUT or multipart completion on object
-  stores); :meth:`Writer.abort` leaves nothing behind. With ``once=True`` the
-  commit creates the key only if it is absent (a hard link of the temp file
-  locally; ``If-None-Match: *`` on the PUT or the multipart completion on object
-  stores): a data file of a session is written once, and nothing replaces it.
-* :meth:`Storage.read` a byte range (:meth:`Storage.read_into` a caller's buffer, derived;
-  local files override it to skip a copy); :meth:`Storage.size` (None if absent).
-* :meth:`Storage.list` the immediate children of a prefix.
-* :meth:`Storage.create_if_absent` writes a small object exactly once (first
-  writer wins): the commit marker's primitive.
-* :meth:`Storage.delete` and :meth:`Storage.delete_tree`.
+* :meth:`Storage.open_write` -> a :class:`Writer` whose bytes become visible at the key, whole and
+  durable, only on :meth:`Writer.commit` (temp file + rename + fsync locally; single PUT or multipart
+  completion on object stores); :meth:`Writer.abort` leaves nothing behind. With ``once=True`` the
+  commit creates the key only if it is absent (a hard link of the temp file locally; ``If-None-Match:
+  *`` on object stores): a data file of a session is written once, and nothing replaces it, and
+  :meth:`Storage.create_if_absent` writes a small object exactly once (the commit marker's primitive).
+* :meth:`Storage.read` a byte range, :meth:`Storage.size` (None if absent), :meth:`Storage.list` the
+  immediate children of a prefix, :meth:`Storage.delete` and :meth:`Storage.delete_tree`.
 
-Derived, overridden where a backend does better (:meth:`Storage.read_or_none`, :meth:`Storage.stamp`,
-:meth:`Storage.walk`), or optional, each saying so where it is not there (:meth:`Storage.local_path`,
-:meth:`Storage.free_space`, :meth:`Storage.link`, presigned uploads): each method's docstring says what.
+Derived, overridden where a backend does better, or optional, each saying so where it is not there
+(:meth:`Storage.local_path`, :meth:`Storage.link`, presigned uploads): each method's docstring says what.
 
 Errors from the backend surface as :class:`ckptd_schemas.StorageError`
 naming the key (transient: callers retry), except those that waiting cannot change: a read-only
@@ -32,12 +26,15 @@ failure, and raises :class:`ckptd_schemas.CorruptCheckpoint` at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ckptd_schemas import CorruptCheckpoint, InvalidName, StorageError
+
+from .failures import classify
 
 __all__ = ["Presigned", "Storage", "Writer", "check_key"]
 
@@ -69,6 +66,16 @@ class Writer(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Drop what was written; never raises for an already-closed writer."""
+
+    @contextlib.contextmanager
+    def _aborting(self, op: str, key: str, root: str, catch: type[BaseException] = Exception) -> Iterator[None]:
+        """A backend failure (``catch``) inside drops what was written (:meth:`abort`) and is raised as
+        :func:`~.failures.classify` names it: every writer's one error path."""
+        try:
+            yield
+        except catch as e:
+            self.abort()
+            raise classify(op, key, e, root) from e
 
 
 @dataclass(frozen=True)
@@ -104,9 +111,6 @@ class Storage(ABC):
     def list(self, prefix: str) -> list[str]:
         """Sorted names of the immediate children (files and folders) of ``prefix``; [] if none."""
 
-    @abstractmethod
-    def create_if_absent(self, key: str, data: bytes) -> bool:
-        """Create ``key`` with ``data`` unless it exists; True when this call created it."""
 
     @abstractmethod
     def delete(self, key: str) -> None:
@@ -118,13 +122,21 @@ class Storage(ABC):
 
     # -- derived ------------------------------------------------------------
     def put(self, key: str, data: bytes) -> None:
-        w = self.open_write(key)
+        self._write_whole(key, data, once=False)
+
+    def create_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` with ``data`` unless it exists; True when this call created it (a writer opened
+        ``once``: first writer wins; backends with a cheaper conditional create override it)."""
+        return self._write_whole(key, data, once=True)
+
+    def _write_whole(self, key: str, data: bytes, once: bool) -> bool:
+        w = self.open_write(key, once=once)
         try:
             w.write(data)
         except BaseException:
             w.abort()
             raise
-        w.commit()
+        return w.commit()
 
     def read_into(self, key: str, start: int, view: memoryview, *, uncached: bool = False) -> int:
         """Read up to ``len(view)`` bytes from ``start`` into ``view``; return how many arrived.

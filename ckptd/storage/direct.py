@@ -25,7 +25,7 @@ import mmap
 import os
 import threading
 
-__all__ = ["ALIGN", "WINDOW", "DirectWriter", "aligned", "open_direct", "read_into", "take_window"]
+__all__ = ["ALIGN", "WINDOW", "DirectWriter", "aligned", "open_direct", "read_into", "take_window", "write_all"]
 
 ALIGN = 4096  # the alignment O_DIRECT asks of address, offset and length (the largest logical block in use)
 WINDOW = 4 << 20  # one write's size: large enough that each is one request at the device's full speed
@@ -75,7 +75,8 @@ def _buffered(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
 
-def _write_all(fd: int, view: memoryview) -> None:
+def write_all(fd: int, view: memoryview) -> None:
+    """All of ``view`` written to ``fd``, short writes continued."""
     while view:
         n = os.write(fd, view)
         view = view[n:]
@@ -108,14 +109,14 @@ class DirectWriter:
     def _flush(self, view: memoryview) -> None:
         if self.direct:
             try:
-                _write_all(self.fd, view)
+                write_all(self.fd, view)
                 return
             except OSError as e:  # the device asks more alignment than ALIGN, or refuses: the page cache
                 if e.errno != errno.EINVAL:
                     raise
                 self.direct = False
                 _buffered(self.fd)
-        _write_all(self.fd, view)
+        write_all(self.fd, view)
 
     def close_tail(self) -> None:
         """Write what the window holds: its aligned part past the cache, the rest through it."""
@@ -126,7 +127,7 @@ class DirectWriter:
             if self.direct:
                 _buffered(self.fd)
                 self.direct = False
-            _write_all(self.fd, self._view[head:self._fill])
+            write_all(self.fd, self._view[head:self._fill])
         self._fill = 0
         self.release()
 

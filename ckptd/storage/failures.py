@@ -22,13 +22,14 @@ failures through :func:`permanent_error` before wrapping what is left as a trans
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from typing import Iterator
 
-from ckptd_schemas import StorageError, StorageFull, StoragePermanent, StorageReadOnly
+from ckptd_schemas import CkptdError, StorageError, StorageFull, StoragePermanent, StorageReadOnly
 
-__all__ = ["READ_OPS", "S3_DENIED", "classify", "client_errors", "permanent_error"]
+__all__ = ["READ_OPS", "S3_DENIED", "classified", "classify", "client_errors", "permanent_error"]
 
 #: Operations that only read; a permission refused to any other is a root that cannot be written.
 READ_OPS = frozenset({"read", "stat", "list"})
@@ -104,6 +105,19 @@ def permanent_error(op: str, key: str, e: BaseException, root: str) -> StoragePe
                                 f"({text}, {name})", **details)
     return StorageReadOnly(f"{where}: {_who(root)} may not write under the storage root {root} ({text}, {name})",
                            **details)
+
+
+@contextlib.contextmanager
+def classified(op: str, key: str, root: str, catch: type[BaseException] = Exception) -> Iterator[None]:
+    """A backend call's one error wrapper: a failure (``catch``) becomes :func:`classify`'s error naming
+    ``op`` and ``key``; a missing object (``FileNotFoundError``, which each call answers its own way)
+    and the project's own errors (an unsafe key's ``InvalidName``) pass as they are."""
+    try:
+        yield
+    except (FileNotFoundError, CkptdError):
+        raise
+    except catch as e:
+        raise classify(op, key, e, root) from e
 
 
 def classify(op: str, key: str, e: BaseException, root: str) -> StorageError:

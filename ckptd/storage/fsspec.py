@@ -9,6 +9,7 @@ writer's commit. Filesystems with rename use a temporary key and ``mv``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from typing import Any
@@ -18,7 +19,7 @@ import fsspec
 from ckptd_schemas import StorageError
 
 from .base import Storage, Writer, check_key
-from .failures import classify
+from .failures import classified
 
 __all__ = ["FsspecStorage"]
 
@@ -33,31 +34,22 @@ class _FsspecWriter(Writer):
         self._path = final if in_place else f"{final}.tmp-{uuid.uuid4().hex[:12]}"
         self._in_place = in_place
         self._closed = False
-        try:
-            parent = final.rsplit("/", 1)[0]
+        with classified("open", key, root):  # any backend error becomes StorageError
             if not in_place:
-                fs.makedirs(parent, exist_ok=True)
+                fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
             self._f = fs.open(self._path, "wb")
-        except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
-            raise classify("open", key, e, root) from e
 
     def write(self, data: bytes | memoryview) -> None:
-        try:
+        with self._aborting("write", self._key, self._root):  # any backend error becomes StorageError
             self._f.write(data)
-        except Exception as e:  # noqa: BLE001
-            self.abort()
-            raise classify("write", self._key, e, self._root) from e
 
     def commit(self) -> bool:
-        try:
+        with self._aborting("commit", self._key, self._root):
             self._f.close()
             self._closed = True
             if not self._in_place:
                 self._fs.mv(self._path, self._final)
             return True
-        except Exception as e:  # noqa: BLE001
-            self.abort()
-            raise classify("commit", self._key, e, self._root) from e
 
     def abort(self) -> None:
         if not self._closed:
@@ -114,50 +106,42 @@ class FsspecStorage(Storage):
         return _FsspecWriter(self.fs, self._path(key), key, self._in_place, self.url)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
-        path = self._path(key)  # InvalidName propagates as is
-        try:
-            return self.fs.cat_file(path, start=start, end=end)
-        except FileNotFoundError as e:
-            raise StorageError(f"storage object {key!r} does not exist", key=key) from e
-        except Exception as e:  # noqa: BLE001
-            raise classify("read", key, e, self.url) from e
+        with classified("read", key, self.url):
+            try:
+                return self.fs.cat_file(self._path(key), start=start, end=end)
+            except FileNotFoundError as e:
+                raise StorageError(f"storage object {key!r} does not exist", key=key) from e
 
     def size(self, key: str) -> int | None:
-        path = self._path(key)
-        try:
-            info = self.fs.info(path)
-        except FileNotFoundError:
-            return None
-        except Exception as e:  # noqa: BLE001
-            raise classify("stat", key, e, self.url) from e
+        with classified("stat", key, self.url):
+            try:
+                info = self.fs.info(self._path(key))
+            except FileNotFoundError:
+                return None
         return int(info.get("size") or 0) if info.get("type") != "directory" else 0
 
     def list(self, prefix: str) -> list[str]:
         path = self._path(prefix) if prefix else self.root
-        try:
-            entries = self.fs.ls(path, detail=False, refresh=True) if self.fs.exists(path) else []
-        except FileNotFoundError:
-            return []
-        except Exception as e:  # noqa: BLE001
-            raise classify("list", prefix, e, self.url) from e
+        with classified("list", prefix, self.url):
+            try:
+                entries = self.fs.ls(path, detail=False, refresh=True) if self.fs.exists(path) else []
+            except FileNotFoundError:
+                return []
         names = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
         return sorted(n for n in names if n and not n.startswith(".") and ".tmp-" not in n)
 
     def walk(self, prefix: str) -> list[tuple[str, int]]:
         path = self._path(prefix)
-        try:
-            found = self.fs.find(path, detail=True) if self.fs.exists(path) else {}
-        except FileNotFoundError:
-            return []
-        except Exception as e:  # noqa: BLE001
-            raise classify("list", prefix, e, self.url) from e
+        with classified("list", prefix, self.url):
+            try:
+                found = self.fs.find(path, detail=True) if self.fs.exists(path) else {}
+            except FileNotFoundError:
+                return []
         return sorted((str(p)[len(self.root) + 1:].lstrip("/"), int(i.get("size") or 0)) for p, i in found.items()
                       if i.get("type") != "directory")
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
-        # Backends without a native conditional create: exactly-once within this
-        # process only. S3 has one (a conditional PUT): open s3:// roots with
-        # open_storage, which gives S3Storage (ckptd.storage.s3).
+        """Exactly once within this process only (no native conditional create; S3's is ``S3Storage``'s)."""
         with self._create_lock:
             if self.size(key) is not None:
                 return False
@@ -167,29 +151,20 @@ class FsspecStorage(Storage):
     def link(self, src: str, dst: str, stamp: str | None = None) -> bool:
         if stamp is not None:
             return False  # a copy here is not conditional: the bytes are sent and checked
-        try:
-            self.fs.copy(self._path(src), self._path(dst))  # an object store: a server-side copy
-        except FileNotFoundError:
-            return False
-        except Exception as e:  # noqa: BLE001
-            raise classify("link", dst, e, self.url) from e
+        with classified("link", dst, self.url):
+            try:
+                self.fs.copy(self._path(src), self._path(dst))  # an object store: a server-side copy
+            except FileNotFoundError:
+                return False
         return True
 
     def delete(self, key: str) -> None:
         path = self._path(key)
-        try:
+        with classified("delete", key, self.url), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(path)
-        except FileNotFoundError:
-            pass
-        except Exception as e:  # noqa: BLE001
-            raise classify("delete", key, e, self.url) from e
 
     def delete_tree(self, prefix: str) -> None:
         path = self._path(prefix)
-        try:
+        with classified("delete", prefix, self.url), contextlib.suppress(FileNotFoundError):
             if self.fs.exists(path):
                 self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
-        except Exception as e:  # noqa: BLE001
-            raise classify("delete", prefix, e, self.url) from e

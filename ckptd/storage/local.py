@@ -10,13 +10,14 @@ import shutil
 import stat
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 from ckptd_schemas import StorageError, StorageFull  # noqa: F401 - StorageFull: also reached through this module
 
 from .base import Storage, Writer, check_key
-from .direct import DirectWriter, open_direct
+from .direct import DirectWriter, open_direct, write_all
 from .direct import read_into as _read_direct
-from .failures import classify
+from .failures import classified, classify
 
 __all__ = ["LocalStorage", "fsync_dir"]
 
@@ -53,7 +54,7 @@ class _LocalWriter(Writer):
         self._written = self._flushed = 0  # bytes written; bytes handed to write-back early
         self._fd = -1
         self._direct: DirectWriter | None = None
-        try:
+        with self._aborting("open", key, root, OSError):
             final.parent.mkdir(parents=True, exist_ok=True)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
             if durable:
@@ -62,9 +63,6 @@ class _LocalWriter(Writer):
                     self._direct = DirectWriter(self._fd, True)
             else:
                 self._fd = os.open(self._tmp, flags, 0o644)
-        except OSError as e:
-            self.abort()
-            raise classify("open", key, e, root) from e
 
     def _early_writeback(self, n: int) -> None:
         """Every WRITEBACK_BYTES of a durable file written through the page cache (where the filesystem
@@ -80,19 +78,12 @@ class _LocalWriter(Writer):
         self._flushed = self._written
 
     def write(self, data: bytes | memoryview) -> None:
-        try:
+        with self._aborting("write", self._key, self._root, OSError):
             if self._direct is not None:
                 self._direct.write(data)
                 return
-            view = memoryview(data)
-            total = len(view)
-            while view:
-                n = os.write(self._fd, view)
-                view = view[n:]
-            self._early_writeback(total)
-        except OSError as e:
-            self.abort()
-            raise classify("write", self._key, e, self._root) from e
+            write_all(self._fd, memoryview(data))
+            self._early_writeback(len(data))
 
     def write_parts(self, parts: list[bytes]) -> None:
         """Past the page cache: each piece into the aligned window. Through it: ``os.writev`` of the
@@ -101,7 +92,7 @@ class _LocalWriter(Writer):
             for p in parts:
                 self.write(p)
             return
-        try:
+        with self._aborting("write", self._key, self._root, OSError):
             for i in range(0, len(parts), _IOV_MAX):
                 group = parts[i:i + _IOV_MAX]
                 n = os.writev(self._fd, group)
@@ -113,12 +104,9 @@ class _LocalWriter(Writer):
                             continue
                         self.write(memoryview(p)[n:])
                         n = 0
-        except OSError as e:
-            self.abort()
-            raise classify("write", self._key, e, self._root) from e
 
     def commit(self) -> bool:
-        try:
+        with self._aborting("commit", self._key, self._root, OSError):
             if self._direct is not None:
                 self._direct.close_tail()
                 self._direct = None
@@ -138,9 +126,6 @@ class _LocalWriter(Writer):
             if self._durable:
                 fsync_dir(self._final.parent)
             return True
-        except OSError as e:
-            self.abort()
-            raise classify("commit", self._key, e, self._root) from e
 
     def abort(self) -> None:
         if self._direct is not None:
@@ -177,31 +162,34 @@ class LocalStorage(Storage):
     def open_write(self, key: str, *, once: bool = False) -> Writer:
         return _LocalWriter(self._path(key), key, self.durable, once, self.url)
 
+    @contextlib.contextmanager
+    def _reading(self, key: str) -> Iterator[None]:
+        """A read of an object that must be there: absent is a :class:`StorageError` (``ENOENT``)."""
+        with classified("read", key, self.url, OSError):
+            try:
+                yield
+            except FileNotFoundError as e:
+                raise StorageError(f"storage object {key!r} does not exist", key=key, errno=errno.ENOENT) from e
+
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
-        path = self._path(key)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                if start:
-                    f.seek(start)
-                if end is None:
-                    return f.read()
-                want = end - start
-                data = f.read(want)  # unbuffered: one bytes object, read into in place (no second copy)
-                if 0 < len(data) < want:  # a short read (rare on regular files): read on to the end or EOF
-                    parts = [data]
-                    got = len(data)
-                    while got < want and (more := f.read(want - got)):
-                        parts.append(more)
-                        got += len(more)
-                    data = b"".join(parts)
-                return data
-        except FileNotFoundError as e:
-            raise StorageError(f"storage object {key!r} does not exist", key=key, errno=errno.ENOENT) from e
-        except OSError as e:
-            raise classify("read", key, e, self.url) from e
+        with self._reading(key), open(self._path(key), "rb", buffering=0) as f:
+            if start:
+                f.seek(start)
+            if end is None:
+                return f.read()
+            want = end - start
+            data = f.read(want)  # unbuffered: one bytes object, read into in place (no second copy)
+            if 0 < len(data) < want:  # a short read (rare on regular files): read on to the end or EOF
+                parts = [data]
+                got = len(data)
+                while got < want and (more := f.read(want - got)):
+                    parts.append(more)
+                    got += len(more)
+                data = b"".join(parts)
+            return data
 
     def read_into(self, key: str, start: int, view: memoryview, *, uncached: bool = False) -> int:
-        try:
+        with self._reading(key):
             if uncached:
                 return _read_direct(self._path(key), start, view)
             with open(self._path(key), "rb", buffering=0) as f:
@@ -213,10 +201,6 @@ class LocalStorage(Storage):
                         break
                     got += n
                 return got
-        except FileNotFoundError as e:
-            raise StorageError(f"storage object {key!r} does not exist", key=key, errno=errno.ENOENT) from e
-        except OSError as e:
-            raise classify("read", key, e, self.url) from e
 
     def local_path(self, key: str) -> str | None:
         return str(self._path(key))
@@ -249,12 +233,9 @@ class LocalStorage(Storage):
         return True
 
     def _stat(self, key: str) -> os.stat_result | None:
-        try:
+        with classified("stat", key, self.url, OSError), contextlib.suppress(FileNotFoundError):
             return self._path(key).stat()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise classify("stat", key, e, self.url) from e
+        return None
 
     def stamp(self, key: str) -> str | None:
         """Inode, size, mtime and ctime: ctime moves on every write, rename or ``utime``, and no
@@ -263,13 +244,11 @@ class LocalStorage(Storage):
         return None if st is None else f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
     def read_or_none(self, key: str) -> bytes | None:
-        try:
+        with classified("read", key, self.url, OSError), \
+                contextlib.suppress(FileNotFoundError, NotADirectoryError, IsADirectoryError):
             with open(self._path(key), "rb", buffering=0) as f:
                 return f.read()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return None
-        except OSError as e:
-            raise classify("read", key, e, self.url) from e
+        return None
 
     def size(self, key: str) -> int | None:
         st = self._stat(key)
@@ -277,10 +256,8 @@ class LocalStorage(Storage):
 
     def free_space(self) -> tuple[int, int] | None:
         """``statvfs`` of the root: the blocks an unprivileged writer may still use, and the size."""
-        try:
+        with classified("statvfs", "", self.url, OSError):
             st = os.statvfs(self.root)
-        except OSError as e:
-            raise classify("statvfs", "", e, self.url) from e
         return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
     def reclaim_temps(self, prefix: str, older_than: float) -> int:
@@ -308,36 +285,11 @@ class LocalStorage(Storage):
 
     def list(self, prefix: str) -> list[str]:
         path = self._path(prefix) if prefix else self.root
-        try:
-            return sorted(n for n in os.listdir(path) if not n.startswith("."))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        except OSError as e:
-            raise classify("list", prefix, e, self.url) from e
-
-    def create_if_absent(self, key: str, data: bytes) -> bool:
-        final = self._path(key)
-        tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
-        try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                if self.durable:
-                    os.fsync(f.fileno())
+        with classified("list", prefix, self.url, OSError):
             try:
-                os.link(tmp, final)  # atomic, fails if the key exists: first writer wins
-                created = True
-            except FileExistsError:
-                created = False
-            if created and self.durable:
-                fsync_dir(final.parent)
-            return created
-        except OSError as e:
-            raise classify("create", key, e, self.url) from e
-        finally:
-            with contextlib.suppress(OSError):  # a read-only filesystem refuses even this (EROFS), temp or none
-                tmp.unlink(missing_ok=True)
+                return sorted(n for n in os.listdir(path) if not n.startswith("."))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
 
     def delete(self, key: str) -> None:
         path = self._path(key)

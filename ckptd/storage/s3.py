@@ -48,12 +48,12 @@ import time
 from concurrent.futures import Future
 from typing import Any, Iterator, Mapping
 
-from ckptd_schemas import CkptdError, StorageError
+from ckptd_schemas import StorageError
 
 import fsspec
 
 from .base import Presigned, Storage, Writer, check_key
-from .failures import classify, client_errors
+from .failures import classified, classify, client_errors
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_ATTEMPTS", "S3Storage", "s3_options_from_env"]
 
@@ -90,19 +90,6 @@ def s3_options_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     # presign with the legacy query signature, which signs neither the checksum nor the length).
     opts["config_kwargs"] = {"retries": {"mode": mode, "total_max_attempts": attempts}, "signature_version": "s3v4"}
     return opts
-
-
-@contextlib.contextmanager
-def _s3_errors(op: str, key: str, root: str) -> Iterator[None]:
-    """The one error wrapper of every S3 call: a backend failure becomes :class:`StorageError` naming
-    the operation and key; a missing object (``FileNotFoundError``, which each call answers its own
-    way) and the project's own errors (an unsafe key's ``InvalidName``) pass as they are."""
-    try:
-        yield
-    except (FileNotFoundError, CkptdError):
-        raise
-    except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
-        raise classify(op, key, e, root) from e
 
 
 def _create_outcome(e: BaseException) -> str:
@@ -182,14 +169,11 @@ class _S3Writer(Writer):
         if self._closed:
             raise StorageError(f"storage write of {self._key!r} failed: the writer is closed", key=self._key)
         self._buf += data
-        try:
+        with self._aborting("write", self._key, self._st.url):  # any backend error becomes StorageError
             while len(self._buf) >= (n := self.part_size()):
                 body = bytes(memoryview(self._buf)[:n])
                 del self._buf[:n]
                 self._upload_part(body)
-        except Exception as e:  # noqa: BLE001 - any backend error becomes StorageError
-            self.abort()
-            raise classify("write", self._key, e, self._st.url) from e
 
     def commit(self) -> bool:
         if self._closed:
@@ -278,16 +262,18 @@ class S3Storage(Storage):
         k = self._s3key(prefix) if prefix else self._prefix
         return f"{k}/" if k else ""
 
-    def _walk(self, prefix: str, delimiter: str | None) -> Iterator[dict]:
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
-        if delimiter:
-            kw["Delimiter"] = delimiter
+    def _walk(self, prefix: str, method: str = "list_objects_v2", **kw: Any) -> Iterator[dict]:
+        """Every page of a listing under ``prefix``: objects (``kw``: a ``Delimiter``) or multipart uploads."""
+        kw.update(Bucket=self.bucket, Prefix=prefix)
         while True:
-            out = self.fs.call_s3("list_objects_v2", **kw)
+            out = self.fs.call_s3(method, **kw)
             yield out
             if not out.get("IsTruncated"):
                 return
-            kw["ContinuationToken"] = out["NextContinuationToken"]
+            if method == "list_objects_v2":
+                kw["ContinuationToken"] = out["NextContinuationToken"]
+            else:
+                kw["KeyMarker"], kw["UploadIdMarker"] = out.get("NextKeyMarker"), out.get("NextUploadIdMarker")
 
     def _missing(self, key: str) -> StorageError:
         return StorageError(f"storage object {key!r} does not exist", key=key)
@@ -318,7 +304,7 @@ class S3Storage(Storage):
 
     def _head(self, key: str, **kw: Any) -> dict | None:
         """One HEAD of ``key``; None when it is absent."""
-        with _s3_errors("stat", key, self.url):
+        with classified("stat", key, self.url):
             try:
                 return self.fs.call_s3("head_object", Bucket=self.bucket, Key=self._s3key(key), **kw)
             except FileNotFoundError:
@@ -383,7 +369,7 @@ class S3Storage(Storage):
 
     def read_or_none(self, key: str) -> bytes | None:
         """One GET (no HEAD first)."""
-        with _s3_errors("read", key, self.url):
+        with classified("read", key, self.url):
             try:
                 return self.fs.cat_file(self._path(key), start=0, end=None)
             except FileNotFoundError:
@@ -392,9 +378,9 @@ class S3Storage(Storage):
     def list(self, prefix: str) -> list[str]:
         pfx = self._dir(prefix)
         names: set[str] = set()
-        with _s3_errors("list", prefix, self.url):
+        with classified("list", prefix, self.url):
             try:
-                for page in self._walk(pfx, "/"):
+                for page in self._walk(pfx, Delimiter="/"):
                     names.update(c["Prefix"][len(pfx):].rstrip("/") for c in page.get("CommonPrefixes") or ())
                     names.update(o["Key"][len(pfx):] for o in page.get("Contents") or ())
             except FileNotFoundError:
@@ -458,7 +444,7 @@ class S3Storage(Storage):
             raise classify("link", dst, e, self.url) from e
 
     def delete(self, key: str) -> None:
-        with _s3_errors("delete", key, self.url), contextlib.suppress(FileNotFoundError):
+        with classified("delete", key, self.url), contextlib.suppress(FileNotFoundError):
             self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self._s3key(key))
 
     def delete_tree(self, prefix: str) -> None:
@@ -466,7 +452,7 @@ class S3Storage(Storage):
         pfx = f"{k}/"
         try:
             keys = [k]  # an object at the prefix itself goes too, as a file does locally
-            for page in self._walk(pfx, None):
+            for page in self._walk(pfx):
                 keys.extend(o["Key"] for o in page.get("Contents") or ())
             for i in range(0, len(keys), 1000):
                 out = self.fs.call_s3("delete_objects", Bucket=self.bucket,
@@ -486,10 +472,8 @@ class S3Storage(Storage):
     def _abort_uploads(self, pfx: str, older_than: float = float("inf")) -> int:
         """Abort the multipart uploads in flight under ``pfx`` (parts of crashed or abandoned writers)
         begun before ``older_than`` (epoch seconds); return how many."""
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": pfx}
         n = 0
-        while True:
-            out = self.fs.call_s3("list_multipart_uploads", **kw)
+        for out in self._walk(pfx, "list_multipart_uploads"):
             for u in out.get("Uploads") or ():
                 begun = u.get("Initiated")
                 if begun is None or begun.timestamp() < older_than:
@@ -497,22 +481,20 @@ class S3Storage(Storage):
                         self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=u["Key"],
                                         UploadId=u["UploadId"])
                         n += 1
-            if not out.get("IsTruncated"):
-                return n
-            kw["KeyMarker"], kw["UploadIdMarker"] = out.get("NextKeyMarker"), out.get("NextUploadIdMarker")
+        return n
 
     def reclaim_temps(self, prefix: str, older_than: float) -> int:
         """The unfinished multipart uploads under ``prefix`` (a writer killed mid-upload, or a presigned
         upload never completed): not objects, invisible to reads and listings, but their parts are
         stored (and billed) until aborted."""
-        with _s3_errors("delete", prefix, self.url):
+        with classified("delete", prefix, self.url):
             return self._abort_uploads(self._dir(prefix), older_than)
 
     def walk(self, prefix: str) -> list[tuple[str, int]]:
         root = f"{self._prefix}/" if self._prefix else ""
-        with _s3_errors("list", prefix, self.url):
+        with classified("list", prefix, self.url):
             try:
-                return sorted((o["Key"][len(root):], o["Size"]) for page in self._walk(self._dir(prefix), None)
+                return sorted((o["Key"][len(root):], o["Size"]) for page in self._walk(self._dir(prefix))
                               for o in page.get("Contents") or ())
             except FileNotFoundError:
                 return []

@@ -144,8 +144,7 @@ def check_commit(manifest: Manifest, storage: Storage, key_of: Callable[[str], s
 
 def jobs_for(manifest: Manifest, storage: Storage, key_of: Callable[[str], str]) -> int:
     """Files checked at once in ``storage``: :data:`JOBS`, or :data:`REMOTE_JOBS` on a remote store."""
-    files = iter(manifest.files)
-    first = next(files, None)
+    first = next(iter(manifest.files), None)
     return REMOTE_JOBS if first is not None and is_remote(storage, key_of(first)) else JOBS
 
 
@@ -168,6 +167,23 @@ class _Rows:
         kind, name = self.whats[self.owner[i]]
         r = self.rank[i]
         return f"{kind} {name!r}" + (f" (rank {r})" if r is not None else "")
+
+    def add(self, kind: str, name: str, file: str, offset: int, length: int, xxh3: str, rank: int | None) -> int:
+        """One row of its own owner (an object, a declared chunk); returns its index."""
+        self.whats.append((kind, name))
+        self.file.append(file)
+        self.offset.append(offset)
+        self.length.append(length)
+        self.xxh3.append(xxh3)
+        self.owner.append(len(self.whats) - 1)
+        self.rank.append(rank)
+        return len(self.xxh3) - 1
+
+    def problem(self, i: int, message: str, file: str, error: type[IntegrityError] = IntegrityError,
+                **more: object) -> "Problem":
+        """A problem of row ``i`` in ``file``: ``message`` after the row's name, ``more`` details."""
+        kind, name = self.whats[self.owner[i]]
+        return Problem(error, f"{self.what(i)}{message}", {kind: name, "rank": self.rank[i], "file": file, **more})
 
 
 @dataclass
@@ -208,14 +224,8 @@ def _rows(manifest: Manifest, only: frozenset[str] | None = None) -> tuple[_Rows
     for o in manifest.objects:
         if o.location is None or only is not None and o.location.file not in only:
             continue
-        loc, i = o.location, len(rows.xxh3)
-        rows.whats.append(("object", o.name))
-        rows.file.append(loc.file)
-        rows.offset.append(loc.offset)
-        rows.length.append(loc.length)
-        rows.xxh3.append(loc.xxh3)
-        rows.owner.append(len(rows.whats) - 1)
-        rows.rank.append(o.rank)
+        loc = o.location
+        i = rows.add("object", o.name, loc.file, loc.offset, loc.length, loc.xxh3, o.rank)
         if loc.codec != "raw":
             rows.special[i] = _Special(raw_length=loc.raw_length, codec=loc.codec)
     return rows, groups
@@ -286,21 +296,17 @@ class Verdict:
     def ok(self) -> bool:
         return not self.problems
 
-    def raise_first(self) -> int:
-        """Raise the first problem (the commit's refusal); the bytes read when there is none."""
+    def raise_first(self) -> None:
+        """Raise the first problem, if any (the commit's refusal)."""
         if self.problems:
             more = f" (and {len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
             raise self.problems[0].exception("refused at commit: ", more)
-        return self.bytes_read
 
 
 def _chunk_problem(rows: _Rows, i: int, got: str) -> Problem:
     lo, f = rows.offset[i], rows.file[i]
-    kind, name = rows.whats[rows.owner[i]]
-    return Problem(ChecksumMismatch,
-                    f"{rows.what(i)}: bytes [{lo}, {lo + rows.length[i]}) of file {f!r} hash to {got}, its index "
-                    f"says {rows.xxh3[i]}", {kind: name, "rank": rows.rank[i], "file": f, "offset": lo,
-                                             "declared": rows.xxh3[i], "actual": got})
+    return rows.problem(i, f": bytes [{lo}, {lo + rows.length[i]}) of file {f!r} hash to {got}, its index says "
+                           f"{rows.xxh3[i]}", f, ChecksumMismatch, offset=lo, declared=rows.xxh3[i], actual=got)
 
 
 # -- one file ------------------------------------------------------------------------------------------
@@ -350,11 +356,9 @@ class _Frames:
         if last is not None and key == last[:4]:
             s.twin_of = last[4]
         elif last is not None and lo < last[1]:
-            kind, name = rows.whats[rows.owner[i]]
-            self.problems.append(Problem(
-                IntegrityError, f"{rows.what(i)}: file {self.fname!r} bytes [{lo}, {hi}) overlap the compressed chunk "
-                f"of {rows.what(last[4])} at bytes [{last[0]}, {last[1]}): compressed chunks may not share bytes",
-                {kind: name, "rank": rows.rank[i], "file": self.fname}))
+            self.problems.append(rows.problem(
+                i, f": file {self.fname!r} bytes [{lo}, {hi}) overlap the compressed chunk of {rows.what(last[4])} at "
+                f"bytes [{last[0]}, {last[1]}): compressed chunks may not share bytes", self.fname))
         else:
             s.frame = frame_check(special.codec, special.raw_length)
             self.last = (*key, i)
@@ -401,10 +405,8 @@ class FileCheck:
         if got != rows.xxh3[s.i]:
             self.problems.append(_chunk_problem(rows, s.i, got))
         if (why := self.frames.verdict(s)) is not None:
-            kind, name = rows.whats[rows.owner[s.i]]
-            self.problems.append(Problem(IntegrityError, f"{rows.what(s.i)}: file {fname!r} bytes [{rows.offset[s.i]}, "
-                                         f"{rows.offset[s.i] + rows.length[s.i]}): {why}",
-                                         {kind: name, "rank": rows.rank[s.i], "file": fname}))
+            self.problems.append(rows.problem(s.i, f": file {fname!r} bytes [{rows.offset[s.i]}, "
+                                                   f"{rows.offset[s.i] + rows.length[s.i]}): {why}", fname))
         if s.sha is not None:
             self.shas[s.i] = s.sha.digest()
 
@@ -450,13 +452,9 @@ class FileCheck:
     def finish(self) -> list[Problem]:
         """After the last byte: the problems found. A row that ends past the bytes fed is one, whatever
         its digest (the digest of the part that is there, or of nothing, would otherwise pass)."""
-        rows, past = self.rows, [q for q, e in enumerate(self.ends) if e > self.pos]
-        for q in past:
-            i = self.members[q]
-            kind, name = rows.whats[rows.owner[i]]
-            self.problems.append(Problem(IntegrityError, f"{rows.what(i)}: bytes [{self.offs[q]}, {self.ends[q]}) "
-                                         f"of file {self.fname!r} end past its {self.pos} bytes",
-                                         {kind: name, "rank": rows.rank[i], "file": self.fname}))
+        for q in [q for q, e in enumerate(self.ends) if e > self.pos]:
+            self.problems.append(self.rows.problem(self.members[q], f": bytes [{self.offs[q]}, {self.ends[q]}) of file "
+                                                   f"{self.fname!r} end past its {self.pos} bytes", self.fname))
         for s in self.streams:  # rows the bytes ended inside of
             self._finish(s)
         self.streams = []
@@ -504,15 +502,9 @@ def arrival_check(fname: str, declared: Sequence[Declared]) -> FileCheck:
     ``rows_digest(declared)``. Replicas are compared at the commit, which reads their files."""
     rows = _Rows()
     for d in declared:
-        rows.whats.append((d.kind, d.name))
+        i = rows.add(d.kind, d.name, fname, d.offset, d.length, d.xxh3, None)
         if d.codec != "raw":
-            rows.special[len(rows.xxh3)] = _Special(raw_length=d.raw_length, codec=d.codec)
-        rows.file.append(fname)
-        rows.offset.append(d.offset)
-        rows.length.append(d.length)
-        rows.xxh3.append(d.xxh3)
-        rows.owner.append(len(rows.whats) - 1)
-        rows.rank.append(None)
+            rows.special[i] = _Special(raw_length=d.raw_length, codec=d.codec)
     return FileCheck(fname, range(len(rows.xxh3)), rows)
 
 
@@ -528,12 +520,6 @@ def _row_set(rows: _Rows, members: Sequence[int]) -> frozenset | None:
         out.append((rows.offset[i], rows.length[i], rows.xxh3[i], "raw" if raw else sp.codec,
                     rows.length[i] if raw else sp.raw_length))
     return frozenset(out)
-
-
-def _covered(rows: _Rows, members: Sequence[int]) -> str | None:
-    """``rows_digest`` of a file's rows in the manifest, or None when one is a replica."""
-    out = _row_set(rows, members)
-    return None if out is None else rows_digest(out)
 
 
 def file_rows(manifest: Manifest, files: Collection[str]) -> dict[str, frozenset | None]:
@@ -571,9 +557,7 @@ def judge(manifest: Manifest, source: StoredBytes, *, jobs: int = JOBS, read_siz
     appends = {f: v.append for f, v in by_file.items()}
     for i, f in enumerate(rows.file):
         if f not in appends:
-            kind, name = rows.whats[rows.owner[i]]
-            problems.append(Problem(IntegrityError, f"{rows.what(i)} points at file {f!r}, which the manifest does "
-                                    f"not list", {kind: name, "file": f}))
+            problems.append(rows.problem(i, f" points at file {f!r}, which the manifest does not list", f))
             continue
         appends[f](i)
     items = sorted(by_file.items()) if files is None else sorted((f, v) for f, v in by_file.items() if f in files)
@@ -590,7 +574,8 @@ def judge(manifest: Manifest, source: StoredBytes, *, jobs: int = JOBS, read_siz
         if buf is None:  # page-aligned (an anonymous mapping): a local store reads into it past the cache
             buf = local.buf = memoryview(mmap.mmap(-1, read_size))
         fname, members = item
-        if arrived is not None and (when := arrived(fname)) is not None and when == _covered(rows, members):
+        if (arrived is not None and (when := arrived(fname)) is not None
+                and (covered := _row_set(rows, members)) is not None and when == rows_digest(covered)):
             skipped.append(fname)  # checked as it arrived, still those bytes
             if done is not None:
                 done(fname, True)

@@ -148,11 +148,9 @@ class DurableCopier:
             return DurableState(False)
         if c is not None and c.digest == manifest_xxh3:
             return DurableState(True)
-        refused = self.tiers.fast.read_or_none(Paths.not_durable(run, name))
-        if refused is not None:
-            rec = json.loads(refused)
-            if rec.get("manifest_xxh3") == manifest_xxh3:
-                return DurableState(False, rec["error"])
+        rec = self.tiers.fast.read_json_or_none(Paths.not_durable(run, name))
+        if rec is not None and rec.get("manifest_xxh3") == manifest_xxh3:
+            return DurableState(False, rec["error"])
         return DurableState(False)
 
     def lag_seconds(self) -> float:

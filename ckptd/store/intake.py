@@ -57,24 +57,21 @@ class FileSink:
     same, and is refused when they differ: a stored file of a session is never written again."""
 
     def __init__(self, storage: Storage, key: str, digest_key: str, file: str, block_size: int,
-                 on_stored: Callable[[], None] = lambda: None, charge: Callable[[int], None] = lambda n: None) -> None:
+                 on_stored: Callable[[], None] = lambda: None, charge: Callable[[int], None] = lambda n: None,
+                 declared: Sequence[Declared] | None = None, arrival_key: str = "") -> None:
         self._storage = storage
         self._on_stored = on_stored
         self._charge = charge  # asked before each batch is written: the writer's quota, the root's reserve
-        self._key, self._digest_key = key, digest_key
+        self.key, self._digest_key = key, digest_key  # where it is stored
         self.file = file
         self._digest = StreamDigest(block_size)
         self._writer: Writer = storage.open_write(key, once=True)
         self._done = False
-        self._check: FileCheck | None = None
-        self._rows, self._arrival_key = "", ""  # what the check covers (rows_digest), where it is recorded
-
-    def declare(self, rows: Sequence[Declared], arrival_key: str) -> None:
-        """The writer's declaration of the file's chunks, before its first byte: each is checked as it
-        passes, and what was covered recorded at ``arrival_key`` once the file is stored."""
-        assert self._digest.size == 0, "declared after bytes"
-        self._check, self._arrival_key = arrival_check(self.file, rows), arrival_key
-        self._rows = rows_digest(d[:5] for d in rows)  # (offset, length, xxh3, codec, raw length)
+        # ``declared``: the writer's declaration of the file's chunks, each checked as it passes; what the
+        # check covered (rows_digest of offset, length, xxh3, codec, raw length) recorded at ``arrival_key``
+        self._check: FileCheck | None = arrival_check(file, declared) if declared is not None else None
+        self._rows = rows_digest(d[:5] for d in declared) if declared is not None else ""
+        self._arrival_key = arrival_key
 
     @property
     def size(self) -> int:
@@ -113,14 +110,14 @@ class FileSink:
         created = self._writer.commit()
         self._done = True
         entry = FileEntry(size=self._digest.size, xxh3=digest, block_size=self._digest.block_size, blocks=blocks)
-        if not created and stored_digest(self._storage, self._key, entry.block_size) != (entry.size, digest, blocks):
+        if not created and stored_digest(self._storage, self.key, entry.block_size) != (entry.size, digest, blocks):
             raise Conflict(f"file {self.file!r} is already stored in this session with other bytes; a stored "
                            f"file is never replaced (save again with a new session)", file=self.file)
         record_file(self._storage, self._digest_key, self.file, entry)
         if self._check is not None and created:  # its identity right after it was stored, what was checked
             # (only where these bytes made the file: a repeat's digests match the stored ones, which a
             # writer able to forge XXH3 collisions could make of other bytes: the commit reads those)
-            record_arrival(self._storage, self._arrival_key, self._storage.stamp(self._key), self._rows)
+            record_arrival(self._storage, self._arrival_key, self._storage.stamp(self.key), self._rows)
         self._on_stored()
         return UploadResult(file=self.file, size=entry.size, xxh3=digest)
 
@@ -188,16 +185,15 @@ class Intake:
         writable(self.storage, self.visibility, run, name, sid, file)
         sink = FileSink(self.storage, Paths.file(run, name, sid, file), Paths.digest(run, name, sid, file),
                         file, self.block_size, on_stored=lambda: self.activity.touch(run, name, sid),
-                        charge=lambda n: self.space.charge(holder, run, file, n, on_root=True))
-        if declared is not None:
-            sink.declare(declared, Paths.arrival(run, name, sid, file))
+                        charge=lambda n: self.space.charge(holder, run, file, n, on_root=True),
+                        declared=declared, arrival_key=Paths.arrival(run, name, sid, file))
         self._receiving.add(sink)  # as long as its request holds it
         return sink
 
     def receiving(self, run: str, name: str, sid: str) -> tuple[int, int]:
         """The files of session ``sid`` this process is receiving now, and their bytes so far."""
         key = Paths.session(run, name, sid) + "/"
-        sinks = [x for x in list(self._receiving) if not x.done and x._key.startswith(key)]
+        sinks = [x for x in list(self._receiving) if not x.done and x.key.startswith(key)]
         return len(sinks), sum(x.size for x in sinks)
 
     # -- placed: the object is already stored ---------------------------------------------

@@ -204,10 +204,9 @@ class Leases:
         """The holders of the unexpired leases on ``run/name``."""
         return [holder for holder, _ in self.holding(run, name, now=now)]
 
-    def describe(self, run: str, name: str, held: list[tuple[str, float]] | None = None) -> str:
+    def describe(self, run: str, name: str, held: list[tuple[str, float]]) -> str:
         """Why retention keeps a leased checkpoint: each holder and when its lease ends (``leased`` when
-        they are gone by now); ``held``: :meth:`holding`'s answer, when read already."""
-        held = self.holding(run, name) if held is None else held
+        they are gone by now); ``held``: :meth:`holding`'s answer."""
         if not held:
             return "leased"
         return "leased by " + ", ".join(

@@ -29,15 +29,20 @@ Anything else under a committed checkpoint's directory is no part of it (:func:`
 
 from __future__ import annotations
 
+import os
+import stat as statmod
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Collection, Iterable
+from typing import TYPE_CHECKING, Collection, Iterable
 
 from pydantic import BaseModel, ConfigDict
 
-from ckptd_schemas import CheckpointSummary, CkptdError, check_session
+from ckptd_schemas import CheckpointSummary, CkptdError, StorageError, check_session
 
-__all__ = ["Committed", "Marker", "SessionMeta", "Paths", "strays"]
+if TYPE_CHECKING:
+    from ..storage import Storage
+
+__all__ = ["Committed", "Marker", "SessionMeta", "Paths", "read_small", "regular_file", "strays"]
 
 RUNS = "runs"
 #: What a checkpoint's directory holds beside its sessions: the marker and the records about it.
@@ -209,7 +214,7 @@ class Committed:
         return self.marker.committed_at
 
     def summary(self, status: tuple[str | None, str | None] = (None, None)) -> CheckpointSummary:
-        """The listing's row; ``status``: ``Visibility.status`` of this checkpoint, when the caller read it."""
+        """The listing's row; ``status``: ``records.status_of`` of this checkpoint, when the caller read it."""
         m = self.marker
         return CheckpointSummary(run=self.run, name=self.name, step=m.step, derived_from=m.derived_from, parent=m.parent,
                                  session=m.session, committed_at=m.committed_at, manifest_xxh3=m.manifest_xxh3,
@@ -247,3 +252,43 @@ def strays(keys: Iterable[str], c: Committed, files: Collection[str], world_size
                 pass
         out.append(key)
     return out
+
+
+def regular_file(path: str) -> tuple[os.stat_result | None, str | None]:
+    """``(stat, None)`` for a regular file, ``(None, None)`` when nothing is there, ``(None, why)`` for
+    anything else (a directory, a FIFO, a symlink loop, a path this process may not stat): such an
+    object is never opened, since a FIFO would block the reader."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, None
+    except OSError as e:
+        return None, f"cannot be read: {e.strerror}"
+    if not statmod.S_ISREG(st.st_mode):
+        return None, "is not a regular file"
+    return st, None
+
+
+def read_small(storage: Storage, key: str, limit: int) -> tuple[bytes | None, str | None]:
+    """A small record (a marker, a verification record): ``(bytes, None)``; ``(None, None)`` when nothing
+    is there; ``(None, why)`` when what is there is no such record: more than ``limit`` bytes, or, on a
+    local root, anything but a regular readable file (never opened: :func:`regular_file`; never read
+    whole: a device never ends). An object store's failure to read is raised (the backend's, 503)."""
+    path = storage.local_path(key)
+    if path is not None:
+        st, why = regular_file(path)
+        if why is not None or st is None:
+            return None, why
+        if st.st_size > limit:
+            return None, f"holds {st.st_size} bytes, more than {limit}"
+    try:
+        raw = storage.read_or_none(key)
+    except StorageError as e:
+        if path is None:
+            raise
+        return None, f"cannot be read: {e.message}"
+    if raw is None and path is not None and os.path.lexists(path):
+        return None, "is not a regular file"
+    if raw is not None and len(raw) > limit:
+        return None, f"holds {len(raw)} bytes, more than {limit}"
+    return raw, None

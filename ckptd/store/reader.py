@@ -18,8 +18,8 @@ from ckptd_schemas import (
 )
 
 from ..storage import Storage
-from .paths import Marker, Paths
-from .paths import Committed
+from .paths import Committed, Marker, Paths
+from .records import status_of
 from .visibility import Visibility, order_key
 
 __all__ = ["CheckpointReader", "naming_tensor", "page_of"]
@@ -65,10 +65,6 @@ class CheckpointReader:
         c = self.visibility.check(run, name)
         return c.marker if c is not None else None
 
-    def list_runs(self, may_read: Callable[[str], bool] | None = None) -> list[RunSummary]:
-        """Every run's summary, or only those ``may_read`` lets through (:meth:`runs_page`, one page)."""
-        return self.runs_page(may_read)[0]
-
     def runs_page(self, may_read: Callable[[str], bool] | None = None, *, after: str | None = None,
                   limit: int | None = None) -> tuple[list[RunSummary], str | None]:
         """At most ``limit`` summaries of the runs ``may_read`` lets through, by name after ``after``, and
@@ -79,13 +75,9 @@ class CheckpointReader:
         out = []
         for run in (window := page_of(runs, after, limit))[0]:
             visible = self.visibility.recent_listing(run)
-            latest = self.visibility.latest_of(visible)
+            latest = self.visibility.latest(visible).checkpoint
             out.append(RunSummary(run=run, checkpoints=len(visible), latest=latest.name if latest else None))
         return out, window[1]
-
-    def list_checkpoints(self, run: str) -> list[CheckpointSummary]:
-        """The run's visible checkpoints, oldest first, each with its status (``Visibility.status``)."""
-        return self.checkpoints_page(run)[0]
 
     def checkpoints_page(self, run: str, *, after: str | None = None,
                          limit: int | None = None) -> tuple[list[CheckpointSummary], str | None]:
@@ -94,7 +86,7 @@ class CheckpointReader:
         none follow). Only those names' markers and records are read: the run's names are one listing."""
         names, after_this = page_of(self.visibility.names(run), after, limit)
         visible = sorted((c for n in names if (c := self.visibility.check(run, n)) is not None), key=order_key)
-        return [c.summary(self.visibility.status(c)) for c in visible], after_this
+        return [c.summary(status_of(self.storage, c)) for c in visible], after_this
 
     def committed(self, run: str, name: str) -> Committed:
         """The visible checkpoint ``run/name`` (``latest`` allowed), or :class:`CheckpointNotFound`."""

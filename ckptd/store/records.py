@@ -26,19 +26,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import stat as statmod
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ckptd_schemas import CkptdError, StorageError
+from ckptd_schemas import CkptdError
 
 from ..storage import Storage
 from .inflight import ordered_map, requests_in_flight
-from .paths import Committed, Paths
+from .paths import Committed, Paths, read_small
 
 __all__ = ["CommitCheck", "LINKED", "MAX_PROBLEMS", "Stray", "VerifyRecord", "arrival_of", "file_stamps", "known_bad",
            "record_arrival", "record_commit_check", "record_holds", "record_of", "record_vouches", "stamps_of",
@@ -132,12 +130,6 @@ def record_commit_check(storage: Storage, run: str, name: str, digest: str, chec
         log.warning("the commit's check of %s/%s was not recorded: %s", run, name, e.message)
 
 
-def record_of(storage: Storage, c: Committed) -> VerifyRecord | None:
-    """:func:`read_record` for a checkpoint the caller's visibility check already found."""
-    raw = storage.read_or_none(Paths.verification(c.run, c.name))
-    return None if raw is None else _record_for(raw, c)
-
-
 def known_bad(storage: Storage, c: Committed) -> str | None:
     """Why the visible checkpoint ``c`` is known to be bad, or None when it is not.
 
@@ -149,7 +141,7 @@ def known_bad(storage: Storage, c: Committed) -> str | None:
     opened: a FIFO would block the reader). Called by :meth:`.visibility.Visibility.latest` on every
     resolve of ``RUN/latest``, newest first, and by retention; an object store's failure to read is
     the backend's (:class:`StorageError`, answered 503), as for markers."""
-    rec = _stored_record(storage, c)
+    rec = record_of(storage, c)
     return None if rec is None or rec.ok else _why_bad(rec)
 
 
@@ -157,32 +149,21 @@ def status_of(storage: Storage, c: Committed) -> tuple[str, str | None]:
     """What ``ckptd ls`` and ``ckptd show`` say of the visible checkpoint ``c``, from the same record
     :func:`known_bad` reads: ``known bad`` with its reason, ``verified`` (a record of the manifest
     committed now found it good), or ``pending`` (no verification of that manifest recorded yet)."""
-    rec = _stored_record(storage, c)
+    rec = record_of(storage, c)
     if rec is None:
         return PENDING, None
     return (VERIFIED, None) if rec.ok else (KNOWN_BAD, _why_bad(rec))
 
 
-def _stored_record(storage: Storage, c: Committed) -> VerifyRecord | None:
-    """The record about ``c``'s manifest, read only when it can be one (:func:`known_bad` says which)."""
-    key = Paths.verification(c.run, c.name)
-    path = storage.local_path(key)
-    if path is not None:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        if not statmod.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
-            return None
+def record_of(storage: Storage, c: Committed) -> VerifyRecord | None:
+    """The record about the manifest of ``c`` (a checkpoint the caller's visibility check found), read
+    only where it can be one (:func:`known_bad` says which)."""
+    raw, _ = read_small(storage, Paths.verification(c.run, c.name), MAX_RECORD_BYTES)
     try:
-        raw = storage.read_or_none(key)
-    except StorageError:
-        if path is None:
-            raise
+        rec = VerifyRecord.model_validate_json(raw) if raw is not None else None
+    except ValidationError:  # not a record the service wrote
         return None
-    if raw is None or len(raw) > MAX_RECORD_BYTES:
-        return None
-    return _record_for(raw, c)
+    return rec if rec is not None and rec.manifest_xxh3 == c.digest else None
 
 
 def _why_bad(rec: VerifyRecord) -> str:
@@ -190,15 +171,6 @@ def _why_bad(rec: VerifyRecord) -> str:
     first = rec.problems[0] if rec.problems else "no problem named"
     reason = f"verification failed at {when}: {first}"
     return reason if len(reason) <= MAX_REASON else reason[:MAX_REASON - 3] + "..."
-
-
-def _record_for(raw: bytes, c: Committed) -> VerifyRecord | None:
-    """The record in ``raw`` if it parses and is about ``c``'s manifest (its digest), else None."""
-    try:
-        rec = VerifyRecord.model_validate_json(raw)
-    except ValidationError:
-        return None
-    return rec if rec.manifest_xxh3 == c.digest else None
 
 
 #: The ``rows`` of an arrival record of a linked file: its bytes are a checked file's (``Storage.link``).

@@ -54,7 +54,8 @@ from typing import Protocol
 from ckptd_schemas import QuotaExceeded, ReserveReached, StorageError
 
 from ..storage import Storage
-from .paths import Paths
+from .paths import Marker, Paths
+from .visibility import Visibility
 
 __all__ = ["BLOCK", "OPEN_BYTES", "RECHECK_SECONDS", "REMEASURE_SECONDS", "SESSION_DIRS_BYTES", "Holder", "Space",
            "on_disk", "parse_reserve", "parse_size"]
@@ -124,7 +125,7 @@ class Space:
     """Quotas and the reserve of one root (module docstring)."""
 
     def __init__(self, storage: Storage, reserve: str = "0") -> None:
-        self.storage = storage
+        self.storage, self._markers = storage, Visibility(storage)  # the one reader of markers
         self.reserve_bytes, self.reserve_fraction = parse_reserve(reserve)
         self._holdings: dict[Holder, _Holding] = {}
         # (run, name) -> its marker's (session, manifest digest) and that session's bytes
@@ -212,7 +213,7 @@ class Space:
         total = 0
         seen: dict[tuple[str, str], tuple[tuple[str, str], int]] = {}
         for name in self.storage.list(Paths.run(run)):
-            mark = _marker_session(self.storage, run, name)
+            mark = _marker_session(self._markers, run, name)
             committed = mark[0] if mark is not None else None
             for sid in self.storage.list(Paths.sessions(run, name)):
                 with self._lock:
@@ -251,14 +252,11 @@ class Space:
         return total
 
 
-def _marker_session(storage: Storage, run: str, name: str) -> tuple[str, str] | None:
-    """The session and manifest digest ``run/name``'s marker names, or None (no marker, or one that does
-    not parse: walked as staging)."""
+def _marker_session(vis: Visibility, run: str, name: str) -> tuple[str, str] | None:
+    """The session and manifest digest ``run/name``'s marker names, or None (no marker, one that does
+    not parse, or none that can be read now: walked as staging)."""
     try:
-        marker = storage.read_json_or_none(Paths.marker(run, name))
+        m = vis.marker(run, name)
     except StorageError:
         return None
-    if not isinstance(marker, dict):
-        return None
-    session, digest = marker.get("session"), marker.get("manifest_xxh3")
-    return (session, str(digest)) if isinstance(session, str) else None
+    return (m.session, m.manifest_xxh3) if isinstance(m, Marker) else None

@@ -33,12 +33,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pydantic import ValidationError
-
 from ckptd_schemas import StorageError
 
 from ..storage import Storage, open_storage
 from .paths import Marker, Paths
+from .visibility import Visibility
 
 __all__ = ["ADOPTED", "TIERED", "TieredStorage", "open_root", "split_tiered"]
 
@@ -157,14 +156,10 @@ class TieredStorage(Storage):
         return run is not None and (rest is None or Paths.is_marker(key))
 
     def _identity(self, tier: Storage, run: str, name: str) -> tuple[str, str] | None:
-        """(session, manifest digest) of the marker ``tier`` holds for ``run/name``; None when it holds none
-        or one that does not parse."""
-        raw = tier.read_or_none(Paths.marker(run, name))
-        try:
-            m = Marker.model_validate_json(raw) if raw is not None else None
-        except ValidationError:
-            return None
-        return (m.session, m.manifest_xxh3) if m is not None else None
+        """(session, manifest digest) of the marker ``tier`` holds for ``run/name`` (read by the one reader
+        of markers); None when it holds none or one that does not parse."""
+        m = Visibility(tier).marker(run, name)
+        return (m.session, m.manifest_xxh3) if isinstance(m, Marker) else None
 
     def _delete_durable(self, run: str, name: str, marker_only: bool) -> None:
         """Delete ``run/name`` from the durable tier only where it is the same checkpoint as the fast

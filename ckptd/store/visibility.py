@@ -46,15 +46,14 @@ What a load resolves (``latest``) always reads the listing now.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import re
-import stat as statmod
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 from pydantic import ValidationError
 
@@ -68,8 +67,8 @@ from ..storage import Storage
 from .flights import OneAtATime
 from .gcpause import gc_paused
 from ckptd_schemas.filedigest import xxh3_hex
-from .paths import Committed, Marker, Paths
-from .records import known_bad, status_of
+from .paths import Committed, Marker, Paths, read_small, regular_file
+from .records import known_bad
 
 __all__ = ["BadMarker", "Committed", "Latest", "Skipped", "Visibility", "manifest_file_name"]
 
@@ -143,12 +142,9 @@ class Visibility:
     """The visibility rule over one :class:`Storage`, with caches that never outlive the bytes."""
 
     def __init__(self, storage: Storage, *, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 on_invisible: Callable[[str, str, str], None] | None = None,
-                 known_bad: Callable[[Committed], str | None] | None = None) -> None:
+                 on_invisible: Callable[[str, str, str], None] | None = None) -> None:
         self.storage = storage
         self.on_invisible = on_invisible  # (ref, reason, message), once per ref and reason
-        # why a visible checkpoint is known to be bad (None: it is not); default: its verification record
-        self._known_bad = known_bad
         # (manifest key, stamp) -> what those bytes say: (digest, run, name, session, step, derived_from,
         # created_at)
         self._verdicts: dict[tuple[str, str], tuple] = {}
@@ -164,10 +160,11 @@ class Visibility:
 
     # -- the one marker reader ----------------------------------------------------------------
     def marker(self, run: str, name: str) -> Marker | BadMarker | None:
-        """None: no marker (the ref is free). :class:`BadMarker`: one is there but does not parse."""
-        raw = self._read_marker(Paths.marker(run, name))
-        if raw is None or isinstance(raw, BadMarker):
-            return raw
+        """None: no marker (the ref is free). :class:`BadMarker`: one is there but does not parse, or is no
+        marker at all (:func:`.paths.read_small`: too large; on a local root, not a regular readable file)."""
+        raw, why = read_small(self.storage, Paths.marker(run, name), MAX_MARKER_BYTES)
+        if raw is None:
+            return None if why is None else BadMarker(f"COMMITTED marker {why}"[:300])
         try:
             m = Marker.model_validate_json(raw)
             check_session(m.session)
@@ -178,39 +175,12 @@ class Visibility:
             return BadMarker(f"COMMITTED marker does not parse: {first}"[:300])
         return m
 
-    def _read_marker(self, key: str) -> bytes | BadMarker | None:
-        """The marker's bytes; None when nothing is there. On a local root, anything there that is
-        not a regular file of marker size (a directory, a FIFO, a device, a symlink loop, a file
-        this process may not read) takes the ref and is a :class:`BadMarker`: it is never opened
-        (a FIFO would block the reader) and never read whole (a device never ends)."""
-        path = self.storage.local_path(key)
-        if path is not None:
-            st, why = _regular_file(path)
-            if why is not None:
-                return BadMarker(f"COMMITTED marker {why}")
-            if st is None:
-                return None
-            if st.st_size > MAX_MARKER_BYTES:
-                return BadMarker(f"COMMITTED marker holds {st.st_size} bytes, more than a marker's "
-                                 f"{MAX_MARKER_BYTES}")
-        try:
-            raw = self.storage.read_or_none(key)
-        except StorageError as e:
-            if path is None:
-                raise  # an object store's failure is the backend's: answered as such (503), not as invisible
-            return BadMarker(f"COMMITTED marker cannot be read: {e.message}"[:300])
-        if raw is None and path is not None and os.path.lexists(path):
-            return BadMarker("COMMITTED marker is not a regular file")
-        if raw is not None and len(raw) > MAX_MARKER_BYTES:
-            return BadMarker(f"COMMITTED marker holds {len(raw)} bytes, more than a marker's {MAX_MARKER_BYTES}")
-        return raw
-
     def _manifest_stamp(self, key: str, m: Marker) -> str | None:
         """The manifest's storage stamp (None: absent); on a local root, anything there that is not a
         regular readable file is invisible's ``manifest_missing``, never opened."""
         path = self.storage.local_path(key)
         if path is not None:
-            st, why = _regular_file(path)
+            st, why = regular_file(path)
             if why is not None:
                 raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names ({m.manifest}) {why}")
             if st is None:
@@ -369,28 +339,30 @@ class Visibility:
             self.on_invisible(ref, reason, message)
 
     # -- built on the rule ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _visible(self, ref: str) -> Iterator[None]:
+        """The rule's refusal inside (``_Invisible``) reported, and raised as :class:`CheckpointNotFound`."""
+        try:
+            yield
+        except _Invisible as e:
+            self._report(ref, e.reason, e.message)
+            raise CheckpointNotFound(f"checkpoint {ref} is not visible: {e.message}", ref=ref,
+                                     reason=e.reason) from None
+
     def manifest(self, c: Committed) -> Manifest:
         """The parsed manifest of a visible checkpoint, checked against its digest again whenever its
         stamp changed; raises :class:`CheckpointNotFound` if it no longer holds. Agreement with the
         marker needs no second look: it is a property of the bytes, which the digest fixes."""
-        try:
+        with self._visible(c.ref):
             stamp = self._manifest_stamp(c.manifest_key, c.marker)
-        except _Invisible as e:
-            self._report(c.ref, e.reason, e.message)
-            raise CheckpointNotFound(f"checkpoint {c.ref} is not visible: {e.message}", ref=c.ref) from None
-        if self._verdict(c.manifest_key, stamp or "", c.digest) is not None:
-            cached = self.cached(c.digest)
-            if cached is not None:
-                return cached
-        try:
+            if self._verdict(c.manifest_key, stamp or "", c.digest) is not None:
+                cached = self.cached(c.digest)
+                if cached is not None:
+                    return cached
             if stamp is None:
                 raise _Invisible("manifest_missing", f"the manifest its COMMITTED marker names "
                                                      f"({c.marker.manifest}) is missing")
-            manifest = self._load(c.run, c.name, c.marker, c.manifest_key, stamp)
-        except _Invisible as e:
-            self._report(c.ref, e.reason, e.message)
-            raise CheckpointNotFound(f"checkpoint {c.ref} is not visible: {e.message}", ref=c.ref) from None
-        return manifest
+            return self._load(c.run, c.name, c.marker, c.manifest_key, stamp)
 
     def load_tree(self, c: Committed) -> LoadTree:
         """The load tree of a visible checkpoint's manifest (built once per parsed manifest), which must
@@ -426,16 +398,12 @@ class Visibility:
 
     def manifest_bytes(self, c: Committed) -> bytes:
         """The manifest's bytes as stored now, served only if they hash to the marker's digest."""
-        try:
+        with self._visible(c.ref):
             raw = self._read_manifest(c.manifest_key, c.marker)
-        except _Invisible as e:
-            self._report(c.ref, e.reason, e.message)
-            raise CheckpointNotFound(f"checkpoint {c.ref} is not visible: {e.message}", ref=c.ref) from None
-        if raw is None or xxh3_hex(raw) != c.digest:
-            reason = "manifest_missing" if raw is None else "manifest_digest"
-            msg = "its manifest is missing" if raw is None else "its manifest does not hash to its marker's digest"
-            self._report(c.ref, reason, msg)
-            raise CheckpointNotFound(f"checkpoint {c.ref} is not visible: {msg}", ref=c.ref)
+            if raw is None:
+                raise _Invisible("manifest_missing", "its manifest is missing")
+            if xxh3_hex(raw) != c.digest:
+                raise _Invisible("manifest_digest", "its manifest does not hash to its marker's digest")
         return raw
 
     def recent_listing(self, run: str) -> list[Committed]:
@@ -477,12 +445,7 @@ class Visibility:
     def known_bad(self, c: Committed) -> str | None:
         """Why the visible checkpoint ``c`` is known to be bad, or None (:func:`.records.known_bad`:
         a recorded verification of the manifest committed now that failed)."""
-        return self._known_bad(c) if self._known_bad is not None else known_bad(self.storage, c)
-
-    def status(self, c: Committed) -> tuple[str, str | None]:
-        """``verified``, ``pending`` or ``known bad`` (with why) for the visible checkpoint ``c``, from the
-        record :meth:`known_bad` reads (:func:`.records.status_of`): what ``ckptd ls`` and ``show`` print."""
-        return status_of(self.storage, c)
+        return known_bad(self.storage, c)
 
     def latest(self, visible: list[Committed]) -> Latest:
         """What ``RUN/latest`` names among ``visible`` (a :meth:`listing`): the newest trainer checkpoint
@@ -498,10 +461,6 @@ class Visibility:
                 return Latest(c, tuple(skipped), trainer[-1])
             skipped.append(Skipped(c.ref, why))
         return Latest(None, tuple(skipped), trainer[-1] if trainer else None)
-
-    def latest_of(self, visible: list[Committed]) -> Committed | None:
-        """What ``RUN/latest`` names: the newest visible trainer checkpoint not known to be bad."""
-        return self.latest(visible).checkpoint
 
     def resolve(self, run: str, name: str) -> Committed:
         """The visible checkpoint ``run/name`` (``latest``: the newest visible trainer checkpoint not
@@ -527,12 +486,8 @@ class Visibility:
         if m is None:
             raise CheckpointNotFound(f"checkpoint {run}/{name} does not exist or is not committed",
                                      ref=f"{run}/{name}")
-        try:
+        with self._visible(f"{run}/{name}"):
             return self._check(run, name, m), ()
-        except _Invisible as e:
-            self._report(f"{run}/{name}", e.reason, e.message)
-            raise CheckpointNotFound(f"checkpoint {run}/{name} is not visible: {e.message}", ref=f"{run}/{name}",
-                                     reason=e.reason) from None
 
 
 def _says(digest: str, m: Manifest) -> tuple:
@@ -545,21 +500,6 @@ def _disagreement(said: tuple, m: Marker) -> str:
     return (f"its manifest says {run}/{name} session {session} step {step} derived from {derived} parent {parent}; "
             f"its COMMITTED marker says {m.ref} session {m.session} step {m.step} derived from {m.derived_from} "
             f"parent {m.parent}")
-
-
-def _regular_file(path: str) -> tuple[os.stat_result | None, str | None]:
-    """``(stat, None)`` for a regular file, ``(None, None)`` when nothing is there, ``(None, why)`` for
-    anything else (a directory, a FIFO, a symlink loop, a path this process may not stat): such an
-    object is never opened, since a FIFO would block the reader."""
-    try:
-        st = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None, None
-    except OSError as e:
-        return None, f"cannot be read: {e.strerror}"
-    if not statmod.S_ISREG(st.st_mode):
-        return None, "is not a regular file"
-    return st, None
 
 
 def _valid(check: Callable[[str], object], value: str) -> bool:

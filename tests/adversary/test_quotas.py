@@ -259,9 +259,10 @@ def test_a_writer_whose_measure_hangs_holds_one_thread_and_another_token_saves(t
     """A measure of what a writer holds walks its runs on the root: 20,000 open sessions take 5 s. Before,
     it ran under the writer's lock in a request thread, and the writer's other uploads queued on that lock,
     each holding one of the service's 40 request threads: a writer past its quota keeping 64 uploads going
-    stalled every other token's opens, uploads and indexes. Here the measure is made to hang (a marker that
-    is a FIFO nobody writes: a root that never answers), the strongest form of slow: the writer's uploads are
-    still refused at once, from its last measure, and the other token's save commits."""
+    stalled every other token's opens, uploads and indexes. Here the measure is made to hang (a staging
+    session's presign claim that is a FIFO nobody writes: a root that never answers), the strongest form of
+    slow: the writer's uploads are still refused at once, from its last measure, and the other token's save
+    commits."""
     root = tmp_path / "root"
     tokens = f"filler {FILLER} write:fill* quota=256KiB; saver {SAVER} write:good*"
     srv = ServerProcess(root, env={"CKPTD_TOKENS": tokens}, log=tmp_path / "server.log").start()
@@ -285,7 +286,7 @@ def test_a_writer_whose_measure_hangs_holds_one_thread_and_another_token_saves(t
             codes.append(put(f"flood-{n}-{i}.bin", 100 * KIB))
             i += 1
 
-    fifo = root / "runs" / "fill" / "0" / "COMMITTED"
+    fifo = root / "runs" / "fill" / "0" / "sessions" / "s0" / "presigned" / "x.bin"
     flooders = [threading.Thread(target=flood, args=(n,), daemon=True) for n in range(64)]
     try:
         assert http.post(base, json={"session": "s1", "world_size": 1}).status_code == 200
@@ -301,7 +302,7 @@ def test_a_writer_whose_measure_hangs_holds_one_thread_and_another_token_saves(t
         assert 507 in codes and 200 not in codes, codes[:20]  # refused at once, from the last measure
     finally:
         stop.set()
-        for _ in range(8):  # let any measure blocked on the FIFO end (it reads an empty marker)
+        for _ in range(8):  # let any measure blocked on the FIFO end (it reads an empty claim)
             try:
                 os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
             except OSError:

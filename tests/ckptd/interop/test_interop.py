@@ -213,7 +213,7 @@ def _blank(sd):
 
 def _nothing_committed(root: Path) -> None:
     reader = CheckpointReader(LocalStorage(root))
-    assert all(r.checkpoints == 0 for r in reader.list_runs())
+    assert all(r.checkpoints == 0 for r in reader.runs_page()[0])
     for sessions in root.glob("runs/*/*/sessions"):
         assert not any(sessions.iterdir()), f"session left behind in {sessions}"
 

@@ -201,7 +201,7 @@ def test_a_service_job_converts_while_4_ranks_keep_saving(server, reader, traine
     # before it finished) fits in the job; on a loaded machine a save may take half the job's time.
     during = [step for step, started, committed, _ in saves if started > submitted and committed < finished]
     assert during, f"no save committed during the {finished - submitted:.1f}s job; all {saves}"
-    steps = [c.step for c in reader.list_checkpoints("train") if c.derived_from is None]
+    steps = [c.step for c in reader.checkpoints_page("train")[0] if c.derived_from is None]
     assert steps == list(range(1, len(saves) + 1))
     assert reader.resolve("train", "latest")[0] == str(len(saves))  # the derived checkpoint shadows nothing
 
@@ -323,7 +323,7 @@ def test_worker_path_commits_once_after_the_last_unit(server, reader, trained, t
     assert ["committed" in r for r in results] == [False] * (info["units"] - 1) + [True]
     marker = reader.marker("train", "3-k8s")
     assert marker is not None and marker.session == info["session"]
-    assert [c.name for c in reader.list_checkpoints("train")].count("3-k8s") == 1
+    assert [c.name for c in reader.checkpoints_page("train")[0]].count("3-k8s") == 1
     m = reader.manifest("train", "3-k8s")
     assert m.derived_from == "train/3" and m.topology.world_size == 2 and all(t.digest for t in m.tensors)
 

@@ -30,7 +30,7 @@ from ckptd.store.retention import plan_retention
 from ckptd.store.visibility import Skipped
 from ckptd_client import CheckpointClient
 from ckptd_schemas import CheckpointNotFound, ChecksumMismatch
-from support import ServerProcess, assert_bits_equal, blank_like, make_state, verified
+from support import ServerProcess, assert_bits_equal, blank_like, make_state, scaled, verified
 
 from .test_retention import ckpt_lists
 
@@ -299,3 +299,38 @@ def test_the_skipped_header_fits_a_response_head_whatever_the_reasons():
     assert parsed and parsed[0]["ref"] == f"{RUN}/100" and parsed[0]["reason"].startswith("verification failed")
     one = json.loads(_skipped_header(skipped[:1]))
     assert one == [{"ref": f"{RUN}/100", "reason": skipped[0].reason[:MAX_SKIPPED_HEADER_BYTES // 8]}]
+
+
+def test_a_fifo_in_place_of_a_verification_record_blocks_no_reader(tmp_path):
+    """An attacker with write access to the root replaces a committed checkpoint's ``VERIFIED.json`` by
+    a FIFO (opening it for reading waits for a writer forever). Every reader of the record (``ls``, the
+    resolve of ``latest``, and the conversion's check of its source, ``export``) takes it for no record
+    at all: nothing hangs, the export verifies the checkpoint again, records the outcome in its place,
+    and writes the checkpoint's tensors."""
+    import os
+
+    srv = ServerProcess(tmp_path / "root").start()
+    root = Path(srv.root)
+    try:
+        states = _save(srv, [1])
+    finally:
+        srv.stop()
+    record = root / "runs" / RUN / "1" / "VERIFIED.json"
+    record.unlink()
+    os.mkfifo(record)
+    target = ["--root", str(root)]
+
+    def cli(*args: str) -> subprocess.CompletedProcess:  # the deadline only guards against a hang
+        return subprocess.run([sys.executable, "-m", "ckptd.cli.main", *args], capture_output=True, text=True,
+                              timeout=scaled(120))
+
+    listed = cli("ls", RUN, *target)
+    assert listed.returncode == 0 and "pending" in listed.stdout, listed.stdout + listed.stderr
+    exported = cli("export", f"{RUN}/latest", str(tmp_path / "out"), "--json", *target)
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    assert json.loads(exported.stdout)["ref"] == f"{RUN}/1"
+    assert record.is_file() and json.loads(record.read_text())["ok"] is True  # verified again, recorded
+    got: dict = {}
+    for shard in sorted((tmp_path / "out").glob("*.safetensors")):
+        got |= load_file(shard)
+    assert torch.equal(got["w"], states[1]["model"]["w"])

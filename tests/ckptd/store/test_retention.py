@@ -95,12 +95,12 @@ def test_gc_deletes_marker_then_data_keeps_leased_newest_and_in_progress(root):
 
     dry = collect(storage, "run", keep_last=2, keep_every=5, dry_run=True)
     assert sorted(dry.delete, key=int) == ["1", "9"] and dry.deleted == []
-    assert [c.name for c in reader.list_checkpoints("run")][:3] == ["1", "2", "5"]  # nothing went
+    assert [c.name for c in reader.checkpoints_page("run")[0]][:3] == ["1", "2", "5"]  # nothing went
 
     plan = collect(storage, "run", keep_last=2, keep_every=5)
     assert sorted(plan.deleted, key=int) == ["1", "9"]
     assert plan.keep["2"].startswith("leased") and "multiple of 5" in plan.keep["10"]
-    left = {c.name for c in reader.list_checkpoints("run")}
+    left = {c.name for c in reader.checkpoints_page("run")[0]}
     assert left == {"2", "5", "10", "11", "12", "12-full"}
     for name in ("1", "9"):
         assert reader.marker("run", name) is None and not (storage.root / "runs/run" / name).exists()
