@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from ckptd_schemas import CkptdError, StateDictMismatch
 
-from ._dist import check, cpu_group, failure
+from ._dist import cpu_group, raise_on_all
 
 __all__ = ["agree_keys"]
 
@@ -42,10 +42,6 @@ def _bitmap(keys: list[str], held: set[str]) -> bytearray:
     return bits
 
 
-def _unset(keys: list[str], raw: bytes) -> list[str]:
-    return [k for i, k in enumerate(keys) if not raw[i >> 3] & (1 << (i & 7))]
-
-
 def agree_keys(err: BaseException | None, ckpt: tuple[str, str] | None, keys: list[str], held: set[str], *,
                cover: bool) -> tuple[int, list[str]]:
     """Collective (see the module docstring); returns the number of ranks whose keys were checked
@@ -55,15 +51,8 @@ def agree_keys(err: BaseException | None, ckpt: tuple[str, str] | None, keys: li
     import torch
     import torch.distributed as dist
 
-    world, me = dist.get_world_size(), dist.get_rank()
-    failed = err is not None or ckpt is None
-    first, same = check(failed, repr((ckpt, len(keys))).encode())
-    if first is not None:  # the rare round: what the failing rank raised
-        message, kinds, _ = failure(first, err if err is not None else "it resolved no checkpoint")
-        if err is not None:
-            raise err
-        kind = StateDictMismatch if "StateDictMismatch" in kinds else CkptdError
-        raise kind(f"load failed on rank {first} ({message}); rank {me} stops as well", rank=first)
+    world = dist.get_world_size()
+    same = raise_on_all(err, repr((ckpt, len(keys))).encode())  # the rare round: what the failing rank raised
     assert ckpt is not None
     if not same:  # the rare round: which checkpoints the ranks resolved (a short ref each)
         gathered: list = [None] * world
@@ -76,7 +65,7 @@ def agree_keys(err: BaseException | None, ckpt: tuple[str, str] | None, keys: li
         t = torch.frombuffer(bits, dtype=torch.uint8)
         dist.all_reduce(t, op=dist.ReduceOp.BOR, group=cpu_group())
         bits = bytearray(t.numpy().tobytes())
-    uncovered = _unset(keys, bits)
+    uncovered = [k for i, k in enumerate(keys) if not bits[i >> 3] & (1 << (i & 7))]  # no rank holds them
     if cover and uncovered:
         raise StateDictMismatch(
             f"checkpoint {ckpt[0]} has keys that no rank's state_dict holds (checked across {world} "

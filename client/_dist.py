@@ -25,8 +25,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["any_rank", "any_ranks", "barrier", "broadcast_str", "check", "cpu_backend", "cpu_group", "distributed",
-           "failure", "rank_and_world", "reduce_max", "solo"]
+from ckptd_schemas import CkptdError, StateDictMismatch
+
+__all__ = ["agree", "any_ranks", "check", "cpu_backend", "cpu_group", "distributed", "failure", "raise_on_all",
+           "rank_and_world", "reduce_max", "solo"]
 
 _SOLO: ContextVar[bool] = ContextVar("ckptd_solo", default=False)
 
@@ -84,30 +86,10 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def broadcast_str(value: str | None) -> str:
-    """Rank 0's ``value`` on every rank (identity without torch.distributed)."""
-    if not _active() or dist.get_world_size() == 1:
-        assert value is not None
-        return value
-    box = [value if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=cpu_group())
-    return str(box[0])
-
-
-def barrier() -> None:
-    if _active() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank iff ``flag`` is true on some rank (identity without torch.distributed)."""
-    return any_ranks(flag)[0]
-
-
 def agree(flags: tuple[bool, ...], token: bytes) -> tuple[tuple[bool, ...], bytes]:
     """Each flag true on every rank iff it is true on some rank, and rank 0's ``token`` (a few bytes)
-    on every rank: one all-reduce of small integers, where ``any_ranks`` then ``broadcast_str``
-    would be two collectives and a pickle (a save's stall pays for each)."""
+    on every rank: one all-reduce of small integers, where a broadcast after it would be a second
+    collective and a pickle (a save's stall pays for each)."""
     if not _active() or dist.get_world_size() == 1:
         return tuple(flags), token
     mine = list(token) if dist.get_rank() == 0 else [0] * len(token)
@@ -162,3 +144,18 @@ def failure(src: int, err: BaseException | str | None, *, group: object = _CPU) 
     dist.broadcast_object_list(box, src=src, group=g)
     message, kinds = box[0]
     return message, tuple(kinds), int(count.item())
+
+
+def raise_on_all(err: BaseException | None, digest: bytes = b"", *, group: object = _CPU) -> bool:
+    """Collective (a load's ranks, or a host's): when some rank failed, raise on every one of them, the
+    failing ranks their own error, the others one naming the lowest failing rank (``StateDictMismatch``
+    where it raised one, else ``CkptdError``), so that no rank waits in a later collective for one that
+    stopped; else whether every rank passed the same ``digest`` (:func:`check`, then :func:`failure`)."""
+    first, same = check(err is not None, digest, group=group)
+    if first is None:
+        return same
+    message, kinds, _ = failure(first, err, group=group)
+    if err is not None:
+        raise err
+    kind = StateDictMismatch if "StateDictMismatch" in kinds else CkptdError
+    raise kind(f"load failed on rank {first} ({message}); rank {dist.get_rank()} stops as well", rank=first)

@@ -70,15 +70,11 @@ class LocalFiles:
         self._retired: list[int] = []  # O_DIRECT descriptors the device refused, closed with the rest
         self._lock = threading.Lock()
         self._scratch = threading.local()
-        self.enabled = True
+        self.enabled = True  # False once the local files turned out not to be the service's
         self.bytes_read = 0
 
     def usable(self, file: str) -> bool:
         return self.enabled and self._fd(file) is not None
-
-    def disable(self) -> None:
-        """Stop reading directly (the local files turned out not to be the service's)."""
-        self.enabled = False
 
     def _fd(self, file: str) -> int | None:
         with self._lock:
@@ -111,13 +107,6 @@ class LocalFiles:
                     os.close(direct)
         return fd
 
-    def _bounce(self) -> memoryview:
-        """This thread's page-aligned buffer for reads past the cache: a piece and its aligned ends."""
-        buf = getattr(self._scratch, "bounce", None)
-        if buf is None:
-            buf = self._scratch.bounce = memoryview(mmap.mmap(-1, READ_SIZE + 2 * ALIGN))
-        return buf
-
     def _pread_uncached(self, f: Fetch, pos: int, piece: memoryview) -> int:
         """Read ``piece`` from byte ``pos`` of the file past the page cache, through the aligned
         buffer; -1 when the device refuses (the caller reads it through the cache from then on)."""
@@ -126,7 +115,10 @@ class LocalFiles:
             return -1
         lo = pos - pos % ALIGN
         hi = -(-(pos + len(piece)) // ALIGN) * ALIGN
-        bounce = self._bounce()[:hi - lo]
+        bounce = getattr(self._scratch, "bounce", None)  # this thread's page-aligned buffer: a piece, aligned ends
+        if bounce is None:
+            bounce = self._scratch.bounce = memoryview(mmap.mmap(-1, READ_SIZE + 2 * ALIGN))
+        bounce = bounce[:hi - lo]
         got = 0
         try:
             while got < len(bounce):

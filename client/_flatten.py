@@ -1,7 +1,7 @@
 """Walk a nested state dict into named leaves that can be written back in place.
 
 One walk (:func:`flatten`) gives a save everything it reads of the state dict's structure: the
-leaves and the optimizers' ``param_groups``; load walks with :func:`flatten_state_dict`.
+leaves and the optimizers' ``param_groups``; load walks with it too (its ``leaves``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from .flat import FlatShard
 
-__all__ = ["Flattened", "Leaf", "flatten", "flatten_state_dict"]
+__all__ = ["Flattened", "Leaf", "flatten"]
 
 PARAM_GROUPS = "param_groups"
 
@@ -40,11 +40,6 @@ def _is_leaf_list(value: list | tuple) -> bool:
 class Flattened:
     leaves: list[Leaf]
     param_groups: list[tuple[str, list[dict]]] = field(default_factory=list)  # (name of the dict holding it, groups)
-
-
-def flatten_state_dict(sd: Any) -> list[Leaf]:
-    """The leaves of :func:`flatten`."""
-    return flatten(sd).leaves
 
 
 def flatten(sd: Any) -> Flattened:

@@ -163,10 +163,17 @@ class ChunkHistory:
         """The chunks worth hashing in the stall of a save to ``run/name``: those of the last save to the
         run that did not change at it. A chunk that changed then (trained weights, optimizer state)
         most likely changed again: it is copied without a hash in the stall, and hashed in the upload."""
+        last, _ = self._matching(run, name, {})
+        return frozenset() if last is None else frozenset(k for k, s in last.chunks.items() if not s.changed)
+
+    def _matching(self, run: str, name: str, digests: Mapping[ChunkKey, bytes]) -> tuple[_Last | None, dict]:
+        """The last save, when it was to ``run`` under another name than ``name`` (what a save there may
+        link from), and the chunks of ``digests`` it stored with the same digest, with their pieces."""
         last = self._last
         if last is None or last.run != run or last.name == name:
-            return frozenset()
-        return frozenset(k for k, stored in last.chunks.items() if not stored.changed)
+            return None, {}
+        same = {k: s.pieces for k, d in digests.items() if (s := last.chunks.get(k)) is not None and s.digest == d}
+        return last, same
 
     def candidates(self, run: str, name: str, digests: dict[ChunkKey, bytes],
                    placed: Iterable[list] = ()) -> tuple[str | None, dict[ChunkKey, list]]:
@@ -174,15 +181,8 @@ class ChunkHistory:
         in files worth linking (:func:`worth_linking`; nothing after a save to another run, or before
         any). ``placed``: pieces this save already placed in linked files (in the stall), which fill
         their files too. The sizes of the files offered are kept for :meth:`remember`."""
-        last = self._last
-        if last is None or last.run != run or last.name == name:
-            return None, {}
-        out = {}
-        for key, d in digests.items():
-            stored = last.chunks.get(key)
-            if stored is not None and stored.digest == d:
-                out[key] = stored.pieces
-        if not out:
+        last, out = self._matching(run, name, digests)
+        if last is None or not out:
             return None, {}
         names = {linked_name(last.name, f): f for f in last.sizes}
         held: dict[str, int] = {}
@@ -213,11 +213,8 @@ class ChunkHistory:
                 copied[c.key] = digests[c.key]
             else:
                 placed.append(c.reused)
-        last = self._last
-        same = last is not None and last.run == run and last.name != name
-        unchanged = frozenset(k for k, d in copied.items() if same and (s := last.chunks.get(k)) is not None
-                              and s.digest == d)
         source, candidates = self.candidates(run, name, copied, placed)
+        unchanged = frozenset(self._matching(run, name, copied)[1])
         return SaveLinks(run, name, digests, candidates, source, unchanged=unchanged)
 
     def remember(self, links: SaveLinks) -> None:

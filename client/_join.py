@@ -43,7 +43,7 @@ from ckptd_schemas import CollectiveMismatch
 
 from ._dist import distributed
 
-__all__ = ["describe", "joined", "mismatch", "rank_list"]
+__all__ = ["joined", "mismatch", "rank_list"]
 
 _MASK = (1 << 32) - 1
 _OK = b"ok"
@@ -67,22 +67,17 @@ def rank_list(ranks: Sequence[int], limit: int = 16) -> str:
     return f"rank {shown}" if len(rs) == 1 else f"ranks {shown}"
 
 
-def describe(calls: Mapping[str, Sequence[int]], missing: Sequence[int] = (), waited: float = 0.0,
-             groups: int = 8) -> str:
-    """One sentence: what each group of ranks called (the largest groups first), and who did not come."""
-    order = sorted(calls.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
-    said = ", ".join(f"{rank_list(rs)} {call}" for call, rs in order[:groups])
-    if len(order) > groups:
-        said += f", and {len(order) - groups} other calls"
-    if missing:
-        said += f"; {rank_list(missing)} did not join within {waited:g} s"
-    return f"the ranks do not make the same collective call: {said}"
-
-
 def mismatch(calls: Mapping[str, Sequence[int]], missing: Sequence[int] = (), waited: float = 0.0,
              **details: Any) -> CollectiveMismatch:
-    """The error every rank raises: the sentence, and the ranks of each call and the missing ones (64 each)."""
-    return CollectiveMismatch(describe(calls, missing, waited),
+    """The error every rank raises: one sentence, what each group of ranks called (the largest groups
+    first, 8 at most) and who did not come; and the ranks of each call and the missing ones (64 each)."""
+    order = sorted(calls.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
+    said = ", ".join(f"{rank_list(rs)} {call}" for call, rs in order[:8])
+    if len(order) > 8:
+        said += f", and {len(order) - 8} other calls"
+    if missing:
+        said += f"; {rank_list(missing)} did not join within {waited:g} s"
+    return CollectiveMismatch(f"the ranks do not make the same collective call: {said}",
                               calls={c: sorted(rs)[:64] for c, rs in calls.items()},
                               missing=sorted(missing)[:64], missing_count=len(missing), **details)
 

@@ -68,31 +68,22 @@ def read_lease(transport: Transport, base: str, holder: str | None = None) -> It
             transport.request("DELETE", path, retry=False)
 
 
-class LoadLease:
+class LoadLease(contextlib.ExitStack):
     """The one read lease of a load (``load_into``, a DCP reader's rank), from its first request to its end.
 
     Call order: construct it before the first request of the load (every request under
     ``/v1/checkpoints/RUN/NAME`` names the lease from then on, the manifest of ``latest`` included),
     :meth:`hold` once the manifest has said which checkpoint ``NAME`` is (the lease is taken there and
-    renewed while the load reads, :func:`read_lease`), :meth:`close` when the load returns: the service
+    renewed while the load reads, :func:`read_lease`), ``close`` when the load returns: the service
     then leases nothing on this load's account, and ``rm`` right after succeeds."""
 
     def __init__(self, transport: Transport, run: str, name: str) -> None:
+        super().__init__()
         self.transport, self.holder = transport, uuid.uuid4().hex
         self.base: str | None = None  # the checkpoint held, once resolved
-        self._stack = contextlib.ExitStack()
-        self._stack.enter_context(transport.leased(f"/v1/checkpoints/{run}/{name}", self.holder))
+        self.enter_context(transport.leased(f"/v1/checkpoints/{run}/{name}", self.holder))
 
     def hold(self, base: str) -> None:
         """Take (and renew) the lease on the checkpoint at ``base``, the resolved one."""
         self.base = base
-        self._stack.enter_context(read_lease(self.transport, base, self.holder))
-
-    def close(self) -> None:
-        self._stack.close()
-
-    def __enter__(self) -> "LoadLease":
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
+        self.enter_context(read_lease(self.transport, base, self.holder))

@@ -18,21 +18,12 @@ Call order inside :meth:`CheckpointClient.load`:
    pieces they need (chunk rows, files, the objects it restores), check each,
    and plan the reads here: coalesced, block-aligned byte ranges (without a load
    tree, from the whole manifest, checked against its digest);
-3. fetch the ranges in parallel and verify every block digest. Where every
-   overlap of a fetch is a contiguous run on both sides (row bands into row
-   bands, raw, same dtype, CPU) the response is scattered straight into the
-   destination tensors as it arrives (``_scatter``); otherwise the fetch is
-   buffered, decoded, and each overlap copied with one strided view per side.
-   Destinations on a device (CUDA) take the same two paths through a ``DeviceStager``
-   (``_scatter``): a small ring of pinned host buffers, hashed there, copied asynchronously on a
-   side stream, so reads and host-to-device copies overlap; the caller's stream waits for it.
-   When the plan names the service's own file paths and this host can open
-   them (same host, shared filesystem), the bytes are read from the files
-   instead of over HTTP (``_files``), with the same checks and an HTTP retry.
-   The service sees none of those reads, so while they may happen (and while
-   the ranks of a distributed load wait for each other) the load holds a read
-   lease of its own (``LoadLease``: one per load, the read executor takes none), renewed every
-   third of the lease period, so gc spares the checkpoint however long the load takes.
+3. :func:`execute`: fetch the ranges in parallel, every block digest verified, from this host's
+   copy of the service's files where the plan names them and it can open them (``_files``), else
+   over HTTP; row bands go straight into the destinations (``_scatter``, onto a device through a
+   ring of pinned buffers), anything else through a buffer. The service sees none of the direct
+   reads (nor the ranks of a distributed load waiting for each other), so the load holds a read
+   lease of its own (``LoadLease``, one per load), renewed while it reads: gc spares the checkpoint.
 4. in a distributed load, regions that several ranks of one host need
    (replicated tensors) are read by one of them and sent to the others
    (``_share``); every step that could leave a rank waiting is agreed first,
@@ -55,10 +46,10 @@ from ckptd_schemas import (
 
 from ._coverage import agree_keys
 from ._scatter import BUFFER_BYTES, DeviceStager, Fill, PieceFill, direct_targets, fill_buffer, fill_targets, staged_runs
-from ._dist import distributed as _distributed
+from ._dist import distributed as _distributed, raise_on_all
 from ._files import LocalFiles
-from ._share import Sharing, agree, exchange, region_key, share_plan
-from ._flatten import Leaf, flatten_state_dict
+from ._share import Sharing, exchange, region_key, share_plan
+from ._flatten import Leaf, flatten
 from .transport import Transport
 from ._placement import LocalPiece, dtype_name, local_piece
 from ._damage import reported
@@ -268,7 +259,7 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
     if skipped and rank == 0:
         log.warning("%s/%s resolved to %s, skipping %s", run, name, ref,
                     "; ".join(f"{s.ref} ({s.reason})" for s in skipped))
-    leaves = flatten_state_dict(state_dict)
+    leaves = flatten(state_dict).leaves
     tensor_leaves = [leaf for leaf in leaves if leaf.kind == "tensor"]
 
     present = {leaf.fqn for leaf in leaves}
@@ -360,7 +351,7 @@ def _read_tensors(transport: Transport, base: str, manifest: Manifest, pieces: l
         except Exception as e:
             err = e
         if not sharing.empty:  # the receivers must not wait for a reader that failed
-            agree(err, sharing)
+            raise_on_all(err, group=sharing.group)
         elif err is not None:
             raise err
     finally:
@@ -383,16 +374,6 @@ def local_files(plan: ReadPlan, manifest: Manifest) -> LocalFiles | None:
     if not plan.local_paths:
         return None
     return LocalFiles(plan.local_paths, {k: e.size for k, e in manifest.files.items()})
-
-
-def corrupt(e: ChecksumMismatch, f: Any, copies: list) -> CorruptCheckpoint:
-    """``e`` (a fetch of ``f`` that failed its digests, or that the service refused as corrupt) as a
-    :class:`CorruptCheckpoint` naming the tensors the fetch fills."""
-    tensors = sorted({c.tensor for c in copies})
-    shown = ", ".join(repr(t) for t in tensors[:8]) + (f" and {len(tensors) - 8} more" if len(tensors) > 8 else "")
-    return CorruptCheckpoint(f"{e.message} (bytes [{f.start}, {f.end}) of file {f.file!r}, read for "
-                             f"tensor{'s' if len(tensors) != 1 else ''} {shown or '(none)'})",
-                             **{**e.details, "file": f.file, "tensors": tensors[:64]})
 
 
 STAGE_CPU = False
@@ -465,7 +446,7 @@ def execute(transport: Transport, base: str, plan: ReadPlan, dests: list[Destina
                 return
             except ChecksumMismatch:
                 http.read(f, consume)  # raises if the service's bytes are bad too
-                files.disable()  # HTTP passed: this host's file at that path is not the service's
+                files.enabled = False  # HTTP passed: this host's file at that path is not the service's
                 return
         http.read(f, consume)
 
@@ -474,7 +455,11 @@ def execute(transport: Transport, base: str, plan: ReadPlan, dests: list[Destina
         try:
             read(f, copies)
         except ChecksumMismatch as e:  # a damaged checkpoint, from the bytes or from the service (422)
-            raise corrupt(e, f, copies) from e
+            tensors = sorted({c.tensor for c in copies})  # named in the error, which the load reports
+            shown = ", ".join(map(repr, tensors[:8])) + (f" and {len(tensors) - 8} more" if len(tensors) > 8 else "")
+            raise CorruptCheckpoint(f"{e.message} (bytes [{f.start}, {f.end}) of file {f.file!r}, read for "
+                                    f"tensor{'s' if len(tensors) != 1 else ''} {shown or '(none)'})",
+                                    **{**e.details, "file": f.file, "tensors": tensors[:64]}) from e
 
     try:
         if streams > 1 and len(plan.fetches) > 1:

@@ -21,33 +21,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Sequence
 
 from ckptd_schemas import CheckpointNotFound, CorruptCheckpoint, Manifest, NotFound, ObjectEntry, PayloadTooLarge, \
     ReadPlan, ReadRequest, plan_reads
 from ckptd_schemas.api import LOAD_TREE_HEADER, MAX_READ_REQUESTS, SkippedCheckpoint
-from ckptd_schemas.readplan import merge_plans, request_batches
+from ckptd_schemas.readplan import request_batches
 from ckptd_schemas.loadtree import LoadHead, check_covered, verify_answer
 
 from ._manifest import skipped_in
 from .transport import Transport
 
-__all__ = ["Head", "Pieces", "fetch_head", "fetch_pieces", "post_read_plan"]
-
-T = TypeVar("T")
-
-
-def _split_by_service(send: Callable[[int], T]) -> T:
-    """``send(most)`` with batches of the default limit (``MAX_READ_REQUESTS``), and once more with the
-    service's own when it refused a batch as more than it takes (413 with ``max_requests``: a service
-    configured under the default)."""
-    try:
-        return send(MAX_READ_REQUESTS)
-    except PayloadTooLarge as e:
-        limit = e.details.get("max_requests")
-        if not isinstance(limit, int) or not 0 < limit < MAX_READ_REQUESTS:
-            raise
-        return send(limit)
+__all__ = ["Head", "Pieces", "fetch_head", "fetch_pieces"]
 
 
 @dataclass
@@ -120,7 +105,13 @@ def fetch_pieces(transport: Transport, base: str, head: LoadHead, requests: Sequ
                                         file="load tree") from None
         return answer, size
 
-    answer, size = _split_by_service(send)
+    try:
+        answer, size = send(MAX_READ_REQUESTS)
+    except PayloadTooLarge as e:  # 413 with ``max_requests``: a service configured under the default
+        limit = e.details.get("max_requests")
+        if not isinstance(limit, int) or not 0 < limit < MAX_READ_REQUESTS:
+            raise
+        answer, size = send(limit)
     try:
         manifest, chosen = verify_answer(head, answer, requests, rank)
     except (ValueError, TypeError, KeyError, AttributeError) as e:  # not the shape of an answer
@@ -147,22 +138,3 @@ def _merge_answer(into: dict[str, Any], part: dict[str, Any]) -> None:
     paths = into.get("local_paths")
     into["local_paths"] = {**paths, **part["local_paths"]} if isinstance(paths, dict) and isinstance(
         part.get("local_paths"), dict) else None
-
-
-def post_read_plan(transport: Transport, url: str, requests: Sequence[ReadRequest], local_paths: bool
-                   ) -> tuple[ReadPlan, int]:
-    """The service's read plan (``POST url``) for ``requests``, as one request per batch of them
-    (``request_batches``: one for a rank's usual few thousand), merged; and the bytes of the answers."""
-    def send(most: int) -> tuple[ReadPlan, int]:
-        parts: list[tuple[int, ReadPlan]] = []
-        size = 0
-        for start, end in request_batches(requests, most):
-            body: dict[str, Any] = {"requests": [r.model_dump(exclude_none=True) for r in requests[start:end]]}
-            if local_paths:
-                body["local_paths"] = True
-            raw = transport.request("POST", url, json=body, sink=lambda r: r.read())
-            size += len(raw)
-            parts.append((start, ReadPlan.model_validate_json(raw)))
-        return (merge_plans(parts) if parts else ReadPlan(fetches=[], copies=[])), size
-
-    return _split_by_service(send)

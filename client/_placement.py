@@ -67,10 +67,6 @@ class LocalPiece:
         return self.local.numel()
 
 
-def _stable_hash(name: str) -> int:
-    return zlib.crc32(name.encode())
-
-
 def shard_box(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
               placements: Sequence[object]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The local shape and global offsets of the shard at mesh coordinate ``coord`` when every
@@ -125,7 +121,7 @@ def local_piece(fqn: str, value: object) -> LocalPiece:
             raise InvalidRequest(f"tensor {fqn!r}: local shard shape {tuple(local.shape)} does not match "
                                  f"placements {placements} (expected {tuple(local_shape)})", tensor=fqn)
         writes = coord is not None
-        h = _stable_hash(fqn)
+        h = zlib.crc32(fqn.encode())  # the replica that writes: the same on every rank and in every process
         for dim, p in enumerate(placements):
             if isinstance(p, Replicate) and coord is not None:
                 writes = writes and coord[dim] == h % mesh.size(dim)

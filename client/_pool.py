@@ -188,10 +188,6 @@ class SlabClaim:
         self._used = [0] * len(segments or ())
         self._released = False
 
-    @property
-    def pinned(self) -> bool:
-        return any(s.view is not None and s.view.is_pinned() for s in self._segs or ())
-
     def take(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A contiguous CPU tensor for one chunk: a 64-byte aligned view of the first allocated
         segment it fits in, else fresh."""
@@ -334,12 +330,6 @@ class SnapshotPool:
 
     # -- public ----------------------------------------------------------------------------------------
     @property
-    def _slab(self) -> torch.Tensor | None:
-        """The slab when it is one allocated segment (without ``background``); else None."""
-        segs = self._segs
-        return segs[0].view if segs is not None and len(segs) == 1 else None
-
-    @property
     def segments(self) -> list[torch.Tensor | None]:
         """The slab's segments: a tensor each once allocated, ``None`` while still to be."""
         return [s.view for s in self._segs or ()]
@@ -370,13 +360,10 @@ class SnapshotPool:
         warnings.warn("SnapshotPool.leased is SnapshotPool.claimed", DeprecationWarning, stacklevel=2)
         return self._claimed
 
-    def claim(self, need: int | None = None, wait_s: float | None = None, *,
-              sizes: Sequence[int] | None = None) -> SlabClaim:
+    def claim(self, wait_s: float | None = None, *, sizes: Sequence[int] | None = None) -> SlabClaim:
         """The slab for one save that copies chunks of ``sizes`` bytes (each :func:`aligned`, in copy
-        order; ``need`` alone: one chunk of ``need``), or (busy after ``wait_s``, or closed) a claim
-        that allocates fresh. Never waits for an allocation made in the background."""
-        if sizes is None and need is not None:
-            sizes = [need]
+        order), or (busy after ``wait_s``, or closed) a claim that allocates fresh. Never waits for an
+        allocation made in the background."""
         with self._cond:
             self._cond.wait_for(lambda: not self._claimed, self.wait_s if wait_s is None else wait_s)
             if self._claimed or self._closed:

@@ -201,7 +201,7 @@ def _copy(snap: Snapshot, plan: SavePlan, sources: Mapping[str, LocalPiece], dig
     exactly those), and encode its objects."""
     if pool is not None:
         sizes = [aligned(c.nbytes) for c in plan.chunks if c.key not in held]
-        snap.claim = pool.claim(sum(sizes), sizes=sizes)
+        snap.claim = pool.claim(sizes=sizes)
     for c in plan.chunks:
         data = None if c.key in held else _to_host(sources[c.fqn].local.detach(), snap.claim, side)
         snap.chunks.setdefault(c.fqn, []).append(_Chunk(c.fqn, data, c.box, c.flat, digest=digests.get(c.key),
@@ -527,26 +527,25 @@ class SaveHandle:
         self._observed = False
         self._lock = threading.Lock()
 
+    def _upload(self) -> str:
+        """``running``, ``failed``, or the session's state once this rank's upload returned."""
+        if not self._future.done():
+            return "running"
+        return "failed" if self._future.exception() is not None else self._future.result().state
+
     def done(self) -> bool:
         """True once the save is over: committed, or failed (``wait()`` then returns or raises at once)."""
-        if self._status is not None and self._status.state != "open":
-            return True
-        if not self._future.done():
-            return False
-        return self._future.exception() is not None or self._future.result().state != "open"
+        waited = self._status is not None and self._status.state != "open"
+        return waited or self._upload() not in ("running", "open")
 
     @property
     def failed_unobserved(self) -> bool:
-        return not self._observed and self._future.done() and self._future.exception() is not None
+        return not self._observed and self._upload() == "failed"
 
     @property
     def unreported(self) -> bool:
         """True while nobody waited and the save is not known to be committed (in flight, or failed)."""
-        if self._observed:
-            return False
-        if not self._future.done():
-            return True
-        return self._future.exception() is not None or self._future.result().state != "committed"
+        return not self._observed and self._upload() != "committed"
 
     def wait(self, timeout: float | None = 1800.0, *, durable: bool = False) -> SessionStatus:
         """Block until the checkpoint is committed (every rank done); raise the typed error otherwise.

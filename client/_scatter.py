@@ -59,7 +59,9 @@ def _row_major(sizes: Sequence[int], strides: Sequence[int]) -> bool:
     return True
 
 
-def _runs(copies: Iterable[Copy], dests: Sequence[Destination], device: torch.device) -> list[Run] | None:
+def staged_runs(copies: Iterable[Copy], dests: Sequence[Destination], device: torch.device) -> list[Run] | None:
+    """Byte runs of the fetch and the memory of the destinations on ``device`` each lands in, sorted and
+    disjoint (for :meth:`DeviceStager.stream`); or None when some copy needs the buffered path."""
     out: list[Run] = []
     for c in copies:
         dest = dests[c.request]
@@ -87,15 +89,9 @@ def _runs(copies: Iterable[Copy], dests: Sequence[Destination], device: torch.de
 
 
 def direct_targets(copies: Iterable[Copy], dests: Sequence[Destination]) -> list[Target] | None:
-    """Byte runs of the fetch and the (host) destination memory each lands in, sorted and disjoint;
-    or None when some copy needs the buffered path."""
-    runs = _runs(copies, dests, torch.device("cpu"))
+    """:func:`staged_runs` of host destinations, each as the memory it lands in."""
+    runs = staged_runs(copies, dests, torch.device("cpu"))
     return None if runs is None else [(lo, hi, memoryview(t.numpy())) for lo, hi, t in runs]
-
-
-def staged_runs(copies: Iterable[Copy], dests: Sequence[Destination], device: torch.device) -> list[Run] | None:
-    """As :func:`direct_targets` for destinations on ``device`` (for :meth:`DeviceStager.stream`)."""
-    return _runs(copies, dests, torch.device(device))
 
 
 # -- staging onto a device ---------------------------------------------------------------------------

@@ -17,8 +17,8 @@ Call order inside ``load`` (every rank, collectively, like the load itself):
 2. :func:`share_plan`: one ``all_gather_object`` within the host of (host name, whether this rank
    reads the service's files directly, the regions it needs). Hosts whose ranks all read directly
    are left alone: the page cache already reads each byte from the disk once. Returns who reads what;
-3. each rank drops the regions another rank reads for it, and loads the rest; :func:`agree` (within
-   the host) makes every rank of the host raise when one of them failed;
+3. each rank drops the regions another rank reads for it, and loads the rest; ``_dist.raise_on_all``
+   (within the host) makes every rank of the host raise when one of them failed;
 4. :func:`exchange`: the readers send, the others receive, in one order within the host (every rank
    walks the same list, so the earliest unfinished transfer always has both ends ready: no deadlock).
 
@@ -34,11 +34,9 @@ from typing import Hashable, Mapping, Sequence
 
 import torch
 
-from ckptd_schemas import CkptdError
+from ._dist import cpu_backend, cpu_group, reduce_max
 
-from ._dist import check, cpu_backend, cpu_group, failure, reduce_max
-
-__all__ = ["Sharing", "agree", "assign_readers", "exchange", "host_group", "launcher_ranks", "region_key", "share_plan"]
+__all__ = ["Sharing", "assign_readers", "exchange", "host_group", "launcher_ranks", "region_key", "share_plan"]
 
 Key = Hashable
 
@@ -176,18 +174,3 @@ def exchange(sharing: Sharing, tensors: Mapping[Key, torch.Tensor]) -> int:
                 t.copy_(buf)
             got += raw.numel()
     return got
-
-
-def agree(err: BaseException | None, sharing: Sharing) -> None:
-    """Collective within the host (``sharing.group``): when any of its ranks failed, raise on every
-    one of them (a rank's own error where it has one), so that no rank waits for a transfer from a
-    rank that stopped. One fixed-size all-reduce; the failing rank's error is told only then."""
-    import torch.distributed as dist
-
-    first, _ = check(err is not None, group=sharing.group)
-    if first is None:
-        return
-    message, _, _ = failure(first, err, group=sharing.group)
-    if err is not None:
-        raise err
-    raise CkptdError(f"load failed on rank {first} ({message}); rank {dist.get_rank()} stops as well", rank=first)

@@ -74,10 +74,8 @@ class CheckpointClient(CatalogClient):
     every rank calls them with its own shards, in the same order.
 
     Args:
-        url: service URL (default ``$CKPTD_URL`` or ``http://127.0.0.1:8470``); several replicas of
-            one service (same storage root) as a list or comma-separated: calls go to the first and
-            move to the next when a connection cannot be made.
-        token: bearer token (default ``$CKPTD_TOKEN``).
+        url, token, retry_seconds, timeout: as for :class:`CatalogClient` (the service, or several
+            replicas of it; the bearer token; how long transient failures are retried; one request's limit).
         compression: ``None`` (store raw), ``"planes"`` (always: byte planes, Blosc2 shuffle then
             zstd-1, for elements of two bytes or more, zstd-1 for one-byte dtypes), ``"zstd"``
             (always plain zstd-1), or ``"auto"``: per chunk, the ``"planes"`` codec only where a timed
@@ -88,7 +86,6 @@ class CheckpointClient(CatalogClient):
             decodable frames of at most 4 MiB raw, so ranged reads decode only what they need.
         streams: concurrent HTTP streams per rank for uploads and ranged reads.
         file_bytes: target size of each uploaded data file.
-        retry_seconds: how long transient failures (connection errors, 5xx) are retried.
         snapshot_bytes: the host buffer that save snapshots are copied into, kept across saves so
             that ``save()``'s stall is one copy without page faults (pinned when CUDA is available).
             ``None`` (default): sized from what this rank copies at its first save, and again when
@@ -300,14 +297,10 @@ class CheckpointClient(CatalogClient):
         together = self.share_replicas or strict or cover
         call = _call("load", ref, share_replicas=self.share_replicas)  # which collectives it makes
         with joined(call, self.join_seconds) if together else contextlib.nullcontext():
-            return self._load(state_dict, ref, strict=strict, cover=cover)
-
-    def _load(self, state_dict: dict, ref: str, *, strict: bool, cover: bool) -> LoadReport:
-        r = parse_ref(ref)
-        rank, _ = rank_and_world()
-        return load_into(self._transport, r.run, r.name, state_dict, rank=rank, strict=strict, cover=cover,
-                         streams=self.streams, direct_reads=self.direct_reads,
-                         share_replicas=self.share_replicas, objects=self.objects)
+            r = parse_ref(ref)
+            return load_into(self._transport, r.run, r.name, state_dict, rank=rank_and_world()[0], strict=strict,
+                             cover=cover, streams=self.streams, direct_reads=self.direct_reads,
+                             share_replicas=self.share_replicas, objects=self.objects)
 
     # -- torch.distributed.checkpoint ------------------------------------------------
     def dcp_writer(self, ref: str, *, parent: str | None = None) -> "CkptdStorageWriter":

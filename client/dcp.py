@@ -22,9 +22,9 @@ collectives never interleave with training's.
 
 Reader: ``read_metadata`` returns the DCP metadata saved with the checkpoint,
 or one synthesised from the manifest (so checkpoints saved by
-``CheckpointClient.save`` load through DCP too); ``read_data`` asks the
-service for the byte ranges of exactly the regions DCP's planner wants (any
-world size), verifies them block by block and copies them in place. Every
+``CheckpointClient.save`` load through DCP too); ``read_data`` plans the byte
+ranges of exactly the regions DCP's planner wants (any world size) as the load
+does (``_loadtree``), verifies them block by block and copies them in place. Every
 rank reads the checkpoint the coordinator resolved (``RUN/latest`` is pinned
 through the load plan), once the coordinator has checked that every rank asked for
 the same ref (``CollectiveMismatch`` otherwise). Nothing is unpickled without restriction: the stored
@@ -67,8 +67,9 @@ from .session_calls import open_session, put_index, wait_committed
 from ._damage import reported
 from ._lease import LoadLease
 from ._load import execute, local_files, stored_object
-from ._loadtree import post_read_plan
+from ._loadtree import Pieces, fetch_head, fetch_pieces
 from ._join import mismatch
+from ._dist import rank_and_world
 from ckptd_schemas.names import DCP_METADATA
 from ckptd_schemas.format.assemble import Destination, torch_dtype
 from ckptd_schemas.format.objects import SAFE, ObjectPolicy, check_payload, load_dcp_metadata, reencode_for_dcp
@@ -202,7 +203,8 @@ class CkptdStorageWriter(_Endpoint, StorageWriter):
                 snap.chunks.setdefault(fqn, []).append(
                     _Chunk(fqn, data, (list(td.chunk.offsets), list(td.chunk.sizes)), None))
             sizes.append((item.index, data.numel() * data.element_size()))
-        opened = open_session(self.transport, self.base, pd.session, pd.world, _step_of(self.ref),
+        name = parse_ref(self.ref).name  # a NAME of digits is the step
+        opened = open_session(self.transport, self.base, pd.session, pd.world, int(name) if name.isdigit() else None,
                               parent=self.parent, direct_uploads=self.direct_uploads)
         self.ways = SaveWays()
         with ways_in(self.transport, self.base, pd.session, opened, local_uploads=self.local_uploads) as offered:
@@ -256,11 +258,6 @@ def _same_ref(call: str, refs: list[Any]) -> None:
             calls.setdefault(f"{call} {ref}", []).append(rank)
     if len(calls) > 1:
         raise mismatch(calls)
-
-
-def _step_of(ref: str) -> int | None:
-    name = parse_ref(ref).name
-    return int(name) if name.isdigit() else None
 
 
 def _merge_entries(entries: list[TensorEntry]) -> list[TensorEntry]:
@@ -357,12 +354,6 @@ class CkptdStorageReader(_Endpoint, StorageReader):
             self._release()
             self.ref, self._manifest = ref, None
 
-    def _object_bytes(self, o: ObjectEntry) -> bytes:
-        """torch.save bytes for DCP's planner (which unpickles them without restriction): decoded under
-        this reader's object policy first, so they hold nothing the policy refuses."""
-        return reencode_for_dcp(o, stored_object(self.transport, self.base, o, self.ref), ref=self.ref,
-                                policy=self.objects)
-
     def read_metadata(self) -> Metadata:
         m = self._get_manifest()
         stored = next((o for o in m.objects if o.name == DCP_METADATA), None)
@@ -402,7 +393,7 @@ class CkptdStorageReader(_Endpoint, StorageReader):
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self._pin(plan.storage_data)
         m = self._get_manifest()
-        rank = self._rank if self._rank is not None else _dist_rank()
+        rank = self._rank if self._rank is not None else rank_and_world()[0]
         objects: dict[str, ObjectEntry] = {}
         for o in m.objects:
             if o.rank is None or o.rank == rank or o.name not in objects:
@@ -414,7 +405,10 @@ class CkptdStorageReader(_Endpoint, StorageReader):
                 if o is None:
                     raise StateDictMismatch(f"checkpoint {m.ref} has no object {it.storage_index.fqn!r}",
                                             key=it.storage_index.fqn)
-                planner.load_bytes(it, io.BytesIO(self._object_bytes(o)))
+                # torch.save bytes for DCP's planner (which unpickles them without restriction), decoded
+                # under this reader's object policy first: they hold nothing the policy refuses
+                data = stored_object(self.transport, self.base, o, self.ref)
+                planner.load_bytes(it, io.BytesIO(reencode_for_dcp(o, data, ref=self.ref, policy=self.objects)))
         if not tensor_items:
             return _done(None)
         requests, dests, targets = [], [], []
@@ -429,7 +423,11 @@ class CkptdStorageReader(_Endpoint, StorageReader):
             requests.append(ReadRequest(name=t.name, offsets=offsets, sizes=list(it.lengths)))
             dests.append(Destination(target, t.shape, box_offsets=offsets))
             targets.append(target)
-        rp, _ = post_read_plan(self.transport, f"{self.base}/read-plan", requests, self.direct_reads)
+        # planned here as the load plans, from rows checked against the marker (the load tree's, where the
+        # checkpoint has one: with this host's file paths for direct reads), never from the service's word
+        found = fetch_head(self.transport, parse_ref(self.ref).run, m.name)
+        rp = (Pieces(m, {}, None, 0) if found is None else fetch_pieces(
+            self.transport, self.base, found.head, requests, [], rank, local_paths=self.direct_reads)).plan(requests)
         files = local_files(rp, m)
         try:  # every block verified, from this host's files (direct reads) or over HTTP
             execute(self.transport, self.base, rp, dests, self.streams, files)
@@ -439,9 +437,3 @@ class CkptdStorageReader(_Endpoint, StorageReader):
         for it, target in zip(tensor_items, targets):
             planner.commit_tensor(it, target)
         return _done(None)
-
-
-def _dist_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

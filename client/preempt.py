@@ -25,6 +25,7 @@ every N calls (all ranks must call it the same number of times).
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from types import FrameType
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from ckptd_schemas import Unavailable
 
-from ._dist import _active, cpu_group
+from ._dist import _active, any_ranks, reduce_max
 
 if TYPE_CHECKING:
     from ckptd_schemas import SessionStatus
@@ -78,14 +79,7 @@ class PreemptionGuard:
         self._calls += 1
         if self._calls % self.every:
             return False
-        flag = self.received is not None
-        if _active():
-            import torch
-            import torch.distributed as dist
-
-            t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
-            flag = bool(t.item())
+        flag = any_ranks(self.received is not None)[0]
         if flag and self._at is None:
             self._at = time.monotonic()
         return flag
@@ -102,13 +96,8 @@ class PreemptionGuard:
         refuse it (a rank that stayed out would leave the others blocked in the save's collectives).
         """
         left = self.remaining()
-        if _active():
-            import torch
-            import torch.distributed as dist
-
-            t = torch.tensor([left], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cpu_group())
-            left = float(t.item())
+        if _active():  # the least on any rank, in whole milliseconds: the maximum of the negated
+            left = -reduce_max([-math.floor(left * 1000)])[0] / 1000
         if left <= 0:
             raise Unavailable(f"preemption deadline of {self.deadline:g} s passed before the save of {ref} could "
                               "begin; the previous checkpoint is untouched", ref=ref)

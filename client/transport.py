@@ -154,15 +154,6 @@ class Transport:
             with self._lease_lock:
                 self._leases.remove((base, holder))
 
-    def _holder_for(self, path: str) -> str | None:
-        if not self._leases:
-            return None
-        with self._lease_lock:
-            for base, holder in reversed(self._leases):
-                if path == base or path.startswith(base + "/"):
-                    return holder
-        return None
-
     def request(self, method: str, path: str, *, content: Callable[[], Iterable[bytes] | bytes] | None = None,
                 json: Any = None, headers: dict[str, str] | None = None, params: dict[str, Any] | None = None,
                 retry: bool = True, sink: Callable[[httpx.Response], Any] | None = None,
@@ -173,9 +164,10 @@ class Transport:
         delay = 0.1
         attempt = 0
         headers = {"X-Request-Id": uuid.uuid4().hex, **(headers or {})}
-        holder = self._holder_for(path)
-        if holder is not None:  # a read under this client's own lease: the service renews that one
-            headers.setdefault(LEASE_HEADER, holder)
+        with self._lease_lock:  # a read under this client's own lease (the latest): the service renews that one
+            held = [holder for base, holder in self._leases if path == base or path.startswith(base + "/")]
+        if held:
+            headers.setdefault(LEASE_HEADER, held[-1])
         unreachable: set[int] = set()  # replicas refused since the last pause
         hopeless: set[int] = set()  # replicas whose TLS or host name failed (final_cause)
         while True:
@@ -193,7 +185,10 @@ class Transport:
                         resp.read()
                         return resp.json() if resp.content else None
                     resp.read()
-                    err = self._error(resp)
+                    try:
+                        err = error_from_body(resp.json(), resp.status_code)
+                    except ValueError:  # not JSON: a proxy's page, say
+                        err = error_from_body(resp.text[:500], resp.status_code)
                     if resp.status_code not in RETRY_STATUS:
                         raise err
                     failure: Exception = err
@@ -227,11 +222,3 @@ class Transport:
                 "%s %s failed (%s); retrying for up to %.0fs", method, path, failure, deadline - time.monotonic())
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 5.0)
-
-    @staticmethod
-    def _error(resp: httpx.Response) -> CkptdError:
-        try:
-            body = resp.json()
-        except ValueError:
-            body = resp.text[:500]
-        return error_from_body(body, resp.status_code)

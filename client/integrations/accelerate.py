@@ -76,13 +76,6 @@ def _owner(models: list, i: int, what: str) -> torch.nn.Module:
                          f"prepared models", key=_name("optimizer", i))
 
 
-def _rng() -> dict:
-    out: dict = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
-
-
 def state_of(accelerator: Any, *, what: str = "state") -> dict:
     """The state dict ``save_state`` saves (and ``load_state`` fills): see the module's docstring."""
     models = list(accelerator._models)
@@ -97,8 +90,10 @@ def state_of(accelerator: Any, *, what: str = "state") -> dict:
         sd["scaler"] = accelerator.scaler.state_dict()
     for i, obj in enumerate(getattr(accelerator, "_custom_objects", [])):
         sd[f"custom_{i}"] = obj.state_dict()
-    rank, _ = rank_and_world()
-    sd[RNG] = {str(rank): _rng()}
+    rng: dict = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    sd[RNG] = {str(rank_and_world()[0]): rng}
     return sd
 
 

@@ -184,19 +184,14 @@ class CkptdCheckpointIO(CheckpointIO):
         self._settle()
         step = checkpoint.get("global_step")
         state = {**checkpoint, STRUCTURE_KEY: structure_of(checkpoint)}
+        # the checkpoint resumed from, when of another run than this save's
+        parent = self.parent if self.parent is not None and parse_ref(self.parent).run != parse_ref(ref).run else None
         with solo():
-            handle = self.client.save(state, ref, step=step if isinstance(step, int) else None,
-                                      parent=self._parent_for(ref))
+            handle = self.client.save(state, ref, step=step if isinstance(step, int) else None, parent=parent)
         if self.wait:
             handle.wait()
         else:
             self._pending = handle
-
-    def _parent_for(self, ref: str) -> str | None:
-        """The parent a save to ``ref`` records: the checkpoint resumed from, when of another run."""
-        if self.parent is None or parse_ref(self.parent).run == parse_ref(ref).run:
-            return None
-        return self.parent
 
     def load_checkpoint(self, path: str | PurePath, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:

@@ -150,7 +150,7 @@ def test_dcp_save_and_load_with_different_refs_fail_on_every_rank(server, tmp_pa
 
 def test_rank_lists_and_the_sentence_stay_short():
     """The error names ranks as runs, the largest groups first, and stays a sentence at any world size."""
-    from ckptd_client._join import describe, mismatch, rank_list
+    from ckptd_client._join import mismatch, rank_list
 
     assert rank_list([2]) == "rank 2"
     assert rank_list([1, 0]) == "ranks 0,1"
@@ -158,7 +158,7 @@ def test_rank_lists_and_the_sentence_stay_short():
     huge = rank_list(range(0, 200_000, 2))
     assert huge.endswith(",... (100000 ranks)") and len(huge) < 200, huge
     calls = {f"save gpt/{i}": [i] for i in range(20)} | {"save gpt/100": list(range(20, 10_020))}
-    said = describe(calls, missing=range(10_020, 10_024), waited=60)
+    said = mismatch(calls, missing=range(10_020, 10_024), waited=60).message
     assert said.startswith("the ranks do not make the same collective call: ranks 20-10019 save gpt/100, "
                            "rank 0 save gpt/0"), said
     assert "and 13 other calls; ranks 10020-10023 did not join within 60 s" in said and len(said) < 400, said

@@ -19,7 +19,7 @@ import torch
 
 from ckptd_client import CheckpointClient
 from ckptd_client._files import LocalFiles
-from ckptd_client._flatten import flatten_state_dict
+from ckptd_client._flatten import flatten
 from ckptd_client._placement import local_piece
 from ckptd_client._load import _destination, _request, execute
 from ckptd_schemas import ChecksumMismatch, ReadPlan
@@ -107,7 +107,7 @@ def test_a_corrupt_file_fails_on_both_paths_naming_it(server):
 def _plan(c: CheckpointClient, ref: str, sd: dict) -> tuple[str, ReadPlan, list]:
     run, name = ref.split("/")
     base = f"/v1/checkpoints/{run}/{name}"
-    pieces = [(leaf, local_piece(leaf.fqn, leaf.value)) for leaf in flatten_state_dict(sd) if leaf.kind == "tensor"]
+    pieces = [(leaf, local_piece(leaf.fqn, leaf.value)) for leaf in flatten(sd).leaves if leaf.kind == "tensor"]
     body = {"requests": [_request(leaf.fqn, p).model_dump(exclude_none=True) for leaf, p in pieces],
             "local_paths": True}
     plan = ReadPlan.model_validate(c._transport.request("POST", f"{base}/read-plan", json=body))

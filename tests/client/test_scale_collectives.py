@@ -154,7 +154,8 @@ def host_job(rank: int, world: int) -> dict:
     os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2))  # two "hosts": ranks 0,1 and 2,3
     import torch.distributed as dist
 
-    from ckptd_client._share import agree, exchange, host_group, share_plan
+    from ckptd_client._dist import raise_on_all
+    from ckptd_client._share import exchange, host_group, share_plan
 
     _, ranks = host_group()
     regions = {("emb",): 4096, ("head",): 64}  # every rank needs both
@@ -163,11 +164,11 @@ def host_job(rank: int, world: int) -> dict:
     for k in regions:
         if k not in sharing.skip:  # this rank "reads" it: the reader's own value
             tensors[k].fill_(100 + rank)
-    agree(None, sharing)
+    raise_on_all(None, group=sharing.group)
     exchange(sharing, tensors)
     failed = None
     try:
-        agree(RuntimeError("disk gone") if rank == 3 else None, sharing)
+        raise_on_all(RuntimeError("disk gone") if rank == 3 else None, group=sharing.group)
     except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
         failed = str(e)
     dist.barrier()

@@ -126,11 +126,12 @@ def test_a_rank_that_fails_does_not_leave_the_others_waiting(server, tmp_path):
 def group_job(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from ckptd_client._dist import any_rank, broadcast_str, cpu_group
+    from ckptd_client._dist import agree, cpu_group
 
     # a gloo default group carries the client's CPU collectives itself: no extra group
-    return {"group_is_default": cpu_group() is None, "any": any_rank(rank == 1),
-            "bcast": broadcast_str(f"from {rank}" if rank == 0 else None), "backend": dist.get_backend_config()}
+    (any_flag,), token = agree((rank == 1,), f"from {rank}".encode())
+    return {"group_is_default": cpu_group() is None, "any": any_flag, "bcast": token.decode(),
+            "backend": dist.get_backend_config()}
 
 
 def test_cpu_collectives_use_the_default_group_when_it_has_a_cpu_backend(tmp_path):

@@ -19,17 +19,23 @@ from support import assert_bits_equal, blank_like, make_state
 KIB = 1 << 10
 
 
+def _slab(pool: SnapshotPool) -> torch.Tensor | None:
+    """The slab when it is one allocated segment (without ``background``); else None."""
+    segs = pool.segments
+    return segs[0] if len(segs) == 1 else None
+
+
 def _in_slab(pool: SnapshotPool, t: torch.Tensor) -> bool:
-    assert pool._slab is not None
-    return t.untyped_storage().data_ptr() == pool._slab.untyped_storage().data_ptr()
+    assert _slab(pool) is not None
+    return t.untyped_storage().data_ptr() == _slab(pool).untyped_storage().data_ptr()
 
 
 # -- the pool alone ----------------------------------------------------------------------------------
 
 def test_views_are_aligned_contiguous_disjoint_and_in_the_slab():
     pool = SnapshotPool(64 * KIB)
-    assert not pool._slab.is_pinned() or torch.cuda.is_available()
-    assert int(pool._slab.count_nonzero()) == 0  # pre-faulted by zeroing
+    assert not _slab(pool).is_pinned() or torch.cuda.is_available()
+    assert int(_slab(pool).count_nonzero()) == 0  # pre-faulted by zeroing
     claim = pool.claim()
     specs = [((3, 5), torch.float32), ((7,), torch.bfloat16), ((1,), torch.int64), ((2, 3, 1), torch.bool),
              ((33,), torch.uint8), ((4, 4), torch.float64)]
@@ -76,7 +82,7 @@ def test_one_lease_at_a_time_busy_falls_back_release_is_idempotent_and_waits_are
 
 def test_closed_pool_serves_fresh_memory_and_drops_its_slab():
     pool = SnapshotPool(4 * KIB)
-    slab = weakref.ref(pool._slab)
+    slab = weakref.ref(_slab(pool))
     pool.close()
     gc.collect()
     assert pool.closed and slab() is None
@@ -183,7 +189,7 @@ def test_mutating_the_model_after_save_returns_does_not_change_the_checkpoint(se
 def test_close_releases_the_pool(server):
     client = CheckpointClient(server.url, snapshot_bytes=1 << 20)
     pool = client.snapshot_pool
-    slab = weakref.ref(pool._slab)
+    slab = weakref.ref(_slab(pool))
     client.save(make_state(8), "close/1")  # not waited: close() waits, then frees the slab
     client.close()
     gc.collect()
@@ -205,7 +211,7 @@ def test_the_default_client_sizes_its_slab_from_the_save_and_follows_the_state(s
     slab, one under half of it a smaller one; a cap below the need leaves the rest to fresh memory."""
     client = CheckpointClient(server.url, incremental=False)  # full saves: every one copies everything
     pool = client.snapshot_pool
-    assert pool is not None and pool.sized and pool._slab is None  # nothing held before a save
+    assert pool is not None and pool.sized and _slab(pool) is None  # nothing held before a save
     small, large, tiny = make_state(11, mib=0.5), make_state(12, mib=1), make_state(13, mib=0.125)
     for i in range(3):
         client.save(small, f"auto/{i}").wait()
@@ -220,7 +226,7 @@ def test_the_default_client_sizes_its_slab_from_the_save_and_follows_the_state(s
     assert pool.capacity == _copied(tiny) and pool.stats.allocations == 3 and pool.stats.fallback_bytes == 0
     for ref, sd in (("auto/2", small), ("auto/large", large), ("auto/tiny", tiny)):
         assert_bits_equal(_load(client, ref, sd), sd)
-    slab = weakref.ref(pool._slab)
+    slab = weakref.ref(_slab(pool))
     client.close()
     gc.collect()
     assert slab() is None
@@ -252,7 +258,7 @@ def test_the_former_names_of_claims_and_claimed_still_read_with_a_deprecation_wa
     with pytest.warns(DeprecationWarning, match="PoolStats.claims"):
         assert stats.leases == 3
     pool = SnapshotPool(1 << 12)
-    claim = pool.claim(1 << 12)
+    claim = pool.claim(sizes=[1 << 12])
     with pytest.warns(DeprecationWarning, match="SnapshotPool.claimed"):
         assert pool.leased is pool.claimed is True
     claim.release()

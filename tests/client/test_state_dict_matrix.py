@@ -181,10 +181,10 @@ def _flat(sd: dict) -> dict:
     """Every leaf as ckptd names it: tensors as full CPU tensors (DTensors gathered), objects as they are."""
     from torch.distributed.tensor import DTensor
 
-    from ckptd_client._flatten import flatten_state_dict
+    from ckptd_client._flatten import flatten
 
     out = {}
-    for leaf in flatten_state_dict(sd):
+    for leaf in flatten(sd).leaves:
         v = leaf.value
         if isinstance(v, DTensor):
             v = v.full_tensor()

@@ -394,12 +394,12 @@ def _phased_save(client: CheckpointClient, rank: int, world: int, ref: str, seed
     """One save, its protocol steps spelled out: upload; barrier; ``first`` ranks send their index;
     barrier; the others send theirs at (nearly) the same moment; everyone waits for the commit
     (``settle``: only once every index was answered, so no status poll races the last index)."""
-    from ckptd_client._dist import broadcast_str
+    from ckptd_client._dist import agree
     from ckptd_client._save import build_snapshot, open_session, put_index, upload_files, wait_committed
 
     run, name = ref.split("/")
     t, base = client._transport, f"/v1/checkpoints/{run}/{name}"
-    session = broadcast_str(uuid.uuid4().hex if rank == 0 else None)
+    session = agree((), uuid.uuid4().bytes)[1].hex()  # rank 0's
     snap = build_snapshot(rank_state(rank, world, seed), rank, world)
     open_session(t, base, session, world, int(name))
     index = upload_files(t, base, session, snap, compression=None, file_bytes=client.file_bytes, streams=1)
@@ -470,14 +470,14 @@ def _wait_for(path: Path, timeout: float = 60.0) -> None:
 def failover_job(rank: int, world: int, urls: list[list[str]], ref: str, seed: int, sync: str) -> dict:
     """Ranks 2, 3 save through B. Ranks 0, 1 through A until the test kills it: rank 0 after all its
     files were received (before its index), rank 1 in the middle of streaming its last file."""
-    from ckptd_client._dist import broadcast_str
+    from ckptd_client._dist import agree
     from ckptd_client._save import _index, _pack, _stream, build_snapshot, open_session, put_index, wait_committed
 
     sync_dir = Path(sync)
     run, name = ref.split("/")
     with CheckpointClient(urls[rank], retry_seconds=60, streams=1, file_bytes=FILE_BYTES) as client:
         t, base = client._transport, f"/v1/checkpoints/{run}/{name}"
-        session = broadcast_str(uuid.uuid4().hex if rank == 0 else None)
+        session = agree((), uuid.uuid4().bytes)[1].hex()  # rank 0's
         snap = build_snapshot(rank_state(rank, world, seed), rank, world)
         open_session(t, base, session, world, int(name))
         files = list(_pack(snap, snap.order(), None, FILE_BYTES))

@@ -32,7 +32,7 @@ from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
 from stored_tensors import read_tensor, write_tensors
 from ckptd_client import CheckpointClient, flat_partition
-from ckptd_client._flatten import flatten_state_dict
+from ckptd_client._flatten import flatten
 from ckptd_client._placement import local_piece
 from ckptd_client.zero import partition_size
 from ckptd_schemas import FlatChunk, Manifest, ReadRequest, plan_reads
@@ -73,7 +73,7 @@ def _foreign_files(m: Manifest, requests: list[ReadRequest], rank: int) -> list[
 def _sharded_requests(sd: dict) -> list[ReadRequest]:
     """Read requests for this rank's local regions of every sharded leaf (DTensor, FlatShard)."""
     reqs = []
-    for leaf in flatten_state_dict(sd):
+    for leaf in flatten(sd).leaves:
         if leaf.kind != "tensor" or isinstance(leaf.value, torch.Tensor) and not isinstance(leaf.value, DTensor):
             continue
         p = local_piece(leaf.fqn, leaf.value)
@@ -99,7 +99,7 @@ def _placeholders(m: Manifest, tensor: Any) -> dict:
 def _gather(sd: dict) -> dict[str, Any]:
     """Every leaf of a loaded state dict, whole (collective for DTensors)."""
     out = {}
-    for leaf in flatten_state_dict(sd):
+    for leaf in flatten(sd).leaves:
         v = leaf.container[leaf.key]
         out[leaf.fqn] = v.full_tensor() if isinstance(v, DTensor) else v
     return out
