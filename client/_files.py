@@ -7,12 +7,13 @@ on the same host, or on a shared filesystem mounted at the same path, then reads
 socket. Every block digest is checked exactly as on the HTTP path. The service stays in charge of
 *what* is read (the ref, the read lease, the plan); only the bytes travel differently.
 
-A file that is not in this host's page cache (a cold load: the service writes checkpoints past the
-cache) is read with ``O_DIRECT`` into an aligned buffer and copied into place: the device fills the
-buffer, and no cache page is allocated, filled and reclaimed for bytes read once (measured on the
-development VM: 512 MiB cold for 0.02 CPU-s instead of ~0.5, in less wall time). A file the cache
-holds (a warm load) is read through it. Whether it does is asked once per file (a ``RWF_NOWAIT``
-read of its first page fails when the page is not cached).
+Reads go through the page cache, cold or warm, as the read floor's do: each fetch reads its range
+through a descriptor of its own (the same open file reopened through ``/proc/self/fd``: the
+kernel keeps read-ahead state per descriptor, which the fetch threads sharing one would scramble),
+so the kernel reads ahead of each fetch while its piece before is hashed, and the bytes land in the
+destination with the kernel's one copy. (Past the cache, ``O_DIRECT`` into an aligned buffer waited
+for the device on every read with nothing queued behind it, then copied into place: 0.7-0.8x as
+fast on the development VM, BENCHMARKS.md, Save and load.)
 
 Fallbacks, so that a direct read never fails a load that HTTP would pass:
 
@@ -24,8 +25,6 @@ Fallbacks, so that a direct read never fails a load that HTTP would pass:
 
 from __future__ import annotations
 
-import errno
-import mmap
 import os
 import threading
 from typing import Callable, Mapping, TypeVar
@@ -37,26 +36,10 @@ from ._scatter import Fill
 
 __all__ = ["LocalFiles", "READ_SIZE"]
 
-#: Bytes per ``preadv``: no larger than a typical read-ahead window (so the kernel keeps reading
-#: ahead while a piece is hashed) and small enough that the block hash finds it in cache.
+#: Bytes per ``preadv``: no larger than the kernel's read-ahead window (so it keeps reading ahead
+#: while a piece is hashed) and small enough that the block hash finds it in cache.
 READ_SIZE = 4 << 20
-ALIGN = 4096  # what O_DIRECT asks of the offset, the length and the buffer
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 T = TypeVar("T")
-
-
-def _cached(fd: int) -> bool:
-    """True unless a read of the file's first page would have to wait for the device."""
-    if not _RWF_NOWAIT:
-        return True
-    try:
-        os.preadv(fd, [bytearray(1)], 0, _RWF_NOWAIT)
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 class LocalFiles:
@@ -66,10 +49,7 @@ class LocalFiles:
         self._paths = dict(paths)
         self._sizes = dict(sizes)
         self._fds: dict[str, int | None] = {}
-        self._uncached: dict[str, int] = {}  # file -> an O_DIRECT descriptor, for files the cache does not hold
-        self._retired: list[int] = []  # O_DIRECT descriptors the device refused, closed with the rest
         self._lock = threading.Lock()
-        self._scratch = threading.local()
         self.enabled = True  # False once the local files turned out not to be the service's
         self.bytes_read = 0
 
@@ -93,62 +73,14 @@ class LocalFiles:
         if os.fstat(fd).st_size != self._sizes.get(file):
             os.close(fd)
             return None
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead window
-        if _O_DIRECT and not _cached(fd):
-            try:
-                direct = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _O_DIRECT)
-            except OSError:
-                pass  # the filesystem refuses O_DIRECT: through the cache
-            else:
-                if os.fstat(direct).st_ino == os.fstat(fd).st_ino:
-                    self._uncached[file] = direct
-                else:
-                    os.close(direct)
         return fd
-
-    def _pread_uncached(self, f: Fetch, pos: int, piece: memoryview) -> int:
-        """Read ``piece`` from byte ``pos`` of the file past the page cache, through the aligned
-        buffer; -1 when the device refuses (the caller reads it through the cache from then on)."""
-        dfd = self._uncached.get(f.file)
-        if dfd is None:
-            return -1
-        lo = pos - pos % ALIGN
-        hi = -(-(pos + len(piece)) // ALIGN) * ALIGN
-        bounce = getattr(self._scratch, "bounce", None)  # this thread's page-aligned buffer: a piece, aligned ends
-        if bounce is None:
-            bounce = self._scratch.bounce = memoryview(mmap.mmap(-1, READ_SIZE + 2 * ALIGN))
-        bounce = bounce[:hi - lo]
-        got = 0
-        try:
-            while got < len(bounce):
-                n = os.preadv(dfd, [bounce[got:]], lo + got)
-                if n <= 0:
-                    break
-                got += n
-                if n % ALIGN:
-                    break  # the end of the file
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            with self._lock:  # closed with the others (another thread may be reading with it now)
-                if self._uncached.pop(f.file, None) is not None:
-                    self._retired.append(dfd)
-            return -1
-        n = max(0, min(len(piece), got - (pos - lo)))
-        piece[:n] = bounce[pos - lo:pos - lo + n]
-        return n
 
     def _read(self, fd: int, f: Fetch, at: int, view: memoryview, check: BlockVerifier) -> None:
         """Fill ``view`` from byte ``at`` of the fetch, hashing each piece as it lands."""
         got = 0
         while got < len(view):
             piece = view[got:got + READ_SIZE]
-            n = -1
-            if f.file in self._uncached and len(piece) >= ALIGN:
-                n = self._pread_uncached(f, f.start + at + got, piece)
-            if n < 0:
-                n = os.preadv(fd, [piece], f.start + at + got)
+            n = os.preadv(fd, [piece], f.start + at + got)
             if n <= 0:
                 raise ChecksumMismatch(f"file {f.file!r}: ends before byte {f.start + at + got} "
                                        f"(the read plan asks for [{f.start}, {f.end}))", file=f.file)
@@ -159,13 +91,14 @@ class LocalFiles:
 
     def read(self, f: Fetch, consume: Callable[[Fill], T]) -> T:
         """The range source of this host's files: ``consume`` gets a :data:`Fill` of the fetch's bytes,
-        read from the file straight into the views it is given, each piece hashed as it lands.
-        No WILLNEED for the whole range: with several fetch threads per rank and several ranks, the
-        queued ranges compete with the reads waited on; the kernel's sequential read-ahead (the file
-        was opened SEQUENTIAL) keeps the disk busy while a piece is hashed. A cold load at another
-        world size is faster without it (BENCHMARKS.md, Figures behind the code)."""
-        fd = self._fd(f.file)
-        assert fd is not None
+        read from the file straight into the views it is given, each piece hashed as it lands, through
+        a descriptor of the fetch's own (the same open file where it cannot be reopened)."""
+        shared = self._fd(f.file)
+        assert shared is not None
+        try:
+            fd = os.open(f"/proc/self/fd/{shared}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            fd = shared
         at = 0
 
         def fill(view: memoryview, check: BlockVerifier) -> int:
@@ -174,13 +107,15 @@ class LocalFiles:
             at += len(view)
             return len(view)
 
-        return consume(fill)
+        try:
+            return consume(fill)
+        finally:
+            if fd != shared:
+                os.close(fd)
 
     def close(self) -> None:
         with self._lock:
-            for fd in [*self._fds.values(), *self._uncached.values(), *self._retired]:
+            for fd in self._fds.values():
                 if fd is not None:
                     os.close(fd)
             self._fds.clear()
-            self._uncached.clear()
-            self._retired.clear()

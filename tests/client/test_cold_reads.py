@@ -1,16 +1,17 @@
-"""Direct reads past the page cache (client/_files.py): a file the cache does not hold is read with
-O_DIRECT through an aligned buffer and lands byte for byte where a buffered read puts it, at any
-offset and length; a file the cache holds is read through it; a corrupt file fails the same way."""
+"""Direct reads of a cold file (client/_files.py): fetches read at once by several threads, each through
+a descriptor of its own, land byte for byte at any offset and length, cold or warm; a corrupt cold
+file fails its block digest; no descriptor outlives the fetch that opened it."""
 
 from __future__ import annotations
 
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import xxhash
 
-from ckptd_client._files import ALIGN, LocalFiles
+from ckptd_client._files import LocalFiles
 from ckptd_client._scatter import fill_buffer, fill_targets
 from ckptd_schemas import ChecksumMismatch, Fetch
 
@@ -47,15 +48,22 @@ def data() -> bytes:
     return random.Random(7).randbytes(5 * BLOCK + 777)
 
 
-def test_a_cold_file_is_read_past_the_cache_and_gives_the_same_bytes(tmp_path, data):
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_cold_file_read_by_fetches_at_once_gives_the_same_bytes(tmp_path, data):
     path = _cold_file(tmp_path / "f.bin", data)
     files = _files(path, data)
+    assert files.usable("f.bin")
+    before = _open_fds()
     try:
-        for first, n in [(0, 6), (1, 2), (4, 2)]:  # whole, inside, the unaligned end of the file
-            f = _fetch(data, first, n)
-            assert bytes(_fetched(files, f)) == data[f.start:f.end]
-        if not files._uncached:
-            pytest.skip("this filesystem refuses O_DIRECT or the page cache kept the file")
+        fetches = [_fetch(data, first, n) for first, n in [(0, 6), (1, 2), (4, 2), (2, 1)]]  # the unaligned end too
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda f: _fetched(files, f), fetches))
+        for f, b in zip(fetches, got):
+            assert b == data[f.start:f.end]
+        assert _open_fds() == before  # each fetch's own descriptor is closed with it
         # targets at unaligned runs (a tensor's bytes inside the fetch): the rest is only hashed
         f = _fetch(data, 0, 6)
         runs = [(3, 4099), (BLOCK + 17, 3 * BLOCK + 5), (5 * BLOCK, 5 * BLOCK + 777)]
@@ -67,6 +75,7 @@ def test_a_cold_file_is_read_past_the_cache_and_gives_the_same_bytes(tmp_path, d
         assert files.bytes_read >= 2 * len(data)
     finally:
         files.close()
+    assert _open_fds() == before - 1
 
 
 def test_a_warm_file_is_read_through_the_cache(tmp_path, data):
@@ -77,14 +86,13 @@ def test_a_warm_file_is_read_through_the_cache(tmp_path, data):
     try:
         f = _fetch(data, 0, 6)
         assert bytes(_fetched(files, f)) == data
-        assert files._uncached == {}
     finally:
         files.close()
 
 
-def test_a_corrupt_cold_file_fails_its_block_digest_on_the_uncached_path(tmp_path, data):
+def test_a_corrupt_cold_file_fails_its_block_digest(tmp_path, data):
     bad = bytearray(data)
-    bad[2 * BLOCK + ALIGN + 5] ^= 0x40
+    bad[2 * BLOCK + 4096 + 5] ^= 0x40
     path = _cold_file(tmp_path / "f.bin", bytes(bad))
     files = _files(path, data)
     try:
