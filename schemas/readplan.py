@@ -41,7 +41,7 @@ from .errors import ChecksumMismatch, PayloadTooLarge, StateDictMismatch
 from .geometry import Box, Region, box_flat_span, intersect_regions, row_major_strides
 from .manifest import FileEntry, Manifest, TensorEntry
 
-__all__ = ["BlockVerifier", "Copy", "Fetch", "PlanBudget", "ReadFn", "ReadPlan", "ReadRequest", "dest_region", "merge_plans", "plan_reads",
+__all__ = ["BlockVerifier", "Copy", "Fetch", "PlanBudget", "ReadFn", "ReadPlan", "ReadRequest", "dest_region", "plan_reads",
            "request_batches", "run_fetches", "verify_fetch", "wanted_region", "whole"]
 
 
@@ -229,24 +229,6 @@ def request_batches(requests: Sequence[ReadRequest], most: int | None = None,
     if start < len(requests):
         out.append((start, len(requests)))
     return out
-
-
-def merge_plans(parts: Sequence[tuple[int, "ReadPlan"]]) -> "ReadPlan":
-    """One plan of the plans of consecutive batches of requests, each with its batch's first request
-    (``request_batches``): copies renumbered to the whole list's requests and fetches, in order;
-    ``local_paths`` only when every part offered them."""
-    if len(parts) == 1 and parts[0][0] == 0:
-        return parts[0][1]
-    fetches: list[Fetch] = []
-    copies: list[Copy] = []
-    paths: dict[str, str] | None = {}
-    for first, plan in parts:
-        base = len(fetches)
-        fetches.extend(plan.fetches)
-        copies.extend(c.model_copy(update={"request": c.request + first, "fetch": c.fetch + base})
-                      for c in plan.copies)
-        paths = None if paths is None or plan.local_paths is None else {**paths, **plan.local_paths}
-    return ReadPlan(fetches=fetches, copies=copies, local_paths=paths or None)
 
 
 @dataclass(frozen=True)

@@ -61,10 +61,10 @@ def test_a_damaged_fetch_raises_before_any_of_its_copies_runs():
         run_fetches(plan, lambda f: files[f.file][f.start:f.end - 1], lambda data, c: None)
 
 
-def test_a_plan_of_batches_merged_fills_what_one_plan_fills():
-    """Requests split as a client splits them over the service's limit (``request_batches``), planned
-    batch by batch and merged (``merge_plans``): every element lands where one plan puts it."""
-    from ckptd_schemas.readplan import merge_plans, request_batches
+def test_plans_of_batches_fill_what_one_plan_fills():
+    """Requests split as a client splits them over the service's limit (``request_batches``) and
+    planned batch by batch: every element lands where one plan puts it."""
+    from ckptd_schemas.readplan import request_batches
 
     m, files, full = banded_manifest(40, 96, [7, 19, 33], flat=False, dtype=torch.float32)
     requests = [ReadRequest(name="model.w", offsets=[r, 0], sizes=[1, 96]) for r in range(40)]
@@ -74,8 +74,9 @@ def test_a_plan_of_batches_merged_fills_what_one_plan_fills():
     assert request_batches(requests, most=100, body_bytes=1024 + 200) == [(i, min(i + per, 40))
                                                                           for i in range(0, 40, per)]
     assert request_batches([]) == [] and request_batches(requests) == [(0, 40)]
-    plan = merge_plans([(a, plan_reads(m, requests[a:b])) for a, b in batches])
     out = torch.zeros(40, 96)
     dests = [Destination(out[r:r + 1], [40, 96], box_offsets=[r, 0]) for r in range(40)]
-    run_fetches(plan, _read_from(files), lambda data, c: copy_into(data, c, dests[c.request]))
+    for a, b in batches:
+        run_fetches(plan_reads(m, requests[a:b]), _read_from(files),
+                    lambda data, c, a=a: copy_into(data, c, dests[a + c.request]))
     assert torch.equal(out, full)
