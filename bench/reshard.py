@@ -382,6 +382,17 @@ def run_ckptd(ctx: dict, spec: str, out: str, device: str = "cpu", server: bool 
     return r
 
 
+def run_drill(ctx: dict, spec: str) -> dict:
+    """``ckptd drill SRC --to SPEC --root`` as a whole process, page cache evicted first: the same plan and
+    reads as the reshard to ``spec``, each assembled tensor hashed instead of written; it must pass."""
+    _evict([ctx["dcp_dir"], ctx["root"]])
+    cmd = [PY, "-m", "ckptd.cli.main", "drill", ctx["ref"], "--to", spec, "--root", str(ctx["root"]), "--json",
+           "--jobs", str(ctx["jobs"])]
+    r = run_measured(cmd, ctx["work"] / f"drill-{spec.replace(':', '-').replace('=', '')}.log", ctx["timeout"])
+    assert r["report"] and r["report"]["ok"], f"the drill to {spec} failed: {r['report']}"
+    return r
+
+
 def check_output(ctx: dict, spec: str, out: str) -> dict:
     """Check a committed output, then delete it: topology and provenance, two tensors' values against what the
     ranks held (``read_tensor``), and every tensor's digest present. Returns the spot-checked names, the
@@ -613,6 +624,7 @@ def summarise(sizes: dict, main_key: str, ceiling: dict) -> dict:
     ck_dp2 = _med([r["ckptd_dp2"]["wall_s"] for r in reps])
     ck_dp2_in = _med([r["ckptd_dp2"]["inproc_s"] for r in reps])
     ck_full = _med([r["ckptd_full"]["wall_s"] for r in reps])
+    drill = _med([r["drill_dp2"]["wall_s"] for r in reps]) if "drill_dp2" in reps[0] else None
     ck_full_in = _med([r["ckptd_full"]["inproc_s"] for r in reps])
     svc = {op: _med([r[f"service_{op}"]["wall_s"] for r in reps]) for op in ("dp2", "full")}
     svc_in = {op: _med([r[f"service_{op}"]["inproc_s"] for r in reps]) for op in ("dp2", "full")}
@@ -637,6 +649,7 @@ def summarise(sizes: dict, main_key: str, ceiling: dict) -> dict:
         "dp2_ratio_vs_dcp_load_inproc": d_load / ck_dp2_in,
         "dp2_ratio_vs_dcp_load_save_inproc": d_load_save / ck_dp2_in,
         "ckptd_full_wall_s": ck_full, "ckptd_full_inproc_s": ck_full_in,
+        "drill_dp2_wall_s": drill, "drill_vs_reshard_dp2": drill and drill / ck_dp2,
         "dcp_to_torch_save_wall_s": d_full, "dcp_to_torch_save_wall_no_fsync_s": d_full_nofsync,
         "full_ratio_vs_dcp_to_torch_save": d_full / ck_full,
         "full_ratio_vs_dcp_to_torch_save_no_fsync": d_full_nofsync / ck_full,
@@ -786,6 +799,7 @@ def one_size(gib: float, repeat: int, ctx: dict, server: ServerProcess, profile:
             if which == "ckptd":
                 rec["ckptd_dp2"] = run_ckptd(c, "fsdp2:dp=2", f"out/{tag}-dp2-r{r}")
                 rec["ckptd_full"] = run_ckptd(c, "full", f"out/{tag}-full-r{r}")
+                rec["drill_dp2"] = run_drill(c, "fsdp2:dp=2")
             elif which == "service":
                 rec["service_dp2"] = run_service(c, "fsdp2:dp=2", f"out/{tag}-svc-dp2-r{r}")
                 rec["service_full"] = run_service(c, "full", f"out/{tag}-svc-full-r{r}")
