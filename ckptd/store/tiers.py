@@ -212,4 +212,4 @@ class TieredStorage(Storage):
         return self.fast.presigns
 
     presign_put, complete_presigned = _fast("presign_put"), _fast("complete_presigned")
-    stored_sha256 = _fast("stored_sha256")
+    stored_sha256, signed_stamp = _fast("stored_sha256"), _fast("signed_stamp")

@@ -41,6 +41,29 @@ def s3srv(moto_s3, tmp_path_factory):
     srv.stop()
 
 
+def _behind_proxy(moto_s3, tmp_path_factory, checksums: str):
+    """A service on its own root, reaching moto through a proxy with ``checksums`` (``FaultProxy``)."""
+    from s3_server import FaultProxy, aws_env
+
+    with FaultProxy(moto_s3, checksums=checksums) as proxy:
+        srv = ServerProcess(moto_s3.url(f"ingest-{checksums}"), env=aws_env(proxy.endpoint),
+                            log=tmp_path_factory.mktemp(checksums) / "server.log").start()
+        yield srv
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def enforced(moto_s3, tmp_path_factory):
+    """The service on a store that enforces the checksums signed into its URLs, as AWS S3 does."""
+    yield from _behind_proxy(moto_s3, tmp_path_factory, "enforced")
+
+
+@pytest.fixture(scope="module")
+def kept(moto_s3, tmp_path_factory):
+    """The service on a store that keeps whatever checksum a PUT claims and checks none."""
+    yield from _behind_proxy(moto_s3, tmp_path_factory, "kept")
+
+
 def _sha(data: bytes) -> str:
     return base64.b64encode(hashlib.sha256(data).digest()).decode()
 
@@ -80,14 +103,17 @@ class Save:
         assert r.status_code == 200, r.text
 
     def commit(self) -> None:
+        r = self.put_index()
+        assert r.status_code == 200 and r.json()["state"] == "committed", r.text
+
+    def put_index(self) -> httpx.Response:
         n = len(self.data)
         index = {"rank": 0, "world_size": 1, "files": ["r0.bin"], "tensors": [{
             "name": "model.blob", "shape": [n], "dtype": "uint8", "group": "model", "chunks": [{
                 "kind": "box", "rank": 0, "offsets": [0], "sizes": [n],
                 "location": {"file": "r0.bin", "offset": 0, "length": n, "codec": "raw", "raw_length": n,
                              "xxh3": xxhash.xxh3_64_hexdigest(self.data)}}]}]}
-        r = self.http.put(f"{self.base}/{self.sid}/ranks/0", json=index)
-        assert r.status_code == 200 and r.json()["state"] == "committed", r.text
+        return self.http.put(f"{self.base}/{self.sid}/ranks/0", json=index)
 
     def assert_intact(self, srv: ServerProcess) -> None:
         """The checkpoint verifies (``ckptd verify --server``) and loads its own bytes."""
@@ -157,3 +183,83 @@ def test_an_upload_through_the_service_does_not_replace_a_presigned_object(s3srv
     s.confirm(signed, etags)
     s.commit()
     s.assert_intact(s3srv)
+
+
+# -- what the store checks as the bytes arrive -------------------------------------------------------
+
+def _checked(srv: ServerProcess) -> tuple[float, float]:
+    """The data bytes the service's commits read back, and confirmed as checked on arrival (by the store)."""
+    from adversary.test_requests import _metric
+
+    return (_metric(srv.url, 'ckptd_commit_checked_bytes_total{how="read back"}'),
+            _metric(srv.url, 'ckptd_commit_checked_bytes_total{how="on arrival"}'))
+
+
+def _refused_at_commit(s: Save) -> None:
+    r = s.put_index()
+    assert r.status_code == 422 and "refused at commit" in r.json()["error"]["message"], r.text
+    names = [c["name"] for c in s.http.get(f"/v1/runs/{s.run}/checkpoints").json()]
+    assert s.name not in names, names
+
+
+def test_a_store_that_enforces_signed_checksums_refuses_other_bytes_and_the_commit_reads_none(enforced):
+    """The store refuses a PUT of bytes other than the URL's signed SHA-256, so nothing of it is stored and
+    the checkpoint cannot commit; what the store took, one PUT or parts, the commit confirms by its stored
+    checksum and identity without reading a byte, and the re-read after the marker checks it."""
+    before = _checked(enforced)
+    good = Save(enforced, "enforced", "1", bytes(range(251)) * (11 * MiB // 251))  # 3 parts: a multipart upload
+    one = Save(enforced, "enforced", "2", b"s" * 5000)  # one PUT
+    for s in (good, one):
+        s.confirm(signed := s.presign().json(), s.put_all(signed))
+        s.commit()
+    read, arrived = (a - b for a, b in zip(_checked(enforced), before))
+    assert (read, arrived) == (0, len(good.data) + len(one.data))
+    good.assert_intact(enforced)
+
+    s = Save(enforced, "enforced", "3", b"t" * 5000)
+    signed = s.presign().json()
+    r = httpx.put(signed["urls"][0], content=b"u" * 5000, headers=signed["headers"][0], timeout=60)
+    assert r.status_code == 400 and "BadDigest" in r.text, r.text  # the store's refusal
+    r = s.http.post(f"{s.file}/confirm", json={**s.claim, "xxh3": "0" * 16, "block_size": signed["block_size"],
+                                                "blocks": ["0" * 16]})
+    assert r.status_code == 400 and "nothing was uploaded" in r.text, r.text
+    r = s.put_index()
+    assert r.status_code == 422 and "was not uploaded" in r.text, r.text
+    assert [c["name"] for c in s.http.get("/v1/runs/enforced/checkpoints").json()] == ["1", "2"]
+
+
+def test_on_an_enforcing_store_an_object_its_urls_did_not_make_is_read_back_and_refused(enforced, moto_s3):
+    """A holder of the bucket's credentials (or anything that writes past the URLs) puts other bytes at a
+    presigned file's key, before its confirmation (no checksum the URLs signed is kept for it) or after
+    (its identity is not the one confirmed): the commit reads the file back and refuses it."""
+    c = moto_s3.client()  # straight to the store, not through the checksum-enforcing front
+    for name, before in (("4", True), ("5", False)):
+        s = Save(enforced, "bypass", name, b"v" * 5000)
+        signed = s.presign().json()
+        key = f"ingest-enforced/runs/bypass/{name}/sessions/{s.sid}/files/r0.bin"
+        if before:
+            c.put_object(Bucket=moto_s3.bucket, Key=key, Body=b"w" * 5000)
+            s.confirm(signed, [])
+        else:
+            s.confirm(signed, s.put_all(signed))
+            c.put_object(Bucket=moto_s3.bucket, Key=key, Body=b"w" * 5000)
+        _refused_at_commit(s)
+
+
+@pytest.mark.parametrize("store", ["s3srv", "kept"])
+def test_a_store_that_does_not_enforce_has_direct_uploads_read_back_and_other_bytes_refused(store, request):
+    """moto stores a PUT of other bytes than its URL signed; so does a store that keeps (and answers) the
+    checksum the PUT claimed without checking it. Neither is trusted (``S3Storage.enforces_checksums``):
+    the commit reads what the ranks uploaded, refuses other bytes, and reads a good upload back too."""
+    srv = request.getfixturevalue(store)
+    s = Save(srv, "unchecked", "1", b"x" * 5000)
+    signed = s.presign().json()
+    r = httpx.put(signed["urls"][0], content=b"y" * 5000, headers=signed["headers"][0], timeout=60)
+    assert r.status_code == 200, r.text  # stored
+    s.confirm(signed, [])
+    _refused_at_commit(s)
+    before = _checked(srv)
+    s = Save(srv, "unchecked", "2", b"z" * 5000)
+    s.confirm(signed := s.presign().json(), s.put_all(signed))
+    s.commit()
+    assert [a - b for a, b in zip(_checked(srv), before)] == [5000, 0]
