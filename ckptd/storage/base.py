@@ -242,6 +242,10 @@ class Storage(ABC):
         """The SHA-256 (base64) the store verified and kept for ``key``'s object, where it keeps one."""
         return None
 
+    def enforces_checksums(self) -> bool:
+        """Whether the store is shown to refuse a PUT whose body is not the SHA-256 it carries."""
+        return False
+
     def signed_stamp(self, key: str, sha256s: list[str]) -> str | None:
         """The stamp of ``key``'s object when the store is shown to refuse a presigned PUT of bytes other
         than the SHA-256s signed into it (``sha256s``, one a part) and holds what they make; else None

@@ -18,6 +18,7 @@ import base64
 import hashlib
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -25,7 +26,7 @@ import xxhash
 
 from ckptd_client import CheckpointClient
 from ckptd_schemas.filedigest import StreamDigest
-from support import REPO, ServerProcess
+from support import REPO, ServerProcess, scaled
 
 MiB = 1 << 20
 
@@ -77,7 +78,8 @@ class Save:
         self.base = f"/v1/checkpoints/{run}/{name}/sessions"
         r = self.http.post(self.base, json={"session": self.sid, "world_size": 1, "step": int(name),
                                             "direct_uploads": True})
-        assert r.status_code == 200 and r.json()["presigned"] is True, r.text
+        assert r.status_code == 200, r.text
+        self.offered = r.json()["presigned"]  # direct uploads offered (a store shown to enforce checksums)
         self.file = f"{self.base}/{self.sid}/files/r0.bin"
         self.parts = [data[i:i + part] for i in range(0, len(data), part)] or [b""]
         self.claim = {"size": len(data), "part_size": part, "sha256": [_sha(p) for p in self.parts]}
@@ -106,13 +108,14 @@ class Save:
         r = self.put_index()
         assert r.status_code == 200 and r.json()["state"] == "committed", r.text
 
-    def put_index(self) -> httpx.Response:
+    def put_index(self, xxh3: str | None = None) -> httpx.Response:
+        """The rank's index: its one chunk's digest ``xxh3``, that of ``data`` unless given."""
         n = len(self.data)
         index = {"rank": 0, "world_size": 1, "files": ["r0.bin"], "tensors": [{
             "name": "model.blob", "shape": [n], "dtype": "uint8", "group": "model", "chunks": [{
                 "kind": "box", "rank": 0, "offsets": [0], "sizes": [n],
                 "location": {"file": "r0.bin", "offset": 0, "length": n, "codec": "raw", "raw_length": n,
-                             "xxh3": xxhash.xxh3_64_hexdigest(self.data)}}]}]}
+                             "xxh3": xxh3 or xxhash.xxh3_64_hexdigest(self.data)}}]}]}
         return self.http.put(f"{self.base}/{self.sid}/ranks/0", json=index)
 
     def assert_intact(self, srv: ServerProcess) -> None:
@@ -212,6 +215,7 @@ def test_a_store_that_enforces_signed_checksums_refuses_other_bytes_and_the_comm
     for s in (good, one):
         s.confirm(signed := s.presign().json(), s.put_all(signed))
         s.commit()
+    assert good.offered is True
     read, arrived = (a - b for a, b in zip(_checked(enforced), before))
     assert (read, arrived) == (0, len(good.data) + len(one.data))
     good.assert_intact(enforced)
@@ -246,13 +250,42 @@ def test_on_an_enforcing_store_an_object_its_urls_did_not_make_is_read_back_and_
         _refused_at_commit(s)
 
 
+def test_on_an_enforcing_store_a_false_chunk_digest_is_found_by_the_reread_after_the_marker(enforced):
+    """The store vouches that the bytes are those its writer hashed with SHA-256, not for the chunk digests
+    the writer's index gives them: the commit, which reads none of them, takes a false one, and the re-read
+    after the marker finds it, records the checkpoint known bad, and ``latest`` moves on to the last good
+    checkpoint, which loads; the bad one, loaded by its name, gives the bytes its writer hashed and no
+    others. (Through the service the same lie is refused at the commit.)"""
+    good, bad = Save(enforced, "lying", "1", b"g" * 5000), Save(enforced, "lying", "2", b"h" * 5000)
+    for s in (good, bad):
+        s.confirm(signed := s.presign().json(), s.put_all(signed))
+    good.commit()
+    r = bad.put_index(xxh3="0123456789abcdef")
+    assert r.status_code == 200 and r.json()["state"] == "committed", r.text
+    deadline = time.monotonic() + scaled(60)
+    while (st := {c["name"]: c["status"] for c in bad.http.get("/v1/runs/lying/checkpoints").json()}).get("2") \
+            == "pending" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert st == {"1": "verified", "2": "known bad"}, st
+    assert bad.http.get("/v1/checkpoints/lying/latest").headers["X-Ckptd-Name"] == "1"
+    good.assert_intact(enforced)
+    import torch
+
+    got = {"model": {"blob": torch.zeros(5000, dtype=torch.uint8)}}
+    with CheckpointClient(enforced.url) as c:  # by its name: the bytes its writer hashed, no others
+        c.load(got, "lying/2")
+    assert bytes(got["model"]["blob"].numpy()) == bad.data
+
+
 @pytest.mark.parametrize("store", ["s3srv", "kept"])
 def test_a_store_that_does_not_enforce_has_direct_uploads_read_back_and_other_bytes_refused(store, request):
     """moto stores a PUT of other bytes than its URL signed; so does a store that keeps (and answers) the
     checksum the PUT claimed without checking it. Neither is trusted (``S3Storage.enforces_checksums``):
-    the commit reads what the ranks uploaded, refuses other bytes, and reads a good upload back too."""
+    a session is offered no direct uploads, and what a rank uploads by URL anyway the commit reads back,
+    refusing other bytes."""
     srv = request.getfixturevalue(store)
     s = Save(srv, "unchecked", "1", b"x" * 5000)
+    assert s.offered is None  # the session's answer offers no direct uploads; a rank that presigns anyway:
     signed = s.presign().json()
     r = httpx.put(signed["urls"][0], content=b"y" * 5000, headers=signed["headers"][0], timeout=60)
     assert r.status_code == 200, r.text  # stored
