@@ -20,7 +20,9 @@ What one run does (see bench/results/s3.md for the results and how to read them)
      (s3fs picks the endpoint up from the environment; no storage options are passed);
    * ``CheckpointClient.save(sd, "bench/<r>")`` then ``handle.wait()`` (committed on
      the server, in S3), timing also ``save()``'s return (the training stall): the default
-     client, which uploads the data files straight into the bucket with presigned URLs;
+     client, which uploads the data files straight into the bucket with presigned URLs where
+     the service offers them (a store shown to enforce signed checksums: moto is not, so on
+     moto this is the route of the next line; bench/results/s3-route.md);
    * the same with ``direct_uploads=False`` (every byte through the service).
 
 5. ``--load-world`` gloo ranks (default 3: another world size) load every repeat's two
@@ -123,7 +125,7 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
     sd = make_state(cfg["specs"], mesh, fill=True)
     # Every repeat saves the same bytes: incremental saves would link all of them from the previous
     # repeat (on S3, copies inside the store), so they are off here; these are full saves.
-    client = CheckpointClient(cfg["url"], incremental=False)  # default otherwise: direct uploads (presigned)
+    client = CheckpointClient(cfg["url"], incremental=False)  # default otherwise: direct uploads where offered
     through = CheckpointClient(cfg["url"], incremental=False, direct_uploads=False)  # every byte via the service
     warm = make_state(cfg["warmup_specs"], mesh, fill=True)
     dcp.save(warm, storage_writer=writer_cls(f"{cfg['dcp_url']}/warmup", sync_files=cfg["dcp_sync_files"]))

@@ -19,8 +19,9 @@ the writer's quota, the root's reserve): received bytes batch by batch, a presig
 size at its presign, a linked file's size at its link.
 
 A record is a claim whichever way the file came: the commit reads and checks every byte of it
-(:mod:`.checker`) after the last write anyone could make, except a file checked as it arrived, or
-linked as a checked file, whose stored identity (``Storage.stamp``: inode, size, mtime and ctime; an
+(:mod:`.checker`) after the last write anyone could make, except a file checked as it arrived (here,
+or by a store shown to refuse bytes other than the SHA-256s signed into its URLs: ``Storage.signed_stamp``),
+or linked as a checked file, whose stored identity (``Storage.stamp``: inode, size, mtime and ctime; an
 object's ETag) is unchanged. Call order per file: each way first passes the one write gate
 (:func:`~.session_reads.writable`: the names, and that the session takes writes), and one that
 succeeded marks the session active (:class:`~.activity.SessionActivity`).
