@@ -158,9 +158,9 @@ class Committer:
         """The files placed in the store confirmed, like files checked as they arrived, by their identity.
         The linked ones (the :data:`~.records.LINKED` arrival record ``Intake.link`` made): each whose rows
         in ``manifest`` are rows of its source file in the source checkpoint's manifest, a checkpoint not
-        known bad, so the source's check covers them. Any other row in a linked file has it read back. A file the store
-        checked against the SHA-256s signed into its URLs (:data:`~.records.SIGNED`) is confirmed by its
-        identity with the rows its writer's index gives it (none a replica)."""
+        known bad, so the source's check covers them. Any other row in a linked file has it read back.
+        A file the store checked against the SHA-256s signed into its URLs (:data:`~.records.SIGNED`) is
+        confirmed by its identity with the rows its writer's index gives it (none a replica)."""
         mine = [f for f, (rows, _) in arrivals.items() if rows == LINKED and manifest.files[f].linked]
         signed = [f for f, (rows, _) in arrivals.items() if rows == SIGNED]
         by_source: dict[str, list[str]] = {}
