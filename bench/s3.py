@@ -20,9 +20,7 @@ What one run does (see bench/results/s3.md for the results and how to read them)
      (s3fs picks the endpoint up from the environment; no storage options are passed);
    * ``CheckpointClient.save(sd, "bench/<r>")`` then ``handle.wait()`` (committed on
      the server, in S3), timing also ``save()``'s return (the training stall): the default
-     client, which uploads the data files straight into the bucket with presigned URLs where
-     the service offers them (a store shown to enforce signed checksums: moto is not, so on
-     moto this is the route of the next line; bench/results/s3-route.md);
+     client, which uploads the data files straight into the bucket with presigned URLs;
    * the same with ``direct_uploads=False`` (every byte through the service).
 
 5. ``--load-world`` gloo ranks (default 3: another world size) load every repeat's two
@@ -125,7 +123,7 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
     sd = make_state(cfg["specs"], mesh, fill=True)
     # Every repeat saves the same bytes: incremental saves would link all of them from the previous
     # repeat (on S3, copies inside the store), so they are off here; these are full saves.
-    client = CheckpointClient(cfg["url"], incremental=False)  # default otherwise: direct uploads where offered
+    client = CheckpointClient(cfg["url"], incremental=False)  # default otherwise: direct uploads (presigned)
     through = CheckpointClient(cfg["url"], incremental=False, direct_uploads=False)  # every byte via the service
     warm = make_state(cfg["warmup_specs"], mesh, fill=True)
     dcp.save(warm, storage_writer=writer_cls(f"{cfg['dcp_url']}/warmup", sync_files=cfg["dcp_sync_files"]))
@@ -412,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             baselines = moto_baselines(moto, min(max(nbytes // args.save_world, 4 * MiB), 256 * MiB) // MiB * MiB)
             print("moto baselines", json.dumps({k: round(v, 3) for k, v in baselines.items()}), flush=True)
             root = f"s3://{BUCKET}/ckptd"
-            server = ServerProcess(root, env=moto.env, log=work / "server.log").start()
+            server = ServerProcess(root, env={**moto.env, "CKPTD_DIRECT_UPLOADS": "true"},  # opted in: the direct row
+                                   log=work / "server.log").start()
             cfg = {"specs": specs, "repeat": args.repeat, "url": server.url, "server_pid": server.proc.pid,
                    "moto_pid": moto.proc.pid, "moto_log": str(moto.log), "dcp_url": f"s3://{BUCKET}/dcp",
                    "dcp_sync_files": args.dcp_sync_files, "warmup_specs": tensor_specs(WARMUP_MIB)}

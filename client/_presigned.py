@@ -1,7 +1,7 @@
 """Direct uploads: a rank PUTs its data files straight into the object store through presigned URLs.
 
-Used by ``upload_files`` when the session's answer says ``presigned`` (an S3 root that enforces the
-checksums signed into its URLs, ``direct_uploads`` on at both ends). Per file:
+Used by ``upload_files`` when the session's answer says ``presigned`` (an S3 root, ``direct_uploads``
+on at both ends: the service's is off by default). Per file:
 
 1. :func:`file_digests`: the SHA-256 of each part (:data:`PART_BYTES`), which the store checks, and
    the digest record the service keeps (XXH3 of the file and of each block), in one pass;
@@ -10,8 +10,8 @@ checksums signed into its URLs, ``direct_uploads`` on at both ends). Per file:
 3. ``PUT`` the parts to their URLs with exactly those headers, :data:`PARTS_IN_FLIGHT` at once, on
    connections of their own (the bearer token is the service's, never sent to the store);
 4. ``POST .../files/<file>/confirm`` with the same, each part's ETag and the digest record. The service checks the
-   size and the store's SHA-256 now; the commit confirms the file by them (the store checked its bytes as
-   they arrived), or reads it back where that cannot be shown.
+   size (and the store's SHA-256 where it keeps one) now; the commit reads every byte of the file and
+   checks it against the record before the checkpoint is visible.
 
 Why: on an object store every byte otherwise crosses two hops (rank -> service -> store), and a fleet of
 services would carry all checkpoint traffic. A presign refused (the store or the service takes none),

@@ -114,11 +114,11 @@ class CheckpointClient(CatalogClient):
             itself instead of through HTTP, verifying the same block digests; a file it cannot open,
             or bytes that fail their digests there but pass over HTTP, fall back to HTTP
             (``ckptd_client._files``). ``False``: always HTTP.
-        direct_uploads: when the service's root is an object store (S3) shown to refuse bytes other
-            than the SHA-256 signed into a URL, ``save`` PUTs each data file straight into it through a
-            presigned URL with the file's SHA-256 signed in: no byte crosses the service, the store
-            checks them (``ckptd_client._presigned``); a presign, PUT or confirmation that fails falls
-            back to HTTP through the service. ``False``: always through the service.
+        direct_uploads: where the service offers them (an object store root, opted in there with
+            ``CKPTD_DIRECT_UPLOADS``), ``save`` PUTs each data file straight into it through a presigned
+            URL with its SHA-256 signed in, and the service reads every byte back at the commit
+            (``ckptd_client._presigned``); a presign, PUT or confirmation that fails falls back to
+            HTTP through the service. ``False``: always through the service.
         local_uploads: when the service runs on this host (the session's answer names its Unix socket
             and this kernel), ``save`` hands each data file over as a memory file sealed against any
             change, which the service reads once instead of receiving an HTTP body: the same checks,

@@ -88,8 +88,7 @@ class SessionInfo(_Answer):
     step: int | None = None
     created_at: datetime
     presigned: bool | None = Field(None, description="true when the request asked for direct uploads and the "
-                                   "service's root is an object store that takes presigned uploads and is "
-                                   "shown to refuse bytes other than the SHA-256 signed into them")
+                                   "service's root is an object store that takes presigned uploads")
     keepalive_seconds: float | None = Field(
         None, description="how often a rank that joined the session sends POST .../sessions/{session}/alive, from "
         "opening it until it is committed, refused or gone; a session no rank was heard from for ten such "

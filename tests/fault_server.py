@@ -340,12 +340,6 @@ class FaultStorage(Storage):
     def stored_sha256(self, key: str) -> str | None:
         return self.inner.stored_sha256(key)
 
-    def enforces_checksums(self) -> bool:
-        return self.inner.enforces_checksums()
-
-    def signed_stamp(self, key: str, sha256s: list[str]) -> str | None:
-        return self.inner.signed_stamp(key, sha256s)
-
 
 def wrap(storage: Storage, faults: Faults) -> Storage:
     """``storage`` itself when ``faults`` sets nothing; else wrapped, tier by tier for a tiered root (the

@@ -9,8 +9,6 @@ InternalError, 409 ...) a set number of times, forwarding everything else.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import http.client
 import os
 import socket
@@ -230,21 +228,18 @@ class _Handler(BaseHTTPRequestHandler):
         if rule is not None:
             if rule.forward:
                 self._forward(body)
-            return self._error(rule.status, rule.code, "injected by the test proxy")
-        sha = self.headers.get("x-amz-checksum-sha256")
-        if self.server.checksums == "enforced" and self.command == "PUT" and sha is not None and \
-                base64.b64encode(hashlib.sha256(body).digest()).decode() != sha:
-            return self._error(400, "BadDigest", "The SHA256 you specified did not match the calculated checksum.")
+            xml = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{rule.code}</Code>'
+                   f'<Message>injected by the test proxy</Message><RequestId>fault</RequestId></Error>').encode()
+            self.send_response(rule.status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(xml)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(xml)
+            self.close_connection = True
+            return
         status, reason, resp_headers, data = self._forward(body)
-        if self.server.checksums:  # a one-part object's checksum kept (moto keeps none)
-            kept = self.server.kept
-            if self.command in ("PUT", "DELETE") and status < 300 and "uploadId" not in query:
-                kept.pop(path, None)
-                if self.command == "PUT" and sha is not None:
-                    kept[path] = sha
-            if self.command == "HEAD" and self.headers.get("x-amz-checksum-mode") == "ENABLED" and path in kept \
-                    and not any(k.lower() == "x-amz-checksum-sha256" for k, _ in resp_headers):
-                resp_headers = [*resp_headers, ("x-amz-checksum-sha256", kept[path])]
         self.send_response(status, reason)
         for k, v in resp_headers:
             if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
@@ -257,18 +252,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
-        self.close_connection = True
-
-    def _error(self, status: int, code: str, message: str) -> None:
-        xml = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-               f'<Message>{message}</Message><RequestId>fault</RequestId></Error>').encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/xml")
-        self.send_header("Content-Length", str(len(xml)))
-        self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(xml)
         self.close_connection = True
 
     def _forward(self, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
@@ -293,25 +276,16 @@ class _ProxyServer(ThreadingHTTPServer):
     log: list[str]
     lock: threading.Lock
     delay: float
-    checksums: str | None
-    kept: dict[str, str]
 
 
 class FaultProxy:
     """A loopback HTTP proxy in front of :class:`MotoServer` that injects S3 errors by rule, and
-    ``delay`` seconds before every request it forwards (a remote store's round trip). With
-    ``checksums="enforced"``, a PUT whose body is not the SHA-256 its ``x-amz-checksum-sha256`` header
-    says is refused as AWS S3 refuses it (400 ``BadDigest``, nothing stored), and a one-part object's
-    checksum is kept and answered to a ``HEAD`` with ``x-amz-checksum-mode: ENABLED``, neither of which
-    moto does: the stand-in for a store that enforces the checksums signed into presigned URLs. With
-    ``checksums="kept"``, the header's value is kept and answered the same way without being checked:
-    a store that says back whatever checksum a writer claimed."""
+    ``delay`` seconds before every request it forwards (a remote store's round trip)."""
 
-    def __init__(self, upstream: MotoServer, *, delay: float = 0.0, checksums: str | None = None) -> None:
+    def __init__(self, upstream: MotoServer, *, delay: float = 0.0) -> None:
         self._srv = _ProxyServer(("127.0.0.1", 0), _Handler)
         self._srv.upstream_port = upstream.port
         self._srv.delay = delay
-        self._srv.checksums, self._srv.kept = checksums, {}
         self._srv.rules = []
         self._srv.log = []
         self._srv.lock = threading.Lock()

@@ -242,16 +242,6 @@ class Storage(ABC):
         """The SHA-256 (base64) the store verified and kept for ``key``'s object, where it keeps one."""
         return None
 
-    def enforces_checksums(self) -> bool:
-        """Whether the store is shown to refuse a PUT whose body is not the SHA-256 it carries."""
-        return False
-
-    def signed_stamp(self, key: str, sha256s: list[str]) -> str | None:
-        """The stamp of ``key``'s object when the store is shown to refuse a presigned PUT of bytes other
-        than the SHA-256s signed into it (``sha256s``, one a part) and holds what they make; else None
-        (then nothing vouches for the bytes but reading them)."""
-        return None
-
     def read_json_or_none(self, key: str) -> Any:
         """The object parsed as JSON, or None when it is absent (one read: :meth:`read_or_none`)."""
         raw = self.read_or_none(key)

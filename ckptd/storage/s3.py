@@ -40,15 +40,11 @@ Listings are never cached (another process or replica may have written since).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hashlib
-import logging
 import os
 import random
 import threading
 import time
-import uuid
 from concurrent.futures import Future
 from typing import Any, Iterator, Mapping
 
@@ -58,8 +54,6 @@ import fsspec
 
 from .base import Presigned, Storage, Writer, check_key
 from .failures import classify, client_errors
-
-log = logging.getLogger("ckptd.storage")
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_ATTEMPTS", "S3Storage", "s3_options_from_env"]
 
@@ -242,7 +236,6 @@ class S3Storage(Storage):
     presigns = True  # presigned PUTs with a signed SHA-256 (direct uploads)
     read_piece = 16 << 20  # one ranged GET per 16 MiB streamed out, not per MiB
     parts_in_flight = 4  # multipart parts sent and not yet answered, all uploads together (memory: as many parts)
-    _enforces: bool | None = None  # whether the store refuses bytes other than a signed SHA-256's (probed once)
 
     def __init__(self, url: str, **storage_options: Any) -> None:
         opts: dict[str, Any] = {"default_block_size": DEFAULT_BLOCK_SIZE, "use_listings_cache": False,
@@ -335,9 +328,9 @@ class S3Storage(Storage):
         out = self._head(key)
         return None if out is None else int(out.get("ContentLength") or 0)
 
-    def stamp(self, key: str, head: dict | None = None) -> str | None:
-        """ETag and size from one HEAD (or ``head``, one made already): any PUT of other bytes changes the ETag."""
-        out = head or self._head(key)
+    def stamp(self, key: str) -> str | None:
+        """ETag and size from one HEAD: any PUT of other bytes changes the ETag."""
+        out = self._head(key)
         return None if out is None else f"{out.get('ETag', '')}:{int(out.get('ContentLength') or 0)}"
 
     def presign_put(self, key: str, size: int, part_size: int, sha256s: list[str], seconds: float) -> Presigned:
@@ -387,35 +380,6 @@ class S3Storage(Storage):
     def stored_sha256(self, key: str) -> str | None:
         out = self._head(key, ChecksumMode="ENABLED")
         return None if out is None else out.get("ChecksumSHA256")
-
-    def enforces_checksums(self) -> bool:
-        """Whether the store refuses a PUT whose body is not the SHA-256 it carries (AWS S3: 400 ``BadDigest``;
-        moto stores it), found by trying once per process: a few bytes PUT under the SHA-256 of others at
-        a hidden key of the root (deleted where it was stored). Any other answer counts as not enforcing
-        (logged): what this decides is whether a file uploaded by URL is read back before its marker."""
-        if self._enforces is None:
-            key, wrong = f".ckptd-checksum-probe-{uuid.uuid4().hex[:12]}", base64.b64encode(bytes(32)).decode()
-            try:
-                self.fs.call_s3("put_object", Bucket=self.bucket, Key=self._s3key(key), Body=b"probe",
-                                ChecksumSHA256=wrong)
-                self.delete(key)
-                self._enforces = False
-            except Exception as e:  # noqa: BLE001 - only the checksum's refusal says it enforces
-                self._enforces = any(c in ("BadDigest", "InvalidRequest") and s == 400 for c, s in client_errors(e))
-                if not self._enforces:
-                    log.warning("%s: the checksum probe failed (%s): files uploaded by URL are read back", self.url, e)
-        return self._enforces
-
-    def signed_stamp(self, key: str, sha256s: list[str]) -> str | None:
-        """``key``'s stamp where the store refuses bytes other than signed (:meth:`enforces_checksums`) and
-        keeps the checksum ``sha256s`` make (one part's, or the SHA-256 of the parts' digests, ``-N``
-        after it), from one HEAD; else None."""
-        if not self.enforces_checksums():
-            return None
-        out = self._head(key, ChecksumMode="ENABLED")
-        want = sha256s[0] if len(sha256s) == 1 else base64.b64encode(
-            hashlib.sha256(b"".join(map(base64.b64decode, sha256s))).digest()).decode()
-        return self.stamp(key, out) if out and (out.get("ChecksumSHA256") or "").split("-")[0] == want else None
 
     def read_or_none(self, key: str) -> bytes | None:
         """One GET (no HEAD first)."""

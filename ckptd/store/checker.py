@@ -34,9 +34,8 @@ also tile its shape exactly; the commit's merge checked that already (:mod:`.mer
 
 At a commit, a file checked as it arrived, or linked from a checked file, whose stored identity is
 still the one recorded then is confirmed by that identity (:meth:`StorageFiles.arrived`) and read
-after the marker by the re-read (so is an upload by URL that a store shown to enforce its signed
-SHA-256s checked); every other file is read, whichever way it entered the session (an upload by URL
-elsewhere, a file changed since): a record made once is never trusted later without the bytes.
+after the marker by the re-read; every other file is read, whichever way it entered the session
+(an upload by URL, a file changed since): a record made once is never trusted later without the bytes.
 A problem names the tensor, rank and file (:class:`Problem`); the commit raises the first
 (:class:`~ckptd_schemas.ChecksumMismatch` for a digest, :class:`~ckptd_schemas.IntegrityError`
 otherwise) and marks the session failed like any other refusal; verify lists them all. Pure over

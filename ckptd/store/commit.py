@@ -45,9 +45,7 @@ from .inflight import ordered_map, requests_in_flight
 from .intake import recorded_file
 from .merge import ManifestFold
 from .paths import Marker, Paths, SessionMeta
-from .records import (
-    LINKED, SIGNED, CommitCheck, arrival_of, file_stamps, known_bad, record_arrival, record_commit_check,
-)
+from .records import LINKED, CommitCheck, arrival_of, file_stamps, known_bad, record_arrival, record_commit_check
 from .links import check_links
 from .rereads import mark_due
 from .session_reads import committed_by, ranks_done, session_meta
@@ -153,21 +151,17 @@ class Committer:
                 del ix, entries
         return fold.manifest(files), files, arrivals
 
-    def _placed(self, run: str, manifest: Manifest, arrivals: dict[str, tuple[str, str]]
+    def _linked(self, run: str, manifest: Manifest, arrivals: dict[str, tuple[str, str]]
                 ) -> dict[str, tuple[str, str]]:
-        """The files placed in the store confirmed, like files checked as they arrived, by their identity.
-        The linked ones (the :data:`~.records.LINKED` arrival record ``Intake.link`` made): each whose rows
-        in ``manifest`` are rows of its source file in the source checkpoint's manifest, a checkpoint not
-        known bad, so the source's check covers them. Any other row in a linked file has it read back.
-        A file the store checked against the SHA-256s signed into its URLs (:data:`~.records.SIGNED`) is
-        confirmed by its identity with the rows its writer's index gives it (none a replica)."""
+        """The linked files confirmed, like files checked as they arrived, by their identity (the
+        :data:`~.records.LINKED` arrival record ``Intake.link`` made): each whose rows in ``manifest``
+        are rows of its source file in the source checkpoint's manifest, a checkpoint not known bad, so
+        the source's check covers them. Any other row in a linked file has it read back."""
         mine = [f for f, (rows, _) in arrivals.items() if rows == LINKED and manifest.files[f].linked]
-        signed = [f for f, (rows, _) in arrivals.items() if rows == SIGNED]
         by_source: dict[str, list[str]] = {}
         for f in mine:
             by_source.setdefault(manifest.files[f].linked.split("/", 1)[0], []).append(f)
-        here = file_rows(manifest, mine + signed) if mine or signed else {}
-        out = {f: (rows_digest(rows), arrivals[f][1]) for f in signed if (rows := here[f]) is not None}
+        here, out = file_rows(manifest, mine) if mine else {}, {}
         for ckpt, fs in by_source.items():
             c = self.visibility.check(run, ckpt)
             if c is None or known_bad(self.storage, c) is not None:
@@ -206,7 +200,7 @@ class Committer:
             try:
                 manifest, files, arrivals = self.merged(run, name, sid, meta)
                 check_links(manifest)  # a linked file must be at least half used: references pay for themselves
-                arrivals.update(self._placed(run, manifest, arrivals))
+                arrivals.update(self._linked(run, manifest, arrivals))
                 key_of = lambda f: Paths.file(run, name, sid, f)  # noqa: E731
                 before = file_stamps(self.storage, key_of, sorted(files))
                 t0 = time.perf_counter()

@@ -19,9 +19,8 @@ the writer's quota, the root's reserve): received bytes batch by batch, a presig
 size at its presign, a linked file's size at its link.
 
 A record is a claim whichever way the file came: the commit reads and checks every byte of it
-(:mod:`.checker`) after the last write anyone could make, except a file checked as it arrived (here,
-or by a store shown to refuse bytes other than the SHA-256s signed into its URLs: ``Storage.signed_stamp``),
-or linked as a checked file, whose stored identity (``Storage.stamp``: inode, size, mtime and ctime; an
+(:mod:`.checker`) after the last write anyone could make, except a file checked as it arrived, or
+linked as a checked file, whose stored identity (``Storage.stamp``: inode, size, mtime and ctime; an
 object's ETag) is unchanged. Call order per file: each way first passes the one write gate
 (:func:`~.session_reads.writable`: the names, and that the session takes writes), and one that
 succeeded marks the session active (:class:`~.activity.SessionActivity`).
@@ -43,7 +42,7 @@ from ..storage import Storage, Writer
 from .activity import SessionActivity
 from .checker import FileCheck, arrival_check
 from .paths import Paths
-from .records import LINKED, SIGNED, record_arrival, record_vouches
+from .records import LINKED, record_arrival, record_vouches
 from .session_reads import writable
 from .space import Holder, Space
 from .visibility import Visibility
@@ -275,10 +274,6 @@ class Intake:
             what = f"{size} bytes" if size != body.size else f"SHA-256 {kept}"
             raise InvalidRequest(f"file {file!r}: the store holds {what}, the client declared {body.size} bytes "
                                  f"with SHA-256 {body.sha256[0]}", file=file)
-        # a store that refuses other bytes at these URLs checked them as they arrived: the commit confirms the
-        # object by its identity, as it does a file checked here (none where the store is not shown to)
-        record_arrival(self.storage, Paths.arrival(run, name, sid, file), self.storage.signed_stamp(key, body.sha256),
-                       SIGNED)
         return FileEntry(size=body.size, xxh3=body.xxh3, block_size=body.block_size, blocks=body.blocks)
 
     def _linked(self, run: str, name: str, sid: str, file: str, body: LinkFile, holder: Holder | None) -> FileEntry:

@@ -40,9 +40,9 @@ from ..storage import Storage
 from .inflight import ordered_map, requests_in_flight
 from .paths import Committed, Paths
 
-__all__ = ["CommitCheck", "LINKED", "MAX_PROBLEMS", "SIGNED", "Stray", "VerifyRecord", "arrival_of", "file_stamps",
-           "known_bad", "record_arrival", "record_commit_check", "record_holds", "record_of", "record_vouches",
-           "stamps_of", "status_of"]
+__all__ = ["CommitCheck", "LINKED", "MAX_PROBLEMS", "Stray", "VerifyRecord", "arrival_of", "file_stamps", "known_bad",
+           "record_arrival", "record_commit_check", "record_holds", "record_of", "record_vouches", "stamps_of",
+           "status_of"]
 
 log = logging.getLogger("ckptd.store")
 
@@ -203,16 +203,13 @@ def _record_for(raw: bytes, c: Committed) -> VerifyRecord | None:
 
 #: The ``rows`` of an arrival record of a linked file: its bytes are a checked file's (``Storage.link``).
 LINKED = "linked"
-#: The ``rows`` of an arrival record of a file uploaded by URL into a store that refuses bytes other than
-#: the SHA-256s signed into the URLs (``Storage.signed_stamp``): its bytes are the ones its writer hashed.
-SIGNED = "signed"
 
 
 def record_arrival(storage: Storage, key: str, stamp: str | None, rows: str = "") -> None:
     """Record at ``key`` (``Paths.arrival``) that a session's file of stored identity ``stamp`` was checked:
     as it arrived, against the rows of digest ``rows`` (``ckptd_schemas.arrival.rows_digest``), linked
-    from a checked file (:data:`LINKED`), checked by the store against signed SHA-256s (:data:`SIGNED`), or
-    (``rows`` empty) read back by a commit that re-reads the rest after its marker. ``{"rows", "stamp"}``,
+    from a checked file (:data:`LINKED`), or (``rows`` empty) read back by a commit that re-reads the
+    rest after its marker. ``{"rows", "stamp"}``,
     created once; without a stamp (a backend that has none) nothing: the commit reads the file."""
     if stamp:
         storage.create_if_absent(key, json.dumps({"rows": rows, "stamp": stamp}).encode())

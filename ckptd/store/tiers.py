@@ -212,5 +212,4 @@ class TieredStorage(Storage):
         return self.fast.presigns
 
     presign_put, complete_presigned = _fast("presign_put"), _fast("complete_presigned")
-    stored_sha256, signed_stamp = _fast("stored_sha256"), _fast("signed_stamp")
-    enforces_checksums = _fast("enforces_checksums")
+    stored_sha256 = _fast("stored_sha256")

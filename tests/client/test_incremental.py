@@ -306,11 +306,11 @@ def test_a_save_opens_its_session_once(server):
 def test_an_incremental_save_on_s3_uploads_straight_to_the_store(moto_s3, s3_env, tmp_path):
     """On an S3 root the stall's opening asks for presigned URLs: the second save, which links in its
     stall, sends none of its files through the service either."""
-    from s3_server import FaultProxy, aws_env
+    from s3_server import aws_env
 
     url = moto_s3.url()
-    proxy = FaultProxy(moto_s3, checksums="enforced").__enter__()  # a store that enforces signed checksums
-    srv = ServerProcess(url, env=aws_env(proxy.endpoint), log=tmp_path / "server.log").start()
+    srv = ServerProcess(url, env={**aws_env(moto_s3.endpoint), "CKPTD_DIRECT_UPLOADS": "true"},  # opted in
+                        log=tmp_path / "server.log").start()
     try:
         with CheckpointClient(srv.url, file_bytes=MIB) as client:
             client.save(_state(1), "s3inc/1").wait()
@@ -321,7 +321,6 @@ def test_an_incremental_save_on_s3_uploads_straight_to_the_store(moto_s3, s3_env
         assert _answered(srv.url, "open_session") == 2
     finally:
         srv.stop()
-        proxy.__exit__()
         moto_s3.clear(url.split("/", 3)[3])
 
 

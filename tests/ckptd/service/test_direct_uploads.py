@@ -1,13 +1,15 @@
 """Direct uploads on an S3 root: ranks PUT their data files straight into the store with presigned URLs.
 
-A real ``ckptd serve --root s3://...`` on the moto server the suite runs. What must hold:
+A real ``ckptd serve --root s3://...`` on the moto server the suite runs, opted in to direct uploads
+(``CKPTD_DIRECT_UPLOADS=true``; off by default). What must hold:
 
-* a default client's save sends no data file through the service (the service's metrics count no
+* with the service's default, a default client's save sends every byte through the service (no presign);
+* opted in, a default client's save sends no data file through the service (the service's metrics count no
   ``upload_file`` request and no body bytes for them) and loads back bit for bit; ``ckptd verify``
   passes;
-* the store (moto behind a proxy that checks the SHA-256 signed into each URL, as AWS S3 does) refuses
-  bytes changed on their way, and the client sends that file through the service; on plain moto,
-  which checks none, the service offers no direct uploads and every byte goes through it;
+* a writer that PUTs other bytes than it declared (moto, unlike S3, does not check the signed
+  SHA-256, which makes this the worst case) is refused at the commit: nothing becomes visible, and the
+  last good checkpoint stays what ``RUN/latest`` names and loads;
 * a confirmation that its presign or the store contradicts is refused; a presign on a root that
   takes none, for a committed checkpoint, or with a read token, is refused; a client against such a
   root sends its files through the service. Replayed URLs and second presigns are attacked in
@@ -27,7 +29,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd.service.auth import hash_token
-from ckptd_client import CheckpointClient
+from ckptd_client import CheckpointClient, ChecksumMismatch
 from ckptd_client import _presigned
 from support import ServerProcess, assert_bits_equal, blank_like
 
@@ -36,15 +38,13 @@ MiB = 1 << 20
 
 @pytest.fixture
 def s3srv(moto_s3, s3_env, tmp_path):
-    """The service on a store that enforces the checksums signed into its URLs, as AWS S3 does (moto in
-    front of which ``FaultProxy`` checks them); on plain moto the service offers no direct uploads."""
-    from s3_server import FaultProxy, aws_env
+    from s3_server import aws_env
 
     url = moto_s3.url()
-    with FaultProxy(moto_s3, checksums="enforced") as proxy:
-        srv = ServerProcess(url, env=aws_env(proxy.endpoint), log=tmp_path / "server.log").start()
-        yield srv
-        srv.stop()
+    srv = ServerProcess(url, env={**aws_env(moto_s3.endpoint), "CKPTD_DIRECT_UPLOADS": "true"},  # opted in
+                        log=tmp_path / "server.log").start()
+    yield srv
+    srv.stop()
     moto_s3.clear(url.split("/", 3)[3])
 
 
@@ -108,55 +108,30 @@ def test_a_file_of_several_parts_goes_up_as_one_multipart_upload(s3srv, monkeypa
     assert seen.get("upload_file", 0) == 0 and seen.get("confirm_file") == 1, seen
 
 
-def test_bytes_other_than_declared_are_refused_by_the_store_and_the_save_goes_through_the_service(s3srv,
-                                                                                                    monkeypatch):
-    """Bytes changed on their way to the store are refused by it (400 ``BadDigest``): the client sends the
-    file through the service instead, and the checkpoint holds the declared bytes. (A writer that gets
-    other bytes stored is attacked in ``tests/adversary/test_ingest_s3.py``.)"""
-    real_put, refused = httpx.Client.put, []
+def test_bytes_other_than_declared_are_refused_at_the_commit_and_the_last_good_stays(s3srv, monkeypatch):
+    good = _state(1)
+    with CheckpointClient(s3srv.url, file_bytes=MiB, incremental=False) as c:
+        c.save(good, "direct/1").wait()
+        real_put = httpx.Client.put
 
-    def forged(self, url, *, content=None, **kw):  # the store gets other bytes than were declared
-        if "X-Amz-Signature" in str(url):
-            data = bytearray(b"".join(bytes(p) for p in content))
-            data[len(data) // 2] ^= 0xFF
-            r = real_put(self, url, content=bytes(data), **kw)
-            refused.append(r.status_code)
-            return r
-        return real_put(self, url, content=content, **kw)
+        def forged(self, url, *, content=None, **kw):  # the store gets other bytes than were declared
+            if "X-Amz-Signature" in str(url):
+                data = bytearray(b"".join(bytes(p) for p in content))
+                data[len(data) // 2] ^= 0xFF
+                content = bytes(data)
+            return real_put(self, url, content=content, **kw)
 
-    monkeypatch.setattr(_presigned, "PART_BYTES", 5 * MiB)
-    monkeypatch.setattr(_presigned.httpx.Client, "put", forged)
-    sd = _state(2)
-    with CheckpointClient(s3srv.url, file_bytes=MiB, incremental=False, local_uploads=False) as c:
-        c.save(sd, "direct/2").wait()
-        got = blank_like(sd)
-        c.load(got, "direct/2")
-    assert_bits_equal(got, sd)
-    assert refused and set(refused) == {400}, refused
-    assert _requests(s3srv).get("upload_file", 0) >= 1  # what the store refused came through the service
+        monkeypatch.setattr(_presigned, "PART_BYTES", 5 * MiB)
 
-
-def test_on_a_store_that_does_not_enforce_signed_checksums_every_byte_goes_through_the_service(moto_s3, s3_env,
-                                                                                                tmp_path):
-    """moto stores bytes other than a URL's signed SHA-256: the service offers it no direct uploads, so a
-    default client's save sends its files through the service, checked as they arrive (presigns are still
-    answered, and read back at the commit: ``tests/adversary/test_ingest_s3.py``)."""
-    from s3_server import aws_env
-
-    url = moto_s3.url()
-    srv = ServerProcess(url, env=aws_env(moto_s3.endpoint), log=tmp_path / "server.log").start()
-    try:
-        sd = _state(3)
-        with CheckpointClient(srv.url, file_bytes=MiB, incremental=False, local_uploads=False) as c:
-            c.save(sd, "moto/1").wait()
-            got = blank_like(sd)
-            c.load(got, "moto/1")
-        assert_bits_equal(got, sd)
-        seen = _requests(srv)
-        assert seen.get("upload_file", 0) >= 2 and seen.get("presign_file", 0) == 0, seen
-    finally:
-        srv.stop()
-        moto_s3.clear(url.split("/", 3)[3])
+        monkeypatch.setattr(_presigned.httpx.Client, "put", forged)
+        with pytest.raises(ChecksumMismatch, match="refused at commit"):
+            c.save(_state(2), "direct/2").wait()
+        monkeypatch.undo()
+        assert [x.name for x in c.list_checkpoints("direct")] == ["1"]
+        got = blank_like(good)
+        report = c.load(got, "direct/latest")
+    assert report.ref == "direct/1"
+    assert_bits_equal(got, good)
 
 
 def _sha(data: bytes) -> str:
@@ -198,7 +173,8 @@ def test_a_confirmation_the_presign_or_the_store_contradicts_is_refused(s3srv, m
 def test_presigns_are_refused_where_they_cannot_be_given(tmp_path):
     token = "writer-token-0123456789abcdef"
     reader = "reader-token-0123456789abcdef"
-    env = {"CKPTD_TOKENS": f"w sha256:{hash_token(token)} write:*\nr sha256:{hash_token(reader)} read:*"}
+    env = {"CKPTD_TOKENS": f"w sha256:{hash_token(token)} write:*\nr sha256:{hash_token(reader)} read:*",
+           "CKPTD_DIRECT_UPLOADS": "true"}
     srv = ServerProcess(tmp_path / "root", env=env).start()  # a local root: no presigned uploads
     try:
         h = {"Authorization": f"Bearer {token}"}
@@ -227,3 +203,24 @@ def test_presigns_are_refused_where_they_cannot_be_given(tmp_path):
         assert r.status_code in (404, 409), r.text  # committed: no session of it takes files
     finally:
         srv.stop()
+
+
+def test_by_default_every_byte_goes_through_the_service(moto_s3, s3_env, tmp_path):
+    """Direct uploads are the service's opt-in: on its default settings a default client (which asks for
+    them) is offered none and sends every file through the service, checked as it arrives."""
+    from s3_server import aws_env
+
+    url = moto_s3.url()
+    srv = ServerProcess(url, env=aws_env(moto_s3.endpoint), log=tmp_path / "server.log").start()
+    try:
+        sd = _state(4)
+        with CheckpointClient(srv.url, file_bytes=MiB, incremental=False, local_uploads=False) as c:
+            c.save(sd, "plain/1").wait()
+            got = blank_like(sd)
+            c.load(got, "plain/1")
+        assert_bits_equal(got, sd)
+        seen = _requests(srv)
+        assert seen.get("upload_file", 0) >= 2 and seen.get("presign_file", 0) == 0, seen
+    finally:
+        srv.stop()
+        moto_s3.clear(url.split("/", 3)[3])

@@ -11,9 +11,7 @@ loading on 3, then ``ckptd verify`` and ``ckptd reshard`` offline on the same
 
 from __future__ import annotations
 
-import base64
 import gc
-import hashlib
 import json
 import os
 import subprocess
@@ -481,34 +479,3 @@ def test_a_link_under_a_stamp_the_source_no_longer_has_copies_nothing(s3):
     s3.put("ln/src", b"other bytes!!")  # the same size: only the ETag tells
     assert s3.link("ln/src", "ln/dst", checked) is False and not s3.exists("ln/dst")
     assert s3.link("ln/src", "ln/dst", s3.stamp("ln/src")) is True and s3.read("ln/dst") == b"other bytes!!"
-
-
-# -- whether the store enforces the checksums signed into presigned URLs ---------------------------
-
-
-def test_the_checksum_probe_trusts_only_a_store_that_refuses_other_bytes(moto_s3, s3, monkeypatch):
-    """``S3Storage.enforces_checksums``: a PUT of bytes other than its SHA-256, once per storage; only the
-    store's refusal of it says the store enforces (the enforcing proxy stands in for AWS S3). moto, a
-    store that says back whatever checksum it was told, and a store whose answer is any other error
-    are not trusted, and a stored probe is deleted."""
-    from s3_server import FaultProxy, FaultRule
-
-    sha = base64.b64encode(hashlib.sha256(b"signed bytes").digest()).decode()
-    assert s3.enforces_checksums() is False and s3.walk("") == []  # moto stores it; the probe is gone
-    for checksums, rule, enforces in (("enforced", None, True), ("kept", None, False),
-                                      ("enforced", FaultRule(_on("PUT"), 403, "AccessDenied"), False)):
-        with FaultProxy(moto_s3, checksums=checksums) as proxy:
-            if rule is not None:
-                proxy.add(rule)
-            monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
-            st = open_storage(s3.url)
-            assert st.enforces_checksums() is enforces, (checksums, rule, proxy.log)
-            assert st.enforces_checksums() is enforces and sum(x.startswith("PUT") and ".ckptd-checksum-probe-" in x for x in proxy.log) == 1
-            assert st.walk("") == []
-            st.put("one", b"signed bytes")  # not through a URL: the store keeps no checksum of it
-            assert st.signed_stamp("one", [sha]) is None
-            st.fs.call_s3("put_object", Bucket=st.bucket, Key=st._s3key("two"), Body=b"signed bytes",
-                          ChecksumSHA256=sha)
-            assert st.signed_stamp("two", [sha]) == (st.stamp("two") if enforces else None)
-            assert st.signed_stamp("two", [base64.b64encode(bytes(32)).decode()]) is None
-            st.delete("one"), st.delete("two")

@@ -13,10 +13,9 @@ other bytes is answered 200, the other bytes are stored, and no checksum is kept
 ``ChecksumMode=ENABLED`` has none), so nothing after the upload can tell them from the declared
 ones but reading them. A multipart upload of other bytes completes too; its stored checksum is then
 the composite of the parts' SHA-256 as *received* (it differs from the composite of the signed ones).
-So on moto a signed checksum proves nothing about the stored bytes: the service's probe
-(``S3Storage.enforces_checksums``) finds that, offers no direct uploads there, and reads a file uploaded
-by URL anyway back (and hashes it) before a checkpoint naming it is visible. If a later moto enforces
-the checksum, these tests fail, and the probe trusts it as it trusts AWS S3.
+So on moto a signed checksum proves nothing about the stored bytes: the service must read a
+directly uploaded file back (and hash it) before a checkpoint naming it is visible. If a later moto
+enforces the checksum, these tests fail and the limit can be lifted.
 """
 
 from __future__ import annotations
