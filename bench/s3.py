@@ -20,8 +20,9 @@ What one run does (see bench/results/s3.md for the results and how to read them)
      (s3fs picks the endpoint up from the environment; no storage options are passed);
    * ``CheckpointClient.save(sd, "bench/<r>")`` then ``handle.wait()`` (committed on
      the server, in S3), timing also ``save()``'s return (the training stall): the default
-     client, which uploads the data files straight into the bucket with presigned URLs;
-   * the same with ``direct_uploads=False`` (every byte through the service).
+     client, which uploads the data files straight into the bucket with presigned URLs (the
+     bench's service opts in to them: ``CKPTD_DIRECT_UPLOADS=true``; off by default);
+   * the same with ``direct_uploads=False`` (every byte through the service, the default route).
 
 5. ``--load-world`` gloo ranks (default 3: another world size) load every repeat's two
    checkpoints into NaN-filled DTensors on their mesh, in alternating order:
@@ -347,9 +348,9 @@ def markdown(res: dict) -> str:
              f"median of {cfg['repeat']} repeats, one moto server:", "",
              "| measure | ckptd (s3:// root) | DCP (fsspec, s3://) | ratio DCP/ckptd | goal | met |",
              "| --- | --- | --- | --- | --- | --- |",
-             f"| save, committed (`save()` + `wait()`) vs `dcp.save` | {cell('ckptd', 'save')} | {cell('dcp', 'save')} "
+             f"| save, committed (`save()` + `wait()`), direct uploads (opt-in) vs `dcp.save` | {cell('ckptd', 'save')} | {cell('dcp', 'save')} "
              f"| {s['save_throughput_ratio']:.2f} | >= 1.0 | {'yes' if s['save_throughput_ratio'] >= 1 else 'no'} |",
-             f"| same, every byte through the service (`direct_uploads=False`) | "
+             f"| same, every byte through the service (the default) | "
              f"{s['ckptd_service_save_s']:.2f} s | | {s['save_service_throughput_ratio']:.2f} | | |",
              f"| load at world size {cfg['load_world']} | {cell('ckptd', 'load')} | {cell('dcp', 'load')} "
              f"| {s['load_throughput_ratio']:.2f} | >= 1.0 | {'yes' if s['load_throughput_ratio'] >= 1 else 'no'} |",
