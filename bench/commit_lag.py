@@ -367,7 +367,7 @@ def run_store(which: str, sizes: list[int], worlds: list[int], repeat: int, work
         env = dict(ENV)
     else:
         assert moto is not None
-        root, env = f"s3://{BUCKET}/{which}", {**ENV, **moto.env}
+        root, env = f"s3://{BUCKET}/{which}", {**ENV, **moto.env, "CKPTD_DIRECT_UPLOADS": str(direct).lower()}
     srv = ServerProcess(root, env=env, log=work / f"server-{which}.log").start()
     pid = srv.proc.pid  # type: ignore[union-attr]
     moto_pid = moto.proc.pid if moto is not None and not which.startswith("local") else 0  # type: ignore[union-attr]

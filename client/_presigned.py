@@ -1,7 +1,7 @@
 """Direct uploads: a rank PUTs its data files straight into the object store through presigned URLs.
 
 Used by ``upload_files`` when the session's answer says ``presigned`` (an S3 root, ``direct_uploads``
-on at both ends). Per file:
+on at both ends: the service's is off by default). Per file:
 
 1. :func:`file_digests`: the SHA-256 of each part (:data:`PART_BYTES`), which the store checks, and
    the digest record the service keeps (XXH3 of the file and of each block), in one pass;

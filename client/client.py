@@ -111,9 +111,9 @@ class CheckpointClient(CatalogClient):
             itself instead of through HTTP, verifying the same block digests; a file it cannot open,
             or bytes that fail their digests there but pass over HTTP, fall back to HTTP
             (``ckptd_client._files``). ``False``: always HTTP.
-        direct_uploads: when the service's root is an object store (S3), ``save`` PUTs each data
-            file straight into it through a presigned URL with the file's SHA-256 signed in, and the
-            service, which no byte crosses, checks every byte at the commit
+        direct_uploads: where the service offers them (an object store root, opted in there with
+            ``CKPTD_DIRECT_UPLOADS``), ``save`` PUTs each data file straight into it through a presigned
+            URL with its SHA-256 signed in, and the service reads every byte back at the commit
             (``ckptd_client._presigned``); a presign, PUT or confirmation that fails falls back to
             HTTP through the service. ``False``: always through the service.
         local_uploads: when the service runs on this host (the session's answer names its Unix socket

@@ -102,9 +102,9 @@ class Settings(BaseSettings):
         "ranks on this host (or on a shared filesystem mounted at the same path) read the bytes themselves, with "
         "the same block checks, instead of through HTTP")
     direct_uploads: bool = Field(
-        True, description="when the root is an object store (S3), give saving ranks presigned URLs to upload their "
-        "data files to it straight (`POST .../files/{file}/presign`, then `.../confirm`); the commit reads and "
-        "checks every byte of each such file before the checkpoint is visible")
+        False, description="opt-in: on an object store root (S3), give saving ranks presigned URLs to upload their "
+        "data files to it straight (`POST .../files/{file}/presign`, then `.../confirm`), each read back and checked "
+        "before the checkpoint is visible; off, every byte goes through the service, checked as it arrives")
     local_uploads: bool = Field(
         True, description="let saving ranks on this host hand each data file over as a sealed memory file through "
         "a Unix socket (named in each session's answer) instead of an HTTP body: the same checks, a fraction of the "

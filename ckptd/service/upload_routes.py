@@ -92,6 +92,7 @@ def upload_router(svc: Services) -> APIRouter:
                                 field="parent", run=parent_run)
         info = await run_in_threadpool(sessions.open, run, name, body, principal_of(request))
         info.arrival_checks = True
+        # bytes go through here, checked as they arrive, unless the service opts in to direct uploads
         if body.direct_uploads and settings.direct_uploads and sessions.storage.presigns:
             info.presigned = True
         if svc.local is not None and svc.local.address is not None:  # ranks on this host hand files over there

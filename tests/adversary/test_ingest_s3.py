@@ -9,7 +9,8 @@ creates the object once), a multipart upload is completed by the service with ``
 Attacks, each with a valid write token over raw HTTP: the single-PUT URL replayed with its signed
 headers after the commit, with other bytes; a part URL of a multipart upload replayed after the
 commit; a second presign of a file (other bytes declared, and the same); a presign of a file already
-uploaded through the service. After each, the committed checkpoint still verifies and loads.
+uploaded through the service. After each, the committed checkpoint still verifies and loads. With
+the service's default settings, a rank that asks for a presigned URL anyway gets none.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import httpx
 import pytest
 import xxhash
 
-from ckptd_client import CheckpointClient
+from ckptd_client import CheckpointClient, InvalidRequest
+from ckptd_schemas import error_from_body
 from ckptd_schemas.filedigest import StreamDigest
 from support import REPO, ServerProcess
 
@@ -35,8 +37,20 @@ def s3srv(moto_s3, tmp_path_factory):
     from s3_server import aws_env
 
     url = moto_s3.url("ingest")
-    srv = ServerProcess(url, env=aws_env(moto_s3.endpoint), log=tmp_path_factory.mktemp("ingest") / "server.log")
+    srv = ServerProcess(url, env={**aws_env(moto_s3.endpoint), "CKPTD_DIRECT_UPLOADS": "true"},  # opted in
+                        log=tmp_path_factory.mktemp("ingest") / "server.log")
     srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(moto_s3, tmp_path_factory):
+    """The service on the same store with its default settings: no direct uploads."""
+    from s3_server import aws_env
+
+    srv = ServerProcess(moto_s3.url("plain"), env=aws_env(moto_s3.endpoint),
+                        log=tmp_path_factory.mktemp("plain") / "server.log").start()
     yield srv
     srv.stop()
 
@@ -48,13 +62,14 @@ def _sha(data: bytes) -> str:
 class Save:
     """One raw save of one file (``data``) as a uint8 tensor, through presigned URLs."""
 
-    def __init__(self, srv: ServerProcess, run: str, name: str, data: bytes, part: int = 5 * MiB) -> None:
+    def __init__(self, srv: ServerProcess, run: str, name: str, data: bytes, part: int = 5 * MiB,
+                 offered: bool | None = True) -> None:
         self.http = httpx.Client(base_url=srv.url, timeout=60)
         self.run, self.name, self.data, self.sid = run, name, data, "a" * 32
         self.base = f"/v1/checkpoints/{run}/{name}/sessions"
         r = self.http.post(self.base, json={"session": self.sid, "world_size": 1, "step": int(name),
                                             "direct_uploads": True})
-        assert r.status_code == 200 and r.json()["presigned"] is True, r.text
+        assert r.status_code == 200 and r.json()["presigned"] is offered, r.text
         self.file = f"{self.base}/{self.sid}/files/r0.bin"
         self.parts = [data[i:i + part] for i in range(0, len(data), part)] or [b""]
         self.claim = {"size": len(data), "part_size": part, "sha256": [_sha(p) for p in self.parts]}
@@ -157,3 +172,24 @@ def test_an_upload_through_the_service_does_not_replace_a_presigned_object(s3srv
     s.confirm(signed, etags)
     s.commit()
     s.assert_intact(s3srv)
+
+
+def test_by_default_a_rank_gets_no_url_into_the_store(plain):
+    """On the service's default settings a rank asking for direct uploads is offered none, and one that asks
+    for a presigned URL anyway is refused (a typed 400 naming the file, no URL); a confirmation of bytes put
+    in the store past the service matches no presign and is refused; the rank's bytes then go through the
+    service, checked as they arrive, and the checkpoint commits and loads."""
+    s = Save(plain, "plain", "1", b"p" * 5000, offered=None)
+    r = s.presign()
+    err = error_from_body(r.json(), r.status_code)
+    assert r.status_code == 400 and type(err) is InvalidRequest and err.details == {"file": "r0.bin"}, r.text
+    assert "direct uploads are off" in err.message and "urls" not in r.json(), r.text
+    d = StreamDigest(1 << 20)
+    d.update(s.data)
+    whole, blocks = d.finish()
+    r = s.http.post(f"{s.file}/confirm", json={**s.claim, "xxh3": whole, "block_size": 1 << 20, "blocks": blocks})
+    assert r.status_code == 400 and "does not match the file's presign" in r.text, r.text
+    r = s.http.put(s.file, content=s.data, headers={"X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(s.data)})
+    assert r.status_code == 200, r.text
+    s.commit()
+    s.assert_intact(plain)

@@ -191,7 +191,7 @@ def test_a_presigned_file_counts_toward_its_writers_quota_until_it_is_stored(mot
     from s3_server import aws_env
 
     tokens = f"filler {FILLER} write:fill* quota=8MiB"
-    srv = ServerProcess(moto_s3.url("quota"), env={**aws_env(moto_s3.endpoint), "CKPTD_TOKENS": tokens},
+    srv = ServerProcess(moto_s3.url("quota"), env={**aws_env(moto_s3.endpoint), "CKPTD_TOKENS": tokens, "CKPTD_DIRECT_UPLOADS": "true"},
                         log=tmp_path / "server.log").start()
     try:
         http = httpx.Client(base_url=srv.url, timeout=scaled(60), headers={"Authorization": f"Bearer {FILLER}"})

@@ -309,7 +309,8 @@ def test_an_incremental_save_on_s3_uploads_straight_to_the_store(moto_s3, s3_env
     from s3_server import aws_env
 
     url = moto_s3.url()
-    srv = ServerProcess(url, env=aws_env(moto_s3.endpoint), log=tmp_path / "server.log").start()
+    srv = ServerProcess(url, env={**aws_env(moto_s3.endpoint), "CKPTD_DIRECT_UPLOADS": "true"},  # opted in
+                        log=tmp_path / "server.log").start()
     try:
         with CheckpointClient(srv.url, file_bytes=MIB) as client:
             client.save(_state(1), "s3inc/1").wait()

@@ -1,8 +1,10 @@
 """Direct uploads on an S3 root: ranks PUT their data files straight into the store with presigned URLs.
 
-A real ``ckptd serve --root s3://...`` on the moto server the suite runs. What must hold:
+A real ``ckptd serve --root s3://...`` on the moto server the suite runs, opted in to direct uploads
+(``CKPTD_DIRECT_UPLOADS=true``; off by default). What must hold:
 
-* a default client's save sends no data file through the service (the service's metrics count no
+* with the service's default, a default client's save sends every byte through the service (no presign);
+* opted in, a default client's save sends no data file through the service (the service's metrics count no
   ``upload_file`` request and no body bytes for them) and loads back bit for bit; ``ckptd verify``
   passes;
 * a writer that PUTs other bytes than it declared (moto, unlike S3, does not check the signed
@@ -39,7 +41,8 @@ def s3srv(moto_s3, s3_env, tmp_path):
     from s3_server import aws_env
 
     url = moto_s3.url()
-    srv = ServerProcess(url, env=aws_env(moto_s3.endpoint), log=tmp_path / "server.log").start()
+    srv = ServerProcess(url, env={**aws_env(moto_s3.endpoint), "CKPTD_DIRECT_UPLOADS": "true"},  # opted in
+                        log=tmp_path / "server.log").start()
     yield srv
     srv.stop()
     moto_s3.clear(url.split("/", 3)[3])
@@ -170,7 +173,8 @@ def test_a_confirmation_the_presign_or_the_store_contradicts_is_refused(s3srv, m
 def test_presigns_are_refused_where_they_cannot_be_given(tmp_path):
     token = "writer-token-0123456789abcdef"
     reader = "reader-token-0123456789abcdef"
-    env = {"CKPTD_TOKENS": f"w sha256:{hash_token(token)} write:*\nr sha256:{hash_token(reader)} read:*"}
+    env = {"CKPTD_TOKENS": f"w sha256:{hash_token(token)} write:*\nr sha256:{hash_token(reader)} read:*",
+           "CKPTD_DIRECT_UPLOADS": "true"}
     srv = ServerProcess(tmp_path / "root", env=env).start()  # a local root: no presigned uploads
     try:
         h = {"Authorization": f"Bearer {token}"}
@@ -199,3 +203,24 @@ def test_presigns_are_refused_where_they_cannot_be_given(tmp_path):
         assert r.status_code in (404, 409), r.text  # committed: no session of it takes files
     finally:
         srv.stop()
+
+
+def test_by_default_every_byte_goes_through_the_service(moto_s3, s3_env, tmp_path):
+    """Direct uploads are the service's opt-in: on its default settings a default client (which asks for
+    them) is offered none and sends every file through the service, checked as it arrives."""
+    from s3_server import aws_env
+
+    url = moto_s3.url()
+    srv = ServerProcess(url, env=aws_env(moto_s3.endpoint), log=tmp_path / "server.log").start()
+    try:
+        sd = _state(4)
+        with CheckpointClient(srv.url, file_bytes=MiB, incremental=False, local_uploads=False) as c:
+            c.save(sd, "plain/1").wait()
+            got = blank_like(sd)
+            c.load(got, "plain/1")
+        assert_bits_equal(got, sd)
+        seen = _requests(srv)
+        assert seen.get("upload_file", 0) >= 2 and seen.get("presign_file", 0) == 0, seen
+    finally:
+        srv.stop()
+        moto_s3.clear(url.split("/", 3)[3])

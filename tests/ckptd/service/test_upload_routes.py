@@ -35,7 +35,7 @@ BASE = "/v1/checkpoints/up/1/sessions"
 
 @pytest.fixture
 def svc(tmp_path):
-    s = services(tmp_path / "root")
+    s = services(tmp_path / "root", direct_uploads=True)
     yield s
     s.workers.close()
 
