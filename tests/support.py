@@ -234,9 +234,9 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, out_
 
 
 #: What the fork server that ranks are started from imports once (multiprocessing's forkserver): a
-#: spawned rank imported torch again, seconds a rank on 2 cores. Only these: a module that reads the
-#: environment when imported is imported in the rank, after the test's environment is put in place.
-RANK_PRELOAD = ["torch", "torch.distributed"]
+#: spawned rank imported torch and DCP again, seconds a rank on 2 cores. Only these: a module that reads
+#: the environment when imported is imported in the rank, after the test's environment is put in place.
+RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint"]
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, tmp: Path, check: bool = True,
