@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
 import signal
 import socket
@@ -207,7 +208,10 @@ def server_errors(*servers: ServerProcess) -> list[str]:
     return bad
 
 
-def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str,
+               env: dict[str, str]) -> None:
+    os.environ.clear()  # the test's environment at the call, as a spawned process would have it
+    os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -229,14 +233,23 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, out_
         dist.destroy_process_group()
 
 
+#: What the fork server that ranks are started from imports once (multiprocessing's forkserver): a
+#: spawned rank imported torch and DCP again, seconds a rank on 2 cores. Only these: a module that reads
+#: the environment when imported is imported in the rank, after the test's environment is put in place.
+RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint"]
+
+
 def run_ranks(fn: Callable, world: int, *args: Any, tmp: Path, check: bool = True,
               timeout: float = 240.0) -> list[dict]:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo ranks; return each rank's record."""
+    """Run ``fn(rank, world, *args)`` in ``world`` gloo ranks; return each rank's record. Each rank is a
+    fresh process forked from the fork server (torch already imported), with this process's working
+    directory, ``sys.path`` and environment at the call (the fork server keeps the one it started with)."""
     timeout = scaled(timeout)
     out_dir = Path(tmp) / f"ranks-{time.monotonic_ns()}"
     out_dir.mkdir(parents=True)
-    ctx = mp.start_processes(_rank_main, args=(world, free_port(), fn, args, str(out_dir)), nprocs=world,
-                             join=False, start_method="spawn")
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # read when the fork server starts (the first call)
+    ctx = mp.start_processes(_rank_main, args=(world, free_port(), fn, args, str(out_dir), dict(os.environ)),
+                             nprocs=world, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
