@@ -371,8 +371,8 @@ def run_forked(fn: Callable, world: int, *args: Any, tmp: Path, timeout: float, 
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     out_dir = Path(tmp) / f"ranks-{time.monotonic_ns()}"
     out_dir.mkdir(parents=True)
-    ctx = torch_mp.start_processes(_rank_main, args=(world, free_port(), fn, args, str(out_dir)), nprocs=world,
-                                   join=False, start_method="forkserver")
+    ctx = torch_mp.start_processes(_rank_main, args=(world, free_port(), fn, args, str(out_dir), dict(os.environ)),
+                                   nprocs=world, join=False, start_method="forkserver")
     pids.extend(p.pid for p in ctx.processes)
     deadline = time.monotonic() + timeout
     try:
