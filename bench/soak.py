@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing
 import os
 import platform
 import statistics
@@ -65,7 +64,6 @@ from typing import Any, Callable
 import httpx
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 
 from bench._report import git_state
 
@@ -73,7 +71,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
 
-from support import ServerProcess, _rank_main, free_port, run_ranks, server_errors  # noqa: E402  (tests/support.py)
+from support import ServerProcess, run_ranks, server_errors  # noqa: E402  (tests/support.py)
 
 MiB = 1 << 20
 WEIGHTS = (7, 3, 5, 2, 11, 1)  # relative tensor sizes: uneven on purpose
@@ -363,36 +361,11 @@ def _load_back(urls: list[str], rank: int, world: int, mib: float, step: int) ->
 
 
 def run_forked(fn: Callable, world: int, *args: Any, tmp: Path, timeout: float, pids: list[int]) -> list[dict]:
-    """``support.run_ranks`` (the same rank life, ``support._rank_main``), but the ranks are forked from one
-    server process that imported torch and the client once (multiprocessing's forkserver with them
-    preloaded) instead of each starting an interpreter. On the 2-core machine of BENCHMARKS.md an idle
-    gloo rank then holds ~8 MiB of memory of its own instead of ~90 MiB, and 64 are up in ~10 s, where
-    each spawned one spends ~4 s of CPU importing torch. ``pids`` gets the ranks' process ids at start."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
-    out_dir = Path(tmp) / f"ranks-{time.monotonic_ns()}"
-    out_dir.mkdir(parents=True)
-    ctx = torch_mp.start_processes(_rank_main, args=(world, free_port(), fn, args, str(out_dir), dict(os.environ)),
-                                   nprocs=world, join=False, start_method="forkserver")
-    pids.extend(p.pid for p in ctx.processes)
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world} ranks of {fn.__name__} did not finish in {timeout}s")
-    except (torch_mp.ProcessRaisedException, torch_mp.ProcessExitedException) as e:
-        errs = [r.get("tb") or r.get("error") for r in _records(out_dir, world) if not r.get("ok")]
-        raise RuntimeError(f"rank failed: {e}\n" + "\n".join(str(x) for x in errs[:3])) from None
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    return _records(out_dir, world)
-
-
-def _records(out_dir: Path, world: int) -> list[dict]:
-    """Each rank's record as ``support._rank_main`` saved it: ``{"ok", "result"}`` or ``{"ok": False, "error"}``."""
-    paths = [out_dir / f"rank{r}.pt" for r in range(world)]
-    return [torch.load(p, weights_only=False) if p.exists() else {"ok": False, "error": "no result"} for p in paths]
+    """``support.run_ranks`` with torch and the client preloaded in the fork server the ranks are forked
+    from: on the 2-core machine of BENCHMARKS.md an idle gloo rank then holds ~8 MiB of memory of its own
+    instead of ~90 MiB, and 64 are up in ~10 s, where each spawned one spends ~4 s of CPU importing torch.
+    ``pids`` gets the ranks' process ids at start; a failed rank raises (``AssertionError``, its traceback)."""
+    return run_ranks(fn, world, *args, tmp=tmp, timeout=timeout, preload=PRELOAD, pids=pids)
 
 
 def _count(d: Path) -> int:

@@ -240,16 +240,19 @@ RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint"]
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, tmp: Path, check: bool = True,
-              timeout: float = 240.0) -> list[dict]:
+              timeout: float = 240.0, preload: list[str] = RANK_PRELOAD, pids: list[int] | None = None) -> list[dict]:
     """Run ``fn(rank, world, *args)`` in ``world`` gloo ranks; return each rank's record. Each rank is a
-    fresh process forked from the fork server (torch already imported), with this process's working
-    directory, ``sys.path`` and environment at the call (the fork server keeps the one it started with)."""
+    fresh process forked from the fork server (``preload`` already imported, read when the server starts:
+    the first call), with this process's working directory, ``sys.path`` and environment at the call
+    (the fork server keeps the one it started with). ``pids`` gets the ranks' process ids at start."""
     timeout = scaled(timeout)
     out_dir = Path(tmp) / f"ranks-{time.monotonic_ns()}"
     out_dir.mkdir(parents=True)
-    multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # read when the fork server starts (the first call)
+    multiprocessing.set_forkserver_preload(preload)
     ctx = mp.start_processes(_rank_main, args=(world, free_port(), fn, args, str(out_dir), dict(os.environ)),
                              nprocs=world, join=False, start_method="forkserver")
+    if pids is not None:
+        pids.extend(p.pid for p in ctx.processes)
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
