@@ -111,7 +111,6 @@ class Storage(ABC):
     def list(self, prefix: str) -> list[str]:
         """Sorted names of the immediate children (files and folders) of ``prefix``; [] if none."""
 
-
     @abstractmethod
     def delete(self, key: str) -> None:
         """Delete one object; absent is fine."""
