@@ -24,6 +24,12 @@ What one run does (see bench/results/s3.md for the results and how to read them)
      bench's service opts in to them: ``CKPTD_DIRECT_UPLOADS=true``; off by default);
    * the same with ``direct_uploads=False`` (every byte through the service, the default route).
 
+   After each ckptd save, and outside its timing, rank 0 waits for the checkpoint's recorded
+   verification (``*_reread_s``: from the marker, the re-read of bytes checked on arrival; a direct
+   upload's bytes were read back before the marker): the re-read reads every byte from the same moto,
+   and would otherwise run during the next step, whichever side that is. Checkpoints of a training
+   run are minutes apart; the re-read is timed on its own.
+
 5. ``--load-world`` gloo ranks (default 3: another world size) load every repeat's two
    checkpoints into NaN-filled DTensors on their mesh, in alternating order:
    ``dcp.load(sd, storage_reader=FsspecReader("s3://bucket/dcp/<r>"))`` and
@@ -54,6 +60,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
 from bench._report import add_workdir_args, work_dir, write_report
+from bench.replicas import verification
 from bench.save_load import (MiB, Probe, _max_over_ranks, _med, _own_cpu, _proc_cpu, _sum_over_ranks,
                              describe_machine, make_state, state_bytes, tensor_specs)
 from s3_server import AWS_VARS_TO_CLEAR, MotoServer  # noqa: E402  (tests/, on sys.path via bench.save_load)
@@ -171,6 +178,13 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
             if rank == 0:
                 time.sleep(0.2)  # let moto finish logging the last requests (outside the timing)
                 rec[f"{which}_save_s3_requests"] = moto_requests(cfg["moto_log"], log0)[1]
+                if which != "dcp":  # the re-read after the marker ends before the next step starts: each
+                    ref = f"bench/{r}" if which == "ckptd" else f"bench/service-{r}"  # is timed alone
+                    moto0 = _cpu_pair(cfg["moto_pid"])
+                    got = verification([cfg["url"]], ref)
+                    assert got is not None and got["ok"], got
+                    rec[f"{which}_reread_s"] = time.perf_counter() - t0 - t
+                    rec[f"{which}_reread_moto_cpu_s"] = sum(b - a for a, b in zip(moto0, _cpu_pair(cfg["moto_pid"])))
         repeats.append(rec)
     client.close()
     through.close()
@@ -316,6 +330,9 @@ def summarise(save: dict, load: dict, nbytes: int) -> dict:
     out["save_throughput_ratio"] = out["dcp_save_s"] / out["ckptd_save_s"]
     out["ckptd_service_save_s"] = _med([r["ckptd_service_save_s"] for r in sr])
     out["save_service_throughput_ratio"] = out["dcp_save_s"] / out["ckptd_service_save_s"]
+    for k in ("ckptd_service_save_server_cpu_s", "ckptd_service_save_moto_cpu_s", "ckptd_service_save_ranks_cpu_s",
+              "ckptd_service_reread_s", "ckptd_service_reread_moto_cpu_s"):
+        out[k] = _med([r[k] for r in sr if k in r]) if any(k in r for r in sr) else None
     out["load_throughput_ratio"] = out["dcp_load_s"] / out["ckptd_load_s"]
     out["stall_ratio"] = out["ckptd_stall_s"] / out["dcp_save_s"]
     skeys = ("stall", "snapshot", "open_session", "pack_hash", "put_file_span", "put_file_n", "body_sent_end",
@@ -352,13 +369,17 @@ def markdown(res: dict) -> str:
              f"| {s['save_throughput_ratio']:.2f} | >= 1.0 | {'yes' if s['save_throughput_ratio'] >= 1 else 'no'} |",
              f"| same, every byte through the service (the default) | "
              f"{s['ckptd_service_save_s']:.2f} s | | {s['save_service_throughput_ratio']:.2f} | | |",
+             f"| its re-read after the marker, timed alone (from the save's end to the record) | "
+             f"{s['ckptd_service_reread_s']:.2f} s | | | | |" if s.get("ckptd_service_reread_s") is not None else "",
              f"| load at world size {cfg['load_world']} | {cell('ckptd', 'load')} | {cell('dcp', 'load')} "
              f"| {s['load_throughput_ratio']:.2f} | >= 1.0 | {'yes' if s['load_throughput_ratio'] >= 1 else 'no'} |",
              "", f"training stall (`save()` returns): {s['ckptd_stall_s']:.3f} s ({s['stall_ratio']:.3f} x dcp.save)",
              "", "CPU seconds (median; ranks summed): "
              f"save: DCP ranks {s['dcp_save_ranks_cpu_s']:.2f} + moto {s['dcp_save_moto_cpu_s']:.2f}; ckptd ranks "
              f"{s['ckptd_save_ranks_cpu_s']:.2f} + server {s['ckptd_save_server_cpu_s']:.2f} + moto "
-             f"{s['ckptd_save_moto_cpu_s']:.2f}. load: DCP ranks {s['dcp_load_ranks_cpu_s']:.2f} + moto "
+             f"{s['ckptd_save_moto_cpu_s']:.2f} (direct); through the service: ranks "
+             f"{s['ckptd_service_save_ranks_cpu_s']:.2f} + server {s['ckptd_service_save_server_cpu_s']:.2f} + moto "
+             f"{s['ckptd_service_save_moto_cpu_s']:.2f}. load: DCP ranks {s['dcp_load_ranks_cpu_s']:.2f} + moto "
              f"{s['dcp_load_moto_cpu_s']:.2f}; ckptd ranks {s['ckptd_load_ranks_cpu_s']:.2f} + server "
              f"{s['ckptd_load_server_cpu_s']:.2f} + moto {s['ckptd_load_moto_cpu_s']:.2f}",
              "", "S3 requests (median per operation): " + "; ".join(
