@@ -187,7 +187,9 @@ class RequestTimeout(CkptdError, code="request_timeout", status=408):
 
 
 class TooManyRequests(CkptdError, code="too_many_requests", status=429):
-    """Over a concurrency limit (e.g. a token's uploads at once): the client retries with backoff."""
+    """Over a concurrency limit (e.g. a token's uploads at once): the client retries with backoff.
+    ``details["limit_name"]`` names the limit (``uploads``, ``requests``, ``read_leases``, ``damage_rechecks``),
+    as the service's ``ckptd_limit_refusals_total{limit}`` counts it."""
 
 
 class Unavailable(CkptdError, code="unavailable", status=503): ...

@@ -222,7 +222,7 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, out_
         # rank still has work in flight can abort that rank ("terminate called ..."). Bounded, so a
         # test that kills a rank on purpose is not held up: the record is already saved.
         try:
-            dist.monitored_barrier(timeout=timedelta(seconds=30))
+            dist.monitored_barrier(timeout=timedelta(seconds=scaled(30)))
         except RuntimeError:
             pass
     except BaseException as e:  # noqa: BLE001 - reported to the parent test

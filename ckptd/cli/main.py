@@ -7,6 +7,7 @@ found); 2 usage or connection error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -60,32 +61,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    b = open_backend(resolve_target(args))
-    if args.run:
-        rows = b.list_checkpoints(args.run)
-        if not rows:
-            require_run(b, args.run)
-            if not args.json:  # the run exists (a save under way, or one that never committed)
-                print(f"run {args.run} has no committed checkpoint yet", file=sys.stderr)
-        if args.json:
-            print(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
+    with contextlib.closing(open_backend(resolve_target(args))) as b:  # a server's connection too
+        if args.run:
+            rows = b.list_checkpoints(args.run)
+            if not rows:
+                require_run(b, args.run)
+                if not args.json:  # the run exists (a save under way, or one that never committed)
+                    print(f"run {args.run} has no committed checkpoint yet", file=sys.stderr)
+            if args.json:
+                print(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
+                return 0
+            for r in rows:
+                derived = f"  derived from {r.derived_from}" if r.derived_from else ""
+                parent = f"  parent {r.parent}" if r.parent else ""
+                step = f"step={r.step}" if r.step is not None else "no step"
+                status = status_words(r.status, r.status_reason)
+                print(f"{r.run}/{r.name}\t{step}\t{r.committed_at:%Y-%m-%d %H:%M:%S}\t{status}{derived}{parent}")
             return 0
-        for r in rows:
-            derived = f"  derived from {r.derived_from}" if r.derived_from else ""
-            parent = f"  parent {r.parent}" if r.parent else ""
-            step = f"step={r.step}" if r.step is not None else "no step"
-            status = status_words(r.status, r.status_reason)
-            print(f"{r.run}/{r.name}\t{step}\t{r.committed_at:%Y-%m-%d %H:%M:%S}\t{status}{derived}{parent}")
+        runs = b.list_runs()
+        if args.json:
+            print(json.dumps([r.model_dump(mode="json") for r in runs], indent=2))
+            return 0
+        for r in runs:
+            print(f"{r.run}\t{plural(r.checkpoints, 'checkpoint')}\tlatest={r.latest}")
+        if not runs:
+            print(f"no runs in {resolve_target(args).describe()}", file=sys.stderr)
         return 0
-    runs = b.list_runs()
-    if args.json:
-        print(json.dumps([r.model_dump(mode="json") for r in runs], indent=2))
-        return 0
-    for r in runs:
-        print(f"{r.run}\t{plural(r.checkpoints, 'checkpoint')}\tlatest={r.latest}")
-    if not runs:
-        print(f"no runs in {resolve_target(args).describe()}", file=sys.stderr)
-    return 0
 
 
 def status_words(status: str | None, reason: str | None) -> str:
@@ -119,8 +120,12 @@ def lineage(backend: Backend, m: Manifest) -> list[str]:
 def cmd_show(args: argparse.Namespace) -> int:
     ref = parse_ref(args.ref)
     b = open_backend(resolve_target(args))
-    m, skipped = b.resolve(ref.run, ref.name)  # RUN/latest: the newest not known to be bad, and what it skipped
-    status, reason = b.status(m)
+    try:
+        m, skipped = b.resolve(ref.run, ref.name)  # RUN/latest: the newest not known to be bad, and what it skipped
+        status, reason = b.status(m)
+        chain = lineage(b, m) if m.parent and not args.json else []
+    finally:
+        b.close()
     if args.json:
         print(m.model_dump_json(indent=2))
         if status is not None:
@@ -136,7 +141,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if m.derived_from:
         print(f"derived from {m.derived_from}")
     if m.parent:
-        print(f"lineage    {' <- '.join([m.ref, *lineage(b, m)])}")
+        print(f"lineage    {' <- '.join([m.ref, *chain])}")
     print(f"topology   world_size={topo.world_size} mesh={topo.mesh or '-'} layouts={topo.layouts or '-'}")
     print(f"files      {len(m.files)} ({human(m.total_bytes)})")
     if any(f.linked is not None for f in m.files.values()):

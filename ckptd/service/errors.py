@@ -52,7 +52,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, TooManyRequests):
             headers = {"Retry-After": "1"}
             if metrics is not None:
-                metrics.limit_refusals.labels("uploads").inc()
+                metrics.limit_refusals.labels(exc.details.get("limit_name") or "other").inc()
         if isinstance(exc, PayloadTooLarge):  # the rest of a refused body is not read: the connection ends here
             headers = {"Connection": "close"}
         return JSONResponse(_body(request, exc), status_code=exc.status, headers=headers)

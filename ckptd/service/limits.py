@@ -93,7 +93,7 @@ class UploadSlots:
                 raise TooManyRequests(
                     f"token {principal!r} already has {n} uploads in progress, the limit "
                     f"(CKPTD_MAX_UPLOADS_PER_PRINCIPAL) is {self.limit}: file {file!r} was not accepted; "
-                    f"retry once one finishes", limit=self.limit, token=principal, file=file)
+                    f"retry once one finishes", limit=self.limit, token=principal, file=file, limit_name="uploads")
             self._active[principal] = n + 1
         try:
             yield
@@ -137,7 +137,7 @@ class PrincipalRequests:
         err = TooManyRequests(
             f"token {name!r} already has {n} requests in progress, the limit (CKPTD_MAX_REQUESTS_PER_PRINCIPAL) is "
             f"{self.limit}: {scope['method']} {scope['path'][:200]} was not accepted; retry once one finishes",
-            limit=self.limit, token=name, in_progress=n)
+            limit=self.limit, token=name, in_progress=n, limit_name="requests")
         headers = [(b"retry-after", b"1")]
         if any(k == b"transfer-encoding" or (k == b"content-length" and v.strip() not in (b"", b"0"))
                for k, v in scope.get("headers", ())):

@@ -85,8 +85,8 @@ class Metrics(SessionEvents):
         self.client_disconnects = counter("ckptd_client_disconnects", "Requests whose client went away before its body "
                                           "was complete (answered 499, logged once).", "route")
         self.limit_refusals = counter("ckptd_limit_refusals", "Requests or connections refused by a limit (read_plan, "
-                                      "uploads, requests, body_idle, body_rate, header_bytes, header_timeout, "
-                                      "send_idle, connections, list).", "limit")
+                                      "uploads, requests, read_leases, damage_rechecks, body_idle, body_rate, "
+                                      "header_bytes, header_timeout, send_idle, connections, list).", "limit")
         self.reshard_active = gauge("ckptd_reshard_jobs_active", "Reshard jobs submitted here, queued or running.")
         self.reshard_done = gauge("ckptd_reshard_job_bytes_done", "Bytes a reshard job has written so far.", "job")
         self.reshard_planned = gauge("ckptd_reshard_job_bytes_planned", "Bytes a reshard job will write.", "job")

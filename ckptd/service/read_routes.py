@@ -324,7 +324,7 @@ def read_router(svc: Services) -> APIRouter:
         fut = rechecks.get(key)
         if fut is None and len(rechecks) >= MAX_RECHECKS:
             raise TooManyRequests(f"{len(rechecks)} reports of damaged bytes are being checked already; report "
-                                  f"again later", ref=f"{run}/{c.name}")
+                                  f"again later", ref=f"{run}/{c.name}", limit_name="damage_rechecks")
         if fut is None:
             fut = rechecks[key] = asyncio.wrap_future(workers().submit(recheck_and_record, storage.url, run, c.name,
                                                                        list(key[2]), list(key[3])))

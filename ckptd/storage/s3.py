@@ -331,6 +331,7 @@ class S3Storage(Storage):
         lengths = [min(part_size, size - i * part_size) for i in range(len(sha256s))] if size else [0]
 
         async def presign() -> Presigned:
+            await self.fs.set_session()  # s3fs makes its client on its first call: this may be ours
             s3 = await self.fs.get_s3(self.bucket)
             if len(sha256s) == 1:
                 url = await s3.generate_presigned_url("put_object", ExpiresIn=int(seconds), Params={

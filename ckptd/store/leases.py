@@ -321,7 +321,7 @@ class ReadLeases:
                     raise TooManyRequests(
                         f"token {principal!r} holds {len(mine)} read leases at this replica, the most one token may "
                         f"hold (CKPTD_READ_LEASES_PER_TOKEN); release finished ones", ref=f"{run}/{name}",
-                        holder=holder)
+                        holder=holder, limit_name="read_leases")
             mine[(run, name, holder)] = now + self.seconds
         written = False
         try:  # refused while the checkpoint is being deleted, or once it is gone: no lease

@@ -272,23 +272,31 @@ def regular_file(path: str) -> tuple[os.stat_result | None, str | None]:
 def read_small(storage: Storage, key: str, limit: int) -> tuple[bytes | None, str | None]:
     """A small record (a marker, a verification record): ``(bytes, None)``; ``(None, None)`` when nothing
     is there; ``(None, why)`` when what is there is no such record: more than ``limit`` bytes, or, on a
-    local root, anything but a regular readable file (never opened: :func:`regular_file`; never read
-    whole: a device never ends). An object store's failure to read is raised (the backend's, 503)."""
+    local root, anything but a regular readable file. On a local root the path is opened first, without
+    blocking (a FIFO opens at once), and what was opened is what is checked (``fstat``) and read: an
+    object swapped in after a look at the path can never block the reader, and a device is never read
+    (it never ends). An object store's failure to read is raised (the backend's, 503)."""
     path = storage.local_path(key)
-    if path is not None:
-        st, why = regular_file(path)
-        if why is not None or st is None:
-            return None, why
-        if st.st_size > limit:
-            return None, f"holds {st.st_size} bytes, more than {limit}"
-    try:
+    if path is None:
         raw = storage.read_or_none(key)
-    except StorageError as e:
-        if path is None:
-            raise
-        return None, f"cannot be read: {e.message}"
-    if raw is None and path is not None and os.path.lexists(path):
-        return None, "is not a regular file"
+    else:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            return None, None
+        except OSError as e:
+            return None, f"cannot be read: {e.strerror}"
+        try:
+            st = os.fstat(fd)
+            if not statmod.S_ISREG(st.st_mode):
+                return None, "is not a regular file"
+            if st.st_size > limit:
+                return None, f"holds {st.st_size} bytes, more than {limit}"
+            raw = os.read(fd, limit + 1)
+        except OSError as e:
+            return None, f"cannot be read: {e.strerror}"
+        finally:
+            os.close(fd)
     if raw is not None and len(raw) > limit:
         return None, f"holds {len(raw)} bytes, more than {limit}"
     return raw, None

@@ -98,6 +98,11 @@ def test_one_token_holds_a_bounded_number_of_leases(srv):
         assert httpx.put(f"{base}/cap-{i}", headers=_h(READER2), timeout=10).status_code == 200
     r = httpx.put(f"{base}/cap-3", headers=_h(READER2), timeout=10)
     assert r.status_code == 429 and "CKPTD_READ_LEASES_PER_TOKEN" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["details"]["limit_name"] == "read_leases", r.text  # the limit it met, by name
+    counted = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in
+               httpx.get(f"{srv.url}/metrics", headers=_h(ADMIN), timeout=10).text.splitlines()
+               if line.startswith("ckptd_limit_refusals_total{")}
+    assert counted == {"read_leases": 1.0}, counted  # counted as that limit's, not as uploads
     assert not (Path(srv.root) / "leases/ev/2/client-cap-3.json").exists()
     assert httpx.put(f"{base}/cap-0", headers=_h(READER2), timeout=10).status_code == 200  # a renewal is not a new one
     assert httpx.put(f"{base}/other", headers=_h(READER), timeout=10).status_code == 200  # another token's own count

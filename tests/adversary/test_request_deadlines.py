@@ -287,7 +287,7 @@ def test_one_tokens_flood_of_slow_requests_is_429_while_another_token_and_probes
             err = r.json()["error"]
             assert err["code"] == "too_many_requests" and r.headers.get("retry-after") == "1", r.text
             assert repr(name) in err["message"] and "CKPTD_MAX_REQUESTS_PER_PRINCIPAL" in err["message"], err
-            assert err["details"] == {"limit": 4, "token": name, "in_progress": 4}, err
+            assert err["details"] == {"limit": 4, "token": name, "in_progress": 4, "limit_name": "requests"}, err
         # a body on a refused request is not read: its connection is closed
         s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
         s.sendall(_plan_head(100_000) + b"x" * 10)

@@ -277,7 +277,8 @@ def test_a_direct_read_load_slower_than_its_lease_keeps_its_checkpoint(tmp_path,
 
 
 def test_an_http_range_streamed_for_longer_than_the_lease_keeps_its_checkpoint(tmp_path):
-    """One GET of a 24 MiB file, consumed slowly (a MiB every half second) with leases of 3 s (scaled);
+    """One GET of a 24 MiB file, consumed slowly (a MiB every half second, scaled as the lease is, so the
+    stream outlasts one and a half leases at any scale) with leases of 3 s (scaled);
     once the stream has lasted one and a half leases, a newer checkpoint commits and gc runs while the
     reader goes on reading: every byte arrives, and gc finds the checkpoint leased."""
     lease = scaled(3.0)
@@ -297,7 +298,7 @@ def test_an_http_range_streamed_for_longer_than_the_lease_keeps_its_checkpoint(t
                 plans.append(_gc(srv))
 
             collector: threading.Thread | None = None
-            with httpx.stream("GET", f"{srv.url}/v1/checkpoints/{RUN}/1/files/{file}", timeout=30) as r:
+            with httpx.stream("GET", f"{srv.url}/v1/checkpoints/{RUN}/1/files/{file}", timeout=scaled(30)) as r:
                 assert r.status_code == 200
                 t0 = time.monotonic()
                 for piece in r.iter_bytes(1 << 20):
@@ -306,7 +307,7 @@ def test_an_http_range_streamed_for_longer_than_the_lease_keeps_its_checkpoint(t
                         collector = threading.Thread(target=newer_and_gc)
                         collector.start()
                     if collector is None or collector.is_alive():
-                        time.sleep(0.5)  # a slow reader, still reading while gc runs; then it drains
+                        time.sleep(scaled(0.5))  # a slow reader, still reading while gc runs; then it drains
             assert collector is not None, "the stream ended before gc ran"
             collector.join(scaled(120))
         assert got == size

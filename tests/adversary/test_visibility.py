@@ -388,6 +388,58 @@ def test_an_odd_object_in_place_of_the_newest_marker_or_manifest_breaks_nothing_
         c.save(_small_state(3), f"{RUN}/3").wait()
 
 
+def test_a_fifo_swapped_in_after_the_look_at_the_marker_blocks_no_reader(three_steps):
+    """Another user of the host who can write in the root swaps the newest ``COMMITTED`` marker for a
+    FIFO and back, over and over, while readers ask the service for that checkpoint: a reader that looked
+    at a regular file and then opened the path would find the FIFO and wait for a writer forever. Every
+    request is answered (200 while the marker is there, 404 while the FIFO is), and once the swapping
+    stops the checkpoint loads. (Before, readers hung on the FIFO and their requests never returned.)"""
+    import threading
+
+    srv, root, states = three_steps
+    marker = _marker(root, RUN, "3")
+    good = marker.read_bytes()
+    reg, fifo = marker.with_name(".swap-reg"), marker.with_name(".swap-fifo")
+    stop = threading.Event()
+
+    def swap() -> None:
+        while not stop.is_set():
+            reg.write_bytes(good)
+            os.replace(reg, marker)
+            os.mkfifo(fifo)
+            os.replace(fifo, marker)
+        reg.write_bytes(good)
+        os.replace(reg, marker)
+
+    answers: list[int] = []
+    hung: list[BaseException] = []
+
+    def read() -> None:
+        with httpx.Client(timeout=scaled(20)) as c:  # the deadline only guards against a hang
+            for _ in range(150):
+                try:
+                    answers.append(c.get(f"{srv.url}/v1/checkpoints/{RUN}/3").status_code)
+                except httpx.TimeoutException as e:
+                    hung.append(e)
+                    return
+
+    swapper = threading.Thread(target=swap, daemon=True)
+    readers = [threading.Thread(target=read, daemon=True) for _ in range(4)]
+    swapper.start()
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(scaled(300))
+    stop.set()
+    swapper.join(scaled(30))
+    assert not hung and not any(t.is_alive() for t in readers), f"{len(hung)} readers hung on the FIFO"
+    assert set(answers) <= {200, 404} and len(answers) == 600, sorted(set(answers))
+    with CheckpointClient(srv.url) as c:
+        out = blank_like(states[3])
+        c.load(out, f"{RUN}/3")
+        assert_bits_equal(out, states[3])
+
+
 def test_junk_beside_the_runs_breaks_no_listing_gc_or_sweep(served):
     srv, root, states = served
     stale = _plant_stale_session(root)

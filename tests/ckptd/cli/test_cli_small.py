@@ -112,6 +112,29 @@ def test_show_of_a_checkpoint_whose_parent_the_token_may_not_read_shows_it_as_su
         srv.stop()
 
 
+def test_ls_and_show_against_a_service_leave_no_connection_open(tmp_path):
+    """``ckptd ls`` and ``ckptd show`` with ``--server`` close their client: run with every unclosed
+    resource an error (``-X dev -W error::ResourceWarning``), none is reported at exit, for a listing, a
+    run's listing, a run with nothing committed, and a checkpoint's summary with its lineage, as text and as
+    JSON. (Before, each left its connection to the service open: ``unclosed <socket.socket ...>``.)"""
+    srv = ServerProcess(tmp_path / "root").start()
+    try:
+        from ckptd_client import CheckpointClient
+
+        with CheckpointClient(srv.url) as c:
+            c.save({"w": torch.ones(4)}, "pre/1").wait()
+            c.save({"w": torch.ones(4) * 2}, "ft/10", parent="pre/1").wait()
+        env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_URL", "CKPTD_ROOT", "PYTHONWARNINGS")}
+        for args in (["ls"], ["ls", "ft"], ["ls", "ft", "--json"], ["ls", "nothing"], ["show", "ft/10"],
+                     ["show", "ft/latest", "--json"]):
+            out = subprocess.run([sys.executable, "-X", "dev", "-W", "error::ResourceWarning", "-m", "ckptd.cli.main",
+                                  *args, "--server", srv.url], capture_output=True, text=True, timeout=120, env=env)
+            assert out.returncode == (1 if args == ["ls", "nothing"] else 0), out.stdout + out.stderr
+            assert "ResourceWarning" not in out.stderr and "unclosed" not in out.stderr, (args, out.stderr)
+    finally:
+        srv.stop()
+
+
 def test_a_safetensors_export_holds_the_models_weights_unless_told_otherwise(tmp_path):
     """A Hugging Face user expects the model's weights under the model's own names, not the optimizer's
     moments: ``--format safetensors`` selects ``model.`` (stripped) by default; ``--prefix ''`` exports

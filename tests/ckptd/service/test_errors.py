@@ -53,7 +53,7 @@ def _app() -> FastAPI:
         "storage": StorageError("storage get of 'runs/r' failed: injected", key="runs/r"),
         "checksum": ChecksumMismatch("file f.bin: bytes differ from their digest", file="f.bin"),
         "forbidden": Forbidden("token 't' may not write run r", needs="write:r"),
-        "busy": TooManyRequests("token 't' has 8 uploads in progress", limit=8),
+        "busy": TooManyRequests("token 't' has 8 uploads in progress", limit=8, limit_name="uploads"),
         "too_large": PayloadTooLarge("index of rank 0 over 1024 bytes", limit=1024),
         "boom": ValueError("boom"),
         "gone": ClientDisconnect(),

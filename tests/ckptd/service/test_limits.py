@@ -87,7 +87,7 @@ def test_upload_slots_refuse_the_token_over_its_limit_naming_token_file_and_limi
         with pytest.raises(TooManyRequests) as e:
             alice.enter_context(slots.held("alice", "a2.bin"))
         assert e.value.status == 429
-        assert e.value.details == {"limit": 2, "token": "alice", "file": "a2.bin"}
+        assert e.value.details == {"limit": 2, "token": "alice", "file": "a2.bin", "limit_name": "uploads"}
         assert "'alice'" in e.value.message and "'a2.bin'" in e.value.message
         assert "CKPTD_MAX_UPLOADS_PER_PRINCIPAL" in e.value.message
         bob.enter_context(slots.held("bob", "b0.bin"))  # another token is not held back
@@ -163,7 +163,7 @@ def test_a_tokens_requests_over_the_limit_are_answered_429_before_the_app():
         assert status == 429 and headers[b"retry-after"] == b"1" and b"connection" not in headers
         err = body["error"]
         assert err["code"] == "too_many_requests" and err["request_id"] == "req-1"
-        assert err["details"] == {"limit": 2, "token": "alice", "in_progress": 2}
+        assert err["details"] == {"limit": 2, "token": "alice", "in_progress": 2, "limit_name": "requests"}
         assert "GET /v1/runs/r/checkpoints" in err["message"]
         with_body = await _drive(mw, _scope(alice, "/v1/x", "PUT", [(b"content-length", b"10")]))
         assert _answer(with_body)[1][b"connection"] == b"close"  # the unread body ends the connection

@@ -193,6 +193,41 @@ def test_the_commit_aborts_the_unfinished_uploads_of_killed_writers_and_verify_w
     del killed
 
 
+# -- presigned uploads ------------------------------------------------------------------------------
+
+
+def test_presign_put_is_the_first_call_of_a_fresh_storage(s3):
+    """A root opened just now (its own s3fs instance, not connected yet) presigns a single ``PutObject``
+    and a multipart upload as its first call; the signed bytes PUT to the URLs are stored. (Before, the
+    presign asked s3fs for a client it had not made yet: AttributeError on ``None``, answered as a
+    storage error.)"""
+    import base64
+    import hashlib
+
+    import httpx
+
+    def sha(data: bytes) -> str:
+        return base64.b64encode(hashlib.sha256(data).digest()).decode()
+
+    one = b"a" * 4096
+    got = open_storage(s3.url, skip_instance_cache=True).presign_put("runs/p/one.bin", len(one), 5 * MiB,
+                                                                     [sha(one)], 60)
+    assert got.upload_id is None and len(got.urls) == 1
+    assert httpx.put(got.urls[0], content=one, headers=got.headers[0], timeout=30).status_code == 200
+    assert s3.read("runs/p/one.bin") == one
+    parts = [b"b" * (5 * MiB), b"c" * MiB]
+    fresh = open_storage(s3.url, skip_instance_cache=True)
+    got = fresh.presign_put("runs/p/two.bin", 6 * MiB, 5 * MiB, [sha(p) for p in parts], 60)
+    assert got.upload_id is not None and len(got.urls) == 2
+    etags = []
+    for url, headers, part in zip(got.urls, got.headers, parts):
+        r = httpx.put(url, content=part, headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+        etags.append(r.headers["ETag"])
+    fresh.complete_presigned("runs/p/two.bin", got.upload_id, etags, [sha(p) for p in parts])
+    assert s3.read("runs/p/two.bin") == b"".join(parts)
+
+
 # -- create_if_absent: a conditional PUT ----------------------------------------------------------
 
 
