@@ -26,6 +26,7 @@ Fallbacks, so that a direct read never fails a load that HTTP would pass:
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from typing import Callable, Mapping, TypeVar
 
@@ -66,11 +67,12 @@ class LocalFiles:
         path = self._paths.get(file)
         if not path or not os.path.isabs(path):
             return None
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:  # without blocking: a FIFO put at the path opens at once, and is no regular file
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except OSError:
             return None  # not on this host, or no permission: HTTP serves it
-        if os.fstat(fd).st_size != self._sizes.get(file):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != self._sizes.get(file):
             os.close(fd)
             return None
         return fd

@@ -23,6 +23,7 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
 import threading
 
 __all__ = ["ALIGN", "WINDOW", "DirectWriter", "aligned", "open_direct", "read_into", "take_window", "write_all"]
@@ -60,14 +61,43 @@ def aligned(view: memoryview, start: int) -> bool:
 
 
 def open_direct(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> tuple[int, bool]:
-    """``os.open`` with ``O_DIRECT`` where the filesystem takes it: (fd, direct)."""
+    """``os.open`` with ``O_DIRECT`` where the filesystem takes it: (fd, direct). A read
+    (``O_RDONLY``) opens only a regular file (:func:`open_regular`)."""
     if _O_DIRECT:
         try:
-            return os.open(path, flags | _O_DIRECT, mode), True
+            return _opened(os.open(path, flags | _O_DIRECT | _nonblock(flags), mode), path, flags), True
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-    return os.open(path, flags, mode), False
+    return _opened(os.open(path, flags | _nonblock(flags), mode), path, flags), False
+
+
+def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY | os.O_CLOEXEC) -> int:
+    """Open ``path`` for reading if it is a regular file: without blocking (a FIFO opens at once), then
+    what was opened is checked, so a FIFO or a device that another user of the host put in the root, or
+    swapped in after a look at the path, never blocks a reader nor feeds it without end. A directory
+    raises ``IsADirectoryError``, anything else not a regular file ``OSError(EINVAL)``."""
+    return _opened(os.open(path, flags | os.O_NONBLOCK), path, os.O_RDONLY)
+
+
+def _nonblock(flags: int) -> int:
+    return os.O_NONBLOCK if flags & os.O_ACCMODE == os.O_RDONLY else 0  # no effect on a regular file's reads
+
+
+def _opened(fd: int, path: str | os.PathLike[str], flags: int) -> int:
+    if flags & os.O_ACCMODE != os.O_RDONLY:
+        return fd
+    try:
+        kind = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if stat.S_ISREG(kind):
+        return fd
+    os.close(fd)
+    if stat.S_ISDIR(kind):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+    raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
 
 
 def _buffered(fd: int) -> None:
@@ -164,7 +194,7 @@ def read_into(path: str | os.PathLike[str], start: int, view: memoryview) -> int
         finally:
             os.close(fd)
     if got < len(view):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path)
         try:
             while got < len(view):
                 n = os.preadv(fd, [view[got:]], start + got)

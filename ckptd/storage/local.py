@@ -15,7 +15,7 @@ from typing import Iterator
 from ckptd_schemas import StorageError, StorageFull  # noqa: F401 - StorageFull: also reached through this module
 
 from .base import Storage, Writer, check_key
-from .direct import DirectWriter, open_direct, write_all
+from .direct import DirectWriter, open_direct, open_regular, write_all
 from .direct import read_into as _read_direct
 from .failures import classified, classify
 
@@ -172,7 +172,7 @@ class LocalStorage(Storage):
                 raise StorageError(f"storage object {key!r} does not exist", key=key, errno=errno.ENOENT) from e
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
-        with self._reading(key), open(self._path(key), "rb", buffering=0) as f:
+        with self._reading(key), open(open_regular(self._path(key)), "rb", buffering=0) as f:
             if start:
                 f.seek(start)
             if end is None:
@@ -192,7 +192,7 @@ class LocalStorage(Storage):
         with self._reading(key):
             if uncached:
                 return _read_direct(self._path(key), start, view)
-            with open(self._path(key), "rb", buffering=0) as f:
+            with open(open_regular(self._path(key)), "rb", buffering=0) as f:
                 f.seek(start)
                 got = 0
                 while got < len(view):
@@ -246,7 +246,7 @@ class LocalStorage(Storage):
     def read_or_none(self, key: str) -> bytes | None:
         with classified("read", key, self.url, OSError), \
                 contextlib.suppress(FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            with open(self._path(key), "rb", buffering=0) as f:
+            with open(open_regular(self._path(key)), "rb", buffering=0) as f:
                 return f.read()
         return None
 

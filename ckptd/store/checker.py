@@ -122,7 +122,7 @@ class StorageFiles:
         if path is None or file in self.keep_cached or not hasattr(os, "posix_fadvise"):
             return
         with contextlib.suppress(OSError):
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO put there opens at once
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:

@@ -484,3 +484,53 @@ def test_no_checkpoint_can_be_named_latest_in_any_case(three_steps):
         with CheckpointClient(srv.url) as c, pytest.raises(InvalidName, match="names the newest checkpoint"):
             c.save({"w": torch.zeros(4)}, f"{RUN}/{name}")
     assert _latest(srv) == "3" and _visible(srv) == ["1", "2", "3"]
+
+
+def test_a_fifo_in_place_of_a_data_file_or_a_manifest_blocks_no_reader(three_steps):
+    """Another user of the host who can write in the root puts FIFOs where a checkpoint's data file and
+    another's manifest were. Every reader answers instead of waiting for a writer that never comes: the
+    loading rank (which opens the service's files itself on this host, then asks the service), the
+    service's own reads, ``ckptd verify`` on both targets, the listings; the damaged checkpoints fail
+    with typed errors, and the one left intact still loads. (Before, each of them blocked in ``open``.)"""
+    import threading
+
+    from ckptd_schemas import CkptdError
+
+    srv, root, states = three_steps
+    data = next((_ckpt(root, RUN, "3") / "sessions").glob("*/files/*.bin"))
+    manifest = _manifest(root, RUN, "2")
+    for victim in (data, manifest):
+        os.replace(victim, victim.with_name(victim.name + ".kept"))
+        os.mkfifo(victim)
+
+    outcomes: dict[str, object] = {}
+
+    def load(name: str) -> None:
+        try:
+            with CheckpointClient(srv.url) as c:
+                c.load(blank_like(states[int(name)]), f"{RUN}/{name}")
+            outcomes[name] = "loaded"
+        except CkptdError as e:
+            outcomes[name] = e
+        except Exception as e:  # noqa: BLE001 - reported below: a load must fail typed
+            outcomes[name] = f"untyped {type(e).__name__}: {e}"
+
+    loads = [threading.Thread(target=load, args=(n,), daemon=True) for n in ("3", "2")]
+    for t in loads:
+        t.start()
+    for t in loads:
+        t.join(scaled(120))
+    assert not any(t.is_alive() for t in loads), f"a load hung on a FIFO: {outcomes}"
+    assert isinstance(outcomes["3"], CkptdError) and isinstance(outcomes["2"], CkptdError), outcomes
+    for target in (["--root", str(root)], ["--server", srv.url]):
+        for name in ("3", "2"):
+            v = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "verify", f"{RUN}/{name}", *target],
+                               capture_output=True, text=True, timeout=scaled(120))
+            assert v.returncode in (1, 2) and "Traceback" not in v.stderr, v.stdout + v.stderr
+    for path in (f"/v1/runs/{RUN}/checkpoints", "/v1/runs", f"/v1/checkpoints/{RUN}/2", f"/v1/checkpoints/{RUN}/3"):
+        assert httpx.get(f"{srv.url}{path}", timeout=scaled(30)).status_code < 500, path
+    with CheckpointClient(srv.url) as c:
+        out = blank_like(states[1])
+        c.load(out, f"{RUN}/1")
+        assert_bits_equal(out, states[1])
+    assert httpx.get(f"{srv.url}/healthz", timeout=5).status_code == 200
