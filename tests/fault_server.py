@@ -337,6 +337,9 @@ class FaultStorage(Storage):
     def walk(self, prefix: str) -> list[tuple[str, int]]:
         return self.inner.walk(prefix)
 
+    def delete_if_empty(self, prefix: str) -> None:
+        self.inner.delete_if_empty(prefix)
+
     def stored_sha256(self, key: str) -> str | None:
         return self.inner.stored_sha256(key)
 

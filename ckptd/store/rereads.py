@@ -18,8 +18,8 @@ taker died), as many at once as it has workers, has each checked by the one chec
 ``CKPTD_JOB_HEARTBEAT_SECONDS`` to ``CKPTD_JOB_TAKEOVER_SECONDS`` ahead. A failed share records the
 checkpoint known bad at once; the taker that finds every part stored records the one verification
 (:func:`.verification.compose_record`) and deletes the entry, as does any taker of an entry whose
-checkpoint is verified, known bad or gone (or never committed, after the takeover time). Hosts' clocks
-must agree to well within the takeover time (as for jobs).
+checkpoint is verified, known bad or gone (or never committed, after the takeover time), with the folders
+that leaves empty. Hosts' clocks must agree to well within the takeover time (as for jobs).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class Rereads:
             due = self.storage.read_json_or_none(f"{entry}/DUE") if "DUE" in listed else None
             if c is not None and c.session == sid or not isinstance(due, dict) or \
                     time.time() - float(due.get("at", 0)) > self.claim_for:  # else: its commit may be under way
-                self.storage.delete_tree(entry)
+                self._drop(entry)
             return
         shares = self._plan(entry, c)
         futures: dict[Future, tuple[int, str]] = {}
@@ -158,7 +158,7 @@ class Rereads:
                     log.warning("re-read share %d of %s/%s not checked: %s", i, run, name, e)
                     continue
                 if part is None or part.manifest_xxh3 != c.digest:  # deleted, or another checkpoint now
-                    self.storage.delete_tree(entry)
+                    self._drop(entry)
                     return
                 self.storage.put(f"{entry}/part-{i}", part.model_dump_json().encode())
                 self.on_share(part)
@@ -168,7 +168,14 @@ class Rereads:
         if set(self.storage.list(entry)) >= {p.rsplit("/", 1)[1] for p in parts}:
             self._record(c, [VerifyRecord.model_validate_json(self.storage.read(p)) for p in parts],
                          done=True)
-            self.storage.delete_tree(entry.rsplit("/", 1)[0])  # with any entry of a session that lost the name
+            self._drop(entry.rsplit("/", 1)[0])  # with any entry of a session that lost the name
+
+    def _drop(self, key: str) -> None:
+        """Delete ``key`` (an entry, or every entry of a name) and the folders above it that this leaves
+        empty (:meth:`~ckptd.storage.Storage.delete_if_empty`: a local root's ``reread/<run>``)."""
+        self.storage.delete_tree(key)
+        while (key := key.rsplit("/", 1)[0]) != PREFIX:
+            self.storage.delete_if_empty(key)
 
     def _plan(self, entry: str, c: Committed) -> list[list[str]]:
         sizes = {f: e.size for f, e in self.vis.manifest(c).files.items()}

@@ -12,7 +12,7 @@ declared ahead of its bytes, so the commit reads none of them and leaves them to
   and records the checkpoint verified, every byte counted once;
 * two worker processes split one checkpoint: two shares, each read once (``ckptd_reread_bytes_total``
   and the record's ``bytes_read`` are the checkpoint's bytes, not twice them), on a local root and on
-  S3 (moto), where no entry is left behind.
+  S3 (moto), where no entry is left behind (on a local root, not even the run's folder).
 """
 
 from __future__ import annotations
@@ -89,11 +89,12 @@ def _latest(url: str) -> str:
     return r.headers["X-Ckptd-Name"]
 
 
-def _entry_gone(root: Path, name: str) -> None:
-    """The due entry is deleted once its record is written (right after it)."""
+def _entries_gone(root: Path) -> None:
+    """The due entry is deleted once its record is written (right after it), and with it the run's folder
+    once it holds no other entry: nothing is left under ``reread/``."""
     deadline = time.monotonic() + scaled(30)
-    while (root / "reread" / "r" / name).exists():
-        assert time.monotonic() < deadline, sorted(p.name for p in (root / "reread" / "r" / name).rglob("*"))
+    while (root / "reread" / "r").exists():
+        assert time.monotonic() < deadline, sorted(str(p) for p in (root / "reread" / "r").rglob("*"))
         time.sleep(0.05)
 
 
@@ -121,7 +122,7 @@ def test_a_service_killed_after_the_marker_has_its_reread_finished_by_the_next_o
                 f.write(bytes([b[0] ^ 1]))
         srv.start()  # the same root, no fault: its first sweep finds the re-read due
         rec = verified(srv.url, "r/2", token=ALICE)[0]
-        _entry_gone(root, "2")
+        _entries_gone(root)
         if flip:
             assert rec["ok"] is False and "f1.bin" in rec["problems"][0], rec
             assert _statuses(srv.url) == {"1": "verified", "2": "known bad"}
@@ -154,7 +155,7 @@ def test_a_share_whose_checker_died_is_finished_by_another_replica_once_its_clai
         assert rec["ok"] is True and rec["bytes_read"] == total, rec  # each share's bytes once
         read_by_b = _metric(b.url, "ckptd_reread_bytes_total")
         assert 0 < read_by_b < total and _metric(b.url, "ckptd_reread_shares_total") == 1  # only the dead one's share
-        _entry_gone(root, "1")
+        _entries_gone(root)
         assert _statuses(b.url) == {"1": "verified"}
     finally:
         a.stop()
@@ -170,7 +171,7 @@ def test_two_workers_split_one_checkpoints_reread_and_read_each_share_once(tmp_p
         total = sum(map(len, files.values()))
         assert _save(srv.url, "1", 1, files).status_code == 200
         rec = verified(srv.url, "r/1", token=ALICE)[0]
-        _entry_gone(tmp_path / "root", "1")
+        _entries_gone(tmp_path / "root")
         assert rec["ok"] is True and rec["bytes_read"] == total and sorted(rec["stamps"]) == sorted(files), rec
         assert _metric(srv.url, "ckptd_reread_shares_total") == 2
         assert _metric(srv.url, "ckptd_reread_bytes_total") == total
