@@ -14,8 +14,9 @@ and every entry on each sweep (:meth:`Rereads.sweep`: at startup, then every ``C
 The plan is the first taker's (a share per worker process, or per :data:`SHARE_BYTES` where more, at
 most one per file). A taker claims shares no one claimed (a sweep also those whose claim expired: their
 taker died), as many at once as it has workers, has each checked by the one checker in a worker process
-(:func:`.verification.check_share`), stores its record, and renews its claims every
-``CKPTD_JOB_HEARTBEAT_SECONDS`` to ``CKPTD_JOB_TAKEOVER_SECONDS`` ahead. A failed share records the
+(:func:`.verification.check_share`; share 0 also checks every tensor's tiling, as ``ckptd verify`` does),
+stores its record, and renews its claims every ``CKPTD_JOB_HEARTBEAT_SECONDS`` to
+``CKPTD_JOB_TAKEOVER_SECONDS`` ahead. A failed share records the
 checkpoint known bad at once; the taker that finds every part stored records the one verification
 (:func:`.verification.compose_record`) and deletes the entry, as does any taker of an entry whose
 checkpoint is verified, known bad or gone (or never committed, after the takeover time), with the folders
@@ -138,7 +139,8 @@ class Rereads:
                 if (claim := next(claims, None)) is None:
                     more = False
                 else:
-                    futures[self.submit(check_share, self.storage.url, run, name, shares[claim[0]])] = claim
+                    futures[self.submit(check_share, self.storage.url, run, name, shares[claim[0]],
+                                        claim[0] == 0)] = claim
             if not futures:
                 break
             done, _ = wait(futures, timeout=max(0.0, renew_at - time.monotonic()), return_when=FIRST_COMPLETED)

@@ -12,12 +12,17 @@ declared ahead of its bytes, so the commit reads none of them and leaves them to
   and records the checkpoint verified, every byte counted once;
 * two worker processes split one checkpoint: two shares, each read once (``ckptd_reread_bytes_total``
   and the record's ``bytes_read`` are the checkpoint's bytes, not twice them), on a local root and on
-  S3 (moto), where no entry is left behind (on a local root, not even the run's folder).
+  S3 (moto), where no entry is left behind (on a local root, not even the run's folder);
+* a stored manifest whose chunks leave a gap in a tensor, every digest and the marker made to agree, so
+  that each file's bytes check: one share checks the tiling too, as ``ckptd verify`` does, and the
+  checkpoint is recorded known bad naming the tensor.
 """
 
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +32,9 @@ import xxhash
 
 from adversary.test_requests import ALICE, TOKENS, _auth, _metric
 from ckptd_schemas.arrival import CHUNKS_HEADER, Declared, encode
-from support import ServerProcess, scaled, verified
+from ckptd.storage import LocalStorage
+from ckptd.store.rereads import mark_due
+from support import ServerProcess, plant_file, scaled, verified
 
 N = 64 * 1024  # int32 elements of each file's tensor, in two chunks
 
@@ -202,3 +209,38 @@ def test_two_workers_split_a_reread_on_s3_and_leave_no_entry_behind(moto_s3, s3_
     finally:
         srv.stop()
         moto_s3.clear(st._prefix)
+
+
+@pytest.mark.slow
+def test_one_share_checks_the_tiling_and_a_manifest_with_a_gap_is_recorded_known_bad(tmp_path):
+    """A writer with access to the root stretches tensor ``w1`` in the stored manifest by one element (its
+    chunks then cover all but the last), the marker's digest and load tree made to agree, and marks the
+    checkpoint's re-read due again: every file's bytes still check, only the tiling does not. ``ckptd
+    verify`` refuses it; the re-read in two shares must too (share 0 checks every tensor's tiling)."""
+    root = tmp_path / "root"
+    srv = ServerProcess(root, env=_env(CKPTD_RESHARD_WORKERS="2"), log=tmp_path / "server.log").start()
+    try:
+        files = _files(6, 2)
+        assert _save(srv.url, "1", 1, _files(7, 2)).status_code == 200
+        assert _save(srv.url, "2", 2, files).status_code == 200
+        assert all(rec["ok"] for rec in verified(srv.url, "r/1", "r/2", token=ALICE))
+        _entries_gone(root)
+        srv.stop()
+        (root / "runs" / "r" / "2" / "VERIFIED.json").unlink()
+
+        def stretch(manifest: dict) -> None:
+            manifest["tensors"][1]["shape"] = [N + 1]
+
+        plant_file(root, "r", "2", "f1.bin", files["f1.bin"], stretch, load_tree=True)  # the same bytes
+        v = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "verify", "r/2", "--root", str(root)],
+                           capture_output=True, text=True, timeout=scaled(120))
+        assert v.returncode == 1 and f"'w1': chunks cover {N} of {N + 1}" in v.stdout + v.stderr, v.stdout + v.stderr
+        mark_due(LocalStorage(root), "r", "2", "s1")
+        srv.start()  # its first sweep finds the re-read due
+        rec = verified(srv.url, "r/2", token=ALICE)[0]
+        _entries_gone(root)
+        assert rec["ok"] is False and [p for p in rec["problems"] if f"'w1': chunks cover {N} of" in p], rec
+        assert _statuses(srv.url) == {"1": "verified", "2": "known bad"}
+        assert _latest(srv.url) == "1"
+    finally:
+        srv.stop()
