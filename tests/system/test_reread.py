@@ -15,7 +15,9 @@ declared ahead of its bytes, so the commit reads none of them and leaves them to
   S3 (moto), where no entry is left behind (on a local root, not even the run's folder);
 * a stored manifest whose chunks leave a gap in a tensor, every digest and the marker made to agree, so
   that each file's bytes check: one share checks the tiling too, as ``ckptd verify`` does, and the
-  checkpoint is recorded known bad naming the tensor.
+  checkpoint is recorded known bad naming the tensor;
+* a replica stopped gracefully while it holds claims for an hour (its checks done, their records not yet
+  stored): it deletes them on the way out, and the other replica's next sweep takes the shares at once.
 """
 
 from __future__ import annotations
@@ -244,3 +246,35 @@ def test_one_share_checks_the_tiling_and_a_manifest_with_a_gap_is_recorded_known
         assert _latest(srv.url) == "1"
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_a_replica_stopped_mid_share_releases_its_claims_and_another_takes_them_at_once(tmp_path):
+    """Claims held for an hour: replica A has both shares checked, but storing their records stalls
+    (``stall-reread``), and it is stopped gracefully (SIGTERM) meanwhile. B runs on the root all along and
+    cannot take the shares while A holds them; once A has stopped, B's next sweep takes both and records the
+    checkpoint verified, within a guard far below the hour the claims would otherwise have held for."""
+    root = tmp_path / "root"
+    hour = {"CKPTD_JOB_TAKEOVER_SECONDS": "3600"}
+    a = ServerProcess(root, env=_env(CKPTD_RESHARD_WORKERS="2", CKPTD_FAULTS=f"stall-reread={scaled(600)}", **hour),
+                      log=tmp_path / "a.log").start()
+    b = None
+    try:
+        files = _files(8, 2)
+        assert _save(a.url, "1", 1, files).status_code == 200
+        entry = root / "reread" / "r" / "1" / "s1"
+        deadline = time.monotonic() + scaled(30)
+        while len(list(entry.glob("claim-*"))) < 2:  # both shares claimed by A, their records stalled
+            assert time.monotonic() < deadline, sorted(p.name for p in entry.glob("*"))
+            time.sleep(0.05)
+        b = ServerProcess(root, env=_env(**hour), log=tmp_path / "b.log").start()
+        assert not list(entry.glob("part-*")) and _statuses(b.url) == {"1": "pending"}
+        a.stop()
+        rec = verified(b.url, "r/1", token=ALICE)[0]  # the guard: scaled(60), not the hour
+        assert rec["ok"] is True and rec["bytes_read"] == sum(map(len, files.values())), rec
+        assert _metric(b.url, "ckptd_reread_shares_total") == 2  # both shares, checked by B
+        _entries_gone(root)
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
