@@ -23,6 +23,8 @@ environment sets ``CKPTD_FAULTS``; the service's own settings come from the envi
   disarms one server process between saves.
 * ``stall=<run>:<seconds>``: every object written under ``runs/<run>/`` waits ``seconds`` first
   (a slow backend for one run).
+* ``stall-reread=<seconds>``: every share's record of a re-read after a marker (``reread/.../part-<i>``)
+  waits ``seconds`` before it is stored (a checker slow to report: its claim held, its part not stored).
 * ``fail=<run>``: every such write raises :class:`~ckptd_schemas.StorageError` (a backend that is
   unavailable for one run).
 * ``throttle=<MB/s>``: the bytes of every storage write pass one shared link of that rate (a slow
@@ -67,7 +69,7 @@ STORAGE_CRASH_POINTS = (
     "storage-write-partial",  # half of one write's bytes in the temp object
     "storage-before-rename",  # the temp object complete, not yet in place
 )
-KINDS = ("crash-at", "crash-random", "stall", "fail", "throttle")
+KINDS = ("crash-at", "crash-random", "stall", "stall-reread", "fail", "throttle")
 
 
 def parse(spec: str) -> dict[str, str]:
@@ -149,6 +151,7 @@ class Faults:
         if faults.get("stall"):
             run, _, seconds = faults["stall"].rpartition(":")
             self.stall = (f"{Paths.run(run)}/", float(seconds))
+        self.stall_reread = float(faults["stall-reread"]) if faults.get("stall-reread") else None
         self.fail = f"{Paths.run(faults['fail'])}/" if faults.get("fail") else None
         self.throttle = float(faults["throttle"]) * 1e6 if faults.get("throttle") else None  # bytes/s
         self._link_free = 0.0  # monotonic time at which the link has carried every write so far
@@ -160,7 +163,8 @@ class Faults:
 
     @property
     def active(self) -> bool:
-        return any(f is not None for f in (self.random, self.crash_at, self.stall, self.fail, self.throttle))
+        return any(f is not None for f in (self.random, self.crash_at, self.stall, self.stall_reread, self.fail,
+                                           self.throttle))
 
     def reached(self, point: str) -> None:
         """The process passes the kill point ``point``: die here if the setting says so."""
@@ -175,6 +179,8 @@ class Faults:
         """The stall or failure of a write of ``key``, before the backend sees it."""
         if self.stall is not None and key.startswith(self.stall[0]):
             time.sleep(self.stall[1])
+        if self.stall_reread is not None and key.startswith("reread/") and "/part-" in key:
+            time.sleep(self.stall_reread)
         if self.fail is not None and key.startswith(self.fail):
             raise StorageError(f"storage write of {key!r} failed: backend unavailable (injected fault)", key=key)
 
@@ -330,6 +336,9 @@ class FaultStorage(Storage):
 
     def delete_tree(self, prefix: str) -> None:
         self.inner.delete_tree(prefix)
+
+    def delete_if_empty(self, prefix: str) -> None:
+        self.inner.delete_if_empty(prefix)
 
     def reclaim_temps(self, prefix: str, older_than: float) -> int:
         return self.inner.reclaim_temps(prefix, older_than)

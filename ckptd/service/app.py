@@ -163,7 +163,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
             if local is not None:
                 local.stop()
             drills.close()  # no drill queued past this point
-            rereads.stop()  # nor a re-read's share
+            await run_in_threadpool(rereads.stop)  # nor a re-read's share; its claims released
             await run_in_threadpool(job_watch.stop)  # heartbeat deleted: its jobs are taken over at once
             if copier is not None:
                 await run_in_threadpool(copier.stop)

@@ -217,6 +217,10 @@ class Storage(ABC):
         linked, where ``src`` is no longer that object: the linked bytes are the checked ones."""
         return False
 
+    def delete_if_empty(self, prefix: str) -> None:
+        """Remove the folder ``prefix`` if it holds nothing (a local root's, left by :meth:`delete_tree` of
+        its last child); an object store has no folders: nothing to do."""
+
     def reclaim_temps(self, prefix: str, older_than: float) -> int:
         """Delete what writes that never committed left under ``prefix`` (a process killed mid-write:
         temp files on a local root, unfinished multipart uploads on an object store), begun or last

@@ -55,14 +55,21 @@ class _LocalWriter(Writer):
         self._fd = -1
         self._direct: DirectWriter | None = None
         with self._aborting("open", key, root, OSError):
-            final.parent.mkdir(parents=True, exist_ok=True)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-            if durable:
-                self._fd, direct = open_direct(self._tmp, flags)
-                if direct:
-                    self._direct = DirectWriter(self._fd, True)
-            else:
-                self._fd = os.open(self._tmp, flags, 0o644)
+            try:
+                self._open()
+            except FileNotFoundError:  # a folder emptied and removed between the two (delete_if_empty): again
+                self._open()
+
+    def _open(self) -> None:
+        """Make the folders and open the temp file."""
+        self._final.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        if self._durable:
+            self._fd, direct = open_direct(self._tmp, flags)
+            if direct:
+                self._direct = DirectWriter(self._fd, True)
+        else:
+            self._fd = os.open(self._tmp, flags, 0o644)
 
     def _early_writeback(self, n: int) -> None:
         """Every WRITEBACK_BYTES of a durable file written through the page cache (where the filesystem
@@ -299,6 +306,16 @@ class LocalStorage(Storage):
             if not os.path.lexists(path):  # a read-only filesystem answers EROFS before it looks: absent is fine
                 return
             raise classify("delete", key, e, self.url) from e
+
+    def delete_if_empty(self, prefix: str) -> None:
+        """``rmdir``: only an empty folder goes, atomically (a writer that makes it again meanwhile: see
+        :class:`_LocalWriter`); one absent or holding anything stays as it is."""
+        with classified("delete", prefix, self.url, OSError):
+            try:
+                os.rmdir(self._path(prefix))
+            except OSError as e:
+                if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST):
+                    raise
 
     def delete_tree(self, prefix: str) -> None:
         """Delete ``prefix`` and everything under it; a file another writer creates there meanwhile (a

@@ -656,15 +656,16 @@ class _Windows:
 
 def verify_manifest(
     manifest: Manifest, read: ReadFn, *, progress: Callable[[int], None] | None = None, jobs: int = JOBS,
-    storage_errors_are_problems: bool = True, files: Collection[str] | None = None,
+    storage_errors_are_problems: bool = True, files: Collection[str] | None = None, tiling: bool = False,
 ) -> Findings:
     """Check every file, chunk and tensor of ``manifest`` against the bytes ``read`` returns, ``jobs``
     files at a time (a read waits on the device or the network without the GIL, so a second file's
     reads keep it busy while the first one's windows are hashed). Problems in file order. A store that
     fails a read (``StorageError``) is a problem of that file, or, with ``storage_errors_are_problems``
     False, raised: a verification whose outcome is recorded must not call a checkpoint bad because
-    its store was briefly unreachable."""
-    verdict = judge(manifest, _Windows(read), jobs=jobs, read_size=READ_SIZE, tiling=files is None,
+    its store was briefly unreachable. Each tensor's tiling is checked when every file is (``files`` None),
+    or when ``tiling`` asks it of a check of some files (one share of a re-read: :mod:`.rereads`)."""
+    verdict = judge(manifest, _Windows(read), jobs=jobs, read_size=READ_SIZE, tiling=tiling or files is None,
                     progress=progress, storage_errors_are_problems=storage_errors_are_problems, files=files)
     chunks = sum(len(t.table) for t in manifest.tensors) + sum(1 for o in manifest.objects if o.location is not None)
     return Findings(ref=manifest.ref, files=len(manifest.files), tensors=len(manifest.tensors), chunks=chunks,

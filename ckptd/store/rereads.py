@@ -14,12 +14,14 @@ and every entry on each sweep (:meth:`Rereads.sweep`: at startup, then every ``C
 The plan is the first taker's (a share per worker process, or per :data:`SHARE_BYTES` where more, at
 most one per file). A taker claims shares no one claimed (a sweep also those whose claim expired: their
 taker died), as many at once as it has workers, has each checked by the one checker in a worker process
-(:func:`.verification.check_share`), stores its record, and renews its claims every
-``CKPTD_JOB_HEARTBEAT_SECONDS`` to ``CKPTD_JOB_TAKEOVER_SECONDS`` ahead. A failed share records the
-checkpoint known bad at once; the taker that finds every part stored records the one verification
+(:func:`.verification.check_share`; share 0 also checks every tensor's tiling, as ``ckptd verify`` does),
+stores its record, and renews its claims every ``CKPTD_JOB_HEARTBEAT_SECONDS`` to
+``CKPTD_JOB_TAKEOVER_SECONDS`` ahead; a replica that stops deletes the claims it holds on shares not
+stored, so the next sweep of another takes them at once. A failed share records the checkpoint known bad
+at once; the taker that finds every part stored records the one verification
 (:func:`.verification.compose_record`) and deletes the entry, as does any taker of an entry whose
-checkpoint is verified, known bad or gone (or never committed, after the takeover time). Hosts' clocks
-must agree to well within the takeover time (as for jobs).
+checkpoint is verified, known bad or gone (or never committed, after the takeover time), with the folders
+that leaves empty. Hosts' clocks must agree to well within the takeover time (as for jobs).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ class Rereads:
         self._taking: set[str] = set()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self._held: set[str] = set()  # claim keys written here whose part is not stored by this replica
+        self._holding = threading.Lock()  # a claim written (created, renewed) or released: one at a time
 
     def start(self, run: str, name: str, sid: str) -> None:
         """Take the entry of this replica's commit of ``run/name`` by session ``sid``, in a thread."""
@@ -94,9 +98,18 @@ class Rereads:
                     takeover=True)
 
     def stop(self) -> None:
-        """At shutdown, before the workers stop: nothing is claimed or submitted from here on (the claims
-        held expire, and another replica, or this one restarted, takes their shares over)."""
-        self._stopped.set()
+        """At shutdown, before the workers stop: nothing is claimed, renewed or submitted from here on, and
+        the claims held on shares whose part is not stored are deleted (best effort: a claim left expires),
+        so another replica's next sweep takes them at once. A worker that still stores its part does no
+        harm: a share checked twice stores the same verdict."""
+        with self._holding:
+            self._stopped.set()
+            held, self._held = sorted(self._held), set()
+        for key in held:
+            try:
+                self.storage.delete(key)
+            except CkptdError as e:
+                log.warning("re-read claim %s not released: %s", key, e.message)
 
     def _spawn(self, entries: list[str], takeover: bool) -> None:
         if self._stopped.is_set():
@@ -118,6 +131,8 @@ class Rereads:
             finally:
                 with self._lock:
                     self._taking.discard(entry)
+                with self._holding:  # a failed worker's claim expires, and a sweep takes its share over
+                    self._held = {k for k in self._held if not k.startswith(f"{entry}/")}
 
     def _take(self, entry: str, takeover: bool) -> None:
         _, run, name, sid = entry.split("/")
@@ -127,7 +142,7 @@ class Rereads:
             due = self.storage.read_json_or_none(f"{entry}/DUE") if "DUE" in listed else None
             if c is not None and c.session == sid or not isinstance(due, dict) or \
                     time.time() - float(due.get("at", 0)) > self.claim_for:  # else: its commit may be under way
-                self.storage.delete_tree(entry)
+                self._drop(entry)
             return
         shares = self._plan(entry, c)
         futures: dict[Future, tuple[int, str]] = {}
@@ -138,7 +153,8 @@ class Rereads:
                 if (claim := next(claims, None)) is None:
                     more = False
                 else:
-                    futures[self.submit(check_share, self.storage.url, run, name, shares[claim[0]])] = claim
+                    futures[self.submit(check_share, self.storage.url, run, name, shares[claim[0]],
+                                        claim[0] == 0)] = claim
             if not futures:
                 break
             done, _ = wait(futures, timeout=max(0.0, renew_at - time.monotonic()), return_when=FIRST_COMPLETED)
@@ -146,7 +162,9 @@ class Rereads:
                 return
             if time.monotonic() >= renew_at:
                 for _, key in futures.values():
-                    self.storage.put(key, self._claim())
+                    with self._holding:
+                        if key in self._held:  # not released since
+                            self.storage.put(key, self._claim())
                 renew_at = time.monotonic() + self.renew_every
             for fut in done:
                 i, key = futures.pop(fut)
@@ -158,9 +176,11 @@ class Rereads:
                     log.warning("re-read share %d of %s/%s not checked: %s", i, run, name, e)
                     continue
                 if part is None or part.manifest_xxh3 != c.digest:  # deleted, or another checkpoint now
-                    self.storage.delete_tree(entry)
+                    self._drop(entry)
                     return
                 self.storage.put(f"{entry}/part-{i}", part.model_dump_json().encode())
+                with self._holding:
+                    self._held.discard(key)
                 self.on_share(part)
                 if not part.ok:
                     self._record(c, [part])  # known bad now, whatever the other shares find
@@ -168,7 +188,14 @@ class Rereads:
         if set(self.storage.list(entry)) >= {p.rsplit("/", 1)[1] for p in parts}:
             self._record(c, [VerifyRecord.model_validate_json(self.storage.read(p)) for p in parts],
                          done=True)
-            self.storage.delete_tree(entry.rsplit("/", 1)[0])  # with any entry of a session that lost the name
+            self._drop(entry.rsplit("/", 1)[0])  # with any entry of a session that lost the name
+
+    def _drop(self, key: str) -> None:
+        """Delete ``key`` (an entry, or every entry of a name) and the folders above it that this leaves
+        empty (:meth:`~ckptd.storage.Storage.delete_if_empty`: a local root's ``reread/<run>``)."""
+        self.storage.delete_tree(key)
+        while (key := key.rsplit("/", 1)[0]) != PREFIX:
+            self.storage.delete_if_empty(key)
 
     def _plan(self, entry: str, c: Committed) -> list[list[str]]:
         sizes = {f: e.size for f, e in self.vis.manifest(c).files.items()}
@@ -192,8 +219,17 @@ class Rereads:
             if f"part-{i}" in listed or a is not None and not (takeover and self._expired(f"{entry}/claim-{i}-{a}")):
                 continue
             key = f"{entry}/claim-{i}-{0 if a is None else a + 1}"
-            if not self.storage.exists(f"{entry}/part-{i}") and self.storage.create_if_absent(key, self._claim()):
+            if not self.storage.exists(f"{entry}/part-{i}") and self._hold(key):
                 yield i, key
+
+    def _hold(self, key: str) -> bool:
+        """Create the claim ``key`` unless this replica stopped; True when created (held until its part is
+        stored here, or released at :meth:`stop`)."""
+        with self._holding:
+            if self._stopped.is_set() or not self.storage.create_if_absent(key, self._claim()):
+                return False
+            self._held.add(key)
+            return True
 
     def _expired(self, key: str) -> bool:
         try:

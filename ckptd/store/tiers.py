@@ -100,6 +100,7 @@ class TieredStorage(Storage):
     # there; the durable tier's writes are the copier's, checked as it copies) -------------------------
     open_write, list, link = _fast("open_write"), _fast("list"), _fast("link")
     reclaim_temps, walk, free_space = _fast("reclaim_temps"), _fast("walk"), _fast("free_space")
+    delete_if_empty = _fast("delete_if_empty")
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
         """On the fast tier; a checkpoint's marker only while the durable tier holds none under the name

@@ -108,11 +108,11 @@ def verify_unrecorded(storage: Storage, run: str, name: str, progress: Callable[
 
 
 def _verify_here(storage: Storage, run: str, name: str, files: list[str] | None = None,
-                 vis: Visibility | None = None,
-                 progress: Callable[[int], None] | None = None) -> tuple[VerifyRecord, Committed]:
-    """Check ``run/name``'s stored bytes (only ``files``'s, when given: the stamps are theirs, and no
-    strays are looked for) and its load tree; the record, not stored. ``vis``: the caller's, whose
-    parsed manifest is used again."""
+                 vis: Visibility | None = None, progress: Callable[[int], None] | None = None,
+                 tiling: bool = False) -> tuple[VerifyRecord, Committed]:
+    """Check ``run/name``'s stored bytes (only ``files``'s, when given: the stamps are theirs, no strays
+    are looked for, and the tensors' tiling only with ``tiling``) and its load tree; the record, not
+    stored. ``vis``: the caller's, whose parsed manifest is used again."""
     vis = vis or Visibility(storage)
     t0 = time.perf_counter()
     c = vis.resolve(run, name)  # not visible: CheckpointNotFound, nothing recorded
@@ -125,7 +125,8 @@ def _verify_here(storage: Storage, run: str, name: str, files: list[str] | None 
         before = stamps_of(storage, c, names)
         report = verify_manifest(manifest, _committed_reads(storage, c, manifest),
                                  jobs=jobs_for(manifest, storage, lambda f: Paths.file(c.run, c.name, c.session, f)),
-                                 storage_errors_are_problems=False, files=files, progress=progress)
+                                 storage_errors_are_problems=False, files=files, progress=progress,
+                                 tiling=tiling)
         problem = load_tree_problem(vis, c)
         if problem is not None:
             report.problems.append(problem)
@@ -160,11 +161,12 @@ def verify_and_record(root: str, run: str, name: str) -> dict:
     return verify_committed(open_root(root), run, name).model_dump(mode="json")
 
 
-def check_share(root: str, run: str, name: str, files: list[str]) -> dict:
+def check_share(root: str, run: str, name: str, files: list[str], tiling: bool = False) -> dict:
     """In a worker process: one share of the re-read after a marker (:mod:`.rereads`): ``files`` of the
     visible checkpoint ``run/name`` read and checked by the one checker, with their stamps and the load
-    tree; the share's record as a dict, not stored."""
-    return _verify_here(open_root(root), run, name, files=files)[0].model_dump(mode="json")
+    tree, and (``tiling``: one share of each re-read) every tensor's tiling, as ``ckptd verify`` checks
+    it; the share's record as a dict, not stored."""
+    return _verify_here(open_root(root), run, name, files=files, tiling=tiling)[0].model_dump(mode="json")
 
 
 def compose_record(parts: list[VerifyRecord], found: list[Stray]) -> VerifyRecord:

@@ -12,12 +12,19 @@ declared ahead of its bytes, so the commit reads none of them and leaves them to
   and records the checkpoint verified, every byte counted once;
 * two worker processes split one checkpoint: two shares, each read once (``ckptd_reread_bytes_total``
   and the record's ``bytes_read`` are the checkpoint's bytes, not twice them), on a local root and on
-  S3 (moto), where no entry is left behind.
+  S3 (moto), where no entry is left behind (on a local root, not even the run's folder);
+* a stored manifest whose chunks leave a gap in a tensor, every digest and the marker made to agree, so
+  that each file's bytes check: one share checks the tiling too, as ``ckptd verify`` does, and the
+  checkpoint is recorded known bad naming the tensor;
+* a replica stopped gracefully while it holds claims for an hour (its checks done, their records not yet
+  stored): it deletes them on the way out, and the other replica's next sweep takes the shares at once.
 """
 
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +34,9 @@ import xxhash
 
 from adversary.test_requests import ALICE, TOKENS, _auth, _metric
 from ckptd_schemas.arrival import CHUNKS_HEADER, Declared, encode
-from support import ServerProcess, scaled, verified
+from ckptd.storage import LocalStorage
+from ckptd.store.rereads import mark_due
+from support import ServerProcess, plant_file, scaled, verified
 
 N = 64 * 1024  # int32 elements of each file's tensor, in two chunks
 
@@ -89,11 +98,12 @@ def _latest(url: str) -> str:
     return r.headers["X-Ckptd-Name"]
 
 
-def _entry_gone(root: Path, name: str) -> None:
-    """The due entry is deleted once its record is written (right after it)."""
+def _entries_gone(root: Path) -> None:
+    """The due entry is deleted once its record is written (right after it), and with it the run's folder
+    once it holds no other entry: nothing is left under ``reread/``."""
     deadline = time.monotonic() + scaled(30)
-    while (root / "reread" / "r" / name).exists():
-        assert time.monotonic() < deadline, sorted(p.name for p in (root / "reread" / "r" / name).rglob("*"))
+    while (root / "reread" / "r").exists():
+        assert time.monotonic() < deadline, sorted(str(p) for p in (root / "reread" / "r").rglob("*"))
         time.sleep(0.05)
 
 
@@ -121,7 +131,7 @@ def test_a_service_killed_after_the_marker_has_its_reread_finished_by_the_next_o
                 f.write(bytes([b[0] ^ 1]))
         srv.start()  # the same root, no fault: its first sweep finds the re-read due
         rec = verified(srv.url, "r/2", token=ALICE)[0]
-        _entry_gone(root, "2")
+        _entries_gone(root)
         if flip:
             assert rec["ok"] is False and "f1.bin" in rec["problems"][0], rec
             assert _statuses(srv.url) == {"1": "verified", "2": "known bad"}
@@ -154,7 +164,7 @@ def test_a_share_whose_checker_died_is_finished_by_another_replica_once_its_clai
         assert rec["ok"] is True and rec["bytes_read"] == total, rec  # each share's bytes once
         read_by_b = _metric(b.url, "ckptd_reread_bytes_total")
         assert 0 < read_by_b < total and _metric(b.url, "ckptd_reread_shares_total") == 1  # only the dead one's share
-        _entry_gone(root, "1")
+        _entries_gone(root)
         assert _statuses(b.url) == {"1": "verified"}
     finally:
         a.stop()
@@ -170,7 +180,7 @@ def test_two_workers_split_one_checkpoints_reread_and_read_each_share_once(tmp_p
         total = sum(map(len, files.values()))
         assert _save(srv.url, "1", 1, files).status_code == 200
         rec = verified(srv.url, "r/1", token=ALICE)[0]
-        _entry_gone(tmp_path / "root", "1")
+        _entries_gone(tmp_path / "root")
         assert rec["ok"] is True and rec["bytes_read"] == total and sorted(rec["stamps"]) == sorted(files), rec
         assert _metric(srv.url, "ckptd_reread_shares_total") == 2
         assert _metric(srv.url, "ckptd_reread_bytes_total") == total
@@ -201,3 +211,70 @@ def test_two_workers_split_a_reread_on_s3_and_leave_no_entry_behind(moto_s3, s3_
     finally:
         srv.stop()
         moto_s3.clear(st._prefix)
+
+
+@pytest.mark.slow
+def test_one_share_checks_the_tiling_and_a_manifest_with_a_gap_is_recorded_known_bad(tmp_path):
+    """A writer with access to the root stretches tensor ``w1`` in the stored manifest by one element (its
+    chunks then cover all but the last), the marker's digest and load tree made to agree, and marks the
+    checkpoint's re-read due again: every file's bytes still check, only the tiling does not. ``ckptd
+    verify`` refuses it; the re-read in two shares must too (share 0 checks every tensor's tiling)."""
+    root = tmp_path / "root"
+    srv = ServerProcess(root, env=_env(CKPTD_RESHARD_WORKERS="2"), log=tmp_path / "server.log").start()
+    try:
+        files = _files(6, 2)
+        assert _save(srv.url, "1", 1, _files(7, 2)).status_code == 200
+        assert _save(srv.url, "2", 2, files).status_code == 200
+        assert all(rec["ok"] for rec in verified(srv.url, "r/1", "r/2", token=ALICE))
+        _entries_gone(root)
+        srv.stop()
+        (root / "runs" / "r" / "2" / "VERIFIED.json").unlink()
+
+        def stretch(manifest: dict) -> None:
+            manifest["tensors"][1]["shape"] = [N + 1]
+
+        plant_file(root, "r", "2", "f1.bin", files["f1.bin"], stretch, load_tree=True)  # the same bytes
+        v = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "verify", "r/2", "--root", str(root)],
+                           capture_output=True, text=True, timeout=scaled(120))
+        assert v.returncode == 1 and f"'w1': chunks cover {N} of {N + 1}" in v.stdout + v.stderr, v.stdout + v.stderr
+        mark_due(LocalStorage(root), "r", "2", "s1")
+        srv.start()  # its first sweep finds the re-read due
+        rec = verified(srv.url, "r/2", token=ALICE)[0]
+        _entries_gone(root)
+        assert rec["ok"] is False and [p for p in rec["problems"] if f"'w1': chunks cover {N} of" in p], rec
+        assert _statuses(srv.url) == {"1": "verified", "2": "known bad"}
+        assert _latest(srv.url) == "1"
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_a_replica_stopped_mid_share_releases_its_claims_and_another_takes_them_at_once(tmp_path):
+    """Claims held for an hour: replica A has both shares checked, but storing their records stalls
+    (``stall-reread``), and it is stopped gracefully (SIGTERM) meanwhile. B runs on the root all along and
+    cannot take the shares while A holds them; once A has stopped, B's next sweep takes both and records the
+    checkpoint verified, within a guard far below the hour the claims would otherwise have held for."""
+    root = tmp_path / "root"
+    hour = {"CKPTD_JOB_TAKEOVER_SECONDS": "3600"}
+    a = ServerProcess(root, env=_env(CKPTD_RESHARD_WORKERS="2", CKPTD_FAULTS=f"stall-reread={scaled(600)}", **hour),
+                      log=tmp_path / "a.log").start()
+    b = None
+    try:
+        files = _files(8, 2)
+        assert _save(a.url, "1", 1, files).status_code == 200
+        entry = root / "reread" / "r" / "1" / "s1"
+        deadline = time.monotonic() + scaled(30)
+        while len(list(entry.glob("claim-*"))) < 2:  # both shares claimed by A, their records stalled
+            assert time.monotonic() < deadline, sorted(p.name for p in entry.glob("*"))
+            time.sleep(0.05)
+        b = ServerProcess(root, env=_env(**hour), log=tmp_path / "b.log").start()
+        assert not list(entry.glob("part-*")) and _statuses(b.url) == {"1": "pending"}
+        a.stop()
+        rec = verified(b.url, "r/1", token=ALICE)[0]  # the guard: scaled(60), not the hour
+        assert rec["ok"] is True and rec["bytes_read"] == sum(map(len, files.values())), rec
+        assert _metric(b.url, "ckptd_reread_shares_total") == 2  # both shares, checked by B
+        _entries_gone(root)
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()

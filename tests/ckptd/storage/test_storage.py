@@ -24,6 +24,7 @@ import pytest
 from ckptd.storage import LocalStorage, Storage, open_storage
 from ckptd.storage.fsspec import FsspecStorage
 from ckptd.storage.s3 import S3Storage
+from ckptd.store.rereads import mark_due
 from ckptd_schemas import InvalidName, StorageError
 from s3_server import pending_uploads
 
@@ -314,6 +315,22 @@ def test_delete_tree(storage):
     assert storage.list("") == ["tx"]
 
 
+
+def test_delete_if_empty_removes_a_folder_only_when_it_holds_nothing(storage):
+    """What a finished re-read leaves (``reread/<run>`` once its last entry is deleted) goes on a local
+    root; on every backend nothing held goes with it (an object store has no folders to remove)."""
+    for key in ["e/r/n1/DUE", "e/r/n2/DUE", "e/file"]:
+        storage.put(key, b"d")
+    storage.delete_tree("e/r/n1")
+    for prefix in ("e/r/n1", "e/r", "e/file", "no/such"):  # absent, holding n2, an object: nothing goes
+        storage.delete_if_empty(prefix)
+    assert storage.read("e/r/n2/DUE") == b"d" and storage.read("e/file") == b"d"
+    storage.delete_tree("e/r/n2")
+    storage.delete_if_empty("e/r")
+    if isinstance(storage, (LocalStorage, S3Storage)):
+        assert storage.list("e") == ["file"] and raw_names(storage, "e") == ["file"]
+
+
 # -- unsafe keys ---------------------------------------------------------------
 
 UNSAFE = ["..", "../x", "a/../b", "a/..", "/abs", "/etc/passwd", "a//b", "a/./b", ".", "./a", "a/", "a\\b", "a\x00b"]
@@ -411,6 +428,29 @@ def test_local_enospc_from_the_os_write(tmp_path, monkeypatch):
     assert ei.value.details.get("errno") == errno.ENOSPC
     assert st.size("run/ck/data-0") is None
     assert raw_names(st, "run/ck") == []
+
+
+
+def test_a_local_write_whose_folders_are_removed_before_its_file_opens_makes_them_again(tmp_path, monkeypatch):
+    """A writer makes its key's folders, then opens its temp file there; a concurrent
+    ``delete_if_empty`` (a re-read of the run's last other entry finishing) may remove them in between.
+    The write makes them again and succeeds; nothing else is written."""
+    st = LocalStorage(tmp_path / "root")
+    real_open = os.open
+    removed: list[str] = []
+
+    def racing_open(path, flags, *args, **kwargs):
+        if not removed and ".DUE.tmp-" in str(path):  # the folders made, the temp file not yet open
+            for prefix in ("reread/r/2/s1", "reread/r/2", "reread/r"):
+                st.delete_if_empty(prefix)
+                removed.append(prefix)
+            assert not (st.root / "reread" / "r").exists()
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", racing_open)
+    mark_due(st, "r", "2", "s1")
+    assert removed and st.read_json_or_none("reread/r/2/s1/DUE")["at"] > 0
+    assert raw_names(st, "reread/r/2/s1") == ["DUE"]
 
 
 def _unshare_works() -> bool:
