@@ -26,7 +26,7 @@ from ckptd.storage import LocalStorage
 from ckptd.store import SessionStore
 from ckptd_client import CheckpointClient
 from ckptd_schemas import AlreadyCommitted, OpenSession, StorageError
-from support import ServerProcess
+from support import ServerProcess, verified
 
 from .staging import data, file_of, put_indexes, stage
 
@@ -112,6 +112,7 @@ def test_verify_names_every_file_in_a_checkpoint_that_is_no_part_of_it(tmp_path)
     try:
         with CheckpointClient(srv.url) as c:
             c.save({"w": torch.arange(4096.0)}, "t/1").wait()
+        verified(srv.url, "t/1")  # the re-read's record is written (its temp file is no stray of the checkpoint)
         ckpt = root / "runs" / "t" / "1"
         (session,) = (ckpt / "sessions").iterdir()
         # What a checkpoint legitimately holds (marker, records, manifest, indexes, digests, the
