@@ -192,6 +192,12 @@ class Storage(ABC):
         has none (the caller must then read the bytes to know)."""
         return "" if self.exists(key) else None
 
+    def listed_stamps(self, prefix: str) -> dict[str, str] | None:
+        """The :meth:`stamp` of every object under ``prefix``, by key, from one listing where the backend's
+        listing says what a stamp does (S3: ETag and size; a request per thousand objects instead of a
+        HEAD each); None where it does not (a local file's stamp is its ``stat``, per file)."""
+        return None
+
     def for_probes(self) -> "Storage":
         """This root as the readiness probe reads it: each call tried once, within a short timeout, so
         that a probe says at once what the store answers now (``ckptd.service.readiness``); a backend

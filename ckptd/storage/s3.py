@@ -319,6 +319,16 @@ class S3Storage(Storage):
         out = self._head(key)
         return None if out is None else f"{out.get('ETag', '')}:{int(out.get('ContentLength') or 0)}"
 
+    def listed_stamps(self, prefix: str) -> dict[str, str]:
+        """:meth:`stamp`'s ETag and size of every object under ``prefix``, from ListObjectsV2 pages."""
+        root = f"{self._prefix}/" if self._prefix else ""
+        with classified("list", prefix, self.url):
+            try:
+                return {o["Key"][len(root):]: f"{o.get('ETag', '')}:{int(o.get('Size') or 0)}"
+                        for page in self._walk(self._dir(prefix)) for o in page.get("Contents") or ()}
+            except FileNotFoundError:
+                return {}
+
     def presign_put(self, key: str, size: int, part_size: int, sha256s: list[str], seconds: float) -> Presigned:
         """SigV4 presigned ``PutObject`` (one part) or ``UploadPart`` URLs of a multipart upload made with
         ``ChecksumAlgorithm=SHA256``, each with its ``Content-Length`` and ``x-amz-checksum-sha256``

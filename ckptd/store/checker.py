@@ -95,14 +95,20 @@ class StorageFiles:
     """A session's files in a :class:`Storage`, by file name."""
 
     def __init__(self, storage: Storage, key_of: Callable[[str], str], keep_cached: frozenset[str] = frozenset(),
-                 arrivals: Mapping[str, tuple[str, str]] | None = None) -> None:
+                 arrivals: Mapping[str, tuple[str, str]] | None = None,
+                 stamps: Mapping[str, str | None] | None = None) -> None:
         self.storage, self.key_of, self.keep_cached = storage, key_of, keep_cached
         self.arrivals = arrivals or {}  # file -> (rows digest, stamp) checked as it arrived
+        self.stamps = stamps  # file -> its stamp just now (the commit's, taken before the check), if taken
 
     def arrived(self, file: str) -> str | None:
         """The rows checked as ``file`` arrived, when it is still the object stored then (its stamp)."""
         rec = self.arrivals.get(file)
-        return rec[0] if rec is not None and rec[1] and self.storage.stamp(self.key_of(file)) == rec[1] else None
+        if rec is None or not rec[1]:
+            return None
+        known = self.stamps is not None and file in self.stamps
+        now = self.stamps[file] if known else self.storage.stamp(self.key_of(file))  # type: ignore[index]
+        return rec[0] if now == rec[1] else None
 
     def read_into(self, file: str, start: int, view: memoryview) -> int:
         """Past the page cache (``uncached``: each byte is read once here, and no cache page is filled
@@ -130,14 +136,16 @@ class StorageFiles:
 
 
 def check_commit(manifest: Manifest, storage: Storage, key_of: Callable[[str], str],
-                 arrivals: Mapping[str, tuple[str, str]] | None = None) -> Verdict:
+                 arrivals: Mapping[str, tuple[str, str]] | None = None,
+                 stamps: Mapping[str, str | None] | None = None) -> Verdict:
     """:func:`judge` over a session's files (``key_of`` gives a file's storage key), reading in the
     store's own piece size (S3: 16 MiB, a ranged GET each) where that is larger, except the files
-    ``arrivals`` vouches for (:meth:`StorageFiles.arrived`); raise the first problem, or return the
-    verdict (bytes read, bytes vouched for by their arrival check)."""
+    ``arrivals`` vouches for (:meth:`StorageFiles.arrived`: their ``stamps`` now, as the commit took
+    them); raise the first problem, or return the verdict (bytes read, bytes vouched for by their
+    arrival check)."""
     linked = frozenset(f for f, e in manifest.files.items() if e.linked)
-    verdict = judge(manifest, StorageFiles(storage, key_of, linked, arrivals), jobs=jobs_for(manifest, storage, key_of),
-                    read_size=max(READ_SIZE, storage.read_piece))
+    verdict = judge(manifest, StorageFiles(storage, key_of, linked, arrivals, stamps),
+                    jobs=jobs_for(manifest, storage, key_of), read_size=max(READ_SIZE, storage.read_piece))
     verdict.raise_first()
     return verdict
 

@@ -91,9 +91,15 @@ class VerifyRecord(BaseModel):
 
 
 def file_stamps(storage: Storage, key_of: Callable[[str], str], files: list[str]) -> dict[str, str | None]:
-    """Each file's storage stamp (:meth:`Storage.stamp`), by file name; on a remote store several at a
-    time (:mod:`.inflight`): a commit stamps every file before and after its check."""
+    """Each file's storage stamp (:meth:`Storage.stamp`), by file name: a commit stamps every file before
+    and after its check. Files in one folder on a store whose listing holds stamps (S3), from that
+    listing (:meth:`Storage.listed_stamps`); else a request each, several at a time on a remote store
+    (:mod:`.inflight`)."""
     keys = [key_of(f) for f in files]
+    folder = {k.rpartition("/")[0] for k in keys}
+    listed = storage.listed_stamps(folder.pop()) if len(folder) == 1 else None
+    if listed is not None:
+        return {f: listed.get(k) for f, k in zip(files, keys)}
     n = requests_in_flight(storage, keys[0]) if len(keys) > 1 else 1
     return dict(zip(files, ordered_map(storage.stamp, keys, n)))
 

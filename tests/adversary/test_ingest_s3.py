@@ -193,3 +193,41 @@ def test_by_default_a_rank_gets_no_url_into_the_store(plain):
     assert r.status_code == 200, r.text
     s.commit()
     s.assert_intact(plain)
+
+
+def test_a_file_replaced_in_the_store_between_arrival_and_commit_is_refused(plain, moto_s3):
+    """Through the service (the default), a file's bytes are checked as they arrive, and the commit confirms
+    them by the ETag and size that one listing of the session's files gives (no HEAD of each file). Other
+    bytes put over a staged file in the store, past the service, have another ETag: the commit refuses
+    them naming the file, and the last good checkpoint stays ``latest`` and loads."""
+    from adversary.test_arrival import _data, _index, _rows
+    from ckptd_schemas.arrival import CHUNKS_HEADER, encode
+
+    http = httpx.Client(base_url=plain.url, timeout=60)
+
+    def save(name: str, data: bytes, swap: bytes | None = None) -> httpx.Response:
+        base = f"/v1/checkpoints/swap/{name}/sessions"
+        r = http.post(base, json={"session": "s1", "world_size": 1, "step": int(name)})
+        assert r.status_code == 200 and r.json()["arrival_checks"] is True, r.text
+        declared = encode(_rows(data))
+        r = http.put(f"{base}/s1/files/f.bin", content=declared + data,
+                     headers={"X-Ckptd-Xxh3": xxhash.xxh3_64_hexdigest(data), CHUNKS_HEADER: str(len(declared))})
+        assert r.status_code == 200, r.text
+        if swap is not None:  # another user of the bucket, past the service
+            moto_s3.client().put_object(Bucket=moto_s3.bucket, Key=f"plain/runs/swap/{name}/sessions/s1/files/f.bin",
+                                        Body=swap)
+        return http.put(f"{base}/s1/ranks/0", json=_index(_rows(data)))
+
+    r = save("1", _data(1))
+    assert r.status_code == 200 and r.json()["state"] == "committed", r.text
+    log = moto_s3.log.read_text()
+    commit = log[log.rfind("/plain/runs/swap/1/sessions/s1/ranks/0000000.json"):log.rfind("/plain/runs/swap/1/COMMITTED")]
+    assert "HEAD /ckptd-test/plain/runs/swap/1/sessions/s1/files/" not in commit, commit
+    for other in (_data(3), _data(2)[:-4]):  # other bytes of the same size, and a shorter file
+        r = save("2", _data(2), swap=other)
+        err = error_from_body(r.json(), r.status_code)
+        assert r.status_code == 422 and err.details.get("file") == "f.bin", r.text
+        http.delete("/v1/checkpoints/swap/2/sessions/s1")
+        assert http.get("/v1/checkpoints/swap/latest").headers["X-Ckptd-Name"] == "1"
+    got = http.get("/v1/checkpoints/swap/1/files/f.bin", headers={"Range": f"bytes=0-{len(_data(1)) - 1}"})
+    assert got.status_code in (200, 206) and got.content == _data(1)
