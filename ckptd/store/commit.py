@@ -28,8 +28,7 @@ from datetime import datetime, timezone
 from pydantic import ValidationError
 
 from ckptd_schemas import (
-    CkptdError, CommitFailed, Conflict, FileEntry, IntegrityError, InvalidIndex, Manifest, RankIndex, SessionStatus,
-    StorageError,
+    CkptdError, CommitFailed, Conflict, FileEntry, InvalidIndex, Manifest, RankIndex, SessionStatus, StorageError,
 )
 from ckptd_schemas.arrival import rows_digest
 from ckptd_schemas.filedigest import xxh3_hex
@@ -210,9 +209,6 @@ class Committer:
                 check = CommitCheck(before, file_stamps(self.storage, key_of, sorted(files)), verdict.bytes_read,
                                     time.perf_counter() - t0, len(manifest.tensors),
                                     sum(len(t.table) for t in manifest.tensors))
-                moved = sorted(f for f in verdict.files_arrived if check.after.get(f) != before.get(f))
-                if moved:  # confirmed by its stamp, then replaced before the marker
-                    raise IntegrityError(f"file {moved[0]!r} changed during the commit", file=moved[0])
             except StorageError:
                 raise  # transient (or the store is down): the session stays open for a retry, not failed
             except (CkptdError, ValidationError) as e:
