@@ -43,7 +43,8 @@ Per save:
 
 Sizes and world sizes are crossed; each save is repeated ``--repeat`` times (repeats outermost, so a
 drift of the shared machine spreads over every cell), median reported, min and max kept. After each
-save the one before it is removed (``DELETE /v1/checkpoints/...``, untimed) so the store holds two at
+save its verification is waited for (untimed: the re-read after the marker would otherwise run in the
+next save's lag), and the one before it is removed (``DELETE /v1/checkpoints/...``, untimed) so the store holds two at
 most. The load average is recorded at the start and end of each store's run (the machine is shared).
 """
 
@@ -73,6 +74,7 @@ from ckptd_schemas import arrival
 from ckptd_schemas.filedigest import StreamDigest
 
 from ._report import add_workdir_args, git_state, work_dir, write_report
+from .replicas import verification
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
@@ -400,7 +402,8 @@ def run_store(which: str, sizes: list[int], worlds: list[int], repeat: int, work
                         saves.append(got)
                         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in got.items()}),
                               flush=True)
-                        forget(prev)
+                        assert verification([srv.url], f"{RUN}/{name}") is not None, name  # the re-read of
+                        forget(prev)  # bytes checked on arrival, after the marker: not in the next save's lag
                         prev = name
                         time.sleep(0.3)  # the removal's work settles before the next save
     finally:
