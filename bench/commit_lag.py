@@ -169,7 +169,7 @@ def moto_requests(log: Path, a: int, b: int) -> dict[str, int]:
     for m in _LOG_LINE.finditer(text):
         kind = _kind(*m.groups())
         counts[kind] = counts.get(kind, 0) + 1
-        if m.group(1) == "GET" and "/files/" in m.group(2):
+        if m.group(1) == "GET" and "/files/" in m.group(2).split("?")[0]:  # not a listing of the folder
             counts["file_get"] = counts.get("file_get", 0) + 1
     return counts
 
