@@ -186,6 +186,12 @@ class Storage(ABC):
         """The whole object, or None when it is absent."""
         return self.read(key) if self.exists(key) else None
 
+    def read_head(self, key: str, n: int) -> bytes | None:
+        """At most the first ``n`` bytes of the object, or None when it is absent: a reader of a small
+        record refuses a large one without holding it whole (an object store: one ranged GET)."""
+        data = self.read_or_none(key)
+        return None if data is None else data[:n]
+
     def stamp(self, key: str) -> str | None:
         """None when ``key`` is absent; else a token that changes whenever its bytes may have changed
         (local files: inode, size, mtime and ctime; S3: ETag and size), or ``""`` where the backend

@@ -275,10 +275,11 @@ def read_small(storage: Storage, key: str, limit: int) -> tuple[bytes | None, st
     local root, anything but a regular readable file. On a local root the path is opened first, without
     blocking (a FIFO opens at once), and what was opened is what is checked (``fstat``) and read: an
     object swapped in after a look at the path can never block the reader, and a device is never read
-    (it never ends). An object store's failure to read is raised (the backend's, 503)."""
+    (it never ends). An object store's object is read up to ``limit + 1`` bytes; its failure to read is
+    raised (the backend's, 503)."""
     path = storage.local_path(key)
     if path is None:
-        raw = storage.read_or_none(key)
+        raw = storage.read_head(key, limit + 1)  # a planted huge object is never read whole
     else:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -298,5 +299,5 @@ def read_small(storage: Storage, key: str, limit: int) -> tuple[bytes | None, st
         finally:
             os.close(fd)
     if raw is not None and len(raw) > limit:
-        return None, f"holds {len(raw)} bytes, more than {limit}"
+        return None, f"holds more than {limit} bytes"
     return raw, None

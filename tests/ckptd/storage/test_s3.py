@@ -514,3 +514,19 @@ def test_a_link_under_a_stamp_the_source_no_longer_has_copies_nothing(s3):
     s3.put("ln/src", b"other bytes!!")  # the same size: only the ETag tells
     assert s3.link("ln/src", "ln/dst", checked) is False and not s3.exists("ln/dst")
     assert s3.link("ln/src", "ln/dst", s3.stamp("ln/src")) is True and s3.read("ln/dst") == b"other bytes!!"
+
+
+def test_a_small_record_is_read_in_one_ranged_get_and_a_planted_large_one_never_whole(s3):
+    """A marker or verification record on S3 is read up to one byte past its limit (``read_head``, one
+    ranged GET): a 64 MiB object planted under a record's key is refused from its first bytes, an empty
+    one reads empty, an absent one is None."""
+    from ckptd.store.paths import read_small
+
+    s3.put("runs/r/1/COMMITTED", b"m" * (64 << 20))
+    s3.put("runs/r/2/COMMITTED", b"")
+    s3.put("runs/r/3/COMMITTED", b'{"ref": "r/3"}')
+    assert len(s3.read_head("runs/r/1/COMMITTED", 65537)) == 65537
+    assert read_small(s3, "runs/r/1/COMMITTED", 65536) == (None, "holds more than 65536 bytes")
+    assert read_small(s3, "runs/r/2/COMMITTED", 65536) == (b"", None)
+    assert read_small(s3, "runs/r/3/COMMITTED", 65536) == (b'{"ref": "r/3"}', None)
+    assert read_small(s3, "runs/r/4/COMMITTED", 65536) == (None, None)
