@@ -93,7 +93,11 @@ class LoadLease(contextlib.ExitStack):
         ``close``) waits for it."""
         self.base = base
         self.enter_context(self.transport.leased(base, self.holder))
-        lease, raised = read_lease(self.transport, base, self.holder), []
+        lease = read_lease(self.transport, base, self.holder)
+        if wait:
+            self.enter_context(lease)
+            return
+        raised: list[BaseException] = []
 
         def take() -> None:
             try:
@@ -101,12 +105,10 @@ class LoadLease(contextlib.ExitStack):
             except BaseException as e:  # noqa: BLE001 - raised by held() on the caller's thread
                 raised.append(e)
 
-        t = threading.Thread(target=take, name="ckptd-read-lease", daemon=True)
+        t = threading.Thread(target=take, name="ckptd-lease-take", daemon=True)
         self._taking = (t, lease, raised)
         self.callback(self._settle)  # a load that fails before held(): the lease is still released
         t.start()
-        if wait:
-            self.held()
 
     def held(self) -> None:
         """Wait for the lease :meth:`hold` is taking (taken, or refused and logged: ``read_lease``)."""
@@ -120,6 +122,7 @@ class LoadLease(contextlib.ExitStack):
         self.push(lease)  # released at close
 
     def _settle(self) -> None:
+        """At close, a lease still being taken (no :meth:`held`): waited for, then released."""
         if self._taking is not None:
             t, lease, raised = self._taking
             self._taking = None
