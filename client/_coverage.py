@@ -13,7 +13,8 @@ Call order inside ``load`` (every rank, collectively):
    for other ranks only, fails that rank;
 2. :func:`agree_keys`, whose cost per rank does not grow with the world size: one all-reduce of a
    fixed size (``_dist.check``: whether some rank failed, and the lowest that did; whether every rank
-   resolved the same checkpoint, as a digest of its ref, session and key count), then one bitwise-or
+   resolved the same checkpoint, as a digest of its ref, session and key count; whether some rank
+   does not read its files directly, so that ``_share`` has something to share), then one bitwise-or
    all-reduce of a bitmap over the checkpoint's keys (a bit per key: those some rank holds). Every
    rank then raises, or none: the failing rank its own error, the others a
    :class:`StateDictMismatch` (or :class:`CkptdError` for other failures) naming the rank and its
@@ -43,16 +44,18 @@ def _bitmap(keys: list[str], held: set[str]) -> bytearray:
 
 
 def agree_keys(err: BaseException | None, ckpt: tuple[str, str] | None, keys: list[str], held: set[str], *,
-               cover: bool) -> tuple[int, list[str]]:
-    """Collective (see the module docstring); returns the number of ranks whose keys were checked
-    and the checkpoint's keys that none of them holds. ``ckpt``: the checkpoint this rank resolved
-    (ref and session; None when it failed first), ``keys``: every key a state dict can restore from
-    it, sorted. Raises on every rank, or on none."""
+               cover: bool, flags: tuple[bool, ...] = ()) -> tuple[int, list[str], tuple[bool, ...]]:
+    """Collective (see the module docstring); returns the number of ranks whose keys were checked,
+    the checkpoint's keys that none of them holds, and each of ``flags`` or-ed over the ranks (carried
+    in the first all-reduce). ``ckpt``: the checkpoint this rank resolved (ref and session; None when
+    it failed first), ``keys``: every key a state dict can restore from it, sorted. Raises on every
+    rank, or on none."""
     import torch
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    same = raise_on_all(err, repr((ckpt, len(keys))).encode())  # the rare round: what the failing rank raised
+    # the rare round: what the failing rank raised
+    same, agreed = raise_on_all(err, repr((ckpt, len(keys))).encode(), flags=flags)
     assert ckpt is not None
     if not same:  # the rare round: which checkpoints the ranks resolved (a short ref each)
         gathered: list = [None] * world
@@ -71,4 +74,4 @@ def agree_keys(err: BaseException | None, ckpt: tuple[str, str] | None, keys: li
             f"checkpoint {ckpt[0]} has keys that no rank's state_dict holds (checked across {world} "
             f"ranks): {uncovered[:8]}{' ...' if len(uncovered) > 8 else ''} "
             f"(load(..., cover=False) restores the keys the ranks hold)", missing_on_all_ranks=uncovered[:64])
-    return world, uncovered
+    return world, uncovered, agreed

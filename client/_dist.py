@@ -6,8 +6,9 @@ made once for the default group (a trainer that called ``init_process_group("ncc
 creation is itself collective: the first save or load, which every rank calls, makes it.
 
 The client's agreements cost each rank the same whatever the world size: :func:`check` is one
-all-reduce of ten integers (the lowest rank that failed, whether every rank passed the same digest),
-and only when it finds a failure does :func:`failure`, a rare second round, tell every rank what the
+all-reduce of ten integers (the lowest rank that failed, whether every rank passed the same digest)
+and of a few flags or-ed over the ranks (a load's: some rank does not read the files directly), and
+only when it finds a failure does :func:`failure`, a rare second round, tell every rank what the
 failing rank raised (a broadcast from it). No common path gathers an object from every rank.
 
 :func:`solo` turns all of that off for the calls made inside it, on the thread that makes them: a
@@ -115,17 +116,20 @@ def reduce_max(values: list[int], *, group: object = _CPU) -> list[int]:
     return t.tolist()
 
 
-def check(failed: bool, digest: bytes = b"", *, group: object = _CPU) -> tuple[int | None, bool]:
-    """Collective, one all-reduce of ten int64 whatever the world size: the lowest (global) rank of
-    ``group`` on which ``failed`` is true (None: none), and whether every rank that did not fail
-    passed the same ``digest`` (hashed to 128 bits: their maximum and minimum agree)."""
+def check(failed: bool, digest: bytes = b"", *, flags: tuple[bool, ...] = (),
+          group: object = _CPU) -> tuple[int | None, bool, tuple[bool, ...]]:
+    """Collective, one all-reduce of ten int64 (and one per flag) whatever the world size: the lowest
+    (global) rank of ``group`` on which ``failed`` is true (None: none), whether every rank that did
+    not fail passed the same ``digest`` (hashed to 128 bits: their maximum and minimum agree), and
+    each of ``flags`` true iff some rank that did not fail passed it true (every rank passes as many)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     h = hashlib.blake2b(digest, digest_size=16).digest()
     parts = [int.from_bytes(h[i:i + 4], "little") for i in range(0, 16, 4)]
     mine = [_NONE] * 8 if failed else parts + [-p for p in parts]
-    got = reduce_max([1 if failed else 0, world - rank if failed else 0, *mine], group=group)
+    raised = [0 if failed else int(bool(f)) for f in flags]
+    got = reduce_max([1 if failed else 0, world - rank if failed else 0, *mine, *raised], group=group)
     same = all(got[2 + i] == -got[6 + i] for i in range(4)) or got[2] == _NONE
-    return (world - got[1] if got[0] else None), same
+    return (world - got[1] if got[0] else None), same, tuple(bool(x) for x in got[10:])
 
 
 def failure(src: int, err: BaseException | str | None, *, group: object = _CPU) -> tuple[str, tuple[str, ...], int]:
@@ -146,14 +150,16 @@ def failure(src: int, err: BaseException | str | None, *, group: object = _CPU) 
     return message, tuple(kinds), int(count.item())
 
 
-def raise_on_all(err: BaseException | None, digest: bytes = b"", *, group: object = _CPU) -> bool:
+def raise_on_all(err: BaseException | None, digest: bytes = b"", *, flags: tuple[bool, ...] = (),
+                 group: object = _CPU) -> tuple[bool, tuple[bool, ...]]:
     """Collective (a load's ranks, or a host's): when some rank failed, raise on every one of them, the
     failing ranks their own error, the others one naming the lowest failing rank (``StateDictMismatch``
     where it raised one, else ``CkptdError``), so that no rank waits in a later collective for one that
-    stopped; else whether every rank passed the same ``digest`` (:func:`check`, then :func:`failure`)."""
-    first, same = check(err is not None, digest, group=group)
+    stopped; else whether every rank passed the same ``digest``, and each of ``flags`` or-ed over the
+    ranks (:func:`check`, then :func:`failure`)."""
+    first, same, agreed = check(err is not None, digest, flags=flags, group=group)
     if first is None:
-        return same
+        return same, agreed
     message, kinds, _ = failure(first, err, group=group)
     if err is not None:
         raise err

@@ -12,22 +12,26 @@ Call order inside :meth:`CheckpointClient.load`:
    In a distributed load a rank may hold any subset of the checkpoint: each
    rank's keys must exist in it, and the ranks' keys together must cover it,
    checked in two all-reduces whatever the world size (``_coverage``) that also let every rank raise
-   when one fails;
+   when one fails, and tell every rank whether some rank does not read its files directly (step 4);
 2. describe the regions this rank's tensors cover (DTensor boxes from their
    placements, FlatShard ranges, whole plain tensors), fetch the load tree's
    pieces they need (chunk rows, files, the objects it restores), check each,
    and plan the reads here: coalesced, block-aligned byte ranges (without a load
-   tree, from the whole manifest, checked against its digest);
+   tree, from the whole manifest, checked against its digest). The read lease
+   (step 3) is taken beside the pieces' request, both needing only the head, and
+   held before step 1's agreement;
 3. :func:`execute`: fetch the ranges in parallel, every block digest verified, from this host's
    copy of the service's files where the plan names them and it can open them (``_files``), else
    over HTTP; row bands go straight into the destinations (``_scatter``, onto a device through a
    ring of pinned buffers), anything else through a buffer. The service sees none of the direct
    reads (nor the ranks of a distributed load waiting for each other), so the load holds a read
    lease of its own (``LoadLease``, one per load), renewed while it reads: gc spares the checkpoint.
-4. in a distributed load, regions that several ranks of one host need
-   (replicated tensors) are read by one of them and sent to the others
-   (``_share``); every step that could leave a rank waiting is agreed first,
-   so a failure on one rank raises on all of them instead of hanging.
+4. in a distributed load where some rank does not read all its bytes from this host's files (as
+   step 1's agreement tells every rank alike), regions that several ranks of one host need
+   (replicated tensors) are read by one of them and sent to the others (``_share``: a gather within
+   the host first); where every rank reads directly the page cache already reads each byte from
+   the disk once, and no rank calls ``_share``. Every step that could leave a rank waiting is agreed
+   first, so a failure on one rank raises on all of them instead of hanging.
 """
 
 from __future__ import annotations
@@ -166,30 +170,41 @@ def _load_into(transport: Transport, run: str, name: str, state_dict: dict, leas
     share = share_replicas and together
     manifest: Manifest | None = None
     held: set[str] = set()
+    files: LocalFiles | None = None
+    direct = True  # every byte this rank reads comes from this host's files (nothing for ``_share`` to save)
     err: Exception | None = None
     try:
         found = _prepare(transport, run, name, state_dict, strict, cover=cover, rank=rank, alone=not together,
-                         direct_reads=direct_reads, hold=lease.hold)
+                         direct_reads=direct_reads, lease=lease)
         manifest, report, leaves, pieces = found.manifest, found.report, found.leaves, found.pieces
         objects_by_name = found.objects_by_name
         held = {leaf.fqn for leaf in leaves}
         base = f"/v1/checkpoints/{run}/{manifest.name}"
         plan = found.plan(pieces) if pieces else None
+        files = local_files(plan, manifest) if plan is not None else None
+        direct = plan is None or (files is not None and all(files.usable(f.file) for f in plan.fetches))
     except Exception as e:
         err = e
-    uncovered: list[str] = []
-    if together and (share or strict or cover):  # one collective: the other ranks must not wait below for a failed one
-        coverage, uncovered = agree_keys(err, None if manifest is None else (manifest.ref, manifest.session),
-                                         found.keys if manifest is not None else [], held, cover=cover)
-    else:
-        coverage = 1 if strict or cover else 0
-    if err is not None:
-        raise err
-    report.coverage_ranks = coverage
-    report.uncovered = uncovered if together else list(report.unexpected)
-    if pieces or share:  # a rank with nothing to read still takes part in the agreement
-        _read_tensors(transport, base, manifest, pieces, plan, report, streams=streams, share=share,
-                      replan=found.plan)
+    try:
+        uncovered: list[str] = []
+        if together and (share or strict or cover):  # one collective: no rank waits below for a failed one
+            coverage, uncovered, (indirect,) = agree_keys(
+                err, None if manifest is None else (manifest.ref, manifest.session),
+                found.keys if manifest is not None else [], held, cover=cover, flags=(not direct,))
+            share = share and indirect  # on every rank alike: only a rank that reads over HTTP gains from it
+        else:
+            coverage = 1 if strict or cover else 0
+        if err is not None:
+            raise err
+        report.coverage_ranks = coverage
+        report.uncovered = uncovered if together else list(report.unexpected)
+        if pieces or share:  # a rank with nothing to read still takes part in the sharing
+            _read_tensors(transport, base, pieces, plan, files, report, streams=streams, share=share, direct=direct,
+                          replan=found.plan)
+    finally:
+        if files is not None:
+            files.close()
+            report.bytes_read_direct = files.bytes_read
     for leaf in leaves:
         if leaf.kind == "tensor" or leaf.fqn not in objects_by_name:
             continue
@@ -229,8 +244,7 @@ class _Prepared:
 
 
 def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict: bool, *, cover: bool = False,
-             rank: int = 0, alone: bool = True, direct_reads: bool = True,
-             hold: Callable[[str], None] | None = None) -> _Prepared:
+             rank: int = 0, alone: bool = True, direct_reads: bool = True, lease: LoadLease | None = None) -> _Prepared:
     """Step 1: what the checkpoint holds, matched against the state dict; the tensor pieces this rank
     fills, and how their reads are planned.
 
@@ -239,8 +253,8 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
     reads are planned here from either. With ``strict``, a key of the state dict that the checkpoint lacks (or holds
     only per rank, for other ranks) fails this rank. With ``cover``, a key of the checkpoint that the
     state dict lacks fails it when it loads ``alone``; otherwise ``_coverage.agree_keys`` checks that
-    some rank holds it. ``hold(base)`` takes the load's read lease on the checkpoint ``name`` resolved
-    to, before any request names it."""
+    some rank holds it. ``lease`` is taken on the checkpoint ``name`` resolved to beside the request
+    for the pieces (both need only the head), and held when this returns: before any byte is read."""
     found = fetch_head(transport, run, name)
     manifest: Manifest | None = None
     if found is None:
@@ -294,8 +308,8 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
         report.tensors.append(leaf.fqn)
 
     base = f"/v1/checkpoints/{run}/{concrete}"
-    if hold is not None:
-        hold(base)  # renewed while the load reads, released at the end
+    if lease is not None:
+        lease.hold(base, wait=False)  # its PUT beside the pieces' POST; renewed while the load reads
     restores = [leaf.fqn for leaf in leaves if leaf.kind != "tensor" and leaf.fqn in object_names]
     if manifest is None:
         assert found is not None
@@ -310,6 +324,9 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
         for o in manifest.objects:
             if o.name in object_names:
                 objects_by_name.setdefault(o.name, []).append(o)
+
+    if lease is not None:
+        lease.held()
 
     def plan(ps: list[tuple[Leaf, LocalPiece]]) -> ReadPlan:
         return got.plan([_request(leaf.fqn, p) for leaf, p in ps])
@@ -327,37 +344,32 @@ def _key(leaf: Leaf, p: LocalPiece) -> Any:
     return region_key(leaf.fqn, box, p.flat, p.dtype)
 
 
-def _read_tensors(transport: Transport, base: str, manifest: Manifest, pieces: list[tuple[Leaf, LocalPiece]],
-                  plan: ReadPlan | None, report: LoadReport, *, streams: int, share: bool,
+def _read_tensors(transport: Transport, base: str, pieces: list[tuple[Leaf, LocalPiece]], plan: ReadPlan | None,
+                  files: LocalFiles | None, report: LoadReport, *, streams: int, share: bool, direct: bool,
                   replan: Callable[[list[tuple[Leaf, LocalPiece]]], ReadPlan]) -> None:
-    """Step 3 (and 4): agree who reads the regions shared within a host; fetch and verify; pass
-    the shared regions along."""
+    """Step 3 (and 4): agree who reads the regions shared within a host (``share``: some rank of the
+    load does not read all its bytes from this host's files, as the agreement said; ``direct``: this
+    one does); fetch and verify, from ``files`` where usable; pass the shared regions along. The
+    caller closes ``files``."""
     pieces_all = pieces
-    files = local_files(plan, manifest) if plan is not None else None
+    sharing = Sharing()
+    if share:
+        sharing = share_plan({_key(leaf, p): p.numel * p.local.element_size() for leaf, p in pieces}, direct)
+        if sharing.skip:  # another rank of this host reads these for us
+            pieces_read = [(leaf, p) for leaf, p in pieces if _key(leaf, p) not in sharing.skip]
+            plan = replan(pieces_read) if pieces_read else None
+            pieces = pieces_read
+    err: Exception | None = None
     try:
-        sharing = Sharing()
-        if share:
-            direct = plan is None or (files is not None and all(files.usable(f.file) for f in plan.fetches))
-            sharing = share_plan({_key(leaf, p): p.numel * p.local.element_size() for leaf, p in pieces}, direct)
-            if sharing.skip:  # another rank of this host reads these for us
-                pieces_read = [(leaf, p) for leaf, p in pieces if _key(leaf, p) not in sharing.skip]
-                plan = replan(pieces_read) if pieces_read else None
-                pieces = pieces_read
-        err: Exception | None = None
-        try:
-            if plan is not None:
-                execute(transport, base, plan, [_destination(p) for _, p in pieces], streams, files)
-                report.bytes_read = plan.bytes_to_read
-        except Exception as e:
-            err = e
-        if not sharing.empty:  # the receivers must not wait for a reader that failed
-            raise_on_all(err, group=sharing.group)
-        elif err is not None:
-            raise err
-    finally:
-        if files is not None:
-            files.close()
-            report.bytes_read_direct = files.bytes_read
+        if plan is not None:
+            execute(transport, base, plan, [_destination(p) for _, p in pieces], streams, files)
+            report.bytes_read = plan.bytes_to_read
+    except Exception as e:
+        err = e
+    if not sharing.empty:  # the receivers must not wait for a reader that failed
+        raise_on_all(err, group=sharing.group)
+    elif err is not None:
+        raise err
     if not sharing.empty:
         report.bytes_shared_in = exchange(sharing, {_key(leaf, p): p.local for leaf, p in pieces_all})
 

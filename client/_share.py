@@ -16,7 +16,9 @@ Call order inside ``load`` (every rank, collectively, like the load itself):
    only (``use_local_synchronization``): nothing here grows with the world size after that;
 2. :func:`share_plan`: one ``all_gather_object`` within the host of (host name, whether this rank
    reads the service's files directly, the regions it needs). Hosts whose ranks all read directly
-   are left alone: the page cache already reads each byte from the disk once. Returns who reads what;
+   are left alone: the page cache already reads each byte from the disk once. Returns who reads what.
+   A load calls it (and step 1) only when its key agreement (``_coverage``) found some rank that
+   does not read directly; where every rank does, nothing here runs;
 3. each rank drops the regions another rank reads for it, and loads the rest; ``_dist.raise_on_all``
    (within the host) makes every rank of the host raise when one of them failed;
 4. :func:`exchange`: the readers send, the others receive, in one order within the host (every rank

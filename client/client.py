@@ -59,7 +59,7 @@ def _reasons(err: BaseException | str | None, world: int) -> str:
     mine = None if err is None else err if isinstance(err, str) else f"{type(err).__name__}: {err}"
     if world == 1:
         return str(mine)
-    first, _ = check(mine is not None)
+    first = check(mine is not None)[0]
     if first is None:
         return "no rank says why"
     message, _, count = failure(first, mine)

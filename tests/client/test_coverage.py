@@ -8,7 +8,8 @@ On three ranks, one after another on the same process group (each call must leav
   byte boundaries of the bitmaps (nine keys); with ``cover`` they fail every rank, naming them;
 * one rank failed: that rank raises its own error, every other rank a ``StateDictMismatch`` (or, for
   any other failure, a ``CkptdError``) naming the failing rank;
-* the ranks resolved different checkpoints (``RUN/latest`` while a save committed): every rank raises.
+* the ranks resolved different checkpoints (``RUN/latest`` while a save committed): every rank raises;
+* a flag passed true by one rank (the load's "this rank reads over HTTP") comes back true on every rank.
 
 The same checks through a real service and client are in tests/client/test_strict_collective.py.
 """
@@ -23,10 +24,10 @@ CKPT = ("r/1", "s" * 32)
 
 def _outcome(fn) -> dict:
     try:
-        n, uncovered = fn()
+        n, uncovered, flags = fn()
     except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
         return {"type": type(e).__name__, "message": str(e), "details": getattr(e, "details", {})}
-    return {"type": None, "ranks": n, "uncovered": uncovered}
+    return {"type": None, "ranks": n, "uncovered": uncovered, **({"flags": flags} if flags else {})}
 
 
 def agree_job(rank: int, world: int) -> list[dict]:
@@ -47,14 +48,17 @@ def agree_job(rank: int, world: int) -> list[dict]:
                                     cover=False)),
         _outcome(lambda: agree_keys(None, ("r/2", "t" * 32) if rank == 0 else CKPT, KEYS, held, cover=False)),
         _outcome(lambda: agree_keys(None, CKPT, [], set(), cover=True)),  # a checkpoint without keys
+        _outcome(lambda: agree_keys(None, CKPT, KEYS, everything, cover=True, flags=(rank == 2, False))),
     ]
 
 
 def test_the_ranks_agree_on_keys_and_failures(tmp_path):
     results = [r["result"] for r in run_ranks(agree_job, 3, tmp=tmp_path)]
-    covered, reported, refused, mismatch, failure, differ, empty = zip(*results)
+    covered, reported, refused, mismatch, failure, differ, empty, flagged = zip(*results)
 
     assert all(o == {"type": None, "ranks": 3, "uncovered": []} for o in covered)
+    # flags ride on the same all-reduce: each true on every rank iff some rank passed it true
+    assert all(o == {"type": None, "ranks": 3, "uncovered": [], "flags": (True, False)} for o in flagged), flagged
     assert all(o == {"type": None, "ranks": 3, "uncovered": ["k7"]} for o in reported)
     for o in refused:
         assert o["type"] == "StateDictMismatch" and o["details"] == {"missing_on_all_ranks": ["k7"]}

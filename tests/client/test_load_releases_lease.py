@@ -7,19 +7,21 @@ and right after it ``rm`` of that checkpoint removes it: the load's own lease na
 requests and was released when it returned, and the service leased nothing on its own. A reader
 that holds a lease (as a load in progress does) keeps the checkpoint, and ``rm`` says who holds it
 and until when; reading a manifest takes no lease, and a byte read without one (``curl``) still
-leases the checkpoint for a while.
+leases the checkpoint for a while. A load takes its lease beside the request for its pieces, yet
+however slow the lease's answer, no byte is read, directly or over HTTP, before it is held.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import httpx
 import torch
 
 from ckptd_client import CheckpointClient
-from support import ServerProcess
+from support import ServerProcess, scaled
 
 
 def _rm(url: str, ref: str) -> subprocess.CompletedProcess:
@@ -109,5 +111,44 @@ def test_a_dcp_load_reading_files_directly_holds_one_lease_the_readers(tmp_path,
         assert torch.equal(got["model"]["w"], _state(3.0)["model"]["w"])
         assert seen and all(len(held) == 1 for held in seen), seen  # read directly, under the reader's lease
         assert not list((tmp_path / "root" / "leases").rglob("*.json"))
+    finally:
+        srv.stop()
+
+
+def test_a_slow_lease_is_held_before_the_load_reads_a_byte(tmp_path, monkeypatch):
+    """The load's lease PUT goes out beside its pieces' request; a PUT answered late (delayed here) still
+    comes back before the first byte is read: each direct read finds the load's lease on the root, and
+    the reads over HTTP all name a lease already held (the service leases nothing on its own account)."""
+    from ckptd_client import _files
+    from ckptd_client.transport import Transport
+
+    srv = ServerProcess(tmp_path / "root").start()
+    held = tmp_path / "root" / "leases" / "sl" / "1"
+    seen: list[list[str]] = []
+    real_read, real_request = _files.LocalFiles.read, Transport.request
+
+    def read(self, *a, **kw):
+        seen.append(sorted(p.name for p in held.glob("*.json")))
+        return real_read(self, *a, **kw)
+
+    def request(self, method, path, **kw):
+        if method == "PUT" and "/leases/" in path:
+            time.sleep(scaled(0.5))  # the pieces' answer comes first
+        return real_request(self, method, path, **kw)
+
+    monkeypatch.setattr(_files.LocalFiles, "read", read)
+    monkeypatch.setattr(Transport, "request", request)
+    try:
+        with CheckpointClient(srv.url) as c:
+            c.save(_state(3), "sl/1").wait()
+        for kw in ({}, {"direct_reads": False}):
+            with CheckpointClient(srv.url, **kw) as c:
+                got = _state(0)
+                report = c.load(got, "sl/1")
+            assert torch.equal(got["model"]["w"], _state(3.0)["model"]["w"]), kw
+            assert (report.bytes_read_direct > 0) == (kw == {}), (kw, report)
+            leases = list((tmp_path / "root" / "leases").rglob("*.json"))
+            assert leases == [], (kw, leases)  # no ``reader-`` lease: every HTTP byte read named a held one
+        assert seen and all(len(h) == 1 and h[0].startswith("client-") for h in seen), seen
     finally:
         srv.stop()

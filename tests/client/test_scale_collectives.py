@@ -117,9 +117,10 @@ def agree_job(rank: int, world: int) -> dict:
     from ckptd_schemas import StateDictMismatch
 
     out: dict = {"same": check(False, b"one digest"), "differ": check(False, b"x" if rank == 2 else b"y"),
-                 "none": check(False, b"")}
+                 "none": check(False, b""),
+                 "flags": check(rank == 3, b"", flags=(rank == 2, rank == 3, False))}  # a failed rank's: not counted
     err = StateDictMismatch(f"rank {rank}: key 'k{rank}' differs") if rank in (1, 3) else None
-    first, _ = check(err is not None, b"d")
+    first = check(err is not None, b"d")[0]
     out["first"] = first
     out["failure"] = failure(first, err)
     # plain tensors held differently (pipeline stages): rank 0 plans, each rank gets its own keys' writers
@@ -133,8 +134,9 @@ def agree_job(rank: int, world: int) -> dict:
 def test_ranks_that_disagree_are_found_in_one_reduction_and_named_in_a_second_round(tmp_path):
     recs = [r["result"] for r in run_ranks(agree_job, 4, tmp=tmp_path)]
     for r, rec in enumerate(recs):
-        assert rec["same"] == (None, True) and rec["none"] == (None, True), (r, rec)
-        assert rec["differ"] == (None, False), (r, rec)  # one rank of four passed another digest
+        assert rec["same"] == (None, True, ()) and rec["none"] == (None, True, ()), (r, rec)
+        assert rec["differ"] == (None, False, ()), (r, rec)  # one rank of four passed another digest
+        assert rec["flags"] == (3, True, (True, False, False)), (r, rec)  # or-ed over the ranks that passed
         assert rec["first"] == 1, (r, rec)
         message, kinds, count = rec["failure"]
         assert message == "StateDictMismatch: rank 1: key 'k1' differs" and "StateDictMismatch" in kinds, rec

@@ -2,8 +2,9 @@
 
 The policy is pure and property-tested; the exchange runs in real gloo ranks against a real
 ``ckptd serve``: over HTTP, three ranks of one host that all hold the same plain tensors fetch each
-of them once between them, and every rank ends with the checkpoint's bytes. When one rank's load
-fails, every rank raises instead of waiting for it.
+of them once between them, and every rank ends with the checkpoint's bytes; when every rank reads
+the service's files directly, no rank gathers a sharing plan at all. When one rank's load fails,
+every rank raises instead of waiting for it.
 """
 
 from __future__ import annotations
@@ -97,6 +98,54 @@ def test_replicated_tensors_are_fetched_once_per_host(server, tmp_path):
     assert all(r["shared_in"] == 0 for r in off)
     # reading the service's files directly, the page cache shares them already: nothing is sent
     assert all(r["direct"]["shared_in"] == 0 for r in recs)
+
+
+def gather_job(rank: int, world: int, url: str) -> dict:
+    import torch.distributed as dist
+
+    from ckptd_client import CheckpointClient
+
+    want = _state(rank, world)
+    with CheckpointClient(url) as c:
+        c.save(want, "share/3").wait()
+    real, calls = dist.all_gather_object, []
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    dist.all_gather_object = counted
+    out = {}
+    try:
+        for mode, kw in (("direct", {}), ("one_over_http", {"direct_reads": rank != 1})):
+            before = len(calls)
+            got = {k: (torch.zeros_like(v) if not hasattr(v, "to_local") else v.clone()) for k, v in want.items()}
+            got["w"].to_local().zero_()
+            with CheckpointClient(url, **kw) as c:
+                rep = c.load(got, "share/3")
+            for k in ("emb", "head", "steps"):
+                assert torch.equal(got[k], want[k]), f"{mode}: {k} differs on rank {rank}"
+            assert torch.equal(got["w"].to_local(), want["w"].to_local()), f"{mode}: w differs on rank {rank}"
+            out[mode] = {"gathers": len(calls) - before, "read": rep.bytes_read, "direct": rep.bytes_read_direct,
+                         "shared_in": rep.bytes_shared_in}
+    finally:
+        dist.all_gather_object = real
+    return out
+
+
+def test_no_rank_gathers_a_sharing_plan_when_every_rank_reads_its_files_directly(server, tmp_path):
+    """Every rank reads the service's files itself: the load's agreement says so to all of them, and
+    none gathers who reads what (nothing would be shared). When one rank reads over HTTP, the same
+    agreement tells every rank to share, and the replicated regions are read once on the host."""
+    world = 3
+    recs = [r["result"] for r in run_ranks(gather_job, world, server.url, tmp=tmp_path)]
+    for r, rec in enumerate(recs):
+        assert rec["direct"]["gathers"] == 0, (r, rec)
+        assert rec["direct"]["direct"] > 0 and rec["direct"]["shared_in"] == 0, (r, rec)
+        assert rec["one_over_http"]["gathers"] >= 1, (r, rec)
+    assert recs[1]["one_over_http"]["direct"] == 0
+    replicated = 500 * 256 * 4 + 37 * 129 * 2 + 5 * 8
+    assert sum(rec["one_over_http"]["shared_in"] for rec in recs) == (world - 1) * replicated
 
 
 def failing_job(rank: int, world: int, url: str) -> dict:
