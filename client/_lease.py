@@ -74,58 +74,16 @@ class LoadLease(contextlib.ExitStack):
     Call order: construct it before the first request of the load (every request under
     ``/v1/checkpoints/RUN/NAME`` names the lease from then on, the manifest of ``latest`` included),
     :meth:`hold` once the manifest has said which checkpoint ``NAME`` is (the lease is taken there and
-    renewed while the load reads, :func:`read_lease`; a load's ``hold(base, wait=False)`` takes it
-    beside its next request, and :meth:`held` waits for it before the first byte is read), ``close``
-    when the load returns: the service then leases nothing on this load's account, and ``rm`` right
-    after succeeds."""
+    renewed while the load reads, :func:`read_lease`), ``close`` when the load returns: the service
+    then leases nothing on this load's account, and ``rm`` right after succeeds."""
 
     def __init__(self, transport: Transport, run: str, name: str) -> None:
         super().__init__()
         self.transport, self.holder = transport, uuid.uuid4().hex
         self.base: str | None = None  # the checkpoint held, once resolved
-        self._taking: tuple[threading.Thread, contextlib.AbstractContextManager, list[BaseException]] | None = None
         self.enter_context(transport.leased(f"/v1/checkpoints/{run}/{name}", self.holder))
 
-    def hold(self, base: str, *, wait: bool = True) -> None:
-        """Take (and renew) the lease on the checkpoint at ``base``, the resolved one. Every request under
-        ``base`` names the lease from now on; with ``wait=False`` its PUT goes out on a thread of its own,
-        so that the caller's next request (a load's pieces) runs beside it, and :meth:`held` (or
-        ``close``) waits for it."""
+    def hold(self, base: str) -> None:
+        """Take (and renew) the lease on the checkpoint at ``base``, the resolved one."""
         self.base = base
-        self.enter_context(self.transport.leased(base, self.holder))
-        lease = read_lease(self.transport, base, self.holder)
-        if wait:
-            self.enter_context(lease)
-            return
-        raised: list[BaseException] = []
-
-        def take() -> None:
-            try:
-                lease.__enter__()
-            except BaseException as e:  # noqa: BLE001 - raised by held() on the caller's thread
-                raised.append(e)
-
-        t = threading.Thread(target=take, name="ckptd-lease-take", daemon=True)
-        self._taking = (t, lease, raised)
-        self.callback(self._settle)  # a load that fails before held(): the lease is still released
-        t.start()
-
-    def held(self) -> None:
-        """Wait for the lease :meth:`hold` is taking (taken, or refused and logged: ``read_lease``)."""
-        if self._taking is None:
-            return
-        t, lease, raised = self._taking
-        self._taking = None
-        t.join()
-        if raised:
-            raise raised[0]
-        self.push(lease)  # released at close
-
-    def _settle(self) -> None:
-        """At close, a lease still being taken (no :meth:`held`): waited for, then released."""
-        if self._taking is not None:
-            t, lease, raised = self._taking
-            self._taking = None
-            t.join()
-            if not raised:
-                lease.__exit__(None, None, None)
+        self.enter_context(read_lease(self.transport, base, self.holder))

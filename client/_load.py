@@ -17,9 +17,7 @@ Call order inside :meth:`CheckpointClient.load`:
    placements, FlatShard ranges, whole plain tensors), fetch the load tree's
    pieces they need (chunk rows, files, the objects it restores), check each,
    and plan the reads here: coalesced, block-aligned byte ranges (without a load
-   tree, from the whole manifest, checked against its digest). The read lease
-   (step 3) is taken beside the pieces' request, both needing only the head, and
-   held before step 1's agreement;
+   tree, from the whole manifest, checked against its digest);
 3. :func:`execute`: fetch the ranges in parallel, every block digest verified, from this host's
    copy of the service's files where the plan names them and it can open them (``_files``), else
    over HTTP; row bands go straight into the destinations (``_scatter``, onto a device through a
@@ -175,7 +173,7 @@ def _load_into(transport: Transport, run: str, name: str, state_dict: dict, leas
     err: Exception | None = None
     try:
         found = _prepare(transport, run, name, state_dict, strict, cover=cover, rank=rank, alone=not together,
-                         direct_reads=direct_reads, lease=lease)
+                         direct_reads=direct_reads, hold=lease.hold)
         manifest, report, leaves, pieces = found.manifest, found.report, found.leaves, found.pieces
         objects_by_name = found.objects_by_name
         held = {leaf.fqn for leaf in leaves}
@@ -244,7 +242,8 @@ class _Prepared:
 
 
 def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict: bool, *, cover: bool = False,
-             rank: int = 0, alone: bool = True, direct_reads: bool = True, lease: LoadLease | None = None) -> _Prepared:
+             rank: int = 0, alone: bool = True, direct_reads: bool = True,
+             hold: Callable[[str], None] | None = None) -> _Prepared:
     """Step 1: what the checkpoint holds, matched against the state dict; the tensor pieces this rank
     fills, and how their reads are planned.
 
@@ -308,8 +307,8 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
         report.tensors.append(leaf.fqn)
 
     base = f"/v1/checkpoints/{run}/{concrete}"
-    if lease is not None:
-        lease.hold(base, wait=False)  # its PUT beside the pieces' POST; renewed while the load reads
+    if hold is not None:
+        hold(base)  # renewed while the load reads, released at the end
     restores = [leaf.fqn for leaf in leaves if leaf.kind != "tensor" and leaf.fqn in object_names]
     if manifest is None:
         assert found is not None
@@ -325,8 +324,6 @@ def _prepare(transport: Transport, run: str, name: str, state_dict: dict, strict
             if o.name in object_names:
                 objects_by_name.setdefault(o.name, []).append(o)
 
-    if lease is not None:
-        lease.held()
 
     def plan(ps: list[tuple[Leaf, LocalPiece]]) -> ReadPlan:
         return got.plan([_request(leaf.fqn, p) for leaf, p in ps])

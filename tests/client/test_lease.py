@@ -118,14 +118,3 @@ def test_a_load_lease_holds_where_it_is_told_and_ends_at_close(srv, transport):
     _read_bytes(transport, "ls/2")  # after close the requests name nothing: the service leases it itself
     assert [k.startswith("ls/2/reader-") for k in _leases(srv)] == [True]
 
-
-def test_a_lease_taken_beside_a_request_is_held_once_waited_for_and_released_if_never_waited_for(srv, transport):
-    _clear_leases(srv)
-    with LoadLease(transport, "ls", "3") as lease:  # a load: the PUT beside its pieces' request
-        lease.hold("/v1/checkpoints/ls/3", wait=False)
-        lease.held()
-        assert list(_leases(srv)) == [f"ls/3/client-{lease.holder}"]
-    assert _leases(srv) == {}
-    with LoadLease(transport, "ls", "3") as lease:  # a load that failed before it waited for its lease
-        lease.hold("/v1/checkpoints/ls/3", wait=False)
-    assert _leases(srv) == {}  # the PUT was waited for at close, then its lease released

@@ -116,9 +116,9 @@ def test_a_dcp_load_reading_files_directly_holds_one_lease_the_readers(tmp_path,
 
 
 def test_a_slow_lease_is_held_before_the_load_reads_a_byte(tmp_path, monkeypatch):
-    """The load's lease PUT goes out beside its pieces' request; a PUT answered late (delayed here) still
-    comes back before the first byte is read: each direct read finds the load's lease on the root, and
-    the reads over HTTP all name a lease already held (the service leases nothing on its own account)."""
+    """A lease PUT answered late (delayed here) still comes back before the first byte is read: each
+    direct read finds the load's lease on the root, and the reads over HTTP all name a lease already
+    held (the service leases nothing on its own account)."""
     from ckptd_client import _files
     from ckptd_client.transport import Transport
 
@@ -133,7 +133,7 @@ def test_a_slow_lease_is_held_before_the_load_reads_a_byte(tmp_path, monkeypatch
 
     def request(self, method, path, **kw):
         if method == "PUT" and "/leases/" in path:
-            time.sleep(scaled(0.5))  # the pieces' answer comes first
+            time.sleep(scaled(0.5))
         return real_request(self, method, path, **kw)
 
     monkeypatch.setattr(_files.LocalFiles, "read", read)
