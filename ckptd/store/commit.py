@@ -123,15 +123,21 @@ class Committer:
     def merged(self, run: str, name: str, sid: str, meta: SessionMeta
                ) -> tuple[Manifest, dict[str, FileEntry], dict[str, tuple[str, str]]]:
         """The merged manifest, the digest records of its files and their arrival records (unless
-        :attr:`read_back`: the commit then reads every file). Indexes are read, folded
-        (:class:`~.merge.ManifestFold`) and dropped rank by rank: the commit holds the manifest
+        :attr:`read_back`: the commit then reads every file). Each rank's index and its files' records
+        as ``put_index`` checked them here (:class:`~.index_cache.IndexCache`), else read from the store;
+        folded (:class:`~.merge.ManifestFold`) and dropped rank by rank: the commit holds the manifest
         being built and a few indexes, not every index. On a remote store the next ranks' indexes
         and digest records are read while one is folded (:mod:`.inflight`)."""
         fold = ManifestFold(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
                             world_size=meta.world_size, derived_from=meta.derived_from, parent=meta.parent)
 
         def read_rank(r: int) -> tuple[RankIndex, list[tuple[str, FileEntry | None, tuple[str, str] | None]]]:
-            ix = self._read_index(Paths.rank_index(run, name, sid, r))
+            key = Paths.rank_index(run, name, sid, r)
+            checked = self._indexes.take(key, meta.created_at.isoformat())  # as put_index checked it here
+            if checked is not None:
+                ix, records = checked
+                return ix, [(f, records[f][0], None if self.read_back else records[f][1]) for f in ix.files]
+            ix = RankIndex.model_validate_json(self.storage.read(key))  # another replica's, or evicted
             return ix, [(f, recorded_file(self.storage, run, name, sid, f),
                          None if self.read_back else arrival_of(self.storage, run, name, sid, f)) for f in ix.files]
 
@@ -189,11 +195,6 @@ class Committer:
             return
         if n:
             log.info("commit of %s/%s: %d unfinished writes removed from session %s", run, name, n, sid)
-
-    def _read_index(self, key: str) -> RankIndex:
-        """The stored index, parsed (or as ``put_index`` parsed it, taken out of the cache)."""
-        raw = self.storage.read(key)
-        return self._indexes.take(key, raw) or RankIndex.model_validate_json(raw)
 
     def _commit(self, run: str, name: str, sid: str, meta: SessionMeta) -> tuple[str, CommitEvent | None]:
         with gc_paused():  # 512,000 chunks allocate enough for the collector to run dozens of full passes

@@ -1,14 +1,18 @@
-"""Rank indexes kept parsed between their upload and the commit they feed.
+"""Rank indexes, and the records of their files, kept from their check to the commit they feed.
 
-Every index is parsed and checked when it arrives (``SessionStore.put_index``);
-the commit, which starts when the last one arrives, reads all of them back
-from storage. For 1,024 ranks x 500 tensors parsing them again costs most of a
-second on the commit's critical path, so the parsed objects are kept here and
-reused when the stored bytes are still the ones that were parsed (same XXH3).
-Indexes that another replica received, or that were evicted, are parsed from
-storage as before: the cache changes the commit's speed, never its result. The
-commit takes each index out as it folds it into the manifest, so the two are
-not both held in full.
+Every index is parsed and checked when it arrives (``SessionStore.put_index``), against the digest
+records of its files, whose arrival records it reads too; the commit starts when the last one
+arrives. Kept here, the commit folds each rank's index with its files' records without reading any of
+them back: 1,024 ranks x 500 tensors take most of a second to parse again, and on an object store each
+rank costs three GETs (index, digest record, arrival record) on the commit's critical path, so the
+time from the last byte to the marker would grow with the world size (BENCHMARKS.md, Commit lag).
+
+What is kept is what this process checked for one incarnation of the session (its record's
+``created_at``): a session opened again under the same id, after an abort, never meets an entry of
+the one before. Ranks another replica received, or entries evicted, are read from the store as before:
+the cache changes the commit's speed, not what it checks (its data files are still confirmed by their
+stored identity or read). The commit takes each entry out as it folds it into the manifest, so the two
+are not both held in full.
 
 The cache also remembers, per session, below which rank every index was found
 stored (``stored_below``): ``put_index`` then probes from there for the first
@@ -21,55 +25,55 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from ckptd_schemas import RankIndex
+from ckptd_schemas import FileEntry, RankIndex
 
-from ckptd_schemas.filedigest import xxh3_hex
-
-__all__ = ["IndexCache"]
-
+__all__ = ["Checked", "IndexCache"]
 
 PARSED_PER_RAW = 3
 """Memory of a parsed index per byte of its JSON, rounded up from the measured ratio (BENCHMARKS.md,
 Figures behind the code)."""
+RECORD_BYTES = 512  # a file's digest and arrival records, parsed, besides their block digests
+BLOCK_BYTES = 80  # one block digest, parsed
+
+#: A rank's index as checked, and each of its files' digest record and arrival record (None: none).
+Checked = tuple[RankIndex, dict[str, tuple[FileEntry, "tuple[str, str] | None"]]]
 
 
 class IndexCache:
-    """A bounded map from an index's storage key to (digest of its bytes, parsed index).
-
-    ``max_bytes`` bounds the estimated memory of the parsed indexes (``PARSED_PER_RAW`` x
-    their JSON size): 512 MiB holds a 1,024 x 500 save's indexes (70 MB of JSON) with room;
-    of a larger save, the last ones to arrive (the rest are parsed again at the commit).
+    """A bounded map from an index's storage key to (the session's incarnation, what was checked).
+    ``max_bytes`` bounds the estimated memory (``PARSED_PER_RAW`` x the index's JSON size, and its
+    files' records): 512 MiB holds a 1,024 x 500 save's indexes (70 MB of JSON) with room; of a larger
+    save, the last ones to arrive (the rest are read again at the commit).
     """
 
     def __init__(self, max_bytes: int = 512 << 20, max_sessions: int = 4096) -> None:
         self.max_bytes = max_bytes
         self.max_sessions = max_sessions
-        self._items: OrderedDict[str, tuple[str, RankIndex, int]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[str, Checked, int]] = OrderedDict()
         self._bytes = 0
         self._below: OrderedDict[str, int] = OrderedDict()  # session prefix -> ranks below it stored
         self._lock = threading.Lock()
 
-    def put(self, key: str, raw: bytes, index: RankIndex) -> None:
-        cost = PARSED_PER_RAW * len(raw)
+    def put(self, key: str, incarnation: str, checked: Checked, raw_bytes: int) -> None:
+        """Keep rank index ``key`` as ``put_index`` checked it (``raw_bytes``: its JSON's size)."""
+        cost = PARSED_PER_RAW * raw_bytes + sum(RECORD_BYTES + BLOCK_BYTES * len(e.blocks)
+                                                for e, _ in checked[1].values())
         if cost > self.max_bytes:
             return
-        entry = (xxh3_hex(raw), index, cost)
         with self._lock:
             self._drop(key)
-            self._items[key] = entry
+            self._items[key] = (incarnation, checked, cost)
             self._bytes += cost
             while self._bytes > self.max_bytes:
                 self._drop(next(iter(self._items)))
 
-    def take(self, key: str, raw: bytes) -> RankIndex | None:
-        """The parsed index if ``raw`` is exactly what was parsed, else None; the entry is dropped either
-        way (the commit folds each index once)."""
+    def take(self, key: str, incarnation: str) -> Checked | None:
+        """What was checked of rank index ``key`` for this incarnation of its session, else None; the
+        entry is dropped either way (the commit folds each index once)."""
         with self._lock:
             entry = self._items.get(key)
             self._drop(key)
-        if entry is None or entry[2] != PARSED_PER_RAW * len(raw) or entry[0] != xxh3_hex(raw):
-            return None
-        return entry[1]
+        return entry[1] if entry is not None and entry[0] == incarnation else None
 
     def stored_below(self, prefix: str) -> int | None:
         """The rank below which every index of the session ``prefix`` was found stored (None: unknown)."""

@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from typing import Sequence
 
 from ckptd_schemas import (
-    AlreadyCommitted, InvalidIndex, InvalidRequest, OpenSession, RankIndex, SessionConflict, SessionInfo,
+    AlreadyCommitted, FileEntry, InvalidIndex, InvalidRequest, OpenSession, RankIndex, SessionConflict, SessionInfo,
     SessionStatus, check_file, check_name, check_new_name, check_run, check_session, parse_ref,
 )
 from ckptd_schemas.filedigest import BLOCK_SIZE
@@ -38,6 +38,7 @@ from .commit import Committer
 from .events import Observers, SessionEvents
 from .index_cache import IndexCache
 from .intake import Intake, recorded_file
+from .records import arrival_of
 from .paths import Paths, SessionMeta
 from .session_reads import committed_by, ranks_done, read_meta, session_meta, taken_error, writable
 from .space import OPEN_BYTES, Holder, Space, on_disk
@@ -138,14 +139,15 @@ class SessionStore:
             raise InvalidIndex(
                 f"rank {index.rank}: index says world size {index.world_size}, session {sid} has "
                 f"{meta.world_size}", rank=index.rank)
-        sizes: dict[str, int] = {}
+        records: dict[str, tuple[FileEntry, tuple[str, str] | None]] = {}
         for f in index.files:
             check_file(f)
             entry = recorded_file(self.storage, run, name, sid, f)
             if entry is None:
                 raise InvalidIndex(f"rank {index.rank}: file {f!r} was not uploaded (or its upload failed)",
                                    rank=index.rank, file=f)
-            sizes[f] = entry.size
+            records[f] = entry, arrival_of(self.storage, run, name, sid, f)  # for the commit, as checked here
+        sizes = {f: e.size for f, (e, _) in records.items()}
         try:
             index.check_chunks()
         except ValueError as e:
@@ -166,7 +168,7 @@ class SessionStore:
         self.intake.space.charge(holder, run, key[len(Paths.session(run, name, sid)) + 1:], on_disk(len(raw)),
                                  on_root=False)  # its blocks; the reserve takes a save's records, so it commits
         self.storage.put(key, raw)
-        self._indexes.put(key, raw, index)
+        self._indexes.put(key, meta.created_at.isoformat(), (index, records), len(raw))
         self.activity.touch(run, name, sid)  # a writer: ranks' indexes may arrive for minutes after the last file
         return self.committer.if_complete(run, name, sid, meta, index.rank)
 

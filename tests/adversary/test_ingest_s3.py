@@ -197,7 +197,8 @@ def test_by_default_a_rank_gets_no_url_into_the_store(plain):
 
 def test_a_file_replaced_in_the_store_between_arrival_and_commit_is_refused(plain, moto_s3):
     """Through the service (the default), a file's bytes are checked as they arrive, and the commit confirms
-    them by the ETag and size that one listing of the session's files gives (no HEAD of each file). Other
+    them by the ETag and size that one listing of the session's files gives (no HEAD of each file), and
+    reads no rank's index or records back: it folds them as the index's arrival checked them. Other
     bytes put over a staged file in the store, past the service, have another ETag: the commit refuses
     them naming the file, and the last good checkpoint stays ``latest`` and loads."""
     from adversary.test_arrival import _data, _index, _rows
@@ -221,8 +222,11 @@ def test_a_file_replaced_in_the_store_between_arrival_and_commit_is_refused(plai
     r = save("1", _data(1))
     assert r.status_code == 200 and r.json()["state"] == "committed", r.text
     log = moto_s3.log.read_text()
-    commit = log[log.rfind("/plain/runs/swap/1/sessions/s1/ranks/0000000.json"):log.rfind("/plain/runs/swap/1/COMMITTED")]
-    assert "HEAD /ckptd-test/plain/runs/swap/1/sessions/s1/files/" not in commit, commit
+    session = "/ckptd-test/plain/runs/swap/1/sessions/s1"
+    commit = log[log.find(f"PUT {session}/ranks/0000000.json"):log.find("PUT /ckptd-test/plain/runs/swap/1/COMMITTED")]
+    assert commit and f"HEAD {session}/files/" not in commit, commit  # the files' stamps: one listing
+    for record in ("ranks", "digests", "arrived"):  # as the index's arrival checked them, kept until the commit
+        assert f"GET {session}/{record}/" not in commit, (record, commit)
     for other in (_data(3), _data(2)[:-4]):  # other bytes of the same size, and a shorter file
         r = save("2", _data(2), swap=other)
         err = error_from_body(r.json(), r.status_code)

@@ -20,16 +20,18 @@ from __future__ import annotations
 import json
 
 import pytest
+import xxhash
 
 from ckptd.storage import LocalStorage
 from ckptd.store import SessionStore
 from ckptd.store.paths import Paths
 from ckptd.store.session_reads import read_meta
-from ckptd_schemas import ChecksumMismatch, CommitFailed, Conflict, InvalidIndex, Manifest, StorageError
+from ckptd.store.visibility import Visibility
+from ckptd_schemas import ChecksumMismatch, CommitFailed, Conflict, InvalidIndex, Manifest, OpenSession, StorageError
 from ckptd_schemas.filedigest import xxh3_hex
 from ckptd_schemas.loadtree import LoadTree
 
-from .staging import Parts, data, file_of, index, stage
+from .staging import Parts, data, file_of, index, put_indexes, stage
 
 RUN = "r"
 
@@ -230,3 +232,26 @@ def test_last_indexes_arriving_together_make_one_commit(tmp_path):
         outcomes = list(pool.map(one, range(8)))
     assert outcomes.count("ChecksumMismatch") == 1 and outcomes.count("CommitFailed") == 7, outcomes
     assert storage.read_back <= 2 * len(data(0))
+
+
+def test_a_session_opened_again_under_its_id_commits_what_its_own_ranks_sent(tmp_path):
+    """Replica A checks rank 0's index of session ``s1`` and keeps it for the commit; the session is
+    aborted and opened again under the same id on replica B, whose rank 0 sends other bytes. When rank 1's
+    index completes the set on A, A folds the index the second session stored, never the one it kept of
+    the first (kept entries belong to one incarnation of a session: its record's ``created_at``)."""
+    a, b = SessionStore(LocalStorage(tmp_path)), SessionStore(LocalStorage(tmp_path))
+    stage(a, RUN, "1", "s1", world=2, ranks=[0])
+    put_indexes(a, RUN, "1", "s1", world=2, ranks=[0])
+    a.sweeper.abort(RUN, "1", "s1")
+    other = bytes(255 - x for x in data(0))
+    b.open(RUN, "1", OpenSession(session="s1", world_size=2, step=1))
+    for r, payload in ((0, other), (1, data(1))):
+        sink = b.intake.receive(RUN, "1", "s1", file_of(r))
+        sink.write(payload)
+        sink.finish(xxhash.xxh3_64_hexdigest(payload))
+    b.put_index(RUN, "1", "s1", index(0, 2, other))
+    st = a.put_index(RUN, "1", "s1", index(1, 2))
+    assert st.state == "committed", st
+    manifest = Visibility(LocalStorage(tmp_path)).manifest(Visibility(LocalStorage(tmp_path)).check(RUN, "1"))
+    (x,) = [t for t in manifest.tensors if t.name == "model.x"]
+    assert xxhash.xxh3_64_hexdigest(other) in x.table.xxh3, x.table.xxh3
