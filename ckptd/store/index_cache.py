@@ -75,6 +75,12 @@ class IndexCache:
             self._drop(key)
         return entry[1] if entry is not None and entry[0] == incarnation else None
 
+    def holds(self, key: str) -> bool:
+        """Whether rank index ``key`` was checked and stored here and is kept (a hint for the probes of
+        ``Committer.if_complete``: no HEAD for it)."""
+        with self._lock:
+            return key in self._items
+
     def stored_below(self, prefix: str) -> int | None:
         """The rank below which every index of the session ``prefix`` was found stored (None: unknown)."""
         with self._lock:
