@@ -231,7 +231,13 @@ class Committer:
         digest = xxh3_hex(raw)
         mkey = Paths.manifest(run, name, sid, digest)
         if self.storage.size(mkey) != len(raw):
-            self.storage.put(mkey, raw)
+            try:
+                self.storage.put(mkey, raw)
+            except StorageError:  # another replica committed the session meanwhile, and its clean-up took
+                existing = committed_by(self.visibility, run, name, sid)  # this write's temp file away
+                if existing is None:
+                    raise
+                return existing.manifest_xxh3, None
             # what these bytes say, known without reading them back: the first status of a commit of
             # 10,000 ranks does not parse its manifest again
             self.visibility.note_written(mkey, digest, says)
