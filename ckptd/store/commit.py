@@ -77,9 +77,9 @@ class Committer:
         from there for the first missing one: each rank is found once per process, each call makes
         one failing probe, and an index this process stored and keeps (:meth:`IndexCache.holds`) is
         not probed (indexes arriving together would each probe the same ranks: at 64 ranks on S3,
-        1,300 HEADs between the last byte and the marker). Only when the probes reach the world size does a listing decide, as
-        before, so any replica's call that stores the last index, a retried index or the sweep
-        commits, and a stale hint (a session aborted and opened again) costs a listing, never a
+        1,300 HEADs between the last byte and the marker). Only when the probes reach the world size
+        does a listing decide, as before, so any replica's call that stores the last index, a retried
+        index or the sweep commits, and a stale hint (a session aborted and opened again) costs a listing, never a
         commit. The answer's ``ranks_done`` is what this call found: the ranks below the first
         missing one and ``rank`` (``SessionStore.status`` lists them all).
         """
