@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd_client import CheckpointClient
 from ckptd_schemas import Manifest, linked_name
-from support import ServerProcess, assert_bits_equal, blank_like
+from support import ServerProcess, assert_bits_equal, blank_like, verified
 
 MIB = 1 << 20
 
@@ -147,6 +147,7 @@ def test_links_are_checked(server):
     the file, as every file is: a false digest is refused at commit."""
     client = CheckpointClient(server.url, file_bytes=MIB, incremental=False)
     client.save(_state(1), "chk/1").wait()
+    verified(server.url, "chk/1")  # its re-read's record predates the links below (it vouches for those bytes)
     src = _manifest(server.url, "chk/1")
     f0 = sorted(src.files)[0]
     r = httpx.post(f"{server.url}/v1/checkpoints/chk/2/sessions", json={"session": "s1", "world_size": 1, "step": 2})

@@ -233,22 +233,26 @@ def test_a_manifest_of_another_format_is_refused():
     assert Manifest.model_validate_json(m.model_dump_json()).tensors == m.tensors
 
 
-def test_index_cache_reuses_only_identical_bytes_and_stays_bounded():
+def test_index_cache_serves_one_incarnation_of_a_session_once_and_stays_bounded():
     ix = _index(0, 2)
     raw = ix.model_dump_json().encode()
+    checked = (ix, {})
+    key, first, again = "run/1/sessions/s/ranks/0.json", "2026-12-07T01:00:00+00:00", "2026-12-07T01:05:00+00:00"
     cache = IndexCache(max_bytes=3 * PARSED_PER_RAW * len(raw))
-    cache.put("run/1/sessions/s/ranks/0.json", raw, ix)
-    assert cache.take("run/1/sessions/s/ranks/0.json", raw.replace(b'"rank":0', b'"rank":1')) is None
-    cache.put("run/1/sessions/s/ranks/0.json", raw, ix)
-    assert cache.take("run/1/sessions/s/ranks/0.json", raw) is ix
-    assert cache.take("run/1/sessions/s/ranks/0.json", raw) is None  # taken once
+    cache.put(key, first, checked, len(raw))
+    assert cache.holds(key)
+    assert cache.take(key, again) is None  # the session opened again under its id: not the index it sent
+    assert not cache.holds(key)  # dropped either way
+    cache.put(key, first, checked, len(raw))
+    assert cache.take(key, first) is checked
+    assert cache.take(key, first) is None  # taken once
     for r in range(5):
-        cache.put(f"run/1/sessions/s/ranks/{r}.json", raw, ix)
-    assert cache.take("run/1/sessions/s/ranks/0.json", raw) is None  # evicted, oldest first
-    assert cache.take("run/1/sessions/s/ranks/4.json", raw) is ix
-    cache.put("run/1/sessions/s/ranks/4.json", raw, ix)
+        cache.put(f"run/1/sessions/s/ranks/{r}.json", first, checked, len(raw))
+    assert cache.take(key, first) is None  # evicted, oldest first
+    assert cache.take("run/1/sessions/s/ranks/4.json", first) is checked
+    cache.put("run/1/sessions/s/ranks/4.json", first, checked, len(raw))
     cache.drop_under("run/1/sessions/s/")
-    assert cache.take("run/1/sessions/s/ranks/4.json", raw) is None
+    assert cache.take("run/1/sessions/s/ranks/4.json", first) is None
 
 
 def test_gc_pause_nests_across_threads_and_restores():

@@ -801,13 +801,13 @@ def test_a_transient_storage_error_at_commit_leaves_the_session_open_for_the_ret
     from ckptd_schemas import OpenSession, RankIndex, StorageError
 
     class Flaky(LocalStorage):
-        fail_next_index_read = True
+        fail_next_manifest_write = True
 
-        def read(self, key, start=0, end=None):
-            if "/ranks/" in key and self.fail_next_index_read:
-                type(self).fail_next_index_read = False
-                raise StorageError(f"storage read of {key!r} failed: SlowDown", key=key)
-            return super().read(key, start, end)
+        def put(self, key, data):
+            if "/manifest-" in key and self.fail_next_manifest_write:
+                type(self).fail_next_manifest_write = False
+                raise StorageError(f"storage write of {key!r} failed: SlowDown", key=key)
+            return super().put(key, data)
 
     store = SessionStore(Flaky(tmp_path / "root", durable=False))
     sid = uuid.uuid4().hex
