@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from .base import Presigned, Storage, Writer, check_key
+from .direct import open_regular
 from .local import LocalStorage
 
-__all__ = ["LocalStorage", "Presigned", "Storage", "Writer", "check_key", "check_scheme", "open_storage"]
+__all__ = ["LocalStorage", "Presigned", "Storage", "Writer", "check_key", "check_scheme", "open_regular", "open_storage"]
 
 #: What :func:`open_storage` opens, as an error about a root names it.
 SUPPORTED = ("a directory, s3://bucket/prefix (s3a://), or the URL of a filesystem whose fsspec package is "

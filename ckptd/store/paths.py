@@ -29,6 +29,7 @@ Anything else under a committed checkpoint's directory is no part of it (:func:`
 
 from __future__ import annotations
 
+import errno
 import os
 import stat as statmod
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from typing import TYPE_CHECKING, Collection, Iterable
 from pydantic import BaseModel, ConfigDict
 
 from ckptd_schemas import CheckpointSummary, CkptdError, StorageError, check_session
+
+from ..storage import open_regular
 
 if TYPE_CHECKING:
     from ..storage import Storage
@@ -272,27 +275,23 @@ def regular_file(path: str) -> tuple[os.stat_result | None, str | None]:
 def read_small(storage: Storage, key: str, limit: int) -> tuple[bytes | None, str | None]:
     """A small record (a marker, a verification record): ``(bytes, None)``; ``(None, None)`` when nothing
     is there; ``(None, why)`` when what is there is no such record: more than ``limit`` bytes, or, on a
-    local root, anything but a regular readable file. On a local root the path is opened first, without
-    blocking (a FIFO opens at once), and what was opened is what is checked (``fstat``) and read: an
-    object swapped in after a look at the path can never block the reader, and a device is never read
-    (it never ends). An object store's object is read up to ``limit + 1`` bytes; its failure to read is
-    raised (the backend's, 503)."""
+    local root, anything but a regular readable file. Either way at most ``limit + 1`` bytes are read: a
+    planted huge object or sparse file never whole. On a local root the path is opened as every read of
+    the root opens it (:func:`~ckptd.storage.open_regular`: without blocking, then what was opened is
+    checked), so an object swapped in after a look at the path never blocks the reader and a device is
+    never read. An object store's failure to read is raised (the backend's, 503)."""
     path = storage.local_path(key)
     if path is None:
-        raw = storage.read_head(key, limit + 1)  # a planted huge object is never read whole
+        raw = storage.read_head(key, limit + 1)
     else:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = open_regular(path)
         except (FileNotFoundError, NotADirectoryError):
             return None, None
         except OSError as e:
-            return None, f"cannot be read: {e.strerror}"
+            return None, "is not a regular file" if e.errno in (errno.EINVAL, errno.EISDIR) else \
+                f"cannot be read: {e.strerror}"
         try:
-            st = os.fstat(fd)
-            if not statmod.S_ISREG(st.st_mode):
-                return None, "is not a regular file"
-            if st.st_size > limit:
-                return None, f"holds {st.st_size} bytes, more than {limit}"
             raw = os.read(fd, limit + 1)
         except OSError as e:
             return None, f"cannot be read: {e.strerror}"
