@@ -481,7 +481,7 @@ def test_a_server_killed_while_two_ranks_upload_leaves_nothing_in_the_committed_
     the committed checkpoint: its directory holds the files its manifest names, their records and
     the checkpoint's metadata, and nothing else (``ckptd verify`` names no stray)."""
     root = Path(srv.root)
-    srv.start()
+    srv.start(env={"CKPTD_FAULTS": "throttle=16"})  # a slow store: the two uploads overlap on any machine
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         ranks = pool.submit(run_ranks, retrying_save_job, 2, srv.url, f"{RUN}/2", 11, tmp=tmp_path, timeout=300)
         deadline = time.monotonic() + scaled(120)
@@ -496,7 +496,7 @@ def test_a_server_killed_while_two_ranks_upload_leaves_nothing_in_the_committed_
         srv.kill()
         left = {p: n for p, n in _temp_files(ckpt_dir(root, "2")).items() if "/files/" in str(p)}
         assert marker_bytes(root, "2") is None and sum(left.values()) >= 8 << 20, left
-        srv.start()
+        srv.start()  # the store at full speed again
         records = ranks.result()
     assert [r["result"]["state"] for r in records] == ["committed", "committed"], records
     manifest = CheckpointReader(LocalStorage(root)).manifest(RUN, "2")
