@@ -41,6 +41,7 @@ from ckptd_schemas.filedigest import StreamDigest
 from ..storage import Storage, Writer
 from .activity import SessionActivity
 from .checker import FileCheck, arrival_check
+from .index_cache import IndexCache, Records
 from .paths import Paths
 from .records import LINKED, record_arrival, record_vouches
 from .session_reads import writable
@@ -57,7 +58,8 @@ class FileSink:
     same, and is refused when they differ: a stored file of a session is never written again."""
 
     def __init__(self, storage: Storage, key: str, digest_key: str, file: str, block_size: int,
-                 on_stored: Callable[[], None] = lambda: None, charge: Callable[[int], None] = lambda n: None,
+                 on_stored: Callable[[Records | None], None] = lambda made: None,
+                 charge: Callable[[int], None] = lambda n: None,
                  declared: Sequence[Declared] | None = None, arrival_key: str = "") -> None:
         self._storage = storage
         self._on_stored = on_stored
@@ -114,11 +116,16 @@ class FileSink:
             raise Conflict(f"file {self.file!r} is already stored in this session with other bytes; a stored "
                            f"file is never replaced (save again with a new session)", file=self.file)
         record_file(self._storage, self._digest_key, self.file, entry)
+        made: Records | None = (entry, None) if created else None  # the records as the store holds them
         if self._check is not None and created:  # its identity right after it was stored, what was checked
             # (only where these bytes made the file: a repeat's digests match the stored ones, which a
             # writer able to forge XXH3 collisions could make of other bytes: the commit reads those)
-            record_arrival(self._storage, self._arrival_key, self._storage.stamp(self.key), self._rows)
-        self._on_stored()
+            stamp = self._storage.stamp(self.key)
+            if record_arrival(self._storage, self._arrival_key, stamp, self._rows):
+                made = (entry, (self._rows, stamp or ""))
+            elif stamp:
+                made = None  # a record was there before this one: what it says is the store's to tell
+        self._on_stored(made)
         return UploadResult(file=self.file, size=entry.size, xxh3=digest)
 
     def abort(self) -> None:
@@ -171,9 +178,10 @@ class Intake:
     one write gate."""
 
     def __init__(self, storage: Storage, visibility: Visibility, activity: SessionActivity,
-                 block_size: int, space: Space | None = None) -> None:
+                 block_size: int, space: Space | None = None, kept: IndexCache | None = None) -> None:
         self.storage, self.visibility, self.activity, self.block_size = storage, visibility, activity, block_size
         self.space = space or Space(storage)
+        self.kept = kept or IndexCache()  # the records each received file made, for its rank's index
         self._receiving: weakref.WeakSet[FileSink] = weakref.WeakSet()  # files being received here
 
     # -- received: the bytes stream through here ----------------------------------------
@@ -181,10 +189,16 @@ class Intake:
                 declared: Sequence[Declared] | None = None) -> FileSink:
         """A sink for ``file``'s bytes, each batch charged to ``holder`` on the root, checked as they
         pass against ``declared`` (the writer's declaration of its chunks) when given; stored, it is
-        recorded and the session marked active."""
-        writable(self.storage, self.visibility, run, name, sid, file)
-        sink = FileSink(self.storage, Paths.file(run, name, sid, file), Paths.digest(run, name, sid, file),
-                        file, self.block_size, on_stored=lambda: self.activity.touch(run, name, sid),
+        recorded (its records kept here for the rank's index) and the session marked active."""
+        incarnation = writable(self.storage, self.visibility, run, name, sid, file).created_at.isoformat()
+        digest_key = Paths.digest(run, name, sid, file)
+
+        def stored(made: Records | None) -> None:
+            if made is not None:
+                self.kept.put_records(digest_key, incarnation, made)
+            self.activity.touch(run, name, sid)
+
+        sink = FileSink(self.storage, Paths.file(run, name, sid, file), digest_key, file, self.block_size, on_stored=stored,
                         charge=lambda n: self.space.charge(holder, run, file, n, on_root=True),
                         declared=declared, arrival_key=Paths.arrival(run, name, sid, file))
         self._receiving.add(sink)  # as long as its request holds it

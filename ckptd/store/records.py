@@ -183,14 +183,14 @@ def _why_bad(rec: VerifyRecord) -> str:
 LINKED = "linked"
 
 
-def record_arrival(storage: Storage, key: str, stamp: str | None, rows: str = "") -> None:
+def record_arrival(storage: Storage, key: str, stamp: str | None, rows: str = "") -> bool:
     """Record at ``key`` (``Paths.arrival``) that a session's file of stored identity ``stamp`` was checked:
     as it arrived, against the rows of digest ``rows`` (``ckptd_schemas.arrival.rows_digest``), linked
     from a checked file (:data:`LINKED`), or (``rows`` empty) read back by a commit that re-reads the
     rest after its marker. ``{"rows", "stamp"}``,
-    created once; without a stamp (a backend that has none) nothing: the commit reads the file."""
-    if stamp:
-        storage.create_if_absent(key, json.dumps({"rows": rows, "stamp": stamp}).encode())
+    created once; without a stamp (a backend that has none) nothing: the commit reads the file. True
+    when this call created the record."""
+    return bool(stamp) and storage.create_if_absent(key, json.dumps({"rows": rows, "stamp": stamp}).encode())
 
 
 def arrival_of(storage: Storage, run: str, name: str, sid: str, file: str) -> tuple[str, str] | None:

@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from typing import Sequence
 
 from ckptd_schemas import (
-    AlreadyCommitted, FileEntry, InvalidIndex, InvalidRequest, OpenSession, RankIndex, SessionConflict, SessionInfo,
+    AlreadyCommitted, InvalidIndex, InvalidRequest, OpenSession, RankIndex, SessionConflict, SessionInfo,
     SessionStatus, check_file, check_name, check_new_name, check_run, check_session, parse_ref,
 )
 from ckptd_schemas.filedigest import BLOCK_SIZE
@@ -36,7 +36,7 @@ from ..storage import Storage
 from .activity import DEAD_SESSION_AFTER, KEEPALIVE_PER_WINDOW, SessionActivity
 from .commit import Committer
 from .events import Observers, SessionEvents
-from .index_cache import IndexCache
+from .index_cache import IndexCache, Records
 from .intake import Intake, recorded_file
 from .records import arrival_of
 from .paths import Paths, SessionMeta
@@ -60,7 +60,7 @@ class SessionStore:
         self.visibility = visibility or Visibility(self.storage)
         self.observers = Observers(observers)
         self._indexes = IndexCache()
-        self.intake = Intake(self.storage, self.visibility, self.activity, block_size, space)
+        self.intake = Intake(self.storage, self.visibility, self.activity, block_size, space, self._indexes)
         self.committer = Committer(self.storage, self.visibility, self._indexes, self.activity, self.observers,
                                    read_back=read_back)
         self.sweeper = Sweeper(self.storage, self.visibility, self.activity, self.committer, self.observers,
@@ -139,14 +139,17 @@ class SessionStore:
             raise InvalidIndex(
                 f"rank {index.rank}: index says world size {index.world_size}, session {sid} has "
                 f"{meta.world_size}", rank=index.rank)
-        records: dict[str, tuple[FileEntry, tuple[str, str] | None]] = {}
+        records: dict[str, Records] = {}
+        incarnation = meta.created_at.isoformat()
         for f in index.files:
             check_file(f)
-            entry = recorded_file(self.storage, run, name, sid, f)
+            kept = self._indexes.take_records(Paths.digest(run, name, sid, f), incarnation)  # received here
+            entry = kept[0] if kept is not None else recorded_file(self.storage, run, name, sid, f)
             if entry is None:
                 raise InvalidIndex(f"rank {index.rank}: file {f!r} was not uploaded (or its upload failed)",
                                    rank=index.rank, file=f)
-            records[f] = entry, arrival_of(self.storage, run, name, sid, f)  # for the commit, as checked here
+            # for the commit, as checked here
+            records[f] = entry, kept[1] if kept is not None else arrival_of(self.storage, run, name, sid, f)
         sizes = {f: e.size for f, (e, _) in records.items()}
         try:
             index.check_chunks()
@@ -168,7 +171,7 @@ class SessionStore:
         self.intake.space.charge(holder, run, key[len(Paths.session(run, name, sid)) + 1:], on_disk(len(raw)),
                                  on_root=False)  # its blocks; the reserve takes a save's records, so it commits
         self.storage.put(key, raw)
-        self._indexes.put(key, meta.created_at.isoformat(), (index, records), len(raw))
+        self._indexes.put(key, incarnation, (index, records), len(raw))
         self.activity.touch(run, name, sid)  # a writer: ranks' indexes may arrive for minutes after the last file
         return self.committer.if_complete(run, name, sid, meta, index.rank)
 

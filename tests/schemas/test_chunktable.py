@@ -250,9 +250,18 @@ def test_index_cache_serves_one_incarnation_of_a_session_once_and_stays_bounded(
         cache.put(f"run/1/sessions/s/ranks/{r}.json", first, checked, len(raw))
     assert cache.take(key, first) is None  # evicted, oldest first
     assert cache.take("run/1/sessions/s/ranks/4.json", first) is checked
+    # A received file's records: the same rule (one incarnation, taken once, dropped with the session).
+    records = (FileEntry(size=8, xxh3="0" * 16, block_size=4096, blocks=["0" * 16]), ("rows", "stamp"))
+    digest_key = "run/1/sessions/s/digests/r000000-0000.bin"
+    cache.put_records(digest_key, first, records)
+    assert cache.take_records(digest_key, again) is None and cache.take_records(digest_key, first) is None
+    cache.put_records(digest_key, first, records)
+    assert cache.take_records(digest_key, first) is records and cache.take_records(digest_key, first) is None
     cache.put("run/1/sessions/s/ranks/4.json", first, checked, len(raw))
+    cache.put_records(digest_key, first, records)
     cache.drop_under("run/1/sessions/s/")
     assert cache.take("run/1/sessions/s/ranks/4.json", first) is None
+    assert cache.take_records(digest_key, first) is None
 
 
 def test_gc_pause_nests_across_threads_and_restores():

@@ -27,8 +27,9 @@ from ckptd.store.events import AfterCommit
 from ckptd.store.merge import merge_indexes
 from ckptd.store.session_reads import read_meta
 from ckptd.store.sessions import SessionStore
+from ckptd_schemas.arrival import Declared
 from ckptd_schemas import (
-    BoxChunk, FileEntry, FlatChunk, InvalidIndex, Location, Manifest, ObjectEntry, OpenSession, ParamGroup,
+    BoxChunk, ChecksumMismatch, FileEntry, FlatChunk, InvalidIndex, Location, Manifest, ObjectEntry, OpenSession, ParamGroup,
     RankIndex, RankInfo, StorageError, TensorEntry, TilingError, Topology,
 )
 
@@ -162,16 +163,26 @@ def _save(world: int, tensors: int, *, rows: int = 2) -> Save:
 
 class CountingStorage(LocalStorage):
     lists = 0
+    record_reads = 0  # reads of a file's digest or arrival record
 
     def list(self, prefix: str) -> list[str]:
         CountingStorage.lists += prefix.endswith("/ranks")
         return super().list(prefix)
 
+    def read_json_or_none(self, key: str):
+        CountingStorage.record_reads += "/digests/" in key or "/arrived/" in key
+        return super().read_json_or_none(key)
 
-def _upload(store: SessionStore, save: Save, name: str, sid: str = "s0000001") -> None:
+
+def _declared(ix: RankIndex) -> list[Declared]:
+    ct = ix.chunk_table
+    return [Declared(o, n, x, "raw", n, "tensor", str(t)) for t, o, n, x in zip(ct.tensor, ct.offset, ct.length, ct.xxh3)]
+
+
+def _upload(store: SessionStore, save: Save, name: str, sid: str = "s0000001", *, declare: bool = False) -> None:
     store.open("run", name, OpenSession(session=sid, world_size=len(save), step=1))
-    for file, data, _ in save:
-        sink = store.intake.receive("run", name, sid, file)
+    for file, data, ix in save:
+        sink = store.intake.receive("run", name, sid, file, declared=_declared(ix) if declare else None)
         sink.write(data)
         sink.finish(None)
 
@@ -284,6 +295,40 @@ def test_completeness_is_found_without_listing_every_rank_at_every_index(tmp_pat
     for _, _, ix in save[:-1]:
         got = stale.put_index("run", "d", "s0000001", ix)
     assert got.state == "committed"
+
+
+def test_an_index_whose_files_arrived_here_is_checked_and_committed_without_reading_a_record(tmp_path):
+    """The replica that received a rank's files checks its index and commits with the records those
+    files made here: no digest or arrival record is read back (each is two GETs per file on an object
+    store, on the commit's critical path). Another replica reads them from the store, and the commit
+    is the same; a session opened again under the same id never meets the records of the one before."""
+    save = _save(8, 3)
+    here, other = SessionStore(CountingStorage(tmp_path)), SessionStore(CountingStorage(tmp_path))
+    for name in ("a", "b"):
+        _upload(here, save, name, declare=True)
+    CountingStorage.record_reads = 0
+    for _, _, ix in save:
+        got = here.put_index("run", "a", "s0000001", ix)
+    assert got.state == "committed" and CountingStorage.record_reads == 0, CountingStorage.record_reads
+    for _, _, ix in save:
+        other.put_index("run", "b", "s0000001", ix)
+    assert CountingStorage.record_reads == 2 * len(save)  # each file's digest record and arrival record
+    manifests = [here.storage.read_json_or_none(Paths.manifest("run", n, "s0000001", d)) for n, d in
+                 (("a", got.manifest_xxh3), ("b", here.status("run", "b", "s0000001").manifest_xxh3))]
+    assert [(m["files"], m["tensors"]) for m in manifests][0] == [(m["files"], m["tensors"]) for m in manifests][1]
+    assert here.status("run", "a", "s0000001").state == "committed"
+
+    # Kept records of an aborted session: the session opened again under its id uploads other bytes
+    # at another replica; the index checked here is checked against those (its chunk digests), not the kept.
+    _upload(here, save, "c", declare=True)
+    here.sweeper.abort("run", "c", "s0000001")
+    changed = [(f, bytes(len(d)), ix) for f, d, ix in save]  # zeros: the index's chunk digests no longer match
+    _upload(other, changed, "c", declare=False)
+    for _, _, ix in save[:-1]:
+        assert here.put_index("run", "c", "s0000001", ix).state == "open"
+    with pytest.raises(ChecksumMismatch):
+        here.put_index("run", "c", "s0000001", save[-1][2])
+    assert here.status("run", "c", "s0000001").state == "failed"
 
 
 # -- memory ------------------------------------------------------------------------------------------
