@@ -55,6 +55,10 @@ __all__ = ["Committer"]
 
 log = logging.getLogger("ckptd.store")
 
+PROBES = 16
+"""The most ranks ``Committer.if_complete`` probes one by one before it lists them (a listing is one
+request per 1,000 ranks)."""
+
 
 class Committer:
     """Commits the sessions of one store (module docstring)."""
@@ -73,27 +77,33 @@ class Committer:
 
         Listing every rank at every call costs O(ranks) each, O(ranks^2) over a session (and one
         LIST request per 1,000 keys on an object store). Instead the process remembers below which
-        rank all indexes were found stored (:meth:`IndexCache.stored_below`) and probes upwards
-        from there for the first missing one: each rank is found once per process, each call makes
-        one failing probe, and an index this process stored and keeps (:meth:`IndexCache.holds`) is
-        not probed (indexes arriving together would each probe the same ranks: at 64 ranks on S3,
-        1,300 HEADs between the last byte and the marker). Only when the probes reach the world size
-        does a listing decide, as before, so any replica's call that stores the last index, a retried
-        index or the sweep commits, and a stale hint (a session aborted and opened again) costs a listing, never a
-        commit. The answer's ``ranks_done`` is what this call found: the ranks below the first
-        missing one and ``rank`` (``SessionStore.status`` lists them all).
+        rank all indexes were found stored (:meth:`IndexCache.stored_below`, 0 at first) and probes
+        upwards from there for the first missing one: each rank is found once per process, each call
+        makes one failing probe, and an index this process checked and keeps (:meth:`IndexCache.holds`,
+        its write perhaps still under way) is not probed (indexes arriving together would each probe
+        the same ranks: at 64 ranks on S3, 1,300 HEADs between the last byte and the marker). At most
+        :data:`PROBES` ranks are probed in one call (a replica whose hint is far behind, where other
+        replicas stored most ranks, would make a HEAD per rank in a row): past them, and when the probes
+        reach the world size, a listing decides, as before, so any replica's call that stores the last
+        index, a retried index or the sweep commits, and a stale hint (a session aborted and opened
+        again) costs a listing, never a commit. The answer's ``ranks_done`` is what this call found:
+        the ranks below the first missing one and ``rank`` (``SessionStore.status`` lists them all).
         """
         prefix = Paths.session(run, name, sid) + "/"
-        below = self._indexes.stored_below(prefix)
-        if below is not None:
-            while below < meta.world_size and (
-                    self._indexes.holds(key := Paths.rank_index(run, name, sid, below)) or self.storage.exists(key)):
-                below += 1
-        if below is None or below == meta.world_size:
+        below, probes, missing = self._indexes.stored_below(prefix) or 0, 0, False
+        while below < meta.world_size and probes < PROBES:
+            key = Paths.rank_index(run, name, sid, below)
+            if not self._indexes.holds(key):
+                probes += 1
+                missing = not self.storage.exists(key)
+                if missing:
+                    break
+            below += 1
+        if missing:
+            done = [*range(below), *([rank] if rank > below else [])]
+        else:
             done = ranks_done(self.storage, run, name, sid)
             below = next((i for i, r in enumerate(done) if i != r), len(done))
-        else:
-            done = [*range(below), *([rank] if rank > below else [])]
         self._indexes.note_stored_below(prefix, below)
         base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=done)
         if len(done) < meta.world_size:

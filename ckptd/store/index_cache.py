@@ -93,8 +93,8 @@ class IndexCache:
         return entry[1] if entry is not None and entry[0] == incarnation else None
 
     def holds(self, key: str) -> bool:
-        """Whether rank index ``key`` was checked and stored here and is kept (a hint for the probes of
-        ``Committer.if_complete``: no HEAD for it)."""
+        """Whether rank index ``key`` was checked here and is kept, stored or its write under way (a hint
+        for the probes of ``Committer.if_complete``: no HEAD for it; a listing decides)."""
         with self._lock:
             return key in self._items
 

@@ -170,8 +170,13 @@ class SessionStore:
         key, raw = Paths.rank_index(run, name, sid, index.rank), index.model_dump_json().encode()
         self.intake.space.charge(holder, run, key[len(Paths.session(run, name, sid)) + 1:], on_disk(len(raw)),
                                  on_root=False)  # its blocks; the reserve takes a save's records, so it commits
-        self.storage.put(key, raw)
+        # kept first: an index arriving meanwhile finds this rank held instead of probing the store for it
         self._indexes.put(key, incarnation, (index, records), len(raw))
+        try:
+            self.storage.put(key, raw)
+        except BaseException:
+            self._indexes.take(key, incarnation)
+            raise
         self.activity.touch(run, name, sid)  # a writer: ranks' indexes may arrive for minutes after the last file
         return self.committer.if_complete(run, name, sid, meta, index.rank)
 

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from ckptd.storage.local import LocalStorage
 from ckptd.store.paths import Paths
+from ckptd.store.commit import PROBES
 from ckptd.store.events import AfterCommit
 from ckptd.store.merge import merge_indexes
 from ckptd.store.session_reads import read_meta
@@ -164,6 +165,11 @@ def _save(world: int, tensors: int, *, rows: int = 2) -> Save:
 class CountingStorage(LocalStorage):
     lists = 0
     record_reads = 0  # reads of a file's digest or arrival record
+    probes = 0  # looks at one rank's index
+
+    def exists(self, key: str) -> bool:
+        CountingStorage.probes += "/ranks/" in key
+        return super().exists(key)
 
     def list(self, prefix: str) -> list[str]:
         CountingStorage.lists += prefix.endswith("/ranks")
@@ -295,6 +301,24 @@ def test_completeness_is_found_without_listing_every_rank_at_every_index(tmp_pat
     for _, _, ix in save[:-1]:
         got = stale.put_index("run", "d", "s0000001", ix)
     assert got.state == "committed"
+
+
+def test_a_replica_that_stored_few_ranks_probes_a_bounded_number_before_it_lists(tmp_path):
+    """Node-local replicas: one replica stores all ranks but two, another the two (its hint is rank 0).
+    The other's calls look at no more than ``PROBES`` ranks one by one before a listing decides, so
+    the call that stores the last index commits after a few requests, not one per rank in a row."""
+    world = 120
+    save = _save(world, 1)
+    many, few = SessionStore(CountingStorage(tmp_path)), SessionStore(CountingStorage(tmp_path))
+    _upload(many, save, "p")
+    assert few.put_index("run", "p", "s0000001", save[0][2]).state == "open"
+    for _, _, ix in save[1:-1]:
+        assert many.put_index("run", "p", "s0000001", ix).state == "open"
+    CountingStorage.probes = CountingStorage.lists = 0
+    got = few.put_index("run", "p", "s0000001", save[-1][2])
+    assert got.state == "committed" and got.ranks_done == list(range(world))
+    looks = (CountingStorage.probes, CountingStorage.lists)
+    assert looks[0] <= PROBES and looks[1] <= 2 and sum(looks) < world // 4, looks  # not a look per rank
 
 
 def test_an_index_whose_files_arrived_here_is_checked_and_committed_without_reading_a_record(tmp_path):
