@@ -47,8 +47,9 @@ Checked = tuple[RankIndex, dict[str, Records]]
 class IndexCache:
     """A bounded map from a storage key (a rank index's, or a file's digest record's) to (the session's
     incarnation, what was checked or created there). ``max_bytes`` bounds the estimated memory
-    (``PARSED_PER_RAW`` x an index's JSON size, and files' records): 512 MiB holds a 1,024 x 500 save's indexes (70 MB of JSON) with room; of a larger
-    save, the last ones to arrive (the rest are read again at the commit).
+    (``PARSED_PER_RAW`` x an index's JSON size, and files' records): 512 MiB holds a 1,024 x 500 save's
+    indexes (70 MB of JSON) with room; of a larger save, the last ones to arrive (the rest are read
+    again at the commit).
     """
 
     def __init__(self, max_bytes: int = 512 << 20, max_sessions: int = 4096) -> None:

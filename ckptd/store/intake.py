@@ -122,7 +122,7 @@ class FileSink:
             # writer able to forge XXH3 collisions could make of other bytes: the commit reads those)
             stamp = self._storage.stamp(self.key)
             if record_arrival(self._storage, self._arrival_key, stamp, self._rows):
-                made = (entry, (self._rows, stamp or ""))
+                made = (entry, (self._rows, str(stamp)))
             elif stamp:
                 made = None  # a record was there before this one: what it says is the store's to tell
         self._on_stored(made)
@@ -178,10 +178,10 @@ class Intake:
     one write gate."""
 
     def __init__(self, storage: Storage, visibility: Visibility, activity: SessionActivity,
-                 block_size: int, space: Space | None = None, kept: IndexCache | None = None) -> None:
+                 block_size: int, kept: IndexCache, space: Space | None = None) -> None:
         self.storage, self.visibility, self.activity, self.block_size = storage, visibility, activity, block_size
         self.space = space or Space(storage)
-        self.kept = kept or IndexCache()  # the records each received file made, for its rank's index
+        self.kept = kept  # the records each received file made, for its rank's index (the session store's)
         self._receiving: weakref.WeakSet[FileSink] = weakref.WeakSet()  # files being received here
 
     # -- received: the bytes stream through here ----------------------------------------
@@ -198,8 +198,8 @@ class Intake:
                 self.kept.put_records(digest_key, incarnation, made)
             self.activity.touch(run, name, sid)
 
-        sink = FileSink(self.storage, Paths.file(run, name, sid, file), digest_key, file, self.block_size, on_stored=stored,
-                        charge=lambda n: self.space.charge(holder, run, file, n, on_root=True),
+        sink = FileSink(self.storage, Paths.file(run, name, sid, file), digest_key, file, self.block_size,
+                        on_stored=stored, charge=lambda n: self.space.charge(holder, run, file, n, on_root=True),
                         declared=declared, arrival_key=Paths.arrival(run, name, sid, file))
         self._receiving.add(sink)  # as long as its request holds it
         return sink

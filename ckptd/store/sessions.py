@@ -60,7 +60,7 @@ class SessionStore:
         self.visibility = visibility or Visibility(self.storage)
         self.observers = Observers(observers)
         self._indexes = IndexCache()
-        self.intake = Intake(self.storage, self.visibility, self.activity, block_size, space, self._indexes)
+        self.intake = Intake(self.storage, self.visibility, self.activity, block_size, self._indexes, space)
         self.committer = Committer(self.storage, self.visibility, self._indexes, self.activity, self.observers,
                                    read_back=read_back)
         self.sweeper = Sweeper(self.storage, self.visibility, self.activity, self.committer, self.observers,

@@ -90,5 +90,5 @@ class Parts:
         self.observers = Observers([self.heard])
         self.indexes = IndexCache()
         self.committer = Committer(storage, self.visibility, self.indexes, self.activity, self.observers)
-        self.intake = Intake(storage, self.visibility, self.activity, block_size)
+        self.intake = Intake(storage, self.visibility, self.activity, block_size, self.indexes)
         self.sweeper = Sweeper(storage, self.visibility, self.activity, self.committer, self.observers, dead_after)

@@ -28,11 +28,11 @@ from ckptd.store.events import AfterCommit
 from ckptd.store.merge import merge_indexes
 from ckptd.store.session_reads import read_meta
 from ckptd.store.sessions import SessionStore
-from ckptd_schemas.arrival import Declared
 from ckptd_schemas import (
-    BoxChunk, ChecksumMismatch, FileEntry, FlatChunk, InvalidIndex, Location, Manifest, ObjectEntry, OpenSession, ParamGroup,
-    RankIndex, RankInfo, StorageError, TensorEntry, TilingError, Topology,
+    BoxChunk, ChecksumMismatch, FileEntry, FlatChunk, InvalidIndex, Location, Manifest, ObjectEntry, OpenSession,
+    ParamGroup, RankIndex, RankInfo, StorageError, TensorEntry, TilingError, Topology,
 )
+from ckptd_schemas.arrival import Declared
 
 CREATED = datetime(2026, 1, 2, tzinfo=timezone.utc)
 BLOCK = 4096
@@ -182,7 +182,8 @@ class CountingStorage(LocalStorage):
 
 def _declared(ix: RankIndex) -> list[Declared]:
     ct = ix.chunk_table
-    return [Declared(o, n, x, "raw", n, "tensor", str(t)) for t, o, n, x in zip(ct.tensor, ct.offset, ct.length, ct.xxh3)]
+    rows = zip(ct.tensor, ct.offset, ct.length, ct.xxh3)
+    return [Declared(o, n, x, "raw", n, "tensor", str(t)) for t, o, n, x in rows]
 
 
 def _upload(store: SessionStore, save: Save, name: str, sid: str = "s0000001", *, declare: bool = False) -> None:
