@@ -304,6 +304,25 @@ def test_completeness_is_found_without_listing_every_rank_at_every_index(tmp_pat
     assert got.state == "committed"
 
 
+def test_an_index_answer_does_not_grow_with_the_world_size(tmp_path):
+    """Ranks whose indexes arrive in rank order (the order that made every answer list every rank below
+    it): each answer names its own rank alone, the same size at rank 1 and at rank 198, and the
+    status read lists every rank."""
+    world = 200
+    save = _save(world, 1)
+    store = SessionStore(LocalStorage(tmp_path))
+    _upload(store, save, "g")
+    sizes = set()
+    for _, _, ix in save:
+        got = store.put_index("run", "g", "s0000001", ix)
+        assert got.ranks_done == [ix.rank]
+        if got.state == "open":
+            sizes.add(len(got.model_dump_json()) - len(str(ix.rank)))
+            if ix.rank == world // 2:
+                assert store.status("run", "g", "s0000001").ranks_done == list(range(world // 2 + 1))
+    assert got.state == "committed" and len(sizes) == 1, sorted(sizes)[-3:]
+
+
 def test_a_replica_that_stored_few_ranks_probes_a_bounded_number_before_it_lists(tmp_path):
     """Node-local replicas: one replica stores all ranks but two, another the two (its hint is rank 0).
     The other's calls look at no more than ``PROBES`` ranks one by one before a listing decides, so
