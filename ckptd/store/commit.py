@@ -86,8 +86,8 @@ class Committer:
         replicas stored most ranks, would make a HEAD per rank in a row): past them, and when the probes
         reach the world size, a listing decides, as before, so any replica's call that stores the last
         index, a retried index or the sweep commits, and a stale hint (a session aborted and opened
-        again) costs a listing, never a commit. The answer's ``ranks_done`` is what this call found:
-        the ranks below the first missing one and ``rank`` (``SessionStore.status`` lists them all).
+        again) costs a listing, never a commit. The answer's ``ranks_done`` is ``rank`` alone, so no
+        rank's answer grows with the world size (``SessionStore.status`` lists them all).
         """
         prefix = Paths.session(run, name, sid) + "/"
         below, probes, missing = self._indexes.stored_below(prefix) or 0, 0, False
@@ -99,14 +99,12 @@ class Committer:
                 if missing:
                     break
             below += 1
-        if missing:
-            done = [*range(below), *([rank] if rank > below else [])]
-        else:
+        if not missing:
             done = ranks_done(self.storage, run, name, sid)
             below = next((i for i, r in enumerate(done) if i != r), len(done))
         self._indexes.note_stored_below(prefix, below)
-        base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=done)
-        if len(done) < meta.world_size:
+        base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=[rank])
+        if below < meta.world_size:
             return SessionStatus(state="open", **base)
         digest = self.commit(run, name, sid, meta)  # StorageError: not a verdict, the caller retries (503)
         return SessionStatus(state="committed", manifest_xxh3=digest, **base)

@@ -205,7 +205,7 @@ def test_streaming_commit_writes_the_merged_manifest_warm_and_cold(tmp_path):
         _upload(warm, save, name)
     for r in random.Random(1).sample(range(6), 6):  # every index through the one store: parsed ones reused
         got = warm.put_index("run", "a", "s0000001", save[r][2])
-    assert got.state == "committed" and got.ranks_done == list(range(6))
+    assert got.state == "committed" and got.ranks_done == [save[r][2].rank]
     for _, _, ix in save:  # stored by another replica: the commit parses every index
         cold.storage.put(Paths.rank_index("run", "b", "s0000001", ix.rank), ix.model_dump_json().encode())
     digest_b = SessionStore(LocalStorage(tmp_path)).committer.commit("run", "b", "s0000001")
@@ -289,7 +289,7 @@ def test_completeness_is_found_without_listing_every_rank_at_every_index(tmp_pat
     for k, r in enumerate(order):
         got = replicas[k % 2].put_index("run", "c", "s0000001", save[r][2])
         assert got.state == ("committed" if k == world - 1 else "open"), (k, got)
-        assert r in got.ranks_done
+        assert got.ranks_done == [r]  # its own rank: no answer grows with the world size
     assert len(events) == 1 and CountingStorage.lists <= 4, (events, CountingStorage.lists)
 
     stale = SessionStore(LocalStorage(tmp_path))
@@ -302,6 +302,25 @@ def test_completeness_is_found_without_listing_every_rank_at_every_index(tmp_pat
     for _, _, ix in save[:-1]:
         got = stale.put_index("run", "d", "s0000001", ix)
     assert got.state == "committed"
+
+
+def test_an_index_answer_does_not_grow_with_the_world_size(tmp_path):
+    """Ranks whose indexes arrive in rank order (the order that made every answer list every rank below
+    it): each answer names its own rank alone, the same size at rank 1 and at rank 198, and the
+    status read lists every rank."""
+    world = 200
+    save = _save(world, 1)
+    store = SessionStore(LocalStorage(tmp_path))
+    _upload(store, save, "g")
+    sizes = set()
+    for _, _, ix in save:
+        got = store.put_index("run", "g", "s0000001", ix)
+        assert got.ranks_done == [ix.rank]
+        if got.state == "open":
+            sizes.add(len(got.model_dump_json()) - len(str(ix.rank)))
+            if ix.rank == world // 2:
+                assert store.status("run", "g", "s0000001").ranks_done == list(range(world // 2 + 1))
+    assert got.state == "committed" and len(sizes) == 1, sorted(sizes)[-3:]
 
 
 def test_a_replica_that_stored_few_ranks_probes_a_bounded_number_before_it_lists(tmp_path):
@@ -317,7 +336,7 @@ def test_a_replica_that_stored_few_ranks_probes_a_bounded_number_before_it_lists
         assert many.put_index("run", "p", "s0000001", ix).state == "open"
     CountingStorage.probes = CountingStorage.lists = 0
     got = few.put_index("run", "p", "s0000001", save[-1][2])
-    assert got.state == "committed" and got.ranks_done == list(range(world))
+    assert got.state == "committed" and got.ranks_done == [world - 1]
     looks = (CountingStorage.probes, CountingStorage.lists)
     assert looks[0] <= PROBES and looks[1] <= 2 and sum(looks) < world // 4, looks  # not a look per rank
 
