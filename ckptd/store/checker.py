@@ -99,15 +99,14 @@ class StorageFiles:
                  stamps: Mapping[str, str | None] | None = None) -> None:
         self.storage, self.key_of, self.keep_cached = storage, key_of, keep_cached
         self.arrivals = arrivals or {}  # file -> (rows digest, stamp) checked as it arrived
-        self.stamps = stamps  # file -> its stamp just now (the commit's, taken before the check), if taken
+        self.stamps = stamps or {}  # file -> its stamp just now (the commit's, taken before the check)
 
     def arrived(self, file: str) -> str | None:
         """The rows checked as ``file`` arrived, when it is still the object stored then (its stamp)."""
         rec = self.arrivals.get(file)
         if rec is None or not rec[1]:
             return None
-        known = self.stamps is not None and file in self.stamps
-        now = self.stamps[file] if known else self.storage.stamp(self.key_of(file))  # type: ignore[index]
+        now = self.stamps[file] if file in self.stamps else self.storage.stamp(self.key_of(file))
         return rec[0] if now == rec[1] else None
 
     def read_into(self, file: str, start: int, view: memoryview) -> int:
