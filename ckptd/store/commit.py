@@ -40,10 +40,11 @@ from .checker import check_commit, file_rows
 from .events import CommitEvent, Observers
 from .flights import OneAtATime
 from .gcpause import gc_paused
-from .index_cache import IndexCache
+from .index_cache import IndexCache, Records
 from .inflight import ordered_map, requests_in_flight
 from .intake import recorded_file
 from .merge import ManifestFold
+from .node_indexes import node_objects, read_node
 from .paths import Marker, Paths, SessionMeta
 from .records import LINKED, CommitCheck, arrival_of, file_stamps, known_bad, record_arrival, record_commit_check
 from .links import check_links
@@ -54,6 +55,9 @@ from .visibility import Visibility, manifest_file_name
 __all__ = ["Committer"]
 
 log = logging.getLogger("ckptd.store")
+
+#: A file of a rank's index: its name, digest record (None: none) and arrival record (None: read it back).
+Entry = tuple[str, "FileEntry | None", "tuple[str, str] | None"]
 
 PROBES = 16
 """The most ranks ``Committer.if_complete`` probes one by one before it lists them (a listing is one
@@ -135,29 +139,40 @@ class Committer:
                ) -> tuple[Manifest, dict[str, FileEntry], dict[str, tuple[str, str]]]:
         """The merged manifest, the digest records of its files and their arrival records (unless
         :attr:`read_back`: the commit then reads every file). Each rank's index and its files' records
-        as ``put_index`` checked them here (:class:`~.index_cache.IndexCache`), else read from the store;
+        as ``put_index`` checked them here (:class:`~.index_cache.IndexCache`), else read from the store
+        (a node's ranks in one read where another replica stored their node object, :mod:`.node_indexes`);
         folded (:class:`~.merge.ManifestFold`) and dropped rank by rank: the commit holds the manifest
         being built and a few indexes, not every index. On a remote store the next ranks' indexes
         and digest records are read while one is folded (:mod:`.inflight`)."""
         fold = ManifestFold(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
                             world_size=meta.world_size, derived_from=meta.derived_from, parent=meta.parent)
+        incarnation = meta.created_at.isoformat()
+        keys = [Paths.rank_index(run, name, sid, r) for r in range(meta.world_size)]
 
-        def read_rank(r: int) -> tuple[RankIndex, list[tuple[str, FileEntry | None, tuple[str, str] | None]]]:
-            key = Paths.rank_index(run, name, sid, r)
-            checked = self._indexes.take(key, meta.created_at.isoformat())  # as put_index checked it here
+        def kept(ix: RankIndex, records: dict[str, Records]) -> tuple[RankIndex, list[Entry]]:
+            return ix, [(f, records[f][0], None if self.read_back else records[f][1]) for f in ix.files]
+
+        def read_rank(r: int) -> tuple[RankIndex, list[Entry]]:
+            checked = self._indexes.take(keys[r], incarnation)  # as put_index checked it here
             if checked is not None:
-                ix, records = checked
-                return ix, [(f, records[f][0], None if self.read_back else records[f][1]) for f in ix.files]
-            ix = RankIndex.model_validate_json(self.storage.read(key))  # another replica's, or evicted
+                return kept(*checked)
+            ix = RankIndex.model_validate_json(self.storage.read(keys[r]))  # another replica's, or evicted
             return ix, [(f, recorded_file(self.storage, run, name, sid, f),
                          None if self.read_back else arrival_of(self.storage, run, name, sid, f)) for f in ix.files]
 
+        def read_unit(unit: tuple[tuple[int, int] | None, range]) -> list[tuple[RankIndex, list[Entry]]]:
+            span, ranks = unit
+            node = read_node(self.storage, run, name, sid, incarnation, *span) if span is not None else {}
+            return [kept(*node[r]) if r in node and not self._indexes.holds(keys[r]) else read_rank(r)
+                    for r in ranks]
+
         files: dict[str, FileEntry] = {}
         arrivals: dict[str, tuple[str, str]] = {}
-        n = requests_in_flight(self.storage, Paths.rank_index(run, name, sid, 0))
+        n = requests_in_flight(self.storage, keys[0])
+        units = self._units(run, name, sid, keys)
         # Closed on the way out, refusal included: the reads ahead stop and their threads end with it.
-        with contextlib.closing(ordered_map(read_rank, range(meta.world_size), n)) as ranks:
-            for ix, entries in ranks:
+        with contextlib.closing(ordered_map(read_unit, units, n)) as read:
+            for ix, entries in (one for unit in read for one in unit):
                 for f, entry, arrived in entries:
                     if entry is None:
                         raise InvalidIndex(f"rank {ix.rank}: file {f!r} has no verified upload", file=f)
@@ -167,6 +182,25 @@ class Committer:
                 fold.add(ix)
                 del ix, entries
         return fold.manifest(files), files, arrivals
+
+    def _units(self, run: str, name: str, sid: str, keys: list[str]) -> list[tuple[tuple[int, int] | None, range]]:
+        """The commit's reads in rank order: each rank alone, but for a run of ranks this process does not
+        keep that a node object holds (:mod:`.node_indexes`; listed once, and only if some rank is not kept
+        here): those with the object (its span), one read for them all."""
+        away = {r for r, key in enumerate(keys) if not self._indexes.holds(key)}
+        nodes = node_objects(self.storage, run, name, sid) if away else []
+        units: list[tuple[tuple[int, int] | None, range]] = []
+        r, i = 0, 0
+        while r < len(keys):
+            while i < len(nodes) and nodes[i][1] < r:
+                i += 1
+            if r in away and i < len(nodes) and nodes[i][0] <= r and nodes[i][1] < len(keys):
+                units.append((nodes[i], range(r, nodes[i][1] + 1)))
+                r = nodes[i][1] + 1
+            else:
+                units.append((None, range(r, r + 1)))
+                r += 1
+        return units
 
     def _linked(self, run: str, manifest: Manifest, arrivals: dict[str, tuple[str, str]]
                 ) -> dict[str, tuple[str, str]]:
