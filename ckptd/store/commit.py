@@ -80,35 +80,40 @@ class Committer:
         """After rank ``rank``'s index is stored: commit when every rank's index is there; a refusal raises.
 
         Listing every rank at every call costs O(ranks) each, O(ranks^2) over a session (and one
-        LIST request per 1,000 keys on an object store). Instead the process remembers below which
-        rank all indexes were found stored (:meth:`IndexCache.stored_below`, 0 at first) and probes
-        upwards from there for the first missing one: each rank is found once per process, each call
-        makes one failing probe, and an index this process checked and keeps (:meth:`IndexCache.holds`,
-        its write perhaps still under way) is not probed (indexes arriving together would each probe
-        the same ranks: at 64 ranks on S3, 1,300 HEADs between the last byte and the marker). At most
-        :data:`PROBES` ranks are probed in one call (a replica whose hint is far behind, where other
-        replicas stored most ranks, would make a HEAD per rank in a row): past them, and when the probes
-        reach the world size, a listing decides, as before, so any replica's call that stores the last
-        index, a retried index or the sweep commits, and a stale hint (a session aborted and opened
-        again) costs a listing, never a commit. The answer's ``ranks_done`` is ``rank`` alone, so no
-        rank's answer grows with the world size (``SessionStore.status`` lists them all).
+        LIST request per 1,000 keys on an object store). Instead the process remembers the ranks its
+        last listing of the session did not show (:meth:`IndexCache.missing`) and probes them in rank
+        order for one still missing, forgetting each it finds stored, or checked and kept here
+        (:meth:`IndexCache.holds`: its write perhaps still under way, not probed), so calls arriving
+        together share what each found and each rank is found once per process. A call makes one
+        failing probe in the common case, and at most :data:`PROBES`: past them, when none is left, and
+        at a process's first call for the session, a listing decides. So where other replicas store
+        most ranks (node-local replicas), a call probes the ranks the listing said were missing, not
+        every rank from 0 (at two replicas of 32 ranks each, 500 HEADs between the last byte and the
+        marker, when the way was a count of ranks found stored from rank 0 up); any replica's call that
+        stores the last index, a retried index or the sweep commits, and a stale hint (a session
+        aborted and opened again) costs a listing, never a commit. The answer's ``ranks_done`` is
+        ``rank`` alone, so no rank's answer grows with the world size (``SessionStore.status`` lists
+        them all).
         """
         prefix = Paths.session(run, name, sid) + "/"
-        below, probes, missing = self._indexes.stored_below(prefix) or 0, 0, False
-        while below < meta.world_size and probes < PROBES:
-            key = Paths.rank_index(run, name, sid, below)
-            if not self._indexes.holds(key):
-                probes += 1
-                missing = not self.storage.exists(key)
-                if missing:
-                    break
-            below += 1
-        if not missing:
-            done = ranks_done(self.storage, run, name, sid)
-            below = next((i for i, r in enumerate(done) if i != r), len(done))
-        self._indexes.note_stored_below(prefix, below)
+        probes, missing = 0, False
+        while not missing and probes < PROBES and (batch := self._indexes.missing(prefix, PROBES)):
+            for r in batch:
+                key = Paths.rank_index(run, name, sid, r)
+                if not self._indexes.holds(key):
+                    if probes == PROBES:
+                        break
+                    probes += 1
+                    if missing := not self.storage.exists(key):
+                        break
+                self._indexes.note_stored(prefix, r)
+        if not missing:  # a listing decides
+            done = set(ranks_done(self.storage, run, name, sid))
+            gaps = [r for r in range(meta.world_size) if r not in done]
+            self._indexes.note_missing(prefix, gaps)
+            missing = bool(gaps)
         base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=[rank])
-        if below < meta.world_size:
+        if missing:
             return SessionStatus(state="open", **base)
         digest = self.commit(run, name, sid, meta)  # StorageError: not a verdict, the caller retries (503)
         return SessionStatus(state="committed", manifest_xxh3=digest, **base)

@@ -17,16 +17,18 @@ the store as before: the cache changes the commit's speed, not what it checks (i
 still confirmed by their stored identity or read). Each entry is taken out as it is used (a file's
 records into its rank's index, an index into the manifest), so no two copies are held in full.
 
-The cache also remembers, per session, below which rank every index was found
-stored (``stored_below``): ``put_index`` then probes from there for the first
-missing one instead of listing every rank at every call. A hint, never a
-verdict: the commit only starts after a listing shows every rank.
+The cache also remembers, per session, the ranks whose indexes the last listing here did not show and
+no probe since has found (``missing``): ``put_index`` probes those for one still missing instead of
+listing every rank at every call. A hint, never a verdict: the commit only starts after a listing
+shows every rank.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from itertools import islice
+from typing import Iterable
 
 from ckptd_schemas import FileEntry, RankIndex
 
@@ -35,6 +37,8 @@ __all__ = ["Checked", "IndexCache", "Records"]
 PARSED_PER_RAW = 3
 """Memory of a parsed index per byte of its JSON, rounded up from the measured ratio (BENCHMARKS.md,
 Figures behind the code)."""
+MISSING_KEPT = 4096
+"""The most missing ranks kept per session (16 KB or so): a hint, past which a listing decides."""
 RECORD_BYTES = 512  # a file's digest and arrival records, parsed, besides their block digests
 BLOCK_BYTES = 80  # one block digest, parsed
 
@@ -57,7 +61,7 @@ class IndexCache:
         self.max_sessions = max_sessions
         self._items: OrderedDict[str, tuple[str, object, int]] = OrderedDict()
         self._bytes = 0
-        self._below: OrderedDict[str, int] = OrderedDict()  # session prefix -> ranks below it stored
+        self._missing: OrderedDict[str, dict[int, None]] = OrderedDict()  # session prefix -> ranks (ordered set)
         self._lock = threading.Lock()
 
     def put(self, key: str, incarnation: str, checked: Checked, raw_bytes: int) -> None:
@@ -105,25 +109,35 @@ class IndexCache:
         with self._lock:
             return key in self._items
 
-    def stored_below(self, prefix: str) -> int | None:
-        """The rank below which every index of the session ``prefix`` was found stored (None: unknown)."""
+    def missing(self, prefix: str, n: int) -> list[int] | None:
+        """The first ``n`` ranks of session ``prefix`` not known to be stored, in rank order (None: no
+        listing here yet)."""
         with self._lock:
-            return self._below.get(prefix)
+            ranks = self._missing.get(prefix)
+            return None if ranks is None else list(islice(ranks, n))
 
-    def note_stored_below(self, prefix: str, rank: int) -> None:
+    def note_missing(self, prefix: str, ranks: Iterable[int]) -> None:
+        """What a listing did not show (its first :data:`MISSING_KEPT`: past them, a listing decides again)."""
         with self._lock:
-            self._below[prefix] = rank
-            self._below.move_to_end(prefix)
-            while len(self._below) > self.max_sessions:
-                self._below.popitem(last=False)
+            self._missing[prefix] = dict.fromkeys(islice(ranks, MISSING_KEPT))
+            self._missing.move_to_end(prefix)
+            while len(self._missing) > self.max_sessions:
+                self._missing.popitem(last=False)
+
+    def note_stored(self, prefix: str, rank: int) -> None:
+        """Rank ``rank``'s index of session ``prefix`` was found stored, or is being stored here."""
+        with self._lock:
+            ranks = self._missing.get(prefix)
+            if ranks is not None:
+                ranks.pop(rank, None)
 
     def drop_under(self, prefix: str) -> None:
         """Forget every entry kept under ``prefix`` (a session that committed or failed)."""
         with self._lock:
             for key in [k for k in self._items if k.startswith(prefix)]:
                 self._drop(key)
-            for key in [k for k in self._below if k.startswith(prefix)]:
-                del self._below[key]
+            for key in [k for k in self._missing if k.startswith(prefix)]:
+                del self._missing[key]
 
     def _drop(self, key: str) -> None:
         entry = self._items.pop(key, None)

@@ -15,6 +15,8 @@ import json
 import random
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 import tracemalloc
 from datetime import datetime, timezone
 from pathlib import Path
@@ -352,6 +354,36 @@ def test_a_replica_that_stored_few_ranks_probes_a_bounded_number_before_it_lists
     assert got.state == "committed" and got.ranks_done == [world - 1]
     looks = (CountingStorage.probes, CountingStorage.lists)
     assert looks[0] <= PROBES and looks[1] <= 2 and sum(looks) < world // 4, looks  # not a look per rank
+
+
+class SlowLooks(CountingStorage):
+    """A look at a rank's index (a HEAD, a listing) takes a round trip, as on an object store."""
+
+    def exists(self, key: str) -> bool:
+        time.sleep(0.005)
+        return super().exists(key)
+
+    def list(self, prefix: str) -> list[str]:
+        time.sleep(0.005)
+        return super().list(prefix)
+
+
+def test_indexes_arriving_together_at_a_replica_probe_no_rank_another_replica_stored(tmp_path):
+    """Node-local replicas: one stored ranks 0-47, then the other's 16 ranks arrive at once. Each of
+    those calls probes only ranks its replica's last listing did not show: no call walks ranks 0-47
+    found stored one HEAD at a time (256 HEADs: 16 calls x 16 probes, when each counted from rank 0)."""
+    world = 64
+    save = _save(world, 1)
+    events: list = []
+    first, last = (SessionStore(SlowLooks(tmp_path), observers=[AfterCommit(events.append)]) for _ in range(2))
+    _upload(first, save, "t")
+    for _, _, ix in save[:48]:
+        assert first.put_index("run", "t", "s0000001", ix).state == "open"
+    CountingStorage.probes = CountingStorage.lists = 0
+    with ThreadPoolExecutor(16) as pool:
+        states = list(pool.map(lambda ix: last.put_index("run", "t", "s0000001", ix).state, [x for _, _, x in save[48:]]))
+    assert states.count("committed") >= 1 and len(events) == 1, (states, events)
+    assert CountingStorage.probes <= 32 and CountingStorage.lists <= 16 + 2, (CountingStorage.probes, CountingStorage.lists)
 
 
 def test_an_index_whose_files_arrived_here_is_checked_and_committed_without_reading_a_record(tmp_path):
