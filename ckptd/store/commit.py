@@ -37,6 +37,7 @@ from ckptd_schemas.loadtree import LoadTree
 from ..storage import Storage
 from .activity import SessionActivity
 from .checker import check_commit, file_rows
+from .completeness import Looks
 from .events import CommitEvent, Observers
 from .flights import OneAtATime
 from .gcpause import gc_paused
@@ -59,11 +60,6 @@ log = logging.getLogger("ckptd.store")
 #: A file of a rank's index: its name, digest record (None: none) and arrival record (None: read it back).
 Entry = tuple[str, "FileEntry | None", "tuple[str, str] | None"]
 
-PROBES = 16
-"""The most ranks ``Committer.if_complete`` probes one by one before it lists them (a listing is one
-request per 1,000 ranks)."""
-
-
 class Committer:
     """Commits the sessions of one store (module docstring)."""
 
@@ -75,43 +71,23 @@ class Committer:
         # every index stored, and each would merge and check the whole checkpoint.
         self._one_commit = OneAtATime()
         self._indexes = indexes  # shared with the session store, which puts each index it stores here
+        self._looks = Looks()  # what this process learnt of each session's stored indexes
 
     def if_complete(self, run: str, name: str, sid: str, meta: SessionMeta, rank: int) -> SessionStatus:
         """After rank ``rank``'s index is stored: commit when every rank's index is there; a refusal raises.
 
-        Listing every rank at every call costs O(ranks) each, O(ranks^2) over a session (and one
-        LIST request per 1,000 keys on an object store). Instead the process remembers the ranks its
-        last listing of the session did not show (:meth:`IndexCache.missing`) and probes them in rank
-        order for one still missing, forgetting each it finds stored, or checked and kept here
-        (:meth:`IndexCache.holds`: its write perhaps still under way, not probed), so calls arriving
-        together share what each found and each rank is found once per process. A call makes one
-        failing probe in the common case, and at most :data:`PROBES`: past them, when none is left, and
-        at a process's first call for the session, a listing decides. So where other replicas store
-        most ranks (node-local replicas), a call probes the ranks the listing said were missing, not
-        every rank from 0 (at two replicas of 32 ranks each, 500 HEADs between the last byte and the
-        marker, when the way was a count of ranks found stored from rank 0 up); any replica's call that
-        stores the last index, a retried index or the sweep commits, and a stale hint (a session
-        aborted and opened again) costs a listing, never a commit. The answer's ``ranks_done`` is
+        Whether some rank's index is missing is learnt from this process's looks at the session
+        (:class:`~.completeness.Looks`): mostly one probe, or none where a look begun after this index
+        was stored found one missing; a listing decides that none is. The answer's ``ranks_done`` is
         ``rank`` alone, so no rank's answer grows with the world size (``SessionStore.status`` lists
         them all).
         """
-        prefix = Paths.session(run, name, sid) + "/"
-        probes, missing = 0, False
-        while not missing and probes < PROBES and (batch := self._indexes.missing(prefix, PROBES)):
-            for r in batch:
-                key = Paths.rank_index(run, name, sid, r)
-                if not self._indexes.holds(key):
-                    if probes == PROBES:
-                        break
-                    probes += 1
-                    if missing := not self.storage.exists(key):
-                        break
-                self._indexes.note_stored(prefix, r)
-        if not missing:  # a listing decides
-            done = set(ranks_done(self.storage, run, name, sid))
-            gaps = [r for r in range(meta.world_size) if r not in done]
-            self._indexes.note_missing(prefix, gaps)
-            missing = bool(gaps)
+        since = time.monotonic()
+        missing = self._looks.missing_since(
+            Paths.session(run, name, sid), since, meta.world_size,
+            kept=lambda r: self._indexes.state(Paths.rank_index(run, name, sid, r)),
+            probe=lambda r: self.storage.exists(Paths.rank_index(run, name, sid, r)),
+            listing=lambda: ranks_done(self.storage, run, name, sid))
         base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=[rank])
         if missing:
             return SessionStatus(state="open", **base)
@@ -135,6 +111,7 @@ class Committer:
                     run, name, sid, meta or session_meta(self.storage, run, name, sid))
         finally:
             self._indexes.drop_under(Paths.session(run, name, sid) + "/")
+            self._looks.forget(Paths.session(run, name, sid))
             self.activity.forget(run, name, sid)  # a keep-alive from now on is answered from the store: 409
         if event is not None:
             self.observers.tell("committed", event, time.perf_counter() - t0)

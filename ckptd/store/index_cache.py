@@ -17,18 +17,12 @@ the store as before: the cache changes the commit's speed, not what it checks (i
 still confirmed by their stored identity or read). Each entry is taken out as it is used (a file's
 records into its rank's index, an index into the manifest), so no two copies are held in full.
 
-The cache also remembers, per session, the ranks whose indexes the last listing here did not show and
-no probe since has found (``missing``): ``put_index`` probes those for one still missing instead of
-listing every rank at every call. A hint, never a verdict: the commit only starts after a listing
-shows every rank.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from itertools import islice
-from typing import Iterable
 
 from ckptd_schemas import FileEntry, RankIndex
 
@@ -37,8 +31,6 @@ __all__ = ["Checked", "IndexCache", "Records"]
 PARSED_PER_RAW = 3
 """Memory of a parsed index per byte of its JSON, rounded up from the measured ratio (BENCHMARKS.md,
 Figures behind the code)."""
-MISSING_KEPT = 4096
-"""The most missing ranks kept per session (16 KB or so): a hint, past which a listing decides."""
 RECORD_BYTES = 512  # a file's digest and arrival records, parsed, besides their block digests
 BLOCK_BYTES = 80  # one block digest, parsed
 
@@ -56,12 +48,11 @@ class IndexCache:
     again at the commit).
     """
 
-    def __init__(self, max_bytes: int = 512 << 20, max_sessions: int = 4096) -> None:
+    def __init__(self, max_bytes: int = 512 << 20) -> None:
         self.max_bytes = max_bytes
-        self.max_sessions = max_sessions
         self._items: OrderedDict[str, tuple[str, object, int]] = OrderedDict()
         self._bytes = 0
-        self._missing: OrderedDict[str, dict[int, None]] = OrderedDict()  # session prefix -> ranks (ordered set)
+        self._stored: set[str] = set()  # kept rank indexes whose write was answered
         self._lock = threading.Lock()
 
     def put(self, key: str, incarnation: str, checked: Checked, raw_bytes: int) -> None:
@@ -104,42 +95,29 @@ class IndexCache:
         return entry[1] if entry is not None and entry[0] == incarnation else None
 
     def holds(self, key: str) -> bool:
-        """Whether rank index ``key`` was checked here and is kept, stored or its write under way (a hint
-        for the probes of ``Committer.if_complete``: no HEAD for it; a listing decides)."""
+        """Whether rank index ``key`` was checked here and is kept, stored or its write under way."""
         with self._lock:
             return key in self._items
 
-    def missing(self, prefix: str, n: int) -> list[int] | None:
-        """The first ``n`` ranks of session ``prefix`` not known to be stored, in rank order (None: no
-        listing here yet)."""
+    def note_stored(self, key: str) -> None:
+        """Rank index ``key``, kept, is stored (its write was answered)."""
         with self._lock:
-            ranks = self._missing.get(prefix)
-            return None if ranks is None else list(islice(ranks, n))
+            self._stored.add(key)
 
-    def note_missing(self, prefix: str, ranks: Iterable[int]) -> None:
-        """What a listing did not show (its first :data:`MISSING_KEPT`: past them, a listing decides again)."""
+    def state(self, key: str) -> str | None:
+        """``"pending"`` (rank index ``key`` is kept and its write not answered yet), ``"stored"``, or None
+        (not kept here): for the looks of :mod:`.completeness`, which need no HEAD for a rank kept here."""
         with self._lock:
-            self._missing[prefix] = dict.fromkeys(islice(ranks, MISSING_KEPT))
-            self._missing.move_to_end(prefix)
-            while len(self._missing) > self.max_sessions:
-                self._missing.popitem(last=False)
-
-    def note_stored(self, prefix: str, rank: int) -> None:
-        """Rank ``rank``'s index of session ``prefix`` was found stored, or is being stored here."""
-        with self._lock:
-            ranks = self._missing.get(prefix)
-            if ranks is not None:
-                ranks.pop(rank, None)
+            return None if key not in self._items else "stored" if key in self._stored else "pending"
 
     def drop_under(self, prefix: str) -> None:
         """Forget every entry kept under ``prefix`` (a session that committed or failed)."""
         with self._lock:
             for key in [k for k in self._items if k.startswith(prefix)]:
                 self._drop(key)
-            for key in [k for k in self._missing if k.startswith(prefix)]:
-                del self._missing[key]
 
     def _drop(self, key: str) -> None:
+        self._stored.discard(key)
         entry = self._items.pop(key, None)
         if entry is not None:
             self._bytes -= entry[2]

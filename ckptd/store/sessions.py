@@ -182,6 +182,7 @@ class SessionStore:
         except BaseException:
             self._indexes.take(key, incarnation)
             raise
+        self._indexes.note_stored(key)
         self.activity.touch(run, name, sid)  # a writer: ranks' indexes may arrive for minutes after the last file
         return self.committer.if_complete(run, name, sid, meta, index.rank)
 

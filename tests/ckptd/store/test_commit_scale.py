@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from ckptd.storage.local import LocalStorage
 from ckptd.store.paths import Paths
-from ckptd.store.commit import PROBES
+from ckptd.store.completeness import PROBES
 from ckptd.store.events import AfterCommit
 from ckptd.store.merge import merge_indexes
 from ckptd.store.session_reads import read_meta
