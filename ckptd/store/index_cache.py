@@ -16,7 +16,6 @@ are created once, never replaced). Ranks another replica received, or entries ev
 the store as before: the cache changes the commit's speed, not what it checks (its data files are
 still confirmed by their stored identity or read). Each entry is taken out as it is used (a file's
 records into its rank's index, an index into the manifest), so no two copies are held in full.
-
 """
 
 from __future__ import annotations
