@@ -22,7 +22,7 @@ to 256 MiB: moto serves a ranged GET by copying the whole object, so a GiB there
 save). A rank declares each file's chunk ahead of its bytes (``X-Ckptd-Chunks``) where the session
 offers ``arrival_checks``, as the client does, so the commit confirms instead of reading back;
 ``local-read-back`` and ``s3-read-back`` send the same files undeclared (as older clients do): the
-commit reads every byte back, the A beside the B in one run. Per store one service process serves every save (one untimed 2-rank save first); the
+commit reads every byte back, the A beside the B in one run. Per store one service process (``--replicas``: that many on the one root, rank r saving through replica r * replicas // world, as node-local replicas) serves every save (one untimed 2-rank save first); the
 settings are the defaults but for the per-principal limits (off: every simulated rank is one
 principal).
 
@@ -280,7 +280,7 @@ async def _direct_put(c: httpx.AsyncClient, store: httpx.AsyncClient, url: str, 
     r.raise_for_status()
 
 
-async def save(url: str, pid: int, data: Bytes, name: str, step: int, world: int, size: int, *,
+async def save(urls: list[str], pids: list[int], data: Bytes, name: str, step: int, world: int, size: int, *,
                direct: bool = False, moto_pid: int = 0, moto_log: Path | None = None, declare: bool = True) -> dict:
     """One checkpoint ``RUN/name`` of ``size`` bytes by ``world`` ranks; its commit lag (module docstring)."""
     base = f"/v1/checkpoints/{RUN}/{name}"
@@ -290,20 +290,24 @@ async def save(url: str, pid: int, data: Bytes, name: str, step: int, world: int
     layout = [_files(r, per_rank) for r in range(world)]
     digests = [[_digests(data, f"{name}/{f}", n, direct) for f, n in files] for files in layout]
     n_files = sum(len(f) for f in layout)
-    clients = [httpx.AsyncClient(base_url=url, timeout=600) for _ in range(min(world, 16))]
+    # per replica, its ranks' connections: rank r saves through replica r * replicas // world (a node's ranks)
+    per = max(1, min(world, 16) // len(urls))
+    clients = [[httpx.AsyncClient(base_url=url, timeout=600) for _ in range(per)] for url in urls]
     store = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=world * PARTS_IN_FLIGHT))
     marks: dict = {"stored": 0}
 
     def sample() -> dict:
         t = time.perf_counter()
-        out = {"t": t, "wall": time.time(), **proc_sample(pid), "lo": loopback_bytes(),
+        procs = [proc_sample(pid) for pid in pids]  # every replica's, summed
+        out = {"t": t, "wall": time.time(), **{k: sum(p[k] for p in procs) for k in procs[0]}, "lo": loopback_bytes(),
                "moto_cpu_s": proc_sample(moto_pid)["cpu_s"] if moto_pid else 0.0,
                "moto_log": os.path.getsize(moto_log) if moto_log else 0}
         out["sample_s"] = time.perf_counter() - t
         return out
 
     async def rank(r: int) -> None:
-        c = clients[r % len(clients)]
+        own = clients[r * len(urls) // world]
+        c = own[r % len(own)]
         opened = await c.post(f"{base}/sessions", json={"session": sid, "world_size": world, "step": step,
                                                         "direct_uploads": direct})
         opened.raise_for_status()
@@ -337,14 +341,14 @@ async def save(url: str, pid: int, data: Bytes, name: str, step: int, world: int
         first = sample()
         await asyncio.gather(*(rank(r) for r in range(world)))
         while "marker" not in marks:  # the commit answered none of the indexes: wait for it
-            st = await clients[0].get(f"{base}/sessions/{sid}", params={"wait": 60})
+            st = await clients[0][0].get(f"{base}/sessions/{sid}", params={"wait": 60})
             st.raise_for_status()
             if st.json()["state"] != "open":
                 assert st.json()["state"] == "committed", st.text[:300]
                 marks["marker"] = sample()
                 marks["committed_by"] = "poll"
     finally:
-        for c in clients:
+        for c in (c for own in clients for c in own):
             await c.aclose()
         await store.aclose()
     a, b = marks["last_byte"], marks["marker"]
@@ -361,8 +365,8 @@ async def save(url: str, pid: int, data: Bytes, name: str, step: int, world: int
 # -- one store ---------------------------------------------------------------------------------------
 
 def run_store(which: str, sizes: list[int], worlds: list[int], repeat: int, work: Path, data: Bytes,
-              moto: MotoServer | None) -> dict:
-    """Every (size, world) ``repeat`` times on one service of store ``which``."""
+              moto: MotoServer | None, replicas: int = 1, node_ranks: int = 0) -> dict:
+    """Every (size, world) ``repeat`` times on ``replicas`` services of store ``which`` (one root)."""
     direct, declare = which == "s3-direct", not which.endswith("-read-back")
     if which.startswith("local"):
         root: str = str(work / f"root-{which}")  # its own: the names of a run repeat per store
@@ -370,8 +374,10 @@ def run_store(which: str, sizes: list[int], worlds: list[int], repeat: int, work
     else:
         assert moto is not None
         root, env = f"s3://{BUCKET}/{which}", {**ENV, **moto.env, "CKPTD_DIRECT_UPLOADS": str(direct).lower()}
-    srv = ServerProcess(root, env=env, log=work / f"server-{which}.log").start()
-    pid = srv.proc.pid  # type: ignore[union-attr]
+    env["CKPTD_NODE_RANKS"] = str(node_ranks)
+    servers = [ServerProcess(root, env=env, log=work / f"server-{which}-{i}.log").start() for i in range(replicas)]
+    srv, urls = servers[0], [s.url for s in servers]
+    pids = [s.proc.pid for s in servers]  # type: ignore[union-attr]
     moto_pid = moto.proc.pid if moto is not None and not which.startswith("local") else 0  # type: ignore[union-attr]
     moto_log = moto.log if moto_pid else None  # type: ignore[union-attr]
     load0 = os.getloadavg()
@@ -385,7 +391,7 @@ def run_store(which: str, sizes: list[int], worlds: list[int], repeat: int, work
                     assert r.status_code == 200 and r.json()["removed"], r.text[:300]
 
             step += 1
-            asyncio.run(save(srv.url, pid, data, "warmup", step, 2, 2 * MiB, direct=direct, moto_pid=moto_pid,
+            asyncio.run(save(urls, pids, data, "warmup", step, 2, 2 * MiB, direct=direct, moto_pid=moto_pid,
                              moto_log=moto_log, declare=declare))
             prev = "warmup"
             for rep in range(repeat):
@@ -393,7 +399,7 @@ def run_store(which: str, sizes: list[int], worlds: list[int], repeat: int, work
                     for world in worlds:
                         step += 1
                         name = f"s{size // MiB}m-r{world}-{rep}"
-                        got = asyncio.run(save(srv.url, pid, data, name, step, world, size, direct=direct,
+                        got = asyncio.run(save(urls, pids, data, name, step, world, size, direct=direct,
                                                moto_pid=moto_pid, moto_log=moto_log, declare=declare))
                         if which.startswith("local"):
                             marker = Path(root) / "runs" / RUN / name / "COMMITTED"
@@ -402,13 +408,14 @@ def run_store(which: str, sizes: list[int], worlds: list[int], repeat: int, work
                         saves.append(got)
                         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in got.items()}),
                               flush=True)
-                        assert verification([srv.url], f"{RUN}/{name}") is not None, name  # the re-read of
+                        assert verification(urls, f"{RUN}/{name}") is not None, name  # the re-read of
                         forget(prev)  # bytes checked on arrival, after the marker: not in the next save's lag
                         prev = name
                         time.sleep(0.3)  # the removal's work settles before the next save
     finally:
-        srv.stop()
-    return {"store": which, "root": root, "loadavg_start": load0, "loadavg_end": os.getloadavg(), "saves": saves}
+        for s in servers:
+            s.stop()
+    return {"store": which, "root": root, "replicas": replicas, "node_ranks": node_ranks, "loadavg_start": load0, "loadavg_end": os.getloadavg(), "saves": saves}
 
 
 def summarise(saves: list[dict]) -> list[dict]:
@@ -459,6 +466,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="the sizes on the S3 stores (moto takes ~50 s per GiB saved and committed here)")
     ap.add_argument("--stores", default="local,s3,s3-direct", help=f"of {', '.join(STORES)}")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="services on the one root; rank r saves through replica r * replicas // world")
+    ap.add_argument("--node-ranks", type=int, default=0, help="CKPTD_NODE_RANKS of every replica")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "commit_lag.json")
     ap.add_argument("--md", type=Path, default=None, help="the table as markdown (default: --out with .md)")
     add_workdir_args(ap)
@@ -470,10 +480,11 @@ def main(argv: list[str] | None = None) -> None:
     assert set(stores) <= set(STORES), stores
     t0 = time.perf_counter()
     command = (f".venv/bin/python -m bench.commit_lag --sizes {args.sizes} --s3-sizes {args.s3_sizes} --ranks "
-               f"{args.ranks} --stores {args.stores} --repeat {args.repeat}")  # every setting, defaults too
+               f"{args.ranks} --stores {args.stores} --repeat {args.repeat} --replicas {args.replicas} "
+               f"--node-ranks {args.node_ranks}")  # every setting, defaults too
     result: dict = {"command": command,
                     "config": {"sizes": sizes, "s3_sizes": s3_sizes, "ranks": worlds, "stores": stores,
-                               "repeat": args.repeat,
+                               "repeat": args.repeat, "replicas": args.replicas, "node_ranks": args.node_ranks,
                                "file_bytes": FILE_BYTES, "part_bytes": PART_BYTES, "env": ENV},
                     "git": git_state(), "nproc": os.cpu_count(), "stores": []}
     with work_dir("ckptd-bench-lag-", args.workdir, args.keep) as work:
@@ -488,7 +499,7 @@ def main(argv: list[str] | None = None) -> None:
                 result["config"]["moto"] = md.version("moto")
             for which in stores:
                 result["stores"].append(run_store(which, sizes if which.startswith("local") else s3_sizes, worlds, args.repeat,
-                                                  work, data, moto))
+                                                  work, data, moto, args.replicas, args.node_ranks))
         finally:
             if moto is not None:
                 moto.stop()

@@ -37,13 +37,15 @@ from ckptd_schemas.loadtree import LoadTree
 from ..storage import Storage
 from .activity import SessionActivity
 from .checker import check_commit, file_rows
+from .completeness import Looks
 from .events import CommitEvent, Observers
 from .flights import OneAtATime
 from .gcpause import gc_paused
-from .index_cache import IndexCache
+from .index_cache import IndexCache, Records
 from .inflight import ordered_map, requests_in_flight
 from .intake import recorded_file
 from .merge import ManifestFold
+from .node_indexes import node_objects, read_node
 from .paths import Marker, Paths, SessionMeta
 from .records import LINKED, CommitCheck, arrival_of, file_stamps, known_bad, record_arrival, record_commit_check
 from .links import check_links
@@ -55,10 +57,8 @@ __all__ = ["Committer"]
 
 log = logging.getLogger("ckptd.store")
 
-PROBES = 16
-"""The most ranks ``Committer.if_complete`` probes one by one before it lists them (a listing is one
-request per 1,000 ranks)."""
-
+#: A file of a rank's index: its name, digest record (None: none) and arrival record (None: read it back).
+Entry = tuple[str, "FileEntry | None", "tuple[str, str] | None"]
 
 class Committer:
     """Commits the sessions of one store (module docstring)."""
@@ -71,40 +71,25 @@ class Committer:
         # every index stored, and each would merge and check the whole checkpoint.
         self._one_commit = OneAtATime()
         self._indexes = indexes  # shared with the session store, which puts each index it stores here
+        self._looks = Looks()  # what this process learnt of each session's stored indexes
 
     def if_complete(self, run: str, name: str, sid: str, meta: SessionMeta, rank: int) -> SessionStatus:
         """After rank ``rank``'s index is stored: commit when every rank's index is there; a refusal raises.
 
-        Listing every rank at every call costs O(ranks) each, O(ranks^2) over a session (and one
-        LIST request per 1,000 keys on an object store). Instead the process remembers below which
-        rank all indexes were found stored (:meth:`IndexCache.stored_below`, 0 at first) and probes
-        upwards from there for the first missing one: each rank is found once per process, each call
-        makes one failing probe, and an index this process checked and keeps (:meth:`IndexCache.holds`,
-        its write perhaps still under way) is not probed (indexes arriving together would each probe
-        the same ranks: at 64 ranks on S3, 1,300 HEADs between the last byte and the marker). At most
-        :data:`PROBES` ranks are probed in one call (a replica whose hint is far behind, where other
-        replicas stored most ranks, would make a HEAD per rank in a row): past them, and when the probes
-        reach the world size, a listing decides, as before, so any replica's call that stores the last
-        index, a retried index or the sweep commits, and a stale hint (a session aborted and opened
-        again) costs a listing, never a commit. The answer's ``ranks_done`` is ``rank`` alone, so no
-        rank's answer grows with the world size (``SessionStore.status`` lists them all).
+        Whether some rank's index is missing is learnt from this process's looks at the session
+        (:class:`~.completeness.Looks`): mostly one probe, or none where a look begun after this index
+        was stored found one missing; a listing decides that none is. The answer's ``ranks_done`` is
+        ``rank`` alone, so no rank's answer grows with the world size (``SessionStore.status`` lists
+        them all).
         """
-        prefix = Paths.session(run, name, sid) + "/"
-        below, probes, missing = self._indexes.stored_below(prefix) or 0, 0, False
-        while below < meta.world_size and probes < PROBES:
-            key = Paths.rank_index(run, name, sid, below)
-            if not self._indexes.holds(key):
-                probes += 1
-                missing = not self.storage.exists(key)
-                if missing:
-                    break
-            below += 1
-        if not missing:
-            done = ranks_done(self.storage, run, name, sid)
-            below = next((i for i, r in enumerate(done) if i != r), len(done))
-        self._indexes.note_stored_below(prefix, below)
+        since = time.monotonic()
+        missing = self._looks.missing_since(
+            Paths.session(run, name, sid), since, meta.world_size,
+            kept=lambda r: self._indexes.state(Paths.rank_index(run, name, sid, r)),
+            probe=lambda r: self.storage.exists(Paths.rank_index(run, name, sid, r)),
+            listing=lambda: ranks_done(self.storage, run, name, sid))
         base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=[rank])
-        if below < meta.world_size:
+        if missing:
             return SessionStatus(state="open", **base)
         digest = self.commit(run, name, sid, meta)  # StorageError: not a verdict, the caller retries (503)
         return SessionStatus(state="committed", manifest_xxh3=digest, **base)
@@ -126,6 +111,7 @@ class Committer:
                     run, name, sid, meta or session_meta(self.storage, run, name, sid))
         finally:
             self._indexes.drop_under(Paths.session(run, name, sid) + "/")
+            self._looks.forget(Paths.session(run, name, sid))
             self.activity.forget(run, name, sid)  # a keep-alive from now on is answered from the store: 409
         if event is not None:
             self.observers.tell("committed", event, time.perf_counter() - t0)
@@ -135,29 +121,40 @@ class Committer:
                ) -> tuple[Manifest, dict[str, FileEntry], dict[str, tuple[str, str]]]:
         """The merged manifest, the digest records of its files and their arrival records (unless
         :attr:`read_back`: the commit then reads every file). Each rank's index and its files' records
-        as ``put_index`` checked them here (:class:`~.index_cache.IndexCache`), else read from the store;
+        as ``put_index`` checked them here (:class:`~.index_cache.IndexCache`), else read from the store
+        (a node's ranks in one read where another replica stored their node object, :mod:`.node_indexes`);
         folded (:class:`~.merge.ManifestFold`) and dropped rank by rank: the commit holds the manifest
         being built and a few indexes, not every index. On a remote store the next ranks' indexes
         and digest records are read while one is folded (:mod:`.inflight`)."""
         fold = ManifestFold(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
                             world_size=meta.world_size, derived_from=meta.derived_from, parent=meta.parent)
+        incarnation = meta.created_at.isoformat()
+        keys = [Paths.rank_index(run, name, sid, r) for r in range(meta.world_size)]
 
-        def read_rank(r: int) -> tuple[RankIndex, list[tuple[str, FileEntry | None, tuple[str, str] | None]]]:
-            key = Paths.rank_index(run, name, sid, r)
-            checked = self._indexes.take(key, meta.created_at.isoformat())  # as put_index checked it here
+        def kept(ix: RankIndex, records: dict[str, Records]) -> tuple[RankIndex, list[Entry]]:
+            return ix, [(f, records[f][0], None if self.read_back else records[f][1]) for f in ix.files]
+
+        def read_rank(r: int) -> tuple[RankIndex, list[Entry]]:
+            checked = self._indexes.take(keys[r], incarnation)  # as put_index checked it here
             if checked is not None:
-                ix, records = checked
-                return ix, [(f, records[f][0], None if self.read_back else records[f][1]) for f in ix.files]
-            ix = RankIndex.model_validate_json(self.storage.read(key))  # another replica's, or evicted
+                return kept(*checked)
+            ix = RankIndex.model_validate_json(self.storage.read(keys[r]))  # another replica's, or evicted
             return ix, [(f, recorded_file(self.storage, run, name, sid, f),
                          None if self.read_back else arrival_of(self.storage, run, name, sid, f)) for f in ix.files]
 
+        def read_unit(unit: tuple[tuple[int, int] | None, range]) -> list[tuple[RankIndex, list[Entry]]]:
+            span, ranks = unit
+            node = read_node(self.storage, run, name, sid, incarnation, *span) if span is not None else {}
+            return [kept(*node[r]) if r in node and not self._indexes.holds(keys[r]) else read_rank(r)
+                    for r in ranks]
+
         files: dict[str, FileEntry] = {}
         arrivals: dict[str, tuple[str, str]] = {}
-        n = requests_in_flight(self.storage, Paths.rank_index(run, name, sid, 0))
+        n = requests_in_flight(self.storage, keys[0])
+        units = self._units(run, name, sid, keys)
         # Closed on the way out, refusal included: the reads ahead stop and their threads end with it.
-        with contextlib.closing(ordered_map(read_rank, range(meta.world_size), n)) as ranks:
-            for ix, entries in ranks:
+        with contextlib.closing(ordered_map(read_unit, units, n)) as read:
+            for ix, entries in (one for unit in read for one in unit):
                 for f, entry, arrived in entries:
                     if entry is None:
                         raise InvalidIndex(f"rank {ix.rank}: file {f!r} has no verified upload", file=f)
@@ -167,6 +164,25 @@ class Committer:
                 fold.add(ix)
                 del ix, entries
         return fold.manifest(files), files, arrivals
+
+    def _units(self, run: str, name: str, sid: str, keys: list[str]) -> list[tuple[tuple[int, int] | None, range]]:
+        """The commit's reads in rank order: each rank alone, but for a run of ranks this process does not
+        keep that a node object holds (:mod:`.node_indexes`; listed once, and only if some rank is not kept
+        here): those with the object (its span), one read for them all."""
+        away = {r for r, key in enumerate(keys) if not self._indexes.holds(key)}
+        nodes = node_objects(self.storage, run, name, sid) if away else []
+        units: list[tuple[tuple[int, int] | None, range]] = []
+        r, i = 0, 0
+        while r < len(keys):
+            while i < len(nodes) and nodes[i][1] < r:
+                i += 1
+            if r in away and i < len(nodes) and nodes[i][0] <= r and nodes[i][1] < len(keys):
+                units.append((nodes[i], range(r, nodes[i][1] + 1)))
+                r = nodes[i][1] + 1
+            else:
+                units.append((None, range(r, r + 1)))
+                r += 1
+        return units
 
     def _linked(self, run: str, manifest: Manifest, arrivals: dict[str, tuple[str, str]]
                 ) -> dict[str, tuple[str, str]]:

@@ -16,11 +16,6 @@ are created once, never replaced). Ranks another replica received, or entries ev
 the store as before: the cache changes the commit's speed, not what it checks (its data files are
 still confirmed by their stored identity or read). Each entry is taken out as it is used (a file's
 records into its rank's index, an index into the manifest), so no two copies are held in full.
-
-The cache also remembers, per session, below which rank every index was found
-stored (``stored_below``): ``put_index`` then probes from there for the first
-missing one instead of listing every rank at every call. A hint, never a
-verdict: the commit only starts after a listing shows every rank.
 """
 
 from __future__ import annotations
@@ -52,12 +47,11 @@ class IndexCache:
     again at the commit).
     """
 
-    def __init__(self, max_bytes: int = 512 << 20, max_sessions: int = 4096) -> None:
+    def __init__(self, max_bytes: int = 512 << 20) -> None:
         self.max_bytes = max_bytes
-        self.max_sessions = max_sessions
         self._items: OrderedDict[str, tuple[str, object, int]] = OrderedDict()
         self._bytes = 0
-        self._below: OrderedDict[str, int] = OrderedDict()  # session prefix -> ranks below it stored
+        self._stored: set[str] = set()  # kept rank indexes whose write was answered
         self._lock = threading.Lock()
 
     def put(self, key: str, incarnation: str, checked: Checked, raw_bytes: int) -> None:
@@ -68,6 +62,12 @@ class IndexCache:
         """What was checked of rank index ``key`` for this incarnation of its session, else None; the
         entry is dropped either way (the commit folds each index once)."""
         return self._take(key, incarnation)  # type: ignore[return-value]
+
+    def peek(self, key: str, incarnation: str) -> Checked | None:
+        """What :meth:`take` would give, kept (a node's object copies its ranks' indexes, :mod:`.node_indexes`)."""
+        with self._lock:
+            entry = self._items.get(key)
+        return entry[1] if entry is not None and entry[0] == incarnation else None  # type: ignore[return-value]
 
     def put_records(self, key: str, incarnation: str, records: Records) -> None:
         """Keep the records of the file whose digest record is at ``key``, as this process created them."""
@@ -94,32 +94,29 @@ class IndexCache:
         return entry[1] if entry is not None and entry[0] == incarnation else None
 
     def holds(self, key: str) -> bool:
-        """Whether rank index ``key`` was checked here and is kept, stored or its write under way (a hint
-        for the probes of ``Committer.if_complete``: no HEAD for it; a listing decides)."""
+        """Whether rank index ``key`` was checked here and is kept, stored or its write under way."""
         with self._lock:
             return key in self._items
 
-    def stored_below(self, prefix: str) -> int | None:
-        """The rank below which every index of the session ``prefix`` was found stored (None: unknown)."""
+    def note_stored(self, key: str) -> None:
+        """Rank index ``key``, kept, is stored (its write was answered)."""
         with self._lock:
-            return self._below.get(prefix)
+            self._stored.add(key)
 
-    def note_stored_below(self, prefix: str, rank: int) -> None:
+    def state(self, key: str) -> str | None:
+        """``"pending"`` (rank index ``key`` is kept and its write not answered yet), ``"stored"``, or None
+        (not kept here): for the looks of :mod:`.completeness`, which need no HEAD for a rank kept here."""
         with self._lock:
-            self._below[prefix] = rank
-            self._below.move_to_end(prefix)
-            while len(self._below) > self.max_sessions:
-                self._below.popitem(last=False)
+            return None if key not in self._items else "stored" if key in self._stored else "pending"
 
     def drop_under(self, prefix: str) -> None:
         """Forget every entry kept under ``prefix`` (a session that committed or failed)."""
         with self._lock:
             for key in [k for k in self._items if k.startswith(prefix)]:
                 self._drop(key)
-            for key in [k for k in self._below if k.startswith(prefix)]:
-                del self._below[key]
 
     def _drop(self, key: str) -> None:
+        self._stored.discard(key)
         entry = self._items.pop(key, None)
         if entry is not None:
             self._bytes -= entry[2]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat as statmod
 from dataclasses import dataclass
 from datetime import datetime
@@ -45,7 +46,7 @@ from ..storage import open_regular
 if TYPE_CHECKING:
     from ..storage import Storage
 
-__all__ = ["Committed", "Marker", "SessionMeta", "Paths", "read_small", "regular_file", "strays"]
+__all__ = ["Committed", "Marker", "SessionMeta", "Paths", "node_span", "read_small", "regular_file", "strays"]
 
 RUNS = "runs"
 #: What a checkpoint's directory holds beside its sessions: the marker and the records about it.
@@ -165,6 +166,15 @@ class Paths:
         return f"{cls.ranks(run, name, sid)}/{rank:07d}.json"
 
     @classmethod
+    def node_indexes_dir(cls, run: str, name: str, sid: str) -> str:
+        return f"{cls.session(run, name, sid)}/nodes"
+
+    @classmethod
+    def node_indexes(cls, run: str, name: str, sid: str, first: int, last: int) -> str:
+        """One node's rank indexes, ranks ``first`` to ``last`` (:mod:`.node_indexes`)."""
+        return f"{cls.node_indexes_dir(run, name, sid)}/{first:07d}-{last:07d}.json"
+
+    @classmethod
     def manifest(cls, run: str, name: str, sid: str, digest: str) -> str:
         return f"{cls.session(run, name, sid)}/manifest-{digest}.json"
 
@@ -229,7 +239,8 @@ def strays(keys: Iterable[str], c: Committed, files: Collection[str], world_size
     part of the committed checkpoint ``c``, whose manifest names ``files`` and ``world_size`` ranks.
 
     Its own are the marker and records beside it (:data:`CHECKPOINT_RECORDS`) and, in its session,
-    the session's record and last activity, its manifest, one index per rank, and each named file
+    the session's record and last activity, its manifest, one index per rank (and node objects of
+    ranks below ``world_size``, :mod:`.node_indexes`), and each named file
     with its digest record (and presign claim, or arrival record). Anything else in the session (a temp file a writer
     killed mid-write left, a file no index names, a planted one) is a stray. The directories of
     other sessions (save attempts that lost, reclaimed by the sweep) are theirs, not strays."""
@@ -241,10 +252,12 @@ def strays(keys: Iterable[str], c: Committed, files: Collection[str], world_size
     for f in files:
         own |= {Paths.file(run, name, sid, f), Paths.digest(run, name, sid, f),
                 Paths.presign_claim(run, name, sid, f), Paths.arrival(run, name, sid, f)}
-    sessions = Paths.sessions(run, name) + "/"
+    sessions, nodes = Paths.sessions(run, name) + "/", Paths.node_indexes_dir(run, name, sid) + "/"
     out = []
     for key in keys:
         if key in own:
+            continue
+        if key.startswith(nodes) and (span := node_span(key[len(nodes):])) is not None and span[1] < world_size:
             continue
         other = key[len(sessions):].split("/", 1)[0] if key.startswith(sessions) else None
         if other is not None and other != sid and "/" in key[len(sessions):]:
@@ -255,6 +268,12 @@ def strays(keys: Iterable[str], c: Committed, files: Collection[str], world_size
                 pass
         out.append(key)
     return out
+
+
+def node_span(name: str) -> tuple[int, int] | None:
+    """The first and last rank of a node object's name (:meth:`Paths.node_indexes`), else None."""
+    m = re.fullmatch(r"(\d{7})-(\d{7})\.json", name)
+    return (int(m[1]), int(m[2])) if m and int(m[1]) <= int(m[2]) else None
 
 
 def regular_file(path: str) -> tuple[os.stat_result | None, str | None]:

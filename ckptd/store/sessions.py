@@ -38,6 +38,7 @@ from .commit import Committer
 from .events import Observers, SessionEvents
 from .index_cache import IndexCache, Records
 from .intake import Intake, recorded_file
+from .node_indexes import store_node
 from .records import arrival_of
 from .paths import Paths, SessionMeta
 from .session_reads import committed_by, ranks_done, read_meta, session_meta, taken_error, writable
@@ -53,8 +54,9 @@ class SessionStore:
 
     def __init__(self, storage: Storage, *, block_size: int = BLOCK_SIZE, visibility: Visibility | None = None,
                  observers: Sequence[SessionEvents] = (), dead_after: float = DEAD_SESSION_AFTER,
-                 space: Space | None = None, read_back: bool = False) -> None:
+                 space: Space | None = None, read_back: bool = False, node_ranks: int = 0) -> None:
         self.storage = storage
+        self.node_ranks = node_ranks  # ranks per training node saving through one replica (:mod:`.node_indexes`)
         self.dead_after = dead_after  # seconds without a live writer before the sweep reclaims a session
         self.activity = SessionActivity(self.storage, every=dead_after / KEEPALIVE_PER_WINDOW / 2)
         self.visibility = visibility or Visibility(self.storage)
@@ -173,10 +175,14 @@ class SessionStore:
         # kept first: an index arriving meanwhile finds this rank held instead of probing the store for it
         self._indexes.put(key, incarnation, (index, records), len(raw))
         try:
+            if self.node_ranks > 1:  # uncharged: a copy of indexes charged, one object per node
+                store_node(self.storage, self._indexes, run, name, sid, incarnation, index.rank, meta.world_size,
+                           self.node_ranks)
             self.storage.put(key, raw)
         except BaseException:
             self._indexes.take(key, incarnation)
             raise
+        self._indexes.note_stored(key)
         self.activity.touch(run, name, sid)  # a writer: ranks' indexes may arrive for minutes after the last file
         return self.committer.if_complete(run, name, sid, meta, index.rank)
 

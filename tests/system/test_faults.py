@@ -136,6 +136,7 @@ def _arm(ctl: Path, spec: str) -> None:
     os.replace(tmp, ctl)
 
 
+@pytest.mark.slow  # 50 server restarts: 60-90 s, the longest test of the default run before
 @pytest.mark.timeout(900)
 def test_randomized_server_kills_never_lose_or_half_show_a_checkpoint(tmp_path):
     """50 saves, each with the server SIGKILLed at a random point, then restarted, checked and retried.
