@@ -60,6 +60,7 @@ log = logging.getLogger("ckptd.store")
 #: A file of a rank's index: its name, digest record (None: none) and arrival record (None: read it back).
 Entry = tuple[str, "FileEntry | None", "tuple[str, str] | None"]
 
+
 class Committer:
     """Commits the sessions of one store (module docstring)."""
 
