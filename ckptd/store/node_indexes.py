@@ -3,11 +3,11 @@
 Where every training node saves through its own replica (``deploy/k8s/node-local/``), the replica
 that stores the last index commits, and every other rank's index and its files' records are in the
 store alone: a read for each index and two for each file (digest record, arrival record), 30,000 at
-10,000 ranks of one file each, all between the last byte and the marker. With ``CKPTD_NODE_RANKS`` = N (the ranks of one node), a
-replica that has checked the indexes of all N ranks of a node (ranks ``[k*N, (k+1)*N)``, as torchrun
-numbers them) stores them with their files' records as they were checked
-(:class:`~.index_cache.IndexCache`), in one object, before the last of them: the commit reads one
-object a node instead of three a rank.
+10,000 ranks of one file each, all between the last byte and the marker. With ``CKPTD_NODE_RANKS`` = N
+(the ranks of one node), a replica that has checked the indexes of all N ranks of a node (ranks
+``[k*N, (k+1)*N)``, as torchrun numbers them) stores them with their files' records as they were
+checked (:class:`~.index_cache.IndexCache`), in one object, before the last of them: the commit reads
+one object a node instead of those three reads a rank.
 
 Call order: ``SessionStore.put_index`` keeps the rank's index checked (``IndexCache.put``), then
 :func:`store_node` (stores the node's object when every rank of it is kept here, else nothing), then

@@ -172,7 +172,7 @@ class SessionStore:
         key, raw = Paths.rank_index(run, name, sid, index.rank), index.model_dump_json().encode()
         self.intake.space.charge(holder, run, key[len(Paths.session(run, name, sid)) + 1:], on_disk(len(raw)),
                                  on_root=False)  # its blocks; the reserve takes a save's records, so it commits
-        # kept first: an index arriving meanwhile finds this rank held instead of probing the store for it
+        # kept first: a look at the session meanwhile finds this rank's write pending instead of probing the store
         self._indexes.put(key, incarnation, (index, records), len(raw))
         try:
             if self.node_ranks > 1:  # uncharged: a copy of indexes charged, one object per node
