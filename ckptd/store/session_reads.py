@@ -11,11 +11,14 @@ file, index and keep-alive asks it before anything is stored) and which ranks' i
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from ckptd_schemas import (
     AlreadyCommitted, Conflict, SessionConflict, SessionNotFound, check_file, check_name, check_run, check_session,
 )
 
 from ..storage import Storage
+from .inflight import ordered_map, requests_in_flight
 from .paths import Marker, Paths, SessionMeta
 from .visibility import BadMarker, Visibility
 
@@ -44,11 +47,15 @@ def writable(storage: Storage, visibility: Visibility, run: str, name: str, sid:
     check_run(run), check_name(name), check_session(sid)
     if file is not None:
         check_file(file)
-    meta = session_meta(storage, run, name, sid)
-    m = visibility.marker(run, name)
+    # three reads, at once on a remote store (one round trip, not three, before every write); a
+    # refusal is raised in this order, as when they are read one by one
+    reads: list[Callable[[], Any]] = [lambda: session_meta(storage, run, name, sid),
+                                      lambda: visibility.marker(run, name),
+                                      lambda: storage.read_json_or_none(Paths.failed(run, name, sid))]
+    n = requests_in_flight(storage, Paths.session_meta(run, name, sid))
+    meta, m, failed = ordered_map(lambda read: read(), reads, n)
     if m is not None:
         raise taken_error(run, name, m)
-    failed = storage.read_json_or_none(Paths.failed(run, name, sid))
     if failed is not None:
         raise SessionConflict(
             f"session {sid} of {run}/{name} was refused at commit ({failed['error']['message']}); "
