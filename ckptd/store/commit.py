@@ -146,7 +146,7 @@ class Committer:
         def read_unit(unit: tuple[tuple[int, int] | None, range]) -> list[tuple[RankIndex, list[Entry]]]:
             span, ranks = unit
             node = read_node(self.storage, run, name, sid, incarnation, *span) if span is not None else {}
-            return [kept(*node[r]) if r in node and not self._indexes.holds(keys[r]) else read_rank(r)
+            return [kept(*node[r]) if r in node and self._indexes.state(keys[r]) is None else read_rank(r)
                     for r in ranks]
 
         files: dict[str, FileEntry] = {}
@@ -170,7 +170,7 @@ class Committer:
         """The commit's reads in rank order: each rank alone, but for a run of ranks this process does not
         keep that a node object holds (:mod:`.node_indexes`; listed once, and only if some rank is not kept
         here): those with the object (its span), one read for them all."""
-        away = {r for r, key in enumerate(keys) if not self._indexes.holds(key)}
+        away = {r for r, key in enumerate(keys) if self._indexes.state(key) is None}
         nodes = node_objects(self.storage, run, name, sid) if away else []
         units: list[tuple[tuple[int, int] | None, range]] = []
         r, i = 0, 0

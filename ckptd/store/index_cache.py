@@ -93,19 +93,15 @@ class IndexCache:
             self._drop(key)
         return entry[1] if entry is not None and entry[0] == incarnation else None
 
-    def holds(self, key: str) -> bool:
-        """Whether rank index ``key`` was checked here and is kept, stored or its write under way."""
-        with self._lock:
-            return key in self._items
-
     def note_stored(self, key: str) -> None:
         """Rank index ``key``, kept, is stored (its write was answered)."""
         with self._lock:
             self._stored.add(key)
 
     def state(self, key: str) -> str | None:
-        """``"pending"`` (rank index ``key`` is kept and its write not answered yet), ``"stored"``, or None
-        (not kept here): for the looks of :mod:`.completeness`, which need no HEAD for a rank kept here."""
+        """``"pending"`` (rank index ``key`` was checked here and is kept, its write not answered yet),
+        ``"stored"``, or None (not kept here): the looks of :mod:`.completeness` need no HEAD for a rank
+        kept here, and the commit reads none."""
         with self._lock:
             return None if key not in self._items else "stored" if key in self._stored else "pending"
 

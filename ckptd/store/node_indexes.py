@@ -39,6 +39,7 @@ __all__ = ["node_objects", "read_node", "store_node"]
 
 log = logging.getLogger("ckptd.store")
 
+
 class _Rank(BaseModel):
     index: RankIndex
     files: dict[str, tuple[FileEntry, tuple[str, str] | None]]
@@ -50,16 +51,14 @@ class _Node(BaseModel):
 
 
 def store_node(storage: Storage, kept: IndexCache, run: str, name: str, sid: str, incarnation: str,
-               rank: int, world_size: int, node_ranks: int) -> bool:
-    """Store the object of ``rank``'s node when every rank of it is kept here (whether it did)."""
+               rank: int, world_size: int, node_ranks: int) -> None:
+    """Store the object of ``rank``'s node when every rank of it is kept here."""
     first = rank - rank % node_ranks
     ranks = range(first, min(first + node_ranks, world_size))
     checked = [kept.peek(Paths.rank_index(run, name, sid, r), incarnation) for r in ranks]
-    if len(ranks) < 2 or any(c is None for c in checked):
-        return False
-    body = _Node(incarnation=incarnation, ranks=[_Rank(index=ix, files=files) for ix, files in checked])
-    storage.put(Paths.node_indexes(run, name, sid, ranks[0], ranks[-1]), body.model_dump_json().encode())
-    return True
+    if len(ranks) > 1 and all(c is not None for c in checked):
+        body = _Node(incarnation=incarnation, ranks=[_Rank(index=ix, files=files) for ix, files in checked])
+        storage.put(Paths.node_indexes(run, name, sid, ranks[0], ranks[-1]), body.model_dump_json().encode())
 
 
 def node_objects(storage: Storage, run: str, name: str, sid: str) -> list[tuple[int, int]]:

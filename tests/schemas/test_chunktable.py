@@ -240,9 +240,11 @@ def test_index_cache_serves_one_incarnation_of_a_session_once_and_stays_bounded(
     key, first, again = "run/1/sessions/s/ranks/0.json", "2026-12-07T01:00:00+00:00", "2026-12-07T01:05:00+00:00"
     cache = IndexCache(max_bytes=3 * PARSED_PER_RAW * len(raw))
     cache.put(key, first, checked, len(raw))
-    assert cache.holds(key)
+    assert cache.state(key) == "pending"
+    cache.note_stored(key)
+    assert cache.state(key) == "stored"  # its write answered
     assert cache.take(key, again) is None  # the session opened again under its id: not the index it sent
-    assert not cache.holds(key)  # dropped either way
+    assert cache.state(key) is None  # dropped either way
     cache.put(key, first, checked, len(raw))
     assert cache.take(key, first) is checked
     assert cache.take(key, first) is None  # taken once
