@@ -44,7 +44,7 @@ from ckptd_client.transport import Transport
 from ckptd_client._save import build_snapshot, open_session, upload_files, upload_snapshot, wait_committed
 from ckptd_schemas import SessionStatus
 from fault_proxy import CutProxy
-from support import ServerProcess, make_state, run_ranks, scaled, small_tmpfs
+from support import ServerProcess, make_state, run_ranks, scaled, small_tmpfs, verified
 from .test_crash import (
     RUN, SD1, SMALL_BATCH, VisibilityWatcher, _ReaderSource, assert_loads, assert_verifies, ckpt_dir, full_state,
     good_save_job, ls_names, marker_bytes, rank_state, sessions_of, wait_for_a_dead_peer,
@@ -439,6 +439,7 @@ def test_connection_cut_mid_stream_retried_and_committed_once(srv, tmp_path, cut
     assert sessions_of(root, "2") == [status.session]  # one attempt, one session, one marker
     sdir = ckpt_dir(root, "2") / "sessions" / status.session
     assert [p.name for p in sdir.glob("manifest-*.json")] == [marker["manifest"]]
+    verified(srv.url, f"{RUN}/2")  # the re-read after the marker writes its claims: let it finish first
     assert temp_leftovers(root) == []  # the cut upload's partial file was dropped
     files = sorted(os.listdir(sdir / "files"))
     assert files == sorted(os.listdir(sdir / "digests")) and len(files) >= 2
