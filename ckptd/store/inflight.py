@@ -1,4 +1,5 @@
-"""How many requests the store layer keeps in flight against a storage, and an ordered map that keeps them.
+"""How many requests the store layer keeps in flight against a storage, an ordered map that keeps them,
+and reads shared by the calls that arrived before them.
 
 One rule: on a local root a read or a ``stat`` costs microseconds, so one at a time; on a remote
 store (no local path: S3, a network filesystem through fsspec) each costs a round trip, so
@@ -10,19 +11,27 @@ Call order: ``n = requests_in_flight(storage, key)`` with any key of the objects
 ``for result in ordered_map(fn, items, n)``: the results come in the items' order, at most ``n``
 calls run at once and at most ``n`` results wait ahead of the consumer (memory stays bounded
 however many items there are).
+
+Where many calls ask the same question of a remote store at once (the write gate, before each of the
+files and indexes of a thousand ranks arriving together), ``SharedReads().read(key, fn)`` answers each
+call with a read of ``key`` begun after the call arrived: as good as its own read, since it sees the
+store as it was at some moment after the call came. One read of a key runs at a time; the calls that
+arrive while it runs wait for the next one and share it (a group commit of reads): two reads' latency
+at most, and a handful of requests instead of one per call.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
-from typing import TypeVar
+from typing import Any, Generic, TypeVar
 
 from ..storage import Storage
 
-__all__ = ["REMOTE_REQUESTS", "is_remote", "ordered_map", "requests_in_flight"]
+__all__ = ["REMOTE_REQUESTS", "SharedReads", "is_remote", "ordered_map", "requests_in_flight"]
 
 REMOTE_REQUESTS = 16
 
@@ -53,3 +62,48 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], n: int) -> Iterator[R]
             fut = ahead.popleft()
             ahead.extend(pool.submit(fn, x) for x in islice(it, 1))
             yield fut.result()
+
+
+class _Read(Generic[R]):
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: R | None = None
+        self.error: BaseException | None = None
+
+    def result(self) -> R:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value  # type: ignore[return-value]
+
+
+class SharedReads(Generic[R]):
+    """Reads of a key, each shared by the calls that arrived before it began (module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[Any, _Read[R]] = {}  # began: answers only the calls that came before it
+        self._next: dict[Any, _Read[R]] = {}  # not begun: any call may join it
+
+    def read(self, key: Any, fn: Callable[[], R]) -> R:
+        """``fn()``'s result (or exception) from a read of ``key`` begun after this call arrived."""
+        with self._lock:
+            joined = self._next.get(key)
+            if joined is None:
+                ahead, mine = self._running.get(key), _Read()
+                (self._next if ahead is not None else self._running)[key] = mine
+        if joined is not None:
+            return joined.result()
+        if ahead is not None:  # lead the next read, once the one running ends
+            ahead.done.wait()
+            with self._lock:
+                self._running[key] = self._next.pop(key)
+        try:
+            mine.value = fn()
+        except BaseException as e:  # every caller of this read gets it
+            mine.error = e
+        finally:
+            with self._lock:
+                del self._running[key]
+            mine.done.set()
+        return mine.result()

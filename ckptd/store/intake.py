@@ -22,7 +22,7 @@ A record is a claim whichever way the file came: the commit reads and checks eve
 (:mod:`.checker`) after the last write anyone could make, except a file checked as it arrived, or
 linked as a checked file, whose stored identity (``Storage.stamp``: inode, size, mtime and ctime; an
 object's ETag) is unchanged. Call order per file: each way first passes the one write gate
-(:func:`~.session_reads.writable`: the names, and that the session takes writes), and one that
+(:meth:`~.session_reads.Gate.writable`: the names, and that the session takes writes), and one that
 succeeded marks the session active (:class:`~.activity.SessionActivity`).
 """
 
@@ -44,7 +44,7 @@ from .checker import FileCheck, arrival_check
 from .index_cache import IndexCache, Records
 from .paths import Paths
 from .records import LINKED, record_arrival, record_vouches
-from .session_reads import writable
+from .session_reads import Gate
 from .space import Holder, Space
 from .visibility import Visibility
 
@@ -180,6 +180,7 @@ class Intake:
     def __init__(self, storage: Storage, visibility: Visibility, activity: SessionActivity,
                  block_size: int, kept: IndexCache, space: Space | None = None) -> None:
         self.storage, self.visibility, self.activity, self.block_size = storage, visibility, activity, block_size
+        self.gate = Gate(storage, visibility)  # the store's one write gate
         self.space = space or Space(storage)
         self.kept = kept  # the records each received file made, for its rank's index (the session store's)
         self._receiving: weakref.WeakSet[FileSink] = weakref.WeakSet()  # files being received here
@@ -190,7 +191,7 @@ class Intake:
         """A sink for ``file``'s bytes, each batch charged to ``holder`` on the root, checked as they
         pass against ``declared`` (the writer's declaration of its chunks) when given; stored, it is
         recorded (its records kept here for the rank's index) and the session marked active."""
-        incarnation = writable(self.storage, self.visibility, run, name, sid, file).created_at.isoformat()
+        incarnation = self.gate.writable(run, name, sid, file).created_at.isoformat()
         digest_key = Paths.digest(run, name, sid, file)
 
         def stored(made: Records | None) -> None:
@@ -217,7 +218,7 @@ class Intake:
         ``body`` confirms a presigned upload (:meth:`_confirmed`) or links a file of an earlier checkpoint
         (:meth:`_linked`, charged to ``holder``); its digest record is created once, the session marked
         active."""
-        writable(self.storage, self.visibility, run, name, sid, file)
+        self.gate.writable(run, name, sid, file)
         entry = (self._linked(run, name, sid, file, body, holder) if isinstance(body, LinkFile)
                  else self._confirmed(run, name, sid, file, body))
         record_file(self.storage, Paths.digest(run, name, sid, file), file, entry)
@@ -234,7 +235,7 @@ class Intake:
         they allow can replace it once it exists. The declared size is charged to ``holder`` first
         (an object store: its quota, no reserve). Refused (``InvalidRequest``, which the client answers
         by sending the bytes here) where the store takes no presigned uploads."""
-        writable(self.storage, self.visibility, run, name, sid, file)
+        self.gate.writable(run, name, sid, file)
         none = InvalidRequest(f"file {file!r}: this store ({self.storage.url}) takes no presigned uploads; "
                               f"upload the file", file=file)
         if not self.storage.presigns:

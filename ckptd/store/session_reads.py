@@ -4,7 +4,7 @@ The session store (:mod:`.sessions`), the intake (:mod:`.intake`), the commit (:
 the sweep (:mod:`.sweep`) ask these the same questions: the session's record (:func:`read_meta`,
 :func:`session_meta`), which session's marker took the ref (:func:`committed_by`, through
 :class:`~.visibility.Visibility`, the one reader of markers), why a taken ref refuses a write
-(:func:`taken_error`), whether the session takes writes (:func:`writable`, the one write gate: every
+(:func:`taken_error`), whether the session takes writes (:meth:`Gate.writable`, the one write gate: every
 file, index and keep-alive asks it before anything is stored) and which ranks' indexes are stored
 (:func:`ranks_done`).
 """
@@ -18,11 +18,11 @@ from ckptd_schemas import (
 )
 
 from ..storage import Storage
-from .inflight import ordered_map, requests_in_flight
+from .inflight import REMOTE_REQUESTS, SharedReads, is_remote, ordered_map
 from .paths import Marker, Paths, SessionMeta
 from .visibility import BadMarker, Visibility
 
-__all__ = ["committed_by", "ranks_done", "read_meta", "session_meta", "taken_error", "writable"]
+__all__ = ["Gate", "committed_by", "ranks_done", "read_meta", "session_meta", "taken_error"]
 
 
 def read_meta(storage: Storage, run: str, name: str, sid: str) -> SessionMeta | None:
@@ -35,32 +35,46 @@ def session_meta(storage: Storage, run: str, name: str, sid: str) -> SessionMeta
     """Session ``sid``'s record; :class:`SessionNotFound` where it has none."""
     meta = read_meta(storage, run, name, sid)
     if meta is None:
-        raise SessionNotFound(f"no upload session {sid!r} for {run}/{name} (aborted, reclaimed or never opened)",
-                              ref=f"{run}/{name}", session=sid)
+        raise _no_session(run, name, sid)
     return meta
 
 
-def writable(storage: Storage, visibility: Visibility, run: str, name: str, sid: str,
-             file: str | None = None) -> SessionMeta:
-    """The one write gate: the names are valid, session ``sid`` is open, no marker took the ref and
-    the commit did not refuse it; its record, else the typed refusal (nothing is written)."""
-    check_run(run), check_name(name), check_session(sid)
-    if file is not None:
-        check_file(file)
-    # three reads, at once on a remote store (one round trip, not three, before every write); a
-    # refusal is raised in this order, as when they are read one by one
-    reads: list[Callable[[], Any]] = [lambda: session_meta(storage, run, name, sid),
-                                      lambda: visibility.marker(run, name),
-                                      lambda: storage.read_json_or_none(Paths.failed(run, name, sid))]
-    n = requests_in_flight(storage, Paths.session_meta(run, name, sid))
-    meta, m, failed = ordered_map(lambda read: read(), reads, n)
-    if m is not None:
-        raise taken_error(run, name, m)
-    if failed is not None:
-        raise SessionConflict(
-            f"session {sid} of {run}/{name} was refused at commit ({failed['error']['message']}); "
-            f"save again with a new session", ref=f"{run}/{name}", session=sid)
-    return meta
+def _no_session(run: str, name: str, sid: str) -> SessionNotFound:
+    return SessionNotFound(f"no upload session {sid!r} for {run}/{name} (aborted, reclaimed or never opened)",
+                           ref=f"{run}/{name}", session=sid)
+
+
+class Gate:
+    """The one write gate of a store: every file, index and keep-alive asks :meth:`writable` before
+    anything is stored."""
+
+    def __init__(self, storage: Storage, visibility: Visibility) -> None:
+        self.storage, self.visibility = storage, visibility
+        self._shared: SharedReads[tuple[SessionMeta | None, Marker | BadMarker | None, Any]] = SharedReads()
+
+    def writable(self, run: str, name: str, sid: str, file: str | None = None) -> SessionMeta:
+        """The names are valid, session ``sid`` is open, no marker took the ref and the commit did not
+        refuse it; its record, else the typed refusal (nothing is written)."""
+        check_run(run), check_name(name), check_session(sid)
+        if file is not None:
+            check_file(file)
+        key = Paths.session_meta(run, name, sid)
+        if is_remote(self.storage, key):  # a round trip each: the three at once, shared by the calls arriving together
+            meta, m, failed = self._shared.read(key, lambda: tuple(ordered_map(lambda read: read(), [
+                lambda: read_meta(self.storage, run, name, sid), lambda: self.visibility.marker(run, name),
+                lambda: self.storage.read_json_or_none(Paths.failed(run, name, sid))], REMOTE_REQUESTS)))
+        else:
+            meta, m, failed = (read_meta(self.storage, run, name, sid), self.visibility.marker(run, name),
+                               self.storage.read_json_or_none(Paths.failed(run, name, sid)))
+        if meta is None:  # refusals in this order, as when the three are read one by one
+            raise _no_session(run, name, sid)
+        if m is not None:
+            raise taken_error(run, name, m)
+        if failed is not None:
+            raise SessionConflict(
+                f"session {sid} of {run}/{name} was refused at commit ({failed['error']['message']}); "
+                f"save again with a new session", ref=f"{run}/{name}", session=sid)
+        return meta
 
 
 def committed_by(visibility: Visibility, run: str, name: str, sid: str,

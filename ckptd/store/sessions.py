@@ -6,7 +6,7 @@ Call order for one save attempt (each step idempotent, any replica may serve it)
    space first, :mod:`.space`; joining one does not).
 2. Data files, through the one ingest seam, ``SessionStore.intake`` (:mod:`.intake`): received,
    presigned and confirmed, or linked; each way passes the one write gate
-   (:func:`~.session_reads.writable`) and asks the root's space before it stores.
+   (:meth:`~.session_reads.Gate.writable`) and asks the root's space before it stores.
 3. :meth:`SessionStore.put_index` - per rank, after its files: stores the rank's chunk index; the
    call that completes the set commits (``SessionStore.committer``, :mod:`.commit`): merge, check
    every byte, manifest, ``COMMITTED`` created once. Re-entrant: a crash anywhere before the marker
@@ -41,7 +41,7 @@ from .intake import Intake, recorded_file
 from .node_indexes import store_node
 from .records import arrival_of
 from .paths import Paths, SessionMeta
-from .session_reads import committed_by, ranks_done, read_meta, session_meta, taken_error, writable
+from .session_reads import committed_by, ranks_done, read_meta, session_meta, taken_error
 from .space import OPEN_BYTES, Holder, Space, on_disk
 from .sweep import Sweeper
 from .visibility import Visibility
@@ -75,7 +75,7 @@ class SessionStore:
         nothing, not even this record."""
         if self.activity.fresh(run, name, sid):
             return  # recorded moments ago by this process: a thousand ranks' keep-alives cost no request to the store
-        writable(self.storage, self.visibility, run, name, sid)
+        self.intake.gate.writable(run, name, sid)
         self.activity.touch(run, name, sid)
 
     # -- 1. open ---------------------------------------------------------------
@@ -131,7 +131,7 @@ class SessionStore:
         quota (not to the root's reserve: the commit of a save in progress writes into it); commit when
         it completes the set."""
         try:
-            meta = writable(self.storage, self.visibility, run, name, sid)
+            meta = self.intake.gate.writable(run, name, sid)
         except AlreadyCommitted:  # answered as before when this index is part of the commit
             answer = self._committed_with(run, name, sid, index)
             if answer is None:

@@ -33,7 +33,6 @@ from ckptd.store.completeness import PROBES
 from ckptd.store.events import AfterCommit
 from ckptd.store.merge import merge_indexes
 from ckptd.store.session_reads import read_meta
-from ckptd.store.session_reads import writable
 from ckptd.store.sessions import SessionStore
 from ckptd.store.verification import strays_of
 from ckptd_schemas import (
@@ -412,16 +411,67 @@ def test_the_write_gate_reads_its_three_records_at_once_on_a_remote_store(tmp_pa
     store.open("run", "g", OpenSession(session="s0000001", world_size=2, step=1))
     storage.barrier = threading.Barrier(3, timeout=10 * TIME_SCALE)
     try:
-        meta = writable(storage, store.visibility, "run", "g", "s0000001")
+        meta = store.intake.gate.writable("run", "g", "s0000001")
     finally:
         storage.barrier = None
     assert meta.world_size == 2
     storage.put(Paths.failed("run", "g", "s0000001"), b'{"error": {"message": "a tiling gap"}}')
     with pytest.raises(SessionConflict, match="a tiling gap"):  # each refusal as when read one by one
-        writable(storage, store.visibility, "run", "g", "s0000001")
+        store.intake.gate.writable("run", "g", "s0000001")
     store.sweeper.abort("run", "g", "s0000001")
     with pytest.raises(SessionNotFound):  # the record first, as before
-        writable(storage, store.visibility, "run", "g", "s0000001")
+        store.intake.gate.writable("run", "g", "s0000001")
+
+
+class HeldRemote(RemoteLike):
+    """A remote-like root whose first read of a session record, once ``hold`` is set, waits for it
+    after reading (``held`` says it is waiting); reads of session records are counted."""
+
+    hold: threading.Event | None = None
+    held = threading.Event()
+    meta_reads = 0
+
+    def read_or_none(self, key: str) -> bytes | None:
+        data = super().read_or_none(key)
+        if key.endswith("/SESSION.json"):
+            HeldRemote.meta_reads += 1
+            if self.hold is not None and not self.held.is_set():
+                self.held.set()
+                self.hold.wait(10 * TIME_SCALE)
+        return data
+
+
+def test_writes_arriving_together_share_the_gates_reads_begun_after_they_arrived(tmp_path):
+    """Sixteen writes arriving while the gate's reads of a session run are answered by one read begun
+    after they arrived, not sixteen (at 64 ranks on S3 the GETs between the last byte and the marker
+    37-73 -> 9-10): the session was aborted while the first read ran, and each of them is refused,
+    not answered from the read begun before."""
+    storage = HeldRemote(tmp_path)
+    store = SessionStore(storage)
+    store.open("run", "g", OpenSession(session="s0000001", world_size=2, step=1))
+    gate, answers = store.intake.gate, {}
+
+    def write(i: int) -> None:
+        try:
+            answers[i] = gate.writable("run", "g", "s0000001").world_size
+        except SessionNotFound as e:
+            answers[i] = e
+
+    HeldRemote.meta_reads, storage.hold = 0, threading.Event()
+    first = threading.Thread(target=write, args=(0,))
+    first.start()
+    assert storage.held.wait(10 * TIME_SCALE)  # the first read has the record: the session is open
+    later = [threading.Thread(target=write, args=(i,)) for i in range(1, 17)]
+    for t in later:
+        t.start()
+    time.sleep(0.2)  # they arrive while it runs (one late here starts or joins a read of its own)
+    store.sweeper.abort("run", "g", "s0000001")
+    storage.hold.set()
+    for t in [first, *later]:
+        t.join(10 * TIME_SCALE)
+    assert answers[0] == 2  # the first read began before the abort
+    assert all(isinstance(answers[i], SessionNotFound) for i in range(1, 17)), answers
+    assert HeldRemote.meta_reads <= 4, HeldRemote.meta_reads  # one read each: 17
 
 
 def test_an_index_whose_files_arrived_here_is_checked_and_committed_without_reading_a_record(tmp_path):

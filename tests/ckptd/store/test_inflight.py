@@ -13,10 +13,11 @@ import xxhash
 
 from ckptd.storage import LocalStorage, open_storage
 from ckptd.store.checker import JOBS, REMOTE_JOBS, jobs_for
-from ckptd.store.inflight import REMOTE_REQUESTS, ordered_map
+from ckptd.store.inflight import REMOTE_REQUESTS, SharedReads, ordered_map
 from ckptd.store.records import file_stamps
 from ckptd.store.sessions import SessionStore
 from ckptd_schemas import OpenSession, RankIndex
+from support import TIME_SCALE
 
 
 class _Remote(LocalStorage):
@@ -78,6 +79,41 @@ def test_ordered_map_keeps_order_bounds_what_runs_and_raises_in_place():
             got.append(y)
     assert got == [x * x for x in range(25)] and 1 < most[0] <= 4
     assert list(ordered_map(lambda x: threading.current_thread(), range(3), 1)) == [threading.current_thread()] * 3
+
+
+def test_shared_reads_answer_the_calls_that_came_before_a_read_began_with_its_value_or_error():
+    """A read of a key in progress answers nobody who came after it began; those share the next one,
+    its error too; another key is read on its own, at once."""
+    shared, release, ran, got = SharedReads(), threading.Event(), [], {}
+
+    def call(key: str, name: str) -> None:
+        def fn() -> str:
+            ran.append(name)
+            if key == "k":
+                release.wait(10 * TIME_SCALE)
+            if name == "second":
+                raise ValueError("the store said no")
+            return name
+        try:
+            got[name] = shared.read(key, fn)
+        except ValueError as e:
+            got[name] = e
+
+    threads = [threading.Thread(target=call, args=("k", "first"))]
+    threads[0].start()
+    while not ran:
+        time.sleep(0.001)
+    for name in ("second", "third", "fourth"):  # the second leads the next read, the others join it
+        threads.append(threading.Thread(target=call, args=("k", name)))
+        threads[-1].start()
+        time.sleep(0.05 * TIME_SCALE)
+    call("other", "alone")  # not held up by the reads of "k"
+    assert ran == ["first", "alone"] and got["alone"] == "alone"
+    release.set()
+    for t in threads:
+        t.join(10 * TIME_SCALE)
+    assert ran == ["first", "alone", "second"] and got["first"] == "first"
+    assert all(isinstance(got[n], ValueError) for n in ("second", "third", "fourth")), got
 
 
 def test_a_remote_store_is_stamped_several_files_at_a_time_a_local_one_file_by_file(tmp_path):
