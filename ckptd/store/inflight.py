@@ -17,7 +17,9 @@ files and indexes of a thousand ranks arriving together), ``SharedReads().read(k
 call with a read of ``key`` begun after the call arrived: as good as its own read, since it sees the
 store as it was at some moment after the call came. One read of a key runs at a time; the calls that
 arrive while it runs wait for the next one and share it (a group commit of reads): two reads' latency
-at most, and a handful of requests instead of one per call.
+at most, and a handful of requests instead of one per call. A read that stalls (a request the store
+does not answer) holds the next one back :data:`WAIT_AHEAD` seconds at most, then the next begins beside
+it: one slow request never stalls every write of a session.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from ..storage import Storage
 __all__ = ["REMOTE_REQUESTS", "SharedReads", "is_remote", "ordered_map", "requests_in_flight"]
 
 REMOTE_REQUESTS = 16
+WAIT_AHEAD = 0.5
+"""Seconds a shared read waits for the one before it to end before it begins anyway."""
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -80,7 +84,8 @@ class _Read(Generic[R]):
 class SharedReads(Generic[R]):
     """Reads of a key, each shared by the calls that arrived before it began (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wait_ahead: float = WAIT_AHEAD) -> None:
+        self.wait_ahead = wait_ahead
         self._lock = threading.Lock()
         self._running: dict[Any, _Read[R]] = {}  # began: answers only the calls that came before it
         self._next: dict[Any, _Read[R]] = {}  # not begun: any call may join it
@@ -94,8 +99,8 @@ class SharedReads(Generic[R]):
                 (self._next if ahead is not None else self._running)[key] = mine
         if joined is not None:
             return joined.result()
-        if ahead is not None:  # lead the next read, once the one running ends
-            ahead.done.wait()
+        if ahead is not None:  # lead the next read, once the one running ends or has run too long
+            ahead.done.wait(self.wait_ahead)
             with self._lock:
                 self._running[key] = self._next.pop(key)
         try:
@@ -104,6 +109,7 @@ class SharedReads(Generic[R]):
             mine.error = e
         finally:
             with self._lock:
-                del self._running[key]
+                if self._running.get(key) is mine:  # not where a later read began beside a stalled one
+                    del self._running[key]
             mine.done.set()
         return mine.result()

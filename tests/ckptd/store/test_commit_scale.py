@@ -444,8 +444,8 @@ class HeldRemote(RemoteLike):
 def test_writes_arriving_together_share_the_gates_reads_begun_after_they_arrived(tmp_path):
     """Sixteen writes arriving while the gate's reads of a session run are answered by one read begun
     after they arrived, not sixteen (at 64 ranks on S3 the GETs between the last byte and the marker
-    37-73 -> 9-10): the session was aborted while the first read ran, and each of them is refused,
-    not answered from the read begun before."""
+    37-73 -> 9-10): the session was aborted while the first read ran, before they came, and each of
+    them is refused, not answered from the read begun before."""
     storage = HeldRemote(tmp_path)
     store = SessionStore(storage)
     store.open("run", "g", OpenSession(session="s0000001", world_size=2, step=1))
@@ -461,11 +461,11 @@ def test_writes_arriving_together_share_the_gates_reads_begun_after_they_arrived
     first = threading.Thread(target=write, args=(0,))
     first.start()
     assert storage.held.wait(10 * TIME_SCALE)  # the first read has the record: the session is open
+    store.sweeper.abort("run", "g", "s0000001")
     later = [threading.Thread(target=write, args=(i,)) for i in range(1, 17)]
     for t in later:
         t.start()
     time.sleep(0.2)  # they arrive while it runs (one late here starts or joins a read of its own)
-    store.sweeper.abort("run", "g", "s0000001")
     storage.hold.set()
     for t in [first, *later]:
         t.join(10 * TIME_SCALE)

@@ -84,7 +84,7 @@ def test_ordered_map_keeps_order_bounds_what_runs_and_raises_in_place():
 def test_shared_reads_answer_the_calls_that_came_before_a_read_began_with_its_value_or_error():
     """A read of a key in progress answers nobody who came after it began; those share the next one,
     its error too; another key is read on its own, at once."""
-    shared, release, ran, got = SharedReads(), threading.Event(), [], {}
+    shared, release, ran, got = SharedReads(wait_ahead=60 * TIME_SCALE), threading.Event(), [], {}
 
     def call(key: str, name: str) -> None:
         def fn() -> str:
@@ -114,6 +114,27 @@ def test_shared_reads_answer_the_calls_that_came_before_a_read_began_with_its_va
         t.join(10 * TIME_SCALE)
     assert ran == ["first", "alone", "second"] and got["first"] == "first"
     assert all(isinstance(got[n], ValueError) for n in ("second", "third", "fourth")), got
+
+
+def test_a_shared_read_that_stalls_holds_the_next_back_a_bounded_time():
+    """A read the store does not answer delays the calls that came after it by ``wait_ahead`` at most:
+    the next read begins beside it and answers them."""
+    shared, stalled, later, first_got = SharedReads(wait_ahead=0.05), threading.Event(), [], []
+    first = threading.Thread(target=lambda: first_got.append(shared.read("k", lambda: stalled.wait(30 * TIME_SCALE))))
+    first.start()
+    try:
+        time.sleep(0.01)
+        threads = [threading.Thread(target=lambda: later.append(shared.read("k", lambda: "fresh"))) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10 * TIME_SCALE)
+        assert later == ["fresh"] * 4 and not stalled.is_set() and first.is_alive()
+    finally:
+        stalled.set()
+        first.join(10 * TIME_SCALE)
+    assert first_got == [True]  # its own answer, when it came
+    assert shared.read("k", lambda: "after") == "after"  # the stalled read's end left the key clean
 
 
 def test_a_remote_store_is_stamped_several_files_at_a_time_a_local_one_file_by_file(tmp_path):
