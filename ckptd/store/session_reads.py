@@ -18,7 +18,7 @@ from ckptd_schemas import (
 )
 
 from ..storage import Storage
-from .inflight import REMOTE_REQUESTS, SharedReads, is_remote, ordered_map
+from .inflight import SharedReads, is_remote, ordered_map
 from .paths import Marker, Paths, SessionMeta
 from .visibility import BadMarker, Visibility
 
@@ -58,14 +58,14 @@ class Gate:
         check_run(run), check_name(name), check_session(sid)
         if file is not None:
             check_file(file)
+        reads: list[Callable[[], Any]] = [lambda: read_meta(self.storage, run, name, sid),
+                                          lambda: self.visibility.marker(run, name),
+                                          lambda: self.storage.read_json_or_none(Paths.failed(run, name, sid))]
         key = Paths.session_meta(run, name, sid)
         if is_remote(self.storage, key):  # a round trip each: the three at once, shared by the calls arriving together
-            meta, m, failed = self._shared.read(key, lambda: tuple(ordered_map(lambda read: read(), [
-                lambda: read_meta(self.storage, run, name, sid), lambda: self.visibility.marker(run, name),
-                lambda: self.storage.read_json_or_none(Paths.failed(run, name, sid))], REMOTE_REQUESTS)))
+            meta, m, failed = self._shared.read(key, lambda: tuple(ordered_map(lambda read: read(), reads, len(reads))))
         else:
-            meta, m, failed = (read_meta(self.storage, run, name, sid), self.visibility.marker(run, name),
-                               self.storage.read_json_or_none(Paths.failed(run, name, sid)))
+            meta, m, failed = (read() for read in reads)
         if meta is None:  # refusals in this order, as when the three are read one by one
             raise _no_session(run, name, sid)
         if m is not None:
