@@ -237,18 +237,13 @@ def test_a_file_replaced_in_the_store_between_arrival_and_commit_is_refused(plai
     assert got.status_code in (200, 206) and got.content == _data(1)
 
 
-def test_indexes_arriving_together_probe_no_rank_stored_here(plain, moto_s3):
-    """Sixteen ranks' indexes arrive at once (their files all stored first): each call looks for the first
-    rank not yet stored, and a rank whose index this replica stored is not asked of the store again, so
-    the HEADs of rank indexes stay about one per call (before, each call probed every rank from the same
-    hint: 82 and 176 in two runs here, 1,300 at 64 ranks), and the save commits."""
-    import concurrent.futures
-
+def _ranks_with_files(srv: ServerProcess, run: str, world: int, sid: str = "s1"):
+    """Session ``sid`` of ``run/1`` opened for ``world`` ranks, each rank's file stored (its chunks
+    declared ahead of its bytes); a function that PUTs rank r's index."""
     from adversary.test_arrival import N, _data, _rows
     from ckptd_schemas.arrival import CHUNKS_HEADER, encode
 
-    world, sid = 16, "s1"
-    base = f"{plain.url}/v1/checkpoints/probe/1/sessions"
+    base = f"{srv.url}/v1/checkpoints/{run}/1/sessions"
     assert httpx.post(base, json={"session": sid, "world_size": world, "step": 1}).status_code == 200
     for r in range(world):
         declared = encode(_rows(_data(r)))
@@ -263,11 +258,39 @@ def test_indexes_arriving_together_probe_no_rank_stored_here(plain, moto_s3):
         return httpx.put(f"{base}/{sid}/ranks/{r}", timeout=60, json={
             "rank": r, "world_size": world, "files": [f"f{r}.bin"],
             "tensors": [{"name": "w", "shape": [world * N], "dtype": "int32", "group": "model", "chunks": chunks}]})
+    return index
 
-    start = len(moto_s3.log.read_text())
+
+def _all_at_once(index, world: int) -> list[httpx.Response]:
+    import concurrent.futures
+
     with concurrent.futures.ThreadPoolExecutor(world) as pool:
         answers = list(pool.map(index, range(world)))
     assert all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200]
     assert any(a.json()["state"] == "committed" for a in answers), [a.json()["state"] for a in answers]
+    return answers
+
+
+def test_indexes_arriving_together_probe_no_rank_stored_here(plain, moto_s3):
+    """Sixteen ranks' indexes arrive at once (their files all stored first): each call looks for the first
+    rank not yet stored, and a rank whose index this replica stored is not asked of the store again, so
+    the HEADs of rank indexes stay about one per call (before, each call probed every rank from the same
+    hint: 82 and 176 in two runs here, 1,300 at 64 ranks), and the save commits."""
+    world, sid = 16, "s1"
+    index = _ranks_with_files(plain, "probe", world, sid)
+    start = len(moto_s3.log.read_text())
+    _all_at_once(index, world)
     heads = moto_s3.log.read_text()[start:].count(f"HEAD /ckptd-test/plain/runs/probe/1/sessions/{sid}/ranks/")
     assert heads <= 2 * world, heads  # one failing probe a call, and a rank stored meanwhile (82 and 176 before)
+
+
+def test_indexes_arriving_together_share_the_write_gates_reads(plain, moto_s3):
+    """Before each write the gate reads the session's record, the marker and the refusal record; sixteen
+    indexes arriving at once share reads begun after they arrived: the session's record is read a few
+    times, not once per index (2 here; 16 before), and the save commits."""
+    world, sid = 16, "s1"
+    index = _ranks_with_files(plain, "gate", world, sid)
+    start = len(moto_s3.log.read_text())
+    _all_at_once(index, world)
+    reads = moto_s3.log.read_text()[start:].count(f"GET /ckptd-test/plain/runs/gate/1/sessions/{sid}/SESSION.json")
+    assert reads <= world // 2, reads
