@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ckptd_client import CheckpointClient
-from support import ServerProcess, make_state
+from support import ServerProcess, make_state, verified
 from .test_crash import RUN, SMALL_BATCH, marker_bytes
 
 
@@ -24,6 +24,7 @@ def good_root(tmp_path_factory) -> Path:
     try:
         with CheckpointClient(srv.url, retry_seconds=10) as client:
             assert client.save(make_state(1), f"{RUN}/1").wait(timeout=60).state == "committed"
+        verified(srv.url, f"{RUN}/1")  # re-read and recorded: no server on a copy re-reads it under a test
     finally:
         srv.stop()
     return root

@@ -31,7 +31,7 @@ from ckptd.store import CheckpointReader, SessionStore
 from fault_server import CRASH_POINTS
 from ckptd.store.checker import verify_manifest
 from ckptd_client import CheckpointClient, CheckpointNotFound, FlatShard, Unavailable
-from support import ServerProcess, assert_bits_equal, blank_like, make_state, run_ranks, scaled
+from support import ServerProcess, assert_bits_equal, blank_like, make_state, run_ranks, scaled, verified
 
 RUN = "run"
 # Gather 64 KiB per storage write (default 8 MiB) so a file of a few MiB crosses
@@ -499,6 +499,7 @@ def test_a_server_killed_while_two_ranks_upload_leaves_nothing_in_the_committed_
         srv.start()  # the store at full speed again
         records = ranks.result()
     assert [r["result"]["state"] for r in records] == ["committed", "committed"], records
+    verified(srv.url, f"{RUN}/2")  # the re-read after the marker writes its record beside it through a temp file
     manifest = CheckpointReader(LocalStorage(root)).manifest(RUN, "2")
     named = sum(e.size for e in manifest.files.values())
     on_disk = sum(p.stat().st_size for p in ckpt_dir(root, "2").rglob("*") if p.is_file())

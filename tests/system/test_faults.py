@@ -553,6 +553,7 @@ def test_disk_full_mid_write_typed_error_staging_dropped_previous_loads(small_fs
     try:
         sd1 = make_state(1, mib=0.25)
         assert client.save(sd1, f"{RUN}/1").wait(timeout=60).state == "committed"
+        verified(server.url, f"{RUN}/1")  # its re-read's claims and record written before the disk fills
         free_before = shutil.disk_usage(root).free
 
         sd2 = make_state(2, mib=2)  # about 2 MiB: a few of its 256 KiB files fit, then the disk is full
