@@ -34,7 +34,7 @@ from ckptd.store.events import AfterCommit
 from ckptd.store.merge import merge_indexes
 from ckptd.store.session_reads import read_meta
 from ckptd.store.sessions import SessionStore
-from ckptd.store.verification import strays_of
+from ckptd.store.verification import strays_of, verify_committed
 from ckptd_schemas import (
     BoxChunk, ChecksumMismatch, FileEntry, FlatChunk, InvalidIndex, Location, Manifest, ObjectEntry, OpenSession,
     ParamGroup, RankIndex, RankInfo, SessionConflict, SessionNotFound, StorageError, TensorEntry, TilingError, Topology,
@@ -590,6 +590,50 @@ def test_a_node_object_that_is_damaged_is_passed_over_or_refused_like_an_index(t
     ours, theirs = (json.loads(_stored_manifest(ref, n, "s0000001", d)) for n, d in
                     (("a", got.manifest_xxh3), ("ref", want.manifest_xxh3)))
     assert (ours["files"], ours["tensors"]) == (theirs["files"], theirs["tensors"])
+
+
+def _again(save: Save, r: int) -> tuple[str, bytes, RankIndex]:
+    """Rank ``r``'s index sent again with other bytes, in a file of another name."""
+    file, data, ix = save[r]
+    other, again = file.replace("-0000.bin", "-0001.bin"), random.Random(1000 + r).randbytes(len(data))
+    ct = ix.chunk_table.model_dump()
+    n = ct["length"][0]
+    ct.update(file=[other] * len(ct["file"]), xxh3=[xxhash.xxh3_64_hexdigest(again[o:o + n]) for o in ct["offset"]])
+    return other, again, RankIndex.model_validate({**ix.model_dump(), "files": [other], "chunk_table": ct})
+
+
+@pytest.mark.parametrize("where", ["the replica that checked its node", "the replica that commits"])
+def test_an_index_sent_again_with_other_bytes_after_its_node_object_is_committed_as_sent_last(tmp_path, where):
+    """A writer sends rank 1's index again, pointing at other bytes, after the replica that checked its
+    node stored the node object: at that replica the node object is stored again with it; at the
+    replica that commits, the one it kept wins over the node object. Either way the checkpoint holds
+    the bytes sent last, checked, and the first file is a stray beside it (the verdict unchanged)."""
+    save = _save(8, 3)
+    one, two = (SessionStore(CountingStorage(tmp_path), node_ranks=4) for _ in range(2))
+    _upload(one, save[:4], "a", declare=True)
+    for _, _, ix in save[:4]:
+        assert one.put_index("run", "a", "s0000001", ix).state == "open"
+    assert one.storage.exists(Paths.node_indexes("run", "a", "s0000001", 0, 3))
+    file, data, ix = _again(save, 1)
+    at = one if where == "the replica that checked its node" else two
+    sink = at.intake.receive("run", "a", "s0000001", file, declared=_declared(ix))
+    sink.write(data)
+    sink.finish(None)
+    assert at.put_index("run", "a", "s0000001", ix).state == "open"
+    for f, d, other in save[4:]:
+        sink = two.intake.receive("run", "a", "s0000001", f, declared=_declared(other))
+        sink.write(d)
+        sink.finish(None)
+    for _, _, other in save[4:]:
+        got = two.put_index("run", "a", "s0000001", other)
+    assert got.state == "committed"
+    manifest = json.loads(_stored_manifest(two, "a", "s0000001", got.manifest_xxh3))
+    assert file in manifest["files"] and save[1][0] not in manifest["files"], sorted(manifest["files"])
+    c = two.visibility.check("run", "a")
+    assert verify_committed(two.storage, "run", "a").ok
+    first = save[1][0]  # its bytes and records, which no index of the checkpoint names
+    assert sorted(s.key for s in strays_of(two.storage, c, two.visibility.manifest(c))) == \
+        sorted(key("run", "a", "s0000001", first) for key in (Paths.file, Paths.digest, Paths.arrival))
 
 
 # -- memory ------------------------------------------------------------------------------------------
