@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from datetime import datetime, timezone
 
 from pydantic import ValidationError
@@ -45,7 +46,7 @@ from .index_cache import IndexCache, Records
 from .inflight import ordered_map, requests_in_flight
 from .intake import recorded_file
 from .merge import ManifestFold
-from .node_indexes import node_objects, read_node
+from .node_indexes import node_objects, read_node, stored_node
 from .paths import Marker, Paths, SessionMeta
 from .records import LINKED, CommitCheck, arrival_of, file_stamps, known_bad, record_arrival, record_commit_check
 from .links import check_links
@@ -65,9 +66,10 @@ class Committer:
     """Commits the sessions of one store (module docstring)."""
 
     def __init__(self, storage: Storage, visibility: Visibility, indexes: IndexCache, activity: SessionActivity,
-                 observers: Observers, *, read_back: bool = False) -> None:
+                 observers: Observers, *, read_back: bool = False, node_ranks: int = 0) -> None:
         self.storage, self.visibility, self.activity, self.observers = storage, visibility, activity, observers
         self.read_back = read_back  # read every byte before the marker, even those checked as they arrived
+        self.node_ranks = node_ranks  # ranks per node object (:mod:`.node_indexes`); 0: none
         # One commit of a session at a time here: the ranks' last indexes arrive together, each finding
         # every index stored, and each would merge and check the whole checkpoint.
         self._one_commit = OneAtATime()
@@ -87,13 +89,21 @@ class Committer:
         missing = self._looks.missing_since(
             Paths.session(run, name, sid), since, meta.world_size,
             kept=lambda r: self._indexes.state(Paths.rank_index(run, name, sid, r)),
-            probe=lambda r: self.storage.exists(Paths.rank_index(run, name, sid, r)),
+            probe=lambda r: self._probe(run, name, sid, r, meta.world_size),
             listing=lambda: ranks_done(self.storage, run, name, sid))
         base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=[rank])
         if missing:
             return SessionStatus(state="open", **base)
         digest = self.commit(run, name, sid, meta)  # StorageError: not a verdict, the caller retries (503)
         return SessionStatus(state="committed", manifest_xxh3=digest, **base)
+
+    def _probe(self, run: str, name: str, sid: str, rank: int, world_size: int) -> Sequence[int]:
+        """The ranks found stored by a look at rank ``rank``'s index: none (it is missing), it, or, with
+        node objects, every rank of its node whose object is stored (:func:`.node_indexes.stored_node`)."""
+        if not self.storage.exists(Paths.rank_index(run, name, sid, rank)):
+            return ()
+        mates = stored_node(self.storage, run, name, sid, rank, world_size, self.node_ranks) if self.node_ranks > 1 else ()
+        return mates or (rank,)
 
     def commit(self, run: str, name: str, sid: str, meta: SessionMeta | None = None) -> str:
         """Merge, validate, write the manifest, create the marker (``meta``: the session's record, read

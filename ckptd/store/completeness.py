@@ -13,7 +13,9 @@ per 1,000 keys on an object store). Instead, per session, the process remembers:
   no HEAD (``IndexCache.state``): stored, it is forgotten; its write not answered yet, it is missing
   now and its own call looks after the write. Any other is probed (one HEAD): a call makes at most one
   failing probe, and at most :data:`PROBES` in all before a listing decides (a replica whose ranks are
-  few, where other replicas store most: node-local replicas);
+  few, where other replicas store most: node-local replicas). A probe that finds a rank stored may
+  answer for its node's ranks too, where the node's object is stored (one more HEAD for a node's
+  worth of ranks; :func:`.node_indexes.stored_node`);
 * the last rank a look found missing, and when that look began (``_Look.seen``). A rank whose index
   was missing at a look begun after this call's own index was stored is stored after it, and its own
   call then looks and finds this one: this call may answer "open" without a look of its own. Looks are
@@ -30,7 +32,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Collection
 
 __all__ = ["Looks", "PROBES"]
 
@@ -57,11 +59,12 @@ class Looks:
         self._lock = threading.Lock()
 
     def missing_since(self, prefix: str, since: float, world_size: int, kept: Callable[[int], str | None],
-                      probe: Callable[[int], bool], listing: Callable[[], list[int]]) -> bool:
+                      probe: Callable[[int], Collection[int]], listing: Callable[[], list[int]]) -> bool:
         """Whether some rank's index of session ``prefix`` was missing at a look begun at or after
         ``since`` (``time.monotonic()`` once the caller's own index was stored). ``kept(r)``: rank r's
         index is checked and kept here, its write ``"pending"`` or ``"stored"`` (else None); ``probe(r)``:
-        it is stored (one HEAD); ``listing()``: the ranks stored."""
+        the ranks found stored by a look at r (none where r is missing; r, or its node's ranks: a hint,
+        since only a listing says none is missing); ``listing()``: the ranks stored."""
         look = self._of(prefix)
         with look.lock:
             if look.seen is not None and look.seen[1] >= since:
@@ -72,13 +75,16 @@ class Looks:
                 state = kept(r)
                 if state is None:
                     probes += 1
-                    missing = not probe(r)
+                    found = probe(r)
+                    missing = r not in found
+                    for x in found:  # a node's ranks, where one look answers for them all
+                        look.missing.pop(x, None)
                 else:  # pending: its write is answered after t, and its own call looks then
                     missing = state == "pending"
                 if missing:
                     look.seen = (r, t)
                     return True
-                del look.missing[r]
+                look.missing.pop(r, None)
             t = time.monotonic()
             done = set(listing())
             gaps = [r for r in range(world_size) if r not in done]

@@ -14,7 +14,9 @@ Call order: ``SessionStore.put_index`` keeps the rank's index checked (``IndexCa
 the index. Whenever every index of a node is stored, its object is too, if one replica checked them
 all: the two last ranks of a node, arriving together, each keep theirs before they look for the
 other. :meth:`.commit.Committer.merged` lists the session's node objects once (:func:`node_objects`)
-where some rank is not kept here, and reads each needed one (:func:`read_node`).
+where some rank is not kept here, and reads each needed one (:func:`read_node`). A look at the session
+that finds a rank's index stored asks whether its node's object is (:func:`stored_node`): one HEAD that
+answers for the node's ranks, where the other replica's ranks would cost one each.
 
 A node object is a copy of what the store holds besides it, made by the replica that checked it: it
 changes how many reads the commit makes, not what it checks. The commit folds its indexes and
@@ -35,7 +37,7 @@ from ..storage import Storage
 from .index_cache import Checked, IndexCache
 from .paths import Paths, node_span
 
-__all__ = ["node_objects", "read_node", "store_node"]
+__all__ = ["node_objects", "read_node", "store_node", "stored_node"]
 
 log = logging.getLogger("ckptd.store")
 
@@ -53,12 +55,27 @@ class _Node(BaseModel):
 def store_node(storage: Storage, kept: IndexCache, run: str, name: str, sid: str, incarnation: str,
                rank: int, world_size: int, node_ranks: int) -> None:
     """Store the object of ``rank``'s node when every rank of it is kept here."""
-    first = rank - rank % node_ranks
-    ranks = range(first, min(first + node_ranks, world_size))
+    ranks = _node(rank, world_size, node_ranks)
     checked = [kept.peek(Paths.rank_index(run, name, sid, r), incarnation) for r in ranks]
     if len(ranks) > 1 and all(c is not None for c in checked):
         body = _Node(incarnation=incarnation, ranks=[_Rank(index=ix, files=files) for ix, files in checked])
         storage.put(Paths.node_indexes(run, name, sid, ranks[0], ranks[-1]), body.model_dump_json().encode())
+
+
+def stored_node(storage: Storage, run: str, name: str, sid: str, rank: int, world_size: int, node_ranks: int
+                ) -> range:
+    """The ranks of ``rank``'s node where its object is stored (one HEAD), else an empty range: a hint
+    for a look at the session (:mod:`.completeness`) that those ranks' indexes are stored, or about to
+    be (the object is stored before the last of them)."""
+    ranks = _node(rank, world_size, node_ranks)
+    if len(ranks) > 1 and storage.exists(Paths.node_indexes(run, name, sid, ranks[0], ranks[-1])):
+        return ranks
+    return range(0)
+
+
+def _node(rank: int, world_size: int, node_ranks: int) -> range:
+    first = rank - rank % node_ranks
+    return range(first, min(first + node_ranks, world_size))
 
 
 def node_objects(storage: Storage, run: str, name: str, sid: str) -> list[tuple[int, int]]:

@@ -547,6 +547,32 @@ def test_the_commit_reads_one_object_per_node_another_replica_checked(tmp_path):
     assert [s.key for s in strays_of(two.storage, c, two.visibility.manifest(c))] == [planted]
 
 
+def test_a_look_finds_a_node_another_replica_stored_with_one_probe(tmp_path):
+    """A replica whose look found another replica's ranks missing finds them stored later: with node
+    objects, one probe of a rank answers for its node (and one HEAD of the node's object), so the
+    8 ranks of two nodes cost 2 probes of rank indexes instead of 8; the save commits the same."""
+    save, probes, manifests = _save(16, 3), {}, {}
+    for node_ranks in (0, 4):
+        name = f"n{node_ranks}"
+        one, two = (SessionStore(CountingStorage(tmp_path), node_ranks=node_ranks) for _ in range(2))
+        _upload(one, save[:8], name, declare=True)
+        for file, data, ix in save[8:]:
+            sink = two.intake.receive("run", name, "s0000001", file, declared=_declared(ix))
+            sink.write(data)
+            sink.finish(None)
+        assert two.put_index("run", name, "s0000001", save[8][2]).state == "open"  # its look: ranks 0-7 missing
+        for _, _, ix in save[:8]:
+            assert one.put_index("run", name, "s0000001", ix).state == "open"
+        CountingStorage.probes = 0
+        for _, _, ix in save[9:]:
+            got = two.put_index("run", name, "s0000001", ix)
+        assert got.state == "committed"
+        probes[node_ranks] = CountingStorage.probes
+        manifests[node_ranks] = json.loads(_stored_manifest(two, name, "s0000001", got.manifest_xxh3))
+    assert probes[0] - probes[4] == 8 - 2, probes
+    assert (manifests[0]["files"], manifests[0]["tensors"]) == (manifests[4]["files"], manifests[4]["tensors"])
+
+
 @pytest.mark.parametrize("damage", ["unreadable", "an index's chunk digest false", "another incarnation"])
 def test_a_node_object_that_is_damaged_is_passed_over_or_refused_like_an_index(tmp_path, damage):
     """A node object edited in the root between its storing and the commit: one that cannot serve
