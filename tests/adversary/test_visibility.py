@@ -267,10 +267,10 @@ def _metric_total(srv: ServerProcess) -> float:
                if line.startswith("ckptd_invisible_checkpoints_total{"))
 
 
-def _plant_stale_session(root: Path) -> Path:
-    stale = root / "runs" / RUN / "7" / "sessions" / STALE
+def _plant_stale_session(root: Path, step: int = 7) -> Path:
+    stale = root / "runs" / RUN / str(step) / "sessions" / STALE
     stale.mkdir(parents=True)
-    (stale / "SESSION.json").write_text(json.dumps({"session": STALE, "world_size": 1, "step": 7,
+    (stale / "SESSION.json").write_text(json.dumps({"session": STALE, "world_size": 1, "step": step,
                                                     "created_at": "2020-01-01T00:00:00Z"}))
     return stale
 
@@ -378,9 +378,16 @@ def test_an_odd_object_in_place_of_the_newest_marker_or_manifest_breaks_nothing_
     elif attack == "session-dir-missing":
         shutil.rmtree(sdir)
         keep_data = False
+    record = sdir / "SESSION.json"
+    if record.is_file():  # 3's session past the stale-session TTL now, as if the test waited it out
+        record.write_text(json.dumps({**json.loads(record.read_text()), "created_at": "2020-01-01T00:00:00Z"}))
     _assert_rest_of_root_intact(srv, root, states, stale)
     assert _metric_total(srv) >= 1
-    time.sleep(max(0.0, srv.saved_at + STALE_TTL + 0.8 - time.monotonic()))  # 3's session is past the TTL; sweeps ran
+    later = _plant_stale_session(root, step=8)  # gone once a whole sweep ran after the TTL was past
+    deadline = time.monotonic() + scaled(30)
+    while later.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not later.exists(), "no sweep ran"
     if keep_data:  # the sweep leaves an invisible checkpoint's data for whoever looks into it
         assert sdir.is_dir() and any((sdir / "files").iterdir()), f"{sdir} was deleted"
     # The name stays taken: a save under it is refused, never mixed into what is there.
