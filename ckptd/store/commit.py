@@ -102,8 +102,7 @@ class Committer:
         node objects, every rank of its node whose object is stored (:func:`.node_indexes.stored_node`)."""
         if not self.storage.exists(Paths.rank_index(run, name, sid, rank)):
             return ()
-        mates = stored_node(self.storage, run, name, sid, rank, world_size, self.node_ranks) if self.node_ranks > 1 else ()
-        return mates or (rank,)
+        return stored_node(self.storage, run, name, sid, rank, world_size, self.node_ranks) or (rank,)
 
     def commit(self, run: str, name: str, sid: str, meta: SessionMeta | None = None) -> str:
         """Merge, validate, write the manifest, create the marker (``meta``: the session's record, read

@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from itertools import islice
 from typing import Any, Generic, TypeVar
 
@@ -68,48 +68,34 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], n: int) -> Iterator[R]
             yield fut.result()
 
 
-class _Read(Generic[R]):
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.value: R | None = None
-        self.error: BaseException | None = None
-
-    def result(self) -> R:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.value  # type: ignore[return-value]
-
-
 class SharedReads(Generic[R]):
     """Reads of a key, each shared by the calls that arrived before it began (module docstring)."""
 
     def __init__(self, wait_ahead: float = WAIT_AHEAD) -> None:
         self.wait_ahead = wait_ahead
         self._lock = threading.Lock()
-        self._running: dict[Any, _Read[R]] = {}  # began: answers only the calls that came before it
-        self._next: dict[Any, _Read[R]] = {}  # not begun: any call may join it
+        self._running: dict[Any, Future[R]] = {}  # began: answers only the calls that came before it
+        self._next: dict[Any, Future[R]] = {}  # not begun: any call may join it
 
     def read(self, key: Any, fn: Callable[[], R]) -> R:
         """``fn()``'s result (or exception) from a read of ``key`` begun after this call arrived."""
         with self._lock:
             joined = self._next.get(key)
             if joined is None:
-                ahead, mine = self._running.get(key), _Read()
+                ahead, mine = self._running.get(key), Future()
                 (self._next if ahead is not None else self._running)[key] = mine
         if joined is not None:
             return joined.result()
         if ahead is not None:  # lead the next read, once the one running ends or has run too long
-            ahead.done.wait(self.wait_ahead)
+            wait((ahead,), timeout=self.wait_ahead)
             with self._lock:
                 self._running[key] = self._next.pop(key)
         try:
-            mine.value = fn()
+            mine.set_result(fn())
         except BaseException as e:  # every caller of this read gets it
-            mine.error = e
+            mine.set_exception(e)
         finally:
             with self._lock:
                 if self._running.get(key) is mine:  # not where a later read began beside a stalled one
                     del self._running[key]
-            mine.done.set()
         return mine.result()

@@ -66,8 +66,8 @@ def stored_node(storage: Storage, run: str, name: str, sid: str, rank: int, worl
                 ) -> range:
     """The ranks of ``rank``'s node where its object is stored (one HEAD), else an empty range: a hint
     for a look at the session (:mod:`.completeness`) that those ranks' indexes are stored, or about to
-    be (the object is stored before the last of them)."""
-    ranks = _node(rank, world_size, node_ranks)
+    be (the object is stored before the last of them). No request without node objects (``node_ranks`` < 2)."""
+    ranks = _node(rank, world_size, node_ranks) if node_ranks > 1 else range(0)
     if len(ranks) > 1 and storage.exists(Paths.node_indexes(run, name, sid, ranks[0], ranks[-1])):
         return ranks
     return range(0)
