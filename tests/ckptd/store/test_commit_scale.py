@@ -573,6 +573,30 @@ def test_a_look_finds_a_node_another_replica_stored_with_one_probe(tmp_path):
     assert (manifests[0]["files"], manifests[0]["tensors"]) == (manifests[4]["files"], manifests[4]["tensors"])
 
 
+def test_a_node_object_planted_in_the_root_makes_no_commit_before_every_index_is_stored(tmp_path):
+    """An outsider who can write in the root plants an object under a node's name before that node's last
+    index is stored: a look takes it as a hint and skips the node's ranks, the listing still finds the
+    index missing, so nothing commits early; once it is stored the save commits, the planted object
+    passed over (it cannot be read as a node object) and the ranks read one by one."""
+    save = _save(8, 3)
+    one, two = (SessionStore(CountingStorage(tmp_path), node_ranks=4) for _ in range(2))
+    _upload(one, save[:4], "a", declare=True)
+    for file, data, ix in save[4:]:
+        sink = two.intake.receive("run", "a", "s0000001", file, declared=_declared(ix))
+        sink.write(data)
+        sink.finish(None)
+    assert two.put_index("run", "a", "s0000001", save[4][2]).state == "open"  # its look lists: 0-3 missing
+    one.storage.put(Paths.node_indexes("run", "a", "s0000001", 0, 3), b"{}")  # planted
+    for _, _, ix in save[:3]:
+        assert one.put_index("run", "a", "s0000001", ix).state == "open"
+    for _, _, ix in save[5:]:
+        assert two.put_index("run", "a", "s0000001", ix).state == "open"  # rank 3 is missing
+    assert two.visibility.check("run", "a") is None
+    got = one.put_index("run", "a", "s0000001", save[3][2])
+    assert got.state == "committed"
+    assert verify_committed(one.storage, "run", "a").ok
+
+
 @pytest.mark.parametrize("damage", ["unreadable", "an index's chunk digest false", "another incarnation"])
 def test_a_node_object_that_is_damaged_is_passed_over_or_refused_like_an_index(tmp_path, damage):
     """A node object edited in the root between its storing and the commit: one that cannot serve
