@@ -365,7 +365,7 @@ async def save(urls: list[str], pids: list[int], data: Bytes, name: str, step: i
 # -- one store ---------------------------------------------------------------------------------------
 
 def run_store(which: str, sizes: list[int], worlds: list[int], repeat: int, work: Path, data: Bytes,
-              moto: MotoServer | None, replicas: int = 1, node_ranks: int = 0) -> dict:
+              moto: MotoServer | None, replicas: int = 1) -> dict:
     """Every (size, world) ``repeat`` times on ``replicas`` services of store ``which`` (one root)."""
     direct, declare = which == "s3-direct", not which.endswith("-read-back")
     if which.startswith("local"):
@@ -374,7 +374,6 @@ def run_store(which: str, sizes: list[int], worlds: list[int], repeat: int, work
     else:
         assert moto is not None
         root, env = f"s3://{BUCKET}/{which}", {**ENV, **moto.env, "CKPTD_DIRECT_UPLOADS": str(direct).lower()}
-    env["CKPTD_NODE_RANKS"] = str(node_ranks)
     servers = [ServerProcess(root, env=env, log=work / f"server-{which}-{i}.log").start() for i in range(replicas)]
     srv, urls = servers[0], [s.url for s in servers]
     pids = [s.proc.pid for s in servers]  # type: ignore[union-attr]
@@ -415,7 +414,7 @@ def run_store(which: str, sizes: list[int], worlds: list[int], repeat: int, work
     finally:
         for s in servers:
             s.stop()
-    return {"store": which, "root": root, "replicas": replicas, "node_ranks": node_ranks, "loadavg_start": load0, "loadavg_end": os.getloadavg(), "saves": saves}
+    return {"store": which, "root": root, "replicas": replicas, "loadavg_start": load0, "loadavg_end": os.getloadavg(), "saves": saves}
 
 
 def summarise(saves: list[dict]) -> list[dict]:
@@ -468,7 +467,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--replicas", type=int, default=1,
                     help="services on the one root; rank r saves through replica r * replicas // world")
-    ap.add_argument("--node-ranks", type=int, default=0, help="CKPTD_NODE_RANKS of every replica")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "commit_lag.json")
     ap.add_argument("--md", type=Path, default=None, help="the table as markdown (default: --out with .md)")
     add_workdir_args(ap)
@@ -480,11 +478,10 @@ def main(argv: list[str] | None = None) -> None:
     assert set(stores) <= set(STORES), stores
     t0 = time.perf_counter()
     command = (f".venv/bin/python -m bench.commit_lag --sizes {args.sizes} --s3-sizes {args.s3_sizes} --ranks "
-               f"{args.ranks} --stores {args.stores} --repeat {args.repeat} --replicas {args.replicas} "
-               f"--node-ranks {args.node_ranks}")  # every setting, defaults too
+               f"{args.ranks} --stores {args.stores} --repeat {args.repeat} --replicas {args.replicas}")  # every setting
     result: dict = {"command": command,
                     "config": {"sizes": sizes, "s3_sizes": s3_sizes, "ranks": worlds, "stores": stores,
-                               "repeat": args.repeat, "replicas": args.replicas, "node_ranks": args.node_ranks,
+                               "repeat": args.repeat, "replicas": args.replicas,
                                "file_bytes": FILE_BYTES, "part_bytes": PART_BYTES, "env": ENV},
                     "git": git_state(), "nproc": os.cpu_count(), "stores": []}
     with work_dir("ckptd-bench-lag-", args.workdir, args.keep) as work:
@@ -499,7 +496,7 @@ def main(argv: list[str] | None = None) -> None:
                 result["config"]["moto"] = md.version("moto")
             for which in stores:
                 result["stores"].append(run_store(which, sizes if which.startswith("local") else s3_sizes, worlds, args.repeat,
-                                                  work, data, moto, args.replicas, args.node_ranks))
+                                                  work, data, moto, args.replicas))
         finally:
             if moto is not None:
                 moto.stop()

@@ -105,7 +105,10 @@ def _sessions(trial: int) -> dict[str, tuple[str, str]]:
 def populate(root: str, world: int, tensors: int, trial: int) -> None:
     """Step 1: both sessions' data files, and the cold session's indexes."""
     from ckptd.storage.local import LocalStorage
-    from ckptd.store.paths import Paths
+    from ckptd.store.intake import recorded_file
+    from ckptd.store.rank_indexes import BatchWriter
+    from ckptd.store.records import arrival_of
+    from ckptd.store.session_reads import read_meta
     from ckptd.store.sessions import SessionStore
     from ckptd_schemas import OpenSession
 
@@ -117,8 +120,11 @@ def populate(root: str, world: int, tensors: int, trial: int) -> None:
             sink = store.intake.receive(RUN, name, sid, file)
             sink.write(data)
             sink.finish(None)
-            if kind == "cold":
-                store.storage.put(Paths.rank_index(RUN, name, sid, r), body)
+            if kind == "cold":  # stored as a replica stores the indexes it checked, one by one
+                records = {file: (recorded_file(store.storage, RUN, name, sid, file),
+                                  arrival_of(store.storage, RUN, name, sid, file))}
+                BatchWriter(store.storage).store(RUN, name, sid, read_meta(store.storage, RUN, name, sid)
+                                                 .created_at.isoformat(), r, body, records)
 
 
 def warm(root: str, world: int, tensors: int, trial: int) -> dict:

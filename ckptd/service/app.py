@@ -118,8 +118,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
     drills = DrillPolicy(storage, settings, job_watch, metrics)  # CKPTD_DRILL_EVERY: a drill every N commits of a run
     # Every way bytes enter a session asks the root's space first: the writer's quota, the root's reserve.
     sessions = SessionStore(storage, visibility=visibility, dead_after=settings.dead_session_after,
-                            space=Space(storage, settings.root_reserve), read_back=settings.verify_before_visible,
-                            node_ranks=settings.node_ranks)
+                            space=Space(storage, settings.root_reserve), read_back=settings.verify_before_visible)
     # The store's one observer channel: metrics first (commits, refusals, open and reclaimed sessions),
     # then what follows every commit made here, whichever path committed.
     metrics.watch_sessions(sessions)

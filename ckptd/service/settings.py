@@ -38,11 +38,6 @@ class Settings(BaseSettings):
         300.0, ge=1.0, description="seconds an uncommitted session may go without a live writer (a rank's write or "
         "keep-alive) before the sweep aborts it and deletes its staged bytes")
     reclaim_interval: float = Field(120.0, description="seconds between stale-session sweeps")
-    node_ranks: int = Field(
-        0, ge=0, le=1024, description="where each training node's ranks save through the node's own replica "
-        "(deploy/k8s/node-local/): the ranks of one node, numbered as torchrun does (ranks k*N to k*N+N-1 on "
-        "node k). A replica that checked a whole node's indexes stores them as one object, and the replica that "
-        "commits reads that object instead of each rank's index and two records per file; 0: none")
     max_index_bytes: int = Field(
         64 << 20, description="largest accepted rank index (a one-rank index of 1,024 ranks x 500 "
         "tensors, as `ckptd import dcp` sends, is about 26 MB; parsing and checking an index costs up to 20 times "
@@ -242,7 +237,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Authentication": ("tokens_file", "tokens", "insecure_open"),
     "Saving and loading": ("direct_uploads", "direct_upload_seconds", "local_uploads", "direct_reads",
                            "write_batch_bytes", "root_reserve", "manifest_cache_bytes", "verify_after_commit", "verify_before_visible", "stale_session_ttl", "dead_session_after",
-                           "reclaim_interval", "node_ranks"),
+                           "reclaim_interval"),
     "Retention and leases": ("retention_keep_last", "retention_keep_every", "read_lease_seconds",
                              "read_leases_per_token"),
     "Reshard jobs": ("reshard_workers", "reshard_max_mbps", "job_heartbeat_seconds", "job_takeover_seconds"),

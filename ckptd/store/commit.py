@@ -23,13 +23,12 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
 from datetime import datetime, timezone
 
 from pydantic import ValidationError
 
 from ckptd_schemas import (
-    CkptdError, CommitFailed, Conflict, FileEntry, InvalidIndex, Manifest, RankIndex, SessionStatus, StorageError,
+    CkptdError, CommitFailed, Conflict, FileEntry, InvalidIndex, Manifest, SessionStatus, StorageError,
 )
 from ckptd_schemas.arrival import rows_digest
 from ckptd_schemas.filedigest import xxh3_hex
@@ -42,34 +41,34 @@ from .completeness import Looks
 from .events import CommitEvent, Observers
 from .flights import OneAtATime
 from .gcpause import gc_paused
-from .index_cache import IndexCache, Records
+from .index_cache import Checked, IndexCache
 from .inflight import ordered_map, requests_in_flight
-from .intake import recorded_file
 from .merge import ManifestFold
-from .node_indexes import node_objects, read_node, stored_node
 from .paths import Marker, Paths, SessionMeta
-from .records import LINKED, CommitCheck, arrival_of, file_stamps, known_bad, record_arrival, record_commit_check
+from .records import LINKED, CommitCheck, file_stamps, known_bad, record_arrival, record_commit_check
 from .links import check_links
 from .rereads import mark_due
-from .session_reads import committed_by, ranks_done, session_meta
+from .rank_indexes import in_window, kept_key, ranks_done, read_batch, stored
+from .session_reads import committed_by, session_meta
 from .visibility import Visibility, manifest_file_name
 
 __all__ = ["Committer"]
 
 log = logging.getLogger("ckptd.store")
 
-#: A file of a rank's index: its name, digest record (None: none) and arrival record (None: read it back).
-Entry = tuple[str, "FileEntry | None", "tuple[str, str] | None"]
+
+def _gone(run: str, name: str, sid: str, rank: int) -> StorageError:
+    return StorageError(f"rank {rank}'s index is no longer stored in session {sid} of {run}/{name}",
+                        key=f"{Paths.ranks(run, name, sid)}/{rank:07d}")
 
 
 class Committer:
     """Commits the sessions of one store (module docstring)."""
 
     def __init__(self, storage: Storage, visibility: Visibility, indexes: IndexCache, activity: SessionActivity,
-                 observers: Observers, *, read_back: bool = False, node_ranks: int = 0) -> None:
+                 observers: Observers, *, read_back: bool = False) -> None:
         self.storage, self.visibility, self.activity, self.observers = storage, visibility, activity, observers
         self.read_back = read_back  # read every byte before the marker, even those checked as they arrived
-        self.node_ranks = node_ranks  # ranks per node object (:mod:`.node_indexes`); 0: none
         # One commit of a session at a time here: the ranks' last indexes arrive together, each finding
         # every index stored, and each would merge and check the whole checkpoint.
         self._one_commit = OneAtATime()
@@ -85,24 +84,17 @@ class Committer:
         ``rank`` alone, so no rank's answer grows with the world size (``SessionStore.status`` lists
         them all).
         """
-        since = time.monotonic()
+        since, incarnation = time.monotonic(), meta.created_at.isoformat()
         missing = self._looks.missing_since(
             Paths.session(run, name, sid), since, meta.world_size,
-            kept=lambda r: self._indexes.state(Paths.rank_index(run, name, sid, r)),
-            probe=lambda r: self._probe(run, name, sid, r, meta.world_size),
-            listing=lambda: ranks_done(self.storage, run, name, sid))
+            kept=lambda r: self._indexes.state(kept_key(run, name, sid, r)),
+            probe=lambda r: in_window(self.storage, run, name, sid, incarnation, r).keys(),
+            listing=lambda: ranks_done(self.storage, run, name, sid, incarnation))
         base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=[rank])
         if missing:
             return SessionStatus(state="open", **base)
         digest = self.commit(run, name, sid, meta)  # StorageError: not a verdict, the caller retries (503)
         return SessionStatus(state="committed", manifest_xxh3=digest, **base)
-
-    def _probe(self, run: str, name: str, sid: str, rank: int, world_size: int) -> Sequence[int]:
-        """The ranks found stored by a look at rank ``rank``'s index: none (it is missing), it, or, with
-        node objects, every rank of its node whose object is stored (:func:`.node_indexes.stored_node`)."""
-        if not self.storage.exists(Paths.rank_index(run, name, sid, rank)):
-            return ()
-        return stored_node(self.storage, run, name, sid, rank, world_size, self.node_ranks) or (rank,)
 
     def commit(self, run: str, name: str, sid: str, meta: SessionMeta | None = None) -> str:
         """Merge, validate, write the manifest, create the marker (``meta``: the session's record, read
@@ -131,68 +123,53 @@ class Committer:
                ) -> tuple[Manifest, dict[str, FileEntry], dict[str, tuple[str, str]]]:
         """The merged manifest, the digest records of its files and their arrival records (unless
         :attr:`read_back`: the commit then reads every file). Each rank's index and its files' records
-        as ``put_index`` checked them here (:class:`~.index_cache.IndexCache`), else read from the store
-        (a node's ranks in one read where another replica stored their node object, :mod:`.node_indexes`);
-        folded (:class:`~.merge.ManifestFold`) and dropped rank by rank: the commit holds the manifest
-        being built and a few indexes, not every index. On a remote store the next ranks' indexes
-        and digest records are read while one is folded (:mod:`.inflight`)."""
+        as ``put_index`` checked them here (:class:`~.index_cache.IndexCache`), else as the replica that
+        checked them stored them, the ranks of one object in one read (:mod:`.rank_indexes`); folded
+        (:class:`~.merge.ManifestFold`) rank by rank and dropped: the commit holds the manifest being built
+        and the indexes read ahead of the fold, not every index. On a remote store the next objects are
+        read while one is folded (:mod:`.inflight`)."""
         fold = ManifestFold(run=run, name=name, session=sid, step=meta.step, created_at=meta.created_at,
                             world_size=meta.world_size, derived_from=meta.derived_from, parent=meta.parent)
         incarnation = meta.created_at.isoformat()
-        keys = [Paths.rank_index(run, name, sid, r) for r in range(meta.world_size)]
+        keys = [kept_key(run, name, sid, r) for r in range(meta.world_size)]
+        away = {r for r, key in enumerate(keys) if self._indexes.state(key) is None}
+        where = stored(self.storage, run, name, sid, incarnation) if away else {}  # one listing, if any
+        missing = sorted(away - where.keys())
+        if missing:  # gone since a look found it: not a verdict, the session stays open for its retry
+            raise _gone(run, name, sid, missing[0])
+        objects = list(dict.fromkeys(where[r] for r in sorted(away)))  # in the order the fold needs them
 
-        def kept(ix: RankIndex, records: dict[str, Records]) -> tuple[RankIndex, list[Entry]]:
-            return ix, [(f, records[f][0], None if self.read_back else records[f][1]) for f in ix.files]
-
-        def read_rank(r: int) -> tuple[RankIndex, list[Entry]]:
-            checked = self._indexes.take(keys[r], incarnation)  # as put_index checked it here
-            if checked is not None:
-                return kept(*checked)
-            ix = RankIndex.model_validate_json(self.storage.read(keys[r]))  # another replica's, or evicted
-            return ix, [(f, recorded_file(self.storage, run, name, sid, f),
-                         None if self.read_back else arrival_of(self.storage, run, name, sid, f)) for f in ix.files]
-
-        def read_unit(unit: tuple[tuple[int, int] | None, range]) -> list[tuple[RankIndex, list[Entry]]]:
-            span, ranks = unit
-            node = read_node(self.storage, run, name, sid, incarnation, *span) if span is not None else {}
-            return [kept(*node[r]) if r in node and self._indexes.state(keys[r]) is None else read_rank(r)
-                    for r in ranks]
+        def read(key: str) -> dict[int, Checked]:
+            return {r: c for r, c in read_batch(self.storage, key, incarnation).items()
+                    if r in away and where[r] == key}
 
         files: dict[str, FileEntry] = {}
         arrivals: dict[str, tuple[str, str]] = {}
-        n = requests_in_flight(self.storage, keys[0])
-        units = self._units(run, name, sid, keys)
+        ahead: dict[int, Checked] = {}  # read, not folded yet
         # Closed on the way out, refusal included: the reads ahead stop and their threads end with it.
-        with contextlib.closing(ordered_map(read_unit, units, n)) as read:
-            for ix, entries in (one for unit in read for one in unit):
-                for f, entry, arrived in entries:
-                    if entry is None:
-                        raise InvalidIndex(f"rank {ix.rank}: file {f!r} has no verified upload", file=f)
+        with contextlib.closing(ordered_map(read, objects, requests_in_flight(self.storage, keys[0]))) as reads:
+            for r in range(meta.world_size):
+                checked = None if r in away else self._indexes.take(keys[r], incarnation)
+                while r in away and r not in ahead:
+                    ahead.update(next(reads))
+                if checked is None:  # another replica's, or let go here since
+                    checked = ahead.pop(r) if r in away else self._stored(run, name, sid, incarnation, r)
+                ix, records = checked
+                for f in ix.files:
+                    entry, arrived = records[f]
                     files[f] = entry
-                    if arrived is not None:
+                    if arrived is not None and not self.read_back:
                         arrivals[f] = arrived
                 fold.add(ix)
-                del ix, entries
+                del ix, records, checked
         return fold.manifest(files), files, arrivals
 
-    def _units(self, run: str, name: str, sid: str, keys: list[str]) -> list[tuple[tuple[int, int] | None, range]]:
-        """The commit's reads in rank order: each rank alone, but for a run of ranks this process does not
-        keep that a node object holds (:mod:`.node_indexes`; listed once, and only if some rank is not kept
-        here): those with the object (its span), one read for them all."""
-        away = {r for r, key in enumerate(keys) if self._indexes.state(key) is None}
-        nodes = node_objects(self.storage, run, name, sid) if away else []
-        units: list[tuple[tuple[int, int] | None, range]] = []
-        r, i = 0, 0
-        while r < len(keys):
-            while i < len(nodes) and nodes[i][1] < r:
-                i += 1
-            if r in away and i < len(nodes) and nodes[i][0] <= r and nodes[i][1] < len(keys):
-                units.append((nodes[i], range(r, nodes[i][1] + 1)))
-                r = nodes[i][1] + 1
-            else:
-                units.append((None, range(r, r + 1)))
-                r += 1
-        return units
+    def _stored(self, run: str, name: str, sid: str, incarnation: str, rank: int) -> Checked:
+        """Rank ``rank``'s index and records as stored last: a rank kept here, let go by the cache meanwhile."""
+        key = in_window(self.storage, run, name, sid, incarnation, rank).get(rank)
+        if key is None:
+            raise _gone(run, name, sid, rank)
+        return read_batch(self.storage, key, incarnation)[rank]
 
     def _linked(self, run: str, manifest: Manifest, arrivals: dict[str, tuple[str, str]]
                 ) -> dict[str, tuple[str, str]]:

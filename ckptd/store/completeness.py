@@ -13,9 +13,8 @@ per 1,000 keys on an object store). Instead, per session, the process remembers:
   no HEAD (``IndexCache.state``): stored, it is forgotten; its write not answered yet, it is missing
   now and its own call looks after the write. Any other is probed (one HEAD): a call makes at most one
   failing probe, and at most :data:`PROBES` in all before a listing decides (a replica whose ranks are
-  few, where other replicas store most: node-local replicas). A probe that finds a rank stored may
-  answer for its node's ranks too, where the node's object is stored (one more HEAD for a node's
-  worth of ranks; :func:`.node_indexes.stored_node`);
+  few, where other replicas store most: node-local replicas). A probe is a listing of the rank's window
+  (:func:`.rank_indexes.in_window`): it answers for every rank of the window found stored;
 * the last rank a look found missing, and when that look began (``_Look.seen``). A rank whose index
   was missing at a look begun after this call's own index was stored is stored after it, and its own
   call then looks and finds this one: this call may answer "open" without a look of its own. Looks are
@@ -63,7 +62,7 @@ class Looks:
         """Whether some rank's index of session ``prefix`` was missing at a look begun at or after
         ``since`` (``time.monotonic()`` once the caller's own index was stored). ``kept(r)``: rank r's
         index is checked and kept here, its write ``"pending"`` or ``"stored"`` (else None); ``probe(r)``:
-        the ranks found stored by a look at r (none where r is missing; r, or its node's ranks: a hint,
+        the ranks found stored by a look at r (r among them, or not: it is missing; the others a hint,
         since only a listing says none is missing); ``listing()``: the ranks stored."""
         look = self._of(prefix)
         with look.lock:
@@ -77,7 +76,7 @@ class Looks:
                     probes += 1
                     found = probe(r)
                     missing = r not in found
-                    for x in found:  # a node's ranks, where one look answers for them all
+                    for x in found:  # a window's ranks: one look answers for them all
                         look.missing.pop(x, None)
                 else:  # pending: its write is answered after t, and its own call looks then
                     missing = state == "pending"

@@ -1,5 +1,5 @@
 """How many requests the store layer keeps in flight against a storage, an ordered map that keeps them,
-and reads shared by the calls that arrived before them.
+and reads or writes shared by the calls that arrived before them.
 
 One rule: on a local root a read or a ``stat`` costs microseconds, so one at a time; on a remote
 store (no local path: S3, a network filesystem through fsspec) each costs a round trip, so
@@ -13,13 +13,15 @@ calls run at once and at most ``n`` results wait ahead of the consumer (memory s
 however many items there are).
 
 Where many calls ask the same question of a remote store at once (the write gate, before each of the
-files and indexes of a thousand ranks arriving together), ``SharedReads().read(key, fn)`` answers each
+files and indexes of a thousand ranks arriving together), ``SharedCalls().call(key, fn)`` answers each
 call with a read of ``key`` begun after the call arrived: as good as its own read, since it sees the
 store as it was at some moment after the call came. One read of a key runs at a time; the calls that
 arrive while it runs wait for the next one and share it (a group commit of reads): two reads' latency
 at most, and a handful of requests instead of one per call. A read that stalls (a request the store
 does not answer) holds the next one back :data:`WAIT_AHEAD` seconds at most, then the next begins beside
-it: one slow request never stalls every write of a session.
+it: one slow request never stalls every write of a session. Writes are shared the same way: where ``fn``
+stores what the calls queued before it began (the rank indexes arriving together, :mod:`.rank_indexes`), one
+write stores them all.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any, Generic, TypeVar
 
 from ..storage import Storage
 
-__all__ = ["REMOTE_REQUESTS", "SharedReads", "is_remote", "ordered_map", "requests_in_flight"]
+__all__ = ["REMOTE_REQUESTS", "SharedCalls", "is_remote", "ordered_map", "requests_in_flight"]
 
 REMOTE_REQUESTS = 16
 WAIT_AHEAD = 0.5
@@ -68,8 +70,9 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], n: int) -> Iterator[R]
             yield fut.result()
 
 
-class SharedReads(Generic[R]):
-    """Reads of a key, each shared by the calls that arrived before it began (module docstring)."""
+class SharedCalls(Generic[R]):
+    """Calls of ``fn`` for a key (reads, or writes of what was queued), each shared by the calls that arrived
+    before it began (module docstring)."""
 
     def __init__(self, wait_ahead: float = WAIT_AHEAD) -> None:
         self.wait_ahead = wait_ahead
@@ -77,8 +80,8 @@ class SharedReads(Generic[R]):
         self._running: dict[Any, Future[R]] = {}  # began: answers only the calls that came before it
         self._next: dict[Any, Future[R]] = {}  # not begun: any call may join it
 
-    def read(self, key: Any, fn: Callable[[], R]) -> R:
-        """``fn()``'s result (or exception) from a read of ``key`` begun after this call arrived."""
+    def call(self, key: Any, fn: Callable[[], R]) -> R:
+        """``fn()``'s result (or exception) from a call of ``key`` begun after this call arrived."""
         with self._lock:
             joined = self._next.get(key)
             if joined is None:

@@ -12,7 +12,7 @@
     runs/<run>/<name>/sessions/<sid>/digests/<file>     size, XXH3 and block digests of a file (created once)
     runs/<run>/<name>/sessions/<sid>/arrived/<file>     the rows checked as the file arrived, its stored identity
     runs/<run>/<name>/sessions/<sid>/presigned/<file>   the presign of a file uploaded by URL (created once)
-    runs/<run>/<name>/sessions/<sid>/ranks/<rank>.json  a rank's index: its chunks; written last
+    runs/<run>/<name>/sessions/<sid>/ranks/<w>/<...>.json  rank indexes written together (store.rank_indexes)
     runs/<run>/<name>/sessions/<sid>/manifest-<xxh3>.json
     runs/<run>/<name>/sessions/<sid>/FAILED.json        why the commit was refused
     reread/<run>/<name>/<sid>/...                       a re-read due after a marker, its shares (store.rereads)
@@ -35,7 +35,7 @@ import re
 import stat as statmod
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Collection, Iterable
+from typing import TYPE_CHECKING, ClassVar, Collection, Iterable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -46,7 +46,7 @@ from ..storage import open_regular
 if TYPE_CHECKING:
     from ..storage import Storage
 
-__all__ = ["Committed", "Marker", "SessionMeta", "Paths", "node_span", "read_small", "regular_file", "strays"]
+__all__ = ["Committed", "Marker", "SessionMeta", "Paths", "RankBatch", "rank_batch", "read_small", "regular_file", "strays"]
 
 RUNS = "runs"
 #: What a checkpoint's directory holds beside its sessions: the marker and the records about it.
@@ -162,17 +162,15 @@ class Paths:
         return f"{cls.session(run, name, sid)}/ranks"
 
     @classmethod
-    def rank_index(cls, run: str, name: str, sid: str, rank: int) -> str:
-        return f"{cls.ranks(run, name, sid)}/{rank:07d}.json"
+    def rank_window(cls, run: str, name: str, sid: str, window: int) -> str:
+        """The folder of the rank-index objects of ranks ``[window * WINDOW, (window + 1) * WINDOW)``."""
+        return f"{cls.ranks(run, name, sid)}/{window:05d}"
 
     @classmethod
-    def node_indexes_dir(cls, run: str, name: str, sid: str) -> str:
-        return f"{cls.session(run, name, sid)}/nodes"
-
-    @classmethod
-    def node_indexes(cls, run: str, name: str, sid: str, first: int, last: int) -> str:
-        """One node's rank indexes, ranks ``first`` to ``last`` (:mod:`.node_indexes`)."""
-        return f"{cls.node_indexes_dir(run, name, sid)}/{first:07d}-{last:07d}.json"
+    def rank_batch(cls, run: str, name: str, sid: str, b: "RankBatch") -> str:
+        """An object holding the indexes of ranks ``b.ranks`` (:mod:`.rank_indexes`), named for what it holds."""
+        mask = sum(1 << (r - b.window * RankBatch.WINDOW) for r in b.ranks)
+        return f"{cls.rank_window(run, name, sid, b.window)}/{b.stamp:013d}-{b.nonce}-{b.tag}-{mask:x}.json"
 
     @classmethod
     def manifest(cls, run: str, name: str, sid: str, digest: str) -> str:
@@ -234,13 +232,41 @@ class Committed:
                                  status=status[0], status_reason=status[1])
 
 
+@dataclass(frozen=True)
+class RankBatch:
+    """What a rank-index object's name says (:meth:`Paths.rank_batch`): its window, when and by whom it was
+    written (``stamp``: the writer's clock in ms; ``nonce``: 8 hex digits), the incarnation ``tag`` of its
+    session (8 hex digits) and the ranks it holds, all in the window."""
+
+    WINDOW: ClassVar[int] = 512  # ranks per window: a listing of one window answers for them all
+    window: int
+    stamp: int
+    nonce: str
+    tag: str
+    ranks: tuple[int, ...]
+
+
+_BATCH = re.compile(r"(\d{5})/(\d{13})-([0-9a-f]{8})-([0-9a-f]{8})-([1-9a-f][0-9a-f]{0,127})\.json")
+
+
+def rank_batch(rel: str) -> RankBatch | None:
+    """What the name of a rank-index object says, from its key below ``ranks/`` (``<window>/<name>``); None
+    where it is no such name."""
+    m = _BATCH.fullmatch(rel)
+    if m is None:
+        return None
+    window, mask = int(m[1]), int(m[5], 16)  # 128 hex digits: WINDOW bits at most
+    base = window * RankBatch.WINDOW
+    return RankBatch(window, int(m[2]), m[3], m[4], tuple(base + i for i in range(mask.bit_length()) if mask >> i & 1))
+
+
 def strays(keys: Iterable[str], c: Committed, files: Collection[str], world_size: int) -> list[str]:
     """The keys among ``keys`` (what is stored under ``c``'s directory, :meth:`Paths.ckpt`) that are no
     part of the committed checkpoint ``c``, whose manifest names ``files`` and ``world_size`` ranks.
 
     Its own are the marker and records beside it (:data:`CHECKPOINT_RECORDS`) and, in its session,
-    the session's record and last activity, its manifest, one index per rank (and node objects of
-    ranks below ``world_size``, :mod:`.node_indexes`), and each named file
+    the session's record and last activity, its manifest, its rank-index objects (any whose name holds
+    ranks below ``world_size`` alone, :func:`rank_batch`), and each named file
     with its digest record (and presign claim, or arrival record). Anything else in the session (a temp file a writer
     killed mid-write left, a file no index names, a planted one) is a stray. The directories of
     other sessions (save attempts that lost, reclaimed by the sweep) are theirs, not strays."""
@@ -248,16 +274,15 @@ def strays(keys: Iterable[str], c: Committed, files: Collection[str], world_size
     own = {f"{Paths.ckpt(run, name)}/{r}" for r in CHECKPOINT_RECORDS}
     own |= {Paths.session_meta(run, name, sid), Paths.activity(run, name, sid),
             f"{Paths.session(run, name, sid)}/{c.marker.manifest}"}
-    own |= {Paths.rank_index(run, name, sid, r) for r in range(world_size)}
     for f in files:
         own |= {Paths.file(run, name, sid, f), Paths.digest(run, name, sid, f),
                 Paths.presign_claim(run, name, sid, f), Paths.arrival(run, name, sid, f)}
-    sessions, nodes = Paths.sessions(run, name) + "/", Paths.node_indexes_dir(run, name, sid) + "/"
+    sessions, ranks = Paths.sessions(run, name) + "/", Paths.ranks(run, name, sid) + "/"
     out = []
     for key in keys:
         if key in own:
             continue
-        if key.startswith(nodes) and (span := node_span(key[len(nodes):])) is not None and span[1] < world_size:
+        if key.startswith(ranks) and (b := rank_batch(key[len(ranks):])) is not None and b.ranks[-1] < world_size:
             continue
         other = key[len(sessions):].split("/", 1)[0] if key.startswith(sessions) else None
         if other is not None and other != sid and "/" in key[len(sessions):]:
@@ -268,12 +293,6 @@ def strays(keys: Iterable[str], c: Committed, files: Collection[str], world_size
                 pass
         out.append(key)
     return out
-
-
-def node_span(name: str) -> tuple[int, int] | None:
-    """The first and last rank of a node object's name (:meth:`Paths.node_indexes`), else None."""
-    m = re.fullmatch(r"(\d{7})-(\d{7})\.json", name)
-    return (int(m[1]), int(m[2])) if m and int(m[1]) <= int(m[2]) else None
 
 
 def regular_file(path: str) -> tuple[os.stat_result | None, str | None]:

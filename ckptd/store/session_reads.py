@@ -4,9 +4,9 @@ The session store (:mod:`.sessions`), the intake (:mod:`.intake`), the commit (:
 the sweep (:mod:`.sweep`) ask these the same questions: the session's record (:func:`read_meta`,
 :func:`session_meta`), which session's marker took the ref (:func:`committed_by`, through
 :class:`~.visibility.Visibility`, the one reader of markers), why a taken ref refuses a write
-(:func:`taken_error`), whether the session takes writes (:meth:`Gate.writable`, the one write gate: every
-file, index and keep-alive asks it before anything is stored) and which ranks' indexes are stored
-(:func:`ranks_done`).
+(:func:`taken_error`) and whether the session takes writes (:meth:`Gate.writable`, the one write gate:
+every file, index and keep-alive asks it before anything is stored). Which ranks' indexes are stored is
+:mod:`.rank_indexes`'s to say.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from ckptd_schemas import (
 )
 
 from ..storage import Storage
-from .inflight import SharedReads, is_remote, ordered_map
+from .inflight import SharedCalls, is_remote, ordered_map
 from .paths import Marker, Paths, SessionMeta
 from .visibility import BadMarker, Visibility
 
-__all__ = ["Gate", "committed_by", "ranks_done", "read_meta", "session_meta", "taken_error"]
+__all__ = ["Gate", "committed_by", "read_meta", "session_meta", "taken_error"]
 
 
 def read_meta(storage: Storage, run: str, name: str, sid: str) -> SessionMeta | None:
@@ -50,7 +50,7 @@ class Gate:
 
     def __init__(self, storage: Storage, visibility: Visibility) -> None:
         self.storage, self.visibility = storage, visibility
-        self._shared: SharedReads[tuple[SessionMeta | None, Marker | BadMarker | None, Any]] = SharedReads()
+        self._shared: SharedCalls[tuple[SessionMeta | None, Marker | BadMarker | None, Any]] = SharedCalls()
 
     def writable(self, run: str, name: str, sid: str, file: str | None = None) -> SessionMeta:
         """The names are valid, session ``sid`` is open, no marker took the ref and the commit did not
@@ -63,7 +63,7 @@ class Gate:
                                           lambda: self.storage.read_json_or_none(Paths.failed(run, name, sid))]
         key = Paths.session_meta(run, name, sid)
         if is_remote(self.storage, key):  # a round trip each: the three at once, shared by the calls arriving together
-            meta, m, failed = self._shared.read(key, lambda: tuple(ordered_map(lambda read: read(), reads, len(reads))))
+            meta, m, failed = self._shared.call(key, lambda: tuple(ordered_map(lambda read: read(), reads, len(reads))))
         else:
             meta, m, failed = (read() for read in reads)
         if meta is None:  # refusals in this order, as when the three are read one by one
@@ -96,9 +96,3 @@ def taken_error(run: str, name: str, m: Marker | BadMarker) -> Conflict:
     return AlreadyCommitted(
         f"checkpoint {run}/{name} is already committed (session {m.session}); committed checkpoints "
         f"are immutable (save under a new name)", ref=f"{run}/{name}", session=m.session)
-
-
-def ranks_done(storage: Storage, run: str, name: str, sid: str) -> list[int]:
-    """The ranks whose index session ``sid`` holds, listed (O(world size))."""
-    return sorted(int(n.split(".")[0]) for n in storage.list(Paths.ranks(run, name, sid))
-                  if n.endswith(".json") and n.split(".")[0].isdigit())

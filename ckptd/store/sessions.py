@@ -38,10 +38,10 @@ from .commit import Committer
 from .events import Observers, SessionEvents
 from .index_cache import IndexCache, Records
 from .intake import Intake, recorded_file
-from .node_indexes import store_node
 from .records import arrival_of
 from .paths import Paths, SessionMeta
-from .session_reads import committed_by, ranks_done, read_meta, session_meta, taken_error
+from .rank_indexes import BatchWriter, kept_key, ranks_done, stored_index
+from .session_reads import committed_by, read_meta, session_meta, taken_error
 from .space import OPEN_BYTES, Holder, Space, on_disk
 from .sweep import Sweeper
 from .visibility import Visibility
@@ -54,17 +54,17 @@ class SessionStore:
 
     def __init__(self, storage: Storage, *, block_size: int = BLOCK_SIZE, visibility: Visibility | None = None,
                  observers: Sequence[SessionEvents] = (), dead_after: float = DEAD_SESSION_AFTER,
-                 space: Space | None = None, read_back: bool = False, node_ranks: int = 0) -> None:
+                 space: Space | None = None, read_back: bool = False) -> None:
         self.storage = storage
-        self.node_ranks = node_ranks  # ranks per training node saving through one replica (:mod:`.node_indexes`)
         self.dead_after = dead_after  # seconds without a live writer before the sweep reclaims a session
         self.activity = SessionActivity(self.storage, every=dead_after / KEEPALIVE_PER_WINDOW / 2)
         self.visibility = visibility or Visibility(self.storage)
         self.observers = Observers(observers)
         self._indexes = IndexCache()
+        self._batches = BatchWriter(self.storage)
         self.intake = Intake(self.storage, self.visibility, self.activity, block_size, self._indexes, space)
         self.committer = Committer(self.storage, self.visibility, self._indexes, self.activity, self.observers,
-                                   read_back=read_back, node_ranks=node_ranks)
+                                   read_back=read_back)
         self.sweeper = Sweeper(self.storage, self.visibility, self.activity, self.committer, self.observers,
                                dead_after)
 
@@ -169,16 +169,13 @@ class SessionStore:
                 raise InvalidIndex(
                     f"rank {index.rank}: {what} bytes [{offset}, {offset + length}) exceed file "
                     f"{file!r} of {sizes[file]} bytes", rank=index.rank, file=file)
-        key, raw = Paths.rank_index(run, name, sid, index.rank), index.model_dump_json().encode()
-        self.intake.space.charge(holder, run, key[len(Paths.session(run, name, sid)) + 1:], on_disk(len(raw)),
+        key, raw = kept_key(run, name, sid, index.rank), index.model_dump_json().encode()
+        self.intake.space.charge(holder, run, f"ranks/{index.rank:07d}.json", on_disk(len(raw)),
                                  on_root=False)  # its blocks; the reserve takes a save's records, so it commits
         # kept first: a look at the session meanwhile finds this rank's write pending instead of probing the store
         self._indexes.put(key, incarnation, (index, records), len(raw))
-        try:
-            if self.node_ranks > 1:  # uncharged: a copy of indexes charged, one object per node
-                store_node(self.storage, self._indexes, run, name, sid, incarnation, index.rank, meta.world_size,
-                           self.node_ranks)
-            self.storage.put(key, raw)
+        try:  # with the indexes arriving here meanwhile, in one object (:mod:`.rank_indexes`)
+            self._batches.store(run, name, sid, incarnation, index.rank, raw, records)
         except BaseException:
             self._indexes.take(key, incarnation)
             raise
@@ -193,8 +190,9 @@ class SessionStore:
         or another replica); else None."""
         if committed_by(self.visibility, run, name, sid) is None:
             return None
-        stored = self.storage.read_json_or_none(Paths.rank_index(run, name, sid, index.rank))
-        if stored is None or RankIndex.model_validate(stored) != index:
+        meta = read_meta(self.storage, run, name, sid)
+        stored = stored_index(self.storage, run, name, sid, meta.created_at.isoformat(), index.rank) if meta else None
+        if stored is None or stored != index:
             return None
         return self.status(run, name, sid)
 
@@ -214,7 +212,7 @@ class SessionStore:
                                  world_size=meta.world_size if meta else 0, ranks_done=[],
                                  manifest_xxh3=m.manifest_xxh3)
         meta = session_meta(self.storage, run, name, sid)
-        done = ranks_done(self.storage, run, name, sid) if list_ranks else []
+        done = ranks_done(self.storage, run, name, sid, meta.created_at.isoformat()) if list_ranks else []
         base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=done)
         if taken is not None:
             return SessionStatus(state="failed", error=taken_error(run, name, taken).to_body()["error"], **base)

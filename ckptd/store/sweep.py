@@ -22,7 +22,8 @@ from .activity import Reclaim, SessionActivity, reclaim_at
 from .commit import Committer
 from .events import Observers
 from .paths import Marker, Paths, SessionMeta
-from .session_reads import ranks_done, read_meta
+from .rank_indexes import ranks_done
+from .session_reads import read_meta
 from .visibility import BadMarker, Visibility
 
 __all__ = ["Sweeper"]
@@ -144,7 +145,7 @@ class Sweeper:
 
     def _recover(self, run: str, name: str, sid: str, meta: SessionMeta) -> bool:
         """Commit a session whose indexes are all stored and that was not refused; True if it committed."""
-        if len(ranks_done(self.storage, run, name, sid)) < meta.world_size:
+        if len(ranks_done(self.storage, run, name, sid, meta.created_at.isoformat())) < meta.world_size:
             return False
         if self.storage.read_json_or_none(Paths.failed(run, name, sid)) is not None:
             return False

@@ -223,7 +223,7 @@ def test_a_file_replaced_in_the_store_between_arrival_and_commit_is_refused(plai
     assert r.status_code == 200 and r.json()["state"] == "committed", r.text
     log = moto_s3.log.read_text()
     session = "/ckptd-test/plain/runs/swap/1/sessions/s1"
-    commit = log[log.find(f"PUT {session}/ranks/0000000.json"):log.find("PUT /ckptd-test/plain/runs/swap/1/COMMITTED")]
+    commit = log[log.find(f"PUT {session}/ranks/00000/"):log.find("PUT /ckptd-test/plain/runs/swap/1/COMMITTED")]
     assert commit and f"HEAD {session}/files/" not in commit, commit  # the files' stamps: one listing
     for record in ("ranks", "digests", "arrived"):  # as the index's arrival checked them, kept until the commit
         assert f"GET {session}/{record}/" not in commit, (record, commit)

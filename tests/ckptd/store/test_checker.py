@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from ckptd.storage import LocalStorage
 from ckptd.store.checker import StorageFiles
 from ckptd.store.paths import Paths
+from ckptd.store.rank_indexes import ranks_done
 from ckptd.store.session_reads import read_meta
 from ckptd.store.sessions import SessionStore
 from ckptd.store.checker import verify_manifest
@@ -119,7 +120,7 @@ def _verdicts(tmp_path, uploaded: dict[str, bytes], indexes: list[dict],
         committed, why = True, ""
     except CkptdError as e:
         committed, why = False, e.message
-    if not committed and not (tmp_path / Paths.rank_index("run", "2", "s", 1)).exists():
+    if not committed and 1 not in ranks_done(store.storage, "run", "2", "s", read_meta(store.storage, "run", "2", "s").created_at.isoformat()):
         return False, False, why  # refused before it was stored: nothing to verify
     manifest = store.committer.merged("run", "2", "s", read_meta(store.storage, "run", "2", "s"))[0]  # both indexes are stored
 

@@ -31,14 +31,14 @@ from ckptd_schemas import ChecksumMismatch, CommitFailed, Conflict, InvalidIndex
 from ckptd_schemas.filedigest import xxh3_hex
 from ckptd_schemas.loadtree import LoadTree
 
-from .staging import Parts, data, file_of, index, put_indexes, stage
+from .staging import Parts, data, file_of, index, put_indexes, stage, store_index
 
 RUN = "r"
 
 
 def _store_index(parts: Parts, name: str, sid: str, rank: int, world: int, payload: bytes | None = None) -> None:
     """Rank ``rank``'s index stored as the session store stores it (without asking for a commit)."""
-    parts.storage.put(Paths.rank_index(RUN, name, sid, rank), index(rank, world, payload).model_dump_json().encode())
+    store_index(parts.storage, RUN, name, sid, index(rank, world, payload))
 
 
 @pytest.fixture
@@ -134,7 +134,7 @@ def test_a_file_without_a_verified_upload_refuses_the_session(store, tmp_path):
     with pytest.raises(InvalidIndex) as info:
         parts.committer.commit(RUN, "5", "s-a", read_meta(parts.storage, RUN, "5", "s-a"))
     assert f"rank 1: file {file_of(1)!r} has no verified upload" in info.value.message
-    assert info.value.details == {"file": file_of(1)}
+    assert info.value.details == {"rank": 1, "file": file_of(1)}
     assert json.loads((tmp_path / Paths.failed(RUN, "5", "s-a")).read_text())["error"]["code"] == "invalid_index"
     assert parts.visibility.marker(RUN, "5") is None
 

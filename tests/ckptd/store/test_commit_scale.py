@@ -28,8 +28,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptd.storage.local import LocalStorage
-from ckptd.store.paths import Paths
+from ckptd.store.paths import Paths, RankBatch, rank_batch
 from ckptd.store.completeness import PROBES
+from ckptd.store.rank_indexes import stored
 from ckptd.store.events import AfterCommit
 from ckptd.store.merge import merge_indexes
 from ckptd.store.session_reads import read_meta
@@ -41,6 +42,11 @@ from ckptd_schemas import (
 )
 from ckptd_schemas.arrival import Declared
 from support import TIME_SCALE
+
+try:
+    from .staging import store_index
+except ImportError:  # imported as a top-level module by the memory test's fresh interpreter
+    from staging import store_index
 
 CREATED = datetime(2026, 1, 2, tzinfo=timezone.utc)
 BLOCK = 4096
@@ -171,28 +177,26 @@ def _save(world: int, tensors: int, *, rows: int = 2) -> Save:
 
 
 class CountingStorage(LocalStorage):
-    lists = 0
+    lists = 0  # walks of a session's ranks: the listing that decides
     record_reads = 0  # reads of a file's digest or arrival record
-    probes = 0  # looks at one rank's index
-
-    def exists(self, key: str) -> bool:
-        CountingStorage.probes += "/ranks/" in key
-        return super().exists(key)
+    probes = 0  # listings of one window of ranks
 
     def list(self, prefix: str) -> list[str]:
-        CountingStorage.lists += prefix.endswith("/ranks")
+        CountingStorage.probes += "/ranks/" in prefix
         return super().list(prefix)
+
+    def walk(self, prefix: str) -> list[tuple[str, int]]:
+        CountingStorage.lists += prefix.endswith("/ranks")
+        return super().walk(prefix)
 
     def read_json_or_none(self, key: str):
         CountingStorage.record_reads += "/digests/" in key or "/arrived/" in key
         return super().read_json_or_none(key)
 
-    index_reads = 0  # reads of one rank's index
-    node_reads = 0  # reads of a node's object (ckptd.store.node_indexes)
+    index_reads = 0  # reads of an object of rank indexes (ckptd.store.rank_indexes)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         CountingStorage.index_reads += "/ranks/" in key
-        CountingStorage.node_reads += "/nodes/" in key
         return super().read(key, start, end)
 
 
@@ -223,7 +227,7 @@ def test_streaming_commit_writes_the_merged_manifest_warm_and_cold(tmp_path):
         got = warm.put_index("run", "a", "s0000001", save[r][2])
     assert got.state == "committed" and got.ranks_done == [save[r][2].rank]
     for _, _, ix in save:  # stored by another replica: the commit parses every index
-        cold.storage.put(Paths.rank_index("run", "b", "s0000001", ix.rank), ix.model_dump_json().encode())
+        store_index(cold.storage, "run", "b", "s0000001", ix)
     digest_b = SessionStore(LocalStorage(tmp_path)).committer.commit("run", "b", "s0000001")
     for name, digest in (("a", got.manifest_xxh3), ("b", digest_b)):
         files = {f: FileEntry.model_validate(warm.storage.read_json_or_none(Paths.digest("run", name, "s0000001", f)))
@@ -283,9 +287,11 @@ def test_a_missing_index_leaves_the_session_open_and_its_retry_commits(tmp_path)
     store = SessionStore(LocalStorage(tmp_path))
     _upload(store, save, "m")
     for _, _, ix in save:
-        store.storage.put(Paths.rank_index("run", "m", "s0000001", ix.rank), ix.model_dump_json().encode())
-    store.storage.delete(Paths.rank_index("run", "m", "s0000001", 3))
-    with pytest.raises(StorageError, match="0000003.json"):
+        store_index(store.storage, "run", "m", "s0000001", ix)
+    [key] = [k for k, _ in store.storage.walk(Paths.ranks("run", "m", "s0000001")) if rank_batch(
+        k.split("/ranks/")[1]).ranks == (3,)]
+    store.storage.delete(key)
+    with pytest.raises(StorageError, match="rank 3's index"):
         SessionStore(LocalStorage(tmp_path)).committer.commit("run", "m", "s0000001")
     assert store.status("run", "m", "s0000001").state == "open"
     assert store.put_index("run", "m", "s0000001", save[3][2]).state == "committed"
@@ -508,138 +514,117 @@ def test_an_index_whose_files_arrived_here_is_checked_and_committed_without_read
     assert here.status("run", "c", "s0000001").state == "failed"
 
 
-def _two_replicas(tmp_path: Path, save: Save, name: str, node_ranks: int) -> tuple[SessionStore, str]:
+def _two_replicas(tmp_path: Path, save: Save, name: str) -> tuple[SessionStore, str]:
     """``save`` through two replicas on one root, the first half of the ranks (files and index) through
-    one, the rest through the other, which stores the last index and commits: the second, and its digest."""
-    one, two = (SessionStore(CountingStorage(tmp_path), node_ranks=node_ranks) for _ in range(2))
+    one, their indexes arriving together, the rest through the other, which stores the last index and
+    commits: the second, and its digest."""
+    one, two = (SessionStore(CountingStorage(tmp_path)) for _ in range(2))
     half = len(save) // 2
     _upload(one, save[:half], name, declare=True)
     for file, data, ix in save[half:]:
         sink = two.intake.receive("run", name, "s0000001", file, declared=_declared(ix))
         sink.write(data)
         sink.finish(None)
-    for _, _, ix in save[:half]:
-        assert one.put_index("run", name, "s0000001", ix).state == "open"
-    CountingStorage.index_reads = CountingStorage.node_reads = CountingStorage.record_reads = 0
+    with ThreadPoolExecutor(half) as pool:
+        assert set(pool.map(lambda ix: one.put_index("run", name, "s0000001", ix).state,
+                            [ix for _, _, ix in save[:half]])) == {"open"}
+    CountingStorage.index_reads = CountingStorage.record_reads = 0
     for _, _, ix in save[half:]:
         got = two.put_index("run", name, "s0000001", ix)
     assert got.state == "committed"
     return two, got.manifest_xxh3
 
 
-def test_the_commit_reads_one_object_per_node_another_replica_checked(tmp_path):
-    """Node-local replicas (``node_ranks``): the replica that commits reads each node the other checked as
-    one object, no rank's index or record; the manifest is the one a replica reading every rank makes,
-    and every object in the session belongs to the checkpoint (no stray)."""
+def test_the_commit_reads_each_object_another_replica_stored_once_and_no_record(tmp_path):
+    """The replica that commits reads the other replica's ranks as it stored them: each object once (the
+    ranks that arrived together there, with their files' records), no rank's index or record alone; the
+    manifest is the one a single replica makes, and every object in the session belongs to the
+    checkpoint (no stray) but one planted past the world size."""
     save = _save(16, 3)
-    two, plain = _two_replicas(tmp_path, save, "plain", 0)
-    assert (CountingStorage.index_reads, CountingStorage.record_reads, CountingStorage.node_reads) == (8, 16, 0)
-    _, nodes = _two_replicas(tmp_path, save, "nodes", 4)
-    assert (CountingStorage.index_reads, CountingStorage.record_reads, CountingStorage.node_reads) == (0, 0, 2)
-    assert two.storage.list(Paths.node_indexes_dir("run", "nodes", "s0000001")) != []
-    manifests = [json.loads(_stored_manifest(two, n, "s0000001", d)) for n, d in (("plain", plain), ("nodes", nodes))]
-    assert [(m["files"], m["tensors"], m["objects"]) for m in manifests][0] == \
-        [(m["files"], m["tensors"], m["objects"]) for m in manifests][1]
-    c = two.visibility.check("run", "nodes")
-    assert strays_of(two.storage, c, two.visibility.manifest(c)) == []
-    planted = Paths.node_indexes_dir("run", "nodes", "s0000001") + "/0000000-0000016.json"  # past the world size
-    two.storage.put(planted, b"{}")
-    assert [s.key for s in strays_of(two.storage, c, two.visibility.manifest(c))] == [planted]
-
-
-def test_a_look_finds_a_node_another_replica_stored_with_one_probe(tmp_path):
-    """A replica whose look found another replica's ranks missing finds them stored later: with node
-    objects, one probe of a rank answers for its node (and one HEAD of the node's object), so the
-    8 ranks of two nodes cost 2 probes of rank indexes instead of 8; the save commits the same."""
-    save, probes, manifests = _save(16, 3), {}, {}
-    for node_ranks in (0, 4):
-        name = f"n{node_ranks}"
-        one, two = (SessionStore(CountingStorage(tmp_path), node_ranks=node_ranks) for _ in range(2))
-        _upload(one, save[:8], name, declare=True)
-        for file, data, ix in save[8:]:
-            sink = two.intake.receive("run", name, "s0000001", file, declared=_declared(ix))
-            sink.write(data)
-            sink.finish(None)
-        assert two.put_index("run", name, "s0000001", save[8][2]).state == "open"  # its look: ranks 0-7 missing
-        for _, _, ix in save[:8]:
-            assert one.put_index("run", name, "s0000001", ix).state == "open"
-        CountingStorage.probes = 0
-        for _, _, ix in save[9:]:
-            got = two.put_index("run", name, "s0000001", ix)
-        assert got.state == "committed"
-        probes[node_ranks] = CountingStorage.probes
-        manifests[node_ranks] = json.loads(_stored_manifest(two, name, "s0000001", got.manifest_xxh3))
-    assert probes[0] - probes[4] == 8 - 2, probes
-    assert (manifests[0]["files"], manifests[0]["tensors"]) == (manifests[4]["files"], manifests[4]["tensors"])
-
-
-def test_a_node_object_planted_in_the_root_makes_no_commit_before_every_index_is_stored(tmp_path):
-    """An outsider who can write in the root plants an object under a node's name before that node's last
-    index is stored: a look takes it as a hint and skips the node's ranks, the listing still finds the
-    index missing, so nothing commits early; once it is stored the save commits, the planted object
-    passed over (it cannot be read as a node object) and the ranks read one by one."""
-    save = _save(8, 3)
-    one, two = (SessionStore(CountingStorage(tmp_path), node_ranks=4) for _ in range(2))
-    _upload(one, save[:4], "a", declare=True)
-    for file, data, ix in save[4:]:
-        sink = two.intake.receive("run", "a", "s0000001", file, declared=_declared(ix))
-        sink.write(data)
-        sink.finish(None)
-    assert two.put_index("run", "a", "s0000001", save[4][2]).state == "open"  # its look lists: 0-3 missing
-    one.storage.put(Paths.node_indexes("run", "a", "s0000001", 0, 3), b"{}")  # planted
-    for _, _, ix in save[:3]:
-        assert one.put_index("run", "a", "s0000001", ix).state == "open"
-    for _, _, ix in save[5:]:
-        assert two.put_index("run", "a", "s0000001", ix).state == "open"  # rank 3 is missing
-    assert two.visibility.check("run", "a") is None
-    got = one.put_index("run", "a", "s0000001", save[3][2])
-    assert got.state == "committed"
-    assert verify_committed(one.storage, "run", "a").ok
-
-
-@pytest.mark.parametrize("damage", ["unreadable", "an index's chunk digest false", "another incarnation"])
-def test_a_node_object_that_is_damaged_is_passed_over_or_refused_like_an_index(tmp_path, damage):
-    """A node object edited in the root between its storing and the commit: one that cannot serve
-    (unreadable, of the session opened before under the same id) is passed over and its ranks are read
-    one by one (the commit is the same); one whose index declares a false chunk digest is refused before
-    the marker with the ``ChecksumMismatch`` the index itself gets, naming the file: the commit confirms
-    what the object says against the bytes as they arrived, as for any index."""
-    save = _save(8, 3)
-    one, two = (SessionStore(CountingStorage(tmp_path), node_ranks=4) for _ in range(2))
-    _upload(one, save[:4], "a", declare=True)
-    for file, data, ix in save[4:]:
-        sink = two.intake.receive("run", "a", "s0000001", file, declared=_declared(ix))
-        sink.write(data)
-        sink.finish(None)
-    for _, _, ix in save[:4]:
-        one.put_index("run", "a", "s0000001", ix)
-    key = Paths.node_indexes("run", "a", "s0000001", 0, 3)
-    node = json.loads(one.storage.read(key))
-    if damage == "unreadable":
-        one.storage.put(key, b"{not json")
-    elif damage == "another incarnation":
-        node["incarnation"] = "2001-01-01T00:00:00+00:00"
-        one.storage.put(key, json.dumps(node).encode())
-    else:
-        node["ranks"][1]["index"]["chunk_table"]["xxh3"][0] = "0" * 16
-        one.storage.put(key, json.dumps(node).encode())
-    CountingStorage.index_reads = CountingStorage.node_reads = 0
-    if damage == "an index's chunk digest false":
-        with pytest.raises(ChecksumMismatch, match="r000001-0000.bin"):
-            for _, _, ix in save[4:]:
-                two.put_index("run", "a", "s0000001", ix)
-        assert two.status("run", "a", "s0000001").state == "failed"
-        return
-    for _, _, ix in save[4:]:
-        got = two.put_index("run", "a", "s0000001", ix)
-    assert got.state == "committed" and CountingStorage.index_reads == 4
+    two, digest = _two_replicas(tmp_path, save, "two")
+    meta = read_meta(two.storage, "run", "two", "s0000001")
+    where = stored(two.storage, "run", "two", "s0000001", meta.created_at.isoformat())
+    objects = {where[r] for r in range(8)}  # the other replica's
+    assert (CountingStorage.index_reads, CountingStorage.record_reads) == (len(objects), 0), objects
     ref = SessionStore(LocalStorage(tmp_path))
     _upload(ref, save, "ref", declare=True)
     for _, _, ix in save:
         want = ref.put_index("run", "ref", "s0000001", ix)
     ours, theirs = (json.loads(_stored_manifest(ref, n, "s0000001", d)) for n, d in
-                    (("a", got.manifest_xxh3), ("ref", want.manifest_xxh3)))
-    assert (ours["files"], ours["tensors"]) == (theirs["files"], theirs["tensors"])
+                    (("two", digest), ("ref", want.manifest_xxh3)))
+    assert (ours["files"], ours["tensors"], ours["objects"]) == (theirs["files"], theirs["tensors"], theirs["objects"])
+    c = two.visibility.check("run", "two")
+    assert strays_of(two.storage, c, two.visibility.manifest(c)) == []
+    name = Paths.rank_batch("run", "two", "s0000001", RankBatch(0, 1, "00000000", "00000000", (16,)))  # past the world
+    two.storage.put(name, b"{}")
+    assert [s.key for s in strays_of(two.storage, c, two.visibility.manifest(c))] == [name]
+
+
+def test_a_look_finds_the_ranks_another_replica_stored_with_one_listing_of_their_window(tmp_path):
+    """A replica whose look found another replica's ranks missing finds them stored later with one probe:
+    a listing of their window answers for all 8 (one request per rank before); the save commits."""
+    save = _save(16, 3)
+    one, two = (SessionStore(CountingStorage(tmp_path)) for _ in range(2))
+    _upload(one, save[:8], "n", declare=True)
+    for file, data, ix in save[8:]:
+        sink = two.intake.receive("run", "n", "s0000001", file, declared=_declared(ix))
+        sink.write(data)
+        sink.finish(None)
+    for _, _, ix in save[8:15]:
+        assert two.put_index("run", "n", "s0000001", ix).state == "open"  # its looks: ranks 0-7 missing
+    for _, _, ix in save[:8]:
+        assert one.put_index("run", "n", "s0000001", ix).state == "open"
+    CountingStorage.probes = CountingStorage.lists = 0
+    assert two.put_index("run", "n", "s0000001", save[15][2]).state == "committed"
+    # the probe, the listing that decides, and the commit's map of the objects to read
+    assert (CountingStorage.probes, CountingStorage.lists) == (1, 2)
+
+
+def test_an_object_planted_in_the_root_under_a_missing_ranks_name_commits_nothing_unchecked(tmp_path):
+    """An outsider who can write in the root plants an object under a name that holds a rank whose index is
+    not stored yet: the listing counts that rank, and the commit reads the object, which is not what its
+    name says: the session is refused before the marker (``InvalidIndex`` naming the object), as an index
+    edited in the root always was; nothing is visible, and a save under a new session commits."""
+    save = _save(8, 3)
+    store = SessionStore(LocalStorage(tmp_path))
+    _upload(store, save, "a", declare=True)
+    meta = read_meta(store.storage, "run", "a", "s0000001")
+    tag = xxhash.xxh3_64_hexdigest(meta.created_at.isoformat().encode())[:8]  # as an outsider reading SESSION.json can
+    planted = Paths.rank_batch("run", "a", "s0000001", RankBatch(0, 9999999999999, "0" * 8, tag, (7,)))
+    store.storage.put(planted, b'{"incarnation": "x", "ranks": []}')
+    with pytest.raises(InvalidIndex, match=planted.rsplit("/", 1)[1]):
+        for _, _, ix in save[:7]:
+            store.put_index("run", "a", "s0000001", ix)
+    assert store.visibility.check("run", "a") is None
+    _upload(store, save, "a", sid="s0000002", declare=True)
+    for _, _, ix in save:
+        got = store.put_index("run", "a", "s0000002", ix)
+    assert got.state == "committed" and verify_committed(store.storage, "run", "a").ok
+
+
+def test_an_object_whose_index_declares_a_false_chunk_digest_is_refused_like_an_index(tmp_path):
+    """An object edited in the root between its storing and the commit, so that an index in it declares a
+    false chunk digest: refused before the marker with the ``ChecksumMismatch`` the index itself gets,
+    naming the file: the commit confirms what the object says against the bytes as they arrived."""
+    save = _save(8, 3)
+    one, two = (SessionStore(LocalStorage(tmp_path)) for _ in range(2))
+    _upload(one, save[:4], "a", declare=True)
+    for file, data, ix in save[4:]:
+        sink = two.intake.receive("run", "a", "s0000001", file, declared=_declared(ix))
+        sink.write(data)
+        sink.finish(None)
+    one.put_index("run", "a", "s0000001", save[1][2])
+    meta = read_meta(one.storage, "run", "a", "s0000001")
+    key = stored(one.storage, "run", "a", "s0000001", meta.created_at.isoformat())[1]
+    body = json.loads(one.storage.read(key))
+    body["ranks"][0]["index"]["chunk_table"]["xxh3"][0] = "0" * 16
+    one.storage.put(key, json.dumps(body).encode())
+    for r in (0, 2, 3):
+        one.put_index("run", "a", "s0000001", save[r][2])
+    with pytest.raises(ChecksumMismatch, match="r000001-0000.bin"):
+        for _, _, ix in save[4:]:
+            two.put_index("run", "a", "s0000001", ix)
+    assert two.status("run", "a", "s0000001").state == "failed"
 
 
 def _again(save: Save, r: int) -> tuple[str, bytes, RankIndex]:
@@ -652,20 +637,19 @@ def _again(save: Save, r: int) -> tuple[str, bytes, RankIndex]:
     return other, again, RankIndex.model_validate({**ix.model_dump(), "files": [other], "chunk_table": ct})
 
 
-@pytest.mark.parametrize("where", ["the replica that checked its node", "the replica that commits"])
-def test_an_index_sent_again_with_other_bytes_after_its_node_object_is_committed_as_sent_last(tmp_path, where):
-    """A writer sends rank 1's index again, pointing at other bytes, after the replica that checked its
-    node stored the node object: at that replica the node object is stored again with it; at the
-    replica that commits, the one it kept wins over the node object. Either way the checkpoint holds
-    the bytes sent last, checked, and the first file is a stray beside it (the verdict unchanged)."""
+@pytest.mark.parametrize("where", ["the replica that stored it", "the replica that commits"])
+def test_an_index_sent_again_with_other_bytes_after_it_was_stored_is_committed_as_sent_last(tmp_path, where):
+    """A writer sends rank 1's index again, pointing at other bytes, after it was stored: at the replica
+    that stored it, a later object holds the new one; at the replica that commits, the one it kept wins.
+    Either way the checkpoint holds the bytes sent last, checked, and the first file is a stray beside it
+    (the verdict unchanged)."""
     save = _save(8, 3)
-    one, two = (SessionStore(CountingStorage(tmp_path), node_ranks=4) for _ in range(2))
+    one, two = (SessionStore(CountingStorage(tmp_path)) for _ in range(2))
     _upload(one, save[:4], "a", declare=True)
     for _, _, ix in save[:4]:
         assert one.put_index("run", "a", "s0000001", ix).state == "open"
-    assert one.storage.exists(Paths.node_indexes("run", "a", "s0000001", 0, 3))
     file, data, ix = _again(save, 1)
-    at = one if where == "the replica that checked its node" else two
+    at = one if where == "the replica that stored it" else two
     sink = at.intake.receive("run", "a", "s0000001", file, declared=_declared(ix))
     sink.write(data)
     sink.finish(None)
@@ -695,7 +679,7 @@ def _cold_commit_peak(root: Path, world: int, tensors: int) -> tuple[int, int]:
     save = _save(world, tensors)
     _upload(store, save, name)
     for _, _, ix in save:
-        store.storage.put(Paths.rank_index("run", name, "s0000001", ix.rank), ix.model_dump_json().encode())
+        store_index(store.storage, "run", name, "s0000001", ix)
     del save
     gc.collect()
     tracemalloc.start()

@@ -11,9 +11,9 @@ from ckptd.store.completeness import PROBES, Looks
 class Store:
     """Rank indexes stored (``stored``) and kept here (``kept``: rank -> "pending" or "stored"), looks counted."""
 
-    def __init__(self, world: int, stored: set[int], kept: dict[int, str] | None = None, node: int = 0) -> None:
+    def __init__(self, world: int, stored: set[int], kept: dict[int, str] | None = None, window: int = 1) -> None:
         self.world, self.stored, self.kept_here = world, stored, kept or {}
-        self.node, self.nodes = node, set()  # ranks per node object; the first rank of each node object stored
+        self.window = window  # ranks one probe answers for (a listing of their window)
         self.probes: list[int] = []
         self.listings = 0
 
@@ -23,10 +23,8 @@ class Store:
 
     def probe(self, r: int) -> tuple[int, ...] | range:
         self.probes.append(r)
-        if r not in self.stored:
-            return ()
-        first = r - r % self.node if self.node else r
-        return range(first, min(first + self.node, self.world)) if first in self.nodes else (r,)
+        first = r - r % self.window
+        return tuple(x for x in range(first, first + self.window) if x in self.stored)
 
     def listing(self) -> list[int]:
         self.listings += 1
@@ -73,17 +71,16 @@ def test_ranks_stored_elsewhere_are_probed_at_most_probes_times_before_a_listing
     assert store.missing(looks) and store.probes == [world - 1]  # the listing's gap: one probe
 
 
-def test_a_probe_that_answers_for_a_node_forgets_its_ranks_and_only_a_listing_says_complete():
-    """Node objects (stored before the last index of their node): a probe that finds a rank stored
-    answers for its node's ranks, one probe a node instead of one a rank; the last rank of a node, not
-    stored yet, is forgotten too, and the listing still finds it missing."""
+def test_a_probe_answers_for_its_window_and_only_a_listing_says_complete():
+    """A probe is a listing of the rank's window: one probe finds every rank of a window stored, one a
+    window instead of one a rank; a rank still missing is found missing by its own probe, and only a
+    listing says none is."""
     world = 32
-    store, looks = Store(world, set(), node=8), Looks()
+    store, looks = Store(world, set(), window=8), Looks()
     store.missing(looks)  # lists: every rank missing
     store.stored.update(range(world - 1))
-    store.nodes.update({0, 8, 16, 24})  # the last node's object is stored before its last index
     assert store.missing(looks)
-    assert store.probes == [0, 8, 16, 24] and store.listings == 2  # four probes, then the listing: 31 is missing
+    assert store.probes == [0, 8, 16, 24, 31] and store.listings == 1  # four windows, then 31: missing
     store.probes.clear()
     store.stored.add(world - 1)
-    assert not store.missing(looks) and store.probes == [world - 1] and store.listings == 3
+    assert not store.missing(looks) and store.probes == [world - 1] and store.listings == 2

@@ -31,6 +31,8 @@ from ckptd.storage import LocalStorage
 from ckptd.store import SessionStore
 from ckptd.store.activity import reclaim_at
 from ckptd.store.paths import Paths
+
+from .staging import store_index
 from ckptd_schemas import OpenSession, RankIndex
 from support import REPO, ServerProcess, scaled
 
@@ -133,8 +135,8 @@ def test_a_rank_index_is_a_live_writer(tmp_path):
 def test_a_complete_session_whose_ranks_died_is_committed_not_deleted(tmp_path):
     store = SessionStore(LocalStorage(tmp_path), dead_after=300)
     _stage(store, "done", "s-done")
-    store.storage.put(Paths.rank_index("r", "done", "s-done", 0), _index().model_dump_json().encode())
     now = _set(tmp_path, "done", "s-done", opened_ago=900, active_ago=800)
+    store_index(store.storage, "r", "done", "s-done", _index())  # then the writer died
     assert store.sweeper.reclaim_stale(6 * 3600, now=now.timestamp()) == []
     assert store.visibility.check("r", "done") is not None
 

@@ -13,7 +13,7 @@ import xxhash
 
 from ckptd.storage import LocalStorage, open_storage
 from ckptd.store.checker import JOBS, REMOTE_JOBS, jobs_for
-from ckptd.store.inflight import REMOTE_REQUESTS, SharedReads, ordered_map
+from ckptd.store.inflight import REMOTE_REQUESTS, SharedCalls, ordered_map
 from ckptd.store.records import file_stamps
 from ckptd.store.sessions import SessionStore
 from ckptd_schemas import OpenSession, RankIndex
@@ -84,7 +84,7 @@ def test_ordered_map_keeps_order_bounds_what_runs_and_raises_in_place():
 def test_shared_reads_answer_the_calls_that_came_before_a_read_began_with_its_value_or_error():
     """A read of a key in progress answers nobody who came after it began; those share the next one,
     its error too; another key is read on its own, at once."""
-    shared, release, ran, got = SharedReads(wait_ahead=60 * TIME_SCALE), threading.Event(), [], {}
+    shared, release, ran, got = SharedCalls(wait_ahead=60 * TIME_SCALE), threading.Event(), [], {}
 
     def call(key: str, name: str) -> None:
         def fn() -> str:
@@ -95,7 +95,7 @@ def test_shared_reads_answer_the_calls_that_came_before_a_read_began_with_its_va
                 raise ValueError("the store said no")
             return name
         try:
-            got[name] = shared.read(key, fn)
+            got[name] = shared.call(key, fn)
         except ValueError as e:
             got[name] = e
 
@@ -119,12 +119,12 @@ def test_shared_reads_answer_the_calls_that_came_before_a_read_began_with_its_va
 def test_a_shared_read_that_stalls_holds_the_next_back_a_bounded_time():
     """A read the store does not answer delays the calls that came after it by ``wait_ahead`` at most:
     the next read begins beside it and answers them."""
-    shared, stalled, later, first_got = SharedReads(wait_ahead=0.05), threading.Event(), [], []
-    first = threading.Thread(target=lambda: first_got.append(shared.read("k", lambda: stalled.wait(30 * TIME_SCALE))))
+    shared, stalled, later, first_got = SharedCalls(wait_ahead=0.05), threading.Event(), [], []
+    first = threading.Thread(target=lambda: first_got.append(shared.call("k", lambda: stalled.wait(30 * TIME_SCALE))))
     first.start()
     try:
         time.sleep(0.01)
-        threads = [threading.Thread(target=lambda: later.append(shared.read("k", lambda: "fresh"))) for _ in range(4)]
+        threads = [threading.Thread(target=lambda: later.append(shared.call("k", lambda: "fresh"))) for _ in range(4)]
         for t in threads:
             t.start()
         for t in threads:
@@ -134,7 +134,7 @@ def test_a_shared_read_that_stalls_holds_the_next_back_a_bounded_time():
         stalled.set()
         first.join(10 * TIME_SCALE)
     assert first_got == [True]  # its own answer, when it came
-    assert shared.read("k", lambda: "after") == "after"  # the stalled read's end left the key clean
+    assert shared.call("k", lambda: "after") == "after"  # the stalled read's end left the key clean
 
 
 def test_a_remote_store_is_stamped_several_files_at_a_time_a_local_one_file_by_file(tmp_path):

@@ -19,6 +19,8 @@ import xxhash
 from ckptd.storage import LocalStorage
 from ckptd.store.events import AfterCommit, CommitEvent, SessionEvents
 from ckptd.store.paths import Paths
+
+from .staging import store_index
 from ckptd.store.sessions import SessionStore
 from ckptd_schemas import CkptdError, OpenSession, RankIndex
 
@@ -88,7 +90,7 @@ def test_the_sweeps_commit_and_reclaim_and_a_refusal_are_told_on_the_same_channe
     storage = LocalStorage(tmp_path)
     writer = SessionStore(storage)  # a replica that died after the last index, before the marker
     _stage(writer, "2")
-    storage.put(Paths.rank_index("r", "2", "s0000001", 0), _index().model_dump_json().encode())
+    store_index(storage, "r", "2", "s0000001", _index())
     _stage(writer, "3")  # a session whose writer is gone
     store = SessionStore(LocalStorage(tmp_path), dead_after=300, observers=[Failing(), heard, AfterCommit(after.append)])
     assert store.sweeper.reclaim_stale(3600, now=time.time() + 1000) == ["r/3/s0000001"]

@@ -4,20 +4,18 @@ Over a real local root, sessions staged through the session store: ``read_meta``
 record (None once aborted, or never opened); ``committed_by`` names the marker only for the session
 that committed a visible checkpoint (not another session of the ref, not a marker that does not
 parse, not one whose manifest is gone); ``taken_error`` tells a ref taken by a commit (``AlreadyCommitted``
-naming the session) from one taken by a marker that does not parse (``Conflict``); ``ranks_done``
-lists the ranks whose index is stored, and nothing a writer left half-written.
+naming the session) from one taken by a marker that does not parse (``Conflict``).
 """
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from ckptd.storage import LocalStorage
 from ckptd.store import SessionStore
 from ckptd.store.paths import Marker, Paths, SessionMeta
-from ckptd.store.session_reads import committed_by, ranks_done, read_meta, taken_error
+from ckptd.store.session_reads import committed_by, read_meta, taken_error
 from ckptd.store.visibility import BadMarker, Visibility
 from ckptd_schemas import AlreadyCommitted, Conflict
 
@@ -84,17 +82,3 @@ def test_taken_error_tells_a_commit_from_a_marker_that_does_not_parse(store):
     assert "r/1 has a COMMITTED marker that does not parse (COMMITTED marker does not parse: invalid JSON)" \
         in bad.message
     assert bad.details == {"ref": "r/1"}
-
-
-def test_ranks_done_lists_the_stored_indexes_and_nothing_else(store, tmp_path):
-    stage(store, "r", "1", "s-a", world=12)
-    assert ranks_done(store.storage, "r", "1", "s-a") == []  # no ranks folder yet
-    put_indexes(store, "r", "1", "s-a", world=12, ranks=[10, 0, 3])
-    ranks = tmp_path / Paths.ranks("r", "1", "s-a")
-    (ranks / ".0000004.json.tmp-0123456789ab").write_text("{}")  # a writer killed mid-write
-    (ranks / "0000005.json.part").write_text("{}")
-    (ranks / "notes.json").write_text("{}")
-    (ranks / "0000006").write_text("{}")
-    assert ranks_done(store.storage, "r", "1", "s-a") == [0, 3, 10]
-    assert json.loads((ranks / "0000010.json").read_text())["rank"] == 10
-    assert ranks_done(store.storage, "r", "1", "s-b") == []

@@ -109,7 +109,7 @@ def test_a_rank_index_is_charged_to_its_writer_but_not_to_the_reserve(tmp_path):
     with pytest.raises(QuotaExceeded) as info:  # an index is bytes its writer brings, like a data file
         store.put_index("r", "2", "s-2", index(0, 1), tight)
     assert info.value.details["file"] == "ranks/0000000.json", info.value.details
-    assert not (tmp_path / Paths.rank_index("r", "2", "s-2", 0)).exists()
+    assert not (tmp_path / Paths.ranks("r", "2", "s-2")).exists()
 
 
 def test_what_a_writer_holds_is_measured_and_deletions_count_before_a_refusal(tmp_path, monkeypatch):

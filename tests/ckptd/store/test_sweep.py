@@ -31,7 +31,7 @@ from ckptd.store.session_reads import read_meta
 from ckptd.store.sweep import Sweeper
 from ckptd_schemas import AlreadyCommitted, Conflict, InvalidName
 
-from .staging import Parts, data, file_of, index, put_indexes, stage
+from .staging import Parts, data, file_of, index, put_indexes, stage, store_index
 
 DEAD = 300.0
 TTL = 6 * 3600.0
@@ -82,7 +82,7 @@ def test_a_complete_session_left_without_its_marker_is_committed(store, tmp_path
     stage(store, "r", "2", "s-a", world=2)
     put_indexes(store, "r", "2", "s-a", world=2, ranks=[0])
     # the last index was stored, and the process died before the commit
-    store.storage.put(Paths.rank_index("r", "2", "s-a", 1), index(1, 2).model_dump_json().encode())
+    store_index(store.storage, "r", "2", "s-a", index(1, 2))
     sweeper, parts = _sweeper(tmp_path)
     assert parts.visibility.check("r", "2") is None
     assert sweeper.reclaim_stale(TTL, now=time.time()) == []
@@ -108,7 +108,7 @@ def test_a_session_still_missing_indexes_is_left_to_its_writers(store, tmp_path,
 def test_a_complete_session_whose_commit_was_refused_is_not_recovered_but_reclaimed(store, tmp_path):
     stage(store, "r", "3", "s-a")
     bad = index(0, 1, payload=b"\x01" * 1000)  # a chunk digest the stored bytes do not have
-    store.storage.put(Paths.rank_index("r", "3", "s-a", 0), bad.model_dump_json().encode())
+    store_index(store.storage, "r", "3", "s-a", bad)
     sweeper, parts = _sweeper(tmp_path)
     assert sweeper.reclaim_stale(TTL, now=time.time()) == []
     assert parts.visibility.marker("r", "3") is None
