@@ -63,6 +63,12 @@ class IndexCache:
         entry is dropped either way (the commit folds each index once)."""
         return self._take(key, incarnation)  # type: ignore[return-value]
 
+    def peek(self, key: str, incarnation: str) -> Checked | None:
+        """What :meth:`take` would give, kept (an index sent again the same needs no second write)."""
+        with self._lock:
+            entry = self._items.get(key)
+        return entry[1] if entry is not None and entry[0] == incarnation else None  # type: ignore[return-value]
+
     def put_records(self, key: str, incarnation: str, records: Records) -> None:
         """Keep the records of the file whose digest record is at ``key``, as this process created them."""
         self._put(key, incarnation, records, _cost(records))

@@ -35,14 +35,16 @@ index edited in the root always was.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from ckptd_schemas import InvalidIndex, RankIndex
+from ckptd_schemas import InvalidIndex, RankIndex, StorageError
 from ckptd_schemas.filedigest import xxh3_hex
 
 from ..storage import Storage
@@ -52,6 +54,8 @@ from .paths import Paths, RankBatch, rank_batch
 
 __all__ = ["BATCH_BYTES", "BatchWriter", "in_window", "kept_key", "ranks_done", "read_batch", "stored",
            "stored_index"]
+
+log = logging.getLogger("ckptd.store")
 
 BATCH_BYTES = 16 << 20
 """The most bytes of indexes (their JSON) one object holds; one index larger is stored alone."""
@@ -92,12 +96,16 @@ class _Pending:
 class BatchWriter:
     """Stores the rank indexes of this process, those arriving together in one object (module docstring)."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, max_sessions: int = 4096) -> None:
         self.storage = storage
         self._writes: SharedCalls[None] = SharedCalls()
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, str, str, str, int], dict[int, _Pending]] = {}
         self._last_stamp = 0
+        # per session (the last max_sessions), the object written here that holds each rank's index sent
+        # last, and the ranks each such object still holds so: one whose ranks all went elsewhere is deleted
+        self.max_sessions = max_sessions
+        self._written: OrderedDict[tuple[str, str, str, str], tuple[dict[int, str], dict[str, set[int]]]] = OrderedDict()
 
     def store(self, run: str, name: str, sid: str, incarnation: str, rank: int, raw: bytes,
               records: dict[str, Records]) -> None:
@@ -136,12 +144,40 @@ class BatchWriter:
             except BaseException as e:
                 for p in batch:
                     p.done.set_exception(e)
-            else:
-                for p in batch:
-                    p.done.set_result(None)
+                return
+            for p in batch:
+                p.done.set_result(None)
+            self._drop_replaced((run, name, sid, incarnation), key, [p.rank for p in batch])
 
         for _ in ordered_map(put, batches, requests_in_flight(self.storage, Paths.ranks(run, name, sid))):
             pass
+
+    def _drop_replaced(self, session: tuple[str, str, str, str], key: str, ranks: list[int]) -> None:
+        """``key`` now holds ``ranks``' indexes: delete each object written here before whose ranks all
+        went to later ones, so an index sent again and again keeps one object here, not one per sending
+        (the root's reserve takes indexes: one per rank). Best effort: one left is a copy nobody reads."""
+        with self._lock:
+            if session not in self._written:
+                self._written[session] = ({}, {})
+                while len(self._written) > self.max_sessions:
+                    self._written.popitem(last=False)
+            self._written.move_to_end(session)
+            holder, holds = self._written[session]
+            replaced = []
+            for r in ranks:
+                before = holder.get(r)
+                holder[r] = key
+                if before is not None and before != key:
+                    holds[before].discard(r)
+                    if not holds[before]:
+                        del holds[before]
+                        replaced.append(before)
+            holds[key] = set(ranks)
+        for old in replaced:
+            try:
+                self.storage.delete(old)
+            except StorageError as e:
+                log.warning("%s: holds no index sent last, and was not deleted: %s", old, e.message)
 
     def _stamp(self) -> int:
         with self._lock:  # the writer's clock in ms, never twice the same here: sent last is written last

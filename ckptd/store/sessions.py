@@ -169,7 +169,11 @@ class SessionStore:
                 raise InvalidIndex(
                     f"rank {index.rank}: {what} bytes [{offset}, {offset + length}) exceed file "
                     f"{file!r} of {sizes[file]} bytes", rank=index.rank, file=file)
-        key, raw = kept_key(run, name, sid, index.rank), index.model_dump_json().encode()
+        key = kept_key(run, name, sid, index.rank)
+        stored = self._indexes.peek(key, incarnation) if self._indexes.state(key) == "stored" else None
+        if stored is not None and stored[0] == index:  # sent again the same (its answer was lost): stored here
+            return self.committer.if_complete(run, name, sid, meta, index.rank)
+        raw = index.model_dump_json().encode()
         self.intake.space.charge(holder, run, f"ranks/{index.rank:07d}.json", on_disk(len(raw)),
                                  on_root=False)  # its blocks; the reserve takes a save's records, so it commits
         # kept first: a look at the session meanwhile finds this rank's write pending instead of probing the store

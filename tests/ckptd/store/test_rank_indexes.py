@@ -17,7 +17,7 @@ from ckptd.store.paths import Paths, RankBatch, rank_batch
 from ckptd.store.rank_indexes import ranks_done, stored
 from ckptd.store.session_reads import read_meta
 from ckptd.store.visibility import Visibility
-from ckptd_schemas import InvalidIndex, StorageError
+from ckptd_schemas import InvalidIndex, RankIndex, StorageError
 
 from support import scaled
 from .staging import index, put_indexes, stage
@@ -132,3 +132,29 @@ def test_an_object_that_is_not_what_its_name_says_is_refused_at_the_commit(tmp_p
         b.put_index("r", "1", "s", index(1, 2))  # the commit at b reads rank 0's object
     assert key.rsplit("/", 1)[1] in info.value.message
     assert Visibility(storage).check("r", "1") is None
+
+
+def test_an_index_sent_again_unchanged_stores_nothing_and_changed_replaces_what_held_it(tmp_path):
+    """A rank's index sent again (a retry whose answer was lost) stores nothing more when it is the same;
+    sent again with other content, it is stored anew and the object that held it before, holding nothing
+    current any more, is deleted: however often a writer sends it, one object holds the rank here (the
+    root's reserve takes indexes, bounded by one per rank)."""
+    storage = LocalStorage(tmp_path)
+    store = SessionStore(storage)
+    stage(store, "r", "1", "s", world=3)
+    inc = _incarnation(store, "s")
+    objects = lambda: sorted(k for k, _ in storage.walk(Paths.ranks("r", "1", "s")))  # noqa: E731
+    store.put_index("r", "1", "s", index(0, 3))
+    first = objects()
+    for _ in range(3):
+        store.put_index("r", "1", "s", index(0, 3))
+    assert objects() == first
+    raw = json.loads(index(0, 3).model_dump_json())
+    raw["coords"] = {"dp": 0}
+    changed = [RankIndex.model_validate(raw), index(0, 3)]  # the last sent is the first again
+    for k in range(4):
+        store.put_index("r", "1", "s", changed[k % 2])
+        assert len(objects()) == 1, objects()
+    assert objects() != first and list(stored(storage, "r", "1", "s", inc)) == [0]
+    put_indexes(store, "r", "1", "s", world=3, ranks=[1, 2])
+    assert Visibility(storage).check("r", "1") is not None
