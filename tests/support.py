@@ -454,3 +454,19 @@ def banded_manifest(rows: int, cols: int, cuts: list[int], flat: bool, dtype: to
     m = Manifest(run="r", name="1", session="s" * 8, created_at=datetime.now(timezone.utc),
                  topology=Topology(world_size=len(chunks)), tensors=[t], files=files)
     return m, data, full
+
+
+def store_index(storage, run: str, name: str, sid: str, ix) -> None:
+    """Rank index ``ix`` stored as a replica stores an index it checked (``ckptd.store.rank_indexes``), with
+    its files' records as the store holds them (none for a file without one), and no commit asked for: a
+    replica that died right after."""
+    from ckptd.store.intake import recorded_file
+    from ckptd.store.rank_indexes import BatchWriter
+    from ckptd.store.records import arrival_of
+    from ckptd.store.session_reads import read_meta
+
+    meta = read_meta(storage, run, name, sid)
+    entries = {f: recorded_file(storage, run, name, sid, f) for f in ix.files}
+    records = {f: (e, arrival_of(storage, run, name, sid, f)) for f, e in entries.items() if e is not None}
+    BatchWriter(storage).store(run, name, sid, meta.created_at.isoformat(), ix.rank, ix.model_dump_json().encode(),
+                               records)

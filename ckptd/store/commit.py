@@ -48,7 +48,7 @@ from .paths import Marker, Paths, SessionMeta
 from .records import LINKED, CommitCheck, file_stamps, known_bad, record_arrival, record_commit_check
 from .links import check_links
 from .rereads import mark_due
-from .rank_indexes import in_window, kept_key, ranks_done, read_batch, stored
+from .rank_indexes import BatchWriter, in_window, kept_key, ranks_done, read_batch, stored
 from .session_reads import committed_by, session_meta
 from .visibility import Visibility, manifest_file_name
 
@@ -66,8 +66,9 @@ class Committer:
     """Commits the sessions of one store (module docstring)."""
 
     def __init__(self, storage: Storage, visibility: Visibility, indexes: IndexCache, activity: SessionActivity,
-                 observers: Observers, *, read_back: bool = False) -> None:
+                 observers: Observers, batches: BatchWriter, *, read_back: bool = False) -> None:
         self.storage, self.visibility, self.activity, self.observers = storage, visibility, activity, observers
+        self._batches = batches  # the session store's writer of rank indexes (:mod:`.rank_indexes`)
         self.read_back = read_back  # read every byte before the marker, even those checked as they arrived
         # One commit of a session at a time here: the ranks' last indexes arrive together, each finding
         # every index stored, and each would merge and check the whole checkpoint.
@@ -114,6 +115,7 @@ class Committer:
         finally:
             self._indexes.drop_under(Paths.session(run, name, sid) + "/")
             self._looks.forget(Paths.session(run, name, sid))
+            self._batches.forget(run, name, sid)
             self.activity.forget(run, name, sid)  # a keep-alive from now on is answered from the store: 409
         if event is not None:
             self.observers.tell("committed", event, time.perf_counter() - t0)

@@ -96,14 +96,14 @@ class _Pending:
 class BatchWriter:
     """Stores the rank indexes of this process, those arriving together in one object (module docstring)."""
 
-    def __init__(self, storage: Storage, max_sessions: int = 4096) -> None:
+    def __init__(self, storage: Storage, max_sessions: int = 256) -> None:
         self.storage = storage
         self._writes: SharedCalls[None] = SharedCalls()
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, str, str, str, int], dict[int, _Pending]] = {}
         self._last_stamp = 0
-        # per session (the last max_sessions), the object written here that holds each rank's index sent
-        # last, and the ranks each such object still holds so: one whose ranks all went elsewhere is deleted
+        # per session until it commits or fails (:meth:`forget`; the last max_sessions written to), the object
+        # written here holding each rank's index sent last, and the ranks each such object still holds so
         self.max_sessions = max_sessions
         self._written: OrderedDict[tuple[str, str, str, str], tuple[dict[int, str], dict[str, set[int]]]] = OrderedDict()
 
@@ -155,7 +155,9 @@ class BatchWriter:
     def _drop_replaced(self, session: tuple[str, str, str, str], key: str, ranks: list[int]) -> None:
         """``key`` now holds ``ranks``' indexes: delete each object written here before whose ranks all
         went to later ones, so an index sent again and again keeps one object here, not one per sending
-        (the root's reserve takes indexes: one per rank). Best effort: one left is a copy nobody reads."""
+        (the root's reserve takes indexes: one per rank). A commit that listed the object before it was
+        replaced and reads it now meets a storage error and the session stays open for the retry. Best
+        effort: one left behind is a copy nobody reads (a rank's latest object is the one read)."""
         with self._lock:
             if session not in self._written:
                 self._written[session] = ({}, {})
@@ -178,6 +180,12 @@ class BatchWriter:
                 self.storage.delete(old)
             except StorageError as e:
                 log.warning("%s: holds no index sent last, and was not deleted: %s", old, e.message)
+
+    def forget(self, run: str, name: str, sid: str) -> None:
+        """A session that committed or failed: what was written here for it is no longer replaced."""
+        with self._lock:
+            for session in [s for s in self._written if s[:3] == (run, name, sid)]:
+                del self._written[session]
 
     def _stamp(self) -> int:
         with self._lock:  # the writer's clock in ms, never twice the same here: sent last is written last

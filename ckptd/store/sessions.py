@@ -64,7 +64,7 @@ class SessionStore:
         self._batches = BatchWriter(self.storage)
         self.intake = Intake(self.storage, self.visibility, self.activity, block_size, self._indexes, space)
         self.committer = Committer(self.storage, self.visibility, self._indexes, self.activity, self.observers,
-                                   read_back=read_back)
+                                   self._batches, read_back=read_back)
         self.sweeper = Sweeper(self.storage, self.visibility, self.activity, self.committer, self.observers,
                                dead_after)
 

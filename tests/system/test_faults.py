@@ -37,6 +37,8 @@ import pytest
 from ckptd.storage import LocalStorage
 from ckptd.store import CheckpointReader, SessionStore
 from ckptd.store.checker import verify_manifest
+from ckptd.store.rank_indexes import ranks_done
+from ckptd.store.session_reads import read_meta
 from ckptd_client import (
     AlreadyCommitted, CheckpointClient, CheckpointNotFound, StorageError, StorageFull, Unavailable,
 )
@@ -71,8 +73,13 @@ def marker_of(root: Path, run: str, name: str) -> bytes | None:
 def session_complete(root: Path, run: str, name: str, session: str, world: int) -> bool:
     """Every rank's index of ``session`` is stored and the commit was not refused."""
     sdir = root / "runs" / run / name / "sessions" / session
-    return (not (sdir / "FAILED.json").exists() and (sdir / "ranks").is_dir()
-            and len(list((sdir / "ranks").glob("*.json"))) == world)
+    return not (sdir / "FAILED.json").exists() and _ranks_done(root, run, name, session) == list(range(world))
+
+
+def _ranks_done(root: Path, run: str, name: str, session: str) -> list[int]:
+    storage = LocalStorage(root)
+    meta = read_meta(storage, run, name, session)
+    return [] if meta is None else ranks_done(storage, run, name, session, meta.created_at.isoformat())
 
 
 def wait_marker(root: Path, run: str, name: str, timeout: float = 30.0) -> bytes:
@@ -377,7 +384,7 @@ def test_rank_killed_before_or_after_its_upload_leaves_checkpoint_invisible(srv,
                 assert r1_files == [] and r1_digests == []
             else:
                 assert r1_files and r1_digests == r1_files  # uploaded and verified, every one
-            assert sorted(os.listdir(sdir / "ranks")) == ["0000000.json"]
+            assert _ranks_done(root, RUN, "2", dead) == [0]
             assert not list(sdir.glob("manifest-*.json"))
             assert marker_bytes(root, "2") is None
             assert ls_names(root) == ["1"]

@@ -39,7 +39,7 @@ from ckptd.store.paths import Paths
 from ckptd_client import CheckpointClient, FlatShard
 from ckptd_schemas import AlreadyCommitted, OpenSession, RankIndex
 from fsdp_job import build, full_tensors, load_job, state, train_step
-from support import ServerProcess, assert_bits_equal, blank_like, run_ranks, scaled, server_errors
+from support import ServerProcess, assert_bits_equal, blank_like, run_ranks, scaled, server_errors, store_index
 
 pytestmark = pytest.mark.slow
 
@@ -293,7 +293,7 @@ def test_an_index_retry_that_loses_the_race_to_the_commit_is_answered_not_refuse
         sink.write(data)
         sink.finish(xxhash.xxh3_64_hexdigest(data))
     for r, ix in enumerate((ix0, ix1)):  # as the dead replica stored them
-        store.storage.put(Paths.rank_index(RUN, "5", "s", r), ix.model_dump_json().encode())
+        store_index(store.storage, RUN, "5", "s", ix)
     assert store.storage.read_json_or_none(Paths.marker(RUN, "5")) is None
     store.other = ix1
     st = store.put_index(RUN, "5", "s", ix0)

@@ -19,10 +19,9 @@ from ckptd.store.activity import SessionActivity
 from ckptd.store.commit import Committer
 from ckptd.store.events import CommitEvent, Observers, SessionEvents
 from ckptd.store.index_cache import IndexCache
-from ckptd.store.intake import Intake, recorded_file
+from ckptd.store.intake import Intake
 from ckptd.store.rank_indexes import BatchWriter
-from ckptd.store.records import arrival_of
-from ckptd.store.session_reads import read_meta
+from support import store_index  # noqa: F401  (the tests of this package import it from here)
 from ckptd.store.sweep import Sweeper
 from ckptd.store.visibility import Visibility
 from ckptd_schemas import CkptdError, OpenSession, RankIndex
@@ -59,17 +58,6 @@ def stage(store: SessionStore, run: str, name: str, sid: str, world: int = 1, ra
         sink.finish(xxhash.xxh3_64_hexdigest(data(r)))
 
 
-def store_index(storage: Storage, run: str, name: str, sid: str, ix: RankIndex) -> None:
-    """``ix`` stored as a replica stores a rank's index it checked (:mod:`ckptd.store.rank_indexes`), with
-    its files' records as the store holds them (none for a file without one), and no commit asked for: a
-    replica that died right after."""
-    meta = read_meta(storage, run, name, sid)
-    entries = {f: recorded_file(storage, run, name, sid, f) for f in ix.files}
-    records = {f: (e, arrival_of(storage, run, name, sid, f)) for f, e in entries.items() if e is not None}
-    BatchWriter(storage).store(run, name, sid, meta.created_at.isoformat(), ix.rank, ix.model_dump_json().encode(),
-                               records)
-
-
 def put_indexes(store: SessionStore, run: str, name: str, sid: str, world: int = 1, ranks=None) -> None:
     for r in range(world) if ranks is None else ranks:
         store.put_index(run, name, sid, index(r, world))
@@ -103,6 +91,7 @@ class Parts:
         self.activity = SessionActivity(storage)
         self.observers = Observers([self.heard])
         self.indexes = IndexCache()
-        self.committer = Committer(storage, self.visibility, self.indexes, self.activity, self.observers)
+        self.committer = Committer(storage, self.visibility, self.indexes, self.activity, self.observers,
+                                   BatchWriter(storage))
         self.intake = Intake(storage, self.visibility, self.activity, block_size, self.indexes)
         self.sweeper = Sweeper(storage, self.visibility, self.activity, self.committer, self.observers, dead_after)

@@ -14,7 +14,7 @@ import pytest
 from ckptd.storage import LocalStorage
 from ckptd.store import SessionStore
 from ckptd.store.paths import Paths, RankBatch, rank_batch
-from ckptd.store.rank_indexes import ranks_done, stored
+from ckptd.store.rank_indexes import BatchWriter, ranks_done, stored
 from ckptd.store.session_reads import read_meta
 from ckptd.store.visibility import Visibility
 from ckptd_schemas import InvalidIndex, RankIndex, StorageError
@@ -158,3 +158,22 @@ def test_an_index_sent_again_unchanged_stores_nothing_and_changed_replaces_what_
     assert objects() != first and list(stored(storage, "r", "1", "s", inc)) == [0]
     put_indexes(store, "r", "1", "s", world=3, ranks=[1, 2])
     assert Visibility(storage).check("r", "1") is not None
+
+
+def test_a_session_forgotten_after_its_commit_keeps_what_was_written_for_it(tmp_path):
+    """What a writer remembers of a session (which object holds each rank's index) ends with the session:
+    after ``forget`` (the commit's, whether it committed or failed) nothing written for it is deleted."""
+    storage = LocalStorage(tmp_path)
+    store = SessionStore(storage)
+    stage(store, "r", "1", "s", world=2)
+    inc = _incarnation(store, "s")
+    writer = BatchWriter(storage)
+    raw = index(0, 2).model_dump_json().encode()
+    writer.store("r", "1", "s", inc, 0, raw, {})
+    first = set(stored(storage, "r", "1", "s", inc).values())
+    writer.store("r", "1", "s", inc, 0, raw, {})  # replaced: the first object goes
+    second = set(stored(storage, "r", "1", "s", inc).values())
+    assert len(second) == 1 and second != first and len(list(storage.walk(Paths.ranks("r", "1", "s")))) == 1
+    writer.forget("r", "1", "s")
+    writer.store("r", "1", "s", inc, 0, raw, {})  # after forget: nothing written before is deleted
+    assert len(list(storage.walk(Paths.ranks("r", "1", "s")))) == 2
