@@ -11,7 +11,7 @@ per 1,000 keys on an object store). Instead, per session, the process remembers:
 * the ranks its last listing did not show and no look since found (``_Look.missing``), looked at in
   rank order for one still missing, each forgotten once found stored. A rank checked and kept here needs
   no HEAD (``IndexCache.state``): stored, it is forgotten; its write not answered yet, it is missing
-  now and its own call looks after the write. Any other is probed (one HEAD): a call makes at most one
+  now and its own call looks after the write. Any other is probed (a request): a call makes at most one
   failing probe, and at most :data:`PROBES` in all before a listing decides (a replica whose ranks are
   few, where other replicas store most: node-local replicas). A probe is a listing of the rank's window
   (:func:`.rank_indexes.in_window`): it answers for every rank of the window found stored;
