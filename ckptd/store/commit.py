@@ -48,7 +48,7 @@ from .paths import Marker, Paths, SessionMeta
 from .records import LINKED, CommitCheck, file_stamps, known_bad, record_arrival, record_commit_check
 from .links import check_links
 from .rereads import mark_due
-from .rank_indexes import BatchWriter, in_window, kept_key, ranks_done, read_batch, stored
+from .rank_indexes import BatchWriter, in_window, kept_key, read_batch, stored
 from .session_reads import committed_by, session_meta
 from .visibility import Visibility, manifest_file_name
 
@@ -81,25 +81,34 @@ class Committer:
 
         Whether some rank's index is missing is learnt from this process's looks at the session
         (:class:`~.completeness.Looks`): mostly one probe, or none where a look begun after this index
-        was stored found one missing; a listing decides that none is. The answer's ``ranks_done`` is
-        ``rank`` alone, so no rank's answer grows with the world size (``SessionStore.status`` lists
-        them all).
+        was stored found one missing; a listing decides that none is, and the commit reads the objects
+        it found (no second listing). The answer's ``ranks_done`` is ``rank`` alone, so no rank's answer
+        grows with the world size (``SessionStore.status`` lists them all).
         """
         since, incarnation = time.monotonic(), meta.created_at.isoformat()
+        listed: dict[int, str] = {}
+
+        def listing() -> list[int]:
+            listed.clear()
+            listed.update(stored(self.storage, run, name, sid, incarnation))
+            return sorted(listed)
+
         missing = self._looks.missing_since(
             Paths.session(run, name, sid), since, meta.world_size,
             kept=lambda r: self._indexes.state(kept_key(run, name, sid, r)),
-            probe=lambda r: in_window(self.storage, run, name, sid, incarnation, r).keys(),
-            listing=lambda: ranks_done(self.storage, run, name, sid, incarnation))
+            probe=lambda r: in_window(self.storage, run, name, sid, incarnation, r).keys(), listing=listing)
         base = dict(run=run, name=name, session=sid, world_size=meta.world_size, ranks_done=[rank])
         if missing:
             return SessionStatus(state="open", **base)
-        digest = self.commit(run, name, sid, meta)  # StorageError: not a verdict, the caller retries (503)
+        # complete, as this call's listing says; StorageError: not a verdict, the caller retries (503)
+        digest = self.commit(run, name, sid, meta, listed)
         return SessionStatus(state="committed", manifest_xxh3=digest, **base)
 
-    def commit(self, run: str, name: str, sid: str, meta: SessionMeta | None = None) -> str:
+    def commit(self, run: str, name: str, sid: str, meta: SessionMeta | None = None,
+               where: dict[int, str] | None = None) -> str:
         """Merge, validate, write the manifest, create the marker (``meta``: the session's record, read
-        here when not given); return the manifest digest, or raise the session's recorded refusal
+        here when not given; ``where``: the objects holding each rank's index, as a listing just found
+        them, else listed here if needed); return the manifest digest, or raise the session's recorded refusal
         (``CommitFailed``). One call per session at a time here: one that
         waited finds the marker or the refusal the first made. When this call created the marker, tell
         the observers (a failing one is logged: the checkpoint is committed whatever they do)."""
@@ -111,7 +120,7 @@ class Committer:
                 if failed is not None:
                     raise CommitFailed(failed["error"]["message"], **failed["error"].get("details", {}))
                 digest, event = (done.manifest_xxh3, None) if done is not None else self._commit(
-                    run, name, sid, meta or session_meta(self.storage, run, name, sid))
+                    run, name, sid, meta or session_meta(self.storage, run, name, sid), where)
         finally:
             self._indexes.drop_under(Paths.session(run, name, sid) + "/")
             self._looks.forget(Paths.session(run, name, sid))
@@ -121,7 +130,7 @@ class Committer:
             self.observers.tell("committed", event, time.perf_counter() - t0)
         return digest
 
-    def merged(self, run: str, name: str, sid: str, meta: SessionMeta
+    def merged(self, run: str, name: str, sid: str, meta: SessionMeta, where: dict[int, str] | None = None
                ) -> tuple[Manifest, dict[str, FileEntry], dict[str, tuple[str, str]]]:
         """The merged manifest, the digest records of its files and their arrival records (unless
         :attr:`read_back`: the commit then reads every file). Each rank's index and its files' records
@@ -135,7 +144,9 @@ class Committer:
         incarnation = meta.created_at.isoformat()
         keys = [kept_key(run, name, sid, r) for r in range(meta.world_size)]
         away = {r for r, key in enumerate(keys) if self._indexes.state(key) is None}
-        where = stored(self.storage, run, name, sid, incarnation) if away else {}  # one listing, if any
+        if away and where is None:  # one listing, if any rank is not kept here
+            where = stored(self.storage, run, name, sid, incarnation)
+        where = where or {}
         missing = sorted(away - where.keys())
         if missing:  # gone since a look found it: not a verdict, the session stays open for its retry
             raise _gone(run, name, sid, missing[0])
@@ -212,10 +223,11 @@ class Committer:
         if n:
             log.info("commit of %s/%s: %d unfinished writes removed from session %s", run, name, n, sid)
 
-    def _commit(self, run: str, name: str, sid: str, meta: SessionMeta) -> tuple[str, CommitEvent | None]:
+    def _commit(self, run: str, name: str, sid: str, meta: SessionMeta, where: dict[int, str] | None
+                ) -> tuple[str, CommitEvent | None]:
         with gc_paused():  # 512,000 chunks allocate enough for the collector to run dozens of full passes
             try:
-                manifest, files, arrivals = self.merged(run, name, sid, meta)
+                manifest, files, arrivals = self.merged(run, name, sid, meta, where)
                 check_links(manifest)  # a linked file must be at least half used: references pay for themselves
                 arrivals.update(self._linked(run, manifest, arrivals))
                 key_of = lambda f: Paths.file(run, name, sid, f)  # noqa: E731

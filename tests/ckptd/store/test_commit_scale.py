@@ -576,8 +576,8 @@ def test_a_look_finds_the_ranks_another_replica_stored_with_one_listing_of_their
         assert one.put_index("run", "n", "s0000001", ix).state == "open"
     CountingStorage.probes = CountingStorage.lists = 0
     assert two.put_index("run", "n", "s0000001", save[15][2]).state == "committed"
-    # the probe, the listing that decides, and the commit's map of the objects to read
-    assert (CountingStorage.probes, CountingStorage.lists) == (1, 2)
+    # the probe, then the listing that decides, which the commit reads the objects from
+    assert (CountingStorage.probes, CountingStorage.lists) == (1, 1)
 
 
 def test_an_object_planted_in_the_root_under_a_missing_ranks_name_commits_nothing_unchecked(tmp_path):
