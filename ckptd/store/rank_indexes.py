@@ -235,8 +235,11 @@ def read_batch(storage: Storage, key: str, incarnation: str) -> dict[int, Checke
     """The indexes and files' records in the object at ``key``, by rank; ``InvalidIndex`` naming it where
     it is not what its name says (``StorageError`` where it cannot be read)."""
     b = rank_batch("/".join(key.rsplit("/", 2)[-2:]))
+    raw = storage.read_or_none(key)  # one GET on an object store, where a whole read asks its size first
+    if raw is None:
+        raise StorageError(f"rank indexes {key}: no longer stored", key=key)
     try:
-        batch = _Batch.model_validate_json(storage.read(key))
+        batch = _Batch.model_validate_json(raw)
     except ValidationError as e:
         raise InvalidIndex(f"rank indexes {key}: not readable ({e.error_count()} errors)") from None
     ranks = [r.index.rank for r in batch.ranks]

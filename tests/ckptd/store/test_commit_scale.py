@@ -199,6 +199,10 @@ class CountingStorage(LocalStorage):
         CountingStorage.index_reads += "/ranks/" in key
         return super().read(key, start, end)
 
+    def read_or_none(self, key: str) -> bytes | None:
+        CountingStorage.index_reads += "/ranks/" in key
+        return super().read_or_none(key)
+
 
 def _declared(ix: RankIndex) -> list[Declared]:
     ct = ix.chunk_table

@@ -51,6 +51,10 @@ class _Remote(LocalStorage):
         kind = "index" if "/ranks/" in key else "other"
         return self._call(kind, super().read, key, start, end)
 
+    def read_or_none(self, key: str) -> bytes | None:
+        kind = "index" if "/ranks/" in key else "other"
+        return self._call(kind, super().read_or_none, key)
+
     def read_into(self, key: str, start: int, view: memoryview, **kw) -> int:
         return self._call("file", super().read_into, key, start, view, **kw)
 
