@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, ClassVar, Collection, Iterable
 
 from pydantic import BaseModel, ConfigDict
 
-from ckptd_schemas import CheckpointSummary, CkptdError, StorageError, check_session
+from ckptd_schemas import CheckpointSummary, CkptdError, check_session
 
 from ..storage import open_regular
 

@@ -212,6 +212,11 @@ def _declared(ix: RankIndex) -> list[Declared]:
 
 def _upload(store: SessionStore, save: Save, name: str, sid: str = "s0000001", *, declare: bool = False) -> None:
     store.open("run", name, OpenSession(session=sid, world_size=save[0][2].world_size, step=1))
+    _receive(store, save, name, sid, declare=declare)
+
+
+def _receive(store: SessionStore, save: Save, name: str, sid: str = "s0000001", *, declare: bool = True) -> None:
+    """The files of ``save`` received by ``store`` in a session already open (another replica's, say)."""
     for file, data, ix in save:
         sink = store.intake.receive("run", name, sid, file, declared=_declared(ix) if declare else None)
         sink.write(data)
@@ -525,10 +530,7 @@ def _two_replicas(tmp_path: Path, save: Save, name: str) -> tuple[SessionStore, 
     one, two = (SessionStore(CountingStorage(tmp_path)) for _ in range(2))
     half = len(save) // 2
     _upload(one, save[:half], name, declare=True)
-    for file, data, ix in save[half:]:
-        sink = two.intake.receive("run", name, "s0000001", file, declared=_declared(ix))
-        sink.write(data)
-        sink.finish(None)
+    _receive(two, save[half:], name)
     with ThreadPoolExecutor(half) as pool:
         assert set(pool.map(lambda ix: one.put_index("run", name, "s0000001", ix).state,
                             [ix for _, _, ix in save[:half]])) == {"open"}
@@ -570,10 +572,7 @@ def test_a_look_finds_the_ranks_another_replica_stored_with_one_listing_of_their
     save = _save(16, 3)
     one, two = (SessionStore(CountingStorage(tmp_path)) for _ in range(2))
     _upload(one, save[:8], "n", declare=True)
-    for file, data, ix in save[8:]:
-        sink = two.intake.receive("run", "n", "s0000001", file, declared=_declared(ix))
-        sink.write(data)
-        sink.finish(None)
+    _receive(two, save[8:], "n")
     for _, _, ix in save[8:15]:
         assert two.put_index("run", "n", "s0000001", ix).state == "open"  # its looks: ranks 0-7 missing
     for _, _, ix in save[:8]:
@@ -613,10 +612,7 @@ def test_an_object_whose_index_declares_a_false_chunk_digest_is_refused_like_an_
     save = _save(8, 3)
     one, two = (SessionStore(LocalStorage(tmp_path)) for _ in range(2))
     _upload(one, save[:4], "a", declare=True)
-    for file, data, ix in save[4:]:
-        sink = two.intake.receive("run", "a", "s0000001", file, declared=_declared(ix))
-        sink.write(data)
-        sink.finish(None)
+    _receive(two, save[4:], "a")
     one.put_index("run", "a", "s0000001", save[1][2])
     meta = read_meta(one.storage, "run", "a", "s0000001")
     key = stored(one.storage, "run", "a", "s0000001", meta.created_at.isoformat())[1]
@@ -654,14 +650,9 @@ def test_an_index_sent_again_with_other_bytes_after_it_was_stored_is_committed_a
         assert one.put_index("run", "a", "s0000001", ix).state == "open"
     file, data, ix = _again(save, 1)
     at = one if where == "the replica that stored it" else two
-    sink = at.intake.receive("run", "a", "s0000001", file, declared=_declared(ix))
-    sink.write(data)
-    sink.finish(None)
+    _receive(at, [(file, data, ix)], "a")
     assert at.put_index("run", "a", "s0000001", ix).state == "open"
-    for f, d, other in save[4:]:
-        sink = two.intake.receive("run", "a", "s0000001", f, declared=_declared(other))
-        sink.write(d)
-        sink.finish(None)
+    _receive(two, save[4:], "a")
     for _, _, other in save[4:]:
         got = two.put_index("run", "a", "s0000001", other)
     assert got.state == "committed"
