@@ -25,6 +25,8 @@ environment sets ``CKPTD_FAULTS``; the service's own settings come from the envi
   (a slow backend for one run).
 * ``stall-reread=<seconds>``: every share's record of a re-read after a marker (``reread/.../part-<i>``)
   waits ``seconds`` before it is stored (a checker slow to report: its claim held, its part not stored).
+* ``stall-indexes=<seconds>``: every object of rank indexes (``sessions/<sid>/ranks/...``) waits ``seconds``
+  before it is stored (a slow write, while more indexes arrive).
 * ``fail=<run>``: every such write raises :class:`~ckptd_schemas.StorageError` (a backend that is
   unavailable for one run).
 * ``throttle=<MB/s>``: the bytes of every storage write pass one shared link of that rate (a slow
@@ -69,7 +71,7 @@ STORAGE_CRASH_POINTS = (
     "storage-write-partial",  # half of one write's bytes in the temp object
     "storage-before-rename",  # the temp object complete, not yet in place
 )
-KINDS = ("crash-at", "crash-random", "stall", "stall-reread", "fail", "throttle")
+KINDS = ("crash-at", "crash-random", "stall", "stall-reread", "stall-indexes", "fail", "throttle")
 
 
 def parse(spec: str) -> dict[str, str]:
@@ -152,6 +154,7 @@ class Faults:
             run, _, seconds = faults["stall"].rpartition(":")
             self.stall = (f"{Paths.run(run)}/", float(seconds))
         self.stall_reread = float(faults["stall-reread"]) if faults.get("stall-reread") else None
+        self.stall_indexes = float(faults["stall-indexes"]) if faults.get("stall-indexes") else None
         self.fail = f"{Paths.run(faults['fail'])}/" if faults.get("fail") else None
         self.throttle = float(faults["throttle"]) * 1e6 if faults.get("throttle") else None  # bytes/s
         self._link_free = 0.0  # monotonic time at which the link has carried every write so far
@@ -163,8 +166,8 @@ class Faults:
 
     @property
     def active(self) -> bool:
-        return any(f is not None for f in (self.random, self.crash_at, self.stall, self.stall_reread, self.fail,
-                                           self.throttle))
+        return any(f is not None for f in (self.random, self.crash_at, self.stall, self.stall_reread, self.stall_indexes,
+                                           self.fail, self.throttle))
 
     def reached(self, point: str) -> None:
         """The process passes the kill point ``point``: die here if the setting says so."""
@@ -181,6 +184,8 @@ class Faults:
             time.sleep(self.stall[1])
         if self.stall_reread is not None and key.startswith("reread/") and "/part-" in key:
             time.sleep(self.stall_reread)
+        if self.stall_indexes is not None and "/sessions/" in key and "/ranks/" in key:
+            time.sleep(self.stall_indexes)
         if self.fail is not None and key.startswith(self.fail):
             raise StorageError(f"storage write of {key!r} failed: backend unavailable (injected fault)", key=key)
 

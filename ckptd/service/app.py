@@ -49,7 +49,7 @@ from .drill_routes import DrillPolicy, count_drill, drill_router
 from .local_uploads import LocalUploads
 from .job_watch import JobWatch
 from .errors import install_error_handlers
-from .limits import BodyTimeouts, PrincipalRequests, UploadSlots
+from .limits import BodyTimeouts, PrincipalRequests, UploadSlots, widen_threads
 from .logs import RequestContextMiddleware
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .readiness import PROBE_DEADLINE, Readiness, answer
@@ -149,6 +149,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None,
                     log.exception("re-read sweep failed")
                 await asyncio.sleep(settings.reclaim_interval)
 
+        widen_threads()  # a save's rank indexes wait for the store together, not for a thread each
         task = asyncio.create_task(reclaim_loop())
         job_watch.start()  # its first sweep finds the jobs a stopped replica left queued or running
         if copier is not None:

@@ -1,7 +1,7 @@
 """Per-request limits: no request may cost the service more than its size pays for, nor hold it longer
 than its bytes take to arrive.
 
-Four pieces, each used at one place of the request's life (each class says its bound):
+Five pieces, each used at one place of the request's life (each says its bound):
 
 1. :class:`PrincipalRequests` (ASGI middleware, inside ``AccessMiddleware``, which names the
    principal): one token's requests in progress, 429 before routing; probes are never counted.
@@ -11,6 +11,8 @@ Four pieces, each used at one place of the request's life (each class says its b
 4. :func:`read_plan_budget` (the ``read_plan`` and ``load_tree_pieces`` handlers): the work a plan may
    do, a constant plus a multiple of the regions its request names, 413 before the work is done; the
    regions are at most ``read_plan_max_requests`` (``bodies.parse_read_requests``).
+5. :func:`widen_threads` (the lifespan, before the first request): how many blocking calls run in
+   worker threads at once, :data:`THREADS`.
 
 Connection-level limits (request heads, unread responses, the connection cap) are in
 :mod:`ckptd.service.connections`.
@@ -24,6 +26,7 @@ import logging
 import threading
 from typing import Any, Awaitable, Collection, Iterator, Sequence
 
+import anyio.to_thread
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ckptd_schemas import PlanBudget, RequestTimeout, TooManyRequests
@@ -32,8 +35,8 @@ from .auth import ANONYMOUS, Principal, match_route
 from .error_body import send_error
 from .logs import route_name
 
-__all__ = ["ANSWER_PER_REQUEST", "CHUNKS_PER_REQUEST", "BodyTimeouts", "PrincipalRequests", "UploadSlots",
-           "mark_answered", "read_plan_budget", "was_answered"]
+__all__ = ["ANSWER_PER_REQUEST", "CHUNKS_PER_REQUEST", "THREADS", "BodyTimeouts", "PrincipalRequests", "UploadSlots",
+           "mark_answered", "read_plan_budget", "was_answered", "widen_threads"]
 
 log = logging.getLogger("ckptd.service")
 
@@ -47,7 +50,21 @@ ANSWER_PER_REQUEST = 2
 costs the service about 4 KiB of memory while the answer is built, and time: BENCHMARKS.md, Figures
 behind the code). With at most ``read_plan_max_requests`` regions, a plan's memory is bounded whatever
 its request says."""
+THREADS = 512
+"""Blocking calls (``run_in_threadpool``) the service runs at once; anyio's default is 40. Most of them wait
+for the store, not for a CPU: a rank's index waits for the one write that stores the indexes arriving
+together at this replica (:mod:`ckptd.store.rank_indexes`), which takes in as many as are waiting for it.
+At 40, the 41st index of a save waited for a thread instead, and the next write took only the few that
+got one: 64 ranks on S3 (moto) committed 0.19-0.23 s after their last byte, 0.17 s with 512
+(BENCHMARKS.md, Commit lag). The requests themselves stay bounded by the connection cap and the
+per-token limits above; 512 is the ranks of one window of rank indexes, the most one write holds."""
 _ANSWERED = "ckptd_answered"  # scope state key: a middleware has answered the request itself
+
+
+def widen_threads() -> None:
+    """Let :data:`THREADS` blocking calls of this event loop run at once (call it in the loop, before
+    serving: anyio's limiter is one per loop)."""
+    anyio.to_thread.current_default_thread_limiter().total_tokens = THREADS
 
 
 def read_plan_budget(requests: int, base_chunks: int, base_answer: int) -> PlanBudget:

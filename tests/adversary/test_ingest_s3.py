@@ -240,7 +240,7 @@ def test_a_file_replaced_in_the_store_between_arrival_and_commit_is_refused(plai
 def _ranks_with_files(srv: ServerProcess, run: str, world: int, sid: str = "s1"):
     """Session ``sid`` of ``run/1`` opened for ``world`` ranks, each rank's file stored (its chunks
     declared ahead of its bytes); a function that PUTs rank r's index."""
-    from adversary.test_arrival import N, _data, _rows
+    from adversary.test_arrival import _data, _rows
     from ckptd_schemas.arrival import CHUNKS_HEADER, encode
 
     base = f"{srv.url}/v1/checkpoints/{run}/1/sessions"
@@ -252,13 +252,19 @@ def _ranks_with_files(srv: ServerProcess, run: str, world: int, sid: str = "s1")
         assert resp.status_code == 200, resp.text
 
     def index(r: int) -> httpx.Response:
-        chunks = [{"kind": "flat", "rank": r, "start": r * N + row.offset // 4, "length": row.length // 4,
-                   "location": {"file": f"f{r}.bin", "offset": row.offset, "length": row.length, "codec": "raw",
-                                "raw_length": row.length, "xxh3": row.xxh3}} for row in _rows(_data(r))]
-        return httpx.put(f"{base}/{sid}/ranks/{r}", timeout=60, json={
-            "rank": r, "world_size": world, "files": [f"f{r}.bin"],
-            "tensors": [{"name": "w", "shape": [world * N], "dtype": "int32", "group": "model", "chunks": chunks}]})
+        return httpx.put(f"{base}/{sid}/ranks/{r}", timeout=60, json=_index_body(r, world))
     return index
+
+
+def _index_body(r: int, world: int) -> dict:
+    """Rank r's index, of the file ``_ranks_with_files`` stored for it."""
+    from adversary.test_arrival import N, _data, _rows
+
+    chunks = [{"kind": "flat", "rank": r, "start": r * N + row.offset // 4, "length": row.length // 4,
+               "location": {"file": f"f{r}.bin", "offset": row.offset, "length": row.length, "codec": "raw",
+                            "raw_length": row.length, "xxh3": row.xxh3}} for row in _rows(_data(r))]
+    return {"rank": r, "world_size": world, "files": [f"f{r}.bin"],
+            "tensors": [{"name": "w", "shape": [world * N], "dtype": "int32", "group": "model", "chunks": chunks}]}
 
 
 def _all_at_once(index, world: int) -> list[httpx.Response]:
