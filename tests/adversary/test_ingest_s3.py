@@ -304,3 +304,19 @@ def test_indexes_arriving_together_share_the_write_gates_reads(plain, moto_s3):
     assert reads <= world // 2, reads
     puts = log.count(f"PUT /ckptd-test/plain/runs/gate/1/sessions/{sid}/ranks/")  # stored together, not one a rank
     assert 1 <= puts <= world // 2, puts
+
+
+def test_a_commit_that_reads_no_byte_lists_the_files_once(plain, moto_s3):
+    """Every file checked as it arrived: the commit confirms each by its stamp from one listing of the
+    session's files, and reads none of them, so it does not list them again after (a LIST per 1,000
+    files, on the commit's path)."""
+    world, sid = 4, "s1"
+    index = _ranks_with_files(plain, "stamps", world, sid)
+    start = len(moto_s3.log.read_text())
+    _all_at_once(index, world)
+    log = moto_s3.log.read_text()[start:]
+    marker = log.index("PUT /ckptd-test/plain/runs/stamps/1/COMMITTED")
+    log = log[:marker]  # the commit's requests (the re-read after the marker reads every file)
+    listings = [line for line in log.splitlines() if "list-type=2&prefix=plain/runs/stamps/1/sessions/s1/files/" in line]
+    assert len(listings) == 1, listings
+    assert "GET /ckptd-test/plain/runs/stamps/1/sessions/s1/files/" not in log  # no byte read back
