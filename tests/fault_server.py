@@ -166,8 +166,8 @@ class Faults:
 
     @property
     def active(self) -> bool:
-        return any(f is not None for f in (self.random, self.crash_at, self.stall, self.stall_reread, self.stall_indexes,
-                                           self.fail, self.throttle))
+        return any(f is not None for f in (self.random, self.crash_at, self.stall, self.stall_reread,
+                                           self.stall_indexes, self.fail, self.throttle))
 
     def reached(self, point: str) -> None:
         """The process passes the kill point ``point``: die here if the setting says so."""

@@ -42,7 +42,8 @@ class Settings(BaseSettings):
         64 << 20, description="largest accepted rank index (a one-rank index of 1,024 ranks x 500 "
         "tensors, as `ckptd import dcp` sends, is about 26 MB; parsing and checking an index costs up to 20 times "
         "its size in memory); read-plan and load-tree bodies have their own, smaller limit "
-        "(CKPTD_READ_PLAN_MAX_REQUESTS)")
+        "(CKPTD_READ_PLAN_MAX_REQUESTS). An index is stored with its files' records in at most 256 MiB (the "
+        "largest object of rank indexes a commit reads), whatever this says")
     write_batch_bytes: int = Field(8 << 20, description="bytes gathered before each storage write")
     reshard_workers: int = Field(1, description="worker processes for reshard jobs")
     reshard_max_mbps: float = Field(256.0, description="bandwidth cap of one reshard job, MiB/s (0 = none)")

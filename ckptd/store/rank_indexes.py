@@ -29,7 +29,8 @@ returns once an object holding it is stored; the commit takes the indexes kept h
 objects holding the others (:func:`read_batch`); an index sent again after the marker is compared with
 the committed one (:func:`stored_index`). An object that does not parse, is of another incarnation or
 does not hold the ranks its name says is refused at the commit (``InvalidIndex``, naming it), as an
-index edited in the root always was.
+index edited in the root always was; so is one larger than any written here (:data:`MAX_OBJECT_BYTES`),
+without reading more of it than that.
 """
 
 from __future__ import annotations
@@ -50,15 +51,22 @@ from ckptd_schemas.filedigest import xxh3_hex
 from ..storage import Storage
 from .index_cache import Checked, Records
 from .inflight import SharedCalls, ordered_map, requests_in_flight
-from .paths import Paths, RankBatch, rank_batch
+from .paths import Paths, RankBatch, rank_batch, read_small
 
-__all__ = ["BATCH_BYTES", "BatchWriter", "in_window", "kept_key", "ranks_done", "read_batch", "stored",
-           "stored_index"]
+__all__ = ["BATCH_BYTES", "MAX_OBJECT_BYTES", "BatchWriter", "in_window", "kept_key", "ranks_done", "read_batch",
+           "stored", "stored_index"]
 
 log = logging.getLogger("ckptd.store")
 
 BATCH_BYTES = 16 << 20
-"""The most bytes of indexes (their JSON) one object holds; one index larger is stored alone."""
+"""The most bytes of indexes (their JSON, with their files' records) one object holds; one index larger
+is stored alone."""
+MAX_OBJECT_BYTES = 256 << 20
+"""The largest object of rank indexes written or read here: an index alone of up to the service's
+``CKPTD_MAX_INDEX_BYTES`` (64 MiB by default) with its files' records fits. A commit reads at most this
+much of an object (:func:`~.paths.read_small`): one planted larger in the root (or a FIFO, on a local
+root) is refused as it is found, not read whole into the committing replica's memory; an index whose
+object would be larger is refused when it is sent (``InvalidIndex`` naming its rank)."""
 
 
 class _Rank(BaseModel):
@@ -84,13 +92,12 @@ _FILES: TypeAdapter[dict[str, Records]] = TypeAdapter(dict[str, Records])
 
 
 class _Pending:
-    __slots__ = ("rank", "raw", "records", "done")
+    __slots__ = ("rank", "json", "done")
 
     def __init__(self, rank: int, raw: bytes, records: dict[str, Records]) -> None:
-        self.rank, self.raw, self.records, self.done = rank, raw, records, Future()
-
-    def json(self) -> bytes:  # a _Rank's, with the index's JSON as it was made for its charge: not made again
-        return b'{"index":' + self.raw + b',"files":' + _FILES.dump_json(self.records) + b"}"
+        # a _Rank's JSON, with the index's as it was made for its charge: not made again
+        self.rank, self.done = rank, Future()
+        self.json = b'{"index":' + raw + b',"files":' + _FILES.dump_json(records) + b"}"
 
 
 class BatchWriter:
@@ -113,6 +120,9 @@ class BatchWriter:
         an object holding it is stored, or raise why not."""
         group = (run, name, sid, incarnation, rank // RankBatch.WINDOW)
         mine = _Pending(rank, raw, records)
+        if len(mine.json) > MAX_OBJECT_BYTES:
+            raise InvalidIndex(f"rank {rank}: its index with its files' records takes {len(mine.json)} bytes, "
+                               f"more than an object of rank indexes holds ({MAX_OBJECT_BYTES})", rank=rank)
         with self._lock:
             before = self._pending.setdefault(group, {}).get(rank)
             self._pending[group][rank] = mine
@@ -128,16 +138,16 @@ class BatchWriter:
         batches: list[list[_Pending]] = []
         size = BATCH_BYTES
         for rank in sorted(taken):
-            if size + len(taken[rank].raw) > BATCH_BYTES:
+            if size + len(taken[rank].json) > BATCH_BYTES:
                 batches.append([])
                 size = 0
             batches[-1].append(taken[rank])
-            size += len(taken[rank].raw)
+            size += len(taken[rank].json)
 
         def put(batch: list[_Pending]) -> None:
             try:
                 body = b'{"incarnation":' + json.dumps(incarnation).encode() + b',"ranks":[' + \
-                    b",".join(p.json() for p in batch) + b"]}"
+                    b",".join(p.json for p in batch) + b"]}"
                 key = Paths.rank_batch(run, name, sid, RankBatch(
                     window, self._stamp(), secrets.token_hex(4), _tag(incarnation), tuple(p.rank for p in batch)))
                 self.storage.put(key, body)
@@ -235,7 +245,9 @@ def read_batch(storage: Storage, key: str, incarnation: str) -> dict[int, Checke
     """The indexes and files' records in the object at ``key``, by rank; ``InvalidIndex`` naming it where
     it is not what its name says (``StorageError`` where it cannot be read)."""
     b = rank_batch("/".join(key.rsplit("/", 2)[-2:]))
-    raw = storage.read_or_none(key)  # one GET on an object store, where a whole read asks its size first
+    raw, why = read_small(storage, key, MAX_OBJECT_BYTES)  # one GET on an object store; never a huge one whole
+    if why is not None:
+        raise InvalidIndex(f"rank indexes {key}: {why}, not an object of rank indexes written by ckptd")
     if raw is None:
         raise StorageError(f"rank indexes {key}: no longer stored", key=key)
     try:

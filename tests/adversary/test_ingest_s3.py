@@ -317,6 +317,7 @@ def test_a_commit_that_reads_no_byte_lists_the_files_once(plain, moto_s3):
     log = moto_s3.log.read_text()[start:]
     marker = log.index("PUT /ckptd-test/plain/runs/stamps/1/COMMITTED")
     log = log[:marker]  # the commit's requests (the re-read after the marker reads every file)
-    listings = [line for line in log.splitlines() if "list-type=2&prefix=plain/runs/stamps/1/sessions/s1/files/" in line]
+    folder = "list-type=2&prefix=plain/runs/stamps/1/sessions/s1/files/"
+    listings = [line for line in log.splitlines() if folder in line]
     assert len(listings) == 1, listings
     assert "GET /ckptd-test/plain/runs/stamps/1/sessions/s1/files/" not in log  # no byte read back

@@ -203,6 +203,10 @@ class CountingStorage(LocalStorage):
         CountingStorage.index_reads += "/ranks/" in key
         return super().read_or_none(key)
 
+    def local_path(self, key: str):  # a bounded read of an object (``paths.read_small``) opens its path
+        CountingStorage.index_reads += "/ranks/" in key and key.endswith(".json")
+        return super().local_path(key)
+
 
 def _declared(ix: RankIndex) -> list[Declared]:
     ct = ix.chunk_table

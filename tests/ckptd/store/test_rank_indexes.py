@@ -16,6 +16,7 @@ import pytest
 from ckptd.storage import LocalStorage
 from ckptd.store import SessionStore
 from ckptd.store.paths import Paths, RankBatch, rank_batch
+from ckptd.store import rank_indexes
 from ckptd.store.rank_indexes import BatchWriter, kept_key, ranks_done, stored
 from ckptd.store.session_reads import read_meta
 from ckptd.store.visibility import Visibility
@@ -113,8 +114,8 @@ def test_a_write_that_fails_fails_each_index_it_held_and_none_is_listed(tmp_path
     assert Visibility(storage).check("r", "1") is not None
 
 
-@pytest.mark.parametrize("edit", ["garbage", "other incarnation", "another rank"])
-def test_an_object_that_is_not_what_its_name_says_is_refused_at_the_commit(tmp_path, edit):
+@pytest.mark.parametrize("edit", ["garbage", "other incarnation", "another rank", "too large"])
+def test_an_object_that_is_not_what_its_name_says_is_refused_at_the_commit(tmp_path, monkeypatch, edit):
     storage = LocalStorage(tmp_path)
     a, b = SessionStore(storage), SessionStore(storage)
     stage(a, "r", "1", "s", world=2)
@@ -125,14 +126,32 @@ def test_an_object_that_is_not_what_its_name_says_is_refused_at_the_commit(tmp_p
         raw = b"{not json"
     elif edit == "other incarnation":
         raw = json.dumps({**body, "incarnation": "2020-01-01T00:00:00+00:00"}).encode()
-    else:
+    elif edit == "another rank":
         body["ranks"][0]["index"]["rank"] = 1
         raw = json.dumps(body).encode()
+    else:  # larger than any object written: refused having read no more than the bound
+        monkeypatch.setattr(rank_indexes, "MAX_OBJECT_BYTES", 64 << 10)
+        raw = storage.read(key) + b" " * (1 << 20)
     (tmp_path / key).write_bytes(raw)
     with pytest.raises(InvalidIndex) as info:
         b.put_index("r", "1", "s", index(1, 2))  # the commit at b reads rank 0's object
     assert key.rsplit("/", 1)[1] in info.value.message
+    assert ("holds more than 65536 bytes" in info.value.message) == (edit == "too large"), info.value.message
     assert Visibility(storage).check("r", "1") is None
+
+
+def test_an_index_whose_object_would_be_larger_than_any_read_is_refused_and_stores_nothing(tmp_path, monkeypatch):
+    """The bound a commit reads an object by holds for what is written too: an index that, with its
+    files' records, would make a larger object is refused naming its rank, and nothing is stored."""
+    store = SessionStore(LocalStorage(tmp_path))
+    stage(store, "r", "1", "s", world=1)
+    monkeypatch.setattr(rank_indexes, "MAX_OBJECT_BYTES", 256)
+    with pytest.raises(InvalidIndex) as info:
+        store.put_index("r", "1", "s", index(0, 1))
+    assert info.value.details["rank"] == 0 and "more than an object of rank indexes holds (256)" in info.value.message
+    assert ranks_done(store.storage, "r", "1", "s", _incarnation(store, "s")) == []
+    monkeypatch.undo()
+    assert store.put_index("r", "1", "s", index(0, 1)).state == "committed"  # nothing of the refusal kept
 
 
 def test_an_index_sent_again_unchanged_stores_nothing_and_changed_replaces_what_held_it(tmp_path):
