@@ -129,7 +129,7 @@ def test_an_object_that_is_not_what_its_name_says_is_refused_at_the_commit(tmp_p
     elif edit == "another rank":
         body["ranks"][0]["index"]["rank"] = 1
         raw = json.dumps(body).encode()
-    else:  # larger than any object written: refused having read no more than the bound
+    else:  # a valid object, larger than any written: refused for its size (read whole, it would commit)
         monkeypatch.setattr(rank_indexes, "MAX_OBJECT_BYTES", 64 << 10)
         raw = storage.read(key) + b" " * (1 << 20)
     (tmp_path / key).write_bytes(raw)
