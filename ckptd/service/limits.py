@@ -51,13 +51,10 @@ costs the service about 4 KiB of memory while the answer is built, and time: BEN
 behind the code). With at most ``read_plan_max_requests`` regions, a plan's memory is bounded whatever
 its request says."""
 THREADS = 512
-"""Blocking calls (``run_in_threadpool``) the service runs at once; anyio's default is 40. Most of them wait
-for the store, not for a CPU: a rank's index waits for the one write that stores the indexes arriving
-together at this replica (:mod:`ckptd.store.rank_indexes`), which takes in as many as are waiting for it.
-At 40, the 41st index of a save waited for a thread instead, and the next write took only the few that
-got one: 64 ranks on S3 (moto) committed 0.19-0.23 s after their last byte, 0.17 s with 512
-(BENCHMARKS.md, Commit lag). The requests themselves stay bounded by the connection cap and the
-per-token limits above; 512 is the ranks of one window of rank indexes, the most one write holds."""
+"""Blocking calls (``run_in_threadpool``) run at once; anyio's default is 40. Most wait for the store: a rank's
+index waits for the one write that stores every index waiting (:mod:`ckptd.store.rank_indexes`), so at 40
+the 41st waited for a thread, not the store (BENCHMARKS.md, Commit lag). 512: the ranks one such write
+holds at most; the requests stay bounded by the connection cap and the per-token limits above."""
 _ANSWERED = "ckptd_answered"  # scope state key: a middleware has answered the request itself
 
 

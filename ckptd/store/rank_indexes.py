@@ -62,11 +62,10 @@ BATCH_BYTES = 16 << 20
 """The most bytes of indexes (their JSON, with their files' records) one object holds; one index larger
 is stored alone."""
 MAX_OBJECT_BYTES = 256 << 20
-"""The largest object of rank indexes written or read here: an index alone of up to the service's
-``CKPTD_MAX_INDEX_BYTES`` (64 MiB by default) with its files' records fits. A commit reads at most this
-much of an object (:func:`~.paths.read_small`): one planted larger in the root (or a FIFO, on a local
-root) is refused as it is found, not read whole into the committing replica's memory; an index whose
-object would be larger is refused when it is sent (``InvalidIndex`` naming its rank)."""
+"""The largest object of rank indexes written or read here (an index of ``CKPTD_MAX_INDEX_BYTES``, 64 MiB
+by default, with its records fits): a commit reads no more of one (:func:`~.paths.read_small`), so one
+planted larger in the root, or a FIFO, is refused as found, never read whole; an index whose object would
+be larger is refused when sent (``InvalidIndex`` naming its rank)."""
 
 
 class _Rank(BaseModel):

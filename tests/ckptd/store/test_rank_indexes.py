@@ -8,6 +8,7 @@ not what its name says is refused at the commit; an index sent again keeps one o
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -114,7 +115,7 @@ def test_a_write_that_fails_fails_each_index_it_held_and_none_is_listed(tmp_path
     assert Visibility(storage).check("r", "1") is not None
 
 
-@pytest.mark.parametrize("edit", ["garbage", "other incarnation", "another rank", "too large"])
+@pytest.mark.parametrize("edit", ["garbage", "other incarnation", "another rank", "too large", "fifo"])
 def test_an_object_that_is_not_what_its_name_says_is_refused_at_the_commit(tmp_path, monkeypatch, edit):
     storage = LocalStorage(tmp_path)
     a, b = SessionStore(storage), SessionStore(storage)
@@ -129,14 +130,21 @@ def test_an_object_that_is_not_what_its_name_says_is_refused_at_the_commit(tmp_p
     elif edit == "another rank":
         body["ranks"][0]["index"]["rank"] = 1
         raw = json.dumps(body).encode()
-    else:  # a valid object, larger than any written: refused for its size (read whole, it would commit)
+    elif edit == "too large":  # a valid object, larger than any written: refused for its size (read whole,
+        # it would commit)
         monkeypatch.setattr(rank_indexes, "MAX_OBJECT_BYTES", 64 << 10)
         raw = storage.read(key) + b" " * (1 << 20)
-    (tmp_path / key).write_bytes(raw)
+    else:  # never opened for a blocking read, and not a store error to retry: refused
+        raw = None
+        (tmp_path / key).unlink()
+        os.mkfifo(tmp_path / key)
+    if raw is not None:
+        (tmp_path / key).write_bytes(raw)
     with pytest.raises(InvalidIndex) as info:
         b.put_index("r", "1", "s", index(1, 2))  # the commit at b reads rank 0's object
     assert key.rsplit("/", 1)[1] in info.value.message
     assert ("holds more than 65536 bytes" in info.value.message) == (edit == "too large"), info.value.message
+    assert ("is not a regular file" in info.value.message) == (edit == "fifo"), info.value.message
     assert Visibility(storage).check("r", "1") is None
 
 
